@@ -1,0 +1,1 @@
+"""Isolation backends: one module per substrate behind :mod:`dsec.backends.base`."""

@@ -1,0 +1,128 @@
+"""The one small async interface every isolation backend implements.
+
+A backend owns the mechanics of one substrate (processes, mounts, cgroups, QEMU).
+It never owns records, timeouts, metrics or HTTP: the engine does. It keeps what it
+needs to find a sandbox again in ``SandboxRecord.backend_state`` (plain JSON), so a
+restarted daemon can call :meth:`Backend.recover` and either re-adopt or destroy.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from dsec.errors import NotSupported, SandboxError, error_from_payload
+from dsec.models import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageConfig,
+    SandboxRecord,
+    SandboxStats,
+)
+
+__all__ = ["Backend", "ImageRef", "collect_exec"]
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A resolved image: where its root filesystem is and the defaults it gives sandboxes."""
+
+    name: str
+    rootfs: Path
+    """Read-only root directory (ownership already shifted by ``uid_shift``)."""
+    uid_shift: int = 0
+    """Host uid of the image's uid 0."""
+    config: ImageConfig = field(default_factory=ImageConfig)
+
+
+class Backend(abc.ABC):
+    """One isolation substrate. All methods are safe to call concurrently for different sandboxes."""
+
+    name: ClassVar[str]
+
+    async def start(self) -> None:
+        """Prepare host-side machinery (helpers, pools). Called once by the engine."""
+
+    async def aclose(self) -> None:
+        """Stop host-side machinery. Live sandboxes are left running for a later ``recover``."""
+
+    def available(self) -> str:
+        """``"ok"`` or a sentence saying why this backend cannot run here and what to install."""
+        return "ok"
+
+    @abc.abstractmethod
+    async def create(self, record: SandboxRecord, image: ImageRef) -> None:
+        """Create and start the sandbox; fill ``record.backend_state``. Clean up fully on failure."""
+
+    @abc.abstractmethod
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Run a command; yield output chunks and finally one ``exit`` event. Closing the iterator kills it."""
+
+    async def exec(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
+        """Run a command to completion."""
+        return await collect_exec(self.exec_stream(record, request))
+
+    @abc.abstractmethod
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+        """Read a regular file, resolved inside the sandbox root."""
+
+    @abc.abstractmethod
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+        """Create or replace a file (parents created), owned by the sandbox's root user."""
+
+    @abc.abstractmethod
+    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+        """List a directory, resolved inside the sandbox root."""
+
+    @abc.abstractmethod
+    async def destroy(self, record: SandboxRecord) -> None:
+        """Kill everything and release every host resource. Idempotent; works on half-created sandboxes."""
+
+    @abc.abstractmethod
+    async def recover(self, record: SandboxRecord) -> bool:
+        """After a daemon restart: True if the sandbox is alive and re-adopted, False if it is gone."""
+
+    async def stats(self, record: SandboxRecord) -> SandboxStats:
+        """Resource usage now."""
+        return SandboxStats()
+
+    async def pause(self, record: SandboxRecord) -> None:
+        """Freeze every process of the sandbox."""
+        raise NotSupported(f"backend {self.name!r} cannot pause sandboxes")
+
+    async def resume(self, record: SandboxRecord) -> None:
+        """Thaw a paused sandbox."""
+        raise NotSupported(f"backend {self.name!r} cannot resume sandboxes")
+
+    async def snapshot(self, record: SandboxRecord) -> str:
+        """Save the sandbox's state; returns a snapshot id usable in ``SandboxSpec.snapshot``."""
+        raise NotSupported(f"backend {self.name!r} cannot snapshot sandboxes yet")
+
+    async def cleanup_orphans(self, known: set[str]) -> list[str]:
+        """Remove host resources of sandboxes not in ``known`` (crash leftovers); returns their ids."""
+        return []
+
+
+async def collect_exec(events: AsyncIterator[ExecEvent]) -> ExecResult:
+    """Drain an exec stream into one result."""
+    start = time.monotonic()
+    result: ExecResult | None = None
+    try:
+        async for event in events:
+            if event.type == "exit":
+                result = event.result
+            elif event.type == "error" and event.error is not None:
+                raise error_from_payload({"error": event.error})
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if result is None:
+        raise SandboxError(f"exec stream ended without an exit event after {time.monotonic() - start:.1f}s")
+    return result

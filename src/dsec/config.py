@@ -1,0 +1,72 @@
+"""Where DSec keeps things on a node, read from the environment once.
+
+| variable | default | what |
+| --- | --- | --- |
+| ``DSEC_HOME`` | ``/var/lib/dsec`` | state: sandbox records, writable layers, sockets, logs |
+| ``DSEC_IMAGES`` | ``$DSEC_HOME/images`` | the image store (may be shared by several daemons) |
+| ``DSEC_URL`` | ``unix://$DSEC_HOME/run/dsec.sock`` | where clients find the daemon |
+| ``DSEC_TOKEN`` | none | bearer token for the TCP API |
+| ``DSEC_NODE`` | host name | node name reported in sandbox info |
+| ``DSEC_UID_SHIFT`` | ``100000`` | host uid that container uid 0 maps to |
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Node-local paths and identity."""
+
+    home: Path = field(default_factory=lambda: Path(os.environ.get("DSEC_HOME", "/var/lib/dsec")))
+    images_dir: Path | None = None
+    node: str = field(default_factory=lambda: os.environ.get("DSEC_NODE") or socket.gethostname())
+    uid_shift: int = field(default_factory=lambda: int(os.environ.get("DSEC_UID_SHIFT", "100000")))
+    uid_count: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.images_dir is None:
+            env = os.environ.get("DSEC_IMAGES")
+            object.__setattr__(self, "images_dir", Path(env) if env else self.home / "images")
+
+    @property
+    def images(self) -> Path:
+        """The image store directory."""
+        assert self.images_dir is not None
+        return self.images_dir
+
+    @property
+    def run_dir(self) -> Path:
+        """Sockets and the pid file."""
+        return self.home / "run"
+
+    @property
+    def socket_path(self) -> Path:
+        """The daemon's unix socket."""
+        return self.run_dir / "dsec.sock"
+
+    @property
+    def pid_file(self) -> Path:
+        """Pid of a daemon started by ``dsec up``."""
+        return self.run_dir / "dsec.pid"
+
+    @property
+    def log_file(self) -> Path:
+        """Log of a daemon started by ``dsec up``."""
+        return self.home / "log" / "dsec.log"
+
+    @property
+    def state_dir(self) -> Path:
+        """One JSON record per sandbox."""
+        return self.home / "sandboxes"
+
+    @property
+    def default_url(self) -> str:
+        """URL clients use when ``DSEC_URL`` is unset."""
+        return os.environ.get("DSEC_URL") or f"unix://{self.socket_path}"

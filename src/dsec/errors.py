@@ -1,0 +1,155 @@
+"""The DSec error tree, shared by the SDK, the node daemon and the gateway.
+
+Every error a caller can see is a :class:`DSecError`. Errors cross HTTP as
+``{"error": {"type": <class name>, "message": ..., "detail": {...}}}`` with the
+class's ``status_code``; the client re-raises the class of the same name (only
+classes defined here, never an arbitrary import path).
+
+    DSecError
+    ├── InvalidRequest (ValueError)        400  malformed body, bad path, bad limit
+    ├── Unauthorized (PermissionError)      401  missing or wrong token on TCP
+    ├── NotFound (LookupError)              404
+    │   ├── SandboxNotFound
+    │   └── ImageNotFound
+    ├── SandboxStateError                   409  e.g. exec on a paused sandbox
+    ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
+    ├── QuotaExceeded                       429
+    ├── ReplayDivergence                    409  trajectory replay saw a different call
+    ├── BackendUnavailable                  503  backend not usable on this host
+    ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
+    ├── SandboxError                        500  the sandbox failed (init died, mount failed...)
+    └── ConnectionFailed (ConnectionError)       client could not reach the daemon
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BackendUnavailable",
+    "ConnectionFailed",
+    "DSecError",
+    "ImageNotFound",
+    "InvalidRequest",
+    "NotFound",
+    "NotSupported",
+    "QuotaExceeded",
+    "ReplayDivergence",
+    "SandboxError",
+    "SandboxNotFound",
+    "SandboxStateError",
+    "SandboxTimeout",
+    "Unauthorized",
+    "error_from_payload",
+]
+
+
+class DSecError(Exception):
+    """Root of every error DSec raises on purpose."""
+
+    status_code: ClassVar[int] = 500
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail: dict[str, Any] = detail
+
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON body that carries this error over HTTP."""
+        return {"error": {"type": type(self).__name__, "message": self.message, "detail": self.detail}}
+
+
+class InvalidRequest(DSecError, ValueError):
+    """The request was malformed or named something impossible (a path escaping the root, a bad size)."""
+
+    status_code = 400
+
+
+class Unauthorized(DSecError, PermissionError):
+    """The TCP API was called without the right token."""
+
+    status_code = 401
+
+
+class NotFound(DSecError, LookupError):
+    """Something named in the request does not exist."""
+
+    status_code = 404
+
+
+class SandboxNotFound(NotFound):
+    """No sandbox with this id on this daemon."""
+
+
+class ImageNotFound(NotFound):
+    """No image with this name in the image store."""
+
+
+class SandboxStateError(DSecError):
+    """The sandbox is not in a state that allows the operation (paused, stopped...)."""
+
+    status_code = 409
+
+
+class SandboxTimeout(DSecError, TimeoutError):
+    """The sandbox passed its wall-clock ``timeout`` and was destroyed."""
+
+    status_code = 408
+
+
+class QuotaExceeded(DSecError):
+    """A per-job or per-node limit refused the request."""
+
+    status_code = 429
+
+
+class ReplayDivergence(DSecError):
+    """A call replayed against a trajectory log differs from the logged one."""
+
+    status_code = 409
+
+
+class BackendUnavailable(DSecError):
+    """The backend cannot run on this host (missing tool, no KVM...)."""
+
+    status_code = 503
+
+
+class NotSupported(DSecError, NotImplementedError):
+    """This backend does not offer the operation."""
+
+    status_code = 501
+
+
+class SandboxError(DSecError):
+    """The sandbox itself failed: its init died, a mount or cgroup operation failed."""
+
+    status_code = 500
+
+
+class ConnectionFailed(DSecError, ConnectionError):
+    """The client could not reach the daemon (not running, wrong URL, died mid-call)."""
+
+    status_code = 502
+
+
+def _registry() -> dict[str, type[DSecError]]:
+    found: dict[str, type[DSecError]] = {}
+    stack: list[type[DSecError]] = [DSecError]
+    while stack:
+        cls = stack.pop()
+        found[cls.__name__] = cls
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+def error_from_payload(payload: Any, status_code: int = 500) -> DSecError:
+    """Rebuild the error a server sent; unknown or malformed payloads become a plain DSecError."""
+    body = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(body, dict):
+        return DSecError(f"HTTP {status_code}: {str(payload)[:500]}")
+    cls = _registry().get(str(body.get("type")), DSecError)
+    detail = body.get("detail") if isinstance(body.get("detail"), dict) else {}
+    err = cls(str(body.get("message", "")))
+    err.detail = detail
+    return err

@@ -1,0 +1,323 @@
+"""Request and response models shared by the SDK, the node daemon and the gateway.
+
+One definition per message: the HTTP API, the OpenAPI document and the SDK all come
+from these classes. Binary fields (``stdout``, ``stdin``...) travel as base64 in JSON.
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+__all__ = [
+    "BackendName",
+    "BatchCreateRequest",
+    "ExecEvent",
+    "ExecRequest",
+    "ExecResult",
+    "FileEntry",
+    "ImageConfig",
+    "ImageInfo",
+    "LimitHit",
+    "NodeInfo",
+    "SandboxInfo",
+    "SandboxRecord",
+    "SandboxSpec",
+    "SandboxState",
+    "SandboxStats",
+    "parse_size",
+]
+
+BackendName = Literal["function", "container", "microvm", "vm"]
+SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed"]
+LimitHit = Literal["time", "memory", "output", "pids"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Parse ``"1Gi"``, ``"512MiB"``, ``"4G"`` or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"not a size: {value!r} (use bytes or a string such as '512Mi', '1Gi', '4G')")
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class Model(BaseModel):
+    """Base of every wire model: unknown fields are an error, bytes are base64 in JSON."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        ser_json_bytes="base64",
+        val_json_bytes="base64",
+        populate_by_name=True,
+    )
+
+
+class SandboxSpec(Model):
+    """What to create: the arguments of ``Sandbox.create``."""
+
+    image: str | None = None
+    """Image name in the node's image store (required unless ``snapshot`` is given)."""
+    backend: BackendName = "container"
+    """Isolation substrate."""
+    cpu: float = Field(1.0, gt=0, le=512)
+    """CPU cores (a CFS quota; fractions allowed)."""
+    memory: Size = 1024**3
+    """Memory limit in bytes; accepts strings such as ``"1Gi"``."""
+    disk: Size = 4 * 1024**3
+    """Writable-layer size in bytes; accepts strings such as ``"4Gi"``."""
+    pids: int = Field(1024, ge=8, le=1_000_000)
+    """Maximum number of processes and threads alive at once."""
+    timeout: float = Field(3600.0, gt=0, le=30 * 86400)
+    """Wall-clock lifetime in seconds; the sandbox is destroyed after it."""
+    network: Literal["none", "allow"] | list[str] = "none"
+    """``"none"`` (default), ``"allow"``, or an allowlist of ``CIDR[:port]`` / domain entries."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment for every exec (merged over the image's)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Free-form labels for ``Sandbox.list(labels=...)``."""
+    workdir: str = "/workspace"
+    """Default working directory of execs; created if missing."""
+    trajectory: str | None = None
+    """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
+    snapshot: str | None = None
+    """Snapshot to restore from instead of a fresh image."""
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or "\0" in v:
+            raise ValueError(f"workdir must be an absolute path, got {v!r}")
+        return v
+
+    @field_validator("env", "labels")
+    @classmethod
+    def _no_nul(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not key or "\0" in key or "=" in key or "\0" in val:
+                raise ValueError(f"invalid entry {key!r}: keys must be non-empty without '=' or NUL")
+        return v
+
+
+class BatchCreateRequest(Model):
+    """Create ``count`` sandboxes from one spec."""
+
+    count: int = Field(ge=1, le=10_000)
+    """How many sandboxes."""
+    spec: SandboxSpec
+    """The spec every sandbox is created from."""
+
+
+class ExecRequest(Model):
+    """One command to run in a sandbox."""
+
+    command: str | list[str]
+    """A shell string (run by ``/bin/sh -c``) or an argv list (run directly)."""
+    timeout: float | None = Field(60.0, gt=0)
+    """Seconds before the command's process group is killed (``None``: no limit)."""
+    cwd: str | None = None
+    """Working directory (default: the sandbox's ``workdir``)."""
+    env: dict[str, str] | None = None
+    """Extra environment, merged over the sandbox's."""
+    stdin: bytes | None = None
+    """Bytes fed to the command's standard input (closed afterwards)."""
+    max_output: int = Field(16 * 1024 * 1024, ge=0)
+    """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
+
+    @field_validator("command")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+            raise ValueError("command must not be empty")
+        if any("\0" in part for part in ([v] if isinstance(v, str) else v)):
+            raise ValueError("command must not contain NUL bytes")
+        return v
+
+    def argv(self) -> list[str]:
+        """The argv actually executed."""
+        return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
+
+
+class ExecResult(Model):
+    """How a command ended and what it printed."""
+
+    exit_code: int
+    """Exit status; ``128 + N`` when killed by signal N (as a shell reports it)."""
+    stdout: bytes = b""
+    """Captured standard output (at most ``max_output`` bytes)."""
+    stderr: bytes = b""
+    """Captured standard error (at most ``max_output`` bytes)."""
+    duration_s: float = 0.0
+    """Wall-clock seconds from start to exit."""
+    truncated: bool = False
+    """True when output was cut at ``max_output``."""
+    signal: int | None = None
+    """Signal that killed the command, if any."""
+    limit: LimitHit | None = None
+    """Which limit ended the command: ``time``, ``memory``, ``output`` or ``pids``."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0."""
+        return self.exit_code == 0
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the command was killed at its timeout."""
+        return self.limit == "time"
+
+
+class ExecEvent(Model):
+    """One item of a streamed exec: output chunks, then exactly one ``exit`` (or ``error``)."""
+
+    type: Literal["stdout", "stderr", "exit", "error"]
+    """Kind of event."""
+    data: bytes | None = None
+    """Output chunk for ``stdout``/``stderr``."""
+    result: ExecResult | None = None
+    """Final result for ``exit`` (its stdout/stderr hold the capped capture)."""
+    error: dict[str, Any] | None = None
+    """Error payload (as in HTTP errors) for ``error``."""
+
+
+class FileEntry(Model):
+    """One entry of a directory listing."""
+
+    name: str
+    """Base name."""
+    path: str
+    """Absolute path inside the sandbox."""
+    type: Literal["file", "dir", "symlink", "other"]
+    """Kind of entry (symlinks are not followed)."""
+    size: int
+    """Size in bytes."""
+    mode: int
+    """Permission bits."""
+    mtime: float
+    """Modification time (Unix seconds)."""
+
+
+class SandboxStats(Model):
+    """Resource usage of a live sandbox."""
+
+    memory_bytes: int = 0
+    """Memory charged to the sandbox now."""
+    memory_peak_bytes: int = 0
+    """Highest memory charge seen."""
+    cpu_seconds: float = 0.0
+    """CPU time consumed."""
+    pids: int = 0
+    """Processes and threads alive."""
+    oom_kills: int = 0
+    """Processes killed for exceeding the memory limit."""
+    disk_bytes: int = 0
+    """Bytes in the sandbox's writable layer."""
+
+
+class SandboxInfo(Model):
+    """What a client sees of a sandbox."""
+
+    id: str
+    """Sandbox id."""
+    backend: BackendName
+    """Isolation substrate."""
+    image: str | None
+    """Image it was created from."""
+    state: SandboxState
+    """Lifecycle state."""
+    created_at: float
+    """Creation time (Unix seconds)."""
+    expires_at: float
+    """When the wall-clock timeout destroys it (Unix seconds)."""
+    labels: dict[str, str]
+    """Labels given at creation."""
+    spec: SandboxSpec
+    """The full creation spec."""
+    node: str
+    """Name of the node that owns it."""
+    reason: str | None = None
+    """Why it is ``failed``/``expired``/``stopped``."""
+
+
+class SandboxRecord(Model):
+    """The daemon's durable record of a sandbox (never sent to clients as is)."""
+
+    id: str
+    spec: SandboxSpec
+    state: SandboxState
+    created_at: float
+    expires_at: float
+    reason: str | None = None
+    backend_state: dict[str, Any] = Field(default_factory=dict)
+    """Whatever the backend needs to find, re-adopt or clean up the sandbox (pids, paths, cgroups)."""
+
+
+class ImageConfig(Model):
+    """Defaults an image gives its sandboxes."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment (``PATH`` etc.)."""
+    workdir: str | None = None
+    """Working directory."""
+    user: str | None = None
+    """User to run as (``uid[:gid]``)."""
+    entrypoint: list[str] | None = None
+    """OCI entrypoint (kept for reference)."""
+    cmd: list[str] | None = None
+    """OCI cmd (kept for reference)."""
+
+
+class ImageInfo(Model):
+    """An image in the node's store."""
+
+    name: str
+    """Name used by ``Sandbox.create(image=...)``."""
+    created_at: float
+    """Import time (Unix seconds)."""
+    size_bytes: int
+    """Bytes of file data."""
+    files: int
+    """Number of filesystem entries."""
+    source: str
+    """Where it came from (``dir:/path``, ``mmdebstrap:...``)."""
+    uid_shift: int
+    """Host uid that the image's uid 0 is stored as (user-namespace shift)."""
+    config: ImageConfig = Field(default_factory=ImageConfig)
+    """Sandbox defaults."""
+
+
+class NodeInfo(Model):
+    """Health and identity of a node daemon."""
+
+    node: str
+    """Node name."""
+    version: str
+    """DSec version."""
+    backends: dict[str, str]
+    """Backend name -> ``"ok"`` or why it is unavailable."""
+    sandboxes: int
+    """Live sandboxes."""
