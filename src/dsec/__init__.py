@@ -1,0 +1,56 @@
+"""DSec: isolated, stateful sandboxes for training and evaluating AI agents.
+
+This module is the public API and nothing else; everything it names is listed in ``__all__``
+(a test keeps the two in step). Implementation lives in private modules (``dsec._sdk``) and in the
+daemon packages, which users never need to import.
+"""
+
+from dsec._sdk.client import Client
+from dsec._sdk.sandbox import AsyncSandbox
+from dsec._sdk.sync import Sandbox
+from dsec.errors import (
+    BackendUnavailable,
+    ConnectionFailed,
+    DSecError,
+    ImageNotFound,
+    InvalidRequest,
+    NotFound,
+    NotSupported,
+    QuotaExceeded,
+    ReplayDivergence,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStateError,
+    SandboxTimeout,
+    Unauthorized,
+)
+from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxSpec, SandboxStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncSandbox",
+    "BackendUnavailable",
+    "Client",
+    "ConnectionFailed",
+    "DSecError",
+    "ExecEvent",
+    "ExecResult",
+    "FileEntry",
+    "ImageNotFound",
+    "InvalidRequest",
+    "NotFound",
+    "NotSupported",
+    "QuotaExceeded",
+    "ReplayDivergence",
+    "Sandbox",
+    "SandboxError",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxSpec",
+    "SandboxStateError",
+    "SandboxStats",
+    "SandboxTimeout",
+    "Unauthorized",
+    "__version__",
+]

@@ -1,0 +1,149 @@
+"""``dsec.Client``: which daemon to talk to, with which token, over which connections.
+
+The client owns connection settings and one httpx connection pool per event loop (pools cannot cross
+loops, and the blocking API runs on the portal's loop while async callers run on theirs). It must never
+know about sandboxes beyond sending requests for them; AsyncSandbox builds every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from dsec.config import Settings
+from dsec.models import NodeInfo
+
+from .portal import portal
+from .transport import Transport
+
+__all__ = ["Client", "default_client"]
+
+
+class Client:
+    """Connection to one DSec daemon.
+
+    ``url`` is ``unix:///path.sock`` or ``http(s)://host:port`` (default: ``$DSEC_URL``, else the local
+    daemon's socket); ``token`` is the bearer token for TCP (default: ``$DSEC_TOKEN``). Usable as
+    ``async with`` (closes with :meth:`aclose`) and as ``with`` (closes with :meth:`close`).
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        self.url: str = url or os.environ.get("DSEC_URL") or Settings().default_url
+        self.token: str | None = token if token is not None else (os.environ.get("DSEC_TOKEN") or None)
+        self._transport = Transport(self.url, self.token)
+        self._lock = threading.Lock()
+        # id(loop) -> (loop, client); keeping the loop lets us notice it closed and drop its pool.
+        self._pools: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+
+    def __repr__(self) -> str:
+        return f"Client(url={self.url!r})"
+
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for key, (other, _) in list(self._pools.items()):
+                if other.is_closed():
+                    del self._pools[key]
+            entry = self._pools.get(id(loop))
+            if entry is None or entry[0] is not loop:
+                entry = (loop, self._transport.build())
+                self._pools[id(loop)] = entry
+            return entry[1]
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        params: Any = None,
+    ) -> httpx.Response:
+        return await self._transport.request(
+            self._http(), method, path, json_body=json, content=content, params=params
+        )
+
+    def _stream(
+        self, method: str, path: str, *, json: Any = None
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        return self._transport.stream(self._http(), method, path, json_body=json)
+
+    async def health(self) -> NodeInfo:
+        """The daemon's identity, version and which backends work on its host."""
+        response = await self._request("GET", "/v1/health")
+        return NodeInfo.model_validate(response.json())
+
+    async def aclose(self) -> None:
+        """Close this loop's connections (and forget pools of loops that have closed)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            mine = self._pools.pop(id(loop), None)
+            for key, (other, _) in list(self._pools.items()):
+                if other.is_closed():
+                    del self._pools[key]
+        if mine is not None:
+            await mine[1].aclose()
+
+    def close(self) -> None:
+        """Close the connections the blocking API opened (they live on the portal's loop)."""
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for loop, http in pools:
+            if loop is portal.current_loop:
+                portal.run(http.aclose())
+            elif not loop.is_closed() and not loop.is_running():
+                loop.run_until_complete(http.aclose())
+            # A pool on a loop running in another thread is that thread's to close (aclose there).
+
+    def _close_soon(self) -> None:
+        """Schedule closing every pool without blocking (safe from any thread, even a loop thread)."""
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for loop, http in pools:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_spawn_close, loop, http)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _spawn_close(loop: asyncio.AbstractEventLoop, http: httpx.AsyncClient) -> None:
+    loop.create_task(http.aclose())
+
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The client used when none is passed; rebuilt when ``DSEC_URL``/``DSEC_TOKEN`` change."""
+    global _default
+    url = os.environ.get("DSEC_URL") or Settings().default_url
+    token = os.environ.get("DSEC_TOKEN") or None
+    with _default_lock:
+        if _default is None or _default.url != url or _default.token != token:
+            if _default is not None:
+                _default._close_soon()
+            _default = Client(url, token)
+        return _default

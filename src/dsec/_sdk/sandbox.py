@@ -1,0 +1,373 @@
+"""``dsec.AsyncSandbox``: the single source of truth of the SDK.
+
+Every sandbox operation is written here once, as a coroutine (or an async generator for streams); the
+blocking ``dsec.Sandbox`` is generated from this class by ``_sdk/sync.py``. Requests are validated locally
+with the shared wire models, so a bad argument raises :class:`dsec.InvalidRequest` before any HTTP call.
+This module must never block the event loop, hold a connection of its own, or retry a call (a retried exec
+could run a command twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pydantic
+
+from dsec.errors import (
+    ConnectionFailed,
+    DSecError,
+    InvalidRequest,
+    NotSupported,
+    SandboxNotFound,
+    error_from_payload,
+)
+from dsec.models import (
+    BatchCreateRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStats,
+)
+
+from .client import Client, default_client
+
+__all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
+
+_DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+
+
+def _invalid(exc: pydantic.ValidationError, what: str) -> InvalidRequest:
+    """Name the offending field(s) the way the server would, so local and remote errors read alike."""
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or what}: {err['msg']}" for err in exc.errors()
+    )
+    return InvalidRequest(f"invalid {what}: {problems}", errors=[
+        {"loc": [str(p) for p in err["loc"]], "msg": err["msg"]} for err in exc.errors()
+    ])
+
+
+def _spec(**fields: Any) -> SandboxSpec:
+    try:
+        return SandboxSpec(**fields)
+    except pydantic.ValidationError as exc:
+        raise _invalid(exc, "sandbox spec") from None
+
+
+class AsyncFiles:
+    """Files of one sandbox: raw bytes in and out, paths resolved inside the sandbox by the daemon."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    def _path(self) -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/files"
+
+    async def write(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        """Create or replace ``path`` (parents created); ``str`` data is written as UTF-8."""
+        body = data.encode() if isinstance(data, str) else bytes(data)
+        params: dict[str, Any] = {"path": path}
+        if mode is not None:
+            params["mode"] = format(mode, "o")  # the API takes octal text, like chmod
+        await self._sandbox._client._request("PUT", self._path(), params=params, content=body)
+
+    async def read(self, path: str) -> bytes:
+        """The whole content of the regular file ``path``."""
+        response = await self._sandbox._client._request("GET", self._path(), params={"path": path})
+        return response.content
+
+    async def list(self, path: str | None = None) -> builtins.list[FileEntry]:
+        """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
+        where = path if path is not None else self._sandbox._info.spec.workdir
+        response = await self._sandbox._client._request(
+            "GET", self._path() + "/list", params={"path": where}
+        )
+        return [FileEntry.model_validate(item) for item in response.json()]
+
+    async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
+        """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
+        source = Path(local)
+        if source.is_dir():
+            for root, _dirs, names in os.walk(source):
+                for name in sorted(names):
+                    item = Path(root) / name
+                    rel = item.relative_to(source).as_posix()
+                    await self._upload_file(item, f"{remote.rstrip('/')}/{rel}")
+        elif source.is_file():
+            await self._upload_file(source, remote)
+        else:
+            raise InvalidRequest(f"nothing to upload at {str(source)!r} (not a file or directory)")
+
+    async def _upload_file(self, local: Path, remote: str) -> None:
+        data, mode = await asyncio.to_thread(lambda: (local.read_bytes(), local.stat().st_mode & 0o7777))
+        await self.write(remote, data, mode=mode)
+
+    async def download(self, remote: str, local: str | os.PathLike[str]) -> None:
+        """Copy a sandbox file, or a directory tree, to ``local`` (parents created)."""
+        target = Path(local)
+        entries = await self._entries_if_dir(remote)
+        if entries is None:
+            data = await self.read(remote)
+            await asyncio.to_thread(_write_local, target, data)
+            return
+        await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
+        for entry in entries:
+            if entry.type in ("file", "dir"):
+                await self.download(entry.path, target / entry.name)
+
+    async def _entries_if_dir(self, remote: str) -> builtins.list[FileEntry] | None:
+        # Ask the parent what ``remote`` is: error codes for "is a directory" differ between backends.
+        parent, _, name = remote.rstrip("/").rpartition("/")
+        if not name:
+            return await self.list("/")
+        kinds = {entry.name: entry.type for entry in await self.list(parent or "/")}
+        return await self.list(remote) if kinds.get(name) == "dir" else None
+
+
+def _write_local(target: Path, data: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+
+
+class AsyncSandbox:
+    """One isolated sandbox on a DSec node, driven with ``await``.
+
+    Make one with :meth:`create`, :meth:`create_many` or :meth:`connect`; ``async with`` closes (destroys)
+    it on exit. ``files`` reads and writes its files.
+    """
+
+    def __init__(self, info: SandboxInfo, client: Client) -> None:
+        self._info = info
+        self._client = client
+        self.files = AsyncFiles(self)
+        """The sandbox's files."""
+
+    def __repr__(self) -> str:
+        info = self._info
+        return f"{type(self).__name__}(id={info.id!r}, backend={info.backend!r}, image={info.image!r})"
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self._info.id
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        image: str | None = None,
+        backend: str = "container",
+        cpu: float = 1.0,
+        memory: int | str = "1Gi",
+        disk: int | str = "4Gi",
+        timeout: float = 3600,
+        network: str | Sequence[str] = "none",
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        workdir: str = "/workspace",
+        trajectory: str | None = None,
+        snapshot: str | None = None,
+        pids: int = 1024,
+        client: Client | None = None,
+    ) -> AsyncSandbox:
+        """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`."""
+        spec = _spec(
+            image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
+            network=network if isinstance(network, str) else list(network), env=dict(env or {}),
+            labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
+        )
+        client = client or default_client()
+        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"))
+        return cls(SandboxInfo.model_validate(response.json()), client)
+
+    @classmethod
+    async def create_many(
+        cls,
+        n: int,
+        image: str | None = None,
+        backend: str = "container",
+        cpu: float = 1.0,
+        memory: int | str = "1Gi",
+        disk: int | str = "4Gi",
+        timeout: float = 3600,
+        network: str | Sequence[str] = "none",
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        workdir: str = "/workspace",
+        trajectory: str | None = None,
+        snapshot: str | None = None,
+        pids: int = 1024,
+        client: Client | None = None,
+    ) -> builtins.list[AsyncSandbox]:
+        """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
+        spec = _spec(
+            image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
+            network=network if isinstance(network, str) else list(network), env=dict(env or {}),
+            labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
+        )
+        try:
+            batch = BatchCreateRequest(count=n, spec=spec)
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "batch request") from None
+        client = client or default_client()
+        response = await client._request("POST", "/v1/sandboxes/batch", json=batch.model_dump(mode="json"))
+        return [cls(SandboxInfo.model_validate(item), client) for item in response.json()]
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, client: Client | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox by id (raises SandboxNotFound)."""
+        client = client or default_client()
+        response = await client._request("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
+        return cls(SandboxInfo.model_validate(response.json()), client)
+
+    @classmethod
+    async def list(
+        cls,
+        labels: Mapping[str, str] | None = None,
+        backend: str | None = None,
+        client: Client | None = None,
+    ) -> builtins.list[AsyncSandbox]:
+        """Live sandboxes on the daemon, filtered by every given label and by backend."""
+        client = client or default_client()
+        return [cls(info, client) for info in await list_infos(labels, backend, client)]
+
+    async def info(self) -> SandboxInfo:
+        """Fresh state of the sandbox (state, expiry, spec, node)."""
+        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}")
+        self._info = SandboxInfo.model_validate(response.json())
+        return self._info
+
+    async def stats(self) -> SandboxStats:
+        """Resource usage now (memory, cpu, pids, disk)."""
+        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/stats")
+        return SandboxStats.model_validate(response.json())
+
+    async def pause(self) -> SandboxInfo:
+        """Freeze every process of the sandbox (execs are refused until resume)."""
+        return await self._transition("pause")
+
+    async def resume(self) -> SandboxInfo:
+        """Thaw a paused sandbox."""
+        return await self._transition("resume")
+
+    async def _transition(self, action: str) -> SandboxInfo:
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}")
+        self._info = SandboxInfo.model_validate(response.json())
+        return self._info
+
+    async def snapshot(self) -> str:
+        """Save the sandbox's state; the id restores it with ``create(snapshot=...)``."""
+        try:
+            response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot")
+        except DSecError as exc:
+            if type(exc) is DSecError:
+                # A daemon without the route answers a bare 404/405, not a DSec error payload.
+                raise NotSupported("this daemon cannot snapshot sandboxes yet") from exc
+            raise
+        body = response.json()
+        return str(body["snapshot"] if isinstance(body, dict) else body)
+
+    async def close(self) -> None:
+        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
+        with contextlib.suppress(SandboxNotFound):
+            await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
+
+    async def aclose(self) -> None:
+        """Same as :meth:`close`; lets ``contextlib.aclosing(sandbox)`` work."""
+        await self.close()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # ----- commands --------------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        timeout: float | None = 60,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | bytes | None = None,
+        max_output: int = _DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list."""
+        result: ExecResult | None = None
+        stream = self.exec_stream(
+            command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output
+        )
+        try:
+            async for event in stream:
+                if event.type == "exit":
+                    result = event.result
+        finally:
+            await stream.aclose()
+        if result is None:
+            raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
+        return result
+
+    async def exec_stream(
+        self,
+        command: str | Sequence[str],
+        timeout: float | None = 60,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | bytes | None = None,
+        max_output: int = _DEFAULT_MAX_OUTPUT,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """Run a command and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit`` event.
+
+        Leaving the loop early closes the stream, and the daemon kills the command.
+        """
+        try:
+            request = ExecRequest(
+                command=command if isinstance(command, str) else builtins.list(command),
+                timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
+                stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
+            )
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "exec request") from None
+        path = f"/v1/sandboxes/{self.id}/exec"
+        async with self._client._stream("POST", path, json=request.model_dump(mode="json")) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = ExecEvent.model_validate_json(line)
+                if event.type == "error":
+                    raise error_from_payload({"error": event.error or {}}, 500)
+                yield event
+                if event.type == "exit":
+                    return
+        raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
+
+
+async def list_infos(
+    labels: Mapping[str, str] | None = None, backend: str | None = None, client: Client | None = None
+) -> list[SandboxInfo]:
+    """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``)."""
+    params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if backend is not None:
+        params.append(("backend", backend))
+    response = await (client or default_client())._request("GET", "/v1/sandboxes", params=params)
+    return [SandboxInfo.model_validate(item) for item in response.json()]
+
+
+def _segment(sandbox_id: str) -> str:
+    # An id is one URL path segment; refuse anything that would route elsewhere on the daemon.
+    if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
+        raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}")
+    return sandbox_id

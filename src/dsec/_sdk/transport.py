@@ -1,0 +1,131 @@
+"""How the SDK talks HTTP to a DSec daemon: URL parsing, httpx client construction, error mapping.
+
+This module owns the wire details (unix socket vs TCP, bearer token, timeouts) and the translation of
+every failure into a :class:`dsec.DSecError`: a non-2xx answer becomes the error class the server named,
+and any transport failure becomes :class:`dsec.ConnectionFailed`. It must never know about sandboxes or
+retry anything on its own: a retried ``exec`` could run a command twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from dsec.errors import ConnectionFailed, DSecError, InvalidRequest, error_from_payload
+
+__all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "parse_url"]
+
+# Creating sandboxes in bulk or moving large files can take minutes on a loaded node; a read that
+# stalls longer than this means the daemon is wedged, not busy.
+CONTROL_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=60.0)
+# Exec output may be silent for as long as the command runs; the server enforces the exec timeout and
+# closes the stream, so the client must not race it with a read timeout of its own.
+STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=300.0, pool=60.0)
+
+_UNIX_BASE = "http://dsec"
+_HINT = "is the daemon running? start it with `dsec up`"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed daemon URL: the httpx base URL and, for unix sockets, the socket path."""
+
+    url: str
+    base_url: str
+    uds: str | None
+
+
+def parse_url(url: str) -> Endpoint:
+    """Accept ``unix:///abs/path.sock`` or ``http(s)://host:port``; anything else is InvalidRequest."""
+    if url.startswith("unix://"):
+        path = url[len("unix://") :]
+        if not path.startswith("/"):
+            raise InvalidRequest(f"a unix socket URL needs an absolute path (unix:///x.sock), got {url!r}")
+        return Endpoint(url=url, base_url=_UNIX_BASE, uds=path)
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return Endpoint(url=url, base_url=url.rstrip("/"), uds=None)
+    raise InvalidRequest(f"daemon URL must be unix:///path.sock or http(s)://host:port, got {url!r}")
+
+
+class Transport:
+    """Builds httpx clients for one daemon and maps every failure to a DSecError."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.endpoint = parse_url(url)
+        self.token = token
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def build(self) -> httpx.AsyncClient:
+        """A new client bound to the calling event loop (httpx pools cannot cross loops)."""
+        headers = {"User-Agent": "dsec-sdk"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        transport = httpx.AsyncHTTPTransport(uds=self.endpoint.uds) if self.endpoint.uds else None
+        return httpx.AsyncClient(
+            base_url=self.endpoint.base_url, headers=headers, timeout=CONTROL_TIMEOUT, transport=transport
+        )
+
+    @contextmanager
+    def mapped_errors(self) -> Iterator[None]:
+        """Turn httpx transport failures raised inside the block into ConnectionFailed."""
+        try:
+            yield
+        except httpx.ConnectError as exc:
+            raise ConnectionFailed(f"cannot reach the DSec daemon at {self.url}: {exc}; {_HINT}") from exc
+        except httpx.TimeoutException as exc:
+            raise ConnectionFailed(f"the DSec daemon at {self.url} did not answer in time: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            # ReadError, RemoteProtocolError...: the daemon died or dropped us mid-call.
+            raise ConnectionFailed(
+                f"connection to the DSec daemon at {self.url} was lost mid-call: {exc!r}"
+            ) from exc
+
+    async def request(
+        self,
+        client: httpx.AsyncClient,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        content: bytes | None = None,
+        params: Any = None,
+    ) -> httpx.Response:
+        """Send one request, read the whole answer, raise the server's error on non-2xx."""
+        with self.mapped_errors():
+            response = await client.request(method, path, json=json_body, content=content, params=params)
+        raise_for_status(response)
+        return response
+
+    @asynccontextmanager
+    async def stream(
+        self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None
+    ) -> AsyncIterator[httpx.Response]:
+        """Open a streamed response (no read timeout); closing it tells the server to stop."""
+        with self.mapped_errors():
+            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise_for_status(response)
+                yield response
+
+
+def raise_for_status(response: httpx.Response) -> None:
+    """Re-raise the error a non-2xx answer carries (the server sends ``{"error": {...}}``)."""
+    if response.is_success:
+        return
+    try:
+        payload: Any = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        payload = response.text
+    err: DSecError = error_from_payload(payload, response.status_code)
+    raise err

@@ -1,0 +1,334 @@
+"""The ``dsec`` command: daemon control, sandboxes, images, doctor, bench and the demo.
+
+The CLI owns argument parsing and terminal output only. Sandbox commands go through the public SDK
+(``dsec.Sandbox``), image commands through the node's ImageStore directly (no daemon needed), daemon
+commands through ``dsec.daemon.server``. Heavy or optional modules are imported inside their command so
+``dsec --help`` stays fast and works even when one of them is broken. It must never hold logic that the
+SDK or the daemon should own. Every DSecError ends as ``error: <message>`` on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dsec.errors import DSecError, InvalidRequest
+
+if TYPE_CHECKING:
+    from dsec.images.store import ImageStore
+    from dsec.models import ImageInfo
+
+__all__ = ["main"]
+
+
+def _error(message: str) -> None:
+    # soft_wrap: an error line must stay one line (grep-able), not wrapped at the terminal width.
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error: {escape(message)}[/red]")
+
+
+def _fail(message: str) -> NoReturn:
+    _error(message)
+    sys.exit(1)
+
+
+class _Group(click.Group):
+    """A click group that turns DSecError into a one-line error instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DSecError as exc:
+            _fail(exc.message or type(exc).__name__)
+
+
+def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"{what} must look like KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dsec", prog_name="dsec", message="%(prog)s %(version)s")
+def main() -> None:
+    """DSec: isolated sandboxes for training AI agents."""
+
+
+# ----- daemon -------------------------------------------------------------------------------------
+
+
+def _daemon_errors() -> tuple[type[Exception], ...]:
+    from dsec.daemon.server import ServeError
+
+    return (ServeError,)
+
+
+@main.command()
+@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
+@click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
+def serve(tcp: str | None, token: str | None) -> None:
+    """Run the node daemon in the foreground."""
+    from dsec.config import Settings
+    from dsec.daemon import server
+
+    try:
+        server.serve(Settings(), tcp=tcp, token=token or None)
+    except _daemon_errors() as exc:
+        _fail(str(exc))
+
+
+@main.command()
+@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
+@click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
+def up(tcp: str | None, token: str | None) -> None:
+    """Start the node daemon in the background."""
+    from dsec.config import Settings
+    from dsec.daemon import server
+
+    settings = Settings()
+    try:
+        pid = server.up(settings, tcp=tcp, token=token or None)
+    except _daemon_errors() as exc:
+        _fail(str(exc))
+    click.echo(f"dsec daemon running (pid {pid}) on unix://{settings.socket_path}; log: {settings.log_file}")
+
+
+@main.command()
+@click.option("--destroy", is_flag=True, help="Also destroy every sandbox (default: keep them).")
+def down(destroy: bool) -> None:
+    """Stop the background node daemon."""
+    from dsec.config import Settings
+    from dsec.daemon import server
+
+    try:
+        stopped = server.down(Settings(), destroy=destroy)
+    except _daemon_errors() as exc:
+        _fail(str(exc))
+    click.echo("dsec daemon stopped" if stopped else "no dsec daemon was running")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """Check what works on this host (kernel features, tools, backends); exit 1 if a required check fails."""
+    from dsec import doctor as checks
+
+    results = checks.run_checks()
+    if as_json:
+        click.echo(checks.as_json(results))
+    else:
+        checks.render(results)
+    if not checks.healthy(results):
+        sys.exit(1)
+
+
+# ----- sandboxes ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--label", "-l", "labels", multiple=True, metavar="K=V", help="Only sandboxes with this label.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def ps(labels: tuple[str, ...], as_json: bool) -> None:
+    """List live sandboxes."""
+    from dsec._sdk.portal import portal
+    from dsec._sdk.sandbox import list_infos
+
+    infos = portal.run(list_infos(labels=_pairs(labels, "--label")))
+    if as_json:
+        click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("ID", "BACKEND", "IMAGE", "STATE", "AGE", "EXPIRES", "LABELS"):
+        table.add_column(column, overflow="fold")
+    now = time.time()
+    for i in infos:
+        labels_text = ",".join(f"{k}={v}" for k, v in sorted(i.labels.items()))
+        table.add_row(i.id, i.backend, i.image or "-", i.state, _age(now - i.created_at),
+                      "in " + _age(i.expires_at - now), escape(labels_text))
+    Console(width=200).print(table)
+
+
+@main.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds before it is killed.")
+@click.option("--cwd", help="Working directory (default: the sandbox's workdir).")
+@click.option("-e", "--env", "env", multiple=True, metavar="K=V", help="Extra environment variable.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(
+    sandbox_id: str, timeout: float, cwd: str | None, env: tuple[str, ...], command: tuple[str, ...]
+) -> None:
+    """Run a command in a sandbox: dsec exec ID -- CMD [ARGS]...
+
+    Output is streamed as it arrives; the exit code is the command's.
+    """
+    from dsec import Sandbox
+
+    sb = Sandbox.connect(sandbox_id)
+    # One argument is a shell line (``dsec exec ID -- 'make && make test'``); several are an argv.
+    argv: str | list[str] = command[0] if len(command) == 1 else list(command)
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+    code = 1
+    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=_pairs(env, "-e") or None):
+        if event.type in ("stdout", "stderr") and event.data:
+            stream = out if event.type == "stdout" else err
+            stream.write(event.data)
+            stream.flush()
+        elif event.type == "exit" and event.result is not None:
+            code = event.result.exit_code
+            if event.result.limit is not None:
+                note = f"dsec: command stopped by the {event.result.limit} limit"
+                Console(stderr=True).print(f"[yellow]{note}[/yellow]")
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Remove every sandbox on the daemon.")
+def rm(sandbox_ids: tuple[str, ...], all_: bool) -> None:
+    """Destroy sandboxes."""
+    from dsec import Sandbox, SandboxNotFound
+
+    if not sandbox_ids and not all_:
+        raise InvalidRequest("give sandbox ids or --all")
+    targets = list(Sandbox.list()) if all_ else []
+    missing = 0
+    for sandbox_id in sandbox_ids:
+        try:
+            targets.append(Sandbox.connect(sandbox_id))
+        except SandboxNotFound as exc:
+            _error(exc.message)
+            missing += 1
+    for sb in targets:
+        sb.close()
+        click.echo(sb.id)
+    if missing:
+        sys.exit(1)
+
+
+# ----- images -------------------------------------------------------------------------------------
+
+
+def _store() -> ImageStore:
+    from dsec.config import Settings
+    from dsec.images.store import ImageStore
+
+    return ImageStore(Settings().images)
+
+
+def _image_row(info: ImageInfo) -> tuple[str, ...]:
+    size = f"{info.size_bytes / 1024**2:.1f} MiB"
+    made = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created_at))
+    return info.name, size, str(info.files), made, info.source
+
+
+@main.group()
+def image() -> None:
+    """Manage the node's images (works without a daemon)."""
+
+
+@image.command(name="import")
+@click.argument("name")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--replace", is_flag=True, help="Replace an existing image of that name.")
+def image_import(name: str, directory: Path, replace: bool) -> None:
+    """Import a root filesystem directory as image NAME."""
+    from dsec.config import Settings
+
+    info = _store().import_dir(name, directory, uid_shift=Settings().uid_shift, replace=replace)
+    click.echo(f"imported {info.name}: {info.files} files, {info.size_bytes / 1024**2:.1f} MiB")
+
+
+# The brief's spelling; kept as an alias so scripts using it work.
+image.add_command(click.Command("import-dir", callback=image_import.callback, params=image_import.params,
+                                help=image_import.help, hidden=True))
+
+
+@image.command(name="build")
+@click.argument("name")
+@click.option("--packages", help="Comma-separated Debian packages (default: the recipe named NAME).")
+@click.option("--suite", default="bookworm", show_default=True, help="Debian suite.")
+@click.option("--replace", is_flag=True, help="Replace an existing image of that name.")
+def image_build(name: str, packages: str | None, suite: str, replace: bool) -> None:
+    """Build image NAME with mmdebstrap (needs root)."""
+    from dsec.images.build import build
+
+    pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
+    info = build(_store(), name, packages=pkgs, suite=suite, replace=replace)
+    click.echo(f"built {info.name}: {info.files} files, {info.size_bytes / 1024**2:.1f} MiB")
+
+
+@image.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def image_ls(as_json: bool) -> None:
+    """List images."""
+    infos = _store().list()
+    if as_json:
+        click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "SIZE", "FILES", "CREATED", "SOURCE"):
+        table.add_column(column, overflow="fold")
+    for info in infos:
+        table.add_row(*(escape(cell) for cell in _image_row(info)))
+    Console(width=200).print(table)
+
+
+@image.command(name="inspect")
+@click.argument("name")
+def image_inspect(name: str) -> None:
+    """Show an image's metadata as JSON."""
+    click.echo(_store().get(name).model_dump_json(indent=2))
+
+
+@image.command(name="rm")
+@click.argument("names", nargs=-1, required=True)
+def image_rm(names: tuple[str, ...]) -> None:
+    """Remove images."""
+    store = _store()
+    for name in names:
+        store.remove(name)
+        click.echo(name)
+
+
+# ----- bench and demo -----------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("suite", required=False)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the results here as JSON.")
+def bench(suite: str | None, json_path: Path | None) -> None:
+    """Run benchmarks against the peers measured in the same run."""
+    # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
+    benchmarks = importlib.import_module("dsec.bench")
+    code = benchmarks.main(suite, json_path)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+@main.command()
+def demo() -> None:
+    """Run an agent-style rollout (buggy code -> failing test -> fix -> passing test)."""
+    from dsec import demo as rollout
+
+    sys.exit(rollout.run())

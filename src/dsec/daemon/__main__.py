@@ -1,0 +1,54 @@
+"""``python -m dsec.daemon serve``: the daemon's own entry point (what :func:`dsec.daemon.server.up` spawns).
+
+Kept apart from the ``dsec`` CLI so the background daemon does not depend on the CLI's imports.
+It only parses options and calls :func:`dsec.daemon.server.serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dsec.config import Settings
+from dsec.daemon.server import ServeError, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options and serve; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog="python -m dsec.daemon", description="DSec node daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the node daemon in the foreground")
+    p.add_argument("--home", type=Path, default=None, help="state directory (default: $DSEC_HOME)")
+    p.add_argument("--tcp", default=None, metavar="HOST:PORT", help="also serve on TCP (needs a token)")
+    p.add_argument("--token", default=None, help="TCP bearer token (default: $DSEC_TOKEN; prefer the env)")
+    p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings = Settings(home=args.home) if args.home else Settings()
+    engine = None
+    if os.environ.get("DSEC_DAEMON_FAKE") == "1":
+        # Test-only: lets process-level tests (up/down, signals) run without touching the host's
+        # isolation machinery. The fake isolates nothing, so say so loudly.
+        from dsec.daemon.engine import Engine
+        from dsec.testing.fake import FakeBackend
+
+        logging.getLogger("dsec").warning("DSEC_DAEMON_FAKE=1: fake backend, NO ISOLATION (tests only)")
+        fake = FakeBackend(root=settings.home / "fake")
+        engine = Engine(settings, {"container": fake}, Engine.default_images(settings))
+    try:
+        serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None, engine=engine)
+    except ServeError as exc:
+        print(f"dsec daemon: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

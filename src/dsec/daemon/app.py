@@ -1,0 +1,331 @@
+"""The HTTP API of a node: a thin shim over :class:`~dsec.daemon.engine.Engine`.
+
+Owns routing, parsing, serialisation, error payloads and the bearer-token check. Every route parses
+its input, calls one engine method and serialises the answer; a route that grows an ``if`` about
+sandboxes is a bug -- that logic belongs in the engine, where in-process tests exercise it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
+from dsec.daemon.metrics import CONTENT_TYPE
+from dsec.errors import DSecError, InvalidRequest, SandboxError, Unauthorized
+from dsec.models import (
+    BatchCreateRequest,
+    ExecEvent,
+    ExecRequest,
+    FileEntry,
+    ImageInfo,
+    NodeInfo,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStats,
+)
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+OCTET = "application/octet-stream"
+_ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorPayload"}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for code, desc in [
+        (400, "InvalidRequest"), (401, "Unauthorized"), (404, "SandboxNotFound / ImageNotFound"),
+        (408, "SandboxTimeout"), (409, "SandboxStateError"), (501, "NotSupported"),
+        (503, "BackendUnavailable"),
+    ]
+}
+
+
+def _error_response(err: DSecError) -> JSONResponse:
+    return JSONResponse(err.to_payload(), status_code=err.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        loc = ".".join(str(p) for p in error.get("loc", ()))
+        if error.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}")
+        else:
+            parts.append(f"{loc}: {error.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+class _TokenGuard:
+    """Bearer-token check as pure ASGI middleware.
+
+    Not BaseHTTPMiddleware: it wraps streamed responses and breaks client-disconnect handling.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        err = Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
+        await _error_response(err)(scope, receive, send)
+
+
+async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event.model_dump_json().encode() + b"\n"
+    except DSecError as exc:
+        yield ExecEvent(type="error", error=exc.to_payload()["error"]).model_dump_json().encode() + b"\n"
+    except Exception as exc:
+        log.exception("exec stream failed")
+        err = SandboxError(f"exec failed: {type(exc).__name__}: {exc}")
+        yield ExecEvent(type="error", error=err.to_payload()["error"]).model_dump_json().encode() + b"\n"
+    finally:
+        # Reached on normal end and when the server cancels us after a client disconnect; closing
+        # the engine's stream is what kills the command.
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"label filter must look like key=value, got {item!r}")
+        labels[key] = value
+    return labels
+
+
+def _mode(mode: str | None) -> int | None:
+    if mode is None or mode == "":
+        return None
+    try:
+        return int(mode, 8)
+    except ValueError:
+        raise InvalidRequest(f"mode must be an octal string such as '644' or '0755', got {mode!r}") from None
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise InvalidRequest(f"file body of {declared} bytes is over the {limit}-byte limit")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise InvalidRequest(f"file body is over the {limit}-byte limit")
+    return bytes(data)
+
+
+def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES) -> FastAPI:
+    """The node's FastAPI app over ``engine``; with ``token``, every route but ``GET /v1/health`` needs it."""
+    app = FastAPI(
+        title="DSec node API",
+        version=dsec_version(),
+        description=(
+            "Sandboxes of one DSec node. Errors are `{\"error\": {\"type\", \"message\", \"detail\"}}`. "
+            "On TCP every route except `GET /v1/health` needs `Authorization: Bearer <token>`."
+        ),
+        responses=_ERRORS,
+    )
+
+    @app.exception_handler(DSecError)
+    async def _dsec_error(_request: Request, exc: DSecError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(InvalidRequest(_validation_message(exc)))
+
+    @app.get("/v1/health", tags=["node"])
+    async def health() -> NodeInfo:
+        """Identity, version and backend availability (no token needed)."""
+        return await engine.health()
+
+    @app.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create(spec: SandboxSpec) -> SandboxInfo:
+        """Create a sandbox."""
+        return await engine.create(spec)
+
+    @app.post("/v1/sandboxes/batch", status_code=201, tags=["sandboxes"])
+    async def create_many(request: BatchCreateRequest) -> list[SandboxInfo]:
+        """Create many sandboxes from one spec; all or nothing."""
+        return await engine.create_many(request)
+
+    @app.get("/v1/sandboxes", tags=["sandboxes"])
+    async def list_sandboxes(
+        label: Annotated[list[str], Query(description="`key=value`; repeat to require several")] = [],  # noqa: B006
+        backend: str | None = None,
+        state: str | None = None,
+    ) -> list[SandboxInfo]:
+        """Sandboxes matching every label filter."""
+        return await engine.list(_labels(label), backend=backend, state=state)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get(sandbox_id: str) -> SandboxInfo:
+        """One sandbox."""
+        return await engine.get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+    async def destroy(sandbox_id: str) -> Response:
+        """Destroy a sandbox (idempotent)."""
+        await engine.destroy(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/exec",
+        tags=["commands"],
+        response_class=StreamingResponse,
+        responses={200: {
+            "description": "One JSON `ExecEvent` per line: output chunks, then one `exit` or `error`.",
+            "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/ExecEvent"}}},
+        }},
+    )
+    async def exec_(sandbox_id: str, request: ExecRequest) -> StreamingResponse:
+        """Run a command, streaming its output; hanging up kills it."""
+        return StreamingResponse(_ndjson(engine.exec_stream(sandbox_id, request)), media_type=NDJSON)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files",
+        tags=["files"],
+        response_class=Response,
+        responses={200: {"description": "The file's bytes", "content": {OCTET: {"schema": {
+            "type": "string", "format": "binary"}}}}},
+    )
+    async def read_file(sandbox_id: str, path: str) -> Response:
+        """Read a file."""
+        return Response(await engine.read_file(sandbox_id, path, max_body), media_type=OCTET)
+
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/files",
+        status_code=204,
+        tags=["files"],
+        openapi_extra={"requestBody": {"required": True, "content": {OCTET: {"schema": {
+            "type": "string", "format": "binary"}}}}},
+    )
+    async def write_file(
+        sandbox_id: str,
+        path: str,
+        request: Request,
+        mode: Annotated[str | None, Query(description="octal permission bits, e.g. `644`")] = None,
+    ) -> Response:
+        """Create or replace a file (parents created)."""
+        await engine.write_file(sandbox_id, path, await _body(request, max_body), _mode(mode))
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", tags=["files"])
+    async def list_files(sandbox_id: str, path: str) -> list[FileEntry]:
+        """List a directory."""
+        return await engine.list_files(sandbox_id, path)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/stats", tags=["sandboxes"])
+    async def stats(sandbox_id: str) -> SandboxStats:
+        """Resource usage now."""
+        return await engine.stats(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
+    async def pause(sandbox_id: str) -> SandboxInfo:
+        """Freeze every process of the sandbox."""
+        return await engine.pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
+    async def resume(sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox."""
+        return await engine.resume(sandbox_id)
+
+    @app.get("/v1/images", tags=["images"])
+    async def list_images() -> list[ImageInfo]:
+        """Images in the node's store."""
+        return await engine.list_images()
+
+    @app.get("/v1/images/{name}", tags=["images"])
+    async def get_image(name: str) -> ImageInfo:
+        """One image."""
+        return await engine.get_image(name)
+
+    @app.get(
+        "/metrics",
+        tags=["node"],
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
+    async def metrics() -> Response:
+        """Prometheus metrics of this node."""
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    _add_error_schema(app)
+    if token is not None:
+        app.add_middleware(_TokenGuard, token=token)
+    return app
+
+
+def _add_error_schema(app: FastAPI) -> None:
+    """Put the error payload and ExecEvent (used by the NDJSON stream) into the OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        # Validation errors are answered as 400 InvalidRequest, never FastAPI's 422: drop its entries.
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        schemas["ErrorPayload"] = {
+            "title": "ErrorPayload",
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {
+                "type": "object",
+                "required": ["type", "message", "detail"],
+                "properties": {
+                    "type": {"type": "string", "description": "DSecError subclass name"},
+                    "message": {"type": "string"},
+                    "detail": {"type": "object"},
+                },
+            }},
+        }
+        event = ExecEvent.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in event.pop("$defs", {}).items():
+            schemas.setdefault(name, sub)
+        schemas.setdefault("ExecEvent", event)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of the node API (what ``scripts/gen-openapi`` writes to ``docs/openapi.json``)."""
+    import tempfile
+    from pathlib import Path
+
+    from dsec.config import Settings
+    from dsec.daemon.engine import _NoImages
+
+    with tempfile.TemporaryDirectory() as home:
+        # Routes never touch the engine while the document is built; it only has to exist.
+        engine = Engine(Settings(home=Path(home), node="openapi"), {}, _NoImages("documentation only"))
+        return create_app(engine).openapi()
+

@@ -1,0 +1,587 @@
+"""The engine: every sandbox of this node, its durable record, its timeout and its metrics.
+
+Owns: sandbox ids, the record lifecycle (``creating`` -> ``running`` <-> ``paused`` -> gone), recovery
+after a daemon restart, the wall-clock reaper and its tombstones, and metric counting. It calls
+backends for mechanics and the image resolver for roots. It must never speak HTTP, never know about
+sockets or tokens, and never touch a sandbox's processes or files except through its backend: the HTTP
+app and in-process tests drive exactly the same object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import importlib.metadata
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol, get_args
+
+from dsec.backends.base import Backend, ImageRef, collect_exec
+from dsec.config import Settings
+from dsec.daemon.metrics import Metrics
+from dsec.daemon.state import StateStore
+from dsec.errors import (
+    BackendUnavailable,
+    DSecError,
+    ImageNotFound,
+    InvalidRequest,
+    NotSupported,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStateError,
+    SandboxTimeout,
+)
+from dsec.models import (
+    BackendName,
+    BatchCreateRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageInfo,
+    NodeInfo,
+    SandboxInfo,
+    SandboxRecord,
+    SandboxSpec,
+    SandboxStats,
+)
+
+__all__ = ["MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
+
+log = logging.getLogger(__name__)
+
+MAX_FILE_BYTES = 1024**3
+"""Largest file body read or written through the API (1 GiB)."""
+_BATCH_PARALLELISM = 64
+"""Creates in flight per batch: enough to hide latency, few enough not to stampede the backend."""
+_RECOVERY_PARALLELISM = 32
+
+
+def dsec_version() -> str:
+    """The installed DSec version (``0.1.0`` when running from a source tree)."""
+    try:
+        return importlib.metadata.version("dsec")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+class ImageResolver(Protocol):
+    """What the engine needs of an image store (``dsec.images.store.ImageStore`` implements it)."""
+
+    def resolve(self, name: str) -> ImageRef:
+        """The image's root and defaults; raises :class:`~dsec.errors.ImageNotFound`."""
+        ...
+
+    def list(self) -> builtins.list[ImageInfo]:
+        """Every image in the store."""
+        ...
+
+    def get(self, name: str) -> ImageInfo:
+        """One image; raises :class:`~dsec.errors.ImageNotFound`."""
+        ...
+
+
+class _NoImages:
+    """Stand-in when the image store cannot be loaded: every lookup says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def resolve(self, name: str) -> ImageRef:
+        raise ImageNotFound(f"image {name!r} not found: {self.reason}")
+
+    def list(self) -> builtins.list[ImageInfo]:
+        return []
+
+    def get(self, name: str) -> ImageInfo:
+        raise ImageNotFound(f"image {name!r} not found: {self.reason}")
+
+
+def _check_path(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise InvalidRequest(f"path must be absolute and free of NUL bytes, got {path!r}", path=path)
+    return path
+
+
+class Engine:
+    """All sandboxes of one node. Every public method is safe to call concurrently."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Mapping[str, Backend],
+        images: ImageResolver,
+        *,
+        unavailable: Mapping[str, str] | None = None,
+        reaper_interval: float = 1.0,
+        tombstone_limit: int = 10_000,
+    ) -> None:
+        self.settings = settings
+        self.images = images
+        self.metrics = Metrics()
+        self.reaper_interval = reaper_interval
+        self._backends: dict[str, Backend] = dict(backends)
+        # Backend name -> why it cannot be used; filled from imports that failed and from available().
+        self._unavailable: dict[str, str] = dict(unavailable or {})
+        self._store = StateStore(settings.state_dir)
+        self._records: dict[str, SandboxRecord] = {}
+        self._destroying: dict[str, asyncio.Task[None]] = {}
+        # Ids destroyed recently -> (state, message). Bounded: a long-lived daemon creates millions.
+        self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._tombstone_limit = tombstone_limit
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
+        """The default engine: the image store at ``settings.images`` and every backend that imports."""
+        images = cls.default_images(settings)
+        backends: dict[str, Backend] = {}
+        unavailable: dict[str, str] = {}
+        try:
+            from dsec.backends.container import ContainerBackend
+
+            backends["container"] = ContainerBackend(settings)
+        except Exception as exc:
+            unavailable["container"] = f"cannot load the container backend: {type(exc).__name__}: {exc}"
+        return cls(settings, backends, images, unavailable=unavailable, reaper_interval=reaper_interval)
+
+    @staticmethod
+    def default_images(settings: Settings) -> ImageResolver:
+        """The node's image store, or a stand-in that explains why it cannot be used."""
+        try:
+            from dsec.images.store import ImageStore
+
+            return ImageStore(settings.images)
+        except Exception as exc:  # a broken store must not keep the daemon (and its sandboxes) down
+            log.exception("image store unavailable")
+            return _NoImages(f"the image store at {settings.images} cannot be used: {exc}")
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
+        for name, backend in list(self._backends.items()):
+            reason = backend.available()
+            if reason == "ok":
+                try:
+                    await backend.start()
+                except Exception as exc:
+                    log.exception("backend %s failed to start", name)
+                    reason = f"failed to start: {type(exc).__name__}: {exc}"
+            if reason != "ok":
+                self._unavailable[name] = reason
+        sem = asyncio.Semaphore(_RECOVERY_PARALLELISM)
+
+        async def recover(record: SandboxRecord) -> None:
+            async with sem:
+                await self._recover(record)
+
+        await asyncio.gather(*(recover(r) for r in self._store.load_all()))
+        for name, backend in self._backends.items():
+            if name in self._unavailable:
+                continue
+            known = {r.id for r in self._records.values() if r.spec.backend == name}
+            try:
+                removed = await backend.cleanup_orphans(known)
+            except Exception:
+                log.exception("backend %s: orphan cleanup failed", name)
+                continue
+            if removed:
+                log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
+        self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+
+    async def _recover(self, record: SandboxRecord) -> None:
+        name = record.spec.backend
+        backend = self._backends.get(name)
+        if backend is None or name in self._unavailable:
+            # Keep the file: a daemon that has this backend again can still adopt or clean it up.
+            log.warning("sandbox %s: backend %s unavailable; record kept on disk", record.id, name)
+            return
+        alive = False
+        if record.state in ("running", "paused"):
+            try:
+                alive = await backend.recover(record)
+            except Exception:
+                log.exception("sandbox %s: recover failed; destroying it", record.id)
+        if alive:
+            self._records[record.id] = record
+            self.metrics.live.labels(name).inc()
+            self._store.save(record)  # the backend may have refreshed backend_state
+            log.info("sandbox %s re-adopted (%s)", record.id, record.state)
+            return
+        # Dead, or caught mid-create by the previous daemon's death: release whatever is left.
+        try:
+            await backend.destroy(record)
+        except Exception:
+            log.exception("sandbox %s: destroy after failed recovery failed", record.id)
+        self._store.delete(record.id)
+        log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
+
+    async def aclose(self) -> None:
+        """Stop the reaper and the backends. Sandboxes stay alive for the next daemon to re-adopt."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        for name, backend in self._backends.items():
+            try:
+                await backend.aclose()
+            except Exception:
+                log.exception("backend %s failed to close", name)
+
+    async def destroy_all(self) -> int:
+        """Destroy every sandbox; returns how many were destroyed."""
+        ids = list(self._records)
+        results = await asyncio.gather(*(self.destroy(i) for i in ids), return_exceptions=True)
+        for sandbox_id, result in zip(ids, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("sandbox %s: destroy failed: %s", sandbox_id, result)
+        return sum(1 for r in results if not isinstance(r, BaseException))
+
+    # -- lookups -------------------------------------------------------------------------------------
+
+    def _backend(self, name: str) -> Backend:
+        backend = self._backends.get(name)
+        if backend is None or name in self._unavailable:
+            reason = self._unavailable.get(name, "it is not implemented on this node yet")
+            raise BackendUnavailable(f"backend {name!r} is not available: {reason}", backend=name)
+        return backend
+
+    def _lookup(self, sandbox_id: str) -> SandboxRecord:
+        record = self._records.get(sandbox_id)
+        if record is not None:
+            return record
+        tomb = self._tombstones.get(sandbox_id)
+        if tomb is not None and tomb[0] == "expired":
+            raise SandboxTimeout(tomb[1], sandbox_id=sandbox_id)
+        if tomb is not None:
+            raise SandboxNotFound(tomb[1], sandbox_id=sandbox_id)
+        message = f"no sandbox {sandbox_id!r} on node {self.settings.node}"
+        raise SandboxNotFound(message, sandbox_id=sandbox_id)
+
+    def _live(self, sandbox_id: str, *, allow_paused: bool) -> SandboxRecord:
+        record = self._lookup(sandbox_id)
+        if record.state == "running" or (allow_paused and record.state == "paused"):
+            return record
+        raise SandboxStateError(
+            f"sandbox {sandbox_id} is {record.state}; the operation needs it running",
+            sandbox_id=sandbox_id,
+            state=record.state,
+        )
+
+    def _info(self, record: SandboxRecord) -> SandboxInfo:
+        return SandboxInfo(
+            id=record.id,
+            backend=record.spec.backend,
+            image=record.spec.image,
+            state=record.state,
+            created_at=record.created_at,
+            expires_at=record.expires_at,
+            labels=dict(record.spec.labels),
+            spec=record.spec,
+            node=self.settings.node,
+            reason=record.reason,
+        )
+
+    def _tombstone(self, sandbox_id: str, state: str, message: str) -> None:
+        self._tombstones[sandbox_id] = (state, message)
+        self._tombstones.move_to_end(sandbox_id)
+        while len(self._tombstones) > self._tombstone_limit:
+            self._tombstones.popitem(last=False)
+
+    # -- sandboxes -----------------------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Create one sandbox and return it running."""
+        name = spec.backend
+        try:
+            if spec.trajectory is not None:
+                raise NotSupported("trajectory logging (spec.trajectory) is not available on this node yet")
+            if spec.snapshot is not None:
+                raise NotSupported("restoring a snapshot (spec.snapshot) is not available on this node yet")
+            backend = self._backend(name)
+            if not spec.image:
+                raise InvalidRequest("spec.image is required (no snapshot restore yet)")
+            image = self.images.resolve(spec.image)
+        except DSecError as exc:
+            self.metrics.failed.labels(name, type(exc).__name__).inc()
+            raise
+        now = time.time()
+        record = SandboxRecord(
+            id="sb-" + secrets.token_hex(6),
+            spec=spec,
+            state="creating",
+            created_at=now,
+            expires_at=now + spec.timeout,
+        )
+        # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
+        self._store.save(record)
+        self._records[record.id] = record
+        started = time.monotonic()
+        try:
+            await backend.create(record, image)
+        except BaseException as exc:
+            await self._undo_create(backend, record)
+            reason = type(exc).__name__ if isinstance(exc, DSecError) else "SandboxError"
+            if isinstance(exc, asyncio.CancelledError):
+                reason = "cancelled"
+            self.metrics.failed.labels(name, reason).inc()
+            if isinstance(exc, DSecError) or not isinstance(exc, Exception):
+                raise
+            raise SandboxError(f"creating a {name} sandbox failed: {type(exc).__name__}: {exc}") from exc
+        self.metrics.create_seconds.labels(name).observe(time.monotonic() - started)
+        record.state = "running"
+        self._store.save(record)
+        self.metrics.created.labels(name).inc()
+        self.metrics.live.labels(name).inc()
+        log.info("sandbox %s created (%s, image %s)", record.id, name, spec.image)
+        return self._info(record)
+
+    async def _undo_create(self, backend: Backend, record: SandboxRecord) -> None:
+        self._records.pop(record.id, None)
+        try:
+            await backend.destroy(record)
+        except BaseException:
+            # Keep the record: the next daemon start retries the cleanup.
+            log.exception("sandbox %s: cleanup after failed create failed; record kept", record.id)
+            return
+        self._store.delete(record.id)
+
+    async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
+        """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
+        sem = asyncio.Semaphore(_BATCH_PARALLELISM)
+
+        async def one() -> SandboxInfo:
+            async with sem:
+                return await self.create(request.spec)
+
+        tasks = [asyncio.create_task(one()) for _ in range(request.count)]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            made = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+            await self._destroy_quietly(made)
+            raise
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._destroy_quietly(made)
+            raise errors[0]
+        return made
+
+    async def _destroy_quietly(self, infos: builtins.list[SandboxInfo]) -> None:
+        results = await asyncio.gather(*(self.destroy(i.id) for i in infos), return_exceptions=True)
+        for info, result in zip(infos, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("sandbox %s: rollback destroy failed: %s", info.id, result)
+
+    async def list(
+        self,
+        labels: Mapping[str, str] | None = None,
+        backend: str | None = None,
+        state: str | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """Sandboxes whose labels include ``labels`` (and of that backend / state, if given)."""
+        wanted = dict(labels or {})
+        return [
+            self._info(r)
+            for r in self._records.values()
+            if (backend is None or r.spec.backend == backend)
+            and (state is None or r.state == state)
+            and all(r.spec.labels.get(k) == v for k, v in wanted.items())
+        ]
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox."""
+        return self._info(self._lookup(sandbox_id))
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Destroy a sandbox. Idempotent: destroying a destroyed or expired sandbox is not an error."""
+        pending = self._destroying.get(sandbox_id)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return
+        if sandbox_id not in self._records and sandbox_id in self._tombstones:
+            return
+        record = self._lookup(sandbox_id)
+        if record.state == "creating":
+            raise SandboxStateError(f"sandbox {sandbox_id} is still being created", sandbox_id=sandbox_id)
+        task = asyncio.create_task(self._remove(record, "destroyed", f"sandbox {sandbox_id} was destroyed"))
+        self._destroying[sandbox_id] = task
+        try:
+            # Shielded: a client that hangs up mid-DELETE must not leave a half-destroyed sandbox.
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._destroying.pop(sandbox_id, None)
+            else:
+                task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
+
+    async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
+        backend = self._backend(record.spec.backend)
+        try:
+            await backend.destroy(record)
+        except Exception as exc:
+            record.state = "failed"
+            record.reason = f"destroy failed: {type(exc).__name__}: {exc}"
+            self._store.save(record)
+            log.exception("sandbox %s: destroy failed", record.id)
+            if isinstance(exc, DSecError):
+                raise
+            raise SandboxError(f"destroying sandbox {record.id} failed: {exc}") from exc
+        if self._records.pop(record.id, None) is not None:
+            self.metrics.live.labels(record.spec.backend).dec()
+            if state == "expired":
+                self.metrics.expired.labels(record.spec.backend).inc()
+        self._store.delete(record.id)
+        self._tombstone(record.id, state, message)
+        log.info("sandbox %s %s", record.id, state)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reaper_interval)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def reap(self) -> int:
+        """Destroy every sandbox past its wall-clock timeout now; returns how many."""
+        now = time.time()
+        due = [
+            r for r in self._records.values()
+            if r.expires_at <= now and r.state in ("running", "paused") and r.id not in self._destroying
+        ]
+
+        async def expire(record: SandboxRecord) -> None:
+            message = (
+                f"sandbox {record.id} passed its timeout of {record.spec.timeout:g} s and was destroyed"
+            )
+            record.state = "expired"
+            record.reason = f"timeout of {record.spec.timeout:g} s passed"
+            task = asyncio.create_task(self._remove(record, "expired", message))
+            self._destroying[record.id] = task
+            try:
+                await task
+            finally:
+                self._destroying.pop(record.id, None)
+
+        results = await asyncio.gather(*(expire(r) for r in due), return_exceptions=True)
+        return sum(1 for r in results if not isinstance(r, BaseException))
+
+    # -- commands and files --------------------------------------------------------------------------
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Start streaming a command's events. Lookup errors raise here, before the first event.
+
+        Closing the returned iterator early kills the command (the backend's contract).
+        """
+        record = self._live(sandbox_id, allow_paused=False)
+        backend = self._backend(record.spec.backend)
+        if request.cwd is not None:
+            _check_path(request.cwd)
+        return self._exec_events(backend, record, request)
+
+    async def _exec_events(
+        self, backend: Backend, record: SandboxRecord, request: ExecRequest
+    ) -> AsyncIterator[ExecEvent]:
+        name = record.spec.backend
+        started = time.monotonic()
+        outcome = "cancelled"
+        stream = backend.exec_stream(record, request)
+        try:
+            async for event in stream:
+                if event.type == "exit" and event.result is not None:
+                    result = event.result
+                    outcome = "ok" if result.exit_code == 0 else "limit" if result.limit else "nonzero"
+                    if result.limit is not None:
+                        self.metrics.limit_hits.labels(name, result.limit).inc()
+                elif event.type == "error":
+                    outcome = "error"
+                yield event
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            # Metrics first: the awaits below may be cancelled when the client has hung up.
+            self.metrics.execs.labels(name, outcome).inc()
+            self.metrics.exec_seconds.labels(name).observe(time.monotonic() - started)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        """Run a command to completion."""
+        return await collect_exec(self.exec_stream(sandbox_id, request))
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+        """A file's bytes."""
+        record = self._live(sandbox_id, allow_paused=True)
+        return await self._backend(record.spec.backend).read_file(record, _check_path(path), max_bytes)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> None:
+        """Create or replace a file (parents created)."""
+        if mode is not None and not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"file mode must be between 0 and 0o7777, got {mode:o}")
+        record = self._live(sandbox_id, allow_paused=True)
+        await self._backend(record.spec.backend).write_file(record, _check_path(path), data, mode)
+
+    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+        """A directory's entries."""
+        record = self._live(sandbox_id, allow_paused=True)
+        return await self._backend(record.spec.backend).list_files(record, _check_path(path))
+
+    async def stats(self, sandbox_id: str) -> SandboxStats:
+        """Resource usage now."""
+        record = self._live(sandbox_id, allow_paused=True)
+        return await self._backend(record.spec.backend).stats(record)
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze a sandbox (idempotent)."""
+        record = self._live(sandbox_id, allow_paused=True)
+        if record.state == "running":
+            await self._backend(record.spec.backend).pause(record)
+            record.state = "paused"
+            self._store.save(record)
+        return self._info(record)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox (idempotent)."""
+        record = self._live(sandbox_id, allow_paused=True)
+        if record.state == "paused":
+            await self._backend(record.spec.backend).resume(record)
+            record.state = "running"
+            self._store.save(record)
+        return self._info(record)
+
+    # -- node ----------------------------------------------------------------------------------------
+
+    async def list_images(self) -> builtins.list[ImageInfo]:
+        """Images in the store."""
+        return self.images.list()
+
+    async def get_image(self, name: str) -> ImageInfo:
+        """One image."""
+        return self.images.get(name)
+
+    async def health(self) -> NodeInfo:
+        """Identity, version, backend availability and the live sandbox count."""
+        backends = {}
+        for name in get_args(BackendName):
+            if name in self._unavailable:
+                backends[name] = self._unavailable[name]
+            elif name in self._backends:
+                backends[name] = "ok"
+            else:
+                backends[name] = "not implemented on this node yet"
+        return NodeInfo(
+            node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records)
+        )

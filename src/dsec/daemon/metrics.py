@@ -1,0 +1,63 @@
+"""Prometheus metrics of one engine, in a registry of its own.
+
+Owns metric names, labels and buckets. A registry per engine (not the process-global default) because
+tests and embedders build many engines in one process and must not see each other's counts. This module
+never decides anything: the engine calls it on every path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# 1 ms .. 10 min: an `echo` and a full test suite must both land in a meaningful bucket.
+EXEC_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+CREATE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """The engine's counters, gauges and histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.live = Gauge("dsec_sandboxes_live", "Sandboxes alive now", ["backend"], registry=r)
+        self.created = Counter("dsec_sandboxes_created", "Sandboxes created", ["backend"], registry=r)
+        self.failed = Counter(
+            "dsec_sandboxes_failed", "Sandbox creations that failed", ["backend", "reason"], registry=r
+        )
+        self.create_seconds = Histogram(
+            "dsec_create_seconds", "Time to create a sandbox", ["backend"], buckets=CREATE_BUCKETS, registry=r
+        )
+        self.exec_seconds = Histogram(
+            "dsec_exec_seconds", "Wall time of execs", ["backend"], buckets=EXEC_BUCKETS, registry=r
+        )
+        self.execs = Counter("dsec_exec", "Execs by outcome", ["backend", "outcome"], registry=r)
+        self.limit_hits = Counter(
+            "dsec_limit_hits", "Execs ended by a limit", ["backend", "limit"], registry=r
+        )
+        self.expired = Counter(
+            "dsec_sandboxes_expired", "Sandboxes destroyed at their timeout", ["backend"], registry=r
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0.0 when never set); for tests and ``statistics()``."""
+        found = self.registry.get_sample_value(name, labels)
+        return 0.0 if found is None else found

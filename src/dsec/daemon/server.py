@@ -1,0 +1,348 @@
+"""Running the node daemon: ``serve`` in the foreground, ``up``/``down`` in the background.
+
+Owns the process side: directories and their modes, the unix socket (0600 in a 0700 directory), the
+optional TCP listener (always behind a token), signals, the pid file and the log file. It must never
+hold sandbox logic (the engine does) and never destroy sandboxes on a plain stop: a restarted daemon
+re-adopts them.
+
+    serve(settings, tcp=None, token=None, engine=None)   # blocks until SIGTERM/SIGINT
+    up(settings, tcp=None, token=None, timeout=15) -> pid # background daemon, waits for /v1/health
+    down(settings, destroy=False, timeout=30) -> bool     # stop it (optionally destroying sandboxes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from dsec.config import Settings
+from dsec.daemon.app import create_app
+from dsec.daemon.engine import Engine
+
+__all__ = ["Daemon", "ServeError", "daemon_answers", "down", "serve", "up"]
+
+log = logging.getLogger(__name__)
+
+# Popen objects of daemons this process started, kept so they are reaped (no zombie, no ResourceWarning).
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class ServeError(RuntimeError):
+    """The daemon cannot start or stop (already running, bad address, died at startup)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the daemon stops both listeners on one signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _parse_tcp(tcp: str) -> tuple[str, int]:
+    host, sep, port = tcp.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ServeError(f"--tcp must look like HOST:PORT (e.g. 127.0.0.1:8600), got {tcp!r}")
+    return host.strip("[]"), int(port)
+
+
+def _health_client(socket_path: Path, timeout: float = 2.0) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://dsec",
+                        timeout=timeout)
+
+
+def daemon_answers(settings: Settings) -> bool:
+    """True when a daemon answers ``GET /v1/health`` on the settings' unix socket."""
+    if not settings.socket_path.exists():
+        return False
+    # A bare connect first: a stale socket refuses it, and httpx leaks its socket on that path.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(settings.socket_path))
+        except OSError:
+            return False
+    try:
+        with _health_client(settings.socket_path) as client:
+            return client.get("/v1/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        # Only the daemon's user may talk to it: the socket carries no token.
+        os.chmod(path, 0o600)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on TCP {host}:{port}: {exc}") from exc
+    return sock
+
+
+class Daemon:
+    """One daemon run: ``await run()`` serves until :meth:`stop` (thread-safe) or a signal."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tcp: str | None = None,
+        token: str | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        if tcp is not None and not token:
+            raise ServeError("refusing to serve on TCP without a token: pass --token or set DSEC_TOKEN")
+        self.settings = settings
+        self.tcp = _parse_tcp(tcp) if tcp is not None else None
+        self.token = token
+        self.engine = engine
+        self.started = threading.Event()
+        self.tcp_address: tuple[str, int] | None = None
+        """The bound TCP address once serving (useful with port 0)."""
+        self._servers: list[_Server] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """Ask every listener to finish (callable from any thread or a signal handler)."""
+        self._stopping = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._stop_servers)
+
+    def _stop_servers(self) -> None:
+        for server in self._servers:
+            server.should_exit = True
+
+    def _prepare_dirs(self) -> None:
+        s = self.settings
+        for path in (s.home, s.state_dir, s.log_file.parent):
+            path.mkdir(parents=True, exist_ok=True)
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(s.run_dir, 0o700)
+
+    async def run(self) -> None:
+        """Serve until stopped; the engine is closed (sandboxes left alive) and the socket removed."""
+        s = self.settings
+        self._prepare_dirs()
+        if s.socket_path.exists() or s.socket_path.is_symlink():
+            if await asyncio.to_thread(daemon_answers, s):
+                raise ServeError(f"another DSec daemon already answers on {s.socket_path}; stop it first")
+            s.socket_path.unlink()  # stale: left by a daemon that was killed
+        sockets = [_bind_unix(s.socket_path)]
+        try:
+            if self.tcp is not None:
+                sockets.append(_bind_tcp(*self.tcp))
+                self.tcp_address = sockets[-1].getsockname()[:2]
+            engine = self.engine or Engine.from_settings(s)
+            self._loop = asyncio.get_running_loop()
+            await engine.start()
+            try:
+                await self._serve(engine, sockets)
+            finally:
+                await engine.aclose()
+        finally:
+            for sock in sockets:
+                sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                s.socket_path.unlink()
+
+    async def _serve(self, engine: Engine, sockets: list[socket.socket]) -> None:
+        apps = [create_app(engine, None)]
+        if self.tcp is not None:
+            apps.append(create_app(engine, self.token))
+        for app in apps:
+            config = uvicorn.Config(
+                app, loop="asyncio", http="h11", log_level="warning", lifespan="off",
+                timeout_graceful_shutdown=5,
+            )
+            self._servers.append(_Server(config))
+        loop = asyncio.get_running_loop()
+        handled = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+                handled.append(sig)
+        try:
+            if self._stopping:
+                self._stop_servers()
+            self.started.set()
+            log.info("dsec daemon serving on %s%s", self.settings.socket_path,
+                     f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
+            pairs = zip(self._servers, sockets, strict=True)
+            await asyncio.gather(*(server.serve([sock]) for server, sock in pairs))
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+
+def serve(
+    settings: Settings,
+    tcp: str | None = None,
+    token: str | None = None,
+    engine: Engine | None = None,
+) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT; raises :class:`ServeError` if it cannot start.
+
+    ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
+    ``engine`` defaults to :meth:`Engine.from_settings`.
+    """
+    asyncio.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
+
+
+def _read_pid(settings: Settings) -> int | None:
+    try:
+        return int(settings.pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    child = _children.get(pid)
+    if child is not None:
+        return child.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        # A zombie has exited; it only waits for its parent to reap it.
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def _is_dsec(pid: int) -> bool:
+    """Guard against a recycled pid: only signal a process whose command line is a DSec daemon."""
+    try:
+        return b"dsec" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _log_tail(settings: Settings, lines: int = 20) -> str:
+    try:
+        return "\n".join(settings.log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0) -> int:
+    """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
+
+    The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token
+    travels in the environment, never on the command line (where ``ps`` would show it).
+    """
+    if tcp is not None and not token:
+        raise ServeError("refusing to serve on TCP without a token: pass --token or set DSEC_TOKEN")
+    if daemon_answers(settings):
+        pid = _read_pid(settings)
+        raise ServeError(f"a DSec daemon already answers on {settings.socket_path} (pid {pid})")
+    settings.log_file.parent.mkdir(parents=True, exist_ok=True)
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.run_dir, 0o700)
+    env = dict(os.environ)
+    env["DSEC_HOME"] = str(settings.home)
+    env["DSEC_IMAGES"] = str(settings.images)
+    env["DSEC_NODE"] = settings.node
+    if token:
+        env["DSEC_TOKEN"] = token
+    # Work from a source tree too: the child must import the same dsec as this process.
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "dsec.daemon", "serve"] + (["--tcp", tcp] if tcp else [])
+    with settings.log_file.open("ab") as logf:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env, start_new_session=True,
+            cwd="/",
+        )
+    _children[proc.pid] = proc
+    settings.pid_file.write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            _children.pop(proc.pid, None)
+            settings.pid_file.unlink(missing_ok=True)
+            raise ServeError(f"the daemon exited with status {proc.returncode} at startup; log tail:\n"
+                             + _log_tail(settings))
+        if daemon_answers(settings):
+            return proc.pid
+        time.sleep(0.05)
+    _signal_and_wait(proc.pid, 5.0)
+    settings.pid_file.unlink(missing_ok=True)
+    raise ServeError(f"the daemon did not answer within {timeout:g} s; log tail:\n" + _log_tail(settings))
+
+
+def _signal_and_wait(pid: int, timeout: float) -> bool:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL; True if it stopped gracefully."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    graceful = _wait_gone(pid, timeout)
+    if not graceful:
+        log.warning("daemon %d ignored SIGTERM for %g s; killing it", pid, timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, 10.0)
+    child = _children.pop(pid, None)
+    if child is not None:
+        child.wait()
+    return graceful
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bool:
+    """Stop the daemon started by :func:`up`; returns False if none was running.
+
+    With ``destroy=True`` every sandbox is destroyed through the API first; otherwise sandboxes stay
+    alive and the next daemon re-adopts them.
+    """
+    pid = _read_pid(settings)
+    if destroy and daemon_answers(settings):
+        with _health_client(settings.socket_path, timeout=timeout) as client:
+            for info in client.get("/v1/sandboxes").raise_for_status().json():
+                client.delete(f"/v1/sandboxes/{info['id']}")
+    if pid is None or not _alive(pid) or not _is_dsec(pid):
+        settings.pid_file.unlink(missing_ok=True)
+        return False
+    _signal_and_wait(pid, timeout)
+    settings.pid_file.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,287 @@
+"""``dsec doctor``: what works on this host, and what to install when something does not.
+
+Owns the host probes (privileges, kernel features, external tools, the image store) and their
+rendering. Every probe is read-only and bounded in time; a probe that fails or raises becomes a
+failed check, never an exception. It never installs, mounts or changes anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsec.config import Settings
+
+__all__ = ["Check", "as_json", "healthy", "render", "run_checks", "table"]
+
+_PROBE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the doctor's report."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+    """What to run or install when ``ok`` is false."""
+    required: bool = True
+    """False for things only some backends or benchmarks need (a failure is then a warning)."""
+
+
+@dataclass(frozen=True)
+class _Tool:
+    name: str
+    binary: str
+    package: str
+    version_args: tuple[str, ...]
+    required: bool
+    why: str
+
+
+_TOOLS = (
+    _Tool("runc", "runc", "runc", ("--version",), True, "container backend"),
+    _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init"),
+    _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
+    _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),
+    _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),
+    _Tool("bwrap", "bwrap", "bubblewrap", ("--version",), False, "benchmark peer"),
+    _Tool("podman", "podman", "podman", ("--version",), False, "benchmark peer"),
+    _Tool("newuidmap", "newuidmap", "uidmap", (), False, "rootless user namespaces"),
+)
+
+
+def run_checks(settings: Settings | None = None) -> list[Check]:
+    """Run every probe; never raises."""
+    try:
+        settings = settings or Settings()
+    except Exception as exc:  # a bad DSEC_UID_SHIFT must not crash the doctor
+        return [Check("settings", False, f"cannot read settings: {exc}", "fix the DSEC_* environment")]
+    probes: list[tuple[str, Callable[[], Check]]] = [
+        ("root", _root), ("kernel", _kernel), ("user namespaces", _userns), ("cgroups", _cgroups),
+        ("overlayfs", _overlayfs), ("seccomp", _seccomp), ("landlock", _landlock), ("kvm", _kvm),
+        *[(f"tool: {t.name}", lambda t=t: _tool(t)) for t in _TOOLS],
+        ("libseccomp", _libseccomp),
+        ("image store", lambda: _image_store(settings)),
+        ("image debian-python", lambda: _base_image(settings)),
+    ]
+    checks: list[Check] = []
+    for name, probe in probes:
+        try:
+            checks.append(probe())
+        except Exception as exc:
+            checks.append(Check(name, False, f"probe failed: {type(exc).__name__}: {exc}"))
+    return checks
+
+
+def healthy(checks: list[Check]) -> bool:
+    """True when every required check passed."""
+    return all(c.ok for c in checks if c.required)
+
+
+def as_json(checks: list[Check]) -> str:
+    """The checks as a JSON array of objects (name, ok, detail, fix, required)."""
+    return json.dumps([asdict(c) for c in checks], indent=2)
+
+
+def table(checks: list[Check]) -> object:
+    """A :class:`rich.table.Table` of the checks."""
+    from rich.table import Table
+
+    tbl = Table(title="dsec doctor", show_lines=False)
+    tbl.add_column("check")
+    tbl.add_column("status")
+    tbl.add_column("detail")
+    tbl.add_column("fix")
+    for c in checks:
+        status = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.required else "[yellow]warn[/]")
+        tbl.add_row(c.name, status, c.detail, c.fix or "")
+    return tbl
+
+
+def render(checks: list[Check], console: object | None = None) -> None:
+    """Print the checks as a table on ``console`` (default: stdout)."""
+    from rich.console import Console
+
+    out = console if isinstance(console, Console) else Console()
+    out.print(table(checks))
+    bad = [c for c in checks if not c.ok and c.required]
+    out.print("[green]all required checks passed[/]" if not bad
+              else f"[red]{len(bad)} required check(s) failed[/]")
+
+
+# --------------------------------------------------------------------- probes
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=_PROBE_TIMEOUT, check=False,
+                          stdin=subprocess.DEVNULL)
+
+
+def _root() -> Check:
+    uid = os.geteuid()
+    return Check("root", uid == 0, "running as root" if uid == 0 else f"running as uid {uid}",
+                 None if uid == 0 else "run the daemon as root (sudo dsec serve)")
+
+
+def _kernel() -> Check:
+    release = platform.release()
+    m = re.match(r"(\d+)\.(\d+)", release)
+    ok = bool(m) and (int(m.group(1)), int(m.group(2))) >= (5, 13) if m else False
+    return Check("kernel", ok, f"Linux {release}",
+                 None if ok else "Linux >= 5.13 is needed (Landlock, overlayfs in user namespaces)")
+
+
+def _userns() -> Check:
+    exe = shutil.which("unshare")
+    if exe is None:
+        return Check("user namespaces", False, "unshare not found", "apt-get install util-linux")
+    proc = _run([exe, "-Ur", "true"])
+    if proc.returncode == 0:
+        return Check("user namespaces", True, "unshare -Ur works")
+    return Check("user namespaces", False, f"unshare -Ur failed: {proc.stderr.strip()[:200]}",
+                 "sysctl -w user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1")
+
+
+def cgroup_mode(mountinfo: str) -> tuple[str, list[str]]:
+    """(``"v2 unified"`` | ``"v1 (hybrid)"`` | ``"v1 (legacy)"`` | ``"none"``, controllers) from mountinfo."""
+    v1: set[str] = set()
+    v2_at: list[str] = []
+    known = {"cpu", "cpuacct", "cpuset", "memory", "pids", "blkio", "freezer", "devices", "net_cls",
+             "net_prio", "perf_event", "hugetlb", "rdma", "misc"}
+    for line in mountinfo.splitlines():
+        pre, sep, post = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = pre.split(), post.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        if tail[0] == "cgroup2":
+            v2_at.append(fields[4])
+        elif tail[0] == "cgroup":
+            v1.update(opt for opt in tail[2].split(",") if opt in known)
+    if v1:
+        return ("v1 (hybrid)" if v2_at else "v1 (legacy)"), sorted(v1)
+    if v2_at:
+        ctl = Path(v2_at[0]) / "cgroup.controllers"
+        controllers = ctl.read_text().split() if ctl.is_file() else []
+        return "v2 unified", sorted(controllers)
+    return "none", []
+
+
+def _cgroups() -> Check:
+    mode, controllers = cgroup_mode(Path("/proc/self/mountinfo").read_text())
+    needed = {"memory", "pids", "cpu"}
+    missing = sorted(needed - set(controllers))
+    ok = mode != "none" and not missing
+    detail = f"{mode}; controllers: {', '.join(controllers) or 'none'}"
+    if missing:
+        detail += f"; missing {', '.join(missing)}"
+    fix = None if ok else "mount cgroups with the memory, pids and cpu controllers"
+    return Check("cgroups", ok, detail, fix)
+
+
+def _overlayfs() -> Check:
+    if "overlay" in Path("/proc/filesystems").read_text().split():
+        return Check("overlayfs", True, "available")
+    modules = Path("/lib/modules") / platform.release()
+    if modules.is_dir() and any(modules.rglob("overlay.ko*")):
+        return Check("overlayfs", True, "module present (loaded on first mount)")
+    return Check("overlayfs", False, "not in /proc/filesystems",
+                 "modprobe overlay (kernel CONFIG_OVERLAY_FS)")
+
+
+def _seccomp() -> Check:
+    actions = Path("/proc/sys/kernel/seccomp/actions_avail")
+    if not actions.is_file():
+        return Check("seccomp", False, "no seccomp filter support", "kernel with CONFIG_SECCOMP_FILTER")
+    avail = actions.read_text().split()
+    ok = "errno" in avail and "kill_process" in avail
+    return Check("seccomp", ok, f"filter mode; actions: {' '.join(avail)}",
+                 None if ok else "kernel with CONFIG_SECCOMP_FILTER")
+
+
+def landlock_abi() -> int:
+    """Landlock ABI version of the running kernel (0 when unavailable)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION); 444 on every architecture
+    abi = int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+    return max(abi, 0)
+
+
+def _landlock() -> Check:
+    abi = landlock_abi()
+    if abi > 0:
+        return Check("landlock", True, f"ABI {abi}", required=False)
+    return Check("landlock", False, "not available (function backend runs without file rules)",
+                 "kernel >= 5.13 with CONFIG_SECURITY_LANDLOCK and lsm=landlock", required=False)
+
+
+def _kvm() -> Check:
+    if Path("/dev/kvm").exists():
+        ok = os.access("/dev/kvm", os.R_OK | os.W_OK)
+        return Check("kvm", ok, "present (not probed: microvm backend not built yet)" if ok
+                     else "present but not accessible", None if ok else "run as root or join group kvm",
+                     required=False)
+    return Check("kvm", False, "absent → TCG only (microvm/vm backends run emulated, slower)",
+                 "enable (nested) hardware virtualisation to use KVM", required=False)
+
+
+def _tool(tool: _Tool) -> Check:
+    path = shutil.which(tool.binary)
+    name = f"tool: {tool.name}"
+    fix = f"apt-get install {tool.package}"
+    if path is None:
+        return Check(name, False, f"not found ({tool.why})", fix, tool.required)
+    version = ""
+    if tool.version_args:
+        proc = _run([path, *tool.version_args])
+        lines = (proc.stdout or proc.stderr).strip().splitlines()
+        version = lines[0].strip() if lines else f"exit {proc.returncode}"
+    return Check(name, True, f"{version or 'present'} ({path})", None, tool.required)
+
+
+def _libseccomp() -> Check:
+    fix = "apt-get install libseccomp2 && pip install pyseccomp"
+    try:
+        import pyseccomp  # noqa: F401
+    except Exception as exc:
+        return Check("libseccomp", False, f"pyseccomp does not import: {exc}", fix)
+    import ctypes.util
+
+    lib = ctypes.util.find_library("seccomp")
+    return Check("libseccomp", True, f"pyseccomp over {lib or 'libseccomp'}")
+
+
+def _image_store(settings: Settings) -> Check:
+    from dsec.images.store import ImageStore
+
+    root = settings.images
+    if not root.is_dir():
+        return Check("image store", False, f"{root} does not exist",
+                     f"mkdir -p {root} (or set DSEC_IMAGES), then `dsec image build debian-python`")
+    names = ImageStore(root).names()
+    writable = os.access(root, os.W_OK)
+    detail = f"{root}: {len(names)} image(s): {', '.join(names) or 'none'}"
+    if not writable:
+        return Check("image store", False, detail + " (not writable)", f"run as root or chown {root}")
+    return Check("image store", True, detail)
+
+
+def _base_image(settings: Settings) -> Check:
+    from dsec.images.store import ImageStore
+
+    store = ImageStore(settings.images)
+    if store.exists("debian-python"):
+        info = store.get("debian-python")
+        return Check("image debian-python", True,
+                     f"{info.size_bytes / 1e6:.0f} MB, {info.files} files, uid shift {info.uid_shift}")
+    return Check("image debian-python", False, "not built", "dsec image build debian-python")

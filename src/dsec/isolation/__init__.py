@@ -1,0 +1,1 @@
+"""Host isolation primitives: cgroups, seccomp, capabilities, the exec helper and the sandbox init."""

@@ -1,0 +1,117 @@
+"""The OCI runtime config (runc's ``config.json``) of a container sandbox.
+
+Everything a container is allowed to do is decided here, in one place: namespaces,
+the user-namespace mapping, mounts, masked and read-only ``/proc``/``/sys`` paths,
+capabilities, rlimits, cgroup limits and the seccomp profile. The exec helper reads
+the same :func:`exec_rlimits`, capabilities and profile so that commands joining the
+sandbox carry exactly the init's restrictions.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+from typing import Any
+
+from dsec.isolation.capabilities import DEFAULT_CAPS
+from dsec.isolation.cgroups import cgroup_mode
+from dsec.isolation.seccomp import Profile
+from dsec.models import SandboxSpec
+
+__all__ = ["INIT_PATH", "MASKED_PATHS", "READONLY_PATHS", "exec_rlimits", "runtime_config"]
+
+INIT_PATH = "/dev/.dsec-init"
+"""Where the host's static init is bind-mounted (``/dev`` is a fresh tmpfs: nothing lands in the image)."""
+
+# Paths that leak host state or reach host kernel interfaces. /proc/kpage* let a recursive
+# grep of /proc take a host down; sysrq-trigger and kcore speak for themselves.
+MASKED_PATHS = (
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/key-users", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup",
+    "/proc/kpagecount", "/proc/kpageflags", "/proc/kmsg", "/proc/sysrq-trigger", "/proc/vmallocinfo",
+    "/proc/pagetypeinfo", "/proc/slabinfo", "/proc/config.gz", "/sys/firmware", "/sys/kernel/debug",
+    "/sys/kernel/tracing", "/sys/kernel/security", "/sys/devices/virtual/powercap",
+)
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys")
+
+_NOFILE = 65536
+
+
+def exec_rlimits() -> dict[str, tuple[int, int]]:
+    """(soft, hard) per limit: enough open files for builds and test runners, bounded so one sandbox
+    cannot exhaust host tables, and never above the daemon's own hard limit (a user namespace cannot
+    raise it, and some hosts deny even root CAP_SYS_RESOURCE)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nofile = _NOFILE if hard == resource.RLIM_INFINITY else min(_NOFILE, hard)
+    return {"nofile": (nofile, nofile), "core": (0, 0)}
+
+_OCI_RLIMIT_NAMES = {"nofile": "RLIMIT_NOFILE", "core": "RLIMIT_CORE"}
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def runtime_config(
+    *,
+    sandbox_id: str,
+    spec: SandboxSpec,
+    rootfs: Path,
+    init_binary: Path,
+    uid_shift: int,
+    uid_count: int,
+    cgroups_path: str,
+    profile: Profile,
+) -> dict[str, Any]:
+    """The config.json for runc."""
+    caps = list(DEFAULT_CAPS)
+    resources: dict[str, Any] = {
+        "devices": [{"allow": False, "access": "rwm"}],
+        "memory": {"limit": spec.memory},
+        "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
+        "pids": {"limit": spec.pids},
+    }
+    if cgroup_mode() == "v2" or Path("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes").exists():
+        resources["memory"]["swap"] = spec.memory  # memory+swap == memory: the sandbox never swaps
+    mapping = [{"containerID": 0, "hostID": uid_shift, "size": uid_count}]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [INIT_PATH],
+            "env": [f"PATH={DEFAULT_PATH}"],
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps, "inheritable": [],
+                             "ambient": []},
+            "rlimits": [{"type": _OCI_RLIMIT_NAMES[k], "soft": s, "hard": h} for k, (s, h) in exec_rlimits().items()],
+            "noNewPrivileges": True,
+            # The host OOM killer should pick a sandbox before the daemon or anything else on the node.
+            "oomScoreAdj": 500,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": sandbox_id,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
+             "options": ["bind", "ro", "nosuid", "nodev"]},
+        ],
+        "linux": {
+            "uidMappings": mapping,
+            "gidMappings": mapping,
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
+            "cgroupsPath": cgroups_path,
+            "resources": resources,
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+            "seccomp": profile.to_oci(),
+            "rootfsPropagation": "private",
+        },
+    }

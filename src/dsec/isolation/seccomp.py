@@ -1,0 +1,137 @@
+"""The seccomp denylist applied to every sandboxed process, in one definition.
+
+The same :class:`Profile` renders to the OCI JSON that runc loads for a container's
+init and to a BPF program (compiled by libseccomp) that the exec helper loads for
+every command joining the container, so both carry exactly the same restrictions.
+Only the native x86-64 ABI is allowed: 32-bit (int 0x80) and x32 syscalls hit
+libseccomp's bad-arch action (kill), which closes the classic ABI-confusion bypasses.
+
+This module never loads a filter into the calling process.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_PROFILE", "ArgRule", "Profile", "Rule"]
+
+# ioctl request numbers (x86-64). FICLONE/FICLONERANGE/FIDEDUPERANGE share extents with
+# another file and XFS_IOC_SWAPEXT swaps them: agents used these to rewrite files they
+# could only read. TIOCSTI/TIOCLINUX inject input into a terminal.
+XFS_IOC_SWAPEXT = 0xC0C0586D
+FICLONE = 0x40049409
+FICLONERANGE = 0x4020940D
+FIDEDUPERANGE = 0xC0189436
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+CLONE_NEWUSER = 0x10000000
+
+
+@dataclass(frozen=True)
+class ArgRule:
+    """A condition on one syscall argument: ``(arg[index] & mask) == value`` when ``mask`` is set."""
+
+    index: int
+    value: int
+    mask: int | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Deny ``names`` (with EPERM unless ``errno_ret`` says otherwise), optionally only when ``args`` match."""
+
+    names: tuple[str, ...]
+    errno_ret: int = errno.EPERM
+    args: tuple[ArgRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A default-allow filter with denied syscalls."""
+
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def denied_names(self) -> set[str]:
+        """Syscalls denied unconditionally."""
+        return {n for r in self.rules if not r.args for n in r.names}
+
+    def to_oci(self) -> dict[str, Any]:
+        """The ``linux.seccomp`` section of an OCI runtime config."""
+        syscalls = []
+        for rule in self.rules:
+            entry: dict[str, Any] = {
+                "names": list(rule.names),
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": rule.errno_ret,
+            }
+            if rule.args:
+                entry["args"] = [
+                    {
+                        "index": a.index,
+                        "value": a.mask if a.mask is not None else a.value,
+                        "valueTwo": a.value if a.mask is not None else 0,
+                        "op": "SCMP_CMP_MASKED_EQ" if a.mask is not None else "SCMP_CMP_EQ",
+                    }
+                    for a in rule.args
+                ]
+            syscalls.append(entry)
+        return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"], "syscalls": syscalls}
+
+    def compile_bpf(self) -> bytes:
+        """The filter as a raw BPF program (array of ``struct sock_filter``), built by libseccomp."""
+        import pyseccomp
+
+        filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+        for rule in self.rules:
+            for name in rule.names:
+                try:
+                    pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+                except Exception:
+                    continue
+                args = [
+                    pyseccomp.Arg(a.index, pyseccomp.MASKED_EQ, a.mask, a.value)
+                    if a.mask is not None
+                    else pyseccomp.Arg(a.index, pyseccomp.EQ, a.value)
+                    for a in rule.args
+                ]
+                filt.add_rule(pyseccomp.ERRNO(rule.errno_ret), name, *args)
+        with tempfile.TemporaryFile() as tmp:
+            filt.export_bpf(tmp)
+            tmp.flush()
+            os.lseek(tmp.fileno(), 0, os.SEEK_SET)
+            return tmp.read()
+
+
+def _deny(*names: str, err: int = errno.EPERM) -> Rule:
+    return Rule(names=tuple(names), errno_ret=err)
+
+
+DEFAULT_PROFILE = Profile(
+    rules=(
+        # Filesystem namespace and mount surgery.
+        _deny("mount", "umount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
+              "fsconfig", "fsmount", "fspick", "mount_setattr"),
+        # Kernel, modules, kexec, keys, BPF, perf, userfaultfd: the kernel attack surface.
+        _deny("bpf", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+              "keyctl", "add_key", "request_key", "perf_event_open", "userfaultfd", "lookup_dcookie",
+              "iopl", "ioperm", "swapon", "swapoff", "reboot", "syslog", "acct", "quotactl", "quotactl_fd",
+              "nfsservctl", "uselib", "ustat", "sysfs", "_sysctl", "vm86", "vm86old", "create_module",
+              "get_kernel_syms", "query_module", "kcmp", "fanotify_init", "open_by_handle_at",
+              "name_to_handle_at", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime"),
+        # Tracing and reading other processes' memory.
+        _deny("ptrace", "process_vm_readv", "process_vm_writev", "process_madvise"),
+        # Namespaces: joining any, or creating a user namespace (the gateway to most kernel bugs).
+        _deny("setns"),
+        Rule(names=("unshare",), args=(ArgRule(0, CLONE_NEWUSER, CLONE_NEWUSER),)),
+        Rule(names=("clone",), args=(ArgRule(0, CLONE_NEWUSER, CLONE_NEWUSER),)),
+        # clone3 passes flags in memory that seccomp cannot inspect: ENOSYS makes libc fall back to clone.
+        _deny("clone3", err=errno.ENOSYS),
+        # Dangerous ioctls.
+        *(Rule(names=("ioctl",), args=(ArgRule(1, req),))
+          for req in (XFS_IOC_SWAPEXT, FICLONE, FICLONERANGE, FIDEDUPERANGE, TIOCSTI, TIOCLINUX)),
+    )
+)

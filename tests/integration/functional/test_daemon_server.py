@@ -1,0 +1,175 @@
+"""The daemon as a real server: uvicorn on a unix socket, client disconnects, TCP token, up/down."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsec.config import Settings
+from dsec.daemon.engine import Engine
+from dsec.daemon.server import Daemon, ServeError, daemon_answers, down, up
+from dsec.testing.fake import FakeBackend, FakeImages
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    # Short path: a unix socket path must fit in 108 bytes, and pytest's tmp_path may not.
+    path = Path(tempfile.mkdtemp(prefix="dsec-t-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Running:
+    """A daemon serving from a background thread of the test process."""
+
+    def __init__(self, settings: Settings, **kwargs: str) -> None:
+        self.settings = settings
+        self.engine = Engine(settings, {"container": FakeBackend(root=settings.home / "fake")}, FakeImages())
+        self.daemon = Daemon(settings, engine=self.engine, **kwargs)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.daemon.run())
+        except BaseException as exc:
+            self.error = exc
+            self.daemon.started.set()
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        assert self.daemon.started.wait(30), "daemon did not start"
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "daemon thread did not stop"
+
+    def client(self) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=str(self.settings.socket_path))
+        return httpx.Client(transport=transport, base_url="http://dsec", timeout=30)
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"
+
+
+def wait_until(predicate: object, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(predicate())  # type: ignore[operator]
+
+
+def test_serves_on_a_private_unix_socket_and_stops_cleanly(home: Path) -> None:
+    settings = Settings(home=home)
+    with Running(settings) as running, running.client() as c:
+        assert c.get("/v1/health").json()["backends"]["container"] == "ok"
+        assert stat.S_IMODE(settings.socket_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(settings.run_dir.stat().st_mode) == 0o700
+        sid = c.post("/v1/sandboxes", json={"image": "base"}).json()["id"]
+        with pytest.raises(ServeError, match="already answers"):
+            asyncio.run(Daemon(settings, engine=running.engine).run())
+    assert not settings.socket_path.exists()
+    # A plain stop leaves sandboxes for the next daemon to re-adopt.
+    assert (home / "fake" / sid).is_dir()
+    assert (settings.state_dir / f"{sid}.json").exists()
+
+
+def test_stale_socket_is_replaced(home: Path) -> None:
+    settings = Settings(home=home)
+    settings.run_dir.mkdir(parents=True)
+    settings.socket_path.write_text("")  # left by a daemon that was SIGKILLed
+    with Running(settings) as running, running.client() as c:
+        assert c.get("/v1/health").status_code == 200
+
+
+def test_client_disconnect_kills_the_command(home: Path) -> None:
+    settings = Settings(home=home)
+    with Running(settings) as running, running.client() as c:
+        sid = c.post("/v1/sandboxes", json={"image": "base"}).json()["id"]
+        body = {"command": "echo $$; exec sleep 300", "timeout": None}
+        with c.stream("POST", f"/v1/sandboxes/{sid}/exec", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep a reference: a collected iterator closes the response
+            first = json.loads(next(lines))
+            pid = int(base64.b64decode(first["data"]))
+            assert not gone(pid)
+        # Leaving the block closed the connection mid-stream.
+        assert wait_until(lambda: gone(pid)), f"command {pid} survived its client's disconnect"
+        metrics = running.engine.metrics
+        cancelled = {"backend": "container", "outcome": "cancelled"}
+        assert wait_until(lambda: metrics.value("dsec_exec_total", **cancelled) == 1)
+        # The sandbox itself is untouched and still usable.
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"command": "echo ok"})
+        assert json.loads(r.text.splitlines()[-1])["result"]["exit_code"] == 0
+
+
+def test_tcp_needs_the_token(home: Path) -> None:
+    with pytest.raises(ServeError, match="without a token"):
+        Daemon(Settings(home=home), tcp="127.0.0.1:0")
+    with Running(Settings(home=home), tcp="127.0.0.1:0", token="t0k") as running:
+        assert running.daemon.tcp_address is not None
+        host, port = running.daemon.tcp_address
+        with httpx.Client(base_url=f"http://{host}:{port}", timeout=30) as c:
+            assert c.get("/v1/health").status_code == 200
+            assert c.get("/v1/sandboxes").status_code == 401
+            assert c.get("/v1/sandboxes", headers={"Authorization": "Bearer t0k"}).json() == []
+        with running.client() as local:  # the unix socket needs no token
+            assert local.get("/v1/sandboxes").status_code == 200
+
+
+@pytest.mark.slow
+def test_up_and_down(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_DAEMON_FAKE", "1")
+    settings = Settings(home=home)
+    pid = up(settings, timeout=60)
+    try:
+        assert settings.pid_file.read_text().strip() == str(pid)
+        assert daemon_answers(settings)
+        with pytest.raises(ServeError, match="already answers"):
+            up(settings)
+        transport = httpx.HTTPTransport(uds=str(settings.socket_path))
+        with httpx.Client(transport=transport, base_url="http://dsec", timeout=30) as c:
+            assert c.get("/v1/health").json()["sandboxes"] == 0
+    finally:
+        stopped = down(settings)
+    assert stopped
+    assert gone(pid)
+    assert not settings.pid_file.exists()
+    assert not settings.socket_path.exists()
+    assert down(settings) is False
+
+
+@pytest.mark.slow
+def test_up_reports_early_death_with_the_log(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_DAEMON_FAKE", "1")
+    settings = Settings(home=home)
+    with pytest.raises(ServeError, match="cannot listen on TCP") as err:
+        up(settings, tcp="256.0.0.1:1", token="x", timeout=60)
+    assert "exited with status 1" in str(err.value)
+    assert not settings.pid_file.exists()
+    assert not os.path.exists(settings.socket_path)

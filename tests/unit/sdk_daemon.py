@@ -1,0 +1,109 @@
+"""A real DSec daemon app (engine + FakeBackend) served by uvicorn in a thread, for SDK and CLI tests.
+
+SDK tests must exercise the real HTTP app, not mocks: this starts ``create_app(Engine(...))`` on a unix
+socket (and optionally TCP with a token) in a background thread with its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from dsec.backends.base import ImageRef
+from dsec.config import Settings
+from dsec.daemon.app import create_app
+from dsec.daemon.engine import Engine
+from dsec.errors import ImageNotFound
+from dsec.models import ImageInfo
+from dsec.testing.fake import FakeBackend
+
+IMAGES = ("debian-python", "tiny")
+
+
+class TinyImages:
+    """An image resolver with a few empty images (the fake backend ignores the rootfs)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, name: str) -> ImageInfo:
+        if name not in IMAGES:
+            raise ImageNotFound(f"image {name!r} not found", image=name)
+        return ImageInfo(name=name, created_at=0.0, size_bytes=0, files=0, source="test", uid_shift=0)
+
+    def resolve(self, name: str) -> ImageRef:
+        self.get(name)
+        return ImageRef(name=name, rootfs=self.root)
+
+    def list(self) -> builtins.list[ImageInfo]:
+        return [self.get(n) for n in IMAGES]
+
+
+@dataclass
+class Daemon:
+    unix_url: str
+    tcp_url: str | None
+    token: str | None
+    engine: Engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_daemon(home: Path, token: str | None = None) -> Iterator[Daemon]:
+    """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given)."""
+    settings = Settings(home=home)
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    engine = Engine(settings, {"container": FakeBackend(root=home / "fake")}, TinyImages(home / "rootfs"))
+    sock = str(settings.socket_path)
+    port = _free_port() if token else None
+    servers: list[uvicorn.Server] = []
+    ready = threading.Event()
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        try:
+            await engine.start()
+            configs = [uvicorn.Config(create_app(engine), uds=sock, log_level="warning", lifespan="off")]
+            if port is not None:
+                configs.append(uvicorn.Config(create_app(engine, token), host="127.0.0.1", port=port,
+                                              log_level="warning", lifespan="off"))
+            servers.extend(uvicorn.Server(c) for c in configs)
+            tasks = [asyncio.create_task(s.serve()) for s in servers]
+            while not all(s.started for s in servers):
+                if any(t.done() for t in tasks):
+                    raise RuntimeError("uvicorn stopped during startup")
+                await asyncio.sleep(0.01)
+            ready.set()
+            await asyncio.gather(*tasks)
+        except BaseException as exc:
+            failure.append(exc)
+            ready.set()
+        finally:
+            await engine.destroy_all()
+            await engine.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="test-daemon", daemon=True)
+    thread.start()
+    ready.wait(30)
+    if failure:
+        raise RuntimeError("test daemon failed to start") from failure[0]
+    try:
+        yield Daemon(f"unix://{sock}", f"http://127.0.0.1:{port}" if port else None, token, engine)
+    finally:
+        for server in servers:
+            server.should_exit = True
+        thread.join(30)

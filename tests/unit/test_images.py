@@ -1,0 +1,313 @@
+"""ImageStore: names, import with uid shift, lookups, removal, atomicity and locking."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.base import ImageRef
+from dsec.errors import ImageNotFound, InvalidRequest
+from dsec.images import store as store_mod
+from dsec.images.build import RECIPES, apt_options, apt_sources, mmdebstrap_command
+from dsec.images.store import DEFAULT_PATH, ImageStore, validate_name
+from dsec.models import ImageConfig
+
+SHIFT = 100000
+
+
+def make_tree(src: Path) -> None:
+    """Owners 0 and 1000, setuid/setgid files, a symlink, a hard link, an empty dir, a fifo."""
+    (src / "bin").mkdir(parents=True)
+    (src / "bin" / "tool").write_bytes(b"#!/bin/sh\n")
+    os.chmod(src / "bin" / "tool", 0o4755)
+    (src / "bin" / "grp").write_bytes(b"g")
+    os.chmod(src / "bin" / "grp", 0o2711)
+    (src / "home" / "user").mkdir(parents=True)
+    (src / "home" / "user" / "notes").write_bytes(b"12345")
+    os.chown(src / "home" / "user", 1000, 1000)
+    os.chown(src / "home" / "user" / "notes", 1000, 1001)
+    os.symlink("../bin/tool", src / "home" / "link")
+    os.lchown(src / "home" / "link", 1000, 1000)
+    os.link(src / "bin" / "tool", src / "bin" / "tool-hard")
+    (src / "empty").mkdir()
+    os.chmod(src / "empty", 0o1777)
+    os.mkfifo(src / "fifo")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ImageStore:
+    return ImageStore(tmp_path / "images")
+
+
+@pytest.mark.parametrize("name", ["a", "debian-python", "py3.11_x", "0" * 128])
+def test_valid_names(name: str) -> None:
+    assert validate_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "A", "-a", ".a", "..", "a/b", "a b", "0" * 129, "é", "../x"])
+def test_invalid_names(name: str, store: ImageStore, tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="invalid image name"):
+        validate_name(name)
+    with pytest.raises(InvalidRequest):
+        store.import_dir(name, tmp_path, uid_shift=0)
+    with pytest.raises(InvalidRequest):
+        store.get(name)
+
+
+@pytest.mark.root
+def test_import_shifts_ownership_and_keeps_everything(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    before = {p: p.lstat() for p in src.rglob("*")}
+    info = store.import_dir("img", src, uid_shift=SHIFT)
+    root = store.path("img") / "rootfs"
+
+    assert root.lstat().st_uid == SHIFT and root.lstat().st_gid == SHIFT
+    tool = (root / "bin" / "tool").lstat()
+    assert (tool.st_uid, tool.st_gid) == (SHIFT, SHIFT)
+    assert stat.S_IMODE(tool.st_mode) == 0o4755, "setuid bit lost in the chown"
+    assert stat.S_IMODE((root / "bin" / "grp").lstat().st_mode) == 0o2711, "setgid bit lost"
+    notes = (root / "home" / "user" / "notes").lstat()
+    assert (notes.st_uid, notes.st_gid) == (SHIFT + 1000, SHIFT + 1001)
+    assert (root / "home" / "user").lstat().st_uid == SHIFT + 1000
+    link = root / "home" / "link"
+    assert link.is_symlink() and os.readlink(link) == "../bin/tool"
+    assert (link.lstat().st_uid, link.lstat().st_gid) == (SHIFT + 1000, SHIFT + 1000)
+    hard = (root / "bin" / "tool-hard").lstat()
+    assert hard.st_ino == tool.st_ino and hard.st_nlink == 2, "hard link not kept"
+    assert hard.st_uid == SHIFT, "hard-linked inode shifted twice"
+    empty = root / "empty"
+    assert empty.is_dir() and list(empty.iterdir()) == []
+    assert stat.S_IMODE(empty.lstat().st_mode) == 0o1777
+    assert stat.S_ISFIFO((root / "fifo").lstat().st_mode)
+
+    # the source is untouched
+    for p, st in before.items():
+        now = p.lstat()
+        assert (now.st_uid, now.st_gid, now.st_mode) == (st.st_uid, st.st_gid, st.st_mode), p
+    assert info.files == len(before)
+    assert info.size_bytes == len(b"#!/bin/sh\n") + 1 + 5  # tool (hard link counted once), grp, notes
+    assert info.uid_shift == SHIFT and info.source == f"dir:{src.resolve()}"
+    assert info.config.env["PATH"] == DEFAULT_PATH
+    assert store.get("img") == info
+
+
+@pytest.mark.root
+def test_import_keeps_file_capabilities(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ping").write_bytes(b"x")
+    caps = bytes.fromhex("01000002" "00200000" "00000000" "00000000" "00000000")  # v2, cap_net_raw+p
+    try:
+        os.setxattr(src / "ping", "security.capability", caps)
+    except OSError as exc:
+        pytest.skip(f"cannot set file capabilities here: {exc}")
+    store.import_dir("caps", src, uid_shift=SHIFT)
+    got = os.getxattr(store.path("caps") / "rootfs" / "ping", "security.capability")
+    assert got == caps
+
+
+@pytest.mark.root
+def test_import_refuses_already_shifted_tree(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    os.chown(src / "f", SHIFT, SHIFT)
+    with pytest.raises(InvalidRequest, match="already shifted"):
+        store.import_dir("img", src, uid_shift=SHIFT)
+    assert_clean(store)
+
+
+def assert_clean(store: ImageStore) -> None:
+    left = [p.name for p in store.root.iterdir() if not p.name.startswith(".lock-")]
+    assert left == [], f"import left {left} behind"
+
+
+def test_import_config_and_source(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    config = ImageConfig(env={"LANG": "C.UTF-8", "PATH": "/opt/bin"}, workdir="/srv")
+    info = store.import_dir("cfg", src, uid_shift=0, source="test:thing", config=config)
+    assert info.source == "test:thing"
+    assert info.config.env == {"LANG": "C.UTF-8", "PATH": "/opt/bin"}
+    ref = store.resolve("cfg")
+    assert ref.rootfs == store.root / "cfg" / "rootfs" and ref.rootfs.is_dir()
+    assert ref.config.workdir == "/srv" and ref.uid_shift == 0 and ref.name == "cfg"
+    assert config.env == {"LANG": "C.UTF-8", "PATH": "/opt/bin"}  # caller's object not mutated
+
+
+def test_import_rejects_non_directories(store: ImageStore, tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    for bad in (tmp_path / "file", tmp_path / "missing"):
+        with pytest.raises(InvalidRequest, match="not a directory"):
+            store.import_dir("img", bad, uid_shift=0)
+    with pytest.raises(InvalidRequest, match="uid_shift"):
+        store.import_dir("img", tmp_path, uid_shift=-1)
+
+
+def test_import_existing_needs_replace(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "v").write_bytes(b"1")
+    store.import_dir("img", src, uid_shift=0)
+    (src / "v").write_bytes(b"2")
+    with pytest.raises(InvalidRequest, match="already exists"):
+        store.import_dir("img", src, uid_shift=0)
+    assert (store.path("img") / "rootfs" / "v").read_bytes() == b"1"
+    store.import_dir("img", src, uid_shift=0, replace=True)
+    assert (store.path("img") / "rootfs" / "v").read_bytes() == b"2"
+    assert_clean_except(store, {"img"})
+
+
+def assert_clean_except(store: ImageStore, names: set[str]) -> None:
+    left = {p.name for p in store.root.iterdir() if not p.name.startswith(".lock-")}
+    assert left == names
+
+
+def test_not_found_lists_available(store: ImageStore, tmp_path: Path) -> None:
+    with pytest.raises(ImageNotFound, match="store is empty") as exc:
+        store.resolve("nope")
+    assert "dsec image build debian-python" in str(exc.value)
+    src = tmp_path / "src"
+    src.mkdir()
+    store.import_dir("one", src, uid_shift=0)
+    store.import_dir("two", src, uid_shift=0)
+    with pytest.raises(ImageNotFound) as exc:
+        store.get("nope")
+    assert "'nope'" in str(exc.value) and "available: one, two" in str(exc.value)
+    assert exc.value.detail == {"image": "nope", "available": ["one", "two"]}
+
+
+def test_list_and_remove(store: ImageStore, tmp_path: Path) -> None:
+    assert store.list() == []
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("b", "a", "c"):
+        store.import_dir(name, src, uid_shift=0)
+    (store.root / "not-an-image").mkdir()  # no image.json: ignored
+    assert [i.name for i in store.list()] == ["a", "b", "c"]
+    store.remove("b")
+    assert store.names() == ["a", "c"] and not store.path("b").exists()
+    with pytest.raises(ImageNotFound):
+        store.remove("b")
+    with pytest.raises(ImageNotFound):
+        store.resolve("b")
+    assert store.exists("a") and not store.exists("b")
+
+
+def test_failed_import_leaves_nothing(store: ImageStore, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+
+    def boom(root: Path, shift: int) -> tuple[int, int]:
+        assert (root / "f").exists()  # the copy happened
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(store_mod, "_shift_tree", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        store.import_dir("img", src, uid_shift=0)
+    assert_clean(store)
+    assert not store.exists("img") and store.list() == []
+    assert (src / "f").read_bytes() == b"x"
+
+
+def test_failed_replace_keeps_old_image(store: ImageStore, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"old")
+    store.import_dir("img", src, uid_shift=0)
+    monkeypatch.setattr(store_mod, "_copy_tree", lambda a, b: (_ for _ in ()).throw(OSError("no space")))
+    with pytest.raises(OSError, match="no space"):
+        store.import_dir("img", src, uid_shift=0, replace=True)
+    assert (store.path("img") / "rootfs" / "f").read_bytes() == b"old"
+    assert_clean_except(store, {"img"})
+
+
+def test_leftovers_of_a_killed_import_are_swept(store: ImageStore, tmp_path: Path) -> None:
+    store.root.mkdir(parents=True)
+    (store.root / ".tmp-img-abc123").mkdir()
+    (store.root / ".tmp-img-other-abc123").mkdir()  # belongs to image "img-other": untouched
+    src = tmp_path / "src"
+    src.mkdir()
+    store.import_dir("img", src, uid_shift=0)
+    assert not (store.root / ".tmp-img-abc123").exists()
+    assert (store.root / ".tmp-img-other-abc123").exists()
+
+
+def test_concurrent_imports_of_one_name_do_not_race(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(50):
+        (src / "d" / str(i)).write_bytes(b"x" * i)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            store.import_dir("img", src, uid_shift=0, replace=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.get("img").files == 51
+    assert_clean_except(store, {"img"})
+
+
+def test_mmdebstrap_command_passes_host_apt_files(tmp_path: Path) -> None:
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    (apt / "apt.conf.d").mkdir()
+    (apt / "sources.list").write_text("# only a comment\n")
+    (apt / "sources.list.d" / "debian.sources").write_text("Types: deb\n")
+    (apt / "sources.list.d" / "old.list.disabled").write_text("deb x y\n")
+    (apt / "apt.conf.d" / "99proxy").write_text('Acquire::http::Proxy "http://p";\n')
+    (apt / "apt.conf.d" / "10other").write_text('APT::Install-Recommends "0";\n')
+    assert apt_sources(apt) == [apt / "sources.list.d" / "debian.sources"]
+    assert apt_options(apt) == [apt / "apt.conf.d" / "99proxy"]
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap not installed")
+    argv = mmdebstrap_command(["python3", "git"], "bookworm", tmp_path / "out", apt)
+    assert argv[1:] == ["--variant=minbase", "--mode=root", "--format=directory", "--include=python3,git",
+                        f"--aptopt={apt / 'apt.conf.d' / '99proxy'}", "bookworm", str(tmp_path / "out"),
+                        str(apt / "sources.list.d" / "debian.sources")]
+    with pytest.raises(InvalidRequest):
+        mmdebstrap_command(["python3; rm -rf /"], "bookworm", tmp_path / "out", apt)
+    assert "python3" in RECIPES["debian-python"]
+
+
+def test_build_without_mmdebstrap_names_the_package(store: ImageStore,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec.errors import BackendUnavailable
+    build_mod = importlib.import_module("dsec.images.build")
+
+    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None)
+    with pytest.raises(BackendUnavailable, match="apt-get install mmdebstrap"):
+        build_mod.build(store, "debian-python")
+    assert [p.name for p in store.root.iterdir()] == []  # the build directory is gone
+    with pytest.raises(InvalidRequest, match="no recipe"):
+        build_mod.build(store, "unknown-image")
+
+
+def test_base_image_is_shifted_and_usable(debian_python_image: ImageRef) -> None:
+    """The image scripts/setup builds: root-owned files stored shifted, with the tools the checks use."""
+    root = debian_python_image.rootfs
+    assert debian_python_image.uid_shift > 0
+    assert root.lstat().st_uid == debian_python_image.uid_shift
+    for tool in ("bin/sh", "usr/bin/python3", "usr/bin/git", "usr/bin/gcc", "usr/bin/yes", "usr/bin/head"):
+        assert (root / tool).exists(), tool
+    su = (root / "usr/bin/su").lstat()
+    assert su.st_uid == debian_python_image.uid_shift and su.st_mode & stat.S_ISUID
+    assert debian_python_image.config.env["PATH"] == DEFAULT_PATH
