@@ -342,6 +342,7 @@ class AsyncSandbox:
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "exec request") from None
         path = f"/v1/sandboxes/{self.id}/exec"
+        exited = False
         async with self._client._stream("POST", path, json=request.model_dump(mode="json")) as response:
             async for line in response.aiter_lines():
                 if not line.strip():
@@ -349,10 +350,13 @@ class AsyncSandbox:
                 event = ExecEvent.model_validate_json(line)
                 if event.type == "error":
                     raise error_from_payload({"error": event.error or {}}, 500)
+                exited = exited or event.type == "exit"
                 yield event
-                if event.type == "exit":
-                    return
-        raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
+            # Read on to the end of the body after the exit event (the server closes it right
+            # away): a response left unread costs its keep-alive connection, and the next call
+            # would pay a new connect.
+        if not exited:
+            raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
 
 
 async def list_infos(

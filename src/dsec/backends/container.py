@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -30,7 +30,7 @@ from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation.capabilities import DEFAULT_CAPS
-from dsec.isolation.cgroups import CgroupSet
+from dsec.isolation.cgroups import CgroupSet, cgroup_mode
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init
@@ -272,7 +272,10 @@ class ContainerBackend(Backend):
         expected = f"/{self.cgroup_parent}/{sandbox_id}"
         dirs = state.get("cgroups") or {}
         if dirs and all(d.endswith(expected) for d in dirs.values()):
-            return CgroupSet(mode="v2" if "unified" in dirs else "v1", dirs=dict(dirs))
+            # The host's mode, not "is there a unified dir": on a hybrid host the v1 controllers sit next
+            # to an empty v2 "unified" hierarchy, and reading limits there reported 0 memory, 0 pids and
+            # no OOM kills (so a memory-killed command got no limit="memory" verdict).
+            return CgroupSet(mode=cgroup_mode(), dirs=dict(dirs))
         # Never trust a recorded path outside our own parent: killing "every pid in the cgroup"
         # of a wrong path would kill host processes.
         return CgroupSet.at(expected)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -182,7 +182,7 @@ class Daemon:
             apps.append(create_app(engine, self.token))
         for app in apps:
             config = uvicorn.Config(
-                app, loop="asyncio", http="h11", log_level="warning", lifespan="off",
+                app, loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
                 timeout_graceful_shutdown=5,
             )
             self._servers.append(_Server(config))
@@ -205,6 +205,14 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
 
+try:  # httptools parses HTTP in C; h11 (pure Python) is the fallback
+    import httptools  # noqa: F401
+
+    _HTTP_IMPL = "httptools"
+except ImportError:
+    _HTTP_IMPL = "h11"
+
+
 def serve(
     settings: Settings,
     tcp: str | None = None,
@@ -216,7 +224,17 @@ def serve(
     ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
     ``engine`` defaults to :meth:`Engine.from_settings`.
     """
-    asyncio.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed: it roughly halves the daemon's per-request overhead on exec round trips."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _read_pid(settings: Settings) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["CAP_NUMBERS", "DEFAULT_CAPS", "drop_to", "set_no_new_privs"]
+__all__ = ["CAP_NUMBERS", "DEFAULT_CAPS", "drop_bounding", "drop_to", "set_caps", "set_no_new_privs"]
 
 CAP_NUMBERS: dict[str, int] = {
     "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_DAC_READ_SEARCH": 2, "CAP_FOWNER": 3, "CAP_FSETID": 4,
@@ -65,17 +65,24 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def drop_to(keep: tuple[str, ...] = DEFAULT_CAPS) -> None:
-    """Reduce this process's bounding, ambient, effective, permitted and inheritable sets to ``keep``."""
-    wanted = {CAP_NUMBERS[name] for name in keep}
-    for cap in range(_CAP_LAST + 1):
+def drop_bounding(keep: tuple[str, ...], present: frozenset[int] | None = None) -> frozenset[int]:
+    """Drop every capability not in ``keep`` from the bounding set (it limits what any later execve,
+    setuid binary included, can gain). ``present`` (the set known to remain) skips needless calls.
+    Returns the capabilities left in the bounding set."""
+    wanted = frozenset(CAP_NUMBERS[name] for name in keep)
+    for cap in (present if present is not None else range(_CAP_LAST + 1)):
         if cap not in wanted:
             ret = _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
             # EINVAL: the running kernel does not know this capability, nothing to drop.
             if ret != 0 and ctypes.get_errno() != 22:
                 _check(ret, f"PR_CAPBSET_DROP {cap}")
+    return wanted if present is None else wanted & present
+
+
+def set_caps(keep: tuple[str, ...]) -> None:
+    """Make ``keep`` the effective and permitted sets; empty inheritable and ambient sets."""
     _check(_libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
-    mask = sum(1 << c for c in wanted)
+    mask = sum(1 << CAP_NUMBERS[name] for name in keep)
     header = _Header(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_Data * 2)()
     for i in range(2):
@@ -85,6 +92,12 @@ def drop_to(keep: tuple[str, ...] = DEFAULT_CAPS) -> None:
         # Inheritable stays empty: execve of a file with inheritable file caps gains nothing.
         data[i].inheritable = 0
     _check(_libc.syscall(_SYS_CAPSET, ctypes.byref(header), data), "capset")
+
+
+def drop_to(keep: tuple[str, ...] = DEFAULT_CAPS) -> None:
+    """Reduce this process's bounding, ambient, effective, permitted and inheritable sets to ``keep``."""
+    drop_bounding(keep)
+    set_caps(keep)
 
 
 def set_no_new_privs() -> None:

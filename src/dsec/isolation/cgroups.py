@@ -94,8 +94,13 @@ class CgroupSet:
         return Path(d) if d else None
 
     def procs_files(self) -> list[str]:
-        """Every ``cgroup.procs`` a process must be written to in order to join this set."""
-        return [str(Path(d) / "cgroup.procs") for d in self.dirs.values()]
+        """Every ``cgroup.procs`` a process must be written to in order to join this set's controllers.
+
+        On a hybrid host the named ``systemd`` hierarchy and the controller-less ``unified`` one
+        limit nothing; each move costs ~50 us, so commands skip them (the pid namespace, not the
+        cgroup, is what ends every process on destroy)."""
+        skip = {"systemd", "unified"} if self.mode == "v1" else set()
+        return [str(Path(d) / "cgroup.procs") for name, d in self.dirs.items() if name not in skip]
 
     def memory_usage(self) -> int:
         d = self._dir("memory")

@@ -219,6 +219,8 @@ async def stream_exec(
     deadline = start + request.timeout if request.timeout else None
     exited_at: float | None = None
     stdin_task: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    armed_for: float | None = None
     try:
         # The status pipe first: the helper reports the command's pid before it can print anything.
         reader.add(spawned.status, "status")
@@ -232,17 +234,26 @@ async def stream_exec(
         while True:
             if exited_at is not None and not ({spawned.stdout, spawned.stderr} & reader.open):
                 break
-            now = time.monotonic()
             waits = [t for t in (deadline, exited_at and exited_at + _DRAIN_AFTER_EXIT_S) if t]
-            wait_for = max(0.0, min(waits) - now) if waits else None
-            try:
-                name, data = await asyncio.wait_for(queue.get(), wait_for)
-            except TimeoutError:
-                if exited_at is not None:
+            wake = min(waits) if waits else None
+            if wake != armed_for:
+                # One timer re-armed only when the wake-up time changes: asyncio.wait_for would
+                # create a task per event, a visible share of a 1 ms exec.
+                if timer is not None:
+                    timer.cancel()
+                timer = None if wake is None else loop.call_later(
+                    max(0.0, wake - time.monotonic()), queue.put_nowait, ("timer", b""))
+                armed_for = wake
+            name, data = await queue.get()
+            if name == "timer":
+                armed_for = None
+                timer = None
+                if exited_at is not None and time.monotonic() >= exited_at + _DRAIN_AFTER_EXIT_S:
                     break  # drained long enough; background writers keep the pipe, not us
-                limit = "time"
-                spawned.kill()
-                deadline = None
+                if deadline is not None and time.monotonic() >= deadline:
+                    limit = "time"
+                    spawned.kill()
+                    deadline = None
                 continue
             if name == "status":
                 status_buf += data
@@ -293,6 +304,8 @@ async def stream_exec(
         if wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
         reader.close()
+        if timer is not None:
+            timer.cancel()
         if stdin_task is not None and not stdin_task.done():
             stdin_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,6 +17,7 @@ This module imports nothing heavy: it is the whole program of the helper process
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import json
 import os
@@ -28,7 +29,7 @@ import sys
 from typing import Any
 
 if __package__:
-    from dsec.isolation.capabilities import drop_to, set_no_new_privs
+    from dsec.isolation.capabilities import DEFAULT_CAPS, drop_bounding, set_caps, set_no_new_privs
 else:
     # Run as a plain script (``python -I -S nsexec.py``): importing the dsec package would pull the
     # SDK and pydantic into a process that forks for every command. Load the one sibling we need.
@@ -39,9 +40,12 @@ else:
     assert _spec is not None and _spec.loader is not None
     _caps = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_caps)
-    drop_to, set_no_new_privs = _caps.drop_to, _caps.set_no_new_privs
+    DEFAULT_CAPS, drop_bounding = _caps.DEFAULT_CAPS, _caps.drop_bounding
+    set_caps, set_no_new_privs = _caps.set_caps, _caps.set_no_new_privs
 
 __all__ = ["MAX_MESSAGE", "NS_FLAGS", "main"]
+
+_BOUNDING: frozenset[int] = frozenset()
 
 MAX_MESSAGE = 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -87,10 +91,9 @@ def _load_seccomp(bpf: bytes) -> None:
 
 
 def _report(fd: int, line: str) -> None:
-    try:
+    # OSError: the daemon went away; the command runs on, the sandbox owns it.
+    with contextlib.suppress(OSError):
         os.write(fd, line.encode() + b"\n")
-    except OSError:
-        pass  # the daemon went away; the command runs on, the sandbox owns it
 
 
 def _become_command(req: dict[str, Any], pidfd: int, fds: list[int], bpf: bytes) -> None:
@@ -121,7 +124,10 @@ def _become_command(req: dict[str, Any], pidfd: int, fds: list[int], bpf: bytes)
         # Ignored signals survive execve: give the command default dispositions.
         for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        drop_to(tuple(req["caps"]))
+        # The helper's own bounding set is already cut to the default set (see main): only a
+        # sandbox asking for fewer capabilities costs prctl calls here.
+        drop_bounding(tuple(req["caps"]), present=_BOUNDING)
+        set_caps(tuple(req["caps"]))
         set_no_new_privs()
         if bpf:
             _load_seccomp(bpf)
@@ -173,7 +179,8 @@ def _serve(sock: socket.socket, bpf: bytes) -> None:
         fds: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(struct.unpack(f"{len(payload) // fd_size}i", payload[: len(payload) - len(payload) % fd_size]))
+                whole = len(payload) - len(payload) % fd_size
+                fds.extend(struct.unpack(f"{whole // fd_size}i", payload[:whole]))
         if len(fds) != 4:
             for fd in fds:
                 os.close(fd)
@@ -189,7 +196,12 @@ def _serve(sock: socket.socket, bpf: bytes) -> None:
 
 def main() -> None:
     """Entry point of the helper process: ``python -I -S nsexec.py FD`` (seccomp BPF on stdin)."""
+    global _BOUNDING
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Cut the bounding set once, here: it only limits what execve can grant, so the helper keeps
+    # the effective capabilities it needs (setns, cgroup moves) while every command it forks
+    # inherits the cut for free.
+    _BOUNDING = drop_bounding(DEFAULT_CAPS)
     sock = socket.socket(fileno=int(sys.argv[1]))
     # The watchers (A) are reaped automatically; each one reaps its own command (B).
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
