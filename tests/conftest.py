@@ -6,6 +6,7 @@ Missing prerequisites skip locally and fail under CI (``CI`` set), always naming
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,32 @@ def debian_python_image() -> ImageRef:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("root") is not None and os.geteuid() != 0:
         missing("needs root (run the tests as root: sudo ./scripts/test)")
+
+
+def _host_footprint() -> set[str]:
+    """Mounts under /run/dsec, DSec cgroup directories and dsec-init processes on this host."""
+    found = set()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point.startswith("/run/dsec/"):
+            found.add(f"mount {point}")
+    for cg in Path("/sys/fs/cgroup").glob("*/dsec-*"):
+        if cg.is_dir() and not cg.parent.is_symlink():
+            found.add(f"cgroup {cg}")
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip() == "dsec-init":
+                    found.add(f"process dsec-init pid {proc.name}")
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_host_leftovers() -> Iterator[None]:
+    """The whole run must leave no mount, cgroup or sandbox process behind, even when tests fail."""
+    before = _host_footprint()
+    yield
+    leaked = sorted(_host_footprint() - before)
+    assert not leaked, "tests left host resources behind:\n" + "\n".join(leaked[:50])

@@ -2,12 +2,12 @@
 
 What runc's ``nsexec`` does for ``runc exec``, without paying runc's ~45 ms per call:
 one small host process per node, started by the daemon and connected to it by a
-socketpair, forks once per command. For each request it forks a watcher (A) that
-enters the sandbox's pid namespace and forks the command (B). B moves itself into the
-sandbox's cgroups, joins its user, mount, network, ipc, uts and cgroup namespaces,
-becomes the sandbox's root user, drops to the same capabilities, no_new_privs,
-rlimits and seccomp filter as the sandbox's init, and execs. A reports B's host pid
-and, later, its wait status on a status pipe, so the daemon can kill and reap it.
+socketpair, forks once per command, straight into the sandbox's pid namespace. The
+child moves itself into the sandbox's cgroups, joins its user, mount, network, ipc,
+uts and cgroup namespaces, becomes the sandbox's root user, drops to the same
+capabilities, no_new_privs, rlimits and seccomp filter as the sandbox's init, and
+execs. The helper reports the command's host pid and, later, its wait status on a
+status pipe, so the daemon can stream, time and kill it.
 
 Nothing of this runs inside the sandbox before the command itself: the helper's
 socket lives in the host's mount namespace only, so sandboxed code cannot reach it.
@@ -22,6 +22,7 @@ import ctypes
 import json
 import os
 import resource
+import selectors
 import signal
 import socket
 import struct
@@ -46,6 +47,7 @@ else:
 __all__ = ["MAX_MESSAGE", "NS_FLAGS", "main"]
 
 _BOUNDING: frozenset[int] = frozenset()
+_HELPER_PID = 0
 
 MAX_MESSAGE = 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -138,73 +140,92 @@ def _become_command(req: dict[str, Any], pidfd: int, fds: list[int], bpf: bytes)
         os._exit(127)
 
 
-def _watch(req: dict[str, Any], fds: list[int], bpf: bytes) -> None:
-    """In A: enter the pid namespace, fork B, report its pid and then its wait status."""
+def _spawn(req: dict[str, Any], fds: list[int], bpf: bytes, own_pidns: int) -> tuple[int, int] | None:
+    """Fork the command straight into the sandbox's pid namespace; returns (pid, pidfd) to watch.
+
+    ``setns(CLONE_NEWPID)`` only changes where *children* are born, and a process may always go back
+    to its own namespace: so the helper points its children at the sandbox, forks, and points them
+    home again. One fork per command, and no watcher process per running command."""
     status = fds[3]
     try:
-        pidfd = _sys(_libc.syscall(_SYS_PIDFD_OPEN, req["init_pid"], 0), f"open sandbox init {req['init_pid']}")
-        _sys(_libc.syscall(_SYS_SETNS, pidfd, _CLONE_NEWPID), "join sandbox pid namespace")
+        target = _sys(_libc.syscall(_SYS_PIDFD_OPEN, req["init_pid"], 0), f"open sandbox init {req['init_pid']}")
     except OSError as e:
         _report(status, f"error {e}")
-        os._exit(0)
-    pid = os.fork()
-    if pid == 0:
-        _become_command(req, pidfd, fds, bpf)
-    os.close(pidfd)
-    for fd in fds[:3]:
-        os.close(fd)
-    _report(status, f"pid {pid}")
-    while True:
+        return None
+    try:
+        _sys(_libc.syscall(_SYS_SETNS, target, _CLONE_NEWPID), "join sandbox pid namespace")
         try:
-            _, wstatus = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            wstatus = 0
-            break
-        except InterruptedError:
-            continue
-    _report(status, f"exit {wstatus}")
-    os._exit(0)
+            pid = os.fork()
+        finally:
+            if os.getpid() == _HELPER_PID:
+                _sys(_libc.syscall(_SYS_SETNS, own_pidns, _CLONE_NEWPID), "return to own pid namespace")
+        if pid == 0:
+            _become_command(req, target, fds, bpf)
+        watch = _sys(_libc.syscall(_SYS_PIDFD_OPEN, pid, 0), "watch command")
+    except OSError as e:
+        _report(status, f"error {e}")
+        return None
+    finally:
+        os.close(target)
+    _report(status, f"pid {pid}")
+    return pid, watch
 
 
 def _serve(sock: socket.socket, bpf: bytes) -> None:
     fd_size = array.array("i").itemsize
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, None)
     while True:
-        try:
-            data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * fd_size))
-        except InterruptedError:
-            continue
-        if not data:
-            return  # the daemon closed its end: we are done
-        fds: list[int] = []
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                whole = len(payload) - len(payload) % fd_size
-                fds.extend(struct.unpack(f"{whole // fd_size}i", payload[:whole]))
-        if len(fds) != 4:
-            for fd in fds:
+        for key, _ in sel.select():
+            if key.data is not None:
+                # A command exited (its pidfd is readable): reap it, report, forget it.
+                pid, status = key.data
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                try:
+                    _, wstatus = os.waitpid(pid, 0)
+                except ChildProcessError:
+                    wstatus = 0
+                _report(status, f"exit {wstatus}")
+                os.close(status)
+                continue
+            try:
+                data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * fd_size))
+            except InterruptedError:
+                continue
+            if not data:
+                return  # the daemon closed its end; running commands are re-parented to their sandbox's init
+            fds: list[int] = []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    whole = len(payload) - len(payload) % fd_size
+                    fds.extend(struct.unpack(f"{whole // fd_size}i", payload[:whole]))
+            if len(fds) != 4:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            spawned = _spawn(json.loads(data), fds, bpf, own_pidns)
+            for fd in fds[:3]:
                 os.close(fd)
-            continue
-        req = json.loads(data)
-        if os.fork() == 0:
-            sock.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _watch(req, fds, bpf)
-        for fd in fds:
-            os.close(fd)
+            if spawned is None:
+                os.close(fds[3])
+            else:
+                sel.register(spawned[1], selectors.EVENT_READ, (spawned[0], fds[3]))
 
 
 def main() -> None:
     """Entry point of the helper process: ``python -I -S nsexec.py FD`` (seccomp BPF on stdin)."""
-    global _BOUNDING
+    global _BOUNDING, _HELPER_PID
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # Cut the bounding set once, here: it only limits what execve can grant, so the helper keeps
     # the effective capabilities it needs (setns, cgroup moves) while every command it forks
     # inherits the cut for free.
     _BOUNDING = drop_bounding(DEFAULT_CAPS)
     sock = socket.socket(fileno=int(sys.argv[1]))
-    # The watchers (A) are reaped automatically; each one reaps its own command (B).
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    _HELPER_PID = os.getpid()
+    # Commands are our children and we reap them ourselves (pidfd + waitpid).
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     bpf = sys.stdin.buffer.read()
