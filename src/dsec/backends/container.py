@@ -117,6 +117,13 @@ class ContainerBackend(Backend):
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
+        await asyncio.to_thread(self._remove_empty_parent)
+
+    def _remove_empty_parent(self) -> None:
+        """runc leaves the parent cgroup behind; drop it when no sandbox of this home is left."""
+        for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+            with contextlib.suppress(OSError):  # missing, or still holding sandboxes
+                os.rmdir(d)
 
     # -- runc -----------------------------------------------------------------------------
 
@@ -308,6 +315,7 @@ class ContainerBackend(Backend):
                 pid = int((self._bundle(sandbox_id) / "init.pid").read_text())
                 state = {"init_pid": pid, "init_start": _start_time(pid)}
             await self._destroy_id(sandbox_id, state)
+        await asyncio.to_thread(self._remove_empty_parent)
         return orphans
 
 
@@ -322,7 +330,9 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
         if attempt == 0:
             cgroups.thaw()  # frozen tasks (a paused sandbox) only die once thawed
         time.sleep(0.002)
-    cgroups.remove(parents=1)
+    # Not the shared dsec-<tag> parent: a create running concurrently needs it (runc would fail with
+    # ENOENT); aclose() and cleanup_orphans() remove it once empty.
+    cgroups.remove()
 
 
 def _du(path: Path) -> int:

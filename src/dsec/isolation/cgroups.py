@@ -155,9 +155,8 @@ class CgroupSet:
             elif "freezer" in self.dirs:
                 (Path(self.dirs["freezer"]) / "freezer.state").write_text("THAWED")
 
-    def remove(self, parents: int = 0) -> None:
-        """Remove the (empty) directories, children first, then up to ``parents`` empty ancestors
-        (runc leaves its parent behind). Missing or still-busy directories are left alone."""
+    def remove(self) -> None:
+        """Remove the (empty) directories, children first. Missing ones are fine."""
         for d in self.dirs.values():
             path = Path(d)
             if not path.is_dir():
@@ -167,11 +166,6 @@ class CgroupSet:
                     os.rmdir(sub)
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(path)
-            for ancestor in list(path.parents)[:parents]:
-                try:
-                    os.rmdir(ancestor)
-                except OSError:
-                    break  # busy (other sandboxes) or gone
 
     def exists(self) -> bool:
         return any(Path(d).is_dir() for d in self.dirs.values())

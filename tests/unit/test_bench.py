@@ -1,0 +1,170 @@
+"""dsec.bench: statistics, table and JSON on fake numbers; one tiny real run (no timing assertions)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dsec import bench
+from dsec.bench.container import ContainerBench, _rows
+from dsec.bench.report import (
+    Row,
+    Suite,
+    default_json_path,
+    percentile,
+    render_latencies,
+    render_table,
+    summarize,
+    to_json,
+    write_json,
+)
+
+
+def _text(renderable: object) -> str:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    samples = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(samples, 0) == 1.0
+    assert percentile(samples, 100) == 4.0
+    assert percentile(samples, 50) == 2.5
+    assert percentile(samples, 90) == pytest.approx(3.7)
+    assert percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.parametrize("q", [-1, 101])
+def test_percentile_rejects_bad_q(q: float) -> None:
+    with pytest.raises(ValueError):
+        percentile([1.0], q)
+
+
+def test_summarize() -> None:
+    s = summarize([float(i) for i in range(1, 101)])
+    assert (s.n, s.min, s.max, s.mean) == (100, 1.0, 100.0, 50.5)
+    assert s.p50 == pytest.approx(50.5)
+    assert s.p90 == pytest.approx(90.1)
+    assert s.p99 == pytest.approx(99.01)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_ratio_means_how_many_times_better_dsec_is() -> None:
+    assert Row("exec", "ms", 2.0, 20.0, "runc exec").ratio == 10.0
+    assert Row("rate", "/s", 60.0, 10.0, "podman", better="higher").ratio == 6.0
+    assert Row("exec", "ms", 2.0).ratio is None
+    assert Row("exec", "ms", 2.0, None, "podman", note="skipped").ratio is None
+    assert Row("exec", "ms", 0.0, 5.0, "x").ratio is None
+
+
+def _fake_suite() -> Suite:
+    suite = Suite(name="container")
+    ms = 1e-3
+    suite.latencies = {
+        "create": summarize([30 * ms, 40 * ms, 60 * ms]),
+        "destroy": summarize([9 * ms]),
+        "exec_true": summarize([2 * ms, 3 * ms]),
+        "runc_exec": summarize([40 * ms]),
+        "runc_run": summarize([45 * ms]),
+        "bare_true": summarize([1 * ms]),
+        "create_many": summarize([0.4]),
+    }
+    suite.extra = {
+        "config": {"batch_n": 20},
+        "skipped": {"podman_run": "podman cannot run here: rlimit\nsecond line"},
+        "sustained": {"rate": 55.0, "failures": 0, "concurrency": 4},
+        "idle_memory": {"k": 50, "host_bytes_per_sandbox": 2**20, "cgroup_bytes_per_sandbox": 2**19},
+        "phases_s": {"exec": 1.0},
+    }
+    suite.rows = _rows(suite)
+    return suite
+
+
+def test_rows_apply_the_targets() -> None:
+    rows = {(r.metric, r.peer_name): r for r in _fake_suite().rows}
+    assert rows[("create p50", "runc run (true)")].passed is True  # 40 ms ≤ 50 ms
+    assert rows[("exec true p50", None)].passed is True  # 2.5 ms ≤ 5 ms
+    runc = rows[("exec true p50", "runc exec")]
+    assert runc.ratio == pytest.approx(16.0) and runc.passed is True
+    rate = next(r for r in rows.values() if r.metric.startswith("create→exec→destroy"))
+    assert rate.passed is True and rate.peer is None and "rlimit" in (rate.note or "")
+    assert rows[("exec true p50", "podman run")].note is not None
+    assert "bwrap" not in str(rows)  # neither measured nor skipped: no row claims a figure
+
+
+def test_table_shows_figures_ratios_and_skips() -> None:
+    text = _text(render_table(_fake_suite()))
+    assert "runc exec 40.0 ms" in text
+    assert "16.0x" in text
+    assert "PASS" in text
+    assert "podman run: podman cannot run here: rlimit" in text
+    assert "second line" not in text  # long reasons stay out of the table
+    assert "55.0/s" in text and "1.00 MiB" in text
+    latencies = _text(render_latencies(_fake_suite()))
+    assert "create" in latencies and "40.00" in latencies
+
+
+def test_json_round_trips(tmp_path: Path) -> None:
+    suite = _fake_suite()
+    path = tmp_path / "results" / "x.json"
+    write_json(path, to_json([suite], started=1.0))
+    doc = json.loads(path.read_text())
+    got = doc["suites"]["container"]
+    assert doc["started_at"] == 1.0
+    assert got["latencies_s"]["create"]["p50"] == pytest.approx(0.04)
+    assert got["sustained"]["rate"] == 55.0
+    runc = next(r for r in got["rows"] if r["peer_name"] == "runc exec")
+    assert runc["ratio"] == pytest.approx(16.0)
+
+
+def test_default_json_path() -> None:
+    path = default_json_path("container", now=0.0)
+    assert path == Path("bench/results/container-19700101T000000Z.json")
+
+
+def test_scaled_keeps_at_least_one_sample() -> None:
+    cfg = ContainerBench().scaled(0.001)
+    assert cfg.create_n == 1 and cfg.exec_n == 1 and cfg.idle_k == 1
+    assert cfg.sustained_seconds == 0.5
+    assert ContainerBench().scaled(2).exec_n == 400
+
+
+def test_unknown_suite_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main("nope", None) == 2
+    assert "unknown bench suite" in capsys.readouterr().err
+
+
+def test_missing_prerequisite_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DSEC_IMAGES", str(tmp_path / "empty-store"))
+    monkeypatch.setenv("DSEC_BENCH_SCALE", "0.01")
+    assert bench.main("container", tmp_path / "out.json") == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and ("debian-python" in err or "root" in err or "runc" in err)
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_run(tmp_path: Path, debian_python_image: object) -> None:
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        pytest.skip("needs root and runc")
+    cfg = ContainerBench(warmup=1, create_n=3, exec_n=3, runc_exec_n=3, runc_run_n=3, true_n=3, bwrap_n=3,
+                         podman_n=1, sustained_seconds=0.5, podman_sustained_seconds=0.5, concurrency=2,
+                         idle_k=3, batch_n=3, batch_reps=1)
+    out = tmp_path / "r.json"
+    code = bench.main("container", out, config=cfg, console=Console(width=200, file=io.StringIO()))
+    assert code == 0
+    got = json.loads(out.read_text())["suites"]["container"]
+    assert got["leaks"] == []
+    assert got["latencies_s"]["create"]["n"] == 3
+    assert got["latencies_s"]["exec_true"]["n"] == 3
+    assert not Path(got["home"]).exists()
