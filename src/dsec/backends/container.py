@@ -162,6 +162,8 @@ class ContainerBackend(Backend):
         record.backend_state = {
             "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "uid_shift": shift,
             "cgroups_path": f"/{self.cgroup_parent}/{record.id}",
+            # The image's environment (PATH of a Python or Node image...) under the spec's and the call's.
+            "image_env": dict(image.config.env),
         }
         bundle.mkdir(mode=0o700)
         for d in (rootfs, upper, work):
@@ -200,7 +202,8 @@ class ContainerBackend(Backend):
             raise BackendUnavailable("container backend is not started")
         pid = self._pid(record)
         cgroups = self._cgroups(record)
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **record.spec.env, **(request.env or {})}
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **record.backend_state.get("image_env", {}),
+               **record.spec.env, **(request.env or {})}
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:

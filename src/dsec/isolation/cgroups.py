@@ -17,6 +17,10 @@ __all__ = ["CgroupSet", "cgroup_mode"]
 _ROOT = Path("/sys/fs/cgroup")
 
 
+V1_JOINED = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer", "devices"})
+"""v1 controllers a command joins: its limits (memory, pids, cpu), CPU accounting, pause, device rules."""
+
+
 def cgroup_mode(root: Path = _ROOT) -> str:
     """``"v2"`` on a unified host, ``"v1"`` on a legacy or hybrid one (controllers on v1)."""
     if (root / "cgroup.controllers").exists():
@@ -96,11 +100,13 @@ class CgroupSet:
     def procs_files(self) -> list[str]:
         """Every ``cgroup.procs`` a process must be written to in order to join this set's controllers.
 
-        On a hybrid host the named ``systemd`` hierarchy and the controller-less ``unified`` one
-        limit nothing; each move costs ~50 us, so commands skip them (the pid namespace, not the
-        cgroup, is what ends every process on destroy)."""
-        skip = {"systemd", "unified"} if self.mode == "v1" else set()
-        return [str(Path(d) / "cgroup.procs") for name, d in self.dirs.items() if name not in skip]
+        On v1 each move costs ~50 us, so commands join only the hierarchies that limit, account
+        for or freeze them (:data:`V1_JOINED`); ``systemd``, ``unified``, ``cpuset``, ``blkio``... hold no
+        sandbox limit, and the pid namespace, not the cgroup, is what ends every process on destroy."""
+        if self.mode == "v2":
+            return [str(Path(d) / "cgroup.procs") for d in self.dirs.values()]
+        return [str(Path(d) / "cgroup.procs") for name, d in self.dirs.items()
+                if V1_JOINED.intersection(name.split(","))]
 
     def memory_usage(self) -> int:
         d = self._dir("memory")

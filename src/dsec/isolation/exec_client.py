@@ -287,7 +287,11 @@ async def stream_exec(
         if setup_error is not None:
             _raise_or_shell_status(setup_error, request, captured)
             wstatus = (126 if setup_error.startswith("PermissionError") else 127) << 8
-        exit_code, sig = _decode_status(wstatus) if wstatus is not None else (128 + signal.SIGKILL, signal.SIGKILL)
+        if wstatus is None:
+            # The helper went away without a verdict: any exit code we made up would be a lie.
+            what = "before starting" if spawned.pid is None else "while running"
+            raise SandboxError(f"the exec helper died {what} {request.argv()[0]!r}; its exit status is lost")
+        exit_code, sig = _decode_status(wstatus)
         if limit is None and verdict is not None:
             limit = verdict(exit_code, sig)
         result = ExecResult(
