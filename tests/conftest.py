@@ -60,9 +60,12 @@ def _host_footprint() -> set[str]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if (proc / "comm").read_text().strip() == "dsec-init":
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                # A zombie holds no resource; it waits for whichever pid 1 adopted it (a sandbox
+                # re-adopted across a daemon restart is no longer the new daemon's child).
+                if state != "Z" and (proc / "comm").read_text().strip() == "dsec-init":
                     found.add(f"process dsec-init pid {proc.name}")
-            except OSError:
+            except (OSError, IndexError):
                 continue
     return found
 

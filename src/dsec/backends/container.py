@@ -42,6 +42,7 @@ __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
@@ -99,6 +100,10 @@ class ContainerBackend(Backend):
         reason = self.available()
         if reason != "ok":
             raise BackendUnavailable(f"container backend: {reason}")
+        # Sandbox inits are orphaned when `runc run --detach` exits; as a subreaper the daemon
+        # inherits them and reaps each one on destroy, instead of leaving zombies for the host's
+        # pid 1 (which may reap late, or never in a minimal container host).
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # 0711: traversable by the container's root user, not listable.
@@ -268,6 +273,8 @@ class ContainerBackend(Backend):
                 os.kill(pid, 9)
         cgroups = self._cgroup_set(sandbox_id, state)
         await asyncio.to_thread(_kill_and_remove_cgroups, cgroups)
+        if pid:
+            await asyncio.to_thread(_reap, pid)
         await asyncio.to_thread(shutil.rmtree, self.runc_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
         await asyncio.to_thread(_umount, rootfs)
@@ -320,6 +327,18 @@ class ContainerBackend(Backend):
             await self._destroy_id(sandbox_id, state)
         await asyncio.to_thread(self._remove_empty_parent)
         return orphans
+
+
+def _reap(pid: int) -> None:
+    """Collect a killed init if it is our child (we are its subreaper); a no-op otherwise."""
+    for _ in range(500):  # at most ~1 s; a SIGKILLed process becomes a zombie within microseconds
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # not ours (the daemon restarted since) or already reaped
+        if done:
+            return
+        time.sleep(0.002)
 
 
 def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:

@@ -65,18 +65,16 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def drop_bounding(keep: tuple[str, ...], present: frozenset[int] | None = None) -> frozenset[int]:
+def drop_bounding(keep: tuple[str, ...]) -> None:
     """Drop every capability not in ``keep`` from the bounding set (it limits what any later execve,
-    setuid binary included, can gain). ``present`` (the set known to remain) skips needless calls.
-    Returns the capabilities left in the bounding set."""
-    wanted = frozenset(CAP_NUMBERS[name] for name in keep)
-    for cap in (present if present is not None else range(_CAP_LAST + 1)):
+    setuid binary included, can gain). Joining a user namespace resets it to full: call after setns."""
+    wanted = {CAP_NUMBERS[name] for name in keep}
+    for cap in range(_CAP_LAST + 1):
         if cap not in wanted:
             ret = _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
             # EINVAL: the running kernel does not know this capability, nothing to drop.
             if ret != 0 and ctypes.get_errno() != 22:
                 _check(ret, f"PR_CAPBSET_DROP {cap}")
-    return wanted if present is None else wanted & present
 
 
 def set_caps(keep: tuple[str, ...]) -> None:

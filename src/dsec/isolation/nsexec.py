@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 if __package__:
-    from dsec.isolation.capabilities import DEFAULT_CAPS, drop_bounding, set_caps, set_no_new_privs
+    from dsec.isolation.capabilities import drop_bounding, set_caps, set_no_new_privs
 else:
     # Run as a plain script (``python -I -S nsexec.py``): importing the dsec package would pull the
     # SDK and pydantic into a process that forks for every command. Load the one sibling we need.
@@ -41,12 +41,10 @@ else:
     assert _spec is not None and _spec.loader is not None
     _caps = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_caps)
-    DEFAULT_CAPS, drop_bounding = _caps.DEFAULT_CAPS, _caps.drop_bounding
-    set_caps, set_no_new_privs = _caps.set_caps, _caps.set_no_new_privs
+    drop_bounding, set_caps, set_no_new_privs = _caps.drop_bounding, _caps.set_caps, _caps.set_no_new_privs
 
 __all__ = ["MAX_MESSAGE", "NS_FLAGS", "main"]
 
-_BOUNDING: frozenset[int] = frozenset()
 _HELPER_PID = 0
 
 MAX_MESSAGE = 1 << 20
@@ -126,9 +124,8 @@ def _become_command(req: dict[str, Any], pidfd: int, fds: list[int], bpf: bytes)
         # Ignored signals survive execve: give the command default dispositions.
         for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        # The helper's own bounding set is already cut to the default set (see main): only a
-        # sandbox asking for fewer capabilities costs prctl calls here.
-        drop_bounding(tuple(req["caps"]), present=_BOUNDING)
+        # Joining the user namespace reset the bounding set to full: cut it again, here.
+        drop_bounding(tuple(req["caps"]))
         set_caps(tuple(req["caps"]))
         set_no_new_privs()
         if bpf:
@@ -216,12 +213,8 @@ def _serve(sock: socket.socket, bpf: bytes) -> None:
 
 def main() -> None:
     """Entry point of the helper process: ``python -I -S nsexec.py FD`` (seccomp BPF on stdin)."""
-    global _BOUNDING, _HELPER_PID
+    global _HELPER_PID
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # Cut the bounding set once, here: it only limits what execve can grant, so the helper keeps
-    # the effective capabilities it needs (setns, cgroup moves) while every command it forks
-    # inherits the cut for free.
-    _BOUNDING = drop_bounding(DEFAULT_CAPS)
     sock = socket.socket(fileno=int(sys.argv[1]))
     _HELPER_PID = os.getpid()
     # Commands are our children and we reap them ourselves (pidfd + waitpid).

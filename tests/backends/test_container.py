@@ -1,0 +1,205 @@
+"""The container backend (runc + overlayfs + user namespace) against the conformance suite, plus what only
+a container has: processes that outlive an exec, pause/resume, cgroup stats, full cleanup, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from container_support import (
+    assert_clean,
+    await_until,
+    cgroup_dirs,
+    cgroup_parents,
+    home_tag,
+    images_dir,
+    leftovers,
+    mounts_under,
+    pid_alive,
+    started_backend,
+    sweep,
+)
+from dsec.backends.base import ImageRef
+from dsec.backends.container import ContainerBackend
+from dsec.config import Settings
+from dsec.errors import DSecError
+from dsec.models import ExecRequest, ExecResult, SandboxRecord
+from dsec.testing import CHECKS, new_record, sandbox
+from dsec.testing.conformance import Check
+
+pytestmark = [pytest.mark.root]
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, debian_python_image: ImageRef) -> Iterator[Path]:
+    """One DSEC_HOME for the module (the static init is built once); swept clean at the end."""
+    path = tmp_path_factory.mktemp("container-home")
+    try:
+        yield path
+    finally:
+        removed = asyncio.run(sweep(path, images_dir()))
+        assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"
+
+
+@pytest.fixture
+async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[ContainerBackend]:
+    """A started backend per test; after the test nothing of its sandboxes may remain on the host."""
+    async with started_backend(home, images_dir()) as b:
+        try:
+            yield b
+        finally:
+            left = leftovers(home)
+            left.pop("cgroup_parents")  # shared by all sandboxes of the home while the backend runs
+            # Destroy whatever the test leaked before failing, so one failure does not cascade.
+            removed = await b.cleanup_orphans(set())
+    assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
+    # closing the backend drops the home's (now empty) parent cgroups that runc leaves behind
+    assert cgroup_parents(home_tag(home)) == []
+
+
+async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],
+              **kw: Any) -> ExecResult:
+    kw.setdefault("timeout", 30.0)
+    return await backend.exec(record, ExecRequest(command=command, **kw))
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_container_conforms(check: Check, backend: ContainerBackend,
+                                  debian_python_image: ImageRef) -> None:
+    await asyncio.wait_for(check(backend, debian_python_image), 120)
+
+
+async def test_background_process_survives_between_execs(backend: ContainerBackend,
+                                                         debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, "sleep 1000 >/dev/null 2>&1 & echo $!")
+        assert r.exit_code == 0, r
+        pid = int(r.stdout)
+        # a later exec (a new process joining the sandbox) still sees it, by pid and by command line
+        r = await run(backend, sb, f"kill -0 {pid} && tr '\\0' ' ' < /proc/{pid}/cmdline")
+        assert r.exit_code == 0 and r.stdout.strip() == b"sleep 1000", r
+        stats = await backend.stats(sb)
+        assert stats.pids >= 2, stats  # init + the sleep
+        r = await run(backend, sb,
+                      f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.05; done; echo gone")
+        assert r.stdout == b"gone\n", r
+
+
+async def test_pause_blocks_execs_until_resume(backend: ContainerBackend,
+                                               debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, "sleep 1000 >/dev/null 2>&1 & echo $!")
+        sleeper = int(r.stdout)
+        await backend.pause(sb)
+        try:
+            host_init = sb.backend_state["init_pid"]
+            state = Path(f"/proc/{host_init}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            freezer = Path(sb.backend_state["cgroups"]["freezer"]) / "freezer.state"
+            assert freezer.read_text().strip() == "FROZEN", (state, freezer.read_text())
+            # An exec issued while paused must not run: it would write the marker.
+            task = asyncio.create_task(
+                run(backend, sb, "echo ran > /workspace/marker; echo done", timeout=60))
+            await asyncio.sleep(1.0)
+            assert not task.done(), f"exec finished while the sandbox was paused: {task.result()}"
+            with pytest.raises(DSecError):
+                await backend.read_file(sb, "/workspace/marker", MiB)
+        finally:
+            await backend.resume(sb)
+        r = await asyncio.wait_for(task, 30)
+        assert r.exit_code == 0 and r.stdout == b"done\n", r
+        assert await backend.read_file(sb, "/workspace/marker", MiB) == b"ran\n"
+        r = await run(backend, sb, f"kill -0 {sleeper} && echo alive")
+        assert r.stdout == b"alive\n", "a process did not survive pause/resume"
+
+
+async def test_stats_report_memory_and_pids(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, "for i in 1 2 3; do sleep 1000 >/dev/null 2>&1 & done; "
+                                   "python3 -c 'x = bytearray(48 * 1024 * 1024)'")
+        assert r.exit_code == 0, r
+        stats = await backend.stats(sb)
+        assert stats.pids >= 4, stats  # init + 3 sleeps
+        assert stats.memory_bytes > 0, stats
+        assert stats.memory_peak_bytes >= 48 * MiB, stats  # python touched 48 MiB
+        assert stats.cpu_seconds > 0 and stats.oom_kills == 0, stats
+        await backend.write_file(sb, "/workspace/blob", os.urandom(2 * MiB), None)
+        assert (await backend.stats(sb)).disk_bytes >= 2 * MiB
+
+
+async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_image: ImageRef,
+                                      home: Path) -> None:
+    record = new_record(backend.name, debian_python_image)
+    try:
+        await backend.create(record, debian_python_image)
+        r = await run(backend, record, "sleep 1000 >/dev/null 2>&1 & echo $!")
+        assert r.exit_code == 0
+        tag = home_tag(home)
+        init = record.backend_state["init_pid"]
+        assert mounts_under(f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
+        assert cgroup_dirs(tag, record.id), "sandbox cgroups not found"
+        assert (home / "runc" / record.id).is_dir()
+        assert pid_alive(init)
+        await backend.pause(record)  # destroy must also work on a frozen sandbox
+    finally:
+        await backend.destroy(record)
+    assert_clean(home, record.id)
+    assert not pid_alive(init), "the init survived destroy"
+
+
+async def test_recover_live_and_dead(backend: ContainerBackend, debian_python_image: ImageRef,
+                                     home: Path) -> None:
+    images = images_dir()
+    async with sandbox(backend, debian_python_image) as live, sandbox(backend, debian_python_image) as dead:
+        await backend.write_file(live, "/workspace/keep", b"kept", None)
+        # a second backend on the same home stands in for a restarted daemon
+        async with started_backend(home, images) as restarted:
+            copy = SandboxRecord.model_validate_json(live.model_dump_json())
+            assert await restarted.recover(copy) is True
+            r = await run(restarted, copy, "cat /workspace/keep")
+            assert r.stdout == b"kept", r
+            await restarted.pause(copy)
+            paused = SandboxRecord.model_validate_json(copy.model_dump_json())
+            assert await restarted.recover(paused) is True and paused.state == "paused"
+            await restarted.resume(copy)
+
+            init = dead.backend_state["init_pid"]
+            os.kill(init, signal.SIGKILL)
+            assert await await_until(lambda: not pid_alive(init)), "init did not die"
+            assert await restarted.recover(SandboxRecord.model_validate_json(dead.model_dump_json())) is False
+        # a recycled pid with a different start time is not mistaken for the init
+        bogus = SandboxRecord.model_validate_json(live.model_dump_json())
+        bogus.backend_state["init_start"] = "1"
+        assert await backend.recover(bogus) is False
+        assert await backend.recover(SandboxRecord.model_validate_json(live.model_dump_json())) is True
+
+
+async def test_cleanup_orphans_spares_known(backend: ContainerBackend, debian_python_image: ImageRef,
+                                            home: Path) -> None:
+    orphan = new_record(backend.name, debian_python_image)
+    try:
+        await backend.create(orphan, debian_python_image)
+        async with sandbox(backend, debian_python_image) as kept:
+            removed = await backend.cleanup_orphans({kept.id})
+            assert removed == [orphan.id]
+            assert_clean(home, orphan.id)
+            r = await run(backend, kept, "echo still here")
+            assert r.stdout == b"still here\n"
+    finally:
+        with contextlib.suppress(DSecError):
+            await backend.destroy(orphan)
+
+
+async def test_backend_settings_isolated_per_home(tmp_path: Path) -> None:
+    """Two homes never share a tag, so one's orphan cleanup cannot touch the other's sandboxes."""
+    a = ContainerBackend(Settings(home=tmp_path / "a"))
+    b = ContainerBackend(Settings(home=tmp_path / "b"))
+    assert a.cgroup_parent != b.cgroup_parent and a.mounts != b.mounts

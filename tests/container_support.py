@@ -1,0 +1,133 @@
+"""Helpers shared by the tests that run real ``container`` sandboxes (root, runc, cgroups).
+
+Every such test uses its own ``DSEC_HOME``; the backend derives a tag from it and keeps every host
+resource under that tag (``/run/dsec/<tag>``, ``/sys/fs/cgroup/*/dsec-<tag>``), so these helpers can
+look for leftovers of *this* test's sandboxes without touching anyone else's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from dsec.backends.container import ContainerBackend
+from dsec.config import Settings
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def images_dir() -> Path:
+    """The image store the tests use (same rule as ``tests/conftest.py``); never used as a home."""
+    return Path(os.environ.get("DSEC_IMAGES") or "/var/lib/dsec/images")
+
+
+def home_tag(home: Path) -> str:
+    """The tag ContainerBackend derives from a DSEC_HOME (same formula as the backend)."""
+    return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Mount points (from our mountinfo) at or below ``prefix``."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
+            found.append(point)
+    return found
+
+
+def cgroup_dirs(tag: str, sandbox_id: str | None = None) -> list[str]:
+    """Existing cgroup directories of one sandbox of this home (default: of any), over every hierarchy."""
+    rel = f"dsec-{tag}/{sandbox_id or 'sb-*'}"
+    return sorted(str(p) for p in CGROUP_ROOT.glob(f"*/{rel}") if p.is_dir() and not p.parent.parent.is_symlink())
+
+
+def cgroup_parents(tag: str) -> list[str]:
+    """This home's parent cgroup directories (``dsec-<tag>``), which must go with its last sandbox."""
+    return sorted(str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{tag}") if p.is_dir() and not p.parent.is_symlink())
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]:
+    """Host resources still held by this home's sandboxes (or one sandbox): empty lists when clean."""
+    tag = home_tag(home)
+    ids = (lambda p: p.name == sandbox_id) if sandbox_id else (lambda p: p.name.startswith("sb-"))
+    out = {
+        "mounts": mounts_under(f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}"),
+        "cgroups": cgroup_dirs(tag, sandbox_id),
+        "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
+        "runc_state": [],
+        "bundles": [],
+        "rootfs_dirs": [],
+    }
+    for key, parent in (("runc_state", home / "runc"), ("bundles", home / "container"),
+                        ("rootfs_dirs", Path("/run/dsec") / tag)):
+        if parent.is_dir():
+            out[key] = sorted(str(p) for p in parent.iterdir() if ids(p))
+    return out
+
+
+def assert_clean(home: Path, sandbox_id: str | None = None) -> None:
+    left = leftovers(home, sandbox_id)
+    assert not any(left.values()), f"host resources left behind: { {k: v for k, v in left.items() if v} }"
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` (a bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+async def await_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return bool(predicate())
+
+
+async def sweep(home: Path, images: Path) -> list[str]:
+    """Last-resort cleanup of a home: destroy every sandbox the container backend can find under it.
+
+    Returns the ids it had to remove (a test that cleaned up after itself gets ``[]``). Leaves the
+    home's ``/run/dsec/<tag>`` directory gone as well (it only holds a copy of the static init).
+    """
+    backend = ContainerBackend(Settings(home=home, images_dir=images))
+    removed = await backend.cleanup_orphans(set())
+    tag_dir = Path("/run/dsec") / home_tag(home)
+    if tag_dir.is_dir() and not mounts_under(str(tag_dir)):
+        shutil.rmtree(tag_dir, ignore_errors=True)
+    for parent in (CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}")):
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+    return removed
+
+
+@contextlib.asynccontextmanager
+async def started_backend(home: Path, images: Path) -> AsyncIterator[ContainerBackend]:
+    """A started ContainerBackend on ``home``; on exit it is closed and anything it left is destroyed."""
+    backend = ContainerBackend(Settings(home=home, images_dir=images))
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.aclose()

@@ -1,0 +1,246 @@
+"""SIGKILL the real daemon (a subprocess) with live container sandboxes, restart it, check what it finds.
+
+A killed daemon must leave its sandboxes running; the next daemon on the same home re-adopts the live
+ones, cleans up the dead and the half-created ones, and nothing of any of them leaks on the host
+(mounts, cgroups, runc state, bundles, processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+from container_support import (
+    assert_clean,
+    await_until,
+    home_tag,
+    images_dir,
+    leftovers,
+    pid_alive,
+    sweep,
+    wait_until,
+)
+from dsec.backends.base import ImageRef
+from dsec.config import Settings
+from dsec.daemon.server import daemon_answers
+from dsec.models import SandboxRecord
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+class DaemonProcess:
+    """``python -m dsec.daemon serve --home HOME`` as a child process that the test can SIGKILL."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.settings = Settings(home=home, images_dir=images_dir())
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = home / "daemon.log"
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.settings.socket_path}"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        env = dict(os.environ, DSEC_IMAGES=str(images_dir()), DSEC_HOME=str(self.home))
+        env.pop("DSEC_DAEMON_FAKE", None)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(self.home)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True, cwd="/",
+            )
+        ok = wait_until(lambda: self.proc is not None and (self.proc.poll() is not None
+                                                           or daemon_answers(self.settings)), timeout=60)
+        assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.log.read_text()[-3000:]}"
+
+    def helper_pids(self) -> list[int]:
+        """The daemon's exec helper (its other children are the sandbox inits it adopted as subreaper)."""
+        assert self.proc is not None
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return [int(p) for p in children if b"nsexec" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def records(self) -> dict[str, SandboxRecord]:
+        out = {}
+        for path in self.settings.state_dir.glob("sb-*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                record = SandboxRecord.model_validate_json(path.read_bytes())
+                out[record.id] = record
+        return out
+
+
+@pytest.fixture
+def daemon(debian_python_image: ImageRef) -> Iterator[DaemonProcess]:
+    home = Path(tempfile.mkdtemp(prefix="dsec-kill-", dir="/tmp"))
+    d = DaemonProcess(home)
+    try:
+        yield d
+    finally:
+        try:
+            d.stop()
+        finally:
+            asyncio.run(sweep(home, images_dir()))  # last resort; the tests assert cleanliness themselves
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def processes_in_home_cgroups(home: Path) -> list[int]:
+    """Live host processes in any cgroup of this home's sandboxes (what a leaked dsec-init would be).
+
+    Zombies are not counted: a killed init is reparented to the host's pid 1, which reaps it when it
+    gets to it; until then it still names its (already removed) cgroup."""
+    needle = f"/dsec-{home_tag(home)}/"
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (p / "cgroup").read_text() and pid_alive(int(p.name)):
+                    found.append(int(p.name))
+    return found
+
+
+def _describe(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                + " | " + Path(f"/proc/{pid}/status").read_text().split("\n")[2]
+                + " | " + Path(f"/proc/{pid}/cgroup").read_text().replace("\n", ";"))
+    except OSError as e:
+        return str(e)
+
+
+def assert_nothing_left(d: DaemonProcess) -> None:
+    assert_clean(d.home)
+    procs = processes_in_home_cgroups(d.home)
+    assert procs == [], [(p, _describe(p)) for p in procs[:3]]
+    assert d.records() == {}, "sandbox records left in the state directory"
+
+
+async def destroy_all(client: dsec.Client) -> None:
+    for sb in await dsec.AsyncSandbox.list(client=client):
+        await sb.close()
+    assert await dsec.AsyncSandbox.list(client=client) == []
+
+
+async def test_sigkill_with_20_live_sandboxes_then_readopt(daemon: DaemonProcess) -> None:
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        sbs = await dsec.AsyncSandbox.create_many(20, image="debian-python", labels={"run": "kill"},
+                                                  client=client)
+        for sb in sbs:
+            await sb.files.write("/workspace/who", sb.id)
+        r = await sbs[0].exec("sleep 1000 >/dev/null 2>&1 & echo $!")
+        background = int(r.stdout)
+    ids = {sb.id for sb in sbs}
+    records = daemon.records()
+    assert set(records) == ids and all(r.state == "running" for r in records.values())
+    inits = {i: records[i].backend_state["init_pid"] for i in ids}
+    helpers = daemon.helper_pids()
+    assert helpers, "the daemon has no exec helper child"
+
+    daemon.kill()
+    assert all(pid_alive(pid) for pid in inits.values()), "a sandbox died with its daemon"
+    # the exec helper must not outlive its daemon (it holds the sandboxes' seccomp program and sockets)
+    assert wait_until(lambda: not any(pid_alive(p) for p in helpers), timeout=20), "exec helper leaked"
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        listed = await dsec.AsyncSandbox.list(labels={"run": "kill"}, client=client)
+        assert {sb.id for sb in listed} == ids
+        for sb in listed:
+            assert (await sb.info()).state == "running"
+            r = await sb.exec("cat /workspace/who")
+            assert r.exit_code == 0 and r.stdout.decode() == sb.id, r
+        survivor = next(sb for sb in listed if sb.id == sbs[0].id)
+        r = await survivor.exec(f"kill -0 {background} && echo alive")
+        assert r.stdout == b"alive\n", "a process inside a sandbox did not survive the daemon's death"
+        await destroy_all(client)
+    assert not any(pid_alive(pid) for pid in inits.values())
+    daemon.stop()
+    assert_nothing_left(daemon)
+
+
+async def test_dead_sandboxes_cleaned_live_ones_readopted(daemon: DaemonProcess) -> None:
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        sbs = await dsec.AsyncSandbox.create_many(6, image="debian-python", client=client)
+        for sb in sbs:
+            await sb.files.write("/workspace/who", sb.id)
+    records = daemon.records()
+    dead, live = sbs[:3], sbs[3:]
+    daemon.kill()
+    for sb in dead:
+        os.kill(records[sb.id].backend_state["init_pid"], signal.SIGKILL)
+    assert wait_until(lambda: not any(pid_alive(records[sb.id].backend_state["init_pid"]) for sb in dead))
+
+    daemon.start()
+    for sb in dead:
+        assert_clean(daemon.home, sb.id)
+        assert sb.id not in daemon.records()
+    async with dsec.Client(url=daemon.url) as client:
+        assert {sb.id for sb in await dsec.AsyncSandbox.list(client=client)} == {sb.id for sb in live}
+        for sb in dead:
+            with pytest.raises(dsec.SandboxNotFound):
+                await dsec.AsyncSandbox.connect(sb.id, client=client)
+        for sb in live:
+            again = await dsec.AsyncSandbox.connect(sb.id, client=client)
+            assert (await again.exec("cat /workspace/who")).stdout.decode() == sb.id
+        await destroy_all(client)
+    daemon.stop()
+    assert_nothing_left(daemon)
+
+
+async def test_sigkill_during_create_many(daemon: DaemonProcess) -> None:
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        task = asyncio.create_task(dsec.AsyncSandbox.create_many(10, image="debian-python", client=client))
+        # kill as soon as the daemon has started creating (records are written before the backend acts)
+        started = await await_until(lambda: any(daemon.settings.state_dir.glob("sb-*.json")) or task.done(),
+                                    timeout=60, interval=0.005)
+        daemon.kill()
+        assert started
+        with contextlib.suppress(dsec.DSecError, OSError):
+            await task
+    at_kill = daemon.records()
+    assert at_kill, "nothing was being created when the daemon was killed"
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        listed = await dsec.AsyncSandbox.list(client=client)
+        survivors = {sb.id for sb in listed}
+        assert survivors <= set(at_kill)
+        for sb in listed:  # fully usable...
+            r = await sb.exec("echo usable; cat /proc/1/cmdline")
+            assert r.stdout.startswith(b"usable\n/dev/.dsec-init"), r
+        left = leftovers(daemon.home)
+        left.pop("cgroup_parents")  # shared by the survivors
+        for kind, paths in left.items():  # ...or fully gone
+            strays = [p for p in paths if not any(i in p for i in survivors)]
+            assert strays == [], f"{kind} of sandboxes that were not re-adopted: {strays}"
+        assert set(daemon.records()) == survivors
+        await destroy_all(client)
+    daemon.stop()
+    assert_nothing_left(daemon)
