@@ -149,7 +149,8 @@ def error_from_payload(payload: Any, status_code: int = 500) -> DSecError:
     if not isinstance(body, dict):
         return DSecError(f"HTTP {status_code}: {str(payload)[:500]}")
     cls = _registry().get(str(body.get("type")), DSecError)
-    detail = body.get("detail") if isinstance(body.get("detail"), dict) else {}
+    raw_detail = body.get("detail")
+    detail: dict[str, Any] = raw_detail if isinstance(raw_detail, dict) else {}
     err = cls(str(body.get("message", "")))
     err.detail = detail
     return err

@@ -311,7 +311,7 @@ class ContainerBackend(Backend):
         return status in ("running", "paused")
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
-        found = set()
+        found: set[str] = set()
         for parent in (self.root, self.runc_root, self.mounts):
             if parent.is_dir():
                 found.update(p.name for p in parent.iterdir() if p.name.startswith("sb-"))

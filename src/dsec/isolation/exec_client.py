@@ -283,7 +283,7 @@ async def stream_exec(
                 spawned.kill()
             if data:
                 captured[name] += data
-                yield ExecEvent(type=name, data=bytes(data))  # type: ignore[arg-type]
+                yield ExecEvent(type=name, data=bytes(data))
         if setup_error is not None:
             _raise_or_shell_status(setup_error, request, captured)
             wstatus = (126 if setup_error.startswith("PermissionError") else 127) << 8
