@@ -29,11 +29,11 @@ from typing import Any
 from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
-from dsec.isolation.capabilities import DEFAULT_CAPS
+from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
-from dsec.isolation.init import ensure_init
+from dsec.isolation.init import ensure_init, ensure_nsenter
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
@@ -43,6 +43,8 @@ __all__ = ["ContainerBackend"]
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
 _PR_SET_CHILD_SUBREAPER = 36
+# The sandbox init's capabilities (runc config) as the mask dsec-nsenter applies to every command.
+_CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
 
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
@@ -115,7 +117,8 @@ class ContainerBackend(Backend):
         if not self._init.exists():
             await asyncio.to_thread(shutil.copy2, built, self._init)
         bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
-        self._helper = ExecHelper(bpf)
+        nsenter = await asyncio.to_thread(ensure_nsenter, self.settings.home / "bin")
+        self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
 
     async def aclose(self) -> None:
@@ -123,6 +126,19 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(self._helper.close)
             self._helper = None
         await asyncio.to_thread(self._remove_empty_parent)
+        await asyncio.to_thread(self._remove_empty_mounts_dir)
+
+    def _remove_empty_mounts_dir(self) -> None:
+        """Drop /run/dsec/<tag> (and the init copy in it) when no sandbox of this home is left;
+        live sandboxes keep it, since their init is bind-mounted from there."""
+        if not self.mounts.is_dir() or any(p.name.startswith("sb-") for p in self.mounts.iterdir()):
+            return
+        for p in self.mounts.iterdir():
+            if p.name.startswith("dsec-init-"):
+                p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.mounts.rmdir()
+            self.mounts.parent.rmdir()  # only if no other home uses /run/dsec
 
     def _remove_empty_parent(self) -> None:
         """runc leaves the parent cgroup behind; drop it when no sandbox of this home is left."""
@@ -226,8 +242,8 @@ class ContainerBackend(Backend):
             "cwd": request.cwd or record.spec.workdir,
             "uid": 0,
             "gid": 0,
-            "caps": list(DEFAULT_CAPS),
-            "rlimits": exec_rlimits(),
+            "capmask": _CAPMASK,
+            "nofile": exec_rlimits()["nofile"][0],
         })
         async for event in stream_exec(spawned, request, verdict):
             yield event

@@ -56,6 +56,8 @@ class ContainerBench:
     idle_k: int = 50
     batch_n: int = 20
     batch_reps: int = 3
+    settle_seconds: float = 3.0
+    """Pause before the peers, so they too are measured on a node not busy tearing down sandboxes."""
     daemon: str = "process"
     """``"process"``: ``dsec up`` as users run it; ``"thread"``: in this process (shares its GIL)."""
 
@@ -68,6 +70,7 @@ class ContainerBench:
             runc_exec_n=n(self.runc_exec_n), runc_run_n=n(self.runc_run_n), true_n=n(self.true_n),
             bwrap_n=n(self.bwrap_n), podman_n=n(self.podman_n),
             sustained_seconds=max(0.5, self.sustained_seconds * factor),
+            settle_seconds=self.settle_seconds * factor,
             podman_sustained_seconds=max(0.5, self.podman_sustained_seconds * factor),
             idle_k=n(self.idle_k), batch_n=n(self.batch_n), batch_reps=n(self.batch_reps),
         )
@@ -336,13 +339,15 @@ async def run(cfg: ContainerBench, node: Settings | None = None,
             client = Client(url=f"unix://{settings.socket_path}")
             bench = _Run(cfg, client)
             try:
-                progress(f"create/destroy x{cfg.create_n}")
-                with timer.phase("create/destroy"):
-                    lat["create"], lat["destroy"] = map(summarize, await bench.create_latency())
+                # exec first: right after a burst of destroys the kernel is still tearing down their
+                # namespaces in the background, which would be measured as exec latency.
                 progress(f"exec true x{cfg.exec_n}")
                 with timer.phase("exec"):
                     async with bench.one() as sandbox:
                         lat["exec_true"] = summarize(await bench.exec_latency(sandbox))
+                progress(f"create/destroy x{cfg.create_n}")
+                with timer.phase("create/destroy"):
+                    lat["create"], lat["destroy"] = map(summarize, await bench.create_latency())
                 progress(f"sustained create->exec->destroy, {cfg.concurrency} workers, "
                          f"{cfg.sustained_seconds:g} s")
                 with timer.phase("sustained"):
@@ -397,6 +402,9 @@ async def _peers(cfg: ContainerBench, peer: RuncPeer, image_root: Path, settings
     async def bare() -> None:
         lat["bare_true"] = summarize(await asyncio.to_thread(time_command, ["/bin/true"], cfg.true_n, 3))
 
+    # Same conditions as DSec's exec figure (measured first, on a quiet node): let the kernel finish
+    # tearing down the namespaces of the sandboxes destroyed above.
+    await asyncio.sleep(cfg.settle_seconds)
     await attempt("runc_exec", f"runc exec x{cfg.runc_exec_n}", runc_exec)
     await attempt("runc_run", f"runc run x{cfg.runc_run_n}", runc_run)
     await attempt("bare_true", f"/bin/true x{cfg.true_n}", bare)

@@ -68,18 +68,17 @@ def daemon_answers(settings: Settings) -> bool:
     """True when a daemon answers ``GET /v1/health`` on the settings' unix socket."""
     if not settings.socket_path.exists():
         return False
-    # A bare connect first: a stale socket refuses it, and httpx leaks its socket on that path.
+    # One plain HTTP/1.1 request on a socket we own: httpx leaks its socket when the peer vanishes
+    # between connect and response (a daemon dying while `dsec up` watches it).
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(2.0)
         try:
             probe.connect(str(settings.socket_path))
+            probe.sendall(b"GET /v1/health HTTP/1.1\r\nHost: dsec\r\nConnection: close\r\n\r\n")
+            head = probe.recv(32)
         except OSError:
             return False
-    try:
-        with _health_client(settings.socket_path) as client:
-            return client.get("/v1/health").status_code == 200
-    except httpx.HTTPError:
-        return False
+    return head.startswith(b"HTTP/1.1 200")
 
 
 def _bind_unix(path: Path) -> socket.socket:

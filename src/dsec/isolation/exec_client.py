@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
@@ -62,8 +63,9 @@ class Spawned:
 class ExecHelper:
     """One helper process per daemon; :meth:`spawn` is cheap (one message + one fork there)."""
 
-    def __init__(self, seccomp_bpf: bytes) -> None:
+    def __init__(self, seccomp_bpf: bytes, nsenter: Path) -> None:
         self._bpf = seccomp_bpf
+        self._nsenter = nsenter
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -72,7 +74,7 @@ class ExecHelper:
         try:
             self._proc = subprocess.Popen(
                 # Isolated mode, no site: the helper forks per command, so it must stay small (~8 MB).
-                [sys.executable, "-I", "-S", nsexec.__file__, str(theirs.fileno())],
+                [sys.executable, "-I", "-S", nsexec.__file__, str(theirs.fileno()), str(self._nsenter)],
                 stdin=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),),
                 close_fds=True,
@@ -190,12 +192,12 @@ def _decode_status(wstatus: int) -> tuple[int, int | None]:
 
 
 def _raise_or_shell_status(error: str, request: ExecRequest, captured: dict[str, bytearray]) -> None:
-    """A command that cannot be found or executed ends like it would in a shell (127/126, message on
+    """A command that cannot be found or executed ends as it would in a shell (127/126, the reason on
     stderr); a bad working directory is the caller's mistake; anything else is the sandbox's failure."""
-    if "working directory" in error:
-        raise InvalidRequest(error.split(": ", 1)[-1], cwd=request.cwd)
-    if error.startswith(("FileNotFoundError", "PermissionError", "NotADirectoryError")):
-        captured["stderr"] += f"dsec: cannot execute {request.argv()[0]!r}: {error}\n".encode()
+    if error.startswith("working directory"):
+        raise InvalidRequest(error, cwd=request.cwd)
+    if error.startswith("cannot execute"):
+        captured["stderr"] += f"dsec: {error}\n".encode()
         return
     raise SandboxError(f"could not start {request.argv()[0]!r} in the sandbox: {error}", argv=request.argv())
 
@@ -286,7 +288,6 @@ async def stream_exec(
                 yield ExecEvent(type=name, data=bytes(data))
         if setup_error is not None:
             _raise_or_shell_status(setup_error, request, captured)
-            wstatus = (126 if setup_error.startswith("PermissionError") else 127) << 8
         if wstatus is None:
             # The helper went away without a verdict: any exit code we made up would be a lie.
             what = "before starting" if spawned.pid is None else "while running"
