@@ -163,7 +163,8 @@ class ContainerBackend(Backend):
             detail = (err or b"").decode(errors="replace").strip()
             if log is not None and log.exists():
                 detail = _last_runc_error(log) or detail
-            raise SandboxError(f"runc {args[0]} failed: {detail}")
+            # runc's own message already reads "runc run failed: ...": do not say it twice.
+            raise SandboxError(detail if detail.startswith("runc") else f"runc {args[0]} failed: {detail}")
         return (out or b"").decode(errors="replace")
 
     # -- lifecycle ------------------------------------------------------------------------
