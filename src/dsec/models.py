@@ -65,6 +65,14 @@ def parse_size(value: Any) -> int:
 Size = Annotated[int, BeforeValidator(parse_size)]
 
 
+def _check_mapping(v: dict[str, str]) -> dict[str, str]:
+    """Environment-style keys: non-empty, no '=' or NUL; values without NUL (execve cannot carry them)."""
+    for key, val in v.items():
+        if not key or "\0" in key or "=" in key or "\0" in val:
+            raise ValueError(f"invalid entry {key!r}: keys must be non-empty without '=' or NUL, values without NUL")
+    return v
+
+
 class Model(BaseModel):
     """Base of every wire model: unknown fields are an error, bytes are base64 in JSON."""
 
@@ -117,10 +125,7 @@ class SandboxSpec(Model):
     @field_validator("env", "labels")
     @classmethod
     def _no_nul(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not key or "\0" in key or "=" in key or "\0" in val:
-                raise ValueError(f"invalid entry {key!r}: keys must be non-empty without '=' or NUL")
-        return v
+        return _check_mapping(v)
 
 
 class BatchCreateRequest(Model):
@@ -155,6 +160,18 @@ class ExecRequest(Model):
             raise ValueError("command must not be empty")
         if any("\0" in part for part in ([v] if isinstance(v, str) else v)):
             raise ValueError("command must not contain NUL bytes")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else _check_mapping(v)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
+            raise ValueError(f"cwd must be an absolute path without NUL bytes, got {v!r}")
         return v
 
     def argv(self) -> list[str]:

@@ -203,3 +203,61 @@ async def test_backend_settings_isolated_per_home(tmp_path: Path) -> None:
     a = ContainerBackend(Settings(home=tmp_path / "a"))
     b = ContainerBackend(Settings(home=tmp_path / "b"))
     assert a.cgroup_parent != b.cgroup_parent and a.mounts != b.mounts
+
+
+def _count(name: str) -> str:
+    """A command printing how many processes named ``name`` run in the sandbox (no procps in the image)."""
+    return f"grep -lx {name} /proc/[0-9]*/comm 2>/dev/null | wc -l"
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_stalled_consumer_neither_buffers_nor_outlives_limits(backend: ContainerBackend,
+                                                                   debian_python_image: ImageRef) -> None:
+    """A client that stops reading (slow HTTP peer) must not make the daemon buffer `yes`, nor keep the
+    command alive past its cap or timeout: limits are enforced as output is read, not as it is consumed."""
+    async with sandbox(backend, debian_python_image) as sb:
+        # a running command first, to show the probe sees one
+        probe = asyncio.create_task(backend.exec(sb, ExecRequest(command="exec sleep 5", timeout=10)))
+        await asyncio.sleep(0.5)
+        assert (await backend.exec(sb, ExecRequest(command=_count("sleep")))).stdout.strip() == b"1"
+        probe.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probe
+        stream = backend.exec_stream(sb, ExecRequest(command="yes", timeout=2, max_output=1 * MiB))
+        rss_before = _rss_bytes()
+        try:
+            first = await anext(stream)
+            assert first.type == "stdout"
+            await asyncio.sleep(3)  # the consumer stalls past the timeout
+            # nothing was consumed, yet `yes` is gone: killed at read time when it passed the cap
+            r = await backend.exec(sb, ExecRequest(command=_count("yes")))
+            assert r.stdout.strip() == b"0", r
+            assert _rss_bytes() - rss_before < 64 * MiB
+            events = [e async for e in stream]
+        finally:
+            await stream.aclose()
+        result = events[-1].result
+        assert result is not None and result.truncated and result.limit == "output", result
+        assert len(first.data or b"") + sum(len(e.data or b"") for e in events[:-1]) == 1 * MiB
+
+
+async def test_stalled_consumer_timeout_fires(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        stream = backend.exec_stream(sb, ExecRequest(command="echo start; exec sleep 30", timeout=1))
+        try:
+            first = await anext(stream)
+            assert first.data == b"start\n"
+            await asyncio.sleep(2.5)  # not reading: the timer, not the consumer, must end the command
+            r = await backend.exec(sb, ExecRequest(command=_count("sleep")))
+            assert r.stdout.strip() == b"0", r
+            events = [e async for e in stream]
+        finally:
+            await stream.aclose()
+        result = events[-1].result
+        assert result is not None and result.limit == "time" and result.signal == signal.SIGKILL, result

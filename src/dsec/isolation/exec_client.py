@@ -33,6 +33,8 @@ _CHUNK = 64 * 1024
 # After the command exits, output still buffered in the pipes is read for this long; a
 # background job that keeps the pipe open does not hold the call hostage.
 _DRAIN_AFTER_EXIT_S = 0.2
+# Output waiting for a slow consumer; past it the pipes are paused (the command blocks on write).
+_MAX_QUEUED = 4 * 1024 * 1024
 
 
 @dataclass
@@ -130,39 +132,6 @@ class ExecHelper:
         return ours
 
 
-class _Reader:
-    """Non-blocking reads of several fds on the running loop, pushed into one queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[str, bytes]]) -> None:
-        self.loop = loop
-        self.queue = queue
-        self.open: set[int] = set()
-
-    def add(self, fd: int, name: str) -> None:
-        self.open.add(fd)
-        self.loop.add_reader(fd, self._ready, fd, name)
-
-    def _ready(self, fd: int, name: str) -> None:
-        try:
-            data = os.read(fd, _CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.remove(fd)
-        self.queue.put_nowait((name, data))
-
-    def remove(self, fd: int) -> None:
-        if fd in self.open:
-            self.open.discard(fd)
-            self.loop.remove_reader(fd)
-
-    def close(self) -> None:
-        for fd in list(self.open):
-            self.remove(fd)
-
-
 async def _feed_stdin(fd: int, data: bytes) -> None:
     loop = asyncio.get_running_loop()
     view = memoryview(data)
@@ -202,97 +171,170 @@ def _raise_or_shell_status(error: str, request: ExecRequest, captured: dict[str,
     raise SandboxError(f"could not start {request.argv()[0]!r} in the sandbox: {error}", argv=request.argv())
 
 
+class _Watch:
+    """Everything the limits need, driven by loop callbacks, never by the consumer.
+
+    Output is read as it comes, capped per stream at read time (past the cap the command is killed and
+    the rest discarded), and queued for the consumer with backpressure (a consumer that stops reading
+    pauses the pipes, never grows the daemon's memory); the timeout is a loop timer. A stalled HTTP
+    client therefore cannot keep a command alive past its timeout or make the daemon buffer ``yes``."""
+
+    def __init__(self, spawned: Spawned, request: ExecRequest) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.spawned = spawned
+        self.request = request
+        self.queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self.queued = 0
+        self.paused = False
+        self.open: dict[int, str] = {}
+        self.counts = {"stdout": 0, "stderr": 0}
+        self.status_buf = b""
+        self.wstatus: int | None = None
+        self.status_closed = False
+        self.setup_error: str | None = None
+        self.limit: LimitHit | None = None
+        self.truncated = False
+        self.timer: asyncio.TimerHandle | None = None
+        if request.timeout:
+            self.timer = self.loop.call_later(request.timeout, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.wstatus is None:
+            self.limit = self.limit or "time"
+            self.spawned.kill()  # no-op until the pid is known; the "pid" line kills then
+
+    def add(self, fd: int, name: str) -> None:
+        self.open[fd] = name
+        self.loop.add_reader(fd, self._ready, fd)
+
+    def remove(self, fd: int) -> None:
+        if self.open.pop(fd, None) is not None:
+            self.loop.remove_reader(fd)
+
+    def _ready(self, fd: int) -> None:
+        name = self.open.get(fd)
+        if name is None:
+            return
+        try:
+            data = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.remove(fd)
+        if name == "status":
+            self._status(data)
+        elif data:
+            self._output(name, data)
+        else:
+            self._push(name, b"")  # EOF marker
+
+    def _status(self, data: bytes) -> None:
+        self.status_buf += data
+        while b"\n" in self.status_buf:
+            line, self.status_buf = self.status_buf.split(b"\n", 1)
+            kind, _, value = line.decode(errors="replace").partition(" ")
+            if kind == "pid":
+                self.spawned.pid = int(value)
+                if self.limit is not None:
+                    self.spawned.kill()
+            elif kind == "exit":
+                self.wstatus = int(value)
+            elif kind == "error":
+                self.setup_error = value
+        if not data:
+            self.status_closed = True
+        if self.wstatus is not None or self.status_closed:
+            self._push("status", b"")
+
+    def _output(self, name: str, data: bytes) -> None:
+        room = self.request.max_output - self.counts[name]
+        if len(data) > room:
+            data = data[: max(room, 0)]
+            if not self.truncated:
+                self.truncated = True
+                self.limit = self.limit or "output"
+                self.spawned.kill()
+        if data:
+            self.counts[name] += len(data)
+            self._push(name, data)
+
+    def _push(self, name: str, data: bytes) -> None:
+        self.queue.put_nowait((name, data))
+        self.queued += len(data)
+        if self.queued > _MAX_QUEUED and not self.paused:
+            self.paused = True
+            for fd, stream in self.open.items():
+                if stream != "status":
+                    self.loop.remove_reader(fd)
+
+    async def get(self) -> tuple[str, bytes]:
+        name, data = await self.queue.get()
+        self.queued -= len(data)
+        if self.paused and self.queued <= _MAX_QUEUED // 2:
+            self.paused = False
+            for fd, stream in self.open.items():
+                if stream != "status":
+                    self.loop.add_reader(fd, self._ready, fd)
+        return name, data
+
+    def outputs_open(self) -> bool:
+        return any(stream != "status" for stream in self.open.values())
+
+    def close(self) -> None:
+        for fd in list(self.open):
+            self.remove(fd)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 async def stream_exec(
     spawned: Spawned,
     request: ExecRequest,
     verdict: Callable[[int, int | None], LimitHit | None] | None = None,
 ) -> AsyncIterator[ExecEvent]:
     """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-    reader = _Reader(loop, queue)
+    watch = _Watch(spawned, request)
     captured = {"stdout": bytearray(), "stderr": bytearray()}
-    status_buf = b""
-    wstatus: int | None = None
-    limit: LimitHit | None = None
-    truncated = False
-    setup_error: str | None = None
     start = time.monotonic()
-    deadline = start + request.timeout if request.timeout else None
     exited_at: float | None = None
+    drain_timer: asyncio.TimerHandle | None = None
     stdin_task: asyncio.Task[None] | None = None
-    timer: asyncio.TimerHandle | None = None
-    armed_for: float | None = None
     try:
         # The status pipe first: the helper reports the command's pid before it can print anything.
-        reader.add(spawned.status, "status")
-        reader.add(spawned.stdout, "stdout")
-        reader.add(spawned.stderr, "stderr")
+        watch.add(spawned.status, "status")
+        watch.add(spawned.stdout, "stdout")
+        watch.add(spawned.stderr, "stderr")
         if request.stdin:
             stdin_task = asyncio.create_task(_feed_stdin(spawned.stdin, request.stdin))
         else:
             os.close(spawned.stdin)
         spawned.stdin = -1
         while True:
-            if exited_at is not None and not ({spawned.stdout, spawned.stderr} & reader.open):
+            if exited_at is None and (watch.wstatus is not None or watch.status_closed):
+                exited_at = time.monotonic()
+                # After the exit, output still in the pipes is read for a short while; a background job
+                # that keeps the pipes open does not hold the call.
+                drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.queue.put_nowait, ("drained", b""))
+            if exited_at is not None and not watch.outputs_open() and watch.queue.empty():
                 break
-            waits = [t for t in (deadline, exited_at and exited_at + _DRAIN_AFTER_EXIT_S) if t]
-            wake = min(waits) if waits else None
-            if wake != armed_for:
-                # One timer re-armed only when the wake-up time changes: asyncio.wait_for would
-                # create a task per event, a visible share of a 1 ms exec.
-                if timer is not None:
-                    timer.cancel()
-                timer = None if wake is None else loop.call_later(
-                    max(0.0, wake - time.monotonic()), queue.put_nowait, ("timer", b""))
-                armed_for = wake
-            name, data = await queue.get()
-            if name == "timer":
-                armed_for = None
-                timer = None
-                if exited_at is not None and time.monotonic() >= exited_at + _DRAIN_AFTER_EXIT_S:
-                    break  # drained long enough; background writers keep the pipe, not us
-                if deadline is not None and time.monotonic() >= deadline:
-                    limit = "time"
-                    spawned.kill()
-                    deadline = None
-                continue
-            if name == "status":
-                status_buf += data
-                while b"\n" in status_buf:
-                    line, status_buf = status_buf.split(b"\n", 1)
-                    kind, _, value = line.decode(errors="replace").partition(" ")
-                    if kind == "pid":
-                        spawned.pid = int(value)
-                        if limit is not None:
-                            spawned.kill()
-                    elif kind == "exit":
-                        wstatus = int(value)
-                        exited_at = time.monotonic()
-                    elif kind == "error":
-                        setup_error = value
-                if not data and wstatus is None:
-                    exited_at = exited_at or time.monotonic()
-                continue
-            if not data:
-                continue
-            room = request.max_output - len(captured[name])
-            if len(data) > room:
-                data = data[: max(room, 0)]
-                truncated = True
-                if limit is None:
-                    limit = "output"
-                spawned.kill()
-            if data:
+            name, data = await watch.get()
+            if name == "drained":
+                break
+            if name in captured and data:
                 captured[name] += data
-                yield ExecEvent(type=name, data=bytes(data))
-        if setup_error is not None:
-            _raise_or_shell_status(setup_error, request, captured)
-        if wstatus is None:
+                yield ExecEvent(type=name, data=data)
+        if watch.setup_error is not None:
+            _raise_or_shell_status(watch.setup_error, request, captured)
+        if watch.wstatus is None:
             # The helper went away without a verdict: any exit code we made up would be a lie.
             what = "before starting" if spawned.pid is None else "while running"
             raise SandboxError(f"the exec helper died {what} {request.argv()[0]!r}; its exit status is lost")
-        exit_code, sig = _decode_status(wstatus)
+        exit_code, sig = _decode_status(watch.wstatus)
+        limit = watch.limit
         if limit is None and verdict is not None:
             limit = verdict(exit_code, sig)
         result = ExecResult(
@@ -300,17 +342,17 @@ async def stream_exec(
             stdout=bytes(captured["stdout"]),
             stderr=bytes(captured["stderr"]),
             duration_s=round(time.monotonic() - start, 6),
-            truncated=truncated,
+            truncated=watch.truncated,
             signal=sig,
             limit=limit,
         )
         yield ExecEvent(type="exit", result=result)
     finally:
-        if wstatus is None:
+        if watch.wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
-        reader.close()
-        if timer is not None:
-            timer.cancel()
+        watch.close()
+        if drain_timer is not None:
+            drain_timer.cancel()
         if stdin_task is not None and not stdin_task.done():
             stdin_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

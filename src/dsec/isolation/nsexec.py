@@ -52,10 +52,13 @@ def _sys(ret: int, what: str) -> int:
     return ret
 
 
-def _report(fd: int, line: str) -> None:
-    # OSError: the daemon went away; the command runs on, the sandbox owns it.
-    with contextlib.suppress(OSError):
+def _report(fd: int, line: str) -> bool:
+    """Tell the daemon; False when it no longer listens (the command then runs on, the sandbox owns it)."""
+    try:
         os.write(fd, line.encode() + b"\n")
+    except OSError:
+        return False
+    return True
 
 
 def _park(fd: int) -> int:
@@ -98,14 +101,19 @@ class Helper:
             finally:
                 _sys(_libc.syscall(_SYS_SETNS, self.own_pidns, _CLONE_NEWPID), "return to own pid namespace")
             watch = _sys(_libc.syscall(_SYS_PIDFD_OPEN, pid, 0), "watch command")
-        except OSError as e:
-            _report(status, f"error {e}")
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            # One bad request must never take the helper (and every other sandbox's commands) down.
+            _report(status, f"error {type(e).__name__}: {e}")
             return None
         finally:
             for fd in [*parked, target]:
                 if fd >= 0:
                     os.close(fd)
-        _report(status, f"pid {pid}")
+        if not _report(status, f"pid {pid}"):
+            # The daemon hung up before it learnt the pid (a client cancelled within a millisecond):
+            # nobody could ever kill this command, so we do. It is still reaped through its pidfd.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         return pid, watch
 
     def serve(self, sock: socket.socket) -> None:
@@ -131,7 +139,7 @@ class Helper:
                 except InterruptedError:
                     continue
                 if not data:
-                    return  # the daemon closed its end; running commands are re-parented to their sandbox's init
+                    return  # the daemon closed its end; running commands are re-parented to the daemon (subreaper)
                 fds: list[int] = []
                 for level, kind, payload in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -130,8 +130,11 @@ DEFAULT_PROFILE = Profile(
         Rule(names=("clone",), args=(ArgRule(0, CLONE_NEWUSER, CLONE_NEWUSER),)),
         # clone3 passes flags in memory that seccomp cannot inspect: ENOSYS makes libc fall back to clone.
         _deny("clone3", err=errno.ENOSYS),
-        # Dangerous ioctls.
-        *(Rule(names=("ioctl",), args=(ArgRule(1, req),))
+        # Dangerous ioctls. The kernel reads the request as a 32-bit int: compare the low 32 bits only,
+        # or setting any of the upper 32 bits walks past the rule (CVE-2019-10063).
+        *(Rule(names=("ioctl",), args=(ArgRule(1, req, 0xFFFFFFFF),))
           for req in (XFS_IOC_SWAPEXT, FICLONE, FICLONERANGE, FIDEDUPERANGE, TIOCSTI, TIOCLINUX)),
+        # io_uring performs file and socket operations that seccomp never sees.
+        _deny("io_uring_setup", "io_uring_enter", "io_uring_register"),
     )
 )

@@ -170,17 +170,25 @@ import fcntl, json, os
 src = os.open("/workspace/src", os.O_RDWR | os.O_CREAT, 0o644); os.write(src, b"protected" * 100)
 dst = os.open("/workspace/dst", os.O_RDWR | os.O_CREAT, 0o644)
 out = {}
-for name, req in (("FICLONE", 0x40049409), ("XFS_IOC_SWAPEXT", 0xC0C0586D), ("TIOCSTI", 0x5412)):
+# The *_HI variants set the upper 32 bits of the request, which the kernel ignores: a filter comparing
+# all 64 bits would let them through (CVE-2019-10063).
+for name, req in (("FICLONE", 0x40049409), ("XFS_IOC_SWAPEXT", 0xC0C0586D), ("TIOCSTI", 0x5412),
+                  ("FICLONE_HI", 0x40049409 | 1 << 32), ("TIOCSTI_HI", 0x5412 | 0xFFFF << 48)):
     try:
         fcntl.ioctl(dst, req, src)
         out[name] = 0
     except OSError as e:
         out[name] = e.errno
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+out["io_uring_setup"] = 0 if libc.syscall(425, 1, params) >= 0 else ctypes.get_errno()
 print(json.dumps(out))
 """
     results = await py(backend, sb, code)
     # EPERM is seccomp's answer; without the filter these would be EOPNOTSUPP/EXDEV/ENOTTY or succeed
-    want = {"FICLONE": errno.EPERM, "XFS_IOC_SWAPEXT": errno.EPERM, "TIOCSTI": errno.EPERM}
+    want = {name: errno.EPERM for name in ("FICLONE", "XFS_IOC_SWAPEXT", "TIOCSTI", "FICLONE_HI", "TIOCSTI_HI",
+                                           "io_uring_setup")}
     assert results == want, results
 
 
