@@ -39,7 +39,13 @@ def _normalise(path: str) -> str:
 
 
 class SandboxFS:
-    """Confined file access below ``root`` (a host path), as user ``uid``/``gid`` for new files."""
+    """Confined file access below ``root`` (a host path), as user ``uid``/``gid`` for new files.
+
+    Only the sandbox's root filesystem (its overlay) is served: every target is first resolved with
+    ``O_PATH`` (no side effect), checked to live on the same device as the root, and only then reopened
+    for reading or writing. The daemon acts as host root, so without that check a path such as
+    ``/proc/kallsyms`` or ``/proc/1/oom_score_adj`` would reach the sandbox's procfs and sysfs with the
+    host's privileges; those are left to commands run inside the sandbox."""
 
     def __init__(self, root: str, uid: int, gid: int) -> None:
         self.root = root
@@ -47,13 +53,13 @@ class SandboxFS:
         self.gid = gid
 
     @contextlib.contextmanager
-    def _rootfd(self) -> Iterator[int]:
+    def _rootfd(self) -> Iterator[tuple[int, int]]:
         try:
             fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise SandboxError(f"sandbox root is gone ({self.root}): {e.strerror}") from None
         try:
-            yield fd
+            yield fd, os.fstat(fd).st_dev
         finally:
             os.close(fd)
 
@@ -65,6 +71,19 @@ class SandboxFS:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
         return fd
+
+    def _resolve(self, root: tuple[int, int], path: str, directory: bool = False) -> int:
+        """An ``O_PATH`` fd of ``path`` on the sandbox's root filesystem (raises for anything else)."""
+        fd = self._open(root[0], path, os.O_PATH | (os.O_DIRECTORY if directory else 0))
+        if os.fstat(fd).st_dev != root[1]:
+            os.close(fd)
+            raise InvalidRequest(f"{path} is not on the sandbox's filesystem: the files API serves the root "
+                                 f"filesystem, not /proc, /sys or /dev (read those with exec)", path=path)
+        return fd
+
+    @staticmethod
+    def _reopen(pathfd: int, flags: int) -> int:
+        return os.open(f"/proc/self/fd/{pathfd}", flags | os.O_CLOEXEC)
 
     def _error(self, e: OSError, path: str) -> Exception:
         if e.errno == errno.ENOENT:
@@ -80,13 +99,13 @@ class SandboxFS:
     def read(self, path: str, max_bytes: int) -> bytes:
         """Contents of a regular file; larger than ``max_bytes`` is an error naming both sizes."""
         path = _normalise(path)
-        with self._rootfd() as rootfd:
+        with self._rootfd() as root:
             try:
-                fd = self._open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
+                pathfd = self._resolve(root, path)
             except OSError as e:
                 raise self._error(e, path) from None
             try:
-                st = os.fstat(fd)
+                st = os.fstat(pathfd)
                 if stat.S_ISDIR(st.st_mode):
                     raise InvalidRequest(f"is a directory: {path} (use files.list)", path=path)
                 if not stat.S_ISREG(st.st_mode):
@@ -94,6 +113,12 @@ class SandboxFS:
                 if st.st_size > max_bytes:
                     raise InvalidRequest(f"{path} is {st.st_size} bytes, over the read limit of {max_bytes}",
                                          path=path, size=st.st_size, limit=max_bytes)
+                fd = self._reopen(pathfd, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError as e:
+                raise self._error(e, path) from None
+            finally:
+                os.close(pathfd)
+            try:
                 chunks = []
                 total = 0
                 while chunk := os.read(fd, 1 << 20):
@@ -105,19 +130,18 @@ class SandboxFS:
             finally:
                 os.close(fd)
 
-    def _mkdirs(self, rootfd: int, directory: str) -> None:
+    def _mkdirs(self, root: tuple[int, int], directory: str) -> None:
         parts = [p for p in directory.split("/") if p]
         current = ""
         for part in parts:
             current += "/" + part
             try:
-                fd = self._open(rootfd, current, os.O_PATH | os.O_DIRECTORY)
-                os.close(fd)
+                os.close(self._resolve(root, current, directory=True))
                 continue
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
-            parent = self._open(rootfd, posixpath.dirname(current), os.O_PATH | os.O_DIRECTORY)
+            parent = self._resolve(root, posixpath.dirname(current), directory=True)
             try:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=parent)
@@ -128,9 +152,9 @@ class SandboxFS:
     def makedirs(self, path: str) -> None:
         """Create a directory and its missing parents, owned by the sandbox's root user."""
         path = _normalise(path)
-        with self._rootfd() as rootfd:
+        with self._rootfd() as root:
             try:
-                self._mkdirs(rootfd, path)
+                self._mkdirs(root, path)
             except OSError as e:
                 raise self._error(e, path) from None
 
@@ -139,23 +163,28 @@ class SandboxFS:
         path = _normalise(path)
         if path == "/":
             raise InvalidRequest("cannot write to '/'", path=path)
-        with self._rootfd() as rootfd:
+        with self._rootfd() as root:
             try:
-                self._mkdirs(rootfd, posixpath.dirname(path))
-                created = True
+                self._mkdirs(root, posixpath.dirname(path))
+                parent = self._resolve(root, posixpath.dirname(path), directory=True)
                 try:
-                    fd = self._open(rootfd, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    # One name under a checked directory, O_EXCL|O_NOFOLLOW: never through a planted link.
+                    fd = os.open(posixpath.basename(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o644, dir_fd=parent)
+                    os.fchown(fd, self.uid, self.gid)
                 except FileExistsError:
-                    created = False
-                    fd = self._open(rootfd, path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK)
+                    pathfd = self._resolve(root, path)
+                    try:
+                        if not stat.S_ISREG(os.fstat(pathfd).st_mode):
+                            raise InvalidRequest(f"not a regular file: {path}", path=path) from None
+                        fd = self._reopen(pathfd, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK)
+                    finally:
+                        os.close(pathfd)
+                finally:
+                    os.close(parent)
             except OSError as e:
                 raise self._error(e, path) from None
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise InvalidRequest(f"not a regular file: {path}", path=path)
-                if created:
-                    os.fchown(fd, self.uid, self.gid)
                 if mode is not None:
                     os.fchmod(fd, mode & 0o7777)
                 view = memoryview(data)
@@ -169,9 +198,13 @@ class SandboxFS:
     def list(self, path: str) -> list[FileEntry]:
         """Entries of a directory, symlinks not followed, sorted by name."""
         path = _normalise(path)
-        with self._rootfd() as rootfd:
+        with self._rootfd() as root:
             try:
-                fd = self._open(rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
+                pathfd = self._resolve(root, path, directory=True)
+                try:
+                    fd = self._reopen(pathfd, os.O_RDONLY | os.O_DIRECTORY)
+                finally:
+                    os.close(pathfd)
             except OSError as e:
                 raise self._error(e, path) from None
             try:

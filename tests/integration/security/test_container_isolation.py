@@ -24,7 +24,7 @@ import pytest
 from container_support import await_until, cgroup_parents, home_tag, images_dir, leftovers, started_backend, sweep
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
-from dsec.errors import DSecError
+from dsec.errors import DSecError, InvalidRequest
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 from dsec.testing import sandbox
@@ -391,6 +391,28 @@ async def test_files_api_refuses_magic_links(backend: ContainerBackend, sb: Sand
     with pytest.raises(DSecError):
         await backend.write_file(sb, "/workspace/selfroot/tmp/dsec-magic-probe", b"x", None)
     assert not Path("/tmp/dsec-magic-probe").exists()
+
+
+async def test_files_api_never_touches_proc_sys_dev_with_host_privilege(backend: ContainerBackend,
+                                                                       sb: SandboxRecord) -> None:
+    """The daemon is host root: through the sandbox's procfs it would read real kernel addresses or make a
+    sandbox immune to the OOM killer. Only the sandbox's own root filesystem is served."""
+    before = (await run(backend, sb, "cat /proc/1/oom_score_adj")).stdout
+    for path in ("/proc/kallsyms", "/proc/1/oom_score_adj", "/proc/1/status", "/sys/kernel/mm",
+                 "/dev/null", "/dev/shm"):
+        with pytest.raises(InvalidRequest, match="not on the sandbox's filesystem"):
+            await backend.read_file(sb, path, MiB)
+    with pytest.raises(InvalidRequest):
+        await backend.write_file(sb, "/proc/1/oom_score_adj", b"-1000", None)
+    with pytest.raises(InvalidRequest):
+        await backend.list_files(sb, "/proc")
+    # a symlink planted in the workspace is followed inside the sandbox, and still refused
+    assert (await run(backend, sb, "ln -s /proc/1/oom_score_adj /workspace/oom")).exit_code == 0
+    with pytest.raises(InvalidRequest):
+        await backend.write_file(sb, "/workspace/oom", b"-1000", None)
+    assert (await run(backend, sb, "cat /proc/1/oom_score_adj")).stdout == before
+    # the root filesystem itself is served as before
+    assert b"root:" in await backend.read_file(sb, "/etc/passwd", MiB)
 
 
 async def test_no_platform_socket_inside(backend: ContainerBackend, sb: SandboxRecord) -> None:
