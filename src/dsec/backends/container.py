@@ -42,6 +42,8 @@ __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
+_MS_NOSUID = 2
+_MS_NODEV = 4
 _PR_SET_CHILD_SUBREAPER = 36
 # The sandbox init's capabilities (runc config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
@@ -49,7 +51,9 @@ _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
     opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    if _libc.mount(b"overlay", str(target).encode(), b"overlay", 0, opts.encode()) != 0:
+    # nosuid, nodev: every process in a sandbox runs with no_new_privs anyway, and the mount point is
+    # visible on the host, where a setuid file or device node planted by an agent must mean nothing.
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"overlay mount on {target} failed: {os.strerror(err)}")
 
@@ -108,10 +112,13 @@ class ContainerBackend(Backend):
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # 0711: traversable by the container's root user, not listable.
-        for d in (self.mounts.parent, self.mounts):
-            d.mkdir(exist_ok=True, mode=0o711)
-            os.chmod(d, 0o711)
+        # /run/dsec is 0711 (traversable, not listable); /run/dsec/<tag> belongs to the sandboxes' root
+        # user, 0700: runc mounts from inside the user namespace and must traverse it, nobody else may.
+        self.mounts.parent.mkdir(exist_ok=True, mode=0o711)
+        os.chmod(self.mounts.parent, 0o711)
+        self.mounts.mkdir(exist_ok=True, mode=0o700)
+        os.chown(self.mounts, self.settings.uid_shift, self.settings.uid_shift)
+        os.chmod(self.mounts, 0o700)
         built = await asyncio.to_thread(ensure_init, self.settings.home / "bin")
         self._init = self.mounts / built.name
         if not self._init.exists():
@@ -246,8 +253,12 @@ class ContainerBackend(Backend):
             "capmask": _CAPMASK,
             "nofile": exec_rlimits()["nofile"][0],
         })
-        async for event in stream_exec(spawned, request, verdict):
-            yield event
+        events = stream_exec(spawned, request, verdict)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # kills the command now, not whenever the generator is collected
 
     def _fs(self, record: SandboxRecord) -> SandboxFS:
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
@@ -340,7 +351,10 @@ class ContainerBackend(Backend):
             state: dict[str, Any] = {}
             with contextlib.suppress(OSError, ValueError):
                 pid = int((self._bundle(sandbox_id) / "init.pid").read_text())
-                state = {"init_pid": pid, "init_start": _start_time(pid)}
+                # Without a record there is no start time to check the pid against: trust it only while
+                # it still sits in this sandbox's cgroup, or a recycled pid would be SIGKILLed as root.
+                if f"/{self.cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text():
+                    state = {"init_pid": pid, "init_start": _start_time(pid)}
             await self._destroy_id(sandbox_id, state)
         await asyncio.to_thread(self._remove_empty_parent)
         return orphans

@@ -217,7 +217,11 @@ class Engine:
         try:
             await backend.destroy(record)
         except Exception:
-            log.exception("sandbox %s: destroy after failed recovery failed", record.id)
+            # Keep the record: it is what lets the next start find and release this sandbox's resources
+            # with a verified init pid; without it only a cgroup sweep would be left.
+            log.exception("sandbox %s: destroy after failed recovery failed; record kept for the next start",
+                          record.id)
+            return
         self._store.delete(record.id)
         log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,7 +295,7 @@ async def stream_exec(
     spawned: Spawned,
     request: ExecRequest,
     verdict: Callable[[int, int | None], LimitHit | None] | None = None,
-) -> AsyncIterator[ExecEvent]:
+) -> AsyncGenerator[ExecEvent, None]:
     """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit."""
     watch = _Watch(spawned, request)
     captured = {"stdout": bytearray(), "stderr": bytearray()}

@@ -3,7 +3,7 @@
  *
  * It only reaps orphans (commands run by the exec helper have a parent outside the
  * sandbox; their orphaned children are re-parented here) and exits on SIGTERM or
- * SIGINT. It holds no socket, reads nothing and writes nothing: there is no agent
+ * SIGINT from the host (never from inside the sandbox). It holds no socket, reads nothing and writes nothing: there is no agent
  * inside the sandbox that sandboxed code could talk to. Built statically so that it
  * runs in any image, including ones without a libc.
  */
@@ -32,12 +32,16 @@ int main(void) {
     sigprocmask(SIG_BLOCK, &all, NULL);
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
     for (;;) {
-        if (sigwait(&all, &sig) != 0)
+        siginfo_t info;
+        sig = sigwaitinfo(&all, &info);
+        if (sig < 0)
             continue;
         if (sig == SIGCHLD) {
             while (waitpid(-1, NULL, WNOHANG) > 0)
                 ;
-        } else if (sig == SIGTERM || sig == SIGINT) {
+        } else if ((sig == SIGTERM || sig == SIGINT) && info.si_pid == 0) {
+            /* Only the host may stop the sandbox: a sender outside our pid namespace shows as pid 0.
+               `kill 1` from inside the sandbox is ignored. */
             _exit(0);
         }
     }

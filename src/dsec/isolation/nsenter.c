@@ -98,6 +98,15 @@ int main(int argc, char **argv, char **envp) {
         fail("no command", EINVAL, 127);
     argv[sep] = NULL;
 
+    /* Not dumpable: until the final execve nothing in the sandbox may open our /proc/PID/mem (we hold
+       capabilities there and have no seccomp filter yet). execve resets this for the command. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
+        fail("set non-dumpable", errno, 127);
+    /* Commands are the host OOM killer's first choice, like the sandbox's init (oomScoreAdj 500). */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom < 0 || write(oom, "500", 3) != 3)
+        fail("set oom_score_adj", errno, 127);
+    close(oom);
     join_cgroups(&argv[6], sep - 6);
     if (setns(PIDFD, NS_FLAGS) != 0)
         fail("join sandbox namespaces", errno, 127);

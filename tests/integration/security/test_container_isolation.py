@@ -415,6 +415,22 @@ async def test_files_api_never_touches_proc_sys_dev_with_host_privilege(backend:
     assert b"root:" in await backend.read_file(sb, "/etc/passwd", MiB)
 
 
+async def test_sandbox_cannot_stop_its_own_init(backend: ContainerBackend, sb: SandboxRecord) -> None:
+    r = await run(backend, sb, "kill -TERM 1; kill -INT 1; echo sent")
+    assert r.stdout == b"sent\n", r
+    await asyncio.sleep(0.2)
+    assert (await run(backend, sb, "echo alive")).stdout == b"alive\n"
+
+
+async def test_commands_are_first_oom_victims_and_overlay_is_nosuid_nodev(backend: ContainerBackend,
+                                                                         sb: SandboxRecord) -> None:
+    assert (await run(backend, sb, "cat /proc/self/oom_score_adj")).stdout == b"500\n"
+    rootfs = sb.backend_state["rootfs"]
+    options = [line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+               if line.split()[4] == rootfs]
+    assert options and "nosuid" in options[0].split(",") and "nodev" in options[0].split(","), options
+
+
 async def test_no_platform_socket_inside(backend: ContainerBackend, sb: SandboxRecord) -> None:
     r = await run(backend, sb, "find / \\( -path /proc -o -path /sys \\) -prune -o "
                                "\\( -type s -o -name '*.sock' \\) -print 2>/dev/null; echo end")
