@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -149,10 +150,28 @@ class Daemon:
         s.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(s.run_dir, 0o700)
 
+    def _lock_home(self) -> int:
+        """An exclusive lock on DSEC_HOME for the daemon's lifetime: two daemons on one home would both
+        adopt, reap and clean up the same sandboxes. Released by the kernel when the process dies."""
+        fd = os.open(self.settings.run_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ServeError(f"another DSec daemon is running on {self.settings.home}; stop it first") from None
+        return fd
+
     async def run(self) -> None:
         """Serve until stopped; the engine is closed (sandboxes left alive) and the socket removed."""
-        s = self.settings
         self._prepare_dirs()
+        lock = self._lock_home()
+        try:
+            await self._run_locked()
+        finally:
+            os.close(lock)
+
+    async def _run_locked(self) -> None:
+        s = self.settings
         if s.socket_path.exists() or s.socket_path.is_symlink():
             if await asyncio.to_thread(daemon_answers, s):
                 raise ServeError(f"another DSec daemon already answers on {s.socket_path}; stop it first")

@@ -91,7 +91,7 @@ def test_serves_on_a_private_unix_socket_and_stops_cleanly(home: Path) -> None:
         assert stat.S_IMODE(settings.socket_path.stat().st_mode) == 0o600
         assert stat.S_IMODE(settings.run_dir.stat().st_mode) == 0o700
         sid = c.post("/v1/sandboxes", json={"image": "base"}).json()["id"]
-        with pytest.raises(ServeError, match="already answers"):
+        with pytest.raises(ServeError, match="another DSec daemon"):
             asyncio.run(Daemon(settings, engine=running.engine).run())
     assert not settings.socket_path.exists()
     # A plain stop leaves sandboxes for the next daemon to re-adopt.
