@@ -68,7 +68,7 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         return [Check("settings", False, f"cannot read settings: {exc}", "fix the DSEC_* environment")]
     probes: list[tuple[str, Callable[[], Check]]] = [
         ("root", _root), ("kernel", _kernel), ("user namespaces", _userns), ("cgroups", _cgroups),
-        ("overlayfs", _overlayfs), ("seccomp", _seccomp), ("landlock", _landlock), ("kvm", _kvm),
+        ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("seccomp", _seccomp), ("landlock", _landlock), ("kvm", _kvm),
         *[(f"tool: {t.name}", lambda t=t: _tool(t)) for t in _TOOLS],
         ("libseccomp", _libseccomp),
         ("image store", lambda: _image_store(settings)),
@@ -196,6 +196,23 @@ def _overlayfs() -> Check:
         return Check("overlayfs", True, "module present (loaded on first mount)")
     return Check("overlayfs", False, "not in /proc/filesystems",
                  "modprobe overlay (kernel CONFIG_OVERLAY_FS)")
+
+
+INOTIFY_MIN = {"max_user_instances": 8192, "max_user_watches": 1048576}
+
+
+def _inotify() -> Check:
+    """Every sandbox's user namespace is created by host root, so all their inotify instances count
+    against root's one budget: at the kernel default of 128, one sandbox's file watchers (an editor,
+    a dev server) starve every other sandbox and the host's own services."""
+    values = {k: int(Path(f"/proc/sys/fs/inotify/{k}").read_text()) for k in INOTIFY_MIN}
+    low = [f"{k}={v} (< {INOTIFY_MIN[k]})" for k, v in values.items() if v < INOTIFY_MIN[k]]
+    detail = ", ".join(f"{k}={v}" for k, v in values.items())
+    if low:
+        fix = " && ".join(f"sysctl -w fs.inotify.{k}={v}" for k, v in INOTIFY_MIN.items())
+        return Check("inotify limits", False, "shared by all sandboxes and host root: " + ", ".join(low),
+                     f"{fix} (scripts/setup does this)", required=False)
+    return Check("inotify limits", True, detail)
 
 
 def _seccomp() -> Check:
