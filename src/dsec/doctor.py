@@ -68,7 +68,8 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         return [Check("settings", False, f"cannot read settings: {exc}", "fix the DSEC_* environment")]
     probes: list[tuple[str, Callable[[], Check]]] = [
         ("root", _root), ("kernel", _kernel), ("user namespaces", _userns), ("cgroups", _cgroups),
-        ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("seccomp", _seccomp), ("landlock", _landlock), ("kvm", _kvm),
+        ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("seccomp", _seccomp),
+        ("landlock", _landlock), ("kvm", _kvm),
         *[(f"tool: {t.name}", lambda t=t: _tool(t)) for t in _TOOLS],
         ("libseccomp", _libseccomp),
         ("image store", lambda: _image_store(settings)),
