@@ -64,6 +64,11 @@ def _signature(func: Callable[..., Any]) -> inspect.Signature:
     return sig.replace(return_annotation=_rename(sig.return_annotation))
 
 
+def _unwrap_all(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Sync objects passed positionally or by keyword become their async originals."""
+    return tuple(_unwrap_arg(a) for a in args), {k: _unwrap_arg(v) for k, v in kwargs.items()}
+
+
 def _twin_of(name: str, attr: Any, async_cls: type) -> Any:
     """The blocking twin of one attribute of ``async_cls``, or None when it has none."""
     if isinstance(attr, classmethod):
@@ -72,7 +77,7 @@ def _twin_of(name: str, attr: Any, async_cls: type) -> Any:
             return None
 
         def class_call(cls: type, *args: Any, **kwargs: Any) -> Any:
-            args = tuple(_unwrap_arg(a) for a in args)
+            args, kwargs = _unwrap_all(args, kwargs)
             return _sync_result(portal.run(getattr(async_cls, name)(*args, **kwargs)))
 
         return classmethod(_keep_meta(class_call, func, async_cls))
@@ -84,7 +89,7 @@ def _twin_of(name: str, attr: Any, async_cls: type) -> Any:
     if inspect.isasyncgenfunction(attr):
 
         def stream(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-            args = tuple(_unwrap_arg(a) for a in args)
+            args, kwargs = _unwrap_all(args, kwargs)
             for item in portal.iterate(getattr(self._async, name)(*args, **kwargs)):
                 yield _sync_result(item)
 
@@ -92,7 +97,7 @@ def _twin_of(name: str, attr: Any, async_cls: type) -> Any:
     if inspect.iscoroutinefunction(attr):
 
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args = tuple(_unwrap_arg(a) for a in args)
+            args, kwargs = _unwrap_all(args, kwargs)
             return _sync_result(portal.run(getattr(self._async, name)(*args, **kwargs)))
 
         return _keep_meta(call, attr, async_cls)
