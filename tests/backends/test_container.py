@@ -261,3 +261,23 @@ async def test_stalled_consumer_timeout_fires(backend: ContainerBackend, debian_
             await stream.aclose()
         result = events[-1].result
         assert result is not None and result.limit == "time" and result.signal == signal.SIGKILL, result
+
+
+async def test_slow_consumer_gets_every_byte_of_a_large_output(backend: ContainerBackend,
+                                                               debian_python_image: ImageRef) -> None:
+    """Backpressure pauses the pipes for a slow reader; a command that exits meanwhile loses nothing."""
+    async with sandbox(backend, debian_python_image) as sb:
+        stream = backend.exec_stream(sb, ExecRequest(command="head -c 8000000 /dev/zero"))
+        received = 0
+        result: ExecResult | None = None
+        try:
+            async for event in stream:
+                if event.type == "stdout":
+                    received += len(event.data or b"")
+                    await asyncio.sleep(0.01)
+                elif event.type == "exit":
+                    result = event.result
+        finally:
+            await stream.aclose()
+        assert result is not None and result.exit_code == 0 and not result.truncated, result
+        assert received == len(result.stdout) == 8_000_000

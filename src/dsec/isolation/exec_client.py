@@ -30,9 +30,11 @@ from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 __all__ = ["ExecHelper", "Spawned", "stream_exec"]
 
 _CHUNK = 64 * 1024
-# After the command exits, output still buffered in the pipes is read for this long; a
-# background job that keeps the pipe open does not hold the call hostage.
+# After the command exits, output still in the pipes is read for this long; a background job that
+# keeps the pipes open does not hold the call hostage (it gets EPIPE later: redirect its output).
 _DRAIN_AFTER_EXIT_S = 0.2
+# ...or longer, up to this, while the pipes are paused for a slow consumer.
+_DRAIN_MAX_S = 2.0
 # Output waiting for a slow consumer; past it the pipes are paused (the command blocks on write).
 _MAX_QUEUED = 4 * 1024 * 1024
 
@@ -323,6 +325,13 @@ async def stream_exec(
                 break
             name, data = await watch.get()
             if name == "drained":
+                # Pipes paused for a slow consumer still hold the command's own last output (at most a
+                # pipe buffer each): keep going while the consumer catches up, within a bound.
+                if watch.paused and time.monotonic() - (exited_at or 0.0) < _DRAIN_MAX_S:
+                    drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.queue.put_nowait, ("drained", b""))
+                    continue
+                if watch.paused:
+                    watch.truncated = True  # output was left in the pipes: say so rather than drop it silently
                 break
             if name in captured and data:
                 captured[name] += data
