@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from container_support import images_dir
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
 
@@ -24,9 +25,6 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-def images_dir() -> Path:
-    """The image store tests use: ``DSEC_IMAGES``, else ``/var/lib/dsec/images``."""
-    return Path(os.environ.get("DSEC_IMAGES") or "/var/lib/dsec/images")
 
 
 @pytest.fixture(scope="session")

@@ -13,17 +13,19 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
+from dsec.models import ExecRequest, ExecResult, SandboxRecord
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def images_dir() -> Path:
-    """The image store the tests use (same rule as ``tests/conftest.py``); never used as a home."""
+    """The image store the tests use: ``DSEC_IMAGES``, else ``/var/lib/dsec/images``; never used as a home."""
     return Path(os.environ.get("DSEC_IMAGES") or "/var/lib/dsec/images")
 
 
@@ -131,3 +133,36 @@ async def started_backend(home: Path, images: Path) -> AsyncIterator[ContainerBa
         yield backend
     finally:
         await backend.aclose()
+
+
+@contextlib.contextmanager
+def swept_home(path: Path) -> Iterator[Path]:
+    """A module's DSEC_HOME; at the end anything still there is swept, and finding something fails."""
+    try:
+        yield path
+    finally:
+        removed = asyncio.run(sweep(path, images_dir()))
+        assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"
+
+
+@contextlib.asynccontextmanager
+async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
+    """A started backend for one test; afterwards nothing of its sandboxes may remain on the host."""
+    async with started_backend(home, images_dir()) as b:
+        try:
+            yield b
+        finally:
+            left = leftovers(home)
+            left.pop("cgroup_parents")  # shared by all sandboxes of the home while the backend runs
+            # Destroy whatever the test leaked before failing, so one failure does not cascade.
+            removed = await b.cleanup_orphans(set())
+    assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
+    # closing the backend drops the home's (now empty) parent cgroups that runc leaves behind
+    assert cgroup_parents(home_tag(home)) == []
+
+
+async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],
+              **kw: Any) -> ExecResult:
+    """Run a command in a sandbox (30 s timeout unless given)."""
+    kw.setdefault("timeout", 30.0)
+    return await backend.exec(record, ExecRequest(command=command, **kw))

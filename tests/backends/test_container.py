@@ -9,7 +9,6 @@ import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,14 +16,14 @@ from container_support import (
     assert_clean,
     await_until,
     cgroup_dirs,
-    cgroup_parents,
+    checked_backend,
     home_tag,
     images_dir,
-    leftovers,
     mounts_under,
     pid_alive,
+    run,
     started_backend,
-    sweep,
+    swept_home,
 )
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
@@ -42,34 +41,15 @@ MiB = 1024 * 1024
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory, debian_python_image: ImageRef) -> Iterator[Path]:
     """One DSEC_HOME for the module (the static init is built once); swept clean at the end."""
-    path = tmp_path_factory.mktemp("container-home")
-    try:
+    with swept_home(tmp_path_factory.mktemp("container-home")) as path:
         yield path
-    finally:
-        removed = asyncio.run(sweep(path, images_dir()))
-        assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"
 
 
 @pytest.fixture
 async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[ContainerBackend]:
     """A started backend per test; after the test nothing of its sandboxes may remain on the host."""
-    async with started_backend(home, images_dir()) as b:
-        try:
-            yield b
-        finally:
-            left = leftovers(home)
-            left.pop("cgroup_parents")  # shared by all sandboxes of the home while the backend runs
-            # Destroy whatever the test leaked before failing, so one failure does not cascade.
-            removed = await b.cleanup_orphans(set())
-    assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
-    # closing the backend drops the home's (now empty) parent cgroups that runc leaves behind
-    assert cgroup_parents(home_tag(home)) == []
-
-
-async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],
-              **kw: Any) -> ExecResult:
-    kw.setdefault("timeout", 30.0)
-    return await backend.exec(record, ExecRequest(command=command, **kw))
+    async with checked_backend(home) as b:
+        yield b
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])

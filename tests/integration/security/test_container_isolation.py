@@ -21,12 +21,17 @@ from typing import Any
 
 import pytest
 
-from container_support import await_until, cgroup_parents, home_tag, images_dir, leftovers, started_backend, sweep
+from container_support import (
+    await_until,
+    checked_backend,
+    run,
+    swept_home,
+)
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.errors import DSecError, InvalidRequest
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.models import ExecRequest, ExecResult, SandboxRecord
+from dsec.models import SandboxRecord
 from dsec.testing import sandbox
 
 pytestmark = [pytest.mark.root]
@@ -37,39 +42,21 @@ UID_SHIFT = 100000
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory, debian_python_image: ImageRef) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("security-home")
-    try:
+    """One DSEC_HOME for the module (the static init is built once); swept clean at the end."""
+    with swept_home(tmp_path_factory.mktemp("security-home")) as path:
         yield path
-    finally:
-        removed = asyncio.run(sweep(path, images_dir()))
-        assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"
 
 
 @pytest.fixture
 async def backend(home: Path) -> AsyncIterator[ContainerBackend]:
-    async with started_backend(home, images_dir()) as b:
-        try:
-            yield b
-        finally:
-            left = leftovers(home)
-            left.pop("cgroup_parents")  # shared by all sandboxes of the home while the backend runs
-            # Destroy whatever the test leaked before failing, so one failure does not cascade.
-            removed = await b.cleanup_orphans(set())
-    assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
-    # closing the backend drops the home's (now empty) parent cgroups that runc leaves behind
-    assert cgroup_parents(home_tag(home)) == []
+    async with checked_backend(home) as b:
+        yield b
 
 
 @pytest.fixture
 async def sb(backend: ContainerBackend, debian_python_image: ImageRef) -> AsyncIterator[SandboxRecord]:
     async with sandbox(backend, debian_python_image) as record:
         yield record
-
-
-async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],
-              **kw: Any) -> ExecResult:
-    kw.setdefault("timeout", 30.0)
-    return await backend.exec(record, ExecRequest(command=command, **kw))
 
 
 async def py(backend: ContainerBackend, record: SandboxRecord, code: str) -> Any:
