@@ -13,7 +13,6 @@ import importlib
 import json
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -23,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsec.errors import DSecError, InvalidRequest
+from dsec.models import parse_pairs
 
 if TYPE_CHECKING:
     from dsec.images.store import ImageStore
@@ -49,16 +49,6 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DSecError as exc:
             _fail(exc.message or type(exc).__name__)
-
-
-def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InvalidRequest(f"{what} must look like KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
 
 
 def _age(seconds: float) -> str:
@@ -154,7 +144,7 @@ def ps(labels: tuple[str, ...], as_json: bool) -> None:
     from dsec._sdk.portal import portal
     from dsec._sdk.sandbox import list_infos
 
-    infos = portal.run(list_infos(labels=_pairs(labels, "--label")))
+    infos = portal.run(list_infos(labels=parse_pairs(labels, "--label")))
     if as_json:
         click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return
@@ -189,7 +179,7 @@ def exec_(
     argv: str | list[str] = command[0] if len(command) == 1 else list(command)
     out, err = sys.stdout.buffer, sys.stderr.buffer
     code = 1
-    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=_pairs(env, "-e") or None):
+    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=parse_pairs(env, "-e") or None):
         if event.type in ("stdout", "stderr") and event.data:
             stream = out if event.type == "stdout" else err
             stream.write(event.data)

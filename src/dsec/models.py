@@ -8,9 +8,12 @@ This module does no I/O.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from dsec.errors import InvalidRequest
 
 __all__ = [
     "BackendName",
@@ -28,6 +31,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxState",
     "SandboxStats",
+    "parse_pairs",
     "parse_size",
 ]
 
@@ -63,6 +67,17 @@ def parse_size(value: Any) -> int:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def parse_pairs(items: Sequence[str], what: str) -> dict[str, str]:
+    """``["k=v", ...]`` (CLI flags, query parameters) as a dict; a malformed item is an InvalidRequest."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"{what} must look like key=value, got {item!r}")
+        out[key] = value
+    return out
 
 
 def _check_mapping(v: dict[str, str]) -> dict[str, str]:

@@ -30,6 +30,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    parse_pairs,
 )
 
 __all__ = ["create_app"]
@@ -104,16 +105,6 @@ async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
             await aclose()
 
 
-def _labels(items: list[str]) -> dict[str, str]:
-    labels = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InvalidRequest(f"label filter must look like key=value, got {item!r}")
-        labels[key] = value
-    return labels
-
-
 def _mode(mode: str | None) -> int | None:
     if mode is None or mode == "":
         return None
@@ -177,7 +168,7 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         state: str | None = None,
     ) -> list[SandboxInfo]:
         """Sandboxes matching every label filter."""
-        return await engine.list(_labels(label), backend=backend, state=state)
+        return await engine.list(parse_pairs(label, "label filter"), backend=backend, state=state)
 
     @app.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def get(sandbox_id: str) -> SandboxInfo:
