@@ -96,6 +96,7 @@ class ContainerBackend(Backend):
         self.mounts = Path("/run/dsec") / tag
         self._helper: ExecHelper | None = None
         self._init: Path | None = None
+        self._nofile = 0
         # runc calls block a thread each (~30 ms); enough threads for a burst of creates on a big node.
         self._runc_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runc")
 
@@ -129,6 +130,8 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(shutil.copy2, built, self._init)
         bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
         nsenter = await asyncio.to_thread(ensure_nsenter, self.settings.home / "bin")
+        # The init's open-file limit (runc config), read once: commands get the same.
+        self._nofile = exec_rlimits()["nofile"][0]
         self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
 
@@ -257,7 +260,7 @@ class ContainerBackend(Backend):
             "uid": 0,
             "gid": 0,
             "capmask": _CAPMASK,
-            "nofile": exec_rlimits()["nofile"][0],
+            "nofile": self._nofile,
         })
         events = stream_exec(spawned, request, verdict)
         try:

@@ -172,6 +172,3 @@ class CgroupSet:
                     os.rmdir(sub)
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(path)
-
-    def exists(self) -> bool:
-        return any(Path(d).is_dir() for d in self.dirs.values())

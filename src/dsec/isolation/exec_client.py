@@ -105,10 +105,6 @@ class ExecHelper:
                 self._proc.wait()
             self._proc = None
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
     def spawn(self, request: dict[str, Any]) -> Spawned:
         """Ask the helper to run ``request`` (see :mod:`dsec.isolation.nsexec`); returns our pipe ends."""
         if self._proc is None or self._proc.poll() is not None:

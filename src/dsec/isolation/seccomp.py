@@ -55,10 +55,6 @@ class Profile:
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
 
-    def denied_names(self) -> set[str]:
-        """Syscalls denied unconditionally."""
-        return {n for r in self.rules if not r.args for n in r.names}
-
     def to_oci(self) -> dict[str, Any]:
         """The ``linux.seccomp`` section of an OCI runtime config."""
         syscalls = []
