@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from container_support import images_dir
+from container_support import SESSION_TAGS, home_tag, images_dir
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
 
@@ -45,15 +45,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         missing("needs root (run the tests as root: sudo ./scripts/test)")
 
 
-def _host_footprint() -> set[str]:
-    """Mounts under /run/dsec, DSec cgroup directories and dsec-init processes on this host."""
+def _session_tags(base: Path) -> set[str]:
+    """Tags of every directory under this session's temporary root (each may be a test's DSEC_HOME)."""
+    tags = set()
+    for path in [base, *base.glob("*"), *base.glob("*/*"), *base.glob("*/*/*")]:
+        if path.is_dir() and not path.is_symlink():
+            tags.add(home_tag(path))
+    return tags
+
+
+def _host_footprint(tags: set[str]) -> set[str]:
+    """Mounts under /run/dsec, DSec cgroup directories and dsec-init processes of this session's homes.
+
+    Only this session's tags count, so test runs in other checkouts on the same host do not trip it.
+    """
     found = set()
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         point = line.split()[4]
-        if point.startswith("/run/dsec/"):
+        if point.startswith("/run/dsec/") and point.split("/")[3] in tags:
             found.add(f"mount {point}")
     for cg in Path("/sys/fs/cgroup").glob("*/dsec-*"):
-        if cg.is_dir() and not cg.parent.is_symlink():
+        if cg.is_dir() and not cg.parent.is_symlink() and cg.name.removeprefix("dsec-") in tags:
             found.add(f"cgroup {cg}")
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -61,17 +73,19 @@ def _host_footprint() -> set[str]:
                 state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 # A zombie holds no resource; it waits for whichever pid 1 adopted it (a sandbox
                 # re-adopted across a daemon restart is no longer the new daemon's child).
-                if state != "Z" and (proc / "comm").read_text().strip() == "dsec-init":
-                    found.add(f"process dsec-init pid {proc.name}")
+                if state == "Z" or (proc / "comm").read_text().strip() != "dsec-init":
+                    continue
+                cgroups = (proc / "cgroup").read_text()
             except (OSError, IndexError):
                 continue
+            if any(f"/dsec-{tag}/" in cgroups for tag in tags):
+                found.add(f"process dsec-init pid {proc.name}")
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_host_leftovers() -> Iterator[None]:
+def no_host_leftovers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The whole run must leave no mount, cgroup or sandbox process behind, even when tests fail."""
-    before = _host_footprint()
     yield
-    leaked = sorted(_host_footprint() - before)
+    leaked = sorted(_host_footprint(_session_tags(tmp_path_factory.getbasetemp()) | SESSION_TAGS))
     assert not leaked, "tests left host resources behind:\n" + "\n".join(leaked[:50])

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,20 @@ def images_dir() -> Path:
 def home_tag(home: Path) -> str:
     """The tag ContainerBackend derives from a DSEC_HOME (same formula as the backend)."""
     return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]
+
+
+SESSION_TAGS: set[str] = set()
+"""Tags of the homes this test session made outside pytest's temporary root (see ``short_home``)."""
+
+
+def short_home(prefix: str) -> Path:
+    """A new DSEC_HOME under /tmp (a unix socket path must fit in 108 bytes; pytest's tmp_path may not).
+
+    Its tag is remembered so that the session-wide leak check covers it after it is deleted.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    SESSION_TAGS.add(home_tag(path))
+    return path
 
 
 def mounts_under(prefix: str) -> list[str]:

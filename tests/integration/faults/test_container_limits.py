@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 import dsec
-from container_support import assert_clean, images_dir, leftovers, sweep
+from container_support import assert_clean, images_dir, leftovers, short_home, sweep
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
@@ -46,7 +45,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(debian_python_image: ImageRef) -> Iterator[Served]:
     # Short home: a unix socket path must fit in 108 bytes.
-    home = Path(tempfile.mkdtemp(prefix="dsec-lim-", dir="/tmp"))
+    home = short_home("dsec-lim-")
     settings = Settings(home=home, images_dir=images_dir())
     engine = Engine(settings, {"container": ContainerBackend(settings)}, ImageStore(images_dir()),
                     reaper_interval=0.2)

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from container_support import (
     images_dir,
     leftovers,
     pid_alive,
+    short_home,
     sweep,
     wait_until,
 )
@@ -96,7 +96,7 @@ class DaemonProcess:
 
 @pytest.fixture
 def daemon(debian_python_image: ImageRef) -> Iterator[DaemonProcess]:
-    home = Path(tempfile.mkdtemp(prefix="dsec-kill-", dir="/tmp"))
+    home = short_home("dsec-kill-")
     d = DaemonProcess(home)
     try:
         yield d

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from container_support import short_home
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import Daemon, ServeError, daemon_answers, down, up
@@ -26,7 +26,7 @@ from dsec.testing.fake import FakeBackend, FakeImages
 @pytest.fixture
 def home() -> Iterator[Path]:
     # Short path: a unix socket path must fit in 108 bytes, and pytest's tmp_path may not.
-    path = Path(tempfile.mkdtemp(prefix="dsec-t-", dir="/tmp"))
+    path = short_home("dsec-t-")
     try:
         yield path
     finally:
