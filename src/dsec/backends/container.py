@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -67,6 +68,35 @@ def _umount(target: Path) -> None:
             raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
 
 
+_F_ADD_SEALS = 1033
+_F_GET_SEALS = 1034
+# F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: what runc's nsexec checks before it skips
+# copying itself into a fresh memfd on every container start (its CVE-2019-5736 defence).
+_RUNC_MEMFD_SEALS = 0x1 | 0x2 | 0x4 | 0x8
+
+
+def _sealed_copy(binary: str) -> int:
+    """A fully sealed in-memory copy of ``binary``; returns its fd (close-on-exec).
+
+    runc 1.1 re-copies its ~10 MB binary into a memfd for every container it starts, so that a
+    container cannot overwrite the host's runc through ``/proc/self/exe`` (CVE-2019-5736). Run from a
+    sealed memfd, runc sees that its executable is already immutable and skips the copy: one shared
+    copy per daemon instead of one per create (upstream's ``memfd-bind`` does the same for a whole host).
+    """
+    fd = os.memfd_create("runc", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(binary, "rb") as src:
+            while chunk := src.read(1 << 20):
+                os.write(fd, chunk)
+        fcntl.fcntl(fd, _F_ADD_SEALS, _RUNC_MEMFD_SEALS)
+        if fcntl.fcntl(fd, _F_GET_SEALS) != _RUNC_MEMFD_SEALS:
+            raise SandboxError("could not seal the in-memory copy of runc")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat: tells a live init from a recycled pid."""
     try:
@@ -97,6 +127,7 @@ class ContainerBackend(Backend):
         self._helper: ExecHelper | None = None
         self._init: Path | None = None
         self._nofile = 0
+        self._runc_fd: int | None = None
         # runc calls block a thread each (~30 ms); enough threads for a burst of creates on a big node.
         self._runc_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runc")
 
@@ -134,11 +165,16 @@ class ContainerBackend(Backend):
         self._nofile = exec_rlimits()["nofile"][0]
         self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
+        if self._runc_fd is None:
+            self._runc_fd = await asyncio.to_thread(_sealed_copy, self.runc)
 
     async def aclose(self) -> None:
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
+        if self._runc_fd is not None:
+            os.close(self._runc_fd)
+            self._runc_fd = None
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
 
@@ -171,8 +207,12 @@ class ContainerBackend(Backend):
         pipe = subprocess.DEVNULL if "--detach" in args else subprocess.PIPE
         # subprocess.run in a worker thread, not the event loop's subprocess support: CPython spawns with
         # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every runc call.
+        # The sealed copy when started (see _sealed_copy); the path itself for calls before start().
+        executable = self.runc if self._runc_fd is None else f"/proc/{os.getpid()}/fd/{self._runc_fd}"
+
         def run() -> subprocess.CompletedProcess[bytes]:
-            return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, check=False)
+            return subprocess.run([*cmd, *args], executable=executable, stdin=subprocess.DEVNULL, stdout=pipe,
+                                  stderr=pipe, check=False)
 
         proc = await asyncio.get_running_loop().run_in_executor(self._runc_pool, run)
         if check and proc.returncode != 0:

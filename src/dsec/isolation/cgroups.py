@@ -164,11 +164,21 @@ class CgroupSet:
     def remove(self) -> None:
         """Remove the (empty) directories, children first. Missing ones are fine."""
         for d in self.dirs.values():
-            path = Path(d)
-            if not path.is_dir():
-                continue
-            for sub in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):
-                    os.rmdir(sub)
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(path)
+            _rmdir_tree(d)
+
+
+def _rmdir_tree(path: str) -> None:
+    """rmdir a cgroup directory and any child cgroups, deepest first (control files go with them).
+
+    Walks with scandir's d_type (no stat per control file): a v1 memory cgroup alone holds ~30 files,
+    and this runs for every hierarchy of every destroyed sandbox.
+    """
+    try:
+        with os.scandir(path) as entries:
+            children = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for child in children:
+        _rmdir_tree(child)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
