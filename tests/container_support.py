@@ -1,4 +1,4 @@
-"""Helpers shared by the tests that run real ``container`` sandboxes (root, runc, cgroups).
+"""Helpers shared by the tests that run real ``container`` sandboxes (root, crun, cgroups).
 
 Every such test uses its own ``DSEC_HOME``; the backend derives a tag from it and keeps every host
 resource under that tag (``/run/dsec/<tag>``, ``/sys/fs/cgroup/*/dsec-<tag>``), so these helpers can
@@ -87,11 +87,11 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
         "mounts": mounts_under(f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}"),
         "cgroups": cgroup_dirs(tag, sandbox_id),
         "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
-        "runc_state": [],
+        "runtime_state": [],
         "bundles": [],
         "rootfs_dirs": [],
     }
-    for key, parent in (("runc_state", home / "runc"), ("bundles", home / "container"),
+    for key, parent in (("runtime_state", home / "runtime"), ("bundles", home / "container"),
                         ("rootfs_dirs", Path("/run/dsec") / tag)):
         if parent.is_dir():
             out[key] = sorted(str(p) for p in parent.iterdir() if ids(p))
@@ -172,7 +172,7 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
             # Destroy whatever the test leaked before failing, so one failure does not cascade.
             removed = await b.cleanup_orphans(set())
     assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
-    # closing the backend drops the home's (now empty) parent cgroups that runc leaves behind
+    # closing the backend drops the home's (now empty) parent cgroups (shared while it runs)
     assert cgroup_parents(home_tag(home)) == []
 
 

@@ -49,7 +49,8 @@ class _Tool:
 
 
 _TOOLS = (
-    _Tool("runc", "runc", "runc", ("--version",), True, "container backend"),
+    _Tool("crun", "crun", "crun", ("--version",), True, "container backend (OCI runtime)"),
+    _Tool("runc", "runc", "runc", ("--version",), False, "benchmark peer"),
     _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init"),
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
     _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),

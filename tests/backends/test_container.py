@@ -126,7 +126,7 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         init = record.backend_state["init_pid"]
         assert mounts_under(f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
         assert cgroup_dirs(tag, record.id), "sandbox cgroups not found"
-        assert (home / "runc" / record.id).is_dir()
+        assert (home / "runtime" / record.id).is_dir()
         assert pid_alive(init)
         await backend.pause(record)  # destroy must also work on a frozen sandbox
     finally:

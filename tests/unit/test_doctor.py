@@ -27,8 +27,8 @@ def test_run_checks_reports_everything(tmp_path: Path) -> None:
     names = [c.name for c in checks]
     assert len(names) == len(set(names))
     for expected in ("root", "kernel", "user namespaces", "cgroups", "overlayfs", "seccomp", "landlock",
-                     "kvm", "tool: runc", "tool: mmdebstrap", "tool: mkfs.erofs", "tool: qemu", "tool: bwrap",
-                     "tool: podman", "tool: gcc", "libseccomp", "image store", "image debian-python"):
+                     "kvm", "tool: crun", "tool: runc", "tool: mmdebstrap", "tool: mkfs.erofs", "tool: qemu",
+                     "tool: bwrap", "tool: podman", "tool: gcc", "libseccomp", "image store", "image debian-python"):
         assert expected in names
     for c in checks:
         assert isinstance(c.ok, bool) and c.detail
@@ -58,7 +58,8 @@ def test_present_base_image(tmp_path: Path) -> None:
 def test_missing_tools_name_their_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("dsec.doctor.shutil.which", lambda name: None)
     checks = by_name(doctor.run_checks(settings(tmp_path)))
-    assert checks["tool: runc"].fix == "apt-get install runc" and checks["tool: runc"].required
+    assert checks["tool: crun"].fix == "apt-get install crun" and checks["tool: crun"].required
+    assert checks["tool: runc"].fix == "apt-get install runc" and not checks["tool: runc"].required
     assert checks["tool: mkfs.erofs"].fix == "apt-get install erofs-utils"
     assert checks["tool: qemu"].fix == "apt-get install qemu-system-x86"
     assert checks["tool: bwrap"].fix == "apt-get install bubblewrap"

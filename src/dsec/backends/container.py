@@ -1,13 +1,15 @@
-"""The ``container`` backend: runc containers on an overlay over a read-only image root.
+"""The ``container`` backend: OCI containers (crun) on an overlay over a read-only image root.
 
-Create: mount an overlayfs (image root as the read-only lower, a per-sandbox upper),
-write runc's config (:mod:`dsec.isolation.oci`) and ``runc run --detach`` a static init.
-Exec: never ``runc exec`` (~45 ms); the node's exec helper (:mod:`dsec.isolation.nsexec`)
-joins the running sandbox in ~1 ms with the same restrictions. Files: confined
-``openat2`` from the host (:mod:`dsec.isolation.files`). Destroy: ``runc delete --force``,
-unmount, remove the upper and the cgroups.
+Create: make the sandbox's cgroups with their limits (:mod:`dsec.isolation.cgroups`), mount
+an overlayfs (image root as the read-only lower, a per-sandbox upper), write the OCI config
+(:mod:`dsec.isolation.oci`) and ``crun run --detach`` a static init from inside those cgroups
+(through ``dsec-rtshim``; crun runs with its cgroup manager disabled).
+Exec: never ``crun/runc exec``; the node's exec helper (:mod:`dsec.isolation.nsexec`) joins
+the running sandbox in ~1 ms with the same restrictions. Files: confined ``openat2`` from the
+host (:mod:`dsec.isolation.files`). Pause: the freezer cgroup. Destroy: kill the init (the pid
+namespace goes with it), remove the cgroups, unmount, remove the upper and the runtime state.
 
-This module owns the sandbox's host resources (bundle directory, mount, runc state,
+This module owns the sandbox's host resources (bundle directory, mount, runtime state,
 cgroups) and must leave none of them behind, including after a daemon crash
 (:meth:`ContainerBackend.recover`, :meth:`ContainerBackend.cleanup_orphans`).
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import hashlib
 import json
 import os
@@ -33,11 +34,11 @@ from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.isolation.cgroups import CgroupSet, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
-from dsec.isolation.init import ensure_init, ensure_nsenter
-from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config
+from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
+from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -48,7 +49,7 @@ _MNT_DETACH = 2
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _PR_SET_CHILD_SUBREAPER = 36
-# The sandbox init's capabilities (runc config) as the mask dsec-nsenter applies to every command.
+# The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
 
 
@@ -68,35 +69,6 @@ def _umount(target: Path) -> None:
             raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
 
 
-_F_ADD_SEALS = 1033
-_F_GET_SEALS = 1034
-# F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: what runc's nsexec checks before it skips
-# copying itself into a fresh memfd on every container start (its CVE-2019-5736 defence).
-_RUNC_MEMFD_SEALS = 0x1 | 0x2 | 0x4 | 0x8
-
-
-def _sealed_copy(binary: str) -> int:
-    """A fully sealed in-memory copy of ``binary``; returns its fd (close-on-exec).
-
-    runc 1.1 re-copies its ~10 MB binary into a memfd for every container it starts, so that a
-    container cannot overwrite the host's runc through ``/proc/self/exe`` (CVE-2019-5736). Run from a
-    sealed memfd, runc sees that its executable is already immutable and skips the copy: one shared
-    copy per daemon instead of one per create (upstream's ``memfd-bind`` does the same for a whole host).
-    """
-    fd = os.memfd_create("runc", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        with open(binary, "rb") as src:
-            while chunk := src.read(1 << 20):
-                os.write(fd, chunk)
-        fcntl.fcntl(fd, _F_ADD_SEALS, _RUNC_MEMFD_SEALS)
-        if fcntl.fcntl(fd, _F_GET_SEALS) != _RUNC_MEMFD_SEALS:
-            raise SandboxError("could not seal the in-memory copy of runc")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat: tells a live init from a recycled pid."""
     try:
@@ -107,49 +79,50 @@ def _start_time(pid: int) -> str | None:
 
 
 class ContainerBackend(Backend):
-    """runc + overlayfs + user namespace; exec through the node's exec helper."""
+    """crun + overlayfs + user namespace + DSec-made cgroups; exec through the node's exec helper."""
 
     name = "container"
 
-    def __init__(self, settings: Settings | None = None, runc: str | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, runtime: str | None = None) -> None:
         self.settings = settings or Settings()
         self.root = self.settings.home / "container"
-        self.runc_root = self.settings.home / "runc"
-        self.runc = runc or shutil.which("runc") or "/usr/sbin/runc"
+        self.runtime_root = self.settings.home / "runtime"
+        self.runtime = runtime or shutil.which("crun") or "/usr/bin/crun"
         # Cgroups and /run are host-wide: each DSEC_HOME gets its own tag so that two daemons (tests, a
         # developer's and CI's) never touch each other's sandboxes when cleaning up orphans.
         tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
         self.cgroup_parent = f"dsec-{tag}"
         # Root filesystems are mounted where the container's (shifted) root user can traverse to
-        # them: runc mounts them from inside the user namespace, and DSEC_HOME may sit below a
+        # them: crun mounts them from inside the user namespace, and DSEC_HOME may sit below a
         # 0700 directory. The writable layers stay in DSEC_HOME, on disk.
         self.mounts = Path("/run/dsec") / tag
         self._helper: ExecHelper | None = None
         self._init: Path | None = None
         self._nofile = 0
-        self._runc_fd: int | None = None
-        # runc calls block a thread each (~30 ms); enough threads for a burst of creates on a big node.
-        self._runc_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runc")
+        self._shim: Path | None = None
+        self._mask_v2 = False
+        # Runtime calls block a thread each (~10 ms); enough threads for a burst of creates on a big node.
+        self._runtime_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runtime")
 
     def available(self) -> str:
         if os.geteuid() != 0:
             return "needs root (it creates namespaces, cgroups and overlay mounts)"
-        if not Path(self.runc).exists():
-            return "runc not found: apt-get install runc"
+        if not Path(self.runtime).exists():
+            return "crun not found: apt-get install crun"
         return "ok"
 
     async def start(self) -> None:
         reason = self.available()
         if reason != "ok":
             raise BackendUnavailable(f"container backend: {reason}")
-        # Sandbox inits are orphaned when `runc run --detach` exits; as a subreaper the daemon
+        # Sandbox inits are orphaned when `crun run --detach` exits; as a subreaper the daemon
         # inherits them and reaps each one on destroy, instead of leaving zombies for the host's
         # pid 1 (which may reap late, or never in a minimal container host).
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.runc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.runtime_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # /run/dsec is 0711 (traversable, not listable); /run/dsec/<tag> belongs to the sandboxes' root
-        # user, 0700: runc mounts from inside the user namespace and must traverse it, nobody else may.
+        # user, 0700: crun mounts from inside the user namespace and must traverse it, nobody else may.
         self.mounts.parent.mkdir(exist_ok=True, mode=0o711)
         os.chmod(self.mounts.parent, 0o711)
         self.mounts.mkdir(exist_ok=True, mode=0o700)
@@ -161,20 +134,17 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(shutil.copy2, built, self._init)
         bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
         nsenter = await asyncio.to_thread(ensure_nsenter, self.settings.home / "bin")
-        # The init's open-file limit (runc config), read once: commands get the same.
+        # The init's open-file limit (OCI config), read once: commands get the same.
         self._nofile = exec_rlimits()["nofile"][0]
+        self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
+        self._mask_v2 = v2_controllers_in_hybrid()
         self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
-        if self._runc_fd is None:
-            self._runc_fd = await asyncio.to_thread(_sealed_copy, self.runc)
 
     async def aclose(self) -> None:
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
-        if self._runc_fd is not None:
-            os.close(self._runc_fd)
-            self._runc_fd = None
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
 
@@ -191,36 +161,38 @@ class ContainerBackend(Backend):
             self.mounts.parent.rmdir()  # only if no other home uses /run/dsec
 
     def _remove_empty_parent(self) -> None:
-        """runc leaves the parent cgroup behind; drop it when no sandbox of this home is left."""
+        """The parent cgroup is shared by the home's sandboxes; drop it when no sandbox is left."""
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             with contextlib.suppress(OSError):  # missing, or still holding sandboxes
                 os.rmdir(d)
 
-    # -- runc -----------------------------------------------------------------------------
+    # -- OCI runtime ----------------------------------------------------------------------
 
-    async def _runc(self, *args: str, log: Path | None = None, check: bool = True) -> str:
-        cmd = [self.runc, "--root", str(self.runc_root)]
+    async def _run_runtime(self, *args: str, log: Path | None = None, cgroups: CgroupSet | None = None,
+                           check: bool = True) -> str:
+        """Run crun (cgroup manager disabled) with ``args``; with ``cgroups``, from inside them (via the shim)."""
+        cmd = [self.runtime, "--cgroup-manager=disabled", "--root", str(self.runtime_root)]
         if log is not None:
-            cmd += ["--log", str(log), "--log-format", "json"]
-        # `runc run --detach` hands its own stdio to the container's init, which never closes it:
+            cmd += [f"--log=file:{log}", "--log-format=json"]
+        if cgroups is not None:
+            if self._shim is None:
+                raise BackendUnavailable("container backend is not started")
+            cmd = [str(self._shim), "1" if self._mask_v2 else "0", *cgroups.procs_files(), "--", *cmd]
+        # `crun run --detach` hands its own stdio to the container's init, which never closes it:
         # detached runs get /dev/null and report errors through --log instead.
         pipe = subprocess.DEVNULL if "--detach" in args else subprocess.PIPE
+
         # subprocess.run in a worker thread, not the event loop's subprocess support: CPython spawns with
-        # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every runc call.
-        # The sealed copy when started (see _sealed_copy); the path itself for calls before start().
-        executable = self.runc if self._runc_fd is None else f"/proc/{os.getpid()}/fd/{self._runc_fd}"
-
+        # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every call.
         def run() -> subprocess.CompletedProcess[bytes]:
-            return subprocess.run([*cmd, *args], executable=executable, stdin=subprocess.DEVNULL, stdout=pipe,
-                                  stderr=pipe, check=False)
+            return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, check=False)
 
-        proc = await asyncio.get_running_loop().run_in_executor(self._runc_pool, run)
+        proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
         if check and proc.returncode != 0:
             detail = (proc.stderr or b"").decode(errors="replace").strip()
             if log is not None and log.exists():
-                detail = _last_runc_error(log) or detail
-            # runc's own message already reads "runc run failed: ...": do not say it twice.
-            raise SandboxError(detail if detail.startswith("runc") else f"runc {args[0]} failed: {detail}")
+                detail = _last_runtime_error(log) or detail
+            raise SandboxError(f"crun {args[0]} failed: {detail or f'exit status {proc.returncode}'}")
         return (proc.stdout or b"").decode(errors="replace")
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -247,21 +219,21 @@ class ContainerBackend(Backend):
         for d in (rootfs, upper, work):
             d.mkdir()
         os.chown(upper, shift, shift)
+        cgroups = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroups_path"],
+                                          sandbox_limits(record.spec))
+        record.backend_state["cgroups"] = cgroups.dirs
         await asyncio.to_thread(_mount_overlay, image.rootfs, upper, work, rootfs)
         record.backend_state["mounted"] = True
         await asyncio.to_thread(SandboxFS(str(rootfs), shift, shift).makedirs, record.spec.workdir)
         config = runtime_config(
             sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
-            uid_count=self.settings.uid_count, cgroups_path=record.backend_state["cgroups_path"],
-            profile=DEFAULT_PROFILE,
+            uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
         )
         (bundle / "config.json").write_text(json.dumps(config))
-        await self._runc("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
-                         record.id, log=bundle / "runc.log")
+        await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
+                                record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
-        record.backend_state.update(
-            init_pid=pid, init_start=_start_time(pid), cgroups=CgroupSet.of_pid(pid).dirs,
-        )
+        record.backend_state.update(init_pid=pid, init_start=_start_time(pid))
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")
@@ -332,18 +304,18 @@ class ContainerBackend(Backend):
 
     async def pause(self, record: SandboxRecord) -> None:
         self._pid(record)
-        await self._runc("pause", record.id)
+        await asyncio.to_thread(self._cgroups(record).freeze)
 
     async def resume(self, record: SandboxRecord) -> None:
         self._pid(record)
-        await self._runc("resume", record.id)
+        await asyncio.to_thread(self._cgroups(record).thaw)
 
     async def destroy(self, record: SandboxRecord) -> None:
         await self._destroy_id(record.id, record.backend_state)
 
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        # What `runc delete --force` does, without its ~100 ms: kill init (the pid namespace dies
-        # with it), empty and remove the cgroups, drop runc's state, unmount, remove the layer.
+        # What `crun delete --force` does, without running it: kill init (the pid namespace dies
+        # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
         if pid and _start_time(pid) == state.get("init_start"):
             with contextlib.suppress(ProcessLookupError):
@@ -352,7 +324,7 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(_kill_and_remove_cgroups, cgroups)
         if pid:
             await asyncio.to_thread(_reap, pid)
-        await asyncio.to_thread(shutil.rmtree, self.runc_root / sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, self.runtime_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
         await asyncio.to_thread(_umount, rootfs)
         with contextlib.suppress(FileNotFoundError):
@@ -378,18 +350,20 @@ class ContainerBackend(Backend):
         pid = record.backend_state.get("init_pid")
         if not pid or _start_time(pid) != record.backend_state.get("init_start"):
             return False
-        out = await self._runc("state", record.id, check=False)
+        # The init is alive (same pid, same start time) and is DSec's: it sits in this sandbox's cgroup.
         try:
-            status = json.loads(out).get("status")
-        except json.JSONDecodeError:
+            in_cgroup = f"/{self.cgroup_parent}/{record.id}" in Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
             return False
-        if status == "paused":
+        if not in_cgroup:
+            return False
+        if await asyncio.to_thread(self._cgroups(record).frozen):
             record.state = "paused"
-        return status in ("running", "paused")
+        return True
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
         found: set[str] = set()
-        for parent in (self.root, self.runc_root, self.mounts):
+        for parent in (self.root, self.runtime_root, self.mounts):
             if parent.is_dir():
                 found.update(p.name for p in parent.iterdir() if p.name.startswith("sb-"))
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
@@ -432,8 +406,8 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
         if attempt == 0:
             cgroups.thaw()  # frozen tasks (a paused sandbox) only die once thawed
         time.sleep(0.002)
-    # Not the shared dsec-<tag> parent: a create running concurrently needs it (runc would fail with
-    # ENOENT); aclose() and cleanup_orphans() remove it once empty.
+    # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
+    # cleanup_orphans() remove it once empty.
     cgroups.remove()
 
 
@@ -446,7 +420,7 @@ def _du(path: Path) -> int:
     return total
 
 
-def _last_runc_error(log: Path) -> str | None:
+def _last_runtime_error(log: Path) -> str | None:
     message = None
     with contextlib.suppress(OSError):
         for line in log.read_text().splitlines():

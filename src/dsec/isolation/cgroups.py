@@ -1,18 +1,19 @@
 """Cgroup v1 (per-controller hierarchies, as on hybrid hosts) and v2 (unified) behind one class.
 
-runc creates and limits a sandbox's cgroups; this module finds them again from a pid,
-reads usage (memory, peak, OOM kills, CPU, pids), moves a helper process in, and
-removes leftovers. It never sets limits itself: limits have one owner (runc's config).
+DSec owns its sandboxes' cgroups: this module creates them with their limits (the OCI
+runtime runs with its cgroup manager disabled), finds them again, reads usage (memory,
+peak, OOM kills, CPU, pids), freezes and thaws them, and removes them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CgroupSet", "cgroup_mode"]
+__all__ = ["CgroupSet", "Limits", "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
 
@@ -26,6 +27,42 @@ def cgroup_mode(root: Path = _ROOT) -> str:
     if (root / "cgroup.controllers").exists():
         return "v2"
     return "v1"
+
+
+def v2_controllers_in_hybrid(root: Path = _ROOT) -> bool:
+    """True on a hybrid host whose v2 hierarchy holds a controller (crun refuses to start there)."""
+    try:
+        return cgroup_mode(root) == "v1" and bool((root / "unified" / "cgroup.controllers").read_text().split())
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a sandbox's cgroups allow."""
+
+    memory: int
+    """Bytes of memory (page cache included); swap is never allowed on top."""
+    cpu: float
+    """CPUs (a CFS quota of ``cpu`` periods per period)."""
+    pids: int
+    """Live processes and threads."""
+    cpu_period_us: int = 100_000
+
+    @property
+    def cpu_quota_us(self) -> int:
+        return max(1000, int(self.cpu * self.cpu_period_us))
+
+
+# v1 device rules: deny everything, then allow what an OCI runtime puts in /dev (null, zero, full,
+# random, urandom, tty, ptmx and the pts ptys). In a user namespace mknod is impossible anyway.
+_V1_DEVICES_ALLOW = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm", "c 5:0 rwm",
+                     "c 5:2 rwm", "c 136:* rwm")
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _v1_hierarchies(root: Path) -> list[str]:
@@ -93,6 +130,57 @@ class CgroupSet:
             return cls(mode=mode, dirs={"unified": str(root / rel)})
         return cls(mode=mode, dirs={name: str(root / name / rel) for name in _v1_hierarchies(root)})
 
+    @classmethod
+    def create(cls, relpath: str, limits: Limits, root: Path = _ROOT) -> CgroupSet:
+        """Make the cgroups at ``relpath`` with ``limits``; on v1 only in the :data:`V1_JOINED` hierarchies.
+
+        The parent directory is created when missing and kept (other sandboxes share it). On failure
+        whatever was made for ``relpath`` is removed again.
+        """
+        mode = cgroup_mode(root)
+        rel = relpath.strip("/")
+        if mode == "v2":
+            made = cls(mode=mode, dirs={"unified": str(root / rel)})
+        else:
+            made = cls(mode=mode, dirs={name: str(root / name / rel) for name in _v1_hierarchies(root)
+                                        if V1_JOINED.intersection(name.split(","))})
+        try:
+            for name, d in made.dirs.items():
+                path = Path(d)
+                if mode == "v2":
+                    _v2_enable_parents(root, path.parent)
+                else:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                path.mkdir()
+                made._limit(name, path, limits)
+        except BaseException:
+            made.remove()
+            raise
+        return made
+
+    def _limit(self, name: str, d: Path, limits: Limits) -> None:
+        if self.mode == "v2":
+            _write(d / "memory.max", str(limits.memory))
+            if (d / "memory.swap.max").exists():
+                _write(d / "memory.swap.max", "0")
+            _write(d / "cpu.max", f"{limits.cpu_quota_us} {limits.cpu_period_us}")
+            _write(d / "pids.max", str(limits.pids))
+            return
+        controllers = set(name.split(","))  # a hierarchy may carry several ("cpu,cpuacct")
+        if "memory" in controllers:
+            _write(d / "memory.limit_in_bytes", str(limits.memory))
+            if (d / "memory.memsw.limit_in_bytes").exists():
+                _write(d / "memory.memsw.limit_in_bytes", str(limits.memory))
+        if "cpu" in controllers:
+            _write(d / "cpu.cfs_period_us", str(limits.cpu_period_us))
+            _write(d / "cpu.cfs_quota_us", str(limits.cpu_quota_us))
+        if "pids" in controllers:
+            _write(d / "pids.max", str(limits.pids))
+        if "devices" in controllers:
+            _write(d / "devices.deny", "a")
+            for rule in _V1_DEVICES_ALLOW:
+                _write(d / "devices.allow", rule)
+
     def _dir(self, controller: str) -> Path | None:
         d = self.dirs.get("unified" if self.mode == "v2" else controller)
         return Path(d) if d else None
@@ -153,6 +241,30 @@ class CgroupSet:
                 found.update(int(x) for x in Path(procs).read_text().split())
         return sorted(found)
 
+    def freeze(self, timeout: float = 5.0) -> None:
+        """Freeze every process of the set and wait until the kernel reports it frozen."""
+        d = self._dir("freezer")
+        if d is None:
+            raise OSError(f"no freezer cgroup in {sorted(self.dirs)}")
+        _write(d / ("cgroup.freeze" if self.mode == "v2" else "freezer.state"), "1" if self.mode == "v2" else "FROZEN")
+        deadline = time.monotonic() + timeout
+        while not self.frozen():
+            if time.monotonic() > deadline:
+                self.thaw()
+                raise TimeoutError(f"cgroup {d} did not freeze within {timeout:g}s")
+            time.sleep(0.001)
+
+    def frozen(self) -> bool:
+        """True when every process of the set is frozen."""
+        d = self._dir("freezer")
+        if d is None:
+            return False
+        if self.mode == "v2":
+            return _read_kv(d / "cgroup.events").get("frozen", 0) == 1
+        with contextlib.suppress(OSError):
+            return (d / "freezer.state").read_text().strip() == "FROZEN"
+        return False
+
     def thaw(self) -> None:
         """Unfreeze the set (a no-op when it is not frozen or has no freezer)."""
         with contextlib.suppress(OSError):
@@ -182,3 +294,16 @@ def _rmdir_tree(path: str) -> None:
         _rmdir_tree(child)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)
+
+
+def _v2_enable_parents(root: Path, parent: Path) -> None:
+    """Make ``parent`` (below ``root``) and enable memory, cpu and pids for the children of every
+    directory from ``root`` down to it, so that a sandbox directory below ``parent`` gets them."""
+    rel = parent.relative_to(root).parts
+    chain = [root] + [root.joinpath(*rel[:n]) for n in range(1, len(rel) + 1)]
+    for d in chain:
+        d.mkdir(exist_ok=True)
+        control = d / "cgroup.subtree_control"
+        missing = {"memory", "cpu", "pids"} - set(control.read_text().split())
+        if missing:
+            _write(control, " ".join(f"+{c}" for c in sorted(missing)))

@@ -1,7 +1,8 @@
-"""Builds DSec's two static helper binaries from their C sources on first use.
+"""Builds DSec's static helper binaries from their C sources on first use.
 
 - ``dsec-init`` (``init.c``): pid 1 of a container sandbox; reaps orphans, nothing else.
 - ``dsec-nsenter`` (``nsenter.c``): the last step of an exec into a running sandbox.
+- ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
 upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``).
@@ -17,10 +18,12 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 
-__all__ = ["INIT_SOURCE", "NSENTER_SOURCE", "ensure_binary", "ensure_init", "ensure_nsenter"]
+__all__ = ["INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ensure_binary", "ensure_init", "ensure_nsenter",
+           "ensure_rtshim"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
+RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 
 
 def ensure_binary(source: Path, name: str, directory: Path) -> Path:
@@ -53,3 +56,8 @@ def ensure_init(directory: Path) -> Path:
 def ensure_nsenter(directory: Path) -> Path:
     """The exec entry binary, built if needed."""
     return ensure_binary(NSENTER_SOURCE, "dsec-nsenter", directory)
+
+
+def ensure_rtshim(directory: Path) -> Path:
+    """The OCI runtime launcher, built if needed."""
+    return ensure_binary(RTSHIM_SOURCE, "dsec-rtshim", directory)

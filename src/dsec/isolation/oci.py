@@ -1,10 +1,10 @@
-"""The OCI runtime config (runc's ``config.json``) of a container sandbox.
+"""The OCI runtime config (crun's or runc's ``config.json``) of a container sandbox.
 
 Everything a container is allowed to do is decided here, in one place: namespaces,
 the user-namespace mapping, mounts, masked and read-only ``/proc``/``/sys`` paths,
-capabilities, rlimits, cgroup limits and the seccomp profile. The exec helper reads
-the same :func:`exec_rlimits`, capabilities and profile so that commands joining the
-sandbox carry exactly the init's restrictions.
+capabilities, rlimits, cgroup limits (:func:`sandbox_limits`) and the seccomp profile.
+The exec helper reads the same :func:`exec_rlimits`, capabilities and profile so that
+commands joining the sandbox carry exactly the init's restrictions.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from dsec.isolation.capabilities import DEFAULT_CAPS
-from dsec.isolation.cgroups import cgroup_mode
+from dsec.isolation.cgroups import Limits, cgroup_mode
 from dsec.isolation.seccomp import Profile
 from dsec.models import SandboxSpec
 
-__all__ = ["INIT_PATH", "MASKED_PATHS", "READONLY_PATHS", "exec_rlimits", "runtime_config"]
+__all__ = ["INIT_PATH", "MASKED_PATHS", "READONLY_PATHS", "exec_rlimits", "runtime_config", "sandbox_limits"]
 
 INIT_PATH = "/dev/.dsec-init"
 """Where the host's static init is bind-mounted (``/dev`` is a fresh tmpfs: nothing lands in the image)."""
@@ -49,6 +49,23 @@ _OCI_RLIMIT_NAMES = {"nofile": "RLIMIT_NOFILE", "core": "RLIMIT_CORE"}
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def sandbox_limits(spec: SandboxSpec) -> Limits:
+    """The cgroup limits of a sandbox with ``spec``."""
+    return Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids)
+
+
+def _oci_resources(limits: Limits) -> dict[str, Any]:
+    resources: dict[str, Any] = {
+        "devices": [{"allow": False, "access": "rwm"}],
+        "memory": {"limit": limits.memory},
+        "cpu": {"quota": limits.cpu_quota_us, "period": limits.cpu_period_us},
+        "pids": {"limit": limits.pids},
+    }
+    if cgroup_mode() == "v2" or Path("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes").exists():
+        resources["memory"]["swap"] = limits.memory  # memory+swap == memory: the sandbox never swaps
+    return resources
+
+
 def runtime_config(
     *,
     sandbox_id: str,
@@ -57,21 +74,18 @@ def runtime_config(
     init_binary: Path,
     uid_shift: int,
     uid_count: int,
-    cgroups_path: str,
+    cgroups_path: str | None,
     profile: Profile,
 ) -> dict[str, Any]:
-    """The config.json for runc."""
+    """The config.json for the OCI runtime.
+
+    With ``cgroups_path`` the runtime creates and limits the cgroups (how the runc peers of the
+    benchmark run); with None it leaves cgroups alone (DSec's own sandboxes: the backend creates
+    them with :func:`sandbox_limits` and starts the runtime inside them).
+    """
     caps = list(DEFAULT_CAPS)
-    resources: dict[str, Any] = {
-        "devices": [{"allow": False, "access": "rwm"}],
-        "memory": {"limit": spec.memory},
-        "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
-        "pids": {"limit": spec.pids},
-    }
-    if cgroup_mode() == "v2" or Path("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes").exists():
-        resources["memory"]["swap"] = spec.memory  # memory+swap == memory: the sandbox never swaps
     mapping = [{"containerID": 0, "hostID": uid_shift, "size": uid_count}]
-    return {
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
@@ -107,11 +121,13 @@ def runtime_config(
             "uidMappings": mapping,
             "gidMappings": mapping,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
-            "cgroupsPath": cgroups_path,
-            "resources": resources,
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(READONLY_PATHS),
             "seccomp": profile.to_oci(),
             "rootfsPropagation": "private",
         },
     }
+    if cgroups_path is not None:
+        config["linux"]["cgroupsPath"] = cgroups_path
+        config["linux"]["resources"] = _oci_resources(sandbox_limits(spec))
+    return config
