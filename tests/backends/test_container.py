@@ -1,5 +1,6 @@
-"""The container backend (runc + overlayfs + user namespace) against the conformance suite, plus what only
-a container has: processes that outlive an exec, pause/resume, cgroup stats, full cleanup, recovery."""
+"""The container backend (crun + overlayfs + user namespace) against the conformance suite, plus what only
+a container has: processes that outlive an exec, pause/resume, cgroup limits and stats, full cleanup,
+recovery."""
 
 from __future__ import annotations
 
@@ -113,6 +114,50 @@ async def test_stats_report_memory_and_pids(backend: ContainerBackend, debian_py
         assert stats.cpu_seconds > 0 and stats.oom_kills == 0, stats
         await backend.write_file(sb, "/workspace/blob", os.urandom(2 * MiB), None)
         assert (await backend.stats(sb)).disk_bytes >= 2 * MiB
+
+
+async def test_cgroups_carry_the_spec_limits_and_are_the_namespace_root(
+        backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, memory=300 * MiB, cpu=0.5, pids=77) as sb:
+        cg = sb.backend_state["cgroups"]
+        if "unified" in cg:
+            d = Path(cg["unified"])
+            assert (d / "memory.max").read_text().strip() == str(300 * MiB)
+            assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
+            assert (d / "pids.max").read_text().strip() == "77"
+        else:
+            assert sorted(cg) == ["cpu", "cpuacct", "devices", "freezer", "memory", "pids"]
+            assert (Path(cg["memory"]) / "memory.limit_in_bytes").read_text().strip() == str(300 * MiB)
+            assert (Path(cg["cpu"]) / "cpu.cfs_quota_us").read_text().strip() == "50000"
+            assert (Path(cg["pids"]) / "pids.max").read_text().strip() == "77"
+            assert "a *:* rwm" not in (Path(cg["devices"]) / "devices.list").read_text()
+        # crun and the init started inside the sandbox's cgroups: the cgroup namespace is rooted there,
+        # so a process inside sees its own cgroups as "/" (and nothing of the host's layout).
+        r = await run(backend, sb, "cat /proc/self/cgroup")
+        lines = r.stdout.decode().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers in ("memory", "pids", "") or "memory" in controllers.split(","):
+                assert path == "/", lines
+        # the pids limit holds: the loop asks for 200 processes, the sandbox gets at most 77
+        await run(backend, sb, "for i in $(seq 200); do sleep 30 & done 2>/dev/null; true")
+        stats = await backend.stats(sb)
+        assert 0 < stats.pids <= 77, stats
+
+
+async def test_runtime_failure_names_the_cause_and_leaves_nothing(
+        backend: ContainerBackend, debian_python_image: ImageRef, home: Path) -> None:
+    record = new_record(backend.name, debian_python_image)
+    backend._mask_v2 = not backend._mask_v2  # a wrong mask: crun refuses (hybrid) or the bind fails (v2)
+    try:
+        with pytest.raises(DSecError) as err:
+            await backend.create(record, debian_python_image)
+    finally:
+        backend._mask_v2 = not backend._mask_v2
+        await backend.destroy(record)
+    assert "crun run failed" in str(err.value), err.value
+    assert "hybrid" in str(err.value) or "dsec-rtshim: mask" in str(err.value), err.value
+    assert_clean(home, record.id)
 
 
 async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_image: ImageRef,

@@ -7,6 +7,7 @@ import inspect
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,15 +163,28 @@ def test_portal_restarts_in_a_forked_child(client: dsec.Client, daemon: Daemon) 
 
 def test_ctrl_c_during_a_blocking_exec_kills_the_command(client: dsec.Client) -> None:
     with dsec.Sandbox.create(image="tiny", client=client) as sb:
-        # A real SIGINT to this thread, as a terminal's Ctrl-C would send, once the command is running.
-        timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        timer.start()
+        # A real SIGINT to the main thread, as a terminal's Ctrl-C would send, once the command is running
+        # (polled, not timed: on a loaded machine a fixed delay can land before the exec or after it).
+        def interrupt() -> None:
+            watcher = dsec.Sandbox.connect(sb.id, client=client)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if any(e.name == "started" for e in watcher.files.list("/workspace")):
+                    break
+                time.sleep(0.02)
+            signal.pthread_kill(main, signal.SIGINT)
+
+        main = threading.main_thread().ident
+        assert main is not None
+        sender = threading.Thread(target=interrupt)
+        sender.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                sb.exec("sleep 2; touch marker", timeout=30)
+                sb.exec("touch started; sleep 3; touch marker", timeout=60)
         finally:
-            timer.join()
-        assert sb.exec("sleep 2.5; ls").stdout == b""  # interrupted: the command never got to `touch`
+            sender.join()
+        # interrupted: the command was killed before it got to `touch marker`
+        assert sb.exec("sleep 3.5; ls").stdout == b"started\n"
 
 
 def test_checked_in_type_stub_matches_the_generated_twins() -> None:

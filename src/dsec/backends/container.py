@@ -168,32 +168,32 @@ class ContainerBackend(Backend):
 
     # -- OCI runtime ----------------------------------------------------------------------
 
-    async def _run_runtime(self, *args: str, log: Path | None = None, cgroups: CgroupSet | None = None,
-                           check: bool = True) -> str:
-        """Run crun (cgroup manager disabled) with ``args``; with ``cgroups``, from inside them (via the shim)."""
-        cmd = [self.runtime, "--cgroup-manager=disabled", "--root", str(self.runtime_root)]
-        if log is not None:
-            cmd += [f"--log=file:{log}", "--log-format=json"]
-        if cgroups is not None:
-            if self._shim is None:
-                raise BackendUnavailable("container backend is not started")
-            cmd = [str(self._shim), "1" if self._mask_v2 else "0", *cgroups.procs_files(), "--", *cmd]
-        # `crun run --detach` hands its own stdio to the container's init, which never closes it:
-        # detached runs get /dev/null and report errors through --log instead.
-        pipe = subprocess.DEVNULL if "--detach" in args else subprocess.PIPE
+    async def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet) -> None:
+        """Run crun (cgroup manager disabled) with ``args`` from inside ``cgroups`` (through the shim).
 
+        crun's errors go to ``log`` (JSON lines), the shim's to ``log`` + ``.shim``.
+        """
+        if self._shim is None:
+            raise BackendUnavailable("container backend is not started")
+        shim_errors = log.with_name(log.name + ".shim")
+        cmd = [str(self._shim), str(shim_errors), "1" if self._mask_v2 else "0", *cgroups.procs_files(), "--",
+               self.runtime, "--cgroup-manager=disabled", "--root", str(self.runtime_root), f"--log=file:{log}",
+               "--log-format=json"]
+
+        # `crun run --detach` hands its own stdio to the container's init, which never closes it: the
+        # init gets /dev/null (no host file or pipe inside the sandbox), errors come through the logs.
         # subprocess.run in a worker thread, not the event loop's subprocess support: CPython spawns with
         # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every call.
         def run() -> subprocess.CompletedProcess[bytes]:
-            return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, check=False)
+            return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, check=False)
 
         proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
-        if check and proc.returncode != 0:
-            detail = (proc.stderr or b"").decode(errors="replace").strip()
-            if log is not None and log.exists():
-                detail = _last_runtime_error(log) or detail
+        if proc.returncode != 0:
+            detail = _last_runtime_error(log) if log.exists() else None
+            with contextlib.suppress(OSError):
+                detail = shim_errors.read_text(errors="replace").strip() or detail
             raise SandboxError(f"crun {args[0]} failed: {detail or f'exit status {proc.returncode}'}")
-        return (proc.stdout or b"").decode(errors="replace")
 
     # -- lifecycle ------------------------------------------------------------------------
 

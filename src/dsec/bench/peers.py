@@ -53,8 +53,13 @@ def time_command(argv: Sequence[str], n: int, warmup: int = 1, check: bool = Tru
 
 
 def podman_argv(podman: str, rootfs: Path) -> list[str]:
-    """``podman run`` of ``/bin/true`` in the image root, as a user would run it here."""
-    return [podman, "run", "--rm", *PODMAN_LIMITS, "--network", "none", "--rootfs", str(rootfs), "/bin/true"]
+    """``podman run`` of ``/bin/true`` in the image root, as a user would run it here.
+
+    ``--runtime runc``: podman prefers crun when both are installed, and crun refuses to manage
+    cgroups on a hybrid host like this one (DSec runs crun with cgroup management disabled).
+    """
+    return [podman, "run", "--runtime", "runc", "--rm", *PODMAN_LIMITS, "--network", "none", "--rootfs",
+            str(rootfs), "/bin/true"]
 
 
 def mount_overlay(lower: Path, base: Path) -> Path:

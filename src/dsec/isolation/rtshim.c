@@ -1,7 +1,7 @@
 /*
  * dsec-rtshim: starts the OCI runtime (crun) for one container sandbox.
  *
- *   dsec-rtshim MASK CGROUP_PROCS... -- RUNTIME ARG...
+ *   dsec-rtshim ERRFILE MASK CGROUP_PROCS... -- RUNTIME ARG...
  *
  * DSec owns the sandbox's cgroups (it creates them with their limits and runs crun with
  * --cgroup-manager=disabled). This shim moves itself into them, so that crun, the
@@ -14,7 +14,8 @@
  * (/sys/fs/cgroup/unified/cgroup.controllers) reads empty. Nothing else changes: the
  * namespace dies with the runtime process, and the container pivots away from it.
  *
- * On failure it prints "dsec-rtshim: <what>: <why>" to stderr and exits 125.
+ * On failure it writes "dsec-rtshim: <what>: <why>" to ERRFILE (created 0600; the runtime's own
+ * stdio goes to the container's init, so it cannot carry the shim's errors) and exits 125.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -27,30 +28,39 @@
 
 #define CONTROLLERS "/sys/fs/cgroup/unified/cgroup.controllers"
 
+static const char *errfile = NULL;
+
 static void fail(const char *what, int err) {
-    fprintf(stderr, "dsec-rtshim: %s: %s\n", what, strerror(err));
+    char msg[512];
+    int n = snprintf(msg, sizeof msg, "dsec-rtshim: %s: %s\n", what, strerror(err));
+    int fd = errfile ? open(errfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600) : -1;
+    if (fd < 0)
+        fd = 2;
+    if (n > 0 && write(fd, msg, (size_t)n) < 0)
+        _exit(125);
     _exit(125);
 }
 
 int main(int argc, char **argv) {
     int sep = 0;
-    for (int i = 2; i < argc; i++) {
+    for (int i = 3; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
             sep = i;
             break;
         }
     }
-    if (argc < 4 || sep == 0 || sep + 1 >= argc) {
-        fprintf(stderr, "usage: dsec-rtshim MASK CGROUP_PROCS... -- RUNTIME ARG...\n");
+    if (argc < 5 || sep == 0 || sep + 1 >= argc) {
+        fprintf(stderr, "usage: dsec-rtshim ERRFILE MASK CGROUP_PROCS... -- RUNTIME ARG...\n");
         return 125;
     }
-    for (int i = 2; i < sep; i++) {
+    errfile = argv[1];
+    for (int i = 3; i < sep; i++) {
         int fd = open(argv[i], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1)
             fail(argv[i], errno);
         close(fd);
     }
-    if (strcmp(argv[1], "1") == 0) {
+    if (strcmp(argv[2], "1") == 0) {
         if (unshare(CLONE_NEWNS) != 0)
             fail("unshare the mount namespace", errno);
         if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
