@@ -6,6 +6,7 @@ Missing prerequisites skip locally and fail under CI (``CI`` set), always naming
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,11 @@ def _host_footprint(tags: set[str]) -> set[str]:
                 continue
             if any(f"/dsec-{tag}/" in cgroups for tag in tags):
                 found.add(f"process dsec-init pid {proc.name}")
+    tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout
+    for line in tables.splitlines():
+        name = line.split()[-1]
+        if name.startswith("dsec_") and name.removeprefix("dsec_") in tags:
+            found.add(f"nft table {name}")
     return found
 
 

@@ -7,6 +7,7 @@ This module does no I/O.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -25,12 +26,15 @@ __all__ = [
     "ImageConfig",
     "ImageInfo",
     "LimitHit",
+    "NetworkEntry",
+    "NetworkRequest",
     "NodeInfo",
     "SandboxInfo",
     "SandboxRecord",
     "SandboxSpec",
     "SandboxState",
     "SandboxStats",
+    "parse_network",
     "parse_pairs",
     "parse_size",
 ]
@@ -67,6 +71,65 @@ def parse_size(value: Any) -> int:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+_DOMAIN_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+
+
+class NetworkEntry(BaseModel):
+    """One allowlist entry: a CIDR or a domain name (``*.`` allows its subdomains), optionally a port."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cidr: str | None = None
+    domain: str | None = None
+    port: int | None = None
+
+    def matches_name(self, name: str) -> bool:
+        """True if DNS name ``name`` (no trailing dot, any case) is allowed by this domain entry."""
+        if self.domain is None:
+            return False
+        name = name.rstrip(".").lower()
+        if self.domain.startswith("*."):
+            return name.endswith(self.domain[1:])
+        return name == self.domain
+
+
+def _parse_network_entry(entry: str) -> NetworkEntry:
+    if not isinstance(entry, str) or not entry.strip():
+        raise ValueError(f"network entry must be a non-empty string, got {entry!r}")
+    text = entry.strip().lower()
+    host, port = text, None
+    if text.count(":") == 1:  # IPv4 or a name with a port; bare IPv6 is not supported in allowlists
+        host, port_text = text.split(":")
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"network entry {entry!r}: port must be 1-65535")
+        port = int(port_text)
+    try:
+        net = ipaddress.ip_network(host, strict=False)
+    except ValueError:
+        net = None
+    if net is not None:
+        if net.version != 4:
+            raise ValueError(f"network entry {entry!r}: only IPv4 CIDRs are supported")
+        return NetworkEntry(cidr=str(net), port=port)
+    labels = host.removeprefix("*.").split(".")
+    if len(host) > 253 or len(labels) < 2 or not all(_DOMAIN_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"network entry {entry!r} is neither an IPv4 CIDR[:port] nor a domain name[:port] "
+                         f"(e.g. '10.0.0.0/8', '192.0.2.1:443', 'pypi.org', '*.pythonhosted.org:443')")
+    return NetworkEntry(domain=host, port=port)
+
+
+def parse_network(value: str | Sequence[str]) -> tuple[str, tuple[NetworkEntry, ...]]:
+    """``("none" | "allow" | "list", entries)`` for a ``network=`` value; ValueError naming a bad entry."""
+    if isinstance(value, str):
+        if value in ("none", "allow"):
+            return value, ()
+        raise ValueError(f"network must be 'none', 'allow' or a list of allowlist entries, got {value!r}")
+    entries = tuple(_parse_network_entry(e) for e in value)
+    if len(entries) > 1024:
+        raise ValueError(f"network allowlist has {len(entries)} entries; at most 1024")
+    return "list", entries
 
 
 def parse_pairs(items: Sequence[str], what: str) -> dict[str, str]:
@@ -119,6 +182,12 @@ class SandboxSpec(Model):
     """Wall-clock lifetime in seconds; the sandbox is destroyed after it."""
     network: Literal["none", "allow"] | list[str] = "none"
     """``"none"`` (default), ``"allow"``, or an allowlist of ``CIDR[:port]`` / domain entries."""
+
+    @field_validator("network")
+    @classmethod
+    def _network(cls, v: str | list[str]) -> str | list[str]:
+        parse_network(v)
+        return v
     env: dict[str, str] = Field(default_factory=dict)
     """Environment for every exec (merged over the image's)."""
     labels: dict[str, str] = Field(default_factory=dict)
@@ -150,6 +219,19 @@ class BatchCreateRequest(Model):
     """How many sandboxes."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
+
+
+class NetworkRequest(Model):
+    """A new network policy for a live sandbox."""
+
+    network: Literal["none", "allow"] | list[str]
+    """``"none"``, ``"allow"``, or an allowlist of ``CIDR[:port]`` / domain entries."""
+
+    @field_validator("network")
+    @classmethod
+    def _network(cls, v: str | list[str]) -> str | list[str]:
+        parse_network(v)
+        return v
 
 
 class ExecRequest(Model):

@@ -34,6 +34,7 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    NetworkRequest,
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
@@ -259,6 +260,19 @@ class AsyncSandbox:
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox."""
         return await self._transition("resume")
+
+    async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
+        """Replace the network policy: ``"none"``, ``"allow"`` or an allowlist of ``CIDR[:port]`` and
+        domain names (``"pypi.org"``, ``"*.pythonhosted.org:443"``). Takes effect at once, e.g. to cut
+        the network after set-up and before the graded phase."""
+        try:
+            request = NetworkRequest.model_validate({"network": network if isinstance(network, str) else list(network)})
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "network policy") from None
+        response = await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network",
+                                               json=request.model_dump(mode="json"))
+        self._info = SandboxInfo.model_validate(response.json())
+        return self._info
 
     async def _transition(self, action: str) -> SandboxInfo:
         response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}")

@@ -100,6 +100,10 @@ class Backend(abc.ABC):
         """Thaw a paused sandbox."""
         raise NotSupported(f"backend {self.name!r} cannot resume sandboxes")
 
+    async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
+        """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
+        raise NotSupported(f"backend {self.name!r} cannot change network policies")
+
     async def snapshot(self, record: SandboxRecord) -> str:
         """Save the sandbox's state; returns a snapshot id usable in ``SandboxSpec.snapshot``."""
         raise NotSupported(f"backend {self.name!r} cannot snapshot sandboxes yet")

@@ -32,12 +32,13 @@ from typing import Any
 
 from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.errors import BackendUnavailable, SandboxError
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
+from dsec.isolation.network import DnsProxy, Network, Policy
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
@@ -101,6 +102,11 @@ class ContainerBackend(Backend):
         self._nofile = 0
         self._shim: Path | None = None
         self._mask_v2 = False
+        self.network = Network(tag)
+        self._policies: dict[int, Policy] = {}
+        """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
+        self._dns = DnsProxy(self.network, self._policies.get)
+        self._table_ready = False
         # Runtime calls block a thread each (~10 ms); enough threads for a burst of creates on a big node.
         self._runtime_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runtime")
 
@@ -145,6 +151,11 @@ class ContainerBackend(Backend):
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
+        self._dns.close()
+        self._policies.clear()
+        self._table_ready = False
+        if not await asyncio.to_thread(self.network.indexes):  # no networked sandbox of this home is left
+            await asyncio.to_thread(self.network.drop_table)
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
 
@@ -203,9 +214,7 @@ class ContainerBackend(Backend):
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:
         if self._helper is None or self._init is None:
             raise BackendUnavailable("container backend is not started")
-        if record.spec.network != "none":
-            raise InvalidRequest(f"network={record.spec.network!r} is not available yet on the container "
-                                 f"backend: only 'none' (network policies land with the security issue)")
+        policy = Policy.parse(record.spec.network)
         bundle = self._bundle(record.id)
         rootfs, upper, work = self.mounts / record.id, bundle / "upper", bundle / "work"
         shift = image.uid_shift
@@ -234,6 +243,33 @@ class ContainerBackend(Backend):
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=_start_time(pid))
+        if policy.mode != "none":
+            await self._connect(record, policy)
+
+    # -- network --------------------------------------------------------------------------
+
+    async def _connect(self, record: SandboxRecord, policy: Policy) -> None:
+        """Give a running sandbox its veth pair, DNS and ``policy`` (see :mod:`dsec.isolation.network`)."""
+        if not self._table_ready:
+            await asyncio.to_thread(self.network.ensure_table)
+            self._table_ready = True
+        index = await asyncio.to_thread(self.network.attach, self._pid(record))
+        record.backend_state["net_index"] = index
+        await asyncio.to_thread(self.network.apply, index, policy)
+        self._policies[index] = policy
+        await self._dns.serve(index)
+        host = self._dns.servers[index].get_extra_info("sockname")[0]
+        await asyncio.to_thread(self._fs(record).write, "/etc/resolv.conf", f"nameserver {host}\n".encode(), 0o644)
+
+    async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
+        policy = Policy.parse(network)
+        index = record.backend_state.get("net_index")
+        if index is None:
+            if policy.mode != "none":
+                await self._connect(record, policy)
+            return
+        await asyncio.to_thread(self.network.apply, int(index), policy)
+        self._policies[int(index)] = policy
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")
@@ -314,6 +350,11 @@ class ContainerBackend(Backend):
         await self._destroy_id(record.id, record.backend_state)
 
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        index = state.get("net_index")
+        if index is not None:
+            self._dns.stop(int(index))
+            self._policies.pop(int(index), None)
+            await asyncio.to_thread(self.network.release, int(index))
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
@@ -359,6 +400,11 @@ class ContainerBackend(Backend):
             return False
         if await asyncio.to_thread(self._cgroups(record).frozen):
             record.state = "paused"
+        index = record.backend_state.get("net_index")
+        if index is not None:  # its rules and veth live in the kernel; the DNS proxy lived in the old daemon
+            self._policies[int(index)] = Policy.parse(record.spec.network)
+            self._table_ready = True
+            await self._dns.serve(int(index))
         return True
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
@@ -380,6 +426,10 @@ class ContainerBackend(Backend):
                     state = {"init_pid": pid, "init_start": _start_time(pid)}
             await self._destroy_id(sandbox_id, state)
         await asyncio.to_thread(self._remove_empty_parent)
+        # Network chains of sandboxes that no recovered record claims (recover() runs first).
+        for index in await asyncio.to_thread(self.network.indexes):
+            if index not in self._policies:
+                await asyncio.to_thread(self.network.release, index)
         return orphans
 
 

@@ -26,6 +26,7 @@ from dsec.models import (
     ExecRequest,
     FileEntry,
     ImageInfo,
+    NetworkRequest,
     NodeInfo,
     SandboxInfo,
     SandboxSpec,
@@ -241,6 +242,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def resume(sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox."""
         return await engine.resume(sandbox_id)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", tags=["sandboxes"])
+    async def set_network(sandbox_id: str, request: NetworkRequest) -> SandboxInfo:
+        """Replace the sandbox's network policy (enforced outside the sandbox, effective at once)."""
+        return await engine.set_network(sandbox_id, request.network)
 
     @app.get("/v1/images", tags=["images"])
     async def list_images() -> list[ImageInfo]:

@@ -566,6 +566,14 @@ class Engine:
             self._store.save(record)
         return self._info(record)
 
+    async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
+        """Replace a live sandbox's network policy; the record keeps the new one."""
+        record = self._live(sandbox_id, allow_paused=True)
+        await self._backend(record.spec.backend).set_network(record, network)
+        record.spec = record.spec.model_copy(update={"network": network})
+        self._store.save(record)
+        return self._info(record)
+
     # -- node ----------------------------------------------------------------------------------------
 
     async def list_images(self) -> builtins.list[ImageInfo]:

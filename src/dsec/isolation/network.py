@@ -1,0 +1,365 @@
+"""Network policies of container sandboxes, enforced outside the sandbox.
+
+``network="none"`` (the default) is a fresh network namespace with only loopback: nothing here
+runs for it. Any other policy gives the sandbox a veth pair: ``eth0`` inside with ``10.200.x.y/30``,
+``dsv<N>`` on the host, a default route through the host side, and ``/etc/resolv.conf`` pointing at
+a DNS proxy on the host side of the pair. Everything the sandbox sends is judged by nftables rules in
+the host's network namespace, where code inside cannot touch them:
+
+- table ``inet dsec_<tag>`` (one per DSEC_HOME): the set ``ifaces`` of its sandboxes' host-side
+  interfaces and a verdict map ``egress`` from interface to the sandbox's own chain ``n<N>``;
+- ``forward``: replies to a sandbox pass, anything else towards a sandbox is dropped (no sandbox can
+  reach another), a sandbox's own traffic goes through its chain: its allowlist sets (CIDRs, CIDR +
+  protocol + port, addresses the DNS proxy resolved for allowed names, with the record's TTL as
+  timeout) and a final counted drop; ``"allow"`` accepts everything but other sandboxes and
+  link-local (cloud metadata) addresses;
+- ``input``: from a sandbox only DNS to the proxy reaches the host (no daemon, no host service);
+- ``postrouting``: traffic leaving through a non-sandbox interface is masqueraded.
+
+A policy change (``set_network``) rewrites the sandbox's chain and sets in one nft transaction.
+The veth pair disappears with the sandbox's network namespace; :meth:`Network.release` removes the
+chain, sets and map entries. IPv4 only; the sandbox gets no IPv6 route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import dns.asyncquery
+import dns.exception
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+
+from dsec.errors import InvalidRequest, SandboxError
+from dsec.models import NetworkEntry, parse_network
+
+__all__ = ["DnsProxy", "Network", "Policy", "upstream_resolver"]
+
+log = logging.getLogger("dsec.network")
+
+SUBNET = ipaddress.ip_network("10.200.0.0/16")
+"""Addresses of sandbox veth pairs: a /30 each (host side .1, sandbox side .2)."""
+_MAX_INDEX = SUBNET.num_addresses // 4 - 1
+_MIN_DNS_TTL = 30
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed ``network=`` value."""
+
+    mode: str
+    """``"none"``, ``"allow"`` or ``"list"``."""
+    entries: tuple[NetworkEntry, ...] = ()
+
+    @classmethod
+    def parse(cls, value: str | Sequence[str]) -> Policy:
+        try:
+            mode, entries = parse_network(value)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return cls(mode, entries)
+
+    def name_allowed(self, name: str) -> list[NetworkEntry]:
+        """The domain entries that allow DNS name ``name`` (empty: not allowed)."""
+        return [e for e in self.entries if e.matches_name(name)]
+
+
+def upstream_resolver() -> tuple[str, int]:
+    """Where the DNS proxy sends allowed queries: ``DSEC_DNS_UPSTREAM`` (``host[:port]``), else the
+    first nameserver of the host's /etc/resolv.conf."""
+    value = os.environ.get("DSEC_DNS_UPSTREAM", "")
+    if not value:
+        with contextlib.suppress(OSError):
+            for line in Path("/etc/resolv.conf").read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    value = parts[1]
+                    break
+    host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    return (host or "127.0.0.1", int(port) if port else 53)
+
+
+def _addresses(index: int) -> tuple[str, str]:
+    base = int(SUBNET.network_address) + 4 * index
+    return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+
+
+def _run(argv: list[str], stdin: str) -> None:
+    proc = subprocess.run(argv, input=stdin.encode(), capture_output=True, check=False)
+    if proc.returncode != 0:
+        raise SandboxError(f"{argv[0]} failed: {proc.stderr.decode(errors='replace').strip()[-500:]}")
+
+
+class Network:
+    """nftables + veth plumbing of one DSEC_HOME's sandboxes (blocking calls: run them in a thread)."""
+
+    def __init__(self, tag: str) -> None:
+        self.table = f"dsec_{tag}"
+
+    # -- table -----------------------------------------------------------------------------------
+
+    def ensure_table(self) -> None:
+        """Create the table and its base chains if missing (idempotent) and enable IPv4 forwarding."""
+        t = self.table
+        _run(["nft", "-f", "-"], f"""
+table inet {t} {{
+  set ifaces {{ type ifname; }}
+  map egress {{ type ifname : verdict; }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    oifname @ifaces ct state established,related accept
+    oifname @ifaces counter drop
+    iifname @ifaces iifname vmap @egress
+    iifname @ifaces counter drop
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname @ifaces udp dport 53 accept
+    iifname @ifaces ct state established,related accept
+    iifname @ifaces counter drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname @ifaces oifname != @ifaces masquerade
+  }}
+}}
+""")
+        forward = Path("/proc/sys/net/ipv4/ip_forward")
+        if forward.read_text().strip() != "1":
+            # Routing is what a sandbox with network needs; the forward chain above keeps other
+            # interfaces' traffic as it was (this table accepts everything not from or to a sandbox).
+            log.warning("enabling net.ipv4.ip_forward for sandbox networking")
+            forward.write_text("1")
+
+    def drop_table(self) -> None:
+        """Remove the table (when no sandbox of this home is left)."""
+        with contextlib.suppress(SandboxError):
+            _run(["nft", "-f", "-"], f"destroy table inet {self.table}\n" if _nft_has_destroy() else
+                 f"delete table inet {self.table}\n")
+
+    # -- one sandbox -----------------------------------------------------------------------------
+
+    def attach(self, init_pid: int) -> int:
+        """Give the sandbox whose init is ``init_pid`` a veth pair; returns its index."""
+        used = {int(p.name[3:]) for p in Path("/sys/class/net").iterdir()
+                if p.name.startswith("dsv") and p.name[3:].isdigit()}
+        for index in range(_MAX_INDEX + 1):
+            if index in used:
+                continue
+            host, inside = _addresses(index)
+            iface = f"dsv{index}"
+            try:
+                _run(["ip", "-batch", "-"], f"link add {iface} type veth peer name eth0 netns {init_pid}\n")
+            except SandboxError as exc:
+                if "File exists" in str(exc):
+                    continue  # taken by a concurrent create (of this or another daemon)
+                raise
+            _run(["ip", "-batch", "-"], f"addr add {host}/30 dev {iface}\nlink set {iface} up\n")
+            _run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "-batch", "-"],
+                 f"addr add {inside}/30 dev eth0\nlink set eth0 up\nroute add default via {host}\n")
+            return index
+        raise SandboxError(f"no free sandbox network in {SUBNET}")
+
+    def apply(self, index: int, policy: Policy, resolved: dict[tuple[str, int | None], int] | None = None) -> None:
+        """Install ``policy`` for sandbox ``index`` atomically (replacing any previous one)."""
+        t, n, iface = self.table, f"n{index}", f"dsv{index}"
+        lines = [
+            f"add chain inet {t} {n}",
+            f"add set inet {t} {n}_any {{ type ipv4_addr; flags interval; }}",
+            f"add set inet {t} {n}_port {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}",
+            f"add set inet {t} {n}_dns {{ type ipv4_addr; flags timeout; }}",
+            f"add set inet {t} {n}_dnsport {{ type ipv4_addr . inet_proto . inet_service; flags timeout; }}",
+            f"flush chain inet {t} {n}",
+            f"flush set inet {t} {n}_any",
+            f"flush set inet {t} {n}_port",
+            f"flush set inet {t} {n}_dns",
+            f"flush set inet {t} {n}_dnsport",
+            f"add element inet {t} ifaces {{ {iface} }}",
+        ]
+        if policy.mode == "allow":
+            lines += [f"add rule inet {t} {n} ip daddr {{ {SUBNET}, 169.254.0.0/16 }} counter drop",
+                      f"add rule inet {t} {n} accept"]
+        else:
+            any_port = sorted({e.cidr for e in policy.entries if e.cidr and e.port is None})
+            with_port = sorted({(e.cidr, e.port) for e in policy.entries if e.cidr and e.port is not None})
+            if any_port:
+                lines.append(f"add element inet {t} {n}_any {{ {', '.join(any_port)} }}")
+            if with_port:
+                elements = ", ".join(f"{c} . {proto} . {p}" for c, p in with_port for proto in ("tcp", "udp"))
+                lines.append(f"add element inet {t} {n}_port {{ {elements} }}")
+            lines += [
+                f"add rule inet {t} {n} ip daddr @{n}_any accept",
+                f"add rule inet {t} {n} ip daddr . meta l4proto . th dport @{n}_port accept",
+                f"add rule inet {t} {n} ip daddr @{n}_dns accept",
+                f"add rule inet {t} {n} ip daddr . meta l4proto . th dport @{n}_dnsport accept",
+                f"add rule inet {t} {n} counter drop",
+            ]
+        # The map entry last: the chain is complete before any packet can be sent to it.
+        lines.append(f"add element inet {t} egress {{ {iface} : jump {n} }}")
+        _run(["nft", "-f", "-"], "\n".join(lines) + "\n")
+        for (address, port), ttl in (resolved or {}).items():
+            self.allow_resolved(index, address, port, ttl)
+
+    def allow_resolved(self, index: int, address: str, port: int | None, ttl: int) -> None:
+        """Let sandbox ``index`` reach ``address`` (a DNS answer for an allowed name) for ``ttl`` seconds."""
+        t, n = self.table, f"n{index}"
+        timeout = f"timeout {max(ttl, _MIN_DNS_TTL)}s"
+        if port is None:
+            element = f"add element inet {t} {n}_dns {{ {address} {timeout} }}"
+        else:
+            element = (f"add element inet {t} {n}_dnsport {{ {address} . tcp . {port} {timeout}, "
+                       f"{address} . udp . {port} {timeout} }}")
+        _run(["nft", "-f", "-"], element + "\n")
+
+    def release(self, index: int) -> None:
+        """Remove sandbox ``index``'s chain, sets and entries (and its veth, if the namespace still holds it)."""
+        t, n, iface = self.table, f"n{index}", f"dsv{index}"
+        for stmt in (f"delete element inet {t} egress {{ {iface} }}", f"delete element inet {t} ifaces {{ {iface} }}",
+                     f"delete chain inet {t} {n}", f"delete set inet {t} {n}_any", f"delete set inet {t} {n}_port",
+                     f"delete set inet {t} {n}_dns", f"delete set inet {t} {n}_dnsport"):
+            with contextlib.suppress(SandboxError):  # already gone
+                _run(["nft", "-f", "-"], stmt + "\n")
+        if Path(f"/sys/class/net/{iface}").exists():
+            with contextlib.suppress(SandboxError):
+                _run(["ip", "-batch", "-"], f"link del {iface}\n")
+
+    def indexes(self) -> list[int]:
+        """Sandbox indexes that have a chain in this home's table."""
+        proc = subprocess.run(["nft", "list", "chains", "inet"], capture_output=True, text=True, check=False)
+        found, current = [], None
+        for line in proc.stdout.splitlines():
+            words = line.split()
+            if words[:2] == ["table", "inet"] and len(words) > 2:
+                current = words[2]
+            elif current == self.table and words[:1] == ["chain"] and words[1][1:].isdigit():
+                found.append(int(words[1][1:]))
+        return found
+
+
+_DESTROY: bool | None = None
+
+
+def _nft_has_destroy() -> bool:
+    """nft ≥ 1.0.8 knows ``destroy`` (delete if present); older ones only ``delete``."""
+    global _DESTROY
+    if _DESTROY is None:
+        out = subprocess.run(["nft", "--version"], capture_output=True, text=True, check=False).stdout
+        try:
+            version = tuple(int(x) for x in out.split()[1].lstrip("v").split(".")[:3])
+        except (IndexError, ValueError):
+            version = (0,)
+        _DESTROY = version >= (1, 0, 8)
+    return _DESTROY
+
+
+class _DnsServer(asyncio.DatagramProtocol):
+    def __init__(self, proxy: DnsProxy, index: int) -> None:
+        self.proxy, self.index = proxy, index
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        task = asyncio.get_running_loop().create_task(self.proxy.answer(self.index, data))
+        self.proxy.tasks.add(task)
+
+        def reply(done: asyncio.Task[bytes | None]) -> None:
+            self.proxy.tasks.discard(done)
+            response = None if done.cancelled() or done.exception() else done.result()
+            if response is not None and self.transport is not None:
+                self.transport.sendto(response, addr)
+
+        task.add_done_callback(reply)
+
+
+class DnsProxy:
+    """Answers each networked sandbox's DNS queries on its host-side address: allowed names are
+    resolved upstream and their addresses opened in the sandbox's nft sets for the answer's TTL; any
+    other name gets REFUSED (and nothing is opened)."""
+
+    def __init__(self, network: Network, policy_of: Callable[[int], Policy | None]) -> None:
+        self.network = network
+        self.policy_of = policy_of
+        self.upstream = upstream_resolver()
+        self.servers: dict[int, asyncio.DatagramTransport] = {}
+        self.tasks: set[asyncio.Task[bytes | None]] = set()
+
+    async def serve(self, index: int) -> None:
+        """Listen for sandbox ``index``'s queries (idempotent)."""
+        if index in self.servers:
+            return
+        host, _ = _addresses(index)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(lambda: _DnsServer(self, index), local_addr=(host, 53))
+        self.servers[index] = transport
+
+    def stop(self, index: int) -> None:
+        transport = self.servers.pop(index, None)
+        if transport is not None:
+            transport.close()
+
+    def close(self) -> None:
+        for index in list(self.servers):
+            self.stop(index)
+        for task in list(self.tasks):
+            task.cancel()
+
+    async def answer(self, index: int, data: bytes) -> bytes | None:
+        """The reply to one query from sandbox ``index`` (None: unparseable, dropped)."""
+        try:
+            query = dns.message.from_wire(data)
+        except dns.exception.DNSException:
+            return None
+        policy = self.policy_of(index)
+        if not query.question or policy is None:
+            return _refused(query)
+        question = query.question[0]
+        name = question.name.to_text(omit_final_dot=True)
+        entries = policy.name_allowed(name) if policy.mode == "list" else ([] if policy.mode == "none" else None)
+        if entries == []:
+            return _refused(query)
+        try:
+            response = await dns.asyncquery.udp(query, self.upstream[0], port=self.upstream[1], timeout=3.0)
+        except (dns.exception.DNSException, OSError) as exc:
+            log.info("dns upstream %s failed for %s: %s", self.upstream, name, exc)
+            reply = dns.message.make_response(query)
+            reply.set_rcode(dns.rcode.SERVFAIL)
+            return reply.to_wire()
+        if entries:  # allowlist: open what the answer names, for as long as it may be cached
+            opened: dict[tuple[str, int | None], int] = {}
+            for rrset in response.answer:
+                if rrset.rdtype == dns.rdatatype.A:
+                    for rdata in rrset:
+                        for entry in entries:
+                            opened[(rdata.address, entry.port)] = int(rrset.ttl)
+            if opened:
+                started = time.monotonic()
+                await asyncio.to_thread(_open_all, self.network, index, opened)
+                log.debug("opened %s for sandbox network %d in %.1f ms", opened, index,
+                          (time.monotonic() - started) * 1000)
+        return response.to_wire()
+
+
+def _open_all(network: Network, index: int, opened: dict[tuple[str, int | None], int]) -> None:
+    for (address, port), ttl in opened.items():
+        network.allow_resolved(index, address, port, ttl)
+
+
+def _refused(query: dns.message.Message) -> bytes:
+    reply = dns.message.make_response(query)
+    reply.set_rcode(dns.rcode.REFUSED)
+    reply.flags |= dns.flags.RA
+    return reply.to_wire()
