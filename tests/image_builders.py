@@ -10,6 +10,8 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,3 +191,96 @@ def tar_dir(root: Path, out: Path) -> Path:
     with tarfile.open(out, "w") as tar:
         tar.add(root, arcname=".")
     return out
+
+
+# ----------------------------------------------------------------------------- the sample image
+
+
+def base_layer() -> list[Entry]:
+    return [
+        d("etc"),
+        f("etc/passwd", "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n"),
+        d("bin"),
+        f("bin/tool", "#!/bin/sh\necho tool\n", mode=0o4755),
+        hard("bin/tool-hard", "bin/tool"),
+        d("home"),
+        d("home/app", mode=0o750, uid=1000, gid=1000),
+        f("home/app/notes", "mine", uid=1000, gid=1001, mode=0o600),
+        d("data"),
+        f("data/old.txt", "old"),
+        f("data/keep.txt", "keep"),
+        d("opaq"),
+        f("opaq/a", "a"),
+        d("opaq/sub"),
+        f("opaq/sub/b", "b"),
+        d("lib/real", mode=0o755),
+        sym("lib64", "lib/real"),
+        sym("abs-link", "/etc/passwd"),
+        d("gone/dir"),
+        f("gone/dir/x", "x"),
+        f("swap", "was a file"),
+        Entry("run/fifo", "fifo"),
+        Entry("dev-null", "chr"),
+        f("xattrs", "x", xattrs={"user.dsec": "hello", "trusted.overlay.opaque": "y",
+                                 "security.selinux": "system_u:object_r:bin_t:s0"}),
+        f("implied/parent/file", "no dir entries before me"),
+    ]
+
+
+def upper_layer() -> list[Entry]:
+    return [
+        f("data/.wh.old.txt"),
+        f(".wh.gone"),
+        f("opaq/.wh..wh..opq"),
+        f("opaq/c", "c (after the opaque marker)"),
+        hard("data/keep-link", "data/keep.txt"),
+        f("lib64/added.so", "through a symlinked parent"),
+        d("swap"),
+        f("swap/inner", "now a directory"),
+        f("bin/tool2", "setgid", mode=0o2711, gid=50),
+    ]
+
+
+def top_layer() -> list[Entry]:
+    return [f("etc/motd", "hello from layer 3\n"), f("data/keep.txt", "rewritten (link keeps the old inode)")]
+
+
+def sample_image() -> Image:
+    return Image.build([base_layer(), upper_layer(), top_layer()], compression=["gzip", "zstd", None],
+                       env=["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "EMPTY="], workdir="/home/app",
+                       user="1000:1000", cmd=["/bin/sh", "-c", "echo hi"])
+
+
+def check_flattened(root: Path) -> None:
+    """Every rule of base + upper + top layers, checked on the imported tree."""
+    assert (root / "etc/passwd").read_text().startswith("root:x:0:0")
+    tool = os.lstat(root / "bin/tool")
+    assert stat.S_IMODE(tool.st_mode) == 0o4755 and tool.st_uid == 0
+    assert os.lstat(root / "bin/tool-hard").st_ino == tool.st_ino
+    tool2 = os.lstat(root / "bin/tool2")
+    assert stat.S_IMODE(tool2.st_mode) == 0o2711 and tool2.st_gid == 50
+    app = os.lstat(root / "home/app")
+    assert (app.st_uid, app.st_gid, stat.S_IMODE(app.st_mode)) == (1000, 1000, 0o750)
+    notes = os.lstat(root / "home/app/notes")
+    assert (notes.st_uid, notes.st_gid, stat.S_IMODE(notes.st_mode)) == (1000, 1001, 0o600)
+    assert notes.st_mtime == 1_700_000_000
+    # whiteouts: a file and a whole directory
+    assert not (root / "data/old.txt").exists() and not (root / "gone").exists()
+    assert not (root / "data/.wh.old.txt").exists() and not (root / ".wh.gone").exists()
+    # opaque directory: lower children gone, this layer's kept, the marker itself not created
+    assert sorted(os.listdir(root / "opaq")) == ["c"]
+    # hard link to a file of an earlier layer: same inode as the file at that time
+    assert (root / "data/keep-link").read_text() == "keep"
+    assert (root / "data/keep.txt").read_text().startswith("rewritten")
+    # symlinks kept as links; a file under a symlinked parent lands where the link points, inside the root
+    assert os.readlink(root / "lib64") == "lib/real" and os.readlink(root / "abs-link") == "/etc/passwd"
+    assert (root / "lib/real/added.so").read_text() == "through a symlinked parent"
+    # a file replaced by a directory
+    assert (root / "swap").is_dir() and (root / "swap/inner").read_text() == "now a directory"
+    # devices and fifos skipped
+    assert not (root / "run/fifo").exists() and not (root / "dev-null").exists()
+    # xattrs: user.* kept, trusted.* and security labels dropped
+    assert os.getxattr(root / "xattrs", "user.dsec") == b"hello"
+    assert set(os.listxattr(root / "xattrs")) == {"user.dsec"}
+    assert (root / "implied/parent/file").is_file()
+    assert (root / "etc/motd").read_text() == "hello from layer 3\n"

@@ -274,7 +274,9 @@ class RegistryClient:
             pass
         start = self._send("POST", f"/v2/{repository}/blobs/uploads/", f"upload to {repository}")
         location = start.headers["Location"]
-        self._send("PUT", location, what, params={"digest": digest}, content=data,
+        # the upload URL carries its own query (``_state``): add the digest to it, do not replace it
+        url = httpx.URL(location).copy_merge_params({"digest": digest})
+        self._send("PUT", str(url), what, content=data,
                    headers={"Content-Type": "application/octet-stream"})
         return digest
 
