@@ -123,8 +123,9 @@ class SandboxSpec(Model):
     """Environment for every exec (merged over the image's)."""
     labels: dict[str, str] = Field(default_factory=dict)
     """Free-form labels for ``Sandbox.list(labels=...)``."""
-    workdir: str = "/workspace"
-    """Default working directory of execs; created if missing."""
+    workdir: str | None = None
+    """Default working directory of execs; created if missing (default: the image's ``WorkingDir``, else
+    ``/workspace``)."""
     trajectory: str | None = None
     """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
     snapshot: str | None = None
@@ -132,8 +133,8 @@ class SandboxSpec(Model):
 
     @field_validator("workdir")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/") or "\0" in v:
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
             raise ValueError(f"workdir must be an absolute path, got {v!r}")
         return v
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol, get_args
 
-from dsec.backends.base import Backend, ImageRef, collect_exec
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.metrics import Metrics
 from dsec.daemon.state import StateStore
@@ -318,11 +318,12 @@ class Engine:
         now = time.time()
         record = SandboxRecord(
             id="sb-" + secrets.token_hex(6),
-            spec=spec,
+            spec=spec.model_copy(deep=True),  # own copy: image defaults are filled in per record
             state="creating",
             created_at=now,
             expires_at=now + spec.timeout,
         )
+        apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
         self._store.save(record)
         self._records[record.id] = record

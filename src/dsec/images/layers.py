@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dsec.errors import InvalidRequest
 
-__all__ = ["FlattenStats", "Flattener", "split_entry_name"]
+__all__ = ["FlattenStats", "Flattener", "open_in_root", "split_entry_name"]
 
 _SYS_OPENAT2 = 437  # x86_64 and aarch64 (the generic syscall table)
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -50,7 +50,7 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def _open_in_root(root_fd: int, path: str, flags: int) -> int:
+def open_in_root(root_fd: int, path: str, flags: int) -> int:
     """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT)``: ``path`` resolved as if ``root_fd`` were ``/``."""
     how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
     fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(root_fd), ctypes.c_char_p(path.encode()),
@@ -188,7 +188,7 @@ class Flattener:
         """An ``O_PATH`` fd of directory ``parts`` resolved in the root; missing ones are made (0755, root)."""
         path = "/".join(parts) or "."
         try:
-            fd = _open_in_root(self._root_fd, path, os.O_PATH | os.O_DIRECTORY)
+            fd = open_in_root(self._root_fd, path, os.O_PATH | os.O_DIRECTORY)
         except FileNotFoundError:
             if not create:
                 yield None
@@ -210,11 +210,11 @@ class Flattener:
         """
         for i in range(1, len(parts) + 1):
             try:
-                os.close(_open_in_root(self._root_fd, "/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY))
+                os.close(open_in_root(self._root_fd, "/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY))
                 continue
             except FileNotFoundError:
                 pass
-            parent = _open_in_root(self._root_fd, "/".join(parts[:i - 1]) or ".", os.O_PATH | os.O_DIRECTORY)
+            parent = open_in_root(self._root_fd, "/".join(parts[:i - 1]) or ".", os.O_PATH | os.O_DIRECTORY)
             try:
                 try:
                     st: os.stat_result | None = os.lstat(parts[i - 1], dir_fd=parent)
@@ -238,7 +238,7 @@ class Flattener:
                 elif comp not in ("", "."):
                     target.append(comp)
             return self._make_dirs(target + parts[i:], hops + 1)
-        return _open_in_root(self._root_fd, "/".join(parts) or ".", os.O_PATH | os.O_DIRECTORY)
+        return open_in_root(self._root_fd, "/".join(parts) or ".", os.O_PATH | os.O_DIRECTORY)
 
     def _remove(self, pfd: int, name: str) -> bool:
         """Remove ``name`` under ``pfd`` (a whole tree for a directory); False if it did not exist."""
