@@ -161,12 +161,14 @@ class RegistryClient:
     """One registry (``host[:port]``); ``insecure=True`` speaks plain HTTP (a registry on loopback)."""
 
     def __init__(self, registry: str, insecure: bool = False, username: str | None = None,
-                 password: str | None = None, timeout: float = 60.0, retries: int = 3) -> None:
+                 password: str | None = None, timeout: float = 60.0, retries: int = 3,
+                 transport: httpx.BaseTransport | None = None, backoff: float = 0.5) -> None:
         self.registry = registry
         self.retries = retries
+        self.backoff = backoff
         scheme = "http" if insecure else "https"
         self.http = httpx.Client(base_url=f"{scheme}://{registry}", auth=RegistryAuth(username, password),
-                                 follow_redirects=True, timeout=timeout)
+                                 follow_redirects=True, timeout=timeout, transport=transport)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -185,12 +187,12 @@ class RegistryClient:
                 response = self.http.request(method, url, **kwargs)
             except httpx.TransportError as exc:
                 if attempt + 1 < self.retries:
-                    time.sleep(0.5 * 2**attempt)
+                    time.sleep(self.backoff * 2**attempt)
                     continue
                 raise DSecError(f"cannot reach registry {self.registry} for {what}: {exc} (plain HTTP registry? "
                                 "use --insecure)", registry=self.registry) from None
             if response.status_code in _RETRY_STATUS and attempt + 1 < self.retries:
-                time.sleep(0.5 * 2**attempt)
+                time.sleep(self.backoff * 2**attempt)
                 continue
             return self._check(response, what)
         raise AssertionError("unreachable")
@@ -251,7 +253,7 @@ class RegistryClient:
                         advance(len(chunk))
             except httpx.TransportError as exc:
                 if attempt + 1 < self.retries:
-                    time.sleep(0.5 * 2**attempt)
+                    time.sleep(self.backoff * 2**attempt)
                     continue
                 raise DSecError(f"downloading {what} from {self.registry} failed: {exc}") from None
             got = "sha256:" + sha.hexdigest()
