@@ -267,6 +267,9 @@ class _Files(abc.ABC):
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
 
+    @abc.abstractmethod
+    def size(self, path: str) -> int: ...
+
     def read(self, path: str, what: str) -> bytes:
         if not self.exists(path):
             raise InvalidRequest(f"{what} is missing ({path})")
@@ -296,6 +299,9 @@ class _DirFiles(_Files):
     def exists(self, path: str) -> bool:
         return self._path(path).is_file()
 
+    def size(self, path: str) -> int:
+        return self._path(path).stat().st_size
+
 
 class _TarFiles(_Files):
     def __init__(self, path: Path) -> None:
@@ -317,6 +323,9 @@ class _TarFiles(_Files):
 
     def exists(self, path: str) -> bool:
         return path in self.members
+
+    def size(self, path: str) -> int:
+        return self.members[path].size
 
     def close(self) -> None:
         self.tar.close()
@@ -438,7 +447,8 @@ class DockerArchive(ImageSource):
         for p in lpaths:
             if not self.files.exists(p):
                 raise InvalidRequest(f"{where}: layer {p} is missing (truncated archive?)")
-        return config, [Layer(digest=None, size=None, diff_id=d, path=p) for p, d in zip(lpaths, diff_ids, strict=True)]
+        return config, [Layer(digest=None, size=self.files.size(p), diff_id=d, path=p)
+                        for p, d in zip(lpaths, diff_ids, strict=True)]
 
     def open_layer(self, layer: Layer) -> IO[bytes]:
         return self.files.open(layer.path)
@@ -490,27 +500,29 @@ def _import_lock(store: ImageStore, name: str) -> Iterator[None]:
 def import_image(store: ImageStore, name: str, source: ImageSource, uid_shift: int, replace: bool = False,
                  progress: Progress | None = None) -> tuple[ImageInfo, FlattenStats]:
     """Flatten ``source`` into the store as image ``name`` (see the module docstring); nothing left on failure."""
-    validate_name(name)
     progress = progress or _Silent()
-    with _import_lock(store, name):
-        if store.exists(name) and not replace:
-            raise InvalidRequest(f"image {name!r} already exists (remove it or pass --replace)", image=name)
-        work = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=store.root))
-        try:
-            rootfs = work / "rootfs"
-            rootfs.mkdir(mode=0o755)
-            config, layers = source.load()
-            with Flattener(rootfs) as flat:
-                for i, layer in enumerate(layers, 1):
-                    label = layer.digest or layer.diff_id or layer.path
-                    short = (layer.digest or layer.diff_id or "sha256:?")[7:19]
-                    advance = progress.task(f"layer {i}/{len(layers)} {short}", layer.size)
-                    with source.open_layer(layer) as stream:
-                        apply_layer(flat, stream, layer, f"{i}/{len(layers)} ({label})", advance)
-                stats = flat.stats
-            info = store.import_dir(name, rootfs, uid_shift=uid_shift, source=source.description,
-                                    config=image_config(config), replace=replace, move=True)
-            return info, stats
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            source.close()
+    try:
+        validate_name(name)
+        with _import_lock(store, name):
+            if store.exists(name) and not replace:
+                raise InvalidRequest(f"image {name!r} already exists (remove it or pass --replace)", image=name)
+            work = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=store.root))
+            try:
+                rootfs = work / "rootfs"
+                rootfs.mkdir(mode=0o755)
+                config, layers = source.load()
+                with Flattener(rootfs) as flat:
+                    for i, layer in enumerate(layers, 1):
+                        label = layer.digest or layer.diff_id or layer.path
+                        short = (layer.digest or layer.diff_id or "sha256:?")[7:19]
+                        advance = progress.task(f"layer {i}/{len(layers)} {short}", layer.size)
+                        with source.open_layer(layer) as stream:
+                            apply_layer(flat, stream, layer, f"{i}/{len(layers)} ({label})", advance)
+                    stats = flat.stats
+                info = store.import_dir(name, rootfs, uid_shift=uid_shift, source=source.description,
+                                        config=image_config(config), replace=replace, move=True)
+                return info, stats
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    finally:
+        source.close()
