@@ -162,7 +162,7 @@ def apply_layer(flat: Flattener, raw_stream: IO[bytes], layer: Layer, label: str
     inner = _decompressed(head, raw)
     plain = _Hashing(inner) if inner is not None else raw
     try:
-        with tarfile.open(fileobj=plain, mode="r|") as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=plain, mode="r|", bufsize=_READ) as tar:  # type: ignore[call-overload]
             flat.apply(tar, label)
         plain.drain()  # tar padding after the end-of-archive blocks also counts towards the digests
         raw.drain()
