@@ -16,7 +16,7 @@ from dsec.errors import InvalidRequest
 from dsec.images.layers import split_entry_name
 from dsec.images.oci import ImageSource, import_image, open_source
 from dsec.images.store import ImageStore
-from image_builders import Entry, Image, check_flattened, f, hard, sample_image, sym, tar_dir, write_tar
+from image_builders import Entry, Image, check_flattened, d, f, hard, sample_image, sym, tar_dir, write_tar
 
 pytestmark = [pytest.mark.root]  # ownership (chown to 1000) and setuid bits need root
 
@@ -54,6 +54,22 @@ def test_import_flattens_every_rule(form: str, store: ImageStore, tmp_path: Path
     assert (cfg.workdir, cfg.user, cfg.cmd) == ("/home/app", "1000:1000", ["/bin/sh", "-c", "echo hi"])
     assert info.source.startswith("docker-archive:" if form == "docker-archive" else "oci-layout:")
     assert not list(store.root.glob(".import-*"))
+
+
+def test_whiteouts_never_hide_their_own_layer(store: ImageStore, tmp_path: Path) -> None:
+    """OCI: a whiteout hides lower layers only, whatever the entry order; an opaque marker hides lower
+    content at every depth but keeps what its layer wrote before it."""
+    lower = [d("gone"), f("gone/old", "lower"), d("opaq/sub"), f("opaq/sub/old", "lower"), f("opaq/top", "lower"),
+             f("replaced", "lower file")]
+    upper = [f("gone/new", "upper, before the whiteout"), f(".wh.gone"),
+             f("opaq/sub/new", "upper, before the marker"), f("opaq/.wh..wh..opq"),
+             d("replaced"), f("replaced/inner", "upper"), f(".wh.replaced")]
+    layout = Image.build([lower, upper]).write_layout(tmp_path / "layout")
+    import_image(store, "t", load(layout), uid_shift=0)
+    root = store.path("t") / "rootfs"
+    assert sorted(os.listdir(root / "gone")) == ["new"]
+    assert sorted(os.listdir(root / "opaq")) == ["sub"] and sorted(os.listdir(root / "opaq/sub")) == ["new"]
+    assert (root / "replaced/inner").read_text() == "upper"
 
 
 def test_import_shifts_owners(store: ImageStore, tmp_path: Path) -> None:

@@ -161,26 +161,52 @@ class Flattener:
                 self.stats.skipped_devices += 1
 
     def _whiteout(self, parent: list[str], base: str, layer: str) -> None:
+        """Hide lower-layer content. Entries of *this* layer are never hidden by its own whiteouts (OCI image
+        spec), whatever their order in the tar: what this layer wrote under a hidden path is kept."""
+        prefix = "/".join(parent)
+        if base == _OPAQUE:
+            hidden, target = prefix, "."
+        else:
+            target = base[len(_WHITEOUT):]
+            if target in ("", ".", "..") or target.startswith(_WHITEOUT):
+                raise InvalidRequest(f"layer {layer}: invalid whiteout entry {base!r}", layer=layer)
+            hidden = f"{prefix}/{target}".lstrip("/")
         with self._dir(parent, layer, create=False) as pfd:
             if pfd is None:
                 return  # hides something that does not exist: nothing to do
-            if base == _OPAQUE:
-                prefix = "/".join(parent)
-                dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)
-                try:
-                    children = os.listdir(dfd)
-                finally:
-                    os.close(dfd)
-                for child in children:
-                    if f"{prefix}/{child}".lstrip("/") not in self._layer_paths:
-                        self._remove(pfd, child)
-                        self.stats.whiteouts += 1
+            if base != _OPAQUE and hidden not in self._layer_paths:
+                if self._remove(pfd, target):
+                    self.stats.whiteouts += 1
                 return
-            hidden = base[len(_WHITEOUT):]
-            if hidden in ("", ".", "..") or hidden.startswith(_WHITEOUT):
-                raise InvalidRequest(f"layer {layer}: invalid whiteout entry {base!r}", layer=layer)
-            if self._remove(pfd, hidden):
+            try:
+                dfd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # this layer's own non-directory, or an opaque marker in a missing directory
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # a symlink written by this layer: nothing lower to hide
+                    raise
+                return
+            try:
+                self._prune(dfd, hidden)
+            finally:
+                os.close(dfd)
+
+    def _prune(self, dfd: int, path: str) -> None:
+        """Remove everything under directory ``dfd`` (at ``path``) that this layer did not write."""
+        for child in os.listdir(dfd):
+            child_path = f"{path}/{child}".lstrip("/")
+            if child_path not in self._layer_paths:
+                self._remove(dfd, child)
                 self.stats.whiteouts += 1
+                continue
+            try:
+                sub = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError:
+                continue  # this layer's file or symlink
+            try:
+                self._prune(sub, child_path)
+            finally:
+                os.close(sub)
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
