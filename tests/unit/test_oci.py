@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import tarfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from dsec.errors import InvalidRequest
+from dsec.errors import DSecError, InvalidRequest
 from dsec.images.layers import split_entry_name
 from dsec.images.oci import ImageSource, import_image, open_source
 from dsec.images.store import ImageStore
@@ -319,3 +320,19 @@ def test_cli_import_detects_each_source(tmp_path: Path, monkeypatch: pytest.Monk
     assert result.exit_code == 1 and "error: " in result.stderr and "neither a docker-save archive" in result.stderr
     result = runner.invoke(main, ["image", "import", "from-dir", str(plain)])
     assert result.exit_code == 1 and "already exists" in result.stderr
+
+
+def test_full_store_filesystem_is_a_host_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """A store that runs out of space mid-import: a DSecError naming it (not "bad archive"), no half image."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        store = ImageStore(small / "images")
+        layout = Image.build([[f(f"big{i}", os.urandom(300_000)) for i in range(8)]]).write_layout(tmp_path / "l")
+        with pytest.raises(DSecError, match="No space left on device") as info:
+            import_image(store, "big", load(layout), uid_shift=0)
+        assert not isinstance(info.value, InvalidRequest)
+        assert not store.exists("big") and not list(store.root.glob(".import-*"))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

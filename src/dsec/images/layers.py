@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsec.errors import InvalidRequest
+from dsec.errors import BackendUnavailable, DSecError, InvalidRequest
 
 __all__ = ["FlattenStats", "Flattener", "open_in_root", "split_entry_name"]
 
@@ -37,6 +37,9 @@ _OPAQUE = ".wh..wh..opq"
 _MAX_ID = 65535  # the ids a sandbox's user namespace maps
 _COPY_CHUNK = 1 << 20
 _MAX_HOPS = 40  # symlinks followed when creating parents (the kernel's own limit)
+# errors an entry can cause by itself (a name clash, a path through a file, a link loop...): bad input
+_BAD_ENTRY_ERRNOS = {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENOENT, errno.EXDEV,
+                     errno.EINVAL, errno.ENAMETOOLONG, errno.ENOTEMPTY, errno.EMLINK, errno.EPERM}
 # xattrs worth keeping in an image: user data and file capabilities. trusted.* (overlayfs keeps its
 # own state there: a layer must never forge it) and security.* labels of the builder's host are dropped.
 _KEPT_XATTRS = ("user.",)
@@ -57,6 +60,8 @@ def open_in_root(root_fd: int, path: str, flags: int) -> int:
                        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
         err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            raise BackendUnavailable("importing images needs the openat2 system call (Linux 5.6 or later)")
         raise OSError(err, os.strerror(err), path)
     return int(fd)
 
@@ -118,6 +123,9 @@ class Flattener:
             try:
                 self._entry(tar, member, layer)
             except OSError as exc:
+                if exc.errno not in _BAD_ENTRY_ERRNOS:  # the host's problem (disk full, I/O error), not the image's
+                    raise DSecError(f"layer {layer}: writing {member.name!r} into {self.root} failed: "
+                                    f"{exc.strerror or exc}", layer=layer) from exc
                 raise InvalidRequest(f"layer {layer}: cannot apply entry {member.name!r}: {exc.strerror or exc}",
                                      layer=layer, entry=member.name) from exc
             except ValueError as exc:  # embedded NUL in a link name and the like
