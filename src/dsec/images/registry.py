@@ -17,6 +17,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -289,16 +290,24 @@ class RegistryClient:
         return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-class RegistrySource(ImageSource):
-    """An image in a registry; layers are downloaded (verified) into anonymous files under ``spool``."""
+class _Cancelled(Exception):
+    """Raised inside a download thread when the import it serves was abandoned."""
 
-    def __init__(self, client: RegistryClient, ref: Reference, spool: Path, progress: Progress | None = None
-                 ) -> None:
+
+class RegistrySource(ImageSource):
+    """An image in a registry. Its layers download (verified) into anonymous files under ``spool``, up to
+    ``parallel`` at once and as soon as the manifest is read, while earlier layers are being flattened."""
+
+    def __init__(self, client: RegistryClient, ref: Reference, spool: Path, progress: Progress | None = None,
+                 parallel: int = 3) -> None:
         self.client = client
         self.ref = ref
         self.spool = spool
         self.progress = progress
         self.description = f"registry:{ref}"
+        self._pool = ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="dsec-pull")
+        self._pending: list[tuple[Layer, Future[IO[bytes]]]] = []
+        self._closing = False
 
     def load(self) -> tuple[dict[str, Any], list[Layer]]:
         repo, where = self.ref.repository, str(self.ref)
@@ -309,22 +318,42 @@ class RegistrySource(ImageSource):
                 desc = pick_manifest(doc, where)
                 data, media = self.client.manifest(repo, check_digest(desc.get("digest"), f"{where}: index entry"))
                 continue
-            return parse_manifest(doc, where, lambda d, w: self.client.blob_bytes(repo, d, w))
+            config, layers = parse_manifest(doc, where, lambda d, w: self.client.blob_bytes(repo, d, w))
+            self._pending = [(layer, self._pool.submit(self._download, layer)) for layer in layers]
+            return config, layers
         raise InvalidRequest(f"{where}: indexes nested too deeply")
 
-    def open_layer(self, layer: Layer) -> IO[bytes]:
+    def _download(self, layer: Layer) -> IO[bytes]:
         assert layer.digest is not None
-        out = tempfile.TemporaryFile(dir=self.spool)  # noqa: SIM115 (the caller closes it)
+        out = tempfile.TemporaryFile(dir=self.spool)  # noqa: SIM115 (handed to open_layer's caller)
         try:
-            advance = (self.progress.task(f"download {layer.digest[7:19]}", layer.size)
-                       if self.progress is not None else (lambda n: None))
+            shown = (self.progress.task(f"download {layer.digest[7:19]}", layer.size)
+                     if self.progress is not None else (lambda n: None))
+
+            def advance(n: int) -> None:
+                if self._closing:
+                    raise _Cancelled
+                shown(n)
+
             self.client.download(self.ref.repository, layer.digest, out, f"layer {layer.digest}", advance)
         except BaseException:
             out.close()
             raise
         return out
 
+    def open_layer(self, layer: Layer) -> IO[bytes]:
+        index = next(i for i, (pending, _) in enumerate(self._pending) if pending is layer)
+        _, future = self._pending.pop(index)
+        return future.result()
+
     def close(self) -> None:
+        """Abandon downloads still running, drop the files nobody took, close the connections."""
+        self._closing = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for _, future in self._pending:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().close()
+        self._pending = []
         self.client.close()
 
 
