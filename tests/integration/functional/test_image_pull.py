@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def test_blob_not_matching_its_digest(registries: dict[str, Registry], store: Im
     with pytest.raises(InvalidRequest, match=f"layer {layer}: digest mismatch"):
         pull(store, f"{reg.host}/tampered:v1", uid_shift=0, insecure=True)
     assert store.list() == [] and not list(store.root.glob(".import-*"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("dsec-pull")]  # downloads stopped
 
 
 def test_https_to_plain_http_registry_says_insecure(registries: dict[str, Registry], store: ImageStore) -> None:
