@@ -324,6 +324,23 @@ class ImageConfig(Model):
     """OCI cmd (kept for reference)."""
 
 
+class ImagePullRequest(Model):
+    """Pull an image from an OCI registry into the node's store."""
+
+    reference: str = Field(min_length=1, max_length=1024)
+    """``[host[:port]/]repo[:tag][@sha256:...]``."""
+    name: str | None = None
+    """Name in the store (default: the repository's last part, plus ``-TAG``)."""
+    insecure: bool = False
+    """Plain HTTP (a registry on loopback without TLS)."""
+    username: str | None = None
+    """Registry user (basic or token auth)."""
+    password: str | None = Field(None, repr=False)
+    """Registry password; never logged or stored."""
+    replace: bool = False
+    """Replace an existing image of that name."""
+
+
 class ImageInfo(Model):
     """An image in the node's store."""
 

@@ -43,6 +43,7 @@ from dsec.models import (
     ExecResult,
     FileEntry,
     ImageInfo,
+    ImagePullRequest,
     NodeInfo,
     SandboxInfo,
     SandboxRecord,
@@ -576,6 +577,21 @@ class Engine:
     async def get_image(self, name: str) -> ImageInfo:
         """One image."""
         return self.images.get(name)
+
+    async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
+        """Pull an image from a registry into the node's store (in a thread: the loop keeps serving)."""
+        from dsec.images.registry import pull
+        from dsec.images.store import ImageStore
+
+        if not isinstance(self.images, ImageStore):
+            raise NotSupported("this node's image store cannot pull images")
+        info, _ = await asyncio.to_thread(
+            pull, self.images, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
+            insecure=request.insecure, username=request.username, password=request.password,
+            replace=request.replace,
+        )
+        log.info("image %s pulled from %s", info.name, info.source)
+        return info
 
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability and the live sandbox count."""

@@ -5,6 +5,7 @@ credentials, a blob whose bytes do not match its digest)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -147,3 +148,34 @@ def test_cli_pull(registries: dict[str, Registry], tmp_path: Path, monkeypatch: 
     assert (tmp_path / "images" / "cli" / "rootfs" / "etc" / "motd").is_file()
     result = CliRunner().invoke(main, ["image", "pull", f"{registries['none'].host}/team/app:gone", "--insecure"])
     assert result.exit_code == 1 and "error: " in result.stderr and "not found" in result.stderr
+
+
+async def test_daemon_pulls_over_http(registries: dict[str, Registry], tmp_path: Path) -> None:
+    """POST /v1/images/pull on the real app: the image lands in the node's store; errors keep their type."""
+    import httpx
+
+    from dsec.config import Settings
+    from dsec.daemon.app import create_app
+    from dsec.daemon.engine import Engine
+    from dsec.testing.fake import FakeBackend
+
+    store = ImageStore(tmp_path / "images")
+    engine = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake")}, store)
+    transport = httpx.ASGITransport(app=create_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://dsec") as http:
+        body = {"reference": f"{registries['basic'].host}/team/app:v1", "insecure": True, "name": "via-api",
+                "username": USER, "password": PASSWORD}
+        r = await http.post("/v1/images/pull", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["name"] == "via-api" and r.json()["config"]["workdir"] == "/home/app"
+        assert (await http.get("/v1/images/via-api")).status_code == 200
+        r = await http.post("/v1/images/pull", json={**body, "password": "wrong", "name": "other"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized"
+        missing_tag = f"{registries['basic'].host}/team/app:no"
+        r = await http.post("/v1/images/pull", json={**body, "name": "x", "reference": missing_tag})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "ImageNotFound"
+        r = await http.post("/v1/images/pull", json={"reference": "x", "bogus": 1})
+        assert r.status_code == 400
+    root = store.path("via-api") / "rootfs"  # stored with the node's uid shift, like every daemon image
+    assert (root / "etc/motd").read_text() == "hello from layer 3\n"
+    assert os.lstat(root / "home/app").st_uid == Settings().uid_shift + 1000
