@@ -192,8 +192,9 @@ class SandboxSpec(Model):
     """Environment for every exec (merged over the image's)."""
     labels: dict[str, str] = Field(default_factory=dict)
     """Free-form labels for ``Sandbox.list(labels=...)``."""
-    workdir: str = "/workspace"
-    """Default working directory of execs; created if missing."""
+    workdir: str | None = None
+    """Default working directory of execs; created if missing (default: the image's ``WorkingDir``, else
+    ``/workspace``)."""
     trajectory: str | None = None
     """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
     snapshot: str | None = None
@@ -201,8 +202,8 @@ class SandboxSpec(Model):
 
     @field_validator("workdir")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/") or "\0" in v:
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
             raise ValueError(f"workdir must be an absolute path, got {v!r}")
         return v
 
@@ -403,6 +404,23 @@ class ImageConfig(Model):
     """OCI entrypoint (kept for reference)."""
     cmd: list[str] | None = None
     """OCI cmd (kept for reference)."""
+
+
+class ImagePullRequest(Model):
+    """Pull an image from an OCI registry into the node's store."""
+
+    reference: str = Field(min_length=1, max_length=1024)
+    """``[host[:port]/]repo[:tag][@sha256:...]``."""
+    name: str | None = None
+    """Name in the store (default: the repository's last part, plus ``-TAG``)."""
+    insecure: bool = False
+    """Plain HTTP (a registry on loopback without TLS)."""
+    username: str | None = None
+    """Registry user (basic or token auth)."""
+    password: str | None = Field(None, repr=False)
+    """Registry password; never logged or stored."""
+    replace: bool = False
+    """Replace an existing image of that name."""
 
 
 class ImageInfo(Model):

@@ -26,7 +26,10 @@ from dsec.models import (
     SandboxStats,
 )
 
-__all__ = ["Backend", "ImageRef", "collect_exec"]
+__all__ = ["DEFAULT_WORKDIR", "Backend", "ImageRef", "apply_image_defaults", "collect_exec", "workdir_of"]
+
+DEFAULT_WORKDIR = "/workspace"
+"""Working directory of sandboxes whose spec and image name none."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,17 @@ class ImageRef:
     uid_shift: int = 0
     """Host uid of the image's uid 0."""
     config: ImageConfig = field(default_factory=ImageConfig)
+
+
+def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:
+    """Fill what the spec left to the image (the working directory). Idempotent; backends call it in create."""
+    if record.spec.workdir is None:
+        record.spec.workdir = image.config.workdir or DEFAULT_WORKDIR
+
+
+def workdir_of(record: SandboxRecord) -> str:
+    """The sandbox's default working directory."""
+    return record.spec.workdir or DEFAULT_WORKDIR
 
 
 class Backend(abc.ABC):

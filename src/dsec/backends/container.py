@@ -30,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
+from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.exec_client import ExecHelper, stream_exec
@@ -215,6 +216,7 @@ class ContainerBackend(Backend):
         if self._helper is None or self._init is None:
             raise BackendUnavailable("container backend is not started")
         policy = Policy.parse(record.spec.network)
+        apply_image_defaults(record, image)
         bundle = self._bundle(record.id)
         rootfs, upper, work = self.mounts / record.id, bundle / "upper", bundle / "work"
         shift = image.uid_shift
@@ -233,7 +235,11 @@ class ContainerBackend(Backend):
         record.backend_state["cgroups"] = cgroups.dirs
         await asyncio.to_thread(_mount_overlay, image.rootfs, upper, work, rootfs)
         record.backend_state["mounted"] = True
-        await asyncio.to_thread(SandboxFS(str(rootfs), shift, shift).makedirs, record.spec.workdir)
+        # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
+        # works): execs run as that user, with its home as HOME unless the image's Env sets one.
+        user = await asyncio.to_thread(resolve_user, rootfs, image.config.user)
+        record.backend_state.update(user=[user.uid, user.gid], home=user.home)
+        await asyncio.to_thread(SandboxFS(str(rootfs), shift, shift).makedirs, workdir_of(record))
         config = runtime_config(
             sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
             uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
@@ -288,7 +294,9 @@ class ContainerBackend(Backend):
             raise BackendUnavailable("container backend is not started")
         pid = self._pid(record)
         cgroups = self._cgroups(record)
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **record.backend_state.get("image_env", {}),
+        uid, gid = record.backend_state.get("user", [0, 0])
+        env = {"PATH": DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
+               **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
 
@@ -304,9 +312,9 @@ class ContainerBackend(Backend):
             "cgroup_procs": cgroups.procs_files(),
             "argv": request.argv(),
             "env": env,
-            "cwd": request.cwd or record.spec.workdir,
-            "uid": 0,
-            "gid": 0,
+            "cwd": request.cwd or workdir_of(record),
+            "uid": int(uid),
+            "gid": int(gid),
             "capmask": _CAPMASK,
             "nofile": self._nofile,
         })

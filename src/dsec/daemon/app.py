@@ -26,6 +26,7 @@ from dsec.models import (
     ExecRequest,
     FileEntry,
     ImageInfo,
+    ImagePullRequest,
     NetworkRequest,
     NodeInfo,
     SandboxInfo,
@@ -252,6 +253,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def list_images() -> list[ImageInfo]:
         """Images in the node's store."""
         return await engine.list_images()
+
+    @app.post("/v1/images/pull", tags=["images"])
+    async def pull_image(request: ImagePullRequest) -> ImageInfo:
+        """Pull an image from an OCI registry into the node's store (returns when it is ready)."""
+        return await engine.pull_image(request)
 
     @app.get("/v1/images/{name}", tags=["images"])
     async def get_image(name: str) -> ImageInfo:

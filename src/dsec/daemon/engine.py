@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol, get_args
 
-from dsec.backends.base import Backend, ImageRef, collect_exec
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.metrics import Metrics
 from dsec.daemon.state import StateStore
@@ -43,6 +43,7 @@ from dsec.models import (
     ExecResult,
     FileEntry,
     ImageInfo,
+    ImagePullRequest,
     NodeInfo,
     SandboxInfo,
     SandboxRecord,
@@ -318,11 +319,12 @@ class Engine:
         now = time.time()
         record = SandboxRecord(
             id="sb-" + secrets.token_hex(6),
-            spec=spec,
+            spec=spec.model_copy(deep=True),  # own copy: image defaults are filled in per record
             state="creating",
             created_at=now,
             expires_at=now + spec.timeout,
         )
+        apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
         self._store.save(record)
         self._records[record.id] = record
@@ -583,6 +585,21 @@ class Engine:
     async def get_image(self, name: str) -> ImageInfo:
         """One image."""
         return self.images.get(name)
+
+    async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
+        """Pull an image from a registry into the node's store (in a thread: the loop keeps serving)."""
+        from dsec.images.registry import pull
+        from dsec.images.store import ImageStore
+
+        if not isinstance(self.images, ImageStore):
+            raise NotSupported("this node's image store cannot pull images")
+        info, _ = await asyncio.to_thread(
+            pull, self.images, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
+            insecure=request.insecure, username=request.username, password=request.password,
+            replace=request.replace,
+        )
+        log.info("image %s pulled from %s", info.name, info.source)
+        return info
 
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability and the live sandbox count."""

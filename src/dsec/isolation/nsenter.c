@@ -111,8 +111,16 @@ int main(int argc, char **argv, char **envp) {
     if (setns(PIDFD, NS_FLAGS) != 0)
         fail("join sandbox namespaces", errno, 127);
     close(PIDFD);
+    /* Joining the user namespace reset the bounding set to full: cut it to the sandbox's set. This needs
+       CAP_SETPCAP, so it happens before becoming the image's user (which may not be root). */
+    for (int cap = 0; cap <= CAP_LAST; cap++)
+        if (!(caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
+            fail("drop bounding capability", errno, 127);
     if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
         fail("become the sandbox user", errno, 127);
+    /* A non-root user lost every capability in setresuid; it gets none back (as under docker). */
+    if (uid != 0)
+        caps = 0;
     umask(022);
     if (chdir(cwd) != 0) {
         char what[300];
@@ -122,10 +130,6 @@ int main(int argc, char **argv, char **envp) {
     struct rlimit nofile_limit = {nofile, nofile}, no_core = {0, 0};
     if (setrlimit(RLIMIT_NOFILE, &nofile_limit) != 0 || setrlimit(RLIMIT_CORE, &no_core) != 0)
         fail("set rlimits", errno, 127);
-    /* Joining the user namespace reset the bounding set to full: cut it to the sandbox's set. */
-    for (int cap = 0; cap <= CAP_LAST; cap++)
-        if (!(caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
-            fail("drop bounding capability", errno, 127);
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
         fail("clear ambient capabilities", errno, 127);
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
-from dsec.backends.base import Backend, ImageRef
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
 from dsec.errors import ImageNotFound, InvalidRequest, NotFound, SandboxError
 from dsec.models import (
     ExecEvent,
@@ -61,7 +61,8 @@ class FakeBackend(Backend):
         if self.create_error is not None:
             err, self.create_error = self.create_error, None
             raise err
-        self._host(record, record.spec.workdir).mkdir(parents=True, exist_ok=True)
+        apply_image_defaults(record, image)
+        self._host(record, workdir_of(record)).mkdir(parents=True, exist_ok=True)
 
     async def destroy(self, record: SandboxRecord) -> None:
         for pgid in self._groups.pop(record.id, set()):
@@ -151,7 +152,7 @@ class FakeBackend(Backend):
     # -- exec ----------------------------------------------------------------------------------------
 
     async def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        cwd = self._host(record, request.cwd or record.spec.workdir)
+        cwd = self._host(record, request.cwd or workdir_of(record))
         cwd.mkdir(parents=True, exist_ok=True)
         env = {"PATH": DEFAULT_PATH, **record.spec.env, **(request.env or {})}
         started = time.monotonic()

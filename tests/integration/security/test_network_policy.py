@@ -5,6 +5,7 @@ namespace with two TCP services and, on the host side of its link, an upstream D
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import dns.exception
 import dns.message
 import dns.rcode
 import dns.rrset
@@ -65,6 +67,7 @@ class _Upstream:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((HOST_IP, DNS_PORT))
         self.queries: list[str] = []
+        self.closed = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -74,7 +77,12 @@ class _Upstream:
                 data, addr = self.sock.recvfrom(4096)
             except OSError:
                 return
-            query = dns.message.from_wire(data)
+            if self.closed:
+                return
+            try:
+                query = dns.message.from_wire(data)
+            except dns.exception.DNSException:
+                continue
             name = query.question[0].name.to_text(omit_final_dot=True)
             self.queries.append(name)
             reply = dns.message.make_response(query)
@@ -85,6 +93,10 @@ class _Upstream:
             self.sock.sendto(reply.to_wire(), addr)
 
     def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked recvfrom
+        self.thread.join(5)
         self.sock.close()
 
 
