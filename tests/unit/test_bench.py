@@ -157,6 +157,8 @@ def test_missing_prerequisite_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, 
 def test_tiny_real_run(tmp_path: Path, debian_python_image: object) -> None:
     if os.geteuid() != 0 or shutil.which("runc") is None:
         pytest.skip("needs root and runc")
+    image_root = debian_python_image.rootfs  # type: ignore[attr-defined]
+    before = {p for p in image_root.rglob("*") if p.is_symlink() or p.exists()}
     cfg = ContainerBench(warmup=1, create_n=3, exec_n=3, runc_exec_n=3, runc_run_n=3, true_n=3, bwrap_n=3,
                          podman_n=1, sustained_seconds=0.5, podman_sustained_seconds=0.5, concurrency=2,
                          idle_k=3, batch_n=3, batch_reps=1)
@@ -168,3 +170,5 @@ def test_tiny_real_run(tmp_path: Path, debian_python_image: object) -> None:
     assert got["latencies_s"]["create"]["n"] == 3
     assert got["latencies_s"]["exec_true"]["n"] == 3
     assert not Path(got["home"]).exists()
+    # no peer wrote into the image (podman with a bare --rootfs once left its /etc/hosts there)
+    assert {p for p in image_root.rglob("*") if p.is_symlink() or p.exists()} == before

@@ -57,9 +57,11 @@ def podman_argv(podman: str, rootfs: Path) -> list[str]:
 
     ``--runtime runc``: podman prefers crun when both are installed, and crun refuses to manage
     cgroups on a hybrid host like this one (DSec runs crun with cgroup management disabled).
+    ``:O`` mounts the root with an overlay, as DSec does: a bare ``--rootfs`` is used read-write and
+    podman writes its ``/etc/hosts``, ``/etc/mtab`` and ``/run/.containerenv`` into the image.
     """
     return [podman, "run", "--runtime", "runc", "--rm", *PODMAN_LIMITS, "--network", "none", "--rootfs",
-            str(rootfs), "/bin/true"]
+            f"{rootfs}:O", "/bin/true"]
 
 
 def mount_overlay(lower: Path, base: Path) -> Path:
