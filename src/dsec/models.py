@@ -22,15 +22,19 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "FileEntry",
+    "ForkRequest",
     "ImageConfig",
     "ImageInfo",
     "LimitHit",
+    "LoggedCall",
     "NodeInfo",
     "SandboxInfo",
     "SandboxRecord",
     "SandboxSpec",
     "SandboxState",
     "SandboxStats",
+    "SnapshotRef",
+    "TrajectoryStatus",
     "parse_pairs",
     "parse_size",
 ]
@@ -129,6 +133,11 @@ class SandboxSpec(Model):
     """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
     snapshot: str | None = None
     """Snapshot to restore from instead of a fresh image."""
+    lease: float = Field(1800.0, gt=0, le=30 * 86400)
+    """Seconds a trajectory-bound sandbox outlives its last call (renewed by every call)."""
+    rerun_missing: bool = False
+    """Recovering a lost trajectory sandbox: re-run the logged calls made after its latest checkpoint
+    (default: only report them as ``missing_effects``)."""
 
     @field_validator("workdir")
     @classmethod
@@ -211,6 +220,10 @@ class ExecResult(Model):
     """Signal that killed the command, if any."""
     limit: LimitHit | None = None
     """Which limit ended the command: ``time``, ``memory``, ``output`` or ``pids``."""
+    replayed: bool = False
+    """Served from the trajectory log without running (fast-forward)."""
+    log_truncated: bool = False
+    """The trajectory log kept only the first bytes of this output (its per-call cap): what a replay returns."""
 
     @property
     def ok(self) -> bool:
@@ -293,6 +306,60 @@ class SandboxInfo(Model):
     """Name of the node that owns it."""
     reason: str | None = None
     """Why it is ``failed``/``expired``/``stopped``."""
+    trajectory: TrajectoryStatus | None = None
+    """The trajectory this sandbox is bound to, its lease and what a recovery could not restore."""
+
+
+class TrajectoryStatus(Model):
+    """A trajectory-bound sandbox's log and lease, as seen when it was opened or looked up."""
+
+    name: str
+    """Trajectory name."""
+    calls: int
+    """Calls in the log (the next live call gets this sequence number)."""
+    lease_expires_at: float
+    """When the sandbox is destroyed unless a call renews the lease (Unix seconds)."""
+    last_activity: float
+    """Time of the latest call (Unix seconds)."""
+    orphaned: bool = False
+    """No call for over a minute and none running: its client is probably gone."""
+    restored_from: str | None = None
+    """Snapshot id the sandbox was rebuilt from, when it had been lost."""
+    missing_effects: list[int] = Field(default_factory=list)
+    """Logged calls (by seq) after that snapshot whose effects on the sandbox are not there (not re-run)."""
+    rerun: list[int] = Field(default_factory=list)
+    """Logged calls (by seq) re-run to rebuild the sandbox (``rerun_missing=True``)."""
+
+
+class LoggedCall(Model):
+    """One completed call of a trajectory log, as the SDK fetches it to fast-forward."""
+
+    seq: int
+    """Sequence number."""
+    op: Literal["exec", "read", "write", "list", "snapshot"]
+    """Operation."""
+    digest: str
+    """sha256 identity of the call (``dsec.trajectory.digest``)."""
+    status: Literal["running", "done", "interrupted"]
+    """Only ``done`` calls can be served by the SDK; others go to the daemon."""
+    response: str | None = None
+    """The logged response as JSON text."""
+    truncated: bool = False
+    """The stored output was cut at the log's per-call cap."""
+
+
+class ForkRequest(Model):
+    """Make ``count`` independent copies of a live sandbox."""
+
+    count: int = Field(ge=1, le=256)
+    """How many copies."""
+
+
+class SnapshotRef(Model):
+    """A saved sandbox state."""
+
+    snapshot: str
+    """Snapshot id, for ``Sandbox.create(snapshot=...)``."""
 
 
 class SandboxRecord(Model):
@@ -353,3 +420,6 @@ class NodeInfo(Model):
     """Backend name -> ``"ok"`` or why it is unavailable."""
     sandboxes: int
     """Live sandboxes."""
+
+
+SandboxInfo.model_rebuild()

@@ -63,6 +63,14 @@ class FakeBackend(Backend):
             raise err
         self._host(record, record.spec.workdir).mkdir(parents=True, exist_ok=True)
 
+    async def snapshot(self, record: SandboxRecord, target: Path) -> None:
+        await asyncio.to_thread(shutil.copytree, self._root(record), target / "root", symlinks=True)
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+        root = self.root / record.id
+        record.backend_state = {"root": str(root)}
+        await asyncio.to_thread(shutil.copytree, source / "root", root, symlinks=True)
+
     async def destroy(self, record: SandboxRecord) -> None:
         for pgid in self._groups.pop(record.id, set()):
             _killpg(pgid, signal.SIGKILL)
