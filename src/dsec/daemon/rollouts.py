@@ -164,7 +164,9 @@ class Rollouts:
                 await self.engine.exec_unlogged(record, request)
                 return True
             if op == "write" and body is not None:
-                await self.engine.write_file(sandbox_id, args["path"], body, args.get("mode"))
+                record = self.engine._live(sandbox_id, allow_paused=True)
+                backend = self.engine._backend(record.spec.backend)
+                await backend.write_file(record, args["path"], body, args.get("mode"))
                 return True
         except DSecError:
             log.exception("re-running %s on %s failed", op, sandbox_id)

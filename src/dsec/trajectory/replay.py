@@ -195,8 +195,9 @@ class Trajectories:
         if seq < length:
             if t.digests[seq] != digest:
                 raise await self.divergence(t, seq, request)
-            if seq in t.flights:
-                return Join(t.flights[seq])
+            flight = t.flights.get(seq)
+            if flight is not None and not flight.done():
+                return Join(flight)
             entry = (await self.store.entries(t.name, seq, 1))[0]
             if t.statuses[seq] == "done" and entry.response is not None:
                 return Replay(entry)
