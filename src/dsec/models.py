@@ -322,7 +322,7 @@ class TrajectoryStatus(Model):
     last_activity: float
     """Time of the latest call (Unix seconds)."""
     orphaned: bool = False
-    """No call for over a minute and none running: its client is probably gone."""
+    """No call for a minute (or half the lease, if shorter) and none running: its client is probably gone."""
     restored_from: str | None = None
     """Snapshot id the sandbox was rebuilt from, when it had been lost."""
     missing_effects: list[int] = Field(default_factory=list)

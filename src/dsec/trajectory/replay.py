@@ -37,7 +37,8 @@ DEFAULT_CAP = 1024 * 1024
 STATE_CHANGING = frozenset({"exec", "write", "snapshot"})
 """Operations whose log entry must be durable before they run and before their response is returned."""
 ORPHAN_AFTER = 60.0
-"""Seconds without a call (and none running) after which ``dsec ps`` calls a trajectory sandbox orphaned."""
+"""Seconds without a call (and none running; at most half the lease) after which a trajectory sandbox
+counts as orphaned in ``dsec ps``."""
 _INTERRUPTED = (
     "dsec: the node daemon stopped while this command ran (trajectory {name}, call {seq}); its outcome is "
     "unknown and it was not run again\n"
@@ -97,7 +98,7 @@ class OpenTrajectory:
         return TrajectoryStatus(
             name=self.name, calls=len(self.digests), lease_expires_at=self.last_activity + self.lease,
             last_activity=self.last_activity,
-            orphaned=not self.flights and time.time() - self.last_activity > ORPHAN_AFTER,
+            orphaned=not self.flights and time.time() - self.last_activity > min(ORPHAN_AFTER, self.lease / 2),
             restored_from=self.restored_from, missing_effects=list(self.missing_effects),
             rerun=list(self.rerun),
         )
