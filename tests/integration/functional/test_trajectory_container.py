@@ -115,8 +115,8 @@ ROLLOUT = textwrap.dedent('''
     step(3, "echo tick >> counter; sleep 0.4; wc -l < counter")
     sb.files.write("/tmp/" + wheel.rsplit("/", 1)[1], open(wheel, "rb").read())
     sb.files.write("/tmp/pip.whl", open(pip_wheel, "rb").read())
-    step(4, "python3 /tmp/pip.whl/pip install -q --no-index --no-cache-dir --root-user-action=ignore --break-system-packages "
-            "--disable-pip-version-check /tmp/tinypkg-1.0-py3-none-any.whl && "
+    step(4, "python3 /tmp/pip.whl/pip install -q --no-index --no-cache-dir --root-user-action=ignore "
+            "--break-system-packages --disable-pip-version-check /tmp/tinypkg-1.0-py3-none-any.whl && "
             "python3 -c 'import tinypkg; print(tinypkg.VALUE)'")
     step(5, "echo tick >> counter; wc -l < counter")
     step(6, "cd repo && echo more >> a.txt && git commit -q -am second && git log --format=%H | wc -l")
