@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import os
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -164,13 +164,17 @@ class AsyncSandbox:
         # Set by create(trajectory=...): this handle numbers its calls and fast-forwards through the log.
         self._cursor: Cursor | None = None
 
-    async def _logged(self, params: dict[str, Any], op: str, args: dict[str, Any]) -> tuple[bool, Any]:
+    async def _logged(
+        self, params: dict[str, Any], op: str, args: dict[str, Any] | Callable[[], dict[str, Any]]
+    ) -> tuple[bool, Any]:
         """On a trajectory handle: number the call (into ``params``) and answer it from the log if it can."""
         if self._cursor is None:
             return False, None
         seq = self._cursor.take()
         params["seq"] = seq
-        return await self._cursor.cached(seq, op, args)
+        if seq >= self._cursor.logged:
+            return False, None
+        return await self._cursor.cached(seq, op, args() if callable(args) else args)
 
     def __repr__(self) -> str:
         info = self._info
@@ -396,7 +400,7 @@ class AsyncSandbox:
             raise _invalid(exc, "exec request") from None
         path = f"/v1/sandboxes/{self.id}/exec"
         params: dict[str, Any] = {}
-        hit, cached = await self._logged(params, "exec", exec_args(request))
+        hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
         if hit:
             for kind, data in (("stdout", cached.stdout), ("stderr", cached.stderr)):
                 if data:
