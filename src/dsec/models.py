@@ -34,6 +34,7 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotRef",
+    "TrajectoryForkRequest",
     "TrajectoryStatus",
     "parse_pairs",
     "parse_size",
@@ -329,6 +330,21 @@ class TrajectoryStatus(Model):
     """Logged calls (by seq) after that snapshot whose effects on the sandbox are not there (not re-run)."""
     rerun: list[int] = Field(default_factory=list)
     """Logged calls (by seq) re-run to rebuild the sandbox (``rerun_missing=True``)."""
+    forked_from: str | None = None
+    """Trajectory this one branched from (``on_divergence="fork"``); its log shares calls ``< fork_point``."""
+    fork_point: int | None = None
+    """Sequence number of the first call after the branch point."""
+
+
+class TrajectoryForkRequest(Model):
+    """Branch a trajectory at a call: a new trajectory sharing the log before it, on a rebuilt sandbox."""
+
+    name: str
+    """Trajectory to branch."""
+    at: int = Field(ge=0)
+    """First call not shared: the branch's log holds calls ``< at``."""
+    rerun_missing: bool = False
+    """Re-run the state-changing calls between the latest checkpoint before ``at`` and ``at``."""
 
 
 class LoggedCall(Model):

@@ -90,3 +90,28 @@ async def test_trajectory_refusals(client: dsec.Client) -> None:
     with pytest.raises(dsec.InvalidRequest, match="lease"):
         await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/z", lease=0, client=client)
     await asyncio.sleep(0)
+
+
+async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/branch", client=client)
+    try:
+        await sb.exec("echo base > state")
+        snap = await sb.snapshot()
+        await sb.exec("echo a >> state")
+        await sb.exec("echo a2 >> state")
+        other = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/branch", on_divergence="fork",
+                                               rerun_missing=True, client=client)
+        await other.exec("echo base > state")  # calls 0 and 1 match: replayed
+        assert await other.snapshot() == snap
+        assert other.id == sb.id
+        result = await other.exec("echo b >> state; cat state")  # call 2 differs: the handle branches
+        assert result.stdout == b"base\nb\n" and not result.replayed
+        info = await other.info()
+        assert other.id != sb.id and info.trajectory is not None
+        assert info.trajectory.forked_from == "sdk/branch" and info.trajectory.fork_point == 2
+        assert info.trajectory.name.startswith("sdk/branch~2-") and info.trajectory.calls == 3
+        # The original trajectory and its sandbox are untouched.
+        assert (await sb.exec("cat state")).stdout == b"base\na\na2\n"
+        await other.close()
+    finally:
+        await sb.close()

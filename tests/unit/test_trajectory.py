@@ -214,3 +214,22 @@ async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) ->
         await again.store.aclose()
     with pytest.raises(ValueError, match="sync"):
         SQLiteStore(tmp_path / "x.db", sync="sometimes")
+
+
+async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    await engine.snapshot(info.id, seq=1)
+    await engine.exec(info.id, COUNT, seq=2)
+    await engine.exec(info.id, COUNT, seq=3)
+    branch = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=False)
+    assert branch.trajectory is not None and branch.trajectory.missing_effects == [2]
+    assert branch.trajectory.calls == 3 and ran(engine, branch.id) == 1
+    rebuilt = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=True)
+    assert rebuilt.trajectory is not None and rebuilt.trajectory.rerun == [2]
+    assert ran(engine, rebuilt.id) == 2 and ran(engine, info.id) == 3
+    # The branch replays the shared prefix and diverges from the original after it.
+    assert (await engine.exec(rebuilt.id, COUNT, seq=2)).replayed
+    assert not (await engine.exec(rebuilt.id, ExecRequest(command="true"), seq=3)).replayed
+    with pytest.raises(InvalidRequest, match="log has 4 calls"):
+        await engine.rollouts.branch("job-17/rollout-3", 9, rerun_missing=False)

@@ -48,6 +48,7 @@ class Sandbox:
         client: Client | None = ...,
         lease: float = ...,
         rerun_missing: bool = ...,
+        on_divergence: Literal['raise', 'fork'] = ...,
     ) -> Sandbox: ...
     @classmethod
     def create_many(

@@ -33,6 +33,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TrajectoryForkRequest,
     parse_pairs,
 )
 
@@ -257,6 +258,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def fork(sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
         """Make independent copies of a live sandbox's state; all or nothing."""
         return await engine.fork(sandbox_id, request.count)
+
+    @app.post("/v1/trajectories/fork", status_code=201, tags=["trajectories"])
+    async def branch_trajectory(request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch a trajectory at a call: a new trajectory sharing the calls before it, on a rebuilt sandbox."""
+        return await engine.branch_trajectory(request)
 
     @app.get("/v1/trajectories/log", tags=["trajectories"])
     async def trajectory_log(

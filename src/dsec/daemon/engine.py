@@ -52,6 +52,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TrajectoryForkRequest,
 )
 from dsec.trajectory.replay import Trajectories
 from dsec.trajectory.snapshots import SnapshotStore
@@ -686,6 +687,10 @@ class Engine:
             record.state = "running"
             self._store.save(record)
         return self._info(record)
+
+    async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
+        return await self.rollouts.branch(request.name, request.at, request.rerun_missing)
 
     async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""

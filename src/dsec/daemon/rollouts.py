@@ -17,6 +17,7 @@ import base64
 import builtins
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -133,23 +134,63 @@ class Rollouts:
         original = SandboxSpec.model_validate_json(t.binding.spec)
         base = original.model_copy(update={"lease": spec.lease, "rerun_missing": spec.rerun_missing,
                                            "timeout": spec.timeout})
+        info = await self._rebuild(t, base, len(t.ops))
+        t.binding.sandbox_id = info.id
+        await self.log.store.put_binding(t.binding)
+        return await self.engine.get(info.id)
+
+    async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
+        """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
         checkpoint = t.binding.checkpoint
         source = self.engine.snapshots.path(checkpoint) if checkpoint else None
-        info = await self.engine._create(base, source)
-        after = range(t.binding.checkpoint_seq, len(t.ops))
+        info = await self.engine._create(spec, source)
+        after = range(t.binding.checkpoint_seq, upto)
         missing = [seq for seq in after if t.ops[seq] in ("exec", "write") and t.statuses[seq] != "running"]
         rerun: list[int] = []
-        if spec.rerun_missing:
-            for entry in await self.log.store.entries(t.name, t.binding.checkpoint_seq):
+        if spec.rerun_missing and missing:
+            start = t.binding.checkpoint_seq
+            for entry in await self.log.store.entries(t.name, start, upto - start):
                 if entry.seq in missing and await self._rerun(info.id, entry.op, json.loads(entry.request)):
                     rerun.append(entry.seq)
         t.restored_from = checkpoint
         t.rerun = rerun
         t.missing_effects = [seq for seq in missing if seq not in rerun]
+        log.warning("trajectory %s: sandbox built as %s from %s; re-ran %s; effects missing for calls %s",
+                    t.name, info.id, checkpoint or "its image", rerun, t.missing_effects)
+        return info
+
+    async def branch(self, name: str, at: int, rerun_missing: bool) -> SandboxInfo:
+        """A new trajectory sharing ``name``'s calls ``< at``, bound to a sandbox rebuilt to that point
+        (the latest checkpoint before ``at``, plus re-run calls if asked); ``name`` itself is untouched."""
+        source = await self.log.load(name)
+        if source is None:
+            raise InvalidRequest(f"no trajectory {name!r} on this node", trajectory=name)
+        if not 0 <= at <= len(source.digests):
+            raise InvalidRequest(f"cannot branch trajectory {name!r} at call {at}: its log has "
+                                 f"{len(source.digests)} calls", trajectory=name, at=at)
+        prefix = await self.log.store.entries(name, 0, at) if at else []
+        checkpoint, checkpoint_seq = None, 0
+        for entry in prefix:
+            if entry.op == "snapshot" and entry.status == "done" and entry.response is not None:
+                value = json.loads(entry.response)
+                if isinstance(value, str):
+                    checkpoint, checkpoint_seq = value, entry.seq + 1
+        branch = f"{name}~{at}-{secrets.token_hex(3)}"
+        original = SandboxSpec.model_validate_json(source.binding.spec)
+        spec = original.model_copy(update={"trajectory": branch, "rerun_missing": rerun_missing})
+        binding = Binding(name=branch, spec=spec.model_dump_json(), checkpoint=checkpoint,
+                          checkpoint_seq=checkpoint_seq)
+        await self.log.store.copy_prefix(name, branch, at)
+        t = await self.log.create(binding, prefix)
+        t.lease, t.forked_from, t.fork_point = spec.lease, name, at
+        try:
+            info = await self._rebuild(t, spec, at)
+        except BaseException:
+            self.log.forget(branch)
+            raise
         t.binding.sandbox_id = info.id
         await self.log.store.put_binding(t.binding)
-        log.warning("trajectory %s: sandbox rebuilt as %s from %s; re-ran %s; effects missing for calls %s",
-                    t.name, info.id, checkpoint or "its image", rerun, t.missing_effects)
+        t.touch()
         return await self.engine.get(info.id)
 
     async def _rerun(self, sandbox_id: str, op: str, stored: dict[str, Any]) -> bool:

@@ -80,6 +80,8 @@ class OpenTrajectory:
     restored_from: str | None = None
     missing_effects: list[int] = field(default_factory=list)
     rerun: list[int] = field(default_factory=list)
+    forked_from: str | None = None
+    fork_point: int | None = None
 
     @property
     def name(self) -> str:
@@ -100,7 +102,7 @@ class OpenTrajectory:
             last_activity=self.last_activity,
             orphaned=not self.flights and time.time() - self.last_activity > min(ORPHAN_AFTER, self.lease / 2),
             restored_from=self.restored_from, missing_effects=list(self.missing_effects),
-            rerun=list(self.rerun),
+            rerun=list(self.rerun), forked_from=self.forked_from, fork_point=self.fork_point,
         )
 
 
@@ -168,10 +170,14 @@ class Trajectories:
             entry.response = result.model_dump_json()
         await self.store.put_entry(name, entry)
 
-    async def create(self, binding: Binding) -> OpenTrajectory:
-        """Record a new trajectory (durably) and open it."""
+    async def create(self, binding: Binding, prefix: list[Entry] | None = None) -> OpenTrajectory:
+        """Record a new trajectory (durably) and open it; ``prefix``: calls it starts with (a branch's)."""
         await self.store.put_binding(binding)
         opened = OpenTrajectory(binding)
+        for entry in prefix or []:
+            opened.digests.append(entry.digest)
+            opened.statuses.append(entry.status)
+            opened.ops.append(entry.op)
         self._open[binding.name] = opened
         return opened
 
