@@ -115,3 +115,8 @@ async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dse
         await other.close()
     finally:
         await sb.close()
+
+
+async def test_unknown_divergence_policy_is_refused(client: dsec.Client) -> None:
+    with pytest.raises(dsec.InvalidRequest, match="on_divergence"):
+        await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/p", on_divergence="ignore", client=client)

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 
@@ -240,7 +240,7 @@ class AsyncSandbox:
         client: Client | None = None,
         lease: float = 1800,
         rerun_missing: bool = False,
-        on_divergence: Literal["raise", "fork"] = "raise",
+        on_divergence: str = "raise",
     ) -> AsyncSandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 

@@ -48,7 +48,7 @@ class Sandbox:
         client: Client | None = ...,
         lease: float = ...,
         rerun_missing: bool = ...,
-        on_divergence: Literal['raise', 'fork'] = ...,
+        on_divergence: str = ...,
     ) -> Sandbox: ...
     @classmethod
     def create_many(

@@ -9,8 +9,8 @@ gives 8 independent sandboxes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import contextlib
 import hashlib
 import io
 import json
@@ -56,19 +56,19 @@ class Daemon:
 
     def stop(self) -> None:
         """Destroy every sandbox, stop the daemon, and check nothing of this home is left on the host."""
-        with contextlib.suppress(dsec.DSecError):
+        try:
             for sb in dsec.Sandbox.list(client=self.client):
                 sb.close()
-        self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        import asyncio
-
-        removed = asyncio.run(sweep(self.home, images_dir()))
+        finally:
+            # Whatever failed above, the daemon goes and the sweep destroys what it left.
+            self.client.close()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            removed = asyncio.run(sweep(self.home, images_dir()))
         assert removed == [], f"sandboxes were left behind: {removed}"
 
 
