@@ -491,6 +491,7 @@ class Engine:
                 self.metrics.expired.labels(record.spec.backend).inc()
         self._store.delete(record.id)
         self._tombstone(record.id, state, message)
+        self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
 
     async def _reap_forever(self) -> None:

@@ -101,6 +101,16 @@ class Rollouts:
         t = self._bound(record)
         return t is not None and t.lease_expired(now)
 
+    def forget(self, record: SandboxRecord) -> None:
+        """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
+        re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""
+        t = self._bound(record)
+        if t is not None and not t.flights:
+            self.log.forget(t.name)
+            lock = self._opening.get(t.name)
+            if lock is not None and not lock.locked():
+                del self._opening[t.name]
+
     # -- opening --------------------------------------------------------------------------------------
 
     async def open(self, spec: SandboxSpec) -> SandboxInfo:
