@@ -269,3 +269,26 @@ def test_fork_8_gives_8_independent_sandboxes(daemon: Daemon) -> None:
         for kid in kids:
             kid.close()
         parent.close()
+
+
+def test_lost_trajectory_sandbox_is_rebuilt_from_its_checkpoint(daemon: Daemon) -> None:
+    sb = dsec.Sandbox.create(image="debian-python", trajectory="job-3/lost", client=daemon.client)
+    sb.exec("echo before > /workspace/state && apt-get --version > /dev/null")
+    checkpoint = sb.snapshot()
+    sb.exec("echo after >> /workspace/state")
+    first_view = sb.files.read("/workspace/state")
+    sb.close()  # the sandbox is lost (as after a node loss with the log kept)
+
+    again = dsec.Sandbox.create(image="debian-python", trajectory="job-3/lost", client=daemon.client)
+    try:
+        status = again.info().trajectory
+        assert again.id != sb.id and status is not None
+        assert status.restored_from == checkpoint and status.missing_effects == [2]
+        # The agent's view fast-forwards unchanged; the sandbox holds the checkpoint's state.
+        again.exec("echo before > /workspace/state && apt-get --version > /dev/null")
+        assert again.snapshot() == checkpoint
+        again.exec("echo after >> /workspace/state")
+        assert again.files.read("/workspace/state") == first_view == b"before\nafter\n"
+        assert again.exec("cat /workspace/state").stdout == b"before\n"  # live: call 2's effect is missing
+    finally:
+        again.close()
