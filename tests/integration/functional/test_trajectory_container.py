@@ -292,3 +292,26 @@ def test_lost_trajectory_sandbox_is_rebuilt_from_its_checkpoint(daemon: Daemon) 
         assert again.exec("cat /workspace/state").stdout == b"before\n"  # live: call 2's effect is missing
     finally:
         again.close()
+
+
+def test_client_killed_mid_command_reissue_waits_for_the_same_run(daemon: Daemon) -> None:
+    script = textwrap.dedent('''
+        import sys, dsec
+        sb = dsec.Sandbox.create(image="debian-python", trajectory=sys.argv[1])
+        print(sb.id, flush=True)
+        r = sb.exec("echo started >> /workspace/runs; sleep 1.5; echo finished", timeout=60)
+        print(r.stdout.decode().strip(), r.replayed, flush=True)
+    ''')
+    argv = [sys.executable, "-c", script, "job-4/in-flight"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=daemon.env)
+    assert first.stdout is not None
+    sandbox_id = first.stdout.readline().strip()
+    time.sleep(0.7)  # the command is running now
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    first.stdout.close()
+    again = subprocess.run(argv, capture_output=True, text=True, env=daemon.env, timeout=120, check=True)
+    assert again.stdout.split("\n")[:2] == [sandbox_id, "finished True"], again.stderr
+    sb = dsec.Sandbox.connect(sandbox_id, client=daemon.client)
+    assert sb.files.read("/workspace/runs") == b"started\n"  # ran once, its result went to the re-run
+    sb.close()
