@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsec.errors import DSecError, InvalidRequest
-from dsec.models import parse_pairs
+from dsec.models import SandboxInfo, parse_pairs
 
 if TYPE_CHECKING:
     from dsec.images.layers import FlattenStats
@@ -152,14 +152,22 @@ def ps(labels: tuple[str, ...], as_json: bool) -> None:
         click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return
     table = Table(box=None, header_style="bold")
-    for column in ("ID", "BACKEND", "IMAGE", "STATE", "AGE", "EXPIRES", "LABELS"):
+    for column in ("ID", "BACKEND", "IMAGE", "STATE", "AGE", "EXPIRES", "TRAJECTORY", "LABELS"):
         table.add_column(column, overflow="fold")
     now = time.time()
     for i in infos:
         labels_text = ",".join(f"{k}={v}" for k, v in sorted(i.labels.items()))
         table.add_row(i.id, i.backend, i.image or "-", i.state, _age(now - i.created_at),
-                      "in " + _age(i.expires_at - now), escape(labels_text))
+                      "in " + _age(i.expires_at - now), escape(_trajectory_text(i, now)), escape(labels_text))
     Console(width=200).print(table)
+
+
+def _trajectory_text(info: SandboxInfo, now: float) -> str:
+    t = info.trajectory
+    if t is None:
+        return "-"
+    lease = "lease ends in " + _age(max(0.0, t.lease_expires_at - now))
+    return f"{t.name} ({t.calls} calls, {'ORPHANED, ' if t.orphaned else ''}{lease})"
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})

@@ -8,6 +8,9 @@
 | ``DSEC_TOKEN`` | none | bearer token for the TCP API |
 | ``DSEC_NODE`` | host name | node name reported in sandbox info |
 | ``DSEC_UID_SHIFT`` | ``100000`` | host uid that container uid 0 maps to |
+| ``DSEC_TRAJECTORY_DB`` | ``$DSEC_HOME/trajectories.db`` | trajectory log: a SQLite path or ``postgresql://...`` |
+| ``DSEC_TRAJECTORY_SYNC`` | ``normal`` | SQLite log: ``normal`` (survives process crashes) or ``full`` (fsync) |
+| ``DSEC_SNAPSHOTS`` | ``$DSEC_IMAGES/.snapshots`` | snapshot store (share it, like the images, to restore elsewhere) |
 """
 
 from __future__ import annotations
@@ -29,11 +32,28 @@ class Settings:
     node: str = field(default_factory=lambda: os.environ.get("DSEC_NODE") or socket.gethostname())
     uid_shift: int = field(default_factory=lambda: int(os.environ.get("DSEC_UID_SHIFT", "100000")))
     uid_count: int = 65536
+    trajectory_db: str | None = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_DB") or None)
+    trajectory_sync: str = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_SYNC", "normal"))
+    snapshots_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.images_dir is None:
             env = os.environ.get("DSEC_IMAGES")
             object.__setattr__(self, "images_dir", Path(env) if env else self.home / "images")
+        if self.snapshots_dir is None:
+            env = os.environ.get("DSEC_SNAPSHOTS")
+            object.__setattr__(self, "snapshots_dir", Path(env) if env else self.images / ".snapshots")
+
+    @property
+    def snapshots(self) -> Path:
+        """The snapshot store directory."""
+        assert self.snapshots_dir is not None
+        return self.snapshots_dir
+
+    @property
+    def trajectory_log(self) -> str:
+        """Where the trajectory log lives: a ``postgresql://`` URL or a SQLite file path."""
+        return self.trajectory_db or str(self.home / "trajectories.db")
 
     @property
     def images(self) -> Path:

@@ -52,6 +52,7 @@ _TOOLS = (
     _Tool("crun", "crun", "crun", ("--version",), True, "container backend (OCI runtime)"),
     _Tool("runc", "runc", "runc", ("--version",), False, "benchmark peer"),
     _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init"),
+    _Tool("tar", "tar", "tar", ("--version",), True, "container snapshots, restores and forks"),
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
     _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),
     _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),

@@ -23,9 +23,11 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "FileEntry",
+    "ForkRequest",
     "ImageConfig",
     "ImageInfo",
     "LimitHit",
+    "LoggedCall",
     "NetworkEntry",
     "NetworkRequest",
     "NodeInfo",
@@ -34,6 +36,9 @@ __all__ = [
     "SandboxSpec",
     "SandboxState",
     "SandboxStats",
+    "SnapshotRef",
+    "TrajectoryForkRequest",
+    "TrajectoryStatus",
     "parse_network",
     "parse_pairs",
     "parse_size",
@@ -199,6 +204,11 @@ class SandboxSpec(Model):
     """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
     snapshot: str | None = None
     """Snapshot to restore from instead of a fresh image."""
+    lease: float = Field(1800.0, gt=0, le=30 * 86400)
+    """Seconds a trajectory-bound sandbox outlives its last call (renewed by every call)."""
+    rerun_missing: bool = False
+    """Recovering a lost trajectory sandbox: re-run the logged calls made after its latest checkpoint
+    (default: only report them as ``missing_effects``)."""
 
     @field_validator("workdir")
     @classmethod
@@ -294,6 +304,10 @@ class ExecResult(Model):
     """Signal that killed the command, if any."""
     limit: LimitHit | None = None
     """Which limit ended the command: ``time``, ``memory``, ``output`` or ``pids``."""
+    replayed: bool = False
+    """Served from the trajectory log without running (fast-forward)."""
+    log_truncated: bool = False
+    """The trajectory log kept only the first bytes of this output (its per-call cap): what a replay returns."""
 
     @property
     def ok(self) -> bool:
@@ -376,6 +390,75 @@ class SandboxInfo(Model):
     """Name of the node that owns it."""
     reason: str | None = None
     """Why it is ``failed``/``expired``/``stopped``."""
+    trajectory: TrajectoryStatus | None = None
+    """The trajectory this sandbox is bound to, its lease and what a recovery could not restore."""
+
+
+class TrajectoryStatus(Model):
+    """A trajectory-bound sandbox's log and lease, as seen when it was opened or looked up."""
+
+    name: str
+    """Trajectory name."""
+    calls: int
+    """Calls in the log (the next live call gets this sequence number)."""
+    lease_expires_at: float
+    """When the sandbox is destroyed unless a call renews the lease (Unix seconds)."""
+    last_activity: float
+    """Time of the latest call (Unix seconds)."""
+    orphaned: bool = False
+    """No call for a minute (or half the lease, if shorter) and none running: its client is probably gone."""
+    restored_from: str | None = None
+    """Snapshot id the sandbox was rebuilt from, when it had been lost."""
+    missing_effects: list[int] = Field(default_factory=list)
+    """Logged calls (by seq) after that snapshot whose effects on the sandbox are not there (not re-run)."""
+    rerun: list[int] = Field(default_factory=list)
+    """Logged calls (by seq) re-run to rebuild the sandbox (``rerun_missing=True``)."""
+    forked_from: str | None = None
+    """Trajectory this one branched from (``on_divergence="fork"``); its log shares calls ``< fork_point``."""
+    fork_point: int | None = None
+    """Sequence number of the first call after the branch point."""
+
+
+class TrajectoryForkRequest(Model):
+    """Branch a trajectory at a call: a new trajectory sharing the log before it, on a rebuilt sandbox."""
+
+    name: str
+    """Trajectory to branch."""
+    at: int = Field(ge=0)
+    """First call not shared: the branch's log holds calls ``< at``."""
+    rerun_missing: bool = False
+    """Re-run the state-changing calls between the latest checkpoint before ``at`` and ``at``."""
+
+
+class LoggedCall(Model):
+    """One completed call of a trajectory log, as the SDK fetches it to fast-forward."""
+
+    seq: int
+    """Sequence number."""
+    op: Literal["exec", "read", "write", "list", "snapshot"]
+    """Operation."""
+    digest: str
+    """sha256 identity of the call (``dsec.trajectory.digest``)."""
+    status: Literal["running", "done", "interrupted"]
+    """Only ``done`` calls can be served by the SDK; others go to the daemon."""
+    response: str | None = None
+    """The logged response as JSON text."""
+    truncated: bool = False
+    """The stored output was cut at the log's per-call cap."""
+
+
+class ForkRequest(Model):
+    """Make ``count`` independent copies of a live sandbox."""
+
+    count: int = Field(ge=1, le=256)
+    """How many copies."""
+
+
+class SnapshotRef(Model):
+    """A saved sandbox state."""
+
+    snapshot: str
+    """Snapshot id, for ``Sandbox.create(snapshot=...)``."""
 
 
 class SandboxRecord(Model):
@@ -453,3 +536,6 @@ class NodeInfo(Model):
     """Backend name -> ``"ok"`` or why it is unavailable."""
     sandboxes: int
     """Live sandboxes."""
+
+
+SandboxInfo.model_rebuild()

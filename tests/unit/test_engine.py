@@ -18,7 +18,7 @@ from dsec.errors import (
     BackendUnavailable,
     ImageNotFound,
     InvalidRequest,
-    NotSupported,
+    NotFound,
     SandboxError,
     SandboxNotFound,
     SandboxStateError,
@@ -47,7 +47,8 @@ class FlakyBackend(FakeBackend):
 
 def make_engine(tmp_path: Path, backend: FakeBackend | None = None, **kwargs: float) -> Engine:
     fake = backend or FakeBackend(root=tmp_path / "fake")
-    return Engine(Settings(home=tmp_path / "home"), {"container": fake}, FakeImages(), **kwargs)  # type: ignore[arg-type]
+    settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snapshots")
+    return Engine(settings, {"container": fake}, FakeImages(), **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -110,10 +111,12 @@ async def test_create_failure_cleans_up_and_counts(engine: Engine) -> None:
 async def test_create_refusals(engine: Engine) -> None:
     with pytest.raises(ImageNotFound, match="nope"):
         await engine.create(SandboxSpec(image="nope"))
-    with pytest.raises(NotSupported, match="trajectory"):
-        await engine.create(SandboxSpec(image="base", trajectory="job/1"))
-    with pytest.raises(NotSupported, match="snapshot"):
+    with pytest.raises(InvalidRequest, match="not a snapshot id"):
         await engine.create(SandboxSpec(image="base", snapshot="snap-1"))
+    with pytest.raises(NotFound, match="snap-0123456789abcdef"):
+        await engine.create(SandboxSpec(image="base", snapshot="snap-0123456789abcdef"))
+    with pytest.raises(InvalidRequest, match="trajectory"):
+        await engine.create(SandboxSpec(image="base", trajectory=" "))
     with pytest.raises(BackendUnavailable, match="'vm'"):
         await engine.create(SandboxSpec(image="base", backend="vm"))
     with pytest.raises(InvalidRequest, match="image is required"):

@@ -157,13 +157,27 @@ async def test_create_many(client: dsec.Client) -> None:
 async def test_server_errors_are_reraised_as_their_class(client: dsec.Client) -> None:
     with pytest.raises(dsec.ImageNotFound, match="nope"):
         await dsec.AsyncSandbox.create(image="nope", client=client)
-    with pytest.raises(dsec.NotSupported):
-        await dsec.AsyncSandbox.create(image="tiny", trajectory="job/1", client=client)
+    with pytest.raises(dsec.InvalidRequest, match="snapshot id"):
+        await dsec.AsyncSandbox.create(image="tiny", snapshot="nope", client=client)
 
 
-async def test_snapshot_is_not_supported_yet(sb: dsec.AsyncSandbox) -> None:
-    with pytest.raises(dsec.NotSupported):
-        await sb.snapshot()
+async def test_snapshot_restores_and_fork_copies(sb: dsec.AsyncSandbox, client: dsec.Client) -> None:
+    await sb.files.write("/workspace/state.txt", b"prepared")
+    snap = await sb.snapshot()
+    restored = await dsec.AsyncSandbox.create(snapshot=snap, client=client)
+    children = await sb.fork(2)
+    try:
+        assert restored.id != sb.id
+        assert await restored.files.read("/workspace/state.txt") == b"prepared"
+        assert len({c.id for c in children} | {sb.id}) == 3
+        await children[0].files.write("/workspace/state.txt", b"changed")
+        assert await children[1].files.read("/workspace/state.txt") == b"prepared"
+        assert await sb.files.read("/workspace/state.txt") == b"prepared"
+    finally:
+        for other in (restored, *children):
+            await other.close()
+    with pytest.raises(dsec.InvalidRequest, match="count"):
+        await sb.fork(0)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import os
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -25,6 +25,7 @@ from dsec.errors import (
     DSecError,
     InvalidRequest,
     NotSupported,
+    ReplayDivergence,
     SandboxNotFound,
     error_from_payload,
 )
@@ -34,13 +35,17 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ForkRequest,
     NetworkRequest,
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    TrajectoryForkRequest,
 )
+from dsec.trajectory.digest import exec_args
 
 from .client import Client, default_client
+from .replay import Cursor
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
@@ -79,19 +84,43 @@ class AsyncFiles:
         params: dict[str, Any] = {"path": path}
         if mode is not None:
             params["mode"] = format(mode, "o")  # the API takes octal text, like chmod
-        await self._sandbox._client._request("PUT", self._path(), params=params, content=body)
+        hit, _ = await self._sandbox._logged(params, "write", {"path": path, "mode": mode, "data": body})
+        if hit:
+            return
+        try:
+            await self._sandbox._client._request("PUT", self._path(), params=params, content=body)
+        except ReplayDivergence as exc:
+            if not await self._sandbox._branch(exc):
+                raise
+            await self.write(path, data, mode)
 
     async def read(self, path: str) -> bytes:
         """The whole content of the regular file ``path``."""
-        response = await self._sandbox._client._request("GET", self._path(), params={"path": path})
+        params: dict[str, Any] = {"path": path}
+        hit, cached = await self._sandbox._logged(params, "read", {"path": path})
+        if hit:
+            return bytes(cached)
+        try:
+            response = await self._sandbox._client._request("GET", self._path(), params=params)
+        except ReplayDivergence as exc:
+            if not await self._sandbox._branch(exc):
+                raise
+            return await self.read(path)
         return response.content
 
     async def list(self, path: str | None = None) -> builtins.list[FileEntry]:
         """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
         where = path if path is not None else self._sandbox._info.spec.workdir
-        response = await self._sandbox._client._request(
-            "GET", self._path() + "/list", params={"path": where}
-        )
+        params: dict[str, Any] = {"path": where}
+        hit, cached = await self._sandbox._logged(params, "list", {"path": where})
+        if hit:
+            return builtins.list(cached)
+        try:
+            response = await self._sandbox._client._request("GET", self._path() + "/list", params=params)
+        except ReplayDivergence as exc:
+            if not await self._sandbox._branch(exc):
+                raise
+            return await self.list(path)
         return [FileEntry.model_validate(item) for item in response.json()]
 
     async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
@@ -151,6 +180,36 @@ class AsyncSandbox:
         self._client = client
         self.files = AsyncFiles(self)
         """The sandbox's files."""
+        # Set by create(trajectory=...): this handle numbers its calls and fast-forwards through the log.
+        self._cursor: Cursor | None = None
+        self._on_divergence = "raise"
+        self._rerun_missing = False
+
+    async def _branch(self, exc: ReplayDivergence) -> bool:
+        """With ``on_divergence="fork"``: move this handle onto a branch of its trajectory at the call that
+        diverged (the daemon rebuilds a sandbox to that point); False when the policy is to raise."""
+        if self._cursor is None or self._on_divergence != "fork" or not isinstance(exc.detail.get("seq"), int):
+            return False
+        at = int(exc.detail["seq"])
+        request = TrajectoryForkRequest(name=self._cursor.name, at=at, rerun_missing=self._rerun_missing)
+        response = await self._client._request("POST", "/v1/trajectories/fork", json=request.model_dump(mode="json"))
+        self._info = SandboxInfo.model_validate(response.json())
+        assert self._info.trajectory is not None
+        self._cursor = Cursor(self._client, self._info.trajectory.name, at)
+        self._cursor.next_seq = at
+        return True
+
+    async def _logged(
+        self, params: dict[str, Any], op: str, args: dict[str, Any] | Callable[[], dict[str, Any]]
+    ) -> tuple[bool, Any]:
+        """On a trajectory handle: number the call (into ``params``) and answer it from the log if it can."""
+        if self._cursor is None:
+            return False, None
+        seq = self._cursor.take()
+        params["seq"] = seq
+        if seq >= self._cursor.logged:
+            return False, None
+        return await self._cursor.cached(seq, op, args() if callable(args) else args)
 
     def __repr__(self) -> str:
         info = self._info
@@ -180,16 +239,36 @@ class AsyncSandbox:
         snapshot: str | None = None,
         pids: int = 1024,
         client: Client | None = None,
+        lease: float = 1800,
+        rerun_missing: bool = False,
+        on_divergence: str = "raise",
     ) -> AsyncSandbox:
-        """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`."""
+        """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
+
+        With ``trajectory``, a new trajectory creates and binds a sandbox; an existing one re-attaches its
+        live sandbox (or rebuilds a lost one from its latest checkpoint), and this handle's calls are
+        matched in order against the log: logged calls return their logged response without running,
+        the first call past the log runs live, a different call raises :class:`dsec.ReplayDivergence`
+        (with ``on_divergence="fork"``, the handle instead moves to a new branch of the trajectory, whose
+        sandbox is rebuilt to the last matching call, and the call runs there; ``info().trajectory`` names
+        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order.
+        """
+        if on_divergence not in ("raise", "fork"):
+            raise InvalidRequest(f"on_divergence must be 'raise' or 'fork', got {on_divergence!r}")
         spec = _spec(
             image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
+            lease=lease, rerun_missing=rerun_missing,
         )
         client = client or default_client()
         response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"))
-        return cls(SandboxInfo.model_validate(response.json()), client)
+        sandbox = cls(SandboxInfo.model_validate(response.json()), client)
+        status = sandbox._info.trajectory
+        if status is not None:
+            sandbox._cursor = Cursor(client, status.name, status.calls)
+            sandbox._on_divergence, sandbox._rerun_missing = on_divergence, rerun_missing
+        return sandbox
 
     @classmethod
     async def create_many(
@@ -280,9 +359,18 @@ class AsyncSandbox:
         return self._info
 
     async def snapshot(self) -> str:
-        """Save the sandbox's state; the id restores it with ``create(snapshot=...)``."""
+        """Save the sandbox's writable state; the id restores it with ``create(snapshot=...)``, on this
+        node or on another sharing the snapshot store. On a trajectory it is also the latest checkpoint."""
+        params: dict[str, Any] = {}
+        hit, cached = await self._logged(params, "snapshot", {})
+        if hit:
+            return str(cached)
         try:
-            response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot")
+            response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot", params=params)
+        except ReplayDivergence as exc:
+            if not await self._branch(exc):
+                raise
+            return await self.snapshot()
         except DSecError as exc:
             if type(exc) is DSecError:
                 # A daemon without the route answers a bare 404/405, not a DSec error payload.
@@ -290,6 +378,19 @@ class AsyncSandbox:
             raise
         body = response.json()
         return str(body["snapshot"] if isinstance(body, dict) else body)
+
+    async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
+        """``n`` independent sandboxes with this one's current state (taken while it is frozen).
+
+        The copies are plain sandboxes: not bound to this one's trajectory. Close each when done.
+        """
+        try:
+            request = ForkRequest(count=n)
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "fork request") from None
+        response = await self._client._request(
+            "POST", f"/v1/sandboxes/{self.id}/fork", json=request.model_dump(mode="json"))
+        return [type(self)(SandboxInfo.model_validate(item), self._client) for item in response.json()]
 
     async def close(self) -> None:
         """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
@@ -355,7 +456,37 @@ class AsyncSandbox:
             )
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "exec request") from None
+        params: dict[str, Any] = {}
+        hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
+        if hit:
+            for kind, data in (("stdout", cached.stdout), ("stderr", cached.stderr)):
+                if data:
+                    yield ExecEvent(type=kind, data=data)
+            yield ExecEvent(type="exit", result=cached)
+            return
+        started = False
+        events = self._exec_events(request, params)
+        try:
+            async for event in events:
+                started = True
+                yield event
+        except ReplayDivergence as exc:
+            # The daemon answers a divergence before any output: the call can move to a branch whole.
+            if started or not await self._branch(exc):
+                raise
+            retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output)
+            try:
+                async for event in retry:
+                    yield event
+            finally:
+                await retry.aclose()
+        finally:
+            await events.aclose()  # leaving early closes the HTTP stream now, and the daemon kills the command
+
+    async def _exec_events(self, request: ExecRequest, params: dict[str, Any]) -> AsyncGenerator[ExecEvent, None]:
         path = f"/v1/sandboxes/{self.id}/exec"
+        if params:
+            path += f"?seq={params['seq']}"
         exited = False
         async with self._client._stream("POST", path, json=request.model_dump(mode="json")) as response:
             pending = b""

@@ -118,9 +118,14 @@ class Backend(abc.ABC):
         """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
         raise NotSupported(f"backend {self.name!r} cannot change network policies")
 
-    async def snapshot(self, record: SandboxRecord) -> str:
-        """Save the sandbox's state; returns a snapshot id usable in ``SandboxSpec.snapshot``."""
+    async def snapshot(self, record: SandboxRecord, target: Path) -> None:
+        """Write the sandbox's writable state into the empty directory ``target``, consistently (the
+        sandbox is frozen while it is read) and leave the sandbox as it was (running or paused)."""
         raise NotSupported(f"backend {self.name!r} cannot snapshot sandboxes yet")
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+        """Like :meth:`create`, with the writable state a :meth:`snapshot` wrote into ``source``."""
+        raise NotSupported(f"backend {self.name!r} cannot restore snapshots yet")
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
         """Remove host resources of sandboxes not in ``known`` (crash leftovers); returns their ids."""

@@ -213,6 +213,44 @@ class ContainerBackend(Backend):
         return self.root / sandbox_id
 
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:
+        await self._create(record, image, None)
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+        archive = source / "upper.tar"
+        if not archive.is_file():
+            raise SandboxError(f"snapshot at {source} has no upper.tar: not a container snapshot")
+        await self._create(record, image, archive)
+
+    async def snapshot(self, record: SandboxRecord, target: Path) -> None:
+        # The upper layer is read while the cgroup is frozen, so the archive is one instant of the
+        # sandbox (no file half-written by a running command). tar keeps what overlayfs needs: whiteouts
+        # (0:0 character devices), opaque-directory xattrs (trusted.overlay.*), owners and modes.
+        upper = record.backend_state.get("upper")
+        if not upper:
+            raise SandboxError(f"sandbox {record.id} has no writable layer recorded")
+        self._pid(record)
+        was_running = record.state == "running"
+        cgroups = self._cgroups(record)
+        if was_running:
+            await asyncio.to_thread(cgroups.freeze)
+        try:
+            await self._tar("--create", "--file", str(target / "upper.tar"), "--directory", upper, ".")
+        finally:
+            if was_running:
+                await asyncio.to_thread(cgroups.thaw)
+
+    async def _tar(self, *args: str) -> None:
+        cmd = ["tar", "--xattrs", "--xattrs-include=*", "--acls", "--numeric-owner", "--sparse", *args]
+
+        def run() -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, check=False)
+
+        proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
+        if proc.returncode != 0:
+            raise SandboxError(f"tar {args[0]} failed: {proc.stderr.decode(errors='replace').strip()}")
+
+    async def _create(self, record: SandboxRecord, image: ImageRef, archive: Path | None) -> None:
         if self._helper is None or self._init is None:
             raise BackendUnavailable("container backend is not started")
         policy = Policy.parse(record.spec.network)
@@ -230,6 +268,9 @@ class ContainerBackend(Backend):
         for d in (rootfs, upper, work):
             d.mkdir()
         os.chown(upper, shift, shift)
+        if archive is not None:
+            await self._tar("--extract", "--same-permissions", "--same-owner", "--file", str(archive),
+                            "--directory", str(upper))
         cgroups = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroups_path"],
                                           sandbox_limits(record.spec))
         record.backend_state["cgroups"] = cgroups.dirs

@@ -20,10 +20,12 @@ from rich.console import Console
 from dsec.bench.container import BenchUnavailable, ContainerBench
 from dsec.bench.container import run as run_container
 from dsec.bench.report import Suite, default_json_path, render_latencies, render_table, to_json, write_json
+from dsec.bench.trajectory import TrajectoryBench
+from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container",)
+SUITES = ("container", "trajectory")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -59,7 +61,11 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Non
         cfg = config if config is not None else ContainerBench().scaled(_scale())
         for name in names:
             out.print(f"[bold]dsec bench {name}[/bold]")
-            result = asyncio.run(run_container(cfg, progress=lambda m: out.print(f"  · {m}")))
+            report = lambda m: out.print(f"  · {m}")  # noqa: E731
+            if name == "trajectory":
+                result = asyncio.run(run_trajectory(TrajectoryBench().scaled(_scale()), progress=report))
+            else:
+                result = asyncio.run(run_container(cfg, progress=report))
             results.append(result)
             out.print(render_table(result))
             out.print(render_latencies(result))

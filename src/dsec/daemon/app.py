@@ -25,13 +25,17 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     FileEntry,
+    ForkRequest,
     ImageInfo,
     ImagePullRequest,
+    LoggedCall,
     NetworkRequest,
     NodeInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    SnapshotRef,
+    TrajectoryForkRequest,
     parse_pairs,
 )
 
@@ -41,12 +45,14 @@ log = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
 OCTET = "application/octet-stream"
+_SEQ = Query(ge=0, description="Call number on a trajectory-bound sandbox (the SDK sends it; default: next)")
+Seq = Annotated[int | None, _SEQ]
 _ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorPayload"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     for code, desc in [
         (400, "InvalidRequest"), (401, "Unauthorized"), (404, "SandboxNotFound / ImageNotFound"),
-        (408, "SandboxTimeout"), (409, "SandboxStateError"), (501, "NotSupported"),
+        (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (501, "NotSupported"),
         (503, "BackendUnavailable"),
     ]
 }
@@ -192,9 +198,9 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
             "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/ExecEvent"}}},
         }},
     )
-    async def exec_(sandbox_id: str, request: ExecRequest) -> StreamingResponse:
-        """Run a command, streaming its output; hanging up kills it."""
-        return StreamingResponse(_ndjson(engine.exec_stream(sandbox_id, request)), media_type=NDJSON)
+    async def exec_(sandbox_id: str, request: ExecRequest, seq: Seq = None) -> StreamingResponse:
+        """Run a command, streaming its output; hanging up kills it (not on a trajectory: it is logged)."""
+        return StreamingResponse(_ndjson(engine.exec_stream(sandbox_id, request, seq)), media_type=NDJSON)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files",
@@ -203,9 +209,9 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         responses={200: {"description": "The file's bytes", "content": {OCTET: {"schema": {
             "type": "string", "format": "binary"}}}}},
     )
-    async def read_file(sandbox_id: str, path: str) -> Response:
+    async def read_file(sandbox_id: str, path: str, seq: Seq = None) -> Response:
         """Read a file."""
-        return Response(await engine.read_file(sandbox_id, path, max_body), media_type=OCTET)
+        return Response(await engine.read_file(sandbox_id, path, max_body, seq), media_type=OCTET)
 
     @app.put(
         "/v1/sandboxes/{sandbox_id}/files",
@@ -219,15 +225,16 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         path: str,
         request: Request,
         mode: Annotated[str | None, Query(description="octal permission bits, e.g. `644`")] = None,
+        seq: Seq = None,
     ) -> Response:
         """Create or replace a file (parents created)."""
-        await engine.write_file(sandbox_id, path, await _body(request, max_body), _mode(mode))
+        await engine.write_file(sandbox_id, path, await _body(request, max_body), _mode(mode), seq)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/list", tags=["files"])
-    async def list_files(sandbox_id: str, path: str) -> list[FileEntry]:
+    async def list_files(sandbox_id: str, path: str, seq: Seq = None) -> list[FileEntry]:
         """List a directory."""
-        return await engine.list_files(sandbox_id, path)
+        return await engine.list_files(sandbox_id, path, seq)
 
     @app.get("/v1/sandboxes/{sandbox_id}/stats", tags=["sandboxes"])
     async def stats(sandbox_id: str) -> SandboxStats:
@@ -248,6 +255,30 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def set_network(sandbox_id: str, request: NetworkRequest) -> SandboxInfo:
         """Replace the sandbox's network policy (enforced outside the sandbox, effective at once)."""
         return await engine.set_network(sandbox_id, request.network)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", tags=["sandboxes"])
+    async def snapshot(sandbox_id: str, seq: Seq = None) -> SnapshotRef:
+        """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""
+        return await engine.snapshot(sandbox_id, seq)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
+    async def fork(sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
+        """Make independent copies of a live sandbox's state; all or nothing."""
+        return await engine.fork(sandbox_id, request.count)
+
+    @app.post("/v1/trajectories/fork", status_code=201, tags=["trajectories"])
+    async def branch_trajectory(request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch a trajectory at a call: a new trajectory sharing the calls before it, on a rebuilt sandbox."""
+        return await engine.branch_trajectory(request)
+
+    @app.get("/v1/trajectories/log", tags=["trajectories"])
+    async def trajectory_log(
+        name: str,
+        start: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> list[LoggedCall]:
+        """Logged calls of a trajectory from `start` (the SDK fast-forwards through them)."""
+        return await engine.trajectory_log(name, start, limit)
 
     @app.get("/v1/images", tags=["images"])
     async def list_images() -> list[ImageInfo]:

@@ -15,14 +15,17 @@ import contextlib
 import importlib.metadata
 import logging
 import secrets
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Protocol, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.metrics import Metrics
+from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
 from dsec.errors import (
     BackendUnavailable,
@@ -44,12 +47,18 @@ from dsec.models import (
     FileEntry,
     ImageInfo,
     ImagePullRequest,
+    LoggedCall,
     NodeInfo,
     SandboxInfo,
     SandboxRecord,
     SandboxSpec,
     SandboxStats,
+    SnapshotRef,
+    TrajectoryForkRequest,
 )
+from dsec.trajectory.replay import Trajectories
+from dsec.trajectory.snapshots import SnapshotStore
+from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
 __all__ = ["MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
 
@@ -86,6 +95,16 @@ class ImageResolver(Protocol):
         ...
 
 
+def default_trajectory_store(settings: Settings) -> TrajectoryStore:
+    """The node's trajectory log: PostgreSQL when ``settings.trajectory_log`` is a URL, else SQLite."""
+    where = settings.trajectory_log
+    if where.startswith(("postgresql://", "postgres://")):
+        from dsec.trajectory.postgres import PostgresStore
+
+        return PostgresStore(where)
+    return SQLiteStore(Path(where), sync=settings.trajectory_sync)
+
+
 class _NoImages:
     """Stand-in when the image store cannot be loaded: every lookup says why."""
 
@@ -120,6 +139,7 @@ class Engine:
         unavailable: Mapping[str, str] | None = None,
         reaper_interval: float = 1.0,
         tombstone_limit: int = 10_000,
+        trajectory_store: TrajectoryStore | None = None,
     ) -> None:
         self.settings = settings
         self.images = images
@@ -135,6 +155,9 @@ class Engine:
         self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tombstone_limit = tombstone_limit
         self._reaper: asyncio.Task[None] | None = None
+        self.snapshots = SnapshotStore(settings.snapshots)
+        store = trajectory_store or default_trajectory_store(settings)
+        self.rollouts = Rollouts(self, Trajectories(store))
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -165,6 +188,7 @@ class Engine:
 
     async def start(self) -> None:
         """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
+        await self.rollouts.start()
         for name, backend in list(self._backends.items()):
             reason = backend.available()
             if reason == "ok":
@@ -193,6 +217,7 @@ class Engine:
                 continue
             if removed:
                 log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
+        await self.rollouts.adopt(list(self._records.values()))
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
 
     async def _recover(self, record: SandboxRecord) -> None:
@@ -238,6 +263,7 @@ class Engine:
                 await backend.aclose()
             except Exception:
                 log.exception("backend %s failed to close", name)
+        await self.rollouts.aclose()
 
     async def destroy_all(self) -> int:
         """Destroy every sandbox; returns how many were destroyed."""
@@ -291,6 +317,7 @@ class Engine:
             spec=record.spec,
             node=self.settings.node,
             reason=record.reason,
+            trajectory=self.rollouts.status(record),
         )
 
     def _tombstone(self, sandbox_id: str, state: str, message: str) -> None:
@@ -302,16 +329,29 @@ class Engine:
     # -- sandboxes -----------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
-        """Create one sandbox and return it running."""
+        """Create one sandbox and return it running; with ``spec.trajectory``, open that trajectory."""
+        if spec.trajectory is not None:
+            return await self.rollouts.open(spec)
+        source = self.snapshots.path(spec.snapshot) if spec.snapshot is not None else None
+        return await self._create(spec, source)
+
+    async def _create(self, spec: SandboxSpec, source: Path | None) -> SandboxInfo:
+        """Create one sandbox, from its image or restored from the snapshot directory ``source``."""
         name = spec.backend
         try:
-            if spec.trajectory is not None:
-                raise NotSupported("trajectory logging (spec.trajectory) is not available on this node yet")
-            if spec.snapshot is not None:
-                raise NotSupported("restoring a snapshot (spec.snapshot) is not available on this node yet")
             backend = self._backend(name)
+            if source is not None:
+                meta = await asyncio.to_thread(self.snapshots.meta, source.name)
+                if meta.get("backend") != name:
+                    raise InvalidRequest(f"snapshot {source.name} was taken on backend {meta.get('backend')!r}; "
+                                         f"it cannot be restored on {name!r}")
+                if spec.image is None:
+                    spec = spec.model_copy(update={"image": meta.get("image")})
+                elif spec.image != meta.get("image"):
+                    raise InvalidRequest(f"snapshot {source.name} is of image {meta.get('image')!r}, "
+                                         f"not {spec.image!r}")
             if not spec.image:
-                raise InvalidRequest("spec.image is required (no snapshot restore yet)")
+                raise InvalidRequest("spec.image is required unless a snapshot is given")
             image = self.images.resolve(spec.image)
         except DSecError as exc:
             self.metrics.failed.labels(name, type(exc).__name__).inc()
@@ -330,7 +370,10 @@ class Engine:
         self._records[record.id] = record
         started = time.monotonic()
         try:
-            await backend.create(record, image)
+            if source is not None:
+                await backend.restore(record, image, source)
+            else:
+                await backend.create(record, image)
         except BaseException as exc:
             await self._undo_create(backend, record)
             reason = type(exc).__name__ if isinstance(exc, DSecError) else "SandboxError"
@@ -360,6 +403,8 @@ class Engine:
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
+        if request.spec.trajectory is not None:
+            raise InvalidRequest("a trajectory binds one sandbox: create trajectory sandboxes one at a time")
         sem = asyncio.Semaphore(_BATCH_PARALLELISM)
 
         async def one() -> SandboxInfo:
@@ -449,6 +494,7 @@ class Engine:
                 self.metrics.expired.labels(record.spec.backend).inc()
         self._store.delete(record.id)
         self._tombstone(record.id, state, message)
+        self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
 
     async def _reap_forever(self) -> None:
@@ -464,15 +510,19 @@ class Engine:
         now = time.time()
         due = [
             r for r in self._records.values()
-            if r.expires_at <= now and r.state in ("running", "paused") and r.id not in self._destroying
+            if (r.expires_at <= now or self.rollouts.lease_expired(r, now))
+            and r.state in ("running", "paused") and r.id not in self._destroying
         ]
 
         async def expire(record: SandboxRecord) -> None:
-            message = (
-                f"sandbox {record.id} passed its timeout of {record.spec.timeout:g} s and was destroyed"
-            )
+            if record.expires_at <= now:
+                message = f"sandbox {record.id} passed its timeout of {record.spec.timeout:g} s and was destroyed"
+                record.reason = f"timeout of {record.spec.timeout:g} s passed"
+            else:
+                message = (f"sandbox {record.id} of trajectory {record.spec.trajectory!r} had no call for its "
+                           f"lease of {record.spec.lease:g} s and was destroyed")
+                record.reason = f"trajectory lease of {record.spec.lease:g} s passed"
             record.state = "expired"
-            record.reason = f"timeout of {record.spec.timeout:g} s passed"
             task = asyncio.create_task(self._remove(record, "expired", message))
             self._destroying[record.id] = task
             try:
@@ -485,16 +535,23 @@ class Engine:
 
     # -- commands and files --------------------------------------------------------------------------
 
-    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def exec_stream(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> AsyncIterator[ExecEvent]:
         """Start streaming a command's events. Lookup errors raise here, before the first event.
 
-        Closing the returned iterator early kills the command (the backend's contract).
+        Closing the returned iterator early kills the command (the backend's contract), except on a
+        trajectory-bound sandbox, where the command runs on and is logged (``seq``: its call number).
         """
         record = self._live(sandbox_id, allow_paused=False)
         backend = self._backend(record.spec.backend)
         if request.cwd is not None:
             _check_path(request.cwd)
+        if record.spec.trajectory is not None:
+            return self.rollouts.exec_stream(record, backend, request, seq)
         return self._exec_events(backend, record, request)
+
+    async def exec_unlogged(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
+        """Run a command on a sandbox without its trajectory log (recovery re-runs logged calls this way)."""
+        return await collect_exec(self._exec_events(self._backend(record.spec.backend), record, request))
 
     async def _exec_events(
         self, backend: Backend, record: SandboxRecord, request: ExecRequest
@@ -524,26 +581,93 @@ class Engine:
             if aclose is not None:
                 await aclose()
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
         """Run a command to completion."""
-        return await collect_exec(self.exec_stream(sandbox_id, request))
+        return await collect_exec(self.exec_stream(sandbox_id, request, seq))
 
-    async def read_file(self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    async def read_file(
+        self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES, seq: int | None = None
+    ) -> bytes:
         """A file's bytes."""
         record = self._live(sandbox_id, allow_paused=True)
-        return await self._backend(record.spec.backend).read_file(record, _check_path(path), max_bytes)
+        backend = self._backend(record.spec.backend)
+        _check_path(path)
+        if record.spec.trajectory is None:
+            return await backend.read_file(record, path, max_bytes)
+        data: bytes = await self.rollouts.call(
+            record, seq, "read", {"path": path}, None, lambda _: backend.read_file(record, path, max_bytes))
+        return data
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> None:
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, mode: int | None = None, seq: int | None = None
+    ) -> None:
         """Create or replace a file (parents created)."""
         if mode is not None and not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"file mode must be between 0 and 0o7777, got {mode:o}")
         record = self._live(sandbox_id, allow_paused=True)
-        await self._backend(record.spec.backend).write_file(record, _check_path(path), data, mode)
+        backend = self._backend(record.spec.backend)
+        _check_path(path)
+        if record.spec.trajectory is None:
+            await backend.write_file(record, path, data, mode)
+            return
+        await self.rollouts.call(record, seq, "write", {"path": path, "mode": mode, "data": data}, data,
+                                 lambda _: backend.write_file(record, path, data, mode))
 
-    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+    async def list_files(self, sandbox_id: str, path: str, seq: int | None = None) -> builtins.list[FileEntry]:
         """A directory's entries."""
         record = self._live(sandbox_id, allow_paused=True)
-        return await self._backend(record.spec.backend).list_files(record, _check_path(path))
+        backend = self._backend(record.spec.backend)
+        _check_path(path)
+        if record.spec.trajectory is None:
+            return await backend.list_files(record, path)
+        entries: builtins.list[FileEntry] = await self.rollouts.call(
+            record, seq, "list", {"path": path}, None, lambda _: backend.list_files(record, path))
+        return entries
+
+    # -- snapshots and forks -------------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, seq: int | None = None) -> SnapshotRef:
+        """Save a sandbox's writable state in the snapshot store (a logged checkpoint on a trajectory)."""
+        record = self._live(sandbox_id, allow_paused=True)
+        if record.spec.trajectory is not None:
+            return SnapshotRef(snapshot=await self.rollouts.snapshot(record, seq))
+        return SnapshotRef(snapshot=await self.take_snapshot(record))
+
+    async def take_snapshot(self, record: SandboxRecord) -> str:
+        """Snapshot ``record`` into the store and publish it; returns its id."""
+        backend = self._backend(record.spec.backend)
+        snap_id, work = await asyncio.to_thread(self.snapshots.begin)
+        try:
+            await backend.snapshot(record, work)
+            meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
+                    "spec": record.spec.model_dump(mode="json")}
+            await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            raise
+        log.info("sandbox %s: snapshot %s taken", record.id, snap_id)
+        return snap_id
+
+    async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
+        """``count`` independent sandboxes with the state of a live one (all or nothing).
+
+        The copies are plain sandboxes (not bound to the parent's trajectory, not logged).
+        """
+        record = self._live(sandbox_id, allow_paused=True)
+        snap_id = await self.take_snapshot(record)
+        source = self.snapshots.path(snap_id)
+        spec = record.spec.model_copy(update={"trajectory": None, "snapshot": None})
+        try:
+            results = await asyncio.gather(*(self._create(spec, source) for _ in range(count)),
+                                           return_exceptions=True)
+        finally:
+            await asyncio.to_thread(self.snapshots.remove, snap_id)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._destroy_quietly(made)
+            raise errors[0]
+        return made
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         """Resource usage now."""
@@ -575,6 +699,14 @@ class Engine:
         record.spec = record.spec.model_copy(update={"network": network})
         self._store.save(record)
         return self._info(record)
+
+    async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
+        return await self.rollouts.branch(request.name, request.at, request.rerun_missing)
+
+    async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
+        """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""
+        return await self.rollouts.log.logged(name, start, limit)
 
     # -- node ----------------------------------------------------------------------------------------
 

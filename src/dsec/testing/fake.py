@@ -64,6 +64,14 @@ class FakeBackend(Backend):
         apply_image_defaults(record, image)
         self._host(record, workdir_of(record)).mkdir(parents=True, exist_ok=True)
 
+    async def snapshot(self, record: SandboxRecord, target: Path) -> None:
+        await asyncio.to_thread(shutil.copytree, self._root(record), target / "root", symlinks=True)
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+        root = self.root / record.id
+        record.backend_state = {"root": str(root)}
+        await asyncio.to_thread(shutil.copytree, source / "root", root, symlinks=True)
+
     async def destroy(self, record: SandboxRecord) -> None:
         for pgid in self._groups.pop(record.id, set()):
             _killpg(pgid, signal.SIGKILL)

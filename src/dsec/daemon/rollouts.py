@@ -1,0 +1,356 @@
+"""The engine's trajectory side: binding sandboxes to trajectories, logged calls, leases and recovery.
+
+Owns: opening a trajectory (create and bind, re-attach, or rebuild a lost sandbox from its latest
+checkpoint), running a trajectory-bound sandbox's calls through :class:`~dsec.trajectory.replay.Trajectories`
+(matching, logging, flights that outlive their client), checkpoints (a logged ``snapshot`` call) and
+lease expiry. It reaches sandboxes only through the engine's records and backends, and never speaks HTTP.
+
+A live exec on a trajectory runs in a task of its own: the client that started it may die, and the
+command still finishes and is logged; the same call re-issued (same ``seq``) waits for that task instead
+of running the command again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from dsec.backends.base import Backend
+from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxInfo, SandboxRecord, SandboxSpec, TrajectoryStatus
+from dsec.trajectory.digest import call_identity, exec_args
+from dsec.trajectory.replay import Join, OpenTrajectory, Replay, Trajectories, decode_response
+from dsec.trajectory.store import Binding
+
+if TYPE_CHECKING:
+    from dsec.daemon.engine import Engine
+
+__all__ = ["Rollouts"]
+
+log = logging.getLogger(__name__)
+
+_MAX_NAME = 512
+
+
+def _stored(readable: str, body: bytes | None, cap: int) -> str:
+    """The logged form of a call: its readable identity plus the body when small enough to re-run it."""
+    if body is None or len(body) > cap:
+        return readable
+    data = json.loads(readable)
+    data["body"] = base64.urlsafe_b64encode(body).decode()
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _events(result: ExecResult) -> list[ExecEvent]:
+    """A finished result as the stream a live run would have produced (output first, then exit)."""
+    events = [ExecEvent(type=kind, data=data) for kind, data in (("stdout", result.stdout),
+                                                                 ("stderr", result.stderr)) if data]
+    events.append(ExecEvent(type="exit", result=result))
+    return events
+
+
+class Rollouts:
+    """Trajectory-bound sandboxes of one engine."""
+
+    def __init__(self, engine: Engine, trajectories: Trajectories) -> None:
+        self.engine = engine
+        self.log = trajectories
+        self._opening: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> None:
+        """Open the log store."""
+        await self.log.store.start()
+
+    async def adopt(self, records: builtins.list[SandboxRecord]) -> None:
+        """After recovery: load the trajectories of re-adopted sandboxes, so their leases run again."""
+        for record in records:
+            if record.spec.trajectory is not None:
+                t = await self.log.load(record.spec.trajectory)
+                if t is not None and t.binding.sandbox_id == record.id:
+                    t.lease = record.spec.lease
+                    t.touch()  # the client had no way to renew while no daemon ran
+
+    async def aclose(self) -> None:
+        """Wait briefly for calls still being logged, then close the store."""
+        flights = [f for t in self.log.all() for f in t.flights.values()]
+        if flights:
+            await asyncio.wait(flights, timeout=5)
+        await self.log.store.aclose()
+
+    # -- status and leases ----------------------------------------------------------------------------
+
+    def _bound(self, record: SandboxRecord) -> OpenTrajectory | None:
+        name = record.spec.trajectory
+        t = self.log.by_name(name) if name is not None else None
+        return t if t is not None and t.binding.sandbox_id == record.id else None
+
+    def status(self, record: SandboxRecord) -> TrajectoryStatus | None:
+        """``SandboxInfo.trajectory`` of a sandbox (None when not bound to a loaded trajectory)."""
+        t = self._bound(record)
+        return t.status() if t is not None else None
+
+    def lease_expired(self, record: SandboxRecord, now: float) -> bool:
+        """True when ``record`` is bound to a trajectory whose lease ran out."""
+        t = self._bound(record)
+        return t is not None and t.lease_expired(now)
+
+    def forget(self, record: SandboxRecord) -> None:
+        """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
+        re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""
+        t = self._bound(record)
+        if t is not None and not t.flights:
+            self.log.forget(t.name)
+            lock = self._opening.get(t.name)
+            if lock is not None and not lock.locked():
+                del self._opening[t.name]
+
+    # -- opening --------------------------------------------------------------------------------------
+
+    async def open(self, spec: SandboxSpec) -> SandboxInfo:
+        """Create and bind, re-attach, or recover the sandbox of ``spec.trajectory``."""
+        name = spec.trajectory or ""
+        if not name.strip() or len(name) > _MAX_NAME or "\0" in name:
+            raise InvalidRequest(f"trajectory must be a non-empty name of at most {_MAX_NAME} characters "
+                                 f"without NUL, got {name!r}")
+        if spec.snapshot is not None:
+            raise InvalidRequest("give either trajectory or snapshot: a trajectory restores its own checkpoints")
+        async with self._opening.setdefault(name, asyncio.Lock()):
+            t = await self.log.load(name)
+            if t is None:
+                info = await self.engine._create(spec, None)
+                try:
+                    t = await self.log.create(Binding(name=name, spec=spec.model_dump_json(), sandbox_id=info.id))
+                except BaseException:
+                    await self.engine.destroy(info.id)
+                    raise
+                t.lease = spec.lease
+                return await self.engine.get(info.id)
+            t.lease = spec.lease
+            t.touch()
+            record = self.engine._records.get(t.binding.sandbox_id or "")
+            if record is not None and record.state in ("running", "paused"):
+                return self.engine._info(record)
+            return await self._recover(t, spec)
+
+    async def _recover(self, t: OpenTrajectory, spec: SandboxSpec) -> SandboxInfo:
+        """The bound sandbox is gone: rebuild it from the latest checkpoint (or the image)."""
+        original = SandboxSpec.model_validate_json(t.binding.spec)
+        base = original.model_copy(update={"lease": spec.lease, "rerun_missing": spec.rerun_missing,
+                                           "timeout": spec.timeout})
+        info = await self._rebuild(t, base, len(t.ops))
+        t.binding.sandbox_id = info.id
+        await self.log.store.put_binding(t.binding)
+        return await self.engine.get(info.id)
+
+    async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
+        """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
+        checkpoint = t.binding.checkpoint
+        source = self.engine.snapshots.path(checkpoint) if checkpoint else None
+        info = await self.engine._create(spec, source)
+        after = range(t.binding.checkpoint_seq, upto)
+        missing = [seq for seq in after if t.ops[seq] in ("exec", "write") and t.statuses[seq] != "running"]
+        rerun: list[int] = []
+        if spec.rerun_missing and missing:
+            start = t.binding.checkpoint_seq
+            for entry in await self.log.store.entries(t.name, start, upto - start):
+                if entry.seq in missing and await self._rerun(info.id, entry.op, json.loads(entry.request)):
+                    rerun.append(entry.seq)
+        t.restored_from = checkpoint
+        t.rerun = rerun
+        t.missing_effects = [seq for seq in missing if seq not in rerun]
+        log.warning("trajectory %s: sandbox built as %s from %s; re-ran %s; effects missing for calls %s",
+                    t.name, info.id, checkpoint or "its image", rerun, t.missing_effects)
+        return info
+
+    async def branch(self, name: str, at: int, rerun_missing: bool) -> SandboxInfo:
+        """A new trajectory sharing ``name``'s calls ``< at``, bound to a sandbox rebuilt to that point
+        (the latest checkpoint before ``at``, plus re-run calls if asked); ``name`` itself is untouched."""
+        source = await self.log.load(name)
+        if source is None:
+            raise InvalidRequest(f"no trajectory {name!r} on this node", trajectory=name)
+        if not 0 <= at <= len(source.digests):
+            raise InvalidRequest(f"cannot branch trajectory {name!r} at call {at}: its log has "
+                                 f"{len(source.digests)} calls", trajectory=name, at=at)
+        prefix = await self.log.store.entries(name, 0, at) if at else []
+        checkpoint, checkpoint_seq = None, 0
+        for entry in prefix:
+            if entry.op == "snapshot" and entry.status == "done" and entry.response is not None:
+                value = json.loads(entry.response)
+                if isinstance(value, str):
+                    checkpoint, checkpoint_seq = value, entry.seq + 1
+        branch = f"{name}~{at}-{secrets.token_hex(3)}"
+        original = SandboxSpec.model_validate_json(source.binding.spec)
+        spec = original.model_copy(update={"trajectory": branch, "rerun_missing": rerun_missing})
+        binding = Binding(name=branch, spec=spec.model_dump_json(), checkpoint=checkpoint,
+                          checkpoint_seq=checkpoint_seq)
+        await self.log.store.copy_prefix(name, branch, at)
+        t = await self.log.create(binding, prefix)
+        t.lease, t.forked_from, t.fork_point = spec.lease, name, at
+        try:
+            info = await self._rebuild(t, spec, at)
+        except BaseException:
+            self.log.forget(branch)
+            raise
+        t.binding.sandbox_id = info.id
+        await self.log.store.put_binding(t.binding)
+        t.touch()
+        return await self.engine.get(info.id)
+
+    async def _rerun(self, sandbox_id: str, op: str, stored: dict[str, Any]) -> bool:
+        args = stored.get("args", {})
+        body = base64.urlsafe_b64decode(stored["body"]) if "body" in stored else None
+        try:
+            if op == "exec":
+                if isinstance(args.get("stdin"), dict) and body is None:
+                    return False  # stdin was over the log's cap: it cannot be re-run
+                request = ExecRequest.model_validate({**args, "stdin": body})
+                record = self.engine._live(sandbox_id, allow_paused=False)
+                await self.engine.exec_unlogged(record, request)
+                return True
+            if op == "write" and body is not None:
+                record = self.engine._live(sandbox_id, allow_paused=True)
+                backend = self.engine._backend(record.spec.backend)
+                await backend.write_file(record, args["path"], body, args.get("mode"))
+                return True
+        except DSecError:
+            log.exception("re-running %s on %s failed", op, sandbox_id)
+        return False
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    async def _open_for(self, record: SandboxRecord) -> OpenTrajectory:
+        t = await self.log.load(record.spec.trajectory or "")
+        if t is None or t.binding.sandbox_id != record.id:
+            raise SandboxError(f"sandbox {record.id} is no longer the one bound to trajectory "
+                               f"{record.spec.trajectory!r}", sandbox_id=record.id)
+        return t
+
+    async def call(
+        self,
+        record: SandboxRecord,
+        seq: int | None,
+        op: str,
+        args: dict[str, Any],
+        body: bytes | None,
+        run: Callable[[int], Awaitable[Any]],
+    ) -> Any:
+        """One logged call other than exec: replayed, joined or run live (and then logged)."""
+        t = await self._open_for(record)
+        digest, readable = call_identity(op, args)
+        stored = _stored(readable, body, self.log.cap)
+        decision = await self.log.begin(t, seq, op, digest, stored)
+        if isinstance(decision, Replay):
+            assert decision.entry.response is not None
+            return decode_response(op, decision.entry.response)
+        if isinstance(decision, Join):
+            return await asyncio.shield(decision.flight)
+
+        async def live(at: int) -> Any:
+            started = time.time()
+            try:
+                response: Any = await run(at)
+            except DSecError as exc:
+                response = exc
+            except BaseException:
+                await self.log.interrupt(t, at)
+                raise
+            return await self.log.finish(t, at, op, stored, digest, response, started)
+
+        task = asyncio.create_task(live(decision.seq))
+        t.flights[decision.seq] = task
+        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        return await asyncio.shield(task)
+
+    async def exec_stream(
+        self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None
+    ) -> AsyncIterator[ExecEvent]:
+        """A logged exec: replayed, joined, or run in a task that survives the client's disconnect."""
+        t = await self._open_for(record)
+        digest, readable = call_identity("exec", exec_args(request))
+        stored = _stored(readable, request.stdin, self.log.cap)
+        decision = await self.log.begin(t, seq, "exec", digest, stored)
+        if isinstance(decision, Replay):
+            assert decision.entry.response is not None
+            for event in _events(decode_response("exec", decision.entry.response)):
+                yield event
+            return
+        if isinstance(decision, Join):
+            outcome = await asyncio.shield(decision.flight)
+            if isinstance(outcome, DSecError):
+                raise outcome
+            for event in _events(outcome.model_copy(update={"replayed": True})):
+                yield event
+            return
+        sink: list[asyncio.Queue[ExecEvent | DSecError]] = [asyncio.Queue()]
+        task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, sink))
+        t.flights[decision.seq] = task
+        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        try:
+            while True:
+                item = await sink[0].get()
+                if isinstance(item, DSecError):
+                    raise item
+                yield item
+                if item.type == "exit":
+                    return
+        finally:
+            sink.clear()  # the client left: the command runs on and is logged, nobody listens
+
+    async def _run_exec(
+        self, t: OpenTrajectory, seq: int, record: SandboxRecord, backend: Backend, request: ExecRequest,
+        digest: str, stored: str, sink: list[asyncio.Queue[ExecEvent | DSecError]],
+    ) -> ExecResult | DSecError:
+        started = time.time()
+        result: ExecResult | None = None
+        try:
+            async for event in self.engine._exec_events(backend, record, request):
+                if event.type == "exit":
+                    result = event.result
+                elif sink:
+                    sink[0].put_nowait(event)
+            if result is None:
+                raise SandboxError("the command's stream ended without an exit event")
+            final: ExecResult = await self.log.finish(t, seq, "exec", stored, digest, result, started)
+        except DSecError as exc:
+            try:
+                await self.log.finish(t, seq, "exec", stored, digest, exc, started)
+            except DSecError:
+                pass
+            except Exception:
+                log.exception("trajectory %s: logging call %d failed", t.name, seq)
+            if sink:
+                sink[0].put_nowait(exc)
+            return exc
+        except Exception as exc:
+            log.exception("trajectory %s: call %d failed", t.name, seq)
+            await self.log.interrupt(t, seq)
+            err = SandboxError(f"exec failed: {type(exc).__name__}: {exc}")
+            if sink:
+                sink[0].put_nowait(err)
+            return err
+        if sink:
+            sink[0].put_nowait(ExecEvent(type="exit", result=final))
+        return final
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    async def snapshot(self, record: SandboxRecord, seq: int | None) -> str:
+        """A logged checkpoint: the snapshot becomes the trajectory's latest checkpoint."""
+        t = await self._open_for(record)
+
+        async def take(at: int) -> str:
+            snap_id = await self.engine.take_snapshot(record)
+            t.binding.checkpoint = snap_id
+            t.binding.checkpoint_seq = at + 1
+            await self.log.store.put_binding(t.binding)
+            return snap_id
+
+        result: str = await self.call(record, seq, "snapshot", {}, None, take)
+        return result

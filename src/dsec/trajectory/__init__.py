@@ -1,0 +1,6 @@
+"""Trajectory log, replay matching and snapshot storage (see ``docs/design.md``, "Trajectory log").
+
+``store`` (SQLite / ``postgres``) keeps logs durably with group commit; ``digest`` defines a call's
+identity; ``replay`` matches calls against a log; ``snapshots`` stores checkpoints. The engine glue is
+``dsec.daemon.rollouts``; the SDK side is ``dsec._sdk.replay``.
+"""

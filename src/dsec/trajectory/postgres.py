@@ -1,0 +1,100 @@
+"""Cluster mode: the trajectory log on PostgreSQL (psycopg 3), behind :class:`TrajectoryStore`.
+
+Same schema and group commit as SQLite. A PostgreSQL restart (or failover) between calls must not lose
+a call or fail the rollout: a batch that hits a broken connection reconnects and is applied again
+(every write is an idempotent upsert keyed by trajectory and sequence number), for up to
+``retry_for`` seconds. Commits use the server's ``synchronous_commit`` (on by default: durable on disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from dsec.errors import BackendUnavailable
+from dsec.trajectory.store import _SCHEMA, TrajectoryStore, _Op
+
+__all__ = ["PostgresStore"]
+
+log = logging.getLogger(__name__)
+
+
+class PostgresStore(TrajectoryStore):
+    """The log in a PostgreSQL database given by a libpq connection string (``postgresql://...``)."""
+
+    placeholder = "%s"
+
+    def __init__(self, dsn: str, *, retry_for: float = 30.0) -> None:
+        super().__init__()
+        try:
+            import psycopg
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "the PostgreSQL trajectory log needs psycopg 3: pip install 'dsec[postgres]'") from exc
+        self._psycopg = psycopg
+        self.dsn = dsn
+        self.retry_for = retry_for
+        self._write_conn: Any = None
+        self._read_conn: Any = None
+
+    def _connect(self) -> Any:
+        return self._psycopg.connect(self.dsn, autocommit=False, connect_timeout=5)
+
+    def _prepare(self) -> None:
+        conn = self._retrying(self._connect)
+        with conn.transaction(), conn.cursor() as cur:
+            # Two daemons starting at once must not race on CREATE TABLE: serialise on an advisory lock.
+            cur.execute("SELECT pg_advisory_xact_lock(7307)")
+            for statement in _SCHEMA:
+                cur.execute(statement)
+        self._write_conn = conn
+
+    def _close(self) -> None:
+        for conn in (self._write_conn, self._read_conn):
+            if conn is not None:
+                conn.close()
+        self._write_conn = self._read_conn = None
+
+    def _retrying(self, action: Any) -> Any:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.05
+        while True:
+            try:
+                return action()
+            except self._psycopg.OperationalError as exc:
+                if time.monotonic() >= deadline:
+                    raise BackendUnavailable(f"the trajectory log database is unreachable: {exc}") from exc
+                log.warning("trajectory log: PostgreSQL unreachable (%s); retrying", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _apply(self, ops: list[_Op]) -> None:
+        def attempt() -> None:
+            if self._write_conn is None or self._write_conn.closed or self._write_conn.broken:
+                self._write_conn = self._connect()
+            conn = self._write_conn
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    for op in ops:
+                        op(cur)
+            except self._psycopg.OperationalError:
+                conn.close()
+                raise
+
+        self._retrying(attempt)
+
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        def attempt() -> list[tuple[Any, ...]]:
+            if self._read_conn is None or self._read_conn.closed or self._read_conn.broken:
+                self._read_conn = self._psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+            try:
+                with self._read_conn.cursor() as cur:
+                    cur.execute(sql, args)
+                    return list(cur.fetchall())
+            except self._psycopg.OperationalError:
+                self._read_conn.close()
+                raise
+
+        result: list[tuple[Any, ...]] = self._retrying(attempt)
+        return result

@@ -1,0 +1,308 @@
+"""Matching a client's calls against a trajectory log: the daemon side of fast-forward.
+
+Owns, per open trajectory: the in-memory mirror of the log (digest, status and operation of every call),
+the calls running live right now ("flights"), the lease clock, and the rules that decide what a call
+with sequence number ``seq`` gets:
+
+- ``seq`` inside the log, same digest, call done: the logged response (:class:`Replay`);
+- same digest, the call still running on this daemon (its client died and re-issued it): wait for that
+  run and answer with its result (:class:`Join`) -- it never runs twice;
+- same digest, logged as ``interrupted`` (this daemon died while it ran): an exec answers with the
+  logged "outcome unknown" result and is not run again; a read, listing or write runs again (they are
+  idempotent);
+- ``seq`` at the end of the log: logged as ``running`` (durably, before it runs), then live (:class:`Live`);
+- a different digest: :class:`~dsec.errors.ReplayDivergence` with both calls;
+- ``seq`` past the end: :class:`~dsec.errors.InvalidRequest` (calls must come in order).
+
+It never runs a call or touches a sandbox: the engine does, and reports back with :meth:`finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.errors import DSecError, InvalidRequest, ReplayDivergence, error_from_payload
+from dsec.models import ExecResult, FileEntry, LoggedCall, TrajectoryStatus
+from dsec.trajectory.store import Binding, Entry, TrajectoryStore
+
+__all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajectories", "decode_response"]
+
+DEFAULT_CAP = 1024 * 1024
+"""Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
+STATE_CHANGING = frozenset({"exec", "write", "snapshot"})
+"""Operations whose log entry must be durable before they run and before their response is returned."""
+ORPHAN_AFTER = 60.0
+"""Seconds without a call (and none running; at most half the lease) after which a trajectory sandbox
+counts as orphaned in ``dsec ps``."""
+_INTERRUPTED = (
+    "dsec: the node daemon stopped while this command ran (trajectory {name}, call {seq}); its outcome is "
+    "unknown and it was not run again\n"
+)
+
+
+@dataclass
+class Replay:
+    """Answer with the logged entry."""
+
+    entry: Entry
+
+
+@dataclass
+class Join:
+    """The same call is running live on this daemon: wait for it."""
+
+    flight: asyncio.Task[Any]
+
+
+@dataclass
+class Live:
+    """Run the call now; report with :meth:`Trajectories.finish`."""
+
+    seq: int
+
+
+@dataclass
+class OpenTrajectory:
+    """A trajectory loaded on this daemon."""
+
+    binding: Binding
+    digests: list[str] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    flights: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    last_activity: float = field(default_factory=time.time)
+    lease: float = 1800.0
+    restored_from: str | None = None
+    missing_effects: list[int] = field(default_factory=list)
+    rerun: list[int] = field(default_factory=list)
+    forked_from: str | None = None
+    fork_point: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.binding.name
+
+    def touch(self) -> None:
+        """A call arrived: renew the lease."""
+        self.last_activity = time.time()
+
+    def lease_expired(self, now: float) -> bool:
+        """True when the lease ran out with no call running."""
+        return not self.flights and self.last_activity + self.lease <= now
+
+    def status(self) -> TrajectoryStatus:
+        """What clients see in ``SandboxInfo.trajectory``."""
+        return TrajectoryStatus(
+            name=self.name, calls=len(self.digests), lease_expires_at=self.last_activity + self.lease,
+            last_activity=self.last_activity,
+            orphaned=not self.flights and time.time() - self.last_activity > min(ORPHAN_AFTER, self.lease / 2),
+            restored_from=self.restored_from, missing_effects=list(self.missing_effects),
+            rerun=list(self.rerun), forked_from=self.forked_from, fork_point=self.fork_point,
+        )
+
+
+def decode_response(op: str, response: str) -> Any:
+    """A logged response as the object the engine returns (ExecResult, bytes, entries, snapshot id)."""
+    if op == "exec" and not response.startswith('{"__error__"'):
+        result = ExecResult.model_validate_json(response)  # the hot path of fast-forward: no json.loads
+        result.replayed = True
+        return result
+    data = json.loads(response)
+    if isinstance(data, dict) and "__error__" in data:
+        raise error_from_payload({"error": data["__error__"]})
+    if op == "read":
+        return base64.urlsafe_b64decode(data)
+    if op == "list":
+        return [FileEntry.model_validate(item) for item in data]
+    return data
+
+
+class Trajectories:
+    """Every trajectory opened on this node, over one :class:`TrajectoryStore`."""
+
+    def __init__(self, store: TrajectoryStore, cap: int = DEFAULT_CAP) -> None:
+        self.store = store
+        self.cap = cap
+        self._open: dict[str, OpenTrajectory] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
+
+    def by_name(self, name: str) -> OpenTrajectory | None:
+        """An already loaded trajectory."""
+        return self._open.get(name)
+
+    def all(self) -> list[OpenTrajectory]:
+        """Every loaded trajectory."""
+        return list(self._open.values())
+
+    async def load(self, name: str) -> OpenTrajectory | None:
+        """The trajectory (loaded from the store on first use), or None if it was never opened.
+
+        Calls left ``running`` by a previous daemon are marked ``interrupted`` here: nothing runs them now.
+        """
+        loaded = self._open.get(name)
+        if loaded is not None:
+            return loaded
+        lock = self._loading.setdefault(name, asyncio.Lock())
+        async with lock:
+            loaded = self._open.get(name)
+            if loaded is not None:
+                return loaded
+            binding = await self.store.get_binding(name)
+            if binding is None:
+                return None
+            opened = OpenTrajectory(binding)
+            for entry in await self.store.entries(name):
+                if entry.status == "running":
+                    await self._interrupt(name, entry)
+                opened.digests.append(entry.digest)
+                opened.statuses.append(entry.status)
+                opened.ops.append(entry.op)
+            self._open[name] = opened
+            return opened
+
+    async def _interrupt(self, name: str, entry: Entry) -> None:
+        entry.status = "interrupted"
+        if entry.op == "exec":
+            result = ExecResult(exit_code=255, stderr=_INTERRUPTED.format(name=name, seq=entry.seq).encode())
+            entry.response = result.model_dump_json()
+        await self.store.put_entry(name, entry)
+
+    async def create(self, binding: Binding, prefix: list[Entry] | None = None) -> OpenTrajectory:
+        """Record a new trajectory (durably) and open it; ``prefix``: calls it starts with (a branch's)."""
+        await self.store.put_binding(binding)
+        opened = OpenTrajectory(binding)
+        for entry in prefix or []:
+            opened.digests.append(entry.digest)
+            opened.statuses.append(entry.status)
+            opened.ops.append(entry.op)
+        self._open[binding.name] = opened
+        return opened
+
+    def forget(self, name: str) -> None:
+        """Drop a trajectory from memory (its log stays in the store)."""
+        self._open.pop(name, None)
+
+    # -- matching -----------------------------------------------------------------------------------
+
+    async def begin(
+        self, t: OpenTrajectory, seq: int | None, op: str, digest: str, request: str
+    ) -> Replay | Join | Live:
+        """Decide what call ``seq`` gets (see the module docstring); a live call is logged first."""
+        t.touch()
+        length = len(t.digests)
+        if seq is None:
+            seq = length
+        if seq < 0 or seq > length:
+            raise InvalidRequest(
+                f"call {seq} on trajectory {t.name!r}, whose log has {length} calls: a client issues its "
+                f"calls in order, numbered from 0", trajectory=t.name, seq=seq, logged=length)
+        if seq < length:
+            if t.digests[seq] != digest:
+                raise await self.divergence(t, seq, request)
+            flight = t.flights.get(seq)
+            if flight is not None and not flight.done():
+                return Join(flight)
+            entry = (await self.store.entries(t.name, seq, 1))[0]
+            if t.statuses[seq] == "done" and entry.response is not None:
+                return Replay(entry)
+            if t.statuses[seq] == "interrupted" and op == "exec":
+                return Replay(entry)
+            # A read over the cap, or an interrupted read/list/write: run it again (it is idempotent).
+            return Live(seq)
+        t.digests.append(digest)
+        t.statuses.append("running")
+        t.ops.append(op)
+        entry = Entry(seq=seq, op=op, digest=digest, request=request)
+        try:
+            await self.store.put_entry(t.name, entry, durable=op in STATE_CHANGING)
+        except BaseException:
+            if len(t.digests) == seq + 1:  # nothing was appended after us: take the slot back
+                del t.digests[seq], t.statuses[seq], t.ops[seq]
+            raise
+        return Live(seq)
+
+    async def divergence(self, t: OpenTrajectory, seq: int, request: str) -> ReplayDivergence:
+        """The error for a call that differs from the log, showing both calls."""
+        logged = (await self.store.entries(t.name, seq, 1))[0].request
+        return ReplayDivergence(
+            f"trajectory {t.name!r} call {seq} differs from the log:\n  logged: {_shown(logged)}\n"
+            f"  now:    {_shown(request)}", trajectory=t.name, seq=seq, logged=json.loads(logged),
+            given=json.loads(request))
+
+    async def interrupt(self, t: OpenTrajectory, seq: int) -> None:
+        """A live call failed without an answer (not a DSec error): nothing will run it again."""
+        entries = await self.store.entries(t.name, seq, 1)
+        if entries and entries[0].status == "running":
+            await self._interrupt(t.name, entries[0])
+            t.statuses[seq] = "interrupted"
+
+    async def finish(
+        self, t: OpenTrajectory, seq: int, op: str, request: str, digest: str, response: Any, started: float
+    ) -> Any:
+        """Log a live call's response (durably for state-changing calls); returns what the caller gets.
+
+        ``response`` may be a :class:`~dsec.errors.DSecError`: the caller saw an error, and a replay
+        raises the same one.
+        """
+        text: str | None
+        if isinstance(response, DSecError):
+            text, truncated, original = json.dumps({"__error__": response.to_payload()["error"]}), False, 0
+        else:
+            text, truncated, original = self._encode(op, response)
+        entry = Entry(seq=seq, op=op, digest=digest, request=request, status="done", response=text,
+                      truncated=truncated, original_bytes=original, started_at=started,
+                      duration_s=time.time() - started)
+        if seq < len(t.statuses):
+            t.statuses[seq] = "done"
+        await self.store.put_entry(t.name, entry, durable=op in STATE_CHANGING)
+        t.touch()
+        if isinstance(response, DSecError):
+            raise response
+        if op == "exec" and truncated:
+            return response.model_copy(update={"log_truncated": True})
+        return response
+
+    def _encode(self, op: str, response: Any) -> tuple[str | None, bool, int]:
+        cap = self.cap
+        if op == "exec":
+            result: ExecResult = response
+            original = len(result.stdout) + len(result.stderr)
+            truncated = len(result.stdout) > cap or len(result.stderr) > cap
+            stored = result.model_copy(update={"stdout": result.stdout[:cap], "stderr": result.stderr[:cap],
+                                               "log_truncated": truncated})
+            return stored.model_dump_json(), truncated, original
+        if op == "read":
+            data: bytes = response
+            if len(data) > cap:
+                return None, True, len(data)  # replayed by reading again: a cut file would be wrong data
+            return json.dumps(base64.urlsafe_b64encode(data).decode()), False, len(data)
+        if op == "list":
+            text = json.dumps([e.model_dump(mode="json") for e in response])
+            if len(text) > cap:
+                return None, True, len(text)
+            return text, False, len(text)
+        return json.dumps(response), False, 0
+
+    async def logged(self, name: str, start: int, limit: int) -> list[LoggedCall]:
+        """Completed calls from ``start`` (what the SDK fetches to fast-forward on its own)."""
+        t = await self.load(name)
+        if t is None:
+            raise InvalidRequest(f"no trajectory {name!r} on this node", trajectory=name)
+        t.touch()
+        return [
+            LoggedCall.model_validate({"seq": e.seq, "op": e.op, "digest": e.digest, "status": e.status,
+                                       "response": e.response, "truncated": e.truncated})
+            for e in await self.store.entries(name, start, limit)
+        ]
+
+
+def _shown(request: str, limit: int = 400) -> str:
+    data = json.loads(request)
+    data.pop("body", None)
+    text = json.dumps(data, sort_keys=True)
+    return text if len(text) <= limit else text[:limit] + "..."

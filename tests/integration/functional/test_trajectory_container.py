@@ -1,0 +1,317 @@
+"""Trajectories, checkpoints and forks on real container sandboxes behind real daemon processes.
+
+A rollout script (counter file, git commits, a pip install of a wheel built here) is SIGKILLed at a random
+step and re-run: every logged command runs exactly once (counted inside the sandbox) and the script's
+output equals an uninterrupted run's. Also: the lease of an abandoned trajectory sandbox expires (``dsec ps``
+shows it orphaned first); a snapshot restores on a second daemon with another state directory; fork(8)
+gives 8 independent sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import missing
+from container_support import images_dir, short_home, sweep, wait_until
+from dsec.config import Settings
+from dsec.daemon.server import daemon_answers
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+class Daemon:
+    """``python -m dsec.daemon serve`` on its own home, sharing one snapshot store with other daemons."""
+
+    def __init__(self, home: Path, snapshots: Path) -> None:
+        self.home = home
+        self.settings = Settings(home=home, images_dir=images_dir())
+        self.env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(images_dir()),
+                        DSEC_SNAPSHOTS=str(snapshots), DSEC_URL=f"unix://{self.settings.socket_path}")
+        self.log = home / "daemon.log"
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home)], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, env=self.env, start_new_session=True, cwd="/")
+        ok = wait_until(lambda: self.proc.poll() is not None or daemon_answers(self.settings), timeout=60)
+        assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.log.read_text()[-3000:]}"
+        self.client = dsec.Client(self.env["DSEC_URL"])
+
+    def stop(self) -> None:
+        """Destroy every sandbox, stop the daemon, and check nothing of this home is left on the host."""
+        try:
+            for sb in dsec.Sandbox.list(client=self.client):
+                sb.close()
+        finally:
+            # Whatever failed above, the daemon goes and the sweep destroys what it left.
+            self.client.close()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            removed = asyncio.run(sweep(self.home, images_dir()))
+        assert removed == [], f"sandboxes were left behind: {removed}"
+
+
+@pytest.fixture(scope="module")
+def snapshots() -> Iterator[Path]:
+    path = short_home("dsec-snaps-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(snapshots: Path, debian_python_image: object) -> Iterator[Daemon]:
+    home = short_home("dsec-traj-")
+    d = Daemon(home, snapshots)
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# -- the rollout ---------------------------------------------------------------------------------------
+
+ROLLOUT = textwrap.dedent('''
+    import json, sys
+    import dsec
+
+    trajectory, wheel, pip_wheel = sys.argv[1:4]
+    sb = dsec.Sandbox.create(image="debian-python", trajectory=trajectory, lease=600)
+    print(json.dumps(["sandbox", sb.id]), flush=True)
+    GIT = {"GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
+           "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "agent@example.invalid",
+           "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "agent@example.invalid"}
+
+    def step(n, command):
+        # Every command first records that it ran: the log must never let one run twice.
+        r = sb.exec(f"echo {n} >> /workspace/.ran; " + command, timeout=300, env=GIT)
+        print(json.dumps([n, r.exit_code, r.stdout.decode(), r.stderr.decode()]), flush=True)
+
+    step(0, "echo tick >> counter; wc -l < counter")
+    step(1, "git init -q repo && echo ok")
+    sb.files.write("/workspace/repo/a.txt", "hello\\n")
+    step(2, "cd repo && git add a.txt && git commit -q -m first && git rev-parse HEAD")
+    step(3, "echo tick >> counter; sleep 0.4; wc -l < counter")
+    sb.files.write("/tmp/" + wheel.rsplit("/", 1)[1], open(wheel, "rb").read())
+    sb.files.write("/tmp/pip.whl", open(pip_wheel, "rb").read())
+    step(4, "python3 /tmp/pip.whl/pip install -q --no-index --no-cache-dir --root-user-action=ignore "
+            "--break-system-packages --disable-pip-version-check /tmp/tinypkg-1.0-py3-none-any.whl && "
+            "python3 -c 'import tinypkg; print(tinypkg.VALUE)'")
+    step(5, "echo tick >> counter; wc -l < counter")
+    step(6, "cd repo && echo more >> a.txt && git commit -q -am second && git log --format=%H | wc -l")
+    print(json.dumps(["counter", sb.files.read("/workspace/counter").decode()]), flush=True)
+    print(json.dumps(["listing", sorted(e.name for e in sb.files.list("/workspace"))]), flush=True)
+    print("DONE", flush=True)
+''')
+
+
+def build_wheel(target: Path) -> Path:
+    """A minimal pure-Python wheel (PEP 427), written by hand so the test needs no build backend."""
+    files = {"tinypkg/__init__.py": b"VALUE = 'tinypkg works'\n",
+             "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+             "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: dsec-test\nRoot-Is-Purelib: true\n"
+                                            b"Tag: py3-none-any\n"}
+    record = io.StringIO()
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.write(f"{name},sha256={digest},{len(data)}\n")
+    record.write("tinypkg-1.0.dist-info/RECORD,,\n")
+    path = target / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr("tinypkg-1.0.dist-info/RECORD", record.getvalue())
+    return path
+
+
+def pip_wheel() -> Path:
+    """pip's own wheel (runnable as ``python3 pip.whl/pip``): the image has Python but no pip."""
+    import ensurepip
+
+    candidates = [*Path("/usr/share/python-wheels").glob("pip-*.whl"),
+                  *(Path(ensurepip.__file__).parent / "_bundled").glob("pip-*.whl")]
+    if not candidates:
+        missing("no pip wheel on the host: apt-get install python3-pip-whl")
+    return sorted(candidates)[-1]
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_wheel(tmp_path_factory.mktemp("wheel")), pip_wheel()
+
+
+def start_rollout(daemon: Daemon, trajectory: str, wheels: tuple[Path, Path], script: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(script), trajectory, str(wheels[0]), str(wheels[1])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env)
+
+
+def run_rollout(daemon: Daemon, trajectory: str, wheels: tuple[Path, Path], script: Path) -> list[str]:
+    proc = start_rollout(daemon, trajectory, wheels, script)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"rollout failed ({proc.returncode}):\n{out}\n{err}"
+    return out.splitlines()
+
+
+def without_id(lines: list[str]) -> list[str]:
+    return [line for line in lines if not line.startswith('["sandbox"')]
+
+
+def ran_counts(daemon: Daemon, sandbox_id: str) -> dict[int, int]:
+    """How often each step's command really ran, from the file every command appends to in the sandbox."""
+    sb = dsec.Sandbox.connect(sandbox_id, client=daemon.client)
+    text = sb.exec("cat /workspace/.ran").stdout.decode()
+    counts: dict[int, int] = {}
+    for line in text.split():
+        counts[int(line)] = counts.get(int(line), 0) + 1
+    return counts
+
+
+def test_rollout_killed_at_a_random_step_runs_every_command_once(
+    daemon: Daemon, wheels: tuple[Path, Path], tmp_path: Path
+) -> None:
+    script = tmp_path / "rollout.py"
+    script.write_text(ROLLOUT)
+    reference = run_rollout(daemon, "job-1/reference", wheels, script)
+    assert reference[-1] == "DONE" and '"tinypkg works\\n"' in "".join(reference)
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kill_after = rng.randrange(2, 8)  # lines printed before the kill: the sandbox line, then steps
+    extra = rng.uniform(0.0, 0.5)  # and a little more, so the kill may land inside a command
+    proc = start_rollout(daemon, "job-1/preempted", wheels, script)
+    assert proc.stdout is not None
+    seen = [proc.stdout.readline() for _ in range(kill_after)]
+    time.sleep(extra)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
+    assert proc.stderr is not None
+    proc.stderr.close()
+    sandbox_id = json.loads(seen[0])[1]
+
+    resumed = run_rollout(daemon, "job-1/preempted", wheels, script)
+    assert json.loads(resumed[0])[1] == sandbox_id, "the re-run must re-attach the same live sandbox"
+    assert without_id(resumed) == without_id(reference), f"seed {seed}: outputs differ"
+    assert ran_counts(daemon, sandbox_id) == dict.fromkeys(range(7), 1), f"seed {seed}: a command ran twice"
+
+
+def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon: Daemon) -> None:
+    sb = dsec.Sandbox.create(image="debian-python", trajectory="job-2/abandoned", lease=3, client=daemon.client)
+    assert sb.exec("true").exit_code == 0
+    ps = lambda: json.loads(subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "dsec", "ps", "--json"], env=daemon.env, capture_output=True, text=True,
+        check=True).stdout)
+    assert wait_until(lambda: any(i["id"] == sb.id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
+    assert wait_until(lambda: all(i["id"] != sb.id for i in ps()), timeout=20)
+    with pytest.raises(dsec.SandboxTimeout, match="lease"):
+        sb.info()
+
+
+def test_snapshot_restores_on_a_second_daemon_with_another_home(daemon: Daemon, snapshots: Path) -> None:
+    sb = dsec.Sandbox.create(image="debian-python", client=daemon.client)
+    try:
+        sb.files.write("/workspace/state/model.txt", "trained\n", mode=0o640)
+        prep = sb.exec("rm /etc/debian_version && mkdir -p /srv/data && echo 42 > /srv/data/x && "
+                       "ln -s /srv/data/x /workspace/link")
+        assert prep.exit_code == 0, prep.stderr
+        snap = sb.snapshot()
+    finally:
+        sb.close()
+    other_home = short_home("dsec-traj2-")
+    other = Daemon(other_home, snapshots)
+    try:
+        restored = dsec.Sandbox.create(snapshot=snap, client=other.client)
+        assert restored.info().image == "debian-python"
+        assert restored.files.read("/workspace/state/model.txt") == b"trained\n"
+        check = restored.exec("stat -c '%a %u' /workspace/state/model.txt; cat /workspace/link; "
+                              "test -e /etc/debian_version && echo present || echo deleted")
+        assert check.stdout == b"640 0\n42\ndeleted\n", check.stderr
+    finally:
+        other.stop()
+        shutil.rmtree(other_home, ignore_errors=True)
+
+
+def test_fork_8_gives_8_independent_sandboxes(daemon: Daemon) -> None:
+    parent = dsec.Sandbox.create(image="debian-python", client=daemon.client)
+    kids: list[dsec.Sandbox] = []
+    try:
+        parent.exec("echo prepared > /workspace/env.txt && (sleep 30 &)")
+        kids = parent.fork(8)
+        assert len({k.id for k in kids} | {parent.id}) == 9
+        for n, kid in enumerate(kids):
+            assert kid.exec(f"cat env.txt && echo child{n} >> env.txt").stdout == b"prepared\n"
+        for n, kid in enumerate(kids):
+            assert kid.files.read("/workspace/env.txt") == f"prepared\nchild{n}\n".encode()
+        assert parent.files.read("/workspace/env.txt") == b"prepared\n"
+        assert parent.info().state == "running"  # thawed after the copy
+    finally:
+        for kid in kids:
+            kid.close()
+        parent.close()
+
+
+def test_lost_trajectory_sandbox_is_rebuilt_from_its_checkpoint(daemon: Daemon) -> None:
+    sb = dsec.Sandbox.create(image="debian-python", trajectory="job-3/lost", client=daemon.client)
+    sb.exec("echo before > /workspace/state && apt-get --version > /dev/null")
+    checkpoint = sb.snapshot()
+    sb.exec("echo after >> /workspace/state")
+    first_view = sb.files.read("/workspace/state")
+    sb.close()  # the sandbox is lost (as after a node loss with the log kept)
+
+    again = dsec.Sandbox.create(image="debian-python", trajectory="job-3/lost", client=daemon.client)
+    try:
+        status = again.info().trajectory
+        assert again.id != sb.id and status is not None
+        assert status.restored_from == checkpoint and status.missing_effects == [2]
+        # The agent's view fast-forwards unchanged; the sandbox holds the checkpoint's state.
+        again.exec("echo before > /workspace/state && apt-get --version > /dev/null")
+        assert again.snapshot() == checkpoint
+        again.exec("echo after >> /workspace/state")
+        assert again.files.read("/workspace/state") == first_view == b"before\nafter\n"
+        assert again.exec("cat /workspace/state").stdout == b"before\n"  # live: call 2's effect is missing
+    finally:
+        again.close()
+
+
+def test_client_killed_mid_command_reissue_waits_for_the_same_run(daemon: Daemon) -> None:
+    script = textwrap.dedent('''
+        import sys, dsec
+        sb = dsec.Sandbox.create(image="debian-python", trajectory=sys.argv[1])
+        print(sb.id, flush=True)
+        r = sb.exec("echo started >> /workspace/runs; sleep 1.5; echo finished", timeout=60)
+        print(r.stdout.decode().strip(), r.replayed, flush=True)
+    ''')
+    argv = [sys.executable, "-c", script, "job-4/in-flight"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=daemon.env)
+    assert first.stdout is not None
+    sandbox_id = first.stdout.readline().strip()
+    time.sleep(0.7)  # the command is running now
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    first.stdout.close()
+    again = subprocess.run(argv, capture_output=True, text=True, env=daemon.env, timeout=120, check=True)
+    assert again.stdout.split("\n")[:2] == [sandbox_id, "finished True"], again.stderr
+    sb = dsec.Sandbox.connect(sandbox_id, client=daemon.client)
+    assert sb.files.read("/workspace/runs") == b"started\n"  # ran once, its result went to the re-run
+    sb.close()

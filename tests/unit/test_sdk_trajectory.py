@@ -1,0 +1,122 @@
+"""The SDK's side of trajectories, over the real HTTP app: numbering, local fast-forward, divergence."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sdk_daemon import Daemon, running_daemon
+
+import dsec
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with running_daemon(Path(tmp_path_factory.mktemp("sdk-traj"))) as d:
+        yield d
+
+
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[dsec.Client]:
+    async with dsec.Client(daemon.unix_url) as c:
+        yield c
+
+
+async def rollout(sb: dsec.AsyncSandbox) -> list[object]:
+    """A small agent episode: what it saw, in order."""
+    seen: list[object] = []
+    seen.append((await sb.exec("echo x >> ran; wc -l < ran")).stdout)
+    await sb.files.write("/workspace/notes.txt", "step 1", mode=0o600)
+    seen.append(await sb.files.read("/workspace/notes.txt"))
+    seen.append(sorted(e.name for e in await sb.files.list()))
+    events = [e async for e in sb.exec_stream(["sh", "-c", "echo out; echo err >&2"])]
+    seen.append([(e.type, e.data) for e in events if e.type != "exit"])
+    seen.append(await sb.snapshot())
+    return seen
+
+
+async def test_rerun_fast_forwards_locally_then_runs_live(client: dsec.Client) -> None:
+    first = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/ff", client=client)
+    try:
+        original = await rollout(first)
+        again = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/ff", client=client)
+        assert again.id == first.id and again._cursor is not None
+        assert await rollout(again) == original
+        assert again._cursor.served == 6  # every call answered from the log copy, none sent
+        assert (await again.exec("wc -l < ran")).stdout.strip() == b"1"  # the count ran once
+        info = await again.info()
+        assert info.trajectory is not None and info.trajectory.calls == 7
+    finally:
+        await first.close()
+
+
+async def test_divergence_reaches_the_client_with_both_calls(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/div", client=client)
+    try:
+        await sb.exec("echo one")
+        replay = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/div", client=client)
+        with pytest.raises(dsec.ReplayDivergence, match="echo one") as caught:
+            await replay.exec("echo two")
+        assert "echo two" in str(caught.value) and caught.value.detail["seq"] == 0
+    finally:
+        await sb.close()
+
+
+def test_blocking_sandbox_replays_too(daemon: Daemon) -> None:
+    client = dsec.Client(daemon.unix_url)
+    try:
+        sb = dsec.Sandbox.create(image="tiny", trajectory="sdk/sync", client=client)
+        first = sb.exec("echo x >> ran; wc -l < ran")
+        again = dsec.Sandbox.create(image="tiny", trajectory="sdk/sync", client=client)
+        replay = again.exec("echo x >> ran; wc -l < ran")
+        assert replay.replayed and replay.stdout == first.stdout == b"1\n"
+        kids = sb.fork(2)
+        assert [k.exec("wc -l < ran").stdout for k in kids] == [b"1\n", b"1\n"]
+        for k in kids:
+            k.close()
+        sb.close()
+    finally:
+        client.close()
+
+
+async def test_trajectory_refusals(client: dsec.Client) -> None:
+    with pytest.raises(dsec.InvalidRequest, match="either trajectory or snapshot"):
+        await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/x", snapshot="snap-0123456789abcdef",
+                                       client=client)
+    with pytest.raises(dsec.InvalidRequest, match="one at a time"):
+        await dsec.AsyncSandbox.create_many(2, image="tiny", trajectory="sdk/y", client=client)
+    with pytest.raises(dsec.InvalidRequest, match="lease"):
+        await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/z", lease=0, client=client)
+    await asyncio.sleep(0)
+
+
+async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/branch", client=client)
+    try:
+        await sb.exec("echo base > state")
+        snap = await sb.snapshot()
+        await sb.exec("echo a >> state")
+        await sb.exec("echo a2 >> state")
+        other = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/branch", on_divergence="fork",
+                                               rerun_missing=True, client=client)
+        await other.exec("echo base > state")  # calls 0 and 1 match: replayed
+        assert await other.snapshot() == snap
+        assert other.id == sb.id
+        result = await other.exec("echo b >> state; cat state")  # call 2 differs: the handle branches
+        assert result.stdout == b"base\nb\n" and not result.replayed
+        info = await other.info()
+        assert other.id != sb.id and info.trajectory is not None
+        assert info.trajectory.forked_from == "sdk/branch" and info.trajectory.fork_point == 2
+        assert info.trajectory.name.startswith("sdk/branch~2-") and info.trajectory.calls == 3
+        # The original trajectory and its sandbox are untouched.
+        assert (await sb.exec("cat state")).stdout == b"base\na\na2\n"
+        await other.close()
+    finally:
+        await sb.close()
+
+
+async def test_unknown_divergence_policy_is_refused(client: dsec.Client) -> None:
+    with pytest.raises(dsec.InvalidRequest, match="on_divergence"):
+        await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/p", on_divergence="ignore", client=client)

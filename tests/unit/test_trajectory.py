@@ -1,0 +1,235 @@
+"""Trajectory matching, logging, leases, checkpoints and recovery in the engine, over the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dsec.config import Settings
+from dsec.daemon.engine import Engine
+from dsec.errors import InvalidRequest, NotFound, ReplayDivergence, SandboxTimeout
+from dsec.models import ExecRequest, SandboxSpec
+from dsec.testing.fake import FakeBackend, FakeImages
+from dsec.trajectory.replay import Trajectories
+from dsec.trajectory.store import Entry, SQLiteStore
+
+COUNT = ExecRequest(command="echo run >> ran; wc -l < ran")
+
+
+def make_engine(tmp_path: Path, fake: FakeBackend | None = None) -> Engine:
+    settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snapshots")
+    return Engine(settings, {"container": fake or FakeBackend(root=tmp_path / "fake")}, FakeImages(),
+                  reaper_interval=0.05)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
+    eng = make_engine(tmp_path)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.destroy_all()
+        await eng.aclose()
+
+
+def spec(name: str = "job-17/rollout-3", **kw: object) -> SandboxSpec:
+    return SandboxSpec(image="base", trajectory=name, **kw)  # type: ignore[arg-type]
+
+
+def ran(engine: Engine, sandbox_id: str) -> int:
+    """How many times the counting command really ran (lines in its file, read on the host)."""
+    root = Path(engine._records[sandbox_id].backend_state["root"])
+    path = root / "workspace" / "ran"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+async def test_new_trajectory_binds_and_reopening_replays_in_order(engine: Engine) -> None:
+    info = await engine.create(spec())
+    assert info.trajectory is not None and info.trajectory.calls == 0
+    first = await engine.exec(info.id, COUNT, seq=0)
+    await engine.write_file(info.id, "/workspace/a.txt", b"hello", seq=1)
+    assert await engine.read_file(info.id, "/workspace/a.txt", seq=2) == b"hello"
+    listing = await engine.list_files(info.id, "/workspace", seq=3)
+    assert ran(engine, info.id) == 1 and not first.replayed
+
+    again = await engine.create(spec())
+    assert again.id == info.id
+    assert again.trajectory is not None and again.trajectory.calls == 4
+    # Replayed: same answers, nothing runs (the file changed on the host, the replay still says "hello").
+    (Path(engine._records[info.id].backend_state["root"]) / "workspace" / "a.txt").write_bytes(b"changed")
+    replay = await engine.exec(info.id, COUNT, seq=0)
+    assert replay.replayed and replay.stdout == first.stdout and ran(engine, info.id) == 1
+    await engine.write_file(info.id, "/workspace/a.txt", b"hello", seq=1)
+    assert await engine.read_file(info.id, "/workspace/a.txt", seq=2) == b"hello"
+    assert await engine.list_files(info.id, "/workspace", seq=3) == listing
+    # Past the end of the log: live again.
+    live = await engine.exec(info.id, COUNT, seq=4)
+    assert not live.replayed and live.stdout.strip() == b"2" and ran(engine, info.id) == 2
+
+
+async def test_divergence_shows_both_calls_and_gaps_are_refused(engine: Engine) -> None:
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    with pytest.raises(ReplayDivergence) as caught:
+        await engine.exec(info.id, ExecRequest(command="rm -rf /workspace"), seq=0)
+    message = str(caught.value)
+    assert "call 0" in message and "wc -l < ran" in message and "rm -rf /workspace" in message
+    assert caught.value.detail["logged"]["args"]["command"] == COUNT.command
+    with pytest.raises(ReplayDivergence):  # another operation at the same number diverges as well
+        await engine.read_file(info.id, "/workspace/ran", seq=0)
+    with pytest.raises(InvalidRequest, match="log has 1 calls"):
+        await engine.exec(info.id, COUNT, seq=5)
+    assert ran(engine, info.id) == 1
+
+
+async def test_logged_errors_replay_as_errors(engine: Engine) -> None:
+    info = await engine.create(spec())
+    with pytest.raises(NotFound):
+        await engine.read_file(info.id, "/workspace/missing", seq=0)
+    await engine.write_file(info.id, "/workspace/missing", b"now here", seq=1)
+    with pytest.raises(NotFound):  # the agent saw an error at call 0: a replay gives it again
+        await engine.read_file(info.id, "/workspace/missing", seq=0)
+
+
+async def test_client_gone_mid_exec_command_finishes_once_and_reissue_joins(engine: Engine) -> None:
+    info = await engine.create(spec())
+    slow = ExecRequest(command="echo started; sleep 0.5; echo run >> ran; echo done")
+    stream = engine.exec_stream(info.id, slow, seq=0)
+    first = await anext(aiter(stream))
+    assert first.type == "stdout"
+    await stream.aclose()  # the client died after the command started
+    again = await engine.exec(info.id, slow, seq=0)  # its re-run re-issues call 0 while it still runs
+    assert again.stdout == b"started\ndone\n" and again.replayed
+    assert ran(engine, info.id) == 1
+    later = await engine.exec(info.id, slow, seq=0)
+    assert later.stdout == again.stdout and ran(engine, info.id) == 1
+
+
+async def test_exec_in_flight_when_the_daemon_died_is_not_run_again(tmp_path: Path) -> None:
+    fake = FakeBackend(root=tmp_path / "fake")
+    first = make_engine(tmp_path, fake)
+    await first.start()
+    info = await first.create(spec())
+    await first.exec(info.id, COUNT, seq=0)
+    from dsec.trajectory.digest import call_identity, exec_args
+
+    digest, readable = call_identity("exec", exec_args(COUNT))
+    # What a daemon killed mid-command leaves: the request logged as running, no result.
+    await first.rollouts.log.store.put_entry("job-17/rollout-3", Entry(seq=1, op="exec", digest=digest,
+                                                                        request=readable))
+    await first.aclose()  # a graceful stop keeps the sandbox for the next daemon
+    second = make_engine(tmp_path, fake)
+    await second.start()
+    try:
+        result = await second.exec(info.id, COUNT, seq=1)
+        assert result.exit_code == 255 and b"outcome is" in result.stderr and result.replayed
+        assert ran(second, info.id) == 1
+        entry = (await second.rollouts.log.store.entries("job-17/rollout-3", 1, 1))[0]
+        assert entry.status == "interrupted" and json.loads(entry.response or "{}")["exit_code"] == 255
+    finally:
+        await second.destroy_all()
+        await second.aclose()
+
+
+async def test_output_cap_is_recorded(engine: Engine) -> None:
+    engine.rollouts.log.cap = 10
+    info = await engine.create(spec())
+    live = await engine.exec(info.id, ExecRequest(command="printf 0123456789abcdef"), seq=0)
+    assert live.stdout == b"0123456789abcdef" and live.log_truncated
+    replay = await engine.exec(info.id, ExecRequest(command="printf 0123456789abcdef"), seq=0)
+    assert replay.stdout == b"0123456789" and replay.log_truncated and replay.replayed
+    entry = (await engine.rollouts.log.store.entries("job-17/rollout-3"))[0]
+    assert entry.truncated and entry.original_bytes == 16
+
+
+async def test_lease_expires_without_calls(engine: Engine) -> None:
+    info = await engine.create(spec(lease=0.3))
+    await engine.exec(info.id, COUNT, seq=0)
+    await asyncio.sleep(0.1)
+    await engine.exec(info.id, COUNT, seq=1)  # activity renews the lease
+    assert (await engine.get(info.id)).state == "running"
+    for _ in range(100):
+        if info.id not in engine._records:
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises(SandboxTimeout, match="lease"):
+        await engine.get(info.id)
+
+
+async def test_lost_sandbox_restores_checkpoint_and_reports_missing_effects(engine: Engine) -> None:
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    snap = await engine.snapshot(info.id, seq=1)
+    await engine.exec(info.id, COUNT, seq=2)
+    await engine.write_file(info.id, "/workspace/late.txt", b"late", seq=3)
+    await engine.read_file(info.id, "/workspace/late.txt", seq=4)
+    await engine.destroy(info.id)  # the sandbox is lost
+
+    back = await engine.create(spec())
+    assert back.id != info.id and back.trajectory is not None
+    assert back.trajectory.restored_from == snap.snapshot
+    assert back.trajectory.missing_effects == [2, 3]  # the exec and the write after the checkpoint
+    assert ran(engine, back.id) == 1  # the checkpoint's state: one run, not two
+    # The agent's view fast-forwards as before, including calls whose effects are missing.
+    assert (await engine.exec(back.id, COUNT, seq=2)).stdout.strip() == b"2"
+    assert (await engine.snapshot(back.id, seq=1)).snapshot == snap.snapshot
+    await engine.destroy(back.id)
+
+    rebuilt = await engine.create(spec(rerun_missing=True))
+    assert rebuilt.trajectory is not None and rebuilt.trajectory.rerun == [2, 3]
+    assert rebuilt.trajectory.missing_effects == []
+    assert ran(engine, rebuilt.id) == 2
+    assert await engine.read_file(rebuilt.id, "/workspace/late.txt", seq=4) == b"late"
+
+
+async def test_fork_copies_are_independent(engine: Engine) -> None:
+    info = await engine.create(SandboxSpec(image="base"))
+    await engine.write_file(info.id, "/workspace/x", b"parent")
+    kids = await engine.fork(info.id, 3)
+    assert len({k.id for k in kids}) == 3 and all(k.trajectory is None for k in kids)
+    await engine.write_file(kids[0].id, "/workspace/x", b"kid0")
+    assert [await engine.read_file(k.id, "/workspace/x") for k in kids] == [b"kid0", b"parent", b"parent"]
+    assert await engine.read_file(info.id, "/workspace/x") == b"parent"
+    assert list(engine.snapshots.root.iterdir()) == []  # the fork's temporary snapshot is gone
+
+
+async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "log.db", sync="full")
+    await store.start()
+    await asyncio.gather(*(store.put_entry("t", Entry(seq=i, op="exec", digest=str(i), request="{}"))
+                           for i in range(200)))
+    stats = store.statistics()
+    assert stats["writes"] >= 200 and stats["commits"] < stats["writes"]
+    await store.aclose()
+    again = Trajectories(SQLiteStore(tmp_path / "log.db"))
+    await again.store.start()
+    try:
+        assert [e.seq for e in await again.store.entries("t")] == list(range(200))
+    finally:
+        await again.store.aclose()
+    with pytest.raises(ValueError, match="sync"):
+        SQLiteStore(tmp_path / "x.db", sync="sometimes")
+
+
+async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    await engine.snapshot(info.id, seq=1)
+    await engine.exec(info.id, COUNT, seq=2)
+    await engine.exec(info.id, COUNT, seq=3)
+    branch = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=False)
+    assert branch.trajectory is not None and branch.trajectory.missing_effects == [2]
+    assert branch.trajectory.calls == 3 and ran(engine, branch.id) == 1
+    rebuilt = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=True)
+    assert rebuilt.trajectory is not None and rebuilt.trajectory.rerun == [2]
+    assert ran(engine, rebuilt.id) == 2 and ran(engine, info.id) == 3
+    # The branch replays the shared prefix and diverges from the original after it.
+    assert (await engine.exec(rebuilt.id, COUNT, seq=2)).replayed
+    assert not (await engine.exec(rebuilt.id, ExecRequest(command="true"), seq=3)).replayed
+    with pytest.raises(InvalidRequest, match="log has 4 calls"):
+        await engine.rollouts.branch("job-17/rollout-3", 9, rerun_missing=False)
