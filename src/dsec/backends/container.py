@@ -317,6 +317,7 @@ class ContainerBackend(Backend):
             return
         await asyncio.to_thread(self.network.apply, int(index), policy)
         self._policies[int(index)] = policy
+        self._dns.forget(int(index))
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")

@@ -296,6 +296,9 @@ class DnsProxy:
         self.upstream = upstream_resolver()
         self.servers: dict[int, asyncio.DatagramTransport] = {}
         self.tasks: set[asyncio.Task[bytes | None]] = set()
+        self._open: dict[int, dict[tuple[str, int | None], float]] = {}
+        """Per sandbox: (address, port) -> when its nft element expires (a repeated answer within the
+        first half of that time costs no nft call: a sandbox looping on lookups cannot load the host)."""
 
     async def serve(self, index: int) -> None:
         """Listen for sandbox ``index``'s queries (idempotent)."""
@@ -307,9 +310,14 @@ class DnsProxy:
         self.servers[index] = transport
 
     def stop(self, index: int) -> None:
+        self._open.pop(index, None)
         transport = self.servers.pop(index, None)
         if transport is not None:
             transport.close()
+
+    def forget(self, index: int) -> None:
+        """The sandbox's policy changed (its sets were flushed): open resolved addresses again."""
+        self._open.pop(index, None)
 
     def close(self) -> None:
         for index in list(self.servers):
@@ -345,11 +353,14 @@ class DnsProxy:
                     for rdata in rrset:
                         for entry in entries:
                             opened[(rdata.address, entry.port)] = int(rrset.ttl)
-            if opened:
-                started = time.monotonic()
-                await asyncio.to_thread(_open_all, self.network, index, opened)
-                log.debug("opened %s for sandbox network %d in %.1f ms", opened, index,
-                          (time.monotonic() - started) * 1000)
+            now = time.monotonic()
+            known = self._open.setdefault(index, {})
+            fresh = {key: ttl for key, ttl in opened.items()
+                     if known.get(key, 0.0) - now < max(ttl, _MIN_DNS_TTL) / 2}
+            if fresh:
+                await asyncio.to_thread(_open_all, self.network, index, fresh)
+                for key, ttl in fresh.items():
+                    known[key] = now + max(ttl, _MIN_DNS_TTL)
         return response.to_wire()
 
 
