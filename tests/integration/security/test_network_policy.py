@@ -28,7 +28,11 @@ from dsec.testing import sandbox
 
 pytestmark = [pytest.mark.root]
 
-HOST_IP, PEER_IP = "10.201.7.1", "10.201.7.2"
+# A /30 of 10.201.0.0/16 picked by pid: test runs of other checkouts on this host use other ones.
+_BLOCK = os.getpid() % 16384
+HOST_IP = f"10.201.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 1}"
+PEER_IP = f"10.201.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 2}"
+PEER_NET = f"10.201.{_BLOCK // 64}.{_BLOCK % 64 * 4}/30"
 DNS_PORT = 5353
 NAMES = {"allowed.test": PEER_IP, "other.test": PEER_IP}
 
@@ -65,7 +69,11 @@ class _Upstream:
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((HOST_IP, DNS_PORT))
+        try:
+            self.sock.bind((HOST_IP, DNS_PORT))
+        except OSError:
+            self.sock.close()
+            raise
         self.queries: list[str] = []
         self.closed = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -187,7 +195,7 @@ async def test_allowlist_by_cidr_and_port(backend: ContainerBackend, debian_pyth
     async with sandbox(backend, debian_python_image, network=[f"{PEER_IP}:8080"]) as sb:
         assert await probe(backend, sb, PEER_IP, 8080) == "hello from 8080"
         assert (await probe(backend, sb, PEER_IP, 8081)).startswith("blocked")
-    async with sandbox(backend, debian_python_image, network=["10.201.7.0/30"]) as sb:
+    async with sandbox(backend, debian_python_image, network=[PEER_NET]) as sb:
         assert await probe(backend, sb, PEER_IP, 8081) == "hello from 8081"
 
 
@@ -220,7 +228,7 @@ async def test_agent_cannot_undo_the_policy_from_inside(
         backend: ContainerBackend, debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image, network=[f"{PEER_IP}:8080"]) as sb:
         r = await run(backend, sb, "nft flush ruleset 2>&1; ip route del default 2>&1; "
-                                   "ip addr add 10.201.7.5/30 dev eth0 2>&1; echo done")
+                                   f"ip addr add {HOST_IP}/30 dev eth0 2>&1; echo done")
         assert r.stdout.endswith(b"done\n"), r
         assert (await probe(backend, sb, PEER_IP, 8081)).startswith("blocked")
 
