@@ -265,9 +265,9 @@ class MicroVMBackend(Backend):
             def join() -> None:
                 for p in procs:
                     p.write_text(str(os.getpid()))
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(rundir / "qemu.log", "wb"),
-                                    stderr=subprocess.STDOUT, pass_fds=pass_fds, preexec_fn=join,
-                                    start_new_session=True)
+            with open(rundir / "qemu.log", "wb") as log:
+                return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        pass_fds=pass_fds, preexec_fn=join, start_new_session=True)
 
         proc = await asyncio.to_thread(start)
         record.backend_state.update(qemu_pid=proc.pid, qemu_start=_start_time(proc.pid), cgroups=cg.dirs,
@@ -330,6 +330,13 @@ class MicroVMBackend(Backend):
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:
+        try:
+            await self._create(record, image)
+        except BaseException:
+            await self._destroy_id(record.id, record.backend_state)
+            raise
+
+    async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
         if self._kernel is None:
             raise BackendUnavailable("microvm backend is not started")
         vcpus, mem_mib, disk_bytes = self._shape(record)
@@ -466,6 +473,13 @@ class MicroVMBackend(Backend):
     async def _qmp(self, rundir: Path, commands: list[tuple[str, dict[str, Any]]], fd: int | None = None
                    ) -> list[Any]:
         """Run QMP commands on one connection; ``fd`` rides along the first command (for ``getfd``)."""
+        try:
+            return await self._qmp_once(rundir, commands, fd)
+        except (OSError, ValueError, TimeoutError) as e:
+            raise SandboxError(f"QEMU's monitor failed ({commands[0][0]}): {e}") from None
+
+    async def _qmp_once(self, rundir: Path, commands: list[tuple[str, dict[str, Any]]], fd: int | None
+                        ) -> list[Any]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
@@ -554,7 +568,7 @@ class MicroVMBackend(Backend):
                         continue  # the deadline passed: loop to kill
                     raise SandboxError("the guest agent did not report a killed command's exit") from None
                 except AgentGone as e:
-                    raise SandboxError(f"sandbox {record.id}: {self._vms[record.id].dead or e}") from None
+                    raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
                 if frame.type in captured:
                     buf = captured[frame.type]
                     room = request.max_output - len(buf)
@@ -581,17 +595,35 @@ class MicroVMBackend(Backend):
                 await client.signal(channel, signal.SIGKILL)
             client.close_channel(channel)
 
+    async def _why_gone(self, sandbox_id: str, exc: Exception) -> str:
+        """Why the agent connection ended: QEMU's fate once the watcher has seen it (panic, power-off...)."""
+        vm = self._vms.get(sandbox_id)
+        if vm is not None and vm.watcher is not None:
+            await asyncio.wait({vm.watcher}, timeout=5)
+            if vm.dead:
+                return vm.dead
+        return str(exc)
+
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        return await self._client(record).read(_normalise(path), max_bytes)
+        try:
+            return await self._client(record).read(_normalise(path), max_bytes)
+        except AgentGone as e:
+            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
     async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
         path = _normalise(path)
         if path == "/":
             raise InvalidRequest("cannot write to '/'", path=path)
-        await self._client(record).write(path, data, mode)
+        try:
+            await self._client(record).write(path, data, mode)
+        except AgentGone as e:
+            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
     async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        return await self._client(record).list(_normalise(path))
+        try:
+            return await self._client(record).list(_normalise(path))
+        except AgentGone as e:
+            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record.id)
@@ -637,8 +669,12 @@ class MicroVMBackend(Backend):
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
-        await self._restore(record, rundir, erofs, sdir, vcpus, mem_mib, disk_bytes, ram_from_template=False)
-        await self._prepare(record)
+        try:
+            await self._restore(record, rundir, erofs, sdir, vcpus, mem_mib, disk_bytes, ram_from_template=False)
+            await self._prepare(record)
+        except BaseException:
+            await self._destroy_id(record.id, record.backend_state)
+            raise
 
     async def destroy(self, record: SandboxRecord) -> None:
         await self._destroy_id(record.id, record.backend_state)

@@ -50,7 +50,7 @@ def find_kernel(guest_dir: Path) -> GuestKernel:
         modules = current / "lib" / "modules" / version
         if vmlinuz.is_file() and modules.is_dir():
             return GuestKernel(version, vmlinuz, modules)
-    raise BackendUnavailable(f"no guest kernel in {guest_dir}/kernel: run `dsec guest fetch-kernel` "
+    raise BackendUnavailable(f"no guest kernel in {guest_dir}/kernel: run `python -m dsec.guest.kernel` "
                              f"(or ./scripts/setup), which unpacks Debian's {META_PACKAGE}")
 
 
@@ -91,3 +91,7 @@ def fetch_kernel(guest_dir: Path) -> GuestKernel:
     tmp_link.symlink_to(version)
     tmp_link.replace(link)
     return find_kernel(guest_dir)
+
+
+if __name__ == "__main__":
+    print(fetch_kernel(default_guest_dir()).vmlinuz)

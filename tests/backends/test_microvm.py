@@ -1,0 +1,186 @@
+"""The microvm backend (QEMU -M microvm + guest agent) against the conformance suite, plus what only a VM has:
+its own kernel, snapshot restore with fresh identity, and faults (panic, power-off, agent killed, QEMU killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from container_support import images_dir, short_home
+from dsec.backends.base import ImageRef
+from dsec.backends.microvm import MicroVMBackend
+from dsec.config import Settings
+from dsec.errors import DSecError, InvalidRequest, NotFound, SandboxError
+from dsec.guest.kernel import default_guest_dir, find_kernel
+from dsec.models import ExecRequest
+from dsec.testing import CHECKS, new_record, sandbox
+from dsec.testing.conformance import Check
+
+from conftest import missing
+
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
+
+SMALL = {"memory": "384Mi"}
+
+
+def qemu_pids(tag: str) -> list[int]:
+    """QEMU processes whose runtime directory belongs to this home's tag."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmdline and f"/run/dsec-vm/{tag}/".encode() in cmdline:
+                found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def home() -> Iterator[Path]:
+    try:
+        find_kernel(default_guest_dir())
+    except DSecError as e:
+        missing(str(e))
+    path = short_home("dsec-vm-")
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
+    b = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
+    await b.start()
+    try:
+        yield b
+    finally:
+        removed = await b.cleanup_orphans(set())
+        await b.aclose()
+        left = qemu_pids(b.tag)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_microvm_conforms(check: Check, backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    await asyncio.wait_for(check(backend, debian_python_image), 180)
+
+
+async def test_guest_kernel_is_not_the_host_kernel(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="uname -r; cat /proc/sys/kernel/random/boot_id"))
+        guest_release, guest_boot = r.stdout.decode().split()
+        assert guest_release != os.uname().release and guest_release.endswith("cloud-amd64"), r
+        assert guest_boot != Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        assert sb.backend_state["accel"] in ("kvm", "tcg")
+
+
+async def test_clones_get_fresh_identity(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    cmd = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1"
+    async with sandbox(backend, debian_python_image, **SMALL) as a, sandbox(backend, debian_python_image, **SMALL) as b:
+        assert a.backend_state["start"] == b.backend_state["start"] == "restore", (a.backend_state, b.backend_state)
+        ra = await backend.exec(a, ExecRequest(command=cmd))
+        rb = await backend.exec(b, ExecRequest(command=cmd))
+        la, lb = ra.stdout.splitlines(), rb.stdout.splitlines()
+        assert la[0] == a.id.encode() and lb[0] == b.id.encode()
+        assert la[1] != lb[1] and la[2] != lb[2], (la, lb)
+
+
+async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        await backend.write_file(sb, "/workspace/state.txt", b"before snapshot", None)
+        await backend.pause(sb)
+        run = asyncio.create_task(backend.exec(sb, ExecRequest(command="echo resumed", timeout=30)))
+        await asyncio.sleep(1)
+        assert not run.done(), "a paused VM ran a command"
+        await backend.resume(sb)
+        assert (await run).stdout == b"resumed\n"
+        snap = await backend.snapshot(sb)
+        await backend.write_file(sb, "/workspace/state.txt", b"after snapshot", None)
+        record = new_record("microvm", debian_python_image, **SMALL)
+        try:
+            await backend.restore(record, debian_python_image, snap)
+            assert await backend.read_file(record, "/workspace/state.txt", 100) == b"before snapshot"
+            r = await backend.exec(record, ExecRequest(command="hostname"))
+            assert r.stdout.strip() == record.id.encode()
+        finally:
+            await backend.destroy(record)
+    with pytest.raises(NotFound):
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, "msnap-nope")
+    # a snapshot whose state file is gone is reported as such, and nothing is left running
+    snap_dir = backend.root / "snapshots" / snap
+    (snap_dir / "state").unlink()
+    with pytest.raises(SandboxError, match="state file is missing"):
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, snap)
+
+
+async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        snap = await backend.snapshot(sb)
+    state = backend.root / "snapshots" / snap / "state"
+    state.write_bytes(b"QEVM" + os.urandom(4096))
+    record = new_record("microvm", debian_python_image, **SMALL)
+    try:
+        with pytest.raises(SandboxError):
+            await asyncio.wait_for(backend.restore(record, debian_python_image, snap), 60)
+    finally:
+        await backend.destroy(record)
+    assert qemu_pids(backend.tag) == []
+
+
+@pytest.mark.parametrize("how,reason", [
+    ("echo c > /proc/sysrq-trigger", "panicked"),
+    ("echo o > /proc/sysrq-trigger", "powered off"),
+])
+async def test_guest_death_is_reported(how: str, reason: str, backend: MicroVMBackend,
+                                       debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        with pytest.raises(SandboxError, match=reason):
+            await asyncio.wait_for(backend.exec(sb, ExecRequest(command=how, timeout=30)), 60)
+        with pytest.raises(SandboxError, match=reason):
+            await backend.exec(sb, ExecRequest(command="true"))
+        assert qemu_pids(backend.tag) == []
+
+
+async def test_qemu_killed_mid_exec(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        run = asyncio.create_task(backend.exec(sb, ExecRequest(command="echo started; sleep 60", timeout=90)))
+        await asyncio.sleep(1.5)
+        os.kill(sb.backend_state["qemu_pid"], signal.SIGKILL)
+        with pytest.raises(SandboxError, match="SIGKILL"):
+            await asyncio.wait_for(run, 20)
+
+
+async def test_guest_out_of_memory_kills_the_command_not_the_vm(backend: MicroVMBackend,
+                                                                debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(
+            command="python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 24))'", timeout=120))
+        assert r.exit_code == 128 + 9 and r.signal == 9, r
+        assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
+
+
+async def test_bad_specs_are_refused(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    with pytest.raises(InvalidRequest, match="memory"):
+        await backend.create(new_record("microvm", debian_python_image, memory="64Mi"), debian_python_image)
+    with pytest.raises(InvalidRequest, match="network"):
+        await backend.create(new_record("microvm", debian_python_image, network="allow"), debian_python_image)
+
+
+async def test_killing_the_agent_from_inside_does_not_hang(backend: MicroVMBackend,
+                                                           debian_python_image: ImageRef) -> None:
+    """The agent is the guest's pid 1: the guest kernel refuses even root's SIGKILL to it, so the attempt
+    returns and the sandbox keeps working."""
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await asyncio.wait_for(backend.exec(sb, ExecRequest(command="kill -9 1; kill -SEGV 1; echo tried")), 60)
+        assert r.stdout == b"tried\n", r
+        assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
