@@ -165,7 +165,8 @@ async def test_guest_out_of_memory_kills_the_command_not_the_vm(backend: MicroVM
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
         r = await backend.exec(sb, ExecRequest(
             command="python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 24))'", timeout=120))
-        assert r.exit_code == 128 + 9 and r.signal == 9, r
+        # sh reports its child's SIGKILL as 137; the agent saw the guest's OOM killer act
+        assert r.exit_code == 128 + 9 and r.limit == "memory", r
         assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
 
 

@@ -33,11 +33,11 @@ def frame(ftype: int, channel: int, payload: bytes = b"") -> bytes:
 
 
 def test_parser_splits_frames_across_reads() -> None:
-    data = frame(T.READY, 0) + frame(T.STDOUT, 3, b"hello") + frame(T.EXIT, 3, struct.pack(">iB", 0, 0))
+    data = frame(T.READY, 0) + frame(T.STDOUT, 3, b"hello") + frame(T.EXIT, 3, struct.pack(">iBB", 0, 0, 0))
     parser = FrameParser()
     got = [f for i in range(len(data)) for f in parser.feed(data[i:i + 1])]
     assert [(f.type, f.channel, f.payload) for f in got] == [
-        (T.READY, 0, b""), (T.STDOUT, 3, b"hello"), (T.EXIT, 3, b"\0\0\0\0\0")]
+        (T.READY, 0, b""), (T.STDOUT, 3, b"hello"), (T.EXIT, 3, b"\0\0\0\0\0\0")]
 
 
 @pytest.mark.parametrize("bad", [
@@ -54,7 +54,7 @@ def test_parser_rejects_malformed_frames(bad: bytes) -> None:
 
 def test_parser_fuzz() -> None:
     rng = random.Random(5)
-    valid = frame(T.STDOUT, 1, b"x" * 100) + frame(T.EXIT, 1, b"\0\0\0\0\0")
+    valid = frame(T.STDOUT, 1, b"x" * 100) + frame(T.EXIT, 1, b"\0\0\0\0\0\0")
     for _ in range(3000):
         data = bytearray(valid if rng.random() < 0.5 else os.urandom(rng.randrange(1, 300)))
         for _ in range(rng.randrange(0, 6)):
@@ -75,9 +75,10 @@ def test_parser_fuzz() -> None:
 
 
 def test_exit_and_list_payloads_are_checked() -> None:
-    assert parse_exit(struct.pack(">iB", 137, 9)) == (137, 9)
-    assert parse_exit(struct.pack(">iB", 3, 0)) == (3, None)
-    for bad in (b"", b"\0" * 4, struct.pack(">iB", -1, 0), struct.pack(">iB", 0, 200)):
+    assert parse_exit(struct.pack(">iBB", 137, 9, 1)) == (137, 9, True)
+    assert parse_exit(struct.pack(">iBB", 3, 0, 0)) == (3, None, False)
+    for bad in (b"", b"\0" * 5, struct.pack(">iBB", -1, 0, 0), struct.pack(">iBB", 0, 200, 0),
+                struct.pack(">iBB", 0, 0, 7)):
         with pytest.raises(ProtocolError):
             parse_exit(bad)
     rec = struct.pack(">BIQQH", ord("f"), 0o100644, 5, 10**18, 3) + b"a.t"

@@ -580,8 +580,10 @@ class MicroVMBackend(Backend):
                         limit = "output"
                         await client.signal(channel, signal.SIGKILL)
                 elif frame.type == T.EXIT:
-                    code, sig = parse_exit(frame.payload)
+                    code, sig, oom = parse_exit(frame.payload)
                     finished = True
+                    if oom and code != 0 and limit is None:
+                        limit = "memory"
                     yield ExecEvent(type="exit", result=ExecResult(
                         exit_code=code, stdout=bytes(captured[T.STDOUT]), stderr=bytes(captured[T.STDERR]),
                         duration_s=time.monotonic() - start, truncated=limit == "output", signal=sig,

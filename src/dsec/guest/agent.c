@@ -53,6 +53,7 @@ struct chan {
     int in_eof;
     int exited, status;
     long long exit_ms;
+    long oom_before;      /* exec: the guest's oom_kill count when it started */
     int wfd;              /* write: temp file */
     char *wpath, *wtmp;
     mode_t wmode;
@@ -124,6 +125,19 @@ static struct chan *new_chan(uint32_t id) {
             return &chans[i];
         }
     return NULL;
+}
+
+/* The guest kernel's OOM-kill counter (/proc/vmstat oom_kill); -1 when unreadable. */
+static long oom_kills(void) {
+    char buf[8192];
+    int fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strstr(buf, "\noom_kill ");
+    return p ? atol(p + 10) : -1;
 }
 
 static void close_fd(int *fd) {
@@ -202,6 +216,7 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len) {
     c->in_fd = in[1]; c->out_fd = out[0]; c->err_fd = err[0];
     if (pid < 0) { send_error(id, fork_errno, "fork"); free_chan(c); return; }
     c->pid = pid;
+    c->oom_before = oom_kills();
     fcntl(c->in_fd, F_SETFL, O_NONBLOCK);
     fcntl(c->out_fd, F_SETFL, O_NONBLOCK);
     fcntl(c->err_fd, F_SETFL, O_NONBLOCK);
@@ -429,12 +444,16 @@ static int pump(struct chan *c, int *fd, int type) {
     return 0;
 }
 
+/* EXIT payload: i32 exit code (128+N when killed by N) | u8 signal | u8 flags (1: the guest OOM-killed
+ * something while the command ran). */
 static void finish_exec(struct chan *c) {
-    unsigned char r[5];
+    unsigned char r[6];
     int code = WIFEXITED(c->status) ? WEXITSTATUS(c->status) : 128 + WTERMSIG(c->status);
     put32(r, (uint32_t)code);
     r[4] = WIFSIGNALED(c->status) ? (unsigned char)WTERMSIG(c->status) : 0;
-    send_frame(T_EXIT, c->id, r, 5);
+    long oom = oom_kills();
+    r[5] = (c->oom_before >= 0 && oom > c->oom_before) ? 1 : 0;
+    send_frame(T_EXIT, c->id, r, 6);
     free_chan(c);
 }
 

@@ -87,14 +87,14 @@ def encode(ftype: int, channel: int, payload: bytes = b"") -> bytes:
     return _HDR.pack(len(payload) + 5, ftype, channel) + payload
 
 
-def parse_exit(payload: bytes) -> tuple[int, int | None]:
-    """``(exit_code, signal)`` of an EXIT frame."""
-    if len(payload) != 5:
+def parse_exit(payload: bytes) -> tuple[int, int | None, bool]:
+    """``(exit_code, signal, oom)`` of an EXIT frame; ``oom``: the guest OOM-killed something meanwhile."""
+    if len(payload) != 6:
         raise ProtocolError(f"malformed exit frame ({len(payload)} bytes)")
-    code, sig = struct.unpack(">iB", payload)
-    if not 0 <= code <= 255 + 128 or sig > 64:
-        raise ProtocolError(f"impossible exit status {code} / signal {sig}")
-    return code, (sig or None)
+    code, sig, flags = struct.unpack(">iBB", payload)
+    if not 0 <= code <= 255 + 128 or sig > 64 or flags > 1:
+        raise ProtocolError(f"impossible exit status {code} / signal {sig} / flags {flags}")
+    return code, (sig or None), bool(flags)
 
 
 _LIST_REC = struct.Struct(">BIQQH")
