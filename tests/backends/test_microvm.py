@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import missing
 from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
@@ -20,8 +21,6 @@ from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
-
-from conftest import missing
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
 

@@ -50,6 +50,9 @@ _MIN_MEMORY = 128 * MiB
 # QEMU's own memory (TCG translation cache, device models) on top of guest RAM, for the cgroup limit.
 _QEMU_OVERHEAD = 384 * MiB
 _BOOT_TIMEOUT = 60.0
+# QEMU's threads (vCPUs, I/O, RCU...): the spec's pids limit is for guest processes, which the guest kernel
+# counts; the host cgroup only needs to stop a runaway QEMU.
+_QEMU_PIDS = 256
 # TCG cannot calibrate the TSC on -M microvm without these (see PLATFORM.md); harmless under KVM.
 _CMDLINE = "console=ttyS0 panic=-1 oops=panic tsc_early_khz=2000000 tsc=reliable quiet loglevel=4"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -228,36 +231,36 @@ class MicroVMBackend(Backend):
     def _cgroups(self, sandbox_id: str) -> CgroupSet:
         return CgroupSet.at(f"/{self.cgroup_parent}/{sandbox_id}")
 
-    def _make_cgroups(self, sandbox_id: str, vcpus: int, mem_mib: int, pids: int) -> CgroupSet:
+    def _make_cgroups(self, sandbox_id: str, vcpus: int, mem_mib: int) -> CgroupSet:
         cg = self._cgroups(sandbox_id)
         limit = mem_mib * MiB + _QEMU_OVERHEAD
         if cgroup_mode() == "v2":
-            d = Path(cg.dirs["unified"])
-            d.mkdir(parents=True, exist_ok=True)
+            unified = Path(cg.dirs["unified"])
+            unified.mkdir(parents=True, exist_ok=True)
             for name, value in (("memory.max", str(limit)), ("cpu.max", f"{vcpus * 100000} 100000"),
-                                ("pids.max", str(pids))):
+                                ("pids.max", str(_QEMU_PIDS))):
                 with contextlib.suppress(OSError):
-                    (d / name).write_text(value)
+                    (unified / name).write_text(value)
             return cg
         wanted = {"memory": [("memory.limit_in_bytes", str(limit))],
                   "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(vcpus * 100000))],
-                  "pids": [("pids.max", "512")], "cpuacct": [], "freezer": []}
-        dirs = {}
-        for name, d in cg.dirs.items():
+                  "pids": [("pids.max", str(_QEMU_PIDS))], "cpuacct": [], "freezer": []}
+        dirs: dict[str, str] = {}
+        for name, path in cg.dirs.items():
             controllers = set(name.split(","))
             if not controllers & wanted.keys():
                 continue
-            Path(d).mkdir(parents=True, exist_ok=True)
-            dirs[name] = d
+            Path(path).mkdir(parents=True, exist_ok=True)
+            dirs[name] = path
             for ctrl in controllers & wanted.keys():
                 for fname, value in wanted[ctrl]:
-                    (Path(d) / fname).write_text(value)
+                    (Path(path) / fname).write_text(value)
         return CgroupSet(mode="v1", dirs=dirs)
 
     async def _spawn(self, record: SandboxRecord, rundir: Path, cmd: list[str], pass_fds: tuple[int, ...] = ()
                      ) -> _VM:
         vcpus, mem_mib, _ = self._shape(record)
-        cg = await asyncio.to_thread(self._make_cgroups, record.id, vcpus, mem_mib, record.spec.pids)
+        cg = await asyncio.to_thread(self._make_cgroups, record.id, vcpus, mem_mib)
         procs = [Path(p) for p in cg.procs_files()]
 
         def start() -> subprocess.Popen[bytes]:
@@ -591,7 +594,8 @@ class MicroVMBackend(Backend):
                     return
                 elif frame.type == T.ERROR:
                     finished = True
-                    raise SandboxError(f"guest agent could not run the command: {frame.payload[4:300].decode(errors='replace')}")
+                    detail = frame.payload[4:300].decode(errors="replace")
+                    raise SandboxError(f"guest agent could not run the command: {detail}")
         finally:
             if not finished:
                 await client.signal(channel, signal.SIGKILL)

@@ -11,12 +11,14 @@ This module does no QEMU management; :mod:`dsec.backends.microvm` owns the VM.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import errno
 import itertools
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Literal
 
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import FileEntry
@@ -98,7 +100,8 @@ def parse_exit(payload: bytes) -> tuple[int, int | None, bool]:
 
 
 _LIST_REC = struct.Struct(">BIQQH")
-_KINDS = {ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
+_KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {
+    ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
 
 
 def parse_list(directory: str, payload: bytes) -> list[FileEntry]:
@@ -114,7 +117,7 @@ def parse_list(directory: str, payload: bytes) -> list[FileEntry]:
         if len(raw) != nlen or kind not in _KINDS or not raw or b"/" in raw or b"\0" in raw or raw in (b".", b".."):
             raise ProtocolError("malformed directory entry")
         name = raw.decode(errors="surrogateescape")
-        out.append(FileEntry(name=name, path=f"{directory.rstrip('/')}/{name}", type=_KINDS[kind],  # type: ignore[arg-type]
+        out.append(FileEntry(name=name, path=f"{directory.rstrip('/')}/{name}", type=_KINDS[kind],
                              size=size, mode=mode & 0o7777, mtime=mtime_ns / 1e9))
     return out
 
@@ -283,7 +286,7 @@ class AgentClient:
         finally:
             self.close_channel(channel)
 
-    async def list(self, path: str) -> list[FileEntry]:
+    async def list(self, path: str) -> builtins.list[FileEntry]:
         return [e for chunk in await self._simple(T.LIST, _path(path), path) for e in parse_list(path, chunk)]
 
     async def mkdir(self, path: str) -> None:
@@ -295,7 +298,7 @@ class AgentClient:
     async def shutdown(self) -> None:
         await self._simple(T.SHUTDOWN, b"", "", 10.0)
 
-    async def start_exec(self, argv: list[str], env: dict[str, str], cwd: str) -> int:
+    async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str) -> int:
         """Start a command; returns its channel (read it with :meth:`next_frame`)."""
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
