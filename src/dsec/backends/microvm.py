@@ -40,7 +40,7 @@ from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
-from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxStats
+from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
 __all__ = ["MicroVMBackend", "probe_accelerator"]
 
@@ -662,6 +662,15 @@ class MicroVMBackend(Backend):
                 await self._qmp(Path(record.backend_state["rundir"]), [("cont", {})])
         return snap_id
 
+    def snapshot_spec(self, snapshot_id: str) -> SandboxSpec | None:
+        if not snapshot_id.startswith("msnap-") or "/" in snapshot_id:
+            return None
+        try:
+            meta = json.loads((self.root / "snapshots" / snapshot_id / "meta.json").read_text())
+            return SandboxSpec.model_validate(meta["spec"])
+        except (OSError, ValueError, KeyError):
+            return None
+
     async def restore(self, record: SandboxRecord, image: ImageRef, snapshot_id: str) -> None:
         """Create ``record`` from a snapshot made by :meth:`snapshot` (same image and shape)."""
         sdir = self.root / "snapshots" / snapshot_id
@@ -752,9 +761,7 @@ class MicroVMBackend(Backend):
         return orphans
 
 
-def record_spec(image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> Any:
-    from dsec.models import SandboxSpec
-
+def record_spec(image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> SandboxSpec:
     return SandboxSpec(image=image.name, backend="microvm", cpu=vcpus, memory=mem_mib * MiB, disk=disk_bytes)
 
 
