@@ -184,3 +184,25 @@ async def test_killing_the_agent_from_inside_does_not_hang(backend: MicroVMBacke
         r = await asyncio.wait_for(backend.exec(sb, ExecRequest(command="kill -9 1; kill -SEGV 1; echo tried")), 60)
         assert r.stdout == b"tried\n", r
         assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
+
+
+async def test_hibernate_releases_ram_and_resume_restores_everything(backend: MicroVMBackend,
+                                                                     debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="sleep 1000 >/dev/null 2>&1 & echo $!"))
+        pid = int(r.stdout)
+        await backend.write_file(sb, "/workspace/f", b"kept", None)
+        qemu = sb.backend_state["qemu_pid"]
+        await backend.hibernate(sb)
+        assert not Path(f"/proc/{qemu}").exists() or Path(f"/proc/{qemu}/stat").read_text().split()[2] == "Z"
+        assert qemu_pids(backend.tag) == [], "QEMU still holds the VM's memory"
+        with pytest.raises(SandboxError):
+            await backend.exec(sb, ExecRequest(command="true"))
+        await backend.resume(sb)
+        r = await backend.exec(sb, ExecRequest(command=f"kill -0 {pid} && hostname && cat f"))
+        assert r.exit_code == 0 and r.stdout == sb.id.encode() + b"\nkept", r
+        # a hibernated sandbox whose saved state vanished says so on resume
+        await backend.hibernate(sb)
+        (Path(sb.backend_state["hibernated"]) / "state").unlink()
+        with pytest.raises(SandboxError, match="saved state .* is missing"):
+            await backend.resume(sb)

@@ -110,7 +110,8 @@ class MicroVMBackend(Backend):
     name = "microvm"
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
-                 accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
+                 accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
+                 hibernate_on_pause: bool | None = None) -> None:
         self.settings = settings or Settings()
         self.guest_dir = guest_dir or default_guest_dir()
         self.root = self.settings.home / "microvm"
@@ -122,6 +123,9 @@ class MicroVMBackend(Backend):
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
         self.accel_reason = "forced" if self.accel else ""
         self.fast_start = fast_start
+        # Idle RL sandboxes can be paused for minutes: saving them to disk frees their RAM for others.
+        self.hibernate_on_pause = (os.environ.get("DSEC_MICROVM_HIBERNATE") == "1" if hibernate_on_pause is None
+                                   else hibernate_on_pause)
         self.qemu_user = qemu_user
         self._kernel: GuestKernel | None = None
         self._initramfs: Path | None = None
@@ -344,7 +348,7 @@ class MicroVMBackend(Backend):
             raise BackendUnavailable("microvm backend is not started")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
-        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel}
+        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -637,12 +641,55 @@ class MicroVMBackend(Backend):
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current())
 
     async def pause(self, record: SandboxRecord) -> None:
+        """Stop the vCPUs (QMP ``stop``); with ``hibernate_on_pause`` also save the VM and release its RAM."""
+        if self.hibernate_on_pause:
+            await self.hibernate(record)
+            return
         vm = self._vm(record)
         await self._qmp(vm.rundir, [("stop", {})])
 
     async def resume(self, record: SandboxRecord) -> None:
+        if record.backend_state.get("hibernated"):
+            await self._wake(record)
+            return
         vm = self._vm(record)
         await self._qmp(vm.rundir, [("cont", {})])
+
+    async def hibernate(self, record: SandboxRecord) -> None:
+        """Save the whole VM to disk and end its QEMU, giving its memory back to the host; resume restores it
+        (same identity, processes and files)."""
+        self._vm(record)
+        target = self.root / "hibernated" / record.id
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._save(record, target / "state")
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            with contextlib.suppress(SandboxError):
+                await self._qmp(Path(record.backend_state["rundir"]), [("cont", {})])
+            raise
+        await self._kill(record.id, record.backend_state)
+        rundir = self.run_root / record.id
+        for f in rundir.iterdir():
+            f.unlink()
+        record.backend_state.update(hibernated=str(target), qemu_pid=None, qemu_start=None)
+
+    async def _wake(self, record: SandboxRecord) -> None:
+        target = Path(record.backend_state["hibernated"])
+        if not (target / "state").is_file():
+            raise SandboxError(f"sandbox {record.id} cannot wake: its saved state {target / 'state'} is missing")
+        vcpus, mem_mib, disk_bytes = self._shape(record)
+        rundir = self.run_root / record.id
+        rundir.mkdir(mode=0o711, exist_ok=True)
+        self._chown(rundir)
+        try:
+            await self._restore(record, rundir, Path(record.backend_state["erofs"]), target, vcpus, mem_mib,
+                                disk_bytes, ram_from_template=False)
+        except BaseException:
+            await self._kill(record.id, record.backend_state)
+            raise
+        record.backend_state.pop("hibernated")
+        shutil.rmtree(target, ignore_errors=True)
 
     async def snapshot(self, record: SandboxRecord) -> str:
         """Save the whole VM (RAM, devices, the tmpfs writable layer) to ``snapshots/<id>/state``."""
@@ -680,7 +727,8 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"snapshot {snapshot_id} is incomplete: its state file is missing")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
-        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot"}
+        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",
+                                "erofs": str(erofs)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -724,8 +772,12 @@ class MicroVMBackend(Backend):
         await self._kill(sandbox_id, state)
         rundir = self.run_root / sandbox_id
         await asyncio.to_thread(shutil.rmtree, rundir, True)
+        await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
 
     async def recover(self, record: SandboxRecord) -> bool:
+        if record.backend_state.get("hibernated"):
+            record.state = "paused"
+            return (Path(record.backend_state["hibernated"]) / "state").is_file()
         pid = record.backend_state.get("qemu_pid")
         rundir = record.backend_state.get("rundir")
         if not pid or not rundir or _start_time(pid) != record.backend_state.get("qemu_start"):
