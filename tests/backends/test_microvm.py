@@ -204,5 +204,5 @@ async def test_hibernate_releases_ram_and_resume_restores_everything(backend: Mi
         # a hibernated sandbox whose saved state vanished says so on resume
         await backend.hibernate(sb)
         (Path(sb.backend_state["hibernated"]) / "state").unlink()
-        with pytest.raises(SandboxError, match="saved state .* is missing"):
+        with pytest.raises(SandboxError, match=r"saved state .* is missing"):
             await backend.resume(sb)
