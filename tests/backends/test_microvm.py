@@ -206,3 +206,36 @@ async def test_hibernate_releases_ram_and_resume_restores_everything(backend: Mi
         (Path(sb.backend_state["hibernated"]) / "state").unlink()
         with pytest.raises(SandboxError, match=r"saved state .* is missing"):
             await backend.resume(sb)
+
+
+async def test_a_restarted_backend_re_adopts_running_vms(home: Path, backend: MicroVMBackend,
+                                                         debian_python_image: ImageRef) -> None:
+    """What a daemon restart does: a new backend recovers the record and talks to the same guest."""
+    record = new_record("microvm", debian_python_image, **SMALL)
+    await backend.create(record, debian_python_image)
+    second = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
+    try:
+        await backend.exec(record, ExecRequest(command="echo before > /workspace/mark"))
+        await backend.aclose()  # the old daemon goes away; its VMs keep running
+        await second.start()
+        assert await second.recover(record)
+        r = await second.exec(record, ExecRequest(command="cat /workspace/mark; hostname"))
+        assert r.stdout == b"before\n" + record.id.encode() + b"\n", r
+    finally:
+        await second.destroy(record)
+        await second.aclose()
+    assert not await second.recover(record)
+
+
+async def test_orphan_sweep_leaves_the_container_backends_sandboxes_alone(home: Path, backend: MicroVMBackend,
+                                                                          debian_python_image: ImageRef) -> None:
+    """Both backends share a DSEC_HOME in a daemon: the microvm sweep must not take container sandboxes for
+    its own orphans (it once killed them through their cgroups), nor the container sweep microvm ones."""
+    from container_support import started_backend
+
+    async with started_backend(home, images_dir()) as containers, \
+            sandbox(containers, debian_python_image) as box, sandbox(backend, debian_python_image, **SMALL) as vm:
+        assert await backend.cleanup_orphans({vm.id}) == []
+        assert await containers.cleanup_orphans({box.id}) == []
+        assert (await containers.exec(box, ExecRequest(command="echo ok"))).stdout == b"ok\n"
+        assert (await backend.exec(vm, ExecRequest(command="echo ok"))).stdout == b"ok\n"

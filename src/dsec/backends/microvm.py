@@ -58,6 +58,11 @@ _CMDLINE = "console=ttyS0 panic=-1 oops=panic tsc_early_khz=2000000 tsc=reliable
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+_DETACHED: dict[int, subprocess.Popen[bytes]] = {}
+"""QEMUs this process started whose backend was closed (they keep running for a later ``recover``); kept so
+that they are reaped, by whichever backend destroys them, instead of lingering as zombies."""
+
+
 def _start_time(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -117,12 +122,16 @@ class MicroVMBackend(Backend):
         self.root = self.settings.home / "microvm"
         tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
         self.tag = tag
-        self.cgroup_parent = f"dsec-{tag}"
+        # Below the home's dsec-<tag> cgroup, in a directory of its own: each backend's orphan sweep treats
+        # every sb-* cgroup under its parent as its own, so the two backends must never share a parent.
+        self.cgroup_parent = f"dsec-{tag}/microvm"
         # Unix socket paths must fit in 108 bytes: runtime directories live under /run, not DSEC_HOME.
         self.run_root = Path("/run/dsec-vm") / tag
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
         self.accel_reason = "forced" if self.accel else ""
         self.fast_start = fast_start
+        self.fast_start_failures = 0
+        """Creates that fell back to a cold boot because the template restore failed."""
         # Idle RL sandboxes can be paused for minutes: saving them to disk frees their RAM for others.
         self.hibernate_on_pause = (os.environ.get("DSEC_MICROVM_HIBERNATE") == "1" if hibernate_on_pause is None
                                    else hibernate_on_pause)
@@ -162,6 +171,8 @@ class MicroVMBackend(Backend):
         for vm in list(self._vms.values()):
             if vm.watcher is not None:
                 vm.watcher.cancel()
+            if vm.proc is not None and vm.proc.poll() is None:
+                _DETACHED[vm.pid] = vm.proc
             if vm.client is not None:
                 await vm.client.aclose()
         self._vms.clear()
@@ -171,6 +182,7 @@ class MicroVMBackend(Backend):
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+                os.rmdir(Path(d).parent)  # dsec-<tag>, unless the container backend still uses it
 
     # -- images, templates ----------------------------------------------------------------------------
 
@@ -363,7 +375,7 @@ class MicroVMBackend(Backend):
                 await self._kill(record.id, record.backend_state)
                 for f in rundir.iterdir():
                     f.unlink()
-                self.fast_start_failures = getattr(self, "fast_start_failures", 0) + 1
+                self.fast_start_failures += 1
             else:
                 await self._prepare(record)
                 return
@@ -750,8 +762,9 @@ class MicroVMBackend(Backend):
         if pid and _start_time(pid) == state.get("qemu_start"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if vm is not None and vm.proc is not None:
-            await asyncio.to_thread(vm.proc.wait)
+        proc = vm.proc if vm is not None and vm.proc is not None else _DETACHED.pop(pid, None) if pid else None
+        if proc is not None:
+            await asyncio.to_thread(proc.wait)
         if vm is not None and vm.watcher is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(vm.watcher, 5)

@@ -12,7 +12,6 @@ import gzip
 import hashlib
 import io
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -131,12 +130,3 @@ def build_initramfs(kernel: GuestKernel, directory: Path) -> Path:
         f.write(gzip.compress(_cpio(files), compresslevel=1))
     os.replace(tmp, target)
     return target
-
-
-def remove_stale(directory: Path, keep: Path) -> None:
-    """Drop older initramfs builds (best effort)."""
-    for old in directory.glob("initramfs-*.cpio.gz"):
-        if old != keep:
-            with __import__("contextlib").suppress(OSError):
-                old.unlink()
-    shutil.rmtree(directory / "tmp", ignore_errors=True)

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import itertools
 import struct
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -323,9 +322,3 @@ class AgentClient:
 
 def _path(path: str) -> bytes:
     return path.encode() + b"\0"
-
-
-async def frames(client: AgentClient, channel: int) -> AsyncIterator[Frame]:
-    """Every frame of ``channel`` until the connection dies."""
-    while True:
-        yield await client.next_frame(channel)
