@@ -239,3 +239,19 @@ async def test_orphan_sweep_leaves_the_container_backends_sandboxes_alone(home: 
         assert await containers.cleanup_orphans({box.id}) == []
         assert (await containers.exec(box, ExecRequest(command="echo ok"))).stdout == b"ok\n"
         assert (await backend.exec(vm, ExecRequest(command="echo ok"))).stdout == b"ok\n"
+
+
+async def test_console_flood_is_bounded_and_the_panic_still_named(backend: MicroVMBackend,
+                                                                   debian_python_image: ImageRef) -> None:
+    """The guest writes what it likes to its serial console: the host keeps only a bounded tail."""
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="head -c 300000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo done",
+                                               timeout=120))
+        assert r.stdout == b"done\n", r
+        vm = backend._vms[sb.id]
+        await asyncio.sleep(0.5)
+        assert 0 < len(vm.console) <= 64 * 1024
+        assert not list(Path(sb.backend_state["rundir"]).glob("*.log*")) or \
+            all(p.stat().st_size < 64 * 1024 for p in Path(sb.backend_state["rundir"]).glob("*.log"))
+        with pytest.raises(SandboxError, match="panicked"):
+            await asyncio.wait_for(backend.exec(sb, ExecRequest(command="echo c > /proc/sysrq-trigger")), 60)

@@ -29,7 +29,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ _MIN_MEMORY = 128 * MiB
 # QEMU's own memory (TCG translation cache, device models) on top of guest RAM, for the cgroup limit.
 _QEMU_OVERHEAD = 384 * MiB
 _BOOT_TIMEOUT = 60.0
+# The serial console is read into memory and only its tail kept: the guest controls what it writes, so a
+# file would let it fill the host's disk (or /run's RAM).
+_CONSOLE_TAIL = 64 * 1024
 # QEMU's threads (vCPUs, I/O, RCU...): the spec's pids limit is for guest processes, which the guest kernel
 # counts; the host cgroup only needs to stop a runaway QEMU.
 _QEMU_PIDS = 256
@@ -107,6 +110,9 @@ class _VM:
     client: AgentClient | None = None
     watcher: asyncio.Task[None] | None = None
     dead: str | None = None
+    console: bytearray = field(default_factory=bytearray)
+    """The last :data:`_CONSOLE_TAIL` bytes of the guest's serial console (panic messages land here)."""
+    console_task: asyncio.Task[None] | None = None
 
 
 class MicroVMBackend(Backend):
@@ -169,8 +175,9 @@ class MicroVMBackend(Backend):
 
     async def aclose(self) -> None:
         for vm in list(self._vms.values()):
-            if vm.watcher is not None:
-                vm.watcher.cancel()
+            for task in (vm.watcher, vm.console_task):
+                if task is not None:
+                    task.cancel()
             if vm.proc is not None and vm.proc.poll() is None:
                 _DETACHED[vm.pid] = vm.proc
             if vm.client is not None:
@@ -231,7 +238,7 @@ class MicroVMBackend(Backend):
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-sandbox", sandbox,
             "-kernel", str(self._kernel.vmlinuz), "-initrd", str(self._initramfs),
             "-append", f"{_CMDLINE} dsec.disk={disk_bytes}",
-            "-chardev", f"file,id=con,path={rundir / 'console.log'}", "-serial", "chardev:con",
+            "-chardev", f"socket,id=con,path={rundir / 'console.sock'},server=on,wait=off", "-serial", "chardev:con",
             "-drive", f"id=root,file={disk},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device",
@@ -292,9 +299,34 @@ class MicroVMBackend(Backend):
         record.backend_state.update(qemu_pid=proc.pid, qemu_start=_start_time(proc.pid), cgroups=cg.dirs,
                                     rundir=str(rundir))
         vm = _VM(pid=proc.pid, proc=proc, rundir=rundir)
-        self._vms[record.id] = vm
-        vm.watcher = asyncio.create_task(self._watch(record.id, vm), name=f"dsec-vm-{record.id}")
+        self._adopt(record.id, vm)
         return vm
+
+    def _adopt(self, sandbox_id: str, vm: _VM) -> None:
+        self._vms[sandbox_id] = vm
+        vm.console_task = asyncio.create_task(self._read_console(vm), name=f"dsec-vm-console-{sandbox_id}")
+        vm.watcher = asyncio.create_task(self._watch(sandbox_id, vm), name=f"dsec-vm-{sandbox_id}")
+
+    async def _read_console(self, vm: _VM) -> None:
+        """Keep the tail of the guest's serial console until QEMU closes it."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(vm.rundir / "console.sock"))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if vm.dead or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(0.01)
+        try:
+            while data := await reader.read(65536):
+                vm.console += data
+                if len(vm.console) > _CONSOLE_TAIL:
+                    del vm.console[:-_CONSOLE_TAIL]
+        except OSError:
+            pass
+        finally:
+            writer.close()
 
     async def _watch(self, sandbox_id: str, vm: _VM) -> None:
         """Notice QEMU's death at once (pidfd), record why, and fail every waiter on its agent."""
@@ -312,15 +344,15 @@ class MicroVMBackend(Backend):
                 loop.remove_reader(fd)
                 os.close(fd)
         code = await asyncio.to_thread(vm.proc.wait) if vm.proc is not None else None
+        if vm.console_task is not None:
+            await asyncio.wait({vm.console_task}, timeout=2)  # the console's last words, if any
         vm.dead = self._death_reason(vm, code)
         if vm.client is not None:
             vm.client.mark_dead(vm.dead)
 
     @staticmethod
     def _death_reason(vm: _VM, code: int | None) -> str:
-        console = ""
-        with contextlib.suppress(OSError):
-            console = (vm.rundir / "console.log").read_text(errors="replace")
+        console = vm.console.decode(errors="replace")
         for line in console.splitlines():
             if "Kernel panic" in line:
                 return f"guest kernel panicked: {line.split(']', 1)[-1].strip()[:200]}"
@@ -768,6 +800,10 @@ class MicroVMBackend(Backend):
         if vm is not None and vm.watcher is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(vm.watcher, 5)
+        if vm is not None and vm.console_task is not None:
+            vm.console_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await vm.console_task
         if vm is not None and vm.client is not None:
             await vm.client.aclose()
         cg = self._cgroups(sandbox_id)
@@ -796,8 +832,7 @@ class MicroVMBackend(Backend):
         if not pid or not rundir or _start_time(pid) != record.backend_state.get("qemu_start"):
             return False
         vm = _VM(pid=pid, proc=None, rundir=Path(rundir))
-        self._vms[record.id] = vm
-        vm.watcher = asyncio.create_task(self._watch(record.id, vm))
+        self._adopt(record.id, vm)
         try:
             vm.client = await self._connect(vm, 5)
             await vm.client.ping(timeout=10)
