@@ -129,7 +129,7 @@ async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_py
     state.write_bytes(b"QEVM" + os.urandom(4096))
     record = new_record("microvm", debian_python_image, **SMALL)
     try:
-        with pytest.raises(SandboxError):
+        with pytest.raises(SandboxError, match="restoring msnap-.* failed: QEMU exited"):
             await asyncio.wait_for(backend.restore(record, debian_python_image, snap), 60)
     finally:
         await backend.destroy(record)
@@ -255,3 +255,31 @@ async def test_console_flood_is_bounded_and_the_panic_still_named(backend: Micro
             all(p.stat().st_size < 64 * 1024 for p in Path(sb.backend_state["rundir"]).glob("*.log"))
         with pytest.raises(SandboxError, match="panicked"):
             await asyncio.wait_for(backend.exec(sb, ExecRequest(command="echo c > /proc/sysrq-trigger")), 60)
+
+
+async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: MicroVMBackend,
+                                                                       debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as first:
+        assert first.backend_state["start"] == "restore"
+    [template] = [d for d in (backend.root / "templates").iterdir() if (d / "state").is_file()
+                  and '"memory_mib": 384' in (d / "meta.json").read_text()]
+    (template / "state").write_bytes(os.urandom(1000))
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "boot" and "restoring" in sb.backend_state["restore_error"], \
+            sb.backend_state
+        assert (await backend.exec(sb, ExecRequest(command="echo booted"))).stdout == b"booted\n"
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "restore", "the corrupt template was not rebuilt"
+
+
+async def test_vcpus_and_disk_limits(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, cpu=2, memory="384Mi", disk="64Mi") as sb:
+        r = await backend.exec(sb, ExecRequest(command="nproc; grep MemTotal /proc/meminfo"))
+        nproc, memtotal = r.stdout.decode().splitlines()
+        assert nproc == "2" and 300_000 < int(memtotal.split()[1]) <= 384 * 1024, r
+        r = await backend.exec(sb, ExecRequest(command="head -c 100000000 /dev/zero > big", timeout=120))
+        assert r.exit_code != 0 and b"No space left" in r.stderr, r
+        with pytest.raises(SandboxError, match="disk is full"):
+            await backend.write_file(sb, "/workspace/more", os.urandom(80 * 1024 * 1024), None)
+        await backend.exec(sb, ExecRequest(command="rm -f big"))
+        await backend.write_file(sb, "/workspace/small", b"fits again", None)

@@ -408,6 +408,12 @@ class MicroVMBackend(Backend):
                 for f in rundir.iterdir():
                     f.unlink()
                 self.fast_start_failures += 1
+                # A template that cannot be restored (corrupt or truncated state) is rebuilt by the next create.
+                # Clones already running keep their open mappings of the old RAM file.
+                trash = template.with_name(f".discarded-{template.name}-{uuid.uuid4().hex[:8]}")
+                with contextlib.suppress(OSError):
+                    template.rename(trash)
+                await asyncio.to_thread(shutil.rmtree, trash, True)
             else:
                 await self._prepare(record)
                 return
@@ -452,7 +458,13 @@ class MicroVMBackend(Backend):
             os.close(fd)
         deadline = time.monotonic() + 30
         while True:
-            status = (await self._qmp(rundir, [("query-status", {})]))[-1]["status"]
+            try:
+                status = (await self._qmp(rundir, [("query-status", {})]))[-1]["status"]
+            except SandboxError as e:
+                # QEMU quits when it cannot load the state: its own message (qemu.log) says why.
+                if vm.watcher is not None:
+                    await asyncio.wait({vm.watcher}, timeout=5)
+                raise SandboxError(f"restoring {template.name} failed: {vm.dead or e}") from None
             if status != "inmigrate":
                 break
             if vm.dead or time.monotonic() > deadline:
