@@ -129,7 +129,7 @@ async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_py
     state.write_bytes(b"QEVM" + os.urandom(4096))
     record = new_record("microvm", debian_python_image, **SMALL)
     try:
-        with pytest.raises(SandboxError, match="restoring msnap-.* failed: QEMU exited"):
+        with pytest.raises(SandboxError, match=r"restoring msnap-.* failed: QEMU exited"):
             await asyncio.wait_for(backend.restore(record, debian_python_image, snap), 60)
     finally:
         await backend.destroy(record)
