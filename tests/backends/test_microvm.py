@@ -283,3 +283,21 @@ async def test_vcpus_and_disk_limits(backend: MicroVMBackend, debian_python_imag
             await backend.write_file(sb, "/workspace/more", os.urandom(80 * 1024 * 1024), None)
         await backend.exec(sb, ExecRequest(command="rm -f big"))
         await backend.write_file(sb, "/workspace/small", b"fits again", None)
+
+
+async def test_image_user_and_workdir_apply(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    """An image's ``User`` and ``WorkingDir`` shape execs as they do in a container."""
+    import dataclasses
+
+    from dsec.models import ImageConfig
+
+    image = dataclasses.replace(debian_python_image, config=ImageConfig(
+        env=dict(debian_python_image.config.env), user="nobody", workdir="/srv/app"))
+    record = new_record("microvm", image, workdir=None, **SMALL)
+    try:
+        await backend.create(record, image)
+        assert record.spec.workdir == "/srv/app"
+        r = await backend.exec(record, ExecRequest(command='id -u; id -g; echo "$HOME"; pwd'))
+        assert r.stdout.decode().split() == ["65534", "65534", "/nonexistent", "/srv/app"], r
+    finally:
+        await backend.destroy(record)

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotFound, SandboxError
 from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
+from dsec.images.users import resolve_user
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
@@ -392,7 +393,9 @@ class MicroVMBackend(Backend):
             raise BackendUnavailable("microvm backend is not started")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
-        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs)}
+        apply_image_defaults(record, image)
+        record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs),
+                                **await self._image_user(image)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -420,6 +423,12 @@ class MicroVMBackend(Backend):
         await self._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes)
         record.backend_state["start"] = "boot"
         await self._prepare(record)
+
+    @staticmethod
+    async def _image_user(image: ImageRef) -> dict[str, Any]:
+        """The image's ``User`` (resolved in its own /etc/passwd): execs run as it, as in a container."""
+        user = await asyncio.to_thread(resolve_user, image.rootfs, image.config.user)
+        return {"user": [user.uid, user.gid], "home": user.home}
 
     def _chown(self, path: Path) -> None:
         if self.qemu_user:
@@ -479,7 +488,7 @@ class MicroVMBackend(Backend):
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
-        await client.mkdir(record.spec.workdir)
+        await client.mkdir(workdir_of(record))
 
     async def _template(self, erofs: Path, image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> Path:
         """Directory with ``ram`` + ``state`` of a booted, idle guest of this shape (made on first use)."""
@@ -606,10 +615,11 @@ class MicroVMBackend(Backend):
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         client = self._client(record)
-        env = {"PATH": _DEFAULT_PATH, "HOME": "/root", **record.backend_state.get("image_env", {}),
-               **record.spec.env, **(request.env or {})}
+        env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
+               **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
+        uid, gid = record.backend_state.get("user", [0, 0])
         start = time.monotonic()
-        channel = await client.start_exec(request.argv(), env, request.cwd or record.spec.workdir)
+        channel = await client.start_exec(request.argv(), env, request.cwd or workdir_of(record), uid, gid)
         finished = False
         try:
             if request.stdin:
@@ -783,8 +793,9 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"snapshot {snapshot_id} is incomplete: its state file is missing")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
+        apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",
-                                "erofs": str(erofs)}
+                                "erofs": str(erofs), **await self._image_user(image)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)

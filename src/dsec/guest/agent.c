@@ -10,6 +10,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <grp.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -173,10 +174,13 @@ static void mkdirs(const char *path) {
         if (*s == '/') { *s = 0; mkdir(buf, 0755); *s = '/'; }
 }
 
-/* EXEC payload: u16 argc | u16 envc | cwd\0 argv[0]\0 ... env[0]\0 ... */
+/* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ... */
 static void do_exec(uint32_t id, unsigned char *p, size_t len) {
-    if (len < 4) { send_error(id, EINVAL, "malformed exec"); return; }
+    if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
+    uid_t uid = get32(p + 4);
+    gid_t gid = get32(p + 8);
+    p += 8; len -= 8;
     int total = 1 + argc + envc;
     char **strs = calloc((size_t)total + 2, sizeof *strs);
     if (!strs) { send_error(id, ENOMEM, "exec"); return; }
@@ -196,6 +200,12 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len) {
         sigset_t all;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
+        if (gid != 0 || uid != 0) {
+            if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
+                dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", uid, gid, strerror(errno));
+                _exit(126);
+            }
+        }
         char **argv = strs + 1, **envp = strs + 1 + argc + 1;
         memmove(envp, strs + 1 + argc, (size_t)envc * sizeof *envp);
         envp[envc] = NULL;

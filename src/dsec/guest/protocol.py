@@ -297,12 +297,13 @@ class AgentClient:
     async def shutdown(self) -> None:
         await self._simple(T.SHUTDOWN, b"", "", 10.0)
 
-    async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str) -> int:
-        """Start a command; returns its channel (read it with :meth:`next_frame`)."""
+    async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str, uid: int = 0,
+                         gid: int = 0) -> int:
+        """Start a command as ``uid:gid``; returns its channel (read it with :meth:`next_frame`)."""
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
-        payload = struct.pack(">HH", len(argv), len(env)) + b"".join(s.encode() + b"\0" for s in strings)
+        payload = struct.pack(">HHII", len(argv), len(env), uid, gid) + b"".join(s.encode() + b"\0" for s in strings)
         channel = self.open_channel()
         try:
             await self.send(T.EXEC, channel, payload)
