@@ -16,7 +16,7 @@ from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidRequest, NotFound, SandboxError
+from dsec.errors import DSecError, InvalidRequest, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
@@ -94,7 +94,10 @@ async def test_clones_get_fresh_identity(backend: MicroVMBackend, debian_python_
         assert la[1] != lb[1] and la[2] != lb[2], (la, lb)
 
 
-async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian_python_image: ImageRef,
+                                                 tmp_path: Path) -> None:
+    snap = tmp_path / "snap"
+    snap.mkdir()
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
         await backend.write_file(sb, "/workspace/state.txt", b"before snapshot", None)
         await backend.pause(sb)
@@ -103,34 +106,44 @@ async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian
         assert not run.done(), "a paused VM ran a command"
         await backend.resume(sb)
         assert (await run).stdout == b"resumed\n"
-        snap = await backend.snapshot(sb)
+        await backend.snapshot(sb, snap)
         await backend.write_file(sb, "/workspace/state.txt", b"after snapshot", None)
-        record = new_record("microvm", debian_python_image, **SMALL)
+        # the snapshot's shape wins over the spec's (a VM's RAM size is part of its state)
+        record = new_record("microvm", debian_python_image, memory="1Gi")
         try:
             await backend.restore(record, debian_python_image, snap)
+            assert record.spec.memory == 384 * 1024 * 1024
             assert await backend.read_file(record, "/workspace/state.txt", 100) == b"before snapshot"
             r = await backend.exec(record, ExecRequest(command="hostname"))
             assert r.stdout.strip() == record.id.encode()
         finally:
             await backend.destroy(record)
-    with pytest.raises(NotFound):
-        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, "msnap-nope")
+        # a paused VM stays paused across a snapshot
+        await backend.pause(sb)
+        again = tmp_path / "again"
+        again.mkdir()
+        await backend.snapshot(sb, again)
+        status = (await backend._qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
+        assert status in ("paused", "postmigrate"), status  # stopped either way: vCPUs do not run
+        await backend.resume(sb)
+    with pytest.raises(SandboxError, match="not a readable microvm snapshot"):
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image,
+                              tmp_path / "nope")
     # a snapshot whose state file is gone is reported as such, and nothing is left running
-    snap_dir = backend.root / "snapshots" / snap
-    (snap_dir / "state").unlink()
+    (snap / "state").unlink()
     with pytest.raises(SandboxError, match="state file is missing"):
         await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, snap)
 
 
-async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_python_image: ImageRef,
+                                             tmp_path: Path) -> None:
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
-        snap = await backend.snapshot(sb)
-    state = backend.root / "snapshots" / snap / "state"
-    state.write_bytes(b"QEVM" + os.urandom(4096))
+        await backend.snapshot(sb, tmp_path)
+    (tmp_path / "state").write_bytes(b"QEVM" + os.urandom(4096))
     record = new_record("microvm", debian_python_image, **SMALL)
     try:
-        with pytest.raises(SandboxError, match=r"restoring msnap-.* failed: QEMU exited"):
-            await asyncio.wait_for(backend.restore(record, debian_python_image, snap), 60)
+        with pytest.raises(SandboxError, match=r"restoring .* failed: QEMU exited"):
+            await asyncio.wait_for(backend.restore(record, debian_python_image, tmp_path), 60)
     finally:
         await backend.destroy(record)
     assert qemu_pids(backend.tag) == []

@@ -35,7 +35,7 @@ from typing import Any
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, InvalidRequest, NotFound, SandboxError
+from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
@@ -757,41 +757,33 @@ class MicroVMBackend(Backend):
         record.backend_state.pop("hibernated")
         shutil.rmtree(target, ignore_errors=True)
 
-    async def snapshot(self, record: SandboxRecord) -> str:
-        """Save the whole VM (RAM, devices, the tmpfs writable layer) to ``snapshots/<id>/state``."""
-        self._vm(record)
-        snap_id = "msnap-" + uuid.uuid4().hex[:16]
-        sdir = self.root / "snapshots" / snap_id
-        sdir.mkdir(parents=True)
-        try:
-            await self._save(record, sdir / "state")
-            (sdir / "meta.json").write_text(json.dumps({"sandbox": record.id, "spec": record.spec.model_dump(),
-                                                        "backend_state": record.backend_state}))
-        except BaseException:
-            shutil.rmtree(sdir, ignore_errors=True)
-            raise
-        finally:
-            with contextlib.suppress(SandboxError):
-                await self._qmp(Path(record.backend_state["rundir"]), [("cont", {})])
-        return snap_id
-
-    def snapshot_spec(self, snapshot_id: str) -> SandboxSpec | None:
-        if not snapshot_id.startswith("msnap-") or "/" in snapshot_id:
-            return None
-        try:
-            meta = json.loads((self.root / "snapshots" / snapshot_id / "meta.json").read_text())
-            return SandboxSpec.model_validate(meta["spec"])
-        except (OSError, ValueError, KeyError):
-            return None
-
-    async def restore(self, record: SandboxRecord, image: ImageRef, snapshot_id: str) -> None:
-        """Create ``record`` from a snapshot made by :meth:`snapshot` (same image and shape)."""
-        sdir = self.root / "snapshots" / snapshot_id
-        if not snapshot_id.startswith("msnap-") or "/" in snapshot_id or not (sdir / "meta.json").is_file():
-            raise NotFound(f"no microvm snapshot {snapshot_id!r}")
-        if not (sdir / "state").is_file():
-            raise SandboxError(f"snapshot {snapshot_id} is incomplete: its state file is missing")
+    async def snapshot(self, record: SandboxRecord, target: Path) -> None:
+        """Save the whole VM (RAM, devices, the tmpfs writable layer) into ``target``: ``state`` (a QEMU
+        migration stream) and ``vm.json`` (its shape). A running VM runs on afterwards; a paused one stays so."""
+        vm = self._vm(record)
+        status = (await self._qmp(vm.rundir, [("query-status", {})]))[-1]["status"]
         vcpus, mem_mib, disk_bytes = self._shape(record)
+        try:
+            await self._save(record, target / "state")
+            (target / "vm.json").write_text(json.dumps({"vcpus": vcpus, "memory_mib": mem_mib, "disk": disk_bytes,
+                                                        "accel": self.accel}))
+        finally:
+            if status == "running":
+                with contextlib.suppress(SandboxError):
+                    await self._qmp(vm.rundir, [("cont", {})])
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+        """Create ``record`` from a :meth:`snapshot` in ``source``: the VM's shape (vCPUs, memory, disk) is the
+        snapshot's, whatever the spec asked; the clone gets a fresh identity."""
+        try:
+            shape = json.loads((source / "vm.json").read_text())
+            vcpus, mem_mib, disk_bytes = int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SandboxError(f"snapshot {source.name} is not a readable microvm snapshot: {e}") from None
+        if not (source / "state").is_file():
+            raise SandboxError(f"snapshot {source.name} is incomplete: its state file is missing")
+        record.spec.cpu, record.spec.memory, record.spec.disk = float(vcpus), mem_mib * MiB, disk_bytes
+        self._shape(record)
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",
@@ -800,7 +792,7 @@ class MicroVMBackend(Backend):
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
         try:
-            await self._restore(record, rundir, erofs, sdir, vcpus, mem_mib, disk_bytes, ram_from_template=False)
+            await self._restore(record, rundir, erofs, source, vcpus, mem_mib, disk_bytes, ram_from_template=False)
             await self._prepare(record)
         except BaseException:
             await self._destroy_id(record.id, record.backend_state)

@@ -80,7 +80,7 @@ async def test_microvm_through_the_sdk(daemon_url: str) -> None:
         assert (await sb.resume()).state == "running"
         snap = await sb.snapshot()
         await sb.files.write("/workspace/kept.txt", b"changed later\n")
-        clone = await dsec.AsyncSandbox.create(snapshot=snap, client=client, labels={"t": "clone"})
+        clone = await dsec.AsyncSandbox.create(snapshot=snap, backend="microvm", client=client, labels={"t": "clone"})
         try:
             assert (await clone.info()).backend == "microvm"
             assert await clone.files.read("/workspace/kept.txt") == b"snapshotted\n"
@@ -88,8 +88,14 @@ async def test_microvm_through_the_sdk(daemon_url: str) -> None:
             assert r.stdout.strip() == clone.id.encode(), "the clone kept the original's identity"
         finally:
             await clone.close()
-        with pytest.raises(dsec.NotFound):
-            await dsec.AsyncSandbox.create(snapshot="msnap-0000", client=client)
+        children = await sb.fork(2)
+        try:
+            names = {(await c.exec("hostname")).stdout.strip() for c in children}
+            assert names == {c.id.encode() for c in children}, "fork children share an identity"
+            assert all([await c.files.read("/workspace/kept.txt") == b"changed later\n" for c in children])
+        finally:
+            for c in children:
+                await c.close()
     finally:
         await sb.close()
         await client.aclose()
