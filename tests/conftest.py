@@ -56,7 +56,7 @@ def _session_tags(base: Path) -> set[str]:
 
 
 def _host_footprint(tags: set[str]) -> set[str]:
-    """Mounts under /run/dsec, DSec cgroup directories and dsec-init processes of this session's homes.
+    """Mounts under /run/dsec, DSec cgroup directories, dsec-init and QEMU processes of this session's homes.
 
     Only this session's tags count, so test runs in other checkouts on the same host do not trip it.
     """
@@ -74,11 +74,15 @@ def _host_footprint(tags: set[str]) -> set[str]:
                 state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 # A zombie holds no resource; it waits for whichever pid 1 adopted it (a sandbox
                 # re-adopted across a daemon restart is no longer the new daemon's child).
-                if state == "Z" or (proc / "comm").read_text().strip() != "dsec-init":
+                comm = (proc / "comm").read_text().strip()
+                if state == "Z" or comm not in ("dsec-init", "qemu-system-x86"):
                     continue
                 cgroups = (proc / "cgroup").read_text()
+                cmdline = (proc / "cmdline").read_bytes()
             except (OSError, IndexError):
                 continue
+            if comm == "qemu-system-x86" and any(f"/run/dsec-vm/{tag}/".encode() in cmdline for tag in tags):
+                found.add(f"process qemu pid {proc.name}")
             if any(f"/dsec-{tag}/" in cgroups for tag in tags):
                 found.add(f"process dsec-init pid {proc.name}")
     tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout

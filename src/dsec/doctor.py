@@ -56,6 +56,7 @@ _TOOLS = (
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
     _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),
     _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),
+    _Tool("busybox", "busybox", "busybox-static", (), False, "microvm initramfs"),
     _Tool("bwrap", "bwrap", "bubblewrap", ("--version",), False, "benchmark peer"),
     _Tool("podman", "podman", "podman", ("--version",), False, "benchmark peer"),
     _Tool("newuidmap", "newuidmap", "uidmap", (), False, "rootless user namespaces"),
@@ -246,13 +247,21 @@ def _landlock() -> Check:
 
 
 def _kvm() -> Check:
-    if Path("/dev/kvm").exists():
-        ok = os.access("/dev/kvm", os.R_OK | os.W_OK)
-        return Check("kvm", ok, "present (not probed: microvm backend not built yet)" if ok
-                     else "present but not accessible", None if ok else "run as root or join group kvm",
-                     required=False)
-    return Check("kvm", False, "absent → TCG only (microvm/vm backends run emulated, slower)",
-                 "enable (nested) hardware virtualisation to use KVM", required=False)
+    """Boots the fetched guest kernel under KVM for a moment: a /dev/kvm that exists may still be unable to
+    run a stock kernel (a paravirtual KVM), so only a real boot tells KVM from TCG."""
+    from dsec.backends.microvm import probe_accelerator
+    from dsec.guest.kernel import default_guest_dir, find_kernel
+
+    if not Path("/dev/kvm").exists():
+        return Check("kvm", False, "absent → microvm runs under TCG (emulated, slower)",
+                     "enable (nested) hardware virtualisation to use KVM", required=False)
+    try:
+        kernel = find_kernel(default_guest_dir())
+    except Exception as exc:
+        return Check("kvm", False, f"present, not probed: {exc}", "python -m dsec.guest.kernel", required=False)
+    accel, why = probe_accelerator(kernel.vmlinuz)
+    return Check("kvm", accel == "kvm", f"microvm accelerator: {accel.upper()} ({why})",
+                 None if accel == "kvm" else "none needed: TCG works, only slower", required=False)
 
 
 def _tool(tool: _Tool) -> Check:

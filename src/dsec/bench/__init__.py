@@ -25,7 +25,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container", "trajectory")
+SUITES = ("container", "trajectory", "microvm")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -64,6 +64,13 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Non
             report = lambda m: out.print(f"  · {m}")  # noqa: E731
             if name == "trajectory":
                 result = asyncio.run(run_trajectory(TrajectoryBench().scaled(_scale()), progress=report))
+            elif name == "microvm":
+                from dsec.bench.microvm import run as run_microvm
+
+                scale = _scale()
+                result = asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
+                                                 progress=report))
+                out.print(f"accelerator: {result.extra.get('accelerator')}")
             else:
                 result = asyncio.run(run_container(cfg, progress=report))
             results.append(result)

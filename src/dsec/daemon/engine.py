@@ -171,6 +171,12 @@ class Engine:
             backends["container"] = ContainerBackend(settings)
         except Exception as exc:
             unavailable["container"] = f"cannot load the container backend: {type(exc).__name__}: {exc}"
+        try:
+            from dsec.backends.microvm import MicroVMBackend
+
+            backends["microvm"] = MicroVMBackend(settings)
+        except Exception as exc:
+            unavailable["microvm"] = f"cannot load the microvm backend: {type(exc).__name__}: {exc}"
         return cls(settings, backends, images, unavailable=unavailable, reaper_interval=reaper_interval)
 
     @staticmethod

@@ -1,0 +1,143 @@
+"""``dsec bench microvm``: restore-from-snapshot vs cold boot to first exec, exec round trip, idle memory.
+
+The peer is a plain QEMU cold boot of the same guest kernel (same machine type and accelerator) until the
+kernel hands over to its init: what any QEMU-based sandbox pays before its own agent can answer. Every
+figure comes from one run on this machine; nothing asserts a timing. Leaves no VM behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dsec.backends.microvm import QEMU, MicroVMBackend
+from dsec.bench.container import BenchUnavailable
+from dsec.bench.report import Row, Suite, summarize
+from dsec.config import Settings
+from dsec.errors import DSecError
+from dsec.images.store import ImageStore
+from dsec.models import ExecRequest
+from dsec.testing import new_record
+
+__all__ = ["run"]
+
+MiB = 1024 * 1024
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _plain_boot(kernel: Path, accel: str) -> float:
+    """Seconds for a bare QEMU microvm to boot the kernel until it looks for an init (then it panics, exits)."""
+    cmd = [QEMU, "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", accel, "-cpu", "max" if accel == "tcg" else "host",
+           "-m", "512", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-kernel", str(kernel),
+           "-append", "console=ttyS0 panic=-1 quiet tsc_early_khz=2000000 tsc=reliable rdinit=/nonexistent",
+           "-serial", "stdio"]
+    start = time.monotonic()
+    subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=120, check=False)
+    return time.monotonic() - start
+
+
+async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-python",
+              progress: Callable[[str], None] = lambda m: None, node: Settings | None = None) -> Suite:
+    node = node or Settings()
+    try:
+        image = ImageStore(node.images).resolve(image_name)
+    except DSecError as e:
+        raise BenchUnavailable(str(e)) from None
+    suite = Suite(name="microvm")
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-vm-", dir="/tmp") as home:
+        settings = Settings(home=Path(home), images_dir=node.images)
+        fast = MicroVMBackend(settings)
+        cold = MicroVMBackend(settings, fast_start=False)
+        reason = fast.available()
+        if reason != "ok":
+            raise BenchUnavailable(f"microvm backend: {reason}")
+        await fast.start()
+        cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
+        await cold.start()
+        spec = {"memory": "512Mi"}
+        live = []
+        try:
+            progress(f"accelerator: {fast.accel} ({fast.accel_reason})")
+            progress("warming the template (one cold boot + snapshot)")
+            rec = new_record("microvm", image, **spec)
+            live.append((fast, rec))
+            await fast.create(rec, image)
+            await fast.destroy(rec)
+
+            async def first_exec(backend: MicroVMBackend) -> float:
+                rec = new_record("microvm", image, **spec)
+                live.append((backend, rec))
+                start = time.monotonic()
+                await backend.create(rec, image)
+                r = await backend.exec(rec, ExecRequest(command=["true"]))
+                took = time.monotonic() - start
+                assert r.exit_code == 0, r
+                await backend.destroy(rec)
+                return took
+
+            assert fast._kernel is not None
+            plain, boots, restores = [], [], []
+            for i in range(samples):
+                progress(f"sample {i + 1}/{samples}: plain QEMU boot, DSec cold boot, DSec restore")
+                plain.append(await asyncio.to_thread(_plain_boot, fast._kernel.vmlinuz, fast.accel or "tcg"))
+                boots.append(await first_exec(cold))
+                restores.append(await first_exec(fast))
+            progress("exec round trip")
+            rec = new_record("microvm", image, **spec)
+            live.append((fast, rec))
+            await fast.create(rec, image)
+            rtt = []
+            for _ in range(samples * 10):
+                start = time.monotonic()
+                await fast.exec(rec, ExecRequest(command=["true"]))
+                rtt.append(time.monotonic() - start)
+            await fast.destroy(rec)
+            progress(f"host memory of {idle_vms} idle VMs")
+            await asyncio.sleep(1)
+            before = _mem_available()
+            recs = []
+            for _ in range(idle_vms):
+                rec = new_record("microvm", image, **spec)
+                live.append((fast, rec))
+                await fast.create(rec, image)
+                recs.append(rec)
+            await asyncio.sleep(3)
+            per_vm = max(before - _mem_available(), 0) / idle_vms
+            cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
+            for rec in recs:
+                await fast.destroy(rec)
+        finally:
+            for backend, rec in live:
+                with contextlib.suppress(Exception):
+                    await backend.destroy(rec)
+            await fast.cleanup_orphans(set())
+            await fast.aclose()
+            await cold.aclose()
+    s_plain, s_boot, s_restore, s_rtt = summarize(plain), summarize(boots), summarize(restores), summarize(rtt)
+    suite.latencies.update({"plain_qemu_boot": s_plain, "cold_boot_first_exec": s_boot,
+                            "restore_first_exec": s_restore, "exec_round_trip": s_rtt})
+    fits = int(_mem_available() / per_vm) if per_vm > 0 else None
+    suite.rows = [
+        Row("restore → first exec", "ms", s_restore.p50 * 1e3, s_boot.p50 * 1e3, "DSec cold boot → first exec",
+            target="≥ 5x faster", passed=s_boot.p50 / s_restore.p50 >= 5),
+        Row("restore → first exec", "ms", s_restore.p50 * 1e3, s_plain.p50 * 1e3, "plain QEMU boot to init"),
+        Row("exec round trip p50", "ms", s_rtt.p50 * 1e3),
+        Row("host memory per idle VM (MemAvailable)", "MiB", per_vm / MiB),
+        Row("host memory per idle VM (QEMU cgroup)", "MiB", cgroup / MiB, note="includes page cache charged"),
+        Row("idle VMs that fit in MemAvailable", "VMs", fits, better="higher", target="≥ 100",
+            passed=None if fits is None else fits >= 100),
+    ]
+    suite.extra["accelerator"] = f"{fast.accel} ({fast.accel_reason})"
+    return suite

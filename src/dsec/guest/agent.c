@@ -1,0 +1,542 @@
+/* dsec-agent: pid 1 of a microvm guest. Runs commands and serves files for the host over one
+ * virtio-serial port, multiplexing many concurrent operations ("channels") on it.
+ *
+ * Static, no dependencies beyond libc: it runs on images that have no Python or shell of their own.
+ * Single-threaded poll loop; every fd is non-blocking except the port, whose writes block (the host
+ * reads continuously and bounds what it keeps).
+ *
+ * Frame (both directions): u32 length (big-endian; counts the bytes after it) | u8 type | u32 channel
+ * | payload. Types and payloads are documented in docs/design.md ("microvm: agent protocol").
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <grp.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/reboot.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/random.h>
+
+enum {
+    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
+    T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10,
+    T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
+    T_READY = 0x87,
+};
+
+#define MAX_IN (1u << 20)      /* largest frame the host may send */
+#define OUT_CHUNK 65536        /* largest payload we send (the host rejects more) */
+#define MAX_CHANS 512
+#define STDIN_BUF_MAX (8u << 20)
+#define DRAIN_MS 200
+
+struct chan {
+    uint32_t id;
+    int used;
+    int kind;             /* T_EXEC or T_WRITE */
+    pid_t pid;            /* exec: process (group leader) */
+    int in_fd, out_fd, err_fd;
+    char *inbuf;          /* exec: stdin waiting for the pipe; write: unused */
+    size_t inlen;
+    int in_eof;
+    int exited, status;
+    long long exit_ms;
+    long oom_before;      /* exec: the guest's oom_kill count when it started */
+    int wfd;              /* write: temp file */
+    char *wpath, *wtmp;
+    mode_t wmode;
+    int werr;
+};
+
+static int port = -1;
+static struct chan chans[MAX_CHANS];
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void put32(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+
+static uint32_t get32(const unsigned char *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static void write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) { struct pollfd pf = {fd, POLLOUT, 0}; poll(&pf, 1, 1000); continue; }
+            return; /* host gone: nothing to report to */
+        }
+        p += n; len -= (size_t)n;
+    }
+}
+
+static void send_frame(int type, uint32_t ch, const void *data, size_t len) {
+    unsigned char hdr[9];
+    put32(hdr, (uint32_t)(len + 5));
+    hdr[4] = (unsigned char)type;
+    put32(hdr + 5, ch);
+    write_all(port, hdr, 9);
+    if (len) write_all(port, data, len);
+}
+
+static void send_error(uint32_t ch, int err, const char *what) {
+    char buf[512];
+    put32((unsigned char *)buf, (uint32_t)err);
+    int n = snprintf(buf + 4, sizeof buf - 4, "%s: %s", what, strerror(err));
+    if (n < 0) n = 0;
+    if (n > (int)sizeof buf - 4) n = sizeof buf - 4;
+    send_frame(T_ERROR, ch, buf, 4 + (size_t)n);
+}
+
+static struct chan *find_chan(uint32_t id) {
+    for (int i = 0; i < MAX_CHANS; i++)
+        if (chans[i].used && chans[i].id == id) return &chans[i];
+    return NULL;
+}
+
+static struct chan *new_chan(uint32_t id) {
+    if (find_chan(id)) return NULL;
+    for (int i = 0; i < MAX_CHANS; i++)
+        if (!chans[i].used) {
+            memset(&chans[i], 0, sizeof chans[i]);
+            chans[i].used = 1;
+            chans[i].id = id;
+            chans[i].in_fd = chans[i].out_fd = chans[i].err_fd = chans[i].wfd = -1;
+            return &chans[i];
+        }
+    return NULL;
+}
+
+/* The guest kernel's OOM-kill counter (/proc/vmstat oom_kill); -1 when unreadable. */
+static long oom_kills(void) {
+    char buf[8192];
+    int fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strstr(buf, "\noom_kill ");
+    return p ? atol(p + 10) : -1;
+}
+
+static void close_fd(int *fd) {
+    if (*fd >= 0) { close(*fd); *fd = -1; }
+}
+
+static void free_chan(struct chan *c) {
+    close_fd(&c->in_fd); close_fd(&c->out_fd); close_fd(&c->err_fd); close_fd(&c->wfd);
+    free(c->inbuf); free(c->wpath);
+    if (c->wtmp) { unlink(c->wtmp); free(c->wtmp); }
+    c->used = 0;
+}
+
+/* Splits a payload of NUL-terminated strings; returns how many were found, -1 if malformed. */
+static int split_strings(char *p, size_t len, char **out, int max) {
+    int n = 0;
+    size_t i = 0;
+    while (i < len) {
+        if (n == max) return -1;
+        out[n++] = p + i;
+        char *z = memchr(p + i, 0, len - i);
+        if (!z) return -1;
+        i = (size_t)(z - p) + 1;
+    }
+    return n;
+}
+
+static void mkdirs(const char *path) {
+    char buf[PATH_MAX];
+    if (strlen(path) >= sizeof buf) return;
+    strcpy(buf, path);
+    for (char *s = buf + 1; *s; s++)
+        if (*s == '/') { *s = 0; mkdir(buf, 0755); *s = '/'; }
+}
+
+/* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ... */
+static void do_exec(uint32_t id, unsigned char *p, size_t len) {
+    if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
+    int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
+    uid_t uid = get32(p + 4);
+    gid_t gid = get32(p + 8);
+    p += 8; len -= 8;
+    int total = 1 + argc + envc;
+    char **strs = calloc((size_t)total + 2, sizeof *strs);
+    if (!strs) { send_error(id, ENOMEM, "exec"); return; }
+    if (argc < 1 || split_strings((char *)p + 4, len - 4, strs, total) != total) {
+        free(strs); send_error(id, EINVAL, "malformed exec"); return;
+    }
+    struct chan *c = new_chan(id);
+    if (!c) { free(strs); send_error(id, EBUSY, "exec channel"); return; }
+    int in[2], out[2], err[2];
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
+        free(strs); free_chan(c); send_error(id, errno, "pipe"); return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        setsid();
+        dup2(in[0], 0); dup2(out[1], 1); dup2(err[1], 2);
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        if (gid != 0 || uid != 0) {
+            if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
+                dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", uid, gid, strerror(errno));
+                _exit(126);
+            }
+        }
+        char **argv = strs + 1, **envp = strs + 1 + argc + 1;
+        memmove(envp, strs + 1 + argc, (size_t)envc * sizeof *envp);
+        envp[envc] = NULL;
+        argv[argc] = NULL;
+        if (chdir(strs[0]) != 0) {
+            dprintf(2, "dsec-agent: cannot enter %s: %s\n", strs[0], strerror(errno));
+            _exit(126);
+        }
+        environ = envp;
+        execvp(argv[0], argv);
+        dprintf(2, "dsec-agent: cannot run %s: %s\n", argv[0], strerror(errno));
+        _exit(errno == ENOENT ? 127 : 126);
+    }
+    int fork_errno = errno;
+    free(strs);
+    close(in[0]); close(out[1]); close(err[1]);
+    c->kind = T_EXEC;
+    c->in_fd = in[1]; c->out_fd = out[0]; c->err_fd = err[0];
+    if (pid < 0) { send_error(id, fork_errno, "fork"); free_chan(c); return; }
+    c->pid = pid;
+    c->oom_before = oom_kills();
+    fcntl(c->in_fd, F_SETFL, O_NONBLOCK);
+    fcntl(c->out_fd, F_SETFL, O_NONBLOCK);
+    fcntl(c->err_fd, F_SETFL, O_NONBLOCK);
+}
+
+static void flush_stdin(struct chan *c) {
+    while (c->in_fd >= 0 && c->inlen > 0) {
+        ssize_t n = write(c->in_fd, c->inbuf, c->inlen);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR) return;
+            c->inlen = 0; close_fd(&c->in_fd); return;  /* EPIPE: the command stopped reading */
+        }
+        memmove(c->inbuf, c->inbuf + n, c->inlen - (size_t)n);
+        c->inlen -= (size_t)n;
+    }
+    if (c->in_eof && c->inlen == 0) close_fd(&c->in_fd);
+}
+
+static void finish_write(struct chan *c) {
+    if (c->werr) { send_error(c->id, c->werr, c->wpath); free_chan(c); return; }
+    if (fchmod(c->wfd, c->wmode) != 0 || close(c->wfd) != 0) {
+        c->wfd = -1; send_error(c->id, errno, c->wpath); free_chan(c); return;
+    }
+    c->wfd = -1;
+    if (rename(c->wtmp, c->wpath) != 0) { send_error(c->id, errno, c->wpath); free_chan(c); return; }
+    free(c->wtmp); c->wtmp = NULL;
+    send_frame(T_END, c->id, NULL, 0);
+    free_chan(c);
+}
+
+static void do_stdin(uint32_t id, unsigned char *p, size_t len) {
+    struct chan *c = find_chan(id);
+    if (!c) return; /* the command already ended: its input is moot */
+    if (c->kind == T_WRITE) {
+        if (len == 0) { finish_write(c); return; }
+        const unsigned char *q = p;
+        size_t left = len;
+        while (!c->werr && left > 0) {
+            ssize_t n = write(c->wfd, q, left);
+            if (n < 0) { if (errno != EINTR) c->werr = errno; continue; }
+            q += n; left -= (size_t)n;
+        }
+        return;
+    }
+    if (len == 0) { c->in_eof = 1; flush_stdin(c); return; }
+    if (c->in_fd < 0) return;
+    if (c->inlen + len > STDIN_BUF_MAX) { send_error(id, ENOBUFS, "stdin"); return; }
+    char *nb = realloc(c->inbuf, c->inlen + len);
+    if (!nb) { send_error(id, ENOMEM, "stdin"); return; }
+    c->inbuf = nb;
+    memcpy(c->inbuf + c->inlen, p, len);
+    c->inlen += len;
+    flush_stdin(c);
+}
+
+static int path_arg(uint32_t id, unsigned char *p, size_t len, char **path) {
+    if (len == 0 || p[len - 1] != 0 || memchr(p, 0, len) != p + len - 1 || p[0] != '/') {
+        send_error(id, EINVAL, "malformed path");
+        return -1;
+    }
+    *path = (char *)p;
+    return 0;
+}
+
+/* READ payload: u32 max_bytes (high) | u32 max_bytes (low) | path\0 */
+static void do_read(uint32_t id, unsigned char *p, size_t len) {
+    char *path;
+    if (len < 9 || path_arg(id, p + 8, len - 8, &path)) { if (len < 9) send_error(id, EINVAL, "read"); return; }
+    uint64_t max = ((uint64_t)get32(p) << 32) | get32(p + 4);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) { send_error(id, errno, path); return; }
+    struct stat st;
+    if (fstat(fd, &st) != 0) { send_error(id, errno, path); close(fd); return; }
+    if (S_ISDIR(st.st_mode)) { send_error(id, EISDIR, path); close(fd); return; }
+    if (!S_ISREG(st.st_mode)) { send_error(id, EINVAL, path); close(fd); return; }
+    if ((uint64_t)st.st_size > max) { send_error(id, EFBIG, path); close(fd); return; }
+    static char buf[OUT_CHUNK];
+    uint64_t total = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { send_error(id, errno, path); close(fd); return; }
+        if (n == 0) break;
+        total += (uint64_t)n;
+        if (total > max) { send_error(id, EFBIG, path); close(fd); return; }
+        send_frame(T_DATA, id, buf, (size_t)n);
+    }
+    close(fd);
+    send_frame(T_END, id, NULL, 0);
+}
+
+/* WRITE payload: u32 mode (0xffffffff: 0644) | path\0; data follows as STDIN frames, an empty one ends it. */
+static void do_write(uint32_t id, unsigned char *p, size_t len) {
+    char *path;
+    if (len < 6) { send_error(id, EINVAL, "write"); return; }
+    if (path_arg(id, p + 4, len - 4, &path)) return;
+    uint32_t mode = get32(p);
+    struct chan *c = new_chan(id);
+    if (!c) { send_error(id, EBUSY, "write channel"); return; }
+    c->kind = T_WRITE;
+    c->wmode = mode == 0xffffffffu ? 0644 : (mode_t)(mode & 07777);
+    c->wpath = strdup(path);
+    mkdirs(path);
+    if (asprintf(&c->wtmp, "%s.dsec-tmp-%u", path, id) < 0) { c->wtmp = NULL; c->werr = ENOMEM; return; }
+    struct stat st;
+    if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode)) { c->werr = EISDIR; free(c->wtmp); c->wtmp = NULL; return; }
+    c->wfd = open(c->wtmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (c->wfd < 0) { c->werr = errno; free(c->wtmp); c->wtmp = NULL; }
+}
+
+/* LIST reply: DATA frames of records u8 type | u32 mode | u64 size | u64 mtime_ns | u16 namelen | name */
+static void do_list(uint32_t id, unsigned char *p, size_t len) {
+    char *path;
+    if (path_arg(id, p, len, &path)) return;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) { send_error(id, errno, path); return; }
+    DIR *d = fdopendir(dfd);
+    if (!d) { send_error(id, errno, path); close(dfd); return; }
+    static unsigned char buf[OUT_CHUNK];
+    size_t used = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        struct stat st;
+        if (fstatat(dfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        size_t nl = strlen(e->d_name);
+        if (used + 27 + nl > sizeof buf) { send_frame(T_DATA, id, buf, used); used = 0; }
+        unsigned char *r = buf + used;
+        r[0] = S_ISREG(st.st_mode) ? 'f' : S_ISDIR(st.st_mode) ? 'd' : S_ISLNK(st.st_mode) ? 'l' : 'o';
+        put32(r + 1, (uint32_t)st.st_mode);
+        uint64_t size = (uint64_t)st.st_size;
+        uint64_t mt = (uint64_t)st.st_mtim.tv_sec * 1000000000ull + (uint64_t)st.st_mtim.tv_nsec;
+        put32(r + 5, (uint32_t)(size >> 32)); put32(r + 9, (uint32_t)size);
+        put32(r + 13, (uint32_t)(mt >> 32)); put32(r + 17, (uint32_t)mt);
+        r[21] = (unsigned char)(nl >> 8); r[22] = (unsigned char)nl;
+        memcpy(r + 23, e->d_name, nl);
+        used += 23 + nl;
+    }
+    closedir(d);
+    if (used) send_frame(T_DATA, id, buf, used);
+    send_frame(T_END, id, NULL, 0);
+}
+
+/* IDENTITY payload: hostname\0 machine-id\0 seed bytes. Given to every clone restored from a snapshot. */
+static void do_identity(uint32_t id, unsigned char *p, size_t len) {
+    char *strs[2];
+    unsigned char *z1 = memchr(p, 0, len);
+    unsigned char *z2 = z1 ? memchr(z1 + 1, 0, len - (size_t)(z1 + 1 - p)) : NULL;
+    if (!z2) { send_error(id, EINVAL, "malformed identity"); return; }
+    strs[0] = (char *)p; strs[1] = (char *)z1 + 1;
+    size_t seedlen = len - (size_t)(z2 + 1 - p);
+    if (sethostname(strs[0], strlen(strs[0])) != 0) { send_error(id, errno, "sethostname"); return; }
+    int fd = open("/etc/machine-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0444);
+    if (fd >= 0) { dprintf(fd, "%s\n", strs[1]); close(fd); }
+    if (seedlen > 0 && seedlen <= 512) {
+        struct { int count; int size; unsigned char buf[512]; } ent;
+        ent.count = (int)seedlen * 8; ent.size = (int)seedlen;
+        memcpy(ent.buf, z2 + 1, seedlen);
+        int rfd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        /* credits entropy and reseeds the CRNG so clones never share a random stream */
+        if (rfd >= 0) { ioctl(rfd, RNDADDENTROPY, &ent); ioctl(rfd, RNDRESEEDCRNG); close(rfd); }
+    }
+    send_frame(T_END, id, NULL, 0);
+}
+
+static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
+    switch (type) {
+    case T_EXEC: do_exec(id, p, len); break;
+    case T_STDIN: do_stdin(id, p, len); break;
+    case T_SIGNAL: {
+        struct chan *c = find_chan(id);
+        if (c && c->kind == T_EXEC && c->pid > 0 && len == 1) kill(-c->pid, p[0]);
+        break;
+    }
+    case T_READ: do_read(id, p, len); break;
+    case T_WRITE: do_write(id, p, len); break;
+    case T_LIST: do_list(id, p, len); break;
+    case T_IDENTITY: do_identity(id, p, len); break;
+    case T_PING: send_frame(T_END, id, NULL, 0); break;
+    case T_MKDIR: {
+        char *path;
+        if (path_arg(id, p, len, &path)) break;
+        mkdirs(path);
+        struct stat st;
+        if (mkdir(path, 0755) != 0 && (errno != EEXIST || stat(path, &st) != 0 || !S_ISDIR(st.st_mode)))
+            send_error(id, errno == EEXIST ? ENOTDIR : errno, path);
+        else
+            send_frame(T_END, id, NULL, 0);
+        break;
+    }
+    case T_SHUTDOWN:
+        send_frame(T_END, id, NULL, 0);
+        sync();
+        reboot(RB_POWER_OFF);
+        break;
+    default: send_error(id, ENOSYS, "unknown request");
+    }
+}
+
+static unsigned char *rbuf;
+static size_t rlen;
+
+static void read_port(void) {
+    for (;;) {
+        ssize_t n = read(port, rbuf + rlen, MAX_IN + 4 - rlen);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return; /* EAGAIN, or no host connected */
+        rlen += (size_t)n;
+        while (rlen >= 4) {
+            uint32_t flen = get32(rbuf);
+            if (flen < 5 || flen > MAX_IN) { rlen = 0; return; } /* desynchronised: drop what we have */
+            if (rlen < 4 + flen) break;
+            handle(rbuf[4], get32(rbuf + 5), rbuf + 9, flen - 5);
+            memmove(rbuf, rbuf + 4 + flen, rlen - 4 - flen);
+            rlen -= 4 + flen;
+        }
+    }
+}
+
+static int pump(struct chan *c, int *fd, int type) {
+    static char buf[OUT_CHUNK];
+    ssize_t n = read(*fd, buf, sizeof buf);
+    if (n > 0) { send_frame(type, c->id, buf, (size_t)n); return 1; }
+    if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
+    return 0;
+}
+
+/* EXIT payload: i32 exit code (128+N when killed by N) | u8 signal | u8 flags (1: the guest OOM-killed
+ * something while the command ran). */
+static void finish_exec(struct chan *c) {
+    unsigned char r[6];
+    int code = WIFEXITED(c->status) ? WEXITSTATUS(c->status) : 128 + WTERMSIG(c->status);
+    put32(r, (uint32_t)code);
+    r[4] = WIFSIGNALED(c->status) ? (unsigned char)WTERMSIG(c->status) : 0;
+    long oom = oom_kills();
+    r[5] = (c->oom_before >= 0 && oom > c->oom_before) ? 1 : 0;
+    send_frame(T_EXIT, c->id, r, 6);
+    free_chan(c);
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_CHANS; i++)
+            if (chans[i].used && chans[i].kind == T_EXEC && chans[i].pid == pid) {
+                chans[i].exited = 1; chans[i].status = status; chans[i].exit_ms = now_ms();
+                /* the group outlives its leader only until the host says otherwise; stdin is moot now */
+                close_fd(&chans[i].in_fd);
+            }
+    }
+}
+
+int main(int argc, char **argv) {
+    const char *dev = argc > 1 ? argv[1] : "/dev/vport0p1";
+    rbuf = malloc(MAX_IN + 4);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGPIPE);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    sigdelset(&mask, SIGPIPE);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    for (int tries = 0; port < 0; tries++) {
+        port = open(dev, O_RDWR | O_CLOEXEC | O_NOCTTY);
+        if (port < 0) {
+            if (tries > 200) { dprintf(2, "dsec-agent: cannot open %s: %s\n", dev, strerror(errno)); return 1; }
+            usleep(10000);
+        }
+    }
+    fcntl(port, F_SETFL, O_NONBLOCK);
+    send_frame(T_READY, 0, NULL, 0);
+    struct pollfd pfd[2 + 3 * MAX_CHANS];
+    struct { struct chan *c; int which; } map[2 + 3 * MAX_CHANS];
+    for (;;) {
+        int n = 0, timeout = -1;
+        long long t = now_ms();
+        pfd[n].fd = port; pfd[n].events = POLLIN; n++;
+        pfd[n].fd = sfd; pfd[n].events = POLLIN; n++;
+        for (int i = 0; i < MAX_CHANS; i++) {
+            struct chan *c = &chans[i];
+            if (!c->used || c->kind != T_EXEC) continue;
+            if (c->exited && ((c->out_fd < 0 && c->err_fd < 0) || t - c->exit_ms >= DRAIN_MS)) {
+                finish_exec(c);
+                continue;
+            }
+            if (c->exited) {
+                int left = (int)(DRAIN_MS - (t - c->exit_ms));
+                if (timeout < 0 || left < timeout) timeout = left;
+            }
+            if (c->out_fd >= 0) { pfd[n] = (struct pollfd){c->out_fd, POLLIN, 0}; map[n].c = c; map[n].which = 1; n++; }
+            if (c->err_fd >= 0) { pfd[n] = (struct pollfd){c->err_fd, POLLIN, 0}; map[n].c = c; map[n].which = 2; n++; }
+            if (c->in_fd >= 0 && c->inlen > 0) {
+                pfd[n] = (struct pollfd){c->in_fd, POLLOUT, 0}; map[n].c = c; map[n].which = 0; n++;
+            }
+        }
+        if (poll(pfd, (nfds_t)n, timeout) < 0) continue;
+        if (pfd[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0) {}
+            reap();
+        }
+        for (int i = 2; i < n; i++) {
+            if (!pfd[i].revents || !map[i].c->used) continue;
+            struct chan *c = map[i].c;
+            if (map[i].which == 0) flush_stdin(c);
+            else pump(c, map[i].which == 1 ? &c->out_fd : &c->err_fd, map[i].which == 1 ? T_STDOUT : T_STDERR);
+        }
+        if (pfd[0].revents & POLLIN) read_port();
+        else if (pfd[0].revents & (POLLHUP | POLLERR)) usleep(20000); /* host not connected (yet) */
+        reap();
+    }
+}

@@ -1,0 +1,43 @@
+#!/bin/busybox sh
+# /init of the microvm initramfs (busybox): load the modules the guest needs, mount the image read-only
+# (EROFS on /dev/vda) under a tmpfs overlay, and hand pid 1 to dsec-agent inside that root.
+# Kernel command line: dsec.disk=<bytes> (size of the writable layer).
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs dev /dev
+for m in $(cat /modules.order); do
+    insmod "/modules/$m" || echo "dsec-init: insmod $m failed" >&2
+done
+disk=268435456
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in dsec.disk=*) disk=${arg#dsec.disk=} ;; esac
+done
+fail() { echo "dsec-init: $*" >&2; echo o > /proc/sysrq-trigger; sleep 5; }
+mkdir -p /ro /rw /newroot
+n=0
+while [ ! -b /dev/vda ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
+mount -t erofs -o ro /dev/vda /ro || fail "cannot mount the image (EROFS on /dev/vda)"
+mount -t tmpfs -o "size=$disk,mode=0755" rw /rw || fail "cannot mount the writable layer"
+mkdir /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot || fail "overlay mount failed"
+for d in dev proc sys run tmp; do mkdir -p /newroot/$d; done
+mount -t tmpfs -o mode=0755,size=16m run /newroot/run
+mkdir -p /newroot/run/dsec
+cp /dsec-agent /newroot/run/dsec/agent
+port=
+n=0
+while [ -z "$port" ] && [ $n -lt 300 ]; do
+    for p in /sys/class/virtio-ports/*; do
+        [ "$(cat "$p/name" 2>/dev/null)" = dsec.agent ] && port=/dev/${p##*/}
+    done
+    [ -z "$port" ] && { sleep 0.01; n=$((n + 1)); }
+done
+[ -n "$port" ] || fail "no virtio-serial port named dsec.agent"
+n=0
+while [ ! -c "$port" ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
+mount --move /dev /newroot/dev
+mount --move /proc /newroot/proc
+mount --move /sys /newroot/sys
+exec switch_root /newroot /run/dsec/agent "$port"

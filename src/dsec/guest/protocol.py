@@ -1,0 +1,325 @@
+"""Host side of the guest agent's protocol: framing, strict parsing, and one client multiplexing channels.
+
+Frame (both directions): ``u32 length`` (big-endian, counts the bytes after it) ``| u8 type | u32 channel
+| payload``. The guest is hostile: :class:`FrameParser` bounds every frame (:data:`MAX_GUEST_PAYLOAD`),
+rejects unknown types and malformed payloads, and any violation ends the connection (the sandbox is
+then reported dead with the reason); it never allocates more than one frame's worth of bytes.
+
+This module does no QEMU management; :mod:`dsec.backends.microvm` owns the VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import errno
+import itertools
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+from dsec.errors import InvalidRequest, NotFound, SandboxError
+from dsec.models import FileEntry
+
+__all__ = ["MAX_GUEST_PAYLOAD", "AgentClient", "AgentGone", "Frame", "FrameParser", "ProtocolError", "T",
+           "parse_exit", "parse_list"]
+
+MAX_GUEST_PAYLOAD = 65536
+"""Largest payload the guest may send (its output chunks are 64 KiB)."""
+MAX_HOST_PAYLOAD = 1 << 20
+"""Largest payload the agent accepts from us."""
+_WRITE_CHUNK = 256 * 1024
+_HDR = struct.Struct(">IBI")
+
+
+class T:
+    """Frame types (host -> guest below 0x80, guest -> host above)."""
+
+    EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR = range(1, 11)
+    STDOUT, STDERR, EXIT, DATA, END, ERROR, READY = range(0x81, 0x88)
+
+
+_GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY})
+
+
+class ProtocolError(SandboxError):
+    """The guest sent something the protocol does not allow."""
+
+
+class AgentGone(SandboxError):
+    """The connection to the guest agent ended (VM dead, agent killed, or a protocol violation)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    type: int
+    channel: int
+    payload: bytes
+
+
+class FrameParser:
+    """Incremental, bounded parser of guest -> host frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Frames completed by ``data``; raises ProtocolError on anything malformed."""
+        self._buf += data
+        frames = []
+        while len(self._buf) >= 4:
+            length = int.from_bytes(self._buf[:4], "big")
+            if length < 5 or length > MAX_GUEST_PAYLOAD + 5:
+                raise ProtocolError(f"guest agent sent a frame of {length} bytes (allowed 5..{MAX_GUEST_PAYLOAD + 5})")
+            if len(self._buf) < 4 + length:
+                break
+            _, ftype, channel = _HDR.unpack_from(self._buf)
+            if ftype not in _GUEST_TYPES:
+                raise ProtocolError(f"guest agent sent unknown frame type {ftype:#x}")
+            frames.append(Frame(ftype, channel, bytes(self._buf[9:4 + length])))
+            del self._buf[:4 + length]
+        return frames
+
+
+def encode(ftype: int, channel: int, payload: bytes = b"") -> bytes:
+    if len(payload) > MAX_HOST_PAYLOAD:
+        raise InvalidRequest(f"request too large for the guest agent ({len(payload)} bytes)")
+    return _HDR.pack(len(payload) + 5, ftype, channel) + payload
+
+
+def parse_exit(payload: bytes) -> tuple[int, int | None, bool]:
+    """``(exit_code, signal, oom)`` of an EXIT frame; ``oom``: the guest OOM-killed something meanwhile."""
+    if len(payload) != 6:
+        raise ProtocolError(f"malformed exit frame ({len(payload)} bytes)")
+    code, sig, flags = struct.unpack(">iBB", payload)
+    if not 0 <= code <= 255 + 128 or sig > 64 or flags > 1:
+        raise ProtocolError(f"impossible exit status {code} / signal {sig} / flags {flags}")
+    return code, (sig or None), bool(flags)
+
+
+_LIST_REC = struct.Struct(">BIQQH")
+_KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {
+    ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
+
+
+def parse_list(directory: str, payload: bytes) -> list[FileEntry]:
+    """Entries of one LIST data frame: ``u8 kind | u32 mode | u64 size | u64 mtime_ns | u16 len | name``."""
+    out, pos = [], 0
+    while pos < len(payload):
+        if len(payload) - pos < _LIST_REC.size:
+            raise ProtocolError("truncated directory entry")
+        kind, mode, size, mtime_ns, nlen = _LIST_REC.unpack_from(payload, pos)
+        pos += _LIST_REC.size
+        raw = payload[pos:pos + nlen]
+        pos += nlen
+        if len(raw) != nlen or kind not in _KINDS or not raw or b"/" in raw or b"\0" in raw or raw in (b".", b".."):
+            raise ProtocolError("malformed directory entry")
+        name = raw.decode(errors="surrogateescape")
+        out.append(FileEntry(name=name, path=f"{directory.rstrip('/')}/{name}", type=_KINDS[kind],
+                             size=size, mode=mode & 0o7777, mtime=mtime_ns / 1e9))
+    return out
+
+
+def guest_error(payload: bytes, path: str) -> Exception:
+    """The DSec error for an ERROR frame (errno + message), mapped like the container's file API."""
+    if len(payload) < 4:
+        return ProtocolError("malformed error frame")
+    err = int.from_bytes(payload[:4], "big")
+    message = payload[4:512].decode(errors="replace")
+    if err == errno.ENOENT:
+        return NotFound(f"no such file or directory in the sandbox: {path}", path=path)
+    if err == errno.EISDIR:
+        return InvalidRequest(f"is a directory: {path}", path=path)
+    if err == errno.ENOTDIR:
+        return InvalidRequest(f"not a directory: {path}", path=path)
+    if err == errno.EFBIG:
+        return InvalidRequest(f"{path} is over the read limit", path=path)
+    if err in (errno.EINVAL, errno.ENOSYS):
+        return InvalidRequest(f"guest agent refused the request: {message}", path=path)
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return SandboxError(f"sandbox disk is full writing {path}", path=path)
+    return SandboxError(f"guest agent: {message}", path=path)
+
+
+class AgentClient:
+    """One connection to a guest agent; any number of concurrent operations, each on its own channel."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._channels: dict[int, asyncio.Queue[Frame | None]] = {}
+        self._ids = itertools.count(1)
+        self._ready = asyncio.Event()
+        self.dead_reason: str | None = None
+        self._task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
+        self._write_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: str) -> AgentClient:
+        reader, writer = await asyncio.open_unix_connection(path, limit=MAX_GUEST_PAYLOAD * 2)
+        return cls(reader, writer)
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait for the agent's READY frame (sent once at boot)."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            raise AgentGone(self.dead_reason or f"guest agent did not answer within {timeout:.0f}s") from None
+        if self.dead_reason is not None:
+            raise AgentGone(self.dead_reason)
+
+    async def _read_loop(self) -> None:
+        parser = FrameParser()
+        try:
+            while True:
+                data = await self._reader.read(MAX_GUEST_PAYLOAD)
+                if not data:
+                    raise AgentGone("connection to the guest agent closed")
+                for frame in parser.feed(data):
+                    if frame.type == T.READY:
+                        self._ready.set()
+                        continue
+                    queue = self._channels.get(frame.channel)
+                    if queue is None:
+                        continue  # a channel we gave up on (killed exec): late output is dropped
+                    queue.put_nowait(frame)
+        except (AgentGone, ProtocolError, OSError) as exc:
+            self.dead_reason = str(exc) if isinstance(exc, SandboxError) else f"agent connection failed: {exc}"
+        finally:
+            if self.dead_reason is None:
+                self.dead_reason = "agent connection closed"
+            self._ready.set()
+            for queue in self._channels.values():
+                queue.put_nowait(None)
+            self._writer.close()
+
+    def mark_dead(self, reason: str) -> None:
+        """Give every waiter ``reason`` (the VM died) and stop reading."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        self._task.cancel()
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    def open_channel(self) -> int:
+        if self.dead_reason is not None:
+            raise AgentGone(self.dead_reason)
+        channel = next(self._ids)
+        self._channels[channel] = asyncio.Queue()
+        return channel
+
+    def close_channel(self, channel: int) -> None:
+        self._channels.pop(channel, None)
+
+    async def send(self, ftype: int, channel: int, payload: bytes = b"") -> None:
+        if self.dead_reason is not None:
+            raise AgentGone(self.dead_reason)
+        async with self._write_lock:
+            self._writer.write(encode(ftype, channel, payload))
+            try:
+                await self._writer.drain()
+            except OSError as e:
+                raise AgentGone(f"guest agent connection failed: {e}") from e
+
+    async def next_frame(self, channel: int, timeout: float | None = None) -> Frame:
+        """The next frame of ``channel``; AgentGone when the connection died."""
+        queue = self._channels[channel]
+        frame = await asyncio.wait_for(queue.get(), timeout) if timeout else await queue.get()
+        if frame is None:
+            queue.put_nowait(None)  # later waiters on this channel see it too
+            raise AgentGone(self.dead_reason or "guest agent connection closed")
+        return frame
+
+    async def _simple(self, ftype: int, payload: bytes, path: str, timeout: float = 60.0) -> list[bytes]:
+        """Send one request; collect DATA payloads until END (or raise the guest's ERROR)."""
+        channel = self.open_channel()
+        try:
+            await self.send(ftype, channel, payload)
+            return await self._collect(channel, path, timeout)
+        finally:
+            self.close_channel(channel)
+
+    async def _collect(self, channel: int, path: str, timeout: float, limit: int | None = None) -> list[bytes]:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            frame = await self.next_frame(channel, timeout)
+            if frame.type == T.END:
+                return chunks
+            if frame.type == T.ERROR:
+                raise guest_error(frame.payload, path)
+            if frame.type != T.DATA:
+                raise ProtocolError(f"unexpected frame {frame.type:#x} in a file reply")
+            total += len(frame.payload)
+            if limit is not None and total > limit:
+                raise ProtocolError(f"guest sent more than the {limit} bytes asked for")
+            chunks.append(frame.payload)
+
+    # -- operations ---------------------------------------------------------------------------------
+
+    async def ping(self, timeout: float = 10.0) -> None:
+        await self._simple(T.PING, b"", "", timeout)
+
+    async def read(self, path: str, max_bytes: int) -> bytes:
+        channel = self.open_channel()
+        try:
+            await self.send(T.READ, channel, max_bytes.to_bytes(8, "big") + _path(path))
+            return b"".join(await self._collect(channel, path, 120.0, limit=max_bytes))
+        finally:
+            self.close_channel(channel)
+
+    async def write(self, path: str, data: bytes, mode: int | None) -> None:
+        channel = self.open_channel()
+        try:
+            await self.send(T.WRITE, channel, (0xFFFFFFFF if mode is None else mode).to_bytes(4, "big") + _path(path))
+            for i in range(0, len(data), _WRITE_CHUNK):
+                await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
+            await self.send(T.STDIN, channel, b"")
+            await self._collect(channel, path, 120.0, limit=0)
+        finally:
+            self.close_channel(channel)
+
+    async def list(self, path: str) -> builtins.list[FileEntry]:
+        return [e for chunk in await self._simple(T.LIST, _path(path), path) for e in parse_list(path, chunk)]
+
+    async def mkdir(self, path: str) -> None:
+        await self._simple(T.MKDIR, _path(path), path)
+
+    async def identity(self, hostname: str, machine_id: str, seed: bytes) -> None:
+        await self._simple(T.IDENTITY, hostname.encode() + b"\0" + machine_id.encode() + b"\0" + seed, "")
+
+    async def shutdown(self) -> None:
+        await self._simple(T.SHUTDOWN, b"", "", 10.0)
+
+    async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str, uid: int = 0,
+                         gid: int = 0) -> int:
+        """Start a command as ``uid:gid``; returns its channel (read it with :meth:`next_frame`)."""
+        if len(argv) > 0xFFFF or len(env) > 0xFFFF:
+            raise InvalidRequest("too many arguments or environment entries")
+        strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
+        payload = struct.pack(">HHII", len(argv), len(env), uid, gid) + b"".join(s.encode() + b"\0" for s in strings)
+        channel = self.open_channel()
+        try:
+            await self.send(T.EXEC, channel, payload)
+        except BaseException:
+            self.close_channel(channel)
+            raise
+        return channel
+
+    async def stdin(self, channel: int, data: bytes) -> None:
+        for i in range(0, len(data), _WRITE_CHUNK):
+            await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
+
+    async def signal(self, channel: int, signo: int) -> None:
+        with contextlib.suppress(AgentGone):
+            await self.send(T.SIGNAL, channel, bytes([signo]))
+
+
+def _path(path: str) -> bytes:
+    return path.encode() + b"\0"

@@ -1,0 +1,316 @@
+"""The microvm backend (QEMU -M microvm + guest agent) against the conformance suite, plus what only a VM has:
+its own kernel, snapshot restore with fresh identity, and faults (panic, power-off, agent killed, QEMU killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import missing
+from container_support import images_dir, short_home
+from dsec.backends.base import ImageRef
+from dsec.backends.microvm import MicroVMBackend
+from dsec.config import Settings
+from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.guest.kernel import default_guest_dir, find_kernel
+from dsec.models import ExecRequest
+from dsec.testing import CHECKS, new_record, sandbox
+from dsec.testing.conformance import Check
+
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
+
+SMALL = {"memory": "384Mi"}
+
+
+def qemu_pids(tag: str) -> list[int]:
+    """QEMU processes whose runtime directory belongs to this home's tag."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmdline and f"/run/dsec-vm/{tag}/".encode() in cmdline:
+                found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def home() -> Iterator[Path]:
+    try:
+        find_kernel(default_guest_dir())
+    except DSecError as e:
+        missing(str(e))
+    path = short_home("dsec-vm-")
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
+    b = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
+    await b.start()
+    try:
+        yield b
+    finally:
+        removed = await b.cleanup_orphans(set())
+        await b.aclose()
+        left = qemu_pids(b.tag)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_microvm_conforms(check: Check, backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    await asyncio.wait_for(check(backend, debian_python_image), 180)
+
+
+async def test_guest_kernel_is_not_the_host_kernel(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="uname -r; cat /proc/sys/kernel/random/boot_id"))
+        guest_release, guest_boot = r.stdout.decode().split()
+        assert guest_release != os.uname().release and guest_release.endswith("cloud-amd64"), r
+        assert guest_boot != Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        assert sb.backend_state["accel"] in ("kvm", "tcg")
+
+
+async def test_clones_get_fresh_identity(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    cmd = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1"
+    async with sandbox(backend, debian_python_image, **SMALL) as a, sandbox(backend, debian_python_image, **SMALL) as b:
+        assert a.backend_state["start"] == b.backend_state["start"] == "restore", (a.backend_state, b.backend_state)
+        ra = await backend.exec(a, ExecRequest(command=cmd))
+        rb = await backend.exec(b, ExecRequest(command=cmd))
+        la, lb = ra.stdout.splitlines(), rb.stdout.splitlines()
+        assert la[0] == a.id.encode() and lb[0] == b.id.encode()
+        assert la[1] != lb[1] and la[2] != lb[2], (la, lb)
+
+
+async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian_python_image: ImageRef,
+                                                 tmp_path: Path) -> None:
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        await backend.write_file(sb, "/workspace/state.txt", b"before snapshot", None)
+        await backend.pause(sb)
+        run = asyncio.create_task(backend.exec(sb, ExecRequest(command="echo resumed", timeout=30)))
+        await asyncio.sleep(1)
+        assert not run.done(), "a paused VM ran a command"
+        await backend.resume(sb)
+        assert (await run).stdout == b"resumed\n"
+        await backend.snapshot(sb, snap)
+        await backend.write_file(sb, "/workspace/state.txt", b"after snapshot", None)
+        # the snapshot's shape wins over the spec's (a VM's RAM size is part of its state)
+        record = new_record("microvm", debian_python_image, memory="1Gi")
+        try:
+            await backend.restore(record, debian_python_image, snap)
+            assert record.spec.memory == 384 * 1024 * 1024
+            assert await backend.read_file(record, "/workspace/state.txt", 100) == b"before snapshot"
+            r = await backend.exec(record, ExecRequest(command="hostname"))
+            assert r.stdout.strip() == record.id.encode()
+        finally:
+            await backend.destroy(record)
+        # a paused VM stays paused across a snapshot
+        await backend.pause(sb)
+        again = tmp_path / "again"
+        again.mkdir()
+        await backend.snapshot(sb, again)
+        status = (await backend._qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
+        assert status in ("paused", "postmigrate"), status  # stopped either way: vCPUs do not run
+        await backend.resume(sb)
+    with pytest.raises(SandboxError, match="not a readable microvm snapshot"):
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image,
+                              tmp_path / "nope")
+    # a snapshot whose state file is gone is reported as such, and nothing is left running
+    (snap / "state").unlink()
+    with pytest.raises(SandboxError, match="state file is missing"):
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, snap)
+
+
+async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_python_image: ImageRef,
+                                             tmp_path: Path) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        await backend.snapshot(sb, tmp_path)
+    (tmp_path / "state").write_bytes(b"QEVM" + os.urandom(4096))
+    record = new_record("microvm", debian_python_image, **SMALL)
+    try:
+        with pytest.raises(SandboxError, match=r"restoring .* failed: QEMU exited"):
+            await asyncio.wait_for(backend.restore(record, debian_python_image, tmp_path), 60)
+    finally:
+        await backend.destroy(record)
+    assert qemu_pids(backend.tag) == []
+
+
+@pytest.mark.parametrize("how,reason", [
+    ("echo c > /proc/sysrq-trigger", "panicked"),
+    ("echo o > /proc/sysrq-trigger", "powered off"),
+])
+async def test_guest_death_is_reported(how: str, reason: str, backend: MicroVMBackend,
+                                       debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        with pytest.raises(SandboxError, match=reason):
+            await asyncio.wait_for(backend.exec(sb, ExecRequest(command=how, timeout=30)), 60)
+        with pytest.raises(SandboxError, match=reason):
+            await backend.exec(sb, ExecRequest(command="true"))
+        assert qemu_pids(backend.tag) == []
+
+
+async def test_qemu_killed_mid_exec(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        run = asyncio.create_task(backend.exec(sb, ExecRequest(command="echo started; sleep 60", timeout=90)))
+        await asyncio.sleep(1.5)
+        os.kill(sb.backend_state["qemu_pid"], signal.SIGKILL)
+        with pytest.raises(SandboxError, match="SIGKILL"):
+            await asyncio.wait_for(run, 20)
+
+
+async def test_guest_out_of_memory_kills_the_command_not_the_vm(backend: MicroVMBackend,
+                                                                debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(
+            command="python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 24))'", timeout=120))
+        # sh reports its child's SIGKILL as 137; the agent saw the guest's OOM killer act
+        assert r.exit_code == 128 + 9 and r.limit == "memory", r
+        assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
+
+
+async def test_bad_specs_are_refused(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    with pytest.raises(InvalidRequest, match="memory"):
+        await backend.create(new_record("microvm", debian_python_image, memory="64Mi"), debian_python_image)
+    with pytest.raises(InvalidRequest, match="network"):
+        await backend.create(new_record("microvm", debian_python_image, network="allow"), debian_python_image)
+
+
+async def test_killing_the_agent_from_inside_does_not_hang(backend: MicroVMBackend,
+                                                           debian_python_image: ImageRef) -> None:
+    """The agent is the guest's pid 1: the guest kernel refuses even root's SIGKILL to it, so the attempt
+    returns and the sandbox keeps working."""
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await asyncio.wait_for(backend.exec(sb, ExecRequest(command="kill -9 1; kill -SEGV 1; echo tried")), 60)
+        assert r.stdout == b"tried\n", r
+        assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
+
+
+async def test_hibernate_releases_ram_and_resume_restores_everything(backend: MicroVMBackend,
+                                                                     debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="sleep 1000 >/dev/null 2>&1 & echo $!"))
+        pid = int(r.stdout)
+        await backend.write_file(sb, "/workspace/f", b"kept", None)
+        qemu = sb.backend_state["qemu_pid"]
+        await backend.hibernate(sb)
+        assert not Path(f"/proc/{qemu}").exists() or Path(f"/proc/{qemu}/stat").read_text().split()[2] == "Z"
+        assert qemu_pids(backend.tag) == [], "QEMU still holds the VM's memory"
+        with pytest.raises(SandboxError):
+            await backend.exec(sb, ExecRequest(command="true"))
+        await backend.resume(sb)
+        r = await backend.exec(sb, ExecRequest(command=f"kill -0 {pid} && hostname && cat f"))
+        assert r.exit_code == 0 and r.stdout == sb.id.encode() + b"\nkept", r
+        # a hibernated sandbox whose saved state vanished says so on resume
+        await backend.hibernate(sb)
+        (Path(sb.backend_state["hibernated"]) / "state").unlink()
+        with pytest.raises(SandboxError, match=r"saved state .* is missing"):
+            await backend.resume(sb)
+
+
+async def test_a_restarted_backend_re_adopts_running_vms(home: Path, backend: MicroVMBackend,
+                                                         debian_python_image: ImageRef) -> None:
+    """What a daemon restart does: a new backend recovers the record and talks to the same guest."""
+    record = new_record("microvm", debian_python_image, **SMALL)
+    await backend.create(record, debian_python_image)
+    second = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
+    try:
+        await backend.exec(record, ExecRequest(command="echo before > /workspace/mark"))
+        await backend.aclose()  # the old daemon goes away; its VMs keep running
+        await second.start()
+        assert await second.recover(record)
+        r = await second.exec(record, ExecRequest(command="cat /workspace/mark; hostname"))
+        assert r.stdout == b"before\n" + record.id.encode() + b"\n", r
+    finally:
+        await second.destroy(record)
+        await second.aclose()
+    assert not await second.recover(record)
+
+
+async def test_orphan_sweep_leaves_the_container_backends_sandboxes_alone(home: Path, backend: MicroVMBackend,
+                                                                          debian_python_image: ImageRef) -> None:
+    """Both backends share a DSEC_HOME in a daemon: the microvm sweep must not take container sandboxes for
+    its own orphans (it once killed them through their cgroups), nor the container sweep microvm ones."""
+    from container_support import started_backend
+
+    async with started_backend(home, images_dir()) as containers, \
+            sandbox(containers, debian_python_image) as box, sandbox(backend, debian_python_image, **SMALL) as vm:
+        assert await backend.cleanup_orphans({vm.id}) == []
+        assert await containers.cleanup_orphans({box.id}) == []
+        assert (await containers.exec(box, ExecRequest(command="echo ok"))).stdout == b"ok\n"
+        assert (await backend.exec(vm, ExecRequest(command="echo ok"))).stdout == b"ok\n"
+
+
+async def test_console_flood_is_bounded_and_the_panic_still_named(backend: MicroVMBackend,
+                                                                   debian_python_image: ImageRef) -> None:
+    """The guest writes what it likes to its serial console: the host keeps only a bounded tail."""
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="head -c 300000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo done",
+                                               timeout=120))
+        assert r.stdout == b"done\n", r
+        vm = backend._vms[sb.id]
+        await asyncio.sleep(0.5)
+        assert 0 < len(vm.console) <= 64 * 1024
+        assert not list(Path(sb.backend_state["rundir"]).glob("*.log*")) or \
+            all(p.stat().st_size < 64 * 1024 for p in Path(sb.backend_state["rundir"]).glob("*.log"))
+        with pytest.raises(SandboxError, match="panicked"):
+            await asyncio.wait_for(backend.exec(sb, ExecRequest(command="echo c > /proc/sysrq-trigger")), 60)
+
+
+async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: MicroVMBackend,
+                                                                       debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as first:
+        assert first.backend_state["start"] == "restore"
+    [template] = [d for d in (backend.root / "templates").iterdir() if (d / "state").is_file()
+                  and '"memory_mib": 384' in (d / "meta.json").read_text()]
+    (template / "state").write_bytes(os.urandom(1000))
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "boot" and "restoring" in sb.backend_state["restore_error"], \
+            sb.backend_state
+        assert (await backend.exec(sb, ExecRequest(command="echo booted"))).stdout == b"booted\n"
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "restore", "the corrupt template was not rebuilt"
+
+
+async def test_vcpus_and_disk_limits(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, cpu=2, memory="384Mi", disk="64Mi") as sb:
+        r = await backend.exec(sb, ExecRequest(command="nproc; grep MemTotal /proc/meminfo"))
+        nproc, memtotal = r.stdout.decode().splitlines()
+        assert nproc == "2" and 300_000 < int(memtotal.split()[1]) <= 384 * 1024, r
+        r = await backend.exec(sb, ExecRequest(command="head -c 100000000 /dev/zero > big", timeout=120))
+        assert r.exit_code != 0 and b"No space left" in r.stderr, r
+        with pytest.raises(SandboxError, match="disk is full"):
+            await backend.write_file(sb, "/workspace/more", os.urandom(80 * 1024 * 1024), None)
+        await backend.exec(sb, ExecRequest(command="rm -f big"))
+        await backend.write_file(sb, "/workspace/small", b"fits again", None)
+
+
+async def test_image_user_and_workdir_apply(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    """An image's ``User`` and ``WorkingDir`` shape execs as they do in a container."""
+    import dataclasses
+
+    from dsec.models import ImageConfig
+
+    image = dataclasses.replace(debian_python_image, config=ImageConfig(
+        env=dict(debian_python_image.config.env), user="nobody", workdir="/srv/app"))
+    record = new_record("microvm", image, workdir=None, **SMALL)
+    try:
+        await backend.create(record, image)
+        assert record.spec.workdir == "/srv/app"
+        r = await backend.exec(record, ExecRequest(command='id -u; id -g; echo "$HOME"; pwd'))
+        assert r.stdout.decode().split() == ["65534", "65534", "/nonexistent", "/srv/app"], r
+    finally:
+        await backend.destroy(record)

@@ -1,0 +1,101 @@
+"""A microvm sandbox driven end to end through the SDK and a real daemon: exec, files, pause/resume, and a
+snapshot restored into a second sandbox with ``create(snapshot=...)``."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+import dsec
+from conftest import missing
+from container_support import images_dir, short_home
+from dsec.config import Settings
+from dsec.daemon.app import create_app
+from dsec.daemon.engine import Engine
+from dsec.errors import DSecError
+from dsec.guest.kernel import default_guest_dir, find_kernel
+
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
+
+
+@pytest.fixture
+def daemon_url() -> Iterator[str]:
+    """A daemon with the node's default backends (container + microvm) on a unix socket."""
+    try:
+        find_kernel(default_guest_dir())
+    except DSecError as e:
+        missing(str(e))
+    home = short_home("dsec-vmsdk-")
+    settings = Settings(home=home, images_dir=images_dir())
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    engine = Engine.from_settings(settings)
+    sock = str(settings.socket_path)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), uds=sock, log_level="warning", lifespan="off"))
+    ready = threading.Event()
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        try:
+            await engine.start()
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.01)
+            ready.set()
+            await task
+        except BaseException as exc:
+            failure.append(exc)
+            ready.set()
+        finally:
+            await engine.destroy_all()
+            await engine.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    ready.wait(60)
+    try:
+        if failure:
+            raise RuntimeError("daemon failed to start") from failure[0]
+        yield f"unix://{sock}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def test_microvm_through_the_sdk(daemon_url: str) -> None:
+    client = dsec.Client(url=daemon_url)
+    sb = await dsec.AsyncSandbox.create(image="debian-python", backend="microvm", memory="384Mi", client=client,
+                                        labels={"t": "vm"})
+    try:
+        r = await sb.exec("uname -r; echo $HOSTNAME $(hostname)", timeout=60)
+        assert r.exit_code == 0 and b"cloud-amd64" in r.stdout, r
+        await sb.files.write("/workspace/kept.txt", b"snapshotted\n")
+        info = await sb.pause()
+        assert info.state == "paused"
+        assert (await sb.resume()).state == "running"
+        snap = await sb.snapshot()
+        await sb.files.write("/workspace/kept.txt", b"changed later\n")
+        clone = await dsec.AsyncSandbox.create(snapshot=snap, backend="microvm", client=client, labels={"t": "clone"})
+        try:
+            assert (await clone.info()).backend == "microvm"
+            assert await clone.files.read("/workspace/kept.txt") == b"snapshotted\n"
+            r = await clone.exec("hostname")
+            assert r.stdout.strip() == clone.id.encode(), "the clone kept the original's identity"
+        finally:
+            await clone.close()
+        children = await sb.fork(2)
+        try:
+            names = {(await c.exec("hostname")).stdout.strip() for c in children}
+            assert names == {c.id.encode() for c in children}, "fork children share an identity"
+            assert all([await c.files.read("/workspace/kept.txt") == b"changed later\n" for c in children])
+        finally:
+            for c in children:
+                await c.close()
+    finally:
+        await sb.close()
+        await client.aclose()

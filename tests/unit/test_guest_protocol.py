@@ -1,0 +1,171 @@
+"""The host side of the guest agent protocol treats the guest as hostile: bounded frames, strict parsing.
+
+A fake agent on a real unix socket sends what a compromised guest could; a fuzz loop feeds the parser
+random and mutated bytes. Neither may raise anything but ProtocolError, nor buffer past one frame."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import struct
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from dsec.errors import InvalidRequest, NotFound
+from dsec.guest.protocol import (
+    MAX_GUEST_PAYLOAD,
+    AgentClient,
+    AgentGone,
+    FrameParser,
+    ProtocolError,
+    T,
+    parse_exit,
+    parse_list,
+)
+
+
+def frame(ftype: int, channel: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", len(payload) + 5, ftype, channel) + payload
+
+
+def test_parser_splits_frames_across_reads() -> None:
+    data = frame(T.READY, 0) + frame(T.STDOUT, 3, b"hello") + frame(T.EXIT, 3, struct.pack(">iBB", 0, 0, 0))
+    parser = FrameParser()
+    got = [f for i in range(len(data)) for f in parser.feed(data[i:i + 1])]
+    assert [(f.type, f.channel, f.payload) for f in got] == [
+        (T.READY, 0, b""), (T.STDOUT, 3, b"hello"), (T.EXIT, 3, b"\0\0\0\0\0\0")]
+
+
+@pytest.mark.parametrize("bad", [
+    struct.pack(">I", 1 << 31) + b"x" * 5,                    # oversized length
+    struct.pack(">I", MAX_GUEST_PAYLOAD + 6) + b"\x81" + b"\0" * 4,
+    struct.pack(">I", 3) + b"abc",                            # shorter than a header
+    frame(0x01, 1, b"host-only type"),                        # a host -> guest type
+    frame(0xFF, 1),
+])
+def test_parser_rejects_malformed_frames(bad: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        FrameParser().feed(bad)
+
+
+def test_parser_fuzz() -> None:
+    rng = random.Random(5)
+    valid = frame(T.STDOUT, 1, b"x" * 100) + frame(T.EXIT, 1, b"\0\0\0\0\0\0")
+    for _ in range(3000):
+        data = bytearray(valid if rng.random() < 0.5 else os.urandom(rng.randrange(1, 300)))
+        for _ in range(rng.randrange(0, 6)):
+            if data:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        parser = FrameParser()
+        try:
+            for f in parser.feed(bytes(data)):
+                assert len(f.payload) <= MAX_GUEST_PAYLOAD
+                for parse in (parse_exit, lambda p: parse_list("/d", p)):
+                    with contextlib.suppress(ProtocolError):
+                        parse(f.payload)
+        except ProtocolError:
+            pass
+        assert len(parser._buf) <= MAX_GUEST_PAYLOAD + 9
+
+
+def test_exit_and_list_payloads_are_checked() -> None:
+    assert parse_exit(struct.pack(">iBB", 137, 9, 1)) == (137, 9, True)
+    assert parse_exit(struct.pack(">iBB", 3, 0, 0)) == (3, None, False)
+    for bad in (b"", b"\0" * 5, struct.pack(">iBB", -1, 0, 0), struct.pack(">iBB", 0, 200, 0),
+                struct.pack(">iBB", 0, 0, 7)):
+        with pytest.raises(ProtocolError):
+            parse_exit(bad)
+    rec = struct.pack(">BIQQH", ord("f"), 0o100644, 5, 10**18, 3) + b"a.t"
+    [entry] = parse_list("/w", rec)
+    assert (entry.name, entry.path, entry.type, entry.size, entry.mode) == ("a.t", "/w/a.t", "file", 5, 0o644)
+    for bad in (rec[:-1], struct.pack(">BIQQH", ord("f"), 0, 0, 0, 3) + b"../",
+                struct.pack(">BIQQH", ord("?"), 0, 0, 0, 1) + b"a",
+                struct.pack(">BIQQH", ord("f"), 0, 0, 0, 2) + b".."):
+        with pytest.raises(ProtocolError):
+            parse_list("/w", bad)
+
+
+async def with_fake_agent(script: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                          body: Callable[[AgentClient], Awaitable[None]]) -> None:
+    """Serve ``script`` on a real unix socket and run ``body`` against an AgentClient connected to it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "agent.sock")
+        async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await script(reader, writer)
+            except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
+                pass  # the client hung up (the end of every test), or the server is closing
+            finally:
+                writer.close()
+
+        server = await asyncio.start_unix_server(guarded, path)
+        try:
+            client = await AgentClient.connect(path)
+            try:
+                await asyncio.wait_for(body(client), 10)
+            finally:
+                await client.aclose()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
+async def test_oversized_frame_ends_the_connection_with_a_reason() -> None:
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0))
+        await reader.read(100)  # the exec request
+        writer.write(struct.pack(">IBI", 1 << 30, T.STDOUT, 1) + b"x" * 1000)
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        channel = await client.start_exec(["true"], {}, "/")
+        with pytest.raises(AgentGone, match="frame of 1073741824 bytes"):
+            await client.next_frame(channel)
+        with pytest.raises(AgentGone):
+            await client.read("/x", 10)
+
+    await with_fake_agent(agent, body)
+
+
+async def test_guest_sending_more_than_asked_is_refused() -> None:
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        header = await reader.readexactly(9)
+        _, _, channel = struct.unpack(">IBI", header)
+        await reader.readexactly(struct.unpack(">I", header[:4])[0] - 5)
+        for _ in range(3):
+            writer.write(frame(T.DATA, channel, b"z" * 8))
+        writer.write(frame(T.END, channel))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(ProtocolError, match="more than the 10 bytes"):
+            await client.read("/f", 10)
+
+    await with_fake_agent(agent, body)
+
+
+async def test_guest_errors_map_to_dsec_errors() -> None:
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for errno_ in (2, 21):
+            header = await reader.readexactly(9)
+            length, _, channel = struct.unpack(">IBI", header)
+            await reader.readexactly(length - 5)
+            writer.write(frame(T.ERROR, channel, struct.pack(">I", errno_) + b"guest says no"))
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(NotFound):
+            await client.read("/missing", 10)
+        with pytest.raises(InvalidRequest, match="is a directory"):
+            await client.read("/dir", 10)
+
+    await with_fake_agent(agent, body)
