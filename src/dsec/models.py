@@ -19,6 +19,8 @@ from dsec.errors import InvalidRequest
 __all__ = [
     "BackendName",
     "BatchCreateRequest",
+    "CallRequest",
+    "CallResult",
     "ExecEvent",
     "ExecRequest",
     "ExecResult",
@@ -308,6 +310,12 @@ class ExecResult(Model):
     """Served from the trajectory log without running (fast-forward)."""
     log_truncated: bool = False
     """The trajectory log kept only the first bytes of this output (its per-call cap): what a replay returns."""
+    cpu_s: float | None = None
+    """CPU seconds (user + system) of the command and the children it waited for, when the backend measures
+    it (``function``)."""
+    memory_peak_bytes: int | None = None
+    """Peak resident memory of the largest single process of the command, when the backend measures it
+    (``function``)."""
 
     @property
     def ok(self) -> bool:
@@ -318,6 +326,44 @@ class ExecResult(Model):
     def timed_out(self) -> bool:
         """True when the command was killed at its timeout."""
         return self.limit == "time"
+
+
+class CallRequest(Model):
+    """A Python callable to run in a function sandbox (``sb.call``); built by the SDK."""
+
+    payload: bytes
+    """``cloudpickle.dumps((func, args, kwargs))``."""
+    client_python: str = Field(pattern=r"^\d+\.\d+$")
+    """The caller's ``major.minor`` Python version; the image's must match (cloudpickle's bytecode)."""
+    timeout: float | None = Field(60.0, gt=0)
+    """Seconds before the call is killed (verdict ``time``)."""
+    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1, le=1024**3)
+    """Largest pickled return value; a bigger one is refused inside the sandbox with a clear error."""
+    python: str = "python3"
+    """The image's interpreter (name on ``PATH`` or absolute path)."""
+    env: dict[str, str] | None = None
+    """Extra environment for the call."""
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else _check_mapping(v)
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str) -> str:
+        if not v or "\0" in v:
+            raise ValueError(f"python must be a non-empty interpreter name or path, got {v!r}")
+        return v
+
+
+class CallResult(Model):
+    """What a call left: the loader's reply (decoded by the SDK, never by the daemon) and how it ended."""
+
+    reply: bytes
+    """The loader's pickled reply; empty when the call ended without one (killed at a limit, crashed)."""
+    result: ExecResult
+    """Exit status, verdict, CPU time, peak memory and stderr (the callable's prints) of the call."""
 
 
 class ExecEvent(Model):

@@ -181,6 +181,12 @@ class CgroupSet:
             for rule in _V1_DEVICES_ALLOW:
                 _write(d / "devices.allow", rule)
 
+    def kill_all(self) -> None:
+        """SIGKILL every process in the set (the function backend's calls after their zygote died)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, 9)
+
     def _dir(self, controller: str) -> Path | None:
         d = self.dirs.get("unified" if self.mode == "v2" else controller)
         return Path(d) if d else None

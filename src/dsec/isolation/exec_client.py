@@ -190,6 +190,7 @@ class _Watch:
         self.wstatus: int | None = None
         self.status_closed = False
         self.setup_error: str | None = None
+        self.usage: tuple[float, int] | None = None
         self.limit: LimitHit | None = None
         self.truncated = False
         self.timer: asyncio.TimerHandle | None = None
@@ -239,7 +240,11 @@ class _Watch:
                 if self.limit is not None:
                     self.spawned.kill()
             elif kind == "exit":
-                self.wstatus = int(value)
+                if self.wstatus is None:  # the first report wins (a function call's own comes first)
+                    self.wstatus = int(value)
+            elif kind == "usage":
+                cpu_us, _, rss_kb = value.partition(" ")
+                self.usage = (int(cpu_us) / 1e6, int(rss_kb) * 1024)
             elif kind == "error":
                 self.setup_error = value
         if not data:
@@ -350,6 +355,8 @@ async def stream_exec(
             truncated=watch.truncated,
             signal=sig,
             limit=limit,
+            cpu_s=watch.usage[0] if watch.usage else None,
+            memory_peak_bytes=watch.usage[1] if watch.usage else None,
         )
         yield ExecEvent(type="exit", result=result)
     finally:

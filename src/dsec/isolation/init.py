@@ -3,6 +3,7 @@
 - ``dsec-init`` (``init.c``): pid 1 of a container sandbox; reaps orphans, nothing else.
 - ``dsec-nsenter`` (``nsenter.c``): the last step of an exec into a running sandbox.
 - ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
+- ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
 upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``).
@@ -18,12 +19,13 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 
-__all__ = ["INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ensure_binary", "ensure_init", "ensure_nsenter",
-           "ensure_rtshim"]
+__all__ = ["INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE", "ensure_binary", "ensure_init",
+           "ensure_nsenter", "ensure_rtshim", "ensure_zygote"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
 RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
+ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 
 
 def ensure_binary(source: Path, name: str, directory: Path) -> Path:
@@ -61,3 +63,8 @@ def ensure_nsenter(directory: Path) -> Path:
 def ensure_rtshim(directory: Path) -> Path:
     """The OCI runtime launcher, built if needed."""
     return ensure_binary(RTSHIM_SOURCE, "dsec-rtshim", directory)
+
+
+def ensure_zygote(directory: Path) -> Path:
+    """The function backend's zygote, built if needed."""
+    return ensure_binary(ZYGOTE_SOURCE, "dsec-zygote", directory)

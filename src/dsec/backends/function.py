@@ -1,0 +1,340 @@
+"""The ``function`` backend: every exec a fresh, isolated process tree forked from a pre-warmed zygote.
+
+Create: a workspace directory, a scaffold of mount points, a cgroup with the sandbox's limits,
+and one ``dsec-zygote`` (:mod:`dsec.isolation.zygote`, ``zygote.c``) that has already mounted
+the image read-only (an overlay of the scaffold over ``ImageRef.rootfs``), bound the workspace
+writable, prepared the Landlock ruleset and the seccomp program, and entered its user namespace.
+Exec: one ``clone`` of the zygote into new pid, mount, network, ipc and uts namespaces, with a
+fresh ``/proc`` and ``/tmp``, no capabilities, no_new_privs, rlimits, Landlock and seccomp; the
+command's exit ends the pid namespace, so nothing it started outlives the call. Only the
+workspace persists between calls. Files: confined ``openat2`` through the zygote's root.
+Call: :meth:`FunctionBackend.call` runs a pickled callable with the loader in ``/.dsec``.
+
+This module owns the sandbox's host resources (directory, cgroups, zygote) and must leave none
+of them behind, including after a daemon crash (:meth:`recover`, :meth:`cleanup_orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from dsec.backends.base import Backend, ImageRef, collect_exec
+from dsec.config import Settings
+from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.isolation import call_loader
+from dsec.isolation.cgroups import CgroupSet, cgroup_mode
+from dsec.isolation.exec_client import stream_exec
+from dsec.isolation.files import SandboxFS
+from dsec.isolation.init import ensure_zygote
+from dsec.isolation.landlock import landlock_abi
+from dsec.isolation.oci import DEFAULT_PATH
+from dsec.isolation.seccomp import DEFAULT_PROFILE
+from dsec.isolation.zygote import Zygote, ZygoteConfig, start_time
+from dsec.models import (
+    CallRequest,
+    CallResult,
+    ExecEvent,
+    ExecRequest,
+    FileEntry,
+    LimitHit,
+    SandboxRecord,
+    SandboxStats,
+)
+
+__all__ = ["FunctionBackend"]
+
+_NOFILE = 1024
+_SCAFFOLD_DIRS = ("tmp", "proc", "dev", ".dsec")
+# Headroom over the result cap for the reply's framing; past it the call's output is cut (verdict "output").
+_REPLY_OVERHEAD = 64 * 1024
+
+
+class FunctionBackend(Backend):
+    """A zygote per sandbox (image, limits, workspace); a clone per call."""
+
+    name = "function"
+    root_writable: ClassVar[bool] = False
+    processes_persist: ClassVar[bool] = False
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.root = self.settings.home / "function"
+        tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
+        # Not the container backend's parent: each backend's orphan sweep must see only its own sandboxes.
+        self.cgroup_parent = f"dsec-{tag}-fn"
+        self._zygotes: dict[str, Zygote] = {}
+        self._binary: Path | None = None
+        self._bpf = b""
+        self._support: Path | None = None
+
+    def available(self) -> str:
+        if os.geteuid() != 0:
+            return "needs root (it creates namespaces, cgroups and mounts)"
+        abi = landlock_abi()
+        if abi < 1:
+            return "Landlock is not enabled in this kernel (needs Linux >= 5.13 with lsm=...,landlock)"
+        return "ok"
+
+    async def start(self) -> None:
+        reason = self.available()
+        if reason != "ok":
+            raise BackendUnavailable(f"function backend: {reason}")
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._binary = await asyncio.to_thread(ensure_zygote, self.settings.home / "bin")
+        self._bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
+        self._support = await asyncio.to_thread(_ensure_support, self.root)
+
+    async def aclose(self) -> None:
+        # Zygotes die with their sockets; workspaces and cgroups stay for a restarted daemon's recover().
+        for zygote in self._zygotes.values():
+            await asyncio.to_thread(zygote.close)
+        self._zygotes.clear()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _base(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    async def create(self, record: SandboxRecord, image: ImageRef) -> None:
+        if self._binary is None:
+            raise BackendUnavailable("function backend is not started")
+        if record.spec.network != "none":
+            raise InvalidRequest(f"network={record.spec.network!r} is not available on the function backend: "
+                                 f"every call runs in its own empty network namespace")
+        base = self._base(record.id)
+        shift = image.uid_shift
+        record.backend_state = {
+            "base": str(base), "uid_shift": shift, "image_rootfs": str(image.rootfs),
+            "cgroup": f"/{self.cgroup_parent}/{record.id}", "image_env": dict(image.config.env),
+        }
+        await asyncio.to_thread(self._make_dirs, base, record.spec.workdir, shift)
+        spec = record.spec
+        made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"], memory=spec.memory,
+                                       pids=spec.pids, cpu=spec.cpu)
+        record.backend_state["cgroups"] = made.dirs
+        await self._start_zygote(record)
+
+    @staticmethod
+    def _make_dirs(base: Path, workdir: str, shift: int) -> None:
+        base.mkdir(mode=0o700)
+        for sub in ("workspace", "scaffold", "root"):
+            (base / sub).mkdir()
+        os.chown(base / "workspace", shift, shift)
+        scaffold = base / "scaffold"
+        for rel in (*_SCAFFOLD_DIRS, workdir.strip("/")):
+            current = scaffold
+            for part in Path(rel).parts:
+                current = current / part
+                current.mkdir(exist_ok=True, mode=0o755)
+        # The scaffold is the top layer: its directories are what the sandbox sees, owned by its root.
+        for path in [scaffold, *scaffold.rglob("*")]:
+            os.lchown(path, shift, shift)
+
+    async def _start_zygote(self, record: SandboxRecord) -> None:
+        assert self._binary is not None and self._support is not None
+        state = record.backend_state
+        base = Path(state["base"])
+        cgroups = self._cgroups(record)
+        config = ZygoteConfig(
+            binary=self._binary, newroot=base / "root", lowerdirs=(base / "scaffold", Path(state["image_rootfs"])),
+            workspace=base / "workspace", workdir=record.spec.workdir, support=self._support,
+            tmpfs_bytes=record.spec.disk, seccomp_bpf=self._bpf, uid_shift=int(state["uid_shift"]),
+            uid_count=self.settings.uid_count, cgroup_procs=tuple(cgroups.procs_files()),
+        )
+        zygote = Zygote(config)
+        pid = await asyncio.to_thread(zygote.start)
+        self._zygotes[record.id] = zygote
+        state.update(zygote_pid=pid, zygote_start=start_time(pid))
+
+    def _zygote(self, record: SandboxRecord) -> Zygote:
+        zygote = self._zygotes.get(record.id)
+        if zygote is None or not zygote.alive():
+            raise SandboxError(f"sandbox {record.id} is not running (its zygote is gone)")
+        return zygote
+
+    def _cgroups(self, record: SandboxRecord) -> CgroupSet:
+        if record.backend_state.get("cgroups"):
+            return CgroupSet(mode=cgroup_mode(), dirs=dict(record.backend_state["cgroups"]))
+        return CgroupSet.at(record.backend_state.get("cgroup") or f"/{self.cgroup_parent}/{record.id}")
+
+    # -- exec -----------------------------------------------------------------------------
+
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._exec_stream(record, request)
+
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        zygote = self._zygote(record)
+        cgroups = self._cgroups(record)
+        env = {"PATH": DEFAULT_PATH, "HOME": "/tmp", **record.backend_state.get("image_env", {}),
+               **record.spec.env, **(request.env or {})}
+        argv = request.argv()
+        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL.
+        cpu = math.ceil(request.timeout) + 1 if request.timeout else 0
+        fields = [str(cpu), str(record.spec.disk), str(_NOFILE), request.cwd or record.spec.workdir,
+                  str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+
+        def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
+            if sig == signal.SIGKILL and cgroups.oom_kills() > before[0]:
+                return "memory"
+            if sig == signal.SIGXCPU:
+                return "time"
+            if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
+                return "pids"
+            return None
+
+        events = stream_exec(zygote.spawn(fields), request, verdict)
+        try:
+            async for event in events:
+                if event.type == "exit" and event.result is not None and event.result.limit is None:
+                    r = event.result
+                    if r.signal == signal.SIGKILL and cpu and r.cpu_s is not None and r.cpu_s >= cpu:
+                        event = ExecEvent(type="exit", result=r.model_copy(update={"limit": "time"}))
+                yield event
+        finally:
+            await events.aclose()
+
+    async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
+        self._zygote(record)
+        argv = [request.python, "-I", "/.dsec/loader.py", str(request.max_result_bytes), request.client_python]
+        exec_request = ExecRequest(command=argv, timeout=request.timeout, stdin=request.payload,
+                                   max_output=request.max_result_bytes + _REPLY_OVERHEAD, env=request.env)
+        result = await collect_exec(self.exec_stream(record, exec_request))
+        reply, result = result.stdout, result.model_copy(update={"stdout": b""})
+        return CallResult(reply=reply, result=result)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _fs(self, record: SandboxRecord) -> SandboxFS:
+        zygote = self._zygote(record)
+        shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
+        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift)
+
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+        return await asyncio.to_thread(self._fs(record).read, path, max_bytes)
+
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+        try:
+            await asyncio.to_thread(self._fs(record).write, path, data, mode)
+        except SandboxError as e:
+            if "Read-only file system" in e.message:
+                raise InvalidRequest(f"{path}: only {record.spec.workdir} is writable in a function sandbox "
+                                     f"(the image root is read-only and /tmp lasts one call)", path=path) from None
+            raise
+
+    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+        return await asyncio.to_thread(self._fs(record).list, path)
+
+    async def stats(self, record: SandboxRecord) -> SandboxStats:
+        cg = self._cgroups(record)
+        workspace = Path(record.backend_state["base"]) / "workspace"
+        disk = await asyncio.to_thread(_du, workspace)
+        return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
+                            cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
+                            disk_bytes=disk)
+
+    # -- teardown and recovery ------------------------------------------------------------
+
+    async def destroy(self, record: SandboxRecord) -> None:
+        zygote = self._zygotes.pop(record.id, None)
+        if zygote is not None:
+            await asyncio.to_thread(zygote.close)
+        await asyncio.to_thread(self._release, record.id, record.backend_state)
+
+    def _release(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        pid = state.get("zygote_pid")
+        if pid and start_time(int(pid)) == state.get("zygote_start"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)  # a zygote of a previous daemon (not our child)
+        cgroups = CgroupSet.at(state.get("cgroup") or f"/{self.cgroup_parent}/{sandbox_id}")
+        # Calls die with their zygote (PDEATHSIG); sweep the cgroup for any straggler, then remove it.
+        for _ in range(200):
+            cgroups.kill_all()
+            if not cgroups.pids():
+                break
+            time.sleep(0.01)
+        cgroups.remove()
+        base = self._base(sandbox_id)
+        if base.exists():
+            shutil.rmtree(base)
+        with contextlib.suppress(OSError):
+            for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+                if Path(d).is_dir() and not any(p.is_dir() for p in Path(d).iterdir()):
+                    os.rmdir(d)
+
+    async def recover(self, record: SandboxRecord) -> bool:
+        """The zygote died with the old daemon; the workspace is the state: start a new zygote over it."""
+        base = Path(record.backend_state.get("base", self._base(record.id)))
+        if not (base / "workspace").is_dir() or not Path(record.backend_state.get("image_rootfs", "")).is_dir():
+            return False
+        await asyncio.to_thread(self._stop_stale, record)
+        await self._start_zygote(record)
+        return True
+
+    def _stop_stale(self, record: SandboxRecord) -> None:
+        pid = record.backend_state.get("zygote_pid")
+        if pid and start_time(int(pid)) == record.backend_state.get("zygote_start"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        cgroups = self._cgroups(record)
+        for _ in range(200):
+            cgroups.kill_all()
+            if not cgroups.pids():
+                break
+            time.sleep(0.01)
+
+    async def cleanup_orphans(self, known: set[str]) -> list[str]:
+        found: set[str] = set()
+        if self.root.is_dir():
+            found.update(p.name for p in self.root.iterdir() if p.name.startswith("sb-"))
+        for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+            if Path(cg).is_dir():
+                found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith("sb-"))
+        orphans = sorted(found - known - set(self._zygotes))
+        for sandbox_id in orphans:
+            await asyncio.to_thread(self._release, sandbox_id, {})
+        return orphans
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def _ensure_support(root: Path) -> Path:
+    """``/.dsec`` of every call: the loader and a copy of the client's pure-Python cloudpickle, by digest."""
+    import cloudpickle
+
+    package = Path(cloudpickle.__file__).parent
+    loader = Path(call_loader.__file__).read_text()
+    digest = hashlib.sha256(loader.encode())
+    sources = sorted(package.glob("*.py"))
+    for src in sources:
+        digest.update(src.name.encode() + src.read_bytes())
+    target = root / f"support-{digest.hexdigest()[:16]}"
+    if target.is_dir():
+        return target
+    tmp = root / f".support-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "cloudpickle").mkdir(parents=True)
+    for src in sources:
+        shutil.copy2(src, tmp / "cloudpickle" / src.name)
+    (tmp / "loader.py").write_text(loader)
+    for path in [tmp, *tmp.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,519 @@
+/*
+ * dsec-zygote: the pre-warmed parent of every call of one function sandbox.
+ *
+ * The daemon starts it as host root with
+ *   fd 0        the control socket (SOCK_SEQPACKET)
+ *   fd 3        the seccomp program (raw struct sock_filter array; absent for none)
+ *   argv        dsec-zygote NEWROOT LOWERDIRS WORKSPACE WORKDIR SUPPORT TMPFS_BYTES
+ * Once, at start, it builds the sandbox's root in a private mount namespace: a read-only
+ * overlay of LOWERDIRS (the scaffold of mount points over the image root) on NEWROOT, the
+ * host directory WORKSPACE bound writable on WORKDIR, SUPPORT bound read-only on /.dsec, a
+ * read-only /dev of a few device nodes, and pivots into it. It prepares a Landlock ruleset
+ * (writes only beneath WORKDIR, /tmp and /dev; no TCP) and reads the seccomp program, then
+ * enters a new user namespace, says "userns" on the socket and waits for "go" while the
+ * daemon writes its uid/gid maps and moves it into the sandbox's cgroups.
+ *
+ * Each request (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four
+ * fds: stdin, stdout, stderr, status) is one clone() into new pid, mount, network, ipc and
+ * uts namespaces. The clone (pid 1 there) mounts a fresh /proc and /tmp, drops every
+ * capability, sets no_new_privs and rlimits, restricts itself with the Landlock ruleset and
+ * the seccomp program, forks the command and waits for it. When the command exits it
+ * reports "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which
+ * kills whatever the command left behind (the end of a pid namespace's init). The zygote
+ * reports "pid HOSTPID" when it cloned, and "exit WSTATUS" of the clone when it did not
+ * report itself (killed at a limit). Setup failures are "error <what>: <why>" lines.
+ * The zygote exits, killing every call, when the control socket closes.
+ */
+#define _GNU_SOURCE
+/* Paths are checked to be short by the daemon; a truncated one could only fail to mount. */
+#pragma GCC diagnostic ignored "-Wformat-truncation"
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/landlock.h>
+#include <linux/securebits.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CTL_FD 100
+#define STATUS_FD 3
+#define MAX_MSG (1 << 20)
+#define MAX_CALLS 4096
+#define MAX_FIELDS 65536
+#ifndef CALL_NS
+#define CALL_NS (CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+#endif
+#define CAP_LAST 63
+
+static struct sock_fprog seccomp_prog;
+static const char *tmpfs_opts;
+static struct {
+    pid_t pid;
+    int status_fd;
+} calls[MAX_CALLS];
+
+/* -- start-up: errors go to the control socket, and the zygote exits --------------------------------- */
+
+static void die(const char *what, int err) {
+    char buf[600];
+    int n = snprintf(buf, sizeof buf, "error %s: %s", what, strerror(err));
+    if (n > 0)
+        (void)!send(CTL_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1, MSG_NOSIGNAL);
+    _exit(1);
+}
+
+static void must_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data) {
+    if (mount(src, dst, type, flags, data) != 0) {
+        char what[400];
+        snprintf(what, sizeof what, "mount %s on %s", src ? src : type, dst);
+        die(what, errno);
+    }
+}
+
+static void bind_ro(const char *src, const char *dst, unsigned long extra) {
+    must_mount(src, dst, NULL, MS_BIND, NULL);
+    must_mount(NULL, dst, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | extra, NULL);
+}
+
+static void build_dev(const char *newroot) {
+    static const char *nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+    char dev[4096], path[4096];
+    snprintf(dev, sizeof dev, "%s/dev", newroot);
+    must_mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
+    for (size_t i = 0; i < sizeof nodes / sizeof *nodes; i++) {
+        snprintf(path, sizeof path, "%s/%s", dev, nodes[i]);
+        int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+        if (fd < 0)
+            die("create /dev node", errno);
+        close(fd);
+        char src[64];
+        snprintf(src, sizeof src, "/dev/%s", nodes[i]);
+        must_mount(src, path, NULL, MS_BIND, NULL);
+    }
+    static const char *links[][2] = {
+        {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"}, {"/proc/self/fd/1", "stdout"},
+        {"/proc/self/fd/2", "stderr"}};
+    for (size_t i = 0; i < sizeof links / sizeof *links; i++) {
+        snprintf(path, sizeof path, "%s/%s", dev, links[i][1]);
+        if (symlink(links[i][0], path) != 0)
+            die("create /dev link", errno);
+    }
+    must_mount(NULL, dev, NULL, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
+}
+
+/* The Landlock ABI as of Linux 6.12, spelled out: build hosts may carry older kernel headers. */
+struct ruleset_attr {
+    __u64 handled_access_fs;
+    __u64 handled_access_net;
+    __u64 scoped;
+};
+#define ACCESS_FS_TRUNCATE (1ULL << 14)
+#define ACCESS_NET_BIND_TCP (1ULL << 0)
+#define ACCESS_NET_CONNECT_TCP (1ULL << 1)
+#define SCOPE_ABSTRACT_UNIX_SOCKET (1ULL << 0)
+#define SCOPE_SIGNAL (1ULL << 1)
+
+static int landlock_abi(void) {
+    return (int)syscall(SYS_landlock_create_ruleset, NULL, 0, LANDLOCK_CREATE_RULESET_VERSION);
+}
+
+/* Writes anywhere but the workspace, /tmp and the device nodes are refused; reads and executes are
+   left to the read-only mounts. TCP bind/connect are refused outright (ABI 4), and signals and
+   abstract unix sockets cannot cross the call's domain (ABI 6). Landlock does not look at a mount
+   point's rules for the filesystem mounted on it, so each call's fresh /tmp needs a rule of its own:
+   the zygote prepares the ruleset's shape and the workspace and /dev handles once, each call builds
+   its ruleset from them (a few microseconds). */
+static struct ruleset_attr ruleset;
+static size_t ruleset_size;
+static __u64 write_access, dev_access;
+static int workdir_fd = -1, dev_fd = -1;
+
+static void prepare_landlock(const char *workdir) {
+    int abi = landlock_abi();
+    if (abi < 1)
+        die("landlock", abi < 0 ? errno : EOPNOTSUPP);
+    write_access = LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR | LANDLOCK_ACCESS_FS_REMOVE_FILE |
+                   LANDLOCK_ACCESS_FS_MAKE_CHAR | LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
+                   LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO | LANDLOCK_ACCESS_FS_MAKE_BLOCK |
+                   LANDLOCK_ACCESS_FS_MAKE_SYM;
+    if (abi >= 2)
+        write_access |= LANDLOCK_ACCESS_FS_REFER;
+    if (abi >= 3)
+        write_access |= ACCESS_FS_TRUNCATE;
+    dev_access = LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? ACCESS_FS_TRUNCATE : 0);
+    ruleset.handled_access_fs = write_access;
+    ruleset_size = offsetof(struct ruleset_attr, handled_access_net);
+    if (abi >= 4) {
+        ruleset.handled_access_net = ACCESS_NET_BIND_TCP | ACCESS_NET_CONNECT_TCP;
+        ruleset_size = offsetof(struct ruleset_attr, scoped);
+    }
+    if (abi >= 6) {
+        ruleset.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL;
+        ruleset_size = sizeof ruleset;
+    }
+    workdir_fd = open(workdir, O_PATH | O_CLOEXEC);
+    dev_fd = open("/dev", O_PATH | O_CLOEXEC);
+    if (workdir_fd < 0 || dev_fd < 0)
+        die("open workspace and /dev", errno);
+    /* Fail at start, not at the first call, if the kernel refuses this ruleset. */
+    int probe = (int)syscall(SYS_landlock_create_ruleset, &ruleset, ruleset_size, 0);
+    if (probe < 0)
+        die("landlock ruleset", errno);
+    close(probe);
+}
+
+static int add_rule(int fd, int parent, __u64 access) {
+    struct landlock_path_beneath_attr rule = {.allowed_access = access, .parent_fd = parent};
+    return (int)syscall(SYS_landlock_add_rule, fd, LANDLOCK_RULE_PATH_BENEATH, &rule, 0);
+}
+
+static void read_seccomp(void) {
+    struct stat st;
+    if (fstat(STATUS_FD, &st) != 0)
+        return; /* no program passed */
+    if (st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) || st.st_size > (1 << 20))
+        die("seccomp program size", EINVAL);
+    struct sock_filter *filter = malloc((size_t)st.st_size);
+    if (!filter || pread(STATUS_FD, filter, (size_t)st.st_size, 0) != st.st_size)
+        die("read seccomp program", errno);
+    close(STATUS_FD);
+    seccomp_prog.len = (unsigned short)(st.st_size / sizeof(struct sock_filter));
+    seccomp_prog.filter = filter;
+}
+
+static void setup(char **argv) {
+    const char *newroot = argv[1], *lowerdirs = argv[2], *workspace = argv[3], *workdir = argv[4],
+               *support = argv[5];
+    char path[4096], opts[8192];
+    if (unshare(CLONE_NEWNS) != 0)
+        die("new mount namespace", errno);
+    must_mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+    /* Two or more lower layers and no upper: overlayfs mounts read-only. */
+    snprintf(opts, sizeof opts, "lowerdir=%s", lowerdirs);
+    must_mount("overlay", newroot, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV, opts);
+    snprintf(path, sizeof path, "%s%s", newroot, workdir);
+    must_mount(workspace, path, NULL, MS_BIND, NULL);
+    must_mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV, NULL);
+    snprintf(path, sizeof path, "%s/.dsec", newroot);
+    bind_ro(support, path, MS_NODEV);
+    build_dev(newroot);
+    /* A proc instance must be visible for the calls (in their user namespace) to mount their own. */
+    snprintf(path, sizeof path, "%s/proc", newroot);
+    must_mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    if (chdir(newroot) != 0)
+        die("enter new root", errno);
+    if (syscall(SYS_pivot_root, ".", ".") != 0)
+        die("pivot_root", errno);
+    if (umount2(".", MNT_DETACH) != 0)
+        die("detach old root", errno);
+    if (chdir("/") != 0)
+        die("chdir /", errno);
+    prepare_landlock(workdir);
+    read_seccomp();
+}
+
+/* -- one call: runs in the clone, pid 1 of the call's namespaces ----------------------------------- */
+
+static void call_fail(const char *what, int err, int code) {
+    char buf[600];
+    int n = snprintf(buf, sizeof buf, "error %s: %s\n", what, strerror(err));
+    if (n > 0)
+        (void)!write(STATUS_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+    _exit(code);
+}
+
+static void drop_privileges(void) {
+    for (int cap = 0; cap <= CAP_LAST; cap++)
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
+            call_fail("drop bounding capability", errno, 127);
+    /* uid 0 of the user namespace must not regain capabilities by executing anything. */
+    if (prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
+                                     SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED, 0, 0, 0) != 0)
+        call_fail("set securebits", errno, 127);
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
+        call_fail("clear ambient capabilities", errno, 127);
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2] = {{0, 0, 0}, {0, 0, 0}};
+    if (syscall(SYS_capset, &header, data) != 0)
+        call_fail("drop capabilities", errno, 127);
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+        call_fail("set no_new_privs", errno, 127);
+    int fd = (int)syscall(SYS_landlock_create_ruleset, &ruleset, ruleset_size, 0);
+    int tmp = open("/tmp", O_PATH | O_CLOEXEC);
+    if (fd < 0 || tmp < 0 || add_rule(fd, workdir_fd, write_access) != 0 || add_rule(fd, tmp, write_access) != 0 ||
+        add_rule(fd, dev_fd, dev_access) != 0 || syscall(SYS_landlock_restrict_self, fd, 0) != 0)
+        call_fail("landlock", errno, 127);
+    close(fd);
+    close(tmp);
+    close(workdir_fd);
+    close(dev_fd);
+    if (seccomp_prog.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog, 0, 0) != 0)
+        call_fail("load seccomp program", errno, 127);
+}
+
+static void set_limit(int resource, rlim_t value) {
+    struct rlimit rl = {value, value};
+    if (setrlimit(resource, &rl) != 0)
+        call_fail("set rlimits", errno, 127);
+}
+
+static void run_call(char **fields, int nfields, int *fds) {
+    /* The zygote blocked SIGCHLD for its signalfd: the call gets a clean signal state. */
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    for (int sig = 1; sig < NSIG; sig++)
+        signal(sig, SIG_DFL);
+    /* getppid() is 0 here (the zygote is outside our pid namespace), so the usual "parent already gone"
+       check cannot be made; a call orphaned in that instant is still killed at its timeout and by the
+       cgroup sweep of destroy. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0)
+        _exit(127);
+    /* Park the received fds above 0-3 first: one of them may already sit on a number we dup onto. */
+    for (int i = 0; i < 4; i++)
+        if ((fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, CTL_FD + 1)) < 0)
+            _exit(127);
+    for (int i = 0; i < 4; i++)
+        if (dup2(fds[i], i) < 0)
+            _exit(127);
+    if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC) != 0)
+        _exit(127);
+    close(CTL_FD);
+    if (nfields < 6)
+        call_fail("request", EINVAL, 127);
+    rlim_t cpu = strtoull(fields[0], NULL, 10), fsize = strtoull(fields[1], NULL, 10),
+           nofile = strtoull(fields[2], NULL, 10);
+    const char *cwd = fields[3];
+    int argc = atoi(fields[4]);
+    if (argc < 1 || 5 + argc >= nfields)
+        call_fail("request argv", EINVAL, 127);
+    char **cargv = &fields[5];
+    int envc = atoi(fields[5 + argc]);
+    if (envc < 0 || 6 + argc + envc > nfields)
+        call_fail("request env", EINVAL, 127);
+    char **cenv = &fields[6 + argc];
+    char **argv = calloc((size_t)argc + 1, sizeof *argv), **envp = calloc((size_t)envc + 1, sizeof *envp);
+    if (!argv || !envp)
+        call_fail("request", ENOMEM, 127);
+    memcpy(argv, cargv, (size_t)argc * sizeof *argv);
+    memcpy(envp, cenv, (size_t)envc * sizeof *envp);
+
+    if (setsid() < 0)
+        call_fail("setsid", errno, 127);
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        call_fail("mount /proc", errno, 127);
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) != 0)
+        call_fail("mount /tmp", errno, 127);
+    (void)!sethostname("sandbox", 7);
+    if (chdir(cwd) != 0) {
+        char what[300];
+        snprintf(what, sizeof what, "working directory '%s'", cwd);
+        call_fail(what, errno, 127);
+    }
+    umask(022);
+    set_limit(RLIMIT_CORE, 0);
+    set_limit(RLIMIT_NOFILE, nofile);
+    if (fsize)
+        set_limit(RLIMIT_FSIZE, fsize);
+    if (cpu) {
+        /* SIGXCPU at the soft limit, SIGKILL a second later: a CPU-bound command cannot outlast it. */
+        struct rlimit rl = {cpu, cpu + 1};
+        if (setrlimit(RLIMIT_CPU, &rl) != 0)
+            call_fail("set rlimits", errno, 127);
+    }
+    drop_privileges();
+
+    pid_t child = fork();
+    if (child < 0)
+        call_fail("fork", errno, 127);
+    if (child == 0) {
+        execvpe(argv[0], argv, envp);
+        int err = errno;
+        char what[300];
+        snprintf(what, sizeof what, "cannot execute '%s'", argv[0]);
+        call_fail(what, err, err == ENOENT || err == ENOTDIR ? 127 : 126);
+    }
+    /* Only the command may hold its pipes: end-of-file must come when it and its children are done. */
+    close(0);
+    close(1);
+    close(2);
+    int wstatus = 0;
+    for (;;) {
+        int st;
+        pid_t done = waitpid(-1, &st, 0);
+        if (done == child) {
+            wstatus = st;
+            break;
+        }
+        if (done < 0 && errno != EINTR)
+            break;
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_CHILDREN, &ru);
+    long long cpu_us = (long long)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000LL + ru.ru_utime.tv_usec +
+                       ru.ru_stime.tv_usec;
+    char buf[128];
+    int n = snprintf(buf, sizeof buf, "usage %lld %ld\nexit %d\n", cpu_us, ru.ru_maxrss, wstatus);
+    (void)!write(STATUS_FD, buf, (size_t)n);
+    _exit(0); /* the kernel now kills whatever the command left in this pid namespace */
+}
+
+/* -- the zygote's loop ----------------------------------------------------------------------------- */
+
+static void report(int fd, const char *fmt, long value) {
+    char buf[64];
+    int n = snprintf(buf, sizeof buf, fmt, value);
+    (void)!write(fd, buf, (size_t)n);
+}
+
+static char *fields[MAX_FIELDS];
+
+static void spawn(char *msg, ssize_t len, int *fds) {
+    int n = 0;
+    for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
+        fields[n++] = p;
+    int slot = -1;
+    for (int i = 0; i < MAX_CALLS; i++)
+        if (calls[i].pid == 0) {
+            slot = i;
+            break;
+        }
+    pid_t pid = -1;
+    if (slot >= 0)
+        pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0)
+        run_call(fields, n, fds);
+    int err = errno;
+    for (int i = 0; i < 3; i++)
+        close(fds[i]);
+    if (pid < 0) {
+        char buf[200];
+        int m = snprintf(buf, sizeof buf, "error start call: %s\n", slot < 0 ? "too many calls at once" : strerror(err));
+        (void)!write(fds[3], buf, (size_t)m);
+        close(fds[3]);
+        return;
+    }
+    calls[slot].pid = pid;
+    calls[slot].status_fd = fds[3];
+    report(fds[3], "pid %ld\n", pid);
+}
+
+static void reap(void) {
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_CALLS; i++) {
+            if (calls[i].pid != pid)
+                continue;
+            /* A call that ended normally reported its command's status itself. */
+            if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+                report(calls[i].status_fd, "exit %ld\n", st);
+            close(calls[i].status_fd);
+            calls[i].pid = 0;
+            break;
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 7)
+        return 2;
+    if (dup2(0, CTL_FD) != CTL_FD || fcntl(CTL_FD, F_SETFD, FD_CLOEXEC) != 0)
+        return 2;
+    int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    dup2(null, 0);
+    close(null);
+    char opts[128];
+    snprintf(opts, sizeof opts, "mode=1777,size=%s", argv[6]);
+    tmpfs_opts = opts;
+    /* Nothing in a call may open our memory or attach to us, whatever its uid. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
+        die("set non-dumpable", errno);
+    setup(argv);
+    if (unshare(CLONE_NEWUSER) != 0)
+        die("new user namespace", errno);
+    if (send(CTL_FD, "userns", 6, MSG_NOSIGNAL) != 6)
+        return 1;
+    char go[16];
+    if (recv(CTL_FD, go, sizeof go, 0) != 2 || memcmp(go, "go", 2) != 0)
+        return 1;
+    if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0)
+        die("become the sandbox's root", errno);
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
+        die("set non-dumpable", errno);
+    if (send(CTL_FD, "ready", 5, MSG_NOSIGNAL) != 5)
+        return 1;
+
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0)
+        return 1;
+    static char msg[MAX_MSG + 1];
+    char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    for (;;) {
+        struct pollfd pfd[2] = {{CTL_FD, POLLIN, 0}, {sfd, POLLIN, 0}};
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (pfd[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0) {
+            }
+            reap();
+        }
+        if (!pfd[0].revents)
+            continue;
+        struct iovec iov = {msg, MAX_MSG};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+        ssize_t len = recvmsg(CTL_FD, &mh, MSG_CMSG_CLOEXEC);
+        if (len < 0 && errno == EINTR)
+            continue;
+        if (len <= 0)
+            break; /* the daemon closed the socket (destroy, or it died): every call goes with us */
+        msg[len] = 0;
+        int fds[4], nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                for (int i = 0; i < count; i++) {
+                    int fd;
+                    memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                    if (nfds < 4)
+                        fds[nfds++] = fd;
+                    else
+                        close(fd);
+                }
+            }
+        if (nfds != 4 || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+            for (int i = 0; i < nfds; i++)
+                close(fds[i]);
+            continue;
+        }
+        spawn(msg, len, fds);
+    }
+    for (int i = 0; i < MAX_CALLS; i++)
+        if (calls[i].pid > 0)
+            kill(calls[i].pid, SIGKILL);
+    return 0;
+}

@@ -1,0 +1,170 @@
+"""Daemon side of a function sandbox's zygote (``zygote.c``): start it, hand it calls, stop it.
+
+:class:`Zygote` owns one ``dsec-zygote`` process and the socketpair to it. Starting it is
+the expensive part (~10 ms: overlay, binds, pivot_root, Landlock ruleset, user namespace);
+each call afterwards is one message and one ``clone`` there. The status pipe of a call
+speaks the exec helper's protocol (``pid``, ``exit``, ``error`` lines, plus ``usage``), so
+:func:`dsec.isolation.exec_client.stream_exec` drives it unchanged.
+
+This module starts processes and writes uid maps and cgroup membership; it never decides
+limits or paths (the backend does) and never reads what a call prints.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.errors import SandboxError
+from dsec.isolation.exec_client import Spawned
+
+__all__ = ["Zygote", "ZygoteConfig", "start_time"]
+
+_MFD_CLOEXEC = 1
+_START_TIMEOUT_S = 30.0
+
+
+def start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat: tells a live process from a recycled pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+@dataclass(frozen=True)
+class ZygoteConfig:
+    """Everything a zygote is built from."""
+
+    binary: Path
+    newroot: Path
+    """Empty directory the sandbox root is mounted on (in the zygote's own mount namespace)."""
+    lowerdirs: tuple[Path, ...]
+    """Read-only layers, top first: the scaffold of mount points, then the image root."""
+    workspace: Path
+    """Host directory bound writable on ``workdir``."""
+    workdir: str
+    support: Path
+    """Host directory bound read-only on ``/.dsec`` (the call loader and cloudpickle)."""
+    tmpfs_bytes: int
+    """Size of each call's fresh ``/tmp``."""
+    seccomp_bpf: bytes
+    uid_shift: int
+    uid_count: int
+    cgroup_procs: tuple[str, ...]
+    """``cgroup.procs`` files the zygote (and so every call) is moved into."""
+
+    def argv(self) -> list[str]:
+        for path in (*self.lowerdirs, self.newroot, self.workspace, self.support):
+            text = str(path)
+            # overlayfs splits lowerdir on ':' and options on ','; the C side uses fixed 4 KiB buffers.
+            if any(c in text for c in ":,\\\n") or len(text) > 1024:
+                raise SandboxError(f"path unusable for the sandbox root (no ':', ',', '\\\\', <= 1 KiB): {text!r}")
+        return [str(self.binary), str(self.newroot), ":".join(str(p) for p in self.lowerdirs),
+                str(self.workspace), self.workdir, str(self.support), str(self.tmpfs_bytes)]
+
+
+class Zygote:
+    """One ``dsec-zygote`` process. :meth:`start` blocks (call it in a thread); :meth:`spawn` does not."""
+
+    def __init__(self, config: ZygoteConfig) -> None:
+        self.config = config
+        self.pid: int | None = None
+        self._sock: socket.socket | None = None
+
+    def start(self) -> int:
+        """Start the zygote, map its user namespace, move it into the cgroups; returns its pid."""
+        cfg = self.config
+        argv = cfg.argv()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        bpf = os.memfd_create("dsec-seccomp", _MFD_CLOEXEC)
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.write(bpf, cfg.seccomp_bpf)
+            actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0), (os.POSIX_SPAWN_DUP2, null, 1),
+                       (os.POSIX_SPAWN_DUP2, null, 2)]
+            if cfg.seccomp_bpf:
+                actions.append((os.POSIX_SPAWN_DUP2, bpf, 3))
+            self.pid = os.posix_spawn(str(cfg.binary), argv, {}, file_actions=actions,
+                                      setsigdef=(signal.SIGPIPE, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM))
+        finally:
+            theirs.close()
+            os.close(bpf)
+            os.close(null)
+        self._sock = ours
+        try:
+            ours.settimeout(_START_TIMEOUT_S)
+            self._expect(b"userns")
+            pid = self.pid
+            # The zygote is host root until now: only we can map its namespace and place it in its cgroups.
+            Path(f"/proc/{pid}/uid_map").write_text(f"0 {cfg.uid_shift} {cfg.uid_count}\n")
+            Path(f"/proc/{pid}/gid_map").write_text(f"0 {cfg.uid_shift} {cfg.uid_count}\n")
+            for procs in cfg.cgroup_procs:
+                Path(procs).write_text(str(pid))
+            ours.send(b"go")
+            self._expect(b"ready")
+            ours.settimeout(None)
+        except BaseException:
+            self.close()
+            raise
+        return pid
+
+    def _expect(self, word: bytes) -> None:
+        assert self._sock is not None
+        try:
+            msg = self._sock.recv(4096)
+        except (TimeoutError, OSError) as e:
+            raise SandboxError(f"function sandbox zygote did not start: {e}") from e
+        if msg != word:
+            text = msg.decode(errors="replace").removeprefix("error ") or "it exited"
+            raise SandboxError(f"function sandbox zygote failed to start: {text}")
+
+    def alive(self) -> bool:
+        return self.pid is not None and self._sock is not None
+
+    def spawn(self, fields: list[str]) -> Spawned:
+        """Send one call (see ``zygote.c``); returns our ends of its pipes."""
+        if self._sock is None:
+            raise SandboxError("the sandbox's zygote is gone (destroyed)")
+        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+        ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
+        try:
+            self._sock.sendmsg([b"\0".join(f.encode() for f in fields)],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
+        except OSError as e:
+            ours.close()
+            raise SandboxError(f"the sandbox's zygote is unreachable: {e}") from e
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
+            os.set_blocking(fd, False)
+        return ours
+
+    def close(self) -> None:
+        """Stop the zygote (every running call dies with it) and reap it."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        pid, self.pid = self.pid, None
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                return
+            time.sleep(0.001)
