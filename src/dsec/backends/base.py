@@ -17,6 +17,8 @@ from typing import ClassVar
 
 from dsec.errors import NotSupported, SandboxError, error_from_payload
 from dsec.models import (
+    CallRequest,
+    CallResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -59,6 +61,12 @@ class Backend(abc.ABC):
     """One isolation substrate. All methods are safe to call concurrently for different sandboxes."""
 
     name: ClassVar[str]
+    root_writable: ClassVar[bool] = True
+    """Commands and the file API may write anywhere in the sandbox's root (False: only below the workdir,
+    plus a ``/tmp`` that lasts one exec)."""
+    processes_persist: ClassVar[bool] = True
+    """Processes an exec starts in the background outlive it (False: each exec is a fresh process tree that
+    is gone when the exec returns)."""
 
     async def start(self) -> None:
         """Prepare host-side machinery (helpers, pools). Called once by the engine."""
@@ -101,6 +109,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def recover(self, record: SandboxRecord) -> bool:
         """After a daemon restart: True if the sandbox is alive and re-adopted, False if it is gone."""
+
+    async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
+        """Run a pickled Python callable (``sb.call``); the reply is decoded by the SDK, never here."""
+        raise NotSupported(f"backend {self.name!r} cannot run Python callables: use backend='function'")
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         """Resource usage now."""

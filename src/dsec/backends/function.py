@@ -218,7 +218,8 @@ class FunctionBackend(Backend):
     def _fs(self, record: SandboxRecord) -> SandboxFS:
         zygote = self._zygote(record)
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift)
+        workspace = str(Path(record.backend_state["base"]) / "workspace")
+        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace,))
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
         return await asyncio.to_thread(self._fs(record).read, path, max_bytes)

@@ -45,21 +45,27 @@ class SandboxFS:
     ``O_PATH`` (no side effect), checked to live on the same device as the root, and only then reopened
     for reading or writing. The daemon acts as host root, so without that check a path such as
     ``/proc/kallsyms`` or ``/proc/1/oom_score_adj`` would reach the sandbox's procfs and sysfs with the
-    host's privileges; those are left to commands run inside the sandbox."""
+    host's privileges; those are left to commands run inside the sandbox. ``also_serve`` names host
+    paths whose filesystems are served too (a function sandbox's workspace, bound over a read-only root)."""
 
-    def __init__(self, root: str, uid: int, gid: int) -> None:
+    def __init__(self, root: str, uid: int, gid: int, also_serve: tuple[str, ...] = ()) -> None:
         self.root = root
         self.uid = uid
         self.gid = gid
+        self.also_serve = also_serve
 
     @contextlib.contextmanager
-    def _rootfd(self) -> Iterator[tuple[int, int]]:
+    def _rootfd(self) -> Iterator[tuple[int, frozenset[int]]]:
         try:
             fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise SandboxError(f"sandbox root is gone ({self.root}): {e.strerror}") from None
         try:
-            yield fd, os.fstat(fd).st_dev
+            devices = {os.fstat(fd).st_dev}
+            for path in self.also_serve:
+                with contextlib.suppress(OSError):
+                    devices.add(os.stat(path).st_dev)
+            yield fd, frozenset(devices)
         finally:
             os.close(fd)
 
@@ -72,10 +78,10 @@ class SandboxFS:
             raise OSError(err, os.strerror(err), path)
         return fd
 
-    def _resolve(self, root: tuple[int, int], path: str, directory: bool = False) -> int:
+    def _resolve(self, root: tuple[int, frozenset[int]], path: str, directory: bool = False) -> int:
         """An ``O_PATH`` fd of ``path`` on the sandbox's root filesystem (raises for anything else)."""
         fd = self._open(root[0], path, os.O_PATH | (os.O_DIRECTORY if directory else 0))
-        if os.fstat(fd).st_dev != root[1]:
+        if os.fstat(fd).st_dev not in root[1]:
             os.close(fd)
             raise InvalidRequest(f"{path} is not on the sandbox's filesystem: the files API serves the root "
                                  f"filesystem, not /proc, /sys or /dev (read those with exec)", path=path)
@@ -130,7 +136,7 @@ class SandboxFS:
             finally:
                 os.close(fd)
 
-    def _mkdirs(self, root: tuple[int, int], directory: str) -> None:
+    def _mkdirs(self, root: tuple[int, frozenset[int]], directory: str) -> None:
         parts = [p for p in directory.split("/") if p]
         current = ""
         for part in parts:

@@ -460,6 +460,8 @@ int main(int argc, char **argv) {
     if (send(CTL_FD, "ready", 5, MSG_NOSIGNAL) != 5)
         return 1;
 
+    /* A daemon that stopped listening to a call must not take the zygote down with SIGPIPE. */
+    signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);

@@ -281,17 +281,30 @@ async def check_file_errors(backend: Backend, image: ImageRef) -> None:
 
 
 async def check_path_containment(backend: Backend, image: ImageRef) -> None:
-    """``..``, absolute paths and symlinks in file-API paths resolve inside the sandbox, never on the host."""
+    """``..``, absolute paths and symlinks in file-API paths resolve inside the sandbox, never on the host.
+
+    On a backend whose root is read-only (``root_writable`` False) a write outside the workdir must be
+    refused with a DSecError; the same paths are then probed through the workdir instead."""
     name = _probe_name()
     host_probe = Path("/") / name
     async with sandbox(backend, image) as sb:
         try:
-            await backend.write_file(sb, f"/workspace/../../../{name}", b"inside", None)
-            assert not host_probe.exists(), "write through '..' landed on the host"
-            assert await backend.read_file(sb, f"/{name}", MiB) == b"inside"
-            assert await backend.read_file(sb, f"/workspace/../{name}", MiB) == b"inside"
-            listed = {e.name for e in await backend.list_files(sb, "/workspace/../..")}
-            assert name in listed, "listing '/workspace/../..' is not the sandbox root"
+            if backend.root_writable:
+                await backend.write_file(sb, f"/workspace/../../../{name}", b"inside", None)
+                assert not host_probe.exists(), "write through '..' landed on the host"
+                assert await backend.read_file(sb, f"/{name}", MiB) == b"inside"
+                assert await backend.read_file(sb, f"/workspace/../{name}", MiB) == b"inside"
+                listed = {e.name for e in await backend.list_files(sb, "/workspace/../..")}
+                assert name in listed, "listing '/workspace/../..' is not the sandbox root"
+            else:
+                with _raises(DSecError, "writing outside the workdir of a read-only root"):
+                    await backend.write_file(sb, f"/workspace/../../../{name}", b"inside", None)
+                assert not host_probe.exists(), "write through '..' landed on the host"
+                await backend.write_file(sb, f"/workspace/../../workspace/{name}", b"inside", None)
+                assert await backend.read_file(sb, f"/workspace/{name}", MiB) == b"inside"
+                assert await backend.read_file(sb, f"/../workspace/../workspace/{name}", MiB) == b"inside"
+                listed = {e.name for e in await backend.list_files(sb, "/workspace/../..")}
+                assert "workspace" in listed, "listing '/workspace/../..' is not the sandbox root"
             # a symlink planted by the agent must not lead the file API out of the sandbox
             r = await run(backend, sb, "ln -s / escape && ln -s /etc etc-link")
             assert r.exit_code == 0, r
@@ -309,6 +322,23 @@ async def check_path_containment(backend: Backend, image: ImageRef) -> None:
             for leaked in (host_probe, Path(f"/{name}-2")):
                 with contextlib.suppress(OSError):
                     leaked.unlink()
+
+
+async def check_state_between_execs(backend: Backend, image: ImageRef) -> None:
+    """What one exec leaves for the next: the workdir always; background processes only where the backend
+    says so (``processes_persist``). Writes outside the workdir are :func:`check_path_containment`'s."""
+    async with sandbox(backend, image) as sb:
+        r = await run(backend, sb, "(sleep 1; echo late > late.txt) >/dev/null 2>&1 & echo started; "
+                                   "echo kept > kept.txt")
+        assert r.stdout == b"started\n", r
+        assert r.duration_s < 10, f"the exec waited for its background job: {r}"
+        await asyncio.sleep(2.0)
+        r = await run(backend, sb, "cat kept.txt; ls")
+        assert r.stdout.startswith(b"kept\n"), f"the workdir did not persist between execs: {r}"
+        survived = b"late.txt" in r.stdout
+        assert survived == backend.processes_persist, (
+            f"processes_persist={backend.processes_persist} but the background job "
+            f"{'ran on' if survived else 'died'} after its exec returned")
 
 
 def _host_bytes(path: str) -> bytes | None:
@@ -364,7 +394,8 @@ CHECKS: list[Check] = [
     check_cwd, check_binary_output, check_large_output, check_output_cap, check_timeout,
     check_streaming, check_stream_close_kills, check_concurrent_execs,
     check_file_round_trip, check_file_mode_and_parents, check_list_files, check_files_and_exec_agree,
-    check_file_errors, check_path_containment, check_destroy, check_sandboxes_isolated_files,
+    check_file_errors, check_path_containment, check_state_between_execs, check_destroy,
+    check_sandboxes_isolated_files,
 ]
 """Every conformance check, in a stable order (pytest ids: their ``__name__``)."""
 

@@ -1,0 +1,212 @@
+"""The function backend (zygote + clone per call) against the conformance suite, plus what only it has:
+per-call namespaces and restrictions, verdicts with CPU time and peak memory, cleanup and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from container_support import images_dir
+from dsec.backends.base import ImageRef
+from dsec.backends.function import FunctionBackend
+from dsec.config import Settings
+from dsec.errors import DSecError
+from dsec.models import SandboxRecord
+from dsec.testing import CHECKS, new_record, sandbox
+from dsec.testing.conformance import Check
+from function_support import checked_fn_backend, fn_leftovers, run
+
+pytestmark = [pytest.mark.root]
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("function-home")
+    yield path
+    assert not any(fn_leftovers(path).values()), fn_leftovers(path)
+
+
+@pytest.fixture
+async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[FunctionBackend]:
+    async with checked_fn_backend(home) as b:
+        yield b
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_function_conforms(check: Check, backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    await asyncio.wait_for(check(backend, debian_python_image), 120)
+
+
+async def test_each_call_has_fresh_namespaces_and_no_privileges(backend: FunctionBackend,
+                                                                debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        probe = ("readlink /proc/self/ns/pid /proc/self/ns/net /proc/self/ns/ipc /proc/self/ns/uts "
+                 "/proc/self/ns/mnt /proc/self/ns/user; echo $$; grep -E '^(Cap|NoNewPrivs|Seccomp:)' "
+                 "/proc/self/status; cat /proc/self/uid_map; ls /proc | grep -c '^[0-9]'")
+        a = await run(backend, sb, probe)
+        b = await run(backend, sb, probe)
+        assert a.exit_code == 0 and b.exit_code == 0, (a, b)
+        la, lb = a.stdout.decode().splitlines(), b.stdout.decode().splitlines()
+        for i, kind in enumerate(("pid", "net", "ipc", "uts", "mnt")):
+            assert la[i] != lb[i], f"two calls shared a {kind} namespace: {la[i]}"
+        assert la[5] == lb[5], "calls of one sandbox share its user namespace"
+        host_ns = {Path(f"/proc/self/ns/{k}").readlink().as_posix() for k in ("pid", "net", "user", "mnt")}
+        assert not host_ns & set(la[:6]), "a call runs in a host namespace"
+        status = dict(line.split(":\t", 1) for line in la[7:14] if ":\t" in line)
+        for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(status[cap], 16) == 0, f"{cap} = {status[cap]}"
+        assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2", status
+        uid_map = la[-2].split()
+        assert uid_map[0] == "0" and int(uid_map[1]) == backend.settings.uid_shift, la[-2]
+        assert int(la[-1]) <= 3, f"a call sees other processes: {a.stdout!r}"
+        assert la[6] == "2", "the command is not the second process of its own pid namespace"
+
+
+async def test_root_read_only_writes_only_workspace_and_tmp(backend: FunctionBackend,
+                                                            debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        for target in ("/etc/passwd", "/usr/bin/python3", "/new-file", "/.dsec/loader.py", "/dev/evil"):
+            r = await run(backend, sb, f"echo pwned >> {target}")
+            assert r.exit_code != 0, f"wrote {target}: {r}"
+        r = await run(backend, sb, "echo ok > /tmp/t && cat /tmp/t && echo ws > /workspace/w && cat w "
+                                   "&& echo dn > /dev/null && echo fine")
+        assert r.stdout == b"ok\nws\nfine\n", r
+        r = await run(backend, sb, "ls /tmp; cat /workspace/w")
+        assert r.stdout == b"ws\n", f"/tmp survived its call: {r}"
+        # Landlock refuses even where the mount alone would allow: a workspace symlink does not help
+        r = await run(backend, sb, "mkdir -p /proc/self/x 2>&1; python3 -c \"import os; "
+                                   "os.mkfifo('/dev/shm-fifo')\" 2>&1 | tail -1")
+        assert r.exit_code != 0 or b"Error" in r.stdout, r
+
+
+async def test_network_socket_fails(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        async with sandbox(backend, debian_python_image) as sb:
+            code = ("import socket\n"
+                    "for fam, addr in ((socket.AF_INET, ('127.0.0.1', %d)), (socket.AF_INET, ('1.1.1.1', 53))):\n"
+                    "    s = socket.socket(fam)\n"
+                    "    s.settimeout(2)\n"
+                    "    try:\n"
+                    "        s.connect(addr); print('connected', addr)\n"
+                    "    except OSError as e:\n"
+                    "        print('refused', type(e).__name__)\n" % port)
+            r = await run(backend, sb, ["python3", "-c", code])
+            assert r.exit_code == 0 and b"connected" not in r.stdout, r
+            assert r.stdout.count(b"refused") == 2, r
+            r = await run(backend, sb, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+            assert r.stdout.split() == [b"lo"], f"a call has network interfaces: {r.stdout!r}"
+    finally:
+        server.close()
+
+
+async def test_infinite_loop_gets_time_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, ["python3", "-c", "while True: pass"], timeout=1.5)
+        assert r.limit == "time" and r.timed_out and r.signal == 9, r
+        assert r.cpu_s is None or r.cpu_s >= 0, r  # killed from outside: no usage report
+        r = await run(backend, sb, "echo alive")
+        assert r.stdout == b"alive\n"
+
+
+async def test_memory_bomb_gets_memory_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, memory="128Mi") as sb:
+        r = await run(backend, sb, ["python3", "-c", "x = []\nwhile True: x.append(bytearray(8 << 20))"],
+                      timeout=60)
+        assert r.limit == "memory" and r.exit_code != 0, r
+        r = await run(backend, sb, ["python3", "-c", "x = bytearray(48 << 20); print(len(x))"])
+        assert r.exit_code == 0 and r.limit is None, r
+        assert r.memory_peak_bytes is not None and r.memory_peak_bytes >= 48 * MiB, r
+        assert r.cpu_s is not None and r.cpu_s > 0, r
+
+
+async def test_fork_bomb_gets_pids_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, pids=64) as sb:
+        bomb = "import os\nwhile True:\n    os.fork()\n"
+        r = await run(backend, sb, ["python3", "-c", bomb], timeout=20)
+        assert r.exit_code != 0 and r.limit in ("pids", "time"), r
+        stats = await backend.stats(sb)
+        assert stats.pids <= 2, f"the fork bomb outlived its call: {stats}"
+        r = await run(backend, sb, "echo alive")
+        assert r.stdout == b"alive\n"
+        r = await run(backend, sb, "for i in $(seq 80); do sleep 5 & done; wait", timeout=20)
+        assert r.limit == "pids" and r.exit_code != 0, r
+
+
+async def test_cpu_time_is_measured(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, ["python3", "-c", "import time\nt = time.process_time()\n"
+                                    "while time.process_time() - t < 0.3: pass"])
+        assert r.exit_code == 0 and r.cpu_s is not None and r.cpu_s >= 0.3, r
+
+
+async def test_concurrent_calls_are_isolated(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        results = await asyncio.gather(*(
+            run(backend, sb, f"echo {i} > /tmp/mine; sleep 0.3; cat /tmp/mine; ls /tmp | wc -l")
+            for i in range(16)))
+        for i, r in enumerate(results):
+            assert r.stdout == f"{i}\n1\n".encode(), (i, r)
+
+
+async def test_destroy_while_call_runs(backend: FunctionBackend, debian_python_image: ImageRef,
+                                       home: Path) -> None:
+    record = new_record(backend.name, debian_python_image)
+    await backend.create(record, debian_python_image)
+    task = asyncio.create_task(run(backend, record, "echo started; sleep 60", timeout=90))
+    await asyncio.sleep(0.5)
+    await backend.destroy(record)
+    with pytest.raises(DSecError):
+        await asyncio.wait_for(task, 20)
+    assert not any(fn_leftovers(home).values()), fn_leftovers(home)
+
+
+async def test_recover_restarts_zygote_keeps_workspace(backend: FunctionBackend, debian_python_image: ImageRef,
+                                                       home: Path) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        await backend.write_file(sb, "/workspace/keep", b"kept", None)
+        restarted = FunctionBackend(Settings(home=home, images_dir=images_dir()))
+        await restarted.start()
+        try:
+            copy = SandboxRecord.model_validate_json(sb.model_dump_json())
+            await backend.aclose()  # the old daemon goes away: its zygotes die with their sockets
+            assert await restarted.recover(copy) is True
+            r = await run(restarted, copy, "cat keep")
+            assert r.stdout == b"kept", r
+            await restarted.destroy(copy)
+        finally:
+            await restarted.aclose()
+    assert not any(fn_leftovers(home).values()), fn_leftovers(home)
+
+
+async def test_cleanup_orphans_spares_known(backend: FunctionBackend, debian_python_image: ImageRef,
+                                            home: Path) -> None:
+    orphan = new_record(backend.name, debian_python_image)
+    await backend.create(orphan, debian_python_image)
+    backend._zygotes.pop(orphan.id).close()  # as if created by a daemon that died
+    async with sandbox(backend, debian_python_image) as kept:
+        assert await backend.cleanup_orphans({kept.id}) == [orphan.id]
+        assert not Path(orphan.backend_state["base"]).exists()
+        r = await run(backend, kept, "echo still here")
+        assert r.stdout == b"still here\n"
+
+
+async def test_bad_workdir_and_network_are_refused(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    with pytest.raises(DSecError, match="network"):
+        async with sandbox(backend, debian_python_image, network="allow"):
+            pass
+    async with sandbox(backend, debian_python_image) as sb:
+        with pytest.raises(DSecError, match="working directory"):
+            await run(backend, sb, "pwd", cwd="/no/such/dir")
+        r = await run(backend, sb, ["/no/such/binary"])
+        assert r.exit_code == 127 and b"cannot execute" in r.stderr, r

@@ -1,0 +1,57 @@
+"""Helpers shared by the tests that run real ``function`` sandboxes (root, namespaces, cgroups, Landlock).
+
+Every such test uses its own ``DSEC_HOME``; the backend keeps its host resources under it
+(``<home>/function/sb-*``) and under the home's cgroup parent (``/sys/fs/cgroup/*/dsec-<tag>-fn``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from container_support import CGROUP_ROOT, home_tag, images_dir
+from dsec.backends.function import FunctionBackend
+from dsec.config import Settings
+from dsec.models import ExecRequest, ExecResult, SandboxRecord
+
+
+def fn_leftovers(home: Path) -> dict[str, list[str]]:
+    """Sandbox directories, cgroups and zygotes of this home still on the host: empty lists when clean."""
+    tag = home_tag(home)
+    root = home / "function"
+    zygotes = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+                if cmd[0].startswith(str(home / "bin" / "dsec-zygote").encode()):
+                    zygotes.append(proc.name)
+    return {
+        "dirs": sorted(str(p) for p in root.glob("sb-*")) if root.is_dir() else [],
+        "cgroups": sorted(str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{tag}-fn/sb-*") if p.is_dir()),
+        "zygotes": zygotes,
+    }
+
+
+@contextlib.asynccontextmanager
+async def checked_fn_backend(home: Path) -> AsyncIterator[FunctionBackend]:
+    """A started function backend for one test; afterwards nothing of its sandboxes may remain."""
+    backend = FunctionBackend(Settings(home=home, images_dir=images_dir()))
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        left = fn_leftovers(home)
+        removed = await backend.cleanup_orphans(set())
+        await backend.aclose()
+        parents = [str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}-fn") if p.is_dir()]
+    assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
+    assert parents == [], f"cgroup parents left: {parents}"
+
+
+async def run(backend: FunctionBackend, record: SandboxRecord, command: str | list[str], **kw: Any) -> ExecResult:
+    """Run a command in a sandbox (30 s timeout unless given)."""
+    kw.setdefault("timeout", 30.0)
+    return await backend.exec(record, ExecRequest(command=command, **kw))
