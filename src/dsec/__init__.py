@@ -10,6 +10,7 @@ from dsec._sdk.sandbox import AsyncSandbox
 from dsec._sdk.sync import Sandbox
 from dsec.errors import (
     BackendUnavailable,
+    CallFailed,
     ConnectionFailed,
     DSecError,
     ImageNotFound,
@@ -17,6 +18,7 @@ from dsec.errors import (
     NotFound,
     NotSupported,
     QuotaExceeded,
+    RemoteError,
     ReplayDivergence,
     SandboxError,
     SandboxNotFound,
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSandbox",
     "BackendUnavailable",
+    "CallFailed",
     "Client",
     "ConnectionFailed",
     "DSecError",
@@ -42,6 +45,7 @@ __all__ = [
     "NotFound",
     "NotSupported",
     "QuotaExceeded",
+    "RemoteError",
     "ReplayDivergence",
     "Sandbox",
     "SandboxError",

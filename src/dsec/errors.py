@@ -18,6 +18,8 @@ classes defined here, never an arbitrary import path).
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
     ├── SandboxError                        500  the sandbox failed (init died, mount failed...)
+    ├── RemoteError                              ``sb.call``: the callable raised (or could not be loaded)
+    ├── CallFailed                               ``sb.call``: no result (killed at a limit, result refused)
     └── ConnectionFailed (ConnectionError)       client could not reach the daemon
 """
 
@@ -27,6 +29,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendUnavailable",
+    "CallFailed",
     "ConnectionFailed",
     "DSecError",
     "ImageNotFound",
@@ -34,6 +37,7 @@ __all__ = [
     "NotFound",
     "NotSupported",
     "QuotaExceeded",
+    "RemoteError",
     "ReplayDivergence",
     "SandboxError",
     "SandboxNotFound",
@@ -123,6 +127,31 @@ class NotSupported(DSecError, NotImplementedError):
 
 class SandboxError(DSecError):
     """The sandbox itself failed: its init died, a mount or cgroup operation failed."""
+
+    status_code = 500
+
+
+class RemoteError(DSecError):
+    """The callable of ``sb.call`` raised inside the sandbox (or its pickle could not be loaded there).
+
+    ``type_name`` is the remote exception's class (``"ValueError"``, ``"mymod.MyError"``), ``remote_traceback``
+    its formatted traceback as printed inside the sandbox, ``stage`` one of ``load``, ``call``, ``result``."""
+
+    status_code = 500
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message, **detail)
+        self.type_name: str = str(detail.get("type", ""))
+        self.remote_traceback: str = str(detail.get("traceback", ""))
+        self.stage: str = str(detail.get("stage", ""))
+
+    def __str__(self) -> str:
+        return f"{self.message}\n\nRemote traceback:\n{self.remote_traceback}" if self.remote_traceback else self.message
+
+
+class CallFailed(DSecError):
+    """``sb.call`` produced no value: the call was killed at a limit (``detail["limit"]``: time, memory,
+    output, pids), crashed, or returned something the client refuses to unpickle."""
 
     status_code = 500
 

@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import os
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,6 +31,8 @@ from dsec.errors import (
 )
 from dsec.models import (
     BatchCreateRequest,
+    CallRequest,
+    CallResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -44,6 +46,7 @@ from dsec.models import (
 )
 from dsec.trajectory.digest import exec_args
 
+from .calls import client_python, decode_reply, encode_call
 from .client import Client, default_client
 from .replay import Cursor
 
@@ -408,6 +411,61 @@ class AsyncSandbox:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    # ----- Python callables (function backend) --------------------------------------------------------
+
+    async def call(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` inside the sandbox and return its value (see :meth:`call_with`)."""
+        return await self.call_with(func, args, kwargs)
+
+    async def call_with(
+        self,
+        func: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = 60,
+        max_result_bytes: int = _DEFAULT_MAX_OUTPUT,
+        trusted: bool = False,
+        python: str = "python3",
+        env: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Run ``func(*args, **kwargs)`` in a fresh process of the sandbox (cloudpickled; the image's Python
+        must have this interpreter's minor version). Raises :class:`dsec.RemoteError` with the remote type
+        and traceback when it raises, :class:`dsec.CallFailed` when it is killed at a limit or returns
+        more than ``max_result_bytes``. The value is rebuilt as plain data only unless ``trusted``."""
+        payload = encode_call(func, tuple(args), dict(kwargs or {}))
+        try:
+            request = CallRequest(payload=payload, client_python=client_python(), timeout=timeout,
+                                  max_result_bytes=max_result_bytes, python=python,
+                                  env=dict(env) if env is not None else None)
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "call") from None
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/call",
+                                               json=request.model_dump(mode="json"))
+        return decode_reply(CallResult.model_validate(response.json()), trusted=trusted)
+
+    async def map(
+        self,
+        func: Callable[[Any], Any],
+        inputs: Iterable[Any],
+        *,
+        concurrency: int = 8,
+        timeout: float | None = 60,
+        trusted: bool = False,
+        return_exceptions: bool = False,
+    ) -> builtins.list[Any]:
+        """``[func(x) for x in inputs]``, each in its own call, ``concurrency`` at a time; results in input
+        order. With ``return_exceptions`` a failed call's error takes its place instead of being raised."""
+        if concurrency < 1:
+            raise InvalidRequest(f"concurrency must be at least 1, got {concurrency}")
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(item: Any) -> Any:
+            async with gate:
+                return await self.call_with(func, (item,), timeout=timeout, trusted=trusted)
+
+        return await asyncio.gather(*(one(x) for x in inputs), return_exceptions=return_exceptions)
 
     # ----- commands --------------------------------------------------------------------------------
 

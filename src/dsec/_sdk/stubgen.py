@@ -25,6 +25,7 @@ _IMPORTS = {
     "os": "import os",
     "Callable": "from collections.abc import Callable",
     "Generator": "from collections.abc import Generator",
+    "Iterable": "from collections.abc import Iterable",
     "Mapping": "from collections.abc import Mapping",
     "Sequence": "from collections.abc import Sequence",
     "TracebackType": "from types import TracebackType",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -86,6 +86,29 @@ class Sandbox:
     def snapshot(self) -> str: ...
     def fork(self, n: int) -> builtins.list[Sandbox]: ...
     def close(self) -> None: ...
+    def call(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
+    def call_with(
+        self,
+        func: Callable[..., Any],
+        args: Sequence[Any] = ...,
+        kwargs: Mapping[str, Any] | None = ...,
+        *,
+        timeout: float | None = ...,
+        max_result_bytes: int = ...,
+        trusted: bool = ...,
+        python: str = ...,
+        env: Mapping[str, str] | None = ...,
+    ) -> Any: ...
+    def map(
+        self,
+        func: Callable[[Any], Any],
+        inputs: Iterable[Any],
+        *,
+        concurrency: int = ...,
+        timeout: float | None = ...,
+        trusted: bool = ...,
+        return_exceptions: bool = ...,
+    ) -> builtins.list[Any]: ...
     def exec(
         self,
         command: str | Sequence[str],

@@ -22,6 +22,8 @@ from dsec.daemon.metrics import CONTENT_TYPE
 from dsec.errors import DSecError, InvalidRequest, SandboxError, Unauthorized
 from dsec.models import (
     BatchCreateRequest,
+    CallRequest,
+    CallResult,
     ExecEvent,
     ExecRequest,
     FileEntry,
@@ -201,6 +203,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def exec_(sandbox_id: str, request: ExecRequest, seq: Seq = None) -> StreamingResponse:
         """Run a command, streaming its output; hanging up kills it (not on a trajectory: it is logged)."""
         return StreamingResponse(_ndjson(engine.exec_stream(sandbox_id, request, seq)), media_type=NDJSON)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/call", tags=["commands"])
+    async def call(sandbox_id: str, request: CallRequest) -> CallResult:
+        """Run a pickled Python callable (function backend); the reply is decoded by the client."""
+        return await engine.call(sandbox_id, request)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files",

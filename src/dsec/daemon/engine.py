@@ -41,6 +41,8 @@ from dsec.errors import (
 from dsec.models import (
     BackendName,
     BatchCreateRequest,
+    CallRequest,
+    CallResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -177,6 +179,12 @@ class Engine:
             backends["microvm"] = MicroVMBackend(settings)
         except Exception as exc:
             unavailable["microvm"] = f"cannot load the microvm backend: {type(exc).__name__}: {exc}"
+        try:
+            from dsec.backends.function import FunctionBackend
+
+            backends["function"] = FunctionBackend(settings)
+        except Exception as exc:
+            unavailable["function"] = f"cannot load the function backend: {type(exc).__name__}: {exc}"
         return cls(settings, backends, images, unavailable=unavailable, reaper_interval=reaper_interval)
 
     @staticmethod
@@ -590,6 +598,24 @@ class Engine:
     async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
         """Run a command to completion."""
         return await collect_exec(self.exec_stream(sandbox_id, request, seq))
+
+    async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
+        """Run a pickled Python callable; the reply goes back undecoded (the daemon never unpickles it)."""
+        record = self._live(sandbox_id, allow_paused=False)
+        backend = self._backend(record.spec.backend)
+        name = record.spec.backend
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            out = await backend.call(record, request)
+            result = out.result
+            outcome = "ok" if result.exit_code == 0 else "limit" if result.limit else "nonzero"
+            if result.limit is not None:
+                self.metrics.limit_hits.labels(name, result.limit).inc()
+            return out
+        finally:
+            self.metrics.execs.labels(name, outcome).inc()
+            self.metrics.exec_seconds.labels(name).observe(time.monotonic() - started)
 
     async def read_file(
         self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES, seq: int | None = None

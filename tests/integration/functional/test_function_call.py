@@ -1,0 +1,179 @@
+"""``sb.call`` / ``sb.map`` end to end: SDK -> HTTP -> daemon -> function backend -> the image's python3.
+
+The daemon runs for real in a thread (uvicorn on a unix socket) with the function backend over the
+``debian-python`` image; every call is a real cloudpickled callable run by the image's interpreter."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dsec
+from container_support import images_dir, short_home
+from dsec.backends.base import ImageRef
+from dsec.backends.function import FunctionBackend
+from dsec.config import Settings
+from dsec.daemon.engine import Engine
+from dsec.daemon.server import Daemon
+from dsec.images.store import ImageStore
+from function_support import fn_leftovers
+
+pytestmark = [pytest.mark.root]
+
+
+class _Served:
+    def __init__(self, home: Path) -> None:
+        settings = Settings(home=home, images_dir=images_dir())
+        engine = Engine(settings, {"function": FunctionBackend(settings)}, ImageStore(images_dir()))
+        self.engine = engine
+        self.daemon = Daemon(settings, engine=engine)
+        self.url = f"unix://{settings.socket_path}"
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.daemon.run()), daemon=True)
+
+
+@pytest.fixture(scope="module")
+def served(debian_python_image: ImageRef) -> Iterator[_Served]:
+    home = short_home("dsec-fc-")
+    s = _Served(home)
+    s.thread.start()
+    try:
+        assert s.daemon.started.wait(60), "daemon did not start"
+        yield s
+    finally:
+        s.daemon.stop()
+        s.thread.join(60)
+        left = fn_leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
+    assert not left["zygotes"], left
+
+
+@pytest.fixture
+async def sb(served: _Served) -> AsyncIterator[dsec.AsyncSandbox]:
+    client = dsec.Client(url=served.url)
+    box = await dsec.AsyncSandbox.create(image="debian-python", backend="function", memory="256Mi", client=client)
+    try:
+        yield box
+    finally:
+        await box.close()
+        await client.aclose()
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fails(message: str) -> None:
+    raise ValueError(message)
+
+
+class Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+async def test_call_returns_values(sb: dsec.AsyncSandbox) -> None:
+    assert await sb.call(square, 7) == 49
+    assert await sb.call(lambda a, b=1: {"sum": a + b, "t": (a, b), "s": {1, 2}, "raw": b"\x00"}, 2, b=3) == {
+        "sum": 5, "t": (2, 3), "s": {1, 2}, "raw": b"\x00"}
+    # a closure over local state travels by value
+    offset = 10
+    assert await sb.call(lambda v: v + offset, 5) == 15
+    # the callable's prints do not disturb the result channel
+    assert await sb.call(lambda: print("noise") or "value") == "value"
+
+
+async def test_call_sees_the_workspace(sb: dsec.AsyncSandbox) -> None:
+    await sb.files.write("/workspace/data.txt", b"from the host")
+
+    def read() -> str:
+        with open("/workspace/data.txt") as f:
+            return f.read()
+
+    assert await sb.call(read) == "from the host"
+
+
+async def test_call_reraises_with_remote_traceback(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.RemoteError) as info:
+        await sb.call(fails, "bad input 42")
+    err = info.value
+    assert err.type_name == "ValueError" and err.stage == "call", err.detail
+    assert "bad input 42" in err.message and "in fails" in err.remote_traceback, err.remote_traceback
+    assert "Remote traceback" in str(err)
+
+
+async def test_unpicklable_callable(sb: dsec.AsyncSandbox) -> None:
+    lock = threading.Lock()
+    with pytest.raises(dsec.InvalidRequest, match="cannot pickle"):
+        await sb.call(lambda: lock.locked())
+    # pickles here, but cannot be loaded in the sandbox: the image has no httpx
+    import httpx
+
+    with pytest.raises(dsec.RemoteError) as info:
+        await sb.call(str, httpx.URL("http://example.invalid/"))
+    assert info.value.stage == "load" and info.value.type_name == "ModuleNotFoundError", info.value.detail
+    with pytest.raises(dsec.InvalidRequest, match="callable"):
+        await sb.call("not a function")  # type: ignore[arg-type]
+
+
+async def test_huge_return_value_is_capped(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.RemoteError, match="over max_result_bytes") as info:
+        await sb.call_with(lambda: b"x" * (3 << 20), max_result_bytes=1 << 20)
+    assert info.value.type_name == "OverflowError" and info.value.stage == "result"
+    assert len(await sb.call_with(lambda: b"x" * (3 << 20), max_result_bytes=4 << 20)) == 3 << 20
+
+
+async def test_limits_end_calls_with_verdicts(sb: dsec.AsyncSandbox) -> None:
+    def spin() -> None:
+        while True:
+            pass
+
+    def hog() -> None:
+        blocks = []
+        while True:
+            blocks.append(bytearray(16 << 20))
+
+    with pytest.raises(dsec.CallFailed, match="time limit") as info:
+        await sb.call_with(spin, timeout=1.5)
+    assert info.value.detail["limit"] == "time"
+    with pytest.raises(dsec.CallFailed, match="memory limit") as info:
+        await sb.call_with(hog, timeout=60)
+    assert info.value.detail["limit"] == "memory"
+    assert await sb.call(square, 3) == 9  # the sandbox is fine afterwards
+
+
+async def test_results_are_plain_data_unless_trusted(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.CallFailed, match="not plain data"):
+        await sb.call(Point, 3)
+    point = await sb.call_with(Point, (3,), trusted=True)
+    assert point.x == 3
+
+
+async def test_map_runs_inputs_concurrently(sb: dsec.AsyncSandbox) -> None:
+    assert await sb.map(square, range(20), concurrency=4) == [i * i for i in range(20)]
+
+    def maybe(i: int) -> int:
+        if i % 3 == 0:
+            raise KeyError(i)
+        return i
+
+    out: list[Any] = await sb.map(maybe, range(6), return_exceptions=True)
+    assert [type(o).__name__ if isinstance(o, Exception) else o for o in out] == [
+        "RemoteError", 1, 2, "RemoteError", 4, 5]
+    with pytest.raises(dsec.InvalidRequest):
+        await sb.map(square, [1], concurrency=0)
+
+
+async def test_call_on_container_backend_is_not_supported(served: _Served) -> None:
+    assert "container" not in served.engine._backends  # this daemon serves only the function backend
+    client = dsec.Client(url=served.url)
+    try:
+        with pytest.raises(dsec.BackendUnavailable):
+            await dsec.AsyncSandbox.create(image="debian-python", backend="container", client=client)
+    finally:
+        await client.aclose()
