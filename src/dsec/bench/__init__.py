@@ -19,13 +19,15 @@ from rich.console import Console
 
 from dsec.bench.container import BenchUnavailable, ContainerBench
 from dsec.bench.container import run as run_container
+from dsec.bench.function import FunctionBench
+from dsec.bench.function import run as run_function
 from dsec.bench.report import Suite, default_json_path, render_latencies, render_table, to_json, write_json
 from dsec.bench.trajectory import TrajectoryBench
 from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container", "trajectory", "microvm")
+SUITES = ("container", "function", "trajectory", "microvm")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -40,7 +42,7 @@ def _scale() -> float:
     return value
 
 
-def main(suite: str | None, json_path: Path | None, config: ContainerBench | None = None,
+def main(suite: str | None, json_path: Path | None, config: ContainerBench | FunctionBench | None = None,
          console: Console | None = None) -> int:
     """Run ``suite`` (every suite when None), print the tables, write the JSON; the exit status.
 
@@ -58,21 +60,24 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Non
     started = time.time()
     results: list[Suite] = []
     try:
-        cfg = config if config is not None else ContainerBench().scaled(_scale())
+        scale = _scale()
         for name in names:
             out.print(f"[bold]dsec bench {name}[/bold]")
-            report = lambda m: out.print(f"  · {m}")  # noqa: E731
+            progress = lambda m: out.print(f"  · {m}")  # noqa: E731
             if name == "trajectory":
-                result = asyncio.run(run_trajectory(TrajectoryBench().scaled(_scale()), progress=report))
+                result = asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
             elif name == "microvm":
                 from dsec.bench.microvm import run as run_microvm
 
-                scale = _scale()
                 result = asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
-                                                 progress=report))
+                                                 progress=progress))
                 out.print(f"accelerator: {result.extra.get('accelerator')}")
+            elif name == "function":
+                fcfg = config if isinstance(config, FunctionBench) else FunctionBench().scaled(scale)
+                result = asyncio.run(run_function(fcfg, progress=progress))
             else:
-                result = asyncio.run(run_container(cfg, progress=report))
+                ccfg = config if isinstance(config, ContainerBench) else ContainerBench().scaled(scale)
+                result = asyncio.run(run_container(ccfg, progress=progress))
             results.append(result)
             out.print(render_table(result))
             out.print(render_latencies(result))

@@ -6,7 +6,9 @@ The daemon runs for real in a thread (uvicorn on a unix socket) with the functio
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import shutil
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -177,3 +179,25 @@ async def test_call_on_container_backend_is_not_supported(served: _Served) -> No
             await dsec.AsyncSandbox.create(image="debian-python", backend="container", client=client)
     finally:
         await client.aclose()
+
+
+EXPECTED_VERDICTS = {"correct": "AC", "correct_loop": "AC", "wrong": "WA", "off_by_one": "WA", "slow": "TLE",
+                     "memory_hog": "MLE", "crash": "RE", "syntax_error": "RE"}
+
+
+def test_grade_solutions_example(served: _Served) -> None:
+    """examples/grade_solutions.py with a smaller N: every kind of candidate gets its verdict."""
+    path = Path(__file__).parents[3] / "examples" / "grade_solutions.py"
+    spec = importlib.util.spec_from_file_location("grade_solutions", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["grade_solutions"] = module  # cloudpickle ships a module's functions by value only if imported
+    try:
+        spec.loader.exec_module(module)
+        summary = module.grade(40, concurrency=8, time_limit=6.0, url=served.url)
+    finally:
+        sys.modules.pop("grade_solutions", None)
+    assert summary["n"] == 40 and sum(summary["totals"].values()) == 40, summary
+    assert set(summary["by_kind"]) == set(EXPECTED_VERDICTS), summary
+    for kind, verdicts in summary["by_kind"].items():
+        assert verdicts == {EXPECTED_VERDICTS[kind]: sum(verdicts.values())}, (kind, verdicts)

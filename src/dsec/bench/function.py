@@ -1,0 +1,281 @@
+"""The ``function`` suite: DSec's function backend against a bare process and a one-shot bwrap.
+
+Two DSec figures, both honest about what they include: *through the SDK* (a real daemon in its own
+process, reached over its unix socket with the public SDK, so HTTP and JSON are in every call) and
+*at the backend* (the :class:`~dsec.backends.function.FunctionBackend` driven in this process, the
+floor the daemon adds to). The peers run the same ``true`` in the same run: ``subprocess.run`` of
+``/bin/true`` on the host (no isolation at all) and ``bwrap --unshare-all`` over the same image root
+(a fresh sandbox per call, what a user would otherwise script). Throughputs use the same number of
+concurrent workers for every contender. Everything the suite creates lives in a private
+``DSEC_HOME`` and is removed in ``finally``; what could not be removed is reported under ``leaks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from dsec import AsyncSandbox, Client
+from dsec.backends.function import FunctionBackend
+from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer
+from dsec.bench.report import Row, Suite, summarize
+from dsec.config import Settings
+from dsec.images.store import ImageStore
+from dsec.models import ExecRequest
+from dsec.testing.conformance import new_record
+
+__all__ = ["FunctionBench", "run"]
+
+IMAGE = "debian-python"
+
+
+@dataclass(frozen=True)
+class FunctionBench:
+    """Sample counts and durations; the defaults run the suite in ~1 min on a 2-core machine."""
+
+    warmup: int = 20
+    exec_n: int = 300
+    call_n: int = 20
+    sustained_seconds: float = 8.0
+    concurrency: int = 4
+    peer_n: int = 100
+    daemon: str = "process"
+    """``"process"``: ``dsec up`` as users run it; ``"thread"``: in this process (shares its GIL)."""
+
+    def scaled(self, factor: float) -> FunctionBench:
+        """Every count and duration times ``factor`` (at least 1 sample; ``DSEC_BENCH_SCALE``)."""
+        def n(v: int) -> int:
+            return max(1, round(v * factor))
+        return replace(self, warmup=n(self.warmup), exec_n=n(self.exec_n), call_n=n(self.call_n),
+                       peer_n=n(self.peer_n), sustained_seconds=max(0.5, self.sustained_seconds * factor))
+
+
+def preflight(settings: Settings) -> Path:
+    """The image root, or :class:`BenchUnavailable` naming what is missing."""
+    if os.geteuid() != 0:
+        raise BenchUnavailable("the function suite needs root (namespaces, mounts, cgroups)")
+    reason = FunctionBackend(settings).available()
+    if reason != "ok":
+        raise BenchUnavailable(f"function backend unavailable: {reason}")
+    root = settings.images / IMAGE / "rootfs"
+    if not (settings.images / IMAGE / "image.json").is_file() or not root.is_dir():
+        raise BenchUnavailable(f"image {IMAGE!r} is not in the store at {settings.images}: "
+                               f"run ./scripts/setup or `dsec image build {IMAGE}`")
+    return root
+
+
+def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
+    """``subprocess.run(argv)`` back to back in ``concurrency`` threads for ``seconds``; runs per second."""
+    ok = 0
+    failures = 0
+    lock = threading.Lock()
+    deadline = time.perf_counter() + seconds
+
+    def worker() -> None:
+        nonlocal ok, failures
+        while time.perf_counter() < deadline:
+            code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, check=False).returncode
+            with lock:
+                if code == 0:
+                    ok += 1
+                else:
+                    failures += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    return {"ok": ok, "failures": failures, "seconds": elapsed, "rate": ok / elapsed, "concurrency": concurrency}
+
+
+def _timed(argv: list[str], n: int, warmup: int) -> list[float]:
+    samples = []
+    for i in range(warmup + n):
+        t0 = time.perf_counter()
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       check=True)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+async def _sdk(cfg: FunctionBench, client: Client, results: dict[str, Any]) -> None:
+    lat = results["latencies"]
+    sandbox = await AsyncSandbox.create(image=IMAGE, backend="function", client=client)
+    try:
+        samples = []
+        for i in range(cfg.warmup + cfg.exec_n):
+            t0 = time.perf_counter()
+            r = await sandbox.exec(["true"])
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true exited {r.exit_code}: {r.stderr!r}")
+            if i >= cfg.warmup:
+                samples.append(time.perf_counter() - t0)
+        lat["sdk_exec_true"] = summarize(samples)
+
+        async def one() -> None:
+            r = await sandbox.exec(["true"])
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true exited {r.exit_code}")
+
+        results["sdk_sustained"] = await _sustain(one, cfg.concurrency, cfg.sustained_seconds)
+        calls = []
+        for i in range(2 + cfg.call_n):
+            t0 = time.perf_counter()
+            # a lambda travels by value: the image has no dsec to import a module-level function from
+            if await sandbox.call(lambda x: x * x, i) != i * i:
+                raise RuntimeError("sb.call returned a wrong value")
+            if i >= 2:
+                calls.append(time.perf_counter() - t0)
+        lat["sdk_call"] = summarize(calls)
+    finally:
+        await sandbox.close()
+
+
+async def _backend(cfg: FunctionBench, settings: Settings, results: dict[str, Any]) -> None:
+    backend = FunctionBackend(settings)
+    await backend.start()
+    image = ImageStore(settings.images).resolve(IMAGE)
+    record = new_record("function", image)
+    try:
+        await backend.create(record, image)
+        request = ExecRequest(command=["true"])
+        samples = []
+        for i in range(cfg.warmup + cfg.exec_n):
+            t0 = time.perf_counter()
+            r = await backend.exec(record, request)
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true exited {r.exit_code}: {r.stderr!r}")
+            if i >= cfg.warmup:
+                samples.append(time.perf_counter() - t0)
+        results["latencies"]["backend_exec_true"] = summarize(samples)
+
+        async def one() -> None:
+            if (await backend.exec(record, request)).exit_code != 0:
+                raise RuntimeError("exec true failed")
+
+        results["backend_sustained"] = await _sustain(one, cfg.concurrency, cfg.sustained_seconds)
+    finally:
+        await backend.destroy(record)
+        await backend.aclose()
+
+
+def _leaks(settings: Settings) -> list[str]:
+    from dsec.isolation.cgroups import CgroupSet
+
+    backend = FunctionBackend(settings)
+    found = [f"cgroup {d}" for d in CgroupSet.at(f"/{backend.cgroup_parent}").dirs.values() if Path(d).is_dir()]
+    if backend.root.is_dir():
+        found += [f"sandbox dir {p}" for p in backend.root.glob("sb-*")]
+    return found
+
+
+async def run(cfg: FunctionBench, node: Settings | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> Suite:
+    """Measure everything; ``progress`` is told each phase as it starts."""
+    node = node or Settings()
+    image_root = preflight(node)
+    settings = _private_settings(node)
+    suite = Suite(name="function")
+    timer = _Timer()
+    results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "skipped": {},
+                               "latencies": suite.latencies}
+    try:
+        progress(f"starting a private daemon ({cfg.daemon}) in {settings.home}")
+        with contextlib.ExitStack() as daemon:
+            with timer.phase("daemon start"):
+                daemon.enter_context(_daemon(settings, cfg.daemon))
+            client = Client(url=f"unix://{settings.socket_path}")
+            try:
+                progress(f"SDK: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s "
+                         f"(C={cfg.concurrency}), sb.call x{cfg.call_n}")
+                with timer.phase("sdk"):
+                    await _sdk(cfg, client, results)
+            finally:
+                await client.aclose()
+        progress(f"backend: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s")
+        with timer.phase("backend"):
+            await _backend(cfg, settings, results)
+        progress(f"peer: subprocess.run(['true']) x{cfg.peer_n} and sustained")
+        with timer.phase("bare"):
+            suite.latencies["bare_true"] = summarize(await asyncio.to_thread(_timed, ["/bin/true"], cfg.peer_n, 5))
+            results["bare_sustained"] = await asyncio.to_thread(
+                _threads_rate, ["/bin/true"], cfg.concurrency, cfg.sustained_seconds)
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            results["skipped"]["bwrap"] = "bwrap not installed (apt-get install bubblewrap)"
+        else:
+            argv = [bwrap, "--unshare-all", "--ro-bind", str(image_root), "/", "--proc", "/proc",
+                    "--dev", "/dev", "/bin/true"]
+            progress(f"peer: bwrap --unshare-all x{cfg.peer_n} and sustained")
+            with timer.phase("bwrap"):
+                suite.latencies["bwrap"] = summarize(await asyncio.to_thread(_timed, argv, cfg.peer_n, 3))
+                results["bwrap_sustained"] = await asyncio.to_thread(
+                    _threads_rate, argv, cfg.concurrency, cfg.sustained_seconds)
+    finally:
+        with timer.phase("cleanup"):
+            with contextlib.suppress(Exception):
+                await FunctionBackend(settings).cleanup_orphans(set())
+            results["leaks"] = _leaks(settings)
+            shutil.rmtree(settings.home, ignore_errors=True)
+    results["phases_s"] = timer.phases
+    results.pop("latencies")
+    suite.extra = results
+    suite.rows = _rows(suite)
+    return suite
+
+
+def _rows(suite: Suite) -> list[Row]:
+    """The table: DSec figures, their peers, and the issue's targets."""
+    lat, ex = suite.latencies, suite.extra
+    skipped = ex.get("skipped", {})
+    rows: list[Row] = []
+
+    def ms(key: str) -> float | None:
+        return lat[key].p50 * 1000 if key in lat else None
+
+    for key, where in (("sdk_exec_true", "SDK+daemon"), ("backend_exec_true", "backend")):
+        if key not in lat:
+            continue
+        p50 = lat[key].p50 * 1000
+        rows += [Row(f"exec true p50 ({where})", "ms", p50, ms("bare_true"), "subprocess.run(true)",
+                     target="≤ 3 ms", passed=p50 <= 3),
+                 Row(f"exec true p50 ({where})", "ms", p50, ms("bwrap"), "bwrap --unshare-all",
+                     note=skipped.get("bwrap")),
+                 Row(f"exec true p90 ({where})", "ms", lat[key].p90 * 1000),
+                 Row(f"exec true p99 ({where})", "ms", lat[key].p99 * 1000)]
+    for key, where in (("sdk_sustained", "SDK+daemon"), ("backend_sustained", "backend")):
+        if key not in ex:
+            continue
+        s = ex[key]
+        label = f"calls/s ({where}, C={s['concurrency']}, {s['failures']} failed)"
+        rows.append(Row(label, "/s", s["rate"], target="≥ 500/s", better="higher",
+                        passed=s["rate"] >= 500 and not s["failures"]))
+        bare = ex.get("bare_sustained")
+        if bare:
+            row = Row(label, "/s", s["rate"], bare["rate"], "subprocess.run(true)", better="higher",
+                      target="≥ 0.5x")
+            row.passed = row.ratio is not None and row.ratio >= 0.5
+            rows.append(row)
+        bw = ex.get("bwrap_sustained")
+        row = Row(label, "/s", s["rate"], bw["rate"] if bw else None, "bwrap --unshare-all", better="higher",
+                  target="≥ 2x", note=skipped.get("bwrap"))
+        row.passed = row.ratio is not None and row.ratio >= 2
+        rows.append(row)
+    if "sdk_call" in lat:
+        rows.append(Row("sb.call(square) p50 (SDK+daemon)", "ms", lat["sdk_call"].p50 * 1000,
+                        note="starts the image's python3 and cloudpickle each call"))
+    return rows
