@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dsec.config import Settings
+from dsec.isolation.landlock import landlock_abi
 
 __all__ = ["Check", "as_json", "healthy", "render", "run_checks", "table"]
 
@@ -51,7 +52,7 @@ class _Tool:
 _TOOLS = (
     _Tool("crun", "crun", "crun", ("--version",), True, "container backend (OCI runtime)"),
     _Tool("runc", "runc", "runc", ("--version",), False, "benchmark peer"),
-    _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init"),
+    _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init and the function zygote"),
     _Tool("tar", "tar", "tar", ("--version",), True, "container snapshots, restores and forks"),
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
     _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),
@@ -229,20 +230,11 @@ def _seccomp() -> Check:
                  None if ok else "kernel with CONFIG_SECCOMP_FILTER")
 
 
-def landlock_abi() -> int:
-    """Landlock ABI version of the running kernel (0 when unavailable)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION); 444 on every architecture
-    abi = int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
-    return max(abi, 0)
-
-
 def _landlock() -> Check:
     abi = landlock_abi()
     if abi > 0:
         return Check("landlock", True, f"ABI {abi}", required=False)
-    return Check("landlock", False, "not available (function backend runs without file rules)",
+    return Check("landlock", False, "not available (the function backend needs it and is unavailable)",
                  "kernel >= 5.13 with CONFIG_SECURITY_LANDLOCK and lsm=landlock", required=False)
 
 

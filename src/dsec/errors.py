@@ -146,7 +146,9 @@ class RemoteError(DSecError):
         self.stage: str = str(detail.get("stage", ""))
 
     def __str__(self) -> str:
-        return f"{self.message}\n\nRemote traceback:\n{self.remote_traceback}" if self.remote_traceback else self.message
+        if not self.remote_traceback:
+            return self.message
+        return f"{self.message}\n\nRemote traceback:\n{self.remote_traceback}"
 
 
 class CallFailed(DSecError):

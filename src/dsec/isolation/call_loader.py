@@ -50,17 +50,17 @@ def main() -> None:
 
     try:
         func, args, kwargs = cloudpickle.loads(sys.stdin.buffer.read())
-    except BaseException as exc:  # noqa: BLE001 - whatever unpickling raises is the caller's to see
+    except BaseException as exc:  # whatever unpickling raises is the caller's to see
         _reply(out, _error("load", exc))
         return
     try:
         value = func(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are results too
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt are results too
         _reply(out, _error("call", exc))
         return
     try:
         data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         _reply(out, _error("result", exc))
         return
     if len(data) > limit:

@@ -16,10 +16,11 @@ __all__ = ["landlock_abi"]
 _SYS_LANDLOCK_CREATE_RULESET = 444
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def landlock_abi() -> int:
     """The Landlock ABI version (``>= 1``), or ``0`` when Landlock is absent or disabled."""
-    ret = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+    ret = _libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
                         ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
     return max(int(ret), 0)
