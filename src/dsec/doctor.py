@@ -7,7 +7,6 @@ failed check, never an exception. It never installs, mounts or changes anything.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import platform
