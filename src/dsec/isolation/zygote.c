@@ -13,15 +13,17 @@
  * enters a new user namespace, says "userns" on the socket and waits for "go" while the
  * daemon writes its uid/gid maps and moves it into the sandbox's cgroups.
  *
- * Each request (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four
- * fds: stdin, stdout, stderr, status) is one clone() into new pid, mount, network, ipc and
- * uts namespaces. The clone (pid 1 there) mounts a fresh /proc and /tmp, drops every
- * capability, sets no_new_privs and rlimits, restricts itself with the Landlock ruleset and
- * the seccomp program, forks the command and waits for it. When the command exits it
- * reports "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which
- * kills whatever the command left behind (the end of a pid namespace's init). The zygote
- * reports "pid HOSTPID" when it cloned, and "exit WSTATUS" of the clone when it did not
- * report itself (killed at a limit). Setup failures are "error <what>: <why>" lines.
+ * Each call is one clone() into new pid, mount, network, ipc and uts namespaces, made one call
+ * ahead: while a call runs, the next one is cloned and prepares itself (pid 1 there) by mounting a
+ * fresh /proc and /tmp, dropping every capability, setting no_new_privs, and restricting itself
+ * with Landlock and the seccomp program; then it waits on its own socketpair. A request
+ * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four fds: stdin, stdout,
+ * stderr, status) is forwarded to the ready clone, which sets the request's rlimits and working
+ * directory, forks the command and waits for it. When the command exits it reports
+ * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
+ * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
+ * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
+ * Setup failures are "error <what>: <why>" lines.
  * The zygote exits, killing every call, when the control socket closes.
  */
 #define _GNU_SOURCE
@@ -238,43 +240,118 @@ static void call_fail(const char *what, int err, int code) {
     _exit(code);
 }
 
-static void drop_privileges(void) {
+/* What failed while a call was being prepared, reported once it has a status pipe to report on. */
+static const char *prep_what;
+static int prep_errno;
+
+static int prep_fail(const char *what) {
+    prep_what = what;
+    prep_errno = errno;
+    return -1;
+}
+
+static int drop_privileges(void) {
     for (int cap = 0; cap <= CAP_LAST; cap++)
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
-            call_fail("drop bounding capability", errno, 127);
+            return prep_fail("drop bounding capability");
     /* uid 0 of the user namespace must not regain capabilities by executing anything. */
     if (prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
                                      SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED, 0, 0, 0) != 0)
-        call_fail("set securebits", errno, 127);
+        return prep_fail("set securebits");
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
-        call_fail("clear ambient capabilities", errno, 127);
+        return prep_fail("clear ambient capabilities");
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2] = {{0, 0, 0}, {0, 0, 0}};
     if (syscall(SYS_capset, &header, data) != 0)
-        call_fail("drop capabilities", errno, 127);
+        return prep_fail("drop capabilities");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
-        call_fail("set no_new_privs", errno, 127);
+        return prep_fail("set no_new_privs");
     int fd = (int)syscall(SYS_landlock_create_ruleset, &ruleset, ruleset_size, 0);
     int tmp = open("/tmp", O_PATH | O_CLOEXEC);
     if (fd < 0 || tmp < 0 || add_rule(fd, workdir_fd, write_access) != 0 || add_rule(fd, tmp, write_access) != 0 ||
         add_rule(fd, dev_fd, dev_access) != 0 || syscall(SYS_landlock_restrict_self, fd, 0) != 0)
-        call_fail("landlock", errno, 127);
+        return prep_fail("landlock");
     close(fd);
     close(tmp);
     close(workdir_fd);
     close(dev_fd);
     if (seccomp_prog.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog, 0, 0) != 0)
-        call_fail("load seccomp program", errno, 127);
+        return prep_fail("load seccomp program");
+    return 0;
 }
 
-static void set_limit(int resource, rlim_t value) {
-    struct rlimit rl = {value, value};
+/* Everything that does not depend on the request, done before it arrives: namespaces (by the clone),
+   /proc, /tmp, hostname, and every restriction. */
+static int prepare_call(void) {
+    if (setsid() < 0)
+        return prep_fail("setsid");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        return prep_fail("mount /proc");
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) != 0)
+        return prep_fail("mount /tmp");
+    (void)!sethostname("sandbox", 7);
+    umask(022);
+    struct rlimit no_core = {0, 0};
+    if (setrlimit(RLIMIT_CORE, &no_core) != 0)
+        return prep_fail("set rlimits");
+    return drop_privileges();
+}
+
+static void set_limit(int resource, rlim_t soft, rlim_t hard) {
+    struct rlimit rl = {soft, hard};
     if (setrlimit(resource, &rl) != 0)
         call_fail("set rlimits", errno, 127);
 }
 
-static void run_call(char **fields, int nfields, int *fds) {
-    /* The zygote blocked SIGCHLD for its signalfd: the call gets a clean signal state. */
+/* Take up to four fds out of a received message; -1 unless exactly four came whole. */
+static int take_fds(struct msghdr *mh, int *fds) {
+    int nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < count; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                if (nfds < 4)
+                    fds[nfds++] = fd;
+                else
+                    close(fd);
+            }
+        }
+    if (nfds != 4 || (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
+        return -1;
+    }
+    return 0;
+}
+
+static char msg[MAX_MSG + 1];
+static char *fields[MAX_FIELDS];
+
+/* Wait for the request on ``sock``; returns its number of fields, 0 at end of file, -1 if malformed. */
+static int receive(int sock, int *fds) {
+    char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    struct iovec iov = {msg, MAX_MSG};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    ssize_t len;
+    do
+        len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    while (len < 0 && errno == EINTR);
+    if (len <= 0)
+        return 0;
+    if (take_fds(&mh, fds) != 0)
+        return -1;
+    msg[len] = 0;
+    int n = 0;
+    for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
+        fields[n++] = p;
+    return n;
+}
+
+/* The clone, pid 1 of a call's namespaces: prepares, waits for its request, runs it. */
+static void run_call(int sock) {
+    /* The zygote blocked SIGCHLD for its signalfd and ignores SIGPIPE: the call gets a clean state. */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -285,6 +362,19 @@ static void run_call(char **fields, int nfields, int *fds) {
        cgroup sweep of destroy. */
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0)
         _exit(127);
+    close(CTL_FD);
+    int prepared = prepare_call();
+    /* Keep only the request socket: the zygote's other fds (other calls' status pipes) are not ours. */
+    if (dup2(sock, CTL_FD) != CTL_FD)
+        _exit(127);
+    sock = CTL_FD;
+    syscall(SYS_close_range, 3, CTL_FD - 1, 0);
+    syscall(SYS_close_range, CTL_FD + 1, ~0U, 0);
+    int fds[4];
+    int nfields = receive(sock, fds);
+    if (nfields <= 0)
+        _exit(nfields == 0 ? 0 : 127); /* 0: the zygote is going away */
+    close(sock);
     /* Park the received fds above 0-3 first: one of them may already sit on a number we dup onto. */
     for (int i = 0; i < 4; i++)
         if ((fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, CTL_FD + 1)) < 0)
@@ -294,7 +384,8 @@ static void run_call(char **fields, int nfields, int *fds) {
             _exit(127);
     if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC) != 0)
         _exit(127);
-    close(CTL_FD);
+    if (prepared != 0)
+        call_fail(prep_what, prep_errno, 127);
     if (nfields < 6)
         call_fail("request", EINVAL, 127);
     rlim_t cpu = strtoull(fields[0], NULL, 10), fsize = strtoull(fields[1], NULL, 10),
@@ -313,31 +404,17 @@ static void run_call(char **fields, int nfields, int *fds) {
         call_fail("request", ENOMEM, 127);
     memcpy(argv, cargv, (size_t)argc * sizeof *argv);
     memcpy(envp, cenv, (size_t)envc * sizeof *envp);
-
-    if (setsid() < 0)
-        call_fail("setsid", errno, 127);
-    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
-        call_fail("mount /proc", errno, 127);
-    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) != 0)
-        call_fail("mount /tmp", errno, 127);
-    (void)!sethostname("sandbox", 7);
     if (chdir(cwd) != 0) {
         char what[300];
         snprintf(what, sizeof what, "working directory '%s'", cwd);
         call_fail(what, errno, 127);
     }
-    umask(022);
-    set_limit(RLIMIT_CORE, 0);
-    set_limit(RLIMIT_NOFILE, nofile);
+    /* Only lowering from here on: no capability is needed. */
+    set_limit(RLIMIT_NOFILE, nofile, nofile);
     if (fsize)
-        set_limit(RLIMIT_FSIZE, fsize);
-    if (cpu) {
-        /* SIGXCPU at the soft limit, SIGKILL a second later: a CPU-bound command cannot outlast it. */
-        struct rlimit rl = {cpu, cpu + 1};
-        if (setrlimit(RLIMIT_CPU, &rl) != 0)
-            call_fail("set rlimits", errno, 127);
-    }
-    drop_privileges();
+        set_limit(RLIMIT_FSIZE, fsize, fsize);
+    if (cpu) /* SIGXCPU at the soft limit, SIGKILL a second later: a CPU-bound command cannot outlast it. */
+        set_limit(RLIMIT_CPU, cpu, cpu + 1);
 
     pid_t child = fork();
     if (child < 0)
@@ -382,42 +459,87 @@ static void report(int fd, const char *fmt, long value) {
     (void)!write(fd, buf, (size_t)n);
 }
 
-static char *fields[MAX_FIELDS];
+/* One call cloned ahead of its request: its namespaces, mounts and restrictions are ready when the
+   request comes, which takes them off the request's path. */
+static struct {
+    pid_t pid;
+    int sock;
+    int err;
+} ready = {0, -1, 0};
 
-static void spawn(char *msg, ssize_t len, int *fds) {
-    int n = 0;
-    for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
-        fields[n++] = p;
-    int slot = -1;
-    for (int i = 0; i < MAX_CALLS; i++)
-        if (calls[i].pid == 0) {
-            slot = i;
-            break;
-        }
-    pid_t pid = -1;
-    if (slot >= 0)
-        pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, 0, 0, 0, 0);
-    if (pid == 0)
-        run_call(fields, n, fds);
-    int err = errno;
-    for (int i = 0; i < 3; i++)
-        close(fds[i]);
-    if (pid < 0) {
-        char buf[200];
-        int m = snprintf(buf, sizeof buf, "error start call: %s\n", slot < 0 ? "too many calls at once" : strerror(err));
-        (void)!write(fds[3], buf, (size_t)m);
-        close(fds[3]);
+static void clone_ahead(void) {
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) != 0) {
+        ready.err = errno;
         return;
     }
-    calls[slot].pid = pid;
-    calls[slot].status_fd = fds[3];
-    report(fds[3], "pid %ld\n", pid);
+    pid_t pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0) {
+        close(sp[0]);
+        run_call(sp[1]);
+    }
+    ready.err = errno;
+    close(sp[1]);
+    if (pid < 0) {
+        close(sp[0]);
+        return;
+    }
+    ready.pid = pid;
+    ready.sock = sp[0];
+}
+
+static void dispatch(char *request, ssize_t len, int *fds) {
+    int slot = -1;
+    for (int i = 0; i < MAX_CALLS && slot < 0; i++)
+        if (calls[i].pid == 0)
+            slot = i;
+    if (slot >= 0 && ready.pid == 0)
+        clone_ahead();
+    int err = slot < 0 ? EAGAIN : ready.err;
+    if (slot >= 0 && ready.pid > 0) {
+        char cbuf[CMSG_SPACE(4 * sizeof(int))];
+        memset(cbuf, 0, sizeof cbuf);
+        struct iovec iov = {request, (size_t)len};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(4 * sizeof(int));
+        memcpy(CMSG_DATA(c), fds, 4 * sizeof(int));
+        ssize_t sent = sendmsg(ready.sock, &mh, MSG_NOSIGNAL);
+        err = errno;
+        close(ready.sock);
+        pid_t pid = ready.pid;
+        ready.pid = 0;
+        ready.sock = -1;
+        if (sent == len) {
+            calls[slot].pid = pid;
+            calls[slot].status_fd = fds[3];
+            report(fds[3], "pid %ld\n", pid);
+            for (int i = 0; i < 3; i++)
+                close(fds[i]);
+            clone_ahead(); /* the next call's, while this one runs */
+            return;
+        }
+        kill(pid, SIGKILL); /* reaped later as an unknown child */
+    }
+    char buf[200];
+    int m = snprintf(buf, sizeof buf, "error start call: %s\n", slot < 0 ? "too many calls at once" : strerror(err));
+    (void)!write(fds[3], buf, (size_t)m);
+    for (int i = 0; i < 4; i++)
+        close(fds[i]);
 }
 
 static void reap(void) {
     int st;
     pid_t pid;
     while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        if (pid == ready.pid) { /* died before its request: the next request clones again */
+            close(ready.sock);
+            ready.pid = 0;
+            ready.sock = -1;
+            continue;
+        }
         for (int i = 0; i < MAX_CALLS; i++) {
             if (calls[i].pid != pid)
                 continue;
@@ -469,8 +591,9 @@ int main(int argc, char **argv) {
     int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0)
         return 1;
-    static char msg[MAX_MSG + 1];
+    static char request[MAX_MSG + 1];
     char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    clone_ahead();
     for (;;) {
         struct pollfd pfd[2] = {{CTL_FD, POLLIN, 0}, {sfd, POLLIN, 0}};
         if (poll(pfd, 2, -1) < 0) {
@@ -486,34 +609,19 @@ int main(int argc, char **argv) {
         }
         if (!pfd[0].revents)
             continue;
-        struct iovec iov = {msg, MAX_MSG};
+        struct iovec iov = {request, MAX_MSG};
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
         ssize_t len = recvmsg(CTL_FD, &mh, MSG_CMSG_CLOEXEC);
         if (len < 0 && errno == EINTR)
             continue;
         if (len <= 0)
             break; /* the daemon closed the socket (destroy, or it died): every call goes with us */
-        msg[len] = 0;
-        int fds[4], nfds = 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-                int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                for (int i = 0; i < count; i++) {
-                    int fd;
-                    memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                    if (nfds < 4)
-                        fds[nfds++] = fd;
-                    else
-                        close(fd);
-                }
-            }
-        if (nfds != 4 || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
-            for (int i = 0; i < nfds; i++)
-                close(fds[i]);
-            continue;
-        }
-        spawn(msg, len, fds);
+        int fds[4];
+        if (take_fds(&mh, fds) == 0)
+            dispatch(request, len, fds);
     }
+    if (ready.pid > 0)
+        kill(ready.pid, SIGKILL);
     for (int i = 0; i < MAX_CALLS; i++)
         if (calls[i].pid > 0)
             kill(calls[i].pid, SIGKILL);
