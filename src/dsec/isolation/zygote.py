@@ -2,7 +2,7 @@
 
 :class:`Zygote` owns one ``dsec-zygote`` process and the socketpair to it. Starting it is
 the expensive part (~10 ms: overlay, binds, pivot_root, Landlock ruleset, user namespace);
-each call afterwards is one message and one ``clone`` there. The status pipe of a call
+each call afterwards is one message there, handed to a clone the zygote made ahead of it. The status pipe of a call
 speaks the exec helper's protocol (``pid``, ``exit``, ``error`` lines, plus ``usage``), so
 :func:`dsec.isolation.exec_client.stream_exec` drives it unchanged.
 
@@ -21,13 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.errors import SandboxError
+from dsec.errors import InvalidRequest, SandboxError
 from dsec.isolation.exec_client import Spawned
 
-__all__ = ["Zygote", "ZygoteConfig", "start_time"]
+__all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig", "start_time"]
 
 _MFD_CLOEXEC = 1
 _START_TIMEOUT_S = 30.0
+MAX_REQUEST = 192 * 1024
+"""Largest argv + environment of one call: a unix datagram must fit the socket's send buffer."""
 
 
 def start_time(pid: int) -> str | None:
@@ -133,11 +135,15 @@ class Zygote:
         """Send one call (see ``zygote.c``); returns our ends of its pipes."""
         if self._sock is None:
             raise SandboxError("the sandbox's zygote is gone (destroyed)")
+        message = b"\0".join(f.encode() for f in fields)
+        if len(message) > MAX_REQUEST:
+            raise InvalidRequest(f"command and environment take {len(message)} bytes, over the function backend's "
+                                 f"limit of {MAX_REQUEST}: pass large inputs as stdin or through a file")
         pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
         ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
         try:
-            self._sock.sendmsg([b"\0".join(f.encode() for f in fields)],
+            self._sock.sendmsg([message],
                                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
         except OSError as e:
             ours.close()
