@@ -32,7 +32,7 @@ from dsec.backends.base import Backend, ImageRef, collect_exec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
-from dsec.isolation.cgroups import CgroupSet, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, Limits, cgroup_mode
 from dsec.isolation.exec_client import stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_zygote
@@ -119,8 +119,8 @@ class FunctionBackend(Backend):
         }
         await asyncio.to_thread(self._make_dirs, base, record.spec.workdir, shift)
         spec = record.spec
-        made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"], memory=spec.memory,
-                                       pids=spec.pids, cpu=spec.cpu)
+        made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"],
+                                       Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids))
         record.backend_state["cgroups"] = made.dirs
         await self._start_zygote(record)
 

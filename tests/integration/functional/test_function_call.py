@@ -200,4 +200,10 @@ def test_grade_solutions_example(served: _Served) -> None:
     assert summary["n"] == 40 and sum(summary["totals"].values()) == 40, summary
     assert set(summary["by_kind"]) == set(EXPECTED_VERDICTS), summary
     for kind, verdicts in summary["by_kind"].items():
+        if kind == "memory_hog":
+            # Concurrent hogs share the sandbox's memory limit; before the OOM kill the kernel reclaims the
+            # other calls' page cache, which on a loaded host can outlast the time limit. A single hog's
+            # memory verdict is asserted strictly in test_limits_end_calls_with_verdicts.
+            assert set(verdicts) <= {"MLE", "TLE"}, verdicts
+            continue
         assert verdicts == {EXPECTED_VERDICTS[kind]: sum(verdicts.values())}, (kind, verdicts)
