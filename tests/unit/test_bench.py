@@ -172,3 +172,28 @@ def test_tiny_real_run(tmp_path: Path, debian_python_image: object) -> None:
     assert not Path(got["home"]).exists()
     # no peer wrote into the image (podman with a bare --rootfs once left its /etc/hosts there)
     assert {p for p in image_root.rglob("*") if p.is_symlink() or p.exists()} == before
+
+
+def test_function_rows_apply_the_targets() -> None:
+    from dsec.bench.function import FunctionBench
+    from dsec.bench.function import _rows as function_rows
+
+    ms = 1e-3
+    suite = Suite(name="function")
+    suite.latencies = {"sdk_exec_true": summarize([2.5 * ms]), "backend_exec_true": summarize([1.5 * ms]),
+                       "bare_true": summarize([1 * ms]), "bwrap": summarize([6 * ms]),
+                       "sdk_call": summarize([40 * ms])}
+    suite.extra = {"skipped": {},
+                   "sdk_sustained": {"rate": 400.0, "failures": 0, "concurrency": 4},
+                   "backend_sustained": {"rate": 900.0, "failures": 0, "concurrency": 4},
+                   "bare_sustained": {"rate": 1600.0, "failures": 0, "concurrency": 4},
+                   "bwrap_sustained": {"rate": 300.0, "failures": 0, "concurrency": 4}}
+    rows = function_rows(suite)
+    by = {(r.metric, r.peer_name): r for r in rows}
+    assert by[("exec true p50 (SDK+daemon)", "subprocess.run(true)")].passed is True  # 2.5 ms ≤ 3 ms
+    assert by[("exec true p50 (SDK+daemon)", "bwrap --unshare-all")].ratio == pytest.approx(2.4)
+    sdk = [r for r in rows if r.metric.startswith("calls/s (SDK+daemon")]
+    assert [r.passed for r in sdk] == [False, False, False]  # 400/s < 500/s; 0.25x bare; 1.33x bwrap < 2x
+    backend = [r for r in rows if r.metric.startswith("calls/s (backend")]
+    assert [r.passed for r in backend] == [True, True, True]  # 900/s; 0.56x bare; 3x bwrap
+    assert FunctionBench().scaled(0.1).exec_n == 30
