@@ -289,6 +289,14 @@ static int prepare_call(void) {
         return prep_fail("mount /proc");
     if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) != 0)
         return prep_fail("mount /tmp");
+    /* The OOM killer's first choice, like container commands (the zygote is shielded where the host
+       allows it). Best effort: some hosts refuse it inside the user namespace; the largest process (a
+       memory bomb) is the OOM killer's choice anyway. Landlock keeps the command from writing it. */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom >= 0) {
+        (void)!write(oom, "500", 3);
+        close(oom);
+    }
     (void)!sethostname("sandbox", 7);
     umask(022);
     struct rlimit no_core = {0, 0};
@@ -564,6 +572,14 @@ int main(int argc, char **argv) {
     char opts[128];
     snprintf(opts, sizeof opts, "mode=1777,size=%s", argv[6]);
     tmpfs_opts = opts;
+    /* A memory bomb in a call must never take the zygote (and so the sandbox) with it. Best effort:
+       lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from root; the calls raise
+       theirs to 500 in any case, so the OOM killer picks them first. */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom >= 0) {
+        (void)!write(oom, "-1000", 5);
+        close(oom);
+    }
     /* Nothing in a call may open our memory or attach to us, whatever its uid. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
         die("set non-dumpable", errno);
