@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dsec.backends.base import Backend, ImageRef, collect_exec
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
@@ -111,13 +111,14 @@ class FunctionBackend(Backend):
         if record.spec.network != "none":
             raise InvalidRequest(f"network={record.spec.network!r} is not available on the function backend: "
                                  f"every call runs in its own empty network namespace")
+        apply_image_defaults(record, image)
         base = self._base(record.id)
         shift = image.uid_shift
         record.backend_state = {
             "base": str(base), "uid_shift": shift, "image_rootfs": str(image.rootfs),
             "cgroup": f"/{self.cgroup_parent}/{record.id}", "image_env": dict(image.config.env),
         }
-        await asyncio.to_thread(self._make_dirs, base, record.spec.workdir, shift)
+        await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift)
         spec = record.spec
         made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"],
                                        Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids))
@@ -147,7 +148,7 @@ class FunctionBackend(Backend):
         cgroups = self._cgroups(record)
         config = ZygoteConfig(
             binary=self._binary, newroot=base / "root", lowerdirs=(base / "scaffold", Path(state["image_rootfs"])),
-            workspace=base / "workspace", workdir=record.spec.workdir, support=self._support,
+            workspace=base / "workspace", workdir=workdir_of(record), support=self._support,
             tmpfs_bytes=record.spec.disk, seccomp_bpf=self._bpf, uid_shift=int(state["uid_shift"]),
             uid_count=self.settings.uid_count, cgroup_procs=tuple(cgroups.procs_files()),
         )
@@ -180,7 +181,7 @@ class FunctionBackend(Backend):
         argv = request.argv()
         # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL.
         cpu = math.ceil(request.timeout) + 1 if request.timeout else 0
-        fields = [str(cpu), str(record.spec.disk), str(_NOFILE), request.cwd or record.spec.workdir,
+        fields = [str(cpu), str(record.spec.disk), str(_NOFILE), request.cwd or workdir_of(record),
                   str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
 
@@ -229,7 +230,7 @@ class FunctionBackend(Backend):
             await asyncio.to_thread(self._fs(record).write, path, data, mode)
         except SandboxError as e:
             if "Read-only file system" in e.message:
-                raise InvalidRequest(f"{path}: only {record.spec.workdir} is writable in a function sandbox "
+                raise InvalidRequest(f"{path}: only {workdir_of(record)} is writable in a function sandbox "
                                      f"(the image root is read-only and /tmp lasts one call)", path=path) from None
             raise
 
