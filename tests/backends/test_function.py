@@ -235,3 +235,26 @@ async def test_bad_workdir_and_network_are_refused(backend: FunctionBackend, deb
             await run(backend, sb, ["echo", "x" * (256 * 1024)])
         r = await run(backend, sb, "echo still fine")
         assert r.stdout == b"still fine\n", r
+
+
+async def test_kernel_attack_surface_is_closed(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    """The container's seccomp profile holds in a call: no new user namespace, no mount, no ptrace, no
+    io_uring; the host's processes and the zygote are invisible."""
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def errno_of(ret):\n"
+        "    return 0 if ret == 0 else ctypes.get_errno()\n"
+        "print('unshare_user', errno_of(libc.unshare(0x10000000)))\n"
+        "print('mount', errno_of(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)))\n"
+        "print('ptrace', errno_of(libc.ptrace(16, 1, None, None)))\n"
+        "print('io_uring', errno_of(libc.syscall(425, 1, None)))\n"
+        "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+    )
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, ["python3", "-c", probe])
+        assert r.exit_code == 0, r
+        got = dict(line.split(" ", 1) for line in r.stdout.decode().splitlines())
+        assert got["unshare_user"] == "1" and got["mount"] == "1" and got["ptrace"] == "1", got  # EPERM
+        assert got["io_uring"] == "1", got
+        assert got["pids"] == "[1, 2]", f"a call sees processes beyond its own pid 1 and itself: {got}"
