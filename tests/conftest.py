@@ -56,12 +56,8 @@ def _session_tags(base: Path) -> set[str]:
 
 
 def _host_footprint(tags: set[str]) -> set[str]:
-<<<<<<< HEAD
-    """Mounts under /run/dsec, DSec cgroup directories, dsec-init and QEMU processes of this session's homes.
-=======
-    """Mounts under /run/dsec, DSec cgroup directories (container and function) and dsec-init and
+    """Mounts under /run/dsec, DSec cgroup directories (container, microvm, function), dsec-init, QEMU and
     dsec-zygote processes of this session's homes.
->>>>>>> 9c634ae (After rebase on main: the function backend uses main's CgroupSet.create(Limits); the session leak check also covers function cgroups and zygotes; the example test tolerates a hog's TLE under host load)
 
     Only this session's tags count, so test runs in other checkouts on the same host do not trip it.
     """
@@ -81,25 +77,17 @@ def _host_footprint(tags: set[str]) -> set[str]:
                 # A zombie holds no resource; it waits for whichever pid 1 adopted it (a sandbox
                 # re-adopted across a daemon restart is no longer the new daemon's child).
                 comm = (proc / "comm").read_text().strip()
-<<<<<<< HEAD
-                if state == "Z" or comm not in ("dsec-init", "qemu-system-x86"):
-=======
-                if state == "Z" or not (comm == "dsec-init" or comm.startswith("dsec-zygote")):
->>>>>>> 9c634ae (After rebase on main: the function backend uses main's CgroupSet.create(Limits); the session leak check also covers function cgroups and zygotes; the example test tolerates a hog's TLE under host load)
+                if state == "Z" or not (comm in ("dsec-init", "qemu-system-x86") or comm.startswith("dsec-zygote")):
                     continue
                 cgroups = (proc / "cgroup").read_text()
                 cmdline = (proc / "cmdline").read_bytes()
             except (OSError, IndexError):
                 continue
-<<<<<<< HEAD
             if comm == "qemu-system-x86" and any(f"/run/dsec-vm/{tag}/".encode() in cmdline for tag in tags):
                 found.add(f"process qemu pid {proc.name}")
-            if any(f"/dsec-{tag}/" in cgroups for tag in tags):
-                found.add(f"process dsec-init pid {proc.name}")
-=======
-            if any(f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups for tag in tags):
+            if comm != "qemu-system-x86" and any(f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups
+                                                for tag in tags):
                 found.add(f"process {comm} pid {proc.name}")
->>>>>>> 9c634ae (After rebase on main: the function backend uses main's CgroupSet.create(Limits); the session leak check also covers function cgroups and zygotes; the example test tolerates a hog's TLE under host load)
     tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout
     for line in tables.splitlines():
         name = line.split()[-1]
