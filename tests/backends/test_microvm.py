@@ -83,6 +83,16 @@ async def test_guest_kernel_is_not_the_host_kernel(backend: MicroVMBackend, debi
         assert sb.backend_state["accel"] in ("kvm", "tcg")
 
 
+async def test_guest_sees_the_images_own_owners(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    # The store keeps the image shifted by uid_shift; the guest sees the owners the image was built with.
+    host = (debian_python_image.rootfs / "etc" / "shadow").stat()
+    shift = debian_python_image.uid_shift
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="stat -c %u:%g /etc/shadow /etc/passwd"))
+        assert r.stdout.decode().split() == [f"{host.st_uid - shift}:{host.st_gid - shift}", "0:0"], r
+        assert host.st_gid != shift, "test image: /etc/shadow should belong to group shadow"
+
+
 async def test_clones_get_fresh_identity(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
     cmd = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1"
     async with sandbox(backend, debian_python_image, **SMALL) as a, sandbox(backend, debian_python_image, **SMALL) as b:

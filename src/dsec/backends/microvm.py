@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import pwd
@@ -35,15 +36,18 @@ from typing import Any
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
+from dsec.isolation.idmap import unshifted_view
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
 __all__ = ["MicroVMBackend", "probe_accelerator"]
+
+log = logging.getLogger(__name__)
 
 QEMU = "qemu-system-x86_64"
 MiB = 1024 * 1024
@@ -197,16 +201,14 @@ class MicroVMBackend(Backend):
     async def _erofs(self, image: ImageRef) -> Path:
         """The image's root as a cached EROFS file (rebuilt when the image directory changes)."""
         st = image.rootfs.stat()
-        key = hashlib.sha256(f"{image.rootfs.resolve()}:{st.st_mtime_ns}:{st.st_ino}".encode()).hexdigest()[:16]
+        # "owners-v2": built with the image's real owners (earlier files flattened them to root)
+        source = f"owners-v2:{image.rootfs.resolve()}:{st.st_mtime_ns}:{st.st_ino}"
+        key = hashlib.sha256(source.encode()).hexdigest()[:16]
         target = self.guest_dir / "rootfs" / f"{image.name}-{key}.erofs"
         async with self._erofs_lock:
             if not target.exists():
                 tmp = target.with_name(f".{target.name}.{os.getpid()}")
-                # The store keeps images uid-shifted for user namespaces; the guest has its own kernel and
-                # wants them unshifted. mkfs.erofs 1.5 can only flatten ownership to root (see design.md).
-                cmd = ["mkfs.erofs", "--quiet", "-T0", *(["--all-root"] if image.uid_shift else []),
-                       str(tmp), str(image.rootfs)]
-                proc = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, check=False)
+                proc = await asyncio.to_thread(_mkfs_unshifted, image, tmp)
                 if proc.returncode != 0:
                     tmp.unlink(missing_ok=True)
                     raise SandboxError(f"mkfs.erofs of image {image.name} failed: {proc.stderr.strip()[-300:]}")
@@ -886,3 +888,25 @@ def _normalise(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
         raise InvalidRequest(f"path must be absolute and free of NUL bytes, got {path!r}", path=path)
     return posixpath.normpath(path)
+
+
+def _mkfs_unshifted(image: ImageRef, target: Path) -> subprocess.CompletedProcess[str]:
+    """mkfs.erofs of the image root with its real owners.
+
+    The store keeps images uid-shifted for user namespaces; a guest has its own kernel and wants the
+    image's owners. mkfs.erofs 1.5 has no uid offset, so it reads the tree through an idmapped mount
+    that shifts owners back; where the kernel or filesystem cannot idmap, ownership is flattened to
+    root (``--all-root``) and a warning says so.
+    """
+    def mkfs(source: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["mkfs.erofs", "--quiet", "-T0", *flags, str(target), str(source)],
+                              capture_output=True, text=True, check=False)
+
+    if not image.uid_shift:
+        return mkfs(image.rootfs)
+    try:
+        with unshifted_view(image.rootfs, image.uid_shift, target.parent) as view:
+            return mkfs(view)
+    except NotSupported as exc:
+        log.warning("image %s: %s; its files are all owned by root in microVMs", image.name, exc)
+        return mkfs(image.rootfs, "--all-root")
