@@ -11,8 +11,10 @@ from dsec._sdk.sync import Sandbox
 from dsec.errors import (
     BackendUnavailable,
     CallFailed,
+    CacheFull,
     ConnectionFailed,
     DSecError,
+    ImageCorrupt,
     ImageNotFound,
     InvalidRequest,
     NotFound,
@@ -24,6 +26,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
     SandboxTimeout,
+    StoreUnavailable,
     Unauthorized,
 )
 from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxSpec, SandboxStats
@@ -34,12 +37,14 @@ __all__ = [
     "AsyncSandbox",
     "BackendUnavailable",
     "CallFailed",
+    "CacheFull",
     "Client",
     "ConnectionFailed",
     "DSecError",
     "ExecEvent",
     "ExecResult",
     "FileEntry",
+    "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
     "NotFound",
@@ -55,6 +60,7 @@ __all__ = [
     "SandboxStateError",
     "SandboxStats",
     "SandboxTimeout",
+    "StoreUnavailable",
     "Unauthorized",
     "__version__",
 ]
