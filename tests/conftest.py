@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from container_support import SESSION_TAGS, home_tag, images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
+from dsec.images.store import ImageStore
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -132,3 +133,29 @@ def no_host_leftovers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     yield
     leaked = sorted(_host_footprint(_session_tags(tmp_path_factory.getbasetemp()) | SESSION_TAGS))
     assert not leaked, "tests left host resources behind:\n" + "\n".join(leaked[:50])
+
+
+@pytest.fixture
+def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[ImageStore, str], Path]]:
+    """``image_root(store, name)``: the image mounted as a node mounts it (chunked EROFS over the lazy
+    FUSE blob), to read what an import stored; every mount and server is removed at teardown."""
+    from dsec.config import Settings
+    from dsec.images.node import NodeImages
+
+    nodes: dict[int, NodeImages] = {}
+    base = tmp_path_factory.mktemp("image-root")
+
+    def root(store: ImageStore, name: str) -> Path:
+        node = nodes.get(id(store))
+        if node is None:
+            home = base / str(len(nodes))
+            node = nodes[id(store)] = NodeImages(Settings(home=home, images_dir=store.root), store, tag_ttl=0)
+        ref = node.resolve(name)
+        node.release(ref)
+        return ref.rootfs
+
+    try:
+        yield root
+    finally:
+        for node in nodes.values():
+            node.aclose_sync(unmount=True)

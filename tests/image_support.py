@@ -15,11 +15,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from dsec.images.store import ImageStore
+
+ImageRootFn = Callable[[ImageStore, str], Path]
+"""The ``image_root`` fixture (conftest): an image's mounted root."""
 
 
 def _free_port() -> int:

@@ -797,10 +797,12 @@ class Engine:
         from dsec.images.registry import pull
         from dsec.images.store import ImageStore
 
-        if not isinstance(self.images, ImageStore):
+        # NodeImages (the daemon's resolver) pulls into the store it mounts from.
+        store = getattr(self.images, "store", self.images)
+        if not isinstance(store, ImageStore):
             raise NotSupported("this node's image store cannot pull images")
         info, _ = await asyncio.to_thread(
-            pull, self.images, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
+            pull, store, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
             insecure=request.insecure, username=request.username, password=request.password,
             replace=request.replace,
         )
