@@ -291,9 +291,12 @@ class Engine:
             except Exception:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
-        close_images = getattr(self.images, "aclose", None)
-        if close_images is not None:  # stops prefetching; image mounts stay for live sandboxes
-            await close_images()
+        close_images = getattr(self.images, "close_idle", None)
+        if close_images is not None:  # image mounts stay only under live sandboxes (for the next daemon)
+            try:
+                await close_images()
+            except Exception:
+                log.exception("closing the image mounts failed")
 
     async def destroy_all(self) -> int:
         """Destroy every sandbox; returns how many were destroyed."""

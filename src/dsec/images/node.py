@@ -290,6 +290,22 @@ class NodeImages:
                 self._unmount(mount)
             self._stop_fuse()
 
+    def close_idle_sync(self) -> None:
+        """What a stopping daemon does: stop prefetching, unmount every image no live sandbox uses, and stop
+        the FUSE server when nothing is left mounted (mounts under live sandboxes stay for the next daemon)."""
+        self.aclose_sync(unmount=False)
+        with self._lock:
+            self.adopt()
+            self.unmount_idle()
+            if not self._mounts:
+                self._stop_fuse()
+
+    async def close_idle(self) -> None:
+        """Async :meth:`close_idle_sync`."""
+        import asyncio
+
+        await asyncio.to_thread(self.close_idle_sync)
+
     async def aclose(self, unmount: bool = False) -> None:
         """Async :meth:`aclose_sync`."""
         import asyncio
