@@ -10,8 +10,8 @@ from dsec._sdk.sandbox import AsyncSandbox
 from dsec._sdk.sync import Sandbox
 from dsec.errors import (
     BackendUnavailable,
-    CallFailed,
     CacheFull,
+    CallFailed,
     ConnectionFailed,
     DSecError,
     ImageCorrupt,
@@ -36,8 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSandbox",
     "BackendUnavailable",
-    "CallFailed",
     "CacheFull",
+    "CallFailed",
     "Client",
     "ConnectionFailed",
     "DSecError",

@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendUnavailable",
-    "CallFailed",
     "CacheFull",
+    "CallFailed",
     "ConnectionFailed",
     "DSecError",
     "ImageCorrupt",

@@ -266,15 +266,22 @@ class NodeImages:
             return {h: m.refs for h, m in self._mounts.items()}
 
     def adopt(self) -> None:
-        """After a daemon restart: take over the mounts an earlier daemon left (unpinned until resolved)."""
-        table = _mounts()
+        """After a daemon restart: take over the mounts an earlier daemon left (unpinned until resolved).
+
+        Found from the mount table, not from the cache, so mounts whose cache files are gone (a home
+        removed under them) are still found and can be unmounted.
+        """
+        prefix = str(self.mnt_dir) + "/"
         with self._lock:
-            if not self.mnt_dir.is_dir():
-                return
-            for manifest_file in (self.cache.root / "manifests").iterdir():
-                target = self.mnt_dir / manifest_file.name[:16]
-                if table.get(str(target)) == "erofs" and manifest_file.name not in self._mounts:
-                    self._mounts[manifest_file.name] = _Mount(manifest_file.name, target)
+            known = {m.path for m in self._mounts.values()}
+            manifests = self.cache.root / "manifests"
+            names = [p.name for p in manifests.iterdir()] if manifests.is_dir() else []
+            for point, fstype in _mounts().items():
+                if fstype != "erofs" or not point.startswith(prefix) or Path(point) in known:
+                    continue
+                short = point[len(prefix):]
+                hexdigest = next((n for n in names if n.startswith(short)), short)
+                self._mounts[hexdigest] = _Mount(hexdigest, Path(point))
 
     def aclose_sync(self, unmount: bool = False) -> None:
         """Stop prefetching; with ``unmount`` also unmount every image and stop the FUSE server."""

@@ -202,3 +202,15 @@ def test_the_engine_unmounts_images_idle_past_their_warm_period(home: Path, tmp_
             await node.aclose(unmount=True)
 
     asyncio.run(run())
+
+
+def test_mounts_are_found_even_when_the_cache_is_gone(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src", big=MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    node = node_for(home, store)
+    ref = node.resolve("img")
+    node.aclose_sync(unmount=False)  # a daemon stops with the mount in use...
+    shutil.rmtree(home / "image-cache")  # ...and its cache is deleted under it
+    node_for(home, store).aclose_sync(unmount=True)
+    assert not ref.rootfs.is_mount() and not (home / "lazy" / "blobs").is_mount()
