@@ -6,15 +6,17 @@ Missing prerequisites skip locally and fail under CI (``CI`` set), always naming
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from container_support import SESSION_TAGS, home_tag, images_dir
+from container_support import SESSION_TAGS, home_tag, images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
+from dsec.images.store import ImageStore
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -29,16 +31,34 @@ def missing(reason: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def debian_python_image() -> ImageRef:
-    """The ``debian-python`` image from the store (built by ``scripts/setup``)."""
-    from dsec.images.store import ImageStore
+def debian_python_image() -> Iterator[ImageRef]:
+    """The ``debian-python`` image (built by ``scripts/setup``), lazily mounted for the whole session.
 
+    Every container test runs on it, so they all exercise the real chunked EROFS + FUSE path; the
+    mount and its FUSE server are removed at the end of the session.
+    """
+    from dsec.config import Settings
+    from dsec.images.node import NodeImages
+
+    home = short_home("dsec-img-")
+    node = NodeImages(Settings(home=home, images_dir=images_dir()))
     try:
-        return ImageStore(images_dir()).resolve("debian-python")
+        ref = node.resolve("debian-python")
     except ImageNotFound:
+        shutil.rmtree(home, ignore_errors=True)
         missing(f"image debian-python not in {images_dir()}: run ./scripts/setup "
                 "(or `dsec image build debian-python`)")
         raise  # unreachable: missing() always raises
+    except BaseException:
+        node.aclose_sync(unmount=True)
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    try:
+        yield ref
+    finally:
+        node.release(ref)
+        node.aclose_sync(unmount=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -66,6 +86,8 @@ def _host_footprint(tags: set[str]) -> set[str]:
         point = line.split()[4]
         if point.startswith("/run/dsec/") and point.split("/")[3] in tags:
             found.add(f"mount {point}")
+        if "/lazy/" in point and home_tag(Path(point.split("/lazy/")[0])) in tags:
+            found.add(f"image mount {point}")  # NodeImages: EROFS images and the FUSE blob mount
     for cg in Path("/sys/fs/cgroup").glob("*/dsec-*"):
         tag = cg.name.removeprefix("dsec-").removesuffix("-fn")  # the function backend's parent: dsec-<tag>-fn
         if cg.is_dir() and not cg.parent.is_symlink() and tag in tags:
@@ -93,6 +115,15 @@ def _host_footprint(tags: set[str]) -> set[str]:
         name = line.split()[-1]
         if name.startswith("dsec_") and name.removeprefix("dsec_") in tags:
             found.add(f"nft table {name}")
+    for proc in Path("/proc").iterdir():  # lazy image filesystem servers of this session's homes
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if b"dsec.images.lazyfs" in argv and b"--cache" in argv:
+            cache = Path(argv[argv.index(b"--cache") + 1].decode())
+            if home_tag(cache.parent) in tags:
+                found.add(f"process lazyfs pid {proc.name}")
     return found
 
 
@@ -102,3 +133,29 @@ def no_host_leftovers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     yield
     leaked = sorted(_host_footprint(_session_tags(tmp_path_factory.getbasetemp()) | SESSION_TAGS))
     assert not leaked, "tests left host resources behind:\n" + "\n".join(leaked[:50])
+
+
+@pytest.fixture
+def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[ImageStore, str], Path]]:
+    """``image_root(store, name)``: the image mounted as a node mounts it (chunked EROFS over the lazy
+    FUSE blob), to read what an import stored; every mount and server is removed at teardown."""
+    from dsec.config import Settings
+    from dsec.images.node import NodeImages
+
+    nodes: dict[int, NodeImages] = {}
+    base = tmp_path_factory.mktemp("image-root")
+
+    def root(store: ImageStore, name: str) -> Path:
+        node = nodes.get(id(store))
+        if node is None:
+            home = base / str(len(nodes))
+            node = nodes[id(store)] = NodeImages(Settings(home=home, images_dir=store.root), store, tag_ttl=0)
+        ref = node.resolve(name)
+        node.release(ref)
+        return ref.rootfs
+
+    try:
+        yield root
+    finally:
+        for node in nodes.values():
+            node.aclose_sync(unmount=True)

@@ -145,6 +145,10 @@ async def sweep(home: Path, images: Path) -> list[str]:
     """
     backend = ContainerBackend(Settings(home=home, images_dir=images))
     removed = await backend.cleanup_orphans(set())
+    if (home / "lazy").exists():  # image mounts a daemon of this home kept warm, then its FUSE server
+        from dsec.images.node import NodeImages
+
+        await NodeImages(Settings(home=home, images_dir=images)).aclose(unmount=True)
     tag_dir = Path("/run/dsec") / home_tag(home)
     if tag_dir.is_dir() and not mounts_under(str(tag_dir)):
         shutil.rmtree(tag_dir, ignore_errors=True)

@@ -10,9 +10,11 @@ from dsec._sdk.sandbox import AsyncSandbox
 from dsec._sdk.sync import Sandbox
 from dsec.errors import (
     BackendUnavailable,
+    CacheFull,
     CallFailed,
     ConnectionFailed,
     DSecError,
+    ImageCorrupt,
     ImageNotFound,
     InvalidRequest,
     NotFound,
@@ -24,6 +26,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
     SandboxTimeout,
+    StoreUnavailable,
     Unauthorized,
 )
 from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxSpec, SandboxStats
@@ -33,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSandbox",
     "BackendUnavailable",
+    "CacheFull",
     "CallFailed",
     "Client",
     "ConnectionFailed",
@@ -40,6 +44,7 @@ __all__ = [
     "ExecEvent",
     "ExecResult",
     "FileEntry",
+    "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
     "NotFound",
@@ -55,6 +60,7 @@ __all__ = [
     "SandboxStateError",
     "SandboxStats",
     "SandboxTimeout",
+    "StoreUnavailable",
     "Unauthorized",
     "__version__",
 ]

@@ -14,7 +14,7 @@ import importlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -234,7 +234,25 @@ def _store() -> ImageStore:
     from dsec.config import Settings
     from dsec.images.store import ImageStore
 
-    return ImageStore(Settings().images)
+    settings = Settings()
+    return ImageStore(settings.images, settings.image_store)
+
+
+@contextlib.contextmanager
+def _upload_progress(what: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A rich progress bar on stderr fed by ``ImageStore`` ``progress(stage, done, total)`` callbacks (bytes)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(f"{what}: {stage}", total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
 
 
 def _image_row(info: ImageInfo) -> tuple[str, ...]:
@@ -267,7 +285,8 @@ def image_import(name: str, source: Path, tag: str | None, replace: bool) -> Non
     if archive is None:
         if tag is not None:
             raise InvalidRequest(f"--tag applies to archives and OCI layouts; {source} is a plain directory")
-        info = _store().import_dir(name, source, uid_shift=shift, replace=replace)
+        with _upload_progress(f"importing {name}") as upload:
+            info = _store().import_dir(name, source, uid_shift=shift, replace=replace, progress=upload)
     else:
         with _progress() as progress:
             info, stats = import_image(_store(), name, archive, uid_shift=shift, replace=replace, progress=progress)
@@ -363,18 +382,46 @@ def image_ls(as_json: bool) -> None:
 @image.command(name="inspect")
 @click.argument("name")
 def image_inspect(name: str) -> None:
-    """Show an image's metadata as JSON."""
-    click.echo(_store().get(name).model_dump_json(indent=2))
+    """Show an image's metadata and storage as JSON: size, chunks, dedup savings, bytes cached here."""
+    from dsec.config import Settings
+    from dsec.images.cache import ChunkCache
+
+    store = _store()
+    out: dict[str, Any] = {"image": store.get(name).model_dump(mode="json"), "storage": None}
+    if store.tag(name) is not None:
+        stats = store.stats(name)
+        cache_dir = Settings().home / "image-cache"
+        cached = (ChunkCache(cache_dir, store.blobs).cached_bytes(store.manifest(name))
+                  if cache_dir.is_dir() else 0)
+        out["storage"] = {
+            "store": store.blobs.url, "digest": stats.digest, "blob_bytes": stats.blob_bytes,
+            "metadata_bytes": stats.meta_bytes, "chunks": stats.chunks, "unique_bytes": stats.unique_bytes,
+            "shared_with_other_images_bytes": stats.shared_bytes,
+            # stored once although the image uses it more than once, or other images use it too
+            "dedup_savings_bytes": stats.blob_bytes - stats.unique_bytes + stats.shared_bytes,
+            "cached_on_this_node_bytes": cached,
+        }
+    click.echo(json.dumps(out, indent=2))
 
 
 @image.command(name="rm")
 @click.argument("names", nargs=-1, required=True)
 def image_rm(names: tuple[str, ...]) -> None:
-    """Remove images."""
+    """Remove images (their chunks stay until `dsec image gc`)."""
     store = _store()
     for name in names:
         store.remove(name)
         click.echo(name)
+
+
+@image.command(name="gc")
+@click.option("--grace", type=float, default=3600.0, show_default=True,
+              help="Keep objects younger than this many seconds (imports in flight elsewhere).")
+def image_gc(grace: float) -> None:
+    """Delete chunks and manifests of the store that no image references."""
+    result = _store().gc(grace=grace)
+    click.echo(f"removed {result.chunks} chunks and {result.manifests} manifests, "
+               f"{result.bytes / 1024**2:.1f} MiB freed")
 
 
 # ----- bench and demo -----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 | variable | default | what |
 | --- | --- | --- |
 | ``DSEC_HOME`` | ``/var/lib/dsec`` | state: sandbox records, writable layers, sockets, logs |
-| ``DSEC_IMAGES`` | ``$DSEC_HOME/images`` | the image store (may be shared by several daemons) |
+| ``DSEC_IMAGES`` | ``$DSEC_HOME/images`` | the image store's local root (scratch space, locks) |
+| ``DSEC_IMAGE_STORE`` | ``$DSEC_IMAGES/store`` | image chunks: a path (local, shared mount) or ``s3://B/P?endpoint=U``|
+| ``DSEC_IMAGE_CACHE_MAX`` | none | size limit of the node's image chunk cache in bytes (LRU eviction) |
 | ``DSEC_URL`` | ``unix://$DSEC_HOME/run/dsec.sock`` | where clients find the daemon |
 | ``DSEC_TOKEN`` | none | bearer token for the TCP API |
 | ``DSEC_NODE`` | host name | node name reported in sandbox info |
@@ -60,6 +62,17 @@ class Settings:
         """The image store directory."""
         assert self.images_dir is not None
         return self.images_dir
+
+    @property
+    def image_store(self) -> str:
+        """URL of the image blob store (``DSEC_IMAGE_STORE``; default ``$DSEC_IMAGES/store``)."""
+        return os.environ.get("DSEC_IMAGE_STORE") or str(self.images / "store")
+
+    @property
+    def image_cache_limit(self) -> int | None:
+        """Byte limit of the node's image chunk cache (``DSEC_IMAGE_CACHE_MAX``), or None."""
+        value = os.environ.get("DSEC_IMAGE_CACHE_MAX")
+        return int(value) if value else None
 
     @property
     def run_dir(self) -> Path:

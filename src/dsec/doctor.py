@@ -54,7 +54,8 @@ _TOOLS = (
     _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init and the function zygote"),
     _Tool("tar", "tar", "tar", ("--version",), True, "container snapshots, restores and forks"),
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
-    _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), False, "EROFS images"),
+    _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), True, "builds the chunked EROFS images"),
+    _Tool("fusermount3", "fusermount3", "fuse3 libfuse3-dev", ("-V",), True, "the lazy image filesystem"),
     _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),
     _Tool("busybox", "busybox", "busybox-static", (), False, "microvm initramfs"),
     _Tool("bwrap", "bwrap", "bubblewrap", ("--version",), False, "benchmark peer"),
@@ -282,15 +283,20 @@ def _libseccomp() -> Check:
 
 
 def _image_store(settings: Settings) -> Check:
+    from dsec.errors import DSecError
     from dsec.images.store import ImageStore
 
     root = settings.images
     if not root.is_dir():
         return Check("image store", False, f"{root} does not exist",
                      f"mkdir -p {root} (or set DSEC_IMAGES), then `dsec image build debian-python`")
-    names = ImageStore(root).names()
+    store = ImageStore(root, settings.image_store)
+    try:
+        names = store.names()
+    except DSecError as exc:
+        return Check("image store", False, f"{store.blobs.url}: {exc}", "check DSEC_IMAGE_STORE and the store")
     writable = os.access(root, os.W_OK)
-    detail = f"{root}: {len(names)} image(s): {', '.join(names) or 'none'}"
+    detail = f"{store.blobs.url}: {len(names)} image(s): {', '.join(names) or 'none'}"
     if not writable:
         return Check("image store", False, detail + " (not writable)", f"run as root or chown {root}")
     return Check("image store", True, detail)
@@ -299,7 +305,7 @@ def _image_store(settings: Settings) -> Check:
 def _base_image(settings: Settings) -> Check:
     from dsec.images.store import ImageStore
 
-    store = ImageStore(settings.images)
+    store = ImageStore(settings.images, settings.image_store)
     if store.exists("debian-python"):
         info = store.get("debian-python")
         return Check("image debian-python", True,

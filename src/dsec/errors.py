@@ -20,6 +20,9 @@ classes defined here, never an arbitrary import path).
     ├── SandboxError                        500  the sandbox failed (init died, mount failed...)
     ├── RemoteError                              ``sb.call``: the callable raised (or could not be loaded)
     ├── CallFailed                               ``sb.call``: no result (killed at a limit, result refused)
+    ├── ImageCorrupt                        502  image bytes did not match their digest (twice)
+    ├── StoreUnavailable (ConnectionError)  503  the image store cannot be reached
+    ├── CacheFull                           507  the node image cache's disk is full of pinned chunks
     └── ConnectionFailed (ConnectionError)       client could not reach the daemon
 """
 
@@ -29,9 +32,11 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendUnavailable",
+    "CacheFull",
     "CallFailed",
     "ConnectionFailed",
     "DSecError",
+    "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
     "NotFound",
@@ -43,6 +48,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxStateError",
     "SandboxTimeout",
+    "StoreUnavailable",
     "Unauthorized",
     "error_from_payload",
 ]
@@ -156,6 +162,24 @@ class CallFailed(DSecError):
     output, pids), crashed, or returned something the client refuses to unpickle."""
 
     status_code = 500
+
+
+class ImageCorrupt(DSecError):
+    """Bytes of an image (chunk, metadata, manifest) did not match their digest, even after a re-fetch."""
+
+    status_code = 502
+
+
+class StoreUnavailable(DSecError, ConnectionError):
+    """The image store (directory, shared mount or S3 endpoint) cannot be reached or answered an error."""
+
+    status_code = 503
+
+
+class CacheFull(DSecError):
+    """The node's image cache disk is full even after evicting every chunk no mounted image uses."""
+
+    status_code = 507
 
 
 class ConnectionFailed(DSecError, ConnectionError):

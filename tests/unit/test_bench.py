@@ -197,3 +197,21 @@ def test_function_rows_apply_the_targets() -> None:
     backend = [r for r in rows if r.metric.startswith("calls/s (backend")]
     assert [r.passed for r in backend] == [True, True, True]  # 900/s; 0.56x bare; 3x bwrap
     assert FunctionBench().scaled(0.1).exec_n == 30
+
+
+def test_images_rows_apply_the_issue_targets() -> None:
+    from dsec.bench.images import _rows as image_rows
+
+    r = {"image_bytes": 1000 * 2**20, "lazy_cold_s": 2.0, "eager_s": 10.0, "lazy_fetched_bytes": 50 * 2**20,
+         "eager_fetched_bytes": 1000 * 2**20, "lazy_warm_s": [0.10, 0.12, 0.11], "local_warm_s": [0.1, 0.1, 0.1],
+         "dedup_logical_bytes": 2000 * 2**20, "dedup_stored_bytes": 1100 * 2**20}
+    rows = {row.metric: row for row in image_rows(r)}
+    assert rows["cold start → first exec"].passed is True  # 20% of eager
+    assert rows["fetched before first exec"].passed is True and "5.0% of the image" in str(rows[
+        "fetched before first exec"].note)
+    assert rows["2nd sandbox, same node (p50)"].passed is True  # 1.1x
+    r["lazy_warm_s"], r["lazy_cold_s"], r["lazy_fetched_bytes"] = [0.2], 3.0, 200 * 2**20
+    rows = {row.metric: row for row in image_rows(r)}
+    assert [rows[m].passed for m in ("cold start → first exec", "fetched before first exec",
+                                     "2nd sandbox, same node (p50)")] == [False, False, False]
+    assert "1.82x" in str(rows["dedup: stored / logical"].note)

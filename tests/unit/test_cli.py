@@ -96,11 +96,22 @@ def test_image_commands_against_a_tmp_store(env: dsec.Client, tmp_path: Path) ->
     code, out, _ = invoke("image", "ls")
     assert code == 0 and "mini" in out
     code, out, _ = invoke("image", "inspect", "mini")
-    assert code == 0 and json.loads(out)["files"] >= 2
+    assert code == 0
+    inspected = json.loads(out)
+    assert inspected["image"]["files"] >= 2
+    storage = inspected["storage"]
+    assert storage["chunks"] >= 1 and storage["blob_bytes"] >= 4096 and storage["cached_on_this_node_bytes"] == 0
+    assert storage["shared_with_other_images_bytes"] == 0 and storage["store"].endswith("/images/store")
+    code, out, _ = invoke("image", "import", "twin", str(root))
+    code, out, _ = invoke("image", "inspect", "twin")
+    assert json.loads(out)["storage"]["dedup_savings_bytes"] == storage["blob_bytes"]  # identical data
     code, _, err = invoke("image", "import-dir", "mini", str(root))
     assert code == 1 and "already exists" in err
-    code, out, _ = invoke("image", "rm", "mini")
-    assert code == 0 and out.strip() == "mini"
+    code, out, _ = invoke("image", "rm", "mini", "twin")
+    assert code == 0 and out.split() == ["mini", "twin"]
+    code, out, _ = invoke("image", "gc", "--grace", "0")
+    assert code == 0 and "chunks and 2 manifests" in out, out  # data shared, one metadata image each
+    assert not [p for p in (tmp_path / "images" / "store" / "chunks").rglob("*") if p.is_file()]
     code, _, err = invoke("image", "inspect", "mini")
     assert code == 1 and err.startswith("error: image 'mini' not found")
     code, _, err = invoke("image", "import", "Bad Name", str(root))

@@ -1,4 +1,5 @@
-"""ImageStore: names, import with uid shift, lookups, removal, atomicity and locking."""
+"""ImageStore: names, import with uid shift (checked on the real lazily mounted EROFS image), lookups,
+removal, garbage collection, dedup, atomicity and locking."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dsec.backends.base import ImageRef
-from dsec.errors import ImageNotFound, InvalidRequest
+from dsec.config import Settings
+from dsec.errors import ImageNotFound, InvalidRequest, NotSupported
 from dsec.images import store as store_mod
 from dsec.images.build import RECIPES, apt_options, apt_sources, mmdebstrap_command
+from dsec.images.node import NodeImages
 from dsec.images.store import DEFAULT_PATH, ImageStore, validate_name
-from dsec.models import ImageConfig
+from dsec.models import ImageConfig, ImageInfo
 
 SHIFT = 100000
 
@@ -45,6 +49,23 @@ def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "images")
 
 
+@pytest.fixture
+def node(store: ImageStore, tmp_path: Path) -> Iterator[NodeImages]:
+    """Mounts images of ``store`` like a daemon does; everything is unmounted afterwards."""
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=0)
+    try:
+        yield images
+    finally:
+        images.aclose_sync(unmount=True)
+
+
+def rootfs(node: NodeImages, name: str) -> Path:
+    """The mounted root of image ``name`` (left mounted, unpinned, until the ``node`` fixture ends)."""
+    ref = node.resolve(name)
+    node.release(ref)
+    return ref.rootfs
+
+
 @pytest.mark.parametrize("name", ["a", "debian-python", "py3.11_x", "0" * 128])
 def test_valid_names(name: str) -> None:
     assert validate_name(name) == name
@@ -61,12 +82,12 @@ def test_invalid_names(name: str, store: ImageStore, tmp_path: Path) -> None:
 
 
 @pytest.mark.root
-def test_import_shifts_ownership_and_keeps_everything(store: ImageStore, tmp_path: Path) -> None:
+def test_import_shifts_ownership_and_keeps_everything(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_tree(src)
     before = {p: p.lstat() for p in src.rglob("*")}
     info = store.import_dir("img", src, uid_shift=SHIFT)
-    root = store.path("img") / "rootfs"
+    root = rootfs(node, "img")
 
     assert root.lstat().st_uid == SHIFT and root.lstat().st_gid == SHIFT
     tool = (root / "bin" / "tool").lstat()
@@ -99,7 +120,7 @@ def test_import_shifts_ownership_and_keeps_everything(store: ImageStore, tmp_pat
 
 
 @pytest.mark.root
-def test_import_keeps_file_capabilities(store: ImageStore, tmp_path: Path) -> None:
+def test_import_keeps_file_capabilities(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "ping").write_bytes(b"x")
@@ -109,7 +130,7 @@ def test_import_keeps_file_capabilities(store: ImageStore, tmp_path: Path) -> No
     except OSError as exc:
         pytest.skip(f"cannot set file capabilities here: {exc}")
     store.import_dir("caps", src, uid_shift=SHIFT)
-    got = os.getxattr(store.path("caps") / "rootfs" / "ping", "security.capability")
+    got = os.getxattr(rootfs(node, "caps") / "ping", "security.capability")
     assert got == caps
 
 
@@ -129,15 +150,18 @@ def assert_clean(store: ImageStore) -> None:
     assert left == [], f"import left {left} behind"
 
 
-def test_import_config_and_source(store: ImageStore, tmp_path: Path) -> None:
+@pytest.mark.root
+def test_import_config_and_source(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     config = ImageConfig(env={"LANG": "C.UTF-8", "PATH": "/opt/bin"}, workdir="/srv")
     info = store.import_dir("cfg", src, uid_shift=0, source="test:thing", config=config)
     assert info.source == "test:thing"
     assert info.config.env == {"LANG": "C.UTF-8", "PATH": "/opt/bin"}
-    ref = store.resolve("cfg")
-    assert ref.rootfs == store.root / "cfg" / "rootfs" and ref.rootfs.is_dir()
+    with pytest.raises(NotSupported, match="stored chunked"):
+        store.resolve("cfg")  # the store itself never mounts
+    ref = node.resolve("cfg")
+    assert ref.rootfs.is_mount() and ref.rootfs.is_relative_to(tmp_path / "home" / "lazy")
     assert ref.config.workdir == "/srv" and ref.uid_shift == 0 and ref.name == "cfg"
     assert config.env == {"LANG": "C.UTF-8", "PATH": "/opt/bin"}  # caller's object not mutated
 
@@ -151,7 +175,8 @@ def test_import_rejects_non_directories(store: ImageStore, tmp_path: Path) -> No
         store.import_dir("img", tmp_path, uid_shift=-1)
 
 
-def test_import_existing_needs_replace(store: ImageStore, tmp_path: Path) -> None:
+@pytest.mark.root
+def test_import_existing_needs_replace(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "v").write_bytes(b"1")
@@ -159,10 +184,10 @@ def test_import_existing_needs_replace(store: ImageStore, tmp_path: Path) -> Non
     (src / "v").write_bytes(b"2")
     with pytest.raises(InvalidRequest, match="already exists"):
         store.import_dir("img", src, uid_shift=0)
-    assert (store.path("img") / "rootfs" / "v").read_bytes() == b"1"
+    assert (rootfs(node, "img") / "v").read_bytes() == b"1"
     store.import_dir("img", src, uid_shift=0, replace=True)
-    assert (store.path("img") / "rootfs" / "v").read_bytes() == b"2"
-    assert_clean_except(store, {"img"})
+    assert (rootfs(node, "img") / "v").read_bytes() == b"2"
+    assert_clean_except(store, {"store"})
 
 
 def assert_clean_except(store: ImageStore, names: set[str]) -> None:
@@ -219,7 +244,8 @@ def test_failed_import_leaves_nothing(store: ImageStore, tmp_path: Path,
     assert (src / "f").read_bytes() == b"x"
 
 
-def test_failed_replace_keeps_old_image(store: ImageStore, tmp_path: Path,
+@pytest.mark.root
+def test_failed_replace_keeps_old_image(store: ImageStore, node: NodeImages, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -228,8 +254,8 @@ def test_failed_replace_keeps_old_image(store: ImageStore, tmp_path: Path,
     monkeypatch.setattr(store_mod, "_copy_tree", lambda a, b: (_ for _ in ()).throw(OSError("no space")))
     with pytest.raises(OSError, match="no space"):
         store.import_dir("img", src, uid_shift=0, replace=True)
-    assert (store.path("img") / "rootfs" / "f").read_bytes() == b"old"
-    assert_clean_except(store, {"img"})
+    assert (rootfs(node, "img") / "f").read_bytes() == b"old"
+    assert_clean_except(store, {"store"})
 
 
 def test_leftovers_of_a_killed_import_are_swept(store: ImageStore, tmp_path: Path) -> None:
@@ -263,7 +289,7 @@ def test_concurrent_imports_of_one_name_do_not_race(store: ImageStore, tmp_path:
         t.join()
     assert errors == []
     assert store.get("img").files == 51
-    assert_clean_except(store, {"img"})
+    assert_clean_except(store, {"store"})
 
 
 def test_mmdebstrap_command_passes_host_apt_files(tmp_path: Path) -> None:
@@ -311,3 +337,64 @@ def test_base_image_is_shifted_and_usable(debian_python_image: ImageRef) -> None
     su = (root / "usr/bin/su").lstat()
     assert su.st_uid == debian_python_image.uid_shift and su.st_mode & stat.S_ISUID
     assert debian_python_image.config.env["PATH"] == DEFAULT_PATH
+
+
+def test_two_images_sharing_a_base_store_it_once(store: ImageStore, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "usr" / "lib").mkdir(parents=True)
+    for i in range(20):
+        (base / "usr" / "lib" / f"lib{i}.so").write_bytes(os.urandom(400_000 + i * 1000))
+    derived = tmp_path / "derived"
+    shutil.copytree(base, derived, symlinks=True)
+    (derived / "app").mkdir()
+    (derived / "app" / "data").write_bytes(os.urandom(300_000))
+    store.import_dir("base", base, uid_shift=0)
+    store.import_dir("derived", derived, uid_shift=0)
+    base_stats, derived_stats = store.stats("base"), store.stats("derived")
+    stored = sum(size for _, size, _ in store.blobs.keys("chunks/"))
+    # the base's data is stored once: most of it is shared, and the store holds about base + app data
+    assert base_stats.shared_bytes > 0.7 * base_stats.unique_bytes
+    assert derived_stats.shared_bytes == base_stats.shared_bytes
+    assert stored < base_stats.unique_bytes + derived_stats.unique_bytes - 0.7 * base_stats.unique_bytes
+    assert derived_stats.chunks == len(store.manifest("derived").chunks)
+
+
+def test_gc_removes_only_unreferenced_objects(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "keep").write_bytes(os.urandom(100_000))
+    store.import_dir("kept", src, uid_shift=0)
+    (src / "gone").write_bytes(os.urandom(200_000))
+    store.import_dir("dropped", src, uid_shift=0)
+    kept = store.manifest("kept")
+    store.remove("dropped")
+    assert store.gc().chunks == 0, "young objects are kept (an import may be about to tag them)"
+    result = store.gc(grace=0)
+    assert result.manifests == 1 and result.chunks >= 1 and result.bytes >= 200_000
+    for chunk in kept.chunks:
+        assert store.blobs.has(f"chunks/sha256/{chunk.digest[7:9]}/{chunk.digest[7:]}")
+    assert store.manifest("kept") == kept
+    assert store.gc(grace=0).chunks == 0
+
+
+@pytest.mark.root
+def test_legacy_directory_images_are_adopted(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
+    legacy = store.root / "old" / "rootfs"
+    legacy.mkdir(parents=True)
+    (legacy / "hello").write_bytes(b"hi")
+    os.chown(legacy / "hello", SHIFT, SHIFT)
+    info = ImageInfo(name="old", created_at=1.0, size_bytes=2, files=1, source="dir:/x", uid_shift=SHIFT)
+    (store.root / "old" / "image.json").write_text(info.model_dump_json())
+    assert store.resolve("old").rootfs == legacy  # still readable as a directory
+    assert node.resolve("old").rootfs == legacy
+    store.adopt_legacy("old")
+    assert store.adopt_legacy("old") == info  # idempotent
+    root = rootfs(node, "old")
+    assert root != legacy and (root / "hello").read_bytes() == b"hi"
+    assert (root / "hello").lstat().st_uid == SHIFT, "already shifted owners are kept, not shifted twice"
+
+
+def test_node_reports_missing_images(store: ImageStore, node: NodeImages) -> None:
+    with pytest.raises(ImageNotFound, match="'nope' not found"):
+        node.resolve("nope")
+    assert node.mounted() == {}

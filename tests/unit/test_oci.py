@@ -18,6 +18,7 @@ from dsec.images.layers import split_entry_name
 from dsec.images.oci import ImageSource, import_image, open_source
 from dsec.images.store import ImageStore
 from image_builders import Entry, Image, check_flattened, d, f, hard, sample_image, sym, tar_dir, write_tar
+from image_support import ImageRootFn
 
 pytestmark = [pytest.mark.root]  # ownership (chown to 1000) and setuid bits need root
 
@@ -34,7 +35,7 @@ def store(tmp_path: Path) -> ImageStore:
 
 
 @pytest.mark.parametrize("form", ["layout-dir", "layout-tar", "docker-archive", "layout-multiarch"])
-def test_import_flattens_every_rule(form: str, store: ImageStore, tmp_path: Path) -> None:
+def test_import_flattens_every_rule(image_root: ImageRootFn, form: str, store: ImageStore, tmp_path: Path) -> None:
     img = sample_image()
     if form == "layout-dir":
         src = img.write_layout(tmp_path / "layout")
@@ -47,7 +48,7 @@ def test_import_flattens_every_rule(form: str, store: ImageStore, tmp_path: Path
     source = open_source(src)
     assert source is not None
     info, stats = import_image(store, "t", source, uid_shift=0)
-    check_flattened(store.path("t") / "rootfs")
+    check_flattened(image_root(store, "t"))
     assert stats.skipped_devices == 2 and stats.whiteouts >= 4
     assert {"trusted.overlay.opaque", "security.selinux"} <= stats.skipped_xattrs
     cfg = info.config
@@ -57,7 +58,7 @@ def test_import_flattens_every_rule(form: str, store: ImageStore, tmp_path: Path
     assert not list(store.root.glob(".import-*"))
 
 
-def test_whiteouts_never_hide_their_own_layer(store: ImageStore, tmp_path: Path) -> None:
+def test_whiteouts_never_hide_their_own_layer(image_root: ImageRootFn, store: ImageStore, tmp_path: Path) -> None:
     """OCI: a whiteout hides lower layers only, whatever the entry order; an opaque marker hides lower
     content at every depth but keeps what its layer wrote before it."""
     lower = [d("gone"), f("gone/old", "lower"), d("opaq/sub"), f("opaq/sub/old", "lower"), f("opaq/top", "lower"),
@@ -67,16 +68,16 @@ def test_whiteouts_never_hide_their_own_layer(store: ImageStore, tmp_path: Path)
              d("replaced"), f("replaced/inner", "upper"), f(".wh.replaced")]
     layout = Image.build([lower, upper]).write_layout(tmp_path / "layout")
     import_image(store, "t", load(layout), uid_shift=0)
-    root = store.path("t") / "rootfs"
+    root = image_root(store, "t")
     assert sorted(os.listdir(root / "gone")) == ["new"]
     assert sorted(os.listdir(root / "opaq")) == ["sub"] and sorted(os.listdir(root / "opaq/sub")) == ["new"]
     assert (root / "replaced/inner").read_text() == "upper"
 
 
-def test_import_shifts_owners(store: ImageStore, tmp_path: Path) -> None:
+def test_import_shifts_owners(image_root: ImageRootFn, store: ImageStore, tmp_path: Path) -> None:
     src = sample_image().write_layout(tmp_path / "layout")
     import_image(store, "shifted", load(src), uid_shift=100000)
-    root = store.path("shifted") / "rootfs"
+    root = image_root(store, "shifted")
     assert os.lstat(root / "home/app").st_uid == 101000
     assert stat.S_IMODE(os.lstat(root / "bin/tool").st_mode) == 0o4755  # setuid survives the shift's chown
 
@@ -115,7 +116,8 @@ def test_dotdot_entries_are_refused(entries: list[Entry], store: ImageStore, tmp
     assert not store.exists("evil") and not list(store.root.glob(".import-*"))
 
 
-def test_symlinks_cannot_lead_writes_outside(store: ImageStore, tmp_path: Path, outside: Path) -> None:
+def test_symlinks_cannot_lead_writes_outside(image_root: ImageRootFn,
+                                             store: ImageStore, tmp_path: Path, outside: Path) -> None:
     """Absolute names, symlinked parents (absolute, relative, to '/'), and writes onto a symlink stay inside."""
     layer1 = [
         sym("to-outside", str(outside)),             # absolute: means <root>/<that path> inside the image
@@ -133,7 +135,7 @@ def test_symlinks_cannot_lead_writes_outside(store: ImageStore, tmp_path: Path, 
     src = Image.build([layer1, layer2]).write_layout(tmp_path / "layout")
     import_image(store, "evil", load(src), uid_shift=0)
     outside_untouched(tmp_path)
-    root = store.path("evil") / "rootfs"
+    root = image_root(store, "evil")
     assert (root / "abs.txt").read_text() == "absolute name"
     assert (root / "via-root").read_text() == "in the root"
     assert not (root / "victim-link").is_symlink()
@@ -248,17 +250,17 @@ def test_unknown_tag_in_layout(store: ImageStore, tmp_path: Path) -> None:
         import_image(store, "t", load(layout, tag="v2"), uid_shift=0)
 
 
-def test_existing_name_needs_replace(store: ImageStore, tmp_path: Path) -> None:
+def test_existing_name_needs_replace(image_root: ImageRootFn, store: ImageStore, tmp_path: Path) -> None:
     layout = Image.build([[f("v", "1")]]).write_layout(tmp_path / "l1")
     import_image(store, "t", load(layout), uid_shift=0)
     layout2 = Image.build([[f("v", "2")]]).write_layout(tmp_path / "l2")
     with pytest.raises(InvalidRequest, match="already exists"):
         import_image(store, "t", load(layout2), uid_shift=0)
     import_image(store, "t", load(layout2), uid_shift=0, replace=True)
-    assert (store.path("t") / "rootfs/v").read_text() == "2"
+    assert (image_root(store, "t") / "v").read_text() == "2"
 
 
-def test_concurrent_imports_of_one_name(store: ImageStore, tmp_path: Path) -> None:
+def test_concurrent_imports_of_one_name(image_root: ImageRootFn, store: ImageStore, tmp_path: Path) -> None:
     """Both start at once: one wins, the other waits for it and then gets a clear error; the image is whole."""
     layouts = [Image.build([[f("who", str(i)), *[f(f"f{j}", "x" * 1000) for j in range(300)]]]
                            ).write_layout(tmp_path / f"l{i}") for i in range(2)]
@@ -282,13 +284,14 @@ def test_concurrent_imports_of_one_name(store: ImageStore, tmp_path: Path) -> No
     for t in threads:
         t.join(60)
     assert sorted(outcomes)[0] == "exists" and sorted(outcomes)[1].startswith("ok")
-    root = store.path("same") / "rootfs"
+    root = image_root(store, "same")
     winner = outcomes[0 if outcomes[0] != "exists" else 1][2:]
     assert (root / "who").read_text() == winner and len(os.listdir(root)) == 301
     assert not list(store.root.glob(".import-same-*"))
 
 
-def test_cli_import_detects_each_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_import_detects_each_source(image_root: ImageRootFn,
+                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
     from dsec.cli import main
@@ -309,7 +312,7 @@ def test_cli_import_detects_each_source(tmp_path: Path, monkeypatch: pytest.Monk
         assert result.exit_code == 0, result.output
         assert f"imported {name}:" in result.stdout
     store = ImageStore(tmp_path / "images")
-    assert (store.path("from-dir") / "rootfs/etc/hostname").read_text() == "plain\n"
+    assert (image_root(store, "from-dir") / "etc/hostname").read_text() == "plain\n"
     assert store.get("from-docker").source.startswith("docker-archive:")
     assert store.get("from-layout").config.workdir == "/home/app"
     # the device nodes skipped are reported, and a bad archive is a one-line error

@@ -56,7 +56,9 @@ _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
 
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    # xino=on: with the lower on another filesystem (a lazily loaded EROFS image) every file still
+    # reports the overlay's st_dev, which the files API relies on to stay on the sandbox's root.
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work},xino=on"
     # nosuid, nodev: every process in a sandbox runs with no_new_privs anyway, and the mount point is
     # visible on the host, where a setuid file or device node planted by an agent must mean nothing.
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:

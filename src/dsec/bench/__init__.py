@@ -21,13 +21,15 @@ from dsec.bench.container import BenchUnavailable, ContainerBench
 from dsec.bench.container import run as run_container
 from dsec.bench.function import FunctionBench
 from dsec.bench.function import run as run_function
+from dsec.bench.images import ImagesBench
+from dsec.bench.images import run as run_images
 from dsec.bench.report import Suite, default_json_path, render_latencies, render_table, to_json, write_json
 from dsec.bench.trajectory import TrajectoryBench
 from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container", "function", "trajectory", "microvm")
+SUITES = ("container", "function", "trajectory", "microvm", "images")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -64,7 +66,9 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Fun
         for name in names:
             out.print(f"[bold]dsec bench {name}[/bold]")
             progress = lambda m: out.print(f"  · {m}")  # noqa: E731
-            if name == "trajectory":
+            if name == "images":
+                result = asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
+            elif name == "trajectory":
                 result = asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
             elif name == "microvm":
                 from dsec.bench.microvm import run as run_microvm

@@ -87,18 +87,22 @@ def _mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def preflight(settings: Settings) -> tuple[str, Path]:
-    """runc's path and the image root, or :class:`BenchUnavailable` naming what to install."""
+def preflight(settings: Settings) -> tuple[str, Path | None]:
+    """runc's path and the image root (None: mount the chunked image), or :class:`BenchUnavailable`."""
     if os.geteuid() != 0:
         raise BenchUnavailable("the container suite needs root (namespaces, overlay mounts, cgroups)")
     runc = shutil.which("runc")
     if runc is None:
         raise BenchUnavailable("runc not found: apt-get install runc")
+    from dsec.images.store import ImageStore
+
     root = settings.images / IMAGE / "rootfs"
-    if not (settings.images / IMAGE / "image.json").is_file() or not root.is_dir():
+    if (settings.images / IMAGE / "image.json").is_file() and root.is_dir():
+        return runc, root  # a legacy directory image: the runc peer can use it as is
+    if not ImageStore(settings.images, settings.image_store).exists(IMAGE):
         raise BenchUnavailable(f"image {IMAGE!r} is not in the store at {settings.images}: "
                                f"run ./scripts/setup or `dsec image build {IMAGE}`")
-    return runc, root
+    return runc, None
 
 
 def _private_settings(node: Settings) -> Settings:
@@ -304,11 +308,14 @@ def _leaks(settings: Settings, peer: RuncPeer) -> list[str]:
 async def _cleanup_backend(settings: Settings) -> None:
     """Destroy whatever the daemon left (it crashed, or down() failed), then the per-home host dirs."""
     from dsec.backends.container import ContainerBackend
+    from dsec.images.node import NodeImages
     from dsec.isolation.cgroups import CgroupSet
 
     backend = ContainerBackend(settings)
     with contextlib.suppress(Exception):
         await backend.cleanup_orphans(set())
+    with contextlib.suppress(Exception):  # image mounts the daemon kept warm, then the FUSE server
+        await NodeImages(settings).aclose(unmount=True)
     CgroupSet.at(f"/{backend.cgroup_parent}").remove()
     if backend.mounts.is_dir():
         for entry in backend.mounts.iterdir():
@@ -322,8 +329,13 @@ async def run(cfg: ContainerBench, node: Settings | None = None,
               progress: Callable[[str], None] = lambda _: None) -> Suite:
     """Measure everything; ``progress`` is told each phase as it starts."""
     node = node or Settings()
-    runc, image_root = preflight(node)
+    from dsec.images.node import NodeImages
+
+    runc, legacy_root = preflight(node)
     settings = _private_settings(node)
+    # A chunked image is mounted for the peers once the daemon is down (`down --destroy` unmounts
+    # the home's images); the peers then run on the same lazily mounted image the daemon used.
+    image_root = legacy_root or settings.home / "lazy" / "unmounted"
     suite = Suite(name="container")
     timer = _Timer()
     peer = RuncPeer(runc, image_root, node.uid_shift, node.uid_count,
@@ -361,6 +373,9 @@ async def run(cfg: ContainerBench, node: Settings | None = None,
             finally:
                 await bench.destroy_all()
                 await client.aclose()
+        if legacy_root is None:
+            image_root = (await asyncio.to_thread(NodeImages(settings).resolve, IMAGE)).rootfs
+            peer.image_root = image_root
         await _peers(cfg, peer, image_root, settings, results, timer, progress)
     finally:
         with timer.phase("cleanup"):

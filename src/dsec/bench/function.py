@@ -29,7 +29,6 @@ from dsec.backends.function import FunctionBackend
 from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
-from dsec.images.store import ImageStore
 from dsec.models import ExecRequest
 from dsec.testing.conformance import new_record
 
@@ -146,9 +145,12 @@ async def _sdk(cfg: FunctionBench, client: Client, results: dict[str, Any]) -> N
 
 
 async def _backend(cfg: FunctionBench, settings: Settings, results: dict[str, Any]) -> None:
+    from dsec.images.node import NodeImages
+
     backend = FunctionBackend(settings)
     await backend.start()
-    image = ImageStore(settings.images).resolve(IMAGE)
+    images = NodeImages(settings)
+    image = await asyncio.to_thread(images.resolve, IMAGE)
     record = new_record("function", image)
     try:
         await backend.create(record, image)
@@ -171,6 +173,7 @@ async def _backend(cfg: FunctionBench, settings: Settings, results: dict[str, An
     finally:
         await backend.destroy(record)
         await backend.aclose()
+        await images.aclose(unmount=True)
 
 
 def _leaks(settings: Settings) -> list[str]:

@@ -12,15 +12,15 @@ import contextlib
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.microvm import QEMU, MicroVMBackend
 from dsec.bench.container import BenchUnavailable
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
-from dsec.images.store import ImageStore
 from dsec.models import ExecRequest
 from dsec.testing import new_record
 
@@ -48,15 +48,27 @@ def _plain_boot(kernel: Path, accel: str) -> float:
     return time.monotonic() - start
 
 
+@contextlib.contextmanager
+def _mounted(images: Any) -> Iterator[Any]:
+    """The node's image mounts for one run, all removed afterwards."""
+    try:
+        yield images
+    finally:
+        images.aclose_sync(unmount=True)
+
+
 async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-python",
               progress: Callable[[str], None] = lambda m: None, node: Settings | None = None) -> Suite:
+    from dsec.images.node import NodeImages
+
     node = node or Settings()
-    try:
-        image = ImageStore(node.images).resolve(image_name)
-    except DSecError as e:
-        raise BenchUnavailable(str(e)) from None
     suite = Suite(name="microvm")
-    with tempfile.TemporaryDirectory(prefix="dsec-bench-vm-", dir="/tmp") as home:
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-vm-", dir="/tmp") as home, \
+            _mounted(NodeImages(Settings(home=Path(home), images_dir=node.images))) as images:
+        try:
+            image = await asyncio.to_thread(images.resolve, image_name)
+        except DSecError as e:
+            raise BenchUnavailable(str(e)) from None
         settings = Settings(home=Path(home), images_dir=node.images)
         fast = MicroVMBackend(settings)
         cold = MicroVMBackend(settings, fast_start=False)

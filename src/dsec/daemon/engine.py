@@ -62,7 +62,10 @@ from dsec.trajectory.replay import Trajectories
 from dsec.trajectory.snapshots import SnapshotStore
 from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
-__all__ = ["MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
+__all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
+
+IMAGE_IDLE_SECONDS = 600.0
+"""How long an image mount stays warm after its last sandbox is destroyed."""
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,11 @@ def dsec_version() -> str:
 
 
 class ImageResolver(Protocol):
-    """What the engine needs of an image store (``dsec.images.store.ImageStore`` implements it)."""
+    """What the engine needs of an image source (``dsec.images.node.NodeImages`` implements it).
+
+    ``resolve`` may block (it can mount an image and fetch its metadata): the engine calls it in a thread.
+    Resolvers that pin images also offer ``release(ref)`` and ``explain(ref)`` (see ``NodeImages``).
+    """
 
     def resolve(self, name: str) -> ImageRef:
         """The image's root and defaults; raises :class:`~dsec.errors.ImageNotFound`."""
@@ -160,6 +167,7 @@ class Engine:
         self.snapshots = SnapshotStore(settings.snapshots)
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
+        self._image_refs: dict[str, ImageRef] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -191,9 +199,9 @@ class Engine:
     def default_images(settings: Settings) -> ImageResolver:
         """The node's image store, or a stand-in that explains why it cannot be used."""
         try:
-            from dsec.images.store import ImageStore
+            from dsec.images.node import NodeImages
 
-            return ImageStore(settings.images)
+            return NodeImages(settings, cache_limit=settings.image_cache_limit)
         except Exception as exc:  # a broken store must not keep the daemon (and its sandboxes) down
             log.exception("image store unavailable")
             return _NoImages(f"the image store at {settings.images} cannot be used: {exc}")
@@ -249,6 +257,11 @@ class Engine:
                 log.exception("sandbox %s: recover failed; destroying it", record.id)
         if alive:
             self._records[record.id] = record
+            if record.spec.image:
+                try:  # re-pin the image mount this sandbox's root sits on
+                    self._image_refs[record.id] = await asyncio.to_thread(self.images.resolve, record.spec.image)
+                except DSecError as exc:
+                    log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
             self.metrics.live.labels(name).inc()
             self._store.save(record)  # the backend may have refreshed backend_state
             log.info("sandbox %s re-adopted (%s)", record.id, record.state)
@@ -278,6 +291,12 @@ class Engine:
             except Exception:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
+        close_images = getattr(self.images, "close_idle", None)
+        if close_images is not None:  # image mounts stay only under live sandboxes (for the next daemon)
+            try:
+                await close_images()
+            except Exception:
+                log.exception("closing the image mounts failed")
 
     async def destroy_all(self) -> int:
         """Destroy every sandbox; returns how many were destroyed."""
@@ -366,7 +385,7 @@ class Engine:
                                          f"not {spec.image!r}")
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
-            image = self.images.resolve(spec.image)
+            image = await asyncio.to_thread(self.images.resolve, spec.image)
         except DSecError as exc:
             self.metrics.failed.labels(name, type(exc).__name__).inc()
             raise
@@ -382,6 +401,7 @@ class Engine:
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
         self._store.save(record)
         self._records[record.id] = record
+        self._image_refs[record.id] = image
         started = time.monotonic()
         try:
             if source is not None:
@@ -390,6 +410,10 @@ class Engine:
                 await backend.create(record, image)
         except BaseException as exc:
             await self._undo_create(backend, record)
+            cause = self._explain_image(image)
+            if cause is not None and not isinstance(exc, asyncio.CancelledError):
+                self.metrics.failed.labels(name, type(cause).__name__).inc()
+                raise cause from exc
             reason = type(exc).__name__ if isinstance(exc, DSecError) else "SandboxError"
             if isinstance(exc, asyncio.CancelledError):
                 reason = "cancelled"
@@ -413,7 +437,19 @@ class Engine:
             # Keep the record: the next daemon start retries the cleanup.
             log.exception("sandbox %s: cleanup after failed create failed; record kept", record.id)
             return
+        self._release_image(record.id)
         self._store.delete(record.id)
+
+    def _explain_image(self, image: ImageRef) -> DSecError | None:
+        """The image-loading error (store down, corrupt chunk, cache full) behind a failed create, if any."""
+        explain = getattr(self.images, "explain", None)
+        return explain(image) if explain is not None else None
+
+    def _release_image(self, sandbox_id: str) -> None:
+        ref = self._image_refs.pop(sandbox_id, None)
+        release = getattr(self.images, "release", None)
+        if ref is not None and release is not None:
+            release(ref)
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
@@ -502,6 +538,7 @@ class Engine:
             if isinstance(exc, DSecError):
                 raise
             raise SandboxError(f"destroying sandbox {record.id} failed: {exc}") from exc
+        self._release_image(record.id)
         if self._records.pop(record.id, None) is not None:
             self.metrics.live.labels(record.spec.backend).dec()
             if state == "expired":
@@ -516,8 +553,16 @@ class Engine:
             await asyncio.sleep(self.reaper_interval)
             try:
                 await self.reap()
+                await self._unmount_idle_images()
             except Exception:
                 log.exception("reaper pass failed")
+
+    async def _unmount_idle_images(self) -> None:
+        """Image mounts stay warm for ``IMAGE_IDLE_SECONDS`` after their last sandbox, then go."""
+        idle = getattr(self.images, "idle", None)
+        if idle is not None and idle(IMAGE_IDLE_SECONDS):
+            done = await asyncio.to_thread(self.images.unmount_idle, IMAGE_IDLE_SECONDS)  # type: ignore[attr-defined]
+            log.info("unmounted %d idle images", len(done))
 
     async def reap(self) -> int:
         """Destroy every sandbox past its wall-clock timeout now; returns how many."""
@@ -755,10 +800,12 @@ class Engine:
         from dsec.images.registry import pull
         from dsec.images.store import ImageStore
 
-        if not isinstance(self.images, ImageStore):
+        # NodeImages (the daemon's resolver) pulls into the store it mounts from.
+        store = getattr(self.images, "store", self.images)
+        if not isinstance(store, ImageStore):
             raise NotSupported("this node's image store cannot pull images")
         info, _ = await asyncio.to_thread(
-            pull, self.images, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
+            pull, store, request.reference, uid_shift=self.settings.uid_shift, name=request.name,
             insecure=request.insecure, username=request.username, password=request.password,
             replace=request.replace,
         )

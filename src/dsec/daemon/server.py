@@ -372,8 +372,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bool:
     """Stop the daemon started by :func:`up`; returns False if none was running.
 
-    With ``destroy=True`` every sandbox is destroyed through the API first; otherwise sandboxes stay
-    alive and the next daemon re-adopts them.
+    With ``destroy=True`` every sandbox is destroyed through the API first, and once the daemon is gone
+    its image mounts and lazy image server are removed too; otherwise sandboxes (and the image mounts
+    under them) stay alive and the next daemon re-adopts them.
     """
     pid = _read_pid(settings)
     if destroy and daemon_answers(settings):
@@ -382,7 +383,18 @@ def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bo
                 client.delete(f"/v1/sandboxes/{info['id']}")
     if pid is None or not _alive(pid) or not _is_dsec(pid):
         settings.pid_file.unlink(missing_ok=True)
+        if destroy:
+            _unmount_images(settings)
         return False
     _signal_and_wait(pid, timeout)
     settings.pid_file.unlink(missing_ok=True)
+    if destroy:
+        _unmount_images(settings)
     return True
+
+
+def _unmount_images(settings: Settings) -> None:
+    if (settings.home / "lazy").exists():
+        from dsec.images.node import NodeImages
+
+        NodeImages(settings).aclose_sync(unmount=True)

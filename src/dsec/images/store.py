@@ -1,15 +1,21 @@
-"""The node's image store: named root directories with their metadata, on local disk.
+"""The image store: named images kept as chunked EROFS images in a :class:`~dsec.images.stores.BlobStore`.
 
-Layout under ``root``::
+Layout of the blob store (``$DSEC_IMAGE_STORE``, default the directory ``<root>/store``)::
 
-    <name>/rootfs        the image's root filesystem, ownership shifted by ``uid_shift``
-    <name>/image.json    its :class:`~dsec.models.ImageInfo`
-    .lock-<name>         flock taken by imports and removals of <name>
-    .tmp-<name>-*        an import in progress (removed on failure, swept by the next import)
+    chunks/sha256/<hh>/<hex>   blob chunks and metadata images, content-addressed (shared by every image)
+    manifests/sha256/<hex>     one :class:`~dsec.images.format.Manifest` per image version
+    tags/<name>                the manifest digest image <name> currently names
 
-This module owns the on-disk layout, name validation, import of a directory (copy + uid shift +
-atomic rename) and removal. It never mounts anything, never runs sandboxes and never modifies a
-source directory: imports copy first and shift the copy.
+and of the local ``root``::
+
+    .lock-<name>               flock taken by imports and removals of <name>
+    .tmp-<name>-*              an import in progress (removed on failure, swept by the next import)
+    <name>/rootfs, image.json  a legacy (pre-chunked) image: still readable, converted by ``adopt_legacy``
+
+An import copies (or moves) the tree, shifts its owners by ``uid_shift``, builds the EROFS image, uploads
+the chunks the store lacks, then the metadata, the manifest, and last the tag: a reader never sees a tag
+whose objects are missing. This module owns naming, import, removal and store garbage collection. It never
+mounts anything (:mod:`dsec.images.node` does), never runs sandboxes and never modifies a source directory.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.backends.base import ImageRef
-from dsec.errors import DSecError, ImageNotFound, InvalidRequest
+from dsec.errors import DSecError, ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
+from dsec.images.cache import chunk_key
+from dsec.images.format import ChunkRef, Manifest, build_erofs, cut_blob, sha256
+from dsec.images.stores import BlobStore, DirStore, open_store
 from dsec.models import ImageConfig, ImageInfo
 
-__all__ = ["DEFAULT_PATH", "ImageStore", "validate_name"]
+__all__ = ["DEFAULT_PATH", "GcResult", "ImageStats", "ImageStore", "validate_name"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """``PATH`` given to images whose config does not set one."""
@@ -40,6 +50,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _CAP_XATTR = "security.capability"
 _UID_COUNT = 65536
+_GC_GRACE = 3600.0
+"""Objects younger than this are never collected: an import elsewhere may be about to tag them."""
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)`` for long work (bytes)."""
 
 
 def validate_name(name: str) -> str:
@@ -53,49 +68,117 @@ def validate_name(name: str) -> str:
     return name
 
 
-class ImageStore:
-    """Images kept as shifted root directories under ``root`` (see the module docstring)."""
+@dataclass(frozen=True)
+class ImageStats:
+    """What ``dsec image inspect`` reports about one image's storage."""
 
-    def __init__(self, root: Path | str) -> None:
+    digest: str
+    blob_bytes: int
+    meta_bytes: int
+    chunks: int
+    unique_bytes: int
+    """Bytes of distinct chunks this image uses."""
+    shared_bytes: int
+    """Of those, bytes other images in the store use too (stored once)."""
+
+
+@dataclass(frozen=True)
+class GcResult:
+    """What ``ImageStore.gc`` removed."""
+
+    chunks: int
+    manifests: int
+    bytes: int
+
+
+class ImageStore:
+    """Named chunked images in a blob store, with local scratch space under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path | str, blobs: BlobStore | str | None = None) -> None:
         self.root = Path(root)
+        if isinstance(blobs, str):
+            blobs = open_store(blobs)
+        self.blobs: BlobStore = blobs if blobs is not None else DirStore(self.root / "store")
 
     # ----------------------------------------------------------------- lookups
     def path(self, name: str) -> Path:
-        """Directory of image ``name`` (whether or not it exists)."""
+        """Directory of legacy image ``name`` (whether or not it exists)."""
         return self.root / validate_name(name)
+
+    def _legacy(self, name: str) -> ImageInfo | None:
+        try:
+            return ImageInfo.model_validate_json((self.path(name) / "image.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def tag(self, name: str) -> str | None:
+        """The manifest digest image ``name`` names, or None."""
+        try:
+            digest = self.blobs.get(f"tags/{validate_name(name)}").decode().strip()
+        except KeyError:
+            return None
+        if not digest.startswith("sha256:"):
+            raise ImageCorrupt(f"tag {name!r} in {self.blobs.url} is corrupt: {digest[:80]!r}", image=name)
+        return digest
+
+    def manifest(self, name: str) -> Manifest:
+        """The verified manifest of chunked image ``name``; :class:`ImageNotFound` when it has none."""
+        digest = self.tag(name)
+        if digest is None:
+            raise self._not_found(name)
+        return self.manifest_by_digest(digest)
+
+    def manifest_by_digest(self, digest: str) -> Manifest:
+        """A manifest by digest, verified (fetched once more on a mismatch)."""
+        key = f"manifests/sha256/{digest.removeprefix('sha256:')}"
+        for attempt in (1, 2):
+            try:
+                return Manifest.parse(self.blobs.get(key), digest)
+            except KeyError:
+                raise ImageCorrupt(f"manifest {digest} is missing from {self.blobs.url}", digest=digest) from None
+            except ImageCorrupt:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def exists(self, name: str) -> bool:
         """True when image ``name`` is fully imported."""
-        return (self.path(name) / "image.json").is_file()
+        return self.tag(name) is not None or self._legacy(name) is not None
 
     def get(self, name: str) -> ImageInfo:
         """Metadata of image ``name``; :class:`ImageNotFound` names the images that do exist."""
-        meta = self.path(name) / "image.json"
-        try:
-            text = meta.read_text()
-        except FileNotFoundError:
-            raise self._not_found(name) from None
-        return ImageInfo.model_validate_json(text)
+        validate_name(name)
+        if self.tag(name) is not None:
+            return self.manifest(name).info
+        legacy = self._legacy(name)
+        if legacy is None:
+            raise self._not_found(name)
+        return legacy
 
     def resolve(self, name: str) -> ImageRef:
-        """What a backend needs to start a sandbox from image ``name``."""
+        """A legacy image's root directory; chunked images are mounted by :class:`dsec.images.node.NodeImages`."""
         info = self.get(name)
+        if self._legacy(name) is None:
+            raise NotSupported(f"image {name!r} is stored chunked: it is mounted on a node by "
+                               "dsec.images.node.NodeImages, not read as a directory", image=name)
         return ImageRef(name=info.name, rootfs=self.path(name) / "rootfs", uid_shift=info.uid_shift,
                         config=info.config)
 
     def list(self) -> list[ImageInfo]:
         """Every fully imported image, sorted by name (in-progress imports are not listed)."""
-        if not self.root.is_dir():
-            return []
-        found: list[ImageInfo] = []
-        for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(".") or not _NAME_RE.fullmatch(entry.name):
-                continue
-            try:
-                found.append(ImageInfo.model_validate_json((entry / "image.json").read_text()))
-            except (OSError, ValueError):
-                continue  # not an image directory (or one being removed)
-        return found
+        found: dict[str, ImageInfo] = {}
+        for key, _size, _mtime in self.blobs.keys("tags/"):
+            name = key.removeprefix("tags/")
+            if _NAME_RE.fullmatch(name):
+                with contextlib.suppress(DSecError):
+                    found[name] = self.get(name)
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                if entry.name not in found and _NAME_RE.fullmatch(entry.name):
+                    legacy = self._legacy(entry.name)
+                    if legacy is not None:
+                        found[entry.name] = legacy
+        return [found[n] for n in sorted(found)]
 
     def names(self) -> builtins.list[str]:
         """Names of every fully imported image."""
@@ -105,9 +188,23 @@ class ImageStore:
         names = self.names()
         have = f"available: {', '.join(names)}" if names else "the store is empty"
         return ImageNotFound(
-            f"image {name!r} not found in {self.root} ({have}); build the base image with "
+            f"image {name!r} not found in {self.blobs.url} ({have}); build the base image with "
             "`dsec image build debian-python` or import a directory with `dsec image import NAME DIR`",
             image=name, available=names,
+        )
+
+    def stats(self, name: str) -> ImageStats:
+        """Size, chunk count and bytes shared with other images, for ``dsec image inspect``."""
+        manifest = self.manifest(name)
+        mine = {c.digest: c.size for c in manifest.chunks}
+        others: set[str] = set()
+        for other in self.names():
+            if other != name and self.tag(other) is not None:
+                others.update(c.digest for c in self.manifest(other).chunks)
+        return ImageStats(
+            digest=manifest.digest, blob_bytes=manifest.blob_size, meta_bytes=manifest.meta_size,
+            chunks=len(manifest.chunks), unique_bytes=sum(mine.values()),
+            shared_bytes=sum(size for d, size in mine.items() if d in others),
         )
 
     # ----------------------------------------------------------------- changes
@@ -120,14 +217,15 @@ class ImageStore:
         config: ImageConfig | None = None,
         replace: bool = False,
         move: bool = False,
+        progress: Progress | None = None,
     ) -> ImageInfo:
-        """Copy directory ``src`` into the store as image ``name``, shifting every uid/gid by ``uid_shift``.
+        """Import directory ``src`` as image ``name``, shifting every uid/gid by ``uid_shift``.
 
-        The copy keeps modes, setuid bits, xattrs, file capabilities, hard links, symlinks and
+        The image keeps modes, setuid bits, xattrs, file capabilities, hard links, symlinks and
         special files. Source owners must lie in ``0..65535`` (what a user namespace maps); an
-        already-shifted tree is refused rather than shifted twice. Nothing is left behind on failure.
-        ``move=True`` renames ``src`` into the store instead of copying it (``src`` must be on the
-        store's filesystem and is consumed, even on failure): for freshly built trees.
+        already-shifted tree is refused rather than shifted twice. Nothing is left behind on failure
+        (chunks already uploaded stay for ``gc``). ``move=True`` renames ``src`` into the scratch space
+        instead of copying it (``src`` must be on ``root``'s filesystem and is consumed, even on failure).
         """
         validate_name(name)
         src = Path(src)
@@ -140,13 +238,11 @@ class ImageStore:
         self.root.mkdir(parents=True, exist_ok=True)
         with self._locked(name):
             self._sweep(name)
-            target = self.root / name
-            if target.exists() and not replace:
+            if self.exists(name) and not replace:
                 raise InvalidRequest(f"image {name!r} already exists (remove it or pass replace=True)",
                                      image=name)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
             try:
-                tmp.chmod(0o755)
                 rootfs = tmp / "rootfs"
                 if move:
                     os.rename(src, rootfs)
@@ -157,30 +253,93 @@ class ImageStore:
                     name=name, created_at=time.time(), size_bytes=size, files=files,
                     source=source or f"dir:{src.resolve()}", uid_shift=uid_shift, config=config,
                 )
-                _write_atomic(tmp / "image.json", info.model_dump_json(indent=2).encode())
-                old = None
-                if target.exists():
-                    old = Path(tempfile.mkdtemp(prefix=f".trash-{name}-", dir=self.root))
-                    os.rename(target, old / "image")
-                os.rename(tmp, target)
-            except BaseException:
+                self._publish(info, rootfs, tmp, progress)
+            finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            _fsync_dir(self.root)
             return info
 
+    def adopt_legacy(self, name: str, progress: Progress | None = None) -> ImageInfo:
+        """Store legacy image ``name`` (a shifted directory) in the chunked format; the directory stays."""
+        with self._locked(name):
+            legacy = self._legacy(name)
+            if legacy is None:
+                raise self._not_found(name)
+            if self.tag(name) is None:
+                tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
+                try:
+                    self._publish(legacy, self.path(name) / "rootfs", tmp, progress)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            return legacy
+
+    def _publish(self, info: ImageInfo, tree: Path, scratch: Path, progress: Progress | None) -> Manifest:
+        meta, blob = scratch / "meta.erofs", scratch / "blob"
+        build_erofs(tree, meta, blob)
+        total = blob.stat().st_size
+        chunks: list[ChunkRef] = []
+        seen: set[str] = set()
+        done = 0
+        for digest, data in cut_blob(blob):
+            chunks.append(ChunkRef(digest=digest, size=len(data)))
+            if digest not in seen:
+                seen.add(digest)
+                key = chunk_key(digest)
+                if not self.blobs.has(key):
+                    self.blobs.put(key, data)
+            done += len(data)
+            if progress is not None:
+                progress("upload", done, total)
+        meta_bytes = meta.read_bytes()
+        meta_digest = sha256(meta_bytes)
+        self.blobs.put(chunk_key(meta_digest), meta_bytes)
+        manifest = Manifest(info=info, meta_digest=meta_digest, meta_size=len(meta_bytes), chunks=chunks)
+        self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
+        self.blobs.put(f"tags/{info.name}", manifest.digest.encode() + b"\n")
+        return manifest
+
     def remove(self, name: str) -> None:
-        """Delete image ``name`` (running sandboxes keep their own mounts or copies)."""
+        """Delete image ``name``: its tag (chunks stay until ``gc``) and any legacy directory.
+
+        Nodes that have it mounted keep their mount until it is unused.
+        """
         validate_name(name)
         with self._locked(name):
+            tagged = self.tag(name) is not None
             target = self.root / name
-            if not (target / "image.json").is_file() and not target.is_dir():
+            if not tagged and not target.is_dir():
                 raise self._not_found(name)
-            trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}-", dir=self.root))
-            os.rename(target, trash / "image")
-            shutil.rmtree(trash, ignore_errors=True)
+            if tagged:
+                self.blobs.delete(f"tags/{name}")
+            if target.is_dir():
+                trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}-", dir=self.root))
+                os.rename(target, trash / "image")
+                shutil.rmtree(trash, ignore_errors=True)
+
+    def gc(self, grace: float = _GC_GRACE) -> GcResult:
+        """Delete chunks and manifests no tag references and that are older than ``grace`` seconds."""
+        keep_manifests: set[str] = set()
+        keep_chunks: set[str] = set()
+        for key, _size, _mtime in builtins.list(self.blobs.keys("tags/")):
+            digest = self.tag(key.removeprefix("tags/"))
+            if digest is None:
+                continue
+            manifest = self.manifest_by_digest(digest)
+            keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
+            keep_chunks.add(chunk_key(manifest.meta_digest))
+            keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
+        cutoff = time.time() - grace
+        chunks = manifests = freed = 0
+        for prefix, keep in (("manifests/", keep_manifests), ("chunks/", keep_chunks)):
+            for key, size, mtime in builtins.list(self.blobs.keys(prefix)):
+                if key in keep or mtime > cutoff:
+                    continue
+                self.blobs.delete(key)
+                freed += size
+                if prefix == "chunks/":
+                    chunks += 1
+                else:
+                    manifests += 1
+        return GcResult(chunks=chunks, manifests=manifests, bytes=freed)
 
     @contextlib.contextmanager
     def _locked(self, name: str) -> Iterator[None]:

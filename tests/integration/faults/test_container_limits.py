@@ -24,7 +24,7 @@ from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import Daemon
-from dsec.images.store import ImageStore
+from dsec.images.node import NodeImages
 
 pytestmark = [pytest.mark.root]
 
@@ -47,7 +47,7 @@ def served(debian_python_image: ImageRef) -> Iterator[Served]:
     # Short home: a unix socket path must fit in 108 bytes.
     home = short_home("dsec-lim-")
     settings = Settings(home=home, images_dir=images_dir())
-    engine = Engine(settings, {"container": ContainerBackend(settings)}, ImageStore(images_dir()),
+    engine = Engine(settings, {"container": ContainerBackend(settings)}, NodeImages(settings),
                     reaper_interval=0.2)
     daemon = Daemon(settings, engine=engine)
     errors: list[BaseException] = []

@@ -23,7 +23,7 @@ from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import Daemon
-from dsec.images.store import ImageStore
+from dsec.images.node import NodeImages
 from function_support import fn_leftovers
 
 pytestmark = [pytest.mark.root]
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.root]
 class _Served:
     def __init__(self, home: Path) -> None:
         settings = Settings(home=home, images_dir=images_dir())
-        engine = Engine(settings, {"function": FunctionBackend(settings)}, ImageStore(images_dir()))
+        engine = Engine(settings, {"function": FunctionBackend(settings)}, NodeImages(settings))
         self.engine = engine
         self.daemon = Daemon(settings, engine=engine)
         self.url = f"unix://{settings.socket_path}"

@@ -19,6 +19,7 @@ from dsec.errors import ImageNotFound, InvalidRequest, Unauthorized
 from dsec.images.registry import RegistryClient, parse_reference, pull
 from dsec.images.store import ImageStore
 from image_builders import OCI_INDEX, OCI_MANIFEST, Image, check_flattened, f, sample_image, sha
+from image_support import ImageRootFn
 from registry_support import PASSWORD, USER, Registry, running_registry
 
 pytestmark = [pytest.mark.root]  # the flattened images keep ownership (chown)
@@ -52,12 +53,13 @@ def store(tmp_path: Path) -> ImageStore:
 
 
 @pytest.mark.parametrize("mode", ["none", "basic", "token"])
-def test_pull_flattens_the_image(mode: str, registries: dict[str, Registry], store: ImageStore) -> None:
+def test_pull_flattens_the_image(image_root: ImageRootFn,
+                                 mode: str, registries: dict[str, Registry], store: ImageStore) -> None:
     reg = registries[mode]
     creds = {"username": USER, "password": PASSWORD} if mode != "none" else {}
     info, stats = pull(store, f"{reg.host}/team/app:v1", uid_shift=0, insecure=True, **creds)
     assert info.name == "app-v1" and info.source == f"registry:{reg.host}/team/app:v1"
-    check_flattened(store.path("app-v1") / "rootfs")
+    check_flattened(image_root(store, "app-v1"))
     assert info.config.workdir == "/home/app" and info.config.env["LANG"] == "C.UTF-8"
     assert stats.skipped_devices == 2
     if mode == "token":
@@ -65,7 +67,8 @@ def test_pull_flattens_the_image(mode: str, registries: dict[str, Registry], sto
     assert not list(store.root.glob(".import-*"))
 
 
-def test_pull_by_digest_and_multiarch_index(registries: dict[str, Registry], store: ImageStore) -> None:
+def test_pull_by_digest_and_multiarch_index(image_root: ImageRootFn,
+                                            registries: dict[str, Registry], store: ImageStore) -> None:
     reg = registries["none"]
     img = Image.build([[f("which", "amd64")]])
     other = Image.build([[f("which", "arm64")]])
@@ -80,9 +83,9 @@ def test_pull_by_digest_and_multiarch_index(registries: dict[str, Registry], sto
     with RegistryClient(reg.host, insecure=True) as client:
         client.push_manifest("multi", "latest", index, OCI_INDEX)
     pull(store, f"{reg.host}/multi", uid_shift=0, insecure=True, name="multi")
-    assert (store.path("multi") / "rootfs/which").read_text() == "amd64"
+    assert (image_root(store, "multi") / "which").read_text() == "amd64"
     pull(store, f"{reg.host}/multi@{sha(other.manifest)}", uid_shift=0, insecure=True, name="pinned")
-    assert (store.path("pinned") / "rootfs/which").read_text() == "arm64"
+    assert (image_root(store, "pinned") / "which").read_text() == "arm64"
 
 
 def test_unknown_repository_and_tag(registries: dict[str, Registry], store: ImageStore) -> None:
@@ -134,7 +137,8 @@ def test_reference_parsing() -> None:
             parse_reference(bad)
 
 
-def test_cli_pull(registries: dict[str, Registry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_pull(image_root: ImageRootFn,
+                  registries: dict[str, Registry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dsec.cli import main
 
     monkeypatch.setenv("DSEC_HOME", str(tmp_path / "home"))
@@ -145,12 +149,12 @@ def test_cli_pull(registries: dict[str, Registry], tmp_path: Path, monkeypatch: 
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "pulled cli:" in result.stdout
-    assert (tmp_path / "images" / "cli" / "rootfs" / "etc" / "motd").is_file()
+    assert (image_root(ImageStore(tmp_path / "images"), "cli") / "etc" / "motd").is_file()
     result = CliRunner().invoke(main, ["image", "pull", f"{registries['none'].host}/team/app:gone", "--insecure"])
     assert result.exit_code == 1 and "error: " in result.stderr and "not found" in result.stderr
 
 
-async def test_daemon_pulls_over_http(registries: dict[str, Registry], tmp_path: Path) -> None:
+async def test_daemon_pulls_over_http(image_root: ImageRootFn, registries: dict[str, Registry], tmp_path: Path) -> None:
     """POST /v1/images/pull on the real app: the image lands in the node's store; errors keep their type."""
     import httpx
 
@@ -176,6 +180,6 @@ async def test_daemon_pulls_over_http(registries: dict[str, Registry], tmp_path:
         assert r.status_code == 404 and r.json()["error"]["type"] == "ImageNotFound"
         r = await http.post("/v1/images/pull", json={"reference": "x", "bogus": 1})
         assert r.status_code == 400
-    root = store.path("via-api") / "rootfs"  # stored with the node's uid shift, like every daemon image
+    root = image_root(store, "via-api")  # stored with the node's uid shift, like every daemon image
     assert (root / "etc/motd").read_text() == "hello from layer 3\n"
     assert os.lstat(root / "home/app").st_uid == Settings().uid_shift + 1000

@@ -15,6 +15,7 @@ from container_support import checked_backend, short_home, sweep
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
+from dsec.images.node import NodeImages
 from dsec.images.oci import ImageSource, import_image, open_source
 from dsec.images.registry import RegistryClient, pull
 from dsec.images.store import ImageStore
@@ -60,7 +61,7 @@ async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, ImageStore]]:
     store = ImageStore(tmp_path / "images")
     try:
         async with checked_backend(home) as backend:
-            eng = Engine(settings, {"container": backend}, store)
+            eng = Engine(settings, {"container": backend}, NodeImages(settings, store, tag_ttl=0))
             yield eng, store
     finally:
         removed = await sweep(home, tmp_path / "images")

@@ -1,0 +1,245 @@
+"""The node's chunk cache: image chunks fetched from the store on first use, verified, kept on local disk.
+
+Layout under ``root``::
+
+    chunks/<hh>/<hex>     a verified chunk (or metadata image), named by its sha256
+    manifests/<hex>       manifests of images this node has mounted (verified copies)
+    pins/<hex>            present while image <hex> is mounted: its chunks are never evicted
+    access/<hex>          chunk indexes image <hex> read on this node, in first-read order
+    errors/<hex>          the last fetch error of image <hex> (read by the daemon to explain an EIO)
+    locks/<hhh>           flock stripes: one fetch of a chunk at a time across threads and processes
+
+Every fetch checks the chunk's digest; a mismatch is fetched once more, and a second mismatch raises
+:class:`~dsec.errors.ImageCorrupt`: bad bytes are never written to the cache nor served. When ``limit``
+is set, or the disk is full, chunks no pinned image uses are evicted least-recently-used first (by mtime,
+refreshed when a chunk is used). This module owns the cache directory; it never mounts anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from dsec.errors import CacheFull, DSecError, ImageCorrupt
+from dsec.images.format import Manifest, sha256
+from dsec.images.stores import BlobStore
+
+__all__ = ["ChunkCache", "chunk_key"]
+
+log = logging.getLogger(__name__)
+_TOUCH_EVERY = 60.0
+
+
+def _hex(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise ImageCorrupt(f"invalid digest {digest!r}", digest=digest)
+    return hexpart
+
+
+def chunk_key(digest: str) -> str:
+    """Store key of a chunk (or metadata image)."""
+    h = _hex(digest)
+    return f"chunks/sha256/{h[:2]}/{h}"
+
+
+class ChunkCache:
+    """Verified chunks of ``store`` under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path | str, store: BlobStore, limit: int | None = None) -> None:
+        self.root = Path(root)
+        self.store = store
+        self.limit = limit
+        self._touched: dict[str, float] = {}
+        for sub in ("chunks", "manifests", "pins", "access", "errors", "locks"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # --------------------------------------------------------------------- chunks
+    def path(self, digest: str) -> Path:
+        """Where chunk ``digest`` is (or would be) cached."""
+        h = _hex(digest)
+        return self.root / "chunks" / h[:2] / h
+
+    def has(self, digest: str) -> bool:
+        """True when the chunk is cached."""
+        return self.path(digest).is_file()
+
+    def ensure(self, digest: str) -> Path:
+        """The cached chunk's path, fetching and verifying it first if needed (one fetch across processes)."""
+        path = self.path(digest)
+        if path.is_file():
+            self._touch(digest, path)
+            return path
+        with self._lock(digest):
+            if path.is_file():  # another thread or process fetched it while we waited
+                return path
+            data = self.fetch(digest)
+            self._write(path, data)
+        return path
+
+    def fetch(self, digest: str) -> bytes:
+        """Chunk ``digest``'s bytes from the store, verified (one re-fetch on a mismatch); not cached."""
+        key = chunk_key(digest)
+        for attempt in (1, 2):
+            try:
+                data = self.store.get(key)
+            except KeyError:
+                raise ImageCorrupt(f"chunk {digest} is missing from the image store {self.store.url} "
+                                   "(removed by `dsec image gc`, or the store is incomplete)", digest=digest) from None
+            got = sha256(data)
+            if got == digest:
+                return data
+            log.warning("chunk %s from %s hashes to %s (attempt %d)", digest, self.store.url, got, attempt)
+        raise ImageCorrupt(f"chunk {digest} from the image store {self.store.url} does not match its digest "
+                           f"after a re-fetch (got {got}): the store holds corrupt data; not served",
+                           digest=digest, got=got)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        for attempt in (1, 2):
+            try:
+                self._write_once(path, data)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 2:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise CacheFull(f"the node image cache {self.root} is full: every cached chunk belongs "
+                                        "to a mounted image; free disk space or raise the cache size",
+                                        cache=str(self.root)) from exc
+                    raise
+                self.evict(target=max(0, self.usage() - len(data) * 8))
+            else:
+                break
+        if self.limit is not None and self.usage() > self.limit:
+            self.evict(target=self.limit)
+
+    @staticmethod
+    def _write_once(path: Path, data: bytes) -> None:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    def _touch(self, digest: str, path: Path) -> None:
+        now = time.time()
+        if now - self._touched.get(digest, 0.0) > _TOUCH_EVERY:
+            self._touched[digest] = now
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    @contextlib.contextmanager
+    def _lock(self, digest: str) -> Iterator[None]:
+        fd = os.open(self.root / "locks" / _hex(digest)[:3], os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ manifests
+    def put_manifest(self, manifest: Manifest) -> str:
+        """Keep a verified copy of ``manifest`` for the lazy filesystem; returns its hex digest."""
+        h = _hex(manifest.digest)
+        path = self.root / "manifests" / h
+        if not path.is_file():
+            self._write_once(path, manifest.canonical())
+        return h
+
+    def manifest(self, hexdigest: str) -> Manifest:
+        """A manifest this node keeps, verified."""
+        data = (self.root / "manifests" / hexdigest).read_bytes()
+        return Manifest.parse(data, "sha256:" + hexdigest)
+
+    # ---------------------------------------------------------------- pins and LRU
+    def pin(self, hexdigest: str) -> None:
+        """Mark image ``hexdigest`` mounted: its chunks are not evicted."""
+        (self.root / "pins" / hexdigest).touch()
+
+    def unpin(self, hexdigest: str) -> None:
+        """Undo :meth:`pin`."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / "pins" / hexdigest).unlink()
+
+    def pinned(self) -> set[str]:
+        """Digests of every chunk a pinned image uses."""
+        keep: set[str] = set()
+        for pin in (self.root / "pins").iterdir():
+            try:
+                keep.update(c.digest for c in self.manifest(pin.name).chunks)
+            except (OSError, DSecError):
+                continue
+        return keep
+
+    def _entries(self) -> list[tuple[float, int, Path]]:
+        found = []
+        for sub in (self.root / "chunks").iterdir():
+            for f in sub.iterdir():
+                if f.name.startswith(".tmp-"):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = f.stat()
+                    found.append((st.st_mtime, st.st_size, f))
+        return found
+
+    def usage(self) -> int:
+        """Bytes of cached chunks."""
+        return sum(size for _, size, _ in self._entries())
+
+    def evict(self, target: int) -> int:
+        """Delete unpinned chunks, least recently used first, until usage <= ``target``; returns bytes freed."""
+        entries = sorted(self._entries())
+        total = sum(size for _, size, _ in entries)
+        keep = {_hex(d) for d in self.pinned()}
+        freed = 0
+        for _, size, path in entries:
+            if total - freed <= target:
+                break
+            if path.name in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                freed += size
+        return freed
+
+    def cached_bytes(self, manifest: Manifest) -> int:
+        """Bytes of ``manifest``'s blob that this node has cached."""
+        return sum(c.size for c in {c.digest: c for c in manifest.chunks}.values() if self.has(c.digest))
+
+    # ------------------------------------------------------------ access records
+    def record_error(self, hexdigest: str, error: DSecError) -> None:
+        """Remember why a read of image ``hexdigest`` failed (type and message, one line)."""
+        with contextlib.suppress(OSError):
+            (self.root / "errors" / hexdigest).write_text(f"{type(error).__name__}\t{error.message}\n")
+
+    def take_error(self, hexdigest: str) -> tuple[str, str] | None:
+        """The last recorded read error of image ``hexdigest`` (removed), or None."""
+        path = self.root / "errors" / hexdigest
+        try:
+            kind, _, message = path.read_text().rstrip("\n").partition("\t")
+        except FileNotFoundError:
+            return None
+        path.unlink(missing_ok=True)
+        return kind, message
+
+    def access(self, hexdigest: str) -> list[int]:
+        """Chunk indexes image ``hexdigest`` read on this node, first-read order, without repeats."""
+        try:
+            text = (self.root / "access" / hexdigest).read_text()
+        except FileNotFoundError:
+            return []
+        seen: dict[int, None] = {}
+        for word in text.split():
+            with contextlib.suppress(ValueError):
+                seen.setdefault(int(word), None)
+        return list(seen)

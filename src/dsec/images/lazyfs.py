@@ -1,0 +1,200 @@
+"""The node's lazy blob filesystem: a FUSE server exposing each mounted image's blob as one read-only file.
+
+Run as its own process (``python -m dsec.images.lazyfs``), started and adopted by
+:class:`~dsec.images.node.NodeImages`: pyfuse3 wants trio while the daemon runs asyncio, and a separate
+process keeps serving the lower layers of live sandboxes while the daemon restarts.
+
+The mount shows one file per image, named by its manifest's hex digest (the manifest must be in the
+node cache's ``manifests/``). A read maps its range onto the manifest's chunks and serves each one from
+the :class:`~dsec.images.cache.ChunkCache`, which fetches, verifies and stores it on first use. A chunk
+that cannot be had (store unreachable, corrupt twice, cache full) fails the read with ``EIO`` and its
+reason is written to the cache's ``errors/`` for the daemon to report; wrong bytes are never returned.
+This module never mounts EROFS and never writes to the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from dsec.errors import DSecError
+from dsec.images.cache import ChunkCache
+from dsec.images.format import ChunkIndex, Manifest
+from dsec.images.stores import open_store
+
+__all__ = ["LazyFS", "main"]
+
+log = logging.getLogger("dsec.lazyfs")
+_TIMEOUT = 3600.0
+
+
+@dataclass
+class _Blob:
+    inode: int
+    hexdigest: str
+    manifest: Manifest
+    index: ChunkIndex
+    read: set[int] = field(default_factory=set)
+
+
+class LazyFS(pyfuse3.Operations):
+    """pyfuse3 operations over the manifests of a :class:`ChunkCache`."""
+
+    def __init__(self, cache: ChunkCache, fetchers: int = 16) -> None:
+        super().__init__()
+        self.cache = cache
+        self._by_name: dict[str, _Blob] = {}
+        self._by_inode: dict[int, _Blob] = {}
+        self._next_inode = pyfuse3.ROOT_INODE + 1
+        self._limiter = trio.CapacityLimiter(fetchers)
+
+    def _blob(self, hexdigest: str) -> _Blob:
+        blob = self._by_name.get(hexdigest)
+        if blob is None:
+            manifest = self.cache.manifest(hexdigest)  # verified against its name
+            blob = _Blob(self._next_inode, hexdigest, manifest, ChunkIndex(manifest))
+            self._next_inode += 1
+            self._by_name[hexdigest] = blob
+            self._by_inode[blob.inode] = blob
+        return blob
+
+    def _attr(self, inode: int) -> Any:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode
+        attr.entry_timeout = _TIMEOUT
+        attr.attr_timeout = _TIMEOUT
+        attr.st_uid = attr.st_gid = 0
+        if inode == pyfuse3.ROOT_INODE:
+            attr.st_mode = stat.S_IFDIR | 0o555
+            attr.st_nlink = 2
+            attr.st_size = 0
+        else:
+            blob = self._by_inode[inode]
+            attr.st_mode = stat.S_IFREG | 0o444
+            attr.st_nlink = 1
+            attr.st_size = blob.manifest.blob_size
+            attr.st_blksize = 4096
+            attr.st_blocks = (attr.st_size + 511) // 512
+        return attr
+
+    async def getattr(self, inode: int, ctx: Any = None) -> Any:
+        if inode != pyfuse3.ROOT_INODE and inode not in self._by_inode:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(inode)
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
+        if parent_inode != pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        try:
+            blob = self._blob(os.fsdecode(name))
+        except (OSError, DSecError):
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        return self._attr(blob.inode)
+
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        if inode != pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for blob in sorted(self._by_inode.values(), key=lambda b: b.inode):
+            if blob.inode <= start_id:
+                continue
+            if not pyfuse3.readdir_reply(token, blob.hexdigest.encode(), self._attr(blob.inode), blob.inode):
+                return
+
+    async def open(self, inode: int, flags: int, ctx: Any) -> Any:
+        if inode not in self._by_inode:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        blob = self._by_inode[fh]
+        end = min(off + size, blob.manifest.blob_size)
+        out = bytearray()
+        pos = off
+        try:
+            while pos < end:
+                i, inner = blob.index.locate(pos)
+                chunk = blob.manifest.chunks[i]
+                take = min(chunk.size - inner, end - pos)
+                path = await trio.to_thread.run_sync(self.cache.ensure, chunk.digest, limiter=self._limiter)
+                if i not in blob.read:
+                    blob.read.add(i)
+                    with open(self.cache.root / "access" / blob.hexdigest, "a") as f:
+                        f.write(f"{i}\n")
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    out += os.pread(fd, take, inner)
+                finally:
+                    os.close(fd)
+                pos += take
+        except DSecError as exc:
+            log.error("image %s: read at %d failed: %s", blob.hexdigest[:12], pos, exc.message)
+            self.cache.record_error(blob.hexdigest, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as exc:
+            log.error("image %s: read at %d failed: %s", blob.hexdigest[:12], pos, exc)
+            self.cache.record_error(blob.hexdigest, DSecError(f"reading the node cache failed: {exc}"))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        return bytes(out)
+
+    async def release(self, fh: int) -> None:
+        return None
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+
+async def _serve() -> None:
+    async with trio.open_nursery() as nursery:
+        async def stop_on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    pyfuse3.terminate()
+                    return
+
+        nursery.start_soon(stop_on_signal)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Mount the lazy filesystem and serve it until unmounted or signalled."""
+    parser = argparse.ArgumentParser(prog="python -m dsec.images.lazyfs", description=__doc__)
+    parser.add_argument("--mountpoint", required=True, type=Path)
+    parser.add_argument("--cache", required=True, type=Path, help="node chunk cache directory")
+    parser.add_argument("--store", required=True, help="image store URL")
+    parser.add_argument("--limit", type=int, default=None, help="cache size limit in bytes")
+    parser.add_argument("--ready-fd", type=int, default=None, help="write one byte here once mounted")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s lazyfs %(levelname)s %(message)s")
+    cache = ChunkCache(args.cache, open_store(args.store), limit=args.limit)
+    ops = LazyFS(cache)
+    options = set(pyfuse3.default_options) | {"fsname=dsec-lazy", "ro", "allow_other"}
+    pyfuse3.init(ops, str(args.mountpoint), options)
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+    try:
+        trio.run(_serve)
+    finally:
+        pyfuse3.close(unmount=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

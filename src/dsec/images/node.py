@@ -1,0 +1,434 @@
+"""The node's image manager: one lazily loaded EROFS mount per image, shared by every sandbox of that image.
+
+For a chunked image, :meth:`NodeImages.resolve` makes sure the node's lazy blob filesystem runs (a FUSE
+server process, :mod:`dsec.images.lazyfs`, mounted at ``$DSEC_HOME/lazy/blobs``), fetches the small EROFS
+metadata image into the node cache, and mounts it file-backed (mount(2) directly) with the image's lazy
+blob as its device at ``$DSEC_HOME/lazy/mnt/<digest>``. It returns an :class:`ImageRef` whose ``rootfs``
+is that mount and pins it; :meth:`release` unpins. Unused mounts are kept warm (their page cache is what
+makes the next sandbox of the image start like a local one) until :meth:`unmount_idle` or :meth:`aclose`
+with ``unmount=True``. On later starts of an image on any node, the chunks its first start read (recorded
+in the store under ``access/``) are prefetched in the background.
+
+The FUSE process outlives the daemon: a restarted daemon adopts it and the mounts (sandboxes recovered
+by the engine re-pin theirs). Order matters when tearing down: EROFS mounts first, the FUSE mount last.
+This module owns those mounts and that process; it never builds images and never runs sandboxes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.backends.base import ImageRef
+from dsec.config import Settings
+from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
+from dsec.images.cache import ChunkCache
+from dsec.images.format import Manifest, sha256
+from dsec.images.store import ImageStore
+from dsec.models import ImageInfo
+
+__all__ = ["NodeImages"]
+
+log = logging.getLogger(__name__)
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
+_MNT_DETACH = 2
+_FUSE_START_TIMEOUT = 15.0
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_ERRORS: dict[str, type[DSecError]] = {"ImageCorrupt": ImageCorrupt, "StoreUnavailable": StoreUnavailable,
+                                       "CacheFull": CacheFull}
+
+
+def _mounts() -> dict[str, str]:
+    """Mount point -> filesystem type, from this process's mount table."""
+    found: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            found[fields[4].replace("\\040", " ")] = fields[sep + 1]
+    return found
+
+
+def _umount(path: Path, detach: bool = False) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH if detach else 0) != 0:
+        err = ctypes.get_errno()
+        if err not in (22, 2):  # EINVAL: not mounted; ENOENT: gone
+            raise OSError(err, f"umount {path}: {os.strerror(err)}")
+
+
+@dataclass
+class _Mount:
+    hexdigest: str
+    path: Path
+    refs: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+class NodeImages:
+    """Chunked images mounted on this node (see the module docstring). Thread-safe."""
+
+    def __init__(self, settings: Settings, store: ImageStore | None = None,
+                 cache_limit: int | None = None, prefetch: bool = True, tag_ttl: float = 1.0) -> None:
+        self.settings = settings
+        self.store = store if store is not None else ImageStore(settings.images, settings.image_store)
+        self.base = settings.home / "lazy"
+        self.blobs_dir = self.base / "blobs"
+        self.mnt_dir = self.base / "mnt"
+        self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit)
+        self.cache_limit = cache_limit
+        self.prefetch = prefetch
+        self._lock = threading.RLock()
+        self._mounts: dict[str, _Mount] = {}
+        self._by_name: dict[str, str] = {}
+        self._threads: list[threading.Thread] = []
+        # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
+        self._manifests: dict[str, Manifest] = {}
+        # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
+        # moves) is seen within tag_ttl seconds.
+        self.tag_ttl = tag_ttl
+        self._tags: dict[str, tuple[str, float]] = {}
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ resolver protocol
+    def list(self) -> builtins.list[ImageInfo]:
+        """Every image in the store."""
+        return self.store.list()
+
+    def get(self, name: str) -> ImageInfo:
+        """One image; raises :class:`~dsec.errors.ImageNotFound`."""
+        return self.store.get(name)
+
+    def resolve(self, name: str) -> ImageRef:
+        """Mount image ``name`` if needed, pin it, and return its root. Blocking: call from a thread.
+
+        If the store cannot be reached, an image this node has already mounted (its manifest is cached)
+        still resolves: a warm node keeps starting sandboxes of the images it has.
+        """
+        try:
+            manifest = self._manifest(name)
+        except StoreUnavailable:
+            manifest = self._remembered(name)
+            if manifest is None:
+                raise
+        if manifest is None:
+            return self.store.resolve(name)  # a legacy directory image (or ImageNotFound)
+        with self._lock:
+            mount = self._mount(manifest)
+            mount.refs += 1
+            self._by_name[name] = mount.hexdigest
+        info = manifest.info
+        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config)
+
+    def _manifest(self, name: str) -> Manifest | None:
+        cached = self._tags.get(name)
+        if cached is not None and time.monotonic() - cached[1] < self.tag_ttl:
+            digest: str | None = cached[0]
+        else:
+            digest = self.store.tag(name)
+            if digest is None:
+                self._tags.pop(name, None)
+                return None
+            self._tags[name] = (digest, time.monotonic())
+        assert digest is not None
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            manifest = self._manifests[digest] = self.store.manifest_by_digest(digest)
+            tags = self.cache.root / "tags"
+            tags.mkdir(exist_ok=True)
+            (tags / name).write_text(digest)
+        return manifest
+
+    def _remembered(self, name: str) -> Manifest | None:
+        """The manifest this node last resolved ``name`` to, if it still has it."""
+        try:
+            digest = (self.cache.root / "tags" / name).read_text().strip()
+            manifest = self._manifests.get(digest) or self.cache.manifest(digest.removeprefix("sha256:"))
+            self._manifests[digest] = manifest
+            return manifest
+        except (OSError, DSecError):
+            return None
+
+    def release(self, ref: ImageRef) -> None:
+        """Unpin an image :meth:`resolve` returned (the mount stays warm)."""
+        with self._lock:
+            for mount in self._mounts.values():
+                if mount.path == ref.rootfs and mount.refs > 0:
+                    mount.refs -= 1
+                    if mount.refs == 0:
+                        mount.idle_since = time.monotonic()
+                        self._save_access(mount.hexdigest)
+                    return
+
+    def explain(self, ref: ImageRef) -> DSecError | None:
+        """The store or cache error that made reads of ``ref``'s image fail, if the lazy filesystem saw one."""
+        for mount in self._mounts.values():
+            if mount.path == ref.rootfs:
+                found = self.cache.take_error(mount.hexdigest)
+                if found is not None:
+                    kind, message = found
+                    return _ERRORS.get(kind, DSecError)(f"image {ref.name!r}: {message}", image=ref.name)
+        return None
+
+    # ------------------------------------------------------------------ mounts
+    def _mount(self, manifest: Manifest) -> _Mount:
+        hexdigest = next((d for d, m in self._manifests.items() if m is manifest), manifest.digest)[7:]
+        mount = self._mounts.get(hexdigest)
+        if mount is not None:
+            return mount
+        self.cache.put_manifest(manifest)
+        target = self.mnt_dir / hexdigest[:16]
+        if _mounts().get(str(target)) == "erofs":  # kept warm by an earlier daemon
+            mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
+            self.cache.pin(hexdigest)
+            return mount
+        self._ensure_fuse()
+        meta = self._meta(manifest)
+        target.mkdir(parents=True, exist_ok=True)
+        self.cache.pin(hexdigest)
+        blob = self.blobs_dir / hexdigest
+        self.cache.take_error(hexdigest)
+        rc = _libc.mount(os.fsencode(meta), os.fsencode(target), b"erofs", _MS_RDONLY | _MS_NODEV | _MS_NOSUID,
+                         f"device={blob}".encode())
+        if rc != 0:
+            err = ctypes.get_errno()
+            self.cache.unpin(hexdigest)
+            with contextlib.suppress(OSError):
+                target.rmdir()
+            cause = self.explain_digest(hexdigest)
+            if cause is not None:
+                raise cause
+            raise SandboxError(f"mounting image {manifest.info.name!r} (EROFS over {blob}) failed: "
+                               f"{os.strerror(err)}", image=manifest.info.name)
+        mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
+        if self.prefetch:
+            self._start_prefetch(manifest, hexdigest)
+        return mount
+
+    def explain_digest(self, hexdigest: str) -> DSecError | None:
+        """The recorded read error of image ``hexdigest``, as an exception (taken), or None."""
+        found = self.cache.take_error(hexdigest)
+        if found is None:
+            return None
+        kind, message = found
+        return _ERRORS.get(kind, DSecError)(message)
+
+    def _meta(self, manifest: Manifest) -> Path:
+        """The image's EROFS metadata file, kept next to the mounts (a file-backed mount needs a disk
+        filesystem under it, which a cache directory on tmpfs is not)."""
+        path = self.base / "meta" / manifest.meta_digest.removeprefix("sha256:")
+        if path.is_file() and sha256(path.read_bytes()) == manifest.meta_digest:
+            return path
+        data = self.cache.fetch(manifest.meta_digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_bytes(data)
+        os.rename(tmp, path)
+        return path
+
+    def idle(self, idle_for: float = 0.0) -> builtins.list[str]:
+        """Digests of mounted images no sandbox has used for ``idle_for`` seconds (cheap: no I/O)."""
+        now = time.monotonic()
+        return [h for h, m in builtins.list(self._mounts.items()) if m.refs == 0 and now - m.idle_since >= idle_for]
+
+    def unmount_idle(self, idle_for: float = 0.0) -> builtins.list[str]:
+        """Unmount every image no sandbox has used for ``idle_for`` seconds; returns their digests."""
+        done: builtins.list[str] = []
+        with self._lock:
+            for hexdigest in self.idle(idle_for):
+                self._unmount(self._mounts[hexdigest])
+                done.append(hexdigest)
+        return done
+
+    def _unmount(self, mount: _Mount) -> None:
+        _umount(mount.path)
+        with contextlib.suppress(OSError):
+            mount.path.rmdir()
+        self.cache.unpin(mount.hexdigest)
+        self._mounts.pop(mount.hexdigest, None)
+        self._save_access(mount.hexdigest)
+
+    def mounted(self) -> dict[str, int]:
+        """Digest -> pins, of every image this manager has mounted."""
+        with self._lock:
+            return {h: m.refs for h, m in self._mounts.items()}
+
+    def adopt(self) -> None:
+        """After a daemon restart: take over the mounts an earlier daemon left (unpinned until resolved).
+
+        Found from the mount table, not from the cache, so mounts whose cache files are gone (a home
+        removed under them) are still found and can be unmounted.
+        """
+        prefix = str(self.mnt_dir) + "/"
+        with self._lock:
+            known = {m.path for m in self._mounts.values()}
+            manifests = self.cache.root / "manifests"
+            names = [p.name for p in manifests.iterdir()] if manifests.is_dir() else []
+            for point, fstype in _mounts().items():
+                if fstype != "erofs" or not point.startswith(prefix) or Path(point) in known:
+                    continue
+                short = point[len(prefix):]
+                hexdigest = next((n for n in names if n.startswith(short)), short)
+                self._mounts[hexdigest] = _Mount(hexdigest, Path(point))
+
+    def aclose_sync(self, unmount: bool = False) -> None:
+        """Stop prefetching; with ``unmount`` also unmount every image and stop the FUSE server."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads.clear()
+        if not unmount:
+            return
+        with self._lock:
+            self.adopt()
+            for mount in builtins.list(self._mounts.values()):
+                self._unmount(mount)
+            self._stop_fuse()
+
+    def close_idle_sync(self) -> None:
+        """What a stopping daemon does: stop prefetching, unmount every image no live sandbox uses, and stop
+        the FUSE server when nothing is left mounted (mounts under live sandboxes stay for the next daemon)."""
+        self.aclose_sync(unmount=False)
+        with self._lock:
+            self.adopt()
+            self.unmount_idle()
+            if not self._mounts:
+                self._stop_fuse()
+
+    async def close_idle(self) -> None:
+        """Async :meth:`close_idle_sync`."""
+        import asyncio
+
+        await asyncio.to_thread(self.close_idle_sync)
+
+    async def aclose(self, unmount: bool = False) -> None:
+        """Async :meth:`aclose_sync`."""
+        import asyncio
+
+        await asyncio.to_thread(self.aclose_sync, unmount)
+
+    # ------------------------------------------------------------------ the FUSE process
+    @property
+    def _pid_file(self) -> Path:
+        return self.base / "lazyfs.pid"
+
+    def fuse_pid(self) -> int | None:
+        """Pid of the running lazy filesystem server, or None."""
+        try:
+            pid = int(self._pid_file.read_text())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
+            return None
+        return pid
+
+    def _ensure_fuse(self) -> None:
+        if _mounts().get(str(self.blobs_dir), "").startswith("fuse") and self.fuse_pid() is not None:
+            return
+        self._stop_fuse()  # a dead server leaves a stale mount ("transport endpoint is not connected")
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.settings.home / "log" / "lazyfs.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        read, write = os.pipe()
+        argv = [sys.executable, "-m", "dsec.images.lazyfs", "--mountpoint", str(self.blobs_dir),
+                "--cache", str(self.cache.root), "--store", self.store.blobs.url, "--ready-fd", str(write)]
+        if self.cache_limit is not None:
+            argv += ["--limit", str(self.cache_limit)]
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(write,),
+                                    start_new_session=True, close_fds=True)
+        os.close(write)
+        try:
+            ready = _read_with_timeout(read, _FUSE_START_TIMEOUT)
+        finally:
+            os.close(read)
+        if not ready:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+            tail = log_path.read_text(errors="replace")[-1500:]
+            raise SandboxError(f"the lazy image filesystem did not start (see {log_path}): {tail}")
+        self._pid_file.write_text(str(proc.pid))
+        # The daemon does not wait for it: it must outlive a daemon restart. A reaper thread avoids a zombie.
+        threading.Thread(target=proc.wait, daemon=True, name="lazyfs-reaper").start()
+
+    def _stop_fuse(self) -> None:
+        pid = self.fuse_pid()
+        with contextlib.suppress(OSError):
+            _umount(self.blobs_dir, detach=self.blobs_dir.exists() and pid is None)
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.02)
+            if _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                while _alive(pid):
+                    time.sleep(0.02)
+        self._pid_file.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ access records and prefetch
+    def _save_access(self, hexdigest: str) -> None:
+        """Upload the chunk order this node read, if the store has no record for the image yet."""
+        key = f"access/{hexdigest}"
+        order = self.cache.access(hexdigest)
+        if not order:
+            return
+        try:
+            if not self.store.blobs.has(key):
+                self.store.blobs.put(key, json.dumps(order).encode())
+        except DSecError as exc:
+            log.warning("could not save the access record of image %s: %s", hexdigest[:12], exc)
+
+    def _start_prefetch(self, manifest: Manifest, hexdigest: str) -> None:
+        try:
+            raw = self.store.blobs.get(f"access/{hexdigest}")
+            order = [int(i) for i in json.loads(raw)]
+        except (KeyError, ValueError, TypeError, DSecError):
+            return
+        digests = [manifest.chunks[i].digest for i in order if 0 <= i < len(manifest.chunks)]
+        t = threading.Thread(target=self._prefetch, args=(digests,), daemon=True, name=f"prefetch-{hexdigest[:8]}")
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _prefetch(self, digests: builtins.list[str]) -> None:
+        for digest in digests:
+            if self._stop.is_set():
+                return
+            try:
+                self.cache.ensure(digest)
+            except DSecError as exc:
+                log.warning("prefetch stopped: %s", exc)
+                return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie (our own child not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_with_timeout(fd: int, timeout: float) -> bool:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], timeout)
+    return bool(ready) and os.read(fd, 1) == b"1"

@@ -1,0 +1,193 @@
+"""Image faults on real mounts: corrupt chunks, a store that dies mid-read, a full cache disk, missing
+images, and two imports of one image at once. Each fault must give a clear error, never wrong bytes,
+and leave no mount or process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from container_support import leftovers, mounts_under, short_home, sweep
+from dsec.backends.container import ContainerBackend
+from dsec.config import Settings
+from dsec.daemon.engine import Engine
+from dsec.errors import CacheFull, ImageCorrupt, ImageNotFound, StoreUnavailable
+from dsec.images.cache import chunk_key
+from dsec.images.node import NodeImages
+from dsec.images.store import ImageStore
+from dsec.models import ExecRequest, SandboxSpec
+from dsec.testing.fake import FakeBackend
+from image_support import make_tree, seaweedfs
+
+pytestmark = [pytest.mark.root]
+
+MiB = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    path = short_home("dsec-imgf-")
+    try:
+        yield path
+    finally:
+        asyncio.run(sweep(path, path / "images"))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def node_for(home: Path, store: ImageStore) -> NodeImages:
+    return NodeImages(Settings(home=home, images_dir=store.root), store)
+
+
+def data_chunks(store: ImageStore, name: str, data: bytes) -> list[str]:
+    """Digests of the chunks holding ``data`` (found by content)."""
+    found = []
+    for chunk in store.manifest(name).chunks:
+        body = store.blobs.get(chunk_key(chunk.digest))
+        if body[:4096] in data:
+            found.append(chunk.digest)
+    return found
+
+
+def test_a_corrupt_chunk_is_never_served(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    data = make_tree(tmp_path / "src", big=4 * MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    victim = data_chunks(store, "img", data)[3]
+    path = store.blobs.root / chunk_key(victim)  # type: ignore[attr-defined]
+    bad = bytearray(path.read_bytes())
+    bad[100] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    node = node_for(home, store)
+    try:
+        ref = node.resolve("img")
+        assert (ref.rootfs / "etc" / "hello").read_text().startswith("hello")  # other chunks are fine
+        with pytest.raises(OSError) as exc:
+            (ref.rootfs / "data" / "big.bin").read_bytes()
+        assert exc.value.errno == errno.EIO
+        cause = node.explain(ref)
+        assert isinstance(cause, ImageCorrupt)
+        assert victim in cause.message and "does not match its digest after a re-fetch" in cause.message
+        assert not node.cache.has(victim), "a corrupt chunk reached the cache"
+    finally:
+        node.aclose_sync(unmount=True)
+    assert mounts_under(str(home)) == []
+
+
+def test_a_store_that_dies_mid_read_fails_cleanly(home: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(home=home, images_dir=home / "images")
+    with seaweedfs(monkeypatch) as weed:
+        store = ImageStore(home / "images", weed.url())
+        data = make_tree(tmp_path / "src", big=24 * MiB)
+        store.import_dir("img", tmp_path / "src", uid_shift=settings.uid_shift)
+        store.import_dir("other", tmp_path / "src", uid_shift=0)
+        node = NodeImages(settings, store)
+        engine = Engine(settings, {"container": ContainerBackend(settings)}, node)
+
+        async def run() -> None:
+            await engine.start()
+            try:
+                ref = await asyncio.to_thread(node.resolve, "img")
+                with open(ref.rootfs / "data" / "big.bin", "rb") as f:
+                    assert f.read(MiB) == data[:MiB]
+                    weed.kill()  # the store goes away in the middle of reading the file
+                    with pytest.raises(OSError) as exc:
+                        f.seek(20 * MiB)
+                        f.read(MiB)
+                assert exc.value.errno == errno.EIO
+                cause = node.explain(ref)
+                assert isinstance(cause, StoreUnavailable) and weed.endpoint.split("//")[1] in cause.message
+                node.release(ref)
+
+                # a sandbox of an image this node has not mounted yet: creation fails with the cause
+                with pytest.raises(StoreUnavailable, match="image store"):
+                    await engine.create(SandboxSpec(image="other", backend="container"))
+                assert await engine.list() == []
+                # a sandbox on the mounted image still starts; reading uncached files fails, never hangs
+                info = await engine.create(SandboxSpec(image="img", backend="container"))
+                result = await engine.exec(info.id, ExecRequest(command=["/bin/busybox", "true"], timeout=30))
+                assert result.exit_code != 0
+                await engine.destroy(info.id)
+                left = leftovers(home)
+                left.pop("cgroup_parents")  # the backend's, while it runs
+                assert not any(left.values()), left
+            finally:
+                await engine.destroy_all()
+                await engine.aclose()
+                await node.aclose(unmount=True)
+
+        asyncio.run(run())
+    assert mounts_under(str(home)) == [], "a mount is stuck after the store died"
+
+
+def test_a_full_cache_disk_is_reported(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src", big=8 * MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    cache_dir = home / "image-cache"
+    cache_dir.mkdir()
+    if _libc.mount(b"tmpfs", str(cache_dir).encode(), b"tmpfs", 0, b"size=3m") != 0:
+        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        node = node_for(home, store)
+        try:
+            ref = node.resolve("img")
+            assert (ref.rootfs / "etc" / "hello").read_text().startswith("hello")
+            with pytest.raises(OSError) as exc:
+                (ref.rootfs / "data" / "big.bin").read_bytes()
+            assert exc.value.errno == errno.EIO
+            cause = node.explain(ref)
+            assert isinstance(cause, CacheFull) and "is full" in cause.message
+        finally:
+            node.aclose_sync(unmount=True)
+    finally:
+        assert _libc.umount2(str(cache_dir).encode(), 0) == 0
+
+
+def test_a_missing_image_is_reported_by_the_engine(home: Path) -> None:
+    store = ImageStore(home / "images")
+    settings = Settings(home=home, images_dir=store.root)
+
+    async def run() -> None:
+        engine = Engine(settings, {"container": FakeBackend()}, NodeImages(settings, store))
+        await engine.start()
+        try:
+            with pytest.raises(ImageNotFound, match="'nope' not found"):
+                await engine.create(SandboxSpec(image="nope", backend="container"))
+            assert await engine.list() == []
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+    assert not (home / "lazy" / "blobs").exists() or not (home / "lazy" / "blobs").is_mount()
+
+
+def test_two_processes_importing_one_image_at_once(home: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, big=8 * MiB)
+    code = ("import sys; from dsec.images.store import ImageStore\n"
+            "try:\n    ImageStore(sys.argv[1]).import_dir('img', sys.argv[2], uid_shift=0)\n"
+            "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(home / "images"), str(src)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [(p.wait(120), p.communicate()[0]) for p in procs]
+    assert sorted(rc for rc, _ in outputs) == [0, 3], outputs
+    assert any("already exists" in out for _, out in outputs)
+    store = ImageStore(home / "images")
+    node = node_for(home, store)
+    try:
+        assert (node.resolve("img").rootfs / "data" / "big.bin").stat().st_size == 8 * MiB
+    finally:
+        node.aclose_sync(unmount=True)
+    assert [p.name for p in store.root.iterdir() if p.name.startswith(".tmp-")] == []

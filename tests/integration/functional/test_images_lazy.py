@@ -1,0 +1,216 @@
+"""Lazy image loading on real mounts: FUSE blob server, file-backed EROFS, the chunk cache, prefetch, S3.
+
+Every test uses its own DSEC_HOME and image store; mounts and the FUSE server are removed at the end
+(the session leak check verifies it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from container_support import short_home, sweep, wait_until
+from dsec.backends.container import ContainerBackend
+from dsec.config import Settings
+from dsec.daemon.engine import Engine
+from dsec.images.node import NodeImages
+from dsec.images.store import ImageStore
+from dsec.models import ExecRequest, SandboxSpec
+from image_support import make_tree, seaweedfs
+
+pytestmark = [pytest.mark.root]
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    path = short_home("dsec-lazy-")
+    try:
+        yield path
+    finally:
+        asyncio.run(sweep(path, path / "images"))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def node_for(home: Path, store: ImageStore, **kw: object) -> NodeImages:
+    return NodeImages(Settings(home=home, images_dir=store.root), store, **kw)  # type: ignore[arg-type]
+
+
+def test_a_mount_reads_only_what_is_touched(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    data = make_tree(tmp_path / "src")
+    store.import_dir("lazy", tmp_path / "src", uid_shift=0)
+    blob = store.manifest("lazy").blob_size
+    node = node_for(home, store)
+    try:
+        ref = node.resolve("lazy")
+        assert (ref.rootfs / "etc" / "hello").read_text() == "hello from a lazy image\n"
+        assert os.path.getsize(ref.rootfs / "data" / "big.bin") == len(data)  # metadata only: no data fetched
+        fetched = node.cache.usage()
+        assert fetched < 0.1 * blob, f"fetched {fetched} of {blob} bytes to read one small file"
+        assert (ref.rootfs / "data" / "big.bin").read_bytes() == data
+        assert node.cache.usage() >= len(data)
+        manifest = store.manifest("lazy")
+        hexdigest = manifest.digest[7:]
+        read = node.cache.access(hexdigest)
+        assert len(set(read)) == len(read) and sum(manifest.chunks[i].size for i in read) >= len(data)
+        # a second sandbox of the image shares the same mount
+        again = node.resolve("lazy")
+        assert again.rootfs == ref.rootfs and node.mounted() == {hexdigest: 2}
+        node.release(again)
+        node.release(ref)
+        assert node.mounted() == {hexdigest: 0}, "unused mounts are kept warm"
+        assert node.idle(3600) == [] and node.unmount_idle(3600) == [] and ref.rootfs.is_mount()
+        assert node.unmount_idle() == [hexdigest] and not ref.rootfs.is_mount()
+    finally:
+        node.aclose_sync(unmount=True)
+
+
+def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src", big=MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    first = node_for(home, store)
+    try:
+        ref = first.resolve("img")
+        pid = first.fuse_pid()
+        first.aclose_sync(unmount=False)  # what a daemon does when it stops: mounts and server stay
+        second = node_for(home, store)
+        again = second.resolve("img")
+        assert again.rootfs == ref.rootfs and second.fuse_pid() == pid
+        assert (again.rootfs / "etc" / "hello").read_text().startswith("hello")
+    finally:
+        node_for(home, store).aclose_sync(unmount=True)
+    assert not ref.rootfs.is_mount() and not (home / "lazy" / "blobs").is_mount()
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=10)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_chunks_of_the_first_start_are_prefetched_later(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    data = make_tree(tmp_path / "src")
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    manifest = store.manifest("img")
+    node = node_for(home, store)
+    try:
+        ref = node.resolve("img")
+        with open(ref.rootfs / "data" / "big.bin", "rb") as f:
+            f.seek(len(data) // 2)
+            assert f.read(2 * MiB) == data[len(data) // 2:len(data) // 2 + 2 * MiB]
+        node.release(ref)
+        node.aclose_sync(unmount=True)  # the access record goes to the store
+        assert store.blobs.has(f"access/{manifest.digest[7:]}")
+        node.cache.evict(target=0)
+        assert node.cache.usage() == 0
+        recorded = json.loads(store.blobs.get(f"access/{manifest.digest[7:]}"))  # what later starts prefetch
+        wanted = {manifest.chunks[i].digest for i in recorded}
+        later = node_for(home, store)
+        later.resolve("img")  # nothing reads the file: only the prefetcher fetches
+        assert wait_until(lambda: all(later.cache.has(d) for d in wanted), timeout=30), (
+            [later.cache.has(d) for d in wanted], recorded, later.cache.usage())
+        assert later.cache.usage() < manifest.blob_size / 2, "prefetch fetched more than the first start read"
+    finally:
+        node_for(home, store).aclose_sync(unmount=True)
+
+
+def test_s3_store_on_seaweedfs(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with seaweedfs(monkeypatch) as weed:
+        store = ImageStore(home / "images", weed.url())
+        data = make_tree(tmp_path / "src", big=4 * MiB)
+        info = store.import_dir("s3img", tmp_path / "src", uid_shift=0)
+        assert store.names() == ["s3img"] and store.get("s3img") == info
+        keys = {k for k, _, _ in store.blobs.keys("chunks/")}
+        assert len(keys) >= len({c.digest for c in store.manifest("s3img").chunks})
+        node = node_for(home, store)
+        try:
+            ref = node.resolve("s3img")
+            assert (ref.rootfs / "data" / "big.bin").read_bytes() == data
+        finally:
+            node.aclose_sync(unmount=True)
+        store.remove("s3img")
+        assert store.names() == [] and store.gc(grace=0).chunks == len(keys)
+        assert list(store.blobs.keys("chunks/")) == []
+
+
+def test_engine_runs_a_container_sandbox_from_an_s3_image(home: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    with seaweedfs(monkeypatch) as weed:
+        store = ImageStore(home / "images", weed.url())
+        make_tree(tmp_path / "src", big=2 * MiB)
+        store.import_dir("tiny", tmp_path / "src", uid_shift=Settings().uid_shift)
+
+        async def run() -> None:
+            settings = Settings(home=home, images_dir=store.root)
+            node = NodeImages(settings, store)
+            engine = Engine(settings, {"container": ContainerBackend(settings)}, node)
+            await engine.start()
+            try:
+                info = await engine.create(SandboxSpec(image="tiny", backend="container"))
+                result = await engine.exec(info.id, ExecRequest(command="cat /etc/hello; md5sum /data/big.bin"))
+                assert result.exit_code == 0, result.stderr
+                assert result.stdout.startswith(b"hello from a lazy image\n")
+                await engine.destroy(info.id)
+                assert node.mounted() == {store.manifest("tiny").digest[7:]: 0}
+            finally:
+                await engine.destroy_all()
+                await engine.aclose()
+                await node.aclose(unmount=True)
+
+        asyncio.run(run())
+
+
+def test_the_engine_unmounts_images_idle_past_their_warm_period(home: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec.daemon import engine as engine_mod
+    from dsec.testing.fake import FakeBackend
+
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src", big=MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    monkeypatch.setattr(engine_mod, "IMAGE_IDLE_SECONDS", 0.3)
+    settings = Settings(home=home, images_dir=store.root)
+
+    async def run() -> None:
+        node = NodeImages(settings, store)
+        engine = Engine(settings, {"container": FakeBackend()}, node, reaper_interval=0.05)
+        await engine.start()
+        try:
+            info = await engine.create(SandboxSpec(image="img", backend="container"))
+            await asyncio.sleep(0.6)
+            assert len(node.mounted()) == 1, "an image in use is never unmounted"
+            await engine.destroy(info.id)
+            deadline = asyncio.get_running_loop().time() + 10
+            while node.mounted() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert node.mounted() == {}
+        finally:
+            await engine.destroy_all()
+            await engine.aclose()
+            await node.aclose(unmount=True)
+
+    asyncio.run(run())
+
+
+def test_mounts_are_found_even_when_the_cache_is_gone(home: Path, tmp_path: Path) -> None:
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src", big=MiB)
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    node = node_for(home, store)
+    ref = node.resolve("img")
+    node.aclose_sync(unmount=False)  # a daemon stops with the mount in use...
+    shutil.rmtree(home / "image-cache")  # ...and its cache is deleted under it
+    node_for(home, store).aclose_sync(unmount=True)
+    assert not ref.rootfs.is_mount() and not (home / "lazy" / "blobs").is_mount()

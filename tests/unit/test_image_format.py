@@ -1,0 +1,210 @@
+"""The chunked image format, the directory store and the node chunk cache (no mounts, no root needed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.errors import ImageCorrupt, InvalidRequest
+from dsec.images.cache import ChunkCache, chunk_key
+from dsec.images.format import BLOCK, ChunkIndex, ChunkRef, Manifest, cut_blob, sha256
+from dsec.images.stores import BlobStore, DirStore, ThrottledStore, open_store
+from dsec.models import ImageInfo
+
+
+class CountingStore(BlobStore):
+    """A DirStore that counts gets and can hand out bad bytes (a fake for the cache's logic)."""
+
+    def __init__(self, root: Path, bad: int = 0, delay: float = 0.0) -> None:
+        self.inner = DirStore(root)
+        self.url = self.inner.url
+        self.gets: Counter[str] = Counter()
+        self.bad = bad
+        self.delay = delay
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            self.gets[key] += 1
+            corrupt = self.bad > 0
+            self.bad -= 1 if corrupt else 0
+        time.sleep(self.delay)
+        data = self.inner.get(key)
+        return b"X" + data[1:] if corrupt else data
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def has(self, key: str) -> bool:
+        return self.inner.has(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def keys(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        return self.inner.keys(prefix)
+
+
+def blocks(*seeds: int, n: int = 40) -> bytes:
+    """Deterministic 4 KiB blocks: ``n`` per seed."""
+    out = bytearray()
+    for seed in seeds:
+        for i in range(n):
+            out += sha256(f"{seed}-{i}".encode()).encode() * (BLOCK // 71) + b"\0" * (BLOCK % 71)
+    return bytes(out)
+
+
+def test_cut_is_content_defined_so_shared_runs_dedup(tmp_path: Path) -> None:
+    base = blocks(1, 2, 3, 4, 5, 6, 7, 8)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(base + blocks(9))
+    b.write_bytes(blocks(10, n=7) + base)  # the same run of data, shifted by a non-chunk-aligned amount
+    ca, cb = list(cut_blob(a)), list(cut_blob(b))
+    assert b"".join(d for _, d in ca) == a.read_bytes()
+    assert all(sha256(d) == h for h, d in ca)
+    shared = {h for h, _ in ca} & {h for h, _ in cb}
+    shared_bytes = sum(len(d) for h, d in ca if h in shared)
+    assert shared_bytes > 0.7 * len(base), "a shared run of blocks should mostly dedup"
+    assert all(len(d) % BLOCK == 0 for _, d in ca)
+    assert max(len(d) for _, d in ca) <= 256 * BLOCK
+
+
+def manifest_of(chunks: list[tuple[str, bytes]]) -> Manifest:
+    info = ImageInfo(name="x", created_at=0, size_bytes=0, files=0, source="t", uid_shift=0)
+    return Manifest(info=info, meta_digest=sha256(b"m"), meta_size=1,
+                    chunks=[ChunkRef(digest=h, size=len(d)) for h, d in chunks])
+
+
+def test_manifest_digest_is_verified_and_index_maps_offsets() -> None:
+    m = manifest_of([(sha256(b"a" * 8192), b"a" * 8192), (sha256(b"b" * 4096), b"b" * 4096)])
+    data = m.canonical()
+    assert Manifest.parse(data, m.digest) == m
+    tampered = data.replace(b'"size":4096', b'"size":8192')
+    with pytest.raises(ImageCorrupt, match="corrupt"):
+        Manifest.parse(tampered, m.digest)
+    with pytest.raises(ImageCorrupt, match="cannot be parsed"):
+        Manifest.parse(b"{not json", None)
+    index = ChunkIndex(m)
+    assert index.locate(0) == (0, 0) and index.locate(8191) == (0, 8191) and index.locate(8192) == (1, 0)
+    assert m.blob_size == 12288 and index.start(1) == 8192
+
+
+def test_dir_store_is_atomic_and_validates_keys(tmp_path: Path) -> None:
+    store = DirStore(tmp_path / "s")
+    store.put("chunks/sha256/ab/x", b"1")
+    store.put("chunks/sha256/ab/x", b"22")
+    assert store.get("chunks/sha256/ab/x") == b"22" and store.has("chunks/sha256/ab/x")
+    assert [(k, s) for k, s, _ in store.keys("chunks/")] == [("chunks/sha256/ab/x", 2)]
+    assert not [p for p in (tmp_path / "s").rglob(".tmp-*")]
+    with pytest.raises(KeyError):
+        store.get("chunks/none")
+    for bad in ("", "/abs", "a/../b", "a//b", "."):
+        with pytest.raises(InvalidRequest, match="invalid store key"):
+            store.get(bad)
+    store.delete("chunks/sha256/ab/x")
+    store.delete("chunks/sha256/ab/x")  # absent: no error
+    assert not store.has("chunks/sha256/ab/x")
+    assert isinstance(open_store(f"file://{tmp_path}"), DirStore)
+    with pytest.raises(InvalidRequest, match="absolute path"):
+        open_store("relative/dir")
+    with pytest.raises(InvalidRequest, match="names no bucket"):
+        open_store("s3:///prefix")
+
+
+def put_chunk(store: BlobStore, data: bytes) -> str:
+    digest = sha256(data)
+    store.put(chunk_key(digest), data)
+    return digest
+
+
+def test_corrupt_chunk_is_refetched_once(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "s", bad=1)
+    digest = put_chunk(store, b"good bytes" * 100)
+    cache = ChunkCache(tmp_path / "c", store)
+    assert cache.ensure(digest).read_bytes() == b"good bytes" * 100
+    assert store.gets[chunk_key(digest)] == 2
+
+
+def test_chunk_corrupt_twice_is_never_served(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "s", bad=2)
+    digest = put_chunk(store, b"good bytes" * 100)
+    cache = ChunkCache(tmp_path / "c", store)
+    with pytest.raises(ImageCorrupt, match="does not match its digest after a re-fetch") as exc:
+        cache.ensure(digest)
+    assert exc.value.detail["digest"] == digest
+    assert not cache.has(digest) and store.gets[chunk_key(digest)] == 2
+    assert cache.ensure(digest).read_bytes() == b"good bytes" * 100  # the store healed: fetched again
+
+
+def test_missing_chunk_and_bad_digest_are_clear(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path / "c", DirStore(tmp_path / "s"))
+    with pytest.raises(ImageCorrupt, match="missing from the image store"):
+        cache.ensure(sha256(b"never stored"))
+    with pytest.raises(ImageCorrupt, match="invalid digest"):
+        cache.ensure("md5:abc")
+
+
+def test_concurrent_first_reads_fetch_once(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "s", delay=0.2)
+    digest = put_chunk(store, os.urandom(65536))
+    cache = ChunkCache(tmp_path / "c", store)
+    results: list[bytes] = []
+
+    def read() -> None:
+        results.append(ChunkCache(tmp_path / "c", store).ensure(digest).read_bytes())  # separate instances too
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and len(set(results)) == 1
+    assert store.gets[chunk_key(digest)] == 1
+    assert cache.has(digest)
+
+
+def test_lru_eviction_spares_pinned_images(tmp_path: Path) -> None:
+    store = DirStore(tmp_path / "s")
+    data = [bytes([i]) * 10000 for i in range(4)]
+    digests = [put_chunk(store, d) for d in data]
+    cache = ChunkCache(tmp_path / "c", store)
+    pinned = manifest_of([(digests[0], data[0])])
+    cache.pin(cache.put_manifest(pinned))
+    for i, d in enumerate(digests):
+        os.utime(cache.ensure(d), (1000 + i, 1000 + i))  # d0 oldest, d3 newest
+    os.utime(cache.path(digests[2]), (5000, 5000))  # d2 used most recently
+    freed = cache.evict(target=20000)
+    assert freed == 20000
+    assert [cache.has(d) for d in digests] == [True, False, True, False]  # d0 pinned, d2 recent
+    cache.unpin(pinned.digest.removeprefix("sha256:"))
+    cache.evict(target=0)
+    assert cache.usage() == 0
+
+
+def test_cache_limit_is_enforced_on_fetch(tmp_path: Path) -> None:
+    store = DirStore(tmp_path / "s")
+    digests = [put_chunk(store, bytes([i]) * 10000) for i in range(5)]
+    cache = ChunkCache(tmp_path / "c", store, limit=25000)
+    for d in digests:
+        cache.ensure(d)
+        time.sleep(0.01)
+    assert cache.usage() <= 25000
+    assert cache.has(digests[-1])
+
+
+def test_throttled_store_url(tmp_path: Path) -> None:
+    store = open_store(f"{tmp_path}?rate=1e6&latency=0.01")
+    assert isinstance(store, ThrottledStore) and store.rate == 1e6 and store.latency == 0.01
+    store.put("a/b", b"x" * 10)
+    assert store.get("a/b") == b"x" * 10 and store.url.startswith(f"file://{tmp_path}?rate=")
+    assert isinstance(open_store(store.url), ThrottledStore)  # the URL round-trips (the FUSE server reopens it)
+    with pytest.raises(InvalidRequest, match="rate=BYTES_PER_S"):
+        open_store(f"{tmp_path}?speed=fast")
+    with pytest.raises(InvalidRequest, match="rate > 0"):
+        open_store(f"{tmp_path}?rate=0")
