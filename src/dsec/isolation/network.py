@@ -53,6 +53,9 @@ SUBNET = ipaddress.ip_network("10.200.0.0/16")
 """Addresses of sandbox veth pairs: a /30 each (host side .1, sandbox side .2)."""
 _MAX_INDEX = SUBNET.num_addresses // 4 - 1
 _MIN_DNS_TTL = 30
+_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+_FORWARD_MARKER = Path("/run/dsec/ip_forward.before")
+"""Present while DSec keeps IPv4 forwarding on that it found off (holds the value to restore)."""
 
 
 @dataclass(frozen=True)
@@ -136,18 +139,27 @@ table inet {t} {{
   }}
 }}
 """)
-        forward = Path("/proc/sys/net/ipv4/ip_forward")
-        if forward.read_text().strip() != "1":
+        if _FORWARD.read_text().strip() != "1":
             # Routing is what a sandbox with network needs; the forward chain above keeps other
             # interfaces' traffic as it was (this table accepts everything not from or to a sandbox).
+            # The marker lets the last table's removal switch it off again.
             log.warning("enabling net.ipv4.ip_forward for sandbox networking")
-            forward.write_text("1")
+            _FORWARD_MARKER.parent.mkdir(parents=True, exist_ok=True)
+            _FORWARD_MARKER.write_text("0")
+            _FORWARD.write_text("1")
 
     def drop_table(self) -> None:
-        """Remove the table (when no sandbox of this home is left)."""
+        """Remove the table (when no sandbox of this home is left); the last DSec table to go turns
+        IPv4 forwarding back off if DSec turned it on."""
         with contextlib.suppress(SandboxError):
             _run(["nft", "-f", "-"], f"destroy table inet {self.table}\n" if _nft_has_destroy() else
                  f"delete table inet {self.table}\n")
+        tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True,
+                                check=False).stdout
+        if _FORWARD_MARKER.exists() and not any(line.split()[-1].startswith("dsec_")
+                                                for line in tables.splitlines() if line.strip()):
+            _FORWARD.write_text(_FORWARD_MARKER.read_text().strip() or "0")
+            _FORWARD_MARKER.unlink(missing_ok=True)
 
     # -- one sandbox -----------------------------------------------------------------------------
 
