@@ -116,28 +116,27 @@ class Network:
     def ensure_table(self) -> None:
         """Create the table and its base chains if missing (idempotent) and enable IPv4 forwarding."""
         t = self.table
+        # Declared (a no-op when they exist), then the base chains' rules replaced in the same transaction:
+        # a daemon restarted after a crash must not append a second copy of them.
         _run(["nft", "-f", "-"], f"""
 table inet {t} {{
   set ifaces {{ type ifname; }}
   map egress {{ type ifname : verdict; }}
-  chain forward {{
-    type filter hook forward priority filter; policy accept;
-    oifname @ifaces ct state established,related accept
-    oifname @ifaces counter drop
-    iifname @ifaces iifname vmap @egress
-    iifname @ifaces counter drop
-  }}
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    iifname @ifaces udp dport 53 accept
-    iifname @ifaces ct state established,related accept
-    iifname @ifaces counter drop
-  }}
-  chain postrouting {{
-    type nat hook postrouting priority srcnat; policy accept;
-    iifname @ifaces oifname != @ifaces masquerade
-  }}
+  chain forward {{ type filter hook forward priority filter; policy accept; }}
+  chain input {{ type filter hook input priority filter; policy accept; }}
+  chain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 }}
+flush chain inet {t} forward
+flush chain inet {t} input
+flush chain inet {t} postrouting
+add rule inet {t} forward oifname @ifaces ct state established,related accept
+add rule inet {t} forward oifname @ifaces counter drop
+add rule inet {t} forward iifname @ifaces iifname vmap @egress
+add rule inet {t} forward iifname @ifaces counter drop
+add rule inet {t} input iifname @ifaces udp dport 53 accept
+add rule inet {t} input iifname @ifaces ct state established,related accept
+add rule inet {t} input iifname @ifaces counter drop
+add rule inet {t} postrouting iifname @ifaces oifname != @ifaces masquerade
 """)
         if _FORWARD.read_text().strip() != "1":
             # Routing is what a sandbox with network needs; the forward chain above keeps other

@@ -278,3 +278,20 @@ async def _sdk_roundtrip() -> None:
                 await sb.close()
     finally:
         down(settings, destroy=True)
+
+
+def test_table_setup_is_idempotent_and_dropped_cleanly(peer: _Upstream) -> None:
+    """A daemon restarted after a crash sets the table up again: its base rules must not pile up."""
+    from dsec.isolation.network import Network
+
+    net = Network(f"t{os.getpid()}")
+    try:
+        net.ensure_table()
+        net.ensure_table()
+        listing = subprocess.run(["nft", "list", "table", "inet", net.table], capture_output=True, text=True,
+                                 check=True).stdout
+        assert listing.count("masquerade") == 1 and listing.count("udp dport 53") == 1, listing
+    finally:
+        net.drop_table()
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    assert net.table not in tables
