@@ -41,6 +41,7 @@ from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.network import DnsProxy, Network, Policy
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
+from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -71,15 +72,6 @@ def _umount(target: Path) -> None:
         err = ctypes.get_errno()
         if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: already gone
             raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
-
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat: tells a live init from a recycled pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 class ContainerBackend(Backend):
@@ -291,7 +283,7 @@ class ContainerBackend(Backend):
         await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
-        record.backend_state.update(init_pid=pid, init_start=_start_time(pid))
+        record.backend_state.update(init_pid=pid, init_start=start_time(pid))
         if policy.mode != "none":
             await self._connect(record, policy)
 
@@ -323,7 +315,7 @@ class ContainerBackend(Backend):
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")
-        if not pid or _start_time(pid) != record.backend_state.get("init_start"):
+        if not pid or start_time(pid) != record.backend_state.get("init_start"):
             raise SandboxError(f"sandbox {record.id} is not running (its init process is gone)")
         return int(pid)
 
@@ -410,7 +402,7 @@ class ContainerBackend(Backend):
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
-        if pid and _start_time(pid) == state.get("init_start"):
+        if pid and start_time(pid) == state.get("init_start"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         cgroups = self._cgroup_set(sandbox_id, state)
@@ -441,7 +433,7 @@ class ContainerBackend(Backend):
 
     async def recover(self, record: SandboxRecord) -> bool:
         pid = record.backend_state.get("init_pid")
-        if not pid or _start_time(pid) != record.backend_state.get("init_start"):
+        if not pid or start_time(pid) != record.backend_state.get("init_start"):
             return False
         # The init is alive (same pid, same start time) and is DSec's: it sits in this sandbox's cgroup.
         try:
@@ -475,7 +467,7 @@ class ContainerBackend(Backend):
                 # Without a record there is no start time to check the pid against: trust it only while
                 # it still sits in this sandbox's cgroup, or a recycled pid would be SIGKILLed as root.
                 if f"/{self.cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text():
-                    state = {"init_pid": pid, "init_start": _start_time(pid)}
+                    state = {"init_pid": pid, "init_start": start_time(pid)}
             await self._destroy_id(sandbox_id, state)
         await asyncio.to_thread(self._remove_empty_parent)
         # Network chains of sandboxes that no recovered record claims (recover() runs first).

@@ -38,8 +38,9 @@ from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci import DEFAULT_PATH
+from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
-from dsec.isolation.zygote import Zygote, ZygoteConfig, start_time
+from dsec.isolation.zygote import Zygote, ZygoteConfig
 from dsec.models import (
     CallRequest,
     CallResult,

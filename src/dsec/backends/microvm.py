@@ -43,6 +43,7 @@ from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
 from dsec.isolation.idmap import unshifted_view
+from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
 __all__ = ["MicroVMBackend", "probe_accelerator"]
@@ -69,13 +70,6 @@ _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _DETACHED: dict[int, subprocess.Popen[bytes]] = {}
 """QEMUs this process started whose backend was closed (they keep running for a later ``recover``); kept so
 that they are reaped, by whichever backend destroys them, instead of lingering as zombies."""
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def probe_accelerator(kernel: Path, timeout: float = 8.0) -> tuple[str, str]:
@@ -299,7 +293,7 @@ class MicroVMBackend(Backend):
                                         pass_fds=pass_fds, preexec_fn=join, start_new_session=True)
 
         proc = await asyncio.to_thread(start)
-        record.backend_state.update(qemu_pid=proc.pid, qemu_start=_start_time(proc.pid), cgroups=cg.dirs,
+        record.backend_state.update(qemu_pid=proc.pid, qemu_start=start_time(proc.pid), cgroups=cg.dirs,
                                     rundir=str(rundir))
         vm = _VM(pid=proc.pid, proc=proc, rundir=rundir)
         self._adopt(record.id, vm)
@@ -808,7 +802,7 @@ class MicroVMBackend(Backend):
         if vm is not None and vm.client is not None:
             vm.client.mark_dead("sandbox destroyed")
         pid = state.get("qemu_pid")
-        if pid and _start_time(pid) == state.get("qemu_start"):
+        if pid and start_time(pid) == state.get("qemu_start"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc = vm.proc if vm is not None and vm.proc is not None else _DETACHED.pop(pid, None) if pid else None
@@ -846,7 +840,7 @@ class MicroVMBackend(Backend):
             return (Path(record.backend_state["hibernated"]) / "state").is_file()
         pid = record.backend_state.get("qemu_pid")
         rundir = record.backend_state.get("rundir")
-        if not pid or not rundir or _start_time(pid) != record.backend_state.get("qemu_start"):
+        if not pid or not rundir or start_time(pid) != record.backend_state.get("qemu_start"):
             return False
         vm = _VM(pid=pid, proc=None, rundir=Path(rundir))
         self._adopt(record.id, vm)
@@ -873,7 +867,7 @@ class MicroVMBackend(Backend):
             with contextlib.suppress(OSError, ValueError):
                 pid = int((self.run_root / sandbox_id / "qemu.pid").read_text())
                 if f"/{self.cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text():
-                    state = {"qemu_pid": pid, "qemu_start": _start_time(pid)}
+                    state = {"qemu_pid": pid, "qemu_start": start_time(pid)}
             await self._destroy_id(sandbox_id, state)
         return orphans
 

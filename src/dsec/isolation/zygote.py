@@ -24,21 +24,12 @@ from pathlib import Path
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.isolation.exec_client import Spawned
 
-__all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig", "start_time"]
+__all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig"]
 
 _MFD_CLOEXEC = 1
 _START_TIMEOUT_S = 30.0
 MAX_REQUEST = 192 * 1024
 """Largest argv + environment of one call: a unix datagram must fit the socket's send buffer."""
-
-
-def start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat: tells a live process from a recycled pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 @dataclass(frozen=True)
