@@ -27,7 +27,7 @@ from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import nsexec
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
-__all__ = ["ExecHelper", "Spawned", "stream_exec"]
+__all__ = ["ExecHelper", "Spawned", "send_with_pipes", "stream_exec"]
 
 _CHUNK = 64 * 1024
 # After the command exits, output still in the pipes is read for this long; a background job that
@@ -112,22 +112,26 @@ class ExecHelper:
             self.close()
             self.start()
         assert self._sock is not None
-        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
-        stdin_r, stdin_w = pipes[0]
-        theirs = [stdin_r, pipes[1][1], pipes[2][1], pipes[3][1]]
-        ours = Spawned(stdin=stdin_w, stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
-        try:
-            self._sock.sendmsg([json.dumps(request).encode()],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
-        except OSError as e:
-            ours.close()
-            raise SandboxError(f"exec helper unreachable: {e}") from e
-        finally:
-            for fd in theirs:
-                os.close(fd)
-        for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
-            os.set_blocking(fd, False)
-        return ours
+        return send_with_pipes(self._sock, json.dumps(request).encode(), "exec helper")
+
+
+def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
+    """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
+    (stdin, stdout, stderr, status) attached; returns our ends, non-blocking."""
+    pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+    theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+    ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
+    try:
+        sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
+    except OSError as e:
+        ours.close()
+        raise SandboxError(f"{peer} is unreachable: {e}") from e
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
+        os.set_blocking(fd, False)
+    return ours
 
 
 async def _feed_stdin(fd: int, data: bytes) -> None:

@@ -12,7 +12,6 @@ limits or paths (the backend does) and never reads what a call prints.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import os
 import signal
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.isolation.exec_client import Spawned
+from dsec.isolation.exec_client import Spawned, send_with_pipes
 
 __all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig"]
 
@@ -130,21 +129,7 @@ class Zygote:
         if len(message) > MAX_REQUEST:
             raise InvalidRequest(f"command and environment take {len(message)} bytes, over the function backend's "
                                  f"limit of {MAX_REQUEST}: pass large inputs as stdin or through a file")
-        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
-        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
-        ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
-        try:
-            self._sock.sendmsg([message],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
-        except OSError as e:
-            ours.close()
-            raise SandboxError(f"the sandbox's zygote is unreachable: {e}") from e
-        finally:
-            for fd in theirs:
-                os.close(fd)
-        for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
-            os.set_blocking(fd, False)
-        return ours
+        return send_with_pipes(self._sock, message, "the sandbox's zygote")
 
     def close(self) -> None:
         """Stop the zygote (every running call dies with it) and reap it."""
