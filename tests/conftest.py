@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from container_support import SESSION_TAGS, home_tag, images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
 from dsec.images.store import ImageStore
+from dsec.isolation.network import dsec_tables
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -110,10 +110,8 @@ def _host_footprint(tags: set[str]) -> set[str]:
             if comm != "qemu-system-x86" and any(f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups
                                                 for tag in tags):
                 found.add(f"process {comm} pid {proc.name}")
-    tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout
-    for line in tables.splitlines():
-        name = line.split()[-1]
-        if name.startswith("dsec_") and name.removeprefix("dsec_") in tags:
+    for name in dsec_tables():
+        if name.removeprefix("dsec_") in tags:
             found.add(f"nft table {name}")
     for proc in Path("/proc").iterdir():  # lazy image filesystem servers of this session's homes
         try:

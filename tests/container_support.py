@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
+from dsec.isolation.network import Network, dsec_tables
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -71,19 +71,6 @@ def cgroup_parents(tag: str) -> list[str]:
     return sorted(str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{tag}") if p.is_dir() and not p.parent.is_symlink())
 
 
-def nft_chains(tag: str) -> list[str]:
-    """Per-sandbox network chains (``n<index>``) in this home's nft table."""
-    proc = subprocess.run(["nft", "list", "table", "inet", f"dsec_{tag}"], capture_output=True, text=True,
-                          check=False)
-    return [line.split()[1] for line in proc.stdout.splitlines()
-            if line.strip().startswith("chain n") and line.split()[1][1:].isdigit()]
-
-
-def nft_table_exists(tag: str) -> bool:
-    proc = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False)
-    return f"table inet dsec_{tag}" in proc.stdout
-
-
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     try:
@@ -102,7 +89,7 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
         "cgroups": cgroup_dirs(tag, sandbox_id),
         "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
         "runtime_state": [],
-        "network_chains": [] if sandbox_id else nft_chains(tag),
+        "network_chains": [] if sandbox_id else [f"n{i}" for i in Network(tag).indexes()],
         "bundles": [],
         "rootfs_dirs": [],
     }
@@ -193,7 +180,7 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
     assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
     # closing the backend drops the home's (now empty) parent cgroups and nft table (shared while it runs)
     assert cgroup_parents(home_tag(home)) == []
-    assert not nft_table_exists(home_tag(home)), "the home's nft table outlived its last sandbox"
+    assert f"dsec_{home_tag(home)}" not in dsec_tables(), "the home's nft table outlived its last sandbox"
 
 
 async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],

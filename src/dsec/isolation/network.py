@@ -45,7 +45,7 @@ import dns.rdatatype
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.models import NetworkEntry, parse_network
 
-__all__ = ["DnsProxy", "Network", "Policy", "upstream_resolver"]
+__all__ = ["DnsProxy", "Network", "Policy", "dsec_tables", "upstream_resolver"]
 
 log = logging.getLogger("dsec.network")
 
@@ -105,6 +105,13 @@ def _run(argv: list[str], stdin: str) -> None:
         raise SandboxError(f"{argv[0]} failed: {proc.stderr.decode(errors='replace').strip()[-500:]}")
 
 
+def dsec_tables() -> list[str]:
+    """Names of DSec's nft tables on this host (``dsec_<tag>``, one per DSEC_HOME with networked sandboxes)."""
+    out = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[-1] for line in out.splitlines()
+            if line.startswith("table inet ") and line.split()[-1].startswith("dsec_")]
+
+
 class Network:
     """nftables + veth plumbing of one DSEC_HOME's sandboxes (blocking calls: run them in a thread)."""
 
@@ -150,13 +157,9 @@ add rule inet {t} postrouting iifname @ifaces oifname != @ifaces masquerade
     def drop_table(self) -> None:
         """Remove the table (when no sandbox of this home is left); the last DSec table to go turns
         IPv4 forwarding back off if DSec turned it on."""
-        with contextlib.suppress(SandboxError):
-            _run(["nft", "-f", "-"], f"destroy table inet {self.table}\n" if _nft_has_destroy() else
-                 f"delete table inet {self.table}\n")
-        tables = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True,
-                                check=False).stdout
-        if _FORWARD_MARKER.exists() and not any(line.split()[-1].startswith("dsec_")
-                                                for line in tables.splitlines() if line.strip()):
+        with contextlib.suppress(SandboxError):  # already gone
+            _run(["nft", "-f", "-"], f"delete table inet {self.table}\n")
+        if _FORWARD_MARKER.exists() and not dsec_tables():
             _FORWARD.write_text(_FORWARD_MARKER.read_text().strip() or "0")
             _FORWARD_MARKER.unlink(missing_ok=True)
 
@@ -257,22 +260,6 @@ add rule inet {t} postrouting iifname @ifaces oifname != @ifaces masquerade
             elif current == self.table and words[:1] == ["chain"] and words[1][1:].isdigit():
                 found.append(int(words[1][1:]))
         return found
-
-
-_DESTROY: bool | None = None
-
-
-def _nft_has_destroy() -> bool:
-    """nft ≥ 1.0.8 knows ``destroy`` (delete if present); older ones only ``delete``."""
-    global _DESTROY
-    if _DESTROY is None:
-        out = subprocess.run(["nft", "--version"], capture_output=True, text=True, check=False).stdout
-        try:
-            version = tuple(int(x) for x in out.split()[1].lstrip("v").split(".")[:3])
-        except (IndexError, ValueError):
-            version = (0,)
-        _DESTROY = version >= (1, 0, 8)
-    return _DESTROY
 
 
 class _DnsServer(asyncio.DatagramProtocol):
