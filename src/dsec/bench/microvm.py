@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.microvm import QEMU, MicroVMBackend
-from dsec.bench.container import BenchUnavailable
+from dsec.bench.container import BenchUnavailable, _mem_available
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
@@ -27,13 +27,6 @@ from dsec.testing import new_record
 __all__ = ["run"]
 
 MiB = 1024 * 1024
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _plain_boot(kernel: Path, accel: str) -> float:
