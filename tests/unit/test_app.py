@@ -172,6 +172,48 @@ async def test_exception_inside_stream_becomes_error_event(tmp_path: Path) -> No
         await eng.aclose()
 
 
+async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, engine: Engine) -> None:
+    sid = await new_sandbox(client)
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={
+        "command": ["sh", "-c", "cat; printf err >&2; exit 4"],
+        "stdin": base64.b64encode(b"in").decode(),
+    })
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    result = r.json()
+    assert result["exit_code"] == 4 and result["limit"] is None
+    assert base64.b64decode(result["stdout"]) == b"in"
+    assert base64.b64decode(result["stderr"]) == b"err"
+    assert engine.metrics.value("dsec_exec_total", backend="container", outcome="nonzero") == 1
+    # Bad input and wrong states answer the same errors as the streamed route.
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", content=b"{not json")
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": []})
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true", "cwd": "../etc"})
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+    r = await client.post("/v1/sandboxes/sb-000000000000/exec/result", json={"command": "true"})
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound")
+    await client.post(f"/v1/sandboxes/{sid}/pause")
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true"})
+    assert (r.status_code, r.json()["error"]["type"]) == (409, "SandboxStateError")
+
+
+async def test_exception_inside_one_response_exec_is_a_sandbox_error(tmp_path: Path) -> None:
+    eng = Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
+                 FakeImages())
+    await eng.start()
+    try:
+        async with client_for(eng) as c:
+            sid = await new_sandbox(c)
+            r = await c.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true"})
+        assert r.status_code == 500
+        assert r.json() == {"error": {"type": "SandboxError", "message": "init died", "detail": {}}}
+        assert eng.metrics.value("dsec_exec_total", backend="container", outcome="error") == 1
+    finally:
+        await eng.destroy_all()
+        await eng.aclose()
+
+
 async def test_file_round_trip_with_binary_data(client: httpx.AsyncClient) -> None:
     sid = await new_sandbox(client)
     data = bytes(range(256)) + b"\xff\xfe not utf-8"

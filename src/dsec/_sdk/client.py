@@ -64,9 +64,10 @@ class Client:
         json: Any = None,
         content: bytes | None = None,
         params: Any = None,
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         return await self._transport.request(
-            self._http(), method, path, json_body=json, content=content, params=params
+            self._http(), method, path, json_body=json, content=content, params=params, timeout=timeout
         )
 
     def _stream(

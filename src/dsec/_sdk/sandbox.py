@@ -49,6 +49,7 @@ from dsec.trajectory.digest import exec_args
 from .calls import client_python, decode_reply, encode_call
 from .client import Client, default_client
 from .replay import Cursor
+from .transport import STREAM_TIMEOUT
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
@@ -63,6 +64,20 @@ def _invalid(exc: pydantic.ValidationError, what: str) -> InvalidRequest:
     return InvalidRequest(f"invalid {what}: {problems}", errors=[
         {"loc": [str(p) for p in err["loc"]], "msg": err["msg"]} for err in exc.errors()
     ])
+
+
+def _exec_request(
+    command: str | Sequence[str], timeout: float | None, cwd: str | None, env: Mapping[str, str] | None,
+    stdin: str | bytes | None, max_output: int,
+) -> ExecRequest:
+    try:
+        return ExecRequest(
+            command=command if isinstance(command, str) else builtins.list(command),
+            timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
+        )
+    except pydantic.ValidationError as exc:
+        raise _invalid(exc, "exec request") from None
 
 
 def _spec(**fields: Any) -> SandboxSpec:
@@ -479,19 +494,23 @@ class AsyncSandbox:
         max_output: int = _DEFAULT_MAX_OUTPUT,
     ) -> ExecResult:
         """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list."""
-        result: ExecResult | None = None
-        stream = self.exec_stream(
-            command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output
-        )
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output)
+        params: dict[str, Any] = {}
+        hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
+        if hit:
+            result: ExecResult = cached
+            return result
         try:
-            async for event in stream:
-                if event.type == "exit":
-                    result = event.result
-        finally:
-            await stream.aclose()
-        if result is None:
-            raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
-        return result
+            # One request, one answer (no stream): the output arrives with the exit status anyway.
+            response = await self._client._request(
+                "POST", f"/v1/sandboxes/{self.id}/exec/result", json=request.model_dump(mode="json"),
+                params=params or None, timeout=STREAM_TIMEOUT)
+        except ReplayDivergence as exc:
+            # The daemon answers a divergence before running anything: the call can move to a branch.
+            if not await self._branch(exc):
+                raise
+            return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output)
+        return ExecResult.model_validate_json(response.content)
 
     async def exec_stream(
         self,
@@ -506,14 +525,7 @@ class AsyncSandbox:
 
         Leaving the loop early closes the stream, and the daemon kills the command.
         """
-        try:
-            request = ExecRequest(
-                command=command if isinstance(command, str) else builtins.list(command),
-                timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
-                stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
-            )
-        except pydantic.ValidationError as exc:
-            raise _invalid(exc, "exec request") from None
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output)
         params: dict[str, Any] = {}
         hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
         if hit:

@@ -99,10 +99,13 @@ class Transport:
         json_body: Any = None,
         content: bytes | None = None,
         params: Any = None,
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
-        """Send one request, read the whole answer, raise the server's error on non-2xx."""
+        """Send one request, read the whole answer, raise the server's error on non-2xx (``timeout``:
+        the client's :data:`CONTROL_TIMEOUT` unless given)."""
         with self.mapped_errors():
-            response = await client.request(method, path, json=json_body, content=content, params=params)
+            response = await client.request(method, path, json=json_body, content=content, params=params,
+                                            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         raise_for_status(response)
         return response
 

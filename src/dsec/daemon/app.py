@@ -7,10 +7,11 @@ sandboxes is a bug -- that logic belongs in the engine, where in-process tests e
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from dsec.models import (
     CallResult,
     ExecEvent,
     ExecRequest,
+    ExecResult,
     FileEntry,
     ForkRequest,
     ImageInfo,
@@ -44,6 +46,8 @@ from dsec.models import (
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 OCTET = "application/octet-stream"
@@ -113,6 +117,40 @@ async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def _until_hangup(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work``, cancelling it if the client hangs up first (a cancelled exec kills its command, as
+    closing a stream does). The body must have been read: what ``receive`` answers next is the hang-up."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if watcher.done() and current is not None and not current.cancelling():
+            # Nobody reads this answer; it keeps the hang-up out of the server's error log.
+            raise SandboxError("the client hung up before the command ended; it was killed") from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _exec_result(work: Coroutine[Any, Any, ExecResult]) -> ExecResult:
+    """An unexpected failure of a one-response exec becomes a SandboxError, as it does on the stream."""
+    try:
+        return await work
+    except (DSecError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        log.exception("exec failed")
+        raise SandboxError(f"exec failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _mode(mode: str | None) -> int | None:
@@ -203,6 +241,13 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def exec_(sandbox_id: str, request: ExecRequest, seq: Seq = None) -> StreamingResponse:
         """Run a command, streaming its output; hanging up kills it (not on a trajectory: it is logged)."""
         return StreamingResponse(_ndjson(engine.exec_stream(sandbox_id, request, seq)), media_type=NDJSON)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/result", tags=["commands"], response_model=ExecResult)
+    async def exec_result(sandbox_id: str, body: ExecRequest, request: Request, seq: Seq = None) -> Response:
+        """Run a command to completion and answer its result in one response: the cheap round trip for short
+        commands (what ``sb.exec`` uses); hanging up kills it (not on a trajectory: it is logged)."""
+        result = await _until_hangup(request, _exec_result(engine.exec(sandbox_id, body, seq)))
+        return Response(result.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/sandboxes/{sandbox_id}/call", tags=["commands"])
     async def call(sandbox_id: str, request: CallRequest) -> CallResult:

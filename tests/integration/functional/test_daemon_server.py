@@ -128,6 +128,25 @@ def test_client_disconnect_kills_the_command(home: Path) -> None:
         assert json.loads(r.text.splitlines()[-1])["result"]["exit_code"] == 0
 
 
+def test_client_disconnect_kills_a_one_response_exec(home: Path) -> None:
+    settings = Settings(home=home)
+    with Running(settings) as running, running.client() as c:
+        sid = c.post("/v1/sandboxes", json={"image": "base"}).json()["id"]
+        pid_file = home / "fake" / sid / "pid"
+        body = {"command": f"echo $$ > {pid_file}; exec sleep 300", "timeout": None}
+        # The client gives up after 2 s without an answer and closes its connection.
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(f"/v1/sandboxes/{sid}/exec/result", json=body, timeout=httpx.Timeout(30, read=2))
+        assert wait_until(lambda: pid_file.is_file() and pid_file.read_text().strip())
+        pid = int(pid_file.read_text())
+        assert wait_until(lambda: gone(pid)), f"command {pid} survived its client's disconnect"
+        metrics = running.engine.metrics
+        cancelled = {"backend": "container", "outcome": "cancelled"}
+        assert wait_until(lambda: metrics.value("dsec_exec_total", **cancelled) == 1)
+        r = c.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "echo ok"})
+        assert r.status_code == 200 and base64.b64decode(r.json()["stdout"]) == b"ok\n"
+
+
 def test_tcp_needs_the_token(home: Path) -> None:
     with pytest.raises(ServeError, match="without a token"):
         Daemon(Settings(home=home), tcp="127.0.0.1:0")
