@@ -8,6 +8,7 @@ peak, OOM kills, CPU, pids), freezes and thaws them, and removes them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -22,8 +23,12 @@ V1_JOINED = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer", "devices"}
 """v1 controllers a command joins: its limits (memory, pids, cpu), CPU accounting, pause, device rules."""
 
 
+@functools.lru_cache(maxsize=8)
 def cgroup_mode(root: Path = _ROOT) -> str:
-    """``"v2"`` on a unified host, ``"v1"`` on a legacy or hybrid one (controllers on v1)."""
+    """``"v2"`` on a unified host, ``"v1"`` on a legacy or hybrid one (controllers on v1).
+
+    Remembered per root: a host does not switch cgroup versions under a running daemon, and backends ask
+    on every exec."""
     if (root / "cgroup.controllers").exists():
         return "v2"
     return "v1"
@@ -82,12 +87,23 @@ def _read_int(path: Path, default: int = 0) -> int:
 
 
 def _read_kv(path: Path) -> dict[str, int]:
+    # A bare open/read/close: these counters are read around every exec, and a text file object costs
+    # four more syscalls (fstat, ioctl, lseek, a second read) per read.
     out: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
-                out[parts[0]] = int(parts[1])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return out
+    try:
+        data = os.read(fd, 65536)
+    except OSError:
+        return out
+    finally:
+        os.close(fd)
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
     return out
 
 
