@@ -299,4 +299,17 @@ async def test_exec_stream_cut_before_exit_is_connection_failed(
     async with server, dsec.Client(url=f"unix://{tmp_path}/e.sock") as c:
         cut = dsec.AsyncSandbox(sb._info, c)
         with pytest.raises(dsec.ConnectionFailed, match="without an exit event"):
+            async for _ in cut.exec_stream("echo hi"):
+                pass
+
+
+@pytest.mark.parametrize("body", [b'{"exit_code": 0, "stdout"', b'{"type":"stdout","data":"aGk="}\n'])
+async def test_exec_answer_that_is_not_a_result_is_connection_failed(
+    tmp_path: Path, sb: dsec.AsyncSandbox, body: bytes
+) -> None:
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    server = await _serve_once(tmp_path / "r.sock", head + body)
+    async with server, dsec.Client(url=f"unix://{tmp_path}/r.sock") as c:
+        cut = dsec.AsyncSandbox(sb._info, c)
+        with pytest.raises(dsec.ConnectionFailed, match="not an ExecResult"):
             await cut.exec("echo hi")

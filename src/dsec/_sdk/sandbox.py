@@ -510,7 +510,11 @@ class AsyncSandbox:
             if not await self._branch(exc):
                 raise
             return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output)
-        return ExecResult.model_validate_json(response.content)
+        try:
+            return ExecResult.model_validate_json(response.content)
+        except pydantic.ValidationError as exc:
+            raise ConnectionFailed(f"the daemon's answer to an exec is not an ExecResult (daemon stopped mid-call, "
+                                   f"or not a DSec daemon?): {exc.errors()[0]['msg']}") from None
 
     async def exec_stream(
         self,
