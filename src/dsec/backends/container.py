@@ -265,27 +265,34 @@ class ContainerBackend(Backend):
         if archive is not None:
             await self._tar("--extract", "--same-permissions", "--same-owner", "--file", str(archive),
                             "--directory", str(upper))
-        cgroups = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroups_path"],
-                                          sandbox_limits(record.spec))
-        record.backend_state["cgroups"] = cgroups.dirs
-        await asyncio.to_thread(_mount_overlay, image.rootfs, upper, work, rootfs)
-        record.backend_state["mounted"] = True
-        # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
-        # works): execs run as that user, with its home as HOME unless the image's Env sets one.
-        user = await asyncio.to_thread(resolve_user, rootfs, image.config.user)
-        record.backend_state.update(user=[user.uid, user.gid], home=user.home)
-        await asyncio.to_thread(SandboxFS(str(rootfs), shift, shift).makedirs, workdir_of(record))
-        config = runtime_config(
-            sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
-            uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
-        )
-        (bundle / "config.json").write_text(json.dumps(config))
+        # Cgroups, root mount, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
+        # and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
+        cgroups = await asyncio.to_thread(self._prepare, record, image, rootfs, upper, work)
         await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
         if policy.mode != "none":
             await self._connect(record, policy)
+
+    def _prepare(self, record: SandboxRecord, image: ImageRef, rootfs: Path, upper: Path, work: Path) -> CgroupSet:
+        assert self._init is not None
+        cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec))
+        record.backend_state["cgroups"] = cgroups.dirs
+        _mount_overlay(image.rootfs, upper, work, rootfs)
+        record.backend_state["mounted"] = True
+        # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
+        # works): execs run as that user, with its home as HOME unless the image's Env sets one.
+        user = resolve_user(rootfs, image.config.user)
+        record.backend_state.update(user=[user.uid, user.gid], home=user.home)
+        shift = image.uid_shift
+        SandboxFS(str(rootfs), shift, shift).makedirs(workdir_of(record))
+        config = runtime_config(
+            sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
+            uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
+        )
+        (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
+        return cgroups
 
     # -- network --------------------------------------------------------------------------
 
@@ -398,24 +405,30 @@ class ContainerBackend(Backend):
         if index is not None:
             self._dns.stop(int(index))
             self._policies.pop(int(index), None)
-            await asyncio.to_thread(self.network.release, int(index))
+        # Every blocking step in one worker-thread hop: each hop is a thread hand-off and a wake-up of the
+        # loop, and six of them were a visible share of a create -> exec -> destroy cycle.
+        await asyncio.to_thread(self._teardown, sandbox_id, state)
+
+    def _teardown(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        index = state.get("net_index")
+        if index is not None:
+            self.network.release(int(index))
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
         if pid and start_time(pid) == state.get("init_start"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-        cgroups = self._cgroup_set(sandbox_id, state)
-        await asyncio.to_thread(_kill_and_remove_cgroups, cgroups)
+        _kill_and_remove_cgroups(self._cgroup_set(sandbox_id, state))
         if pid:
-            await asyncio.to_thread(_reap, pid)
-        await asyncio.to_thread(shutil.rmtree, self.runtime_root / sandbox_id, True)
+            _reap(pid)
+        shutil.rmtree(self.runtime_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
-        await asyncio.to_thread(_umount, rootfs)
+        _umount(rootfs)
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
         bundle = self._bundle(sandbox_id)
-        await asyncio.to_thread(shutil.rmtree, bundle, True)
+        shutil.rmtree(bundle, True)
         if bundle.exists() or rootfs.exists():
             raise SandboxError(f"could not remove {bundle} or {rootfs} (still mounted?)")
 
