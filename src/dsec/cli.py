@@ -10,6 +10,7 @@ SDK or the daemon should own. Every DSecError ends as ``error: <message>`` on st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import sys
@@ -80,13 +81,25 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 @main.command()
 @click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
-def serve(tcp: str | None, token: str | None) -> None:
+@click.option("--pool", "pools", multiple=True, metavar="IMAGE:BACKEND[:min=N,max=N,...]",
+              help="A warm pool (repeatable; also DSEC_POOLS, ';'-separated). Keys: min, max, cpu, memory, disk, "
+                   "pids, workdir.")
+def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
     """Run the node daemon in the foreground."""
     from dsec.config import Settings
     from dsec.daemon import server
+    from dsec.models import PoolConfig
 
+    settings = Settings()
+    if pools:
+        settings = dataclasses.replace(settings, pools=settings.pools + pools)
     try:
-        server.serve(Settings(), tcp=tcp, token=token or None)
+        for text in settings.pools:
+            PoolConfig.parse(text)
+    except InvalidRequest as exc:
+        _fail(str(exc))
+    try:
+        server.serve(settings, tcp=tcp, token=token or None)
     except _daemon_errors() as exc:
         _fail(str(exc))
 
