@@ -198,7 +198,8 @@ class _Run:
             await self.destroy(*made)
         queued = [s._info.queue_seconds for s in made]
         return {"n": n, "created": len(made), "failures": n - len(made), "error": error, "wall_s": wall,
-                "answered": answered, "exec_errors": errors[:5], "queue_s_total": sum(queued), "queue_s_max": max(queued, default=0.0),
+                "answered": answered, "exec_errors": errors[:5], "queue_s_total": sum(queued),
+                "queue_s_max": max(queued, default=0.0),
                 "mib_per_sandbox": (before - after) / max(1, len(made)) / 2**20}
 
     async def neighbours(self) -> dict[str, Any]:

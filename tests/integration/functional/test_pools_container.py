@@ -14,6 +14,14 @@ from dsec.config import Settings
 from dsec.daemon.admission import Admission
 from dsec.daemon.engine import Engine
 from dsec.images.node import NodeImages
+from dsec.isolation.cgroups import (
+    CPU_SHARES_BUSY,
+    CPU_SHARES_IDLE,
+    CPU_WEIGHT_BUSY,
+    CPU_WEIGHT_IDLE,
+    CgroupSet,
+    cgroup_mode,
+)
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxSpec
 
 pytestmark = [pytest.mark.root]
@@ -73,3 +81,23 @@ async def test_burst_is_queued_not_failed(engine: Engine) -> None:
     results = await asyncio.gather(*(engine.exec(i.id, ExecRequest(command="true")) for i in made))
     assert [r.exit_code for r in results] == [0] * 6
     await asyncio.gather(*(engine.destroy(i.id) for i in made))
+
+
+async def test_idle_sandboxes_are_best_effort_until_they_run_a_command(engine: Engine) -> None:
+    info = await engine.create(SHAPE)
+    record = engine._records[info.id]
+    cgroups = CgroupSet(mode=cgroup_mode(), dirs=dict(record.backend_state["cgroups"]))
+    d = cgroups._dir("cpu")
+    assert d is not None
+    knob, idle, busy = (("cpu.weight", CPU_WEIGHT_IDLE, CPU_WEIGHT_BUSY) if cgroups.mode == "v2"
+                        else ("cpu.shares", CPU_SHARES_IDLE, CPU_SHARES_BUSY))
+    assert int((d / knob).read_text()) == idle
+    running = asyncio.create_task(engine.exec(info.id, ExecRequest(command="sleep 1")))
+    assert await await_until(lambda: int((d / knob).read_text()) == busy, timeout=10)
+    # A background hog started by a command stays behind in the best-effort class once the command returns.
+    result = await engine.exec(info.id, ExecRequest(command="nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &"))
+    assert result.exit_code == 0
+    assert int((d / knob).read_text()) == busy  # the sleep still runs
+    assert (await running).exit_code == 0
+    assert int((d / knob).read_text()) == idle
+    await engine.destroy(info.id)
