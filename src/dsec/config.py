@@ -14,6 +14,7 @@
 | ``DSEC_TRAJECTORY_SYNC`` | ``normal`` | SQLite log: ``normal`` (survives process crashes) or ``full`` (fsync) |
 | ``DSEC_POOLS`` | none | warm pools, ``;``-separated ``IMAGE:BACKEND:min=N,max=N,...`` (as ``dsec serve --pool``) |
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
+| ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
 | ``DSEC_SNAPSHOTS`` | ``$DSEC_IMAGES/.snapshots`` | snapshot store (share it, like the images, to restore elsewhere) |
 """
 
@@ -44,6 +45,8 @@ class Settings:
     """Warm pools declared at start (``IMAGE:BACKEND[:min=N,max=N,cpu=C,memory=M,disk=D,pids=P,workdir=W]``)."""
     create_slots: int = field(default_factory=lambda: int(os.environ.get("DSEC_CREATE_SLOTS", "32")))
     """Creates that run at once; the rest queue in the admission."""
+    host_limits: bool = field(default_factory=lambda: os.environ.get("DSEC_HOST_LIMITS", "0") == "1")
+    """Raise the host's pid/thread/inotify/file limits at start and restore them at stop (opt-in)."""
 
     def __post_init__(self) -> None:
         if self.images_dir is None:

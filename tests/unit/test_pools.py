@@ -13,6 +13,7 @@ from test_engine import fake_of, make_engine, record_files
 
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
+from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL
 from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxSpec
@@ -219,3 +220,40 @@ def test_host_shortage_reads_the_host() -> None:
     assert "pids" in (host_shortage(0, 1 << 40) or "")
     with pytest.raises(ValueError, match="at least one"):
         Admission(0)
+
+
+# -- host limits (a stand-in /proc/sys: tests never change the shared host's sysctls) -----------------
+
+
+def test_host_limits_raise_and_restore(tmp_path: Path) -> None:
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "kernel/pid_max").write_text("32768\n")
+    (tmp_path / "kernel/threads-max").write_text("9999999\n")  # already above its floor: left alone
+    limits = HostLimits(root=tmp_path, floors={"kernel/pid_max": 4_194_304, "kernel/threads-max": 1_000_000,
+                                               "fs/missing": 5})
+    assert limits.raise_all() == {"kernel/pid_max": (32768, 4_194_304)}
+    assert (tmp_path / "kernel/pid_max").read_text() == "4194304\n"
+    assert (tmp_path / "kernel/threads-max").read_text() == "9999999\n"
+    assert limits.restore() == ["kernel/pid_max"]
+    assert (tmp_path / "kernel/pid_max").read_text() == "32768\n"
+
+
+def test_host_limits_leave_a_value_changed_since(tmp_path: Path) -> None:
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "kernel/pid_max").write_text("32768\n")
+    limits = HostLimits(root=tmp_path, floors={"kernel/pid_max": 100_000})
+    limits.raise_all()
+    (tmp_path / "kernel/pid_max").write_text("200000\n")  # an operator (or another daemon) moved it
+    assert limits.restore() == []
+    assert (tmp_path / "kernel/pid_max").read_text() == "200000\n"
+
+
+async def test_engine_raises_and_restores_host_limits(tmp_path: Path) -> None:
+    eng = make_engine(tmp_path)
+    (tmp_path / "sys/kernel").mkdir(parents=True)
+    (tmp_path / "sys/kernel/pid_max").write_text("32768\n")
+    eng.host_limits = HostLimits(root=tmp_path / "sys", floors={"kernel/pid_max": 65536})
+    await eng.start()
+    assert (tmp_path / "sys/kernel/pid_max").read_text() == "65536\n"
+    await eng.aclose()
+    assert (tmp_path / "sys/kernel/pid_max").read_text() == "32768\n"

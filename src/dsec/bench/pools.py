@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -66,6 +67,24 @@ class PoolBench:
                        exec_seconds=max(1.0, self.exec_seconds * factor), burst_n=n(self.burst_n, 4),
                        neighbour_execs=n(self.neighbour_execs, 10),
                        podman_seconds=max(1.0, self.podman_seconds * factor))
+
+
+HOST_LIMITS_ABOVE = 2000
+"""Bursts larger than this run their daemon with ``DSEC_HOST_LIMITS=1``."""
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 class _Run:
@@ -259,7 +278,10 @@ async def run(cfg: PoolBench, node: Settings | None = None,
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "skipped": {}}
     try:
         progress(f"starting a private daemon in {settings.home}")
-        with _daemon(settings, "process"):
+        # Thousands of sandboxes need more pids, inotify instances and files than a stock host allows:
+        # the daemon raises them for its lifetime (DSEC_HOST_LIMITS) and restores them when it stops.
+        limits = {"DSEC_HOST_LIMITS": "1"} if cfg.burst_n > HOST_LIMITS_ABOVE else {}
+        with _env(limits), _daemon(settings, "process"):
             client = Client(url=f"unix://{settings.socket_path}")
             bench = _Run(cfg, client)
             try:

@@ -25,6 +25,7 @@ from typing import Protocol, get_args
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.admission import Admission
+from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics
 from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.rollouts import Rollouts
@@ -175,6 +176,7 @@ class Engine:
         self.pools = Pools(self, self.metrics)
         # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named.
         self._declared = [PoolConfig.parse(text) for text in settings.pools]
+        self.host_limits = HostLimits() if settings.host_limits else None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -217,6 +219,8 @@ class Engine:
 
     async def start(self) -> None:
         """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
+        if self.host_limits is not None:
+            await asyncio.to_thread(self.host_limits.raise_all)
         await self.rollouts.start()
         for name, backend in list(self._backends.items()):
             reason = backend.available()
@@ -307,6 +311,8 @@ class Engine:
             except Exception:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
+        if self.host_limits is not None:
+            await asyncio.to_thread(self.host_limits.restore)
         close_images = getattr(self.images, "close_idle", None)
         if close_images is not None:  # image mounts stay only under live sandboxes (for the next daemon)
             try:
