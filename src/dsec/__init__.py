@@ -29,7 +29,16 @@ from dsec.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxSpec, SandboxStats
+from dsec.models import (
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    NodeStatistics,
+    PoolConfig,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStats,
+)
 
 __version__ = "0.1.0"
 
@@ -47,8 +56,10 @@ __all__ = [
     "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
+    "NodeStatistics",
     "NotFound",
     "NotSupported",
+    "PoolConfig",
     "QuotaExceeded",
     "RemoteError",
     "ReplayDivergence",

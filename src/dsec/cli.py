@@ -10,6 +10,7 @@ SDK or the daemon should own. Every DSecError ends as ``error: <message>`` on st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import sys
@@ -80,13 +81,25 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 @main.command()
 @click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
-def serve(tcp: str | None, token: str | None) -> None:
+@click.option("--pool", "pools", multiple=True, metavar="IMAGE:BACKEND[:min=N,max=N,...]",
+              help="A warm pool (repeatable; also DSEC_POOLS, ';'-separated). Keys: min, max, cpu, memory, disk, "
+                   "pids, workdir.")
+def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
     """Run the node daemon in the foreground."""
     from dsec.config import Settings
     from dsec.daemon import server
+    from dsec.models import PoolConfig
 
+    settings = Settings()
+    if pools:
+        settings = dataclasses.replace(settings, pools=settings.pools + pools)
     try:
-        server.serve(Settings(), tcp=tcp, token=token or None)
+        for text in settings.pools:
+            PoolConfig.parse(text)
+    except InvalidRequest as exc:
+        _fail(str(exc))
+    try:
+        server.serve(settings, tcp=tcp, token=token or None)
     except _daemon_errors() as exc:
         _fail(str(exc))
 
@@ -428,14 +441,23 @@ def image_gc(grace: float) -> None:
 
 
 @main.command()
-@click.argument("suite", required=False)
+@click.argument("suites", nargs=-1, metavar="[SUITE]...")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results here as JSON.")
-def bench(suite: str | None, json_path: Path | None) -> None:
-    """Run benchmarks against the peers measured in the same run."""
+@click.option("--skip", multiple=True, metavar="SUITE", help="Leave this suite out (repeatable).")
+@click.option("--quick", is_flag=True, help="Every sample count and duration times 0.1 (a quick look).")
+@click.option("--burst", type=click.IntRange(1, 100_000), metavar="N",
+              help="pools suite: sandboxes of the burst / density phase (default 1000; 10000 for the density target).")
+def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
+          burst: int | None) -> None:
+    """Run benchmarks against the peers measured in the same run (no SUITE: every suite)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
-    code = benchmarks.main(suite, json_path)
+    config = None
+    if burst is not None:
+        pools = importlib.import_module("dsec.bench.pools")
+        config = dataclasses.replace(pools.PoolBench().scaled(0.1 if quick else 1.0), burst_n=burst)
+    code = benchmarks.main(list(suites) or None, json_path, config, skip=skip, quick=quick)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -12,6 +12,9 @@
 | ``DSEC_UID_SHIFT`` | ``100000`` | host uid that container uid 0 maps to |
 | ``DSEC_TRAJECTORY_DB`` | ``$DSEC_HOME/trajectories.db`` | trajectory log: a SQLite path or ``postgresql://...`` |
 | ``DSEC_TRAJECTORY_SYNC`` | ``normal`` | SQLite log: ``normal`` (survives process crashes) or ``full`` (fsync) |
+| ``DSEC_POOLS`` | none | warm pools, ``;``-separated ``IMAGE:BACKEND:min=N,max=N,...`` (as ``dsec serve --pool``) |
+| ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
+| ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
 | ``DSEC_SNAPSHOTS`` | ``$DSEC_IMAGES/.snapshots`` | snapshot store (share it, like the images, to restore elsewhere) |
 """
 
@@ -37,6 +40,13 @@ class Settings:
     trajectory_db: str | None = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_DB") or None)
     trajectory_sync: str = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_SYNC", "normal"))
     snapshots_dir: Path | None = None
+    pools: tuple[str, ...] = field(
+        default_factory=lambda: tuple(p for p in os.environ.get("DSEC_POOLS", "").split(";") if p.strip()))
+    """Warm pools declared at start (``IMAGE:BACKEND[:min=N,max=N,cpu=C,memory=M,disk=D,pids=P,workdir=W]``)."""
+    create_slots: int = field(default_factory=lambda: int(os.environ.get("DSEC_CREATE_SLOTS", "32")))
+    """Creates that run at once; the rest queue in the admission."""
+    host_limits: bool = field(default_factory=lambda: os.environ.get("DSEC_HOST_LIMITS", "0") == "1")
+    """Raise the host's pid/thread/inotify/file limits at start and restore them at stop (opt-in)."""
 
     def __post_init__(self) -> None:
         if self.images_dir is None:

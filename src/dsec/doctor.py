@@ -72,7 +72,8 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         return [Check("settings", False, f"cannot read settings: {exc}", "fix the DSEC_* environment")]
     probes: list[tuple[str, Callable[[], Check]]] = [
         ("root", _root), ("kernel", _kernel), ("user namespaces", _userns), ("cgroups", _cgroups),
-        ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("seccomp", _seccomp),
+        ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("pid limit", _pid_max),
+        ("seccomp", _seccomp),
         ("landlock", _landlock), ("kvm", _kvm),
         *[(f"tool: {t.name}", lambda t=t: _tool(t)) for t in _TOOLS],
         ("libseccomp", _libseccomp),
@@ -218,6 +219,21 @@ def _inotify() -> Check:
         return Check("inotify limits", False, "shared by all sandboxes and host root: " + ", ".join(low),
                      f"{fix} (scripts/setup does this)", required=False)
     return Check("inotify limits", True, detail)
+
+
+PID_MAX_FOR_DENSITY = 262_144
+"""kernel.pid_max below which ~10,000 idle sandboxes (plus the host) may run out of pids."""
+
+
+def _pid_max() -> Check:
+    """Every sandbox holds at least its init's pid; 10,000 sandboxes with a few processes each need more
+    than the common default of 32,768."""
+    value = int(Path("/proc/sys/kernel/pid_max").read_text())
+    if value < PID_MAX_FOR_DENSITY:
+        return Check("pid limit", False, f"kernel.pid_max={value}: enough for a few thousand sandboxes, not 10,000",
+                     "sysctl -w kernel.pid_max=4194304, or run the daemon with DSEC_HOST_LIMITS=1 (raised at start, "
+                     "restored at stop)", required=False)
+    return Check("pid limit", True, f"kernel.pid_max={value}")
 
 
 def _seccomp() -> Check:

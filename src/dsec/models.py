@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from dsec.errors import InvalidRequest
 
 __all__ = [
+    "AdmissionStatistics",
     "BackendName",
     "BatchCreateRequest",
     "CallRequest",
@@ -33,6 +34,9 @@ __all__ = [
     "NetworkEntry",
     "NetworkRequest",
     "NodeInfo",
+    "NodeStatistics",
+    "PoolConfig",
+    "PoolStatistics",
     "SandboxInfo",
     "SandboxRecord",
     "SandboxSpec",
@@ -438,6 +442,11 @@ class SandboxInfo(Model):
     """Why it is ``failed``/``expired``/``stopped``."""
     trajectory: TrajectoryStatus | None = None
     """The trajectory this sandbox is bound to, its lease and what a recovery could not restore."""
+    pooled: bool = False
+    """Claimed from a warm pool (only in the answer to the create that claimed it)."""
+    queue_seconds: float = 0.0
+    """Seconds the create waited for admission (node short of memory, pids or create slots) before it
+    started; not part of the create time itself (only in the answer to the create)."""
 
 
 class TrajectoryStatus(Model):
@@ -582,6 +591,110 @@ class NodeInfo(Model):
     """Backend name -> ``"ok"`` or why it is unavailable."""
     sandboxes: int
     """Live sandboxes."""
+
+
+class PoolConfig(Model):
+    """A warm pool: sandboxes of one shape (image, backend, limits, workdir) created ahead of demand.
+
+    A create whose spec has this shape claims a ready sandbox; its labels, env, timeout and network are
+    applied at the claim. Specs bound to a trajectory or restored from a snapshot never come from a pool.
+    """
+
+    image: str
+    """Image name."""
+    backend: BackendName = "container"
+    """Isolation substrate."""
+    cpu: float = Field(1.0, gt=0, le=512)
+    """CPU cores of the pooled sandboxes (part of the shape a create must match)."""
+    memory: Size = 1024**3
+    """Memory limit in bytes (part of the shape)."""
+    disk: Size = 4 * 1024**3
+    """Writable-layer size in bytes (part of the shape)."""
+    pids: int = Field(1024, ge=8, le=1_000_000)
+    """Process limit (part of the shape)."""
+    workdir: str | None = None
+    """Working directory (part of the shape; None: the image's)."""
+    min: int = Field(0, ge=0, le=100_000)
+    """Ready sandboxes kept even without demand (the floor)."""
+    max: int = Field(16, ge=0, le=100_000)
+    """Ready sandboxes never exceeded however high the demand (the ceiling)."""
+
+    @field_validator("max")
+    @classmethod
+    def _ceiling(cls, v: int, info: Any) -> int:
+        floor = info.data.get("min", 0)
+        if v < floor:
+            raise ValueError(f"pool max ({v}) must be >= min ({floor})")
+        return v
+
+    @classmethod
+    def parse(cls, text: str) -> PoolConfig:
+        """``IMAGE:BACKEND[:k=v,...]`` (keys: min, max, cpu, memory, disk, pids, workdir), as ``dsec serve --pool``."""
+        parts = text.split(":", 2)
+        if len(parts) < 2 or not parts[0] or not parts[1]:
+            raise InvalidRequest(f"pool {text!r}: expected IMAGE:BACKEND[:min=N,max=N,cpu=C,memory=M,...]")
+        fields: dict[str, Any] = {"image": parts[0], "backend": parts[1]}
+        for item in filter(None, (parts[2] if len(parts) > 2 else "").split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in {"min", "max", "cpu", "memory", "disk", "pids", "workdir"}:
+                raise InvalidRequest(f"pool {text!r}: {item!r} is not one of min=, max=, cpu=, memory=, disk=, "
+                                     "pids=, workdir=")
+            fields[key] = value
+        try:
+            return cls.model_validate(fields)
+        except ValueError as exc:
+            raise InvalidRequest(f"pool {text!r}: {exc}") from None
+
+
+class PoolStatistics(Model):
+    """One warm pool now."""
+
+    config: PoolConfig
+    """The pool's shape and bounds."""
+    ready: int
+    """Sandboxes ready to be claimed."""
+    filling: int
+    """Sandboxes being created for it."""
+    target: int
+    """How many ready sandboxes the refill aims for (recent demand, within min..max)."""
+    hits: int
+    """Creates served from the pool."""
+    misses: int
+    """Creates of this shape that found the pool empty (created fresh)."""
+    created: int
+    """Sandboxes the refill created."""
+    failures: int
+    """Refill creates that failed."""
+    last_error: str | None = None
+    """The latest refill failure, if any."""
+
+
+class AdmissionStatistics(Model):
+    """The node's create admission: how many creates run, wait, and why."""
+
+    slots: int
+    """Creates allowed to run at once."""
+    running: int
+    """Creates running now."""
+    waiting: int
+    """Creates queued now."""
+    admitted: int
+    """Creates admitted so far."""
+    queued: int
+    """Creates that had to wait at all."""
+    queue_seconds: float
+    """Total seconds creates spent queued."""
+    shortage: str | None = None
+    """What the node is short of right now (memory, pids), or None."""
+
+
+class NodeStatistics(Model):
+    """``statistics()`` of a node: its warm pools and its admission queue."""
+
+    pools: list[PoolStatistics]
+    """Every declared pool."""
+    admission: AdmissionStatistics
+    """The create admission queue."""
 
 
 SandboxInfo.model_rebuild()

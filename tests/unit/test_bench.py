@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from dsec import bench
-from dsec.bench.container import ContainerBench, _rows
+from dsec.bench.container import BenchUnavailable, ContainerBench, _rows
 from dsec.bench.report import (
     Row,
     Suite,
@@ -215,3 +215,62 @@ def test_images_rows_apply_the_issue_targets() -> None:
     assert [rows[m].passed for m in ("cold start → first exec", "fetched before first exec",
                                      "2nd sandbox, same node (p50)")] == [False, False, False]
     assert "1.82x" in str(rows["dedup: stored / logical"].note)
+
+
+def test_selection_and_skip() -> None:
+    assert bench._selected(None, ["microvm", "images"]) == ("container", "function", "pools", "trajectory")
+    assert bench._selected(["pools"], []) == ("pools",)
+    with pytest.raises(BenchUnavailable, match="'nope'"):
+        bench._selected(None, ["nope"])
+
+
+def test_unknown_skip_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(None, None, skip=["nope"]) == 2
+    assert "unknown bench suite 'nope'" in capsys.readouterr().err
+
+
+def test_whole_run_reports_every_suite_and_goes_on_after_a_failure(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    seen: list[tuple[str, float]] = []
+
+    def fake_run(name: str, scale: float, config: object, progress: object) -> Suite:
+        seen.append((name, scale))
+        if name == "function":
+            raise BenchUnavailable("no zygote here")
+        return Suite(name=name, rows=[Row("thing p50", "ms", 2.0, 4.0, "peer", target="≤ 3 ms", passed=True)])
+
+    monkeypatch.setattr(bench, "_run_one", fake_run)
+    monkeypatch.delenv("DSEC_BENCH_SCALE", raising=False)
+    out = io.StringIO()
+    code = bench.main(["container", "function", "pools"], tmp_path / "all.json",
+                      console=Console(width=200, file=out), quick=True)
+    assert code == 1
+    assert seen == [("container", 0.1), ("function", 0.1), ("pools", 0.1)]
+    text = out.getvalue()
+    assert "dsec bench: summary" in text and "did not run" in text and "no zygote here" in text
+    document = json.loads((tmp_path / "all.json").read_text())
+    assert sorted(document["suites"]) == ["container", "pools"]
+    assert document["failed"] == {"function": "no zygote here"} and document["scale"] == 0.1
+
+
+def test_pools_rows() -> None:
+    from dsec.bench.pools import _rows as pool_rows
+
+    extra = {
+        "skipped": {},
+        "pool_create": {"latency": {"p50": 0.004}, "hits": 9, "n": 10},
+        "sustained": {"rate": 120.0, "failures": 0, "concurrency": 4},
+        "podman": {"rate": 5.0},
+        "exec_throughput": {"rate": 900.0, "failures": 0, "live": 100, "workers": 16},
+        "neighbours": {"rise": 0.1, "busy": 4},
+        "burst": {"n": 1000, "failures": 0, "error": None, "wall_s": 30.0, "queue_s_max": 20.0, "answered": 1000,
+                  "mib_per_sandbox": 0.8},
+    }
+    rows = {r.metric: r for r in pool_rows(extra)}
+    assert rows["pool create p50 (9/10 from the pool)"].passed is True
+    versus = rows["pooled create→exec→destroy"]
+    assert versus.ratio == pytest.approx(24.0) and versus.passed is True
+    assert rows["exec rate over 100 live sandboxes (16 clients)"].passed is False
+    assert rows["exec p50 rise, 4 neighbours hogging CPU"].passed is True
+    assert rows["create_many(1000): failures"].passed is True
+    assert rows["idle sandboxes alive and answering (of 1000)"].passed is False

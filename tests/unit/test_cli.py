@@ -84,6 +84,14 @@ def test_errors_are_one_red_line_not_a_traceback(tmp_path: Path, monkeypatch: py
     assert code == 1 and err.startswith("error:")
 
 
+def test_serve_refuses_a_bad_pool_before_starting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DSEC_POOLS", raising=False)
+    code, _, err = invoke("serve", "--pool", "debian-python:container:min=9,max=2")
+    assert code == 1 and err.startswith("error: pool 'debian-python:container:min=9,max=2'")
+    assert "must be >= min" in err and not (tmp_path / "home").exists()
+
+
 def test_image_commands_against_a_tmp_store(env: dsec.Client, tmp_path: Path) -> None:
     root = tmp_path / "rootfs"
     (root / "etc").mkdir(parents=True)

@@ -28,12 +28,16 @@ def test_run_checks_reports_everything(tmp_path: Path) -> None:
     assert len(names) == len(set(names))
     for expected in ("root", "kernel", "user namespaces", "cgroups", "overlayfs", "seccomp", "landlock",
                      "kvm", "tool: crun", "tool: runc", "tool: mmdebstrap", "tool: mkfs.erofs", "tool: qemu",
-                     "tool: bwrap", "tool: podman", "tool: gcc", "libseccomp", "image store", "image debian-python"):
+                     "tool: bwrap", "tool: podman", "tool: gcc", "libseccomp", "image store", "image debian-python",
+                     "pid limit"):
         assert expected in names
     for c in checks:
         assert isinstance(c.ok, bool) and c.detail
         if not c.ok:
             assert c.fix, f"{c.name} failed without a fix"
+    pid = by_name(checks)["pid limit"]
+    assert "kernel.pid_max=" in pid.detail and not pid.required
+    assert pid.ok == (int(Path("/proc/sys/kernel/pid_max").read_text()) >= doctor.PID_MAX_FOR_DENSITY)
     kvm = by_name(checks)["kvm"].detail
     # with the guest kernel fetched, the probe boots it and names the accelerator the microvm backend uses
     assert "microvm accelerator: KVM" in kvm or "microvm accelerator: TCG" in kvm or "TCG" in kvm \

@@ -313,3 +313,25 @@ async def test_exec_answer_that_is_not_a_result_is_connection_failed(
         cut = dsec.AsyncSandbox(sb._info, c)
         with pytest.raises(dsec.ConnectionFailed, match="not an ExecResult"):
             await cut.exec("echo hi")
+
+
+async def test_pools_declared_and_claimed_through_the_api(client: dsec.Client) -> None:
+    shape = dsec.PoolConfig(image="tiny", memory="300Mi", min=1, max=2)
+    declared = await client.declare_pool(shape)
+    assert declared.config == shape and declared.target == 1
+    for _ in range(500):
+        stats = await client.statistics()
+        if stats.pools[0].ready == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.pools[0].ready == 1 and stats.admission.slots >= 1
+    async with await dsec.AsyncSandbox.create(image="tiny", memory="300Mi", labels={"p": "1"},
+                                              client=client) as box:
+        assert box._info.pooled  # the create's answer says so (a later info() does not)
+        info = await box.info()
+        assert info.labels == {"p": "1"} and not info.pooled
+        assert (await box.exec("echo hi")).stdout == b"hi\n"
+    assert (await client.statistics()).pools[0].hits == 1
+    await client.declare_pool(shape.model_copy(update={"min": 0, "max": 0}))  # empty it for the other tests
+    with pytest.raises(dsec.InvalidRequest, match="max"):
+        await client._request("POST", "/v1/pools", json={"image": "tiny", "min": 3, "max": 1})

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from dsec.config import Settings
-from dsec.models import NodeInfo
+from dsec.models import NodeInfo, NodeStatistics, PoolConfig, PoolStatistics
 
 from .portal import portal
 from .transport import Transport
@@ -79,6 +79,16 @@ class Client:
         """The daemon's identity, version and which backends work on its host."""
         response = await self._request("GET", "/v1/health")
         return NodeInfo.model_validate(response.json())
+
+    async def statistics(self) -> NodeStatistics:
+        """The daemon's warm pools (ready, target, hits, misses) and its create admission queue."""
+        response = await self._request("GET", "/v1/statistics")
+        return NodeStatistics.model_validate(response.json())
+
+    async def declare_pool(self, config: PoolConfig) -> PoolStatistics:
+        """Declare a warm pool on the daemon (or change the bounds of the pool of that shape)."""
+        response = await self._request("POST", "/v1/pools", json=config.model_dump(mode="json"))
+        return PoolStatistics.model_validate(response.json())
 
     async def aclose(self) -> None:
         """Close this loop's connections (and forget pools of loops that have closed)."""

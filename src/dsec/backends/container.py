@@ -99,6 +99,8 @@ class ContainerBackend(Backend):
         self._mask_v2 = False
         self.network = Network(tag)
         self._policies: dict[int, Policy] = {}
+        # Sandbox id -> execs running now; a sandbox with none is in the best-effort CPU class.
+        self._busy: dict[str, int] = {}
         """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
         self._dns = DnsProxy(self.network, self._policies.get)
         self._table_ready = False
@@ -279,6 +281,7 @@ class ContainerBackend(Backend):
         assert self._init is not None
         cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec))
         record.backend_state["cgroups"] = cgroups.dirs
+        cgroups.set_cpu_class(busy=False)  # born idle: nobody has asked it for anything yet
         _mount_overlay(image.rootfs, upper, work, rootfs)
         record.backend_state["mounted"] = True
         # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
@@ -362,11 +365,27 @@ class ContainerBackend(Backend):
             "nofile": self._nofile,
         })
         events = stream_exec(spawned, request, verdict)
+        self._cpu_busy(record, cgroups, +1)
         try:
             async for event in events:
                 yield event
         finally:
-            await events.aclose()  # kills the command now, not whenever the generator is collected
+            try:
+                await events.aclose()  # kills the command now, not whenever the generator is collected
+            finally:
+                self._cpu_busy(record, cgroups, -1)
+
+    def _cpu_busy(self, record: SandboxRecord, cgroups: CgroupSet, delta: int) -> None:
+        """Normal CPU weight while a command runs, best-effort once the last one ends (one cgroup write
+        at each edge; a sandbox destroyed meanwhile has no cgroup left to write)."""
+        running = self._busy.get(record.id, 0) + delta
+        if running > 0:
+            self._busy[record.id] = running
+        else:
+            self._busy.pop(record.id, None)
+        if (delta > 0 and running == 1) or running <= 0:
+            with contextlib.suppress(OSError):
+                cgroups.set_cpu_class(busy=running > 0)
 
     def _fs(self, record: SandboxRecord) -> SandboxFS:
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))

@@ -4,7 +4,8 @@ Benchmarks are not tests: they print a table and write JSON, and nothing asserts
 against the peers are the figures that count on noisy machines. Each suite is a module with an async
 ``run(config) -> Suite``; :data:`SUITES` lists them and ``dsec bench`` with no suite runs them all.
 
-``DSEC_BENCH_SCALE`` multiplies every sample count and duration (``0.1`` for a quick look).
+``DSEC_BENCH_SCALE`` multiplies every sample count and duration (``--quick``: times 0.1). A full run
+ends with one summary table of every suite's rows (targets, peers of the same run, ratios).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -23,14 +25,29 @@ from dsec.bench.function import FunctionBench
 from dsec.bench.function import run as run_function
 from dsec.bench.images import ImagesBench
 from dsec.bench.images import run as run_images
-from dsec.bench.report import Suite, default_json_path, render_latencies, render_table, to_json, write_json
+from dsec.bench.pools import PoolBench
+from dsec.bench.pools import run as run_pools
+from dsec.bench.report import (
+    Suite,
+    default_json_path,
+    render_latencies,
+    render_summary,
+    render_table,
+    to_json,
+    write_json,
+)
 from dsec.bench.trajectory import TrajectoryBench
 from dsec.bench.trajectory import run as run_trajectory
 
-__all__ = ["SUITES", "main"]
+__all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("container", "function", "trajectory", "microvm", "images")
+SUITES = ("container", "function", "pools", "trajectory", "microvm", "images")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
+
+QUICK_SCALE = 0.1
+"""``--quick``: every sample count and duration times this (on top of ``DSEC_BENCH_SCALE``)."""
+
+Config = ContainerBench | FunctionBench | PoolBench
 
 
 def _scale() -> float:
@@ -44,44 +61,74 @@ def _scale() -> float:
     return value
 
 
-def main(suite: str | None, json_path: Path | None, config: ContainerBench | FunctionBench | None = None,
-         console: Console | None = None) -> int:
-    """Run ``suite`` (every suite when None), print the tables, write the JSON; the exit status.
+def _run_one(name: str, scale: float, config: Config | None, progress: Callable[[str], None]) -> Suite:
+    if name == "images":
+        return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
+    if name == "trajectory":
+        return asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
+    if name == "microvm":
+        from dsec.bench.microvm import run as run_microvm
+
+        return asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
+                                       progress=progress))
+    if name == "function":
+        fcfg = config if isinstance(config, FunctionBench) else FunctionBench().scaled(scale)
+        return asyncio.run(run_function(fcfg, progress=progress))
+    if name == "pools":
+        pcfg = config if isinstance(config, PoolBench) else PoolBench().scaled(scale)
+        return asyncio.run(run_pools(pcfg, progress=progress))
+    ccfg = config if isinstance(config, ContainerBench) else ContainerBench().scaled(scale)
+    return asyncio.run(run_container(ccfg, progress=progress))
+
+
+def _selected(suite: str | Sequence[str] | None, skip: Sequence[str]) -> tuple[str, ...]:
+    wanted = SUITES if not suite else (suite,) if isinstance(suite, str) else tuple(suite)
+    unknown = [n for n in (*wanted, *skip) if n not in SUITES]
+    if unknown:
+        raise BenchUnavailable(f"unknown bench suite {unknown[0]!r}; known: {', '.join(SUITES)}")
+    return tuple(n for n in wanted if n not in skip)
+
+
+def main(suite: str | Sequence[str] | None, json_path: Path | None, config: Config | None = None,
+         console: Console | None = None, *, skip: Sequence[str] = (), quick: bool = False) -> int:
+    """Run ``suite`` (a name, several, or every suite when None) minus ``skip``, print the tables and one
+    summary table of every suite, write the JSON; the exit status.
 
     The JSON goes to ``json_path`` or ``bench/results/<suite>-<timestamp>.json``. Exit 2 when a
-    prerequisite is missing (the message names it), 1 when the run itself failed.
+    prerequisite is missing or a suite name is unknown (the message names it), 1 when a run failed;
+    the other suites still run and are reported.
     """
     # Wide enough for the table even when piped (rich falls back to 80 columns without a terminal).
     out = console or Console(width=None if sys.stdout.isatty() else 140)
     err = Console(stderr=True)
-    names = SUITES if suite is None else (suite,)
-    unknown = [n for n in names if n not in SUITES]
-    if unknown:
-        err.print(f"error: unknown bench suite {unknown[0]!r}; known: {', '.join(SUITES)}")
+    try:
+        names = _selected(suite, skip)
+        scale = _scale() * (QUICK_SCALE if quick else 1.0)
+    except BenchUnavailable as exc:
+        err.print(f"error: {exc}")
         return 2
     started = time.time()
     results: list[Suite] = []
+    failed: dict[str, str] = {}
+    code = 0
     try:
-        scale = _scale()
         for name in names:
             out.print(f"[bold]dsec bench {name}[/bold]")
             progress = lambda m: out.print(f"  · {m}")  # noqa: E731
-            if name == "images":
-                result = asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
-            elif name == "trajectory":
-                result = asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
-            elif name == "microvm":
-                from dsec.bench.microvm import run as run_microvm
-
-                result = asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
-                                                 progress=progress))
+            try:
+                result = _run_one(name, scale, config, progress)
+            except BenchUnavailable as exc:
+                err.print(f"error: {name}: {exc}")
+                failed[name] = str(exc)
+                code = max(code, 2) if len(names) == 1 else max(code, 1)
+                continue
+            except Exception as exc:
+                err.print(f"error: the {name} benchmark failed: {type(exc).__name__}: {exc}")
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                code = 1
+                continue
+            if name == "microvm":
                 out.print(f"accelerator: {result.extra.get('accelerator')}")
-            elif name == "function":
-                fcfg = config if isinstance(config, FunctionBench) else FunctionBench().scaled(scale)
-                result = asyncio.run(run_function(fcfg, progress=progress))
-            else:
-                ccfg = config if isinstance(config, ContainerBench) else ContainerBench().scaled(scale)
-                result = asyncio.run(run_container(ccfg, progress=progress))
             results.append(result)
             out.print(render_table(result))
             out.print(render_latencies(result))
@@ -92,21 +139,20 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Fun
             leaks = result.extra.get("leaks") or []
             if leaks:
                 err.print(f"[red]left behind[/red]: {', '.join(leaks)}")
-    except BenchUnavailable as exc:
-        err.print(f"error: {exc}")
-        return 2
+        if len(names) > 1 and results:
+            out.print(render_summary(results, failed))
     except KeyboardInterrupt:
         err.print("interrupted (cleaned up)")
         return 130
-    except Exception as exc:
-        err.print(f"error: the benchmark failed: {type(exc).__name__}: {exc}")
-        return 1
     finally:
         if results:
             path = json_path or default_json_path(names[0] if len(names) == 1 else "all", started)
-            write_json(path, to_json(results, started))
+            document = to_json(results, started)
+            document["failed"] = failed
+            document["scale"] = scale
+            write_json(path, document)
             out.print(f"results written to {path}")
-    return 0
+    return code
 
 
 if __name__ == "__main__":  # python -m dsec.bench [suite] [json]

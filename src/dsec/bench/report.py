@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from rich.table import Table
 
-__all__ = ["Row", "Suite", "Summary", "default_json_path", "percentile", "render_latencies", "render_table",
-           "summarize", "to_json", "write_json"]
+__all__ = ["Row", "Suite", "Summary", "default_json_path", "percentile", "render_latencies", "render_summary",
+           "render_table", "summarize", "to_json", "write_json"]
 
 Better = Literal["lower", "higher"]
 
@@ -104,6 +104,10 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value:.1f}/s"
     if unit == "MiB":
         return f"{value:.2f} MiB"
+    if unit == "%":
+        return f"{value:+.1f}%"
+    if not unit:
+        return f"{value:g}"
     return f"{value:.2f} {unit}"
 
 
@@ -129,6 +133,24 @@ def render_table(suite: Suite) -> Table:
         metric = row.metric if row.peer_name is not None or not row.note else f"{row.metric} ({_short(row.note)})"
         table.add_row(metric, _fmt(row.dsec, row.unit), peer, f"{ratio:.1f}x" if ratio else "",
                       row.target or "", mark)
+    return table
+
+
+def render_summary(suites: Sequence[Suite], failed: Mapping[str, str] | None = None) -> Table:
+    """One table of every suite's rows that carry a target or a peer (the figures the issues ask for)."""
+    table = Table(title="dsec bench: summary", title_justify="left")
+    for column in ("suite", "metric", "DSec", "peer", "ratio", "target", ""):
+        table.add_column(column, justify="left" if column in ("suite", "metric", "peer", "target") else "right")
+    for suite in suites:
+        for row in suite.rows:
+            if row.target is None and row.peer_name is None:
+                continue
+            peer = "" if row.peer_name is None else f"{row.peer_name} {_fmt(row.peer, row.unit)}"
+            mark = {True: "[green]PASS[/green]", False: "[red]FAIL[/red]", None: ""}[row.passed]
+            table.add_row(suite.name, row.metric, _fmt(row.dsec, row.unit), peer,
+                          f"{row.ratio:.1f}x" if row.ratio else "", row.target or "", mark)
+    for name, why in (failed or {}).items():
+        table.add_row(name, f"[red]did not run[/red]: {_short(why, 80)}", "", "", "", "", "")
     return table
 
 

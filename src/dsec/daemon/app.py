@@ -35,6 +35,9 @@ from dsec.models import (
     LoggedCall,
     NetworkRequest,
     NodeInfo,
+    NodeStatistics,
+    PoolConfig,
+    PoolStatistics,
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
@@ -198,6 +201,16 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def health() -> NodeInfo:
         """Identity, version and backend availability (no token needed)."""
         return await engine.health()
+
+    @app.get("/v1/statistics", tags=["node"])
+    async def statistics() -> NodeStatistics:
+        """Warm pools (ready, target, hits, misses) and the create admission queue."""
+        return engine.statistics()
+
+    @app.post("/v1/pools", tags=["node"])
+    async def declare_pool(config: PoolConfig) -> PoolStatistics:
+        """Declare a warm pool, or change the bounds of the pool of that shape."""
+        return await engine.declare_pool(config)
 
     @app.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
     async def create(spec: SandboxSpec) -> SandboxInfo:

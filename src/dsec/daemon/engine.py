@@ -24,7 +24,10 @@ from typing import Protocol, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
+from dsec.daemon.admission import Admission
+from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics
+from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
 from dsec.errors import (
@@ -51,6 +54,9 @@ from dsec.models import (
     ImagePullRequest,
     LoggedCall,
     NodeInfo,
+    NodeStatistics,
+    PoolConfig,
+    PoolStatistics,
     SandboxInfo,
     SandboxRecord,
     SandboxSpec,
@@ -71,8 +77,6 @@ log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
-_BATCH_PARALLELISM = 64
-"""Creates in flight per batch: enough to hide latency, few enough not to stampede the backend."""
 _RECOVERY_PARALLELISM = 32
 
 
@@ -168,6 +172,11 @@ class Engine:
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
         self._image_refs: dict[str, ImageRef] = {}
+        self.admission = Admission(settings.create_slots)
+        self.pools = Pools(self, self.metrics)
+        # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named.
+        self._declared = [PoolConfig.parse(text) for text in settings.pools]
+        self.host_limits = HostLimits() if settings.host_limits else None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -210,6 +219,8 @@ class Engine:
 
     async def start(self) -> None:
         """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
+        if self.host_limits is not None:
+            await asyncio.to_thread(self.host_limits.raise_all)
         await self.rollouts.start()
         for name, backend in list(self._backends.items()):
             reason = backend.available()
@@ -241,6 +252,9 @@ class Engine:
                 log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
         await self.rollouts.adopt(list(self._records.values()))
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+        for config in self._declared:
+            self.pools.declare(config)
+        self.pools.start()
 
     async def _recover(self, record: SandboxRecord) -> None:
         name = record.spec.backend
@@ -250,7 +264,9 @@ class Engine:
             log.warning("sandbox %s: backend %s unavailable; record kept on disk", record.id, name)
             return
         alive = False
-        if record.state in ("running", "paused"):
+        if POOL_LABEL in record.spec.labels:
+            pass  # an unclaimed pool member of the previous daemon: drained like any dead sandbox
+        elif record.state in ("running", "paused"):
             try:
                 alive = await backend.recover(record)
             except Exception:
@@ -279,7 +295,11 @@ class Engine:
         log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
 
     async def aclose(self) -> None:
-        """Stop the reaper and the backends. Sandboxes stay alive for the next daemon to re-adopt."""
+        """Drain the warm pools, stop the reaper and the backends. Sandboxes stay alive for the next daemon
+        to re-adopt."""
+        drained = await self.pools.aclose()
+        if drained:
+            log.info("destroyed %d unclaimed pool sandboxes", drained)
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -291,6 +311,8 @@ class Engine:
             except Exception:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
+        if self.host_limits is not None:
+            await asyncio.to_thread(self.host_limits.restore)
         close_images = getattr(self.images, "close_idle", None)
         if close_images is not None:  # image mounts stay only under live sandboxes (for the next daemon)
             try:
@@ -363,13 +385,83 @@ class Engine:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Create one sandbox and return it running; with ``spec.trajectory``, open that trajectory."""
+        if POOL_LABEL in spec.labels:
+            raise InvalidRequest(f"label {POOL_LABEL!r} is reserved for warm-pool sandboxes")
         if spec.trajectory is not None:
             return await self.rollouts.open(spec)
         source = self.snapshots.path(spec.snapshot) if spec.snapshot is not None else None
+        if source is None and self._poolable(spec):
+            claimed = await self._claim(spec)
+            if claimed is not None:
+                return claimed
         return await self._create(spec, source)
+
+    def _poolable(self, spec: SandboxSpec) -> bool:
+        """Whether everything ``spec`` asks beyond its pool shape can be applied to a running sandbox."""
+        backend = self._backends.get(spec.backend)
+        if backend is None:
+            return False
+        return spec.network == "none" or type(backend).set_network is not Backend.set_network
+
+    async def _claim(self, spec: SandboxSpec) -> SandboxInfo | None:
+        """Hand out a ready pool member with ``spec``'s labels, env, timeout and network; None: pool empty."""
+        record = self.pools.take(spec)
+        if record is None:
+            return None
+        started = time.monotonic()
+        backend = self._backend(spec.backend)
+        if spec.network != "none":
+            try:
+                await backend.set_network(record, spec.network)
+            except Exception:
+                log.exception("pool member %s: applying network %r failed; creating afresh", record.id, spec.network)
+                await self.discard_member(record)
+                return None
+        now = time.time()
+        record.spec = spec.model_copy(deep=True, update={"workdir": record.spec.workdir})
+        record.created_at, record.expires_at = now, now + spec.timeout
+        self._store.save(record)
+        self._records[record.id] = record
+        self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - started)
+        self.metrics.created.labels(spec.backend).inc()
+        self.metrics.live.labels(spec.backend).inc()
+        log.info("sandbox %s claimed from pool (%s, image %s)", record.id, spec.backend, spec.image)
+        return self._info(record).model_copy(update={"pooled": True})
+
+    async def create_member(self, spec: SandboxSpec) -> SandboxRecord:
+        """Create a pool member: recorded on disk (so a crash cleans it up) but invisible until claimed."""
+        record, _ = await self._make(spec, None, visible=False)
+        return record
+
+    async def discard_member(self, record: SandboxRecord) -> None:
+        """Destroy an unclaimed pool member (its record stays on disk if that fails: the next start retries)."""
+        try:
+            await self._backend(record.spec.backend).destroy(record)
+        except Exception:
+            log.exception("pool member %s: destroy failed; record kept for the next start", record.id)
+            return
+        self._release_image(record.id)
+        self._store.delete(record.id)
+
+    async def declare_pool(self, config: PoolConfig) -> PoolStatistics:
+        """Add a warm pool or change its bounds (``max=0`` empties it)."""
+        self._backend(config.backend)
+        return self.pools.declare(config)
+
+    def statistics(self) -> NodeStatistics:
+        """Warm pools and the create admission queue now."""
+        return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics())
 
     async def _create(self, spec: SandboxSpec, source: Path | None) -> SandboxInfo:
         """Create one sandbox, from its image or restored from the snapshot directory ``source``."""
+        record, queued = await self._make(spec, source, visible=True)
+        return self._info(record).model_copy(update={"queue_seconds": queued})
+
+    async def _make(self, spec: SandboxSpec, source: Path | None, *, visible: bool) -> tuple[SandboxRecord, float]:
+        """Create a sandbox after admission; returns its record (running, persisted) and the seconds queued.
+
+        ``visible``: a client sandbox (listed, counted live) rather than a pool member.
+        """
         name = spec.backend
         try:
             backend = self._backend(name)
@@ -400,14 +492,18 @@ class Engine:
         apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
         self._store.save(record)
-        self._records[record.id] = record
+        if visible:
+            self._records[record.id] = record
         self._image_refs[record.id] = image
-        started = time.monotonic()
+        queued = 0.0
         try:
-            if source is not None:
-                await backend.restore(record, image, source)
-            else:
-                await backend.create(record, image)
+            async with self.admission.admit() as queued:
+                self.metrics.admission_seconds.labels(name).observe(queued)
+                started = time.monotonic()
+                if source is not None:
+                    await backend.restore(record, image, source)
+                else:
+                    await backend.create(record, image)
         except BaseException as exc:
             await self._undo_create(backend, record)
             cause = self._explain_image(image)
@@ -421,13 +517,15 @@ class Engine:
             if isinstance(exc, DSecError) or not isinstance(exc, Exception):
                 raise
             raise SandboxError(f"creating a {name} sandbox failed: {type(exc).__name__}: {exc}") from exc
-        self.metrics.create_seconds.labels(name).observe(time.monotonic() - started)
         record.state = "running"
         self._store.save(record)
+        if not visible:
+            return record, queued
+        self.metrics.create_seconds.labels(name).observe(time.monotonic() - started)
         self.metrics.created.labels(name).inc()
         self.metrics.live.labels(name).inc()
-        log.info("sandbox %s created (%s, image %s)", record.id, name, spec.image)
-        return self._info(record)
+        log.info("sandbox %s created (%s, image %s, queued %.3f s)", record.id, name, spec.image, queued)
+        return record, queued
 
     async def _undo_create(self, backend: Backend, record: SandboxRecord) -> None:
         self._records.pop(record.id, None)
@@ -455,13 +553,8 @@ class Engine:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
         if request.spec.trajectory is not None:
             raise InvalidRequest("a trajectory binds one sandbox: create trajectory sandboxes one at a time")
-        sem = asyncio.Semaphore(_BATCH_PARALLELISM)
-
-        async def one() -> SandboxInfo:
-            async with sem:
-                return await self.create(request.spec)
-
-        tasks = [asyncio.create_task(one()) for _ in range(request.count)]
+        # No batch-level limit: admission queues every create (slots, memory, pids) in arrival order.
+        tasks = [asyncio.create_task(self.create(request.spec)) for _ in range(request.count)]
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException:

@@ -53,6 +53,16 @@ class Metrics:
             "dsec_sandboxes_expired", "Sandboxes destroyed at their timeout", ["backend"], registry=r
         )
 
+        self.pool_ready = Gauge("dsec_pool_ready", "Warm-pool sandboxes ready to be claimed", ["pool"], registry=r)
+        self.pool_target = Gauge("dsec_pool_target", "Ready sandboxes a warm pool aims for", ["pool"], registry=r)
+        self.pool_claims = Counter(
+            "dsec_pool_claims", "Creates of a pooled shape, by outcome (hit, miss)", ["pool", "outcome"], registry=r
+        )
+        self.admission_seconds = Histogram(
+            "dsec_admission_queue_seconds", "Time a create waited for admission (not part of dsec_create_seconds)",
+            ["backend"], buckets=(0.0, *CREATE_BUCKETS), registry=r,
+        )
+
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)

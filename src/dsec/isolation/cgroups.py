@@ -14,11 +14,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CgroupSet", "Limits", "cgroup_mode", "v2_controllers_in_hybrid"]
+__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "Limits",
+           "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
 
 
+CPU_SHARES_IDLE, CPU_SHARES_BUSY = 2, 1024
+"""v1 ``cpu.shares`` of an idle sandbox and of one running a command (:meth:`CgroupSet.set_cpu_class`)."""
+CPU_WEIGHT_IDLE, CPU_WEIGHT_BUSY = 1, 100
+"""The same on v2 (``cpu.weight``)."""
 V1_JOINED = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer", "devices"})
 """v1 controllers a command joins: its limits (memory, pids, cpu), CPU accounting, pause, device rules."""
 
@@ -197,6 +202,22 @@ class CgroupSet:
             for rule in _V1_DEVICES_ALLOW:
                 _write(d / "devices.allow", rule)
 
+    def set_cpu_class(self, busy: bool) -> None:
+        """Best-effort CPU for an idle sandbox, normal weight while it runs a command.
+
+        v1: ``cpu.shares`` 2 (the kernel's minimum) vs 1024; v2: ``cpu.weight`` 1 vs 100. The CFS quota
+        (the ``cpu`` limit) is untouched: the class only decides who yields when the node's CPUs are
+        contended, so the background processes of sandboxes nobody is talking to yield to the commands
+        of the others.
+        """
+        d = self._dir("cpu")
+        if d is None:
+            return
+        if self.mode == "v2":
+            _write(d / "cpu.weight", str(CPU_WEIGHT_BUSY if busy else CPU_WEIGHT_IDLE))
+        else:
+            _write(d / "cpu.shares", str(CPU_SHARES_BUSY if busy else CPU_SHARES_IDLE))
+
     def kill_all(self) -> None:
         """SIGKILL every process in the set (the function backend's calls after their zygote died)."""
         for pid in self.pids():
@@ -205,6 +226,8 @@ class CgroupSet:
 
     def _dir(self, controller: str) -> Path | None:
         d = self.dirs.get("unified" if self.mode == "v2" else controller)
+        if d is None and self.mode != "v2":  # co-mounted v1 hierarchies are keyed "cpu,cpuacct"
+            d = next((p for name, p in self.dirs.items() if controller in name.split(",")), None)
         return Path(d) if d else None
 
     def procs_files(self) -> list[str]:

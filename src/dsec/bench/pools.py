@@ -1,0 +1,369 @@
+"""The ``pools`` suite: warm-pool creates, throughput over many live sandboxes, burst admission, density
+and busy neighbours, with ``podman run`` measured in the same run.
+
+Like the container suite it drives a private daemon (its own ``DSEC_HOME``) through the public SDK, so
+every figure includes the HTTP API, and it removes everything it made in ``finally`` (what could not be
+removed is reported under ``leaks``). The pool is declared through the API (``Client.declare_pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from dsec import AsyncSandbox, Client
+from dsec.bench.container import (
+    IMAGE,
+    _cleanup_backend,
+    _daemon,
+    _mem_available,
+    _podman_cycle,
+    _private_settings,
+    _sustain,
+    _Timer,
+    preflight,
+)
+from dsec.bench.peers import mount_overlay, podman_argv, umount
+from dsec.bench.report import Row, Suite, summarize
+from dsec.config import Settings
+from dsec.models import PoolConfig
+
+__all__ = ["PoolBench", "run"]
+
+MEMORY = "256Mi"
+"""The shape every sandbox of the suite has (the pool's)."""
+
+
+@dataclass(frozen=True)
+class PoolBench:
+    """Sample counts and sizes; the defaults take a few minutes on a 2-core machine."""
+
+    pool_max: int = 32
+    create_n: int = 100
+    sustained_seconds: float = 10.0
+    concurrency: int = 4
+    live_n: int = 100
+    exec_seconds: float = 5.0
+    exec_workers: int = 16
+    burst_n: int = 1000
+    """Sandboxes of the burst (one ``create_many``); they also give the density figure."""
+    neighbours: int = 8
+    """Sandboxes of the busy-neighbour phase; half of them run a CPU hog."""
+    neighbour_execs: int = 60
+    podman_seconds: float = 5.0
+
+    def scaled(self, factor: float) -> PoolBench:
+        """Every count and duration times ``factor`` (``--quick`` / ``DSEC_BENCH_SCALE``)."""
+        def n(v: int, floor: int = 1) -> int:
+            return max(floor, round(v * factor))
+        return replace(self, pool_max=n(self.pool_max, 4), create_n=n(self.create_n, 5),
+                       sustained_seconds=max(1.0, self.sustained_seconds * factor), live_n=n(self.live_n, 4),
+                       exec_seconds=max(1.0, self.exec_seconds * factor), burst_n=n(self.burst_n, 4),
+                       neighbour_execs=n(self.neighbour_execs, 10),
+                       podman_seconds=max(1.0, self.podman_seconds * factor))
+
+
+HOST_LIMITS_ABOVE = 2000
+"""Bursts larger than this run their daemon with ``DSEC_HOST_LIMITS=1``."""
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+class _Run:
+    def __init__(self, cfg: PoolBench, client: Client) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.live: dict[str, AsyncSandbox] = {}
+
+    async def create(self) -> AsyncSandbox:
+        sandbox = await AsyncSandbox.create(image=IMAGE, memory=MEMORY, client=self.client)
+        self.live[sandbox.id] = sandbox
+        return sandbox
+
+    async def destroy(self, *sandboxes: AsyncSandbox) -> None:
+        async def one(sandbox: AsyncSandbox) -> None:
+            await sandbox.close()
+            self.live.pop(sandbox.id, None)
+
+        sem = asyncio.Semaphore(32)
+
+        async def bounded(sandbox: AsyncSandbox) -> None:
+            async with sem:
+                await one(sandbox)
+
+        await asyncio.gather(*(bounded(s) for s in sandboxes))
+
+    async def destroy_all(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.destroy(*self.live.values())
+
+    async def filled(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pools = (await self.client.statistics()).pools
+            if all(p.ready >= p.target and not p.filling for p in pools):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"the pool did not fill within {timeout:g} s: {pools}")
+
+    async def pool_creates(self) -> dict[str, Any]:
+        """Sequential creates of the pool's shape; the pool refills between them (as it would between
+        an RL job's steps)."""
+        creates: list[float] = []
+        hits = 0
+        for _ in range(self.cfg.create_n):
+            await self.filled()
+            t0 = time.perf_counter()
+            sandbox = await self.create()
+            creates.append(time.perf_counter() - t0)
+            hits += sandbox._info.pooled
+            await self.destroy(sandbox)
+        return {"latency": summarize(creates), "hits": hits, "n": len(creates)}
+
+    async def sustained(self) -> dict[str, Any]:
+        await self.filled()
+
+        async def cycle() -> None:
+            sandbox = await self.create()
+            try:
+                result = await sandbox.exec(["true"])
+                if result.exit_code != 0:
+                    raise RuntimeError(f"exec true exited {result.exit_code}")
+            finally:
+                await self.destroy(sandbox)
+
+        return await _sustain(cycle, self.cfg.concurrency, self.cfg.sustained_seconds)
+
+    async def exec_throughput(self) -> dict[str, Any]:
+        made = await AsyncSandbox.create_many(self.cfg.live_n, image=IMAGE, memory=MEMORY, client=self.client)
+        self.live.update((s.id, s) for s in made)
+        done = 0
+        failures = 0
+        deadline = time.perf_counter() + self.cfg.exec_seconds
+
+        async def worker(offset: int) -> None:
+            nonlocal done, failures
+            i = offset
+            while time.perf_counter() < deadline:
+                result = await made[i % len(made)].exec(["true"])
+                done += result.exit_code == 0
+                failures += result.exit_code != 0
+                i += self.cfg.exec_workers
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(worker(w) for w in range(self.cfg.exec_workers)))
+            elapsed = time.perf_counter() - t0
+        finally:
+            await self.destroy(*made)
+        return {"rate": done / elapsed, "failures": failures, "live": len(made), "workers": self.cfg.exec_workers}
+
+    async def burst(self) -> dict[str, Any]:
+        """One ``create_many(burst_n)`` (admission queues what the node cannot start at once), then every
+        sandbox answers an exec while all are alive; memory per idle sandbox from MemAvailable."""
+        n = self.cfg.burst_n
+        await asyncio.sleep(1.0)
+        before = _mem_available()
+        made: list[AsyncSandbox] = []
+        t0 = time.perf_counter()
+        error = None
+        try:
+            for start in range(0, n, 1000):  # the API takes at most 10,000 per request; 1,000 keeps replies small
+                made += await AsyncSandbox.create_many(min(1000, n - start), image=IMAGE, memory=MEMORY,
+                                                       client=self.client)
+                self.live.update((s.id, s) for s in made)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        wall = time.perf_counter() - t0
+        answered = 0
+        errors: list[str] = []
+        sem = asyncio.Semaphore(32)
+
+        async def ping(sandbox: AsyncSandbox) -> None:
+            nonlocal answered
+            async with sem:
+                try:
+                    result = await sandbox.exec(["true"])
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    return
+                answered += result.exit_code == 0
+                if result.exit_code != 0:
+                    errors.append(f"exit {result.exit_code}: {result.stderr[:200]!r}")
+
+        try:
+            await asyncio.gather(*(ping(s) for s in made))
+            await asyncio.sleep(1.0)
+            after = _mem_available()
+        finally:
+            await self.destroy(*made)
+        queued = [s._info.queue_seconds for s in made]
+        return {"n": n, "created": len(made), "failures": n - len(made), "error": error, "wall_s": wall,
+                "answered": answered, "exec_errors": errors[:5], "queue_s_total": sum(queued),
+                "queue_s_max": max(queued, default=0.0),
+                "mib_per_sandbox": (before - after) / max(1, len(made)) / 2**20}
+
+    async def neighbours(self) -> dict[str, Any]:
+        """Exec latency of quiet sandboxes, alone and then with the other half running a CPU hog."""
+        k = max(2, self.cfg.neighbours)
+        made = await AsyncSandbox.create_many(k, image=IMAGE, memory=MEMORY, client=self.client)
+        self.live.update((s.id, s) for s in made)
+        quiet, busy = made[: k // 2], made[k // 2:]
+
+        async def latencies() -> list[float]:
+            samples = []
+            for i in range(self.cfg.neighbour_execs):
+                t0 = time.perf_counter()
+                await quiet[i % len(quiet)].exec(["true"])
+                samples.append(time.perf_counter() - t0)
+            return samples
+
+        try:
+            alone = summarize(await latencies())
+            for sandbox in busy:  # one hog per busy sandbox, running until the sandbox is destroyed
+                await sandbox.exec(["sh", "-c", "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &"])
+            await asyncio.sleep(1.0)
+            loaded = summarize(await latencies())
+        finally:
+            await self.destroy(*made)
+        return {"alone": alone, "loaded": loaded, "rise": loaded.p50 / alone.p50 - 1, "busy": len(busy)}
+
+
+async def _podman_rate(cfg: PoolBench, settings: Settings, skipped: dict[str, str]) -> dict[str, Any] | None:
+    """``podman run true`` back to back, on the same image, after the daemon is down."""
+    from dsec.images.node import NodeImages
+
+    podman = shutil.which("podman")
+    if podman is None:
+        skipped["podman_run"] = "podman not installed (apt-get install podman)"
+        return None
+    image_root = (await asyncio.to_thread(NodeImages(settings).resolve, IMAGE)).rootfs
+    rootfs = await asyncio.to_thread(mount_overlay, image_root, settings.home / "peers" / "podman")
+    try:
+        argv = podman_argv(podman, rootfs)
+        return await _sustain(lambda: _podman_cycle(argv), cfg.concurrency, cfg.podman_seconds)
+    except (OSError, RuntimeError) as exc:
+        skipped["podman_run"] = f"cannot run here: {exc}"[:300]
+        return None
+    finally:
+        await asyncio.to_thread(umount, rootfs)
+
+
+async def run(cfg: PoolBench, node: Settings | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> Suite:
+    """Measure everything; ``progress`` is told each phase as it starts."""
+    node = node or Settings()
+    preflight(node)
+    settings = _private_settings(node)
+    suite = Suite(name="pools")
+    timer = _Timer()
+    results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "skipped": {}}
+    try:
+        progress(f"starting a private daemon in {settings.home}")
+        # Thousands of sandboxes need more pids, inotify instances and files than a stock host allows:
+        # the daemon raises them for its lifetime (DSEC_HOST_LIMITS) and restores them when it stops.
+        limits = {"DSEC_HOST_LIMITS": "1"} if cfg.burst_n > HOST_LIMITS_ABOVE else {}
+        with _env(limits), _daemon(settings, "process"):
+            client = Client(url=f"unix://{settings.socket_path}")
+            bench = _Run(cfg, client)
+            try:
+                await client.declare_pool(PoolConfig(image=IMAGE, memory=MEMORY, min=cfg.pool_max // 2,
+                                                     max=cfg.pool_max))
+                progress(f"pool creates x{cfg.create_n}")
+                with timer.phase("pool create"):
+                    results["pool_create"] = await bench.pool_creates()
+                progress(f"pooled create->exec->destroy, {cfg.concurrency} workers, {cfg.sustained_seconds:g} s")
+                with timer.phase("pooled sustained"):
+                    results["sustained"] = await bench.sustained()
+                results["statistics"] = (await client.statistics()).model_dump(mode="json")
+                # The rest measures plain creates: an empty pool must not hold sandboxes meanwhile.
+                await client.declare_pool(PoolConfig(image=IMAGE, memory=MEMORY, min=0, max=0))
+                progress(f"exec throughput over {cfg.live_n} live sandboxes, {cfg.exec_seconds:g} s")
+                with timer.phase("exec throughput"):
+                    results["exec_throughput"] = await bench.exec_throughput()
+                progress(f"busy neighbours ({cfg.neighbours} sandboxes, half hogging a CPU)")
+                with timer.phase("neighbours"):
+                    results["neighbours"] = await bench.neighbours()
+                progress(f"burst: create_many({cfg.burst_n}), then an exec in each")
+                with timer.phase("burst"):
+                    results["burst"] = await bench.burst()
+                results["admission"] = (await client.statistics()).admission.model_dump(mode="json")
+            finally:
+                await bench.destroy_all()
+                await client.aclose()
+        progress(f"peer: podman run rate, {cfg.podman_seconds:g} s")
+        with timer.phase("podman"):
+            results["podman"] = await _podman_rate(cfg, settings, results["skipped"])
+    finally:
+        with timer.phase("cleanup"):
+            await _cleanup_backend(settings)
+            shutil.rmtree(settings.home, ignore_errors=True)
+    results["phases_s"] = timer.phases
+    suite.extra = results
+    if "pool_create" in results:
+        suite.latencies["pool_create"] = results["pool_create"]["latency"]
+        results["pool_create"]["latency"] = asdict(results["pool_create"]["latency"])
+    for key in ("alone", "loaded"):
+        if "neighbours" in results:
+            summary = results["neighbours"][key]
+            suite.latencies[f"exec_{key}"] = summary
+            results["neighbours"][key] = asdict(summary)
+    suite.rows = _rows(results)
+    return suite
+
+
+def _rows(ex: dict[str, Any]) -> list[Row]:
+    skipped = ex.get("skipped", {})
+    rows: list[Row] = []
+    if "pool_create" in ex:
+        pc = ex["pool_create"]
+        p50 = pc["latency"]["p50"] * 1000
+        rows.append(Row(f"pool create p50 ({pc['hits']}/{pc['n']} from the pool)", "ms", p50, target="≤ 5 ms",
+                        passed=p50 <= 5))
+    if "sustained" in ex:
+        s = ex["sustained"]
+        pod = ex.get("podman")
+        rate = Row(f"pooled create→exec→destroy (C={s['concurrency']}, {s['failures']} failed)", "/s", s["rate"],
+                   target="≥ 100/s", better="higher", passed=s["rate"] >= 100 and not s["failures"])
+        versus = Row("pooled create→exec→destroy", "/s", s["rate"], pod["rate"] if pod else None, "podman run",
+                     better="higher", target="≥ 20x podman run", note=skipped.get("podman_run"))
+        versus.passed = versus.ratio is not None and versus.ratio >= 20
+        rows += [rate, versus]
+    if "exec_throughput" in ex:
+        t = ex["exec_throughput"]
+        rows.append(Row(f"exec rate over {t['live']} live sandboxes ({t['workers']} clients)", "/s", t["rate"],
+                        better="higher", target="≥ 1000/s", passed=t["rate"] >= 1000 and not t["failures"]))
+    if "neighbours" in ex:
+        nb = ex["neighbours"]
+        rows.append(Row(f"exec p50 rise, {nb['busy']} neighbours hogging CPU", "%", nb["rise"] * 100,
+                        target="≤ 20%", passed=nb["rise"] <= 0.2))
+    if "burst" in ex:
+        b = ex["burst"]
+        rows += [
+            Row(f"create_many({b['n']}): failures", "", b["failures"], target="0", passed=b["failures"] == 0,
+                note=b["error"]),
+            Row(f"create_many({b['n']}) wall", "s", b["wall_s"]),
+            Row(f"create_many({b['n']}) queued, max per create", "s", b["queue_s_max"]),
+            Row(f"idle sandboxes alive and answering (of {b['n']})", "", b["answered"], better="higher",
+                target="≥ 10,000 (full: --burst 10000)", passed=b["answered"] >= 10_000),
+            Row("memory per idle sandbox, host", "MiB", b["mib_per_sandbox"], target="reported"),
+        ]
+    return rows

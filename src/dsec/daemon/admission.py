@@ -1,0 +1,128 @@
+"""Create admission: creates queue instead of failing when the node is short of slots, memory or pids.
+
+Owns the create slots, the host-resource checks done before a create starts and the queue-time
+accounting. A burst of creates (``create_many(1000)``) waits here, in arrival order, until a slot is
+free and the host has headroom, and each create learns how long it waited. It never creates or
+destroys anything itself and never fails a create for being queued, except past ``timeout``, with an
+error naming what was short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from dsec.errors import QuotaExceeded
+from dsec.models import AdmissionStatistics
+
+__all__ = ["Admission", "host_shortage"]
+
+_MIB = 1024**2
+
+
+def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no MemAvailable in {meminfo}")
+
+
+def _tasks_and_limit(proc: Path = Path("/proc")) -> tuple[int, int]:
+    """(threads alive on the host, the lower of pid_max and threads-max): cheap, no /proc walk."""
+    entities = (proc / "loadavg").read_text().split()[3]  # "running/total" scheduling entities
+    total = int(entities.split("/")[1])
+    limit = min(int((proc / "sys/kernel/pid_max").read_text()), int((proc / "sys/kernel/threads-max").read_text()))
+    return total, limit
+
+
+def host_shortage(min_free_memory: int, min_free_pids: int) -> str | None:
+    """What the host is short of for one more sandbox (``None`` when it has headroom)."""
+    available = _mem_available()
+    if available < min_free_memory:
+        return (f"memory: {available // _MIB} MiB available, the node keeps {min_free_memory // _MIB} MiB free "
+                "before starting another sandbox")
+    tasks, limit = _tasks_and_limit()
+    if limit - tasks < min_free_pids:
+        return (f"pids: {tasks} of {limit} in use, the node keeps {min_free_pids} free before starting another "
+                "sandbox (raise kernel.pid_max)")
+    return None
+
+
+class Admission:
+    """At most ``slots`` creates at once, each started only while ``shortage()`` says the host has room.
+
+    ``shortage`` is injectable so that tests can make the host look full; the default reads
+    ``/proc/meminfo`` and ``/proc/loadavg``.
+    """
+
+    def __init__(
+        self,
+        slots: int = 32,
+        *,
+        min_free_memory: int = 512 * _MIB,
+        min_free_pids: int = 1024,
+        timeout: float = 600.0,
+        poll: float = 0.05,
+        shortage: Callable[[], str | None] | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"admission needs at least one create slot, got {slots}")
+        self.slots = slots
+        self.timeout = timeout
+        self.poll = poll
+        self._shortage = shortage or (lambda: host_shortage(min_free_memory, min_free_pids))
+        self._sem = asyncio.Semaphore(slots)
+        self._running = 0
+        self._waiting = 0
+        self._admitted = 0
+        self._queued = 0
+        self._queue_seconds = 0.0
+        self._last_shortage: str | None = None
+
+    def statistics(self) -> AdmissionStatistics:
+        """Slots, running and waiting creates, totals and the current shortage."""
+        return AdmissionStatistics(slots=self.slots, running=self._running, waiting=self._waiting,
+                                   admitted=self._admitted, queued=self._queued,
+                                   queue_seconds=self._queue_seconds, shortage=self._last_shortage)
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[float]:
+        """Wait for a slot and host headroom; yields the seconds waited. Raises :class:`QuotaExceeded`
+        after ``timeout`` seconds, naming what was short."""
+        started = time.monotonic()
+        deadline = started + self.timeout
+        self._waiting += 1
+        try:
+            try:
+                await asyncio.wait_for(self._sem.acquire(), self.timeout)
+            except TimeoutError:
+                raise QuotaExceeded(f"create not admitted within {self.timeout:g} s: all {self.slots} create "
+                                    "slots stayed busy") from None
+            try:
+                while (short := self._shortage()) is not None:  # two small /proc reads: no thread hop
+                    self._last_shortage = short
+                    if time.monotonic() >= deadline:
+                        raise QuotaExceeded(f"create not admitted within {self.timeout:g} s: the node is short "
+                                            f"of {short}")
+                    await asyncio.sleep(self.poll)
+            except BaseException:
+                self._sem.release()
+                raise
+            self._last_shortage = None
+        finally:
+            self._waiting -= 1
+        waited = time.monotonic() - started
+        self._admitted += 1
+        # A free slot and headroom found at once is not "queued": the checks take some microseconds.
+        if waited > 0.001:
+            self._queued += 1
+            self._queue_seconds += waited
+        self._running += 1
+        try:
+            yield waited
+        finally:
+            self._running -= 1
+            self._sem.release()

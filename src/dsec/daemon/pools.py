@@ -1,0 +1,234 @@
+"""Warm pools: sandboxes created ahead of demand and handed out by ``create``.
+
+Owns pool declarations, the shape a spec must have to be served from a pool (:func:`pool_key`), the
+ready queues, the demand-based target size and the background refill. Pool members are made and
+discarded through the engine's :class:`PoolHost` interface (the same create path as any sandbox, so
+records, image pins, admission and cleanup after a daemon crash are shared); this module never calls
+a backend and never decides what a claim applies to the claimed sandbox (the engine does).
+
+Sizing: a pool aims for as many ready sandboxes as it was asked for in the last ``DEMAND_WINDOW``
+seconds, never fewer than its ``min`` nor more than its ``max``; surplus members are destroyed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dsec.daemon.metrics import Metrics
+from dsec.models import PoolConfig, PoolStatistics, SandboxRecord, SandboxSpec
+
+__all__ = ["DEMAND_WINDOW", "POOL_LABEL", "PoolHost", "Pools", "pool_key"]
+
+log = logging.getLogger(__name__)
+
+POOL_LABEL = "dsec.pool"
+"""Label a pool member carries until it is claimed (how a restarted daemon recognises and drains it)."""
+DEMAND_WINDOW = 30.0
+"""Seconds of claims (hits and misses) a pool's target follows."""
+_FILL_PARALLELISM = 8
+"""Members one pool creates at once: a refill must not crowd out the creates of users."""
+_MEMBER_TIMEOUT = 30 * 86400.0
+"""A member's wall-clock timeout until it is claimed (the claim sets the real one)."""
+
+
+def pool_key(image: str, backend: str, cpu: float, memory: int, disk: int, pids: int, workdir: str | None) -> str:
+    """The shape two specs must share to be served by the same pool."""
+    return f"{image}:{backend}:cpu={cpu:g},memory={memory},disk={disk},pids={pids},workdir={workdir or ''}"
+
+
+def key_of_spec(spec: SandboxSpec) -> str | None:
+    """The pool shape of ``spec``, or None when it can never come from a pool (trajectory, snapshot)."""
+    if spec.trajectory is not None or spec.snapshot is not None or not spec.image:
+        return None
+    return pool_key(spec.image, spec.backend, spec.cpu, spec.memory, spec.disk, spec.pids, spec.workdir)
+
+
+def key_of_config(config: PoolConfig) -> str:
+    """The pool shape a :class:`PoolConfig` declares."""
+    return pool_key(config.image, config.backend, config.cpu, config.memory, config.disk, config.pids,
+                    config.workdir)
+
+
+class PoolHost(Protocol):
+    """What pools need of the engine."""
+
+    async def create_member(self, spec: SandboxSpec) -> SandboxRecord:
+        """Create a sandbox that no client sees until it is claimed."""
+        ...
+
+    async def discard_member(self, record: SandboxRecord) -> None:
+        """Destroy an unclaimed member."""
+        ...
+
+
+@dataclass
+class _Pool:
+    config: PoolConfig
+    key: str
+    ready: deque[SandboxRecord] = field(default_factory=deque)
+    filling: set[asyncio.Task[None]] = field(default_factory=set)
+    claims: deque[float] = field(default_factory=deque)
+    hits: int = 0
+    misses: int = 0
+    created: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+
+    def member_spec(self) -> SandboxSpec:
+        c = self.config
+        return SandboxSpec(image=c.image, backend=c.backend, cpu=c.cpu, memory=c.memory, disk=c.disk, pids=c.pids,
+                           workdir=c.workdir, timeout=_MEMBER_TIMEOUT, labels={POOL_LABEL: self.key})
+
+    def target(self, now: float) -> int:
+        while self.claims and self.claims[0] < now - DEMAND_WINDOW:
+            self.claims.popleft()
+        return max(self.config.min, min(self.config.max, len(self.claims)))
+
+    def statistics(self, now: float) -> PoolStatistics:
+        return PoolStatistics(config=self.config, ready=len(self.ready), filling=len(self.filling),
+                              target=self.target(now), hits=self.hits, misses=self.misses, created=self.created,
+                              failures=self.failures, last_error=self.last_error)
+
+
+class Pools:
+    """Every warm pool of one engine, and the task that keeps them filled."""
+
+    def __init__(self, host: PoolHost, metrics: Metrics, *, interval: float = 0.1) -> None:
+        self._host = host
+        self._metrics = metrics
+        self.interval = interval
+        self._pools: dict[str, _Pool] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def declare(self, config: PoolConfig) -> PoolStatistics:
+        """Add a pool, or change an existing pool's bounds (its shape is its identity)."""
+        key = key_of_config(config)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(config=config, key=key)
+            log.info("pool %s declared (min %d, max %d)", key, config.min, config.max)
+        else:
+            pool.config = config
+        self._wake.set()
+        return pool.statistics(time.monotonic())
+
+    def statistics(self) -> list[PoolStatistics]:
+        """Every pool now."""
+        now = time.monotonic()
+        return [p.statistics(now) for p in self._pools.values()]
+
+    def take(self, spec: SandboxSpec) -> SandboxRecord | None:
+        """A ready member for ``spec`` (counted as demand either way), or None: create it fresh."""
+        key = key_of_spec(spec)
+        pool = self._pools.get(key) if key is not None else None
+        if pool is None:
+            return None
+        pool.claims.append(time.monotonic())
+        self._wake.set()
+        if not pool.ready:
+            pool.misses += 1
+            self._metrics.pool_claims.labels(key, "miss").inc()
+            return None
+        pool.hits += 1
+        self._metrics.pool_claims.labels(key, "hit").inc()
+        record = pool.ready.popleft()
+        self._metrics.pool_ready.labels(key).set(len(pool.ready))
+        return record
+
+    def start(self) -> None:
+        """Start the refill task."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._refill_forever(), name="dsec-pools")
+
+    async def aclose(self) -> int:
+        """Stop refilling and destroy every unclaimed member (a pool does not outlive its daemon)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        fills = [t for p in self._pools.values() for t in p.filling]
+        for task in fills:
+            task.cancel()
+        await asyncio.gather(*fills, return_exceptions=True)
+        members = [r for p in self._pools.values() for r in p.ready]
+        for pool in self._pools.values():
+            pool.ready.clear()
+            self._metrics.pool_ready.labels(pool.key).set(0)
+        results = await asyncio.gather(*(self._host.discard_member(r) for r in members), return_exceptions=True)
+        for record, result in zip(members, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("pool member %s: destroy failed: %s", record.id, result)
+        return len(members)
+
+    async def wait_filled(self, timeout: float = 60.0) -> None:
+        """Wait until every pool has its target of ready members (for tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if all(len(p.ready) >= p.target(now) for p in self._pools.values()):
+                return
+            if now >= deadline:
+                raise TimeoutError(f"pools not filled within {timeout:g} s: {self.statistics()}")
+            await asyncio.sleep(0.02)
+
+    async def _refill_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+            try:
+                await self.refill()
+            except Exception:
+                log.exception("pool refill pass failed")
+
+    async def refill(self) -> None:
+        """One pass: start creates where a pool is short, destroy members above the target."""
+        now = time.monotonic()
+        for pool in list(self._pools.values()):
+            target = pool.target(now)
+            self._metrics.pool_target.labels(pool.key).set(target)
+            surplus = len(pool.ready) - target
+            if surplus > 0 and not pool.filling:
+                doomed = [pool.ready.pop() for _ in range(surplus)]  # newest first: the oldest are warmest
+                self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
+                await asyncio.gather(*(self._host.discard_member(r) for r in doomed), return_exceptions=True)
+                continue
+            if now < pool.retry_at:
+                continue
+            missing = target - len(pool.ready) - len(pool.filling)
+            for _ in range(max(0, min(missing, _FILL_PARALLELISM - len(pool.filling)))):
+                task = asyncio.create_task(self._fill_one(pool))
+                pool.filling.add(task)
+                task.add_done_callback(pool.filling.discard)
+
+    async def _fill_one(self, pool: _Pool) -> None:
+        try:
+            record = await self._host.create_member(pool.member_spec())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            pool.failures += 1
+            pool.consecutive_failures += 1
+            pool.last_error = f"{type(exc).__name__}: {exc}"
+            # Back off (0.5 s doubling to 30 s): a broken image must not turn into a create storm.
+            pool.retry_at = time.monotonic() + min(30.0, 0.5 * 2 ** (pool.consecutive_failures - 1))
+            log.warning("pool %s: refill failed: %s", pool.key, pool.last_error)
+            return
+        pool.consecutive_failures = 0
+        pool.created += 1
+        if self._pools.get(pool.key) is not pool or self._task is None:
+            await self._host.discard_member(record)  # closed while it was being made
+            return
+        pool.ready.append(record)
+        self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
+        self._wake.set()

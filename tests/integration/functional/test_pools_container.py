@@ -1,0 +1,103 @@
+"""Warm pools and burst admission against real container sandboxes on the ``debian-python`` image."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+
+from container_support import await_until, checked_backend, images_dir, short_home, sweep
+from dsec.backends.base import ImageRef
+from dsec.config import Settings
+from dsec.daemon.admission import Admission
+from dsec.daemon.engine import Engine
+from dsec.images.node import NodeImages
+from dsec.isolation.cgroups import (
+    CPU_SHARES_BUSY,
+    CPU_SHARES_IDLE,
+    CPU_WEIGHT_BUSY,
+    CPU_WEIGHT_IDLE,
+    CgroupSet,
+    cgroup_mode,
+)
+from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxSpec
+
+pytestmark = [pytest.mark.root]
+
+SHAPE = SandboxSpec(image="debian-python", memory="256Mi", cpu=0.5)
+POOL = PoolConfig(image="debian-python", memory="256Mi", cpu=0.5, min=2, max=3)
+
+
+@pytest.fixture
+async def engine(debian_python_image: ImageRef) -> AsyncIterator[Engine]:
+    home = short_home("dsec-pool-")
+    settings = Settings(home=home, images_dir=images_dir())
+    try:
+        async with checked_backend(home) as backend:
+            eng = Engine(settings, {"container": backend}, NodeImages(settings))
+            eng.pools.interval = 0.02
+            eng.pools.start()
+            try:
+                yield eng
+            finally:
+                await eng.pools.aclose()
+                await eng.destroy_all()
+    finally:
+        removed = await sweep(home, images_dir())
+        shutil.rmtree(home, ignore_errors=True)
+        assert removed == []
+
+
+async def test_claimed_sandbox_gets_its_spec(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(60)
+    spec = SHAPE.model_copy(update={"labels": {"run": "7"}, "env": {"ANSWER": "42"}, "timeout": 120.0,
+                                    "network": ["127.0.0.1:9"]})
+    info = await engine.create(spec)
+    assert info.pooled and info.labels == {"run": "7"} and info.spec.network == ["127.0.0.1:9"]
+    assert info.expires_at == pytest.approx(info.created_at + 120.0)
+    result = await engine.exec(info.id, ExecRequest(command="echo $ANSWER; cat /proc/net/dev | grep -c eth0"))
+    assert result.exit_code == 0, result
+    assert result.stdout.split() == [b"42", b"1"]  # the network policy gave it an interface at the claim
+    await engine.destroy(info.id)
+    await engine.pools.wait_filled(60)
+    stats = engine.statistics().pools[0]
+    assert stats.hits == 1 and stats.ready >= 2 and stats.failures == 0
+
+
+async def test_burst_is_queued_not_failed(engine: Engine) -> None:
+    short = {"now": "memory: held back by the test"}
+    engine.admission = Admission(2, poll=0.02, shortage=lambda: short["now"])
+    batch = asyncio.create_task(engine.create_many(BatchCreateRequest(count=6, spec=SHAPE)))
+    # Every create resolves its image, then waits: none may start (or fail) while the node is "short".
+    assert await await_until(lambda: engine.admission.statistics().waiting == 6, timeout=60)
+    await asyncio.sleep(0.3)
+    assert engine.admission.statistics().waiting == 6 and not batch.done()
+    short["now"] = None  # type: ignore[assignment]
+    made = await batch
+    assert len(made) == 6 and all(i.queue_seconds >= 0.25 for i in made)
+    results = await asyncio.gather(*(engine.exec(i.id, ExecRequest(command="true")) for i in made))
+    assert [r.exit_code for r in results] == [0] * 6
+    await asyncio.gather(*(engine.destroy(i.id) for i in made))
+
+
+async def test_idle_sandboxes_are_best_effort_until_they_run_a_command(engine: Engine) -> None:
+    info = await engine.create(SHAPE)
+    record = engine._records[info.id]
+    cgroups = CgroupSet(mode=cgroup_mode(), dirs=dict(record.backend_state["cgroups"]))
+    d = cgroups._dir("cpu")
+    assert d is not None
+    knob, idle, busy = (("cpu.weight", CPU_WEIGHT_IDLE, CPU_WEIGHT_BUSY) if cgroups.mode == "v2"
+                        else ("cpu.shares", CPU_SHARES_IDLE, CPU_SHARES_BUSY))
+    assert int((d / knob).read_text()) == idle
+    running = asyncio.create_task(engine.exec(info.id, ExecRequest(command="sleep 1")))
+    assert await await_until(lambda: int((d / knob).read_text()) == busy, timeout=10)
+    # A background hog started by a command stays behind in the best-effort class once the command returns.
+    result = await engine.exec(info.id, ExecRequest(command="nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &"))
+    assert result.exit_code == 0
+    assert int((d / knob).read_text()) == busy  # the sleep still runs
+    assert (await running).exit_code == 0
+    assert int((d / knob).read_text()) == idle
+    await engine.destroy(info.id)

@@ -1,0 +1,259 @@
+"""Warm pools and create admission in the engine, over the fake backend (logic only; real sandboxes in
+tests/integration/functional/test_pools_container.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from test_engine import fake_of, make_engine, record_files
+
+from dsec.daemon.admission import Admission, host_shortage
+from dsec.daemon.engine import Engine
+from dsec.daemon.host_limits import HostLimits
+from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL
+from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded
+from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxSpec
+from dsec.testing.fake import FakeBackend
+
+POOL = PoolConfig(image="base", min=2, max=4, memory="512Mi")
+SHAPE = SandboxSpec(image="base", memory="512Mi")
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
+    eng = make_engine(tmp_path, reaper_interval=0.05)
+    eng.pools.interval = 0.01
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.destroy_all()
+        await eng.aclose()
+
+
+def test_pool_config_parse() -> None:
+    config = PoolConfig.parse("debian-python:container:min=4,max=64,cpu=0.5,memory=512Mi")
+    assert (config.image, config.backend, config.min, config.max) == ("debian-python", "container", 4, 64)
+    assert config.cpu == 0.5 and config.memory == 512 * 1024**2
+    assert PoolConfig.parse("img:function").max == 16
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("justanimage", "expected IMAGE:BACKEND"),
+    ("img:container:size=3", "'size=3' is not one of"),
+    ("img:container:min=5,max=2", "must be >= min"),
+    ("img:teleport", "teleport"),
+    ("img:container:min=-1", "min"),
+])
+def test_pool_config_parse_rejects(text: str, needle: str) -> None:
+    with pytest.raises(InvalidRequest, match=needle) as err:
+        PoolConfig.parse(text)
+    assert text in str(err.value)
+
+
+async def test_claim_applies_labels_env_timeout(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(10)
+    [stats] = engine.statistics().pools
+    assert stats.ready == 2 and stats.target == 2 and stats.created == 2
+    assert await engine.list() == []  # members are invisible until claimed
+    spec = SHAPE.model_copy(update={"labels": {"job": "j"}, "env": {"X": "42"}, "timeout": 60.0})
+    info = await engine.create(spec)
+    assert info.pooled and info.labels == {"job": "j"} and info.spec.env == {"X": "42"}
+    assert info.expires_at == pytest.approx(info.created_at + 60.0)
+    assert POOL_LABEL not in info.labels
+    assert [i.id for i in await engine.list(labels={"job": "j"})] == [info.id]
+    result = await engine.exec(info.id, ExecRequest(command="echo $X"))
+    assert result.stdout == b"42\n"
+    stats = engine.statistics().pools[0]
+    assert stats.hits == 1 and stats.misses == 0
+    [key] = engine.pools._pools
+    assert engine.metrics.value("dsec_pool_claims_total", pool=key, outcome="hit") == 1
+    assert b'dsec_pool_ready{pool="base:container:' in engine.metrics.render()
+    await engine.pools.wait_filled(10)  # refilled in the background
+    assert engine.statistics().pools[0].ready >= 2
+
+
+async def test_other_shapes_are_not_pooled(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(10)
+    other = await engine.create(SandboxSpec(image="base", memory="1Gi"))
+    assert not other.pooled
+    # A network policy the fake backend cannot apply after creation makes the spec not poolable.
+    allow = await engine.create(SHAPE.model_copy(update={"network": "allow"}))
+    assert not allow.pooled
+    assert engine.statistics().pools[0].hits == 0
+
+
+async def test_demand_raises_target_within_ceiling(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(10)
+    made = [await engine.create(SHAPE) for _ in range(7)]
+    stats = engine.statistics().pools[0]
+    assert stats.hits >= 2 and stats.hits + stats.misses == 7
+    assert stats.target == 4  # 7 claims in the window, capped at max
+    await engine.pools.wait_filled(10)
+    assert engine.statistics().pools[0].ready == 4
+    for info in made:
+        await engine.destroy(info.id)
+    # Demand gone: the pool shrinks back to its floor once the claims leave the window.
+    pool = next(iter(engine.pools._pools.values()))
+    pool.claims = type(pool.claims)(t - DEMAND_WINDOW - 1 for t in pool.claims)
+    await engine.pools.refill()
+    assert engine.statistics().pools[0].ready == 2
+
+
+async def test_reserved_label_refused(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match=POOL_LABEL):
+        await engine.create(SandboxSpec(image="base", labels={POOL_LABEL: "x"}))
+
+
+async def test_refill_failure_backs_off_and_is_reported(engine: Engine) -> None:
+    fake_of(engine).create_error = RuntimeError("disk on fire")
+    engine.pools.declare(PoolConfig(image="base", min=1, max=1))
+    for _ in range(200):
+        if engine.statistics().pools[0].failures:
+            break
+        await asyncio.sleep(0.01)
+    stats = engine.statistics().pools[0]
+    assert stats.failures == 1 and "disk on fire" in (stats.last_error or "")
+    await engine.pools.wait_filled(10)  # retried after the back-off, and it works now
+    assert engine.statistics().pools[0].ready == 1
+
+
+async def test_pool_of_unknown_backend_refused(engine: Engine) -> None:
+    with pytest.raises(BackendUnavailable, match="microvm"):
+        await engine.declare_pool(PoolConfig(image="base", backend="microvm"))
+
+
+async def test_shutdown_drains_and_restart_destroys_leftovers(tmp_path: Path) -> None:
+    eng = make_engine(tmp_path)
+    eng.pools.interval = 0.01
+    await eng.start()
+    eng.pools.declare(POOL)
+    await eng.pools.wait_filled(10)
+    kept = await eng.create(SandboxSpec(image="base"))
+    await eng.aclose()
+    assert record_files(eng) == [f"{kept.id}.json"]  # the members are gone, the client's sandbox is not
+    assert sorted(p.name for p in fake_of(eng).root.iterdir()) == [kept.id]
+    # A daemon killed without draining: its members' records are on disk; the next start destroys them.
+    eng2 = make_engine(tmp_path)
+    eng2.pools.interval = 0.01
+    await eng2.start()
+    eng2.pools.declare(POOL)
+    await eng2.pools.wait_filled(10)
+    members = [r.id for p in eng2.pools._pools.values() for r in p.ready]
+    eng2.pools._pools.clear()  # forget them, as a SIGKILLed daemon would
+    await eng2.aclose()
+    eng3 = make_engine(tmp_path, backend=FakeBackend(root=fake_of(eng2).root))
+    await eng3.start()
+    try:
+        assert [i.id for i in await eng3.list()] == [kept.id]
+        assert record_files(eng3) == [f"{kept.id}.json"]
+        assert not any((fake_of(eng3).root / m).exists() for m in members)
+    finally:
+        await eng3.destroy_all()
+        await eng3.aclose()
+
+
+async def test_bad_pool_setting_fails_engine_construction(tmp_path: Path) -> None:
+    eng = make_engine(tmp_path)
+    settings = dataclasses.replace(eng.settings, pools=("base:container:max=x",))
+    with pytest.raises(InvalidRequest, match="max=x"):
+        Engine(settings, {"container": FakeBackend(root=tmp_path / "f")}, eng.images)
+
+
+# -- admission ------------------------------------------------------------------------------------
+
+
+async def test_burst_queues_instead_of_failing(engine: Engine) -> None:
+    short = {"now": "memory: pretend the node is full"}
+    engine.admission = Admission(4, poll=0.01, shortage=lambda: short["now"])
+    batch = asyncio.create_task(engine.create_many(BatchCreateRequest(count=40, spec=SandboxSpec(image="base"))))
+    await asyncio.sleep(0.2)
+    stats = engine.admission.statistics()
+    assert not batch.done() and stats.waiting == 40 and stats.shortage == short["now"]
+    short["now"] = None  # type: ignore[assignment]
+    made = await batch
+    assert len(made) == 40 and all(i.state == "running" for i in made)
+    assert min(i.queue_seconds for i in made) >= 0.15
+    stats = engine.admission.statistics()
+    assert stats.admitted == 40 and stats.queued == 40 and stats.waiting == 0 and stats.running == 0
+    assert stats.queue_seconds >= 40 * 0.15
+    assert engine.metrics.value("dsec_admission_queue_seconds_count", backend="container") == 40
+
+
+async def test_slots_bound_concurrency(engine: Engine) -> None:
+    engine.admission = Admission(3, shortage=lambda: None)
+    running, peak = 0, 0
+    fake = fake_of(engine)
+    original = fake.create
+
+    async def slow_create(record, image):  # type: ignore[no-untyped-def]
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        await original(record, image)
+
+    fake.create = slow_create  # type: ignore[method-assign]
+    made = await engine.create_many(BatchCreateRequest(count=12, spec=SandboxSpec(image="base")))
+    assert len(made) == 12 and peak == 3
+
+
+async def test_admission_timeout_names_the_shortage(engine: Engine) -> None:
+    engine.admission = Admission(2, timeout=0.1, poll=0.01, shortage=lambda: "pids: 32000 of 32768 in use")
+    with pytest.raises(QuotaExceeded, match="pids: 32000 of 32768"):
+        await engine.create(SandboxSpec(image="base"))
+    assert await engine.list() == [] and record_files(engine) == []
+    assert engine.admission.statistics().running == 0
+
+
+def test_host_shortage_reads_the_host() -> None:
+    assert host_shortage(0, 0) is None
+    assert "memory" in (host_shortage(1 << 60, 0) or "")
+    assert "pids" in (host_shortage(0, 1 << 40) or "")
+    with pytest.raises(ValueError, match="at least one"):
+        Admission(0)
+
+
+# -- host limits (a stand-in /proc/sys: tests never change the shared host's sysctls) -----------------
+
+
+def test_host_limits_raise_and_restore(tmp_path: Path) -> None:
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "kernel/pid_max").write_text("32768\n")
+    (tmp_path / "kernel/threads-max").write_text("9999999\n")  # already above its floor: left alone
+    limits = HostLimits(root=tmp_path, floors={"kernel/pid_max": 4_194_304, "kernel/threads-max": 1_000_000,
+                                               "fs/missing": 5})
+    assert limits.raise_all() == {"kernel/pid_max": (32768, 4_194_304)}
+    assert (tmp_path / "kernel/pid_max").read_text() == "4194304\n"
+    assert (tmp_path / "kernel/threads-max").read_text() == "9999999\n"
+    assert limits.restore() == ["kernel/pid_max"]
+    assert (tmp_path / "kernel/pid_max").read_text() == "32768\n"
+
+
+def test_host_limits_leave_a_value_changed_since(tmp_path: Path) -> None:
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "kernel/pid_max").write_text("32768\n")
+    limits = HostLimits(root=tmp_path, floors={"kernel/pid_max": 100_000})
+    limits.raise_all()
+    (tmp_path / "kernel/pid_max").write_text("200000\n")  # an operator (or another daemon) moved it
+    assert limits.restore() == []
+    assert (tmp_path / "kernel/pid_max").read_text() == "200000\n"
+
+
+async def test_engine_raises_and_restores_host_limits(tmp_path: Path) -> None:
+    eng = make_engine(tmp_path)
+    (tmp_path / "sys/kernel").mkdir(parents=True)
+    (tmp_path / "sys/kernel/pid_max").write_text("32768\n")
+    eng.host_limits = HostLimits(root=tmp_path / "sys", floors={"kernel/pid_max": 65536})
+    await eng.start()
+    assert (tmp_path / "sys/kernel/pid_max").read_text() == "65536\n"
+    await eng.aclose()
+    assert (tmp_path / "sys/kernel/pid_max").read_text() == "32768\n"
