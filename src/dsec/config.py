@@ -12,7 +12,7 @@
 | ``DSEC_UID_SHIFT`` | ``100000`` | host uid that container uid 0 maps to |
 | ``DSEC_TRAJECTORY_DB`` | ``$DSEC_HOME/trajectories.db`` | trajectory log: a SQLite path or ``postgresql://...`` |
 | ``DSEC_TRAJECTORY_SYNC`` | ``normal`` | SQLite log: ``normal`` (survives process crashes) or ``full`` (fsync) |
-| ``DSEC_SNAPSHOTS`` | ``$DSEC_IMAGES/.snapshots`` | snapshot store (share it, like the images, to restore elsewhere) |
+| ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 """
 
 from __future__ import annotations
@@ -36,21 +36,18 @@ class Settings:
     uid_count: int = 65536
     trajectory_db: str | None = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_DB") or None)
     trajectory_sync: str = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_SYNC", "normal"))
-    snapshots_dir: Path | None = None
+    snapshot_store_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.images_dir is None:
             env = os.environ.get("DSEC_IMAGES")
             object.__setattr__(self, "images_dir", Path(env) if env else self.home / "images")
-        if self.snapshots_dir is None:
-            env = os.environ.get("DSEC_SNAPSHOTS")
-            object.__setattr__(self, "snapshots_dir", Path(env) if env else self.images / ".snapshots")
 
     @property
-    def snapshots(self) -> Path:
-        """The snapshot store directory."""
-        assert self.snapshots_dir is not None
-        return self.snapshots_dir
+    def snapshot_store(self) -> str:
+        """URL of the blob store snapshots go to (``DSEC_SNAPSHOT_STORE``; default the image store, where
+        they share chunks with images and mount lazily like them)."""
+        return self.snapshot_store_url or os.environ.get("DSEC_SNAPSHOT_STORE") or self.image_store
 
     @property
     def trajectory_log(self) -> str:

@@ -21,7 +21,7 @@ COUNT = ExecRequest(command="echo run >> ran; wc -l < ran")
 
 
 def make_engine(tmp_path: Path, fake: FakeBackend | None = None) -> Engine:
-    settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snapshots")
+    settings = Settings(home=tmp_path / "home")
     return Engine(settings, {"container": fake or FakeBackend(root=tmp_path / "fake")}, FakeImages(),
                   reaper_interval=0.05)
 
@@ -195,7 +195,13 @@ async def test_fork_copies_are_independent(engine: Engine) -> None:
     await engine.write_file(kids[0].id, "/workspace/x", b"kid0")
     assert [await engine.read_file(k.id, "/workspace/x") for k in kids] == [b"kid0", b"parent", b"parent"]
     assert await engine.read_file(info.id, "/workspace/x") == b"parent"
-    assert list(engine.snapshots.root.iterdir()) == []  # the fork's temporary snapshot is gone
+    (snap,) = engine.snapshots.images.snapshot_ids()  # fork's own snapshot, shared by the three copies
+    assert {(await engine.get(k.id)).spec.snapshot for k in kids} == {snap}
+    for k in kids[:2]:
+        await engine.destroy(k.id)
+    assert engine.snapshots.images.snapshot_ids() == [snap]  # still used by the last copy
+    await engine.destroy(kids[2].id)
+    assert engine.snapshots.images.snapshot_ids() == []  # gone with its last copy
 
 
 async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) -> None:

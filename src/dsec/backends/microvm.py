@@ -768,9 +768,12 @@ class MicroVMBackend(Backend):
                 with contextlib.suppress(SandboxError):
                     await self._qmp(vm.rundir, [("cont", {})])
 
-    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
-        """Create ``record`` from a :meth:`snapshot` in ``source``: the VM's shape (vCPUs, memory, disk) is the
-        snapshot's, whatever the spec asked; the clone gets a fresh identity."""
+    async def restore(self, record: SandboxRecord, image: ImageRef, layers: list[Path]) -> None:
+        """Create ``record`` from a :meth:`snapshot` (one layer: ``state`` and ``vm.json``): the VM's shape
+        (vCPUs, memory, disk) is the snapshot's, whatever the spec asked; the clone gets a fresh identity."""
+        if len(layers) != 1:
+            raise SandboxError(f"a microvm snapshot is one layer, got {len(layers)}: not a microvm snapshot")
+        source = layers[0]
         try:
             shape = json.loads((source / "vm.json").read_text())
             vcpus, mem_mib, disk_bytes = int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"])

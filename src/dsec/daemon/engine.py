@@ -15,7 +15,6 @@ import contextlib
 import importlib.metadata
 import logging
 import secrets
-import shutil
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
@@ -114,6 +113,18 @@ def default_trajectory_store(settings: Settings) -> TrajectoryStore:
     return SQLiteStore(Path(where), sync=settings.trajectory_sync)
 
 
+def _snapshot_store(settings: Settings, images: object) -> SnapshotStore:
+    """Snapshots in the node's image store, mounted lazily through its image manager; in another store
+    (``DSEC_SNAPSHOT_STORE``), or without the image manager, mounted whole (:class:`EagerLayers`)."""
+    from dsec.images.node import NodeImages
+    from dsec.images.store import ImageStore
+
+    scratch = settings.home / "snapshot-work"
+    if isinstance(images, NodeImages) and settings.snapshot_store == settings.image_store:
+        return SnapshotStore(images.store, scratch, images)
+    return SnapshotStore(ImageStore(settings.images, settings.snapshot_store), scratch)
+
+
 class _NoImages:
     """Stand-in when the image store cannot be loaded: every lookup says why."""
 
@@ -164,10 +175,11 @@ class Engine:
         self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tombstone_limit = tombstone_limit
         self._reaper: asyncio.Task[None] | None = None
-        self.snapshots = SnapshotStore(settings.snapshots)
+        self.snapshots = _snapshot_store(settings, images)
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
         self._image_refs: dict[str, ImageRef] = {}
+        self._layer_roots: dict[str, builtins.list[Path]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -262,6 +274,11 @@ class Engine:
                     self._image_refs[record.id] = await asyncio.to_thread(self.images.resolve, record.spec.image)
                 except DSecError as exc:
                     log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
+            if record.layers:
+                try:  # and the snapshot layers under it
+                    self._layer_roots[record.id] = await asyncio.to_thread(self.snapshots.open, record.layers)
+                except DSecError as exc:
+                    log.warning("sandbox %s: its snapshot layers cannot be re-pinned: %s", record.id, exc)
             self.metrics.live.labels(name).inc()
             self._store.save(record)  # the backend may have refreshed backend_state
             log.info("sandbox %s re-adopted (%s)", record.id, record.state)
@@ -365,27 +382,34 @@ class Engine:
         """Create one sandbox and return it running; with ``spec.trajectory``, open that trajectory."""
         if spec.trajectory is not None:
             return await self.rollouts.open(spec)
-        source = self.snapshots.path(spec.snapshot) if spec.snapshot is not None else None
-        return await self._create(spec, source)
+        return await self._create(spec, spec.snapshot)
 
-    async def _create(self, spec: SandboxSpec, source: Path | None) -> SandboxInfo:
-        """Create one sandbox, from its image or restored from the snapshot directory ``source``."""
+    async def _create(self, spec: SandboxSpec, snapshot: str | None) -> SandboxInfo:
+        """Create one sandbox, from its image or restored from snapshot ``snapshot`` of the snapshot store."""
         name = spec.backend
+        layers: builtins.list[str] = []
         try:
             backend = self._backend(name)
-            if source is not None:
-                meta = await asyncio.to_thread(self.snapshots.meta, source.name)
+            if snapshot is not None:
+                meta = await asyncio.to_thread(self.snapshots.meta, snapshot)
                 if meta.get("backend") != name:
-                    raise InvalidRequest(f"snapshot {source.name} was taken on backend {meta.get('backend')!r}; "
+                    raise InvalidRequest(f"snapshot {snapshot} was taken on backend {meta.get('backend')!r}; "
                                          f"it cannot be restored on {name!r}")
                 if spec.image is None:
                     spec = spec.model_copy(update={"image": meta.get("image")})
                 elif spec.image != meta.get("image"):
-                    raise InvalidRequest(f"snapshot {source.name} is of image {meta.get('image')!r}, "
+                    raise InvalidRequest(f"snapshot {snapshot} is of image {meta.get('image')!r}, "
                                          f"not {spec.image!r}")
+                spec = spec.model_copy(update={"snapshot": snapshot})
+                layers = list(meta.get("layers", []))
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
             image = await asyncio.to_thread(self.images.resolve, spec.image)
+            try:
+                roots = await asyncio.to_thread(self.snapshots.open, layers) if snapshot is not None else []
+            except BaseException:
+                self._release(image)
+                raise
         except DSecError as exc:
             self.metrics.failed.labels(name, type(exc).__name__).inc()
             raise
@@ -396,16 +420,18 @@ class Engine:
             state="creating",
             created_at=now,
             expires_at=now + spec.timeout,
+            layers=layers,
         )
         apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
         self._store.save(record)
         self._records[record.id] = record
         self._image_refs[record.id] = image
+        self._layer_roots[record.id] = roots
         started = time.monotonic()
         try:
-            if source is not None:
-                await backend.restore(record, image, source)
+            if snapshot is not None:
+                await backend.restore(record, image, roots)
             else:
                 await backend.create(record, image)
         except BaseException as exc:
@@ -447,8 +473,13 @@ class Engine:
 
     def _release_image(self, sandbox_id: str) -> None:
         ref = self._image_refs.pop(sandbox_id, None)
+        if ref is not None:
+            self._release(ref)
+        self.snapshots.close(self._layer_roots.pop(sandbox_id, []))
+
+    def _release(self, ref: ImageRef) -> None:
         release = getattr(self.images, "release", None)
-        if ref is not None and release is not None:
+        if release is not None:
             release(ref)
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
@@ -547,6 +578,8 @@ class Engine:
         self._tombstone(record.id, state, message)
         self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
+        if record.spec.snapshot is not None:
+            await asyncio.to_thread(self._drop_ephemeral, record.spec.snapshot)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -710,41 +743,57 @@ class Engine:
             return SnapshotRef(snapshot=await self.rollouts.snapshot(record, seq))
         return SnapshotRef(snapshot=await self.take_snapshot(record))
 
-    async def take_snapshot(self, record: SandboxRecord) -> str:
-        """Snapshot ``record`` into the store and publish it; returns its id."""
+    async def take_snapshot(self, record: SandboxRecord, ephemeral: bool = False) -> str:
+        """Snapshot ``record`` into the store and publish it; returns its id.
+
+        A layered backend's snapshot is one new layer (the sandbox's changes) over the layers the sandbox
+        was restored onto. ``ephemeral`` marks fork's own snapshot, removed when its last copy on this
+        node is destroyed.
+        """
         backend = self._backend(record.spec.backend)
         snap_id, work = await asyncio.to_thread(self.snapshots.begin)
         try:
-            await backend.snapshot(record, work)
-            meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
-                    "spec": record.spec.model_dump(mode="json")}
-            await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta)
+            await backend.snapshot(record, work / "tree")
         except BaseException:
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            await asyncio.to_thread(self.snapshots.abort, work)
             raise
+        meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
+                "uid_shift": record.backend_state.get("uid_shift", 0), "ephemeral": ephemeral,
+                "spec": record.spec.model_dump(mode="json")}
+        below = record.layers if backend.layered else []
+        await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta, below)
         log.info("sandbox %s: snapshot %s taken", record.id, snap_id)
         return snap_id
 
     async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
         """``count`` independent sandboxes with the state of a live one (all or nothing).
 
-        The copies are plain sandboxes (not bound to the parent's trajectory, not logged).
+        One snapshot, restored ``count`` times: on a layered backend the copies share its layers read-only
+        (copy-on-write, nothing copied per copy). The copies are plain sandboxes (not bound to the
+        parent's trajectory, not logged); the snapshot's record goes when the last of them is destroyed.
         """
         record = self._live(sandbox_id, allow_paused=True)
-        snap_id = await self.take_snapshot(record)
-        source = self.snapshots.path(snap_id)
+        snap_id = await self.take_snapshot(record, ephemeral=True)
         spec = record.spec.model_copy(update={"trajectory": None, "snapshot": None})
-        try:
-            results = await asyncio.gather(*(self._create(spec, source) for _ in range(count)),
-                                           return_exceptions=True)
-        finally:
-            await asyncio.to_thread(self.snapshots.remove, snap_id)
+        results = await asyncio.gather(*(self._create(spec, snap_id) for _ in range(count)), return_exceptions=True)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self._destroy_quietly(made)
+            await asyncio.to_thread(self._drop_ephemeral, snap_id)
             raise errors[0]
         return made
+
+    def _drop_ephemeral(self, snap_id: str | None) -> None:
+        """Remove fork's snapshot ``snap_id`` once no sandbox of this node is restored from it."""
+        if snap_id is None or any(r.spec.snapshot == snap_id for r in self._records.values()):
+            return
+        try:
+            if self.snapshots.meta(snap_id).get("ephemeral"):
+                self.snapshots.remove(snap_id)
+                log.info("fork snapshot %s removed (its last copy is gone)", snap_id)
+        except DSecError as exc:
+            log.debug("fork snapshot %s: %s", snap_id, exc)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         """Resource usage now."""

@@ -152,8 +152,7 @@ class Rollouts:
     async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
         """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
         checkpoint = t.binding.checkpoint
-        source = self.engine.snapshots.path(checkpoint) if checkpoint else None
-        info = await self.engine._create(spec, source)
+        info = await self.engine._create(spec, checkpoint or None)
         after = range(t.binding.checkpoint_seq, upto)
         missing = [seq for seq in after if t.ops[seq] in ("exec", "write") and t.statuses[seq] != "running"]
         rerun: list[int] = []

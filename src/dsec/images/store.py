@@ -5,6 +5,7 @@ Layout of the blob store (``$DSEC_IMAGE_STORE``, default the directory ``<root>/
     chunks/sha256/<hh>/<hex>   blob chunks and metadata images, content-addressed (shared by every image)
     manifests/sha256/<hex>     one :class:`~dsec.images.format.Manifest` per image version
     tags/<name>                the manifest digest image <name> currently names
+    snapshots/<id>             a sandbox snapshot: JSON with its layers (manifest digests, top first) and metadata
 
 and of the local ``root``::
 
@@ -24,6 +25,7 @@ import builtins
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.base import ImageRef
 from dsec.errors import DSecError, ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
@@ -273,6 +276,13 @@ class ImageStore:
             return legacy
 
     def _publish(self, info: ImageInfo, tree: Path, scratch: Path, progress: Progress | None) -> Manifest:
+        manifest = self.upload_tree(info, tree, scratch, progress)
+        self.blobs.put(f"tags/{info.name}", manifest.digest.encode() + b"\n")
+        return manifest
+
+    def upload_tree(self, info: ImageInfo, tree: Path, scratch: Path, progress: Progress | None = None) -> Manifest:
+        """Store directory ``tree`` as an untagged chunked EROFS image (owners, xattrs, device nodes and
+        hard links as they are); returns its manifest. ``scratch`` holds the build files (left there)."""
         meta, blob = scratch / "meta.erofs", scratch / "blob"
         build_erofs(tree, meta, blob)
         total = blob.stat().st_size
@@ -294,8 +304,33 @@ class ImageStore:
         self.blobs.put(chunk_key(meta_digest), meta_bytes)
         manifest = Manifest(info=info, meta_digest=meta_digest, meta_size=len(meta_bytes), chunks=chunks)
         self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
-        self.blobs.put(f"tags/{info.name}", manifest.digest.encode() + b"\n")
         return manifest
+
+    # ----------------------------------------------------------------- snapshots
+    def put_snapshot(self, snap_id: str, record: dict[str, Any]) -> None:
+        """Publish snapshot record ``snapshots/<snap_id>`` (its ``layers`` list manifest digests, which
+        :meth:`gc` keeps for as long as the record exists)."""
+        self.blobs.put(f"snapshots/{snap_id}", json.dumps(record).encode())
+
+    def snapshot(self, snap_id: str) -> dict[str, Any] | None:
+        """The record of snapshot ``snap_id``, or None."""
+        try:
+            data: dict[str, Any] = json.loads(self.blobs.get(f"snapshots/{snap_id}"))
+        except KeyError:
+            return None
+        except ValueError as exc:
+            raise ImageCorrupt(f"snapshot record {snap_id} in {self.blobs.url} is corrupt: {exc}",
+                               snapshot=snap_id) from None
+        return data
+
+    def snapshot_ids(self) -> builtins.list[str]:
+        """Ids of every snapshot record in the store."""
+        return sorted(key.removeprefix("snapshots/") for key, _s, _m in self.blobs.keys("snapshots/"))
+
+    def remove_snapshot(self, snap_id: str) -> None:
+        """Delete a snapshot record (its chunks go at the next :meth:`gc` unless another snapshot or image
+        shares them)."""
+        self.blobs.delete(f"snapshots/{snap_id}")
 
     def remove(self, name: str) -> None:
         """Delete image ``name``: its tag (chunks stay until ``gc``) and any legacy directory.
@@ -316,7 +351,7 @@ class ImageStore:
                 shutil.rmtree(trash, ignore_errors=True)
 
     def gc(self, grace: float = _GC_GRACE) -> GcResult:
-        """Delete chunks and manifests no tag references and that are older than ``grace`` seconds."""
+        """Delete chunks and manifests no tag or snapshot references and that are older than ``grace`` seconds."""
         keep_manifests: set[str] = set()
         keep_chunks: set[str] = set()
         for key, _size, _mtime in builtins.list(self.blobs.keys("tags/")):
@@ -327,6 +362,14 @@ class ImageStore:
             keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
             keep_chunks.add(chunk_key(manifest.meta_digest))
             keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
+        for snap_id in self.snapshot_ids():
+            record = self.snapshot(snap_id) or {}
+            for digest in record.get("layers", []):
+                keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
+                with contextlib.suppress(ImageCorrupt):
+                    manifest = self.manifest_by_digest(digest)
+                    keep_chunks.add(chunk_key(manifest.meta_digest))
+                    keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
         cutoff = time.time() - grace
         chunks = manifests = freed = 0
         for prefix, keep in (("manifests/", keep_manifests), ("chunks/", keep_chunks)):
