@@ -268,6 +268,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""
         return await engine.snapshot(sandbox_id, seq)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/lease", tags=["trajectories"])
+    async def renew_lease(sandbox_id: str) -> SandboxInfo:
+        """Renew the lease of a trajectory-bound sandbox (the SDK's heartbeat while its client is idle)."""
+        return await engine.renew_lease(sandbox_id)
+
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
         """Make independent copies of a live sandbox's state; all or nothing."""

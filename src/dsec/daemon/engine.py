@@ -830,6 +830,12 @@ class Engine:
         """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
         return await self.rollouts.branch(request.name, request.at, request.rerun_missing)
 
+    async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
+        """Renew the lease of a trajectory-bound sandbox; :class:`InvalidRequest` for an unbound one."""
+        record = self._live(sandbox_id, allow_paused=True)
+        self.rollouts.renew(record)
+        return self._info(record)
+
     async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""
         return await self.rollouts.log.logged(name, start, limit)

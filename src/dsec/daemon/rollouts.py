@@ -101,6 +101,14 @@ class Rollouts:
         t = self._bound(record)
         return t is not None and t.lease_expired(now)
 
+    def renew(self, record: SandboxRecord) -> None:
+        """Renew ``record``'s lease (a heartbeat); :class:`InvalidRequest` when it is bound to no trajectory."""
+        t = self._bound(record)
+        if t is None:
+            raise InvalidRequest(f"sandbox {record.id} is not bound to a trajectory: it has no lease to renew",
+                                 sandbox=record.id)
+        t.touch()
+
     def forget(self, record: SandboxRecord) -> None:
         """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
         re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""

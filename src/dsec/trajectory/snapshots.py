@@ -50,9 +50,9 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 class LayerMounter(Protocol):
     """What :class:`SnapshotStore` needs from the node's image manager (``NodeImages``)."""
 
-    def pin_manifest(self, digest: str) -> Path: ...  # noqa: D102
+    def pin_manifest(self, digest: str) -> Path: ...
 
-    def unpin(self, root: Path) -> None: ...  # noqa: D102
+    def unpin(self, root: Path) -> None: ...
 
 
 class EagerLayers:
@@ -66,7 +66,7 @@ class EagerLayers:
         self._lock = threading.Lock()
         self._pins: dict[Path, int] = {}
 
-    def pin_manifest(self, digest: str) -> Path:  # noqa: D102
+    def pin_manifest(self, digest: str) -> Path:
         manifest = self.images.manifest_by_digest(digest)
         base = self.root / digest.removeprefix("sha256:")[:16]
         mnt = base / "mnt"
@@ -89,7 +89,7 @@ class EagerLayers:
             self._pins[mnt] = self._pins.get(mnt, 0) + 1
             return mnt
 
-    def unpin(self, root: Path) -> None:  # noqa: D102
+    def unpin(self, root: Path) -> None:
         with self._lock:
             left = self._pins.get(root, 0) - 1
             if left > 0:
