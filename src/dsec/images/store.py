@@ -327,10 +327,40 @@ class ImageStore:
         """Ids of every snapshot record in the store."""
         return sorted(key.removeprefix("snapshots/") for key, _s, _m in self.blobs.keys("snapshots/"))
 
-    def remove_snapshot(self, snap_id: str) -> None:
+    def remove_snapshot(self, snap_id: str, purge: bool = False) -> int:
         """Delete a snapshot record (its chunks go at the next :meth:`gc` unless another snapshot or image
-        shares them)."""
+        shares them). ``purge`` deletes its layers' chunks and manifests now, except those a tag or another
+        snapshot references (no grace period: only for snapshots of data no import can be uploading, such
+        as a benchmark's random files). Returns the bytes purged."""
+        record = self.snapshot(snap_id) if purge else None
         self.blobs.delete(f"snapshots/{snap_id}")
+        if record is None:
+            return 0
+        keep: set[str] = set()
+        for key, _size, _mtime in builtins.list(self.blobs.keys("tags/")):
+            digest = self.tag(key.removeprefix("tags/"))
+            if digest is not None:
+                keep.update(self._objects(digest))
+        for other in self.snapshot_ids():
+            for digest in (self.snapshot(other) or {}).get("layers", []):
+                keep.update(self._objects(digest))
+        freed = 0
+        for digest in record.get("layers", []):
+            for key in self._objects(digest) - keep:
+                with contextlib.suppress(KeyError):
+                    freed += len(self.blobs.get(key)) if key.startswith("chunks/") else 0
+                self.blobs.delete(key)
+                keep.add(key)
+        return freed
+
+    def _objects(self, digest: str) -> set[str]:
+        """Store keys of a manifest and of every chunk it names (empty if the manifest is gone)."""
+        try:
+            manifest = self.manifest_by_digest(digest)
+        except ImageCorrupt:
+            return set()
+        return {f"manifests/sha256/{digest.removeprefix('sha256:')}", chunk_key(manifest.meta_digest),
+                *(chunk_key(c.digest) for c in manifest.chunks)}
 
     def remove(self, name: str) -> None:
         """Delete image ``name``: its tag (chunks stay until ``gc``) and any legacy directory.
@@ -363,13 +393,9 @@ class ImageStore:
             keep_chunks.add(chunk_key(manifest.meta_digest))
             keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
         for snap_id in self.snapshot_ids():
-            record = self.snapshot(snap_id) or {}
-            for digest in record.get("layers", []):
+            for digest in (self.snapshot(snap_id) or {}).get("layers", []):
                 keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
-                with contextlib.suppress(ImageCorrupt):
-                    manifest = self.manifest_by_digest(digest)
-                    keep_chunks.add(chunk_key(manifest.meta_digest))
-                    keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
+                keep_chunks.update(self._objects(digest))
         cutoff = time.time() - grace
         chunks = manifests = freed = 0
         for prefix, keep in (("manifests/", keep_manifests), ("chunks/", keep_chunks)):
