@@ -33,7 +33,9 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,10 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _CAP_XATTR = "security.capability"
 _UID_COUNT = 65536
+_UPLOADS = 8
+"""Chunk uploads in flight at once."""
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 _GC_GRACE = 3600.0
 """Objects younger than this are never collected: an import elsewhere may be about to tag them."""
 
@@ -289,22 +295,40 @@ class ImageStore:
         chunks: list[ChunkRef] = []
         seen: set[str] = set()
         done = 0
-        for digest, data in cut_blob(blob):
-            chunks.append(ChunkRef(digest=digest, size=len(data)))
-            if digest not in seen:
-                seen.add(digest)
-                key = chunk_key(digest)
-                if not self.blobs.has(key):
-                    self.blobs.put(key, data)
-            done += len(data)
-            if progress is not None:
-                progress("upload", done, total)
+        # Uploads overlap (each is a round trip to S3, or a write and an fsync on a directory store); at most
+        # 2 x _UPLOADS chunks are held in memory, and progress is reported in blob order.
+        inflight: deque[tuple[Future[None], int]] = deque()
+
+        def settle(limit: int) -> None:
+            nonlocal done
+            while len(inflight) > limit:
+                future, size = inflight.popleft()
+                future.result()
+                done += size
+                if progress is not None:
+                    progress("upload", done, total)
+
+        with ThreadPoolExecutor(max_workers=_UPLOADS, thread_name_prefix="dsec-upload") as pool:
+            for digest, data in cut_blob(blob):
+                chunks.append(ChunkRef(digest=digest, size=len(data)))
+                if digest in seen:
+                    inflight.append((_DONE, len(data)))
+                else:
+                    seen.add(digest)
+                    inflight.append((pool.submit(self._put_chunk, digest, data), len(data)))
+                settle(2 * _UPLOADS)
+            settle(0)
         meta_bytes = meta.read_bytes()
         meta_digest = sha256(meta_bytes)
         self.blobs.put(chunk_key(meta_digest), meta_bytes)
         manifest = Manifest(info=info, meta_digest=meta_digest, meta_size=len(meta_bytes), chunks=chunks)
         self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
         return manifest
+
+    def _put_chunk(self, digest: str, data: bytes) -> None:
+        key = chunk_key(digest)
+        if not self.blobs.has(key):
+            self.blobs.put(key, data)
 
     # ----------------------------------------------------------------- snapshots
     def put_snapshot(self, snap_id: str, record: dict[str, Any]) -> None:

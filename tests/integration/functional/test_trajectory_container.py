@@ -34,6 +34,7 @@ from container_support import images_dir, short_home, sweep, wait_until
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers
 from dsec.images.store import ImageStore
+from image_support import make_tree, seaweedfs
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -381,3 +382,42 @@ def test_client_killed_mid_command_reissue_waits_for_the_same_run(daemon: Daemon
     sb = dsec.Sandbox.connect(sandbox_id, client=daemon.client)
     assert sb.files.read("/workspace/runs") == b"started\n"  # ran once, its result went to the re-run
     sb.close()
+
+
+def test_snapshot_in_an_s3_store_restores_on_another_daemon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything in SeaweedFS (S3): the image, then a snapshot taken on one daemon, restored and forked on
+    another that shares nothing with it but the bucket (its own home and its own local image root)."""
+    with seaweedfs(monkeypatch) as weed:
+        url = weed.url(prefix="traj")
+        tree = tmp_path / "tree"
+        make_tree(tree, big=1 << 20)
+        first_images, second_images = short_home("dsec-s3img1-"), short_home("dsec-s3img2-")
+        ImageStore(first_images, url).import_dir("bbox", tree, uid_shift=Settings().uid_shift)
+        homes = [short_home("dsec-s3a-"), short_home("dsec-s3b-")]
+        daemons: list[Daemon] = []
+        try:
+            daemons.append(Daemon(homes[0], first_images, DSEC_IMAGE_STORE=url))
+            daemons.append(Daemon(homes[1], second_images, DSEC_IMAGE_STORE=url))
+            sb = dsec.Sandbox.create(image="bbox", client=daemons[0].client)
+            assert sb.exec("echo state > /etc/hello && mkdir -p /w && echo 1 > /w/n && rm /data/big.bin").exit_code == 0
+            snap = sb.snapshot()
+            sb.close()
+            record = ImageStore(second_images, url).snapshot(snap)
+            assert record is not None and record["image"] == "bbox"
+            restored = dsec.Sandbox.create(snapshot=snap, client=daemons[1].client)
+            got = restored.exec("cat /etc/hello /w/n; ls /data | wc -l")
+            assert got.stdout == b"state\n1\n0\n", got.stderr
+            kids = restored.fork(2)
+            for n, kid in enumerate(kids):
+                kid.exec(f"echo {n} > /w/n")
+            assert [k.files.read("/w/n") for k in kids] == [b"0\n", b"1\n"]
+            assert restored.files.read("/w/n") == b"1\n"
+            for kid in kids:
+                kid.close()
+            restored.close()
+        finally:
+            for d in daemons:
+                d.stop()
+            for path in (*homes, first_images, second_images):
+                shutil.rmtree(path, ignore_errors=True)
