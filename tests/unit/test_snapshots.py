@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_purge_deletes_a_snapshots_own_chunks_but_not_shared_ones(tmp_path: Path
 
 def test_bad_ids_and_missing_snapshots_are_named(tmp_path: Path) -> None:
     snaps = SnapshotStore(ImageStore(tmp_path / "images"), tmp_path / "scratch")
-    with pytest.raises(InvalidRequest, match="not a snapshot id: '../x'"):
+    with pytest.raises(InvalidRequest, match=re.escape("not a snapshot id: '../x'")):
         snaps.meta("../x")
     with pytest.raises(NotFound, match="snap-0123456789abcdef"):
         snaps.meta("snap-0123456789abcdef")

@@ -31,7 +31,8 @@ def daemon_url() -> Iterator[str]:
     except DSecError as e:
         missing(str(e))
     home = short_home("dsec-vmsdk-")
-    settings = Settings(home=home, images_dir=images_dir())
+    # Snapshots (a VM's whole RAM each) go to a store of this test's own, not the shared image store.
+    settings = Settings(home=home, images_dir=images_dir(), snapshot_store_url=str(home / "snapshots"))
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine.from_settings(settings)
     sock = str(settings.socket_path)
