@@ -300,3 +300,10 @@ async def test_exec_stream_cut_before_exit_is_connection_failed(
         cut = dsec.AsyncSandbox(sb._info, c)
         with pytest.raises(dsec.ConnectionFailed, match="without an exit event"):
             await cut.exec("echo hi")
+
+
+async def test_pause_releasing_memory_is_refused_where_the_backend_cannot(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.NotSupported, match="cannot release a paused sandbox's memory"):
+        await sb.pause(release_memory=True)
+    assert (await sb.info()).state == "running"  # refused: nothing changed
+    assert (await sb.exec("echo ok")).stdout == b"ok\n"

@@ -349,9 +349,11 @@ class AsyncSandbox:
         response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/stats")
         return SandboxStats.model_validate(response.json())
 
-    async def pause(self) -> SandboxInfo:
-        """Freeze every process of the sandbox (execs are refused until resume)."""
-        return await self._transition("pause")
+    async def pause(self, release_memory: bool = False) -> SandboxInfo:
+        """Freeze every process of the sandbox (execs are refused until resume). ``release_memory=True``
+        also saves it to disk and gives its memory back to the host (microvm; resume restores it with the
+        same processes and files); backends that cannot raise :class:`~dsec.NotSupported`."""
+        return await self._transition("pause", {"release_memory": "true"} if release_memory else None)
 
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox."""
@@ -370,8 +372,8 @@ class AsyncSandbox:
         self._info = SandboxInfo.model_validate(response.json())
         return self._info
 
-    async def _transition(self, action: str) -> SandboxInfo:
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}")
+    async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
         self._info = SandboxInfo.model_validate(response.json())
         return self._info
 

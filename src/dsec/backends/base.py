@@ -126,6 +126,12 @@ class Backend(abc.ABC):
         """Thaw a paused sandbox."""
         raise NotSupported(f"backend {self.name!r} cannot resume sandboxes")
 
+    async def hibernate(self, record: SandboxRecord) -> None:
+        """Pause the sandbox with its memory released to disk (``pause(release_memory=True)``); a no-op on
+        one already hibernated. :meth:`resume` brings it back."""
+        raise NotSupported(f"backend {self.name!r} cannot release a paused sandbox's memory; pause() without "
+                           "release_memory freezes it in place")
+
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
         raise NotSupported(f"backend {self.name!r} cannot change network policies")

@@ -719,7 +719,9 @@ class MicroVMBackend(Backend):
 
     async def hibernate(self, record: SandboxRecord) -> None:
         """Save the whole VM to disk and end its QEMU, giving its memory back to the host; resume restores it
-        (same identity, processes and files)."""
+        (same identity, processes and files). Already hibernated: nothing to do."""
+        if record.backend_state.get("hibernated"):
+            return
         self._vm(record)
         target = self.root / "hibernated" / record.id
         target.mkdir(parents=True, exist_ok=True)

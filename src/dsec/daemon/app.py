@@ -249,9 +249,9 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         return await engine.stats(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
-    async def pause(sandbox_id: str) -> SandboxInfo:
-        """Freeze every process of the sandbox."""
-        return await engine.pause(sandbox_id)
+    async def pause(sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Freeze every process of the sandbox; `release_memory`: also save it to disk and release its RAM."""
+        return await engine.pause(sandbox_id, release_memory)
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
     async def resume(sandbox_id: str) -> SandboxInfo:

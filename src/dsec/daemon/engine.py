@@ -800,13 +800,17 @@ class Engine:
         record = self._live(sandbox_id, allow_paused=True)
         return await self._backend(record.spec.backend).stats(record)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze a sandbox (idempotent)."""
+    async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Freeze a sandbox (idempotent); with ``release_memory`` also save it to disk and give its memory
+        back to the host (a VM: its whole state; resume restores it), also for one already paused."""
         record = self._live(sandbox_id, allow_paused=True)
-        if record.state == "running":
-            await self._backend(record.spec.backend).pause(record)
-            record.state = "paused"
-            self._store.save(record)
+        backend = self._backend(record.spec.backend)
+        if release_memory:
+            await backend.hibernate(record)
+        elif record.state == "running":
+            await backend.pause(record)
+        record.state = "paused"
+        self._store.save(record)
         return self._info(record)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
