@@ -54,7 +54,7 @@ _TOOLS = (
     _Tool("gcc", "gcc", "gcc libc6-dev", ("--version",), True, "builds the container init and the function zygote"),
     _Tool("cp", "cp", "coreutils", ("--version",), True, "container snapshots (copies the writable layer)"),
     _Tool("mmdebstrap", "mmdebstrap", "mmdebstrap", ("--version",), True, "builds images"),
-    _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), True, "builds the chunked EROFS images and snapshot layers"),
+    _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), True, "builds EROFS images and snapshot layers"),
     _Tool("fusermount3", "fusermount3", "fuse3 libfuse3-dev", ("-V",), True, "the lazy image filesystem"),
     _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),
     _Tool("busybox", "busybox", "busybox-static", (), False, "microvm initramfs"),

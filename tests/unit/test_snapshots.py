@@ -109,3 +109,20 @@ def test_cli_lists_and_removes_snapshots(tmp_path: Path, monkeypatch: pytest.Mon
     assert missing.exit_code == 1 and "snap-0123456789abcdef" in missing.output
     assert runner.invoke(main, ["snapshot", "rm", snap]).output.strip() == snap
     assert runner.invoke(main, ["snapshot", "ls", "--json"]).output.strip() == "[]"
+
+
+def test_sweep_releases_layers_an_earlier_daemon_left_mounted(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images")
+    snap = publish(SnapshotStore(store, tmp_path / "scratch"), lambda root: (root / "f").write_text("x"))
+    earlier = SnapshotStore(store, tmp_path / "scratch")
+    (root,) = earlier.open(earlier.meta(snap)["layers"])  # that daemon dies with the layer pinned
+    later = SnapshotStore(store, tmp_path / "scratch")
+    (again,) = later.open(later.meta(snap)["layers"])  # a re-adopted sandbox re-pins it: not mounted twice
+    assert again == root and (root / "f").read_text() == "x"
+    later.sweep()
+    assert os.path.ismount(root)  # pinned: kept
+    later.close([again])
+    assert not root.exists()
+    (root,) = earlier.open(earlier.meta(snap)["layers"])
+    SnapshotStore(store, tmp_path / "scratch").sweep()  # nobody re-pinned it: unmounted, removed
+    assert not root.exists()

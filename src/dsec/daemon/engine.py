@@ -252,6 +252,7 @@ class Engine:
             if removed:
                 log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
         await self.rollouts.adopt(list(self._records.values()))
+        await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
 
     async def _recover(self, record: SandboxRecord) -> None:

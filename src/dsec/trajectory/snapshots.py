@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^snap-[0-9a-f]{16}$")
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
+_MNT_DETACH = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -67,6 +68,7 @@ class EagerLayers:
         self._pins: dict[Path, int] = {}
 
     def pin_manifest(self, digest: str) -> Path:
+        """Mount layer ``digest`` (assembled from its chunks) if needed, pin it and return its root."""
         manifest = self.images.manifest_by_digest(digest)
         base = self.root / digest.removeprefix("sha256:")[:16]
         mnt = base / "mnt"
@@ -89,7 +91,22 @@ class EagerLayers:
             self._pins[mnt] = self._pins.get(mnt, 0) + 1
             return mnt
 
+    def sweep(self) -> None:
+        """Unmount and remove every layer no one pinned (left mounted by an earlier daemon whose sandboxes
+        are gone; a restarted daemon re-pins the layers of the sandboxes it re-adopts first)."""
+        if not self.root.is_dir():
+            return
+        with self._lock:
+            for base in self.root.iterdir():
+                mnt = base / "mnt"
+                if mnt in self._pins:
+                    continue
+                if os.path.ismount(mnt) and _libc.umount2(os.fsencode(mnt), _MNT_DETACH) != 0:
+                    continue
+                shutil.rmtree(base, ignore_errors=True)
+
     def unpin(self, root: Path) -> None:
+        """Drop one pin of the layer at ``root``; the last one unmounts it and removes its files."""
         with self._lock:
             left = self._pins.get(root, 0) - 1
             if left > 0:
@@ -160,6 +177,12 @@ class SnapshotStore:
             self.close(roots)
             raise
         return roots
+
+    def sweep(self) -> None:
+        """Release layer mounts no sandbox uses any more (the lazy loader's idle unmount does this for
+        layers mounted through it)."""
+        if isinstance(self.mounter, EagerLayers):
+            self.mounter.sweep()
 
     def close(self, roots: list[Path]) -> None:
         """Unpin layers :meth:`open` returned (the mounts stay warm until the node unmounts idle images)."""
