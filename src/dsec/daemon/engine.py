@@ -676,7 +676,12 @@ class Engine:
 
     async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
         """Run a command to completion."""
-        return await collect_exec(self.exec_stream(sandbox_id, request, seq))
+        record = self._live(sandbox_id, allow_paused=False)
+        if record.spec.trajectory is None:
+            return await collect_exec(self.exec_stream(sandbox_id, request, seq))
+        if request.cwd is not None:
+            _check_path(request.cwd)
+        return await self.rollouts.exec(record, self._backend(record.spec.backend), request, seq)
 
     async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
         """Run a pickled Python callable; the reply goes back undecoded (the daemon never unpickles it)."""

@@ -275,6 +275,30 @@ class Rollouts:
         task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
         return await asyncio.shield(task)
 
+    async def exec(self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None) -> ExecResult:
+        """A logged exec whose caller wants only the result: as :meth:`exec_stream`, without relaying the
+        events (the handler waits for the run's task once instead of once per event)."""
+        t = await self._open_for(record)
+        digest, readable = call_identity("exec", exec_args(request))
+        stored = _stored(readable, request.stdin, self.log.cap)
+        decision = await self.log.begin(t, seq, "exec", digest, stored)
+        if isinstance(decision, Replay):
+            assert decision.entry.response is not None
+            replayed: ExecResult = decode_response("exec", decision.entry.response)
+            return replayed
+        if isinstance(decision, Join):
+            joined = await asyncio.shield(decision.flight)
+            if isinstance(joined, DSecError):
+                raise joined
+            return joined.model_copy(update={"replayed": True})  # type: ignore[no-any-return]
+        task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, []))
+        t.flights[decision.seq] = task
+        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        outcome = await asyncio.shield(task)  # the command runs on (and is logged) if this caller goes
+        if isinstance(outcome, DSecError):
+            raise outcome
+        return outcome
+
     async def exec_stream(
         self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None
     ) -> AsyncIterator[ExecEvent]:
