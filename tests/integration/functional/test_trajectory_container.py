@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import io
 import json
@@ -226,13 +227,16 @@ def test_rollout_killed_at_a_random_step_runs_every_command_once(
 def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon: Daemon) -> None:
     sb = dsec.Sandbox.create(image="debian-python", trajectory="job-2/abandoned", lease=3, client=daemon.client)
     assert sb.exec("true").exit_code == 0
+    sandbox_id = sb.id
+    del sb  # the client lets go of its handle: the SDK's heartbeat stops with it
+    gc.collect()
     ps = lambda: json.loads(subprocess.run(  # noqa: E731
         [sys.executable, "-m", "dsec", "ps", "--json"], env=daemon.env, capture_output=True, text=True,
         check=True).stdout)
-    assert wait_until(lambda: any(i["id"] == sb.id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
-    assert wait_until(lambda: all(i["id"] != sb.id for i in ps()), timeout=20)
+    assert wait_until(lambda: any(i["id"] == sandbox_id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
+    assert wait_until(lambda: all(i["id"] != sandbox_id for i in ps()), timeout=20)
     with pytest.raises(dsec.SandboxTimeout, match="lease"):
-        sb.info()
+        dsec.Sandbox.connect(sandbox_id, client=daemon.client)
 
 
 def overlay_lowers(sandbox_id: str) -> list[str]:
