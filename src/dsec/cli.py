@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from dsec.images.layers import FlattenStats
     from dsec.images.store import ImageStore
     from dsec.models import ImageInfo
+    from dsec.trajectory.snapshots import SnapshotStore
 
 __all__ = ["main"]
 
@@ -435,6 +436,51 @@ def image_gc(grace: float) -> None:
     result = _store().gc(grace=grace)
     click.echo(f"removed {result.chunks} chunks and {result.manifests} manifests, "
                f"{result.bytes / 1024**2:.1f} MiB freed")
+
+
+# ----- snapshots ----------------------------------------------------------------------------------
+
+
+def _snapshots() -> SnapshotStore:
+    from dsec.config import Settings
+    from dsec.images.store import ImageStore
+    from dsec.trajectory.snapshots import SnapshotStore
+
+    settings = Settings()
+    return SnapshotStore(ImageStore(settings.images, settings.snapshot_store), settings.home / "snapshot-work")
+
+
+@main.group()
+def snapshot() -> None:
+    """Manage sandbox snapshots in the store (works without a daemon)."""
+
+
+@snapshot.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="Print the snapshot records as JSON.")
+def snapshot_ls(as_json: bool) -> None:
+    """List snapshots: id, image, backend, layers, size, age."""
+    records = _snapshots().list()
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    now = time.time()
+    table = Table("ID", "IMAGE", "BACKEND", "LAYERS", "SIZE", "AGE", "FORK", box=None)
+    for r in records:
+        table.add_row(r["id"], str(r.get("image")), str(r.get("backend")), str(len(r.get("layers", []))),
+                      f"{int(r.get('size_bytes', 0)) / 1024**2:.1f} MiB", _age(now - float(r.get("created_at", now))),
+                      "yes" if r.get("ephemeral") else "")
+    Console().print(table)
+
+
+@snapshot.command(name="rm")
+@click.argument("ids", nargs=-1, required=True)
+def snapshot_rm(ids: tuple[str, ...]) -> None:
+    """Remove snapshots (sandboxes restored from them keep running; chunks go with `dsec image gc`)."""
+    store = _snapshots()
+    for snap_id in ids:
+        store.meta(snap_id)  # NotFound names it
+        store.remove(snap_id)
+        click.echo(snap_id)
 
 
 # ----- bench and demo -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 | ``DSEC_POOLS`` | none | warm pools, ``;``-separated ``IMAGE:BACKEND:min=N,max=N,...`` (as ``dsec serve --pool``) |
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
 | ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
-| ``DSEC_SNAPSHOTS`` | ``$DSEC_IMAGES/.snapshots`` | snapshot store (share it, like the images, to restore elsewhere) |
+| ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class Settings:
     uid_count: int = 65536
     trajectory_db: str | None = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_DB") or None)
     trajectory_sync: str = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_SYNC", "normal"))
-    snapshots_dir: Path | None = None
     pools: tuple[str, ...] = field(
         default_factory=lambda: tuple(p for p in os.environ.get("DSEC_POOLS", "").split(";") if p.strip()))
     """Warm pools declared at start (``IMAGE:BACKEND[:min=N,max=N,cpu=C,memory=M,disk=D,pids=P,workdir=W]``)."""
@@ -47,20 +46,18 @@ class Settings:
     """Creates that run at once; the rest queue in the admission."""
     host_limits: bool = field(default_factory=lambda: os.environ.get("DSEC_HOST_LIMITS", "0") == "1")
     """Raise the host's pid/thread/inotify/file limits at start and restore them at stop (opt-in)."""
+    snapshot_store_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.images_dir is None:
             env = os.environ.get("DSEC_IMAGES")
             object.__setattr__(self, "images_dir", Path(env) if env else self.home / "images")
-        if self.snapshots_dir is None:
-            env = os.environ.get("DSEC_SNAPSHOTS")
-            object.__setattr__(self, "snapshots_dir", Path(env) if env else self.images / ".snapshots")
 
     @property
-    def snapshots(self) -> Path:
-        """The snapshot store directory."""
-        assert self.snapshots_dir is not None
-        return self.snapshots_dir
+    def snapshot_store(self) -> str:
+        """URL of the blob store snapshots go to (``DSEC_SNAPSHOT_STORE``; default the image store, where
+        they share chunks with images and mount lazily like them)."""
+        return self.snapshot_store_url or os.environ.get("DSEC_SNAPSHOT_STORE") or self.image_store
 
     @property
     def trajectory_log(self) -> str:

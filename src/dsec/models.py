@@ -527,6 +527,8 @@ class SandboxRecord(Model):
     reason: str | None = None
     backend_state: dict[str, Any] = Field(default_factory=dict)
     """Whatever the backend needs to find, re-adopt or clean up the sandbox (pids, paths, cgroups)."""
+    layers: list[str] = Field(default_factory=list)
+    """Snapshot layers (manifest digests, top first) the sandbox was restored onto; pinned while it lives."""
 
 
 class ImageConfig(Model):

@@ -121,7 +121,7 @@ async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian
         # the snapshot's shape wins over the spec's (a VM's RAM size is part of its state)
         record = new_record("microvm", debian_python_image, memory="1Gi")
         try:
-            await backend.restore(record, debian_python_image, snap)
+            await backend.restore(record, debian_python_image, [snap])
             assert record.spec.memory == 384 * 1024 * 1024
             assert await backend.read_file(record, "/workspace/state.txt", 100) == b"before snapshot"
             r = await backend.exec(record, ExecRequest(command="hostname"))
@@ -138,11 +138,11 @@ async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian
         await backend.resume(sb)
     with pytest.raises(SandboxError, match="not a readable microvm snapshot"):
         await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image,
-                              tmp_path / "nope")
+                              [tmp_path / "nope"])
     # a snapshot whose state file is gone is reported as such, and nothing is left running
     (snap / "state").unlink()
     with pytest.raises(SandboxError, match="state file is missing"):
-        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, snap)
+        await backend.restore(new_record("microvm", debian_python_image, **SMALL), debian_python_image, [snap])
 
 
 async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_python_image: ImageRef,
@@ -153,7 +153,7 @@ async def test_corrupt_snapshot_fails_cleanly(backend: MicroVMBackend, debian_py
     record = new_record("microvm", debian_python_image, **SMALL)
     try:
         with pytest.raises(SandboxError, match=r"restoring .* failed: QEMU exited"):
-            await asyncio.wait_for(backend.restore(record, debian_python_image, tmp_path), 60)
+            await asyncio.wait_for(backend.restore(record, debian_python_image, [tmp_path]), 60)
     finally:
         await backend.destroy(record)
     assert qemu_pids(backend.tag) == []

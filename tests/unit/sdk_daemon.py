@@ -65,7 +65,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def running_daemon(home: Path, token: str | None = None) -> Iterator[Daemon]:
     """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given)."""
-    settings = Settings(home=home, snapshots_dir=home / "snapshots")
+    settings = Settings(home=home)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(settings, {"container": FakeBackend(root=home / "fake")}, TinyImages(home / "rootfs"))
     sock = str(settings.socket_path)

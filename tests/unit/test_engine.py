@@ -47,7 +47,7 @@ class FlakyBackend(FakeBackend):
 
 def make_engine(tmp_path: Path, backend: FakeBackend | None = None, **kwargs: float) -> Engine:
     fake = backend or FakeBackend(root=tmp_path / "fake")
-    settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snapshots")
+    settings = Settings(home=tmp_path / "home")
     return Engine(settings, {"container": fake}, FakeImages(), **kwargs)  # type: ignore[arg-type]
 
 

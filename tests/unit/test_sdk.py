@@ -335,3 +335,10 @@ async def test_pools_declared_and_claimed_through_the_api(client: dsec.Client) -
     await client.declare_pool(shape.model_copy(update={"min": 0, "max": 0}))  # empty it for the other tests
     with pytest.raises(dsec.InvalidRequest, match="max"):
         await client._request("POST", "/v1/pools", json={"image": "tiny", "min": 3, "max": 1})
+
+
+async def test_pause_releasing_memory_is_refused_where_the_backend_cannot(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.NotSupported, match="cannot release a paused sandbox's memory"):
+        await sb.pause(release_memory=True)
+    assert (await sb.info()).state == "running"  # refused: nothing changed
+    assert (await sb.exec("echo ok")).stdout == b"ok\n"

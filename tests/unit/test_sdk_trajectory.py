@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -120,3 +121,41 @@ async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dse
 async def test_unknown_divergence_policy_is_refused(client: dsec.Client) -> None:
     with pytest.raises(dsec.InvalidRequest, match="on_divergence"):
         await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/p", on_divergence="ignore", client=client)
+
+
+async def test_heartbeat_renews_an_idle_handles_lease_until_the_handle_is_dropped(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/heartbeat", lease=1.5, client=client)
+    sandbox_id = sb.id
+    status = (await sb.info()).trajectory
+    assert status is not None
+    first = status.lease_expires_at
+    await asyncio.sleep(4.5)  # three leases without a call of the agent's: only the heartbeat renews
+    status = (await sb.info()).trajectory
+    assert status is not None and status.lease_expires_at > first + 2.5
+    assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+    del sb, status  # a dropped handle stops renewing: the lease runs out and the sandbox goes
+    gc.collect()
+
+    async def alive() -> bool:
+        return any(i.id == sandbox_id for i in await dsec.AsyncSandbox.list(client=client))
+
+    for _ in range(60):
+        if not await alive():
+            break
+        await asyncio.sleep(0.2)
+    assert not await alive(), "the lease of a dropped handle never ran out"
+
+
+async def test_lease_renewal_of_a_sandbox_without_trajectory_is_refused(client: dsec.Client) -> None:
+    async with await dsec.AsyncSandbox.create(image="tiny", client=client) as sb:
+        with pytest.raises(dsec.InvalidRequest, match="not bound to a trajectory"):
+            await client._request("POST", f"/v1/sandboxes/{sb.id}/lease")
+    with pytest.raises(dsec.SandboxNotFound):
+        await client._request("POST", "/v1/sandboxes/sb-000000000000/lease")
+
+
+def test_heartbeat_interval_is_a_third_of_the_lease_within_bounds() -> None:
+    from dsec._sdk.sandbox import heartbeat_interval
+
+    assert heartbeat_interval(1800) == 300 and heartbeat_interval(60) == 20 and heartbeat_interval(0.3) == 0.5

@@ -21,7 +21,7 @@ COUNT = ExecRequest(command="echo run >> ran; wc -l < ran")
 
 
 def make_engine(tmp_path: Path, fake: FakeBackend | None = None) -> Engine:
-    settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snapshots")
+    settings = Settings(home=tmp_path / "home")
     return Engine(settings, {"container": fake or FakeBackend(root=tmp_path / "fake")}, FakeImages(),
                   reaper_interval=0.05)
 
@@ -195,7 +195,13 @@ async def test_fork_copies_are_independent(engine: Engine) -> None:
     await engine.write_file(kids[0].id, "/workspace/x", b"kid0")
     assert [await engine.read_file(k.id, "/workspace/x") for k in kids] == [b"kid0", b"parent", b"parent"]
     assert await engine.read_file(info.id, "/workspace/x") == b"parent"
-    assert list(engine.snapshots.root.iterdir()) == []  # the fork's temporary snapshot is gone
+    (snap,) = engine.snapshots.images.snapshot_ids()  # fork's own snapshot, shared by the three copies
+    assert {(await engine.get(k.id)).spec.snapshot for k in kids} == {snap}
+    for k in kids[:2]:
+        await engine.destroy(k.id)
+    assert engine.snapshots.images.snapshot_ids() == [snap]  # still used by the last copy
+    await engine.destroy(kids[2].id)
+    assert engine.snapshots.images.snapshot_ids() == []  # gone with its last copy
 
 
 async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) -> None:
@@ -233,3 +239,33 @@ async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:
     assert not (await engine.exec(rebuilt.id, ExecRequest(command="true"), seq=3)).replayed
     with pytest.raises(InvalidRequest, match="log has 4 calls"):
         await engine.rollouts.branch("job-17/rollout-3", 9, rerun_missing=False)
+
+
+async def test_responses_are_logged_in_the_next_batch_and_every_read_sees_them(tmp_path: Path) -> None:
+    import sqlite3
+
+    store = SQLiteStore(tmp_path / "log.db")
+    await store.start()
+    outside = sqlite3.connect(tmp_path / "log.db")
+
+    def committed() -> list[tuple[int, str]]:
+        return outside.execute("SELECT seq, status FROM dsec_calls WHERE name = 'b' ORDER BY seq").fetchall()
+
+    try:
+        await store.put_entry("b", Entry(seq=0, op="exec", digest="d0", request="{}"), durable=True)
+        assert committed() == [(0, "running")]  # durable: committed before the call runs
+        done = Entry(seq=0, op="exec", digest="d0", request="{}", status="done", response="{}")
+        await store.put_entry("b", done, durable=False)
+        assert committed() == [(0, "running")]  # the response waits for the next batch...
+        assert [e.status for e in await store.entries("b")] == ["done"]  # ...but a read of the log sees it
+        await store.put_entry("b", done, durable=False)
+        await asyncio.sleep(store.defer_s * 3)
+        assert committed() == [(0, "done")]  # and with no further call it lands within defer_s
+        await store.put_entry("b", Entry(seq=1, op="exec", digest="d1", request="{}", status="done",
+                                         response="{}"), durable=False)
+        await store.put_entry("b", Entry(seq=2, op="exec", digest="d2", request="{}"), durable=True)
+        assert committed() == [(0, "done"), (1, "done"), (2, "running")]  # one commit, in order
+        assert store.statistics() == {"commits": 4, "writes": 5}
+    finally:
+        outside.close()
+        await store.aclose()

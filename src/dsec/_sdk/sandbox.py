@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import logging
 import os
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +29,7 @@ from dsec.errors import (
     NotSupported,
     ReplayDivergence,
     SandboxNotFound,
+    SandboxTimeout,
     error_from_payload,
 )
 from dsec.models import (
@@ -50,6 +53,8 @@ from .calls import client_python, decode_reply, encode_call
 from .client import Client, default_client
 from .replay import Cursor
 from .transport import STREAM_TIMEOUT
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
@@ -202,6 +207,7 @@ class AsyncSandbox:
         self._cursor: Cursor | None = None
         self._on_divergence = "raise"
         self._rerun_missing = False
+        self._heartbeat: asyncio.Task[None] | None = None
 
     async def _branch(self, exc: ReplayDivergence) -> bool:
         """With ``on_divergence="fork"``: move this handle onto a branch of its trajectory at the call that
@@ -286,7 +292,15 @@ class AsyncSandbox:
         if status is not None:
             sandbox._cursor = Cursor(client, status.name, status.calls)
             sandbox._on_divergence, sandbox._rerun_missing = on_divergence, rerun_missing
+            sandbox._start_heartbeat()
         return sandbox
+
+    def _start_heartbeat(self) -> None:
+        """Renew the trajectory lease in the background while this handle lives (every third of the lease,
+        at most every 5 minutes): a live client that is idle (thinking, training) keeps its sandbox. The task
+        holds the handle weakly: a handle that is dropped (or closed) stops renewing and the lease runs out."""
+        interval = heartbeat_interval(self._info.spec.lease)
+        self._heartbeat = asyncio.get_running_loop().create_task(_renew_lease(weakref.ref(self), interval))
 
     @classmethod
     async def create_many(
@@ -350,9 +364,11 @@ class AsyncSandbox:
         response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/stats")
         return SandboxStats.model_validate(response.json())
 
-    async def pause(self) -> SandboxInfo:
-        """Freeze every process of the sandbox (execs are refused until resume)."""
-        return await self._transition("pause")
+    async def pause(self, release_memory: bool = False) -> SandboxInfo:
+        """Freeze every process of the sandbox (execs are refused until resume). ``release_memory=True``
+        also saves it to disk and gives its memory back to the host (microvm; resume restores it with the
+        same processes and files); backends that cannot raise :class:`~dsec.NotSupported`."""
+        return await self._transition("pause", {"release_memory": "true"} if release_memory else None)
 
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox."""
@@ -371,8 +387,8 @@ class AsyncSandbox:
         self._info = SandboxInfo.model_validate(response.json())
         return self._info
 
-    async def _transition(self, action: str) -> SandboxInfo:
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}")
+    async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
         self._info = SandboxInfo.model_validate(response.json())
         return self._info
 
@@ -412,6 +428,9 @@ class AsyncSandbox:
 
     async def close(self) -> None:
         """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         with contextlib.suppress(SandboxNotFound):
             await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
 
@@ -600,3 +619,25 @@ def _segment(sandbox_id: str) -> str:
     if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
         raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}")
     return sandbox_id
+
+
+def heartbeat_interval(lease: float) -> float:
+    """Seconds between the SDK's lease renewals for a trajectory lease of ``lease`` seconds."""
+    return min(max(lease / 3, 0.5), 300.0)
+
+
+async def _renew_lease(ref: weakref.ref[AsyncSandbox], interval: float) -> None:
+    """The heartbeat of one trajectory handle (see :meth:`AsyncSandbox._start_heartbeat`)."""
+    while True:
+        await asyncio.sleep(interval)
+        sandbox = ref()
+        if sandbox is None:
+            return
+        client, path = sandbox._client, f"/v1/sandboxes/{sandbox.id}/lease"
+        del sandbox  # not held across the request: a dropped handle must be collectable
+        try:
+            await client._request("POST", path)
+        except (SandboxNotFound, SandboxTimeout, InvalidRequest):
+            return  # gone, expired, or a daemon that has no lease for it: nothing left to renew
+        except DSecError as exc:  # daemon restarting, network blip: try again next beat
+            log.debug("lease renewal %s failed: %s", path, exc)

@@ -126,17 +126,28 @@ class Backend(abc.ABC):
         """Thaw a paused sandbox."""
         raise NotSupported(f"backend {self.name!r} cannot resume sandboxes")
 
+    async def hibernate(self, record: SandboxRecord) -> None:
+        """Pause the sandbox with its memory released to disk (``pause(release_memory=True)``); a no-op on
+        one already hibernated. :meth:`resume` brings it back."""
+        raise NotSupported(f"backend {self.name!r} cannot release a paused sandbox's memory; pause() without "
+                           "release_memory freezes it in place")
+
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
         raise NotSupported(f"backend {self.name!r} cannot change network policies")
+
+    layered: bool = False
+    """True when :meth:`snapshot` writes only what changed over the layers the sandbox was restored from
+    (the engine stacks the new layer over them); False when a snapshot is whole (a VM's state)."""
 
     async def snapshot(self, record: SandboxRecord, target: Path) -> None:
         """Write the sandbox's writable state into the empty directory ``target``, consistently (the
         sandbox is frozen while it is read) and leave the sandbox as it was (running or paused)."""
         raise NotSupported(f"backend {self.name!r} cannot snapshot sandboxes yet")
 
-    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
-        """Like :meth:`create`, with the writable state a :meth:`snapshot` wrote into ``source``."""
+    async def restore(self, record: SandboxRecord, image: ImageRef, layers: list[Path]) -> None:
+        """Like :meth:`create`, with the state of a snapshot: ``layers`` are the read-only roots of the
+        trees :meth:`snapshot` wrote (top first; one for a backend that is not :attr:`layered`)."""
         raise NotSupported(f"backend {self.name!r} cannot restore snapshots yet")
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:

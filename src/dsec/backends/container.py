@@ -56,10 +56,15 @@ _PR_SET_CHILD_SUBREAPER = 36
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
 
 
-def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
-    # xino=on: with the lower on another filesystem (a lazily loaded EROFS image) every file still
+def _mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> None:
+    # xino=on: with the lowers on other filesystems (lazily loaded EROFS images) every file still
     # reports the overlay's st_dev, which the files API relies on to stay on the sandbox's root.
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work},xino=on"
+    # Lowers are top first: snapshot layers (newest first), then the image.
+    lowerdir = ":".join(str(p) for p in lowers)
+    opts = f"lowerdir={lowerdir},upperdir={upper},workdir={work},xino=on"
+    if len(opts) >= 4096:
+        raise SandboxError(f"overlay mount on {target}: {len(lowers)} layers do not fit in one mount's options "
+                           "(4 KiB); restore from an earlier snapshot or snapshot a fresh sandbox")
     # nosuid, nodev: every process in a sandbox runs with no_new_privs anyway, and the mount point is
     # visible on the host, where a setuid file or device node planted by an agent must mean nothing.
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
@@ -211,16 +216,18 @@ class ContainerBackend(Backend):
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:
         await self._create(record, image, None)
 
-    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
-        archive = source / "upper.tar"
-        if not archive.is_file():
-            raise SandboxError(f"snapshot at {source} has no upper.tar: not a container snapshot")
-        await self._create(record, image, archive)
+    layered = True
+
+    async def restore(self, record: SandboxRecord, image: ImageRef, layers: list[Path]) -> None:
+        # The snapshot's layers go under a fresh upper as read-only overlay lowers: nothing is copied, and
+        # every sandbox restored from (or forked off) one snapshot shares its layers' page cache.
+        await self._create(record, image, layers)
 
     async def snapshot(self, record: SandboxRecord, target: Path) -> None:
-        # The upper layer is read while the cgroup is frozen, so the archive is one instant of the
-        # sandbox (no file half-written by a running command). tar keeps what overlayfs needs: whiteouts
-        # (0:0 character devices), opaque-directory xattrs (trusted.overlay.*), owners and modes.
+        # The upper layer is copied while the cgroup is frozen, so the copy is one instant of the sandbox
+        # (no file half-written by a running command). `cp -a` keeps what overlayfs needs when the copy is
+        # stacked as a lower: whiteouts (0:0 character devices), opaque-directory xattrs (trusted.overlay.*),
+        # owners, modes, hard links, sparse files; the copy shares extents where the filesystem can reflink.
         upper = record.backend_state.get("upper")
         if not upper:
             raise SandboxError(f"sandbox {record.id} has no writable layer recorded")
@@ -230,23 +237,21 @@ class ContainerBackend(Backend):
         if was_running:
             await asyncio.to_thread(cgroups.freeze)
         try:
-            await self._tar("--create", "--file", str(target / "upper.tar"), "--directory", upper, ".")
+            await self._tool("cp", "-a", "--reflink=auto", "--sparse=always", f"{upper}/.", str(target))
         finally:
             if was_running:
                 await asyncio.to_thread(cgroups.thaw)
 
-    async def _tar(self, *args: str) -> None:
-        cmd = ["tar", "--xattrs", "--xattrs-include=*", "--acls", "--numeric-owner", "--sparse", *args]
-
+    async def _tool(self, *cmd: str) -> None:
         def run() -> subprocess.CompletedProcess[bytes]:
             return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, check=False)
 
         proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
         if proc.returncode != 0:
-            raise SandboxError(f"tar {args[0]} failed: {proc.stderr.decode(errors='replace').strip()}")
+            raise SandboxError(f"{cmd[0]} failed: {proc.stderr.decode(errors='replace').strip()}")
 
-    async def _create(self, record: SandboxRecord, image: ImageRef, archive: Path | None) -> None:
+    async def _create(self, record: SandboxRecord, image: ImageRef, layers: list[Path] | None) -> None:
         if self._helper is None or self._init is None:
             raise BackendUnavailable("container backend is not started")
         policy = Policy.parse(record.spec.network)
@@ -264,12 +269,10 @@ class ContainerBackend(Backend):
         for d in (rootfs, upper, work):
             d.mkdir()
         os.chown(upper, shift, shift)
-        if archive is not None:
-            await self._tar("--extract", "--same-permissions", "--same-owner", "--file", str(archive),
-                            "--directory", str(upper))
         # Cgroups, root mount, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
         # and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
-        cgroups = await asyncio.to_thread(self._prepare, record, image, rootfs, upper, work)
+        cgroups = await asyncio.to_thread(self._prepare, record, image, [*(layers or []), image.rootfs], rootfs,
+                                          upper, work)
         await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
@@ -277,12 +280,13 @@ class ContainerBackend(Backend):
         if policy.mode != "none":
             await self._connect(record, policy)
 
-    def _prepare(self, record: SandboxRecord, image: ImageRef, rootfs: Path, upper: Path, work: Path) -> CgroupSet:
+    def _prepare(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path, upper: Path,
+                 work: Path) -> CgroupSet:
         assert self._init is not None
         cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec))
         record.backend_state["cgroups"] = cgroups.dirs
         cgroups.set_cpu_class(busy=False)  # born idle: nobody has asked it for anything yet
-        _mount_overlay(image.rootfs, upper, work, rootfs)
+        _mount_overlay(lowers, upper, work, rootfs)
         record.backend_state["mounted"] = True
         # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
         # works): execs run as that user, with its home as HOME unless the image's Env sets one.

@@ -719,7 +719,9 @@ class MicroVMBackend(Backend):
 
     async def hibernate(self, record: SandboxRecord) -> None:
         """Save the whole VM to disk and end its QEMU, giving its memory back to the host; resume restores it
-        (same identity, processes and files)."""
+        (same identity, processes and files). Already hibernated: nothing to do."""
+        if record.backend_state.get("hibernated"):
+            return
         self._vm(record)
         target = self.root / "hibernated" / record.id
         target.mkdir(parents=True, exist_ok=True)
@@ -768,9 +770,12 @@ class MicroVMBackend(Backend):
                 with contextlib.suppress(SandboxError):
                     await self._qmp(vm.rundir, [("cont", {})])
 
-    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
-        """Create ``record`` from a :meth:`snapshot` in ``source``: the VM's shape (vCPUs, memory, disk) is the
-        snapshot's, whatever the spec asked; the clone gets a fresh identity."""
+    async def restore(self, record: SandboxRecord, image: ImageRef, layers: list[Path]) -> None:
+        """Create ``record`` from a :meth:`snapshot` (one layer: ``state`` and ``vm.json``): the VM's shape
+        (vCPUs, memory, disk) is the snapshot's, whatever the spec asked; the clone gets a fresh identity."""
+        if len(layers) != 1:
+            raise SandboxError(f"a microvm snapshot is one layer, got {len(layers)}: not a microvm snapshot")
+        source = layers[0]
         try:
             shape = json.loads((source / "vm.json").read_text())
             vcpus, mem_mib, disk_bytes = int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"])

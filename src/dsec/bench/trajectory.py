@@ -7,14 +7,15 @@ Measured in one run, against a private daemon (same setup as the container suite
 - logging overhead on the exec round trip: ``exec true`` p50 on a trajectory-bound sandbox against the
   same call on a plain sandbox, samples interleaved so drift hits both alike;
 - snapshot and restore of a sandbox that changed ``changed_mb`` MB of files (peer: ``cp -a`` of the
-  same files, the floor of any copy-based checkpoint);
-- fork(8) (peer: 8 fresh creates from the image, which copy nothing).
+  same files, the floor of any copy-based checkpoint); a snapshot is chunked into the image store, a
+  restore stacks it as a read-only layer (copies nothing);
+- fork(8) (peers: 8 parallel ``cp -a`` of the files, and 8 fresh creates from the image, which copy
+  nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +29,7 @@ from dsec import AsyncSandbox, Client
 from dsec.bench.container import IMAGE, _cleanup_backend, _daemon, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
+from dsec.images.store import ImageStore
 
 __all__ = ["TrajectoryBench", "run"]
 
@@ -101,6 +103,7 @@ async def _overhead(cfg: TrajectoryBench, client: Client, lat: dict[str, Any]) -
 async def _checkpoints(cfg: TrajectoryBench, client: Client, settings: Settings, results: dict[str, Any]) -> None:
     sb = await AsyncSandbox.create(image=IMAGE, client=client, disk="8Gi")
     restored: AsyncSandbox | None = None
+    snap: str | None = None
     kids: list[AsyncSandbox] = []
     fresh: list[AsyncSandbox] = []
     try:
@@ -134,12 +137,12 @@ async def _checkpoints(cfg: TrajectoryBench, client: Client, settings: Settings,
         results["checkpoints"] = {"changed_mb": cfg.changed_mb, "snapshot_s": snapshot_s, "restore_s": restore_s,
                                   "cp_a_s": cp_s, "cp_a_n_s": cp_n_s, "fork_s": fork_s, "fork_n": cfg.fork_n,
                                   "fresh_creates_s": creates_s}
-        with contextlib.suppress(OSError):
-            shutil.rmtree(Path(settings.snapshots) / snap)
     finally:
         for other in (*kids, *fresh, *([restored] if restored is not None else [])):
             await other.close()
         await sb.close()
+        if snap is not None:  # its random data is this run's alone: take its chunks out of the store now
+            await asyncio.to_thread(ImageStore(settings.images, settings.snapshot_store).remove_snapshot, snap, True)
 
 
 async def run(cfg: TrajectoryBench, node: Settings | None = None,
@@ -147,10 +150,9 @@ async def run(cfg: TrajectoryBench, node: Settings | None = None,
     """Measure everything; ``progress`` is told each phase as it starts."""
     node = node or Settings()
     preflight(node)
-    base = _private_settings(node)
-    # Snapshots stay inside the private home: the bench must not write into a shared image store.
-    settings = Settings(home=base.home, images_dir=base.images, node=base.node,
-                        snapshots_dir=base.home / "snapshots")
+    # Snapshots go where they go in production, the image store (lazily mounted from there); the bench
+    # purges its snapshot's chunks (random data no one else has) at the end.
+    settings = _private_settings(node)
     suite = Suite(name="trajectory")
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home)}
     try:

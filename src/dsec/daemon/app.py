@@ -307,9 +307,9 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         return await engine.stats(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
-    async def pause(sandbox_id: str) -> SandboxInfo:
-        """Freeze every process of the sandbox."""
-        return await engine.pause(sandbox_id)
+    async def pause(sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Freeze every process of the sandbox; `release_memory`: also save it to disk and release its RAM."""
+        return await engine.pause(sandbox_id, release_memory)
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
     async def resume(sandbox_id: str) -> SandboxInfo:
@@ -325,6 +325,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def snapshot(sandbox_id: str, seq: Seq = None) -> SnapshotRef:
         """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""
         return await engine.snapshot(sandbox_id, seq)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/lease", tags=["trajectories"])
+    async def renew_lease(sandbox_id: str) -> SandboxInfo:
+        """Renew the lease of a trajectory-bound sandbox (the SDK's heartbeat while its client is idle)."""
+        return await engine.renew_lease(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:

@@ -15,7 +15,6 @@ import contextlib
 import importlib.metadata
 import logging
 import secrets
-import shutil
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
@@ -118,6 +117,18 @@ def default_trajectory_store(settings: Settings) -> TrajectoryStore:
     return SQLiteStore(Path(where), sync=settings.trajectory_sync)
 
 
+def _snapshot_store(settings: Settings, images: object) -> SnapshotStore:
+    """Snapshots in the node's image store, mounted lazily through its image manager; in another store
+    (``DSEC_SNAPSHOT_STORE``), or without the image manager, mounted whole (:class:`EagerLayers`)."""
+    from dsec.images.node import NodeImages
+    from dsec.images.store import ImageStore
+
+    scratch = settings.home / "snapshot-work"
+    if isinstance(images, NodeImages) and settings.snapshot_store == settings.image_store:
+        return SnapshotStore(images.store, scratch, images)
+    return SnapshotStore(ImageStore(settings.images, settings.snapshot_store), scratch)
+
+
 class _NoImages:
     """Stand-in when the image store cannot be loaded: every lookup says why."""
 
@@ -168,7 +179,7 @@ class Engine:
         self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tombstone_limit = tombstone_limit
         self._reaper: asyncio.Task[None] | None = None
-        self.snapshots = SnapshotStore(settings.snapshots)
+        self.snapshots = _snapshot_store(settings, images)
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
         self._image_refs: dict[str, ImageRef] = {}
@@ -177,6 +188,7 @@ class Engine:
         # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named.
         self._declared = [PoolConfig.parse(text) for text in settings.pools]
         self.host_limits = HostLimits() if settings.host_limits else None
+        self._layer_roots: dict[str, builtins.list[Path]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -251,6 +263,7 @@ class Engine:
             if removed:
                 log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
         await self.rollouts.adopt(list(self._records.values()))
+        await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
         for config in self._declared:
             self.pools.declare(config)
@@ -278,6 +291,11 @@ class Engine:
                     self._image_refs[record.id] = await asyncio.to_thread(self.images.resolve, record.spec.image)
                 except DSecError as exc:
                     log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
+            if record.layers:
+                try:  # and the snapshot layers under it
+                    self._layer_roots[record.id] = await asyncio.to_thread(self.snapshots.open, record.layers)
+                except DSecError as exc:
+                    log.warning("sandbox %s: its snapshot layers cannot be re-pinned: %s", record.id, exc)
             self.metrics.live.labels(name).inc()
             self._store.save(record)  # the backend may have refreshed backend_state
             log.info("sandbox %s re-adopted (%s)", record.id, record.state)
@@ -389,12 +407,11 @@ class Engine:
             raise InvalidRequest(f"label {POOL_LABEL!r} is reserved for warm-pool sandboxes")
         if spec.trajectory is not None:
             return await self.rollouts.open(spec)
-        source = self.snapshots.path(spec.snapshot) if spec.snapshot is not None else None
-        if source is None and self._poolable(spec):
+        if spec.snapshot is None and self._poolable(spec):
             claimed = await self._claim(spec)
             if claimed is not None:
                 return claimed
-        return await self._create(spec, source)
+        return await self._create(spec, spec.snapshot)
 
     def _poolable(self, spec: SandboxSpec) -> bool:
         """Whether everything ``spec`` asks beyond its pool shape can be applied to a running sandbox."""
@@ -452,32 +469,40 @@ class Engine:
         """Warm pools and the create admission queue now."""
         return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics())
 
-    async def _create(self, spec: SandboxSpec, source: Path | None) -> SandboxInfo:
-        """Create one sandbox, from its image or restored from the snapshot directory ``source``."""
-        record, queued = await self._make(spec, source, visible=True)
+    async def _create(self, spec: SandboxSpec, snapshot: str | None) -> SandboxInfo:
+        """Create one sandbox, from its image or restored from snapshot ``snapshot`` of the snapshot store."""
+        record, queued = await self._make(spec, snapshot, visible=True)
         return self._info(record).model_copy(update={"queue_seconds": queued})
 
-    async def _make(self, spec: SandboxSpec, source: Path | None, *, visible: bool) -> tuple[SandboxRecord, float]:
+    async def _make(self, spec: SandboxSpec, snapshot: str | None, *, visible: bool) -> tuple[SandboxRecord, float]:
         """Create a sandbox after admission; returns its record (running, persisted) and the seconds queued.
 
         ``visible``: a client sandbox (listed, counted live) rather than a pool member.
         """
         name = spec.backend
+        layers: builtins.list[str] = []
         try:
             backend = self._backend(name)
-            if source is not None:
-                meta = await asyncio.to_thread(self.snapshots.meta, source.name)
+            if snapshot is not None:
+                meta = await asyncio.to_thread(self.snapshots.meta, snapshot)
                 if meta.get("backend") != name:
-                    raise InvalidRequest(f"snapshot {source.name} was taken on backend {meta.get('backend')!r}; "
+                    raise InvalidRequest(f"snapshot {snapshot} was taken on backend {meta.get('backend')!r}; "
                                          f"it cannot be restored on {name!r}")
                 if spec.image is None:
                     spec = spec.model_copy(update={"image": meta.get("image")})
                 elif spec.image != meta.get("image"):
-                    raise InvalidRequest(f"snapshot {source.name} is of image {meta.get('image')!r}, "
+                    raise InvalidRequest(f"snapshot {snapshot} is of image {meta.get('image')!r}, "
                                          f"not {spec.image!r}")
+                spec = spec.model_copy(update={"snapshot": snapshot})
+                layers = list(meta.get("layers", []))
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
             image = await asyncio.to_thread(self.images.resolve, spec.image)
+            try:
+                roots = await asyncio.to_thread(self.snapshots.open, layers) if snapshot is not None else []
+            except BaseException:
+                self._release(image)
+                raise
         except DSecError as exc:
             self.metrics.failed.labels(name, type(exc).__name__).inc()
             raise
@@ -488,6 +513,7 @@ class Engine:
             state="creating",
             created_at=now,
             expires_at=now + spec.timeout,
+            layers=layers,
         )
         apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
@@ -495,13 +521,14 @@ class Engine:
         if visible:
             self._records[record.id] = record
         self._image_refs[record.id] = image
+        self._layer_roots[record.id] = roots
         queued = 0.0
         try:
             async with self.admission.admit() as queued:
                 self.metrics.admission_seconds.labels(name).observe(queued)
                 started = time.monotonic()
-                if source is not None:
-                    await backend.restore(record, image, source)
+                if snapshot is not None:
+                    await backend.restore(record, image, roots)
                 else:
                     await backend.create(record, image)
         except BaseException as exc:
@@ -545,8 +572,13 @@ class Engine:
 
     def _release_image(self, sandbox_id: str) -> None:
         ref = self._image_refs.pop(sandbox_id, None)
+        if ref is not None:
+            self._release(ref)
+        self.snapshots.close(self._layer_roots.pop(sandbox_id, []))
+
+    def _release(self, ref: ImageRef) -> None:
         release = getattr(self.images, "release", None)
-        if ref is not None and release is not None:
+        if release is not None:
             release(ref)
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
@@ -640,6 +672,8 @@ class Engine:
         self._tombstone(record.id, state, message)
         self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
+        if record.spec.snapshot is not None:
+            await asyncio.to_thread(self._drop_ephemeral, record.spec.snapshot)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -735,7 +769,12 @@ class Engine:
 
     async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
         """Run a command to completion."""
-        return await collect_exec(self.exec_stream(sandbox_id, request, seq))
+        record = self._live(sandbox_id, allow_paused=False)
+        if record.spec.trajectory is None:
+            return await collect_exec(self.exec_stream(sandbox_id, request, seq))
+        if request.cwd is not None:
+            _check_path(request.cwd)
+        return await self.rollouts.exec(record, self._backend(record.spec.backend), request, seq)
 
     async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
         """Run a pickled Python callable; the reply goes back undecoded (the daemon never unpickles it)."""
@@ -803,54 +842,74 @@ class Engine:
             return SnapshotRef(snapshot=await self.rollouts.snapshot(record, seq))
         return SnapshotRef(snapshot=await self.take_snapshot(record))
 
-    async def take_snapshot(self, record: SandboxRecord) -> str:
-        """Snapshot ``record`` into the store and publish it; returns its id."""
+    async def take_snapshot(self, record: SandboxRecord, ephemeral: bool = False) -> str:
+        """Snapshot ``record`` into the store and publish it; returns its id.
+
+        A layered backend's snapshot is one new layer (the sandbox's changes) over the layers the sandbox
+        was restored onto. ``ephemeral`` marks fork's own snapshot, removed when its last copy on this
+        node is destroyed.
+        """
         backend = self._backend(record.spec.backend)
         snap_id, work = await asyncio.to_thread(self.snapshots.begin)
         try:
-            await backend.snapshot(record, work)
-            meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
-                    "spec": record.spec.model_dump(mode="json")}
-            await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta)
+            await backend.snapshot(record, work / "tree")
         except BaseException:
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            await asyncio.to_thread(self.snapshots.abort, work)
             raise
+        meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
+                "uid_shift": record.backend_state.get("uid_shift", 0), "ephemeral": ephemeral,
+                "spec": record.spec.model_dump(mode="json")}
+        below = record.layers if backend.layered else []
+        await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta, below)
         log.info("sandbox %s: snapshot %s taken", record.id, snap_id)
         return snap_id
 
     async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
         """``count`` independent sandboxes with the state of a live one (all or nothing).
 
-        The copies are plain sandboxes (not bound to the parent's trajectory, not logged).
+        One snapshot, restored ``count`` times: on a layered backend the copies share its layers read-only
+        (copy-on-write, nothing copied per copy). The copies are plain sandboxes (not bound to the
+        parent's trajectory, not logged); the snapshot's record goes when the last of them is destroyed.
         """
         record = self._live(sandbox_id, allow_paused=True)
-        snap_id = await self.take_snapshot(record)
-        source = self.snapshots.path(snap_id)
+        snap_id = await self.take_snapshot(record, ephemeral=True)
         spec = record.spec.model_copy(update={"trajectory": None, "snapshot": None})
-        try:
-            results = await asyncio.gather(*(self._create(spec, source) for _ in range(count)),
-                                           return_exceptions=True)
-        finally:
-            await asyncio.to_thread(self.snapshots.remove, snap_id)
+        results = await asyncio.gather(*(self._create(spec, snap_id) for _ in range(count)), return_exceptions=True)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self._destroy_quietly(made)
+            await asyncio.to_thread(self._drop_ephemeral, snap_id)
             raise errors[0]
         return made
+
+    def _drop_ephemeral(self, snap_id: str | None) -> None:
+        """Remove fork's snapshot ``snap_id`` once no sandbox of this node is restored from it."""
+        if snap_id is None or any(r.spec.snapshot == snap_id for r in self._records.values()):
+            return
+        try:
+            if self.snapshots.meta(snap_id).get("ephemeral"):
+                self.snapshots.remove(snap_id)
+                log.info("fork snapshot %s removed (its last copy is gone)", snap_id)
+        except DSecError as exc:
+            log.debug("fork snapshot %s: %s", snap_id, exc)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         """Resource usage now."""
         record = self._live(sandbox_id, allow_paused=True)
         return await self._backend(record.spec.backend).stats(record)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze a sandbox (idempotent)."""
+    async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Freeze a sandbox (idempotent); with ``release_memory`` also save it to disk and give its memory
+        back to the host (a VM: its whole state; resume restores it), also for one already paused."""
         record = self._live(sandbox_id, allow_paused=True)
-        if record.state == "running":
-            await self._backend(record.spec.backend).pause(record)
-            record.state = "paused"
-            self._store.save(record)
+        backend = self._backend(record.spec.backend)
+        if release_memory:
+            await backend.hibernate(record)
+        elif record.state == "running":
+            await backend.pause(record)
+        record.state = "paused"
+        self._store.save(record)
         return self._info(record)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -873,6 +932,12 @@ class Engine:
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
         """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
         return await self.rollouts.branch(request.name, request.at, request.rerun_missing)
+
+    async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
+        """Renew the lease of a trajectory-bound sandbox; :class:`InvalidRequest` for an unbound one."""
+        record = self._live(sandbox_id, allow_paused=True)
+        self.rollouts.renew(record)
+        return self._info(record)
 
     async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""

@@ -101,6 +101,14 @@ class Rollouts:
         t = self._bound(record)
         return t is not None and t.lease_expired(now)
 
+    def renew(self, record: SandboxRecord) -> None:
+        """Renew ``record``'s lease (a heartbeat); :class:`InvalidRequest` when it is bound to no trajectory."""
+        t = self._bound(record)
+        if t is None:
+            raise InvalidRequest(f"sandbox {record.id} is not bound to a trajectory: it has no lease to renew",
+                                 sandbox=record.id)
+        t.touch()
+
     def forget(self, record: SandboxRecord) -> None:
         """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
         re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""
@@ -152,8 +160,7 @@ class Rollouts:
     async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
         """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
         checkpoint = t.binding.checkpoint
-        source = self.engine.snapshots.path(checkpoint) if checkpoint else None
-        info = await self.engine._create(spec, source)
+        info = await self.engine._create(spec, checkpoint or None)
         after = range(t.binding.checkpoint_seq, upto)
         missing = [seq for seq in after if t.ops[seq] in ("exec", "write") and t.statuses[seq] != "running"]
         rerun: list[int] = []
@@ -267,6 +274,30 @@ class Rollouts:
         t.flights[decision.seq] = task
         task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
         return await asyncio.shield(task)
+
+    async def exec(self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None) -> ExecResult:
+        """A logged exec whose caller wants only the result: as :meth:`exec_stream`, without relaying the
+        events (the handler waits for the run's task once instead of once per event)."""
+        t = await self._open_for(record)
+        digest, readable = call_identity("exec", exec_args(request))
+        stored = _stored(readable, request.stdin, self.log.cap)
+        decision = await self.log.begin(t, seq, "exec", digest, stored)
+        if isinstance(decision, Replay):
+            assert decision.entry.response is not None
+            replayed: ExecResult = decode_response("exec", decision.entry.response)
+            return replayed
+        if isinstance(decision, Join):
+            joined = await asyncio.shield(decision.flight)
+            if isinstance(joined, DSecError):
+                raise joined
+            return joined.model_copy(update={"replayed": True})  # type: ignore[no-any-return]
+        task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, []))
+        t.flights[decision.seq] = task
+        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        outcome = await asyncio.shield(task)  # the command runs on (and is logged) if this caller goes
+        if isinstance(outcome, DSecError):
+            raise outcome
+        return outcome
 
     async def exec_stream(
         self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None

@@ -312,7 +312,7 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     env["DSEC_HOME"] = str(settings.home)
     env["DSEC_IMAGES"] = str(settings.images)
     env["DSEC_NODE"] = settings.node
-    env["DSEC_SNAPSHOTS"] = str(settings.snapshots)
+    env["DSEC_SNAPSHOT_STORE"] = settings.snapshot_store
     env["DSEC_TRAJECTORY_SYNC"] = settings.trajectory_sync
     if settings.trajectory_db:
         env["DSEC_TRAJECTORY_DB"] = settings.trajectory_db

@@ -161,11 +161,30 @@ class NodeImages:
         except (OSError, DSecError):
             return None
 
+    def pin_manifest(self, digest: str) -> Path:
+        """Mount the (untagged) image with manifest ``digest`` if needed, pin it and return its root: a
+        snapshot layer. Blocking. :meth:`unpin` releases it."""
+        with self._lock:
+            manifest = self._manifests.get(digest)
+            if manifest is None:
+                try:
+                    manifest = self.store.manifest_by_digest(digest)
+                except StoreUnavailable:
+                    manifest = self.cache.manifest(digest.removeprefix("sha256:"))
+                self._manifests[digest] = manifest
+            mount = self._mount(manifest)
+            mount.refs += 1
+            return mount.path
+
     def release(self, ref: ImageRef) -> None:
         """Unpin an image :meth:`resolve` returned (the mount stays warm)."""
+        self.unpin(ref.rootfs)
+
+    def unpin(self, root: Path) -> None:
+        """Unpin the mount at ``root`` (from :meth:`resolve` or :meth:`pin_manifest`; it stays warm)."""
         with self._lock:
             for mount in self._mounts.values():
-                if mount.path == ref.rootfs and mount.refs > 0:
+                if mount.path == root and mount.refs > 0:
                     mount.refs -= 1
                     if mount.refs == 0:
                         mount.idle_since = time.monotonic()

@@ -5,6 +5,7 @@ Layout of the blob store (``$DSEC_IMAGE_STORE``, default the directory ``<root>/
     chunks/sha256/<hh>/<hex>   blob chunks and metadata images, content-addressed (shared by every image)
     manifests/sha256/<hex>     one :class:`~dsec.images.format.Manifest` per image version
     tags/<name>                the manifest digest image <name> currently names
+    snapshots/<id>             a sandbox snapshot: JSON with its layers (manifest digests, top first) and metadata
 
 and of the local ``root``::
 
@@ -24,6 +25,7 @@ import builtins
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -31,9 +33,12 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.base import ImageRef
 from dsec.errors import DSecError, ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
@@ -50,6 +55,10 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _CAP_XATTR = "security.capability"
 _UID_COUNT = 65536
+_UPLOADS = 8
+"""Chunk uploads in flight at once."""
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 _GC_GRACE = 3600.0
 """Objects younger than this are never collected: an import elsewhere may be about to tag them."""
 
@@ -273,29 +282,109 @@ class ImageStore:
             return legacy
 
     def _publish(self, info: ImageInfo, tree: Path, scratch: Path, progress: Progress | None) -> Manifest:
+        manifest = self.upload_tree(info, tree, scratch, progress)
+        self.blobs.put(f"tags/{info.name}", manifest.digest.encode() + b"\n")
+        return manifest
+
+    def upload_tree(self, info: ImageInfo, tree: Path, scratch: Path, progress: Progress | None = None) -> Manifest:
+        """Store directory ``tree`` as an untagged chunked EROFS image (owners, xattrs, device nodes and
+        hard links as they are); returns its manifest. ``scratch`` holds the build files (left there)."""
         meta, blob = scratch / "meta.erofs", scratch / "blob"
         build_erofs(tree, meta, blob)
         total = blob.stat().st_size
         chunks: list[ChunkRef] = []
         seen: set[str] = set()
         done = 0
-        for digest, data in cut_blob(blob):
-            chunks.append(ChunkRef(digest=digest, size=len(data)))
-            if digest not in seen:
-                seen.add(digest)
-                key = chunk_key(digest)
-                if not self.blobs.has(key):
-                    self.blobs.put(key, data)
-            done += len(data)
-            if progress is not None:
-                progress("upload", done, total)
+        # Uploads overlap (each is a round trip to S3, or a write and an fsync on a directory store); at most
+        # 2 x _UPLOADS chunks are held in memory, and progress is reported in blob order.
+        inflight: deque[tuple[Future[None], int]] = deque()
+
+        def settle(limit: int) -> None:
+            nonlocal done
+            while len(inflight) > limit:
+                future, size = inflight.popleft()
+                future.result()
+                done += size
+                if progress is not None:
+                    progress("upload", done, total)
+
+        with ThreadPoolExecutor(max_workers=_UPLOADS, thread_name_prefix="dsec-upload") as pool:
+            for digest, data in cut_blob(blob):
+                chunks.append(ChunkRef(digest=digest, size=len(data)))
+                if digest in seen:
+                    inflight.append((_DONE, len(data)))
+                else:
+                    seen.add(digest)
+                    inflight.append((pool.submit(self._put_chunk, digest, data), len(data)))
+                settle(2 * _UPLOADS)
+            settle(0)
         meta_bytes = meta.read_bytes()
         meta_digest = sha256(meta_bytes)
         self.blobs.put(chunk_key(meta_digest), meta_bytes)
         manifest = Manifest(info=info, meta_digest=meta_digest, meta_size=len(meta_bytes), chunks=chunks)
         self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
-        self.blobs.put(f"tags/{info.name}", manifest.digest.encode() + b"\n")
         return manifest
+
+    def _put_chunk(self, digest: str, data: bytes) -> None:
+        key = chunk_key(digest)
+        if not self.blobs.has(key):
+            self.blobs.put(key, data)
+
+    # ----------------------------------------------------------------- snapshots
+    def put_snapshot(self, snap_id: str, record: dict[str, Any]) -> None:
+        """Publish snapshot record ``snapshots/<snap_id>`` (its ``layers`` list manifest digests, which
+        :meth:`gc` keeps for as long as the record exists)."""
+        self.blobs.put(f"snapshots/{snap_id}", json.dumps(record).encode())
+
+    def snapshot(self, snap_id: str) -> dict[str, Any] | None:
+        """The record of snapshot ``snap_id``, or None."""
+        try:
+            data: dict[str, Any] = json.loads(self.blobs.get(f"snapshots/{snap_id}"))
+        except KeyError:
+            return None
+        except ValueError as exc:
+            raise ImageCorrupt(f"snapshot record {snap_id} in {self.blobs.url} is corrupt: {exc}",
+                               snapshot=snap_id) from None
+        return data
+
+    def snapshot_ids(self) -> builtins.list[str]:
+        """Ids of every snapshot record in the store."""
+        return sorted(key.removeprefix("snapshots/") for key, _s, _m in self.blobs.keys("snapshots/"))
+
+    def remove_snapshot(self, snap_id: str, purge: bool = False) -> int:
+        """Delete a snapshot record (its chunks go at the next :meth:`gc` unless another snapshot or image
+        shares them). ``purge`` deletes its layers' chunks and manifests now, except those a tag or another
+        snapshot references (no grace period: only for snapshots of data no import can be uploading, such
+        as a benchmark's random files). Returns the bytes purged."""
+        record = self.snapshot(snap_id) if purge else None
+        self.blobs.delete(f"snapshots/{snap_id}")
+        if record is None:
+            return 0
+        keep: set[str] = set()
+        for key, _size, _mtime in builtins.list(self.blobs.keys("tags/")):
+            digest = self.tag(key.removeprefix("tags/"))
+            if digest is not None:
+                keep.update(self._objects(digest))
+        for other in self.snapshot_ids():
+            for digest in (self.snapshot(other) or {}).get("layers", []):
+                keep.update(self._objects(digest))
+        freed = 0
+        for digest in record.get("layers", []):
+            for key in self._objects(digest) - keep:
+                with contextlib.suppress(KeyError):
+                    freed += len(self.blobs.get(key)) if key.startswith("chunks/") else 0
+                self.blobs.delete(key)
+                keep.add(key)
+        return freed
+
+    def _objects(self, digest: str) -> set[str]:
+        """Store keys of a manifest and of every chunk it names (empty if the manifest is gone)."""
+        try:
+            manifest = self.manifest_by_digest(digest)
+        except ImageCorrupt:
+            return set()
+        return {f"manifests/sha256/{digest.removeprefix('sha256:')}", chunk_key(manifest.meta_digest),
+                *(chunk_key(c.digest) for c in manifest.chunks)}
 
     def remove(self, name: str) -> None:
         """Delete image ``name``: its tag (chunks stay until ``gc``) and any legacy directory.
@@ -316,7 +405,7 @@ class ImageStore:
                 shutil.rmtree(trash, ignore_errors=True)
 
     def gc(self, grace: float = _GC_GRACE) -> GcResult:
-        """Delete chunks and manifests no tag references and that are older than ``grace`` seconds."""
+        """Delete chunks and manifests no tag or snapshot references and that are older than ``grace`` seconds."""
         keep_manifests: set[str] = set()
         keep_chunks: set[str] = set()
         for key, _size, _mtime in builtins.list(self.blobs.keys("tags/")):
@@ -327,6 +416,10 @@ class ImageStore:
             keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
             keep_chunks.add(chunk_key(manifest.meta_digest))
             keep_chunks.update(chunk_key(c.digest) for c in manifest.chunks)
+        for snap_id in self.snapshot_ids():
+            for digest in (self.snapshot(snap_id) or {}).get("layers", []):
+                keep_manifests.add(f"manifests/sha256/{digest.removeprefix('sha256:')}")
+                keep_chunks.update(self._objects(digest))
         cutoff = time.time() - grace
         chunks = manifests = freed = 0
         for prefix, keep in (("manifests/", keep_manifests), ("chunks/", keep_chunks)):

@@ -67,10 +67,10 @@ class FakeBackend(Backend):
     async def snapshot(self, record: SandboxRecord, target: Path) -> None:
         await asyncio.to_thread(shutil.copytree, self._root(record), target / "root", symlinks=True)
 
-    async def restore(self, record: SandboxRecord, image: ImageRef, source: Path) -> None:
+    async def restore(self, record: SandboxRecord, image: ImageRef, layers: list[Path]) -> None:
         root = self.root / record.id
         record.backend_state = {"root": str(root)}
-        await asyncio.to_thread(shutil.copytree, source / "root", root, symlinks=True)
+        await asyncio.to_thread(shutil.copytree, layers[0] / "root", root, symlinks=True)
 
     async def destroy(self, record: SandboxRecord) -> None:
         for pgid in self._groups.pop(record.id, set()):

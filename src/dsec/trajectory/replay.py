@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajector
 DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
 STATE_CHANGING = frozenset({"exec", "write", "snapshot"})
-"""Operations whose log entry must be durable before they run and before their response is returned."""
+"""Operations whose log entry must be durable before they run (their response is logged in the next batch)."""
 ORPHAN_AFTER = 60.0
 """Seconds without a call (and none running; at most half the lease) after which a trajectory sandbox
 counts as orphaned in ``dsec ps``."""
@@ -259,7 +259,10 @@ class Trajectories:
                       duration_s=time.time() - started)
         if seq < len(t.statuses):
             t.statuses[seq] = "done"
-        await self.store.put_entry(t.name, entry, durable=op in STATE_CHANGING)
+        # Not awaited durable: committed with the next batch, right after the response goes out (any read
+        # of the log, and any later durable write, commits it first). A daemon killed in between leaves the
+        # call `running`, which reads as interrupted after a restart: never run again, outcome unknown.
+        await self.store.put_entry(t.name, entry, durable=False)
         t.touch()
         if isinstance(response, DSecError):
             raise response

@@ -180,11 +180,20 @@ class TrajectoryStore(abc.ABC):
     placeholder = "?"
     inline = False
     """Commit on the caller's thread instead of the writer thread (only where a commit is cheap)."""
+    defer_s = 0.05
+    """Inline mode: the longest a write that need not be durable waits to share the next commit (a call's
+    response usually rides with the next call's durable ``running`` entry: one commit per call)."""
 
     def __init__(self) -> None:
         self._writer = _Writer(self, f"dsec-trajectory-{type(self).__name__}")
         self._read_lock = threading.Lock()
         self._inline_commits = 0
+        self._inline_writes = 0
+        # Inline mode: writes that need not be durable before the caller goes on, committed in one transaction
+        # with the next durable write, before the next read, or after defer_s at the latest (in order).
+        self._pending: list[_Op] = []
+        self._unsettled = 0
+        """Writer mode: writes submitted without waiting that are not committed yet."""
 
     # -- what a backend database provides -------------------------------------------------------------
 
@@ -215,6 +224,7 @@ class TrajectoryStore(abc.ABC):
 
     async def aclose(self) -> None:
         """Commit what is queued and stop the writer."""
+        self._flush_pending()
         await asyncio.to_thread(self._writer.close)
         await asyncio.to_thread(self._close)
 
@@ -224,24 +234,66 @@ class TrajectoryStore(abc.ABC):
     def statistics(self) -> dict[str, int]:
         """Commits and writes so far (writes per commit shows how well group commit batches)."""
         return {"commits": self._writer.commits + self._inline_commits,
-                "writes": self._writer.writes + self._inline_commits}
+                "writes": self._writer.writes + self._inline_writes}
 
     # -- writes ---------------------------------------------------------------------------------------
 
     async def _write(self, sql: str, args: tuple[Any, ...], durable: bool) -> None:
         statement = self._sql(sql)
+
+        def op(cur: Any) -> None:
+            cur.execute(statement, args)
+
         if self.inline:
-            try:
-                self._apply([lambda cur: cur.execute(statement, args)])
-            except DSecError:
-                raise
-            except Exception as exc:
-                raise SandboxError(f"writing the trajectory log failed: {type(exc).__name__}: {exc}") from exc
-            self._inline_commits += 1
+            if not durable:
+                self._pending.append(op)
+                if len(self._pending) == 1:
+                    asyncio.get_running_loop().call_later(self.defer_s, self._flush_pending)
+                return
+            self._commit_inline([*self._take_pending(), op])
             return
-        future = self._writer.submit(lambda cur: cur.execute(statement, args), durable)
-        if future is not None:
-            await future
+        if durable:
+            await self._writer.submit(op, True)  # type: ignore[misc]  # wait=True: a future
+            return
+        self._unsettled += 1
+        self._writer.submit(op, True).add_done_callback(self._settled)  # type: ignore[union-attr]
+
+    def _settled(self, future: asyncio.Future[None]) -> None:
+        self._unsettled -= 1
+        if not future.cancelled() and future.exception() is not None:
+            log.error("trajectory log: a deferred write failed (%s); that call reads as interrupted after a "
+                      "restart", future.exception())
+
+    def _take_pending(self) -> list[_Op]:
+        ops, self._pending = self._pending, []
+        return ops
+
+    def _commit_inline(self, ops: list[_Op]) -> None:
+        try:
+            self._apply(ops)
+        except DSecError:
+            raise
+        except Exception as exc:
+            raise SandboxError(f"writing the trajectory log failed: {type(exc).__name__}: {exc}") from exc
+        self._inline_commits += 1
+        self._inline_writes += len(ops)
+
+    def _flush_pending(self) -> None:
+        """Commit the deferred inline writes (a loop callback: a failure is logged, not raised)."""
+        ops = self._take_pending()
+        if ops:
+            try:
+                self._commit_inline(ops)
+            except DSecError as exc:
+                log.error("trajectory log: %d deferred writes failed (%s); those calls read as interrupted after "
+                          "a restart", len(ops), exc)
+
+    async def barrier(self) -> None:
+        """Return once every write issued so far is committed (deferred ones included)."""
+        if self.inline:
+            self._flush_pending()
+        elif self._unsettled:
+            await self._writer.submit(lambda cur: None, True)  # type: ignore[misc]  # FIFO: all before it
 
     async def put_entry(self, name: str, entry: Entry, *, durable: bool = True) -> None:
         """Insert or replace call ``entry.seq``; with ``durable`` return only once it is committed."""
@@ -285,6 +337,7 @@ class TrajectoryStore(abc.ABC):
 
     async def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         statement = self._sql(sql)
+        await self.barrier()  # a read sees every write made before it (deferred responses included)
         return await asyncio.to_thread(self._locked_query, statement, args)
 
     def _locked_query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:

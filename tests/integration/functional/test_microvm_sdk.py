@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -31,7 +32,8 @@ def daemon_url() -> Iterator[str]:
     except DSecError as e:
         missing(str(e))
     home = short_home("dsec-vmsdk-")
-    settings = Settings(home=home, images_dir=images_dir())
+    # Snapshots (a VM's whole RAM each) go to a store of this test's own, not the shared image store.
+    settings = Settings(home=home, images_dir=images_dir(), snapshot_store_url=str(home / "snapshots"))
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine.from_settings(settings)
     sock = str(settings.socket_path)
@@ -67,6 +69,19 @@ def daemon_url() -> Iterator[str]:
         shutil.rmtree(home, ignore_errors=True)
 
 
+def qemu_of(sandbox_id: str) -> list[int]:
+    """Pids of QEMU processes whose command line names the sandbox."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu" in argv and sandbox_id.encode() in argv:
+            found.append(int(proc.name))
+    return found
+
+
 async def test_microvm_through_the_sdk(daemon_url: str) -> None:
     client = dsec.Client(url=daemon_url)
     sb = await dsec.AsyncSandbox.create(image="debian-python", backend="microvm", memory="384Mi", client=client,
@@ -96,6 +111,13 @@ async def test_microvm_through_the_sdk(daemon_url: str) -> None:
         finally:
             for c in children:
                 await c.close()
+        # pause with the VM's memory released to disk: its QEMU ends; resume brings back processes and files
+        await sb.exec("sleep 600 > /dev/null 2>&1 & echo $! > /workspace/sleeper", timeout=60)
+        assert (await sb.pause(release_memory=True)).state == "paused"
+        assert qemu_of(sb.id) == [], "the hibernated VM's QEMU (and its RAM) is still there"
+        assert (await sb.resume()).state == "running"
+        r = await sb.exec("kill -0 $(cat /workspace/sleeper) && cat /workspace/kept.txt", timeout=60)
+        assert r.stdout == b"changed later\n", r
     finally:
         await sb.close()
         await client.aclose()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import io
 import json
@@ -33,6 +34,8 @@ from conftest import missing
 from container_support import images_dir, short_home, sweep, wait_until
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers
+from dsec.images.store import ImageStore
+from image_support import make_tree, seaweedfs
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -40,11 +43,12 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 class Daemon:
     """``python -m dsec.daemon serve`` on its own home, sharing one snapshot store with other daemons."""
 
-    def __init__(self, home: Path, snapshots: Path) -> None:
+    def __init__(self, home: Path, images: Path | None = None, **env: str) -> None:
         self.home = home
-        self.settings = Settings(home=home, images_dir=images_dir())
-        self.env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(images_dir()),
-                        DSEC_SNAPSHOTS=str(snapshots), DSEC_URL=f"unix://{self.settings.socket_path}")
+        self.images = images or images_dir()
+        self.settings = Settings(home=home, images_dir=self.images)
+        self.env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(self.images),
+                        DSEC_URL=f"unix://{self.settings.socket_path}", **env)
         self.log = home / "daemon.log"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
@@ -68,21 +72,25 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-            removed = asyncio.run(sweep(self.home, images_dir()))
+            removed = asyncio.run(sweep(self.home, self.images))
         assert removed == [], f"sandboxes were left behind: {removed}"
 
 
 @pytest.fixture(scope="module")
-def snapshots() -> Iterator[Path]:
-    path = short_home("dsec-snaps-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def snapshots() -> Iterator[ImageStore]:
+    """The image store (snapshots go there by default); the snapshot records this module made are removed
+    afterwards (their few chunks stay for `dsec image gc`, like any unreferenced chunk)."""
+    store = ImageStore(images_dir())
+    before = set(store.snapshot_ids())
+    yield store
+    for snap_id in set(store.snapshot_ids()) - before:
+        store.remove_snapshot(snap_id)
 
 
 @pytest.fixture(scope="module")
-def daemon(snapshots: Path, debian_python_image: object) -> Iterator[Daemon]:
+def daemon(snapshots: ImageStore, debian_python_image: object) -> Iterator[Daemon]:
     home = short_home("dsec-traj-")
-    d = Daemon(home, snapshots)
+    d = Daemon(home)
     try:
         yield d
     finally:
@@ -219,56 +227,119 @@ def test_rollout_killed_at_a_random_step_runs_every_command_once(
 def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon: Daemon) -> None:
     sb = dsec.Sandbox.create(image="debian-python", trajectory="job-2/abandoned", lease=3, client=daemon.client)
     assert sb.exec("true").exit_code == 0
+    sandbox_id = sb.id
+    del sb  # the client lets go of its handle: the SDK's heartbeat stops with it
+    gc.collect()
     ps = lambda: json.loads(subprocess.run(  # noqa: E731
         [sys.executable, "-m", "dsec", "ps", "--json"], env=daemon.env, capture_output=True, text=True,
         check=True).stdout)
-    assert wait_until(lambda: any(i["id"] == sb.id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
-    assert wait_until(lambda: all(i["id"] != sb.id for i in ps()), timeout=20)
+    assert wait_until(lambda: any(i["id"] == sandbox_id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
+    assert wait_until(lambda: all(i["id"] != sandbox_id for i in ps()), timeout=20)
     with pytest.raises(dsec.SandboxTimeout, match="lease"):
-        sb.info()
+        dsec.Sandbox.connect(sandbox_id, client=daemon.client)
 
 
-def test_snapshot_restores_on_a_second_daemon_with_another_home(daemon: Daemon, snapshots: Path) -> None:
+def overlay_lowers(sandbox_id: str) -> list[str]:
+    """The lower layers of a container sandbox's root overlay, top first (from the host's mount table)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if f"/{sandbox_id} " in line and " - overlay " in line:
+            opts = line.split(" - overlay ", 1)[1]
+            return opts.split("lowerdir=", 1)[1].split(",", 1)[0].split(":")
+    raise AssertionError(f"no overlay mount for {sandbox_id}")
+
+
+def test_snapshot_restores_on_a_second_daemon_with_another_home(daemon: Daemon, snapshots: ImageStore) -> None:
     sb = dsec.Sandbox.create(image="debian-python", client=daemon.client)
     try:
         sb.files.write("/workspace/state/model.txt", "trained\n", mode=0o640)
-        prep = sb.exec("rm /etc/debian_version && mkdir -p /srv/data && echo 42 > /srv/data/x && "
-                       "ln -s /srv/data/x /workspace/link")
+        # a whiteout (deleted image file), an opaque directory (image dir replaced), a hard link, an owner
+        prep = sb.exec("rm /etc/debian_version && rm -rf /etc/apt && mkdir /etc/apt && echo mine > /etc/apt/only && "
+                       "mkdir -p /srv/data && echo 42 > /srv/data/x && ln /srv/data/x /srv/data/hard && "
+                       "chown 1234:4321 /srv/data/x && ln -s /srv/data/x /workspace/link")
         assert prep.exit_code == 0, prep.stderr
         snap = sb.snapshot()
     finally:
         sb.close()
+    record = snapshots.snapshot(snap)
+    assert record is not None and len(record["layers"]) == 1  # one chunked EROFS layer in the image store
+    assert snapshots.manifest_by_digest(record["layers"][0]).chunks
     other_home = short_home("dsec-traj2-")
-    other = Daemon(other_home, snapshots)
+    other = Daemon(other_home)
     try:
         restored = dsec.Sandbox.create(snapshot=snap, client=other.client)
         assert restored.info().image == "debian-python"
         assert restored.files.read("/workspace/state/model.txt") == b"trained\n"
         check = restored.exec("stat -c '%a %u' /workspace/state/model.txt; cat /workspace/link; "
-                              "test -e /etc/debian_version && echo present || echo deleted")
-        assert check.stdout == b"640 0\n42\ndeleted\n", check.stderr
+                              "test -e /etc/debian_version && echo present || echo deleted; ls /etc/apt; "
+                              "stat -c '%h %u:%g' /srv/data/x /srv/data/hard")
+        assert check.stdout == b"640 0\n42\ndeleted\nonly\n2 1234:4321\n2 1234:4321\n", check.stderr
+        # a snapshot of the restored sandbox is one more layer (its changes) over the first one
+        restored.exec("echo again > /workspace/second && rm /workspace/state/model.txt")
+        second = restored.snapshot()
+        layers = snapshots.snapshot(second)["layers"]  # type: ignore[index]
+        assert layers[1:] == record["layers"] and len(layers) == 2
+        third = dsec.Sandbox.create(snapshot=second, client=daemon.client)
+        try:
+            got = third.exec("cat /workspace/second /workspace/link; ls /workspace/state; ls /etc/apt")
+            assert got.stdout == b"again\n42\nonly\n", got.stderr
+            assert len(overlay_lowers(third.id)) == 3  # two snapshot layers over the image
+        finally:
+            third.close()
+        restored.close()
+        # gone from the store: a clear error, nothing created
+        snapshots.remove_snapshot(second)
+        with pytest.raises(dsec.NotFound, match=second):
+            dsec.Sandbox.create(snapshot=second, client=other.client)
     finally:
         other.stop()
         shutil.rmtree(other_home, ignore_errors=True)
 
 
-def test_fork_8_gives_8_independent_sandboxes(daemon: Daemon) -> None:
+def test_snapshots_dedup_identical_content(daemon: Daemon, snapshots: ImageStore) -> None:
+    made = []
+    try:
+        for n in range(2):
+            sb = dsec.Sandbox.create(image="debian-python", client=daemon.client)
+            made.append(sb)
+            # the same 8 MiB of data (seeded) in both, under different names, plus a file of its own
+            write = f"open('/workspace/d{n}', 'wb').write(random.Random(7).randbytes(8 << 20))"
+            sb.exec(f"python3 -c \"import random; {write}\" && echo {n} > /workspace/own")
+        a, b = (snapshots.snapshot(sb.snapshot()) for sb in made)
+        chunks = [{c.digest for c in snapshots.manifest_by_digest(r["layers"][0]).chunks}  # type: ignore[index]
+                  for r in (a, b)]
+        size = sum(c.size for c in snapshots.manifest_by_digest(a["layers"][0]).chunks)  # type: ignore[index]
+        shared = chunks[0] & chunks[1]
+        assert size >= 8 << 20 and len(shared) >= len(chunks[0]) - 2, (len(shared), len(chunks[0]))
+    finally:
+        for sb in made:
+            sb.close()
+
+
+def test_fork_8_gives_8_independent_sandboxes(daemon: Daemon, snapshots: ImageStore) -> None:
     parent = dsec.Sandbox.create(image="debian-python", client=daemon.client)
     kids: list[dsec.Sandbox] = []
     try:
-        parent.exec("echo prepared > /workspace/env.txt && (sleep 30 &)")
+        parent.exec("echo prepared > /workspace/env.txt && head -c 4M /dev/urandom > /workspace/big && (sleep 30 &)")
         kids = parent.fork(8)
         assert len({k.id for k in kids} | {parent.id}) == 9
+        # copy-on-write: every copy stacks the same snapshot layer, and its own upper starts empty
+        lowers = {tuple(overlay_lowers(k.id)) for k in kids}
+        assert len(lowers) == 1 and len(next(iter(lowers))) == 2, lowers
+        for kid in kids:
+            assert not (daemon.home / "container" / kid.id / "upper" / "workspace").exists()
         for n, kid in enumerate(kids):
             assert kid.exec(f"cat env.txt && echo child{n} >> env.txt").stdout == b"prepared\n"
         for n, kid in enumerate(kids):
             assert kid.files.read("/workspace/env.txt") == f"prepared\nchild{n}\n".encode()
         assert parent.files.read("/workspace/env.txt") == b"prepared\n"
         assert parent.info().state == "running"  # thawed after the copy
+        (snap,) = {k.info().spec.snapshot for k in kids}
+        assert snap is not None and snapshots.snapshot(snap) is not None
     finally:
         for kid in kids:
             kid.close()
         parent.close()
+    assert snapshots.snapshot(snap) is None  # fork's own snapshot went with its last copy
 
 
 def test_lost_trajectory_sandbox_is_rebuilt_from_its_checkpoint(daemon: Daemon) -> None:
@@ -315,3 +386,42 @@ def test_client_killed_mid_command_reissue_waits_for_the_same_run(daemon: Daemon
     sb = dsec.Sandbox.connect(sandbox_id, client=daemon.client)
     assert sb.files.read("/workspace/runs") == b"started\n"  # ran once, its result went to the re-run
     sb.close()
+
+
+def test_snapshot_in_an_s3_store_restores_on_another_daemon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything in SeaweedFS (S3): the image, then a snapshot taken on one daemon, restored and forked on
+    another that shares nothing with it but the bucket (its own home and its own local image root)."""
+    with seaweedfs(monkeypatch) as weed:
+        url = weed.url(prefix="traj")
+        tree = tmp_path / "tree"
+        make_tree(tree, big=1 << 20)
+        first_images, second_images = short_home("dsec-s3img1-"), short_home("dsec-s3img2-")
+        ImageStore(first_images, url).import_dir("bbox", tree, uid_shift=Settings().uid_shift)
+        homes = [short_home("dsec-s3a-"), short_home("dsec-s3b-")]
+        daemons: list[Daemon] = []
+        try:
+            daemons.append(Daemon(homes[0], first_images, DSEC_IMAGE_STORE=url))
+            daemons.append(Daemon(homes[1], second_images, DSEC_IMAGE_STORE=url))
+            sb = dsec.Sandbox.create(image="bbox", client=daemons[0].client)
+            assert sb.exec("echo state > /etc/hello && mkdir -p /w && echo 1 > /w/n && rm /data/big.bin").exit_code == 0
+            snap = sb.snapshot()
+            sb.close()
+            record = ImageStore(second_images, url).snapshot(snap)
+            assert record is not None and record["image"] == "bbox"
+            restored = dsec.Sandbox.create(snapshot=snap, client=daemons[1].client)
+            got = restored.exec("cat /etc/hello /w/n; ls /data | wc -l")
+            assert got.stdout == b"state\n1\n0\n", got.stderr
+            kids = restored.fork(2)
+            for n, kid in enumerate(kids):
+                kid.exec(f"echo {n} > /w/n")
+            assert [k.files.read("/w/n") for k in kids] == [b"0\n", b"1\n"]
+            assert restored.files.read("/w/n") == b"1\n"
+            for kid in kids:
+                kid.close()
+            restored.close()
+        finally:
+            for d in daemons:
+                d.stop()
+            for path in (*homes, first_images, second_images):
+                shutil.rmtree(path, ignore_errors=True)

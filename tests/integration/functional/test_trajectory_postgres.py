@@ -61,7 +61,7 @@ async def test_engine_replays_across_a_postgres_restart(pg: PgServer, tmp_path: 
     fake = FakeBackend(root=tmp_path / "fake")
 
     def engine() -> Engine:
-        settings = Settings(home=tmp_path / "home", snapshots_dir=tmp_path / "snaps")
+        settings = Settings(home=tmp_path / "home")
         return Engine(settings, {"container": fake}, FakeImages(), trajectory_store=PostgresStore(pg.dsn))
 
     count = ExecRequest(command="echo x >> ran; wc -l < ran")
