@@ -48,7 +48,7 @@ __all__ = [
 
 BackendName = Literal["function", "container", "microvm", "vm"]
 SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed"]
-LimitHit = Literal["time", "memory", "output", "pids"]
+LimitHit = Literal["time", "memory", "output", "pids", "disk"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -181,8 +181,9 @@ class SandboxSpec(Model):
     """CPU cores (a CFS quota; fractions allowed)."""
     memory: Size = 1024**3
     """Memory limit in bytes; accepts strings such as ``"1Gi"``."""
-    disk: Size = 4 * 1024**3
-    """Writable-layer size in bytes; accepts strings such as ``"4Gi"``."""
+    disk: Size = Field(4 * 1024**3, ge=1024**2)
+    """Writable-layer size in bytes (at least 1 MiB); accepts strings such as ``"4Gi"``. Past it writes fail
+    with ENOSPC inside the sandbox and the command's result says ``limit="disk"``."""
     pids: int = Field(1024, ge=8, le=1_000_000)
     """Maximum number of processes and threads alive at once."""
     timeout: float = Field(3600.0, gt=0, le=30 * 86400)
@@ -211,6 +212,20 @@ class SandboxSpec(Model):
     rerun_missing: bool = False
     """Recovering a lost trajectory sandbox: re-run the logged calls made after its latest checkpoint
     (default: only report them as ``missing_effects``)."""
+
+    protected: list[str] = Field(default_factory=list, max_length=256)
+    """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
+    creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must
+    not pass through a symbolic link."""
+
+    @field_validator("protected")
+    @classmethod
+    def _protected(cls, v: list[str]) -> list[str]:
+        for path in v:
+            parts = path.split("/")
+            if not path.startswith("/") or path == "/" or "\0" in path or ".." in parts or "." in parts:
+                raise ValueError(f"protected paths must be absolute, normalised and not '/', got {path!r}")
+        return [p.rstrip("/") for p in v]
 
     @field_validator("workdir")
     @classmethod
@@ -305,7 +320,8 @@ class ExecResult(Model):
     signal: int | None = None
     """Signal that killed the command, if any."""
     limit: LimitHit | None = None
-    """Which limit ended the command: ``time``, ``memory``, ``output`` or ``pids``."""
+    """Which limit ended the command: ``time``, ``memory``, ``output``, ``pids`` or ``disk`` (a command that
+    failed while the writable layer was full)."""
     replayed: bool = False
     """Served from the trajectory log without running (fast-forward)."""
     log_truncated: bool = False
@@ -411,6 +427,10 @@ class SandboxStats(Model):
     """Processes killed for exceeding the memory limit."""
     disk_bytes: int = 0
     """Bytes in the sandbox's writable layer."""
+    disk_limit_bytes: int | None = None
+    """Size of the writable layer (``spec.disk``) where the backend enforces it."""
+    disk_full: bool = False
+    """The writable layer is full (blocks or inodes): writes fail with ENOSPC."""
 
 
 class SandboxInfo(Model):

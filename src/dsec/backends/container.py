@@ -40,6 +40,7 @@ from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.network import DnsProxy, Network, Policy
+from dsec.isolation.paths import protect_paths
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
@@ -65,6 +66,25 @@ def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"overlay mount on {target} failed: {os.strerror(err)}")
+
+
+def _mount_disk(target: Path, size: int) -> None:
+    """The sandbox's writable layer: a tmpfs of ``size`` bytes (and a proportional inode count, against
+    inode bombs). Past it the sandbox gets ENOSPC; the host's disks never see its writes."""
+    inodes = max(16384, size // 16384)
+    opts = f"size={size},nr_inodes={inodes},mode=0700"
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")
+
+
+def _disk_full(path: str) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    # "Full" a little before the last block: a write that fails with ENOSPC can leave a few blocks free.
+    return st.f_bavail * st.f_frsize < 64 * 1024 or st.f_favail == 0
 
 
 def _umount(target: Path) -> None:
@@ -250,17 +270,21 @@ class ContainerBackend(Backend):
         policy = Policy.parse(record.spec.network)
         apply_image_defaults(record, image)
         bundle = self._bundle(record.id)
-        rootfs, upper, work = self.mounts / record.id, bundle / "upper", bundle / "work"
+        disk = bundle / "disk"
+        rootfs, upper, work = self.mounts / record.id, disk / "upper", disk / "work"
         shift = image.uid_shift
         record.backend_state = {
-            "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "uid_shift": shift,
+            "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "disk": str(disk), "uid_shift": shift,
             "cgroups_path": f"/{self.cgroup_parent}/{record.id}",
             # The image's environment (PATH of a Python or Node image...) under the spec's and the call's.
             "image_env": dict(image.config.env),
         }
         bundle.mkdir(mode=0o700)
-        for d in (rootfs, upper, work):
-            d.mkdir()
+        disk.mkdir()
+        rootfs.mkdir()
+        await asyncio.to_thread(_mount_disk, disk, record.spec.disk)
+        upper.mkdir()
+        work.mkdir()
         os.chown(upper, shift, shift)
         if archive is not None:
             await self._tar("--extract", "--same-permissions", "--same-owner", "--file", str(archive),
@@ -284,6 +308,7 @@ class ContainerBackend(Backend):
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
+        await asyncio.to_thread(protect_paths, pid, record.spec.protected)
         if policy.mode != "none":
             await self._connect(record, policy)
 
@@ -335,12 +360,15 @@ class ContainerBackend(Backend):
                **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+        disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
             if sig == 9 and cgroups.oom_kills() > before[0]:
                 return "memory"
             if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
                 return "pids"
+            if exit_code != 0 and disk and _disk_full(disk):
+                return "disk"
             return None
 
         spawned = self._helper.spawn({
@@ -376,11 +404,16 @@ class ContainerBackend(Backend):
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)
-        upper = record.backend_state.get("upper")
-        disk = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+        upper, disk = record.backend_state.get("upper"), record.backend_state.get("disk")
+        if disk:  # the writable layer is its own tmpfs: the kernel counts it
+            st = await asyncio.to_thread(os.statvfs, disk)
+            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, _disk_full(disk)
+        else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
+            used = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+            limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
-                            disk_bytes=disk)
+                            disk_bytes=used, disk_limit_bytes=limit, disk_full=full)
 
     async def pause(self, record: SandboxRecord) -> None:
         self._pid(record)
@@ -415,6 +448,7 @@ class ContainerBackend(Backend):
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
         bundle = self._bundle(sandbox_id)
+        await asyncio.to_thread(_umount, bundle / "disk")
         await asyncio.to_thread(shutil.rmtree, bundle, True)
         if bundle.exists() or rootfs.exists():
             raise SandboxError(f"could not remove {bundle} or {rootfs} (still mounted?)")

@@ -1,0 +1,212 @@
+"""The writable layer's disk quota and protected paths of a real container sandbox, attacked from inside.
+
+The sandboxed code runs as the sandbox's root and tries what agents did: fill the disk with ``yes``,
+exhaust inodes, and rewrite, rename, unlink, clone into, swap extents of, or unmount files the grader
+relies on. Each test asserts the specific defence (ENOSPC + ``limit="disk"``, EROFS, EBUSY, EPERM) and
+that the host and the protected bytes are unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from container_support import checked_backend, leftovers, run, swept_home
+from dsec.backends.base import ImageRef
+from dsec.backends.container import ContainerBackend
+from dsec.errors import DSecError, InvalidRequest
+from dsec.models import SandboxRecord, SandboxSpec
+from dsec.testing import sandbox
+
+pytestmark = [pytest.mark.root]
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, debian_python_image: ImageRef) -> Iterator[Path]:
+    with swept_home(tmp_path_factory.mktemp("disk-home")) as path:
+        yield path
+
+
+@pytest.fixture
+async def backend(home: Path) -> AsyncIterator[ContainerBackend]:
+    async with checked_backend(home) as b:
+        yield b
+
+
+async def py(backend: ContainerBackend, record: SandboxRecord, code: str) -> Any:
+    r = await run(backend, record, ["python3", "-c", code])
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+# ------------------------------------------------------------------------------------------- disk
+async def test_yes_fills_only_the_sandbox_disk(backend: ContainerBackend, debian_python_image: ImageRef,
+                                               home: Path) -> None:
+    host_free = shutil.disk_usage(home).free
+    async with sandbox(backend, debian_python_image, disk="16Mi") as sb:
+        r = await run(backend, sb, "yes > /workspace/flood")
+        assert r.exit_code != 0, r
+        assert b"No space left on device" in r.stderr, r
+        assert r.limit == "disk", r
+        stats = await backend.stats(sb)
+        assert stats.disk_full and stats.disk_limit_bytes == 16 * MiB, stats
+        assert 15 * MiB <= stats.disk_bytes <= 16 * MiB, stats
+        # the host's filesystem did not take the writes (the layer is the sandbox's own tmpfs)
+        assert host_free - shutil.disk_usage(home).free < 8 * MiB
+        # the sandbox recovers once it frees space, and an unrelated failure is not blamed on the disk
+        r = await run(backend, sb, "rm /workspace/flood && echo ok > /workspace/small && cat /workspace/small")
+        assert r.exit_code == 0 and r.stdout == b"ok\n", r
+        r = await run(backend, sb, "exit 3")
+        assert r.exit_code == 3 and r.limit is None, r
+        assert not (await backend.stats(sb)).disk_full
+
+
+async def test_files_api_write_past_the_disk_limit_is_a_clear_error(backend: ContainerBackend,
+                                                                    debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, disk="4Mi") as sb:
+        with pytest.raises(DSecError, match="disk is full"):
+            await backend.write_file(sb, "/workspace/big", b"x" * (8 * MiB), None)
+        r = await run(backend, sb, "echo still-alive")
+        assert r.stdout == b"still-alive\n", r
+
+
+async def test_inode_bomb_hits_the_disk_limit(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    code = r"""
+import json, os
+n, err = 0, None
+try:
+    while n < 200000:
+        os.close(os.open(f"/workspace/f{n}", os.O_CREAT | os.O_WRONLY, 0o644)); n += 1
+except OSError as e:
+    err = e.errno
+print(json.dumps({"n": n, "err": err}))
+"""
+    async with sandbox(backend, debian_python_image, disk="16Mi") as sb:
+        out = await py(backend, sb, code)
+        assert out["err"] == errno.ENOSPC and out["n"] < 200000, out
+        assert (await backend.stats(sb)).disk_full
+
+
+def test_disk_spec_is_validated() -> None:
+    with pytest.raises(ValidationError, match="disk"):
+        SandboxSpec(image="x", disk="512Ki")
+    with pytest.raises(ValidationError, match="disk"):
+        SandboxSpec(image="x", disk="lots")
+
+
+# ------------------------------------------------------------------------------------ protected paths
+_PROTECTED = ["/usr/bin", "/etc/passwd"]
+
+_ATTACKS = r"""
+import ctypes, fcntl, json, os
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+attempt("overwrite_file", lambda: open("/etc/passwd", "a").write("evil::0:0::/:/bin/sh\n"))
+attempt("replace_bash", lambda: open("/usr/bin/bash", "wb").write(b"#!/bin/sh\nexit 0\n"))
+attempt("create_in_dir", lambda: open("/usr/bin/evil", "w").write("x"))
+attempt("unlink_file", lambda: os.unlink("/etc/passwd"))
+attempt("unlink_in_dir", lambda: os.unlink("/usr/bin/python3"))
+attempt("rename_file_away", lambda: os.rename("/etc/passwd", "/etc/passwd.old"))
+attempt("rename_dir_away", lambda: os.rename("/usr/bin", "/usr/bin.old"))
+open("/workspace/fake", "w").write("#!/bin/sh\necho pwned\n")
+attempt("rename_over_file", lambda: os.rename("/workspace/fake", "/etc/passwd"))
+attempt("rename_over_binary", lambda: os.rename("/workspace/fake", "/usr/bin/python3"))
+attempt("chmod_binary", lambda: os.chmod("/usr/bin/bash", 0o777))
+attempt("hardlink_into_dir", lambda: os.link("/workspace/fake", "/usr/bin/evil2"))
+attempt("symlink_into_dir", lambda: os.symlink("/workspace/fake", "/usr/bin/evil3"))
+attempt("truncate_file", lambda: os.truncate("/etc/passwd", 0))
+src = os.open("/workspace/fake", os.O_RDWR)
+ro = os.open("/usr/bin/bash", os.O_RDONLY)
+for name, req in (("FICLONE", 0x40049409), ("FICLONERANGE", 0x4020940D), ("XFS_IOC_SWAPEXT", 0xC0C0586D)):
+    attempt(name, lambda: fcntl.ioctl(ro, req, src))
+libc = ctypes.CDLL(None, use_errno=True)
+def sysret(rc):
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "")
+attempt("umount", lambda: sysret(libc.umount2(b"/usr/bin", 2)))
+attempt("remount_rw", lambda: sysret(libc.mount(None, b"/usr/bin", None, 32 | 4096, None)))
+attempt("mount_over", lambda: sysret(libc.mount(b"/workspace", b"/usr/bin", None, 4096, None)))
+print(json.dumps(out))
+"""
+
+_WANT = {
+    "overwrite_file": errno.EROFS, "replace_bash": errno.EROFS, "create_in_dir": errno.EROFS,
+    "unlink_file": errno.EBUSY, "unlink_in_dir": errno.EROFS, "rename_file_away": errno.EBUSY,
+    "rename_dir_away": errno.EBUSY, "rename_over_file": errno.EBUSY, "rename_over_binary": errno.EXDEV,
+    "chmod_binary": errno.EROFS, "hardlink_into_dir": errno.EROFS, "symlink_into_dir": errno.EROFS,
+    "truncate_file": errno.EROFS,
+    # seccomp answers first for the ioctls and the mount family (EPERM); the read-only mount stands behind it
+    "FICLONE": errno.EPERM, "FICLONERANGE": errno.EPERM, "XFS_IOC_SWAPEXT": errno.EPERM,
+    "umount": errno.EPERM, "remount_rw": errno.EPERM, "mount_over": errno.EPERM,
+}
+
+
+async def _digests(backend: ContainerBackend, sb: SandboxRecord) -> str:
+    r = await run(backend, sb, "sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3; ls /usr/bin | sha256sum")
+    assert r.exit_code == 0, r
+    return r.stdout.decode()
+
+
+async def test_protected_paths_resist_every_rewrite_trick(backend: ContainerBackend,
+                                                          debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, protected=_PROTECTED) as sb:
+        before = await _digests(backend, sb)
+        out = await py(backend, sb, _ATTACKS)
+        wrong = {k: (os.strerror(v) if v else "succeeded") for k, v in out.items() if v != _WANT[k]}
+        assert not wrong, f"attacks not stopped as expected: {wrong} (all: {out})"
+        assert await _digests(backend, sb) == before
+        # readable, and the grader's tools still run
+        r = await run(backend, sb, "grep -c root /etc/passwd && python3 -c 'print(6*7)'")
+        assert r.exit_code == 0 and r.stdout.split() == [b"1", b"42"], r
+        # the files API (the daemon writing from the host) meets the same read-only mount
+        with pytest.raises(DSecError, match="Read-only file system"):
+            await backend.write_file(sb, "/etc/passwd", b"root::0:0::/:/bin/sh\n", None)
+        # the rest of the sandbox stays writable
+        r = await run(backend, sb, "echo ok > /etc/motd && echo ok > /usr/local/bin/mine && cat /etc/motd")
+        assert r.exit_code == 0 and r.stdout == b"ok\n", r
+
+
+async def test_protected_path_must_exist_and_not_pass_a_symlink(backend: ContainerBackend,
+                                                                debian_python_image: ImageRef, home: Path) -> None:
+    for bad, reason in (("/no/such/grader", "does not exist"), ("/bin", "symbolic link")):
+        with pytest.raises(InvalidRequest, match=reason):
+            async with sandbox(backend, debian_python_image, protected=[bad]):
+                pass
+        left = leftovers(home)
+        left.pop("cgroup_parents")  # shared by the home's sandboxes while the backend runs
+        assert not any(left.values()), left
+
+
+@pytest.mark.parametrize("bad", ["relative/path", "/", "/a/../etc", "/a/./b", "/a\0b"])
+def test_protected_spec_is_validated(bad: str) -> None:
+    with pytest.raises(ValidationError, match="protected"):
+        SandboxSpec(image="x", protected=[bad])
+
+
+def test_protected_paths_are_normalised() -> None:
+    assert SandboxSpec(image="x", protected=["/workspace/tests/"]).protected == ["/workspace/tests"]
+
+
+async def test_protected_sha_of_bash_matches_the_image(backend: ContainerBackend,
+                                                       debian_python_image: ImageRef) -> None:
+    """What a grader runs under a protected /usr/bin is the image's own binary, byte for byte."""
+    async with sandbox(backend, debian_python_image, protected=["/usr/bin"]) as sb:
+        r = await run(backend, sb, "sha256sum /usr/bin/bash")
+        assert r.exit_code == 0, r
+        image_bash = (debian_python_image.rootfs / "usr/bin/bash").read_bytes()
+        assert r.stdout.split()[0].decode() == hashlib.sha256(image_bash).hexdigest()
