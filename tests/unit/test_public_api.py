@@ -13,6 +13,7 @@ EXPECTED = {
     "SandboxStateError", "SandboxError", "ConnectionFailed", "Unauthorized", "NotFound", "__version__",
     "RemoteError", "CallFailed",
     "ImageCorrupt", "StoreUnavailable", "CacheFull",
+    "Forbidden", "RateLimited",
 }
 
 

@@ -40,8 +40,8 @@ from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.network import DnsProxy, Network, Policy
-from dsec.isolation.paths import protect_paths
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
+from dsec.isolation.paths import protect_paths
 from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats

@@ -8,18 +8,17 @@ sandboxes is a bug -- that logic belongs in the engine, where in-process tests e
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsec.daemon.auth import AuthGuard, TokenFile
 from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
 from dsec.daemon.metrics import CONTENT_TYPE
-from dsec.errors import DSecError, InvalidRequest, SandboxError, Unauthorized
+from dsec.errors import DSecError, InvalidRequest, SandboxError
 from dsec.models import (
     BatchCreateRequest,
     CallRequest,
@@ -53,8 +52,9 @@ _ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorPayload"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     for code, desc in [
-        (400, "InvalidRequest"), (401, "Unauthorized"), (404, "SandboxNotFound / ImageNotFound"),
-        (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (501, "NotSupported"),
+        (400, "InvalidRequest"), (401, "Unauthorized"), (403, "Forbidden"), (404, "SandboxNotFound / ImageNotFound"),
+        (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (429, "RateLimited / QuotaExceeded"),
+        (501, "NotSupported"),
         (503, "BackendUnavailable"),
     ]
 }
@@ -73,28 +73,6 @@ def _validation_message(exc: RequestValidationError) -> str:
         else:
             parts.append(f"{loc}: {error.get('msg')}")
     return "invalid request: " + "; ".join(parts)
-
-
-class _TokenGuard:
-    """Bearer-token check as pure ASGI middleware.
-
-    Not BaseHTTPMiddleware: it wraps streamed responses and breaks client-disconnect handling.
-    """
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        err = Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
-        await _error_response(err)(scope, receive, send)
 
 
 async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
@@ -136,8 +114,10 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES) -> FastAPI:
-    """The node's FastAPI app over ``engine``; with ``token``, every route but ``GET /v1/health`` needs it."""
+def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
+               tokens: TokenFile | None = None) -> FastAPI:
+    """The node's FastAPI app over ``engine``; with ``token`` (admin) or ``tokens`` (the token file), every
+    route but ``GET /v1/health`` needs a token (see :mod:`dsec.daemon.auth` for scopes and rate limits)."""
     app = FastAPI(
         title="DSec node API",
         version=dsec_version(),
@@ -313,8 +293,8 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     _add_error_schema(app)
-    if token is not None:
-        app.add_middleware(_TokenGuard, token=token)
+    if token is not None or tokens is not None:
+        app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
     return app
 
 

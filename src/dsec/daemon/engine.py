@@ -316,6 +316,11 @@ class Engine:
             raise BackendUnavailable(f"backend {name!r} is not available: {reason}", backend=name)
         return backend
 
+    async def owner_labels(self, sandbox_id: str) -> dict[str, str] | None:
+        """The labels of a live sandbox (the token guard reads the job that owns it), None if there is none."""
+        record = self._records.get(sandbox_id)
+        return None if record is None else dict(record.spec.labels)
+
     def _lookup(self, sandbox_id: str) -> SandboxRecord:
         record = self._records.get(sandbox_id)
         if record is not None:
