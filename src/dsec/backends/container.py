@@ -381,6 +381,7 @@ class ContainerBackend(Backend):
             "gid": int(gid),
             "capmask": _CAPMASK,
             "nofile": self._nofile,
+            "landlock": record.spec.landlock,
         })
         events = stream_exec(spawned, request, verdict)
         try:

@@ -93,7 +93,7 @@ class Helper:
             parked = [_park(fd) for fd in sources]
             actions = [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(parked)]
             argv = [self.nsenter, str(req["uid"]), str(req["gid"]), f"{req['capmask']:x}", str(req["nofile"]),
-                    req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
+                    "1" if req.get("landlock", True) else "0", req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
             _sys(_libc.syscall(_SYS_SETNS, target, _CLONE_NEWPID), "join sandbox pid namespace")
             try:
                 pid = os.posix_spawn(self.nsenter, argv, req["env"], file_actions=actions, setsid=True,

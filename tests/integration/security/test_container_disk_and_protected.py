@@ -210,3 +210,51 @@ async def test_protected_sha_of_bash_matches_the_image(backend: ContainerBackend
         assert r.exit_code == 0, r
         image_bash = (debian_python_image.rootfs / "usr/bin/bash").read_bytes()
         assert r.stdout.split()[0].decode() == hashlib.sha256(image_bash).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- Landlock
+_LANDLOCK_PROBE = r"""
+import json, os
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+attempt("write_proc_self_comm", lambda: open("/proc/self/comm", "w").write("x"))
+attempt("write_proc_self_oom", lambda: open("/proc/self/oom_score_adj", "w").write("0"))
+attempt("mkdir_dev", lambda: os.mkdir("/dev/evil"))
+attempt("create_dev_file", lambda: open("/dev/evil-file", "w").write("x"))
+attempt("write_dev_null", lambda: open("/dev/null", "w").write("x"))
+attempt("write_dev_shm", lambda: open("/dev/shm/ok", "w").write("x"))
+attempt("write_tmp", lambda: open("/tmp/ok", "w").write("x"))
+attempt("write_etc", lambda: open("/etc/ok", "w").write("x"))
+attempt("rename_across_dirs", lambda: os.rename("/tmp/ok", "/workspace/ok"))
+attempt("mkdir_usr_local", lambda: os.mkdir("/usr/local/ok"))
+attempt("mkdir_top_level", lambda: os.mkdir("/app"))
+attempt("write_new_top_level_file", lambda: open("/new-file", "w").write("x"))
+attempt("mknod_fifo_tmp", lambda: os.mkfifo("/tmp/fifo"))
+attempt("open_init_ns", lambda: os.open("/proc/1/ns/mnt", os.O_RDONLY))
+print(json.dumps(out))
+"""
+
+
+async def test_landlock_confines_writes_of_every_command(backend: ContainerBackend,
+                                                         debian_python_image: ImageRef) -> None:
+    allowed = {"write_dev_null", "write_dev_shm", "write_tmp", "write_etc", "rename_across_dirs", "mkdir_usr_local",
+               "mkdir_dev", "mkdir_top_level", "mknod_fifo_tmp"}
+    async with sandbox(backend, debian_python_image) as sb:
+        out = await py(backend, sb, _LANDLOCK_PROBE)
+        assert {k for k, v in out.items() if v == 0} == allowed, out
+        assert all(v == errno.EACCES for k, v in out.items() if k not in allowed), out
+        # what one command created at the top level, the next may write into (rules are per command)
+        r = await run(backend, sb, "echo ok > /app/file && echo ok >> /new-file && cat /app/file")
+        assert r.exit_code == 0 and r.stdout == b"ok\n", r
+        # a background process started by one command stays confined (Landlock is inherited)
+        r = await run(backend, sb, "sh -c 'sleep 0.2; echo x > /proc/self/comm 2>/dev/null; echo rc=$? > /tmp/bg' &"
+                                   " sleep 0.6; cat /tmp/bg")
+        assert r.stdout.startswith(b"rc=") and r.stdout.strip() != b"rc=0", r
+        assert b"/proc/self/comm: Permission denied" in r.stderr, r
+    async with sandbox(backend, debian_python_image, landlock=False) as sb:
+        out = await py(backend, sb, _LANDLOCK_PROBE)
+        assert out["write_proc_self_comm"] == 0 and out["write_new_top_level_file"] == 0, out
