@@ -172,7 +172,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         import redteam
 
         reason = str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else ""
-        cell = redteam.outcome_of(report.when, report.outcome, reason)
+        cell = redteam.outcome_of(report.when, report.outcome, reason, xfail=hasattr(report, "wasxfail"))
         if cell is not None:
             note = reason or (report.longreprtext.strip().splitlines() or [""])[-1][:300]
             item.config.stash.setdefault(_REDTEAM_CELLS, {})[(params["attack_id"], params["arena"])] = (cell, note)

@@ -65,6 +65,9 @@ class Attack:
     not_applicable: Mapping[str, str] = field(default_factory=dict)
     fresh: bool = False
     spec: Mapping[str, Any] = field(default_factory=dict)
+    open_gaps: Mapping[str, str] = field(default_factory=dict)
+    """``{backend: why}``: the attack is known to get through there today (a defence still being built);
+    it runs and must fail (strict xfail), so the day the defence lands it shows up as XPASS to remove."""
 
     def reason_not_applicable(self, backend: str) -> str | None:
         """Why this attack does not apply to ``backend`` (None: it applies)."""
@@ -76,14 +79,16 @@ ATTACKS: dict[str, Attack] = {}
 
 def attack(id: str, *, description: str, models: str, defence: str,
            not_applicable: Mapping[str, str] | None = None, fresh: bool = False,
-           spec: Mapping[str, Any] | None = None) -> Callable[[AttackFn], AttackFn]:
+           spec: Mapping[str, Any] | None = None,
+           open_gaps: Mapping[str, str] | None = None) -> Callable[[AttackFn], AttackFn]:
     """Register the decorated coroutine function as an attack (ids must be unique)."""
 
     def register(fn: AttackFn) -> AttackFn:
         if id in ATTACKS:
             raise ValueError(f"attack id {id!r} registered twice ({ATTACKS[id].fn.__qualname__}, {fn.__qualname__})")
         ATTACKS[id] = Attack(id=id, description=description, models=models, defence=defence, fn=fn,
-                             not_applicable=dict(not_applicable or {}), fresh=fresh, spec=dict(spec or {}))
+                             not_applicable=dict(not_applicable or {}), fresh=fresh, spec=dict(spec or {}),
+                             open_gaps=dict(open_gaps or {}))
         return fn
 
     return register
@@ -237,13 +242,15 @@ def report_path(rootdir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- report
-BLOCKED, NOT_APPLICABLE, FAILED, SKIPPED = "blocked", "not applicable", "FAILED", "skipped"
+BLOCKED, NOT_APPLICABLE, FAILED, SKIPPED, OPEN = "blocked", "not applicable", "FAILED", "skipped", "OPEN"
 
 
-def outcome_of(when: str, outcome: str, skip_reason: str) -> str | None:
+def outcome_of(when: str, outcome: str, skip_reason: str, xfail: bool = False) -> str | None:
     """The table cell for one test phase's report (None: this phase says nothing new)."""
     if outcome == "failed":
         return FAILED
+    if outcome == "skipped" and xfail:
+        return OPEN
     if outcome == "skipped":
         return NOT_APPLICABLE if "not applicable" in skip_reason else SKIPPED
     return BLOCKED if when == "call" else None
@@ -259,6 +266,8 @@ def build_report(cells: Mapping[tuple[str, str], tuple[str, str]]) -> dict[str, 
             result, note = cells.get((a.id, b), ("not run", ""))
             if result == NOT_APPLICABLE and a.reason_not_applicable(b):
                 note = a.reason_not_applicable(b) or note
+            if result == OPEN:
+                note = a.open_gaps.get(b, note)
             results[b] = {"result": result, "note": note}
         rows.append({"id": a.id, "description": a.description, "models": a.models, "defence": a.defence,
                      "results": results})
