@@ -190,8 +190,8 @@ def _sha(path: Path) -> str:
 
 _KERNEL_KNOBS = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/kernel/hostname",
                  "/proc/sys/kernel/domainname", "/proc/sys/kernel/tainted", "/proc/sys/kernel/kexec_load_disabled",
-                 "/proc/sys/vm/overcommit_memory", "/proc/sys/kernel/sysrq", "/proc/sys/fs/protected_symlinks",
-                 "/proc/sys/net/ipv4/ip_forward")
+                 "/proc/sys/vm/overcommit_memory", "/proc/sys/kernel/sysrq", "/proc/sys/fs/protected_symlinks")
+# net.ipv4.ip_forward is left out: the container backend turns it on for networked sandboxes on purpose
 _IMAGE_FILES = ("usr/bin/bash", "usr/bin/python3.11", "usr/bin/sh", "etc/passwd", "etc/shadow")
 
 
