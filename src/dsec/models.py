@@ -281,6 +281,11 @@ class ExecRequest(Model):
     """Bytes fed to the command's standard input (closed afterwards)."""
     max_output: int = Field(16 * 1024 * 1024, ge=0)
     """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
+    pristine: bool = False
+    """Run with the image's original, untouched root (a fresh mount namespace over the read-only image, the
+    working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
+    ``python3`` gets the image's, whatever the agent replaced. Container; on the function backend every call
+    already runs on the read-only image."""
 
     @field_validator("command")
     @classmethod

@@ -477,11 +477,15 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False,
     ) -> ExecResult:
-        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list."""
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list.
+
+        ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
+        (for graders: the agent cannot have replaced the binaries it uses)."""
         result: ExecResult | None = None
         stream = self.exec_stream(
-            command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output
+            command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output, pristine=pristine
         )
         try:
             async for event in stream:
@@ -501,6 +505,7 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False,
     ) -> AsyncGenerator[ExecEvent, None]:
         """Run a command and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit`` event.
 
@@ -511,6 +516,7 @@ class AsyncSandbox:
                 command=command if isinstance(command, str) else builtins.list(command),
                 timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
                 stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
+                pristine=pristine,
             )
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "exec request") from None

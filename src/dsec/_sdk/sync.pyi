@@ -117,6 +117,7 @@ class Sandbox:
         env: Mapping[str, str] | None = ...,
         stdin: str | bytes | None = ...,
         max_output: int = ...,
+        pristine: bool = ...,
     ) -> ExecResult: ...
     def exec_stream(
         self,
@@ -126,6 +127,7 @@ class Sandbox:
         env: Mapping[str, str] | None = ...,
         stdin: str | bytes | None = ...,
         max_output: int = ...,
+        pristine: bool = ...,
     ) -> Generator[ExecEvent]: ...
 
 C = TypeVar("C", bound=type)

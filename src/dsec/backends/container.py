@@ -50,8 +50,12 @@ __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
+_MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_REMOUNT = 32
+_MS_BIND = 4096
+_MS_REC = 16384
 _PR_SET_CHILD_SUBREAPER = 36
 # The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
@@ -76,6 +80,19 @@ def _mount_disk(target: Path, size: int) -> None:
     if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")
+
+
+PRISTINE_DIR = "/.dsec-pristine"
+"""Where a sandbox sees its image's original root (read-only); ``dsec-nsenter`` roots pristine execs there."""
+
+
+def _mount_pristine(image_root: Path, target: Path) -> None:
+    target.mkdir(mode=0o555, exist_ok=True)  # a restored snapshot's upper layer already has it
+    flags = _MS_BIND | _MS_NOSUID | _MS_NODEV
+    if (_libc.mount(str(image_root).encode(), str(target).encode(), None, _MS_BIND | _MS_REC, None) != 0
+            or _libc.mount(None, str(target).encode(), None, flags | _MS_REMOUNT | _MS_RDONLY, None) != 0):
+        err = ctypes.get_errno()
+        raise SandboxError(f"read-only bind of the image root on {target} failed: {os.strerror(err)}")
 
 
 def _disk_full(path: str) -> bool:
@@ -299,6 +316,9 @@ class ContainerBackend(Backend):
         user = await asyncio.to_thread(resolve_user, rootfs, image.config.user)
         record.backend_state.update(user=[user.uid, user.gid], home=user.home)
         await asyncio.to_thread(SandboxFS(str(rootfs), shift, shift).makedirs, workdir_of(record))
+        # The image's untouched root for pristine execs, read-only inside the sandbox's root (crun carries
+        # the mount along; from the host's namespace it is a locked mount the sandbox cannot undo).
+        await asyncio.to_thread(_mount_pristine, image.rootfs, rootfs / PRISTINE_DIR.lstrip("/"))
         config = runtime_config(
             sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
             uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
@@ -382,6 +402,7 @@ class ContainerBackend(Backend):
             "capmask": _CAPMASK,
             "nofile": self._nofile,
             "landlock": record.spec.landlock,
+            "pristine": request.pristine,
         })
         events = stream_exec(spawned, request, verdict)
         try:

@@ -612,6 +612,9 @@ class MicroVMBackend(Backend):
         return self._exec_stream(record, request)
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        if request.pristine:
+            raise NotSupported("pristine execs are not available on the microvm backend yet (the guest agent "
+                               "would need to enter the read-only image root itself): use backend='container'")
         client = self._client(record)
         env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
                **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}

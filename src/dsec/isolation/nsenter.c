@@ -7,12 +7,14 @@
  *   fd 3        the status pipe (close-on-exec: it closes when the command starts)
  *   fd 4        a pidfd of the sandbox's init
  *   fd 5        the seccomp program (raw struct sock_filter array), or -1 / absent for none
- *   argv        dsec-nsenter UID GID CAPMASK NOFILE LANDLOCK CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *   argv        dsec-nsenter UID GID CAPMASK NOFILE FLAGS CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine)
  *   envp        the command's environment
  * It moves itself into the sandbox's cgroups, joins the sandbox's user, mount, network,
  * ipc, uts and cgroup namespaces, becomes UID/GID, cuts its bounding set and sets its
  * capabilities to CAPMASK, sets no_new_privs and RLIMIT_NOFILE, confines writes with Landlock
- * when LANDLOCK is 1 (see confine_writes), loads the seccomp program and execs the command. On any failure it writes "error <what>: <why>" to fd 3 and exits
+ * (confine_writes), loads the seccomp program and execs the command; a pristine command first gets a
+ * mount namespace of its own rooted at the image's read-only root (enter_pristine). On any failure it writes "error <what>: <why>" to fd 3 and exits
  * 127 (126 when the command exists but cannot be executed). It holds no secret and talks to
  * nobody: it is a few system calls between two execs.
  */
@@ -30,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -41,6 +44,9 @@
 #define SECCOMP_FD 5
 #define NS_FLAGS (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
 #define CAP_LAST 63
+#define FLAG_LANDLOCK 1
+#define FLAG_PRISTINE 2
+#define PRISTINE_ROOT "/.dsec-pristine" /* the image's root, bind-mounted read-only by the backend */
 #define ACCESS_FS_TRUNCATE (1ULL << 14) /* Landlock ABI 3; newer than some build hosts' headers */
 
 static void fail(const char *what, int err, int code) {
@@ -154,6 +160,68 @@ static void confine_writes(void) {
     close(ruleset);
 }
 
+#define PRISTINE_TOP "/tmp"                /* over-mounted in the command's own mount namespace only */
+#define PRISTINE_MNT PRISTINE_TOP "/root"
+
+static void bind_into(const char *dir) {
+    char target[4096], what[4200];
+    snprintf(target, sizeof target, "%s%s", PRISTINE_MNT, dir);
+    /* Recursive: /proc and /sys carry the masked and read-only submounts, which must come along. */
+    if (mount(dir, target, NULL, MS_BIND | MS_REC, NULL) != 0) {
+        snprintf(what, sizeof what, "pristine: mount %s", dir);
+        fail(what, errno, 127);
+    }
+}
+
+static void mkdirs(char *path) {
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            fail("pristine: create the working directory", errno, 127);
+        *p = '/';
+    }
+    if (mkdir(path, 0755) != 0 && errno != EEXIST)
+        fail("pristine: create the working directory", errno, 127);
+}
+
+/* A grader's command on the image's untouched root: in a private mount namespace (it dies with the
+   command), an overlay whose lower layer is the image's read-only root and whose upper layer is a fresh
+   tmpfs gets the sandbox's /proc, /dev, /sys, a fresh /tmp and the working directory, then becomes the
+   root. Whatever the agent replaced in its own root (/bin/bash, python3, libraries, /etc) is not there;
+   the workspace it produced is; what the grader writes outside the workspace is thrown away. */
+static void enter_pristine(const char *cwd) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+        fail("pristine: private mount namespace", errno, 127);
+    if (mount("tmpfs", PRISTINE_TOP, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=65536k") != 0)
+        fail("pristine: scratch tmpfs on /tmp (the sandbox needs a /tmp directory)", errno, 127);
+    if (mkdir(PRISTINE_TOP "/u", 0755) != 0 || mkdir(PRISTINE_TOP "/w", 0755) != 0 || mkdir(PRISTINE_MNT, 0755) != 0)
+        fail("pristine: scratch directories", errno, 127);
+    if (mount("overlay", PRISTINE_MNT, "overlay", MS_NOSUID | MS_NODEV,
+              "lowerdir=" PRISTINE_ROOT ",upperdir=" PRISTINE_TOP "/u,workdir=" PRISTINE_TOP "/w,userxattr") != 0)
+        fail("pristine: overlay over the image's root", errno, 127);
+    bind_into("/proc");
+    bind_into("/dev");
+    bind_into("/sys");
+    if (mount("tmpfs", PRISTINE_MNT "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k") != 0)
+        fail("pristine: mount /tmp", errno, 127);
+    if (strcmp(cwd, "/") != 0) {
+        char target[4096];
+        struct stat st;
+        if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            snprintf(target, sizeof target, "working directory '%s'", cwd);
+            fail(target, errno ? errno : ENOTDIR, 127);
+        }
+        if (snprintf(target, sizeof target, "%s%s", PRISTINE_MNT, cwd) >= (int)sizeof target)
+            fail("pristine: working directory", ENAMETOOLONG, 127);
+        mkdirs(target);
+        bind_into(cwd);
+    }
+    if (chroot(PRISTINE_MNT) != 0 || chdir("/") != 0)
+        fail("pristine: enter the image's root", errno, 127);
+}
+
 int main(int argc, char **argv, char **envp) {
     if (argc < 9)
         fail("usage", EINVAL, 127);
@@ -161,7 +229,7 @@ int main(int argc, char **argv, char **envp) {
     gid_t gid = (gid_t)parse_u64(argv[2], 10, "gid");
     unsigned long long caps = parse_u64(argv[3], 16, "capability mask");
     rlim_t nofile = (rlim_t)parse_u64(argv[4], 10, "nofile");
-    int landlock = (int)parse_u64(argv[5], 10, "landlock flag");
+    int flags = (int)parse_u64(argv[5], 10, "flags");
     const char *cwd = argv[6];
     int sep = 7;
     while (sep < argc && strcmp(argv[sep], "--") != 0)
@@ -183,6 +251,13 @@ int main(int argc, char **argv, char **envp) {
     if (setns(PIDFD, NS_FLAGS) != 0)
         fail("join sandbox namespaces", errno, 127);
     close(PIDFD);
+    if (flags & FLAG_PRISTINE) {
+        /* As the namespace's root (still every capability in it): host uid 0 has no mapping there, and
+           files it created would be refused (EOVERFLOW). */
+        if (setgroups(0, NULL) != 0 || setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0)
+            fail("pristine: become the namespace's root", errno, 127);
+        enter_pristine(cwd);
+    }
     /* Joining the user namespace reset the bounding set to full: cut it to the sandbox's set. This needs
        CAP_SETPCAP, so it happens before becoming the image's user (which may not be root). */
     for (int cap = 0; cap <= CAP_LAST; cap++)
@@ -213,7 +288,7 @@ int main(int argc, char **argv, char **envp) {
         fail("set capabilities", errno, 127);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
         fail("set no_new_privs", errno, 127);
-    if (landlock)
+    if (flags & FLAG_LANDLOCK)
         confine_writes();
     /* Default dispositions for the command (ignored signals would survive execve). */
     for (int sig = 1; sig < NSIG; sig++)

@@ -258,3 +258,40 @@ async def test_landlock_confines_writes_of_every_command(backend: ContainerBacke
     async with sandbox(backend, debian_python_image, landlock=False) as sb:
         out = await py(backend, sb, _LANDLOCK_PROBE)
         assert out["write_proc_self_comm"] == 0 and out["write_new_top_level_file"] == 0, out
+
+
+# ------------------------------------------------------------------------------------------- pristine
+async def test_pristine_exec_runs_the_images_binaries_on_the_agents_workspace(
+        backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    image_bash = hashlib.sha256((debian_python_image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
+    async with sandbox(backend, debian_python_image) as sb:
+        # the agent subverts the tools a grader would use, and leaves its work in the workspace
+        r = await run(backend, sb, "printf '#!/bin/sh\\necho ALL TESTS PASSED\\n' > /usr/bin/python3.11; "
+                                   "cp /usr/bin/python3.11 /usr/bin/bash; echo 'root::0:0::/:/bin/sh' > /etc/passwd; "
+                                   "echo 'print(6 * 7)' > /workspace/solution.py; echo scratch > /tmp/agent-tmp")
+        assert r.exit_code == 0, r
+        assert (await run(backend, sb, "python3 /workspace/solution.py")).stdout == b"ALL TESTS PASSED\n"
+        r = await run(backend, sb, "python3 solution.py; sha256sum /usr/bin/bash; grep -c '^root:x:' /etc/passwd; "
+                                   "ls /tmp; touch /workspace/from-grader; echo x > /usr/bin/evil",
+                      pristine=True)
+        lines = r.stdout.decode().splitlines()
+        assert lines[0] == "42" and lines[1].split()[0] == image_bash and lines[2] == "1", r
+        assert "agent-tmp" not in r.stdout.decode(), r  # a fresh /tmp
+        # what a pristine command writes outside the workspace is thrown away with it; the image stays untouched
+        r = await run(backend, sb, "ls /usr/bin/evil", pristine=True)
+        assert r.exit_code != 0, r
+        assert not (debian_python_image.rootfs / "usr/bin/evil").exists()
+        # what the grader wrote in the workspace is the sandbox's; the agent's root is as the agent left it
+        r = await run(backend, sb, "ls /workspace/from-grader && cat /usr/bin/bash | head -c 9")
+        assert r.exit_code == 0 and r.stdout.endswith(b"#!/bin/sh"), r
+
+
+async def test_pristine_exec_in_a_directory_the_agent_made(backend: ContainerBackend,
+                                                           debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, "mkdir -p /srv/agent/made && echo mine > /srv/agent/made/f")
+        assert r.exit_code == 0, r
+        r = await run(backend, sb, "cat f; ls /srv/agent", cwd="/srv/agent/made", pristine=True)
+        assert r.exit_code == 0 and r.stdout == b"mine\nmade\n", r
+        with pytest.raises(InvalidRequest, match="/no/such/dir"):
+            await run(backend, sb, "pwd", cwd="/no/such/dir", pristine=True)
