@@ -222,13 +222,19 @@ class SandboxSpec(Model):
     creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must
     not pass through a symbolic link."""
 
-    @field_validator("protected")
+    hidden: list[str] = Field(default_factory=list, max_length=64)
+    """Absolute directories the sandbox cannot see until ``sb.reveal()``: each is covered by an empty
+    read-only mount at creation (created if missing). The files API reads and writes beneath the cover, so
+    a grader can put its tests there; ``reveal()`` removes the covers and leaves the paths read-only.
+    Container backend."""
+
+    @field_validator("protected", "hidden")
     @classmethod
-    def _protected(cls, v: list[str]) -> list[str]:
+    def _paths(cls, v: list[str]) -> list[str]:
         for path in v:
             parts = path.split("/")
             if not path.startswith("/") or path == "/" or "\0" in path or ".." in parts or "." in parts:
-                raise ValueError(f"protected paths must be absolute, normalised and not '/', got {path!r}")
+                raise ValueError(f"protected and hidden paths must be absolute, normalised and not '/', got {path!r}")
         return [p.rstrip("/") for p in v]
 
     @field_validator("workdir")

@@ -343,6 +343,13 @@ class AsyncSandbox:
         """Thaw a paused sandbox."""
         return await self._transition("resume")
 
+    async def reveal(self) -> SandboxInfo:
+        """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
+        grading phase begins (container backend)."""
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/reveal")
+        self._info = SandboxInfo.model_validate(response.json())
+        return self._info
+
     async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
         """Replace the network policy: ``"none"``, ``"allow"`` or an allowlist of ``CIDR[:port]`` and
         domain names (``"pypi.org"``, ``"*.pythonhosted.org:443"``). Takes effect at once, e.g. to cut

@@ -130,6 +130,10 @@ class Backend(abc.ABC):
         """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
         raise NotSupported(f"backend {self.name!r} cannot change network policies")
 
+    async def reveal(self, record: SandboxRecord) -> None:
+        """Make the sandbox's hidden paths (``spec.hidden``) visible, read-only."""
+        raise NotSupported(f"backend {self.name!r} has no hidden paths")
+
     async def snapshot(self, record: SandboxRecord, target: Path) -> None:
         """Write the sandbox's writable state into the empty directory ``target``, consistently (the
         sandbox is frozen while it is read) and leave the sandbox as it was (running or paused)."""

@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import time
@@ -41,7 +42,7 @@ from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.network import DnsProxy, Network, Policy
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
-from dsec.isolation.paths import protect_paths
+from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
@@ -329,6 +330,8 @@ class ContainerBackend(Backend):
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
         await asyncio.to_thread(protect_paths, pid, record.spec.protected)
+        await asyncio.to_thread(cover_paths, pid, record.spec.hidden)
+        record.backend_state["hidden"] = list(record.spec.hidden)  # until reveal()
         if policy.mode != "none":
             await self._connect(record, policy)
 
@@ -411,18 +414,29 @@ class ContainerBackend(Backend):
         finally:
             await events.aclose()  # kills the command now, not whenever the generator is collected
 
-    def _fs(self, record: SandboxRecord) -> SandboxFS:
+    def _fs(self, record: SandboxRecord, path: str = "/") -> SandboxFS:
+        """The files API's view: the sandbox's own root, or for a path beneath a hidden (not yet revealed)
+        directory the host's view of the same overlay, where no cover hides it."""
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-        return SandboxFS(f"/proc/{self._pid(record)}/root", shift, shift)
+        root = f"/proc/{self._pid(record)}/root"
+        norm = posixpath.normpath("/" + path.lstrip("/"))
+        if any(norm == h or norm.startswith(h + "/") for h in record.backend_state.get("hidden", [])):
+            root = str(record.backend_state["rootfs"])
+        return SandboxFS(root, shift, shift)
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        return await asyncio.to_thread(self._fs(record).read, path, max_bytes)
+        return await asyncio.to_thread(self._fs(record, path).read, path, max_bytes)
 
     async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
-        await asyncio.to_thread(self._fs(record).write, path, data, mode)
+        await asyncio.to_thread(self._fs(record, path).write, path, data, mode)
 
     async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(record).list, path)
+        return await asyncio.to_thread(self._fs(record, path).list, path)
+
+    async def reveal(self, record: SandboxRecord) -> None:
+        hidden = list(record.backend_state.get("hidden", []))
+        await asyncio.to_thread(reveal_paths, self._pid(record), hidden)
+        record.backend_state["hidden"] = []
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)

@@ -114,8 +114,9 @@ class FunctionBackend(Backend):
                                  f"every call runs in its own empty network namespace")
         if not record.spec.landlock:
             raise InvalidRequest("landlock=False is not available on the function backend: every call is confined")
-        if record.spec.protected:
-            raise InvalidRequest("protected= is not available on the function backend yet: use backend='container'")
+        if record.spec.protected or record.spec.hidden:
+            raise InvalidRequest("protected= and hidden= are not available on the function backend yet: use "
+                                 "backend='container'")
         apply_image_defaults(record, image)
         base = self._base(record.id)
         shift = image.uid_shift

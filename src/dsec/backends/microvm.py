@@ -387,8 +387,9 @@ class MicroVMBackend(Backend):
     async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
         if self._kernel is None:
             raise BackendUnavailable("microvm backend is not started")
-        if record.spec.protected:
-            raise InvalidRequest("protected= is not available on the microvm backend yet: use backend='container'")
+        if record.spec.protected or record.spec.hidden:
+            raise InvalidRequest("protected= and hidden= are not available on the microvm backend yet: use "
+                                 "backend='container'")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)

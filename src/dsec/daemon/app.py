@@ -243,6 +243,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         """Replace the sandbox's network policy (enforced outside the sandbox, effective at once)."""
         return await engine.set_network(sandbox_id, request.network)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/reveal", tags=["sandboxes"])
+    async def reveal(sandbox_id: str) -> SandboxInfo:
+        """Make the sandbox's hidden paths visible, read-only (for grading)."""
+        return await engine.reveal(sandbox_id)
+
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot", tags=["sandboxes"])
     async def snapshot(sandbox_id: str, seq: Seq = None) -> SnapshotRef:
         """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""

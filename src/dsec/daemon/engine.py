@@ -782,6 +782,13 @@ class Engine:
         self._store.save(record)
         return self._info(record)
 
+    async def reveal(self, sandbox_id: str) -> SandboxInfo:
+        """Make a sandbox's hidden paths visible (read-only), e.g. before grading."""
+        record = self._live(sandbox_id, allow_paused=False)
+        await self._backend(record.spec.backend).reveal(record)
+        self._store.save(record)
+        return self._info(record)
+
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
         """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
         return await self.rollouts.branch(request.name, request.at, request.rerun_missing)

@@ -194,7 +194,7 @@ async def test_protected_path_must_exist_and_not_pass_a_symlink(backend: Contain
 
 @pytest.mark.parametrize("bad", ["relative/path", "/", "/a/../etc", "/a/./b", "/a\0b"])
 def test_protected_spec_is_validated(bad: str) -> None:
-    with pytest.raises(ValidationError, match="protected"):
+    with pytest.raises(ValidationError, match="protected and hidden"):
         SandboxSpec(image="x", protected=[bad])
 
 
@@ -295,3 +295,49 @@ async def test_pristine_exec_in_a_directory_the_agent_made(backend: ContainerBac
         assert r.exit_code == 0 and r.stdout == b"mine\nmade\n", r
         with pytest.raises(InvalidRequest, match="/no/such/dir"):
             await run(backend, sb, "pwd", cwd="/no/such/dir", pristine=True)
+
+
+# ------------------------------------------------------------------------------------------- hidden
+async def test_hidden_paths_are_invisible_until_revealed(backend: ContainerBackend,
+                                                         debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, hidden=["/workspace/tests", "/opt/grader"]) as sb:
+        # the grader puts its tests in through the files API, beneath the cover
+        await backend.write_file(sb, "/workspace/tests/test_secret.py", b"ANSWER = 42\n", None)
+        await backend.write_file(sb, "/opt/grader/key", b"s3cret\n", None)
+        assert await backend.read_file(sb, "/workspace/tests/test_secret.py", 1024) == b"ANSWER = 42\n"
+        assert [e.name for e in await backend.list_files(sb, "/workspace/tests")] == ["test_secret.py"]
+        # the agent looks everywhere it can, and tries to get under the cover
+        r = await run(backend, sb, "ls -A /workspace/tests /opt/grader; grep -rs s3cret /workspace /opt /tmp /root; "
+                                   "find / -path /proc -prune -o -name 'test_secret*' -print 2>/dev/null; echo done",
+                      timeout=120)
+        assert r.stdout.split(b"\n")[-2:] == [b"done", b""] and b"s3cret" not in r.stdout, r
+        assert b"test_secret" not in r.stdout, r
+        out = await py(backend, sb, r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+attempt("write_into", lambda: open("/workspace/tests/planted.py", "w").write("x"))
+attempt("rename_cover", lambda: os.rename("/workspace/tests", "/workspace/t2"))
+attempt("rmdir_cover", lambda: os.rmdir("/opt/grader"))
+out["umount"] = 0 if libc.umount2(b"/workspace/tests", 2) == 0 else ctypes.get_errno()
+print(json.dumps(out))
+""")
+        assert out == {"write_into": errno.EROFS, "rename_cover": errno.EBUSY, "rmdir_cover": errno.EBUSY,
+                       "umount": errno.EPERM}, out
+        # a pristine exec before the reveal does not see them either
+        r = await run(backend, sb, "ls -A tests", pristine=True)
+        assert r.stdout == b"", r
+        await backend.reveal(sb)
+        r = await run(backend, sb, "cat /workspace/tests/test_secret.py /opt/grader/key; echo x >> /opt/grader/key")
+        assert r.stdout == b"ANSWER = 42\ns3cret\n" and b"Read-only file system" in r.stderr, r
+        r = await run(backend, sb, "python3 -c 'import sys; sys.path.insert(0, \"tests\"); import test_secret; "
+                                   "print(test_secret.ANSWER)'", pristine=True)
+        assert r.stdout == b"42\n", r
+        # after the reveal, the files API sees the sandbox's own (read-only) view
+        with pytest.raises(DSecError, match="Read-only file system"):
+            await backend.write_file(sb, "/workspace/tests/late.py", b"", None)
