@@ -25,7 +25,7 @@ VM_DEFENCE = "microvm: the guest's own kernel (the call may succeed there; the h
 
 def _syscall_attack(id: str, description: str, models: str, expr: str,
                     want: Mapping[str, int | tuple[int, ...]] | None = None,
-                    defence: str = "seccomp denylist: EPERM") -> None:
+                    defence: str = "seccomp denylist: EPERM", fresh: bool = False) -> None:
     """Register an attack that makes one call (``expr`` evaluates to 0 or an errno) and expects ``want``."""
 
     async def run(t: Target) -> None:
@@ -37,13 +37,14 @@ def _syscall_attack(id: str, description: str, models: str, expr: str,
 
     run.__qualname__ = run.__name__ = "attack_" + id.replace("-", "_")
     attack(id, description=description, models=models,
-           defence=f"container, function: {defence}; {VM_DEFENCE}")(run)
+           defence=f"container, function: {defence}; {VM_DEFENCE}", fresh=fresh)(run)
 
 
 _syscall_attack("mount-tmpfs", "mount(2) a tmpfs over /mnt", "escape classic: mount family",
                 'lc(libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None))')
 _syscall_attack("umount-proc", "umount2(/proc, MNT_DETACH) to uncover what the masks hide",
-                "escape classic: unmasking /proc", 'lc(libc.umount2(b"/proc", 2))')
+                "escape classic: unmasking /proc", 'lc(libc.umount2(b"/proc", 2))',
+                fresh=True)  # in a VM it succeeds: that guest then has no /proc
 _syscall_attack("pivot-root", "pivot_root(2) to swap the root filesystem", "escape classic: pivot_root",
                 'sc(155, 0, 0)',
                 defence="seccomp denylist: EPERM")
@@ -75,7 +76,7 @@ _syscall_attack("kexec", "kexec_load / kexec_file_load to replace the running ke
 _syscall_attack("open-by-handle", "open_by_handle_at to open host inodes by handle", "Shocker (2014)",
                 "sc(304, -100, 0, 0)")
 _syscall_attack("ptrace-init", "PTRACE_ATTACH to the sandbox's pid 1 to hijack it", "escape classic: ptrace of init",
-                "sc(101, 16, 1, 0, 0)")
+                "sc(101, 16, 1, 0, 0)", fresh=True)  # in a VM it succeeds and stops that guest's init
 _syscall_attack("io-uring", "io_uring_setup to get a ring that bypasses the syscall filter",
                 "seccomp bypass through io_uring", "sc(425, 1, 0)")
 

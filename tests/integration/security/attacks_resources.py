@@ -102,7 +102,7 @@ while n < 60000:
 import shutil
 shutil.rmtree("/workspace/inodes", ignore_errors=True)
 print(json.dumps({"n": n, "err": err}))
-""")
+""", timeout=240)  # 60,000 creates take a minute in an emulated (TCG) VM
     assert res["err"] in (errno.ENOSPC, errno.EDQUOT), f"created {res['n']} files without hitting a limit: {res}"
 
 

@@ -316,9 +316,9 @@ def try_os(fn, *args):
 ``try_os(fn, *args)``, each returning 0 on success or the errno."""
 
 
-async def probe(t: Target, body: str) -> Any:
+async def probe(t: Target, body: str, timeout: float = 60.0) -> Any:
     """Run ``PRELUDE + body`` (which prints one JSON document) in the sandbox; return it decoded."""
-    return await t.py(PRELUDE + body)
+    return await t.py(PRELUDE + body, timeout=timeout)
 
 
 async def guest_kernel_is_own(t: Target) -> None:
