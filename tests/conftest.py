@@ -157,3 +157,37 @@ def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[I
     finally:
         for node in nodes.values():
             node.aclose_sync(unmount=True)
+
+
+# ------------------------------------------------------------------ red-team table (tests/integration/security)
+_REDTEAM_CELLS = pytest.StashKey[dict[tuple[str, str], tuple[str, str]]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Record each red-team attack's outcome per backend (``test_redteam.py``: params arena x attack_id)."""
+    report: pytest.TestReport = yield
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "attack_id" in params and "arena" in params:
+        import redteam
+
+        reason = str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else ""
+        cell = redteam.outcome_of(report.when, report.outcome, reason, xfail=hasattr(report, "wasxfail"))
+        if cell is not None:
+            note = reason or (report.longreprtext.strip().splitlines() or [""])[-1][:300]
+            item.config.stash.setdefault(_REDTEAM_CELLS, {})[(params["attack_id"], params["arena"])] = (cell, note)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    cells = config.stash.get(_REDTEAM_CELLS, {})
+    if not cells:
+        return
+    import redteam
+
+    report = redteam.build_report(cells)
+    path = redteam.report_path(config.rootpath)
+    redteam.write_report(report, path)
+    terminalreporter.section("red-team: attack x backend")
+    terminalreporter.write_line(redteam.format_table(report))
+    terminalreporter.write_line(f"(written to {path})")

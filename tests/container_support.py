@@ -85,7 +85,8 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
     tag = home_tag(home)
     ids = (lambda p: p.name == sandbox_id) if sandbox_id else (lambda p: p.name.startswith("sb-"))
     out = {
-        "mounts": mounts_under(f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}"),
+        "mounts": mounts_under(f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
+        + mounts_under(str(home / "container" / sandbox_id) if sandbox_id else str(home / "container")),
         "cgroups": cgroup_dirs(tag, sandbox_id),
         "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
         "runtime_state": [],

@@ -80,7 +80,7 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 
 
 @main.command()
-@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
+@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token, DSEC_TOKEN or a token file).")
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
 @click.option("--pool", "pools", multiple=True, metavar="IMAGE:BACKEND[:min=N,max=N,...]",
               help="A warm pool (repeatable; also DSEC_POOLS, ';'-separated). Keys: min, max, cpu, memory, disk, "
@@ -106,7 +106,7 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token or DSEC_TOKEN).")
+@click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token, DSEC_TOKEN or a token file).")
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
 def up(tcp: str | None, token: str | None) -> None:
     """Start the node daemon in the background."""
@@ -273,6 +273,61 @@ def _image_row(info: ImageInfo) -> tuple[str, ...]:
     size = f"{info.size_bytes / 1024**2:.1f} MiB"
     made = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created_at))
     return info.name, size, str(info.files), made, info.source
+
+
+@main.group()
+def token() -> None:
+    """Manage the TCP API's tokens (job-scoped or admin, with rate limits); works without a daemon.
+
+    The running daemon re-reads the token file on its next request."""
+
+
+def _tokens() -> Any:
+    from dsec.config import Settings
+    from dsec.daemon.auth import TokenFile
+
+    return TokenFile(Settings().tokens_file)
+
+
+@token.command(name="create")
+@click.argument("name")
+@click.option("--job", help="Scope the token to this job: it sees and controls only the sandboxes it created.")
+@click.option("--admin", is_flag=True, help="An admin token: sees and controls every sandbox.")
+@click.option("--requests-per-s", type=float, help="Rate limit on all requests (429 + Retry-After past it).")
+@click.option("--creates-per-s", type=float, help="Rate limit on sandboxes created (batches count each one).")
+def token_create(name: str, job: str | None, admin: bool, requests_per_s: float | None,
+                 creates_per_s: float | None) -> None:
+    """Create token NAME and print it (only once: the file keeps its sha256)."""
+    from dsec.errors import DSecError
+
+    try:
+        value = _tokens().create(name, job=job, admin=admin, requests_per_s=requests_per_s,
+                                 creates_per_s=creates_per_s)
+    except DSecError as exc:
+        _fail(str(exc))
+    click.echo(value)
+
+
+@token.command(name="ls")
+def token_ls() -> None:
+    """List tokens (names, scopes, limits; never the tokens)."""
+    for e in _tokens().entries():
+        scope = "admin" if e.scope == "admin" else f"job={e.job}"
+        limits = ", ".join(f"{k}={v:g}" for k, v in (("requests/s", e.requests_per_s), ("creates/s", e.creates_per_s))
+                           if v is not None)
+        click.echo(f"{e.name}\t{scope}\t{limits or 'no limits'}")
+
+
+@token.command(name="rm")
+@click.argument("name")
+def token_rm(name: str) -> None:
+    """Revoke token NAME."""
+    from dsec.errors import DSecError
+
+    try:
+        _tokens().remove(name)
+    except DSecError as exc:
+        _fail(str(exc))
 
 
 @main.group()

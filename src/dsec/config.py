@@ -92,6 +92,11 @@ class Settings:
         return self.run_dir / "dsec.sock"
 
     @property
+    def tokens_file(self) -> Path:
+        """The TCP API's token file (job / admin tokens with rate limits): ``$DSEC_TOKENS`` or under the home."""
+        return Path(os.environ.get("DSEC_TOKENS") or self.home / "tokens.json")
+
+    @property
     def pid_file(self) -> Path:
         """Pid of a daemon started by ``dsec up``."""
         return self.run_dir / "dsec.pid"

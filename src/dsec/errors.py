@@ -8,12 +8,14 @@ classes defined here, never an arbitrary import path).
     DSecError
     ├── InvalidRequest (ValueError)        400  malformed body, bad path, bad limit
     ├── Unauthorized (PermissionError)      401  missing or wrong token on TCP
+    ├── Forbidden (PermissionError)         403  the token's scope does not cover the route
     ├── NotFound (LookupError)              404
     │   ├── SandboxNotFound
     │   └── ImageNotFound
     ├── SandboxStateError                   409  e.g. exec on a paused sandbox
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
     ├── QuotaExceeded                       429
+    │   └── RateLimited                     429  the token's rate limit (``retry_after`` seconds)
     ├── ReplayDivergence                    409  trajectory replay saw a different call
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
@@ -36,12 +38,14 @@ __all__ = [
     "CallFailed",
     "ConnectionFailed",
     "DSecError",
+    "Forbidden",
     "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
     "NotFound",
     "NotSupported",
     "QuotaExceeded",
+    "RateLimited",
     "RemoteError",
     "ReplayDivergence",
     "SandboxError",
@@ -81,6 +85,12 @@ class Unauthorized(DSecError, PermissionError):
     status_code = 401
 
 
+class Forbidden(DSecError, PermissionError):
+    """The token is valid but its scope does not allow this route (a job token on an admin route)."""
+
+    status_code = 403
+
+
 class NotFound(DSecError, LookupError):
     """Something named in the request does not exist."""
 
@@ -111,6 +121,16 @@ class QuotaExceeded(DSecError):
     """A per-job or per-node limit refused the request."""
 
     status_code = 429
+
+
+class RateLimited(QuotaExceeded):
+    """The token sent requests (or creates) faster than its limit; retry after ``retry_after`` seconds
+    (also sent as the HTTP ``Retry-After`` header)."""
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds to wait before the request can succeed."""
+        return float(self.detail.get("retry_after", 1.0))
 
 
 class ReplayDivergence(DSecError):

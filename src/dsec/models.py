@@ -52,7 +52,7 @@ __all__ = [
 
 BackendName = Literal["function", "container", "microvm", "vm"]
 SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed"]
-LimitHit = Literal["time", "memory", "output", "pids"]
+LimitHit = Literal["time", "memory", "output", "pids", "disk"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -185,8 +185,9 @@ class SandboxSpec(Model):
     """CPU cores (a CFS quota; fractions allowed)."""
     memory: Size = 1024**3
     """Memory limit in bytes; accepts strings such as ``"1Gi"``."""
-    disk: Size = 4 * 1024**3
-    """Writable-layer size in bytes; accepts strings such as ``"4Gi"``."""
+    disk: Size = Field(4 * 1024**3, ge=1024**2)
+    """Writable-layer size in bytes (at least 1 MiB); accepts strings such as ``"4Gi"``. Past it writes fail
+    with ENOSPC inside the sandbox and the command's result says ``limit="disk"``."""
     pids: int = Field(1024, ge=8, le=1_000_000)
     """Maximum number of processes and threads alive at once."""
     timeout: float = Field(3600.0, gt=0, le=30 * 86400)
@@ -215,6 +216,30 @@ class SandboxSpec(Model):
     rerun_missing: bool = False
     """Recovering a lost trajectory sandbox: re-run the logged calls made after its latest checkpoint
     (default: only report them as ``missing_effects``)."""
+
+    landlock: bool = True
+    """Confine every command's writes with Landlock (container: writable everywhere but ``/proc``, ``/sys``
+    and ``/dev`` beyond its shared-memory, pts and null-like nodes; function: the workspace and ``/tmp`` only,
+    always on). ``False`` turns it off for a container whose tools must write there."""
+    protected: list[str] = Field(default_factory=list, max_length=256)
+    """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
+    creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must
+    not pass through a symbolic link."""
+
+    hidden: list[str] = Field(default_factory=list, max_length=64)
+    """Absolute directories the sandbox cannot see until ``sb.reveal()``: each is covered by an empty
+    read-only mount at creation (created if missing). The files API reads and writes beneath the cover, so
+    a grader can put its tests there; ``reveal()`` removes the covers and leaves the paths read-only.
+    Container backend."""
+
+    @field_validator("protected", "hidden")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        for path in v:
+            parts = path.split("/")
+            if not path.startswith("/") or path == "/" or "\0" in path or ".." in parts or "." in parts:
+                raise ValueError(f"protected and hidden paths must be absolute, normalised and not '/', got {path!r}")
+        return [p.rstrip("/") for p in v]
 
     @field_validator("workdir")
     @classmethod
@@ -266,6 +291,11 @@ class ExecRequest(Model):
     """Bytes fed to the command's standard input (closed afterwards)."""
     max_output: int = Field(16 * 1024 * 1024, ge=0)
     """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
+    pristine: bool = False
+    """Run with the image's original, untouched root (a fresh mount namespace over the read-only image, the
+    working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
+    ``python3`` gets the image's, whatever the agent replaced. Container; on the function backend every call
+    already runs on the read-only image."""
 
     @field_validator("command")
     @classmethod
@@ -309,7 +339,8 @@ class ExecResult(Model):
     signal: int | None = None
     """Signal that killed the command, if any."""
     limit: LimitHit | None = None
-    """Which limit ended the command: ``time``, ``memory``, ``output`` or ``pids``."""
+    """Which limit ended the command: ``time``, ``memory``, ``output``, ``pids`` or ``disk`` (a command that
+    failed while the writable layer was full)."""
     replayed: bool = False
     """Served from the trajectory log without running (fast-forward)."""
     log_truncated: bool = False
@@ -415,6 +446,10 @@ class SandboxStats(Model):
     """Processes killed for exceeding the memory limit."""
     disk_bytes: int = 0
     """Bytes in the sandbox's writable layer."""
+    disk_limit_bytes: int | None = None
+    """Size of the writable layer (``spec.disk``) where the backend enforces it."""
+    disk_full: bool = False
+    """The writable layer is full (blocks or inodes): writes fail with ENOSPC."""
 
 
 class SandboxInfo(Model):

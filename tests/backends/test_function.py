@@ -13,7 +13,7 @@ from container_support import images_dir
 from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
-from dsec.errors import DSecError
+from dsec.errors import DSecError, InvalidRequest
 from dsec.models import SandboxRecord
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
@@ -226,7 +226,16 @@ async def test_bad_workdir_and_network_are_refused(backend: FunctionBackend, deb
     with pytest.raises(DSecError, match="network"):
         async with sandbox(backend, debian_python_image, network="allow"):
             pass
+    # the container's grading layers are refused, not silently ignored
+    for spec, what in (({"protected": ["/etc"]}, "protected="), ({"hidden": ["/opt/t"]}, "hidden="),
+                       ({"landlock": False}, "landlock=False")):
+        with pytest.raises(InvalidRequest, match=what):
+            async with sandbox(backend, debian_python_image, **spec):
+                pass
     async with sandbox(backend, debian_python_image) as sb:
+        # every call already runs on the untouched read-only image: pristine is accepted and changes nothing
+        r = await run(backend, sb, "touch /usr/bin/x 2>&1; echo ok", pristine=True)
+        assert r.stdout.endswith(b"ok\n") and b"Read-only" in r.stdout, r
         with pytest.raises(DSecError, match="working directory"):
             await run(backend, sb, "pwd", cwd="/no/such/dir")
         r = await run(backend, sb, ["/no/such/binary"])

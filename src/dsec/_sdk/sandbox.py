@@ -73,13 +73,14 @@ def _invalid(exc: pydantic.ValidationError, what: str) -> InvalidRequest:
 
 def _exec_request(
     command: str | Sequence[str], timeout: float | None, cwd: str | None, env: Mapping[str, str] | None,
-    stdin: str | bytes | None, max_output: int,
+    stdin: str | bytes | None, max_output: int, pristine: bool = False,
 ) -> ExecRequest:
     try:
         return ExecRequest(
             command=command if isinstance(command, str) else builtins.list(command),
             timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
             stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
+            pristine=pristine,
         )
     except pydantic.ValidationError as exc:
         raise _invalid(exc, "exec request") from None
@@ -374,6 +375,13 @@ class AsyncSandbox:
         """Thaw a paused sandbox."""
         return await self._transition("resume")
 
+    async def reveal(self) -> SandboxInfo:
+        """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
+        grading phase begins (container backend)."""
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/reveal")
+        self._info = SandboxInfo.model_validate(response.json())
+        return self._info
+
     async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
         """Replace the network policy: ``"none"``, ``"allow"`` or an allowlist of ``CIDR[:port]`` and
         domain names (``"pypi.org"``, ``"*.pythonhosted.org:443"``). Takes effect at once, e.g. to cut
@@ -511,9 +519,13 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False,
     ) -> ExecResult:
-        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list."""
-        request = _exec_request(command, timeout, cwd, env, stdin, max_output)
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list.
+
+        ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
+        (for graders: the agent cannot have replaced the binaries it uses)."""
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
         params: dict[str, Any] = {}
         hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
         if hit:
@@ -528,7 +540,8 @@ class AsyncSandbox:
             # The daemon answers a divergence before running anything: the call can move to a branch.
             if not await self._branch(exc):
                 raise
-            return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output)
+            return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
+                                   pristine=pristine)
         try:
             return ExecResult.model_validate_json(response.content)
         except pydantic.ValidationError as exc:
@@ -543,12 +556,13 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False,
     ) -> AsyncGenerator[ExecEvent, None]:
         """Run a command and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit`` event.
 
         Leaving the loop early closes the stream, and the daemon kills the command.
         """
-        request = _exec_request(command, timeout, cwd, env, stdin, max_output)
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
         params: dict[str, Any] = {}
         hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
         if hit:

@@ -140,6 +140,10 @@ class Backend(abc.ABC):
     """True when :meth:`snapshot` writes only what changed over the layers the sandbox was restored from
     (the engine stacks the new layer over them); False when a snapshot is whole (a VM's state)."""
 
+    async def reveal(self, record: SandboxRecord) -> None:
+        """Make the sandbox's hidden paths (``spec.hidden``) visible, read-only."""
+        raise NotSupported(f"backend {self.name!r} has no hidden paths")
+
     async def snapshot(self, record: SandboxRecord, target: Path) -> None:
         """Write the sandbox's writable state into the empty directory ``target``, consistently (the
         sandbox is frozen while it is read) and leave the sandbox as it was (running or paused)."""

@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import time
@@ -41,6 +42,7 @@ from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.network import DnsProxy, Network, Policy
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
+from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
@@ -49,8 +51,12 @@ __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
+_MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_REMOUNT = 32
+_MS_BIND = 4096
+_MS_REC = 16384
 _PR_SET_CHILD_SUBREAPER = 36
 # The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
@@ -70,6 +76,38 @@ def _mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) ->
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"overlay mount on {target} failed: {os.strerror(err)}")
+
+
+def _mount_disk(target: Path, size: int) -> None:
+    """The sandbox's writable layer: a tmpfs of ``size`` bytes (and a proportional inode count, against
+    inode bombs). Past it the sandbox gets ENOSPC; the host's disks never see its writes."""
+    inodes = max(16384, size // 16384)
+    opts = f"size={size},nr_inodes={inodes},mode=0700"
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")
+
+
+PRISTINE_DIR = "/.dsec-pristine"
+"""Where a sandbox sees its image's original root (read-only); ``dsec-nsenter`` roots pristine execs there."""
+
+
+def _mount_pristine(image_root: Path, target: Path) -> None:
+    target.mkdir(mode=0o555, exist_ok=True)  # a restored snapshot's upper layer already has it
+    flags = _MS_BIND | _MS_NOSUID | _MS_NODEV
+    if (_libc.mount(str(image_root).encode(), str(target).encode(), None, _MS_BIND | _MS_REC, None) != 0
+            or _libc.mount(None, str(target).encode(), None, flags | _MS_REMOUNT | _MS_RDONLY, None) != 0):
+        err = ctypes.get_errno()
+        raise SandboxError(f"read-only bind of the image root on {target} failed: {os.strerror(err)}")
+
+
+def _disk_full(path: str) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    # "Full" a little before the last block: a write that fails with ENOSPC can leave a few blocks free.
+    return st.f_bavail * st.f_frsize < 64 * 1024 or st.f_favail == 0
 
 
 def _umount(target: Path) -> None:
@@ -257,17 +295,21 @@ class ContainerBackend(Backend):
         policy = Policy.parse(record.spec.network)
         apply_image_defaults(record, image)
         bundle = self._bundle(record.id)
-        rootfs, upper, work = self.mounts / record.id, bundle / "upper", bundle / "work"
+        disk = bundle / "disk"
+        rootfs, upper, work = self.mounts / record.id, disk / "upper", disk / "work"
         shift = image.uid_shift
         record.backend_state = {
-            "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "uid_shift": shift,
+            "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "disk": str(disk), "uid_shift": shift,
             "cgroups_path": f"/{self.cgroup_parent}/{record.id}",
             # The image's environment (PATH of a Python or Node image...) under the spec's and the call's.
             "image_env": dict(image.config.env),
         }
         bundle.mkdir(mode=0o700)
-        for d in (rootfs, upper, work):
-            d.mkdir()
+        disk.mkdir()
+        rootfs.mkdir()
+        await asyncio.to_thread(_mount_disk, disk, record.spec.disk)
+        upper.mkdir()
+        work.mkdir()
         os.chown(upper, shift, shift)
         # Cgroups, root mount, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
         # and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
@@ -277,6 +319,9 @@ class ContainerBackend(Backend):
                                 record.id, log=bundle / "runtime.log", cgroups=cgroups)
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
+        await asyncio.to_thread(protect_paths, pid, record.spec.protected)
+        await asyncio.to_thread(cover_paths, pid, record.spec.hidden)
+        record.backend_state["hidden"] = list(record.spec.hidden)  # until reveal()
         if policy.mode != "none":
             await self._connect(record, policy)
 
@@ -294,6 +339,9 @@ class ContainerBackend(Backend):
         record.backend_state.update(user=[user.uid, user.gid], home=user.home)
         shift = image.uid_shift
         SandboxFS(str(rootfs), shift, shift).makedirs(workdir_of(record))
+        # The image's untouched root for pristine execs, read-only inside the sandbox's root (crun carries
+        # the mount along; from the host's namespace it is a locked mount the sandbox cannot undo).
+        _mount_pristine(image.rootfs, rootfs / PRISTINE_DIR.lstrip("/"))
         config = runtime_config(
             sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
             uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
@@ -349,12 +397,15 @@ class ContainerBackend(Backend):
                **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+        disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
             if sig == 9 and cgroups.oom_kills() > before[0]:
                 return "memory"
             if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
                 return "pids"
+            if exit_code != 0 and disk and _disk_full(disk):
+                return "disk"
             return None
 
         spawned = self._helper.spawn({
@@ -367,6 +418,8 @@ class ContainerBackend(Backend):
             "gid": int(gid),
             "capmask": _CAPMASK,
             "nofile": self._nofile,
+            "landlock": record.spec.landlock,
+            "pristine": request.pristine,
         })
         events = stream_exec(spawned, request, verdict)
         self._cpu_busy(record, cgroups, +1)
@@ -391,26 +444,42 @@ class ContainerBackend(Backend):
             with contextlib.suppress(OSError):
                 cgroups.set_cpu_class(busy=running > 0)
 
-    def _fs(self, record: SandboxRecord) -> SandboxFS:
+    def _fs(self, record: SandboxRecord, path: str = "/") -> SandboxFS:
+        """The files API's view: the sandbox's own root, or for a path beneath a hidden (not yet revealed)
+        directory the host's view of the same overlay, where no cover hides it."""
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-        return SandboxFS(f"/proc/{self._pid(record)}/root", shift, shift)
+        root = f"/proc/{self._pid(record)}/root"
+        norm = posixpath.normpath("/" + path.lstrip("/"))
+        if any(norm == h or norm.startswith(h + "/") for h in record.backend_state.get("hidden", [])):
+            root = str(record.backend_state["rootfs"])
+        return SandboxFS(root, shift, shift)
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        return await asyncio.to_thread(self._fs(record).read, path, max_bytes)
+        return await asyncio.to_thread(self._fs(record, path).read, path, max_bytes)
 
     async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
-        await asyncio.to_thread(self._fs(record).write, path, data, mode)
+        await asyncio.to_thread(self._fs(record, path).write, path, data, mode)
 
     async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(record).list, path)
+        return await asyncio.to_thread(self._fs(record, path).list, path)
+
+    async def reveal(self, record: SandboxRecord) -> None:
+        hidden = list(record.backend_state.get("hidden", []))
+        await asyncio.to_thread(reveal_paths, self._pid(record), hidden)
+        record.backend_state["hidden"] = []
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)
-        upper = record.backend_state.get("upper")
-        disk = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+        upper, disk = record.backend_state.get("upper"), record.backend_state.get("disk")
+        if disk:  # the writable layer is its own tmpfs: the kernel counts it
+            st = await asyncio.to_thread(os.statvfs, disk)
+            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, _disk_full(disk)
+        else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
+            used = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+            limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
-                            disk_bytes=disk)
+                            disk_bytes=used, disk_limit_bytes=limit, disk_full=full)
 
     async def pause(self, record: SandboxRecord) -> None:
         self._pid(record)
@@ -451,6 +520,7 @@ class ContainerBackend(Backend):
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
         bundle = self._bundle(sandbox_id)
+        _umount(bundle / "disk")
         shutil.rmtree(bundle, True)
         if bundle.exists() or rootfs.exists():
             raise SandboxError(f"could not remove {bundle} or {rootfs} (still mounted?)")

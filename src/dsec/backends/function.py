@@ -112,6 +112,11 @@ class FunctionBackend(Backend):
         if record.spec.network != "none":
             raise InvalidRequest(f"network={record.spec.network!r} is not available on the function backend: "
                                  f"every call runs in its own empty network namespace")
+        if not record.spec.landlock:
+            raise InvalidRequest("landlock=False is not available on the function backend: every call is confined")
+        if record.spec.protected or record.spec.hidden:
+            raise InvalidRequest("protected= and hidden= are not available on the function backend yet: use "
+                                 "backend='container'")
         apply_image_defaults(record, image)
         base = self._base(record.id)
         shift = image.uid_shift

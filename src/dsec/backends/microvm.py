@@ -387,6 +387,9 @@ class MicroVMBackend(Backend):
     async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
         if self._kernel is None:
             raise BackendUnavailable("microvm backend is not started")
+        if record.spec.protected or record.spec.hidden:
+            raise InvalidRequest("protected= and hidden= are not available on the microvm backend yet: use "
+                                 "backend='container'")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
@@ -610,6 +613,9 @@ class MicroVMBackend(Backend):
         return self._exec_stream(record, request)
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        if request.pristine:
+            raise NotSupported("pristine execs are not available on the microvm backend yet (the guest agent "
+                               "would need to enter the read-only image root itself): use backend='container'")
         client = self._client(record)
         env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
                **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsec.daemon.auth import AuthGuard, TokenFile
 from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
 from dsec.daemon.metrics import CONTENT_TYPE
-from dsec.errors import DSecError, InvalidRequest, SandboxError, Unauthorized
+from dsec.errors import DSecError, InvalidRequest, SandboxError
 from dsec.models import (
     BatchCreateRequest,
     CallRequest,
@@ -60,8 +59,9 @@ _ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorPayload"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     for code, desc in [
-        (400, "InvalidRequest"), (401, "Unauthorized"), (404, "SandboxNotFound / ImageNotFound"),
-        (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (501, "NotSupported"),
+        (400, "InvalidRequest"), (401, "Unauthorized"), (403, "Forbidden"), (404, "SandboxNotFound / ImageNotFound"),
+        (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (429, "RateLimited / QuotaExceeded"),
+        (501, "NotSupported"),
         (503, "BackendUnavailable"),
     ]
 }
@@ -80,28 +80,6 @@ def _validation_message(exc: RequestValidationError) -> str:
         else:
             parts.append(f"{loc}: {error.get('msg')}")
     return "invalid request: " + "; ".join(parts)
-
-
-class _TokenGuard:
-    """Bearer-token check as pure ASGI middleware.
-
-    Not BaseHTTPMiddleware: it wraps streamed responses and breaks client-disconnect handling.
-    """
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        err = Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
-        await _error_response(err)(scope, receive, send)
 
 
 async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
@@ -177,8 +155,10 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES) -> FastAPI:
-    """The node's FastAPI app over ``engine``; with ``token``, every route but ``GET /v1/health`` needs it."""
+def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
+               tokens: TokenFile | None = None) -> FastAPI:
+    """The node's FastAPI app over ``engine``; with ``token`` (admin) or ``tokens`` (the token file), every
+    route but ``GET /v1/health`` needs a token (see :mod:`dsec.daemon.auth` for scopes and rate limits)."""
     app = FastAPI(
         title="DSec node API",
         version=dsec_version(),
@@ -321,6 +301,11 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         """Replace the sandbox's network policy (enforced outside the sandbox, effective at once)."""
         return await engine.set_network(sandbox_id, request.network)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/reveal", tags=["sandboxes"])
+    async def reveal(sandbox_id: str) -> SandboxInfo:
+        """Make the sandbox's hidden paths visible, read-only (for grading)."""
+        return await engine.reveal(sandbox_id)
+
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot", tags=["sandboxes"])
     async def snapshot(sandbox_id: str, seq: Seq = None) -> SnapshotRef:
         """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""
@@ -376,8 +361,8 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     _add_error_schema(app)
-    if token is not None:
-        app.add_middleware(_TokenGuard, token=token)
+    if token is not None or tokens is not None:
+        app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
     return app
 
 

@@ -356,6 +356,11 @@ class Engine:
             raise BackendUnavailable(f"backend {name!r} is not available: {reason}", backend=name)
         return backend
 
+    async def owner_labels(self, sandbox_id: str) -> dict[str, str] | None:
+        """The labels of a live sandbox (the token guard reads the job that owns it), None if there is none."""
+        record = self._records.get(sandbox_id)
+        return None if record is None else dict(record.spec.labels)
+
     def _lookup(self, sandbox_id: str) -> SandboxRecord:
         record = self._records.get(sandbox_id)
         if record is not None:
@@ -926,6 +931,13 @@ class Engine:
         record = self._live(sandbox_id, allow_paused=True)
         await self._backend(record.spec.backend).set_network(record, network)
         record.spec = record.spec.model_copy(update={"network": network})
+        self._store.save(record)
+        return self._info(record)
+
+    async def reveal(self, sandbox_id: str) -> SandboxInfo:
+        """Make a sandbox's hidden paths visible (read-only), e.g. before grading."""
+        record = self._live(sandbox_id, allow_paused=False)
+        await self._backend(record.spec.backend).reveal(record)
         self._store.save(record)
         return self._info(record)
 

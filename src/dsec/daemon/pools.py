@@ -43,8 +43,9 @@ def pool_key(image: str, backend: str, cpu: float, memory: int, disk: int, pids:
 
 
 def key_of_spec(spec: SandboxSpec) -> str | None:
-    """The pool shape of ``spec``, or None when it can never come from a pool (trajectory, snapshot)."""
-    if spec.trajectory is not None or spec.snapshot is not None or not spec.image:
+    """The pool shape of ``spec``, or None when it can never come from a pool (trajectory, snapshot, or
+    protected/hidden paths, which are mounted when the sandbox is made)."""
+    if spec.trajectory is not None or spec.snapshot is not None or not spec.image or spec.protected or spec.hidden:
         return None
     return pool_key(spec.image, spec.backend, spec.cpu, spec.memory, spec.disk, spec.pids, spec.workdir)
 

@@ -31,6 +31,7 @@ import uvicorn
 
 from dsec.config import Settings
 from dsec.daemon.app import create_app
+from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 
 __all__ = ["Daemon", "ServeError", "daemon_answers", "down", "serve", "up"]
@@ -119,8 +120,7 @@ class Daemon:
         token: str | None = None,
         engine: Engine | None = None,
     ) -> None:
-        if tcp is not None and not token:
-            raise ServeError("refusing to serve on TCP without a token: pass --token or set DSEC_TOKEN")
+        _check_tcp_auth(settings, tcp, token)
         self.settings = settings
         self.tcp = _parse_tcp(tcp) if tcp is not None else None
         self.token = token
@@ -197,7 +197,7 @@ class Daemon:
     async def _serve(self, engine: Engine, sockets: list[socket.socket]) -> None:
         apps = [create_app(engine, None)]
         if self.tcp is not None:
-            apps.append(create_app(engine, self.token))
+            apps.append(create_app(engine, self.token, tokens=TokenFile(self.settings.tokens_file)))
         for app in apps:
             config = uvicorn.Config(
                 app, loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
@@ -294,14 +294,19 @@ def _log_tail(settings: Settings, lines: int = 20) -> str:
         return "(no log)"
 
 
+def _check_tcp_auth(settings: Settings, tcp: str | None, token: str | None) -> None:
+    if tcp is not None and not token and not TokenFile(settings.tokens_file).entries():
+        raise ServeError("refusing to serve on TCP without a token: pass --token, set DSEC_TOKEN or create "
+                         f"tokens with `dsec token create` (token file {settings.tokens_file})")
+
+
 def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0) -> int:
     """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
 
     The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token
     travels in the environment, never on the command line (where ``ps`` would show it).
     """
-    if tcp is not None and not token:
-        raise ServeError("refusing to serve on TCP without a token: pass --token or set DSEC_TOKEN")
+    _check_tcp_auth(settings, tcp, token)
     if daemon_answers(settings):
         pid = _read_pid(settings)
         raise ServeError(f"a DSec daemon already answers on {settings.socket_path} (pid {pid})")

@@ -7,20 +7,24 @@
  *   fd 3        the status pipe (close-on-exec: it closes when the command starts)
  *   fd 4        a pidfd of the sandbox's init
  *   fd 5        the seccomp program (raw struct sock_filter array), or -1 / absent for none
- *   argv        dsec-nsenter UID GID CAPMASK NOFILE CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *   argv        dsec-nsenter UID GID CAPMASK NOFILE FLAGS CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine)
  *   envp        the command's environment
  * It moves itself into the sandbox's cgroups, joins the sandbox's user, mount, network,
  * ipc, uts and cgroup namespaces, becomes UID/GID, cuts its bounding set and sets its
- * capabilities to CAPMASK, sets no_new_privs and RLIMIT_NOFILE, loads the seccomp program
- * and execs the command. On any failure it writes "error <what>: <why>" to fd 3 and exits
+ * capabilities to CAPMASK, sets no_new_privs and RLIMIT_NOFILE, confines writes with Landlock
+ * (confine_writes), loads the seccomp program and execs the command; a pristine command first gets a
+ * mount namespace of its own rooted at the image's read-only root (enter_pristine). On any failure it writes "error <what>: <why>" to fd 3 and exits
  * 127 (126 when the command exists but cannot be executed). It holds no secret and talks to
  * nobody: it is a few system calls between two execs.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <dirent.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <linux/landlock.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sched.h>
@@ -28,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -39,6 +44,10 @@
 #define SECCOMP_FD 5
 #define NS_FLAGS (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
 #define CAP_LAST 63
+#define FLAG_LANDLOCK 1
+#define FLAG_PRISTINE 2
+#define PRISTINE_ROOT "/.dsec-pristine" /* the image's root, bind-mounted read-only by the backend */
+#define ACCESS_FS_TRUNCATE (1ULL << 14) /* Landlock ABI 3; newer than some build hosts' headers */
 
 static void fail(const char *what, int err, int code) {
     char buf[512];
@@ -83,15 +92,146 @@ static void load_seccomp(void) {
         fail("load seccomp program", errno, 127);
 }
 
+static int add_rule(int ruleset, const char *path, int flags, __u64 access) {
+    int fd = open(path, O_PATH | O_CLOEXEC | flags);
+    if (fd < 0)
+        return errno == ENOENT || errno == ENOTDIR || errno == ELOOP ? 0 : -1; /* absent, or not a dir */
+    struct landlock_path_beneath_attr rule = {.allowed_access = access, .parent_fd = fd};
+    int rc = (int)syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0);
+    close(fd);
+    return rc;
+}
+
+/* Writing and truncating files is allowed beneath every top-level directory of the sandbox's root but
+   /proc, /sys and /dev, to its top-level regular files, and in /dev only to the shared-memory, mqueue and
+   pts directories and the harmless character devices: a /proc or /sys file that a masked or read-only
+   mount failed to cover (or a new kernel file) is never writable, whatever root tries. Creating, removing,
+   renaming and linking entries is allowed everywhere (procfs and sysfs refuse it themselves), device nodes
+   never. Landlock grants rights beneath a directory, so the rules are computed per command from the
+   top-level entries: a file a command creates directly in / (or in a top-level directory it created) is
+   writable from the next command on. Reads and executes are not handled: the mounts decide them.
+   Landlock also stops a command from ptracing or opening /proc/1/{mem,ns,...} of the (unconfined) init.
+   Without Landlock in the kernel this is a no-op (`dsec doctor` reports it). */
+static void confine_writes(void) {
+    int abi = (int)syscall(SYS_landlock_create_ruleset, NULL, 0, LANDLOCK_CREATE_RULESET_VERSION);
+    if (abi < 1)
+        return;
+    __u64 file_access = LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? ACCESS_FS_TRUNCATE : 0);
+    __u64 entry_access = LANDLOCK_ACCESS_FS_REMOVE_DIR | LANDLOCK_ACCESS_FS_REMOVE_FILE |
+                         LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG | LANDLOCK_ACCESS_FS_MAKE_SOCK |
+                         LANDLOCK_ACCESS_FS_MAKE_FIFO | LANDLOCK_ACCESS_FS_MAKE_SYM |
+                         (abi >= 2 ? LANDLOCK_ACCESS_FS_REFER : 0);
+    __u64 dir_access = file_access | entry_access;
+    struct landlock_ruleset_attr attr = {
+        .handled_access_fs = dir_access | LANDLOCK_ACCESS_FS_MAKE_CHAR | LANDLOCK_ACCESS_FS_MAKE_BLOCK};
+    int ruleset = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr.handled_access_fs, 0);
+    if (ruleset < 0)
+        fail("landlock ruleset", errno, 127);
+    if (add_rule(ruleset, "/", O_DIRECTORY, entry_access) != 0)
+        fail("landlock rule", errno, 127);
+    DIR *root = opendir("/");
+    if (!root)
+        fail("list / for landlock", errno, 127);
+    struct dirent *e;
+    char path[300];
+    while ((e = readdir(root)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, "proc") ||
+            !strcmp(e->d_name, "sys") || !strcmp(e->d_name, "dev"))
+            continue;
+        snprintf(path, sizeof path, "/%s", e->d_name);
+        /* Symlinks (bin -> usr/bin) are skipped: their targets are covered by their own top-level entry. */
+        if (e->d_type == DT_DIR && add_rule(ruleset, path, O_DIRECTORY | O_NOFOLLOW, dir_access) != 0)
+            fail("landlock rule", errno, 127);
+        if (e->d_type == DT_REG && add_rule(ruleset, path, O_NOFOLLOW, file_access) != 0)
+            fail("landlock rule", errno, 127);
+    }
+    closedir(root);
+    static const char *dev_dirs[] = {"/dev/shm", "/dev/mqueue", "/dev/pts"};
+    static const char *dev_files[] = {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom",
+                                      "/dev/tty", "/dev/ptmx"};
+    for (size_t i = 0; i < sizeof dev_dirs / sizeof *dev_dirs; i++)
+        if (add_rule(ruleset, dev_dirs[i], O_DIRECTORY | O_NOFOLLOW, dir_access) != 0)
+            fail("landlock rule", errno, 127);
+    for (size_t i = 0; i < sizeof dev_files / sizeof *dev_files; i++)
+        if (add_rule(ruleset, dev_files[i], O_NOFOLLOW, file_access) != 0)
+            fail("landlock rule", errno, 127);
+    if (syscall(SYS_landlock_restrict_self, ruleset, 0) != 0)
+        fail("landlock restrict", errno, 127);
+    close(ruleset);
+}
+
+#define PRISTINE_TOP "/tmp"                /* over-mounted in the command's own mount namespace only */
+#define PRISTINE_MNT PRISTINE_TOP "/root"
+
+static void bind_into(const char *dir) {
+    char target[4096], what[4200];
+    snprintf(target, sizeof target, "%s%s", PRISTINE_MNT, dir);
+    /* Recursive: /proc and /sys carry the masked and read-only submounts, which must come along. */
+    if (mount(dir, target, NULL, MS_BIND | MS_REC, NULL) != 0) {
+        snprintf(what, sizeof what, "pristine: mount %s", dir);
+        fail(what, errno, 127);
+    }
+}
+
+static void mkdirs(char *path) {
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            fail("pristine: create the working directory", errno, 127);
+        *p = '/';
+    }
+    if (mkdir(path, 0755) != 0 && errno != EEXIST)
+        fail("pristine: create the working directory", errno, 127);
+}
+
+/* A grader's command on the image's untouched root: in a private mount namespace (it dies with the
+   command), an overlay whose lower layer is the image's read-only root and whose upper layer is a fresh
+   tmpfs gets the sandbox's /proc, /dev, /sys, a fresh /tmp and the working directory, then becomes the
+   root. Whatever the agent replaced in its own root (/bin/bash, python3, libraries, /etc) is not there;
+   the workspace it produced is; what the grader writes outside the workspace is thrown away. */
+static void enter_pristine(const char *cwd) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+        fail("pristine: private mount namespace", errno, 127);
+    if (mount("tmpfs", PRISTINE_TOP, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=65536k") != 0)
+        fail("pristine: scratch tmpfs on /tmp (the sandbox needs a /tmp directory)", errno, 127);
+    if (mkdir(PRISTINE_TOP "/u", 0755) != 0 || mkdir(PRISTINE_TOP "/w", 0755) != 0 || mkdir(PRISTINE_MNT, 0755) != 0)
+        fail("pristine: scratch directories", errno, 127);
+    if (mount("overlay", PRISTINE_MNT, "overlay", MS_NOSUID | MS_NODEV,
+              "lowerdir=" PRISTINE_ROOT ",upperdir=" PRISTINE_TOP "/u,workdir=" PRISTINE_TOP "/w,userxattr") != 0)
+        fail("pristine: overlay over the image's root", errno, 127);
+    bind_into("/proc");
+    bind_into("/dev");
+    bind_into("/sys");
+    if (mount("tmpfs", PRISTINE_MNT "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k") != 0)
+        fail("pristine: mount /tmp", errno, 127);
+    if (strcmp(cwd, "/") != 0) {
+        char target[4096];
+        struct stat st;
+        if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            snprintf(target, sizeof target, "working directory '%s'", cwd);
+            fail(target, errno ? errno : ENOTDIR, 127);
+        }
+        if (snprintf(target, sizeof target, "%s%s", PRISTINE_MNT, cwd) >= (int)sizeof target)
+            fail("pristine: working directory", ENAMETOOLONG, 127);
+        mkdirs(target);
+        bind_into(cwd);
+    }
+    if (chroot(PRISTINE_MNT) != 0 || chdir("/") != 0)
+        fail("pristine: enter the image's root", errno, 127);
+}
+
 int main(int argc, char **argv, char **envp) {
-    if (argc < 8)
+    if (argc < 9)
         fail("usage", EINVAL, 127);
     uid_t uid = (uid_t)parse_u64(argv[1], 10, "uid");
     gid_t gid = (gid_t)parse_u64(argv[2], 10, "gid");
     unsigned long long caps = parse_u64(argv[3], 16, "capability mask");
     rlim_t nofile = (rlim_t)parse_u64(argv[4], 10, "nofile");
-    const char *cwd = argv[5];
-    int sep = 6;
+    int flags = (int)parse_u64(argv[5], 10, "flags");
+    const char *cwd = argv[6];
+    int sep = 7;
     while (sep < argc && strcmp(argv[sep], "--") != 0)
         sep++;
     if (sep + 1 >= argc)
@@ -107,10 +247,17 @@ int main(int argc, char **argv, char **envp) {
     if (oom < 0 || write(oom, "500", 3) != 3)
         fail("set oom_score_adj", errno, 127);
     close(oom);
-    join_cgroups(&argv[6], sep - 6);
+    join_cgroups(&argv[7], sep - 7);
     if (setns(PIDFD, NS_FLAGS) != 0)
         fail("join sandbox namespaces", errno, 127);
     close(PIDFD);
+    if (flags & FLAG_PRISTINE) {
+        /* As the namespace's root (still every capability in it): host uid 0 has no mapping there, and
+           files it created would be refused (EOVERFLOW). */
+        if (setgroups(0, NULL) != 0 || setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0)
+            fail("pristine: become the namespace's root", errno, 127);
+        enter_pristine(cwd);
+    }
     /* Joining the user namespace reset the bounding set to full: cut it to the sandbox's set. This needs
        CAP_SETPCAP, so it happens before becoming the image's user (which may not be root). */
     for (int cap = 0; cap <= CAP_LAST; cap++)
@@ -141,6 +288,8 @@ int main(int argc, char **argv, char **envp) {
         fail("set capabilities", errno, 127);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
         fail("set no_new_privs", errno, 127);
+    if (flags & FLAG_LANDLOCK)
+        confine_writes();
     /* Default dispositions for the command (ignored signals would survive execve). */
     for (int sig = 1; sig < NSIG; sig++)
         signal(sig, SIG_DFL);

@@ -92,8 +92,9 @@ class Helper:
             sources = [*fds, target] + ([self.bpf_fd] if self.bpf_fd >= 0 else [])
             parked = [_park(fd) for fd in sources]
             actions = [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(parked)]
+            flags = int(req.get("landlock", True)) | int(req.get("pristine", False)) << 1  # see nsenter.c
             argv = [self.nsenter, str(req["uid"]), str(req["gid"]), f"{req['capmask']:x}", str(req["nofile"]),
-                    req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
+                    str(flags), req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
             _sys(_libc.syscall(_SYS_SETNS, target, _CLONE_NEWPID), "join sandbox pid namespace")
             try:
                 pid = os.posix_spawn(self.nsenter, argv, req["env"], file_actions=actions, setsid=True,

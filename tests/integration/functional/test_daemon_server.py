@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+import dsec
 from container_support import short_home
 from dsec.config import Settings
+from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import Daemon, ServeError, daemon_answers, down, up
 from dsec.testing.fake import FakeBackend, FakeImages
@@ -192,3 +194,106 @@ def test_up_reports_early_death_with_the_log(home: Path, monkeypatch: pytest.Mon
     assert "exited with status 1" in str(err.value)
     assert not settings.pid_file.exists()
     assert not os.path.exists(settings.socket_path)
+
+
+# ------------------------------------------------------------------------------ token scopes and rate limits
+def _tcp(running: Running) -> str:
+    assert running.daemon.tcp_address is not None
+    host, port = running.daemon.tcp_address
+    return f"http://{host}:{port}"
+
+
+def test_job_tokens_see_only_their_own_sandboxes(home: Path) -> None:
+    settings = Settings(home=home)
+    tokens = TokenFile(settings.tokens_file)
+    job_a, job_b = tokens.create("a", job="job-a"), tokens.create("b", job="job-b")
+    assert stat.S_IMODE(settings.tokens_file.stat().st_mode) == 0o600
+    assert job_a not in settings.tokens_file.read_text()  # only digests are stored
+    with Running(settings, tcp="127.0.0.1:0", token="admin-t0k") as running:
+        url = _tcp(running)
+        with dsec.Client(url, job_a) as ca, dsec.Client(url, job_b) as cb, dsec.Client(url, "admin-t0k") as admin:
+            a = dsec.Sandbox.create(image="base", labels={"dsec.job": "job-b", "k": "v"}, client=ca)
+            b = dsec.Sandbox.create(image="base", client=cb)
+            mine = dsec.Sandbox.create(image="base", client=admin)
+            # the job label is the token's, whatever the body claimed
+            assert a.info().labels == {"dsec.job": "job-a", "k": "v"}
+            assert [s.id for s in dsec.Sandbox.list(client=ca)] == [a.id]
+            assert [s.id for s in dsec.Sandbox.list(client=cb)] == [b.id]
+            assert [s.id for s in dsec.Sandbox.list(labels={"dsec.job": "job-b"}, client=ca)] == [a.id]
+            assert {s.id for s in dsec.Sandbox.list(client=admin)} == {a.id, b.id, mine.id}
+            # another job's sandbox answers exactly like a missing one, on every route
+            for other in (b.id, mine.id, "sb-doesnotexist"):
+                with pytest.raises(dsec.SandboxNotFound):
+                    dsec.Sandbox.connect(other, client=ca)
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {job_a}"}, timeout=30) as h:
+                for method, path in (("POST", f"/v1/sandboxes/{b.id}/exec"), ("DELETE", f"/v1/sandboxes/{b.id}"),
+                                     ("GET", f"/v1/sandboxes/{b.id}/files/list?path=/"),
+                                     ("POST", f"/v1/sandboxes/{b.id}/fork")):
+                    r = h.request(method, path, json={"command": "true"} if "exec" in path else {"count": 1})
+                    assert r.status_code == 404 and r.json()["error"]["type"] == "SandboxNotFound", (path, r.text)
+                # admin-only routes
+                assert h.get("/metrics").status_code == 403
+                assert h.post("/v1/images/pull", json={"reference": "x"}).json()["error"]["type"] == "Forbidden"
+                r = h.post("/v1/sandboxes", json={"image": "base", "trajectory": "job-b/r1"})
+                assert r.status_code == 403 and "job-a/" in r.json()["error"]["message"]
+                assert h.get("/v1/images").status_code == 200
+            # its own sandbox works fully, the admin controls everyone's
+            assert a.exec("echo hi").exit_code == 0
+            dsec.Sandbox.connect(b.id, client=admin).close()
+            with pytest.raises(dsec.SandboxNotFound):
+                dsec.Sandbox.connect(b.id, client=cb)
+            a.close()
+            mine.close()
+        # a revoked token is refused at once by the running daemon
+        tokens.remove("a")
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {job_a}"}, timeout=30) as h:
+            assert h.get("/v1/sandboxes").status_code == 401
+
+
+def test_rate_limits_answer_429_with_retry_after(home: Path) -> None:
+    settings = Settings(home=home)
+    tokens = TokenFile(settings.tokens_file)
+    slow = tokens.create("slow", job="j", requests_per_s=2)
+    creator = tokens.create("creator", job="k", creates_per_s=1)
+    with Running(settings, tcp="127.0.0.1:0") as running:  # a token file alone is enough for TCP
+        url = _tcp(running)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {slow}"}, timeout=30) as h:
+            codes = [h.get("/v1/sandboxes") for _ in range(4)]
+            limited = [r for r in codes if r.status_code == 429]
+            assert codes[0].status_code == 200 and limited, [r.status_code for r in codes]
+            assert int(limited[0].headers["Retry-After"]) >= 1
+            body = limited[0].json()["error"]
+            assert body["type"] == "RateLimited" and 0 < body["detail"]["retry_after"] <= 1.0, body
+            time.sleep(body["detail"]["retry_after"])
+            assert h.get("/v1/sandboxes").status_code == 200
+        with dsec.Client(url, creator) as c:
+            first = dsec.Sandbox.create(image="base", client=c)
+            with pytest.raises(dsec.RateLimited) as exc:
+                dsec.Sandbox.create(image="base", client=c)
+            assert isinstance(exc.value, dsec.QuotaExceeded) and 0 < exc.value.retry_after <= 1.0
+            assert "creates/s" in str(exc.value)
+            first.exec("true")  # other calls are not creates
+            first.close()
+        with pytest.raises(dsec.Unauthorized), dsec.Client(url, "wrong") as c:
+            dsec.Sandbox.list(client=c)
+
+
+def test_token_file_is_validated(home: Path) -> None:
+    tokens = TokenFile(Settings(home=home).tokens_file)
+    for kwargs, match in (({"job": "j", "admin": True}, "either"), ({}, "either"),
+                          ({"job": "bad job"}, "job name"), ({"job": "j", "requests_per_s": 0}, "positive"),
+                          ({"job": "j", "creates_per_s": float("nan")}, "positive")):
+        with pytest.raises(dsec.InvalidRequest, match=match):
+            tokens.create("t", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(dsec.InvalidRequest, match="token name"):
+        tokens.create("../x", job="j")
+    tokens.create("t", job="j")
+    with pytest.raises(dsec.InvalidRequest, match="already exists"):
+        tokens.create("t", admin=True)
+    with pytest.raises(dsec.InvalidRequest, match="no token named"):
+        tokens.remove("nope")
+    Settings(home=home).tokens_file.write_text("{not json")
+    with pytest.raises(dsec.InvalidRequest, match="unreadable"):
+        tokens.entries()
+    with pytest.raises(ServeError, match="without a token"):
+        Daemon(Settings(home=home / "other"), tcp="127.0.0.1:0")

@@ -74,14 +74,14 @@ def status_fields(text: str) -> dict[str, str]:
 async def test_root_in_sandbox_is_unprivileged_uid_on_host(backend: ContainerBackend,
                                                            sb: SandboxRecord) -> None:
     r = await run(backend, sb, "id -u; cat /proc/self/uid_map /proc/self/gid_map; touch /workspace/mine; "
-                               "echo x > /owned-by-root")
+                               "echo x > /var/owned-by-root")
     assert r.exit_code == 0, r
     lines = r.stdout.decode().splitlines()
     assert lines[0] == "0"
     assert lines[1].split() == ["0", str(UID_SHIFT), "65536"], lines
     assert lines[2].split() == ["0", str(UID_SHIFT), "65536"], lines
     upper = Path(sb.backend_state["upper"])
-    for created in (upper / "workspace" / "mine", upper / "owned-by-root"):
+    for created in (upper / "workspace" / "mine", upper / "var" / "owned-by-root"):
         st = created.stat()
         assert (st.st_uid, st.st_gid) == (UID_SHIFT, UID_SHIFT), (created, st.st_uid)
     host_status = status_fields(Path(f"/proc/{sb.backend_state['init_pid']}/status").read_text())
@@ -114,7 +114,7 @@ out["mount"] = 0 if libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None) == 0 else c
 out["umount2"] = 0 if libc.umount2(b"/proc", 2) == 0 else ctypes.get_errno()
 out["unshare_user"] = 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()
 out["unshare_mount"] = 0 if libc.unshare(0x00020000) == 0 else ctypes.get_errno()
-fd = os.open("/proc/1/ns/mnt", os.O_RDONLY)
+fd = os.open("/proc/self/ns/mnt", os.O_RDONLY)
 out["setns"] = 0 if libc.setns(fd, 0) == 0 else ctypes.get_errno()
 out["bpf"] = call(321, 0, 0, 0)              # BPF_MAP_CREATE with no attr
 out["keyctl"] = call(250, 0, -3, 0)          # KEYCTL_GET_KEYRING_ID of the session keyring

@@ -1,0 +1,203 @@
+"""Container-escape classics and attacks on the kernel the sandbox runs on.
+
+On ``container`` and ``function`` the sandbox shares the host's kernel: each attack must be refused by
+the specific layer named (seccomp answers EPERM, a read-only mount EROFS, a missing node ENOENT, a
+foreign pid namespace ESRCH). On ``microvm`` the agent is root of its own guest kernel: the same call
+may succeed there, and the defence asserted is the VM boundary (a kernel that is not the host's, and a
+host unchanged afterwards, which the suite checks after every attack).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping
+
+from redteam import VM_BACKENDS, Target, attack, expect_errno, guest_kernel_is_own, probe
+
+EPERM, EROFS, ENOENT, EACCES, ESRCH = errno.EPERM, errno.EROFS, errno.ENOENT, errno.EACCES, errno.ESRCH
+SECCOMP = {"container": EPERM, "function": EPERM}
+PROC_SYS = {"container": EROFS, "function": EACCES}
+"""container: /proc/sys is mounted read-only; function: its files belong to the host's root, which the sandbox's
+user namespace does not map (EACCES before any write)."""
+PROC_SYS_DEFENCE = "container: /proc/sys read-only (EROFS); function: owned by an unmapped root (EACCES)"
+VM_DEFENCE = "microvm: the guest's own kernel (the call may succeed there; the host is unaffected)"
+
+
+def _syscall_attack(id: str, description: str, models: str, expr: str,
+                    want: Mapping[str, int | tuple[int, ...]] | None = None,
+                    defence: str = "seccomp denylist: EPERM", fresh: bool = False) -> None:
+    """Register an attack that makes one call (``expr`` evaluates to 0 or an errno) and expects ``want``."""
+
+    async def run(t: Target) -> None:
+        got = (await probe(t, f"print(json.dumps({expr}))"))
+        if t.name in VM_BACKENDS:
+            await guest_kernel_is_own(t)
+            return
+        expect_errno(t, id, got, want or SECCOMP)
+
+    run.__qualname__ = run.__name__ = "attack_" + id.replace("-", "_")
+    attack(id, description=description, models=models,
+           defence=f"container, function: {defence}; {VM_DEFENCE}", fresh=fresh)(run)
+
+
+_syscall_attack("mount-tmpfs", "mount(2) a tmpfs over /mnt", "escape classic: mount family",
+                'lc(libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None))')
+_syscall_attack("umount-proc", "umount2(/proc, MNT_DETACH) to uncover what the masks hide",
+                "escape classic: unmasking /proc", 'lc(libc.umount2(b"/proc", 2))',
+                fresh=True)  # in a VM it succeeds: that guest then has no /proc
+_syscall_attack("pivot-root", "pivot_root(2) to swap the root filesystem", "escape classic: pivot_root",
+                'sc(155, 0, 0)',
+                defence="seccomp denylist: EPERM")
+_syscall_attack("unshare-user", "unshare(CLONE_NEWUSER) to become root of a new user namespace",
+                "kernel attack surface: new user namespaces (CVE-2022-0185 class)", "lc(libc.unshare(0x10000000))")
+_syscall_attack("unshare-mount-net", "unshare(CLONE_NEWNS|CLONE_NEWNET) to set up private mounts and links",
+                "escape classic: unshare", "lc(libc.unshare(0x00020000 | 0x40000000))")
+_syscall_attack("clone-newuser", "clone(CLONE_NEWUSER) directly, bypassing unshare",
+                "seccomp filter bypass via a sibling syscall",
+                "(lambda p: (os._exit(0) if p == 0 else (os.waitpid(p, 0), 0)[1]) if p >= 0 "
+                "else ctypes.get_errno())(libc.syscall(ctypes.c_long(56), ctypes.c_long(0x10000000 | 17), "
+                "ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0)))")
+_syscall_attack("setns-host", "setns() into pid 1's mount namespace through /proc/1/ns/mnt",
+                "escape classic: joining another namespace",
+                'lc(libc.setns(os.open("/proc/1/ns/mnt" if os.access("/proc/1/ns/mnt", os.R_OK) '
+                'else "/proc/self/ns/mnt", os.O_RDONLY), 0))')
+_syscall_attack("keyctl", "keyctl(KEYCTL_GET_KEYRING_ID) and add_key on the kernel keyring",
+                "kernel attack surface: keyrings (not namespaced)", "sc(250, 0, -3, 0) or sc(248, 0, 0, 0, 0, -3)")
+_syscall_attack("bpf", "bpf(BPF_MAP_CREATE) to load eBPF", "kernel attack surface: eBPF verifier bugs",
+                "sc(321, 0, 0, 0)")
+_syscall_attack("perf-event-open", "perf_event_open on any cpu", "kernel attack surface: perf, side channels",
+                "sc(298, 0, 0, -1, -1, 0)")
+_syscall_attack("userfaultfd", "userfaultfd() to stall the kernel in a race", "kernel race exploitation helper",
+                "sc(323, 0)")
+_syscall_attack("init-module", "init_module / finit_module to load a kernel module", "module loading",
+                "sc(175, 0, 0, 0) or sc(313, -1, 0, 0)")
+_syscall_attack("kexec", "kexec_load / kexec_file_load to replace the running kernel", "kexec",
+                "sc(246, 0, 0, 0, 0) or sc(320, -1, -1, 0, 0, 0)")
+_syscall_attack("open-by-handle", "open_by_handle_at to open host inodes by handle", "Shocker (2014)",
+                "sc(304, -100, 0, 0)")
+_syscall_attack("ptrace-init", "PTRACE_ATTACH to the sandbox's pid 1 to hijack it", "escape classic: ptrace of init",
+                "sc(101, 16, 1, 0, 0)", fresh=True)  # in a VM it succeeds and stops that guest's init
+_syscall_attack("io-uring", "io_uring_setup to get a ring that bypasses the syscall filter",
+                "seccomp bypass through io_uring", "sc(425, 1, 0)")
+
+
+@attack("mknod-devices", description="mknod a block device for the host's disk and open /dev/mem, /dev/kmsg",
+        models="escape classic: /dev access",
+        defence="container, function: no device nodes but the null/zero/random set (ENOENT) and mknod "
+                "refused (function: EPERM, no CAP_MKNOD; container: EACCES, Landlock refuses device nodes "
+                "before the capability check, which would say EPERM); " + VM_DEFENCE)
+async def mknod_devices(t: Target) -> None:
+    res = await probe(t, r"""
+out = {"mknod": try_os(os.mknod, "/tmp/.sda", 0o600 | 0o060000, os.makedev(8, 0))}
+for dev in ("/dev/mem", "/dev/kmem", "/dev/port", "/dev/kmsg", "/dev/sda", "/dev/vda"):
+    out[dev] = try_os(lambda d: os.close(os.open(d, os.O_RDONLY)), dev)
+out["devs"] = sorted(os.listdir("/dev"))
+print(json.dumps(out))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    expect_errno(t, "mknod", res["mknod"], {"container": EACCES, "function": EPERM})
+    for dev in ("/dev/mem", "/dev/kmem", "/dev/port", "/dev/kmsg", "/dev/sda", "/dev/vda"):
+        expect_errno(t, dev, res[dev], {"container": ENOENT, "function": ENOENT})
+
+
+@attack("proc-sys-write", description="write /proc/sys/kernel/hostname, vm/drop_caches and /proc/sysrq-trigger",
+        models="escape classic: /proc/sys writes",
+        defence=PROC_SYS_DEFENCE + ", sysrq-trigger masked; " + VM_DEFENCE)
+async def proc_sys_write(t: Target) -> None:
+    res = await probe(t, r"""
+def w(p):
+    with open(p, "w") as f:
+        f.write("1")
+print(json.dumps({p: try_os(w, p) for p in ("/proc/sys/kernel/hostname", "/proc/sys/vm/drop_caches",
+                                            "/proc/sysrq-trigger")}))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    for path in ("/proc/sys/kernel/hostname", "/proc/sys/vm/drop_caches"):
+        expect_errno(t, path, res[path], PROC_SYS)
+    assert res["/proc/sysrq-trigger"] != 0, "sysrq-trigger was writable"
+
+
+@attack("core-pattern", description="set core_pattern to a pipe to a script, then crash a process so the host's "
+                                    "kernel runs it as root on the host",
+        models="escape classic: core_pattern (CVE-2019-5736 class host-side execution)",
+        defence=PROC_SYS_DEFENCE + "; " + VM_DEFENCE)
+async def core_pattern(t: Target) -> None:
+    res = await probe(t, f"""
+def w(p):
+    with open(p, "w") as f:
+        f.write("|/bin/sh -c 'touch {t.host_marker}'")
+out = {{"write": try_os(w, "/proc/sys/kernel/core_pattern")}}
+import resource, signal
+resource.setrlimit(resource.RLIMIT_CORE, (resource.getrlimit(resource.RLIMIT_CORE)[1],) * 2)
+pid = os.fork()
+if pid == 0:
+    os.kill(os.getpid(), signal.SIGSEGV)
+out["child"] = os.waitpid(pid, 0)[1]
+print(json.dumps(out))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    expect_errno(t, "core_pattern", res["write"], PROC_SYS)
+
+
+@attack("cgroup-release-agent", description="mount a cgroup v1 hierarchy and set release_agent + notify_on_release",
+        models="escape classic: cgroup release_agent (CVE-2022-0492)",
+        defence="container, function: mount denied by seccomp (EPERM); /sys/fs/cgroup not writable; "
+                + VM_DEFENCE)
+async def cgroup_release_agent(t: Target) -> None:
+    res = await probe(t, f"""
+os.makedirs("/tmp/cg", exist_ok=True)
+out = {{"mount": lc(libc.mount(b"cgroup", b"/tmp/cg", b"cgroup", 0, b"rdma"))}}
+def w(p, data):
+    with open(p, "w") as f:
+        f.write(data)
+import glob
+agents = glob.glob("/sys/fs/cgroup/*/release_agent") + glob.glob("/tmp/cg/release_agent")
+out["agents"] = {{p: try_os(w, p, "{t.host_marker}") for p in agents}}
+print(json.dumps(out))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    expect_errno(t, "mount cgroup", res["mount"], SECCOMP)
+    assert all(err != 0 for err in res["agents"].values()), f"a release_agent was writable: {res['agents']}"
+
+
+@attack("proc-self-exe", description="open /proc/self/exe and /proc/1/exe for writing to overwrite the runtime "
+                                     "binary on the host",
+        models="runc CVE-2019-5736",
+        defence="container, function: the exec'd binary is busy (ETXTBSY) or read-only (EROFS/EACCES), and the "
+                "sandbox's binaries are its own copies, never the host runtime's; " + VM_DEFENCE)
+async def proc_self_exe(t: Target) -> None:
+    res = await probe(t, r"""
+print(json.dumps({p: try_os(lambda q: os.close(os.open(q, os.O_WRONLY)), p)
+                  for p in ("/proc/self/exe", "/proc/1/exe")}))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    for path, err in res.items():
+        assert err in (errno.ETXTBSY, EROFS, EACCES, EPERM, ENOENT), f"{path}: opened for writing ({err})"
+
+
+@attack("signal-host", description="kill -9 the host's pids (1, the test runner's pid, the daemon's)",
+        models="escape classic: signals to host processes",
+        defence="container, function: own pid namespace (ESRCH for every host pid); " + VM_DEFENCE)
+async def signal_host(t: Target) -> None:
+    import os
+
+    victims = sorted({os.getpid(), os.getppid()})
+    res = await probe(t, f"""
+print(json.dumps({{str(p): try_os(os.kill, p, 0) for p in {victims}}}))
+""")
+    if t.name in VM_BACKENDS:
+        await guest_kernel_is_own(t)
+        return
+    for pid, err in res.items():
+        # a pid that happens to exist inside the sandbox too answers; it is not ours
+        assert err == ESRCH or int(pid) < 50, f"pid {pid} reachable from the sandbox (errno {err})"
