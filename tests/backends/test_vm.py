@@ -180,7 +180,7 @@ async def test_disk_full_is_a_clear_error_and_bounded_on_the_host(backend: VMBac
                     "dd if=/dev/zero of=/more bs=1M count=64 2>&1; echo dd=$?", timeout=300))
         out = r.stdout.decode()
         assert "No space left on device" in out and "dd=1" in out, out
-        with pytest.raises(DSecError, match="No space left|ENOSPC|space"):
+        with pytest.raises(DSecError, match=r"No space left|ENOSPC|space"):
             await backend.write_file(sb, "/workspace/big", b"x" * (1 << 20), None)
         # the guest's filesystem is full, not the host's: the overlay grew by metadata only, and the VM runs on
         assert overlay.stat().st_size < 512 * 1024**2, overlay.stat().st_size

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from dsec.backends.base import ImageRef
-from dsec.backends.vm import keys_for_text
 from dsec.backends.vm import _combo as combo
+from dsec.backends.vm import keys_for_text
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -106,7 +106,8 @@ async def test_routes_reach_the_display(client: httpx.AsyncClient, engine: tuple
 async def test_bad_input_is_400_and_sends_nothing(client: httpx.AsyncClient,
                                                   engine: tuple[Engine, DisplayBackend]) -> None:
     sid = (await client.post("/v1/sandboxes", json={"image": "desk", "backend": "vm"})).json()["id"]
-    for path, body, field in (("mouse", {"x": -1, "y": 0}, "x"), ("mouse", {"x": 1, "y": 1, "button": "side"}, "button"),
+    for path, body, field in (("mouse", {"x": -1, "y": 0}, "x"),
+                              ("mouse", {"x": 1, "y": 1, "button": "side"}, "button"),
                               ("mouse", {"x": 1, "y": 1, "action": "lick"}, "action"),
                               ("keyboard", {"text": "a", "keys": ["b"]}, "exactly one"),
                               ("keyboard", {}, "exactly one"), ("keyboard", {"keys": []}, "keys")):

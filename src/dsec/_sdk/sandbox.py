@@ -368,7 +368,7 @@ class AsyncSandbox:
         ``"down"``, ``"up"``, ``"move"``, ``"scroll_up"`` or ``"scroll_down"``, with ``button`` ``"left"``,
         ``"middle"`` or ``"right"`` (``backend="vm"``)."""
         try:
-            request = MouseRequest(x=x, y=y, button=button, action=action)  # type: ignore[arg-type]
+            request = MouseRequest.model_validate({"x": x, "y": y, "button": button, "action": action})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "mouse action") from None
         await self._client._request("POST", f"/v1/sandboxes/{self.id}/mouse", json=request.model_dump(mode="json"))

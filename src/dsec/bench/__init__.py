@@ -29,7 +29,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container", "function", "trajectory", "microvm", "images")
+SUITES = ("container", "function", "trajectory", "microvm", "vm", "images")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -75,6 +75,12 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Fun
 
                 result = asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
                                                  progress=progress))
+                out.print(f"accelerator: {result.extra.get('accelerator')}")
+            elif name == "vm":
+                from dsec.bench.vm import run as run_vm
+
+                result = asyncio.run(run_vm(samples=max(2, round(3 * scale)), idle_vms=max(2, round(3 * scale)),
+                                            progress=progress))
                 out.print(f"accelerator: {result.extra.get('accelerator')}")
             elif name == "function":
                 fcfg = config if isinstance(config, FunctionBench) else FunctionBench().scaled(scale)

@@ -39,8 +39,9 @@ BASE_PACKAGES = ("systemd", "systemd-sysv", "udev", "linux-image-amd64", "initra
 lacks), systemd as init, and python3 for agents' scripts."""
 
 DESKTOP_PACKAGES = ("xserver-xorg-core", "xserver-xorg-input-libinput", "xinit", "xterm", "twm",
-                    "x11-xserver-utils", "xfonts-base")
-"""``--desktop``: Xorg (modesetting driver on the VM's VGA), the twm window manager and xterm."""
+                    "x11-xserver-utils", "xfonts-base", "fonts-dejavu-core")
+"""``--desktop``: Xorg (modesetting driver on the VM's VGA, no GL acceleration: there is no GPU), the twm
+window manager and xterm."""
 
 AGENT_PORT = "dsec.agent"
 """Name of the virtio-serial port the agent serves (udev links it as /dev/virtio-ports/dsec.agent)."""
@@ -87,14 +88,23 @@ WantedBy=multi-user.target
 """
 
 _XSESSION = """#!/bin/sh
-# The desktop's session: a plain background, twm, and one terminal at a fixed place (twm does not ask where
-# to put a window that gives its own position). Agents open more with `DISPLAY=:0 xterm &`.
+# The desktop's session: a plain background, twm (restarted if it exits), and one terminal at a fixed place
+# (twm does not ask where to put a window that gives its own position). Agents open more with
+# `DISPLAY=:0 xterm &`. The session lasts until X stops.
+exec >/var/log/dsec-xsession.log 2>&1
 xsetroot -solid '#2e3440'
+(while :; do twm; sleep 1; done) &
 xterm -geometry 80x24+40+40 -fa Monospace -fs 12 -bg black -fg white &
-exec twm
+exec sleep infinity
 """
 
-_XORG_CONF = """Section "ServerFlags"
+_XORG_CONF = """Section "Device"
+    Identifier "dsec-display"
+    Driver "modesetting"
+    Option "AccelMethod" "none"
+EndSection
+
+Section "ServerFlags"
     Option "BlankTime" "0"
     Option "StandbyTime" "0"
     Option "SuspendTime" "0"
