@@ -300,3 +300,15 @@ async def test_exec_stream_cut_before_exit_is_connection_failed(
         cut = dsec.AsyncSandbox(sb._info, c)
         with pytest.raises(dsec.ConnectionFailed, match="without an exit event"):
             await cut.exec("echo hi")
+
+
+async def test_computer_use_on_a_backend_without_a_display(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.NotSupported, match="has no display"):
+        await sb.screenshot()
+    with pytest.raises(dsec.NotSupported, match="has no display"):
+        await sb.keyboard(keys=["ctrl+c"])
+    # refused by the SDK before any request: the message names the field
+    with pytest.raises(dsec.InvalidRequest, match="button"):
+        await sb.mouse(1, 2, button="fourth")
+    with pytest.raises(dsec.InvalidRequest, match="exactly one"):
+        await sb.keyboard(text="a", keys=["b"])
