@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -102,6 +103,9 @@ async def test_vm_boots_its_own_kernel_with_systemd(backend: VMBackend, image: I
         release, init, hostname, agent, desktop = r.stdout.decode().split()
         assert release != os.uname().release and release.endswith("-amd64"), r
         assert init.endswith("/systemd") and hostname == a.id and agent == desktop == "active", r
+        # a clone's clock is the host's, not its template's
+        clock = await backend.exec(b, ExecRequest(command="date +%s"))
+        assert abs(int(clock.stdout) - time.time()) < 120, clock
         rb = await backend.exec(b, ExecRequest(command="cat /etc/machine-id"))
         ra = await backend.exec(a, ExecRequest(command="cat /etc/machine-id"))
         assert ra.stdout != rb.stdout

@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,14 @@ class VMBackend(MicroVMBackend):
             raise SandboxError(f"the guest did not finish booting within {self.boot_timeout:.0f}s "
                                f"(systemctl is-system-running: {result.stdout.decode(errors='replace').strip()})")
         return vm
+
+    async def _prepare(self, record: SandboxRecord) -> None:
+        """Fresh identity (as microvm), and the host's time: a clone's clock is its template's, which may be
+        days old (the image masks timesyncd, and there is no network to sync with)."""
+        await super()._prepare(record)
+        r = await self.exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"], timeout=30))
+        if r.exit_code != 0:
+            raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
 
     async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
         """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
