@@ -45,7 +45,7 @@ def main() -> None:
             time.sleep(0.5)
         time.sleep(2)
         (args.out / "after.png").write_bytes(sb.screenshot())
-        print("the typed command wrote:", sb.read_file("/tmp/agent.txt").decode().strip())
+        print("the typed command wrote:", sb.files.read("/tmp/agent.txt").decode().strip())
     print(f"screenshots: {args.out / 'before.png'} {args.out / 'after.png'}")
 
 
