@@ -113,7 +113,7 @@ async def test_vm_boots_its_own_kernel_with_systemd(backend: VMBackend, image: I
         await backend.write_file(a, "/etc/only-in-a", b"a", None)
         with pytest.raises(DSecError):
             await backend.read_file(b, "/etc/only-in-a", 10)
-        assert Path(a.backend_state["erofs"]).parent == backend.root / "sandboxes" / a.id
+        assert Path(a.backend_state["erofs"]).parent == backend.sandbox_files / a.id
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])

@@ -135,6 +135,8 @@ class MicroVMBackend(Backend):
         self.cgroup_parent = f"dsec-{tag}/{self.name}"
         # Unix socket paths must fit in 108 bytes: runtime directories live under /run, not DSEC_HOME.
         self.run_root = Path("/run/dsec-vm") / (tag if self.name == "microvm" else f"{tag}.{self.name}")
+        self.sandbox_files = self.root / "sandboxes"
+        """Per-sandbox host files (the vm backend's disk overlays), one directory per sandbox id."""
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
         self.accel_reason = "forced" if self.accel else ""
         self.fast_start = fast_start
@@ -858,7 +860,7 @@ class MicroVMBackend(Backend):
         rundir = self.run_root / sandbox_id
         await asyncio.to_thread(shutil.rmtree, rundir, True)
         await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
-        await asyncio.to_thread(shutil.rmtree, self.root / "sandboxes" / sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
 
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):
@@ -884,8 +886,8 @@ class MicroVMBackend(Backend):
         found: set[str] = set()
         if self.run_root.is_dir():
             found.update(p.name for p in self.run_root.iterdir() if p.name.startswith(("sb-", "tpl-")))
-        if (self.root / "sandboxes").is_dir():  # per-sandbox host files (the vm backend's disk overlays)
-            found.update(p.name for p in (self.root / "sandboxes").iterdir() if p.name.startswith(("sb-", "tpl-")))
+        if self.sandbox_files.is_dir():
+            found.update(p.name for p in self.sandbox_files.iterdir() if p.name.startswith(("sb-", "tpl-")))
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             if Path(cg).is_dir():
                 found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith(("sb-", "tpl-")))

@@ -121,6 +121,9 @@ class VMBackend(MicroVMBackend):
         super().__init__(settings, accel=accel or os.environ.get("DSEC_VM_ACCEL"), fast_start=fast_start,
                          qemu_user=qemu_user, hibernate_on_pause=False)
         self.vm_dir = vm_dir or default_vm_dir()
+        # QEMU reopens a sandbox's disk as its unprivileged user when it resumes after a migration (restore,
+        # snapshot): the overlay must sit where that user can reach it, which DSEC_HOME (often 0700) is not.
+        self.sandbox_files = self.vm_dir / "sandboxes" / self.tag
         self._screens: dict[str, tuple[int, int]] = {}
         """Last known display size per sandbox (pointer coordinates are scaled by it)."""
 
@@ -143,8 +146,11 @@ class VMBackend(MicroVMBackend):
                 self.accel, self.accel_reason = "tcg", "no guest kernel to probe KVM with"
             else:
                 self.accel, self.accel_reason = await asyncio.to_thread(probe_accelerator, kernel)
-        for d in (self.root / "templates", self.root / "snapshots", self.root / "sandboxes"):
+        for d in (self.root / "templates", self.root / "snapshots"):
             d.mkdir(parents=True, exist_ok=True)
+        self.sandbox_files.mkdir(parents=True, exist_ok=True)
+        for d in (self.sandbox_files, self.sandbox_files.parent):
+            os.chmod(d, 0o711)
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
         self._started = True
 
@@ -189,7 +195,7 @@ class VMBackend(MicroVMBackend):
     async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
         """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
         with links to the image's kernel and initramfs beside it."""
-        d = self.root / "sandboxes" / sandbox_id
+        d = self.sandbox_files / sandbox_id
         await asyncio.to_thread(shutil.rmtree, d, True)
         d.mkdir(parents=True)
         backing = saved / "disk.qcow2" if saved is not None else base
@@ -202,12 +208,14 @@ class VMBackend(MicroVMBackend):
             raise SandboxError(f"qemu-img create of the sandbox's disk failed: {proc.stderr.strip()[-300:]}")
         for name in ("vmlinuz", "initrd.img"):
             (d / name).symlink_to(base.parent / name)
+        self._chown(d / "disk.qcow2")
+        self._chown(d)
         return d / "disk.qcow2"
 
     async def _saved(self, record: SandboxRecord, target: Path) -> None:
         """Copy the stopped VM's overlay beside its saved state: templates, snapshots and hibernation keep
         the disk that goes with the RAM."""
-        disk = Path(record.backend_state.get("erofs") or self.root / "sandboxes" / record.id / "disk.qcow2")
+        disk = Path(record.backend_state.get("erofs") or self.sandbox_files / record.id / "disk.qcow2")
         copy = target.with_name("disk.qcow2")
         tmp = copy.with_name(".disk.qcow2.tmp")
         await asyncio.to_thread(shutil.copyfile, disk, tmp)
@@ -238,6 +246,11 @@ class VMBackend(MicroVMBackend):
         if self.qemu_user:
             cmd += ["-runas", self.qemu_user]
         return cmd + extra
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with contextlib.suppress(OSError):
+            self.sandbox_files.rmdir()  # only when no sandbox is left
 
     async def destroy(self, record: SandboxRecord) -> None:
         self._screens.pop(record.id, None)
