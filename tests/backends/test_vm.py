@@ -29,7 +29,8 @@ from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
 
-pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
+# the first test boots the template: minutes under TCG on a loaded machine
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 IMAGE = "debian-desktop"
 XTERM = (200, 150)
