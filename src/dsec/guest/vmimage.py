@@ -98,6 +98,16 @@ xterm -geometry 80x24+40+40 -fa Monospace -fs 12 -bg black -fg white &
 exec sleep infinity
 """
 
+_TWMRC = """TitleFont "fixed"
+ResizeFont "fixed"
+MenuFont "fixed"
+IconFont "fixed"
+IconManagerFont "fixed"
+RandomPlacement
+"""
+"""twm's default fonts (adobe-helvetica) are not in xfonts-base: without this it cannot open its fontset and
+exits (the session restarts it)."""
+
 _XORG_CONF = """Section "Device"
     Identifier "dsec-display"
     Driver "modesetting"
@@ -189,6 +199,7 @@ def _configure(root: Path, desktop: bool) -> str:
         (root / "etc/dsec").mkdir(exist_ok=True)
         (root / "etc/dsec/xsession").write_text(_XSESSION)
         os.chmod(root / "etc/dsec/xsession", 0o755)
+        (root / "root/.twmrc").write_text(_TWMRC)
         (root / "etc/X11/xorg.conf.d").mkdir(parents=True, exist_ok=True)
         (root / "etc/X11/xorg.conf.d/10-dsec.conf").write_text(_XORG_CONF)
     (root / "etc/fstab").write_text("/dev/vda / ext4 rw,errors=remount-ro 0 0\n")
