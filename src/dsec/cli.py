@@ -432,6 +432,27 @@ def image_build(name: str, packages: str | None, suite: str, replace: bool) -> N
     click.echo(f"built {info.name}: {info.files} files, {info.size_bytes / 1024**2:.1f} MiB")
 
 
+@image.command(name="build-vm")
+@click.argument("name")
+@click.option("--desktop", is_flag=True, help="Add Xorg, the twm window manager and xterm, started at boot.")
+@click.option("--packages", help="Comma-separated extra Debian packages.")
+@click.option("--suite", default="bookworm", show_default=True, help="Debian suite.")
+@click.option("--disk-size", default="4Gi", show_default=True, help="Size of the root filesystem.")
+@click.option("--replace", is_flag=True, help="Replace an existing VM image of that name.")
+def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, disk_size: str,
+                   replace: bool) -> None:
+    """Build VM disk image NAME for backend="vm" with mmdebstrap (needs root): Debian's kernel, systemd, the
+    guest agent as a service, optionally a desktop. Stored under /var/lib/dsec/vm/images (DSEC_VM_DIR)."""
+    from dsec.guest.vmimage import build_vm_image
+    from dsec.models import parse_size
+
+    pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
+    img = build_vm_image(name, desktop=desktop, packages=pkgs, suite=suite, disk_bytes=parse_size(disk_size),
+                         replace=replace)
+    click.echo(f"built VM image {img.name}: {img.disk} (kernel {img.meta['kernel']}, "
+               f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk{', desktop' if img.desktop else ''})")
+
+
 @image.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def image_ls(as_json: bool) -> None:

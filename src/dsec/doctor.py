@@ -57,6 +57,7 @@ _TOOLS = (
     _Tool("mkfs.erofs", "mkfs.erofs", "erofs-utils", ("-V",), True, "builds EROFS images and snapshot layers"),
     _Tool("fusermount3", "fusermount3", "fuse3 libfuse3-dev", ("-V",), True, "the lazy image filesystem"),
     _Tool("qemu", "qemu-system-x86_64", "qemu-system-x86", ("--version",), False, "microvm and vm backends"),
+    _Tool("qemu-img", "qemu-img", "qemu-utils", ("--version",), False, "vm backend disk overlays"),
     _Tool("busybox", "busybox", "busybox-static", (), False, "microvm initramfs"),
     _Tool("bwrap", "bwrap", "bubblewrap", ("--version",), False, "benchmark peer"),
     _Tool("podman", "podman", "podman", ("--version",), False, "benchmark peer"),
@@ -79,6 +80,7 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         ("libseccomp", _libseccomp),
         ("image store", lambda: _image_store(settings)),
         ("image debian-python", lambda: _base_image(settings)),
+        ("vm images", _vm_images),
     ]
     checks: list[Check] = []
     for name, probe in probes:
@@ -270,6 +272,17 @@ def _kvm() -> Check:
     accel, why = probe_accelerator(kernel.vmlinuz)
     return Check("kvm", accel == "kvm", f"microvm accelerator: {accel.upper()} ({why})",
                  None if accel == "kvm" else "none needed: TCG works, only slower", required=False)
+
+
+def _vm_images() -> Check:
+    from dsec.guest.vmimage import default_vm_dir, list_vm_images
+
+    images = list_vm_images()
+    if not images:
+        return Check("vm images", False, f"none in {default_vm_dir() / 'images'} (the vm backend has nothing to boot)",
+                     "dsec image build-vm debian-desktop --desktop", required=False)
+    names = ", ".join(f"{i.name} ({i.meta.get('kernel')}{', desktop' if i.desktop else ''})" for i in images)
+    return Check("vm images", True, names, required=False)
 
 
 def _tool(tool: _Tool) -> Check:

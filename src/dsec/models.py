@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from dsec.errors import InvalidRequest
 
@@ -29,8 +29,10 @@ __all__ = [
     "ForkRequest",
     "ImageConfig",
     "ImageInfo",
+    "KeyboardRequest",
     "LimitHit",
     "LoggedCall",
+    "MouseRequest",
     "NetworkEntry",
     "NetworkRequest",
     "NodeInfo",
@@ -261,6 +263,29 @@ class BatchCreateRequest(Model):
     """How many sandboxes."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
+
+
+class MouseRequest(Model):
+    """A pointer action on a sandbox's display (``vm`` backend): move to pixel (``x``, ``y``), then act."""
+
+    x: int = Field(ge=0)
+    y: int = Field(ge=0)
+    button: Literal["left", "middle", "right"] = "left"
+    action: Literal["click", "double_click", "down", "up", "move", "scroll_up", "scroll_down"] = "click"
+
+
+class KeyboardRequest(Model):
+    """Keys for a sandbox's display (``vm`` backend): ``text`` typed on a US layout, or ``keys``, combos pressed
+    in order (``["ctrl+c", "enter"]``). Exactly one of the two."""
+
+    text: str | None = Field(default=None, max_length=4096)
+    keys: list[str] | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one(self) -> KeyboardRequest:
+        if (self.text is None) == (self.keys is None):
+            raise ValueError("give exactly one of text or keys")
+        return self
 
 
 class NetworkRequest(Model):

@@ -342,3 +342,15 @@ async def test_pause_releasing_memory_is_refused_where_the_backend_cannot(sb: ds
         await sb.pause(release_memory=True)
     assert (await sb.info()).state == "running"  # refused: nothing changed
     assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_computer_use_on_a_backend_without_a_display(sb: dsec.AsyncSandbox) -> None:
+    with pytest.raises(dsec.NotSupported, match="has no display"):
+        await sb.screenshot()
+    with pytest.raises(dsec.NotSupported, match="has no display"):
+        await sb.keyboard(keys=["ctrl+c"])
+    # refused by the SDK before any request: the message names the field
+    with pytest.raises(dsec.InvalidRequest, match="button"):
+        await sb.mouse(1, 2, button="fourth")
+    with pytest.raises(dsec.InvalidRequest, match="exactly one"):
+        await sb.keyboard(text="a", keys=["b"])

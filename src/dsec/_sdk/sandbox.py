@@ -41,6 +41,8 @@ from dsec.models import (
     ExecResult,
     FileEntry,
     ForkRequest,
+    KeyboardRequest,
+    MouseRequest,
     NetworkRequest,
     SandboxInfo,
     SandboxSpec,
@@ -394,6 +396,31 @@ class AsyncSandbox:
                                                json=request.model_dump(mode="json"))
         self._info = SandboxInfo.model_validate(response.json())
         return self._info
+
+    async def screenshot(self) -> bytes:
+        """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported)."""
+        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/screenshot")
+        return response.content
+
+    async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> None:
+        """Move the pointer to pixel (``x``, ``y``) of the display, then act: ``"click"``, ``"double_click"``,
+        ``"down"``, ``"up"``, ``"move"``, ``"scroll_up"`` or ``"scroll_down"``, with ``button`` ``"left"``,
+        ``"middle"`` or ``"right"`` (``backend="vm"``)."""
+        try:
+            request = MouseRequest.model_validate({"x": x, "y": y, "button": button, "action": action})
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "mouse action") from None
+        await self._client._request("POST", f"/v1/sandboxes/{self.id}/mouse", json=request.model_dump(mode="json"))
+
+    async def keyboard(self, text: str | None = None, keys: Sequence[str] | None = None) -> None:
+        """Type ``text`` (US layout; ``\n`` is Enter) or press ``keys`` in order, each a key or a combo:
+        ``["ctrl+c", "enter"]`` (``backend="vm"``)."""
+        try:
+            request = KeyboardRequest(text=text, keys=None if keys is None else list(keys))
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "keyboard input") from None
+        await self._client._request("POST", f"/v1/sandboxes/{self.id}/keyboard",
+                                    json=request.model_dump(mode="json", exclude_none=True))
 
     async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
         response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)

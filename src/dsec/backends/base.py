@@ -154,6 +154,25 @@ class Backend(abc.ABC):
         trees :meth:`snapshot` wrote (top first; one for a backend that is not :attr:`layered`)."""
         raise NotSupported(f"backend {self.name!r} cannot restore snapshots yet")
 
+    def resolve_image(self, name: str) -> ImageRef | None:
+        """The backend's own image ``name`` (the ``vm`` backend's disk images), or None: the engine then
+        resolves it in the node's image store."""
+        return None
+
+    async def screenshot(self, record: SandboxRecord) -> bytes:
+        """The sandbox's display as PNG bytes."""
+        raise NotSupported(f"backend {self.name!r} has no display: use backend='vm' with a desktop image")
+
+    async def mouse(self, record: SandboxRecord, x: int, y: int, button: str = "left", action: str = "click"
+                    ) -> None:
+        """Move the pointer to pixel (``x``, ``y``) of the display and act there (see ``dsec.MouseRequest``)."""
+        raise NotSupported(f"backend {self.name!r} has no display: use backend='vm' with a desktop image")
+
+    async def keyboard(self, record: SandboxRecord, text: str | None = None, keys: list[str] | None = None
+                       ) -> None:
+        """Type ``text`` or press the key combos ``keys`` on the sandbox's display."""
+        raise NotSupported(f"backend {self.name!r} has no display: use backend='vm' with a desktop image")
+
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
         """Remove host resources of sandboxes not in ``known`` (crash leftovers); returns their ids."""
         return []

@@ -118,20 +118,25 @@ class MicroVMBackend(Backend):
     """QEMU microVMs restored from per-template snapshots; exec and files through the guest agent."""
 
     name = "microvm"
+    boot_timeout: float = _BOOT_TIMEOUT
+    """Seconds a cold boot may take until the agent answers."""
+    min_memory: int = _MIN_MEMORY
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
                  accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
                  hibernate_on_pause: bool | None = None) -> None:
         self.settings = settings or Settings()
         self.guest_dir = guest_dir or default_guest_dir()
-        self.root = self.settings.home / "microvm"
+        self.root = self.settings.home / self.name
         tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
         self.tag = tag
         # Below the home's dsec-<tag> cgroup, in a directory of its own: each backend's orphan sweep treats
         # every sb-* cgroup under its parent as its own, so the two backends must never share a parent.
-        self.cgroup_parent = f"dsec-{tag}/microvm"
+        self.cgroup_parent = f"dsec-{tag}/{self.name}"
         # Unix socket paths must fit in 108 bytes: runtime directories live under /run, not DSEC_HOME.
-        self.run_root = Path("/run/dsec-vm") / tag
+        self.run_root = Path("/run/dsec-vm") / (tag if self.name == "microvm" else f"{tag}.{self.name}")
+        self.sandbox_files = self.root / "sandboxes"
+        """Per-sandbox host files (the vm backend's disk overlays), one directory per sandbox id."""
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
         self.accel_reason = "forced" if self.accel else ""
         self.fast_start = fast_start
@@ -144,6 +149,7 @@ class MicroVMBackend(Backend):
         self._kernel: GuestKernel | None = None
         self._initramfs: Path | None = None
         self._vms: dict[str, _VM] = {}
+        self._started = False
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._erofs_lock = asyncio.Lock()
 
@@ -171,6 +177,7 @@ class MicroVMBackend(Backend):
         for d in (self.root / "templates", self.root / "snapshots", self.guest_dir / "rootfs"):
             d.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        self._started = True
 
     async def aclose(self) -> None:
         for vm in list(self._vms.values()):
@@ -212,10 +219,11 @@ class MicroVMBackend(Backend):
 
     def _shape(self, record: SandboxRecord) -> tuple[int, int, int]:
         spec = record.spec
-        if spec.memory < _MIN_MEMORY:
-            raise InvalidRequest(f"memory={spec.memory} is too small for a microvm (at least {_MIN_MEMORY // MiB}Mi)")
+        if spec.memory < self.min_memory:
+            raise InvalidRequest(f"memory={spec.memory} is too small for a {self.name} sandbox "
+                                 f"(at least {self.min_memory // MiB}Mi)")
         if record.spec.network != "none":
-            raise InvalidRequest(f"network={spec.network!r} is not available on the microvm backend: only 'none'")
+            raise InvalidRequest(f"network={spec.network!r} is not available on the {self.name} backend: only 'none'")
         vcpus = max(1, math.ceil(spec.cpu))
         if vcpus > (os.cpu_count() or 1) * 4:
             raise InvalidRequest(f"cpu={spec.cpu} asks for more vCPUs than this host can run")
@@ -367,7 +375,7 @@ class MicroVMBackend(Backend):
         sock = str(vm.rundir / "agent.sock")
         while True:
             if vm.dead:
-                raise SandboxError(f"microvm died while starting: {vm.dead}")
+                raise SandboxError(f"{self.name} sandbox died while starting: {vm.dead}")
             try:
                 return await AgentClient.connect(sock)
             except (FileNotFoundError, ConnectionRefusedError):
@@ -385,8 +393,8 @@ class MicroVMBackend(Backend):
             raise
 
     async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
-        if self._kernel is None:
-            raise BackendUnavailable("microvm backend is not started")
+        if not self._started:
+            raise BackendUnavailable(f"{self.name} backend is not started")
         if record.spec.protected or record.spec.hidden:
             raise InvalidRequest("protected= and hidden= are not available on the microvm backend yet: use "
                                  "backend='container'")
@@ -401,7 +409,9 @@ class MicroVMBackend(Backend):
         if self.fast_start:
             template = await self._template(erofs, image, vcpus, mem_mib, disk_bytes)
             try:
-                await self._restore(record, rundir, erofs, template, vcpus, mem_mib, disk_bytes)
+                disk = await self._sandbox_disk(record.id, erofs, template)
+                record.backend_state["erofs"] = str(disk)
+                await self._restore(record, rundir, disk, template, vcpus, mem_mib, disk_bytes)
                 record.backend_state["start"] = "restore"
             except SandboxError as e:
                 # Cold boot is the fallback; say so in the record rather than hide it.
@@ -419,7 +429,9 @@ class MicroVMBackend(Backend):
             else:
                 await self._prepare(record)
                 return
-        await self._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes)
+        disk = await self._sandbox_disk(record.id, erofs, None)
+        record.backend_state["erofs"] = str(disk)
+        await self._cold_boot(record, rundir, disk, vcpus, mem_mib, disk_bytes)
         record.backend_state["start"] = "boot"
         await self._prepare(record)
 
@@ -440,12 +452,12 @@ class MicroVMBackend(Backend):
                   else [f"memory-backend-memfd,id=mem,size={mem_mib}M"])
         cmd = self._qemu_cmd(rundir, erofs, vcpus, mem_mib, disk_bytes, memory, [])
         vm = await self._spawn(record, rundir, cmd)
-        vm.client = await self._connect(vm, _BOOT_TIMEOUT)
+        vm.client = await self._connect(vm, self.boot_timeout)
         try:
-            await vm.client.wait_ready(_BOOT_TIMEOUT)
+            await vm.client.wait_ready(self.boot_timeout)
         except AgentGone as e:
             await asyncio.sleep(0.2)  # let the watcher name the cause (panic, power-off)
-            raise SandboxError(f"microvm did not boot: {vm.dead or e}") from None
+            raise SandboxError(f"{self.name} sandbox did not boot: {vm.dead or e}") from None
         return vm
 
     async def _restore(self, record: SandboxRecord, rundir: Path, erofs: Path, template: Path, vcpus: int,
@@ -489,10 +501,21 @@ class MicroVMBackend(Backend):
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
         await client.mkdir(workdir_of(record))
 
+    async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
+        """The disk a sandbox's QEMU opens: here the shared read-only EROFS image (the writable layer is in
+        guest RAM). ``saved`` is the template or snapshot directory it is restored from, if any."""
+        return base
+
+    async def _saved(self, record: SandboxRecord, target: Path) -> None:
+        """Called after :meth:`_save` wrote ``target`` while the VM is still stopped (for disk state)."""
+
+    def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
+        return hashlib.sha256(f"{erofs.name}:{vcpus}:{mem_mib}:{disk_bytes}:{self.accel}:"
+                              f"{self._initramfs}".encode()).hexdigest()[:16]
+
     async def _template(self, erofs: Path, image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> Path:
         """Directory with ``ram`` + ``state`` of a booted, idle guest of this shape (made on first use)."""
-        key = hashlib.sha256(f"{erofs.name}:{vcpus}:{mem_mib}:{disk_bytes}:{self.accel}:"
-                             f"{self._initramfs}".encode()).hexdigest()[:16]
+        key = self._template_key(erofs, vcpus, mem_mib, disk_bytes)
         tdir = self.root / "templates" / key
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -508,7 +531,8 @@ class MicroVMBackend(Backend):
             rundir.mkdir(mode=0o711)
             self._chown(rundir)
             try:
-                await self._cold_boot(rec, rundir, erofs, vcpus, mem_mib, disk_bytes, ram_file=tdir / "ram")
+                disk = await self._sandbox_disk(rec.id, erofs, None)
+                await self._cold_boot(rec, rundir, disk, vcpus, mem_mib, disk_bytes, ram_file=tdir / "ram")
                 await self._save(rec, tdir / "state", ignore_shared=True)
                 (tdir / "meta.json").write_text(json.dumps({"image": image.name, "erofs": str(erofs),
                                                             "vcpus": vcpus, "memory_mib": mem_mib}))
@@ -540,6 +564,7 @@ class MicroVMBackend(Backend):
                 raise SandboxError(f"saving the VM failed: {info.get('error-desc', info.get('status'))}")
             await asyncio.sleep(0.01)
         os.replace(tmp, target)
+        await self._saved(record, target)
 
     async def _qmp(self, rundir: Path, commands: list[tuple[str, dict[str, Any]]], fd: int | None = None
                    ) -> list[Any]:
@@ -597,7 +622,7 @@ class MicroVMBackend(Backend):
     def _vm(self, record: SandboxRecord) -> _VM:
         vm = self._vms.get(record.id)
         if vm is None:
-            raise SandboxError(f"sandbox {record.id} is not running (no microvm)")
+            raise SandboxError(f"sandbox {record.id} is not running (no {self.name} QEMU)")
         if vm.dead:
             raise SandboxError(f"sandbox {record.id} is dead: {vm.dead}")
         return vm
@@ -786,7 +811,7 @@ class MicroVMBackend(Backend):
             shape = json.loads((source / "vm.json").read_text())
             vcpus, mem_mib, disk_bytes = int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SandboxError(f"snapshot {source.name} is not a readable microvm snapshot: {e}") from None
+            raise SandboxError(f"snapshot {source.name} is not a readable {self.name} snapshot: {e}") from None
         if not (source / "state").is_file():
             raise SandboxError(f"snapshot {source.name} is incomplete: its state file is missing")
         record.spec.cpu, record.spec.memory, record.spec.disk = float(vcpus), mem_mib * MiB, disk_bytes
@@ -799,7 +824,9 @@ class MicroVMBackend(Backend):
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
         try:
-            await self._restore(record, rundir, erofs, source, vcpus, mem_mib, disk_bytes, ram_from_template=False)
+            disk = await self._sandbox_disk(record.id, erofs, source)
+            record.backend_state["erofs"] = str(disk)
+            await self._restore(record, rundir, disk, source, vcpus, mem_mib, disk_bytes, ram_from_template=False)
             await self._prepare(record)
         except BaseException:
             await self._destroy_id(record.id, record.backend_state)
@@ -844,6 +871,7 @@ class MicroVMBackend(Backend):
         rundir = self.run_root / sandbox_id
         await asyncio.to_thread(shutil.rmtree, rundir, True)
         await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
 
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):
@@ -869,6 +897,8 @@ class MicroVMBackend(Backend):
         found: set[str] = set()
         if self.run_root.is_dir():
             found.update(p.name for p in self.run_root.iterdir() if p.name.startswith(("sb-", "tpl-")))
+        if self.sandbox_files.is_dir():
+            found.update(p.name for p in self.sandbox_files.iterdir() if p.name.startswith(("sb-", "tpl-")))
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             if Path(cg).is_dir():
                 found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith(("sb-", "tpl-")))

@@ -41,7 +41,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("container", "function", "pools", "trajectory", "microvm", "images")
+SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
@@ -71,6 +71,11 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
 
         return asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
                                        progress=progress))
+    if name == "vm":
+        from dsec.bench.vm import run as run_vm
+
+        return asyncio.run(run_vm(samples=max(2, round(3 * scale)), idle_vms=max(2, round(3 * scale)),
+                                  progress=progress))
     if name == "function":
         fcfg = config if isinstance(config, FunctionBench) else FunctionBench().scaled(scale)
         return asyncio.run(run_function(fcfg, progress=progress))
@@ -127,7 +132,7 @@ def main(suite: str | Sequence[str] | None, json_path: Path | None, config: Conf
                 failed[name] = f"{type(exc).__name__}: {exc}"
                 code = 1
                 continue
-            if name == "microvm":
+            if name in ("microvm", "vm"):
                 out.print(f"accelerator: {result.extra.get('accelerator')}")
             results.append(result)
             out.print(render_table(result))

@@ -31,7 +31,9 @@ from dsec.models import (
     ForkRequest,
     ImageInfo,
     ImagePullRequest,
+    KeyboardRequest,
     LoggedCall,
+    MouseRequest,
     NetworkRequest,
     NodeInfo,
     NodeStatistics,
@@ -295,6 +297,25 @@ def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_
     async def resume(sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox."""
         return await engine.resume(sandbox_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/screenshot", tags=["computer use"],
+             responses={200: {"content": {"image/png": {}}, "description": "the display as PNG"}},
+             response_class=Response)
+    async def screenshot(sandbox_id: str) -> Response:
+        """The sandbox's display as a PNG (``vm`` backend; others answer 501 NotSupported)."""
+        return Response(content=await engine.screenshot(sandbox_id), media_type="image/png")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/mouse", status_code=204, tags=["computer use"])
+    async def mouse(sandbox_id: str, request: MouseRequest) -> Response:
+        """Move the pointer to a pixel of the display and click, press, release or scroll there."""
+        await engine.mouse(sandbox_id, request)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/keyboard", status_code=204, tags=["computer use"])
+    async def keyboard(sandbox_id: str, request: KeyboardRequest) -> Response:
+        """Type text (US layout) or press key combos on the display."""
+        await engine.keyboard(sandbox_id, request)
+        return Response(status_code=204)
 
     @app.put("/v1/sandboxes/{sandbox_id}/network", tags=["sandboxes"])
     async def set_network(sandbox_id: str, request: NetworkRequest) -> SandboxInfo:

@@ -51,7 +51,9 @@ from dsec.models import (
     FileEntry,
     ImageInfo,
     ImagePullRequest,
+    KeyboardRequest,
     LoggedCall,
+    MouseRequest,
     NodeInfo,
     NodeStatistics,
     PoolConfig,
@@ -209,6 +211,12 @@ class Engine:
         except Exception as exc:
             unavailable["microvm"] = f"cannot load the microvm backend: {type(exc).__name__}: {exc}"
         try:
+            from dsec.backends.vm import VMBackend
+
+            backends["vm"] = VMBackend(settings)
+        except Exception as exc:
+            unavailable["vm"] = f"cannot load the vm backend: {type(exc).__name__}: {exc}"
+        try:
             from dsec.backends.function import FunctionBackend
 
             backends["function"] = FunctionBackend(settings)
@@ -288,7 +296,8 @@ class Engine:
             self._records[record.id] = record
             if record.spec.image:
                 try:  # re-pin the image mount this sandbox's root sits on
-                    self._image_refs[record.id] = await asyncio.to_thread(self.images.resolve, record.spec.image)
+                    self._image_refs[record.id] = await asyncio.to_thread(self._resolve_image, backend,
+                                                                          record.spec.image)
                 except DSecError as exc:
                     log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
             if record.layers:
@@ -360,6 +369,10 @@ class Engine:
         """The labels of a live sandbox (the token guard reads the job that owns it), None if there is none."""
         record = self._records.get(sandbox_id)
         return None if record is None else dict(record.spec.labels)
+
+    def _resolve_image(self, backend: Backend, name: str) -> ImageRef:
+        """The backend's own image ``name`` if it has such images (``vm``), else the store's. Blocking."""
+        return backend.resolve_image(name) or self.images.resolve(name)
 
     def _lookup(self, sandbox_id: str) -> SandboxRecord:
         record = self._records.get(sandbox_id)
@@ -502,7 +515,7 @@ class Engine:
                 layers = list(meta.get("layers", []))
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
-            image = await asyncio.to_thread(self.images.resolve, spec.image)
+            image = await asyncio.to_thread(self._resolve_image, backend, spec.image)
             try:
                 roots = await asyncio.to_thread(self.snapshots.open, layers) if snapshot is not None else []
             except BaseException:
@@ -925,6 +938,21 @@ class Engine:
             record.state = "running"
             self._store.save(record)
         return self._info(record)
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        """The sandbox's display as PNG bytes (backends without a display raise NotSupported)."""
+        record = self._live(sandbox_id, allow_paused=True)
+        return await self._backend(record.spec.backend).screenshot(record)
+
+    async def mouse(self, sandbox_id: str, request: MouseRequest) -> None:
+        """A pointer action on the sandbox's display."""
+        record = self._live(sandbox_id, allow_paused=False)
+        await self._backend(record.spec.backend).mouse(record, request.x, request.y, request.button, request.action)
+
+    async def keyboard(self, sandbox_id: str, request: KeyboardRequest) -> None:
+        """Type text or press key combos on the sandbox's display."""
+        record = self._live(sandbox_id, allow_paused=False)
+        await self._backend(record.spec.backend).keyboard(record, text=request.text, keys=request.keys)
 
     async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
         """Replace a live sandbox's network policy; the record keeps the new one."""

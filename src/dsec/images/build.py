@@ -19,7 +19,7 @@ from dsec.errors import BackendUnavailable, DSecError, InvalidRequest
 from dsec.images.store import ImageStore, validate_name
 from dsec.models import ImageConfig, ImageInfo
 
-__all__ = ["RECIPES", "apt_options", "apt_sources", "build", "mmdebstrap_command"]
+__all__ = ["RECIPES", "apt_options", "apt_sources", "build", "mmdebstrap_command", "run_mmdebstrap"]
 
 RECIPES: dict[str, tuple[str, ...]] = {
     "debian-python": ("python3", "python3-venv", "git", "build-essential", "ca-certificates"),
@@ -61,8 +61,9 @@ def apt_options(apt_dir: Path = _APT) -> list[Path]:
 
 
 def mmdebstrap_command(packages: Sequence[str], suite: str, target: Path,
-                       apt_dir: Path = _APT) -> list[str]:
-    """The mmdebstrap argv that builds ``packages`` over a minbase ``suite`` into ``target``."""
+                       apt_dir: Path = _APT, hooks: Sequence[str] = ()) -> list[str]:
+    """The mmdebstrap argv that builds ``packages`` over a minbase ``suite`` into ``target``; ``hooks`` are
+    extra ``--*-hook=`` options."""
     for pkg in packages:
         if not re.match(_PACKAGE_RE, pkg):
             raise InvalidRequest(f"invalid Debian package name {pkg!r}")
@@ -76,9 +77,25 @@ def mmdebstrap_command(packages: Sequence[str], suite: str, target: Path,
     if packages:
         argv.append("--include=" + ",".join(packages))
     argv += [f"--aptopt={p}" for p in apt_options(apt_dir)]
+    argv += list(hooks)
     argv += [suite, str(target)]
     argv += [str(p) for p in apt_sources(apt_dir)]  # none: mmdebstrap picks Debian's default mirror
     return argv
+
+
+def run_mmdebstrap(argv: list[str], name: str, log: Path | None = None) -> None:
+    """Run mmdebstrap; its output goes to ``log`` when given, and its tail is quoted in the error."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False)
+        out.seek(0)
+        output = out.read().decode(errors="replace")
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(output)
+    if proc.returncode != 0:
+        tail = "\n".join(output.splitlines()[-20:])
+        raise DSecError(f"mmdebstrap failed (exit {proc.returncode}) building {name!r}:\n{tail}",
+                        image=name, command=argv)
 
 
 def build(
@@ -108,19 +125,7 @@ def build(
     work = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=store.root))
     try:
         target = work / "rootfs"
-        argv = mmdebstrap_command(packages, suite, target)
-        with tempfile.TemporaryFile() as out:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                  check=False)
-            out.seek(0)
-            output = out.read().decode(errors="replace")
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(output)
-        if proc.returncode != 0:
-            tail = "\n".join(output.splitlines()[-20:])
-            raise DSecError(f"mmdebstrap failed (exit {proc.returncode}) building {name!r}:\n{tail}",
-                            image=name, command=argv)
+        run_mmdebstrap(mmdebstrap_command(packages, suite, target), name, log)
         source = f"mmdebstrap:{suite}:{','.join(packages)}"
         return store.import_dir(name, target, uid_shift=shift, source=source,
                                 config=ImageConfig(workdir="/workspace"), replace=replace, move=True)

@@ -1,0 +1,323 @@
+"""The ``vm`` backend: a full virtual machine per sandbox (QEMU ``-M q35``), with its own kernel, systemd as
+init, kernel modules, and optionally an X desktop that agents see as screenshots and drive with the mouse and
+keyboard.
+
+It is the microvm backend with another machine (:class:`~dsec.backends.microvm.MicroVMBackend` is its base:
+the same QEMU process handling, cgroups, QMP client, guest agent protocol, templates, snapshots, hibernation
+and recovery). What differs:
+
+* the disk: a VM image (:mod:`dsec.guest.vmimage`, ``dsec image build-vm``) is an ext4 root filesystem in a
+  read-only qcow2 file; each sandbox writes to its own qcow2 overlay (``qemu-img create -b``) in
+  ``<home>/vm/sandboxes/<id>/``. A template's or snapshot's saved disk is a copy of the overlay taken while
+  the VM is stopped, and clones get an overlay over it, so their RAM and disk agree;
+* boot: QEMU loads the image's own kernel and initramfs (copied out of its /boot at build time) and mounts
+  the disk as root; systemd starts the agent (``dsec-agent.service``) on the virtio-serial port;
+* a display (``-device VGA``), a USB tablet (absolute pointer) and the PS/2 keyboard: :meth:`screenshot`
+  (QMP ``screendump`` as PNG), :meth:`mouse` (QMP ``input-send-event``) and :meth:`keyboard` (QMP
+  ``send-key``, which QEMU spaces out itself so the guest's keyboard buffer never overflows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from dsec.backends.base import ImageRef
+from dsec.backends.microvm import _VM, QEMU, MiB, MicroVMBackend, probe_accelerator
+from dsec.config import Settings
+from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.guest.kernel import default_guest_dir, find_kernel
+from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
+from dsec.models import ExecRequest, ImageConfig, SandboxRecord
+
+__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "keys_for_text"]
+
+_CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
+            "net.ifnames=0 mitigations=off")
+_SETTLE = ("systemctl is-system-running --wait; "
+           "if systemctl -q is-enabled dsec-desktop.service 2>/dev/null; then "
+           "until pgrep -x twm >/dev/null && pgrep -x xterm >/dev/null; do sleep 0.5; done; sleep 3; fi")
+"""Run in a freshly booted guest: returns once boot is over (and, on a desktop image, its windows are up)."""
+_ABS_MAX = 0x7FFF
+"""QEMU's absolute pointer range (both axes)."""
+
+MOUSE_BUTTONS = ("left", "middle", "right")
+MOUSE_ACTIONS = ("click", "double_click", "down", "up", "move", "scroll_up", "scroll_down")
+
+_SHIFTED = {'!': "1", '@': "2", '#': "3", '$': "4", '%': "5", '^': "6", '&': "7", '*': "8", '(': "9", ')': "0",
+            '_': "minus", '+': "equal", '{': "bracket_left", '}': "bracket_right", '|': "backslash",
+            ':': "semicolon", '"': "apostrophe", '~': "grave_accent", '<': "comma", '>': "dot", '?': "slash"}
+_PLAIN = {' ': "spc", '\n': "ret", '\t': "tab", '-': "minus", '=': "equal", '[': "bracket_left",
+          ']': "bracket_right", '\\': "backslash", ';': "semicolon", "'": "apostrophe", '`': "grave_accent",
+          ',': "comma", '.': "dot", '/': "slash"}
+KEY_NAMES: dict[str, str] = {
+    **{c: c for c in "abcdefghijklmnopqrstuvwxyz0123456789"},
+    **{f"f{i}": f"f{i}" for i in range(1, 13)},
+    "enter": "ret", "return": "ret", "ret": "ret", "tab": "tab", "space": "spc", "spc": "spc",
+    "backspace": "backspace", "escape": "esc", "esc": "esc", "delete": "delete", "insert": "insert",
+    "home": "home", "end": "end", "pageup": "pgup", "pagedown": "pgdn", "up": "up", "down": "down",
+    "left": "left", "right": "right", "shift": "shift", "ctrl": "ctrl", "control": "ctrl", "alt": "alt",
+    "super": "meta_l", "meta": "meta_l", "minus": "minus", "equal": "equal", "slash": "slash", "dot": "dot",
+    "comma": "comma",
+}
+"""Key names accepted in ``keys=[...]`` (case-insensitive; combos join them with ``+``: ``"ctrl+c"``), mapped to
+QEMU qcodes."""
+
+
+def keys_for_text(text: str) -> list[list[str]]:
+    """The key combos (qcodes, modifiers first) that type ``text`` on a US layout; InvalidRequest names the
+    first character that has no key."""
+    out: list[list[str]] = []
+    for i, ch in enumerate(text):
+        if "a" <= ch <= "z" or "0" <= ch <= "9":
+            out.append([ch])
+        elif "A" <= ch <= "Z":
+            out.append(["shift", ch.lower()])
+        elif ch in _PLAIN:
+            out.append([_PLAIN[ch]])
+        elif ch in _SHIFTED:
+            out.append(["shift", _SHIFTED[ch]])
+        else:
+            raise InvalidRequest(f"text[{i}]={ch!r} cannot be typed: only printable ASCII, tab and newline "
+                                 f"(US keyboard layout)")
+    return out
+
+
+def _combo(spec: str) -> list[str]:
+    if not isinstance(spec, str) or not spec:
+        raise InvalidRequest(f"a key must be a non-empty string like 'enter' or 'ctrl+c', got {spec!r}")
+    names = spec.lower().split("+")
+    try:
+        return [KEY_NAMES[n] for n in names]
+    except KeyError as e:
+        raise InvalidRequest(f"unknown key {e.args[0]!r} in {spec!r}; known: {', '.join(sorted(KEY_NAMES))}"
+                             ) from None
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise SandboxError("QEMU's screendump is not a PNG")
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+class VMBackend(MicroVMBackend):
+    """Full QEMU q35 VMs booting a VM image's own kernel and systemd; computer use through QMP."""
+
+    name = "vm"
+    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 300)
+    min_memory = 256 * MiB
+
+    def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
+                 fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
+        super().__init__(settings, accel=accel or os.environ.get("DSEC_VM_ACCEL"), fast_start=fast_start,
+                         qemu_user=qemu_user, hibernate_on_pause=False)
+        self.vm_dir = vm_dir or default_vm_dir()
+        # QEMU reopens a sandbox's disk as its unprivileged user when it resumes after a migration (restore,
+        # snapshot): the overlay must sit where that user can reach it, which DSEC_HOME (often 0700) is not.
+        self.sandbox_files = self.vm_dir / "sandboxes" / self.tag
+        self._screens: dict[str, tuple[int, int]] = {}
+        """Last known display size per sandbox (pointer coordinates are scaled by it)."""
+
+    def available(self) -> str:
+        if os.geteuid() != 0:
+            return "needs root (cgroups, QEMU as an unprivileged user)"
+        for tool, pkg in ((QEMU, "qemu-system-x86"), ("qemu-img", "qemu-utils")):
+            if shutil.which(tool) is None:
+                return f"{tool} not found: apt-get install {pkg}"
+        return "ok"
+
+    async def start(self) -> None:
+        reason = self.available()
+        if reason != "ok":
+            raise BackendUnavailable(f"vm backend: {reason}")
+        if self.accel is None:
+            try:  # the microvm guest kernel is the probe (any kernel will do); without it, no KVM probe
+                kernel = find_kernel(default_guest_dir()).vmlinuz
+            except BackendUnavailable:
+                self.accel, self.accel_reason = "tcg", "no guest kernel to probe KVM with"
+            else:
+                self.accel, self.accel_reason = await asyncio.to_thread(probe_accelerator, kernel)
+        for d in (self.root / "templates", self.root / "snapshots"):
+            d.mkdir(parents=True, exist_ok=True)
+        self.sandbox_files.mkdir(parents=True, exist_ok=True)
+        for d in (self.sandbox_files, self.sandbox_files.parent):
+            os.chmod(d, 0o711)
+        self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        self._started = True
+
+    def resolve_image(self, name: str) -> ImageRef:
+        """A VM image (not an image of the store): ``rootfs`` is its directory."""
+        image = find_vm_image(name, self.vm_dir)
+        return ImageRef(name=name, rootfs=image.dir, config=ImageConfig(workdir="/workspace"))
+
+    # -- disks, templates ---------------------------------------------------------------------------------
+
+    async def _erofs(self, image: ImageRef) -> Path:
+        return find_vm_image(image.name, self.vm_dir).disk
+
+    @staticmethod
+    async def _image_user(image: ImageRef) -> dict[str, Any]:
+        return {"user": [0, 0], "home": "/root"}
+
+    def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
+        st = erofs.stat()
+        return hashlib.sha256(f"vm:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
+                              ).hexdigest()[:16]
+
+    async def _cold_boot(self, record: SandboxRecord, rundir: Path, erofs: Path, vcpus: int, mem_mib: int,
+                         disk_bytes: int, ram_file: Path | None = None) -> _VM:
+        """Boot, then wait until systemd has started everything (and the desktop shows its windows): a
+        template saved earlier would make every clone finish booting on its own time."""
+        vm = await super()._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes, ram_file)
+        result = await self.exec(record, ExecRequest(command=_SETTLE, timeout=self.boot_timeout))
+        if result.limit == "time":
+            raise SandboxError(f"the guest did not finish booting within {self.boot_timeout:.0f}s "
+                               f"(systemctl is-system-running: {result.stdout.decode(errors='replace').strip()})")
+        return vm
+
+    async def _prepare(self, record: SandboxRecord) -> None:
+        """Fresh identity (as microvm), and the host's time: a clone's clock is its template's, which may be
+        days old (the image masks timesyncd, and there is no network to sync with)."""
+        await super()._prepare(record)
+        r = await self.exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"], timeout=30))
+        if r.exit_code != 0:
+            raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
+
+    async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
+        """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
+        with links to the image's kernel and initramfs beside it."""
+        d = self.sandbox_files / sandbox_id
+        await asyncio.to_thread(shutil.rmtree, d, True)
+        d.mkdir(parents=True)
+        backing = saved / "disk.qcow2" if saved is not None else base
+        if not backing.is_file():
+            raise SandboxError(f"{saved.name if saved else base}: its disk {backing} is missing")
+        proc = await asyncio.to_thread(
+            subprocess.run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing),
+                             str(d / "disk.qcow2")], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SandboxError(f"qemu-img create of the sandbox's disk failed: {proc.stderr.strip()[-300:]}")
+        for name in ("vmlinuz", "initrd.img"):
+            (d / name).symlink_to(base.parent / name)
+        self._chown(d / "disk.qcow2")
+        self._chown(d)
+        return d / "disk.qcow2"
+
+    async def _saved(self, record: SandboxRecord, target: Path) -> None:
+        """Copy the stopped VM's overlay beside its saved state: templates, snapshots and hibernation keep
+        the disk that goes with the RAM."""
+        disk = Path(record.backend_state.get("erofs") or self.sandbox_files / record.id / "disk.qcow2")
+        copy = target.with_name("disk.qcow2")
+        tmp = copy.with_name(".disk.qcow2.tmp")
+        await asyncio.to_thread(shutil.copyfile, disk, tmp)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, copy)
+
+    def _qemu_cmd(self, rundir: Path, disk: Path, vcpus: int, mem_mib: int, disk_bytes: int,
+                  memory: list[str], extra: list[str]) -> list[str]:
+        accel = self.accel or "tcg"
+        cmd = [
+            QEMU, "-M", "q35,memory-backend=mem",
+            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-smp", str(vcpus), "-m", f"{mem_mib}M", "-object", ",".join(memory),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
+            "-kernel", str(disk.parent / "vmlinuz"), "-initrd", str(disk.parent / "initrd.img"),
+            "-append", _CMDLINE,
+            "-chardev", f"socket,id=con,path={rundir / 'console.sock'},server=on,wait=off", "-serial", "chardev:con",
+            "-drive", f"id=root,file={disk},format=qcow2,if=none,discard=unmap",
+            "-device", "virtio-blk-pci,drive=root",
+            "-device", "virtio-serial-pci",
+            "-chardev", f"socket,id=agent,path={rundir / 'agent.sock'},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+            "-device", "VGA", "-device", "qemu-xhci", "-device", "usb-tablet",
+            "-qmp", f"unix:{rundir / 'qmp.sock'},server=on,wait=off",
+            "-pidfile", str(rundir / "qemu.pid"),
+        ]
+        if self.qemu_user:
+            cmd += ["-runas", self.qemu_user]
+        return cmd + extra
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with contextlib.suppress(OSError):
+            self.sandbox_files.rmdir()  # only when no sandbox is left
+
+    async def destroy(self, record: SandboxRecord) -> None:
+        self._screens.pop(record.id, None)
+        await super().destroy(record)
+
+    # -- computer use -------------------------------------------------------------------------------------
+
+    async def screenshot(self, record: SandboxRecord) -> bytes:
+        """The display as PNG bytes (QMP ``screendump``)."""
+        vm = self._vm(record)
+        path = vm.rundir / "screen.png"
+        path.unlink(missing_ok=True)
+        try:
+            await self._qmp(vm.rundir, [("screendump", {"filename": str(path), "format": "png"})])
+            data = await asyncio.to_thread(path.read_bytes)
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._screens[record.id] = _png_size(data)
+        return data
+
+    async def _screen(self, record: SandboxRecord) -> tuple[int, int]:
+        if record.id not in self._screens:
+            await self.screenshot(record)
+        return self._screens[record.id]
+
+    async def mouse(self, record: SandboxRecord, x: int, y: int, button: str = "left", action: str = "click"
+                    ) -> None:
+        """Move the pointer to pixel (``x``, ``y``) and press, release, click, double-click or scroll there."""
+        if button not in MOUSE_BUTTONS:
+            raise InvalidRequest(f"button={button!r}: must be one of {', '.join(MOUSE_BUTTONS)}")
+        if action not in MOUSE_ACTIONS:
+            raise InvalidRequest(f"action={action!r}: must be one of {', '.join(MOUSE_ACTIONS)}")
+        vm = self._vm(record)
+        width, height = await self._screen(record)
+        if not (0 <= x < width and 0 <= y < height):
+            raise InvalidRequest(f"({x}, {y}) is outside the {width}x{height} display")
+        move = [{"type": "abs", "data": {"axis": "x", "value": round(x * _ABS_MAX / max(width - 1, 1))}},
+                {"type": "abs", "data": {"axis": "y", "value": round(y * _ABS_MAX / max(height - 1, 1))}}]
+
+        def press(btn: str, down: bool) -> tuple[str, dict[str, Any]]:
+            return ("input-send-event", {"events": [{"type": "btn", "data": {"down": down, "button": btn}}]})
+
+        commands: list[tuple[str, dict[str, Any]]] = [("input-send-event", {"events": move})]
+        if action in ("scroll_up", "scroll_down"):
+            wheel = "wheel-up" if action == "scroll_up" else "wheel-down"
+            commands += [press(wheel, True), press(wheel, False)]
+        elif action in ("down", "up"):
+            commands.append(press(button, action == "down"))
+        elif action != "move":
+            for _ in range(2 if action == "double_click" else 1):
+                commands += [press(button, True), press(button, False)]
+        # one QMP command per event: each is its own report to the guest, so a press is never merged with
+        # its release
+        await self._qmp(vm.rundir, commands)
+
+    async def keyboard(self, record: SandboxRecord, text: str | None = None, keys: list[str] | None = None
+                       ) -> None:
+        """Type ``text`` (US layout), or press each combo of ``keys`` (``["ctrl+c", "enter"]``) in order."""
+        if (text is None) == (keys is None):
+            raise InvalidRequest("give exactly one of text= or keys=")
+        if keys is not None and (not isinstance(keys, list) or not keys):
+            raise InvalidRequest(f"keys must be a non-empty list of key names, got {keys!r}")
+        combos = keys_for_text(text) if text is not None else [_combo(k) for k in keys or []]
+        if not combos:
+            return
+        vm = self._vm(record)
+        commands = [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo], "hold-time": 20})
+                    for combo in combos]
+        await self._qmp(vm.rundir, list(commands))

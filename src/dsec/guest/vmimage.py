@@ -1,0 +1,270 @@
+"""Disk images of the ``vm`` backend: a whole Debian system (its own kernel, systemd, the guest agent as a
+service, optionally an X desktop), built with mmdebstrap into an ext4 filesystem in a qcow2 file.
+
+Layout under the VM directory (``DSEC_VM_DIR``, default ``/var/lib/dsec/vm``)::
+
+    images/<name>/disk.qcow2    the root filesystem (ext4 on the whole disk, no partition table); read-only
+                                base of every sandbox's qcow2 overlay
+    images/<name>/vmlinuz       the image's own kernel and initramfs, copied out of its /boot: QEMU boots them
+    images/<name>/initrd.img    directly (no bootloader in the disk)
+    images/<name>/image.json    what was built: suite, packages, desktop, kernel version, disk size
+
+This module owns the recipe (packages, systemd units, the X session) and the image directory; the mmdebstrap
+command line is :func:`dsec.images.build.mmdebstrap_command`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidRequest
+from dsec.guest.initramfs import ensure_agent
+from dsec.images.build import mmdebstrap_command, run_mmdebstrap
+from dsec.images.store import validate_name
+
+__all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "default_vm_dir",
+           "find_vm_image", "list_vm_images"]
+
+BASE_PACKAGES = ("systemd", "systemd-sysv", "udev", "linux-image-amd64", "initramfs-tools", "kmod", "procps",
+                 "e2fsprogs", "iproute2", "python3", "ca-certificates")
+"""A bootable system: the distribution kernel (it has the bochs/virtio-gpu display drivers the cloud kernel
+lacks), systemd as init, and python3 for agents' scripts."""
+
+DESKTOP_PACKAGES = ("xserver-xorg-core", "xserver-xorg-input-libinput", "xinit", "xterm", "twm",
+                    "x11-xserver-utils", "xfonts-base", "fonts-dejavu-core")
+"""``--desktop``: Xorg (modesetting driver on the VM's VGA, no GL acceleration: there is no GPU), the twm
+window manager and xterm."""
+
+AGENT_PORT = "dsec.agent"
+"""Name of the virtio-serial port the agent serves (udev links it as /dev/virtio-ports/dsec.agent)."""
+
+_DISK_SIZE = 4 * 1024**3
+_INITRAMFS_HOOK = ('--essential-hook=mkdir -p "$1/etc/initramfs-tools/conf.d" "$1/usr/share/initramfs-tools/modules.d" '
+                   '&& echo MODULES=list > "$1/etc/initramfs-tools/conf.d/dsec.conf" && '
+                   'printf "virtio_pci\\nvirtio_blk\\next4\\n" > "$1/usr/share/initramfs-tools/modules.d/dsec"')
+"""Before the kernel is installed: its initramfs holds only what mounts the root disk (a smaller initramfs
+unpacks faster, which counts under TCG)."""
+_UNITS_OFF = ("apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_all.timer", "fstrim.timer",
+              "serial-getty@ttyS0.service", "systemd-timesyncd.service", "e2scrub_reap.service")
+"""Units masked in the image: periodic jobs that would wake an idle VM (and its template) for nothing."""
+
+_AGENT_UNIT = f"""[Unit]
+Description=DSec guest agent (exec and files for the host over virtio-serial)
+DefaultDependencies=no
+After=systemd-udevd.service local-fs.target
+Wants=systemd-udevd.service
+StartLimitIntervalSec=0
+
+[Service]
+ExecStart=/usr/local/sbin/dsec-agent /dev/virtio-ports/{AGENT_PORT}
+Restart=always
+RestartSec=0.2
+OOMScoreAdjust=-1000
+
+[Install]
+WantedBy=sysinit.target
+"""
+
+_DESKTOP_UNIT = """[Unit]
+Description=DSec desktop (Xorg on the VM's display, twm, xterm)
+After=systemd-user-sessions.service systemd-udev-settle.service dsec-agent.service
+
+[Service]
+Environment=HOME=/root
+ExecStart=/usr/bin/xinit /etc/dsec/xsession -- /usr/bin/Xorg :0 vt7 -nolisten tcp -noreset -s 0 -dpms
+Restart=always
+RestartSec=1
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+_XSESSION = """#!/bin/sh
+# The desktop's session: a plain background, twm (restarted if it exits), and one terminal at a fixed place
+# (twm does not ask where to put a window that gives its own position). Agents open more with
+# `DISPLAY=:0 xterm &`. The session lasts until X stops.
+exec >/var/log/dsec-xsession.log 2>&1
+xsetroot -solid '#2e3440'
+(while :; do twm; sleep 1; done) &
+xterm -geometry 80x24+40+40 -fa Monospace -fs 12 -bg black -fg white &
+exec sleep infinity
+"""
+
+_TWMRC = """TitleFont "fixed"
+ResizeFont "fixed"
+MenuFont "fixed"
+IconFont "fixed"
+IconManagerFont "fixed"
+RandomPlacement
+"""
+"""twm's default fonts (adobe-helvetica) are not in xfonts-base: without this it cannot open its fontset and
+exits (the session restarts it)."""
+
+_XORG_CONF = """Section "Device"
+    Identifier "dsec-display"
+    Driver "modesetting"
+    Option "AccelMethod" "none"
+EndSection
+
+Section "ServerFlags"
+    Option "BlankTime" "0"
+    Option "StandbyTime" "0"
+    Option "SuspendTime" "0"
+    Option "OffTime" "0"
+EndSection
+"""
+
+
+def default_vm_dir() -> Path:
+    """``DSEC_VM_DIR`` or ``/var/lib/dsec/vm``: shared by every DSEC_HOME on the node, like images."""
+    return Path(os.environ.get("DSEC_VM_DIR") or "/var/lib/dsec/vm")
+
+
+@dataclass(frozen=True)
+class VMImage:
+    """A built VM disk image."""
+
+    name: str
+    dir: Path
+    disk: Path
+    kernel: Path
+    initrd: Path
+    desktop: bool
+    disk_bytes: int
+    meta: dict[str, Any]
+
+
+def find_vm_image(name: str, vm_dir: Path | None = None) -> VMImage:
+    """The VM image ``name``; raises :class:`ImageNotFound` naming how to build it."""
+    validate_name(name)
+    d = (vm_dir or default_vm_dir()) / "images" / name
+    try:
+        meta = json.loads((d / "image.json").read_text())
+    except (OSError, ValueError):
+        raise ImageNotFound(f"no VM image {name!r} in {d.parent}: build it with `dsec image build-vm {name}`",
+                            image=name) from None
+    for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
+        if not (d / f).is_file():
+            raise ImageNotFound(f"VM image {name!r} is incomplete: {d / f} is missing (rebuild it with "
+                                f"`dsec image build-vm {name} --replace`)", image=name)
+    return VMImage(name, d, d / "disk.qcow2", d / "vmlinuz", d / "initrd.img", bool(meta.get("desktop")),
+                   int(meta.get("disk_bytes", _DISK_SIZE)), meta)
+
+
+def list_vm_images(vm_dir: Path | None = None) -> list[VMImage]:
+    """Every complete VM image, by name."""
+    root = (vm_dir or default_vm_dir()) / "images"
+    found = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            found.append(find_vm_image(d.name, vm_dir))
+        except (ImageNotFound, InvalidRequest):
+            continue
+    return found
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise DSecError(f"{' '.join(argv[:3])} failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+
+
+def _configure(root: Path, desktop: bool) -> str:
+    """Install the agent and units into the bootstrapped ``root``; return the kernel version."""
+    agent = ensure_agent(Path(tempfile.gettempdir()) / "dsec-agent-build")
+    shutil.copy2(agent, root / "usr/local/sbin/dsec-agent")
+    os.chmod(root / "usr/local/sbin/dsec-agent", 0o755)
+    units = root / "etc/systemd/system"
+    (units / "dsec-agent.service").write_text(_AGENT_UNIT)
+    wants = units / "sysinit.target.wants"
+    wants.mkdir(exist_ok=True)
+    (wants / "dsec-agent.service").symlink_to("/etc/systemd/system/dsec-agent.service")
+    for unit in _UNITS_OFF:
+        link = units / unit
+        link.unlink(missing_ok=True)
+        link.symlink_to("/dev/null")
+    if desktop:
+        (units / "dsec-desktop.service").write_text(_DESKTOP_UNIT)
+        mu = units / "multi-user.target.wants"
+        mu.mkdir(exist_ok=True)
+        (mu / "dsec-desktop.service").symlink_to("/etc/systemd/system/dsec-desktop.service")
+        (root / "etc/dsec").mkdir(exist_ok=True)
+        (root / "etc/dsec/xsession").write_text(_XSESSION)
+        os.chmod(root / "etc/dsec/xsession", 0o755)
+        (root / "root/.twmrc").write_text(_TWMRC)
+        (root / "etc/X11/xorg.conf.d").mkdir(parents=True, exist_ok=True)
+        (root / "etc/X11/xorg.conf.d/10-dsec.conf").write_text(_XORG_CONF)
+    (root / "etc/fstab").write_text("/dev/vda / ext4 rw,errors=remount-ro 0 0\n")
+    (root / "etc/hostname").write_text("dsec-vm\n")
+    (root / "workspace").mkdir(exist_ok=True)
+    # the clone's identity is set by the agent at create; an empty machine-id makes systemd make one at boot
+    (root / "etc/machine-id").write_text("")
+    kernels = sorted((root / "boot").glob("vmlinuz-*"))
+    if not kernels:
+        raise DSecError("the bootstrapped system has no kernel in /boot (linux-image-amd64 not installed?)")
+    version = kernels[-1].name.removeprefix("vmlinuz-")
+    if not (root / "boot" / f"initrd.img-{version}").is_file():
+        raise DSecError(f"the bootstrapped system has no initramfs for kernel {version}")
+    return version
+
+
+def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None = None, suite: str = "bookworm",
+                   disk_bytes: int = _DISK_SIZE, replace: bool = False, vm_dir: Path | None = None,
+                   log: Path | None = None) -> VMImage:
+    """Bootstrap a bootable Debian (plus ``packages``, plus the desktop) and store it as VM image ``name``.
+
+    Needs root (mmdebstrap's root mode), ``mkfs.ext4`` (populates the filesystem from the tree without a
+    loop mount) and ``qemu-img``. Built in a temporary directory beside the images, which is always removed.
+    """
+    validate_name(name)
+    if disk_bytes < 1024**3:
+        raise InvalidRequest(f"disk_bytes={disk_bytes} is too small for a VM image (at least 1 GiB)")
+    for tool, pkg in (("mkfs.ext4", "e2fsprogs"), ("qemu-img", "qemu-utils")):
+        if shutil.which(tool) is None:
+            raise BackendUnavailable(f"{tool} not found: apt-get install {pkg}", package=pkg)
+    root_dir = (vm_dir or default_vm_dir()) / "images"
+    target = root_dir / name
+    if target.exists() and not replace:
+        raise InvalidRequest(f"VM image {name!r} exists: pass --replace to rebuild it", image=name)
+    wanted = [*BASE_PACKAGES, *(DESKTOP_PACKAGES if desktop else ()), *(packages or [])]
+    root_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=root_dir))
+    try:
+        tree = work / "rootfs"
+        run_mmdebstrap(mmdebstrap_command(wanted, suite, tree, hooks=[_INITRAMFS_HOOK]), name, log)
+        version = _configure(tree, desktop)
+        out = work / "out"
+        out.mkdir()
+        shutil.copy2(tree / "boot" / f"vmlinuz-{version}", out / "vmlinuz")
+        shutil.copy2(tree / "boot" / f"initrd.img-{version}", out / "initrd.img")
+        raw = work / "disk.raw"
+        _run(["mkfs.ext4", "-q", "-F", "-L", "dsec-root", "-E", "root_owner=0:0", "-d", str(tree), str(raw),
+              str(disk_bytes // 1024) + "k"])
+        _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / "disk.qcow2")])
+        os.chmod(out / "disk.qcow2", 0o444)
+        meta = {"name": name, "suite": suite, "packages": wanted, "desktop": desktop, "kernel": version,
+                "disk_bytes": disk_bytes, "built_at": time.time()}
+        (out / "image.json").write_text(json.dumps(meta, indent=2))
+        os.chmod(out, 0o755)
+        if target.exists():
+            trash = work / "old"
+            target.rename(trash)
+        out.rename(target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return find_vm_image(name, vm_dir)
+
+
+if __name__ == "__main__":
+    import sys
+
+    img = build_vm_image(sys.argv[1] if len(sys.argv) > 1 else "debian-desktop", desktop=True, replace=True)
+    print(img.disk)

@@ -1,0 +1,125 @@
+"""Computer use above the VM: key mapping, request validation, the HTTP routes and the SDK methods, against
+a fake backend with a display and backends without one (the real display is tested in test_vm.py)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dsec.backends.base import ImageRef
+from dsec.backends.vm import _combo as combo
+from dsec.backends.vm import keys_for_text
+from dsec.config import Settings
+from dsec.daemon.app import create_app
+from dsec.daemon.engine import Engine
+from dsec.errors import InvalidRequest
+from dsec.models import SandboxRecord
+from dsec.testing.fake import FakeBackend, FakeImages
+
+
+def tiny_png() -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" + b"\xff" * 6)) + chunk(b"IEND", b""))
+
+
+class DisplayBackend(FakeBackend):
+    """A fake vm: its own images (``desk``), a display, and a log of the input it got."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__("vm", root)
+        self.inputs: list[tuple[Any, ...]] = []
+
+    def resolve_image(self, name: str) -> ImageRef | None:
+        return ImageRef(name=name, rootfs=self.root) if name == "desk" else None
+
+    async def screenshot(self, record: SandboxRecord) -> bytes:
+        return tiny_png()
+
+    async def mouse(self, record: SandboxRecord, x: int, y: int, button: str = "left", action: str = "click"
+                    ) -> None:
+        self.inputs.append(("mouse", x, y, button, action))
+
+    async def keyboard(self, record: SandboxRecord, text: str | None = None, keys: list[str] | None = None
+                       ) -> None:
+        self.inputs.append(("keyboard", text, keys))
+
+
+def test_text_becomes_us_layout_key_combos() -> None:
+    assert keys_for_text("aZ 1!\n") == [["a"], ["shift", "z"], ["spc"], ["1"], ["shift", "1"], ["ret"]]
+    assert keys_for_text('~"|') == [["shift", "grave_accent"], ["shift", "apostrophe"], ["shift", "backslash"]]
+    with pytest.raises(InvalidRequest, match=r"text\[2\]='é' cannot be typed"):
+        keys_for_text("caé")
+
+
+def test_key_combos() -> None:
+    assert combo("ctrl+c") == ["ctrl", "c"]
+    assert combo("Enter") == ["ret"]
+    assert combo("ctrl+alt+delete") == ["ctrl", "alt", "delete"]
+    for bad, why in (("", "non-empty"), ("ctrl+", "unknown key ''"), ("hyper", "unknown key 'hyper'")):
+        with pytest.raises(InvalidRequest, match=why):
+            combo(bad)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, DisplayBackend]]:
+    vm = DisplayBackend(tmp_path / "vm")
+    eng = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake"), "vm": vm},
+                 FakeImages())
+    await eng.start()
+    try:
+        yield eng, vm
+    finally:
+        await eng.destroy_all()
+        await eng.aclose()
+
+
+@pytest.fixture
+async def client(engine: tuple[Engine, DisplayBackend]) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(engine[0], None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec") as c:
+        yield c
+
+
+async def test_routes_reach_the_display(client: httpx.AsyncClient, engine: tuple[Engine, DisplayBackend]) -> None:
+    r = await client.post("/v1/sandboxes", json={"image": "desk", "backend": "vm"})  # the backend's own image
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    shot = await client.get(f"/v1/sandboxes/{sid}/screenshot")
+    assert shot.status_code == 200 and shot.headers["content-type"] == "image/png" and shot.content == tiny_png()
+    assert (await client.post(f"/v1/sandboxes/{sid}/mouse", json={"x": 3, "y": 4, "action": "double_click"})
+            ).status_code == 204
+    assert (await client.post(f"/v1/sandboxes/{sid}/keyboard", json={"keys": ["ctrl+c"]})).status_code == 204
+    assert (await client.post(f"/v1/sandboxes/{sid}/keyboard", json={"text": "ls\n"})).status_code == 204
+    assert engine[1].inputs == [("mouse", 3, 4, "left", "double_click"), ("keyboard", None, ["ctrl+c"]),
+                                ("keyboard", "ls\n", None)]
+
+
+async def test_bad_input_is_400_and_sends_nothing(client: httpx.AsyncClient,
+                                                  engine: tuple[Engine, DisplayBackend]) -> None:
+    sid = (await client.post("/v1/sandboxes", json={"image": "desk", "backend": "vm"})).json()["id"]
+    for path, body, field in (("mouse", {"x": -1, "y": 0}, "x"),
+                              ("mouse", {"x": 1, "y": 1, "button": "side"}, "button"),
+                              ("mouse", {"x": 1, "y": 1, "action": "lick"}, "action"),
+                              ("keyboard", {"text": "a", "keys": ["b"]}, "exactly one"),
+                              ("keyboard", {}, "exactly one"), ("keyboard", {"keys": []}, "keys")):
+        r = await client.post(f"/v1/sandboxes/{sid}/{path}", json=body)
+        assert r.status_code == 400 and field in r.text, (path, body, r.text)
+    assert engine[1].inputs == []
+
+
+async def test_backends_without_a_display_say_so(client: httpx.AsyncClient) -> None:
+    sid = (await client.post("/v1/sandboxes", json={"image": "base"})).json()["id"]
+    for method, path, body in (("GET", "screenshot", None), ("POST", "mouse", {"x": 1, "y": 1}),
+                               ("POST", "keyboard", {"text": "x"})):
+        r = await client.request(method, f"/v1/sandboxes/{sid}/{path}", json=body)
+        assert r.status_code == 501, r.text
+        assert r.json()["error"]["type"] == "NotSupported" and "has no display" in r.text
