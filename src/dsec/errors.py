@@ -14,6 +14,7 @@ classes defined here, never an arbitrary import path).
     ├── SandboxStateError                   409  e.g. exec on a paused sandbox
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
     ├── QuotaExceeded                       429
+    ├── SandboxLost                         410  cluster mode: the owning node died
     ├── ReplayDivergence                    409  trajectory replay saw a different call
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
@@ -111,6 +112,13 @@ class QuotaExceeded(DSecError):
     """A per-job or per-node limit refused the request."""
 
     status_code = 429
+
+
+class SandboxLost(DSecError):
+    """The node that owned the sandbox died (cluster mode); ``detail["node"]`` names it. A trajectory-bound
+    sandbox is rebuilt from its latest checkpoint on another node when its trajectory is re-opened."""
+
+    status_code = 410
 
 
 class ReplayDivergence(DSecError):

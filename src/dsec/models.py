@@ -32,6 +32,7 @@ __all__ = [
     "LoggedCall",
     "NetworkEntry",
     "NetworkRequest",
+    "NodeEndpoint",
     "NodeInfo",
     "SandboxInfo",
     "SandboxRecord",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 BackendName = Literal["function", "container", "microvm", "vm"]
-SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed"]
+SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed", "lost"]
 LimitHit = Literal["time", "memory", "output", "pids"]
 
 _UNITS = {
@@ -438,6 +439,18 @@ class SandboxInfo(Model):
     """Why it is ``failed``/``expired``/``stopped``."""
     trajectory: TrajectoryStatus | None = None
     """The trajectory this sandbox is bound to, its lease and what a recovery could not restore."""
+    endpoint: NodeEndpoint | None = None
+    """Cluster mode: where the SDK sends this sandbox's exec and file calls (the owning node, with a
+    token valid for this sandbox only); None from a node daemon, which is itself the endpoint."""
+
+
+class NodeEndpoint(Model):
+    """The owning node's address and a credential scoped to one sandbox (answered by the gateway)."""
+
+    url: str
+    """``http://host:port`` of the node daemon."""
+    token: str
+    """Bearer token that the node accepts for this sandbox's routes only."""
 
 
 class TrajectoryStatus(Model):

@@ -22,7 +22,7 @@ from dsec.models import NodeInfo
 from .portal import portal
 from .transport import Transport
 
-__all__ = ["Client", "default_client"]
+__all__ = ["Client", "default_client", "node_client"]
 
 
 class Client:
@@ -64,15 +64,16 @@ class Client:
         json: Any = None,
         content: bytes | None = None,
         params: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         return await self._transport.request(
-            self._http(), method, path, json_body=json, content=content, params=params
+            self._http(), method, path, json_body=json, content=content, params=params, headers=headers
         )
 
     def _stream(
-        self, method: str, path: str, *, json: Any = None
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
     ) -> AbstractAsyncContextManager[httpx.Response]:
-        return self._transport.stream(self._http(), method, path, json_body=json)
+        return self._transport.stream(self._http(), method, path, json_body=json, headers=headers)
 
     async def health(self) -> NodeInfo:
         """The daemon's identity, version and which backends work on its host."""
@@ -147,3 +148,16 @@ def default_client() -> Client:
                 _default._close_soon()
             _default = Client(url, token)
         return _default
+
+
+_nodes: dict[str, Client] = {}
+
+
+def node_client(url: str) -> Client:
+    """One connection pool per cluster node URL, shared by every sandbox on that node (each sandbox's
+    requests carry its own scoped token as a header, so the pool itself holds no credential)."""
+    with _default_lock:
+        client = _nodes.get(url)
+        if client is None:
+            client = _nodes[url] = Client(url, token="")
+        return client

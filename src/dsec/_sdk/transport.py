@@ -99,20 +99,24 @@ class Transport:
         json_body: Any = None,
         content: bytes | None = None,
         params: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """Send one request, read the whole answer, raise the server's error on non-2xx."""
         with self.mapped_errors():
-            response = await client.request(method, path, json=json_body, content=content, params=params)
+            response = await client.request(method, path, json=json_body, content=content, params=params,
+                                            headers=headers)
         raise_for_status(response)
         return response
 
     @asynccontextmanager
     async def stream(
-        self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None
+        self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """Open a streamed response (no read timeout); closing it tells the server to stop."""
         with self.mapped_errors():
-            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT) as response:
+            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT,
+                                     headers=headers) as response:
                 if not response.is_success:
                     await response.aread()
                     raise_for_status(response)

@@ -7,10 +7,12 @@ sandboxes is a bug -- that logic belongs in the engine, where in-process tests e
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +43,10 @@ from dsec.models import (
     parse_pairs,
 )
 
-__all__ = ["create_app"]
+if TYPE_CHECKING:
+    from dsec.cluster.gateway import GatewayEngine
+
+__all__ = ["create_app", "scoped_token"]
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +80,49 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-class _TokenGuard:
-    """Bearer-token check as pure ASGI middleware.
+_SCOPED = "sb1."
 
-    Not BaseHTTPMiddleware: it wraps streamed responses and breaks client-disconnect handling.
+
+def scoped_token(token: str, sandbox_id: str) -> str:
+    """A credential derived from the node's ``token`` that opens only ``sandbox_id``'s data routes.
+
+    The cluster gateway hands it to the SDK so exec and file traffic goes straight to the node without
+    giving a job the node's own token (which opens every sandbox on it)."""
+    mac = hmac.new(token.encode(), sandbox_id.encode(), hashlib.sha256).hexdigest()
+    return f"{_SCOPED}{sandbox_id}.{mac}"
+
+
+class _TokenGuard:
+    """Bearer-token check as pure ASGI middleware: the node's token, or a scoped token on its sandbox.
+
+    A scoped token opens ``/v1/sandboxes/<its id>`` and the routes under it, except destroy and fork,
+    which change what the gateway accounts for and so go through it. Not BaseHTTPMiddleware: it wraps
+    streamed responses and breaks client-disconnect handling.
     """
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
+        self.token = token
         self.expected = f"Bearer {token}".encode()
+
+    def _scoped_ok(self, given: bytes, method: str, path: str) -> bool:
+        text = given.decode("latin-1")
+        if not text.startswith("Bearer " + _SCOPED):
+            return False
+        sandbox_id = text[len("Bearer " + _SCOPED):].rpartition(".")[0]
+        if not sandbox_id or not secrets.compare_digest(text[len("Bearer "):], scoped_token(self.token, sandbox_id)):
+            return False
+        prefix = f"/v1/sandboxes/{sandbox_id}"
+        if path != prefix and not path.startswith(prefix + "/"):
+            return False
+        return not (method == "DELETE" and path == prefix) and path != prefix + "/fork"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        if secrets.compare_digest(given, self.expected) or self._scoped_ok(given, scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         err = Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
@@ -136,8 +168,11 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES) -> FastAPI:
-    """The node's FastAPI app over ``engine``; with ``token``, every route but ``GET /v1/health`` needs it."""
+def create_app(
+    engine: Engine | GatewayEngine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES
+) -> FastAPI:
+    """The node's FastAPI app over ``engine`` (a node's, or the cluster gateway's, which has the same
+    methods); with ``token``, every route but ``GET /v1/health`` needs it."""
     app = FastAPI(
         title="DSec node API",
         version=dsec_version(),
