@@ -77,13 +77,17 @@ class _Metrics:
         self.nodes = Gauge("dsec_cluster_nodes_alive", "Nodes alive", registry=self.registry)
         self.live = Gauge("dsec_cluster_sandboxes_live", "Sandboxes placed and alive", registry=self.registry)
         self.waiting = Gauge("dsec_cluster_admission_waiting", "Creates waiting for room", registry=self.registry)
+        self.queued = Gauge("dsec_cluster_admission_queued", "Creates that waited for room since start",
+                            registry=self.registry)
         self._gateway = gateway
 
     def render(self) -> bytes:
         g = self._gateway
         self.nodes.set(sum(1 for n in g.placer.nodes.values() if n.alive))
         self.live.set(sum(1 for r in g.rows.values() if r.info.state in ("running", "paused")))
-        self.waiting.set(int(str(g.placer.statistics()["waiting"])))
+        stats = g.placer.statistics()
+        self.waiting.set(int(str(stats["waiting"])))
+        self.queued.set(int(str(stats["queued"])))
         return generate_latest(self.registry)
 
 

@@ -112,6 +112,8 @@ class Placer:
         self.nodes: dict[str, NodeSlot] = {}
         self.quotas: dict[str, JobQuota] = {}
         self.default_quota = default_quota or JobQuota()
+        self.queued = 0
+        """Decisions that had to wait in the admission queue (a counter)."""
         self._jobs: dict[str, _Job] = {}
         # job -> waiters (FIFO within a job); jobs are served round-robin.
         self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
@@ -204,6 +206,8 @@ class Placer:
         """Place now, or queue fairly for up to ``wait`` seconds; QuotaExceeded when the wait runs out."""
         placed = self.try_place(spec, count, job)
         deadline = time.monotonic() + wait
+        if placed is None:
+            self.queued += 1
         while placed is None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -251,4 +255,5 @@ class Placer:
             "nodes": {n.name: {"alive": n.alive, "load": round(n.load(), 3), "live": dict(n.live)}
                       for n in self.nodes.values()},
             "waiting": sum(len(q) for q in self._waiting.values()),
+            "queued": self.queued,
         }

@@ -64,6 +64,8 @@ class NodeConfig:
     """Sandbox memory limits may add up to this many times the node's memory."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for the daemon."""
+    node_resource: str | None = None
+    """Run a daemon only on Ray nodes offering this custom resource (e.g. keep sandboxes off the head)."""
 
 
 def _set_pdeathsig() -> None:
@@ -208,6 +210,9 @@ class RayNodes:
                 out.append(NodeFacts(name, alive=False, reason=reason))
                 self._endpoints.pop(name, None)
                 self._starting.pop(name, None)
+                continue
+            wanted = self.config.node_resource
+            if wanted and not dict(node.get("Resources") or {}).get(wanted):
                 continue
             known = self._endpoints.get(name)
             if known is not None:
