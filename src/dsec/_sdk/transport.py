@@ -22,11 +22,13 @@ from dsec.errors import ConnectionFailed, DSecError, InvalidRequest, error_from_
 __all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "parse_url"]
 
 # Creating sandboxes in bulk or moving large files can take minutes on a loaded node; a read that
-# stalls longer than this means the daemon is wedged, not busy.
-CONTROL_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=60.0)
+# stalls longer than this means the daemon is wedged, not busy. A burst of thousands of calls from one
+# client queues for the pool's connections (each bounded by its own read timeout): waiting there is
+# the client's own backlog, not a failure, so the pool wait is long.
+CONTROL_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=600.0)
 # Exec output may be silent for as long as the command runs; the server enforces the exec timeout and
 # closes the stream, so the client must not race it with a read timeout of its own.
-STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=300.0, pool=60.0)
+STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=300.0, pool=600.0)
 
 _UNIX_BASE = "http://dsec"
 _HINT = "is the daemon running? start it with `dsec up`"

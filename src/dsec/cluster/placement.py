@@ -16,7 +16,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded
+from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, QuotaExceeded
 from dsec.models import SandboxSpec
 
 __all__ = ["Capacity", "JobQuota", "NodeSlot", "Placement", "Placer"]
@@ -105,6 +105,14 @@ class Placement:
         return [name for name, n in self.counts.items() for _ in range(n)]
 
 
+@dataclass(eq=False)
+class _Waiter:
+    spec: SandboxSpec
+    count: int
+    job: str
+    future: asyncio.Future[Placement]
+
+
 class Placer:
     """Nodes, jobs and the admission queue; every method runs on the gateway's event loop."""
 
@@ -116,8 +124,7 @@ class Placer:
         """Decisions that had to wait in the admission queue (a counter)."""
         self._jobs: dict[str, _Job] = {}
         # job -> waiters (FIFO within a job); jobs are served round-robin.
-        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
-            collections.OrderedDict())
+        self._waiting: collections.OrderedDict[str, collections.deque[_Waiter]] = collections.OrderedDict()
 
     # -- facts ------------------------------------------------------------------------------------------
 
@@ -204,50 +211,76 @@ class Placer:
 
     async def place(self, spec: SandboxSpec, count: int, job: str, wait: float) -> Placement:
         """Place now, or queue fairly for up to ``wait`` seconds; QuotaExceeded when the wait runs out."""
-        placed = self.try_place(spec, count, job)
-        deadline = time.monotonic() + wait
-        if placed is None:
-            self.queued += 1
-        while placed is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                free = sum(n.fits(spec, 1 << 30) for n in self.nodes.values())
-                raise QuotaExceeded(
-                    f"the cluster has room for {free} more {spec.backend} sandbox(es) of this size; "
-                    f"{count} waited {wait:g} s in the admission queue", requested=count, free=free, job=job)
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.setdefault(job, collections.deque()).append(waiter)
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter), left)
-            except TimeoutError:
-                pass
-            finally:
-                self._drop(job, waiter)
+        if not self._waiting:
             placed = self.try_place(spec, count, job)
-            if placed is None:
-                continue
-        return placed
+            if placed is not None:
+                return placed
+        else:
+            self._check_quota(job, count)  # a request the quota refuses is refused now, not after a wait
+        self.queued += 1
+        waiter = _Waiter(spec, count, job, asyncio.get_running_loop().create_future())
+        self._waiting.setdefault(job, collections.deque()).append(waiter)
+        self.wake()
+        future = waiter.future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), wait)
+        except TimeoutError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                return future.result()  # placed just as the wait ran out
+            free = sum(n.fits(spec, 1 << 30) for n in self.nodes.values())
+            raise QuotaExceeded(
+                f"the cluster has room for {free} more {spec.backend} sandbox(es) of this size; "
+                f"{count} waited {wait:g} s in the admission queue", requested=count, free=free, job=job) from None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                for node, n in future.result().counts.items():  # the caller left: give the room back
+                    for _ in range(n):
+                        self.release(job, node, spec)
+            raise
+        finally:
+            self._drop(waiter)
 
-    def _drop(self, job: str, waiter: asyncio.Future[None]) -> None:
-        queue = self._waiting.get(job)
+    def _drop(self, waiter: _Waiter) -> None:
+        queue = self._waiting.get(waiter.job)
         if queue is not None and waiter in queue:
             queue.remove(waiter)
             if not queue:
-                del self._waiting[job]
+                del self._waiting[waiter.job]
+        if not waiter.future.done():
+            waiter.future.cancel()
 
     def wake(self) -> None:
-        """Capacity freed: wake one waiter of each waiting job, oldest job first, then rotate the jobs."""
-        for job in list(self._waiting):
-            queue = self._waiting.get(job)
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
-            if queue is not None and not queue:
-                self._waiting.pop(job, None)
-            elif job in self._waiting:
-                self._waiting.move_to_end(job)
+        """Serve the queue: round-robin over jobs, each job's oldest request first, until a full round
+        places nothing (a job whose head request does not fit yet keeps its turn for the next call)."""
+        progress = True
+        while progress and self._waiting:
+            progress = False
+            for job in list(self._waiting):
+                queue = self._waiting.get(job)
+                if not queue:
+                    self._waiting.pop(job, None)
+                    continue
+                head = queue[0]
+                if head.future.done():
+                    queue.popleft()
+                    progress = True
+                    continue
+                try:
+                    placed = self.try_place(head.spec, head.count, head.job)
+                except DSecError as exc:
+                    queue.popleft()
+                    head.future.set_exception(exc)
+                    progress = True
+                    continue
+                if placed is None:
+                    continue
+                queue.popleft()
+                head.future.set_result(placed)
+                progress = True
+                if not queue:
+                    self._waiting.pop(job, None)
+                else:
+                    self._waiting.move_to_end(job)
 
     def statistics(self) -> dict[str, object]:
         """Nodes, their load and the queue length (for /metrics and tests)."""

@@ -28,12 +28,14 @@ from typing import Any
 
 from dsec.cluster.gateway import NodeFacts
 
-__all__ = ["NAMESPACE", "NodeConfig", "NodeDaemon", "RayNodes", "node_name"]
+__all__ = ["GATEWAY_ACTOR", "NAMESPACE", "GatewayProcess", "NodeConfig", "NodeDaemon", "RayNodes", "node_name"]
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "dsec"
 """Ray namespace of DSec's named actors."""
+GATEWAY_ACTOR = "dsec-gateway"
+"""Name of the detached actor that runs the gateway (``dsec cluster up``)."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,7 +88,47 @@ def _mem_total() -> int:
     return 0
 
 
-class NodeDaemon:
+class _Supervisor:
+    """Runs one child process in a Ray actor and restarts it when it exits (until :meth:`_halt`)."""
+
+    def _start_supervised(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self._argv, self._child_env, self._log_path = argv, env, log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = False
+        self._restarts = 0
+        self._spawn()
+        threading.Thread(target=self._supervise, name="dsec-supervisor", daemon=True).start()
+
+    def _spawn(self) -> None:
+        with open(self._log_path, "ab") as out:
+            self._proc = subprocess.Popen(self._argv, env=self._child_env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig,
+                                          start_new_session=True)
+
+    def _supervise(self) -> None:
+        while not self._stopping:
+            proc = self._proc
+            if proc is not None and proc.poll() is not None and not self._stopping:
+                self._restarts += 1
+                log.warning("%s exited with %s; restarting", self._argv[:4], proc.returncode)
+                time.sleep(min(5.0, 0.2 * self._restarts))
+                self._spawn()
+            time.sleep(0.2)
+
+    def _halt(self, timeout: float = 60.0) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class NodeDaemon(_Supervisor):
     """Supervises ``dsec serve`` on this node (instantiated as a Ray actor by :class:`RayNodes`)."""
 
     def __init__(self, name: str, config: dict[str, Any]) -> None:
@@ -99,11 +141,9 @@ class NodeDaemon:
         self.token = secrets.token_urlsafe(32)
         self.home = Path(self.config.home_root) / name
         self.home.mkdir(parents=True, exist_ok=True)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._stopping = False
-        self._restarts = 0
-        self._spawn()
-        threading.Thread(target=self._supervise, name="dsec-node-supervisor", daemon=True).start()
+        argv = [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(self.home),
+                "--tcp", f"{self.host}:{self.port}"]
+        self._start_supervised(argv, self._env(), self.home / "daemon.log")
 
     def _env(self) -> dict[str, str]:
         c = self.config
@@ -114,25 +154,6 @@ class NodeDaemon:
             if value:
                 env[key] = value
         return env
-
-    def _spawn(self) -> None:
-        log_path = self.home / "daemon.log"
-        with open(log_path, "ab") as out:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(self.home),
-                 "--tcp", f"{self.host}:{self.port}"],
-                env=self._env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_set_pdeathsig, start_new_session=True)
-
-    def _supervise(self) -> None:
-        while not self._stopping:
-            proc = self._proc
-            if proc is not None and proc.poll() is not None and not self._stopping:
-                self._restarts += 1
-                log.warning("dsec serve on %s exited with %s; restarting", self.name, proc.returncode)
-                time.sleep(min(5.0, 0.2 * self._restarts))
-                self._spawn()
-            time.sleep(0.2)
 
     def endpoint(self, wait: float = 30.0) -> dict[str, Any]:
         """URL, token and capacity of the daemon once it answers (raises TimeoutError otherwise)."""
@@ -155,12 +176,8 @@ class NodeDaemon:
                 "pid": self._proc.pid if self._proc else None, "restarts": self._restarts}
 
     def stop(self, destroy: bool = False) -> None:
-        """Stop the daemon: SIGTERM leaves sandboxes for the next daemon; ``destroy`` removes them."""
-        self._stopping = True
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        if destroy:
+        """Stop the daemon: SIGTERM leaves sandboxes for the next daemon; ``destroy`` removes them first."""
+        if destroy and self._proc is not None and self._proc.poll() is None:
             import httpx
 
             with contextlib.suppress(httpx.HTTPError), httpx.Client(
@@ -168,12 +185,20 @@ class NodeDaemon:
                     headers={"Authorization": f"Bearer {self.token}"}) as http:
                 for info in http.get("/v1/sandboxes").raise_for_status().json():
                     http.delete(f"/v1/sandboxes/{info['id']}")
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        self._halt()
+
+
+class GatewayProcess(_Supervisor):
+    """Supervises the gateway process (``python -m dsec.cluster gateway``) as a detached Ray actor."""
+
+    def __init__(self, args: list[str], log_path: str) -> None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._start_supervised([sys.executable, "-m", "dsec.cluster", "gateway", *args], dict(os.environ),
+                               Path(log_path))
+
+    def stop(self) -> None:
+        """Stop the gateway (sandboxes and node daemons keep running)."""
+        self._halt()
 
 
 class RayNodes:
