@@ -29,7 +29,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["SUITES", "main"]
 
-SUITES = ("container", "function", "trajectory", "microvm", "images")
+SUITES = ("container", "function", "trajectory", "microvm", "images", "cluster")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 
@@ -66,7 +66,12 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Fun
         for name in names:
             out.print(f"[bold]dsec bench {name}[/bold]")
             progress = lambda m: out.print(f"  · {m}")  # noqa: E731
-            if name == "images":
+            if name == "cluster":
+                from dsec.bench.cluster import ClusterBench
+                from dsec.bench.cluster import run as run_cluster
+
+                result = asyncio.run(run_cluster(ClusterBench().scaled(scale), progress=progress))
+            elif name == "images":
                 result = asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
             elif name == "trajectory":
                 result = asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
