@@ -27,7 +27,7 @@ from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.daemon.app import scoped_token
 from dsec.daemon.engine import dsec_version
-from dsec.errors import BackendUnavailable, SandboxLost, SandboxNotFound
+from dsec.errors import BackendUnavailable, ConnectionFailed, SandboxLost, SandboxNotFound
 from dsec.models import (
     BatchCreateRequest,
     CallRequest,
@@ -192,7 +192,13 @@ class GatewayEngine:
 
     async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
         transport, http = self._client(node)
-        return await transport.request(http, method, path, **kw)
+        try:
+            return await transport.request(http, method, path, **kw)
+        except ConnectionFailed as exc:
+            # Not the client's ConnectionFailed (that would read as "the gateway is down").
+            raise BackendUnavailable(
+                f"node {node} does not answer ({exc.message}); if it died, Ray reports it and its sandboxes "
+                "are marked lost within seconds", node=node) from exc
 
     def _any_node(self) -> str:
         alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
