@@ -1,7 +1,8 @@
 """Placement: which node gets each new sandbox, and whether a job may have it now.
 
 Owns capacity accounting (cpu, memory and sandbox slots per backend on every node), the scoring that
-picks a node (image locality first, then the least loaded node, so creates spread), per-job quotas
+picks a node (the least loaded, with a bonus for a node whose cache holds the image, so creates spread
+but a warm cache is preferred), per-job quotas
 (live sandboxes and creation rate) and admission: when no node has room a request waits in a fair queue
 (round-robin over jobs, so one job's burst cannot starve another's) until capacity frees or its
 deadline passes. A bulk create is placed in one decision: all of it fits now or none of it is taken.
@@ -19,7 +20,10 @@ from dataclasses import dataclass, field
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, QuotaExceeded
 from dsec.models import SandboxSpec
 
-__all__ = ["Capacity", "JobQuota", "NodeSlot", "Placement", "Placer"]
+__all__ = ["LOCALITY_BONUS", "Capacity", "JobQuota", "NodeSlot", "Placement", "Placer"]
+
+LOCALITY_BONUS = 0.25
+"""A node whose cache holds the image wins over one up to this much less loaded (load is 0..1)."""
 
 
 @dataclass
@@ -197,10 +201,11 @@ class Placer:
             return None
         counts: dict[str, int] = {}
         # Greedy water-filling: each sandbox goes to the best node for it now, so a batch spreads
-        # across equal nodes and prefers those whose cache already holds the image.
+        # across equal nodes and prefers those whose cache already holds the image while they are not
+        # much busier than the rest (locality must not pile a whole job onto one node).
         for _ in range(count):
-            best = min((n for n in live if n.fits(spec)), key=lambda n: (spec.image not in n.images, n.load(),
-                                                                          n.name))
+            best = min((n for n in live if n.fits(spec)),
+                       key=lambda n: (n.load() - (LOCALITY_BONUS if spec.image in n.images else 0.0), n.name))
             best.take(spec)
             counts[best.name] = counts.get(best.name, 0) + 1
         entry = self.job(job)
