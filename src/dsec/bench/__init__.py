@@ -70,7 +70,7 @@ def main(suite: str | None, json_path: Path | None, config: ContainerBench | Fun
                 from dsec.bench.cluster import ClusterBench
                 from dsec.bench.cluster import run as run_cluster
 
-                result = asyncio.run(run_cluster(ClusterBench().scaled(scale), progress=progress))
+                result = run_cluster(ClusterBench().scaled(scale), progress=progress)
             elif name == "images":
                 result = asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
             elif name == "trajectory":

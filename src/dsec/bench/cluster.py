@@ -37,7 +37,7 @@ class ClusterBench:
     """Creates through the gateway and straight to a node (each)."""
     burst: int = 2000
     """Creates in the burst."""
-    slots: int = 400
+    slots: int = 200
     """Function sandboxes each node accepts at once."""
     nodes: int = 3
     images: str = "/var/lib/dsec/images"
@@ -92,7 +92,10 @@ async def _measure(cfg: ClusterBench, url: str, token: str, node_url: str, node_
                 failures.append(f"{type(exc).__name__}: {exc}"[:200])
                 return
             per_node[sb._info.node] = per_node.get(sb._info.node, 0) + 1
-            await sb.close()
+            try:
+                await sb.close()
+            except dsec.DSecError as exc:
+                failures.append(f"close: {type(exc).__name__}: {exc}"[:200])
 
         start = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(cfg.burst)))
@@ -114,12 +117,9 @@ def _node_endpoint(dsn: str) -> tuple[str, str]:
     return str(row[0]), str(row[1])
 
 
-async def run(cfg: ClusterBench, progress: Callable[[str], None] = lambda _m: None) -> Suite:
-    """Start the local cluster, measure, tear it all down."""
-    return await asyncio.to_thread(_run_sync, cfg, progress)
-
-
-def _run_sync(cfg: ClusterBench, progress: Callable[[str], None]) -> Suite:
+def run(cfg: ClusterBench, progress: Callable[[str], None] = lambda _m: None) -> Suite:
+    """Start the local cluster, measure, tear it all down (main thread: Ray's node startup sets signal
+    handlers; the measuring runs its own event loop in this thread, inside the cluster's namespace)."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -141,6 +141,9 @@ def _run_sync(cfg: ClusterBench, progress: Callable[[str], None]) -> Suite:
             node_url, node_token = _node_endpoint(pg.dsn)
             measured = asyncio.run(_measure(cfg, cluster.gateway.url, cluster.tokens["bench"], node_url,
                                             node_token, progress))
+            if measured["failures"]:  # keep the evidence: the homes are deleted at teardown
+                measured["logs"] = {home.name: _tail(home / "daemon.log") for home in cluster.node_homes()}
+                measured["logs"]["gateway"] = _tail(cluster.gateway.log)
     via, direct = summarize(measured["via"]), summarize(measured["direct"])
     suite.latencies = {"create_via_gateway": via, "create_direct_to_node": direct,
                        "placement_decision_160_nodes": summarize([d / 1000 for d in decision])}
@@ -157,7 +160,8 @@ def _run_sync(cfg: ClusterBench, progress: Callable[[str], None]) -> Suite:
             passed=not measured["failures"]),
     ]
     suite.extra = {"config": asdict(cfg), "per_node": measured["per_node"], "queued": measured["queued"],
-                   "failures": measured["failures"][:20], "cores": _cores()}
+                   "failures": measured["failures"][:20], "failed": len(measured["failures"]),
+                   "logs": measured.get("logs", {}), "cores": _cores()}
     return suite
 
 
@@ -167,3 +171,9 @@ def _cores() -> int:
     with contextlib.suppress(Exception):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
