@@ -67,12 +67,14 @@ class Transport:
     def url(self) -> str:
         return self.endpoint.url
 
-    def build(self) -> httpx.AsyncClient:
+    def build(self, limits: httpx.Limits | None = None) -> httpx.AsyncClient:
         """A new client bound to the calling event loop (httpx pools cannot cross loops)."""
         headers = {"User-Agent": "dsec-sdk"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         transport = httpx.AsyncHTTPTransport(uds=self.endpoint.uds) if self.endpoint.uds else None
+        if limits is not None and transport is None:
+            transport = httpx.AsyncHTTPTransport(limits=limits)
         return httpx.AsyncClient(
             base_url=self.endpoint.base_url, headers=headers, timeout=CONTROL_TIMEOUT, transport=transport
         )

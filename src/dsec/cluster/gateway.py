@@ -71,6 +71,11 @@ NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
 """Polled by the gateway: every node membership knows of (Ray in production, a list in unit tests)."""
 
 
+# Drop idle connections to a node before its uvicorn does (5 s keep-alive): reusing one the server is
+# closing at that instant fails the request ("Server disconnected without sending a response").
+_NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
+
+
 class _Metrics:
     def __init__(self, gateway: GatewayEngine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -187,7 +192,7 @@ class GatewayEngine:
         if entry is None:
             row = self.node_rows[node]
             transport = Transport(row.url, row.token)
-            entry = self._transports[node] = (transport, transport.build())
+            entry = self._transports[node] = (transport, transport.build(_NODE_LIMITS))
         return entry
 
     async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
