@@ -72,3 +72,15 @@ def test_bad_jobs_files_are_refused_with_the_reason(tmp_path: Path, content: obj
 def test_missing_jobs_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="cannot read"):
         Jobs.load(tmp_path / "absent.json")
+
+
+def test_cluster_up_refuses_a_bad_jobs_file_before_touching_ray(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dsec.cli import main
+
+    bad = write(tmp_path, {"jobs": {"j": {"token": "short"}}})
+    result = CliRunner().invoke(main, ["cluster", "up", "--db", "postgresql://x/y", "--jobs", str(bad),
+                                       "--ray-address", "127.0.0.1:1"])
+    assert result.exit_code != 0
+    assert "at least 16 characters" in result.output + str(result.exception)
