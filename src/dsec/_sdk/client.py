@@ -22,7 +22,7 @@ from dsec.models import NodeInfo
 from .portal import portal
 from .transport import Transport
 
-__all__ = ["Client", "default_client", "node_client"]
+__all__ = ["Client", "default_client"]
 
 
 class Client:
@@ -40,6 +40,17 @@ class Client:
         self._lock = threading.Lock()
         # id(loop) -> (loop, client); keeping the loop lets us notice it closed and drop its pool.
         self._pools: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        # Cluster mode: one client per node URL the gateway sent us to, closed with this one.
+        self._nodes: dict[str, Client] = {}
+
+    def _node(self, url: str) -> Client:
+        """The connections to a cluster node (``SandboxInfo.endpoint.url``), shared by every sandbox on it;
+        each request carries its sandbox's scoped token, so the pool itself holds no credential."""
+        with self._lock:
+            client = self._nodes.get(url)
+            if client is None:
+                client = self._nodes[url] = Client(url, token="")
+            return client
 
     def __repr__(self) -> str:
         return f"Client(url={self.url!r})"
@@ -82,6 +93,8 @@ class Client:
 
     async def aclose(self) -> None:
         """Close this loop's connections (and forget pools of loops that have closed)."""
+        for node in list(self._nodes.values()):
+            await node.aclose()
         loop = asyncio.get_running_loop()
         with self._lock:
             mine = self._pools.pop(id(loop), None)
@@ -93,6 +106,8 @@ class Client:
 
     def close(self) -> None:
         """Close the connections the blocking API opened (they live on the portal's loop)."""
+        for node in list(self._nodes.values()):
+            node.close()
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
@@ -105,6 +120,8 @@ class Client:
 
     def _close_soon(self) -> None:
         """Schedule closing every pool without blocking (safe from any thread, even a loop thread)."""
+        for node in list(self._nodes.values()):
+            node._close_soon()
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
@@ -149,15 +166,3 @@ def default_client() -> Client:
             _default = Client(url, token)
         return _default
 
-
-_nodes: dict[str, Client] = {}
-
-
-def node_client(url: str) -> Client:
-    """One connection pool per cluster node URL, shared by every sandbox on that node (each sandbox's
-    requests carry its own scoped token as a header, so the pool itself holds no credential)."""
-    with _default_lock:
-        client = _nodes.get(url)
-        if client is None:
-            client = _nodes[url] = Client(url, token="")
-        return client

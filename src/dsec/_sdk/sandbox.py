@@ -49,7 +49,7 @@ from dsec.models import (
 from dsec.trajectory.digest import exec_args
 
 from .calls import client_python, decode_reply, encode_call
-from .client import Client, default_client, node_client
+from .client import Client, default_client
 from .replay import Cursor
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
@@ -220,7 +220,7 @@ class AsyncSandbox:
         endpoint = self._info.endpoint
         if endpoint is None:
             return self._client, None
-        return node_client(endpoint.url), {"Authorization": f"Bearer {endpoint.token}"}
+        return self._client._node(endpoint.url), {"Authorization": f"Bearer {endpoint.token}"}
 
     async def _node_request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """A data-plane call: to the owning node when a cluster gateway named one, else to our daemon."""
