@@ -589,3 +589,80 @@ def demo() -> None:
     from dsec import demo as rollout
 
     sys.exit(rollout.run())
+
+
+# ----- cluster ------------------------------------------------------------------------------------
+
+
+@main.group()
+def cluster() -> None:
+    """Cluster mode on an existing Ray cluster: a gateway and one node daemon per Ray node."""
+
+
+@cluster.command(name="up")
+@click.option("--db", required=True, help="PostgreSQL URL for the gateway's state (postgresql://...).")
+@click.option("--jobs", "jobs_file", required=True, type=click.Path(exists=True, path_type=Path),
+              help="Jobs file: tokens and quotas (see docs/cluster.md).")
+@click.option("--listen", default="0.0.0.0:7070", show_default=True, help="Gateway HOST:PORT.")
+@click.option("--node-config", type=click.Path(exists=True, path_type=Path),
+              help="JSON of node settings: shared image store, trajectory DB, snapshots, slots.")
+@click.option("--ray-address", default="auto", show_default=True, help="The Ray cluster to join.")
+@click.option("--log", "log_path", default="/var/lib/dsec/cluster/gateway.log", show_default=True,
+              help="Gateway log file (on the node that runs it).")
+def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, ray_address: str,
+               log_path: str) -> None:
+    """Start the gateway as a detached Ray actor on this node; it starts a node daemon on every Ray node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dsec.cluster.ray_nodes import GATEWAY_ACTOR, NAMESPACE, GatewayProcess
+    from dsec.cluster.server import Jobs
+
+    Jobs.load(jobs_file)  # refuse a bad jobs file here, not in a log on another machine
+    args = ["--listen", listen, "--db", db, "--jobs", str(jobs_file.resolve()), "--ray-address", ray_address]
+    if node_config is not None:
+        args += ["--node-config", str(node_config.resolve())]
+    ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        with contextlib.suppress(ValueError):
+            ray.get_actor(GATEWAY_ACTOR, namespace=NAMESPACE)
+            raise InvalidRequest("a DSec gateway already runs on this Ray cluster: `dsec cluster down` first")
+        here = ray.get_runtime_context().get_node_id()
+        ray.remote(GatewayProcess).options(
+            name=GATEWAY_ACTOR, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        ).remote(args, log_path)
+    finally:
+        ray.shutdown()
+    click.echo(f"gateway starting on {listen} (log: {log_path}); point DSEC_URL at it")
+
+
+@cluster.command(name="down")
+@click.option("--destroy", is_flag=True, help="Also destroy every sandbox on every node.")
+@click.option("--ray-address", default="auto", show_default=True, help="The Ray cluster.")
+def cluster_down(destroy: bool, ray_address: str) -> None:
+    """Stop the gateway and every node daemon (sandboxes stay unless --destroy)."""
+    import ray
+
+    from dsec.cluster.ray_nodes import GATEWAY_ACTOR, NAMESPACE, NodeConfig, RayNodes
+
+    ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        with contextlib.suppress(ValueError):
+            actor = ray.get_actor(GATEWAY_ACTOR, namespace=NAMESPACE)
+            with contextlib.suppress(Exception):
+                ray.get(actor.stop.remote(), timeout=60)
+            ray.kill(actor)
+        RayNodes(NodeConfig()).stop_all(destroy=destroy)
+    finally:
+        ray.shutdown()
+    click.echo("cluster stopped")
+
+
+@cluster.command(name="gateway", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def cluster_gateway(args: tuple[str, ...]) -> None:
+    """Run the gateway in the foreground (options: python -m dsec.cluster gateway --help)."""
+    from dsec.cluster.server import main as gateway_main
+
+    sys.exit(gateway_main(["gateway", *args]))

@@ -16,6 +16,7 @@ classes defined here, never an arbitrary import path).
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
     ├── QuotaExceeded                       429
     │   └── RateLimited                     429  the token's rate limit (``retry_after`` seconds)
+    ├── SandboxLost                         410  cluster mode: the owning node died
     ├── ReplayDivergence                    409  trajectory replay saw a different call
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
@@ -131,6 +132,13 @@ class RateLimited(QuotaExceeded):
     def retry_after(self) -> float:
         """Seconds to wait before the request can succeed."""
         return float(self.detail.get("retry_after", 1.0))
+
+
+class SandboxLost(DSecError):
+    """The node that owned the sandbox died (cluster mode); ``detail["node"]`` names it. A trajectory-bound
+    sandbox is rebuilt from its latest checkpoint on another node when its trajectory is re-opened."""
+
+    status_code = 410
 
 
 class ReplayDivergence(DSecError):

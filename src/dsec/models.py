@@ -35,6 +35,7 @@ __all__ = [
     "MouseRequest",
     "NetworkEntry",
     "NetworkRequest",
+    "NodeEndpoint",
     "NodeInfo",
     "NodeStatistics",
     "PoolConfig",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 BackendName = Literal["function", "container", "microvm", "vm"]
-SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed"]
+SandboxState = Literal["creating", "running", "paused", "stopped", "expired", "failed", "lost"]
 LimitHit = Literal["time", "memory", "output", "pids", "disk"]
 
 _UNITS = {
@@ -507,6 +508,18 @@ class SandboxInfo(Model):
     queue_seconds: float = 0.0
     """Seconds the create waited for admission (node short of memory, pids or create slots) before it
     started; not part of the create time itself (only in the answer to the create)."""
+    endpoint: NodeEndpoint | None = None
+    """Cluster mode: where the SDK sends this sandbox's exec and file calls (the owning node, with a
+    token valid for this sandbox only); None from a node daemon, which is itself the endpoint."""
+
+
+class NodeEndpoint(Model):
+    """The owning node's address and a credential scoped to one sandbox (answered by the gateway)."""
+
+    url: str
+    """``http://host:port`` of the node daemon."""
+    token: str
+    """Bearer token that the node accepts for this sandbox's routes only."""
 
 
 class TrajectoryStatus(Model):

@@ -9,7 +9,7 @@ import dsec
 EXPECTED = {
     "Sandbox", "AsyncSandbox", "Client", "ExecResult", "ExecEvent", "FileEntry", "SandboxInfo",
     "SandboxStats", "SandboxSpec", "DSecError", "SandboxNotFound", "SandboxTimeout", "ImageNotFound",
-    "QuotaExceeded", "BackendUnavailable", "ReplayDivergence", "InvalidRequest", "NotSupported",
+    "QuotaExceeded", "SandboxLost", "BackendUnavailable", "ReplayDivergence", "InvalidRequest", "NotSupported",
     "SandboxStateError", "SandboxError", "ConnectionFailed", "Unauthorized", "NotFound", "__version__",
     "RemoteError", "CallFailed",
     "ImageCorrupt", "StoreUnavailable", "CacheFull",
@@ -39,6 +39,6 @@ def test_nothing_private_leaks() -> None:
 def test_errors_share_one_root_and_version_is_a_string() -> None:
     objects = [getattr(dsec, n) for n in dsec.__all__]
     errors = [o for o in objects if isinstance(o, type) and issubclass(o, Exception)]
-    assert len(errors) == 21
+    assert len(errors) == 22
     assert all(issubclass(e, dsec.DSecError) for e in errors)
     assert isinstance(dsec.__version__, str) and dsec.__version__.count(".") == 2

@@ -40,6 +40,17 @@ class Client:
         self._lock = threading.Lock()
         # id(loop) -> (loop, client); keeping the loop lets us notice it closed and drop its pool.
         self._pools: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        # Cluster mode: one client per node URL the gateway sent us to, closed with this one.
+        self._nodes: dict[str, Client] = {}
+
+    def _node(self, url: str) -> Client:
+        """The connections to a cluster node (``SandboxInfo.endpoint.url``), shared by every sandbox on it;
+        each request carries its sandbox's scoped token, so the pool itself holds no credential."""
+        with self._lock:
+            client = self._nodes.get(url)
+            if client is None:
+                client = self._nodes[url] = Client(url, token="")
+            return client
 
     def __repr__(self) -> str:
         return f"Client(url={self.url!r})"
@@ -65,15 +76,17 @@ class Client:
         content: bytes | None = None,
         params: Any = None,
         timeout: httpx.Timeout | None = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         return await self._transport.request(
-            self._http(), method, path, json_body=json, content=content, params=params, timeout=timeout
+            self._http(), method, path, json_body=json, content=content, params=params, timeout=timeout,
+            headers=headers,
         )
 
     def _stream(
-        self, method: str, path: str, *, json: Any = None
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
     ) -> AbstractAsyncContextManager[httpx.Response]:
-        return self._transport.stream(self._http(), method, path, json_body=json)
+        return self._transport.stream(self._http(), method, path, json_body=json, headers=headers)
 
     async def health(self) -> NodeInfo:
         """The daemon's identity, version and which backends work on its host."""
@@ -92,6 +105,8 @@ class Client:
 
     async def aclose(self) -> None:
         """Close this loop's connections (and forget pools of loops that have closed)."""
+        for node in list(self._nodes.values()):
+            await node.aclose()
         loop = asyncio.get_running_loop()
         with self._lock:
             mine = self._pools.pop(id(loop), None)
@@ -103,6 +118,8 @@ class Client:
 
     def close(self) -> None:
         """Close the connections the blocking API opened (they live on the portal's loop)."""
+        for node in list(self._nodes.values()):
+            node.close()
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
@@ -115,6 +132,8 @@ class Client:
 
     def _close_soon(self) -> None:
         """Schedule closing every pool without blocking (safe from any thread, even a loop thread)."""
+        for node in list(self._nodes.values()):
+            node._close_soon()
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
@@ -158,3 +177,4 @@ def default_client() -> Client:
                 _default._close_soon()
             _default = Client(url, token)
         return _default
+

@@ -16,10 +16,12 @@ import logging
 import os
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import pydantic
 
 from dsec.errors import (
@@ -114,7 +116,7 @@ class AsyncFiles:
         if hit:
             return
         try:
-            await self._sandbox._client._request("PUT", self._path(), params=params, content=body)
+            await self._sandbox._node_request("PUT", self._path(), params=params, content=body)
         except ReplayDivergence as exc:
             if not await self._sandbox._branch(exc):
                 raise
@@ -127,7 +129,7 @@ class AsyncFiles:
         if hit:
             return bytes(cached)
         try:
-            response = await self._sandbox._client._request("GET", self._path(), params=params)
+            response = await self._sandbox._node_request("GET", self._path(), params=params)
         except ReplayDivergence as exc:
             if not await self._sandbox._branch(exc):
                 raise
@@ -142,7 +144,7 @@ class AsyncFiles:
         if hit:
             return builtins.list(cached)
         try:
-            response = await self._sandbox._client._request("GET", self._path() + "/list", params=params)
+            response = await self._sandbox._node_request("GET", self._path() + "/list", params=params)
         except ReplayDivergence as exc:
             if not await self._sandbox._branch(exc):
                 raise
@@ -237,6 +239,27 @@ class AsyncSandbox:
         if seq >= self._cursor.logged:
             return False, None
         return await self._cursor.cached(seq, op, args() if callable(args) else args)
+
+    def _auth(self) -> tuple[Client, dict[str, str] | None]:
+        endpoint = self._info.endpoint
+        if endpoint is None:
+            return self._client, None
+        return self._client._node(endpoint.url), {"Authorization": f"Bearer {endpoint.token}"}
+
+    async def _node_request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """A data-plane call: to the owning node when a cluster gateway named one, else to our daemon."""
+        client, headers = self._auth()
+        return await client._request(method, path, headers=headers, **kw)
+
+    def _node_stream(self, method: str, path: str, *, json: Any = None) -> AbstractAsyncContextManager[httpx.Response]:
+        client, headers = self._auth()
+        return client._stream(method, path, json=json, headers=headers)
+
+    def _keep_endpoint(self, info: SandboxInfo) -> SandboxInfo:
+        """A node answers without the endpoint the gateway gave us: keep ours."""
+        if info.endpoint is None and self._info.endpoint is not None:
+            return info.model_copy(update={"endpoint": self._info.endpoint})
+        return info
 
     def __repr__(self) -> str:
         info = self._info
@@ -364,7 +387,7 @@ class AsyncSandbox:
 
     async def stats(self) -> SandboxStats:
         """Resource usage now (memory, cpu, pids, disk)."""
-        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/stats")
+        response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/stats")
         return SandboxStats.model_validate(response.json())
 
     async def pause(self, release_memory: bool = False) -> SandboxInfo:
@@ -392,14 +415,14 @@ class AsyncSandbox:
             request = NetworkRequest.model_validate({"network": network if isinstance(network, str) else list(network)})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "network policy") from None
-        response = await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network",
+        response = await self._node_request("PUT", f"/v1/sandboxes/{self.id}/network",
                                                json=request.model_dump(mode="json"))
-        self._info = SandboxInfo.model_validate(response.json())
+        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
         return self._info
 
     async def screenshot(self) -> bytes:
         """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported)."""
-        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}/screenshot")
+        response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/screenshot")
         return response.content
 
     async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> None:
@@ -410,7 +433,7 @@ class AsyncSandbox:
             request = MouseRequest.model_validate({"x": x, "y": y, "button": button, "action": action})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "mouse action") from None
-        await self._client._request("POST", f"/v1/sandboxes/{self.id}/mouse", json=request.model_dump(mode="json"))
+        await self._node_request("POST", f"/v1/sandboxes/{self.id}/mouse", json=request.model_dump(mode="json"))
 
     async def keyboard(self, text: str | None = None, keys: Sequence[str] | None = None) -> None:
         """Type ``text`` (US layout; ``\n`` is Enter) or press ``keys`` in order, each a key or a combo:
@@ -419,12 +442,12 @@ class AsyncSandbox:
             request = KeyboardRequest(text=text, keys=None if keys is None else list(keys))
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "keyboard input") from None
-        await self._client._request("POST", f"/v1/sandboxes/{self.id}/keyboard",
-                                    json=request.model_dump(mode="json", exclude_none=True))
+        await self._node_request("POST", f"/v1/sandboxes/{self.id}/keyboard",
+                                 json=request.model_dump(mode="json", exclude_none=True))
 
     async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
-        self._info = SandboxInfo.model_validate(response.json())
+        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
+        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
         return self._info
 
     async def snapshot(self) -> str:
@@ -435,7 +458,7 @@ class AsyncSandbox:
         if hit:
             return str(cached)
         try:
-            response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot", params=params)
+            response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/snapshot", params=params)
         except ReplayDivergence as exc:
             if not await self._branch(exc):
                 raise
@@ -510,7 +533,7 @@ class AsyncSandbox:
                                   env=dict(env) if env is not None else None)
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "call") from None
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/call",
+        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/call",
                                                json=request.model_dump(mode="json"))
         return decode_reply(CallResult.model_validate(response.json()), trusted=trusted)
 
@@ -622,7 +645,7 @@ class AsyncSandbox:
         if params:
             path += f"?seq={params['seq']}"
         exited = False
-        async with self._client._stream("POST", path, json=request.model_dump(mode="json")) as response:
+        async with self._node_stream("POST", path, json=request.model_dump(mode="json")) as response:
             pending = b""
             async for chunk in response.aiter_bytes():
                 # NDJSON split by hand on bytes: httpx's text line iterator costs a visible share of

@@ -22,11 +22,13 @@ from dsec.errors import ConnectionFailed, DSecError, InvalidRequest, error_from_
 __all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "parse_url"]
 
 # Creating sandboxes in bulk or moving large files can take minutes on a loaded node; a read that
-# stalls longer than this means the daemon is wedged, not busy.
-CONTROL_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=60.0)
+# stalls longer than this means the daemon is wedged, not busy. A burst of thousands of calls from one
+# client queues for the pool's connections (each bounded by its own read timeout): waiting there is
+# the client's own backlog, not a failure, so the pool wait is long.
+CONTROL_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=600.0)
 # Exec output may be silent for as long as the command runs; the server enforces the exec timeout and
 # closes the stream, so the client must not race it with a read timeout of its own.
-STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=300.0, pool=60.0)
+STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=300.0, pool=600.0)
 
 _UNIX_BASE = "http://dsec"
 _HINT = "is the daemon running? start it with `dsec up`"
@@ -65,12 +67,14 @@ class Transport:
     def url(self) -> str:
         return self.endpoint.url
 
-    def build(self) -> httpx.AsyncClient:
+    def build(self, limits: httpx.Limits | None = None) -> httpx.AsyncClient:
         """A new client bound to the calling event loop (httpx pools cannot cross loops)."""
         headers = {"User-Agent": "dsec-sdk"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         transport = httpx.AsyncHTTPTransport(uds=self.endpoint.uds) if self.endpoint.uds else None
+        if limits is not None and transport is None:
+            transport = httpx.AsyncHTTPTransport(limits=limits)
         return httpx.AsyncClient(
             base_url=self.endpoint.base_url, headers=headers, timeout=CONTROL_TIMEOUT, transport=transport
         )
@@ -100,22 +104,26 @@ class Transport:
         content: bytes | None = None,
         params: Any = None,
         timeout: httpx.Timeout | None = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """Send one request, read the whole answer, raise the server's error on non-2xx (``timeout``:
         the client's :data:`CONTROL_TIMEOUT` unless given)."""
         with self.mapped_errors():
             response = await client.request(method, path, json=json_body, content=content, params=params,
-                                            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+                                            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                                            headers=headers)
         raise_for_status(response)
         return response
 
     @asynccontextmanager
     async def stream(
-        self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None
+        self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """Open a streamed response (no read timeout); closing it tells the server to stop."""
         with self.mapped_errors():
-            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT) as response:
+            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT,
+                                     headers=headers) as response:
                 if not response.is_success:
                     await response.aread()
                     raise_for_status(response)

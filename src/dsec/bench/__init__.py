@@ -41,7 +41,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images")
+SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images", "cluster")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
@@ -62,6 +62,11 @@ def _scale() -> float:
 
 
 def _run_one(name: str, scale: float, config: Config | None, progress: Callable[[str], None]) -> Suite:
+    if name == "cluster":
+        from dsec.bench.cluster import ClusterBench
+        from dsec.bench.cluster import run as run_cluster
+
+        return run_cluster(ClusterBench().scaled(scale), progress=progress)
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
     if name == "trajectory":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Coroutine
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -46,6 +46,9 @@ from dsec.models import (
     TrajectoryForkRequest,
     parse_pairs,
 )
+
+if TYPE_CHECKING:
+    from dsec.cluster.gateway import GatewayEngine
 
 __all__ = ["create_app"]
 
@@ -157,10 +160,12 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def create_app(engine: Engine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
+def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
                tokens: TokenFile | None = None) -> FastAPI:
-    """The node's FastAPI app over ``engine``; with ``token`` (admin) or ``tokens`` (the token file), every
-    route but ``GET /v1/health`` needs a token (see :mod:`dsec.daemon.auth` for scopes and rate limits)."""
+    """The node's FastAPI app over ``engine`` (a node's, or the cluster gateway's, which has the same
+    methods); with ``token`` (admin) or ``tokens`` (the token file), every route but ``GET /v1/health``
+    needs a token (see :mod:`dsec.daemon.auth` for scopes, rate limits and the sandbox-scoped tokens of
+    cluster mode)."""
     app = FastAPI(
         title="DSec node API",
         version=dsec_version(),

@@ -1,0 +1,493 @@
+"""The cluster gateway: the node API (`/v1`, the same FastAPI app) over many nodes.
+
+Owns: which node each sandbox lives on (placement through :class:`~dsec.cluster.placement.Placer`), jobs
+(a job is a token; its quotas), membership (a node source says which nodes are alive; a node that dies has
+its sandboxes marked ``lost`` with the reason) and the durable record of all of it
+(:class:`~dsec.cluster.state.ClusterState`). Create answers carry the owning node's URL and a token scoped
+to the sandbox, so the SDK sends exec and file calls straight to the node: the gateway forwards them only
+for clients that do not follow the endpoint (curl). It must never run sandboxes itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import contextvars
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from dsec._sdk.transport import Transport
+from dsec.cluster.placement import Capacity, JobQuota, Placer
+from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
+from dsec.daemon.auth import scoped_token
+from dsec.daemon.engine import dsec_version
+from dsec.errors import BackendUnavailable, ConnectionFailed, NotSupported, SandboxLost, SandboxNotFound
+from dsec.models import (
+    BatchCreateRequest,
+    CallRequest,
+    CallResult,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageInfo,
+    ImagePullRequest,
+    KeyboardRequest,
+    LoggedCall,
+    MouseRequest,
+    NodeEndpoint,
+    NodeInfo,
+    NodeStatistics,
+    PoolConfig,
+    PoolStatistics,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStats,
+    SnapshotRef,
+    TrajectoryForkRequest,
+)
+
+__all__ = ["GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
+
+log = logging.getLogger(__name__)
+
+current_job: contextvars.ContextVar[str] = contextvars.ContextVar("dsec_job", default="default")
+"""The job of the request being served (set from its token by the gateway's auth middleware)."""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What membership reports of one node: alive or not, and how to reach its daemon."""
+
+    name: str
+    alive: bool
+    url: str | None = None
+    token: str | None = None
+    capacity: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
+"""Polled by the gateway: every node membership knows of (Ray in production, a list in unit tests)."""
+
+
+# Drop idle connections to a node before its uvicorn does (5 s keep-alive): reusing one the server is
+# closing at that instant fails the request ("Server disconnected without sending a response").
+_NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
+
+
+class _Metrics:
+    def __init__(self, gateway: GatewayEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.nodes = Gauge("dsec_cluster_nodes_alive", "Nodes alive", registry=self.registry)
+        self.live = Gauge("dsec_cluster_sandboxes_live", "Sandboxes placed and alive", registry=self.registry)
+        self.waiting = Gauge("dsec_cluster_admission_waiting", "Creates waiting for room", registry=self.registry)
+        self.queued = Gauge("dsec_cluster_admission_queued", "Creates that waited for room since start",
+                            registry=self.registry)
+        self._gateway = gateway
+
+    def render(self) -> bytes:
+        g = self._gateway
+        self.nodes.set(sum(1 for n in g.placer.nodes.values() if n.alive))
+        self.live.set(sum(1 for r in g.rows.values() if r.info.state in ("running", "paused")))
+        stats = g.placer.statistics()
+        self.waiting.set(int(str(stats["waiting"])))
+        self.queued.set(int(str(stats["queued"])))
+        return generate_latest(self.registry)
+
+
+class GatewayEngine:
+    """Engine-shaped (the daemon's ``create_app`` serves it): every method places or forwards."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        nodes: NodeSource,
+        *,
+        quotas: dict[str, JobQuota] | None = None,
+        admission_wait: float = 60.0,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.state = state
+        self.source = nodes
+        self.placer = Placer()
+        self.placer.quotas.update(quotas or {})
+        self.admission_wait = admission_wait
+        self.poll_interval = poll_interval
+        self.rows: dict[str, SandboxRow] = {}
+        self.node_rows: dict[str, NodeRow] = {}
+        self.metrics = _Metrics(self)
+        self._transports: dict[str, tuple[Transport, httpx.AsyncClient]] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reload nodes and sandboxes from the database, then follow membership."""
+        for node in await asyncio.to_thread(self.state.nodes):
+            self.node_rows[node.name] = node
+            self.placer.set_node(node.name, _capacity(node.capacity))
+            if not node.alive:
+                self.placer.mark_dead(node.name)
+        for row in await asyncio.to_thread(self.state.sandboxes):
+            self.rows[row.id] = row
+            if row.info.state in ("running", "paused", "creating"):
+                self.placer.adopt(row.job, row.node, row.info.spec)
+                if row.info.image and row.node in self.placer.nodes:
+                    self.placer.nodes[row.node].images.add(row.info.image)
+        await self.poll()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def aclose(self) -> None:
+        """Stop following membership and close node connections (sandboxes are left running)."""
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        for _transport, http in self._transports.values():
+            await http.aclose()
+        self._transports.clear()
+        await asyncio.to_thread(self.state.close)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.poll()
+            except Exception:
+                log.exception("membership poll failed")
+
+    async def poll(self) -> None:
+        """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost."""
+        for facts in await self.source():
+            known = self.node_rows.get(facts.name)
+            if facts.alive and facts.url and facts.token:
+                row = NodeRow(facts.name, facts.url, facts.token, True, facts.capacity or {}, None)
+                if known is None or (known.url, known.token, known.alive) != (row.url, row.token, True):
+                    await asyncio.to_thread(self.state.put_node, row)
+                    self._transports.pop(facts.name, None)
+                    log.info("node %s joined at %s", facts.name, facts.url)
+                self.node_rows[facts.name] = row
+                self.placer.set_node(facts.name, _capacity(row.capacity))
+            elif not facts.alive and known is not None and known.alive:
+                await self._node_died(known, facts.reason or "Ray reports the node dead")
+
+    async def _node_died(self, node: NodeRow, reason: str) -> None:
+        node.alive, node.reason = False, reason
+        self.placer.mark_dead(node.name)
+        await asyncio.to_thread(self.state.put_node, node)
+        lost: list[SandboxRow] = []
+        for row in self.rows.values():
+            if row.node == node.name and row.info.state in ("running", "paused", "creating"):
+                self.placer.release(row.job, row.node, row.info.spec)
+                row.info = row.info.model_copy(update={"state": "lost", "reason": f"node {node.name} died: {reason}",
+                                                       "endpoint": None})
+                lost.append(row)
+        await asyncio.to_thread(self.state.put_sandboxes, lost)
+        log.warning("node %s died (%s): %d sandbox(es) lost", node.name, reason, len(lost))
+
+    # -- node plumbing ------------------------------------------------------------------------------------
+
+    def _client(self, node: str) -> tuple[Transport, httpx.AsyncClient]:
+        entry = self._transports.get(node)
+        if entry is None:
+            row = self.node_rows[node]
+            transport = Transport(row.url, row.token)
+            entry = self._transports[node] = (transport, transport.build(_NODE_LIMITS))
+        return entry
+
+    async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
+        transport, http = self._client(node)
+        try:
+            return await transport.request(http, method, path, **kw)
+        except ConnectionFailed as exc:
+            # Not the client's ConnectionFailed (that would read as "the gateway is down").
+            raise BackendUnavailable(
+                f"node {node} does not answer ({exc.message}); if it died, Ray reports it and its sandboxes "
+                "are marked lost within seconds", node=node) from exc
+
+    def _any_node(self) -> str:
+        alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
+        if not alive:
+            raise BackendUnavailable("no live node in the cluster")
+        return alive[0]
+
+    def _row(self, sandbox_id: str) -> SandboxRow:
+        row = self.rows.get(sandbox_id)
+        job = current_job.get()
+        if row is None or (row.job != job and job != "admin"):
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        if row.info.state == "lost":
+            raise SandboxLost(row.info.reason or "its node died", sandbox_id=sandbox_id, node=row.node)
+        return row
+
+    def _with_endpoint(self, info: SandboxInfo, node: str) -> SandboxInfo:
+        url = self.node_rows[node].url
+        token = scoped_token(self.node_rows[node].token, info.id)
+        return info.model_copy(update={"endpoint": NodeEndpoint(url=url, token=token)})
+
+    async def _remember(self, infos: builtins.list[SandboxInfo], node: str, job: str) -> builtins.list[SandboxInfo]:
+        rows = [SandboxRow(self._with_endpoint(info, node), node, job) for info in infos]
+        for row in rows:
+            self.rows[row.id] = row
+        if infos and infos[0].image and node in self.placer.nodes:
+            self.placer.nodes[node].images.add(infos[0].image)
+        await asyncio.to_thread(self.state.put_sandboxes, rows)
+        return [row.info for row in rows]
+
+    # -- control plane ------------------------------------------------------------------------------------
+
+    async def health(self) -> NodeInfo:
+        """The cluster as one node: a backend is ``ok`` when any live node runs it."""
+        backends: dict[str, str] = {}
+        for node in self.placer.nodes.values():
+            for name, slots in node.capacity.slots.items():
+                if node.alive and slots > 0:
+                    backends[name] = "ok"
+        live = sum(1 for r in self.rows.values() if r.info.state in ("running", "paused"))
+        return NodeInfo(node="gateway", version=dsec_version(), backends=backends, sandboxes=live)
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Place one sandbox (a trajectory re-attaches on its live node, else is rebuilt anywhere)."""
+        job = current_job.get()
+        if spec.trajectory is not None:
+            for row in self.rows.values():
+                if (row.info.trajectory is not None and row.info.trajectory.name == spec.trajectory
+                        and row.info.state in ("running", "paused") and row.job == job):
+                    response = await self._node_request(row.node, "POST", "/v1/sandboxes",
+                                                        json_body=spec.model_dump(mode="json"))
+                    return (await self._remember([SandboxInfo.model_validate(response.json())], row.node, job))[0]
+        return (await self._create_placed(spec, 1, job))[0]
+
+    async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
+        """Place a batch in one decision, create each node's share in one request; all or nothing."""
+        return await self._create_placed(request.spec, request.count, current_job.get())
+
+    async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
+        placement = await self.placer.place(spec, count, job, self.admission_wait)
+        body = spec.model_dump(mode="json")
+
+        async def on(node: str, n: int) -> builtins.list[SandboxInfo]:
+            try:
+                if n == 1:
+                    response = await self._node_request(node, "POST", "/v1/sandboxes", json_body=body)
+                    infos = [SandboxInfo.model_validate(response.json())]
+                else:
+                    response = await self._node_request(node, "POST", "/v1/sandboxes/batch",
+                                                        json_body={"count": n, "spec": body})
+                    infos = [SandboxInfo.model_validate(item) for item in response.json()]
+            except BaseException:
+                for _ in range(n):
+                    self.placer.release(job, node, spec)
+                raise
+            return await self._remember(infos, node, job)
+
+        results = await asyncio.gather(*(on(node, n) for node, n in placement.counts.items()),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        created = [info for r in results if not isinstance(r, BaseException) for info in r]
+        if errors:
+            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
+            raise errors[0]
+        return created
+
+    async def list(
+        self, labels: dict[str, str], backend: str | None = None, state: str | None = None
+    ) -> builtins.list[SandboxInfo]:
+        """The job's sandboxes as last seen (lost ones included, with their reason)."""
+        job = current_job.get()
+        return [r.info for r in self.rows.values()
+                if (r.job == job or job == "admin") and all(r.info.labels.get(k) == v for k, v in labels.items())
+                and (backend is None or r.info.backend == backend) and (state is None or r.info.state == state)]
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        """Fresh info from the owning node (a lost sandbox answers its last info and the reason)."""
+        row = self.rows.get(sandbox_id)
+        if row is not None and row.info.state == "lost" and (row.job == current_job.get()
+                                                            or current_job.get() == "admin"):
+            return row.info
+        row = self._row(sandbox_id)
+        response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
+        row.info = self._with_endpoint(SandboxInfo.model_validate(response.json()), row.node)
+        return row.info
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Destroy on the owning node, free its capacity, forget it (a lost one is just forgotten)."""
+        row = self.rows.get(sandbox_id)
+        if row is None or (row.job != current_job.get() and current_job.get() != "admin"):
+            return
+        if row.info.state != "lost":
+            with contextlib.suppress(SandboxNotFound):
+                await self._node_request(row.node, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+            self.placer.release(row.job, row.node, row.info.spec)
+        self.rows.pop(sandbox_id, None)
+        await asyncio.to_thread(self.state.delete_sandbox, sandbox_id)
+
+    # -- forwarded data plane (for clients that do not follow the endpoint) ------------------------------
+
+    async def _json(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> Any:
+        row = self._row(sandbox_id)
+        response = await self._node_request(row.node, method, f"/v1/sandboxes/{sandbox_id}{suffix}", **kw)
+        return response.json() if response.content else None
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> AsyncIterator[ExecEvent]:
+        """Relay the owning node's exec stream."""
+        return self._exec(sandbox_id, request, seq)
+
+    async def _exec(self, sandbox_id: str, request: ExecRequest, seq: int | None) -> AsyncIterator[ExecEvent]:
+        row = self._row(sandbox_id)
+        transport, http = self._client(row.node)
+        path = f"/v1/sandboxes/{sandbox_id}/exec" + (f"?seq={seq}" if seq is not None else "")
+        async with transport.stream(http, "POST", path, json_body=request.model_dump(mode="json")) as response:
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield ExecEvent.model_validate_json(line)
+
+    async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
+        """Forward ``sb.call``."""
+        return CallResult.model_validate(await self._json(sandbox_id, "POST", "/call",
+                                                          json_body=request.model_dump(mode="json")))
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int, seq: int | None = None) -> bytes:
+        """Forward a file read."""
+        row = self._row(sandbox_id)
+        params: dict[str, Any] = {"path": path} | ({"seq": seq} if seq is not None else {})
+        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/files",
+                                         params=params)).content
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, mode: int | None = None, seq: int | None = None
+    ) -> None:
+        """Forward a file write."""
+        params: dict[str, Any] = {"path": path}
+        if mode is not None:
+            params["mode"] = format(mode, "o")
+        if seq is not None:
+            params["seq"] = seq
+        await self._json(sandbox_id, "PUT", "/files", params=params, content=data)
+
+    async def list_files(self, sandbox_id: str, path: str, seq: int | None = None) -> builtins.list[FileEntry]:
+        """Forward a directory listing."""
+        params: dict[str, Any] = {"path": path} | ({"seq": seq} if seq is not None else {})
+        return [FileEntry.model_validate(e) for e in await self._json(sandbox_id, "GET", "/files/list",
+                                                                      params=params)]
+
+    async def stats(self, sandbox_id: str) -> SandboxStats:
+        """Forward stats."""
+        return SandboxStats.model_validate(await self._json(sandbox_id, "GET", "/stats"))
+
+    async def _info_call(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> SandboxInfo:
+        row = self._row(sandbox_id)
+        row.info = self._with_endpoint(SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)),
+                                       row.node)
+        return row.info
+
+    async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Forward pause."""
+        params = {"release_memory": "true"} if release_memory else None
+        return await self._info_call(sandbox_id, "POST", "/pause", params=params)
+
+    async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
+        """Forward a one-response exec."""
+        params = {"seq": seq} if seq is not None else None
+        return ExecResult.model_validate(await self._json(sandbox_id, "POST", "/exec/result", params=params,
+                                                          json_body=request.model_dump(mode="json")))
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        """Forward a screenshot (vm backend)."""
+        row = self._row(sandbox_id)
+        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/screenshot")).content
+
+    async def mouse(self, sandbox_id: str, request: MouseRequest) -> None:
+        """Forward a pointer action (vm backend)."""
+        await self._json(sandbox_id, "POST", "/mouse", json_body=request.model_dump(mode="json"))
+
+    async def keyboard(self, sandbox_id: str, request: KeyboardRequest) -> None:
+        """Forward keyboard input (vm backend)."""
+        await self._json(sandbox_id, "POST", "/keyboard", json_body=request.model_dump(mode="json", exclude_none=True))
+
+    async def reveal(self, sandbox_id: str) -> SandboxInfo:
+        """Forward reveal (hidden paths)."""
+        return await self._info_call(sandbox_id, "POST", "/reveal")
+
+    async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
+        """Forward a lease renewal."""
+        return await self._info_call(sandbox_id, "POST", "/lease")
+
+    def statistics(self) -> NodeStatistics:
+        """Warm pools and admission are per node; the gateway has its own queue (see ``/metrics``)."""
+        raise NotSupported("warm pools and the admission queue are per node: ask a node daemon for its statistics")
+
+    async def declare_pool(self, config: PoolConfig) -> PoolStatistics:
+        """Pools are declared per node (``dsec serve --pool`` in the node config)."""
+        raise NotSupported("warm pools are declared on each node daemon (--pool / DSEC_POOLS in the node config), "
+                           "not through the gateway")
+
+    async def owner_labels(self, sandbox_id: str) -> dict[str, str] | None:
+        """The labels of a sandbox the gateway knows (jobs are scoped by the gateway's own middleware)."""
+        row = self.rows.get(sandbox_id)
+        return None if row is None else dict(row.info.spec.labels)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Forward resume."""
+        return await self._info_call(sandbox_id, "POST", "/resume")
+
+    async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
+        """Forward a network policy change."""
+        return await self._info_call(sandbox_id, "PUT", "/network", json_body={"network": network})
+
+    async def snapshot(self, sandbox_id: str, seq: int | None = None) -> SnapshotRef:
+        """Forward snapshot (the snapshot store is shared, so any node can restore it)."""
+        params = {"seq": seq} if seq is not None else None
+        return SnapshotRef.model_validate(await self._json(sandbox_id, "POST", "/snapshot", params=params))
+
+    async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
+        """Fork on the owning node; the copies are the job's and count against its quota."""
+        row = self._row(sandbox_id)
+        items = await self._json(sandbox_id, "POST", "/fork", json_body={"count": count})
+        infos = [SandboxInfo.model_validate(item) for item in items]
+        for info in infos:
+            self.placer.adopt(row.job, row.node, info.spec)
+        return await self._remember(infos, row.node, row.job)
+
+    async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch on a live node (the trajectory log is shared in PostgreSQL)."""
+        node = self._any_node()
+        response = await self._node_request(node, "POST", "/v1/trajectories/fork",
+                                            json_body=request.model_dump(mode="json"))
+        info = SandboxInfo.model_validate(response.json())
+        self.placer.adopt(current_job.get(), node, info.spec)
+        return (await self._remember([info], node, current_job.get()))[0]
+
+    async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
+        """Read the shared trajectory log through any live node."""
+        response = await self._node_request(self._any_node(), "GET", "/v1/trajectories/log",
+                                            params={"name": name, "start": start, "limit": limit})
+        return [LoggedCall.model_validate(item) for item in response.json()]
+
+    async def list_images(self) -> builtins.list[ImageInfo]:
+        """Images of the shared store, as a live node sees them."""
+        response = await self._node_request(self._any_node(), "GET", "/v1/images")
+        return [ImageInfo.model_validate(item) for item in response.json()]
+
+    async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
+        """Pull into the shared store through a live node."""
+        response = await self._node_request(self._any_node(), "POST", "/v1/images/pull",
+                                            json_body=request.model_dump(mode="json"))
+        return ImageInfo.model_validate(response.json())
+
+    async def get_image(self, name: str) -> ImageInfo:
+        """One image of the shared store."""
+        response = await self._node_request(self._any_node(), "GET", f"/v1/images/{name}")
+        return ImageInfo.model_validate(response.json())
+
+
+def _capacity(raw: dict[str, Any]) -> Capacity:
+    return Capacity(cpu=float(raw.get("cpu", 0.0)), memory=int(raw.get("memory", 0)),
+                    slots={str(k): int(v) for k, v in dict(raw.get("slots", {})).items()})
+

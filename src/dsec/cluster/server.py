@@ -1,0 +1,153 @@
+"""``python -m dsec.cluster gateway``: serve the gateway over HTTP, and the jobs file it reads.
+
+Owns the job table (a job is a bearer token with quotas) and the auth middleware that turns a request's
+token into its job for the engine; the routes are the node daemon's own (``daemon.app.create_app``).
+
+Jobs file (JSON)::
+
+    {"admin_token": "...",                      # sees and manages every job's sandboxes
+     "jobs": {"rl-job-1": {"token": "...", "max_live": 32000, "max_rate": 2000}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job
+from dsec.cluster.placement import JobQuota
+from dsec.cluster.state import ClusterState
+from dsec.daemon.app import create_app
+from dsec.errors import InvalidRequest, Unauthorized
+
+__all__ = ["Jobs", "gateway_app", "main"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Jobs:
+    """Token -> job name, and each job's quota."""
+
+    by_token: dict[str, str]
+    quotas: dict[str, JobQuota]
+
+    @classmethod
+    def load(cls, path: Path) -> Jobs:
+        """Read a jobs file; a malformed one is an InvalidRequest naming what is wrong."""
+        try:
+            raw: Any = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InvalidRequest(f"cannot read the jobs file {path}: {exc}") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("jobs", {}), dict):
+            raise InvalidRequest(f"jobs file {path}: expected {{\"admin_token\": ..., \"jobs\": {{name: {{...}}}}}}")
+        by_token: dict[str, str] = {}
+        quotas: dict[str, JobQuota] = {}
+        if raw.get("admin_token"):
+            by_token[str(raw["admin_token"])] = "admin"
+        for name, job in raw.get("jobs", {}).items():
+            if not isinstance(job, dict) or not isinstance(job.get("token"), str) or len(job["token"]) < 16:
+                raise InvalidRequest(f"jobs file {path}: job {name!r} needs a 'token' of at least 16 characters")
+            if job["token"] in by_token:
+                raise InvalidRequest(f"jobs file {path}: job {name!r} reuses another job's token")
+            by_token[job["token"]] = str(name)
+            quotas[str(name)] = JobQuota(max_live=job.get("max_live"), max_rate=job.get("max_rate"))
+        if not by_token:
+            raise InvalidRequest(f"jobs file {path} names no token: the gateway would refuse every request")
+        return cls(by_token, quotas)
+
+
+class _JobGuard:
+    """Bearer token -> job (into :data:`current_job`); unknown tokens get 401. Pure ASGI (streams work)."""
+
+    def __init__(self, app: ASGIApp, jobs: Jobs) -> None:
+        self.app = app
+        self.jobs = jobs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        token = given.removeprefix("Bearer ")
+        job = None
+        for known, name in self.jobs.by_token.items():
+            if secrets.compare_digest(token, known):
+                job = name
+        if job is None:
+            err = Unauthorized("missing or unknown job token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
+            from fastapi.responses import JSONResponse
+
+            await JSONResponse(err.to_payload(), status_code=err.status_code)(scope, receive, send)
+            return
+        reset = current_job.set(job)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_job.reset(reset)
+
+
+def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
+    """The node API served over the gateway engine, behind job authentication."""
+    app = create_app(engine)
+    app.title = "DSec cluster gateway API"
+    app.add_middleware(_JobGuard, jobs=jobs)
+    return app
+
+
+async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> None:
+    state = await asyncio.to_thread(ClusterState, args.db)
+    engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait)
+    await engine.start()
+    host, _, port = args.listen.rpartition(":")
+    config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
+                            timeout_keep_alive=30, backlog=4096)
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        await engine.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, join the Ray cluster and serve the gateway until SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m dsec.cluster", description="DSec cluster gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("gateway", help="serve the gateway in the foreground")
+    p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT to serve on")
+    p.add_argument("--db", required=True, help="PostgreSQL URL of the gateway state (postgresql://...)")
+    p.add_argument("--jobs", type=Path, required=True, help="jobs file (tokens and quotas)")
+    p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: auto)")
+    p.add_argument("--node-config", type=Path, default=None, help="JSON of NodeConfig fields for node daemons")
+    p.add_argument("--admission-wait", type=float, default=60.0, help="seconds a create may wait for room")
+    p.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request otherwise
+    try:
+        jobs = Jobs.load(args.jobs)
+    except InvalidRequest as exc:
+        print(f"dsec gateway: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from dsec.cluster.ray_nodes import NAMESPACE, NodeConfig, RayNodes
+
+    config = NodeConfig(**json.loads(args.node_config.read_text())) if args.node_config else NodeConfig()
+    ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        asyncio.run(_serve(args, RayNodes(config), jobs))
+    finally:
+        ray.shutdown()
+    return 0

@@ -1,0 +1,34 @@
+"""The local Ray cluster of the cluster-mode tests (:mod:`dsec.cluster.local`), checked for leftovers.
+
+Every node home is registered with the session-wide leak check, and after teardown the container
+backend's sweep must find nothing under any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from container_support import SESSION_TAGS, home_tag, images_dir, sweep
+from dsec.cluster.local import LocalCluster, local_cluster, own_netns
+from postgres_support import PgServer
+
+__all__ = ["LocalCluster", "checked_cluster", "own_netns"]
+
+
+@contextlib.contextmanager
+def checked_cluster(pg: PgServer, workers: int, jobs: dict[str, dict[str, Any]],
+                    slots: dict[str, int]) -> Iterator[LocalCluster]:
+    """A local cluster whose node homes are swept and checked after teardown."""
+    homes = []
+    try:
+        with local_cluster(pg.dsn, workers, jobs, slots, images_dir()) as handle:
+            homes = handle.node_homes()
+            for home in homes:
+                SESSION_TAGS.add(home_tag(home))
+            yield handle
+    finally:
+        left = {str(home): asyncio.run(sweep(home, images_dir())) for home in homes}
+        assert not any(left.values()), f"cluster teardown left sandboxes: {left}"

@@ -1,0 +1,206 @@
+"""Cluster mode on a real local Ray cluster: a head plus three worker nodes, each with its own DSec node
+daemon (started by a Ray actor pinned to it), state directory and port; a gateway process with its state
+in a real PostgreSQL server; the trajectory log in the same server and a shared snapshot directory.
+
+Covered: creates spread by placement; the SDK's exec and file calls go straight to the owning node with a
+token scoped to the sandbox; quota refusals (``QuotaExceeded``) and unknown tokens; a burst of 500 creates
+that must queue for room and all complete; a worker node killed mid-run (its sandboxes reported lost with
+the reason, new creates go elsewhere, a trajectory resumes on another node from its checkpoint); the
+gateway SIGKILLed and restarted with nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import dsec
+from cluster_support import LocalCluster, checked_cluster, own_netns
+from conftest import missing
+from postgres_support import PgServer, postgres_server
+
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
+
+FN = {"image": "debian-python", "backend": "function", "cpu": 0.1, "memory": "64Mi", "timeout": 600}
+
+
+@pytest.fixture(scope="module")
+def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
+    if shutil.which("ip") is None:
+        missing("iproute2 is not installed (./scripts/setup)")
+    with own_netns():
+        try:
+            pg_cm = postgres_server()
+            pg: PgServer = pg_cm.__enter__()
+        except RuntimeError as exc:
+            if "not installed" in str(exc):
+                missing(str(exc))
+            raise
+        try:
+            jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}}
+            with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}) as handle:
+                yield handle
+        finally:
+            pg_cm.__exit__(None, None, None)
+
+
+def client(cluster: LocalCluster, job: str) -> dsec.Client:
+    return dsec.Client(cluster.gateway.url, cluster.tokens[job])
+
+
+async def test_creates_spread_and_data_goes_to_the_node(cluster: LocalCluster) -> None:
+    async with client(cluster, "alpha") as c:
+        sandboxes = await dsec.AsyncSandbox.create_many(6, client=c, **FN)
+        try:
+            by_node = collections.Counter(sb._info.node for sb in sandboxes)
+            assert sorted(by_node.values()) == [2, 2, 2], by_node
+            sb = sandboxes[0]
+            endpoint = sb._info.endpoint
+            assert endpoint is not None and endpoint.url != cluster.gateway.url
+            assert endpoint.token.startswith("sb1." + sb.id + ".")
+            result = await sb.exec(["python3", "-c", "print(6 * 7)"])
+            assert result.exit_code == 0 and result.stdout == b"42\n"
+            await sb.files.write("/workspace/a.txt", b"hello")
+            assert await sb.files.read("/workspace/a.txt") == b"hello"
+            # The scoped token opens this sandbox only, and cannot destroy it behind the gateway's back.
+            auth = {"Authorization": f"Bearer {endpoint.token}"}
+            async with httpx.AsyncClient(base_url=endpoint.url, headers=auth) as node:
+                other = next(s for s in sandboxes if s._info.node == sb._info.node and s.id != sb.id)
+                assert (await node.get(f"/v1/sandboxes/{other.id}")).status_code == 401
+                assert (await node.get("/v1/sandboxes")).status_code == 401
+                assert (await node.delete(f"/v1/sandboxes/{sb.id}")).status_code == 401
+                assert (await node.get(f"/v1/sandboxes/{sb.id}")).status_code == 200
+            # Another job does not see alpha's sandboxes.
+            async with client(cluster, "burst") as other_job:
+                with pytest.raises(dsec.SandboxNotFound):
+                    await dsec.AsyncSandbox.connect(sb.id, client=other_job)
+        finally:
+            await asyncio.gather(*(s.close() for s in sandboxes))
+
+
+async def test_quota_and_bad_tokens(cluster: LocalCluster) -> None:
+    async with client(cluster, "small") as c:
+        with pytest.raises(dsec.QuotaExceeded, match="quota is 3"):
+            await dsec.AsyncSandbox.create_many(4, client=c, **FN)
+        held = [await dsec.AsyncSandbox.create(client=c, **FN) for _ in range(3)]
+        try:
+            with pytest.raises(dsec.QuotaExceeded, match="would have 4 live"):
+                await dsec.AsyncSandbox.create(client=c, **FN)
+        finally:
+            await asyncio.gather(*(s.close() for s in held))
+        again = await dsec.AsyncSandbox.create(client=c, **FN)  # closing gave the quota back
+        await again.close()
+    async with client(cluster, "rate") as c:
+        with pytest.raises(dsec.QuotaExceeded, match="2 sandboxes per second"):
+            await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+    async with dsec.Client(cluster.gateway.url, "not-a-job-token") as bad:
+        with pytest.raises(dsec.Unauthorized):
+            await dsec.AsyncSandbox.create(client=bad, **FN)
+    async with client(cluster, "alpha") as c:
+        with pytest.raises(dsec.BackendUnavailable, match="microvm"):
+            await dsec.AsyncSandbox.create(client=c, **{**FN, "backend": "microvm"})
+
+
+async def test_burst_of_500_queues_and_completes(cluster: LocalCluster) -> None:
+    # 3 nodes x 10 function slots = 30 at once; 500 creates, 64 in flight at a time (one client's
+    # connection pool on a loaded 2-core machine), must wait for each other's room.
+    gate = asyncio.Semaphore(64)
+    async with client(cluster, "burst") as c:
+        async def one(i: int) -> str:
+            async with gate:
+                sb = await dsec.AsyncSandbox.create(client=c, labels={"i": str(i)}, **FN)
+                node = sb._info.node
+                await sb.close()
+                return node
+
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(500)), return_exceptions=True)
+        finally:  # a failed create must not leave the others' sandboxes holding the cluster's slots
+            await asyncio.gather(*(sb.close() for sb in await dsec.AsyncSandbox.list(client=c)),
+                                 return_exceptions=True)
+        failures = [repr(r) for r in results if isinstance(r, BaseException)]
+        assert not failures, f"{len(failures)} of 500 creates failed, e.g. {failures[:3]}"
+        nodes = [r for r in results if isinstance(r, str)]
+        assert len(nodes) == 500 and len(set(nodes)) == 3
+        metrics = (await c._request("GET", "/metrics")).text
+        queued = next(float(line.split()[1]) for line in metrics.splitlines()
+                      if line.startswith("dsec_cluster_admission_queued "))
+        assert queued > 0, "no create had to wait: the burst did not exceed the cluster's room"
+        assert await dsec.AsyncSandbox.list(client=c) == []
+
+
+async def test_node_killed_then_gateway_restarted(cluster: LocalCluster) -> None:
+    async with client(cluster, "alpha") as c:
+        traj = await dsec.AsyncSandbox.create(image="debian-python", backend="container", cpu=0.5,
+                                              memory="256Mi", trajectory="cluster/rollout-1", client=c)
+        await traj.files.write("/workspace/state.txt", b"before checkpoint")
+        r = await traj.exec("echo step1 >> /workspace/log.txt")
+        assert r.exit_code == 0
+        await traj.snapshot()  # the checkpoint the trajectory resumes from
+        victim = traj._info.node
+        fn = await dsec.AsyncSandbox.create_many(6, client=c, **FN)
+        doomed = [s for s in fn if s._info.node == victim]
+        survivors = [s for s in fn if s._info.node != victim]
+        assert doomed and survivors
+
+        worker = next(w for w in cluster.workers if f"node-{w.node_id[:12]}" == victim)
+        cluster.ray.remove_node(worker, allow_graceful=False)
+        start = time.monotonic()
+        while True:
+            try:
+                if (await traj.info()).state == "lost":
+                    break
+            except dsec.BackendUnavailable as exc:  # until Ray declares the node dead
+                assert victim in str(exc)
+            assert time.monotonic() - start < 60, "the dead node's sandboxes were not reported lost"
+            await asyncio.sleep(0.2)
+        info = await traj.info()
+        assert victim in (info.reason or "") and "died" in (info.reason or "")
+        for sb in doomed:
+            assert (await sb.info()).state == "lost"
+        with pytest.raises(dsec.SandboxLost):
+            await c._request("POST", f"/v1/sandboxes/{doomed[0].id}/pause")
+        for sb in survivors:
+            assert (await sb.exec("true")).exit_code == 0
+
+        fresh = await dsec.AsyncSandbox.create_many(4, client=c, **FN)
+        assert victim not in {s._info.node for s in fresh}
+
+        resumed = await dsec.AsyncSandbox.create(image="debian-python", backend="container", cpu=0.5,
+                                                 memory="256Mi", trajectory="cluster/rollout-1", client=c)
+        try:
+            assert resumed._info.node != victim
+            assert resumed._info.trajectory is not None and resumed._info.trajectory.restored_from
+            # Calls before the end of the log fast-forward from the log; the file came from the checkpoint.
+            await resumed.files.write("/workspace/state.txt", b"before checkpoint")
+            assert (await resumed.exec("echo step1 >> /workspace/log.txt")).exit_code == 0
+            await resumed.snapshot()
+            assert await resumed.files.read("/workspace/state.txt") == b"before checkpoint"
+            assert await resumed.files.read("/workspace/log.txt") == b"step1\n"
+
+            # The gateway dies and comes back: placements, lost records and quotas are all still there.
+            before = sorted((s.id, s._info.state) for s in await dsec.AsyncSandbox.list(client=c))
+            cluster.gateway.kill()
+            # The data plane does not need the gateway.
+            assert (await survivors[0].exec("echo still")).stdout == b"still\n"
+            await asyncio.to_thread(cluster.gateway.start)
+            after = sorted((s.id, s._info.state) for s in await dsec.AsyncSandbox.list(client=c))
+            assert after == before
+            assert (await survivors[1].info()).state == "running"
+            assert (await doomed[0].info()).state == "lost"
+            again = await dsec.AsyncSandbox.connect(survivors[1].id, client=c)
+            assert (await again.exec("echo back")).stdout == b"back\n"
+        finally:
+            for sb in [resumed, *fresh, *fn, traj]:
+                await sb.close()
+        assert await dsec.AsyncSandbox.list(client=c) == []

@@ -1,0 +1,86 @@
+"""Cluster credentials: the node's sandbox-scoped tokens, and the gateway's jobs file (bad input)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_app import client_for, engine, new_sandbox
+
+from dsec.cluster.server import Jobs
+from dsec.daemon.auth import scoped_token
+from dsec.daemon.engine import Engine
+from dsec.errors import InvalidRequest
+
+__all__ = ["engine"]  # the fixture, re-used from test_app
+
+NODE_TOKEN = "node-secret-token-0123456789"
+
+
+async def test_scoped_token_opens_its_sandbox_only(engine: Engine) -> None:
+    async with client_for(engine, NODE_TOKEN) as admin:
+        admin.headers["Authorization"] = f"Bearer {NODE_TOKEN}"
+        mine, other = await new_sandbox(admin), await new_sandbox(admin)
+    async with client_for(engine, NODE_TOKEN) as c:
+        c.headers["Authorization"] = f"Bearer {scoped_token(NODE_TOKEN, mine)}"
+        assert (await c.get(f"/v1/sandboxes/{mine}")).status_code == 200
+        r = await c.post(f"/v1/sandboxes/{mine}/exec", json={"command": "echo hi"})
+        assert r.status_code == 200
+        assert (await c.get(f"/v1/sandboxes/{other}")).status_code == 401
+        assert (await c.get("/v1/sandboxes")).status_code == 401
+        assert (await c.post("/v1/sandboxes", json={"image": "base"})).status_code == 401
+        assert (await c.delete(f"/v1/sandboxes/{mine}")).status_code == 401
+        assert (await c.post(f"/v1/sandboxes/{mine}/fork", json={"count": 1})).status_code == 401
+        # A token for one sandbox, presented with another id's prefix, or made with another key, fails.
+        forged = scoped_token(NODE_TOKEN, mine).replace(mine, other, 1)
+        c.headers["Authorization"] = f"Bearer {forged}"
+        assert (await c.get(f"/v1/sandboxes/{other}")).status_code == 401
+        c.headers["Authorization"] = f"Bearer {scoped_token('another-node-key-000000000', mine)}"
+        assert (await c.get(f"/v1/sandboxes/{mine}")).status_code == 401
+        # A sandbox id that is a prefix of another's must not open the longer one.
+        c.headers["Authorization"] = f"Bearer {scoped_token(NODE_TOKEN, mine[:-1])}"
+        assert (await c.get(f"/v1/sandboxes/{mine}")).status_code == 401
+
+
+def write(tmp_path: Path, content: object) -> Path:
+    path = tmp_path / "jobs.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def test_jobs_file_loads_tokens_and_quotas(tmp_path: Path) -> None:
+    jobs = Jobs.load(write(tmp_path, {"admin_token": "a" * 20, "jobs": {
+        "j1": {"token": "t" * 20, "max_live": 5, "max_rate": 2.5}, "j2": {"token": "u" * 20}}}))
+    assert jobs.by_token == {"a" * 20: "admin", "t" * 20: "j1", "u" * 20: "j2"}
+    assert jobs.quotas["j1"].max_live == 5 and jobs.quotas["j1"].max_rate == 2.5
+    assert jobs.quotas["j2"].max_live is None
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "cannot read the jobs file"),
+    ([1, 2], "expected"),
+    ({"jobs": {"j": {"token": "short"}}}, "at least 16 characters"),
+    ({"jobs": {"j": {"token": "t" * 20}, "k": {"token": "t" * 20}}}, "reuses another job's token"),
+    ({"jobs": {}}, "names no token"),
+])
+def test_bad_jobs_files_are_refused_with_the_reason(tmp_path: Path, content: object, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        Jobs.load(write(tmp_path, content))
+
+
+def test_missing_jobs_file(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        Jobs.load(tmp_path / "absent.json")
+
+
+def test_cluster_up_refuses_a_bad_jobs_file_before_touching_ray(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dsec.cli import main
+
+    bad = write(tmp_path, {"jobs": {"j": {"token": "short"}}})
+    result = CliRunner().invoke(main, ["cluster", "up", "--db", "postgresql://x/y", "--jobs", str(bad),
+                                       "--ray-address", "127.0.0.1:1"])
+    assert result.exit_code != 0
+    assert "at least 16 characters" in result.output + str(result.exception)

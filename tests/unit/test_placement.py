@@ -1,0 +1,119 @@
+"""Placement logic (``dsec.cluster.placement``): capacity, locality, spreading, quotas, the fair queue."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from dsec.cluster.placement import Capacity, JobQuota, Placer
+from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded
+from dsec.models import SandboxSpec
+
+SPEC = SandboxSpec(image="img", backend="function", cpu=1.0, memory="1Gi")
+
+
+def placer(nodes: int = 3, slots: int = 10, cpu: float = 100.0, memory: int = 100 * 1024**3) -> Placer:
+    p = Placer()
+    for i in range(nodes):
+        p.set_node(f"n{i}", Capacity(cpu=cpu, memory=memory, slots={"function": slots, "container": slots}))
+    return p
+
+
+def test_a_batch_spreads_in_one_decision() -> None:
+    p = placer()
+    placement = p.try_place(SPEC, 9, "job")
+    assert placement is not None and placement.counts == {"n0": 3, "n1": 3, "n2": 3}
+    assert collections.Counter(placement.nodes()) == {"n0": 3, "n1": 3, "n2": 3}
+
+
+def test_image_locality_is_preferred_while_the_node_is_not_much_busier() -> None:
+    p = placer(slots=4)  # 8 slots a node (4 function + 4 container): each sandbox is 1/8 of its load
+    p.nodes["n2"].images.add("img")
+    first = p.try_place(SPEC, 2, "job")
+    assert first is not None and first.counts == {"n2": 2}
+    rest = p.try_place(SPEC, 4, "job")
+    assert rest is not None and set(rest.counts) == {"n0", "n1", "n2"}, rest.counts
+
+
+def test_cpu_memory_and_slots_each_limit() -> None:
+    assert placer(nodes=1, cpu=2.5).try_place(SPEC, 3, "j") is None  # 2 cores' worth fit, not 3
+    assert placer(nodes=1, memory=2 * 1024**3).try_place(SPEC, 3, "j") is None
+    assert placer(nodes=1, slots=2).try_place(SPEC, 3, "j") is None
+    p = placer(nodes=1, slots=2)
+    assert p.try_place(SPEC, 2, "j") is not None and p.try_place(SPEC, 1, "j") is None
+
+
+def test_all_or_nothing_takes_nothing_when_a_batch_does_not_fit() -> None:
+    p = placer(nodes=2, slots=2)
+    assert p.try_place(SPEC, 5, "j") is None
+    assert all(not n.live.get("function") for n in p.nodes.values())
+    assert p.job("j").live == 0
+
+
+def test_dead_nodes_and_missing_backends() -> None:
+    p = placer(nodes=2)
+    p.mark_dead("n0")
+    placement = p.try_place(SPEC, 2, "j")
+    assert placement is not None and placement.counts == {"n1": 2}
+    with pytest.raises(BackendUnavailable, match="microvm"):
+        p.try_place(SPEC.model_copy(update={"backend": "microvm"}), 1, "j")
+    with pytest.raises(InvalidRequest):
+        p.try_place(SPEC, 0, "j")
+
+
+def test_live_quota_and_release() -> None:
+    p = placer()
+    p.quotas["small"] = JobQuota(max_live=2)
+    assert p.try_place(SPEC, 2, "small") is not None
+    with pytest.raises(QuotaExceeded, match="quota is 2") as err:
+        p.try_place(SPEC, 1, "small")
+    assert err.value.detail["max_live"] == 2
+    node = next(n.name for n in p.nodes.values() if n.live.get("function"))
+    p.release("small", node, SPEC)
+    assert p.try_place(SPEC, 1, "small") is not None
+    assert p.try_place(SPEC, 5, "other") is not None  # other jobs have their own (default: none) quota
+
+
+def test_rate_quota() -> None:
+    p = placer()
+    p.quotas["r"] = JobQuota(max_rate=3)
+    assert p.try_place(SPEC, 3, "r") is not None
+    with pytest.raises(QuotaExceeded, match="per second"):
+        p.try_place(SPEC, 1, "r")
+
+
+async def test_admission_queue_waits_for_room_and_times_out() -> None:
+    p = placer(nodes=1, slots=1)
+    assert p.try_place(SPEC, 1, "a") is not None
+    waiter = asyncio.create_task(p.place(SPEC, 1, "b", wait=10))
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and p.statistics()["waiting"] == 1
+    p.release("a", "n0", SPEC)
+    placement = await asyncio.wait_for(waiter, 5)
+    assert placement.counts == {"n0": 1} and p.queued == 1
+    with pytest.raises(QuotaExceeded, match="admission queue"):
+        await p.place(SPEC, 1, "c", wait=0.1)
+
+
+async def test_fair_queue_serves_jobs_round_robin() -> None:
+    p = placer(nodes=1, slots=1)
+    assert p.try_place(SPEC, 1, "hog") is not None
+    order: list[str] = []
+
+    async def want(job: str) -> None:
+        await p.place(SPEC, 1, job, wait=10)
+        order.append(job)
+
+    tasks = [asyncio.create_task(want("hog")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(want("small")))
+    await asyncio.sleep(0.01)
+    for _ in range(4):
+        holder = "hog" if not order else order[-1]
+        p.release(holder, "n0", SPEC)
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
+    # The small job's one request is served second, not after all of the hog's queued ones.
+    assert order.index("small") <= 1, order
