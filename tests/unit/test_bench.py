@@ -218,7 +218,8 @@ def test_images_rows_apply_the_issue_targets() -> None:
 
 
 def test_selection_and_skip() -> None:
-    assert bench._selected(None, ["microvm", "images"]) == ("container", "function", "pools", "trajectory")
+    assert bench._selected(None, ["microvm", "vm", "images", "cluster"]) == (
+        "container", "function", "pools", "trajectory")
     assert bench._selected(["pools"], []) == ("pools",)
     with pytest.raises(BenchUnavailable, match="'nope'"):
         bench._selected(None, ["nope"])
