@@ -115,9 +115,9 @@ async def test_attack(arena: Arena, attack_id: str, request: pytest.FixtureReque
     if gap:
         request.applymarker(pytest.mark.xfail(reason=f"open gap: {gap}", strict=True))
     marker = new_host_marker()
-    before = HostState.capture(arena.image)
     try:
         async with arena.target(item, marker) as target:
+            before = HostState.capture(arena.image)  # after creating the sandbox (a VM template writes GBs)
             await asyncio.wait_for(item.fn(target), ATTACK_TIMEOUT)
     finally:
         failed_to_stay_away = marker.exists()
