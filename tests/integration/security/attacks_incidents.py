@@ -203,9 +203,10 @@ async def neighbour_files(t: Target) -> None:
     secret = f"nbr-{uuid.uuid4().hex}"
     async with t.neighbour() as other:
         await t.backend.write_file(other, f"/workspace/{secret}", b"neighbour's answer", None)
-        # host paths of the neighbour's state ("home" is its user's HOME inside the sandbox, not a host path)
+        # host paths of the neighbour's state (its rootfs, layer, runtime dir; "home" is its user's HOME inside
+        # the sandbox, not a host path)
         host_paths = " ".join(v for k, v in other.backend_state.items()
-                              if k != "home" and isinstance(v, str) and v.startswith("/"))
+                              if k != "home" and isinstance(v, str) and v.startswith((str(t.home), "/run/dsec")))
         r = await t.sh(f"find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o -name '{secret[:8]}*' "
                        f"-print 2>/dev/null; ls -d {t.home} {host_paths} 2>/dev/null; echo end", timeout=120)
         assert r.stdout == b"end\n", f"the neighbour's files are visible: {r.stdout!r}"

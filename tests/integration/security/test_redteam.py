@@ -26,7 +26,7 @@ from dsec.errors import DSecError
 from dsec.models import ExecRequest
 from function_support import fn_leftovers
 
-pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.root]
 
 NOT_BUILT = "not applicable: backend {} is not built yet"
 ATTACK_TIMEOUT = 240.0
@@ -104,6 +104,7 @@ async def arena(request: pytest.FixtureRequest, debian_python_image: ImageRef) -
         shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("attack_id", [a.id for a in all_attacks()])
 async def test_attack(arena: Arena, attack_id: str, request: pytest.FixtureRequest) -> None:
     item = ATTACKS[attack_id]
@@ -114,9 +115,9 @@ async def test_attack(arena: Arena, attack_id: str, request: pytest.FixtureReque
     if gap:
         request.applymarker(pytest.mark.xfail(reason=f"open gap: {gap}", strict=True))
     marker = new_host_marker()
-    before = HostState.capture(arena.image)
     try:
         async with arena.target(item, marker) as target:
+            before = HostState.capture(arena.image)  # after creating the sandbox (a VM template writes GBs)
             await asyncio.wait_for(item.fn(target), ATTACK_TIMEOUT)
     finally:
         failed_to_stay_away = marker.exists()
