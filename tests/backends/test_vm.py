@@ -213,7 +213,7 @@ async def test_pause_resume_and_snapshot_restore(backend: VMBackend, image: Imag
         await backend.write_file(sb, "/var/state.txt", b"after snapshot", None)
         record = new_record("vm", image)
         try:
-            await backend.restore(record, image, snap)
+            await backend.restore(record, image, [snap])
             assert await backend.read_file(record, "/var/state.txt", 100) == b"before snapshot"
             r = await backend.exec(record, ExecRequest(command="hostname"))
             assert r.stdout.strip() == record.id.encode()
@@ -221,7 +221,7 @@ async def test_pause_resume_and_snapshot_restore(backend: VMBackend, image: Imag
             await backend.destroy(record)
         assert await backend.read_file(sb, "/var/state.txt", 100) == b"after snapshot"
     with pytest.raises(SandboxError, match="not a readable vm snapshot"):
-        await backend.restore(new_record("vm", image), image, tmp_path / "nope")
+        await backend.restore(new_record("vm", image), image, [tmp_path / "nope"])
 
 
 async def test_bad_specs_and_images_are_refused(backend: VMBackend, image: ImageRef) -> None:

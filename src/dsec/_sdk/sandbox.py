@@ -403,8 +403,8 @@ class AsyncSandbox:
     async def reveal(self) -> SandboxInfo:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
         grading phase begins (container backend)."""
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/reveal")
-        self._info = SandboxInfo.model_validate(response.json())
+        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/reveal")
+        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
         return self._info
 
     async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
@@ -583,7 +583,7 @@ class AsyncSandbox:
             return result
         try:
             # One request, one answer (no stream): the output arrives with the exit status anyway.
-            response = await self._client._request(
+            response = await self._node_request(
                 "POST", f"/v1/sandboxes/{self.id}/exec/result", json=request.model_dump(mode="json"),
                 params=params or None, timeout=STREAM_TIMEOUT)
         except ReplayDivergence as exc:
