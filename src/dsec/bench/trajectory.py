@@ -123,7 +123,7 @@ async def _checkpoints(cfg: TrajectoryBench, client: Client, settings: Settings,
         fresh = list(await asyncio.gather(*(AsyncSandbox.create(image=IMAGE, client=client)
                                             for _ in range(cfg.fork_n))))
         creates_s = time.perf_counter() - started
-        upper = Path(settings.home) / "container" / sb.id / "upper" / "workspace" / "data"
+        upper = Path(settings.home) / "container" / sb.id / "disk" / "upper" / "workspace" / "data"
         with tempfile.TemporaryDirectory(dir=settings.home) as scratch:
             started = time.perf_counter()
             await asyncio.to_thread(subprocess.run, ["cp", "-a", str(upper), scratch], check=True)
