@@ -55,6 +55,16 @@ MiB = 1024 * 1024
 _MIN_MEMORY = 128 * MiB
 # QEMU's own memory (TCG translation cache, device models) on top of guest RAM, for the cgroup limit.
 _QEMU_OVERHEAD = 384 * MiB
+# TCG's translation cache: QEMU's default (1 GiB) grows with every code path a long-lived guest runs and
+# would end in the cgroup's OOM killer; 128 MiB holds a guest's working set of translated code.
+_TCG_TB_MIB = 128
+
+
+def accel_arg(accel: str) -> str:
+    """The ``-accel`` value: KVM as is, TCG with its translation cache bounded (see ``_TCG_TB_MIB``)."""
+    return accel if accel == "kvm" else f"{accel},tb-size={_TCG_TB_MIB}"
+
+
 _BOOT_TIMEOUT = 60.0
 # The serial console is read into memory and only its tail kept: the guest controls what it writes, so a
 # file would let it fill the host's disk (or /run's RAM).
@@ -238,7 +248,7 @@ class MicroVMBackend(Backend):
         sandbox = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
         cmd = [
             QEMU, "-M", "microvm,pit=on,pic=on,rtc=on,isa-serial=on,memory-backend=mem",
-            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-accel", accel_arg(accel), "-cpu", "host" if accel == "kvm" else "max",
             "-smp", str(vcpus), "-m", f"{mem_mib}M", "-object", ",".join(memory),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-sandbox", sandbox,
             "-kernel", str(self._kernel.vmlinuz), "-initrd", str(self._initramfs),

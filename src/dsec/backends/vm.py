@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import ImageRef
-from dsec.backends.microvm import _VM, QEMU, MiB, MicroVMBackend, probe_accelerator
+from dsec.backends.microvm import _VM, QEMU, MiB, MicroVMBackend, accel_arg, probe_accelerator
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
@@ -227,7 +227,7 @@ class VMBackend(MicroVMBackend):
         accel = self.accel or "tcg"
         cmd = [
             QEMU, "-M", "q35,memory-backend=mem",
-            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-accel", accel_arg(accel), "-cpu", "host" if accel == "kvm" else "max",
             "-smp", str(vcpus), "-m", f"{mem_mib}M", "-object", ",".join(memory),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
