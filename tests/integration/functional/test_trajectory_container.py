@@ -225,7 +225,8 @@ def test_rollout_killed_at_a_random_step_runs_every_command_once(
 
 
 def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon: Daemon) -> None:
-    sb = dsec.Sandbox.create(image="debian-python", trajectory="job-2/abandoned", lease=3, client=daemon.client)
+    # The orphaned window (idle for half the lease, until the lease ends) must outlast one `dsec ps` under load.
+    sb = dsec.Sandbox.create(image="debian-python", trajectory="job-2/abandoned", lease=12, client=daemon.client)
     assert sb.exec("true").exit_code == 0
     sandbox_id = sb.id
     del sb  # the client lets go of its handle: the SDK's heartbeat stops with it
@@ -233,8 +234,8 @@ def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon:
     ps = lambda: json.loads(subprocess.run(  # noqa: E731
         [sys.executable, "-m", "dsec", "ps", "--json"], env=daemon.env, capture_output=True, text=True,
         check=True).stdout)
-    assert wait_until(lambda: any(i["id"] == sandbox_id and i["trajectory"]["orphaned"] for i in ps()), timeout=10)
-    assert wait_until(lambda: all(i["id"] != sandbox_id for i in ps()), timeout=20)
+    assert wait_until(lambda: any(i["id"] == sandbox_id and i["trajectory"]["orphaned"] for i in ps()), timeout=30)
+    assert wait_until(lambda: all(i["id"] != sandbox_id for i in ps()), timeout=40)
     with pytest.raises(dsec.SandboxTimeout, match="lease"):
         dsec.Sandbox.connect(sandbox_id, client=daemon.client)
 
