@@ -24,6 +24,8 @@ class _Subscriber:
     def __init__(self, size: int) -> None:
         self.queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(size)
         self.dropped = 0
+        self.gap_from = 0
+        """Sequence number of the first event dropped since the last ``lagged`` notice."""
 
 
 class EventBus:
@@ -53,8 +55,15 @@ class EventBus:
             try:
                 sub.queue.put_nowait(event)
             except asyncio.QueueFull:
+                if not sub.dropped:
+                    sub.gap_from = event.seq
                 sub.dropped += 1
         return event
+
+    def _lagged(self, sub: _Subscriber) -> LifecycleEvent:
+        dropped, sub.dropped = sub.dropped, 0
+        return LifecycleEvent(seq=sub.gap_from, at=time.time(), kind="lagged", node=self.node,
+                              reason="this subscriber read too slowly", detail={"dropped": dropped})
 
     def recent(self, since: int = 0) -> list[LifecycleEvent]:
         """Events of the history after sequence number ``since``."""
@@ -72,12 +81,12 @@ class EventBus:
                     yield event
             while True:
                 event = await sub.queue.get()
-                if sub.dropped:
-                    dropped, sub.dropped = sub.dropped, 0
-                    yield LifecycleEvent(seq=event.seq - 1, at=time.time(), kind="lagged", node=self.node,
-                                         reason="this subscriber read too slowly", detail={"dropped": dropped})
+                if sub.dropped and event.seq > sub.gap_from:
+                    yield self._lagged(sub)  # the gap came before this event
                 if event.seq > last:
                     yield event
+                if sub.dropped and sub.queue.empty():
+                    yield self._lagged(sub)  # the gap is everything after what was queued
         finally:
             self._subscribers.discard(sub)
 
