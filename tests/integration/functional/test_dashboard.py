@@ -9,14 +9,9 @@ and screenshots are saved under ``tests/artifacts/``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import dsec
-from container_support import images_dir, short_home, sweep, wait_until
-from dsec.config import Settings
-from dsec.daemon.server import daemon_answers
+from container_support import daemon_process
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser
@@ -42,12 +35,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--metrics-recording-only", "--disable-domain-reliability", "--no-pings"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Node:
     url: str
@@ -59,40 +46,14 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(debian_python_image: object) -> Iterator[Node]:
-    """``python -m dsec.daemon serve`` with TCP on loopback and a token; every sandbox is gone afterwards."""
+    """A daemon process with TCP on loopback, a token and a warm pool; every sandbox is gone afterwards."""
     if not os.path.exists(CHROMIUM):
         pytest.fail("Debian's chromium is not installed (scripts/setup installs it)")
-    home = short_home("dsec-ui-")
-    settings = Settings(home=home, images_dir=images_dir())
     token = secrets.token_hex(16)
-    port = _free_port()
-    env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(images_dir()), DSEC_TOKEN=token,
-               DSEC_POOLS="debian-python:container:min=1,max=1,memory=256Mi")
-    log = home / "daemon.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home), "--tcp",
-                                 f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                start_new_session=True, cwd="/")
-    client = dsec.Client(f"unix://{settings.socket_path}")
-    try:
-        ok = wait_until(lambda: proc.poll() is not None or daemon_answers(settings), timeout=60)
-        assert ok and proc.poll() is None, f"daemon did not start:\n{log.read_text()[-3000:]}"
-        yield Node(f"http://127.0.0.1:{port}", token, f"unix://{settings.socket_path}")
-    finally:
-        try:
-            for sb in dsec.Sandbox.list(client=client):
-                sb.close()
-        finally:
-            client.close()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            removed = asyncio.run(sweep(home, images_dir()))
-            shutil.rmtree(home, ignore_errors=True)
-        assert removed == [], f"sandboxes were left behind: {removed}"
+    with daemon_process("dsec-ui-", tcp_token=token, DSEC_POOLS="debian-python:container:min=1,max=1,memory=256Mi"
+                        ) as (unix_url, tcp_url):
+        assert tcp_url is not None
+        yield Node(tcp_url, token, unix_url)
 
 
 @pytest.fixture
