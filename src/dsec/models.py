@@ -23,6 +23,7 @@ __all__ = [
     "BatchCreateRequest",
     "CallRequest",
     "CallResult",
+    "CounterSample",
     "ExecEvent",
     "ExecRequest",
     "ExecResult",
@@ -879,6 +880,23 @@ class NodeLoad(Model):
     """Host memory."""
 
 
+class CounterSample(Model):
+    """The node's counters at one moment (the overview keeps a recent series of them for the charts)."""
+
+    at: float
+    """When (Unix seconds)."""
+    created: int = 0
+    """Sandboxes created so far."""
+    create_seconds_sum: float = 0.0
+    """Sum of their creation latencies."""
+    exec_count: int = 0
+    """Commands run so far."""
+    exec_seconds_sum: float = 0.0
+    """Sum of their wall times."""
+    failures: int = 0
+    """Failed creations and commands ended by a limit so far."""
+
+
 class NodeOverview(Model):
     """Everything the dashboard polls in one answer: nodes, counters, failures, images, pools, audit size.
 
@@ -906,6 +924,9 @@ class NodeOverview(Model):
     """Warm pools."""
     audit: dict[str, int] = Field(default_factory=dict)
     """The audit trail's statistics (rows kept, cap, pending, dropped)."""
+    history: list[CounterSample] = Field(default_factory=list)
+    """The counters every few seconds over the last half hour, oldest first (rates over time are the
+    differences between neighbours)."""
 
 
 SandboxInfo.model_rebuild()

@@ -246,3 +246,18 @@ async def test_overview_counts_creates_execs_failures_and_host_load(engine: Engi
     assert node["sandboxes"] == 1 and node["by_backend"] == {"container": 1}
     assert len(node["load"]) == 3 and node["cpus"] >= 1 and 0 < node["memory_used_bytes"] < node["memory_total_bytes"]
     assert o["audit"]["max_rows"] > 0
+    assert o["history"][-1]["exec_count"] == 2 and o["history"][-1]["created"] == 1
+    assert o["history"][-1]["failures"] == 1
+
+
+async def test_overview_history_is_sampled_and_bounded(engine: Engine) -> None:
+    engine._sampled_at = 0.0
+    engine._sample()
+    engine._sample()  # within SAMPLE_SECONDS of the first: not taken
+    assert len(engine._samples) == 1
+    for _ in range(1000):
+        engine._sampled_at = 0.0
+        engine._sample()
+    assert len(engine._samples) == engine._samples.maxlen
+    history = (await engine.overview()).history
+    assert len(history) == engine._samples.maxlen + 1 and history[-1].at >= history[0].at

@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Protocol, get_args
@@ -50,6 +50,7 @@ from dsec.models import (
     BatchCreateRequest,
     CallRequest,
     CallResult,
+    CounterSample,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -87,6 +88,10 @@ log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
+SAMPLE_SECONDS = 5.0
+"""How often the engine samples its counters for the overview's history."""
+HISTORY_SECONDS = 1800.0
+"""How far back the overview's history goes."""
 
 
 def dsec_version() -> str:
@@ -201,6 +206,9 @@ class Engine:
         self._layer_roots: dict[str, builtins.list[Path]] = {}
         self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
         self.events = EventBus(settings.node)
+        # The counters every SAMPLE_SECONDS (by the reaper), so a dashboard opened now can chart the past.
+        self._samples: deque[CounterSample] = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
+        self._sampled_at = 0.0
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -720,10 +728,26 @@ class Engine:
         while True:
             await asyncio.sleep(self.reaper_interval)
             try:
+                self._sample()
                 await self.reap()
                 await self._unmount_idle_images()
             except Exception:
                 log.exception("reaper pass failed")
+
+    def _counters(self, totals: dict[str, float]) -> CounterSample:
+        failures = sum(self.metrics.failures().values())
+        return CounterSample(
+            at=time.time(), created=int(totals.get("dsec_sandboxes_created_total", 0)),
+            create_seconds_sum=totals.get("dsec_create_seconds_sum", 0.0),
+            exec_count=int(totals.get("dsec_exec_seconds_count", 0)),
+            exec_seconds_sum=totals.get("dsec_exec_seconds_sum", 0.0), failures=failures)
+
+    def _sample(self) -> None:
+        """Append the counters to the history when ``SAMPLE_SECONDS`` have passed since the last sample."""
+        now = time.monotonic()
+        if now - self._sampled_at >= SAMPLE_SECONDS:
+            self._sampled_at = now
+            self._samples.append(self._counters(self.metrics.totals()))
 
     async def _unmount_idle_images(self) -> None:
         """Image mounts stay warm for ``IMAGE_IDLE_SECONDS`` after their last sandbox, then go."""
@@ -1101,6 +1125,7 @@ class Engine:
             failures=self.metrics.failures(),
             images=await asyncio.to_thread(image_stats) if image_stats is not None else {},
             pools=self.pools.statistics(), audit=self.audit.statistics(),
+            history=[*self._samples, self._counters(totals)],
         )
 
     async def health(self) -> NodeInfo:

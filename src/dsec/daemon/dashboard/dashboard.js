@@ -116,6 +116,10 @@ function last(values) { return values.length ? values[values.length - 1].toFixed
 // ----- sections ----------------------------------------------------------------------------------------
 
 function renderOverview(o) {
+  if (!samples.length && o.history.length > 1) {
+    // The node's own recent series: charts show the past half hour at once, then grow with every poll.
+    for (const h of o.history.slice(-HISTORY, -1)) samples.push(h);
+  }
   samples.push(o);
   if (samples.length > HISTORY) samples.shift();
   fill("nodes", o.nodes.map(n => ({ cells: [
