@@ -1,0 +1,102 @@
+"""The gateway's operator views over two real node daemons (uvicorn on TCP with tokens): the audit trail
+fanned out and merged, a sandbox's history from its node, the overview summed, events refused by name.
+
+Only the gateway's database is left out (its placement state is set by hand): what is tested is the
+fan-out and merge logic above real node APIs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sdk_daemon import Daemon, running_daemon
+
+import dsec
+from dsec.cluster.gateway import GatewayEngine, current_job
+from dsec.cluster.placement import Capacity
+from dsec.cluster.state import NodeRow, SandboxRow
+from dsec.daemon.audit import AuditQuery
+from dsec.errors import NotSupported, SandboxNotFound
+
+
+class _NoDatabase:
+    """The gateway's state store and node source, unused by these calls (closing them is fine)."""
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the operator views must not touch the gateway's database ({name})")
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+    with (running_daemon(tmp_path_factory.mktemp("n1"), token="node-one-token-0123456789") as one,
+          running_daemon(tmp_path_factory.mktemp("n2"), token="node-two-token-0123456789") as two):
+        yield [one, two]
+
+
+def gateway(nodes: list[Daemon], *, alive: tuple[bool, bool] = (True, True)) -> GatewayEngine:
+    g = GatewayEngine(_NoDatabase(), _NoDatabase())  # type: ignore[arg-type]
+    for i, (node, up) in enumerate(zip(nodes, alive, strict=True)):
+        name = f"node-{i}"
+        assert node.tcp_url is not None and node.token is not None
+        g.node_rows[name] = NodeRow(name, node.tcp_url, node.token, up, {})
+        g.placer.set_node(name, Capacity(cpu=2, memory=2**30, slots={"container": 10}))
+        if not up:
+            g.placer.mark_dead(name)
+    return g
+
+
+async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_path: Path) -> None:
+    made = []
+    for i, node in enumerate(nodes):
+        async with dsec.Client(node.unix_url) as client:
+            sb = await dsec.AsyncSandbox.create(image="tiny", client=client)
+            await sb.exec(f"echo node {i}")
+            await sb.exec("exit 2")
+            made.append((node, sb.id, await sb.info()))
+    g = gateway(nodes)
+    token = current_job.set("admin")
+    try:
+        merged = await g.audit_log(AuditQuery(limit=100))
+        ours = [e for e in merged if e.sandbox_id in {m[1] for m in made}]
+        assert len(ours) == 4 and [e.at for e in merged] == sorted((e.at for e in merged), reverse=True)
+        assert len(await g.audit_log(AuditQuery(limit=1))) == 1
+        failed = await g.audit_log(AuditQuery(outcome="nonzero", limit=100))
+        assert {e.sandbox_id for e in failed} >= {m[1] for m in made}
+        # A sandbox's history comes from its own node.
+        node, sandbox_id, info = made[1]
+        g.rows[sandbox_id] = SandboxRow(info, "node-1", "job-a")
+        history = await g.sandbox_logs(sandbox_id)
+        assert [e.command for e in history] == ["exit 2", "echo node 1"]
+        with pytest.raises(SandboxNotFound):
+            await g.sandbox_logs("sb-unknown")
+        overview = await g.overview()
+        assert [n.node for n in overview.nodes] == ["node-0", "node-1"] and all(n.alive for n in overview.nodes)
+        assert overview.exec_count >= 4 and overview.created >= 2 and sum(n.sandboxes for n in overview.nodes) >= 2
+        with pytest.raises(NotSupported, match="each node daemon"):
+            g.subscribe(0)
+        # Another job cannot read the history of a sandbox that is not its own.
+        current_job.set("job-b")
+        with pytest.raises(SandboxNotFound):
+            await g.sandbox_logs(sandbox_id)
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+        for node, sandbox_id, _ in made:
+            async with dsec.Client(node.unix_url) as client:
+                await (await dsec.AsyncSandbox.connect(sandbox_id, client=client)).close()
+
+
+async def test_a_dead_node_is_shown_dead_and_left_out(nodes: list[Daemon]) -> None:
+    g = gateway(nodes, alive=(True, False))
+    try:
+        overview = await g.overview()
+        assert [(n.node, n.alive) for n in overview.nodes] == [("node-0", True), ("node-1", False)]
+        assert overview.nodes[1].sandboxes == 0
+    finally:
+        await g.aclose()
