@@ -13,7 +13,7 @@ import pytest
 
 from dsec.config import Settings
 from dsec.daemon.app import create_app
-from dsec.daemon.audit import AuditLog, AuditQuery
+from dsec.daemon.audit import AuditLog, AuditQuery, as_row
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 from dsec.daemon.events import EventBus
@@ -39,10 +39,10 @@ def client_for(engine: Engine, **kwargs: object) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec")
 
 
-def entry(sandbox: str = "sb-1", **fields: object) -> AuditEntry:
+def entry(sandbox: str = "sb-1", **fields: object) -> tuple[object, ...]:
     base: dict[str, object] = {"at": time.time(), "sandbox_id": sandbox, "backend": "container", "who": "local",
                                "command": "true", "outcome": "ok", "exit_code": 0}
-    return AuditEntry.model_validate({**base, **fields})
+    return as_row(AuditEntry.model_validate({**base, **fields}))
 
 
 # ----- the audit log itself ----------------------------------------------------------------------------

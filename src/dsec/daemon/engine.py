@@ -24,7 +24,7 @@ from typing import Protocol, get_args
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.admission import Admission
-from dsec.daemon.audit import AuditLog, AuditQuery, caller, head
+from dsec.daemon.audit import OUTPUT_HEAD_BYTES, AuditLog, AuditQuery, caller
 from dsec.daemon.auth import JOB_LABEL
 from dsec.daemon.events import EventBus
 from dsec.daemon.host_limits import HostLimits
@@ -879,15 +879,16 @@ class Engine:
                elapsed: float, outcome: AuditOutcome, result: ExecResult | None, error: str | None) -> None:
         """Queue the audit record of one command (in memory; the audit log's flusher writes it)."""
         spec = record.spec
-        self.audit.record(AuditEntry.model_construct(
-            at=at, sandbox_id=record.id, node=self.settings.node, backend=spec.backend, who=caller.get(),
-            job=spec.labels.get(JOB_LABEL), op="call" if op == "call" else "exec", command=command, cwd=cwd,
-            outcome=outcome, exit_code=None if result is None else result.exit_code,
-            limit=None if result is None else result.limit, duration_s=elapsed,
-            stdout="" if result is None else head(result.stdout), stderr="" if result is None else head(result.stderr),
-            output_bytes=0 if result is None else len(result.stdout) + len(result.stderr),
-            trajectory=spec.trajectory, error=error,
-        ))
+        # A plain tuple in audit.COLUMNS order: the flusher decodes and serialises it off the event loop.
+        who, job, node = caller.get(), spec.labels.get(JOB_LABEL), self.settings.node
+        if result is None:
+            self.audit.record((at, record.id, node, spec.backend, who, job, op, command, cwd, outcome, None, None,
+                               elapsed, b"", b"", 0, spec.trajectory, error))
+        else:
+            self.audit.record((at, record.id, node, spec.backend, who, job, op, command, cwd, outcome,
+                               result.exit_code, result.limit, elapsed, result.stdout[:OUTPUT_HEAD_BYTES],
+                               result.stderr[:OUTPUT_HEAD_BYTES], len(result.stdout) + len(result.stderr),
+                               spec.trajectory, error))
 
     async def read_file(
         self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES, seq: int | None = None
