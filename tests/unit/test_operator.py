@@ -5,38 +5,19 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
+from test_app import client_for, engine
 
-from dsec.config import Settings
-from dsec.daemon.app import create_app
 from dsec.daemon.audit import AuditLog, AuditQuery, as_row
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 from dsec.daemon.events import EventBus
 from dsec.errors import InvalidRequest
 from dsec.models import AuditEntry, SandboxSpec
-from dsec.testing.fake import FakeBackend, FakeImages
 
-
-@pytest.fixture
-async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
-    eng = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake")},
-                 FakeImages())
-    await eng.start()
-    try:
-        yield eng
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
-
-
-def client_for(engine: Engine, **kwargs: object) -> httpx.AsyncClient:
-    app = create_app(engine, **kwargs)  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec")
+__all__ = ["engine"]  # the fixture, re-used from test_app
 
 
 def entry(sandbox: str = "sb-1", **fields: object) -> tuple[object, ...]:
@@ -160,7 +141,7 @@ async def test_every_exec_is_audited_with_outcome_limit_and_output(engine: Engin
 async def test_audit_records_who_ran_it_per_token(engine: Engine, tmp_path: Path) -> None:
     tokens = TokenFile(tmp_path / "tokens.json")
     job_token = tokens.create("trainer-7", job="j7")
-    async with client_for(engine, token="adm1n", tokens=tokens) as c:
+    async with client_for(engine, "adm1n", tokens=tokens) as c:  # type: ignore[arg-type]
         admin = {"Authorization": "Bearer adm1n"}
         job = {"Authorization": f"Bearer {job_token}"}
         sid = (await c.post("/v1/sandboxes", json={"image": "base"}, headers=job)).json()["id"]
