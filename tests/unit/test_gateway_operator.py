@@ -11,15 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sdk_daemon import Daemon, running_daemon
 
 import dsec
 from dsec.cluster.gateway import GatewayEngine, current_job
 from dsec.cluster.placement import Capacity
+from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
-from dsec.errors import NotSupported, SandboxNotFound
+from dsec.errors import Forbidden, NotSupported, SandboxNotFound
 
 
 class _NoDatabase:
@@ -80,10 +82,19 @@ async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_p
         assert overview.exec_count >= 4 and overview.created >= 2 and sum(n.sandboxes for n in overview.nodes) >= 2
         with pytest.raises(NotSupported, match="each node daemon"):
             g.subscribe(0)
-        # Another job cannot read the history of a sandbox that is not its own.
+        # Nodes do not know the gateway's jobs: the gateway fills them in, and filters on them.
+        merged = await g.audit_log(AuditQuery(limit=100))
+        assert {e.job for e in merged if e.sandbox_id == sandbox_id} == {"job-a"}
+        assert {e.sandbox_id for e in await g.audit_log(AuditQuery(job="job-a", limit=100))} == {sandbox_id}
+        assert {e.job for e in history} == {"job-a"}
+        # Another job cannot read the history of a sandbox that is not its own, nor the node-wide views.
         current_job.set("job-b")
         with pytest.raises(SandboxNotFound):
             await g.sandbox_logs(sandbox_id)
+        with pytest.raises(Forbidden, match="admin token"):
+            await g.audit_log(AuditQuery())
+        with pytest.raises(Forbidden, match="admin token"):
+            await g.overview()
     finally:
         current_job.reset(token)
         await g.aclose()
@@ -92,11 +103,34 @@ async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_p
                 await (await dsec.AsyncSandbox.connect(sandbox_id, client=client)).close()
 
 
+async def test_gateway_serves_the_dashboard_without_a_token_and_the_views_with_one(nodes: list[Daemon]) -> None:
+    g = gateway(nodes)
+    jobs = Jobs(by_token={"admin-token-0123456789": "admin", "job-token-0123456789": "job-a"}, quotas={})
+    app = gateway_app(g, jobs)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            page = await c.get("/ui/")
+            assert page.status_code == 200 and "dashboard.js" in page.text
+            assert (await c.get("/v1/overview")).status_code == 401
+            job = {"Authorization": "Bearer job-token-0123456789"}
+            forbidden = await c.get("/v1/audit", headers=job)
+            assert forbidden.status_code == 403 and "admin token" in forbidden.json()["error"]["message"]
+            admin = {"Authorization": "Bearer admin-token-0123456789"}
+            overview = await c.get("/v1/overview", headers=admin)
+            assert overview.status_code == 200 and len(overview.json()["nodes"]) == 2
+            events = await c.get("/v1/events", headers=admin)
+            assert events.status_code == 501 and "each node daemon" in events.json()["error"]["message"]
+    finally:
+        await g.aclose()
+
+
 async def test_a_dead_node_is_shown_dead_and_left_out(nodes: list[Daemon]) -> None:
     g = gateway(nodes, alive=(True, False))
+    token = current_job.set("admin")
     try:
         overview = await g.overview()
         assert [(n.node, n.alive) for n in overview.nodes] == [("node-0", True), ("node-1", False)]
         assert overview.nodes[1].sandboxes == 0
     finally:
+        current_job.reset(token)
         await g.aclose()

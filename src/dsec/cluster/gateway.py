@@ -29,7 +29,14 @@ from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import scoped_token
 from dsec.daemon.engine import dsec_version
-from dsec.errors import BackendUnavailable, ConnectionFailed, NotSupported, SandboxLost, SandboxNotFound
+from dsec.errors import (
+    BackendUnavailable,
+    ConnectionFailed,
+    Forbidden,
+    NotSupported,
+    SandboxLost,
+    SandboxNotFound,
+)
 from dsec.models import (
     AuditEntry,
     BatchCreateRequest,
@@ -511,11 +518,29 @@ class GatewayEngine:
                 found.append(result)
         return found
 
+    def _admin_only(self, what: str) -> None:
+        if current_job.get() != "admin":
+            raise Forbidden(f"{what} spans every job's sandboxes: it needs the gateway's admin token")
+
     async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
-        """Every live node's audit trail for ``query``, merged newest first (``before`` pages per node)."""
-        params = {k: v for k, v in vars(query).items() if v is not None}
-        merged = [AuditEntry.model_validate(item) for _, items in await self._each_node("/v1/audit", params)
-                  for item in items]
+        """Every live node's audit trail for ``query``, merged newest first (admin only).
+
+        Nodes do not know the gateway's jobs: the job (and, for calls sent straight to the node with a
+        sandbox-scoped token, the caller) is filled in from the gateway's own records, and a ``job`` filter is
+        applied here, after the merge (so it may return fewer than ``limit`` entries per page)."""
+        self._admin_only("the audit trail")
+        params = {k: v for k, v in vars(query).items() if v is not None and k != "job"}
+        merged = []
+        for _, items in await self._each_node("/v1/audit", params):
+            for item in items:
+                entry = AuditEntry.model_validate(item)
+                row = self.rows.get(entry.sandbox_id)
+                if row is not None:
+                    entry.job = entry.job or row.job
+                    if entry.who == "sandbox-token":
+                        entry.who = f"job:{row.job}"
+                if query.job is None or entry.job == query.job:
+                    merged.append(entry)
         return sorted(merged, key=lambda e: e.at, reverse=True)[:query.limit]
 
     async def sandbox_logs(self, sandbox_id: str, limit: int = 100, before: int | None = None
@@ -527,7 +552,12 @@ class GatewayEngine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
         params: dict[str, Any] = {"limit": limit} if before is None else {"limit": limit, "before": before}
         response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/logs", params=params)
-        return [AuditEntry.model_validate(item) for item in response.json()]
+        entries = [AuditEntry.model_validate(item) for item in response.json()]
+        for entry in entries:
+            entry.job = entry.job or row.job
+            if entry.who == "sandbox-token":
+                entry.who = f"job:{row.job}"
+        return entries
 
     def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
         """Lifecycle events are per node: a gateway stream would need one merged sequence (not built yet)."""
@@ -535,7 +565,8 @@ class GatewayEngine:
                            "the gateway does not merge them yet")
 
     async def overview(self) -> NodeOverview:
-        """Every node's overview summed; the node list from placement (dead nodes included, marked)."""
+        """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""
+        self._admin_only("the overview")
         answers = {node: NodeOverview.model_validate(doc) for node, doc in await self._each_node("/v1/overview")}
         total = NodeOverview(at=time.time(), nodes=[])
         for name, node in sorted(self.placer.nodes.items()):

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dsec.daemon.audit import caller
 from dsec.errors import DSecError, Forbidden, InvalidRequest, RateLimited, SandboxNotFound, Unauthorized
 
-__all__ = ["JOB_LABEL", "AuthGuard", "TokenEntry", "TokenFile"]
+__all__ = ["JOB_LABEL", "AuthGuard", "TokenEntry", "TokenFile", "open_path"]
 
 JOB_LABEL = "dsec.job"
 """The label that records which job's token created a sandbox."""
@@ -230,7 +230,7 @@ class AuthGuard:
                               retry_after=round(wait, 3), limit=kind)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and _open_path(scope["path"])):
+        if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -308,7 +308,7 @@ class AuthGuard:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
 
 
-def _open_path(path: str) -> bool:
+def open_path(path: str) -> bool:
     """Paths served without a token: health, and the dashboard's static files (they hold no data; the page
     asks for a token and sends it with every API call)."""
     return path == "/v1/health" or path == "/ui" or path.startswith("/ui/")

@@ -233,6 +233,11 @@ async function followEvents() {
     try {
       const headers = token ? { Authorization: "Bearer " + token } : {};
       const response = await fetch("/v1/events?since=" + since, { headers });
+      if (response.status === 501) { // the cluster gateway: events are streamed by each node
+        document.getElementById("events-section").querySelector("h2").textContent =
+          "Lifecycle events (streamed by each node, not by the gateway)";
+        return;
+      }
       if (!response.ok) throw new Error("events: HTTP " + response.status);
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
