@@ -108,10 +108,18 @@ def _sandbox_table(infos: list[SandboxInfo], stats: dict[str, SandboxStats] | No
         if stats is not None:
             s = stats.get(i.id)
             row += ["-", "-", "-"] if s is None else [f"{s.cpu_seconds:.1f}", _bytes(s.memory_bytes), str(s.pids)]
-        trajectory = "-" if i.trajectory is None else f"{i.trajectory.name} ({i.trajectory.calls} calls)"
+        trajectory = _trajectory_text(i, now)
         labels = ",".join(f"{k}={v}" for k, v in sorted(i.labels.items()))
         table.add_row(*row, escape(trajectory), escape(labels))
     return table
+
+
+def _trajectory_text(info: SandboxInfo, now: float) -> str:
+    t = info.trajectory
+    if t is None:
+        return "-"
+    lease = "lease ends in " + age(max(0.0, t.lease_expires_at - now))
+    return f"{t.name} ({t.calls} calls, {'ORPHANED, ' if t.orphaned else ''}{lease})"
 
 
 _filters = [
