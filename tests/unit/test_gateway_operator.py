@@ -7,6 +7,8 @@ fan-out and merge logic above real node APIs.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,8 +120,9 @@ async def test_gateway_serves_the_dashboard_without_a_token_and_the_views_with_o
             admin = {"Authorization": "Bearer admin-token-0123456789"}
             overview = await c.get("/v1/overview", headers=admin)
             assert overview.status_code == 200 and len(overview.json()["nodes"]) == 2
-            events = await c.get("/v1/events", headers=admin)
+            events = await c.get("/v1/events", params={"since": 0}, headers=admin)
             assert events.status_code == 501 and "each node daemon" in events.json()["error"]["message"]
+            assert (await c.get("/v1/events", headers=job)).status_code == 403
     finally:
         await g.aclose()
 
@@ -134,3 +137,44 @@ async def test_a_dead_node_is_shown_dead_and_left_out(nodes: list[Daemon]) -> No
     finally:
         current_job.reset(token)
         await g.aclose()
+
+
+async def test_gateway_merges_the_nodes_live_events(nodes: list[Daemon]) -> None:
+    g = gateway(nodes)
+    token = current_job.set("admin")
+    stream = g.subscribe()
+    got: list[tuple[str, str | None, int]] = []
+
+    async def read() -> None:
+        async for event in stream:
+            got.append((event.kind, event.sandbox_id, event.seq))
+            if len(got) == 4:
+                return
+
+    reader = asyncio.create_task(read())
+    try:
+        deadline = time.monotonic() + 20
+        while any(n.engine.events.statistics()["subscribers"] == 0 for n in nodes):
+            assert time.monotonic() < deadline, "the gateway did not subscribe to every node"
+            await asyncio.sleep(0.05)
+        made = []
+        for node in nodes:
+            async with dsec.Client(node.unix_url) as client:
+                sb = await dsec.AsyncSandbox.create(image="tiny", client=client)
+                await sb.close()
+                made.append(sb.id)
+        await asyncio.wait_for(reader, 20)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await stream.aclose()  # type: ignore[attr-defined]
+        current_job.reset(token)
+        await g.aclose()
+    assert sorted((kind, sid) for kind, sid, _ in got) == sorted(
+        [("created", made[0]), ("destroyed", made[0]), ("created", made[1]), ("destroyed", made[1])])
+    assert [seq for _, _, seq in got] == [1, 2, 3, 4]
+    # Closing the gateway's stream closes its streams from the nodes.
+    deadline = time.monotonic() + 20
+    while any(n.engine.events.statistics()["subscribers"] for n in nodes):
+        assert time.monotonic() < deadline, "the nodes still stream to a closed gateway subscriber"
+        await asyncio.sleep(0.05)

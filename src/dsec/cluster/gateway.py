@@ -560,9 +560,42 @@ class GatewayEngine:
         return entries
 
     def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Lifecycle events are per node: a gateway stream would need one merged sequence (not built yet)."""
-        raise NotSupported("lifecycle events are streamed by each node daemon (GET /v1/events on the node); "
-                           "the gateway does not merge them yet")
+        """Every live node's lifecycle events as they happen, merged and numbered by the gateway (admin only).
+
+        Live only: the nodes number their events each on their own, so there is no gateway history to resume
+        from (``since`` is refused); nodes that join after the stream opened are not followed."""
+        self._admin_only("the event stream")
+        if since is not None:
+            raise NotSupported("the gateway merges the nodes' live events and keeps no history: resume with "
+                               "?since= on each node daemon, or open the gateway's stream without it")
+        return self._merged_events()
+
+    async def _merged_events(self) -> AsyncIterator[LifecycleEvent]:
+        queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(1000)  # a slow reader slows the node readers
+
+        async def follow(node: str) -> None:
+            transport, http = self._client(node)
+            try:
+                async with transport.stream(http, "GET", "/v1/events") as response:
+                    async for line in response.aiter_lines():
+                        if line:
+                            await queue.put(LifecycleEvent.model_validate_json(line))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a node that dies ends its part of the stream, said once
+                log.warning("event stream of node %s ended: %s", node, exc)
+
+        tasks = [asyncio.create_task(follow(n.name)) for n in self.placer.nodes.values() if n.alive]
+        seq = 0
+        try:
+            while True:
+                event = await queue.get()
+                seq += 1
+                yield event.model_copy(update={"seq": seq})
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def overview(self) -> NodeOverview:
         """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""

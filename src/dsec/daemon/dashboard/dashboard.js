@@ -228,16 +228,12 @@ function renderImages(images) {
 // ----- events stream -----------------------------------------------------------------------------------
 
 async function followEvents() {
-  let since = 0;
+  let since = 0; // null: live only (the cluster gateway merges the nodes' live events and keeps no history)
   for (;;) {
     try {
       const headers = token ? { Authorization: "Bearer " + token } : {};
-      const response = await fetch("/v1/events?since=" + since, { headers });
-      if (response.status === 501) { // the cluster gateway: events are streamed by each node
-        document.getElementById("events-section").querySelector("h2").textContent =
-          "Lifecycle events (streamed by each node, not by the gateway)";
-        return;
-      }
+      const response = await fetch(since === null ? "/v1/events" : "/v1/events?since=" + since, { headers });
+      if (response.status === 501 && since !== null) { since = null; continue; }
       if (!response.ok) throw new Error("events: HTTP " + response.status);
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
@@ -250,7 +246,7 @@ async function followEvents() {
         while ((nl = buffered.indexOf("\n")) >= 0) {
           const event = JSON.parse(buffered.slice(0, nl));
           buffered = buffered.slice(nl + 1);
-          since = Math.max(since, event.seq);
+          if (since !== null) since = Math.max(since, event.seq);
           addEvent(event);
         }
       }
