@@ -6,6 +6,7 @@ needs the vm backend and is run by ``test_computer_use_example`` (marked ``vm``)
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import subprocess
@@ -131,5 +132,25 @@ def _boot_template(unix_url: str) -> None:
                 for sb in ready:
                     sb.close()
                 return
+            failures = asyncio.run(_overview(unix_url)).failures
+            if failures:  # the daemon gave up on the boot: say why (its create_failed event has the reason)
+                pytest.fail(f"the vm template did not boot: {failures}: {asyncio.run(_first_failure(unix_url))}")
             time.sleep(5)
     pytest.fail("the vm template did not boot in 25 minutes")
+
+
+async def _overview(unix_url: str) -> dsec.NodeOverview:
+    async with dsec.Client(unix_url) as client:
+        return await client.overview()
+
+
+async def _first_failure(unix_url: str) -> str | None:
+    async with dsec.Client(unix_url) as client:
+        stream = client.events(0)
+        try:
+            async for event in stream:
+                if event.kind == "create_failed":
+                    return event.reason
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+    return None
