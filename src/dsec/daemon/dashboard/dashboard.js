@@ -234,6 +234,10 @@ async function followEvents() {
       const headers = token ? { Authorization: "Bearer " + token } : {};
       const response = await fetch(since === null ? "/v1/events" : "/v1/events?since=" + since, { headers });
       if (response.status === 501 && since !== null) { since = null; continue; }
+      if (response.status === 401) {
+        document.getElementById("token-form").hidden = false;
+        throw new Error("this API needs a token");
+      }
       if (!response.ok) throw new Error("events: HTTP " + response.status);
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
