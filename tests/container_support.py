@@ -189,3 +189,55 @@ async def run(backend: ContainerBackend, record: SandboxRecord, command: str | l
     """Run a command in a sandbox (30 s timeout unless given)."""
     kw.setdefault("timeout", 30.0)
     return await backend.exec(record, ExecRequest(command=command, **kw))
+
+
+@contextlib.contextmanager
+def daemon_process(prefix: str, *, tcp_token: str | None = None, **env: str) -> Iterator[tuple[str, str | None]]:
+    """``python -m dsec.daemon serve`` on a fresh home (and on TCP loopback with ``tcp_token``); yields its
+    unix URL and TCP URL. Afterwards every sandbox is destroyed, the daemon stopped, and finding anything of
+    its home left on the host fails the test."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import dsec
+    from dsec.daemon.server import daemon_answers
+
+    home = short_home(prefix)
+    settings = Settings(home=home, images_dir=images_dir())
+    argv = [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home)]
+    tcp_url = None
+    if tcp_token is not None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        argv += ["--tcp", f"127.0.0.1:{port}"]
+        tcp_url = f"http://127.0.0.1:{port}"
+        env = {**env, "DSEC_TOKEN": tcp_token}
+    full_env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(images_dir()), **env)
+    log = home / "daemon.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=full_env,
+                                start_new_session=True, cwd="/")
+    unix_url = f"unix://{settings.socket_path}"
+    removed: list[str] = []
+    try:
+        ok = wait_until(lambda: proc.poll() is not None or daemon_answers(settings), timeout=60)
+        assert ok and proc.poll() is None, f"daemon did not start:\n{log.read_text()[-3000:]}"
+        yield unix_url, tcp_url
+    finally:
+        try:
+            with dsec.Client(unix_url) as client:
+                for sb in dsec.Sandbox.list(client=client):
+                    sb.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            removed = asyncio.run(sweep(home, images_dir()))
+            shutil.rmtree(home, ignore_errors=True)
+    assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"

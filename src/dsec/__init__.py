@@ -33,9 +33,12 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.models import (
+    AuditEntry,
     ExecEvent,
     ExecResult,
     FileEntry,
+    LifecycleEvent,
+    NodeOverview,
     NodeStatistics,
     PoolConfig,
     SandboxInfo,
@@ -47,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",
+    "AuditEntry",
     "BackendUnavailable",
     "CacheFull",
     "CallFailed",
@@ -60,6 +64,8 @@ __all__ = [
     "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
+    "LifecycleEvent",
+    "NodeOverview",
     "NodeStatistics",
     "NotFound",
     "NotSupported",

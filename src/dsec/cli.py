@@ -24,8 +24,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec.cli_ops import age as _age
+from dsec.cli_ops import register as _register_ops
 from dsec.errors import DSecError, InvalidRequest
-from dsec.models import SandboxInfo, parse_pairs
+from dsec.models import parse_pairs
 
 if TYPE_CHECKING:
     from dsec.images.layers import FlattenStats
@@ -54,14 +56,6 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DSecError as exc:
             _fail(exc.message or type(exc).__name__)
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -153,35 +147,7 @@ def doctor(as_json: bool) -> None:
 # ----- sandboxes ----------------------------------------------------------------------------------
 
 
-@main.command()
-@click.option("--label", "-l", "labels", multiple=True, metavar="K=V", help="Only sandboxes with this label.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def ps(labels: tuple[str, ...], as_json: bool) -> None:
-    """List live sandboxes."""
-    from dsec._sdk.portal import portal
-    from dsec._sdk.sandbox import list_infos
-
-    infos = portal.run(list_infos(labels=parse_pairs(labels, "--label")))
-    if as_json:
-        click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
-        return
-    table = Table(box=None, header_style="bold")
-    for column in ("ID", "BACKEND", "IMAGE", "STATE", "AGE", "EXPIRES", "TRAJECTORY", "LABELS"):
-        table.add_column(column, overflow="fold")
-    now = time.time()
-    for i in infos:
-        labels_text = ",".join(f"{k}={v}" for k, v in sorted(i.labels.items()))
-        table.add_row(i.id, i.backend, i.image or "-", i.state, _age(now - i.created_at),
-                      "in " + _age(i.expires_at - now), escape(_trajectory_text(i, now)), escape(labels_text))
-    Console(width=200).print(table)
-
-
-def _trajectory_text(info: SandboxInfo, now: float) -> str:
-    t = info.trajectory
-    if t is None:
-        return "-"
-    lease = "lease ends in " + _age(max(0.0, t.lease_expires_at - now))
-    return f"{t.name} ({t.calls} calls, {'ORPHANED, ' if t.orphaned else ''}{lease})"
+_register_ops(main)
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})

@@ -16,6 +16,8 @@
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
 | ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
 | ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
+| ``DSEC_AUDIT_DB`` | ``$DSEC_HOME/audit.db`` | the audit trail (SQLite): every command run in every sandbox |
+| ``DSEC_AUDIT_MAX_ROWS`` | ``200000`` | commands the audit trail keeps (oldest evicted first) |
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Settings:
     host_limits: bool = field(default_factory=lambda: os.environ.get("DSEC_HOST_LIMITS", "0") == "1")
     """Raise the host's pid/thread/inotify/file limits at start and restore them at stop (opt-in)."""
     snapshot_store_url: str | None = None
+    audit_db: Path | None = field(default_factory=lambda: Path(p) if (p := os.environ.get("DSEC_AUDIT_DB")) else None)
+    audit_max_rows: int = field(default_factory=lambda: int(os.environ.get("DSEC_AUDIT_MAX_ROWS", "200000")))
+    """Commands the audit trail keeps; older ones are evicted first."""
 
     def __post_init__(self) -> None:
         if self.images_dir is None:
@@ -63,6 +68,11 @@ class Settings:
     def trajectory_log(self) -> str:
         """Where the trajectory log lives: a ``postgresql://`` URL or a SQLite file path."""
         return self.trajectory_db or str(self.home / "trajectories.db")
+
+    @property
+    def audit_path(self) -> Path:
+        """The audit trail's SQLite file."""
+        return self.audit_db or self.home / "audit.db"
 
     @property
     def images(self) -> Path:

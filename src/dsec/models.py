@@ -18,10 +18,12 @@ from dsec.errors import InvalidRequest
 
 __all__ = [
     "AdmissionStatistics",
+    "AuditEntry",
     "BackendName",
     "BatchCreateRequest",
     "CallRequest",
     "CallResult",
+    "CounterSample",
     "ExecEvent",
     "ExecRequest",
     "ExecResult",
@@ -30,6 +32,7 @@ __all__ = [
     "ImageConfig",
     "ImageInfo",
     "KeyboardRequest",
+    "LifecycleEvent",
     "LimitHit",
     "LoggedCall",
     "MouseRequest",
@@ -37,6 +40,8 @@ __all__ = [
     "NetworkRequest",
     "NodeEndpoint",
     "NodeInfo",
+    "NodeLoad",
+    "NodeOverview",
     "NodeStatistics",
     "PoolConfig",
     "PoolStatistics",
@@ -573,6 +578,12 @@ class LoggedCall(Model):
     """The logged response as JSON text."""
     truncated: bool = False
     """The stored output was cut at the log's per-call cap."""
+    request: str | None = None
+    """The call in readable JSON (large bodies replaced by their size and digest), for people reading it."""
+    started_at: float | None = None
+    """When it started (Unix seconds)."""
+    duration_s: float | None = None
+    """How long it ran."""
 
 
 class ForkRequest(Model):
@@ -770,6 +781,152 @@ class NodeStatistics(Model):
     """Every declared pool."""
     admission: AdmissionStatistics
     """The create admission queue."""
+
+
+AuditOutcome = Literal["ok", "nonzero", "limit", "error", "cancelled"]
+
+
+class AuditEntry(Model):
+    """One command run in a sandbox, as the node's audit trail keeps it (outside the sandbox)."""
+
+    id: int = 0
+    """Position in the node's audit trail (grows by one per command; older rows are evicted past the cap)."""
+    at: float
+    """When the command started (Unix seconds)."""
+    sandbox_id: str
+    """The sandbox it ran in."""
+    node: str = ""
+    """The node that ran it."""
+    backend: str
+    """The sandbox's backend."""
+    who: str
+    """Who ran it: the token's name (``admin`` for the daemon's token, ``local`` on the unix socket,
+    ``sandbox-token`` for a gateway's sandbox-scoped token)."""
+    job: str | None = None
+    """The job that owns the sandbox (its ``dsec.job`` label), if any."""
+    op: Literal["exec", "call"] = "exec"
+    """``exec`` (a command) or ``call`` (a Python callable on the function backend)."""
+    command: str | list[str]
+    """The shell string or argv as asked."""
+    cwd: str | None = None
+    """Working directory asked for (``None``: the sandbox's workdir)."""
+    outcome: AuditOutcome
+    """``ok`` (exit 0), ``nonzero``, ``limit`` (ended by a limit), ``error`` (failed to run) or ``cancelled``
+    (the client hung up)."""
+    exit_code: int | None = None
+    """Exit status, when the command ended."""
+    limit: LimitHit | None = None
+    """The limit that ended it, if any."""
+    duration_s: float = 0.0
+    """Wall-clock seconds."""
+    stdout: str = ""
+    """The first bytes of its standard output (UTF-8, undecodable bytes replaced; see ``output_bytes``)."""
+    stderr: str = ""
+    """The first bytes of its standard error."""
+    output_bytes: int = 0
+    """Bytes of captured output before the audit trail's per-command cap."""
+    trajectory: str | None = None
+    """The trajectory the sandbox is bound to, if any."""
+    error: str | None = None
+    """Why it failed to run (outcome ``error``)."""
+
+
+LifecycleKind = Literal["created", "destroyed", "expired", "paused", "resumed", "create_failed", "lagged"]
+
+
+class LifecycleEvent(Model):
+    """One lifecycle event of a node's sandboxes (``GET /v1/events`` streams them)."""
+
+    seq: int
+    """Position in the node's event stream (pass it as ``since`` to resume after it)."""
+    at: float
+    """When it happened (Unix seconds)."""
+    kind: LifecycleKind
+    """What happened; ``lagged``: this subscriber was too slow and ``detail.dropped`` events were skipped."""
+    sandbox_id: str | None = None
+    """The sandbox, if the event is about one."""
+    backend: str | None = None
+    """Its backend."""
+    image: str | None = None
+    """Its image."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Its labels."""
+    node: str = ""
+    """The node it happened on."""
+    reason: str | None = None
+    """Why (expiry, failure message)."""
+    detail: dict[str, Any] = Field(default_factory=dict)
+    """Anything else (``pooled``, ``seconds``, ``dropped``)."""
+
+
+class NodeLoad(Model):
+    """One node as the dashboard shows it."""
+
+    node: str
+    """Node name."""
+    alive: bool = True
+    """Answering (cluster mode: Ray's view)."""
+    sandboxes: int = 0
+    """Live sandboxes on it."""
+    by_backend: dict[str, int] = Field(default_factory=dict)
+    """Live sandboxes per backend."""
+    load: list[float] = Field(default_factory=list)
+    """The host's 1, 5 and 15 minute load averages (empty when unknown)."""
+    cpus: int = 0
+    """CPUs of the host (0 when unknown)."""
+    memory_used_bytes: int = 0
+    """Host memory in use (total minus available)."""
+    memory_total_bytes: int = 0
+    """Host memory."""
+
+
+class CounterSample(Model):
+    """The node's counters at one moment (the overview keeps a recent series of them for the charts)."""
+
+    at: float
+    """When (Unix seconds)."""
+    created: int = 0
+    """Sandboxes created so far."""
+    create_seconds_sum: float = 0.0
+    """Sum of their creation latencies."""
+    exec_count: int = 0
+    """Commands run so far."""
+    exec_seconds_sum: float = 0.0
+    """Sum of their wall times."""
+    failures: int = 0
+    """Failed creations and commands ended by a limit so far."""
+
+
+class NodeOverview(Model):
+    """Everything the dashboard polls in one answer: nodes, counters, failures, images, pools, audit size.
+
+    Counters are totals since the daemon started: rates are their differences between two polls."""
+
+    at: float
+    """When this was taken (Unix seconds)."""
+    nodes: list[NodeLoad]
+    """This node (or, on the gateway, every node)."""
+    created: int = 0
+    """Sandboxes created."""
+    create_seconds_sum: float = 0.0
+    """Sum of creation latencies (``/ created`` is the mean)."""
+    execs: dict[str, int] = Field(default_factory=dict)
+    """Commands run, by outcome."""
+    exec_seconds_sum: float = 0.0
+    """Sum of command wall times."""
+    exec_count: int = 0
+    """Commands timed."""
+    failures: dict[str, int] = Field(default_factory=dict)
+    """Failed creations by reason (error type), plus ``limit:<name>`` for commands ended by a limit."""
+    images: dict[str, Any] = Field(default_factory=dict)
+    """The image cache's statistics (empty when the node has none)."""
+    pools: list[PoolStatistics] = Field(default_factory=list)
+    """Warm pools."""
+    audit: dict[str, int] = Field(default_factory=dict)
+    """The audit trail's statistics (rows kept, cap, pending, dropped)."""
+    history: list[CounterSample] = Field(default_factory=list)
+    """The counters every few seconds over the last half hour, oldest first (rates over time are the
+    differences between neighbours)."""
 
 
 SandboxInfo.model_rebuild()

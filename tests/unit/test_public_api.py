@@ -15,6 +15,7 @@ EXPECTED = {
     "ImageCorrupt", "StoreUnavailable", "CacheFull",
     "PoolConfig", "NodeStatistics",
     "Forbidden", "RateLimited",
+    "AuditEntry", "LifecycleEvent", "NodeOverview",
 }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import urllib.parse
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
@@ -17,7 +19,15 @@ from typing import Any
 import httpx
 
 from dsec.config import Settings
-from dsec.models import NodeInfo, NodeStatistics, PoolConfig, PoolStatistics
+from dsec.models import (
+    AuditEntry,
+    LifecycleEvent,
+    NodeInfo,
+    NodeOverview,
+    NodeStatistics,
+    PoolConfig,
+    PoolStatistics,
+)
 
 from .portal import portal
 from .transport import Transport
@@ -102,6 +112,37 @@ class Client:
         """Declare a warm pool on the daemon (or change the bounds of the pool of that shape)."""
         response = await self._request("POST", "/v1/pools", json=config.model_dump(mode="json"))
         return PoolStatistics.model_validate(response.json())
+
+    async def overview(self) -> NodeOverview:
+        """Counters, node load, failures by reason, image cache, pools and audit-trail size (admin)."""
+        response = await self._request("GET", "/v1/overview")
+        return NodeOverview.model_validate(response.json())
+
+    async def audit(
+        self, *, sandbox_id: str | None = None, who: str | None = None, job: str | None = None,
+        outcome: str | None = None, since: float | None = None, until: float | None = None,
+        before: int | None = None, limit: int = 100,
+    ) -> list[AuditEntry]:
+        """Commands of the daemon's audit trail matching every filter given, newest first (admin)."""
+        filters = {"sandbox_id": sandbox_id, "who": who, "job": job, "outcome": outcome, "since": since,
+                   "until": until, "before": before, "limit": limit}
+        response = await self._request("GET", "/v1/audit", params={k: v for k, v in filters.items() if v is not None})
+        return [AuditEntry.model_validate(item) for item in response.json()]
+
+    async def sandbox_logs(self, sandbox_id: str, *, limit: int = 100, before: int | None = None) -> list[AuditEntry]:
+        """A sandbox's command history with the head of each output, newest first (also once it is gone)."""
+        params: dict[str, int] = {"limit": limit} if before is None else {"limit": limit, "before": before}
+        path = f"/v1/sandboxes/{urllib.parse.quote(sandbox_id, safe='')}/logs"
+        response = await self._request("GET", path, params=params)
+        return [AuditEntry.model_validate(item) for item in response.json()]
+
+    async def events(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
+        """Sandbox lifecycle events as they happen, after replaying those kept after ``since``; endless."""
+        path = "/v1/events" if since is None else f"/v1/events?since={int(since)}"
+        async with self._stream("GET", path) as response:
+            async for line in response.aiter_lines():
+                if line:
+                    yield LifecycleEvent.model_validate_json(line)
 
     async def aclose(self) -> None:
         """Close this loop's connections (and forget pools of loops that have closed)."""

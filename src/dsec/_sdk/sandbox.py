@@ -668,12 +668,15 @@ class AsyncSandbox:
 
 
 async def list_infos(
-    labels: Mapping[str, str] | None = None, backend: str | None = None, client: Client | None = None
+    labels: Mapping[str, str] | None = None, backend: str | None = None, client: Client | None = None,
+    state: str | None = None,
 ) -> list[SandboxInfo]:
     """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``)."""
     params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
     if backend is not None:
         params.append(("backend", backend))
+    if state is not None:
+        params.append(("state", state))
     response = await (client or default_client())._request("GET", "/v1/sandboxes", params=params)
     return [SandboxInfo.model_validate(item) for item in response.json()]
 

@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,19 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from dsec._sdk.transport import Transport
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
+from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import scoped_token
 from dsec.daemon.engine import dsec_version
-from dsec.errors import BackendUnavailable, ConnectionFailed, NotSupported, SandboxLost, SandboxNotFound
+from dsec.errors import (
+    BackendUnavailable,
+    ConnectionFailed,
+    Forbidden,
+    NotSupported,
+    SandboxLost,
+    SandboxNotFound,
+)
 from dsec.models import (
+    AuditEntry,
     BatchCreateRequest,
     CallRequest,
     CallResult,
@@ -39,10 +49,13 @@ from dsec.models import (
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
+    LifecycleEvent,
     LoggedCall,
     MouseRequest,
     NodeEndpoint,
     NodeInfo,
+    NodeLoad,
+    NodeOverview,
     NodeStatistics,
     PoolConfig,
     PoolStatistics,
@@ -487,7 +500,131 @@ class GatewayEngine:
         return ImageInfo.model_validate(response.json())
 
 
+    # -- operator views (dashboard, CLI) --------------------------------------------------------------------
+
+    async def _each_node(self, path: str, params: dict[str, Any] | None = None) -> builtins.list[tuple[str, Any]]:
+        """``GET path`` on every live node; nodes that fail are logged and left out."""
+        alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
+
+        async def one(node: str) -> tuple[str, Any]:
+            return node, (await self._node_request(node, "GET", path, params=params)).json()
+
+        results = await asyncio.gather(*(one(n) for n in alive), return_exceptions=True)
+        found = []
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("GET %s on a node failed: %s", path, result)
+            else:
+                found.append(result)
+        return found
+
+    def _admin_only(self, what: str) -> None:
+        if current_job.get() != "admin":
+            raise Forbidden(f"{what} spans every job's sandboxes: it needs the gateway's admin token")
+
+    async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
+        """Every live node's audit trail for ``query``, merged newest first (admin only).
+
+        Nodes do not know the gateway's jobs: the job (and, for calls sent straight to the node with a
+        sandbox-scoped token, the caller) is filled in from the gateway's own records, and a ``job`` filter is
+        applied here, after the merge (so it may return fewer than ``limit`` entries per page)."""
+        self._admin_only("the audit trail")
+        params = {k: v for k, v in vars(query).items() if v is not None and k != "job"}
+        merged = []
+        for _, items in await self._each_node("/v1/audit", params):
+            for item in items:
+                entry = AuditEntry.model_validate(item)
+                row = self.rows.get(entry.sandbox_id)
+                if row is not None:
+                    entry.job = entry.job or row.job
+                    if entry.who == "sandbox-token":
+                        entry.who = f"job:{row.job}"
+                if query.job is None or entry.job == query.job:
+                    merged.append(entry)
+        return sorted(merged, key=lambda e: e.at, reverse=True)[:query.limit]
+
+    async def sandbox_logs(self, sandbox_id: str, limit: int = 100, before: int | None = None
+                           ) -> builtins.list[AuditEntry]:
+        """The command history kept by the sandbox's node (also after the sandbox is gone)."""
+        row = self.rows.get(sandbox_id)
+        job = current_job.get()
+        if row is None or (row.job != job and job != "admin"):
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        params: dict[str, Any] = {"limit": limit} if before is None else {"limit": limit, "before": before}
+        response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/logs", params=params)
+        entries = [AuditEntry.model_validate(item) for item in response.json()]
+        for entry in entries:
+            entry.job = entry.job or row.job
+            if entry.who == "sandbox-token":
+                entry.who = f"job:{row.job}"
+        return entries
+
+    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
+        """Every live node's lifecycle events as they happen, merged and numbered by the gateway (admin only).
+
+        Live only: the nodes number their events each on their own, so there is no gateway history to resume
+        from (``since`` is refused); nodes that join after the stream opened are not followed."""
+        self._admin_only("the event stream")
+        if since is not None:
+            raise NotSupported("the gateway merges the nodes' live events and keeps no history: resume with "
+                               "?since= on each node daemon, or open the gateway's stream without it")
+        return self._merged_events()
+
+    async def _merged_events(self) -> AsyncIterator[LifecycleEvent]:
+        queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(1000)  # a slow reader slows the node readers
+
+        async def follow(node: str) -> None:
+            transport, http = self._client(node)
+            try:
+                async with transport.stream(http, "GET", "/v1/events") as response:
+                    async for line in response.aiter_lines():
+                        if line:
+                            await queue.put(LifecycleEvent.model_validate_json(line))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a node that dies ends its part of the stream, said once
+                log.warning("event stream of node %s ended: %s", node, exc)
+
+        tasks = [asyncio.create_task(follow(n.name)) for n in self.placer.nodes.values() if n.alive]
+        seq = 0
+        try:
+            while True:
+                event = await queue.get()
+                seq += 1
+                yield event.model_copy(update={"seq": seq})
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def overview(self) -> NodeOverview:
+        """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""
+        self._admin_only("the overview")
+        answers = {node: NodeOverview.model_validate(doc) for node, doc in await self._each_node("/v1/overview")}
+        total = NodeOverview(at=time.time(), nodes=[])
+        for name, node in sorted(self.placer.nodes.items()):
+            got = answers.get(name)
+            if got is None or not got.nodes:
+                live = sum(1 for r in self.rows.values() if r.node == name and r.info.state in ("running", "paused"))
+                total.nodes.append(NodeLoad(node=name, alive=node.alive and got is not None, sandboxes=live))
+                continue
+            total.nodes.append(got.nodes[0].model_copy(update={"node": name, "alive": node.alive}))
+            total.created += got.created
+            total.create_seconds_sum += got.create_seconds_sum
+            total.exec_seconds_sum += got.exec_seconds_sum
+            total.exec_count += got.exec_count
+            for key, value in got.execs.items():
+                total.execs[key] = total.execs.get(key, 0) + value
+            for key, value in got.failures.items():
+                total.failures[key] = total.failures.get(key, 0) + value
+            for key, count in got.audit.items():
+                total.audit[key] = total.audit.get(key, 0) + count
+            total.pools.extend(got.pools)
+            if not total.images:
+                total.images = got.images  # one shared store; the first node's cache stands for the rest
+        return total
+
+
 def _capacity(raw: dict[str, Any]) -> Capacity:
     return Capacity(cpu=float(raw.get("cpu", 0.0)), memory=int(raw.get("memory", 0)),
                     slots={str(k): int(v) for k, v in dict(raw.get("slots", {})).items()})
-

@@ -29,6 +29,7 @@ from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job
 from dsec.cluster.placement import JobQuota
 from dsec.cluster.state import ClusterState
 from dsec.daemon.app import create_app
+from dsec.daemon.auth import open_path
 from dsec.errors import InvalidRequest, Unauthorized
 
 __all__ = ["Jobs", "gateway_app", "main"]
@@ -76,8 +77,8 @@ class _JobGuard:
         self.jobs = jobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
+            await self.app(scope, receive, send)  # health and the dashboard's static files
             return
         given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         token = given.removeprefix("Bearer ")

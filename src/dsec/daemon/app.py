@@ -16,11 +16,14 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import AuthGuard, TokenFile
 from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
 from dsec.daemon.metrics import CONTENT_TYPE
 from dsec.errors import DSecError, InvalidRequest, SandboxError
 from dsec.models import (
+    AuditEntry,
+    AuditOutcome,
     BatchCreateRequest,
     CallRequest,
     CallResult,
@@ -32,10 +35,12 @@ from dsec.models import (
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
+    LifecycleEvent,
     LoggedCall,
     MouseRequest,
     NetworkRequest,
     NodeInfo,
+    NodeOverview,
     NodeStatistics,
     PoolConfig,
     PoolStatistics,
@@ -100,6 +105,16 @@ async def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
     finally:
         # Reached on normal end and when the server cancels us after a client disconnect; closing
         # the engine's stream is what kills the command.
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _event_lines(events: AsyncIterator[LifecycleEvent]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event.model_dump_json().encode() + b"\n"
+    finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -376,6 +391,52 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
         """One image."""
         return await engine.get_image(name)
 
+    @app.get("/v1/overview", tags=["node"])
+    async def overview() -> NodeOverview:
+        """Counters, load, failures by reason, image cache, pools and audit trail in one answer (the dashboard
+        polls it; rates are differences between two polls)."""
+        return await engine.overview()
+
+    @app.get("/v1/audit", tags=["audit"])
+    async def audit(
+        sandbox_id: str | None = None,
+        who: Annotated[str | None, Query(description="token name (`local` on the unix socket)")] = None,
+        job: str | None = None,
+        outcome: AuditOutcome | None = None,
+        since: Annotated[float | None, Query(description="Unix seconds")] = None,
+        until: Annotated[float | None, Query(description="Unix seconds")] = None,
+        before: Annotated[int | None, Query(ge=1, description="only entries with a smaller `id` (paging)")] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> list[AuditEntry]:
+        """Commands run in this node's sandboxes, newest first, matching every filter given."""
+        return await engine.audit_log(AuditQuery(sandbox_id=sandbox_id, who=who, job=job, outcome=outcome,
+                                                 since=since, until=until, before=before, limit=limit))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/logs", tags=["audit"])
+    async def sandbox_logs(
+        sandbox_id: str,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        before: Annotated[int | None, Query(ge=1)] = None,
+    ) -> list[AuditEntry]:
+        """A sandbox's command history with the head of each command's output, newest first (kept outside the
+        sandbox; still there after it is destroyed)."""
+        return await engine.sandbox_logs(sandbox_id, limit, before)
+
+    @app.get(
+        "/v1/events",
+        tags=["node"],
+        response_class=StreamingResponse,
+        responses={200: {
+            "description": "One JSON `LifecycleEvent` per line, as they happen; the stream does not end.",
+            "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/LifecycleEvent"}}},
+        }},
+    )
+    async def events(
+        since: Annotated[int | None, Query(ge=0, description="first replay the kept events after this `seq`")] = None,
+    ) -> StreamingResponse:
+        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed)."""
+        return StreamingResponse(_event_lines(engine.subscribe(since)), media_type=NDJSON)
+
     @app.get(
         "/metrics",
         tags=["node"],
@@ -386,6 +447,9 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
         """Prometheus metrics of this node."""
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    from dsec.daemon.ui import mount_ui
+
+    mount_ui(app)
     _add_error_schema(app)
     if token is not None or tokens is not None:
         app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
@@ -425,6 +489,8 @@ def _add_error_schema(app: FastAPI) -> None:
         for name, sub in event.pop("$defs", {}).items():
             schemas.setdefault(name, sub)
         schemas.setdefault("ExecEvent", event)
+        lifecycle = LifecycleEvent.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.setdefault("LifecycleEvent", lifecycle)
         app.openapi_schema = schema
         return schema
 

@@ -35,9 +35,10 @@ from typing import Any, Literal
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dsec.daemon.audit import caller
 from dsec.errors import DSecError, Forbidden, InvalidRequest, RateLimited, SandboxNotFound, Unauthorized
 
-__all__ = ["JOB_LABEL", "AuthGuard", "TokenEntry", "TokenFile"]
+__all__ = ["JOB_LABEL", "AuthGuard", "TokenEntry", "TokenFile", "open_path"]
 
 JOB_LABEL = "dsec.job"
 """The label that records which job's token created a sandbox."""
@@ -229,11 +230,12 @@ class AuthGuard:
                               retry_after=round(wait, 3), limit=kind)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/v1/health"):
+        if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
         if self.admin_token and _scoped_ok(self.admin_token, header, scope["method"], scope["path"]):
+            caller.set("sandbox-token")  # the audit trail's "who"; per request (each runs in its own task)
             await self.app(scope, receive, send)
             return
         try:
@@ -241,6 +243,7 @@ class AuthGuard:
             if found is None:
                 raise Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
             who, entry = found
+            caller.set(entry.name if entry is not None else "admin")
             self._limit(entry, "requests", entry.requests_per_s if entry else None, 1)
             if who.job is not None:
                 receive = await self._scope_to_job(who.job, entry, scope, receive)
@@ -303,6 +306,12 @@ class AuthGuard:
         if labels is None or labels.get(JOB_LABEL) != job:
             # The same answer as for a sandbox that does not exist: no probing for other jobs' ids.
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+
+
+def open_path(path: str) -> bool:
+    """Paths served without a token: health, and the dashboard's static files (they hold no data; the page
+    asks for a token and sends it with every API call)."""
+    return path == "/v1/health" or path == "/ui" or path.startswith("/ui/")
 
 
 def _create_route(scope: Scope) -> str | None:

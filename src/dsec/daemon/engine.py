@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Protocol, get_args
@@ -24,8 +24,11 @@ from typing import Protocol, get_args
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.admission import Admission
+from dsec.daemon.audit import OUTPUT_HEAD_BYTES, AuditLog, AuditQuery, caller
+from dsec.daemon.auth import JOB_LABEL
+from dsec.daemon.events import EventBus
 from dsec.daemon.host_limits import HostLimits
-from dsec.daemon.metrics import Metrics
+from dsec.daemon.metrics import Metrics, host_load
 from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
@@ -41,10 +44,13 @@ from dsec.errors import (
     SandboxTimeout,
 )
 from dsec.models import (
+    AuditEntry,
+    AuditOutcome,
     BackendName,
     BatchCreateRequest,
     CallRequest,
     CallResult,
+    CounterSample,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -52,9 +58,12 @@ from dsec.models import (
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
+    LifecycleEvent,
     LoggedCall,
     MouseRequest,
     NodeInfo,
+    NodeLoad,
+    NodeOverview,
     NodeStatistics,
     PoolConfig,
     PoolStatistics,
@@ -79,6 +88,10 @@ log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
+SAMPLE_SECONDS = 5.0
+"""How often the engine samples its counters for the overview's history."""
+HISTORY_SECONDS = 1800.0
+"""How far back the overview's history goes."""
 
 
 def dsec_version() -> str:
@@ -191,6 +204,11 @@ class Engine:
         self._declared = [PoolConfig.parse(text) for text in settings.pools]
         self.host_limits = HostLimits() if settings.host_limits else None
         self._layer_roots: dict[str, builtins.list[Path]] = {}
+        self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
+        self.events = EventBus(settings.node)
+        # The counters every SAMPLE_SECONDS (by the reaper), so a dashboard opened now can chart the past.
+        self._samples: deque[CounterSample] = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
+        self._sampled_at = 0.0
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -242,6 +260,7 @@ class Engine:
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.raise_all)
         await self.rollouts.start()
+        await self.audit.start()
         for name, backend in list(self._backends.items()):
             reason = backend.available()
             if reason == "ok":
@@ -338,6 +357,7 @@ class Engine:
             except Exception:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
+        await self.audit.aclose()
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.restore)
         close_images = getattr(self.images, "close_idle", None)
@@ -461,7 +481,9 @@ class Engine:
         self.metrics.created.labels(spec.backend).inc()
         self.metrics.live.labels(spec.backend).inc()
         log.info("sandbox %s claimed from pool (%s, image %s)", record.id, spec.backend, spec.image)
-        return self._info(record).model_copy(update={"pooled": True})
+        info = self._info(record).model_copy(update={"pooled": True})
+        self.events.publish("created", info, pooled=True, seconds=round(time.monotonic() - started, 6))
+        return info
 
     async def create_member(self, spec: SandboxSpec) -> SandboxRecord:
         """Create a pool member: recorded on disk (so a crash cleans it up) but invisible until claimed."""
@@ -523,6 +545,8 @@ class Engine:
                 raise
         except DSecError as exc:
             self.metrics.failed.labels(name, type(exc).__name__).inc()
+            if visible:
+                self.events.publish("create_failed", spec=spec, reason=exc.message, error=type(exc).__name__)
             raise
         now = time.time()
         record = SandboxRecord(
@@ -554,11 +578,15 @@ class Engine:
             cause = self._explain_image(image)
             if cause is not None and not isinstance(exc, asyncio.CancelledError):
                 self.metrics.failed.labels(name, type(cause).__name__).inc()
+                if visible:
+                    self.events.publish("create_failed", spec=spec, reason=cause.message, error=type(cause).__name__)
                 raise cause from exc
             reason = type(exc).__name__ if isinstance(exc, DSecError) else "SandboxError"
             if isinstance(exc, asyncio.CancelledError):
                 reason = "cancelled"
             self.metrics.failed.labels(name, reason).inc()
+            if visible:
+                self.events.publish("create_failed", spec=spec, reason=str(exc) or reason, error=reason)
             if isinstance(exc, DSecError) or not isinstance(exc, Exception):
                 raise
             raise SandboxError(f"creating a {name} sandbox failed: {type(exc).__name__}: {exc}") from exc
@@ -570,6 +598,7 @@ class Engine:
         self.metrics.created.labels(name).inc()
         self.metrics.live.labels(name).inc()
         log.info("sandbox %s created (%s, image %s, queued %.3f s)", record.id, name, spec.image, queued)
+        self.events.publish("created", self._info(record), seconds=round(time.monotonic() - started, 6))
         return record, queued
 
     async def _undo_create(self, backend: Backend, record: SandboxRecord) -> None:
@@ -688,6 +717,8 @@ class Engine:
                 self.metrics.expired.labels(record.spec.backend).inc()
         self._store.delete(record.id)
         self._tombstone(record.id, state, message)
+        self.events.publish("expired" if state == "expired" else "destroyed", self._info(record),
+                            reason=record.reason if state == "expired" else None)
         self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
         if record.spec.snapshot is not None:
@@ -697,10 +728,26 @@ class Engine:
         while True:
             await asyncio.sleep(self.reaper_interval)
             try:
+                self._sample()
                 await self.reap()
                 await self._unmount_idle_images()
             except Exception:
                 log.exception("reaper pass failed")
+
+    def _counters(self, totals: dict[str, float]) -> CounterSample:
+        failures = sum(self.metrics.failures().values())
+        return CounterSample(
+            at=time.time(), created=int(totals.get("dsec_sandboxes_created_total", 0)),
+            create_seconds_sum=totals.get("dsec_create_seconds_sum", 0.0),
+            exec_count=int(totals.get("dsec_exec_seconds_count", 0)),
+            exec_seconds_sum=totals.get("dsec_exec_seconds_sum", 0.0), failures=failures)
+
+    def _sample(self) -> None:
+        """Append the counters to the history when ``SAMPLE_SECONDS`` have passed since the last sample."""
+        now = time.monotonic()
+        if now - self._sampled_at >= SAMPLE_SECONDS:
+            self._sampled_at = now
+            self._samples.append(self._counters(self.metrics.totals()))
 
     async def _unmount_idle_images(self) -> None:
         """Image mounts stay warm for ``IMAGE_IDLE_SECONDS`` after their last sandbox, then go."""
@@ -761,8 +808,10 @@ class Engine:
         self, backend: Backend, record: SandboxRecord, request: ExecRequest
     ) -> AsyncIterator[ExecEvent]:
         name = record.spec.backend
-        started = time.monotonic()
-        outcome = "cancelled"
+        at, started = time.time(), time.monotonic()
+        outcome: AuditOutcome = "cancelled"
+        result: ExecResult | None = None
+        error: str | None = None
         stream = backend.exec_stream(record, request)
         try:
             async for event in stream:
@@ -773,14 +822,17 @@ class Engine:
                         self.metrics.limit_hits.labels(name, result.limit).inc()
                 elif event.type == "error":
                     outcome = "error"
+                    error = str((event.error or {}).get("message", ""))
                 yield event
-        except Exception:
-            outcome = "error"
+        except Exception as exc:
+            outcome, error = "error", f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            # Metrics first: the awaits below may be cancelled when the client has hung up.
+            # Metrics and the audit record first: the awaits below may be cancelled when the client hung up.
+            elapsed = time.monotonic() - started
             self.metrics.execs.labels(name, outcome).inc()
-            self.metrics.exec_seconds.labels(name).observe(time.monotonic() - started)
+            self.metrics.exec_seconds.labels(name).observe(elapsed)
+            self._audit(record, "exec", request.command, request.cwd, at, elapsed, outcome, result, error)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -799,8 +851,10 @@ class Engine:
         record = self._live(sandbox_id, allow_paused=False)
         backend = self._backend(record.spec.backend)
         name = record.spec.backend
-        started = time.monotonic()
-        outcome = "error"
+        at, started = time.time(), time.monotonic()
+        outcome: AuditOutcome = "error"
+        result: ExecResult | None = None
+        error: str | None = None
         try:
             out = await backend.call(record, request)
             result = out.result
@@ -808,9 +862,33 @@ class Engine:
             if result.limit is not None:
                 self.metrics.limit_hits.labels(name, result.limit).inc()
             return out
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
+            elapsed = time.monotonic() - started
             self.metrics.execs.labels(name, outcome).inc()
-            self.metrics.exec_seconds.labels(name).observe(time.monotonic() - started)
+            self.metrics.exec_seconds.labels(name).observe(elapsed)
+            self._audit(record, "call", [request.python, "<pickled callable>"], None, at, elapsed, outcome, result,
+                        error)
+
+    def _audit(self, record: SandboxRecord, op: str, command: str | builtins.list[str], cwd: str | None, at: float,
+               elapsed: float, outcome: AuditOutcome, result: ExecResult | None, error: str | None) -> None:
+        """Queue the audit record of one command (in memory; the audit log's flusher writes it)."""
+        spec = record.spec
+        # A plain tuple in audit.COLUMNS order: the flusher decodes and serialises it off the event loop.
+        who, job, node = caller.get(), spec.labels.get(JOB_LABEL), self.settings.node
+        if result is None:
+            self.audit.record((at, record.id, node, spec.backend, who, job, op, command, cwd, outcome, None, None,
+                               elapsed, b"", b"", 0, spec.trajectory, error))
+        else:
+            self.audit.record((at, record.id, node, spec.backend, who, job, op, command, cwd, outcome,
+                               result.exit_code, result.limit, elapsed, result.stdout[:OUTPUT_HEAD_BYTES],
+                               result.stderr[:OUTPUT_HEAD_BYTES], len(result.stdout) + len(result.stderr),
+                               spec.trajectory, error))
 
     async def read_file(
         self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES, seq: int | None = None
@@ -928,7 +1006,9 @@ class Engine:
             await backend.pause(record)
         record.state = "paused"
         self._store.save(record)
-        return self._info(record)
+        info = self._info(record)
+        self.events.publish("paused", info, release_memory=release_memory)
+        return info
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox (idempotent)."""
@@ -937,6 +1017,7 @@ class Engine:
             await self._backend(record.spec.backend).resume(record)
             record.state = "running"
             self._store.save(record)
+            self.events.publish("resumed", self._info(record))
         return self._info(record)
 
     async def screenshot(self, sandbox_id: str) -> bytes:
@@ -1009,6 +1090,44 @@ class Engine:
         )
         log.info("image %s pulled from %s", info.name, info.source)
         return info
+
+    async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
+        """Commands of the node's audit trail matching ``query``, newest first."""
+        return await self.audit.query(query)
+
+    async def sandbox_logs(self, sandbox_id: str, limit: int = 100, before: int | None = None
+                           ) -> builtins.list[AuditEntry]:
+        """A sandbox's command history, newest first (also after it is gone, while the trail keeps it)."""
+        entries = await self.audit.query(AuditQuery(sandbox_id=sandbox_id, limit=limit, before=before))
+        if not entries and sandbox_id not in self._records and sandbox_id not in self._tombstones:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on node {self.settings.node}, and no command of one "
+                                  "in its audit trail", sandbox_id=sandbox_id)
+        return entries
+
+    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
+        """Lifecycle events after ``since`` (still in the bus's history), then live ones."""
+        return self.events.subscribe(since)
+
+    async def overview(self) -> NodeOverview:
+        """The node's counters, load, failures, image cache, pools and audit trail, for the dashboard."""
+        by_backend: dict[str, int] = {}
+        for r in self._records.values():
+            by_backend[r.spec.backend] = by_backend.get(r.spec.backend, 0) + 1
+        node = NodeLoad(node=self.settings.node, sandboxes=len(self._records), by_backend=by_backend,
+                        **await asyncio.to_thread(host_load))
+        totals = self.metrics.totals()
+        image_stats = getattr(self.images, "statistics", None)
+        return NodeOverview(
+            at=time.time(), nodes=[node], created=int(totals.get("dsec_sandboxes_created_total", 0)),
+            create_seconds_sum=totals.get("dsec_create_seconds_sum", 0.0),
+            execs={k: int(v) for k, v in self.metrics.by_label("dsec_exec_total", "outcome").items()},
+            exec_seconds_sum=totals.get("dsec_exec_seconds_sum", 0.0),
+            exec_count=int(totals.get("dsec_exec_seconds_count", 0)),
+            failures=self.metrics.failures(),
+            images=await asyncio.to_thread(image_stats) if image_stats is not None else {},
+            pools=self.pools.statistics(), audit=self.audit.statistics(),
+            history=[*self._samples, self._counters(totals)],
+        )
 
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability and the live sandbox count."""

@@ -7,6 +7,9 @@ never decides anything: the engine calls it on every path.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -16,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "host_load"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -71,3 +74,44 @@ class Metrics:
         """Current value of one sample (0.0 when never set); for tests and ``statistics()``."""
         found = self.registry.get_sample_value(name, labels)
         return 0.0 if found is None else found
+
+    def totals(self) -> dict[str, float]:
+        """Every sample name -> its value summed over all labels (``dsec_exec_seconds_sum``, ...)."""
+        found: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+        return found
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """Sample ``name`` summed per value of ``label``."""
+        found: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name == name:
+                    key = sample.labels.get(label, "")
+                    found[key] = found.get(key, 0.0) + sample.value
+        return found
+
+    def failures(self) -> dict[str, int]:
+        """Failed creations by reason, and ``limit:<name>`` for commands ended by a limit."""
+        out = {k: int(v) for k, v in self.by_label("dsec_sandboxes_failed_total", "reason").items() if v}
+        out.update({f"limit:{k}": int(v) for k, v in self.by_label("dsec_limit_hits_total", "limit").items() if v})
+        return out
+
+
+def host_load() -> dict[str, Any]:
+    """The host's load averages, CPU count and memory in use (from /proc; empty fields when unreadable)."""
+    out: dict[str, Any] = {"cpus": os.cpu_count() or 0}
+    try:
+        out["load"] = list(os.getloadavg())
+    except OSError:
+        out["load"] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        out["memory_total_bytes"] = info.get("MemTotal", 0)
+        out["memory_used_bytes"] = info.get("MemTotal", 0) - info.get("MemAvailable", 0)
+    except (OSError, ValueError):
+        pass
+    return out

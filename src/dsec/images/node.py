@@ -284,6 +284,14 @@ class NodeImages:
         with self._lock:
             return {h: m.refs for h, m in self._mounts.items()}
 
+    def statistics(self) -> dict[str, int]:
+        """Images mounted, sandboxes pinning them, and the chunk cache's size and limit (walks the cache:
+        blocking)."""
+        with self._lock:
+            mounted, pins = len(self._mounts), sum(m.refs for m in self._mounts.values())
+        return {"mounted": mounted, "pins": pins, "cache_bytes": self.cache.usage(),
+                "cache_limit_bytes": self.cache_limit or 0}
+
     def adopt(self) -> None:
         """After a daemon restart: take over the mounts an earlier daemon left (unpinned until resolved).
 

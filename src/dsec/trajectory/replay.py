@@ -299,7 +299,8 @@ class Trajectories:
         t.touch()
         return [
             LoggedCall.model_validate({"seq": e.seq, "op": e.op, "digest": e.digest, "status": e.status,
-                                       "response": e.response, "truncated": e.truncated})
+                                       "response": e.response, "truncated": e.truncated,
+                                       "request": e.request, "started_at": e.started_at, "duration_s": e.duration_s})
             for e in await self.store.entries(name, start, limit)
         ]
 

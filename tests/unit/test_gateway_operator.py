@@ -1,0 +1,180 @@
+"""The gateway's operator views over two real node daemons (uvicorn on TCP with tokens): the audit trail
+fanned out and merged, a sandbox's history from its node, the overview summed, events refused by name.
+
+Only the gateway's database is left out (its placement state is set by hand): what is tested is the
+fan-out and merge logic above real node APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sdk_daemon import Daemon, running_daemon
+
+import dsec
+from dsec.cluster.gateway import GatewayEngine, current_job
+from dsec.cluster.placement import Capacity
+from dsec.cluster.server import Jobs, gateway_app
+from dsec.cluster.state import NodeRow, SandboxRow
+from dsec.daemon.audit import AuditQuery
+from dsec.errors import Forbidden, NotSupported, SandboxNotFound
+
+
+class _NoDatabase:
+    """The gateway's state store and node source, unused by these calls (closing them is fine)."""
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the operator views must not touch the gateway's database ({name})")
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+    with (running_daemon(tmp_path_factory.mktemp("n1"), token="node-one-token-0123456789") as one,
+          running_daemon(tmp_path_factory.mktemp("n2"), token="node-two-token-0123456789") as two):
+        yield [one, two]
+
+
+def gateway(nodes: list[Daemon], *, alive: tuple[bool, bool] = (True, True)) -> GatewayEngine:
+    g = GatewayEngine(_NoDatabase(), _NoDatabase())  # type: ignore[arg-type]
+    for i, (node, up) in enumerate(zip(nodes, alive, strict=True)):
+        name = f"node-{i}"
+        assert node.tcp_url is not None and node.token is not None
+        g.node_rows[name] = NodeRow(name, node.tcp_url, node.token, up, {})
+        g.placer.set_node(name, Capacity(cpu=2, memory=2**30, slots={"container": 10}))
+        if not up:
+            g.placer.mark_dead(name)
+    return g
+
+
+async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_path: Path) -> None:
+    made = []
+    for i, node in enumerate(nodes):
+        async with dsec.Client(node.unix_url) as client:
+            sb = await dsec.AsyncSandbox.create(image="tiny", client=client)
+            await sb.exec(f"echo node {i}")
+            await sb.exec("exit 2")
+            made.append((node, sb.id, await sb.info()))
+    g = gateway(nodes)
+    token = current_job.set("admin")
+    try:
+        merged = await g.audit_log(AuditQuery(limit=100))
+        ours = [e for e in merged if e.sandbox_id in {m[1] for m in made}]
+        assert len(ours) == 4 and [e.at for e in merged] == sorted((e.at for e in merged), reverse=True)
+        assert len(await g.audit_log(AuditQuery(limit=1))) == 1
+        failed = await g.audit_log(AuditQuery(outcome="nonzero", limit=100))
+        assert {e.sandbox_id for e in failed} >= {m[1] for m in made}
+        # A sandbox's history comes from its own node.
+        node, sandbox_id, info = made[1]
+        g.rows[sandbox_id] = SandboxRow(info, "node-1", "job-a")
+        history = await g.sandbox_logs(sandbox_id)
+        assert [e.command for e in history] == ["exit 2", "echo node 1"]
+        with pytest.raises(SandboxNotFound):
+            await g.sandbox_logs("sb-unknown")
+        overview = await g.overview()
+        assert [n.node for n in overview.nodes] == ["node-0", "node-1"] and all(n.alive for n in overview.nodes)
+        assert overview.exec_count >= 4 and overview.created >= 2 and sum(n.sandboxes for n in overview.nodes) >= 2
+        with pytest.raises(NotSupported, match="each node daemon"):
+            g.subscribe(0)
+        # Nodes do not know the gateway's jobs: the gateway fills them in, and filters on them.
+        merged = await g.audit_log(AuditQuery(limit=100))
+        assert {e.job for e in merged if e.sandbox_id == sandbox_id} == {"job-a"}
+        assert {e.sandbox_id for e in await g.audit_log(AuditQuery(job="job-a", limit=100))} == {sandbox_id}
+        assert {e.job for e in history} == {"job-a"}
+        # Another job cannot read the history of a sandbox that is not its own, nor the node-wide views.
+        current_job.set("job-b")
+        with pytest.raises(SandboxNotFound):
+            await g.sandbox_logs(sandbox_id)
+        with pytest.raises(Forbidden, match="admin token"):
+            await g.audit_log(AuditQuery())
+        with pytest.raises(Forbidden, match="admin token"):
+            await g.overview()
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+        for node, sandbox_id, _ in made:
+            async with dsec.Client(node.unix_url) as client:
+                await (await dsec.AsyncSandbox.connect(sandbox_id, client=client)).close()
+
+
+async def test_gateway_serves_the_dashboard_without_a_token_and_the_views_with_one(nodes: list[Daemon]) -> None:
+    g = gateway(nodes)
+    jobs = Jobs(by_token={"admin-token-0123456789": "admin", "job-token-0123456789": "job-a"}, quotas={})
+    app = gateway_app(g, jobs)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            page = await c.get("/ui/")
+            assert page.status_code == 200 and "dashboard.js" in page.text
+            assert (await c.get("/v1/overview")).status_code == 401
+            job = {"Authorization": "Bearer job-token-0123456789"}
+            forbidden = await c.get("/v1/audit", headers=job)
+            assert forbidden.status_code == 403 and "admin token" in forbidden.json()["error"]["message"]
+            admin = {"Authorization": "Bearer admin-token-0123456789"}
+            overview = await c.get("/v1/overview", headers=admin)
+            assert overview.status_code == 200 and len(overview.json()["nodes"]) == 2
+            events = await c.get("/v1/events", params={"since": 0}, headers=admin)
+            assert events.status_code == 501 and "each node daemon" in events.json()["error"]["message"]
+            assert (await c.get("/v1/events", headers=job)).status_code == 403
+    finally:
+        await g.aclose()
+
+
+async def test_a_dead_node_is_shown_dead_and_left_out(nodes: list[Daemon]) -> None:
+    g = gateway(nodes, alive=(True, False))
+    token = current_job.set("admin")
+    try:
+        overview = await g.overview()
+        assert [(n.node, n.alive) for n in overview.nodes] == [("node-0", True), ("node-1", False)]
+        assert overview.nodes[1].sandboxes == 0
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+
+
+async def test_gateway_merges_the_nodes_live_events(nodes: list[Daemon]) -> None:
+    g = gateway(nodes)
+    token = current_job.set("admin")
+    stream = g.subscribe()
+    got: list[tuple[str, str | None, int]] = []
+
+    async def read() -> None:
+        async for event in stream:
+            got.append((event.kind, event.sandbox_id, event.seq))
+            if len(got) == 4:
+                return
+
+    reader = asyncio.create_task(read())
+    try:
+        deadline = time.monotonic() + 20
+        while any(n.engine.events.statistics()["subscribers"] == 0 for n in nodes):
+            assert time.monotonic() < deadline, "the gateway did not subscribe to every node"
+            await asyncio.sleep(0.05)
+        made = []
+        for node in nodes:
+            async with dsec.Client(node.unix_url) as client:
+                sb = await dsec.AsyncSandbox.create(image="tiny", client=client)
+                await sb.close()
+                made.append(sb.id)
+        await asyncio.wait_for(reader, 20)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await stream.aclose()  # type: ignore[attr-defined]
+        current_job.reset(token)
+        await g.aclose()
+    assert sorted((kind, sid) for kind, sid, _ in got) == sorted(
+        [("created", made[0]), ("destroyed", made[0]), ("created", made[1]), ("destroyed", made[1])])
+    assert [seq for _, _, seq in got] == [1, 2, 3, 4]
+    # Closing the gateway's stream closes its streams from the nodes.
+    deadline = time.monotonic() + 20
+    while any(n.engine.events.statistics()["subscribers"] for n in nodes):
+        assert time.monotonic() < deadline, "the nodes still stream to a closed gateway subscriber"
+        await asyncio.sleep(0.05)
