@@ -1,6 +1,7 @@
 #!/bin/busybox sh
 # /init of the microvm initramfs (busybox): load the modules the guest needs, mount the image read-only
-# (EROFS on /dev/vda) under a tmpfs overlay, and hand pid 1 to dsec-agent inside that root.
+# (EROFS on /dev/vda) under a tmpfs overlay, lock the guest kernel down, and hand pid 1 to dsec-agent
+# inside that root.
 # Kernel command line: dsec.disk=<bytes> (size of the writable layer).
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -56,4 +57,5 @@ umount /sys/kernel/security 2>/dev/null
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
-exec switch_root /newroot /run/dsec/agent "$port"
+# argv[2]: the image's read-only disk, which the agent mounts afresh for pristine execs.
+exec switch_root /newroot /run/dsec/agent "$port" /dev/vda
