@@ -11,14 +11,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from container_support import CGROUP_ROOT, home_tag, images_dir
+from container_support import CGROUP_ROOT, home_tag, images_dir, mounts_under
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 
 
 def fn_leftovers(home: Path) -> dict[str, list[str]]:
-    """Sandbox directories, cgroups and zygotes of this home still on the host: empty lists when clean."""
+    """Sandbox directories, workspace mounts, cgroups and zygotes of this home still on the host: empty lists
+    when clean."""
     tag = home_tag(home)
     root = home / "function"
     zygotes = []
@@ -30,6 +31,7 @@ def fn_leftovers(home: Path) -> dict[str, list[str]]:
                     zygotes.append(proc.name)
     return {
         "dirs": sorted(str(p) for p in root.glob("sb-*")) if root.is_dir() else [],
+        "mounts": mounts_under(str(root)),
         "cgroups": sorted(str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{tag}-fn/sb-*") if p.is_dir()),
         "zygotes": zygotes,
     }

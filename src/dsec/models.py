@@ -232,13 +232,14 @@ class SandboxSpec(Model):
     protected: list[str] = Field(default_factory=list, max_length=256)
     """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
     creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must
-    not pass through a symbolic link."""
+    not pass through a symbolic link. Container and function backends."""
 
     hidden: list[str] = Field(default_factory=list, max_length=64)
     """Absolute directories the sandbox cannot see until ``sb.reveal()``: each is covered by an empty
     read-only mount at creation (created if missing). The files API reads and writes beneath the cover, so
     a grader can put its tests there; ``reveal()`` removes the covers and leaves the paths read-only.
-    Container backend."""
+    Container and function backends (function: created in the workspace if missing; elsewhere the image must
+    have them)."""
 
     @field_validator("protected", "hidden")
     @classmethod
@@ -325,8 +326,8 @@ class ExecRequest(Model):
     pristine: bool = False
     """Run with the image's original, untouched root (a fresh mount namespace over the read-only image, the
     working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
-    ``python3`` gets the image's, whatever the agent replaced. Container; on the function backend every call
-    already runs on the read-only image."""
+    ``python3`` gets the image's, whatever the agent replaced. Container and microvm; on the function backend
+    every call already runs on the read-only image."""
 
     @field_validator("command")
     @classmethod

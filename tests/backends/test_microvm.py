@@ -324,3 +324,34 @@ async def test_image_user_and_workdir_apply(backend: MicroVMBackend, debian_pyth
         assert r.stdout.decode().split() == ["65534", "65534", "/nonexistent", "/srv/app"], r
     finally:
         await backend.destroy(record)
+
+
+async def test_pristine_exec_runs_the_images_binaries_whatever_guest_root_did(backend: MicroVMBackend,
+                                                                               debian_python_image: ImageRef) -> None:
+    """Guest root may replace binaries, bind-mount over them and swap the image's device node; a pristine
+    exec still runs the image as booted (its EROFS disk mounted afresh by device number) with the workspace
+    as the agent left it, a fresh /tmp, and its own writes thrown away."""
+    import hashlib
+
+    image_bash = hashlib.sha256((debian_python_image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        subvert = ("printf '#!/bin/sh\\necho ALL TESTS PASSED\\n' > /workspace/fake && chmod +x /workspace/fake && "
+                   "mount --bind /workspace/fake /usr/bin/python3.11 && cp /workspace/fake /usr/local/bin/python3 && "
+                   "echo 'root::0:0::/:/bin/sh' > /etc/passwd && echo 'print(6 * 7)' > /workspace/solution.py && "
+                   "echo scratch > /tmp/agent-tmp && rm /dev/vda && mknod /dev/vda b 1 3 && echo done")
+        r = await backend.exec(sb, ExecRequest(command=["bash", "-c", subvert]))
+        assert r.stdout == b"done\n", r
+        r = await backend.exec(sb, ExecRequest(command="python3 /workspace/solution.py"))
+        assert r.stdout == b"ALL TESTS PASSED\n", r
+        r = await backend.exec(sb, ExecRequest(
+            command="python3 solution.py; sha256sum /usr/bin/bash; grep -c '^root:x:' /etc/passwd; ls -A /tmp; "
+                    "touch /workspace/from-grader; echo x > /usr/bin/evil; echo end", pristine=True))
+        lines = r.stdout.decode().splitlines()
+        assert lines[0] == "42" and lines[1].split()[0] == image_bash and lines[2] == "1", r
+        assert lines[3] == "end", f"the pristine /tmp is not fresh: {r}"
+        r = await backend.exec(sb, ExecRequest(command="ls /usr/bin/evil", pristine=True))
+        assert r.exit_code != 0, r  # a pristine command's writes outside the workspace die with it
+        r = await backend.exec(sb, ExecRequest(command="ls /workspace/from-grader && python3 -V"))
+        assert r.stdout == b"/workspace/from-grader\nALL TESTS PASSED\n", r  # the agent's root as it left it
+        r = await backend.exec(sb, ExecRequest(command="pwd", cwd="/no/such/dir", pristine=True))
+        assert r.exit_code == 126 and b"pristine exec: /no/such/dir" in r.stderr, r

@@ -169,3 +169,36 @@ async def test_guest_errors_map_to_dsec_errors() -> None:
             await client.read("/dir", 10)
 
     await with_fake_agent(agent, body)
+
+
+async def test_pristine_exec_frame_and_the_vm_backends_refusal() -> None:
+    seen: list[int] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0))
+        await writer.drain()
+        header = await reader.readexactly(9)
+        seen.append(header[4])
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        await client.start_exec(["true"], {}, "/", pristine=True)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+
+    await with_fake_agent(agent, body)
+    assert seen == [T.EXEC_PRISTINE]
+    # the vm backend's root disk is the sandbox's own: no untouched image to run on, a clear refusal
+    from dsec.backends.vm import VMBackend
+    from dsec.config import Settings
+    from dsec.errors import NotSupported
+    from dsec.models import ExecRequest, SandboxRecord, SandboxSpec
+
+    record = SandboxRecord(id="sb-x", spec=SandboxSpec(image="x"), state="running", created_at=0, expires_at=0)
+    with pytest.raises(NotSupported, match="pristine execs are not available on the vm backend"):
+        async for _ in VMBackend(Settings(home=Path(tempfile.gettempdir()))).exec_stream(
+                record, ExecRequest(command="true", pristine=True)):
+            pass

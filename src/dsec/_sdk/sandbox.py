@@ -402,7 +402,7 @@ class AsyncSandbox:
 
     async def reveal(self) -> SandboxInfo:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
-        grading phase begins (container backend)."""
+        grading phase begins (container and function backends)."""
         response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/reveal")
         self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
         return self._info

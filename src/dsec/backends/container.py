@@ -37,6 +37,7 @@ from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode, v2_controllers_in_hybrid
+from dsec.isolation.disk import disk_full, mount_disk, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
@@ -50,7 +51,6 @@ from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxReco
 __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_MNT_DETACH = 2
 _MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -78,16 +78,6 @@ def _mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) ->
         raise SandboxError(f"overlay mount on {target} failed: {os.strerror(err)}")
 
 
-def _mount_disk(target: Path, size: int) -> None:
-    """The sandbox's writable layer: a tmpfs of ``size`` bytes (and a proportional inode count, against
-    inode bombs). Past it the sandbox gets ENOSPC; the host's disks never see its writes."""
-    inodes = max(16384, size // 16384)
-    opts = f"size={size},nr_inodes={inodes},mode=0700"
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
-        err = ctypes.get_errno()
-        raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")
-
-
 PRISTINE_DIR = "/.dsec-pristine"
 """Where a sandbox sees its image's original root (read-only); ``dsec-nsenter`` roots pristine execs there."""
 
@@ -99,22 +89,6 @@ def _mount_pristine(image_root: Path, target: Path) -> None:
             or _libc.mount(None, str(target).encode(), None, flags | _MS_REMOUNT | _MS_RDONLY, None) != 0):
         err = ctypes.get_errno()
         raise SandboxError(f"read-only bind of the image root on {target} failed: {os.strerror(err)}")
-
-
-def _disk_full(path: str) -> bool:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    # "Full" a little before the last block: a write that fails with ENOSPC can leave a few blocks free.
-    return st.f_bavail * st.f_frsize < 64 * 1024 or st.f_favail == 0
-
-
-def _umount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: already gone
-            raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
 
 
 class ContainerBackend(Backend):
@@ -307,7 +281,7 @@ class ContainerBackend(Backend):
         bundle.mkdir(mode=0o700)
         disk.mkdir()
         rootfs.mkdir()
-        await asyncio.to_thread(_mount_disk, disk, record.spec.disk)
+        await asyncio.to_thread(mount_disk, disk, record.spec.disk)
         upper.mkdir()
         work.mkdir()
         os.chown(upper, shift, shift)
@@ -404,7 +378,7 @@ class ContainerBackend(Backend):
                 return "memory"
             if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
                 return "pids"
-            if exit_code != 0 and disk and _disk_full(disk):
+            if exit_code != 0 and disk and disk_full(disk):
                 return "disk"
             return None
 
@@ -473,7 +447,7 @@ class ContainerBackend(Backend):
         upper, disk = record.backend_state.get("upper"), record.backend_state.get("disk")
         if disk:  # the writable layer is its own tmpfs: the kernel counts it
             st = await asyncio.to_thread(os.statvfs, disk)
-            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, _disk_full(disk)
+            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
         else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
             used = await asyncio.to_thread(_du, Path(upper)) if upper else 0
             limit, full = None, False
@@ -516,11 +490,11 @@ class ContainerBackend(Backend):
             _reap(pid)
         shutil.rmtree(self.runtime_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
-        _umount(rootfs)
+        umount(rootfs)
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
         bundle = self._bundle(sandbox_id)
-        _umount(bundle / "disk")
+        umount(bundle / "disk")
         shutil.rmtree(bundle, True)
         if bundle.exists() or rootfs.exists():
             raise SandboxError(f"could not remove {bundle} or {rootfs} (still mounted?)")

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import math
 import os
+import posixpath
 import shutil
 import signal
 import time
@@ -30,14 +31,16 @@ from typing import Any, ClassVar
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
 from dsec.isolation.cgroups import CgroupSet, Limits, cgroup_mode
+from dsec.isolation.disk import disk_full, mount_disk, umount
 from dsec.isolation.exec_client import stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci import DEFAULT_PATH
+from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.procs import start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.isolation.zygote import Zygote, ZygoteConfig
@@ -114,9 +117,6 @@ class FunctionBackend(Backend):
                                  f"every call runs in its own empty network namespace")
         if not record.spec.landlock:
             raise InvalidRequest("landlock=False is not available on the function backend: every call is confined")
-        if record.spec.protected or record.spec.hidden:
-            raise InvalidRequest("protected= and hidden= are not available on the function backend yet: use "
-                                 "backend='container'")
         apply_image_defaults(record, image)
         base = self._base(record.id)
         shift = image.uid_shift
@@ -124,7 +124,11 @@ class FunctionBackend(Backend):
             "base": str(base), "uid_shift": shift, "image_rootfs": str(image.rootfs),
             "cgroup": f"/{self.cgroup_parent}/{record.id}", "image_env": dict(image.config.env),
         }
-        await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift)
+        await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift, record.spec.disk)
+        state = record.backend_state
+        state["disk"] = str(base / "workspace")  # the workspace is the sandbox's disk (a tmpfs of spec.disk)
+        state["hidden"] = list(record.spec.hidden)  # until reveal()
+        await asyncio.to_thread(self._prepare_hidden, record)
         spec = record.spec
         made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"],
                                        Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids))
@@ -132,11 +136,12 @@ class FunctionBackend(Backend):
         await self._start_zygote(record)
 
     @staticmethod
-    def _make_dirs(base: Path, workdir: str, shift: int) -> None:
+    def _make_dirs(base: Path, workdir: str, shift: int, disk: int) -> None:
         base.mkdir(mode=0o700)
         for sub in ("workspace", "scaffold", "root"):
             (base / sub).mkdir()
-        os.chown(base / "workspace", shift, shift)
+        # The workspace (every file that outlives a call) is a tmpfs of `disk` bytes and inodes to match.
+        mount_disk(base / "workspace", disk, mode=0o755, uid=shift)
         scaffold = base / "scaffold"
         for rel in (*_SCAFFOLD_DIRS, workdir.strip("/")):
             current = scaffold
@@ -146,6 +151,50 @@ class FunctionBackend(Backend):
         # The scaffold is the top layer: its directories are what the sandbox sees, owned by its root.
         for path in [scaffold, *scaffold.rglob("*")]:
             os.lchown(path, shift, shift)
+
+    def _in_workspace(self, record: SandboxRecord, path: str) -> str | None:
+        """``path`` relative to the workspace's root ('/...') when it lies beneath the working directory."""
+        workdir = workdir_of(record).rstrip("/") or "/"
+        norm = posixpath.normpath("/" + path.lstrip("/"))
+        if norm == workdir:
+            return "/"
+        if norm.startswith(workdir.rstrip("/") + "/"):
+            return norm[len(workdir.rstrip("/")):]
+        return None
+
+    def _prepare_hidden(self, record: SandboxRecord) -> None:
+        """Hidden directories beneath the workspace are made there (owned by the sandbox's root); elsewhere
+        the read-only image must have them."""
+        state = record.backend_state
+        shift = int(state["uid_shift"])
+        for path in record.spec.hidden:
+            rel = self._in_workspace(record, path)
+            if rel is not None:
+                SandboxFS(state["disk"], shift, shift).makedirs(rel)
+                continue
+            try:
+                SandboxFS(state["image_rootfs"], shift, shift).list(path)
+            except DSecError:
+                raise InvalidRequest(f"hidden path {path} is not a directory of the image: outside "
+                                     f"{workdir_of(record)} a function sandbox's root is the read-only image, "
+                                     f"where nothing can be created", path=path) from None
+
+    def _mount_paths(self, record: SandboxRecord, zygote: Zygote) -> None:
+        """Protected and hidden paths in the zygote's mount namespace (which every call copies): read-only
+        binds over the protected and the revealed ones, an empty read-only tmpfs over the hidden ones."""
+        assert zygote.pid is not None
+        hidden = list(record.backend_state.get("hidden", []))
+        protected = [*record.spec.protected, *(h for h in record.spec.hidden if h not in hidden)]
+        if not protected and not hidden:
+            return
+        try:
+            protect_paths(zygote.pid, protected, user_ns=False)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{e.message} (a function sandbox's workspace starts empty: to give the agent "
+                                 f"read-only files there, write them beneath a hidden= path and reveal() it)",
+                                 path=e.detail.get("path")) from None
+        cover_paths(zygote.pid, hidden, user_ns=False)
+        zygote.refresh()
 
     async def _start_zygote(self, record: SandboxRecord) -> None:
         assert self._binary is not None and self._support is not None
@@ -162,6 +211,7 @@ class FunctionBackend(Backend):
         pid = await asyncio.to_thread(zygote.start)
         self._zygotes[record.id] = zygote
         state.update(zygote_pid=pid, zygote_start=start_time(pid))
+        await asyncio.to_thread(self._mount_paths, record, zygote)
 
     def _zygote(self, record: SandboxRecord) -> Zygote:
         zygote = self._zygotes.get(record.id)
@@ -187,9 +237,13 @@ class FunctionBackend(Backend):
         argv = request.argv()
         # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL.
         cpu = math.ceil(request.timeout) + 1 if request.timeout else 0
-        fields = [str(cpu), str(record.spec.disk), str(_NOFILE), request.cwd or workdir_of(record),
+        # No RLIMIT_FSIZE (0) where the workspace is a tmpfs of `disk` bytes: the quota answers ENOSPC (and the
+        # verdict limit="disk") instead of a SIGXFSZ; a sandbox created before quotas keeps the per-file limit.
+        fsize = 0 if record.backend_state.get("disk") else record.spec.disk
+        fields = [str(cpu), str(fsize), str(_NOFILE), request.cwd or workdir_of(record),
                   str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
         before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+        disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
             if sig == signal.SIGKILL and cgroups.oom_kills() > before[0]:
@@ -198,6 +252,8 @@ class FunctionBackend(Backend):
                 return "time"
             if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
                 return "pids"
+            if exit_code != 0 and disk and disk_full(disk):
+                return "disk"
             return None
 
         events = stream_exec(zygote.spawn(fields), request, verdict)
@@ -222,34 +278,71 @@ class FunctionBackend(Backend):
 
     # -- files ----------------------------------------------------------------------------
 
-    def _fs(self, record: SandboxRecord) -> SandboxFS:
+    def _fs(self, record: SandboxRecord, path: str = "/") -> tuple[SandboxFS, str]:
+        """The files API's view and the path in it: the zygote's root, or for a path beneath a hidden (not
+        yet revealed) directory the host's view without the cover: the workspace's tmpfs, or the image."""
         zygote = self._zygote(record)
-        shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-        workspace = str(Path(record.backend_state["base"]) / "workspace")
-        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace,))
+        state = record.backend_state
+        shift = int(state.get("uid_shift", self.settings.uid_shift))
+        workspace = str(Path(state["base"]) / "workspace")
+        norm = posixpath.normpath("/" + path.lstrip("/"))
+        if any(norm == h or norm.startswith(h.rstrip("/") + "/") for h in state.get("hidden", [])):
+            rel = self._in_workspace(record, norm)
+            if rel is not None:
+                return SandboxFS(workspace, shift, shift), rel
+            return SandboxFS(str(state["image_rootfs"]), shift, shift), norm
+        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace,)), path
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        return await asyncio.to_thread(self._fs(record).read, path, max_bytes)
+        fs, rel = self._fs(record, path)
+        return await asyncio.to_thread(fs.read, rel, max_bytes)
 
     async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+        if self._in_workspace(record, path) is not None:
+            read_only = InvalidRequest(f"{path} is read-only: a protected or revealed path", path=path)
+        else:
+            read_only = InvalidRequest(f"{path}: only {workdir_of(record)} is writable in a function sandbox (the "
+                                       f"image root is read-only and /tmp lasts one call)", path=path)
+        fs, rel = self._fs(record, path)
+        if fs.root == str(record.backend_state.get("image_rootfs")):
+            raise read_only  # beneath a hidden directory of the image: never write into the shared image
         try:
-            await asyncio.to_thread(self._fs(record).write, path, data, mode)
+            await asyncio.to_thread(fs.write, rel, data, mode)
         except SandboxError as e:
             if "Read-only file system" in e.message:
-                raise InvalidRequest(f"{path}: only {workdir_of(record)} is writable in a function sandbox "
-                                     f"(the image root is read-only and /tmp lasts one call)", path=path) from None
+                raise read_only from None
             raise
 
     async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(record).list, path)
+        fs, rel = self._fs(record, path)
+        entries = await asyncio.to_thread(fs.list, rel)
+        if rel != path:  # listed through the host's view of the workspace: name entries by sandbox paths
+            entries = [e.model_copy(update={"path": posixpath.join(path, posixpath.basename(e.path))})
+                       for e in entries]
+        return entries
+
+    async def reveal(self, record: SandboxRecord) -> None:
+        zygote = self._zygote(record)
+        hidden = list(record.backend_state.get("hidden", []))
+        if not hidden:
+            return
+        assert zygote.pid is not None
+        await asyncio.to_thread(reveal_paths, zygote.pid, hidden, False)
+        record.backend_state["hidden"] = []
+        await asyncio.to_thread(zygote.refresh)
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)
-        workspace = Path(record.backend_state["base"]) / "workspace"
-        disk = await asyncio.to_thread(_du, workspace)
+        disk = record.backend_state.get("disk")
+        if disk:  # the workspace is its own tmpfs: the kernel counts it
+            st = await asyncio.to_thread(os.statvfs, disk)
+            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
+        else:  # a sandbox created before workspace quotas: a plain directory on DSEC_HOME's filesystem
+            used = await asyncio.to_thread(_du, Path(record.backend_state["base"]) / "workspace")
+            limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
-                            disk_bytes=disk)
+                            disk_bytes=used, disk_limit_bytes=limit, disk_full=full)
 
     # -- teardown and recovery ------------------------------------------------------------
 
@@ -273,6 +366,7 @@ class FunctionBackend(Backend):
             time.sleep(0.01)
         cgroups.remove()
         base = self._base(sandbox_id)
+        umount(base / "workspace")  # before rmtree, which would otherwise empty it and fail on the mount point
         if base.exists():
             shutil.rmtree(base)
         with contextlib.suppress(OSError):
@@ -285,6 +379,8 @@ class FunctionBackend(Backend):
         base = Path(record.backend_state.get("base", self._base(record.id)))
         if not (base / "workspace").is_dir() or not Path(record.backend_state.get("image_rootfs", "")).is_dir():
             return False
+        if record.backend_state.get("disk") and not os.path.ismount(base / "workspace"):
+            return False  # its tmpfs is gone (the host rebooted), and with it everything the sandbox wrote
         await asyncio.to_thread(self._stop_stale, record)
         await self._start_zygote(record)
         return True

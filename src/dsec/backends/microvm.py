@@ -131,6 +131,8 @@ class MicroVMBackend(Backend):
     boot_timeout: float = _BOOT_TIMEOUT
     """Seconds a cold boot may take until the agent answers."""
     min_memory: int = _MIN_MEMORY
+    pristine_execs: bool = True
+    """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
                  accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
@@ -648,15 +650,17 @@ class MicroVMBackend(Backend):
         return self._exec_stream(record, request)
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        if request.pristine:
-            raise NotSupported("pristine execs are not available on the microvm backend yet (the guest agent "
-                               "would need to enter the read-only image root itself): use backend='container'")
+        if request.pristine and not self.pristine_execs:
+            raise NotSupported(f"pristine execs are not available on the {self.name} backend (its root disk is "
+                               f"the sandbox's own, with no untouched copy of the image): use backend='microvm' "
+                               f"or 'container'")
         client = self._client(record)
         env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
                **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
         uid, gid = record.backend_state.get("user", [0, 0])
         start = time.monotonic()
-        channel = await client.start_exec(request.argv(), env, request.cwd or workdir_of(record), uid, gid)
+        channel = await client.start_exec(request.argv(), env, request.cwd or workdir_of(record), uid, gid,
+                                          pristine=request.pristine)
         finished = False
         try:
             if request.stdin:

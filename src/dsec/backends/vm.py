@@ -115,6 +115,7 @@ class VMBackend(MicroVMBackend):
     name = "vm"
     boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 300)
     min_memory = 256 * MiB
+    pristine_execs = False
 
     def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
                  fast_start: bool = True, qemu_user: str | None = "nobody") -> None:

@@ -15,13 +15,17 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -32,7 +36,7 @@
 
 enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
-    T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10,
+    T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
     T_READY = 0x87,
 };
@@ -174,8 +178,55 @@ static void mkdirs(const char *path) {
         if (*s == '/') { *s = 0; mkdir(buf, 0755); *s = '/'; }
 }
 
-/* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ... */
-static void do_exec(uint32_t id, unsigned char *p, size_t len) {
+/* The image's read-only disk (microvm: argv[2], recorded before any command ran), for pristine execs. */
+static dev_t image_dev;
+
+static void pristine_fail(const char *what) {
+    dprintf(2, "dsec-agent: pristine exec: %s: %s\n", what, strerror(errno));
+    _exit(126);
+}
+
+/* In a command's child, before it drops privileges: a private mount namespace whose root is the image as
+   booted (its EROFS disk mounted afresh from the device number recorded at boot, so nothing the guest
+   mounted or replaced since counts) under a throwaway tmpfs upper, with the guest's /proc, /sys, /dev, a
+   fresh /tmp and the command's working directory bound in. */
+static void enter_pristine(const char *cwd) {
+    char path[PATH_MAX];
+    if (!image_dev) { errno = ENOTSUP; pristine_fail("no image disk in this guest"); }
+    if (unshare(CLONE_NEWNS) != 0) pristine_fail("new mount namespace");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) pristine_fail("private mounts");
+    /* The scratch tmpfs must allow device nodes: the image disk's node is made there. */
+    if (mount("tmpfs", "/run", "tmpfs", MS_NOSUID, "mode=0700") != 0) pristine_fail("scratch tmpfs");
+    const char *dirs[] = {"/run/img", "/run/upper", "/run/work", "/run/root"};
+    for (size_t i = 0; i < sizeof dirs / sizeof *dirs; i++)
+        if (mkdir(dirs[i], 0755) != 0) pristine_fail(dirs[i]);
+    if (mknod("/run/disk", S_IFBLK | 0600, image_dev) != 0) pristine_fail("image disk node");
+    if (mount("/run/disk", "/run/img", "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, NULL) != 0)
+        pristine_fail("mount the image disk");
+    if (mount("overlay", "/run/root", "overlay", MS_NOSUID | MS_NODEV,
+              "lowerdir=/run/img,upperdir=/run/upper,workdir=/run/work") != 0)
+        pristine_fail("overlay over the image");
+    const char *binds[] = {"/proc", "/sys", "/dev"};
+    for (size_t i = 0; i < sizeof binds / sizeof *binds; i++) {
+        snprintf(path, sizeof path, "/run/root%s", binds[i]);
+        mkdir(path, 0755);
+        if (mount(binds[i], path, NULL, MS_BIND | MS_REC, NULL) != 0) pristine_fail(binds[i]);
+    }
+    mkdir("/run/root/tmp", 01777);
+    if (mount("tmpfs", "/run/root/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0) pristine_fail("/tmp");
+    if (strcmp(cwd, "/") != 0) {
+        if (snprintf(path, sizeof path, "/run/root%s", cwd) >= (int)sizeof path) { errno = ENAMETOOLONG; pristine_fail(cwd); }
+        mkdirs(path);
+        mkdir(path, 0755);
+        if (mount(cwd, path, NULL, MS_BIND | MS_REC, NULL) != 0) pristine_fail(cwd);
+    }
+    if (chdir("/run/root") != 0 || syscall(SYS_pivot_root, ".", ".") != 0) pristine_fail("pivot_root");
+    if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) pristine_fail("detach the guest's root");
+}
+
+/* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ...
+   (EXEC_PRISTINE: the same, run on the image's untouched root, see enter_pristine) */
+static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
     if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
     uid_t uid = get32(p + 4);
@@ -200,6 +251,8 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len) {
         sigset_t all;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
+        if (pristine)
+            enter_pristine(strs[0]);
         if (gid != 0 || uid != 0) {
             if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
                 dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", uid, gid, strerror(errno));
@@ -394,7 +447,8 @@ static void do_identity(uint32_t id, unsigned char *p, size_t len) {
 
 static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     switch (type) {
-    case T_EXEC: do_exec(id, p, len); break;
+    case T_EXEC: do_exec(id, p, len, 0); break;
+    case T_EXEC_PRISTINE: do_exec(id, p, len, 1); break;
     case T_STDIN: do_stdin(id, p, len); break;
     case T_SIGNAL: {
         struct chan *c = find_chan(id);
@@ -482,6 +536,9 @@ static void reap(void) {
 
 int main(int argc, char **argv) {
     const char *dev = argc > 1 ? argv[1] : "/dev/vport0p1";
+    struct stat image;
+    if (argc > 2 && stat(argv[2], &image) == 0 && S_ISBLK(image.st_mode))
+        image_dev = image.st_rdev;
     rbuf = malloc(MAX_IN + 4);
     sigset_t mask;
     sigemptyset(&mask);

@@ -1,6 +1,7 @@
 #!/bin/busybox sh
 # /init of the microvm initramfs (busybox): load the modules the guest needs, mount the image read-only
-# (EROFS on /dev/vda) under a tmpfs overlay, and hand pid 1 to dsec-agent inside that root.
+# (EROFS on /dev/vda) under a tmpfs overlay, lock the guest kernel down, and hand pid 1 to dsec-agent
+# inside that root.
 # Kernel command line: dsec.disk=<bytes> (size of the writable layer).
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -19,11 +20,15 @@ mkdir -p /ro /rw /newroot
 n=0
 while [ ! -b /dev/vda ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
 mount -t erofs -o ro /dev/vda /ro || fail "cannot mount the image (EROFS on /dev/vda)"
-mount -t tmpfs -o "size=$disk,mode=0755" rw /rw || fail "cannot mount the writable layer"
+# The writable layer's inodes are limited like the container backend's (one per 16 KiB, at least 16,384):
+# without nr_inodes an inode bomb would only stop at the guest's RAM.
+inodes=$((disk / 16384))
+[ "$inodes" -lt 16384 ] && inodes=16384
+mount -t tmpfs -o "size=$disk,nr_inodes=$inodes,mode=0755" rw /rw || fail "cannot mount the writable layer"
 mkdir /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot || fail "overlay mount failed"
 for d in dev proc sys run tmp; do mkdir -p /newroot/$d; done
-mount -t tmpfs -o mode=0755,size=16m run /newroot/run
+mount -t tmpfs -o mode=0755,size=16m,nr_inodes=4096 run /newroot/run
 mkdir -p /newroot/run/dsec
 cp /dsec-agent /newroot/run/dsec/agent
 port=
@@ -37,7 +42,20 @@ done
 [ -n "$port" ] || fail "no virtio-serial port named dsec.agent"
 n=0
 while [ ! -c "$port" ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
+# Guest root must not stop, read or rewrite the agent (pid 1, the host's only channel into the VM): no
+# ptrace of anything (Yama mode 3: not even with CAP_SYS_PTRACE, and it cannot be lowered until reboot,
+# which also closes /proc/1/mem and process_vm_writev), no further kernel modules or kexec (one-way
+# switches), and the lockdown LSM in integrity mode (no /dev/mem, /dev/port, iopl, MSR writes, unsigned
+# kexec). What stays possible is documented in docs/security.md (guest root owns its own kernel).
+echo 3 > /proc/sys/kernel/yama/ptrace_scope || fail "cannot set Yama's ptrace_scope"
+echo 1 > /proc/sys/kernel/kexec_load_disabled || fail "cannot disable kexec"
+echo 1 > /proc/sys/kernel/modules_disabled || fail "cannot disable module loading"
+mkdir -p /sys/kernel/security
+mount -t securityfs securityfs /sys/kernel/security 2>/dev/null
+echo integrity > /sys/kernel/security/lockdown 2>/dev/null || echo "dsec-init: no lockdown LSM" >&2
+umount /sys/kernel/security 2>/dev/null
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
-exec switch_root /newroot /run/dsec/agent "$port"
+# argv[2]: the image's read-only disk, which the agent mounts afresh for pristine execs.
+exec switch_root /newroot /run/dsec/agent "$port" /dev/vda

@@ -36,7 +36,7 @@ _HDR = struct.Struct(">IBI")
 class T:
     """Frame types (host -> guest below 0x80, guest -> host above)."""
 
-    EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR = range(1, 11)
+    EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE = range(1, 12)
     STDOUT, STDERR, EXIT, DATA, END, ERROR, READY = range(0x81, 0x88)
 
 
@@ -298,15 +298,16 @@ class AgentClient:
         await self._simple(T.SHUTDOWN, b"", "", 10.0)
 
     async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str, uid: int = 0,
-                         gid: int = 0) -> int:
-        """Start a command as ``uid:gid``; returns its channel (read it with :meth:`next_frame`)."""
+                         gid: int = 0, pristine: bool = False) -> int:
+        """Start a command as ``uid:gid`` (``pristine``: on the image's untouched root, with ``cwd`` bound in);
+        returns its channel (read it with :meth:`next_frame`)."""
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
         payload = struct.pack(">HHII", len(argv), len(env), uid, gid) + b"".join(s.encode() + b"\0" for s in strings)
         channel = self.open_channel()
         try:
-            await self.send(T.EXEC, channel, payload)
+            await self.send(T.EXEC_PRISTINE if pristine else T.EXEC, channel, payload)
         except BaseException:
             self.close_channel(channel)
             raise

@@ -1,4 +1,4 @@
-"""Protected and hidden paths of a container sandbox: mounts made inside its mount namespace.
+"""Protected and hidden paths of a sandbox: mounts made inside its mount namespace.
 
 A protected path is bind-mounted over itself with ``MS_RDONLY`` in the sandbox's own mount
 namespace, so every write, ``rename``/``unlink`` of the mount point, ``FICLONE`` into it or extent
@@ -13,6 +13,9 @@ anything from there (which :mod:`subprocess` + ``nsenter mount`` would do: the i
 A hidden directory is covered by an empty read-only tmpfs in the same way (the sandbox sees an empty,
 unwritable directory); its real content stays on the sandbox's overlay, where the daemon's host-side
 view (without the cover) reads and writes it. Revealing removes the cover and protects the path.
+A function sandbox's zygote builds its mount namespace as host root before it enters its user
+namespace, so that namespace belongs to the host's user namespace: the child joins only the mount
+namespace there (``user_ns=False``) and stays host root, which only ever mounts over the given paths.
 This module never touches the daemon's own namespaces.
 """
 
@@ -28,15 +31,17 @@ __all__ = ["cover_paths", "protect_paths", "reveal_paths"]
 # The child: single-threaded (setns into a user namespace demands it), no imports after setns. It becomes
 # the namespace's root (host uid 0 has no mapping there). A path is refused when any component is a symlink
 # (realpath differs): a symlink the sandbox controls could later be pointed elsewhere, away from the mount.
-# argv: PID (protect|cover|uncover) PATH... Exit 3 names a bad path, 4 a failure.
+# argv: PID NAMESPACES (user,mnt | mnt) (protect|cover|uncover) PATH... Exit 3 names a bad path, 4 a failure.
 _CHILD = r"""
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
-pid, op, paths = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+pid, namespaces, op, paths = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 def bail(code, msg):
     sys.stderr.write(msg); sys.exit(code)
 for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)):
+    if ns not in namespaces:
+        continue
     fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)
     if libc.setns(fd, flag) != 0:
         bail(4, f"setns {ns}: {os.strerror(ctypes.get_errno())}")
@@ -46,7 +51,10 @@ os.chdir("/")
 for path in paths:
     b = path.encode()
     if op == "cover":
-        os.makedirs(path, mode=0o755, exist_ok=True)
+        try:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        except OSError as e:
+            bail(3, f"hidden path {path} cannot be created: {e.strerror}")
     elif op == "uncover" and libc.umount2(b, 0) != 0:
         bail(4, f"uncovering {path}: {os.strerror(ctypes.get_errno())}")
     if not os.path.lexists(path):
@@ -63,10 +71,11 @@ for path in paths:
 """
 
 
-def _run(init_pid: int, op: str, paths: list[str]) -> None:
+def _run(init_pid: int, op: str, paths: list[str], user_ns: bool) -> None:
     if not paths:
         return
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", _CHILD, str(init_pid), op, *paths],
+    namespaces = "user,mnt" if user_ns else "mnt"
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", _CHILD, str(init_pid), namespaces, op, *paths],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           check=False, timeout=30)
     message = proc.stderr.decode(errors="replace").strip()
@@ -76,20 +85,21 @@ def _run(init_pid: int, op: str, paths: list[str]) -> None:
         raise SandboxError(f"{op} failed: {message or f'exit status {proc.returncode}'}")
 
 
-def protect_paths(init_pid: int, paths: list[str]) -> None:
-    """Bind-mount each of ``paths`` read-only over itself in the namespaces of ``init_pid``.
+def protect_paths(init_pid: int, paths: list[str], user_ns: bool = True) -> None:
+    """Bind-mount each of ``paths`` read-only over itself in the namespaces of ``init_pid`` (its mount
+    namespace only, as host root, when not ``user_ns``).
 
     Raises :class:`InvalidRequest` for a path that is missing or passes through a symlink,
     :class:`SandboxError` when the kernel refuses.
     """
-    _run(init_pid, "protect", paths)
+    _run(init_pid, "protect", paths, user_ns)
 
 
-def cover_paths(init_pid: int, paths: list[str]) -> None:
+def cover_paths(init_pid: int, paths: list[str], user_ns: bool = True) -> None:
     """Hide each directory of ``paths`` (created if missing) under an empty read-only tmpfs."""
-    _run(init_pid, "cover", paths)
+    _run(init_pid, "cover", paths, user_ns)
 
 
-def reveal_paths(init_pid: int, paths: list[str]) -> None:
+def reveal_paths(init_pid: int, paths: list[str], user_ns: bool = True) -> None:
     """Remove the covers of :func:`cover_paths` and leave each path read-only (protected)."""
-    _run(init_pid, "uncover", paths)
+    _run(init_pid, "uncover", paths, user_ns)

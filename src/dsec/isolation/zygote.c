@@ -23,7 +23,8 @@
  * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
  * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
  * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
- * Setup failures are "error <what>: <why>" lines.
+ * Setup failures are "error <what>: <why>" lines. A "refresh" message (no fds) replaces the clone made
+ * ahead, after the daemon changed the sandbox's mounts (protected and hidden paths) in our mount namespace.
  * The zygote exits, killing every call, when the control socket closes.
  */
 #define _GNU_SOURCE
@@ -496,6 +497,18 @@ static void clone_ahead(void) {
     ready.sock = sp[0];
 }
 
+/* The sandbox's mounts changed (protected or hidden paths, a reveal): the call cloned ahead holds a copy of
+   the old mount table, so it is replaced by one cloned now. Calls already running keep what they had. */
+static void refresh(void) {
+    if (ready.pid > 0) {
+        kill(ready.pid, SIGKILL); /* reaped later as an unknown child */
+        close(ready.sock);
+    }
+    ready.pid = 0;
+    ready.sock = -1;
+    clone_ahead();
+}
+
 static void dispatch(char *request, ssize_t len, int *fds) {
     int slot = -1;
     for (int i = 0; i < MAX_CALLS && slot < 0; i++)
@@ -632,6 +645,10 @@ int main(int argc, char **argv) {
             continue;
         if (len <= 0)
             break; /* the daemon closed the socket (destroy, or it died): every call goes with us */
+        if (mh.msg_controllen == 0 && len == 7 && memcmp(request, "refresh", 7) == 0) {
+            refresh();
+            continue;
+        }
         int fds[4];
         if (take_fds(&mh, fds) == 0)
             dispatch(request, len, fds);

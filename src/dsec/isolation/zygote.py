@@ -131,6 +131,13 @@ class Zygote:
                                  f"limit of {MAX_REQUEST}: pass large inputs as stdin or through a file")
         return send_with_pipes(self._sock, message, "the sandbox's zygote")
 
+    def refresh(self) -> None:
+        """Make the next call see the zygote's mount namespace as it is now (after the daemon mounted over a
+        protected or hidden path there): the zygote replaces the call it cloned ahead of time."""
+        if self._sock is None:
+            raise SandboxError("the sandbox's zygote is gone (destroyed)")
+        self._sock.send(b"refresh")
+
     def close(self) -> None:
         """Stop the zygote (every running call dies with it) and reap it."""
         if self._sock is not None:

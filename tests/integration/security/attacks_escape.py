@@ -213,3 +213,44 @@ print(json.dumps({{str(p): try_os(os.kill, p, 0) for p in {victims}}}))
     for pid, err in res.items():
         # a pid that happens to exist inside the sandbox too answers; it is not ours
         assert err == ESRCH or int(pid) < 50, f"pid {pid} reachable from the sandbox (errno {err})"
+
+
+@attack("ptrace-guest-agent", description="as root of the guest: ptrace-attach to the agent (pid 1), write its "
+                                          "memory through /proc/1/mem and process_vm_writev, SIGSTOP it, lower "
+                                          "Yama's ptrace_scope and re-enable module loading",
+        models="attacking the executor: stopping or rewriting the guest agent (hangs or subverts its own VM)",
+        defence="microvm: Yama ptrace_scope 3 set by the guest's init before the agent starts (EPERM even with "
+                "CAP_SYS_PTRACE, and it cannot be lowered: EINVAL), module loading and kexec disabled for "
+                "good, and the kernel ignores SIGSTOP sent to its pid 1 from inside; the agent answers afterwards",
+        not_applicable={"container": "no agent inside: commands enter from the host; the init is covered by "
+                                     "ptrace-init",
+                        "function": "no agent inside: each call is its own pid namespace's init, spawned by "
+                                    "the zygote outside (ptrace-init)"},
+        fresh=True)
+async def ptrace_guest_agent(t: Target) -> None:
+    res = await probe(t, r"""
+import signal
+out = {"scope": open("/proc/sys/kernel/yama/ptrace_scope").read().strip(),
+       "modules_disabled": open("/proc/sys/kernel/modules_disabled").read().strip(),
+       "kexec_disabled": open("/proc/sys/kernel/kexec_load_disabled").read().strip()}
+out["attach"] = sc(101, 16, 1, 0, 0)          # PTRACE_ATTACH
+out["seize"] = sc(101, 0x4206, 1, 0, 0)       # PTRACE_SEIZE
+out["mem"] = try_os(lambda: os.close(os.open("/proc/1/mem", os.O_RDWR)))
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+out["vm_writev"] = sc(311, 1, ctypes.addressof(iov), 1, ctypes.addressof(iov), 1, 0)
+def lower(path, value):
+    with open(path, "w") as f:
+        f.write(value)
+out["lower_scope"] = try_os(lower, "/proc/sys/kernel/yama/ptrace_scope", "0")
+out["enable_modules"] = try_os(lower, "/proc/sys/kernel/modules_disabled", "0")
+os.kill(1, signal.SIGSTOP)
+print(json.dumps(out))
+""")
+    await guest_kernel_is_own(t)
+    assert res["scope"] == "3" and res["modules_disabled"] == "1" and res["kexec_disabled"] == "1", res
+    for what in ("attach", "seize", "mem", "vm_writev"):
+        assert res[what] in (errno.EPERM, errno.EACCES), (what, res)
+    assert res["lower_scope"] == errno.EINVAL and res["enable_modules"] == errno.EINVAL, res
+    r = await t.sh("echo agent-alive; cat /proc/sys/kernel/yama/ptrace_scope")  # SIGSTOP did not stop pid 1
+    assert r.stdout == b"agent-alive\n3\n", r

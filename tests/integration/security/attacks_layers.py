@@ -1,4 +1,4 @@
-"""Attacks on the grading layers: protected paths and Landlock (issue 8, part A).
+"""Attacks on the grading layers: protected and hidden paths, and Landlock (issue 8).
 
 A grader relies on files the agent may read but must not change (tests, the grader's own binaries), and
 on commands that cannot write the kernel's knobs even if a mount meant to stop them were missing. Each
@@ -13,8 +13,8 @@ import errno
 
 from redteam import Target, attack, expect_errno, probe
 
-_NOT_YET = {"function": "protected= is container-only today (the function backend refuses it with 400)",
-            "microvm": "protected= is container-only today (the microvm backend refuses it with 400)",
+_NOT_YET = {"microvm": "protected=/hidden= are refused on microvm (400): guest root holds CAP_SYS_ADMIN in its "
+                       "own kernel and could unmount them",
             "vm": "backend not built yet"}
 _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
 
@@ -23,7 +23,8 @@ _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
                                          "binary in a protected directory, and rename a fake over them",
         models="incident: agents overwrote /bin/bash and test files to subvert later checks",
         defence="container: protected paths are read-only bind mounts (EROFS for writes, EBUSY for the mount "
-                "point, EXDEV/EROFS for renames into them)",
+                "point, EXDEV/EROFS for renames into them); function: the same binds in the zygote's mount "
+                "namespace, over a root that is read-only anyway (EROFS before the mount point's EBUSY)",
         not_applicable=_NOT_YET, fresh=True, spec=_PROTECTED)
 async def protected_rewrite(t: Target) -> None:
     before = (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout
@@ -49,15 +50,16 @@ print(json.dumps(out))
             "unlink_mountpoint": errno.EBUSY, "unlink_binary": errno.EROFS, "rename_mountpoint": errno.EBUSY,
             "rename_over_binary": (errno.EXDEV, errno.EROFS)}
     for name, err in want.items():
-        expect_errno(t, name, res[name], {"container": err})
+        function_err = errno.EROFS if err == errno.EBUSY else err  # the read-only parent answers first
+        expect_errno(t, name, res[name], {"container": err, "function": function_err})
     assert (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout == before
 
 
 @attack("protected-swap-clone-unmount", description="FICLONE / FICLONERANGE / XFS_IOC_SWAPEXT onto a protected "
                                                     "file, then umount, remount read-write or mount over it",
         models="incident: XFS_IOC_SWAPEXT on protected files; container escape classic: undo a read-only mount",
-        defence="container: seccomp denies the ioctls and the whole mount family (EPERM) and the sandbox's root "
-                "has no CAP_SYS_ADMIN; the read-only bind mount stands behind both",
+        defence="container, function: seccomp denies the ioctls and the whole mount family (EPERM) and the "
+                "sandbox's root has no CAP_SYS_ADMIN; the read-only bind mount stands behind both",
         not_applicable=_NOT_YET, fresh=True, spec=_PROTECTED)
 async def protected_swap_clone_unmount(t: Target) -> None:
     res = await probe(t, r"""
@@ -79,7 +81,48 @@ for name, rc in (("umount", lambda: libc.umount2(b"/usr/bin", 2)),
 print(json.dumps(out))
 """)
     for name, got in res.items():
-        expect_errno(t, name, got, {"container": errno.EPERM})
+        expect_errno(t, name, got, {"container": errno.EPERM, "function": errno.EPERM})
+
+
+@attack("hidden-tests-then-revealed", description="look for tests hidden until grading, write into their cover, "
+                                                  "then after reveal() rewrite, unlink and rename them and rename "
+                                                  "a fake over them",
+        models="incident: agents read or rewrote the tests that grade them",
+        defence="container, function: before reveal an empty read-only tmpfs covers the directory (nothing to "
+                "read: ENOENT; writes EROFS; the directory itself EBUSY); after reveal a read-only bind (EROFS, "
+                "EBUSY, EXDEV), and the files API reads the grader's bytes unchanged",
+        not_applicable=_NOT_YET, fresh=True, spec={"hidden": ["/workspace/tests"]})
+async def hidden_tests_then_revealed(t: Target) -> None:
+    secret = b"def test_answer():\n    assert solve() == 42\n"
+    await t.backend.write_file(t.sb, "/workspace/tests/test_grade.py", secret, None)
+    snippet = r"""
+out = {"listing": sorted(os.listdir("/workspace/tests"))}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+attempt("read", lambda: open("/workspace/tests/test_grade.py").read())
+attempt("write", lambda: open("/workspace/tests/test_grade.py", "w").write("def test_answer(): pass\n"))
+attempt("unlink", lambda: os.unlink("/workspace/tests/test_grade.py"))
+attempt("rename_dir", lambda: os.rename("/workspace/tests", "/workspace/elsewhere"))
+open("/workspace/fake.py", "w").write("def test_answer(): pass\n")
+attempt("rename_over", lambda: os.rename("/workspace/fake.py", "/workspace/tests/test_grade.py"))
+print(json.dumps(out))
+"""
+    before = await probe(t, snippet)
+    assert before["listing"] == [] and before["read"] == errno.ENOENT, f"hidden tests visible: {before}"
+    expect_errno(t, "write (hidden)", before["write"], {"container": errno.EROFS, "function": errno.EROFS})
+    expect_errno(t, "rename_dir (hidden)", before["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY})
+    await t.backend.reveal(t.sb)
+    after = await probe(t, snippet)
+    assert after["listing"] == ["test_grade.py"] and after["read"] == 0, f"revealed tests not visible: {after}"
+    for name in ("write", "unlink"):
+        expect_errno(t, name, after[name], {"container": errno.EROFS, "function": errno.EROFS})
+    expect_errno(t, "rename_dir", after["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY})
+    expect_errno(t, "rename_over", after["rename_over"],
+                 {"container": (errno.EXDEV, errno.EROFS), "function": (errno.EXDEV, errno.EROFS)})
+    assert await t.backend.read_file(t.sb, "/workspace/tests/test_grade.py", 1 << 20) == secret
 
 
 @attack("landlock-kernel-knobs", description="write /proc/self/{comm,oom_score_adj,attr}, create files in /dev and "

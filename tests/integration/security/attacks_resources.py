@@ -70,8 +70,8 @@ async def memory_bomb(t: Target) -> None:
 @attack("disk-fill", description=f"`yes > file` in the workspace until the disk is full (stops itself at "
                                  f"{_CAP_MIB} MiB)",
         models="incident: agents filled tens of GB with `yes`; resource exhaustion: disk bomb",
-        defence="microvm: the overlay's size; function: the workspace's size limit; container: the writable "
-                "layer is a tmpfs of the spec's disk size (ENOSPC at it, limit=\"disk\")",
+        defence="microvm: the overlay's size; container, function: the writable layer (function: the workspace) "
+                "is a tmpfs of the spec's disk size (ENOSPC at it, limit=\"disk\")",
         fresh=True, spec={"disk": "64Mi"})
 async def disk_fill(t: Target) -> None:
     r = await t.sh(f"yes | head -c {_CAP_MIB}M > /workspace/fill; echo rc=$?; du -sm /workspace/fill; "
@@ -84,11 +84,9 @@ async def disk_fill(t: Target) -> None:
 
 @attack("inode-bomb", description="create empty files until no inode is left (stops itself at 25,000)",
         models="resource exhaustion: inode bomb",
-        defence="microvm: the overlay tmpfs's inode limit; container: the writable layer's tmpfs inode limit "
-                "(disk / 16 KiB, at least 16,384); function: a per-sandbox quota",
-        fresh=True, spec={"disk": "64Mi"},
-        open_gaps={"function": "the workspace is a host directory without a quota",
-                   "microvm": "the guest's overlay tmpfs has no nr_inodes limit: only the VM's RAM bounds it"})
+        defence="microvm: the guest's overlay tmpfs's inode limit; container: the writable layer's tmpfs inode "
+                "limit; function: the workspace tmpfs's inode limit (each disk / 16 KiB, at least 16,384)",
+        fresh=True, spec={"disk": "64Mi"})
 async def inode_bomb(t: Target) -> None:
     res = await probe(t, r"""
 os.makedirs("/workspace/inodes", exist_ok=True)
@@ -146,11 +144,9 @@ async def output_bomb(t: Target) -> None:
 @attack("disk-fill-many-files", description="fill the disk with many files each under the size limit "
                                             "(6 x 40 MiB into a sandbox with disk=64Mi)",
         models="resource exhaustion: disk bomb that dodges a per-file size limit",
-        defence="microvm: the overlay's size; container: the writable layer's tmpfs size; function: a per-sandbox "
-                "quota on all its files",
-        fresh=True, spec={"disk": "64Mi"},
-        open_gaps={"function": "only RLIMIT_FSIZE (per file) limits the host-directory workspace: files under the "
-                               "limit add up without bound"})
+        defence="microvm: the overlay's size; container: the writable layer's tmpfs size; function: the "
+                "workspace is a tmpfs of the disk size (ENOSPC at it, limit=\"disk\")",
+        fresh=True, spec={"disk": "64Mi"})
 async def disk_fill_many_files(t: Target) -> None:
     r = await t.sh("for i in 1 2 3 4 5 6; do head -c 40M /dev/zero > /workspace/f$i || break; done; "
                    "du -sm /workspace | cut -f1; rm -f /workspace/f?", timeout=180)

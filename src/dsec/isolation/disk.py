@@ -1,0 +1,54 @@
+"""A sandbox's disk quota: its writable files live on a tmpfs of its own, sized by ``spec.disk``.
+
+The container backend mounts one under its overlay's upper layer, the function backend as its
+workspace. Size and inodes are limited in the kernel (ENOSPC past either), the pages are charged
+to the memory cgroup of whoever writes them (the sandbox), and the host's disks never see the
+writes. Blocking: call from a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from dsec.errors import SandboxError
+
+__all__ = ["disk_full", "disk_inodes", "mount_disk", "umount"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+_MS_NOSUID = 2
+_MS_NODEV = 4
+
+
+def disk_inodes(size: int) -> int:
+    """Inodes of a sandbox disk of ``size`` bytes: one per 16 KiB, at least 16,384 (against inode bombs)."""
+    return max(16384, size // 16384)
+
+
+def mount_disk(target: Path, size: int, mode: int = 0o700, uid: int = 0) -> None:
+    """Mount a tmpfs of ``size`` bytes and :func:`disk_inodes` inodes on ``target`` (nosuid, nodev), its
+    root directory of ``mode``, owned by host uid and gid ``uid``."""
+    opts = f"size={size},nr_inodes={disk_inodes(size)},mode={mode:o},uid={uid},gid={uid}"
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")
+
+
+def disk_full(path: str) -> bool:
+    """Whether the sandbox disk mounted on ``path`` has no room (or no inode) left."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    # "Full" a little before the last block: a write that fails with ENOSPC can leave a few blocks free.
+    return st.f_bavail * st.f_frsize < 64 * 1024 or st.f_favail == 0
+
+
+def umount(target: Path) -> None:
+    """Detach the mount on ``target``; a no-op when nothing (or nothing any more) is mounted there."""
+    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: already gone
+            raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
