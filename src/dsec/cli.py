@@ -536,15 +536,19 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
 @click.option("--quick", is_flag=True, help="Every sample count and duration times 0.1 (a quick look).")
 @click.option("--burst", type=click.IntRange(1, 100_000), metavar="N",
               help="pools suite: sandboxes of the burst / density phase (default 1000; 10000 for the density target).")
+@click.option("--phase", "phases", multiple=True,
+              type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman"]),
+              help="pools suite: run only this phase (repeatable; default: all).")
 def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
-          burst: int | None) -> None:
+          burst: int | None, phases: tuple[str, ...]) -> None:
     """Run benchmarks against the peers measured in the same run (no SUITE: every suite)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
     config = None
-    if burst is not None:
+    if burst is not None or phases:
         pools = importlib.import_module("dsec.bench.pools")
-        config = dataclasses.replace(pools.PoolBench().scaled(0.1 if quick else 1.0), burst_n=burst)
+        config = pools.PoolBench().scaled(0.1 if quick else 1.0)
+        config = dataclasses.replace(config, burst_n=burst or config.burst_n, phases=phases)
     code = benchmarks.main(list(suites) or None, json_path, config, skip=skip, quick=quick)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -614,6 +614,8 @@ class SandboxRecord(Model):
     """Whatever the backend needs to find, re-adopt or clean up the sandbox (pids, paths, cgroups)."""
     layers: list[str] = Field(default_factory=list)
     """Snapshot layers (manifest digests, top first) the sandbox was restored onto; pinned while it lives."""
+    pooled: bool = False
+    """Claimed from a warm pool: its destroy answers at once and the teardown runs in the background."""
 
 
 class ImageConfig(Model):
@@ -782,6 +784,8 @@ class NodeStatistics(Model):
     """Every declared pool."""
     admission: AdmissionStatistics
     """The create admission queue."""
+    teardowns: int = 0
+    """Destroyed pooled sandboxes whose teardown is still running in the background."""
 
 
 AuditOutcome = Literal["ok", "nonzero", "limit", "error", "cancelled"]

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from test_engine import fake_of, make_engine, record_files
 
+from dsec.daemon import engine as engine_module
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL
-from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded
-from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxSpec
+from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxNotFound
+from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxRecord, SandboxSpec
 from dsec.testing.fake import FakeBackend
 
 POOL = PoolConfig(image="base", min=2, max=4, memory="512Mi")
@@ -158,6 +159,179 @@ async def test_shutdown_drains_and_restart_destroys_leftovers(tmp_path: Path) ->
     finally:
         await eng3.destroy_all()
         await eng3.aclose()
+
+
+class _SlowTeardown(FakeBackend):
+    """Destroys wait for ``release`` (or fail with ``destroy_error``): background teardowns stay observable."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root=root)
+        self.release = asyncio.Event()
+        self.destroy_error: BaseException | None = None
+        self.destroying = 0
+
+    async def destroy(self, record: SandboxRecord) -> None:
+        self.destroying += 1
+        try:
+            await self.release.wait()
+            if self.destroy_error is not None:
+                raise self.destroy_error
+            await super().destroy(record)
+        finally:
+            self.destroying -= 1
+
+
+async def _claimed(eng: Engine, n: int = 1) -> list[str]:
+    eng.pools.declare(POOL)
+    await eng.pools.wait_filled(10)
+    ids = [(await eng.create(SHAPE)).id for _ in range(n)]
+    return ids
+
+
+async def test_pooled_destroy_answers_before_its_teardown(tmp_path: Path) -> None:
+    fake = _SlowTeardown(tmp_path / "fake")
+    fake.release.set()  # members are made freely; only the client's destroy is held back below
+    eng = make_engine(tmp_path, backend=fake)
+    eng.pools.interval = 0.01
+    await eng.start()
+    try:
+        [sid] = await _claimed(eng)
+        plain = await eng.create(SandboxSpec(image="base", memory="1Gi"))  # not pooled: destroyed in-line
+        fake.release.clear()
+        await asyncio.wait_for(eng.destroy(sid), 1)  # answered while the teardown waits
+        assert eng.statistics().teardowns == 1 and fake.destroying == 1
+        with pytest.raises(SandboxNotFound, match="destroyed"):
+            await eng.exec(sid, ExecRequest(command="true"))
+        assert sid not in [i.id for i in await eng.list()]
+        assert (fake.root / sid).exists()  # still being torn down...
+        assert f"{sid}.json" in record_files(eng)  # ...and its record says so (state "stopped")
+        await eng.destroy(sid)  # idempotent meanwhile
+        plain_done = asyncio.create_task(eng.destroy(plain.id))
+        await asyncio.sleep(0.05)
+        assert not plain_done.done()  # a plain sandbox's destroy still waits for its teardown
+        fake.release.set()
+        await plain_done
+        await eng.wait_teardowns()
+        assert eng.statistics().teardowns == 0 and not (fake.root / sid).exists()
+        assert f"{sid}.json" not in record_files(eng)
+    finally:
+        fake.release.set()
+        await eng.destroy_all()
+        await eng.aclose()
+
+
+async def test_failed_background_teardown_keeps_the_record(tmp_path: Path) -> None:
+    fake = _SlowTeardown(tmp_path / "fake")
+    fake.release.set()
+    eng = make_engine(tmp_path, backend=fake)
+    eng.pools.interval = 0.01
+    await eng.start()
+    try:
+        [sid] = await _claimed(eng)
+        fake.destroy_error = RuntimeError("umount: target is busy")
+        await eng.destroy(sid)
+        await eng.wait_teardowns()
+        record = eng._store.load(sid)
+        assert record is not None and record.state == "failed" and "target is busy" in (record.reason or "")
+        assert eng.statistics().teardowns == 0
+        assert eng.metrics.value("dsec_teardown_failures_total", backend="container") == 1
+    finally:
+        fake.destroy_error = None
+        await eng.destroy_all()
+        await eng.aclose()
+    # The next start retries it: the record is not re-adopted, the sandbox is destroyed.
+    eng2 = make_engine(tmp_path, backend=FakeBackend(root=fake.root))
+    await eng2.start()
+    try:
+        assert await eng2.list() == [] and f"{sid}.json" not in record_files(eng2)
+        assert not (fake.root / sid).exists()
+    finally:
+        await eng2.aclose()
+
+
+async def test_restart_during_background_teardown_destroys_instead_of_adopting(tmp_path: Path) -> None:
+    fake = _SlowTeardown(tmp_path / "fake")
+    fake.release.set()
+    eng = make_engine(tmp_path, backend=fake)
+    eng.pools.interval = 0.01
+    await eng.start()
+    [sid] = await _claimed(eng)
+    fake.release.clear()
+    await eng.destroy(sid)
+    # The daemon dies before the teardown ran (SIGKILL: nothing of it runs any more).
+    for task in list(eng._teardowns):
+        task.cancel()
+    await asyncio.gather(*eng._teardowns, return_exceptions=True)
+    eng.pools._pools.clear()
+    fake.release.set()
+    await eng.aclose()
+    assert (fake.root / sid).exists()
+    eng2 = make_engine(tmp_path, backend=FakeBackend(root=fake.root))
+    await eng2.start()
+    try:
+        assert await eng2.list() == []  # the client destroyed it: never handed back
+        assert not (fake.root / sid).exists() and f"{sid}.json" not in record_files(eng2)
+    finally:
+        await eng2.aclose()
+
+
+async def test_background_teardowns_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "_BACKGROUND_TEARDOWNS", 2)
+    fake = _SlowTeardown(tmp_path / "fake")
+    fake.release.set()
+    eng = make_engine(tmp_path, backend=fake)
+    eng.pools.interval = 0.01
+    await eng.start()
+    try:
+        ids = await _claimed(eng, 3)
+        fake.release.clear()
+        await eng.destroy(ids[0])
+        await eng.destroy(ids[1])
+        third = asyncio.create_task(eng.destroy(ids[2]))
+        await asyncio.sleep(0.05)
+        assert not third.done() and eng.statistics().teardowns == 2  # the third waits for its own teardown
+        fake.release.set()
+        await third
+        await eng.wait_teardowns()
+        assert not any((fake.root / i).exists() for i in ids)
+    finally:
+        fake.release.set()
+        await eng.destroy_all()
+        await eng.aclose()
+
+
+async def test_aclose_waits_for_background_teardowns(tmp_path: Path) -> None:
+    fake = _SlowTeardown(tmp_path / "fake")
+    fake.release.set()
+    eng = make_engine(tmp_path, backend=fake)
+    eng.pools.interval = 0.01
+    await eng.start()
+    [sid] = await _claimed(eng)
+    fake.release.clear()
+    await eng.destroy(sid)
+    closing = asyncio.create_task(eng.aclose())
+    await asyncio.sleep(0.05)
+    assert not closing.done()
+    fake.release.set()
+    await closing
+    assert not (fake.root / sid).exists() and record_files(eng) == []
+
+
+async def test_refill_waits_for_claims_to_pause(engine: Engine) -> None:
+    engine.pools.declare(PoolConfig(image="base", min=4, max=4, memory="512Mi"))
+    await engine.pools.wait_filled(10)
+    created = engine.statistics().pools[0].created
+    await engine.create(SHAPE)  # 3 of 4 left: above half, the refill waits for a pause in claims
+    await engine.pools.refill()  # a pass right after the claim starts nothing
+    stats = engine.statistics().pools[0]
+    assert stats.created == created and stats.filling == 0
+    await engine.pools.wait_filled(10)  # ...and the pool is refilled once the claims pause
+    assert engine.statistics().pools[0].created == created + 1
+    # At half the target or below, the pass right after a claim refills at once.
+    await engine.create(SHAPE)
+    await engine.create(SHAPE)
+    await engine.pools.refill()
+    assert engine.statistics().pools[0].filling == 2
 
 
 async def test_bad_pool_setting_fails_engine_construction(tmp_path: Path) -> None:

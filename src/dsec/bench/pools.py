@@ -34,7 +34,10 @@ from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.models import PoolConfig
 
-__all__ = ["PoolBench", "run"]
+__all__ = ["PHASES", "PoolBench", "run"]
+
+PHASES = ("create", "sustained", "exec", "neighbours", "burst", "podman")
+"""The suite's phases, in the order they run (``dsec bench pools --phase NAME`` runs only some)."""
 
 MEMORY = "256Mi"
 """The shape every sandbox of the suite has (the pool's)."""
@@ -57,6 +60,12 @@ class PoolBench:
     """Sandboxes of the busy-neighbour phase; half of them run a CPU hog."""
     neighbour_execs: int = 60
     podman_seconds: float = 5.0
+    phases: tuple[str, ...] = ()
+    """Phases to run (see :data:`PHASES`); empty: all of them."""
+
+    def wants(self, phase: str) -> bool:
+        """Whether ``phase`` is part of this run."""
+        return not self.phases or phase in self.phases
 
     def scaled(self, factor: float) -> PoolBench:
         """Every count and duration times ``factor`` (``--quick`` / ``DSEC_BENCH_SCALE``)."""
@@ -68,6 +77,9 @@ class PoolBench:
                        neighbour_execs=n(self.neighbour_execs, 10),
                        podman_seconds=max(1.0, self.podman_seconds * factor))
 
+
+_BURST_CHUNK = 250
+"""Sandboxes per ``create_many`` request of a burst above 1,000."""
 
 HOST_LIMITS_ABOVE = 2000
 """Bursts larger than this run their daemon with ``DSEC_HOST_LIMITS=1``."""
@@ -118,8 +130,10 @@ class _Run:
     async def filled(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pools = (await self.client.statistics()).pools
-            if all(p.ready >= p.target and not p.filling for p in pools):
+            stats = await self.client.statistics()
+            pools = stats.pools
+            # A quiet node: the pool full and no destroyed sandbox still being torn down behind it.
+            if all(p.ready >= p.target and not p.filling for p in pools) and not stats.teardowns:
                 return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"the pool did not fill within {timeout:g} s: {pools}")
@@ -176,7 +190,7 @@ class _Run:
             await self.destroy(*made)
         return {"rate": done / elapsed, "failures": failures, "live": len(made), "workers": self.cfg.exec_workers}
 
-    async def burst(self) -> dict[str, Any]:
+    async def burst(self, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
         """One ``create_many(burst_n)`` (admission queues what the node cannot start at once), then every
         sandbox answers an exec while all are alive; memory per idle sandbox from MemAvailable."""
         n = self.cfg.burst_n
@@ -185,11 +199,19 @@ class _Run:
         made: list[AsyncSandbox] = []
         t0 = time.perf_counter()
         error = None
+        chunks: list[tuple[int, float]] = []
         try:
-            for start in range(0, n, 1000):  # the API takes at most 10,000 per request; 1,000 keeps replies small
-                made += await AsyncSandbox.create_many(min(1000, n - start), image=IMAGE, memory=MEMORY,
+            # The API takes up to 10,000 per request; small requests keep replies small and each well inside
+            # the client's read timeout when creates slow down as the node fills up.
+            # Up to 1,000: one request (the burst-admission figure is about one create_many).
+            chunk = n if n <= 1000 else _BURST_CHUNK
+            for start in range(0, n, chunk):
+                c0 = time.perf_counter()
+                made += await AsyncSandbox.create_many(min(chunk, n - start), image=IMAGE, memory=MEMORY,
                                                        client=self.client)
+                chunks.append((len(made), round(time.perf_counter() - c0, 2)))
                 self.live.update((s.id, s) for s in made)
+                progress(f"burst: {len(made)} alive, the last {min(chunk, n - start)} in {chunks[-1][1]:g} s")
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
         wall = time.perf_counter() - t0
@@ -209,14 +231,18 @@ class _Run:
                 if result.exit_code != 0:
                     errors.append(f"exit {result.exit_code}: {result.stderr[:200]!r}")
 
+        p0 = time.perf_counter()
         try:
             await asyncio.gather(*(ping(s) for s in made))
+            ping_s = round(time.perf_counter() - p0, 2)
             await asyncio.sleep(1.0)
             after = _mem_available()
         finally:
+            d0 = time.perf_counter()
             await self.destroy(*made)
         queued = [s._info.queue_seconds for s in made]
         return {"n": n, "created": len(made), "failures": n - len(made), "error": error, "wall_s": wall,
+                "chunks": chunks, "ping_s": ping_s, "destroy_s": round(time.perf_counter() - d0, 2),
                 "answered": answered, "exec_errors": errors[:5], "queue_s_total": sum(queued),
                 "queue_s_max": max(queued, default=0.0),
                 "mib_per_sandbox": (before - after) / max(1, len(made)) / 2**20}
@@ -287,31 +313,37 @@ async def run(cfg: PoolBench, node: Settings | None = None,
             try:
                 await client.declare_pool(PoolConfig(image=IMAGE, memory=MEMORY, min=cfg.pool_max // 2,
                                                      max=cfg.pool_max))
-                progress(f"pool creates x{cfg.create_n}")
-                with timer.phase("pool create"):
-                    results["pool_create"] = await bench.pool_creates()
-                progress(f"pooled create->exec->destroy, {cfg.concurrency} workers, {cfg.sustained_seconds:g} s")
-                with timer.phase("pooled sustained"):
-                    results["sustained"] = await bench.sustained()
+                if cfg.wants("create"):
+                    progress(f"pool creates x{cfg.create_n}")
+                    with timer.phase("pool create"):
+                        results["pool_create"] = await bench.pool_creates()
+                if cfg.wants("sustained"):
+                    progress(f"pooled create->exec->destroy, {cfg.concurrency} workers, {cfg.sustained_seconds:g} s")
+                    with timer.phase("pooled sustained"):
+                        results["sustained"] = await bench.sustained()
                 results["statistics"] = (await client.statistics()).model_dump(mode="json")
                 # The rest measures plain creates: an empty pool must not hold sandboxes meanwhile.
                 await client.declare_pool(PoolConfig(image=IMAGE, memory=MEMORY, min=0, max=0))
-                progress(f"exec throughput over {cfg.live_n} live sandboxes, {cfg.exec_seconds:g} s")
-                with timer.phase("exec throughput"):
-                    results["exec_throughput"] = await bench.exec_throughput()
-                progress(f"busy neighbours ({cfg.neighbours} sandboxes, half hogging a CPU)")
-                with timer.phase("neighbours"):
-                    results["neighbours"] = await bench.neighbours()
-                progress(f"burst: create_many({cfg.burst_n}), then an exec in each")
-                with timer.phase("burst"):
-                    results["burst"] = await bench.burst()
+                if cfg.wants("exec"):
+                    progress(f"exec throughput over {cfg.live_n} live sandboxes, {cfg.exec_seconds:g} s")
+                    with timer.phase("exec throughput"):
+                        results["exec_throughput"] = await bench.exec_throughput()
+                if cfg.wants("neighbours"):
+                    progress(f"busy neighbours ({cfg.neighbours} sandboxes, half hogging a CPU)")
+                    with timer.phase("neighbours"):
+                        results["neighbours"] = await bench.neighbours()
+                if cfg.wants("burst"):
+                    progress(f"burst: create_many({cfg.burst_n}), then an exec in each")
+                    with timer.phase("burst"):
+                        results["burst"] = await bench.burst(progress)
                 results["admission"] = (await client.statistics()).admission.model_dump(mode="json")
             finally:
                 await bench.destroy_all()
                 await client.aclose()
-        progress(f"peer: podman run rate, {cfg.podman_seconds:g} s")
-        with timer.phase("podman"):
-            results["podman"] = await _podman_rate(cfg, settings, results["skipped"])
+        if cfg.wants("podman"):
+            progress(f"peer: podman run rate, {cfg.podman_seconds:g} s")
+            with timer.phase("podman"):
+                results["podman"] = await _podman_rate(cfg, settings, results["skipped"])
     finally:
         with timer.phase("cleanup"):
             await _cleanup_backend(settings)

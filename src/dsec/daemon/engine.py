@@ -92,6 +92,10 @@ SAMPLE_SECONDS = 5.0
 """How often the engine samples its counters for the overview's history."""
 HISTORY_SECONDS = 1800.0
 """How far back the overview's history goes."""
+_BACKGROUND_TEARDOWNS = 64
+"""Pooled sandboxes torn down behind their destroy's answer at once; past it a destroy waits for its own
+teardown (back-pressure: a client destroying faster than the node tears down must not pile up dead
+sandboxes that still hold memory and mounts)."""
 
 
 def dsec_version() -> str:
@@ -190,6 +194,8 @@ class Engine:
         self._store = StateStore(settings.state_dir)
         self._records: dict[str, SandboxRecord] = {}
         self._destroying: dict[str, asyncio.Task[None]] = {}
+        # Teardowns of destroyed pooled sandboxes still running after the destroy was answered.
+        self._teardowns: set[asyncio.Task[None]] = set()
         # Ids destroyed recently -> (state, message). Bounded: a long-lived daemon creates millions.
         self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tombstone_limit = tombstone_limit
@@ -346,6 +352,7 @@ class Engine:
         drained = await self.pools.aclose()
         if drained:
             log.info("destroyed %d unclaimed pool sandboxes", drained)
+        await self.wait_teardowns()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -374,7 +381,13 @@ class Engine:
         for sandbox_id, result in zip(ids, results, strict=True):
             if isinstance(result, BaseException):
                 log.error("sandbox %s: destroy failed: %s", sandbox_id, result)
+        await self.wait_teardowns()
         return sum(1 for r in results if not isinstance(r, BaseException))
+
+    async def wait_teardowns(self) -> None:
+        """Wait until every background teardown of a destroyed pooled sandbox has finished."""
+        while self._teardowns:
+            await asyncio.gather(*list(self._teardowns), return_exceptions=True)
 
     # -- lookups -------------------------------------------------------------------------------------
 
@@ -416,7 +429,7 @@ class Engine:
             state=record.state,
         )
 
-    def _info(self, record: SandboxRecord) -> SandboxInfo:
+    def _info(self, record: SandboxRecord, *, pooled: bool = False) -> SandboxInfo:
         return SandboxInfo(
             id=record.id,
             backend=record.spec.backend,
@@ -429,6 +442,7 @@ class Engine:
             node=self.settings.node,
             reason=record.reason,
             trajectory=self.rollouts.status(record),
+            pooled=pooled,
         )
 
     def _tombstone(self, sandbox_id: str, state: str, message: str) -> None:
@@ -473,15 +487,19 @@ class Engine:
                 await self.discard_member(record)
                 return None
         now = time.time()
-        record.spec = spec.model_copy(deep=True, update={"workdir": record.spec.workdir})
+        # The request's spec is this call's own object: no deep copy (the pool shape's workdir stays).
+        record.spec = spec.model_copy(update={"workdir": record.spec.workdir})
         record.created_at, record.expires_at = now, now + spec.timeout
+        record.pooled = True
+        # The one write of a claim (no fsync, see StateStore): without it a daemon restarted now would
+        # take this client's sandbox for an unclaimed pool member and destroy it.
         self._store.save(record)
         self._records[record.id] = record
         self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - started)
         self.metrics.created.labels(spec.backend).inc()
         self.metrics.live.labels(spec.backend).inc()
-        log.info("sandbox %s claimed from pool (%s, image %s)", record.id, spec.backend, spec.image)
-        info = self._info(record).model_copy(update={"pooled": True})
+        log.debug("sandbox %s claimed from pool (%s, image %s)", record.id, spec.backend, spec.image)
+        info = self._info(record, pooled=True)
         self.events.publish("created", info, pooled=True, seconds=round(time.monotonic() - started, 6))
         return info
 
@@ -507,7 +525,8 @@ class Engine:
 
     def statistics(self) -> NodeStatistics:
         """Warm pools and the create admission queue now."""
-        return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics())
+        return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics(),
+                              teardowns=len(self._teardowns))
 
     async def _create(self, spec: SandboxSpec, snapshot: str | None) -> SandboxInfo:
         """Create one sandbox, from its image or restored from snapshot ``snapshot`` of the snapshot store."""
@@ -687,6 +706,9 @@ class Engine:
         record = self._lookup(sandbox_id)
         if record.state == "creating":
             raise SandboxStateError(f"sandbox {sandbox_id} is still being created", sandbox_id=sandbox_id)
+        if record.pooled and record.spec.trajectory is None and len(self._teardowns) < _BACKGROUND_TEARDOWNS:
+            self._retire(record)
+            return
         task = asyncio.create_task(self._remove(record, "destroyed", f"sandbox {sandbox_id} was destroyed"))
         self._destroying[sandbox_id] = task
         try:
@@ -697,6 +719,38 @@ class Engine:
                 self._destroying.pop(sandbox_id, None)
             else:
                 task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
+
+    def _retire(self, record: SandboxRecord) -> None:
+        """Destroy a pooled sandbox as the client sees it now, and tear it down in the background.
+
+        From here on the id is gone (lookups answer "destroyed") and no call reaches the sandbox. Its
+        record is saved as ``stopped`` first: a daemon restarted before the teardown ends destroys it
+        instead of re-adopting it. A teardown that fails keeps the record (``failed``) for the next start.
+        """
+        info = self._info(record)
+        record.state = "stopped"
+        self._store.save(record)
+        if self._records.pop(record.id, None) is not None:
+            self.metrics.live.labels(record.spec.backend).dec()
+        self._tombstone(record.id, "destroyed", f"sandbox {record.id} was destroyed")
+        self.events.publish("destroyed", info, reason=None)
+        task = asyncio.create_task(self._teardown(record), name=f"dsec-teardown-{record.id}")
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def _teardown(self, record: SandboxRecord) -> None:
+        try:
+            await self._backend(record.spec.backend).destroy(record)
+        except Exception as exc:
+            record.state = "failed"
+            record.reason = f"destroy failed: {type(exc).__name__}: {exc}"
+            self._store.save(record)
+            self.metrics.teardown_failures.labels(record.spec.backend).inc()
+            log.exception("sandbox %s: background teardown failed; record kept for the next start", record.id)
+            return
+        self._release_image(record.id)
+        self._store.delete(record.id)
+        log.debug("sandbox %s torn down", record.id)
 
     async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
         backend = self._backend(record.spec.backend)

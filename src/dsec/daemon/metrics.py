@@ -55,6 +55,10 @@ class Metrics:
         self.expired = Counter(
             "dsec_sandboxes_expired", "Sandboxes destroyed at their timeout", ["backend"], registry=r
         )
+        self.teardown_failures = Counter(
+            "dsec_teardown_failures", "Background teardowns of destroyed pooled sandboxes that failed (the record "
+            "is kept and the next start retries)", ["backend"], registry=r
+        )
 
         self.pool_ready = Gauge("dsec_pool_ready", "Warm-pool sandboxes ready to be claimed", ["pool"], registry=r)
         self.pool_target = Gauge("dsec_pool_target", "Ready sandboxes a warm pool aims for", ["pool"], registry=r)

@@ -23,7 +23,7 @@ from typing import Protocol
 from dsec.daemon.metrics import Metrics
 from dsec.models import PoolConfig, PoolStatistics, SandboxRecord, SandboxSpec
 
-__all__ = ["DEMAND_WINDOW", "POOL_LABEL", "PoolHost", "Pools", "pool_key"]
+__all__ = ["DEMAND_WINDOW", "POOL_LABEL", "REFILL_DELAY", "PoolHost", "Pools", "pool_key"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ DEMAND_WINDOW = 30.0
 """Seconds of claims (hits and misses) a pool's target follows."""
 _FILL_PARALLELISM = 8
 """Members one pool creates at once: a refill must not crowd out the creates of users."""
+REFILL_DELAY = 0.05
+"""Seconds a pool with more than half its target ready waits after a claim before refilling: a refill
+(runtime processes, mounts) started at once competes for the CPU with the claim's own answer and with
+the claims right behind it. A pool at half its target or below refills at once."""
 _MEMBER_TIMEOUT = 30 * 86400.0
 """A member's wall-clock timeout until it is claimed (the claim sets the real one)."""
 
@@ -75,6 +79,7 @@ class _Pool:
     ready: deque[SandboxRecord] = field(default_factory=deque)
     filling: set[asyncio.Task[None]] = field(default_factory=set)
     claims: deque[float] = field(default_factory=deque)
+    last_claim: float = float("-inf")
     hits: int = 0
     misses: int = 0
     created: int = 0
@@ -87,6 +92,10 @@ class _Pool:
         c = self.config
         return SandboxSpec(image=c.image, backend=c.backend, cpu=c.cpu, memory=c.memory, disk=c.disk, pids=c.pids,
                            workdir=c.workdir, timeout=_MEMBER_TIMEOUT, labels={POOL_LABEL: self.key})
+
+    def deferred(self, now: float) -> bool:
+        """Whether a refill waits (a claim in the last ``REFILL_DELAY`` s, more than half the target ready)."""
+        return now - self.last_claim < REFILL_DELAY and 2 * len(self.ready) > self.target(now)
 
     def target(self, now: float) -> int:
         while self.claims and self.claims[0] < now - DEMAND_WINDOW:
@@ -133,9 +142,11 @@ class Pools:
         pool = self._pools.get(key) if key is not None else None
         if pool is None:
             return None
-        pool.claims.append(time.monotonic())
-        self._wake.set()
+        now = time.monotonic()
+        pool.claims.append(now)
+        pool.last_claim = now
         if not pool.ready:
+            self._wake.set()
             pool.misses += 1
             self._metrics.pool_claims.labels(key, "miss").inc()
             return None
@@ -143,6 +154,10 @@ class Pools:
         self._metrics.pool_claims.labels(key, "hit").inc()
         record = pool.ready.popleft()
         self._metrics.pool_ready.labels(key).set(len(pool.ready))
+        if pool.deferred(now):  # refilled off the request path: after the claims pause
+            asyncio.get_running_loop().call_later(REFILL_DELAY, self._wake.set)
+        else:
+            self._wake.set()
         return record
 
     def start(self) -> None:
@@ -153,10 +168,16 @@ class Pools:
     async def aclose(self) -> int:
         """Stop refilling and destroy every unclaimed member (a pool does not outlive its daemon)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            # Asked to stop rather than cancelled inside its wait: a cancel landing in asyncio.wait_for
+            # while the wake-up event fires could leave the task "cancelling" forever (seen on 3.11).
+            task, self._task = self._task, None
+            self._wake.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 10.0)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         fills = [t for p in self._pools.values() for t in p.filling]
         for task in fills:
             task.cancel()
@@ -187,6 +208,8 @@ class Pools:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
+            if self._task is None:  # aclose() asked us to stop
+                return
             try:
                 await self.refill()
             except Exception:
@@ -204,7 +227,7 @@ class Pools:
                 self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
                 await asyncio.gather(*(self._host.discard_member(r) for r in doomed), return_exceptions=True)
                 continue
-            if now < pool.retry_at:
+            if now < pool.retry_at or pool.deferred(now):
                 continue
             missing = target - len(pool.ready) - len(pool.filling)
             for _ in range(max(0, min(missing, _FILL_PARALLELISM - len(pool.filling)))):

@@ -38,11 +38,15 @@ class StateStore:
 
     def save(self, record: SandboxRecord) -> None:
         """Write (or replace) a record atomically: readers see the old or the new file, never half of one."""
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self._path(record.id)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        data = record.model_dump_json()
         try:
-            tmp.write_text(record.model_dump_json(), encoding="utf-8")
+            try:
+                tmp.write_text(data, encoding="utf-8")
+            except FileNotFoundError:  # the first record (no mkdir per save: claims write one record each)
+                self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+                tmp.write_text(data, encoding="utf-8")
             # No fsync: records must survive a daemon SIGKILL (the page cache keeps the data and
             # os.replace is atomic for other processes), not a host crash -- after a host crash
             # every sandbox is dead anyway and cleanup_orphans reclaims what is left.
