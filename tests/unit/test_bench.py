@@ -275,3 +275,29 @@ def test_pools_rows() -> None:
     assert rows["exec p50 rise, 4 neighbours hogging CPU"].passed is True
     assert rows["create_many(1000): failures"].passed is True
     assert rows["idle sandboxes alive and answering (of 1000)"].passed is False
+
+
+def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from dsec import cli
+    from dsec.bench.pools import PHASES, PoolBench
+
+    assert all(PoolBench().wants(p) for p in PHASES)
+    [option] = [o for o in cli.bench.params if o.name == "phases"]
+    assert tuple(option.type.choices) == PHASES  # type: ignore[attr-defined]  # the CLI lists every phase
+    only = PoolBench(phases=("burst",))
+    assert only.wants("burst") and not only.wants("create") and not only.wants("podman")
+    seen: list[object] = []
+
+    def fake_main(suites: object, path: object, config: object, **kw: object) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr("dsec.bench.main", fake_main)
+    result = CliRunner().invoke(cli.main, ["bench", "pools", "--phase", "exec", "--phase", "burst", "--burst", "20"])
+    assert result.exit_code == 0, result.output
+    [config] = seen
+    assert isinstance(config, PoolBench) and config.phases == ("exec", "burst") and config.burst_n == 20
+    bad = CliRunner().invoke(cli.main, ["bench", "pools", "--phase", "warp"])
+    assert bad.exit_code != 0 and "warp" in bad.output
