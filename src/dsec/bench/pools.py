@@ -142,15 +142,21 @@ class _Run:
         """Sequential creates of the pool's shape; the pool refills between them (as it would between
         an RL job's steps)."""
         creates: list[float] = []
+        trips: list[float] = []
         hits = 0
         for _ in range(self.cfg.create_n):
             await self.filled()
+            # The in-run peer: the same client's cheapest API round trip (the node's statistics), just before.
+            t0 = time.perf_counter()
+            await self.client.statistics()
+            trips.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             sandbox = await self.create()
             creates.append(time.perf_counter() - t0)
             hits += sandbox._info.pooled
             await self.destroy(sandbox)
-        return {"latency": summarize(creates), "hits": hits, "n": len(creates)}
+        return {"latency": summarize(creates), "hits": hits, "n": len(creates),
+                "round_trip_p50": summarize(trips).p50}
 
     async def sustained(self) -> dict[str, Any]:
         await self.filled()
@@ -368,7 +374,9 @@ def _rows(ex: dict[str, Any]) -> list[Row]:
     if "pool_create" in ex:
         pc = ex["pool_create"]
         p50 = pc["latency"]["p50"] * 1000
-        rows.append(Row(f"pool create p50 ({pc['hits']}/{pc['n']} from the pool)", "ms", p50, target="≤ 5 ms",
+        trip = pc.get("round_trip_p50")
+        rows.append(Row(f"pool create p50 ({pc['hits']}/{pc['n']} from the pool)", "ms", p50,
+                        None if trip is None else trip * 1000, "GET /v1/statistics", target="≤ 5 ms",
                         passed=p50 <= 5))
     if "sustained" in ex:
         s = ex["sustained"]
