@@ -539,8 +539,10 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
 @click.option("--phase", "phases", multiple=True,
               type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman"]),
               help="pools suite: run only this phase (repeatable; default: all).")
+@click.option("--idle-vms", type=click.IntRange(1, 10_000), metavar="N",
+              help="microvm suite: idle VMs alive at once, each answering an exec (default 8; 100 for the target).")
 def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
-          burst: int | None, phases: tuple[str, ...]) -> None:
+          burst: int | None, phases: tuple[str, ...], idle_vms: int | None) -> None:
     """Run benchmarks against the peers measured in the same run (no SUITE: every suite)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
@@ -549,7 +551,7 @@ def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...]
         pools = importlib.import_module("dsec.bench.pools")
         config = pools.PoolBench().scaled(0.1 if quick else 1.0)
         config = dataclasses.replace(config, burst_n=burst or config.burst_n, phases=phases)
-    code = benchmarks.main(list(suites) or None, json_path, config, skip=skip, quick=quick)
+    code = benchmarks.main(list(suites) or None, json_path, config, skip=skip, quick=quick, idle_vms=idle_vms)
     sys.exit(code if isinstance(code, int) else 0)
 
 

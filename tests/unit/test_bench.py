@@ -234,7 +234,7 @@ def test_whole_run_reports_every_suite_and_goes_on_after_a_failure(monkeypatch: 
                                                                       tmp_path: Path) -> None:
     seen: list[tuple[str, float]] = []
 
-    def fake_run(name: str, scale: float, config: object, progress: object) -> Suite:
+    def fake_run(name: str, scale: float, config: object, progress: object, idle_vms: object = None) -> Suite:
         seen.append((name, scale))
         if name == "function":
             raise BenchUnavailable("no zygote here")
@@ -289,9 +289,11 @@ def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     only = PoolBench(phases=("burst",))
     assert only.wants("burst") and not only.wants("create") and not only.wants("podman")
     seen: list[object] = []
+    extra: list[object] = []
 
     def fake_main(suites: object, path: object, config: object, **kw: object) -> int:
         seen.append(config)
+        extra.append(kw.get("idle_vms"))
         return 0
 
     monkeypatch.setattr("dsec.bench.main", fake_main)
@@ -299,5 +301,8 @@ def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 0, result.output
     [config] = seen
     assert isinstance(config, PoolBench) and config.phases == ("exec", "burst") and config.burst_n == 20
+    assert extra == [None]
+    assert CliRunner().invoke(cli.main, ["bench", "microvm", "--idle-vms", "100"]).exit_code == 0
+    assert extra[-1] == 100
     bad = CliRunner().invoke(cli.main, ["bench", "pools", "--phase", "warp"])
     assert bad.exit_code != 0 and "warp" in bad.output

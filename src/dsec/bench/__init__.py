@@ -61,7 +61,8 @@ def _scale() -> float:
     return value
 
 
-def _run_one(name: str, scale: float, config: Config | None, progress: Callable[[str], None]) -> Suite:
+def _run_one(name: str, scale: float, config: Config | None, progress: Callable[[str], None],
+             idle_vms: int | None = None) -> Suite:
     if name == "cluster":
         from dsec.bench.cluster import ClusterBench
         from dsec.bench.cluster import run as run_cluster
@@ -74,8 +75,8 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
     if name == "microvm":
         from dsec.bench.microvm import run as run_microvm
 
-        return asyncio.run(run_microvm(samples=max(2, round(5 * scale)), idle_vms=max(2, round(8 * scale)),
-                                       progress=progress))
+        return asyncio.run(run_microvm(samples=max(2, round(5 * scale)),
+                                       idle_vms=idle_vms or max(2, round(8 * scale)), progress=progress))
     if name == "vm":
         from dsec.bench.vm import run as run_vm
 
@@ -100,7 +101,8 @@ def _selected(suite: str | Sequence[str] | None, skip: Sequence[str]) -> tuple[s
 
 
 def main(suite: str | Sequence[str] | None, json_path: Path | None, config: Config | None = None,
-         console: Console | None = None, *, skip: Sequence[str] = (), quick: bool = False) -> int:
+         console: Console | None = None, *, skip: Sequence[str] = (), quick: bool = False,
+         idle_vms: int | None = None) -> int:
     """Run ``suite`` (a name, several, or every suite when None) minus ``skip``, print the tables and one
     summary table of every suite, write the JSON; the exit status.
 
@@ -126,7 +128,7 @@ def main(suite: str | Sequence[str] | None, json_path: Path | None, config: Conf
             out.print(f"[bold]dsec bench {name}[/bold]")
             progress = lambda m: out.print(f"  · {m}")  # noqa: E731
             try:
-                result = _run_one(name, scale, config, progress)
+                result = _run_one(name, scale, config, progress, idle_vms)
             except BenchUnavailable as exc:
                 err.print(f"error: {name}: {exc}")
                 failed[name] = str(exc)

@@ -118,6 +118,10 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
                 live.append((fast, rec))
                 await fast.create(rec, image)
                 recs.append(rec)
+            progress(f"{idle_vms} idle VMs alive: an exec in each")
+            answered = 0
+            for rec in recs:  # all alive at once: each must still answer
+                answered += (await fast.exec(rec, ExecRequest(command=["true"]))).exit_code == 0
             await asyncio.sleep(3)
             per_vm = max(before - _mem_available(), 0) / idle_vms
             cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
@@ -143,6 +147,8 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
         Row("host memory per idle VM (QEMU cgroup)", "MiB", cgroup / MiB, note="includes page cache charged"),
         Row("idle VMs that fit in MemAvailable", "VMs", fits, better="higher", target="≥ 100",
             passed=None if fits is None else fits >= 100),
+        Row(f"idle VMs alive at once and answering (of {idle_vms})", "VMs", answered, better="higher",
+            target="≥ 100 (full: --idle-vms 100)", passed=answered >= 100),
     ]
     suite.extra["accelerator"] = f"{fast.accel} ({fast.accel_reason})"
     return suite
