@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,26 @@ async def test_claimed_sandbox_gets_its_spec(engine: Engine) -> None:
     await engine.pools.wait_filled(60)
     stats = engine.statistics().pools[0]
     assert stats.hits == 1 and stats.ready >= 2 and stats.failures == 0
+
+
+async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(60)
+    info = await engine.create(SHAPE)
+    assert info.pooled
+    record = engine._records[info.id]
+    backend = engine._backends["container"]
+    cgroups = backend._cgroups(record)  # type: ignore[attr-defined]
+    rootfs = str(record.backend_state["rootfs"])
+    pid = int(record.backend_state["init_pid"])
+    await engine.destroy(info.id)  # answered; the teardown may still run
+    assert info.id not in [i.id for i in await engine.list()]
+    await engine.wait_teardowns()
+    assert engine.statistics().teardowns == 0
+    assert not any(Path(d).exists() for d in cgroups.dirs.values())
+    assert rootfs not in Path("/proc/mounts").read_text()
+    assert not Path(f"/proc/{pid}").exists()
+    assert not (engine.settings.state_dir / f"{info.id}.json").exists()
 
 
 async def test_burst_is_queued_not_failed(engine: Engine) -> None:
