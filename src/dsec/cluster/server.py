@@ -30,6 +30,7 @@ from dsec.cluster.placement import JobQuota
 from dsec.cluster.state import ClusterState
 from dsec.daemon.app import create_app
 from dsec.daemon.auth import open_path
+from dsec.daemon.server import loop_factory
 from dsec.errors import InvalidRequest, Unauthorized
 
 __all__ = ["Jobs", "gateway_app", "main"]
@@ -108,7 +109,7 @@ def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
 
 
 async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> None:
-    state = await asyncio.to_thread(ClusterState, args.db)
+    state = await asyncio.to_thread(ClusterState, args.db, args.sync_commit)
     engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait)
     await engine.start()
     host, _, port = args.listen.rpartition(":")
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: auto)")
     p.add_argument("--node-config", type=Path, default=None, help="JSON of NodeConfig fields for node daemons")
     p.add_argument("--admission-wait", type=float, default=60.0, help="seconds a create may wait for room")
+    p.add_argument("--sync-commit", action="store_true",
+                   help="wait for PostgreSQL to flush every state commit to disk (default: a PostgreSQL crash "
+                        "may lose the last ~0.6 s of state; a gateway crash loses nothing either way)")
     p.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     config = NodeConfig(**json.loads(args.node_config.read_text())) if args.node_config else NodeConfig()
     ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        asyncio.run(_serve(args, RayNodes(config), jobs))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop: cheaper per request
+            runner.run(_serve(args, RayNodes(config), jobs))
     finally:
         ray.shutdown()
     return 0

@@ -34,7 +34,7 @@ from dsec.daemon.app import create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 
-__all__ = ["Daemon", "ServeError", "daemon_answers", "down", "serve", "up"]
+__all__ = ["Daemon", "ServeError", "daemon_answers", "down", "loop_factory", "serve", "up"]
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +242,11 @@ def serve(
     ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
     ``engine`` defaults to :meth:`Engine.from_settings`.
     """
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed: it roughly halves the daemon's per-request overhead on exec round trips."""
     try:
         import uvloop
