@@ -680,6 +680,9 @@ class NodeInfo(Model):
     """Backend name -> ``"ok"`` or why it is unavailable."""
     sandboxes: int
     """Live sandboxes."""
+    images: dict[str, int] = Field(default_factory=dict)
+    """Images this node's cache holds: name -> bytes of it cached locally (cluster placement prefers a
+    node that holds a sandbox's image)."""
 
 
 class PoolConfig(Model):

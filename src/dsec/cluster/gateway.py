@@ -33,6 +33,7 @@ from dsec.daemon.engine import dsec_version
 from dsec.errors import (
     BackendUnavailable,
     ConnectionFailed,
+    DSecError,
     Forbidden,
     NotSupported,
     SandboxLost,
@@ -95,6 +96,7 @@ NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
 # closing at that instant fails the request ("Server disconnected without sending a response").
 _NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
 _JSON = {"Content-Type": "application/json"}
+_HEALTH_TIMEOUT = httpx.Timeout(5.0)
 _INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
 
 
@@ -129,6 +131,7 @@ class GatewayEngine:
         quotas: dict[str, JobQuota] | None = None,
         admission_wait: float = 60.0,
         poll_interval: float = 0.5,
+        image_interval: float = 2.0,
     ) -> None:
         self.state = state
         self.source = nodes
@@ -136,11 +139,13 @@ class GatewayEngine:
         self.placer.quotas.update(quotas or {})
         self.admission_wait = admission_wait
         self.poll_interval = poll_interval
+        self.image_interval = image_interval
         self.rows: dict[str, SandboxRow] = {}
         self.node_rows: dict[str, NodeRow] = {}
         self.metrics = _Metrics(self)
         self._transports: dict[str, tuple[Transport, httpx.AsyncClient]] = {}
         self._poller: asyncio.Task[None] | None = None
+        self._image_poller: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -158,13 +163,16 @@ class GatewayEngine:
                 if row.info.image and row.node in self.placer.nodes:
                     self.placer.nodes[row.node].images.add(row.info.image)
         await self.poll()
+        await self.refresh_images()
         self._poller = asyncio.create_task(self._poll_forever())
+        self._image_poller = asyncio.create_task(self._refresh_images_forever())
 
     async def aclose(self) -> None:
         """Stop following membership and close node connections (sandboxes are left running)."""
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+        for task in (self._poller, self._image_poller):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for _transport, http in self._transports.values():
             await http.aclose()
         self._transports.clear()
@@ -178,6 +186,31 @@ class GatewayEngine:
                 await self.poll()
             except Exception:
                 log.exception("membership poll failed")
+
+    async def _refresh_images_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.image_interval)
+            try:
+                await self.refresh_images()
+            except Exception:
+                log.exception("image cache poll failed")
+
+    async def refresh_images(self) -> None:
+        """Image locality from the nodes' own caches: each live node's ``/v1/health`` lists the images its
+        chunk cache holds, which replaces what placement believed (a node that evicted an image loses it)."""
+        async def one(name: str) -> None:
+            try:
+                response = await self._node_request(name, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT)
+                info = NodeInfo.model_validate_json(response.content)
+            except (DSecError, ValueError) as exc:  # a dying node: membership deals with it
+                log.debug("image cache of %s unknown: %s", name, exc)
+                return
+            node = self.placer.nodes.get(name)
+            if node is not None and node.alive:
+                node.images = set(info.images)
+
+        await asyncio.gather(*(one(n.name) for n in builtins.list(self.placer.nodes.values())
+                               if n.alive and n.name in self.node_rows))
 
     async def poll(self) -> None:
         """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost."""

@@ -1193,6 +1193,14 @@ class Engine:
                 backends[name] = "ok"
             else:
                 backends[name] = "not implemented on this node yet"
+        cached = getattr(self.images, "cached", None)
+        images: dict[str, int] = {}
+        if cached is not None:
+            try:
+                images = await asyncio.to_thread(cached)
+            except OSError as exc:  # a cache being swept under us: report none rather than fail health
+                log.warning("cannot list the image cache: %s", exc)
         return NodeInfo(
-            node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records)
+            node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records),
+            images=images,
         )

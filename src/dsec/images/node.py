@@ -279,6 +279,28 @@ class NodeImages:
         self._mounts.pop(mount.hexdigest, None)
         self._save_access(mount.hexdigest)
 
+    def cached(self) -> dict[str, int]:
+        """Image name -> bytes of it on this node (cached chunks plus its metadata image), for every image
+        this node has resolved of which some chunks are still cached: what cluster placement calls image
+        locality.
+
+        Read from the cache itself (a stat per chunk), so eviction shows at once. Blocking.
+        """
+        found: dict[str, int] = {}
+        tags = self.cache.root / "tags"
+        for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
+            try:
+                digest = tag.read_text().strip()
+                manifest = self._manifests.get(digest) or self.cache.manifest(digest.removeprefix("sha256:"))
+            except (OSError, DSecError, ValueError):
+                continue
+            self._manifests[digest] = manifest
+            held = self.cache.cached_bytes(manifest)
+            if held:
+                meta = self.base / "meta" / manifest.meta_digest.removeprefix("sha256:")
+                found[tag.name] = held + (manifest.meta_size if meta.is_file() else 0)
+        return found
+
     def mounted(self) -> dict[str, int]:
         """Digest -> pins, of every image this manager has mounted."""
         with self._lock:

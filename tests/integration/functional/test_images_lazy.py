@@ -69,6 +69,12 @@ def test_a_mount_reads_only_what_is_touched(home: Path, tmp_path: Path) -> None:
         assert node.mounted() == {hexdigest: 0}, "unused mounts are kept warm"
         assert node.idle(3600) == [] and node.unmount_idle(3600) == [] and ref.rootfs.is_mount()
         assert node.unmount_idle() == [hexdigest] and not ref.rootfs.is_mount()
+        # What the node reports to cluster placement is read from the cache itself: the image stays
+        # "held" while its chunks are cached, and is gone once they are evicted.
+        held = node.cached()
+        assert set(held) == {"lazy"} and held["lazy"] >= len(data) + manifest.meta_size
+        node.cache.evict(target=0)
+        assert node.cached() == {}
     finally:
         node.aclose_sync(unmount=True)
 
