@@ -20,15 +20,17 @@ __all__ = ["LocalCluster", "checked_cluster", "own_netns"]
 
 @contextlib.contextmanager
 def checked_cluster(pg: PgServer, workers: int, jobs: dict[str, dict[str, Any]],
-                    slots: dict[str, int]) -> Iterator[LocalCluster]:
-    """A local cluster whose node homes are swept and checked after teardown."""
+                    slots: dict[str, int], **kw: Any) -> Iterator[LocalCluster]:
+    """A local cluster whose node homes are swept and checked after teardown (``kw``: more arguments of
+    :func:`~dsec.cluster.local.local_cluster`; ``images`` defaults to the tests' image directory)."""
     homes = []
+    images = kw.pop("images", images_dir())
     try:
-        with local_cluster(pg.dsn, workers, jobs, slots, images_dir()) as handle:
+        with local_cluster(pg.dsn, workers, jobs, slots, images, **kw) as handle:
             homes = handle.node_homes()
             for home in homes:
                 SESSION_TAGS.add(home_tag(home))
             yield handle
     finally:
-        left = {str(home): asyncio.run(sweep(home, images_dir())) for home in homes}
+        left = {str(home): asyncio.run(sweep(home, images)) for home in homes}
         assert not any(left.values()), f"cluster teardown left sandboxes: {left}"

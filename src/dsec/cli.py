@@ -470,6 +470,23 @@ def image_rm(names: tuple[str, ...]) -> None:
         click.echo(name)
 
 
+@image.command(name="copy")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--to", "target", required=True, metavar="STORE",
+              help="The store to copy into: a path or s3://BUCKET/PREFIX?endpoint=URL (e.g. a cluster's).")
+def image_copy(names: tuple[str, ...], target: str) -> None:
+    """Copy images of this node's store into another store (chunks it lacks, then the tag)."""
+    from dsec.config import Settings
+    from dsec.images.store import ImageStore
+
+    into = ImageStore(Settings().images, target)
+    source = _store()
+    for name in names:
+        with _upload_progress(f"copying {name}") as progress:
+            manifest = into.copy_image(source, name, progress=progress)
+        click.echo(f"{name}: {manifest.digest} in {into.blobs.url}")
+
+
 @image.command(name="gc")
 @click.option("--grace", type=float, default=3600.0, show_default=True,
               help="Keep objects younger than this many seconds (imports in flight elsewhere).")
@@ -581,8 +598,10 @@ def cluster() -> None:
 @click.option("--ray-address", default="auto", show_default=True, help="The Ray cluster to join.")
 @click.option("--log", "log_path", default="/var/lib/dsec/cluster/gateway.log", show_default=True,
               help="Gateway log file (on the node that runs it).")
+@click.option("--wait", "wait", type=float, default=120.0, show_default=True,
+              help="Seconds to wait for the gateway to answer (0: return at once).")
 def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, ray_address: str,
-               log_path: str) -> None:
+               log_path: str, wait: float) -> None:
     """Start the gateway as a detached Ray actor on this node; it starts a node daemon on every Ray node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -606,7 +625,30 @@ def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, 
         ).remote(args, log_path)
     finally:
         ray.shutdown()
-    click.echo(f"gateway starting on {listen} (log: {log_path}); point DSEC_URL at it")
+    if wait > 0:
+        _wait_for_gateway(listen, wait, Path(log_path))
+        click.echo(f"gateway up on {listen} (log: {log_path}); point DSEC_URL at it")
+    else:
+        click.echo(f"gateway starting on {listen} (log: {log_path}); point DSEC_URL at it")
+
+
+def _wait_for_gateway(listen: str, wait: float, log_path: Path) -> None:
+    """Until the gateway started by ``cluster up`` (on this node) answers; else fail with its log's tail."""
+    import httpx
+
+    host, _, port = listen.rpartition(":")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v1/health"
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.3)
+    try:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+    except OSError as exc:
+        tail = f"(cannot read {log_path}: {exc})"
+    _fail(f"the gateway did not answer at {url} within {wait:g} s; its log ({log_path}):\n{tail}")
 
 
 @cluster.command(name="down")

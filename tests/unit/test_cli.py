@@ -115,6 +115,14 @@ def test_image_commands_against_a_tmp_store(env: dsec.Client, tmp_path: Path) ->
     assert json.loads(out)["storage"]["dedup_savings_bytes"] == storage["blob_bytes"]  # identical data
     code, _, err = invoke("image", "import-dir", "mini", str(root))
     assert code == 1 and "already exists" in err
+    code, out, err = invoke("image", "copy", "mini", "--to", str(tmp_path / "elsewhere"))
+    assert code == 0 and "mini: sha256:" in out, err
+    from dsec.images.store import ImageStore
+
+    copied = ImageStore(tmp_path / "x", str(tmp_path / "elsewhere"))
+    assert copied.manifest("mini") == ImageStore(tmp_path / "images").manifest("mini")
+    code, _, err = invoke("image", "copy", "absent", "--to", str(tmp_path / "elsewhere"))
+    assert code == 1 and "not found" in err
     code, out, _ = invoke("image", "rm", "mini", "twin")
     assert code == 0 and out.split() == ["mini", "twin"]
     code, out, _ = invoke("image", "gc", "--grace", "0")

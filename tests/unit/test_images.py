@@ -15,7 +15,7 @@ import pytest
 
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
-from dsec.errors import ImageNotFound, InvalidRequest, NotSupported
+from dsec.errors import ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
 from dsec.images import store as store_mod
 from dsec.images.build import RECIPES, apt_options, apt_sources, mmdebstrap_command
 from dsec.images.node import NodeImages
@@ -398,3 +398,24 @@ def test_node_reports_missing_images(store: ImageStore, node: NodeImages) -> Non
     with pytest.raises(ImageNotFound, match="'nope' not found"):
         node.resolve("nope")
     assert node.mounted() == {}
+
+
+def test_copy_image_between_stores(store: ImageStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "hello").write_bytes(b"hi\n" * 50_000)
+    store.import_dir("img", src, uid_shift=0)
+    other = ImageStore(tmp_path / "other")
+    manifest = other.copy_image(store, "img")
+    assert other.manifest("img") == store.manifest("img") == manifest
+    for digest in [manifest.meta_digest, *(c.digest for c in manifest.chunks)]:
+        assert other.blobs.has(store_mod.chunk_key(digest))
+    with pytest.raises(ImageNotFound):
+        other.copy_image(store, "absent")
+    # A corrupt chunk in the source is refused and the copy is not tagged.
+    key = store_mod.chunk_key(manifest.chunks[0].digest)
+    store.blobs.put(key, b"garbage")
+    third = ImageStore(tmp_path / "third")
+    with pytest.raises(ImageCorrupt, match="does not match its digest"):
+        third.copy_image(store, "img")
+    assert third.tag("img") is None

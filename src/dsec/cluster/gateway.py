@@ -108,6 +108,8 @@ class _Metrics:
         self.waiting = Gauge("dsec_cluster_admission_waiting", "Creates waiting for room", registry=self.registry)
         self.queued = Gauge("dsec_cluster_admission_queued", "Creates that waited for room since start",
                             registry=self.registry)
+        self.images = Gauge("dsec_cluster_node_image_cached", "1 for each image a live node's cache holds",
+                            ["node", "image"], registry=self.registry)
         self._gateway = gateway
 
     def render(self) -> bytes:
@@ -117,6 +119,10 @@ class _Metrics:
         stats = g.placer.statistics()
         self.waiting.set(int(str(stats["waiting"])))
         self.queued.set(int(str(stats["queued"])))
+        self.images.clear()
+        for node in g.placer.nodes.values():
+            for image in node.images if node.alive else ():
+                self.images.labels(node.name, image).set(1)
         return generate_latest(self.registry)
 
 

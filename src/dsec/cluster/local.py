@@ -123,6 +123,7 @@ class LocalCluster:
     gateway: Gateway
     admin: str
     tokens: dict[str, str]
+    dsn: str
     workers: list[Any] = field(default_factory=list)
 
     def node_homes(self) -> list[Path]:
@@ -145,11 +146,17 @@ class LocalCluster:
 
 @contextlib.contextmanager
 def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots: dict[str, int],
-                  images: Path, *, admission_wait: float = 120.0) -> Iterator[LocalCluster]:
+                  images: Path, *, admission_wait: float = 120.0, image_store: str | None = None,
+                  node_env: dict[str, str] | None = None, start_gateway: bool = True) -> Iterator[LocalCluster]:
     """A head (no sandboxes) plus ``workers`` Ray nodes with a node daemon each, and the gateway.
 
     Call inside :func:`own_netns`; ``dsn`` is a PostgreSQL server reachable there (gateway state and
-    trajectory log); ``images`` the image store directory the node daemons share.
+    trajectory log); ``images`` the image store directory the node daemons share, or, with
+    ``image_store`` (``s3://...``, reachable in the namespace), only their local scratch root: images
+    and snapshots then live in that store. ``node_env``: more environment for the node daemons (S3
+    credentials). ``start_gateway=False``: Ray and the files only (``base/jobs.json``, ``base/node.json``)
+    for a caller that starts the gateway itself (``dsec cluster up``), listening on ``gateway.url``'s
+    port so that teardown still finds it.
     """
     base = Path(tempfile.mkdtemp(prefix="dsec-cl-", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(base / "ray")
@@ -162,9 +169,13 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
     (base / "jobs.json").write_text(json.dumps({"admin_token": admin, "jobs": {
         name: {"token": tokens[name], **quota} for name, quota in jobs.items()}}))
     (base / "snapshots").mkdir()
-    (base / "node.json").write_text(json.dumps({
+    node_config: dict[str, Any] = {
         "home_root": str(base / "homes"), "images": str(images), "trajectory_db": dsn,
-        "snapshots": str(base / "snapshots"), "slots": slots, "node_resource": "dsec_node"}))
+        "snapshots": image_store or str(base / "snapshots"), "slots": slots, "node_resource": "dsec_node",
+        "extra_env": dict(node_env or {})}
+    if image_store:
+        node_config["image_store"] = image_store
+    (base / "node.json").write_text(json.dumps(node_config))
     # Ray's health checks decide that a node is dead: tuned to seconds (default ~15 s) for the tests.
     system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
               "health_check_timeout_ms": 1000, "health_check_initial_delay_ms": 1000}
@@ -180,12 +191,13 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
              "--jobs", str(base / "jobs.json"), "--ray-address", cluster.address,
              "--node-config", str(base / "node.json"), "--admission-wait", str(admission_wait)],
             dict(os.environ), base / "gateway.log", f"http://127.0.0.1:{port}")
-        handle = LocalCluster(base, cluster, gateway, admin, tokens)
+        handle = LocalCluster(base, cluster, gateway, admin, tokens, dsn)
         for _ in range(workers):
             handle.workers.append(cluster.add_node(**small, resources={"dsec_node": 1}))
         cluster.wait_for_nodes()
-        gateway.start()
-        handle.wait_nodes(workers)
+        if start_gateway:
+            gateway.start()
+            handle.wait_nodes(workers)
         yield handle
     finally:
         _teardown(base, cluster, gateway, admin, images)

@@ -57,7 +57,8 @@ class NodeConfig:
     trajectory_db: str | None = None
     """``DSEC_TRAJECTORY_DB``: the shared PostgreSQL log (``postgresql://...``)."""
     snapshots: str | None = None
-    """``DSEC_SNAPSHOTS``: a shared directory, so a checkpoint taken on one node restores on another."""
+    """``DSEC_SNAPSHOT_STORE``: a shared path or ``s3://...`` (default: the image store), so a checkpoint
+    taken on one node restores on another."""
     slots: dict[str, int] = field(default_factory=lambda: {"function": 1000, "container": 250})
     """Live sandboxes per backend a node accepts."""
     cpu_overcommit: float = 8.0
@@ -150,7 +151,7 @@ class NodeDaemon(_Supervisor):
         env = dict(os.environ, DSEC_HOME=str(self.home), DSEC_NODE=self.name, DSEC_TOKEN=self.token,
                    **c.extra_env)
         for key, value in (("DSEC_IMAGES", c.images), ("DSEC_IMAGE_STORE", c.image_store),
-                           ("DSEC_TRAJECTORY_DB", c.trajectory_db), ("DSEC_SNAPSHOTS", c.snapshots)):
+                           ("DSEC_TRAJECTORY_DB", c.trajectory_db), ("DSEC_SNAPSHOT_STORE", c.snapshots)):
             if value:
                 env[key] = value
         return env

@@ -325,6 +325,39 @@ class ImageStore:
         self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
         return manifest
 
+    def copy_image(self, source: ImageStore, name: str, progress: Progress | None = None) -> Manifest:
+        """Copy chunked image ``name`` from ``source`` into this store (chunks it lacks, the metadata image,
+        the manifest, then the tag, so a reader never sees a tag whose chunks are missing), e.g. to seed
+        a cluster's S3 store from a node's local one. Every chunk is verified against its digest."""
+        manifest = source.manifest(name)
+        wanted = {c.digest: c.size for c in manifest.chunks}
+        wanted[manifest.meta_digest] = manifest.meta_size
+        total, done = sum(wanted.values()), 0
+
+        def copy(digest: str) -> None:
+            key = chunk_key(digest)
+            if self.blobs.has(key):
+                return
+            try:
+                data = source.blobs.get(key)
+            except KeyError:
+                raise ImageCorrupt(f"chunk {digest} of {name!r} is missing from {source.blobs.url}",
+                                   image=name, digest=digest) from None
+            if sha256(data) != digest:
+                raise ImageCorrupt(f"chunk {digest} of {name!r} in {source.blobs.url} does not match its digest",
+                                   image=name, digest=digest)
+            self.blobs.put(key, data)
+
+        with ThreadPoolExecutor(max_workers=_UPLOADS, thread_name_prefix="dsec-copy") as pool:
+            for digest, future in [(d, pool.submit(copy, d)) for d in wanted]:
+                future.result()
+                done += wanted[digest]
+                if progress is not None:
+                    progress("copy", done, total)
+        self.blobs.put(f"manifests/sha256/{manifest.digest.removeprefix('sha256:')}", manifest.canonical())
+        self.blobs.put(f"tags/{validate_name(name)}", manifest.digest.encode() + b"\n")
+        return manifest
+
     def _put_chunk(self, digest: str, data: bytes) -> None:
         key = chunk_key(digest)
         if not self.blobs.has(key):

@@ -1,33 +1,44 @@
 """Cluster mode on a real local Ray cluster: a head plus three worker nodes, each with its own DSec node
 daemon (started by a Ray actor pinned to it), state directory and port; a gateway process with its state
-in a real PostgreSQL server; the trajectory log in the same server and a shared snapshot directory.
+in a real PostgreSQL server; the trajectory log in the same server; images and snapshots in an S3 store
+(a real SeaweedFS server), nothing shared through a POSIX directory.
 
-Covered: creates spread by placement; the SDK's exec and file calls go straight to the owning node with a
-token scoped to the sandbox; quota refusals (``QuotaExceeded``) and unknown tokens; a burst of 500 creates
-that must queue for room and all complete; a worker node killed mid-run (its sandboxes reported lost with
-the reason, new creates go elsewhere, a trajectory resumes on another node from its checkpoint); the
-gateway SIGKILLed and restarted with nothing lost.
+Covered: creates spread by placement; image locality read from the nodes' own caches; the SDK's exec and
+file calls go straight to the owning node with a token scoped to the sandbox; quota refusals
+(``QuotaExceeded``) and unknown tokens; a burst of 500 creates that must queue for room and all complete;
+a worker node killed mid-run (its sandboxes reported lost with the reason, new creates go elsewhere, a
+trajectory resumes on another node from its checkpoint in S3); the gateway SIGKILLed and restarted with
+nothing lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
 import dsec
 from cluster_support import LocalCluster, checked_cluster, own_netns
 from conftest import missing
+from container_support import images_dir
+from dsec.images.store import ImageStore
+from image_support import seaweedfs
 from postgres_support import PgServer, postgres_server
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FN = {"image": "debian-python", "backend": "function", "cpu": 0.1, "memory": "64Mi", "timeout": 600}
+ALIAS = "debian-python-cl"
+"""A second name of the image in the S3 store, which no node has resolved before the locality test."""
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +49,8 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
         missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
     if shutil.which("ip") is None:
         missing("iproute2 is not installed (./scripts/setup)")
-    with own_netns():
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-cl-img-", dir="/tmp"))
+    with own_netns(), pytest.MonkeyPatch.context() as env:
         try:
             pg_cm = postgres_server()
             pg: PgServer = pg_cm.__enter__()
@@ -47,11 +59,22 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
                 missing(str(exc))
             raise
         try:
-            jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}}
-            with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}) as handle:
-                yield handle
+            with seaweedfs(env) as weed:
+                # Seed the S3 store from the local one; the nodes' image root is an empty scratch
+                # directory, so every image byte they use comes from SeaweedFS.
+                url = weed.url("dsec", "cluster")
+                s3 = ImageStore(scratch / "seed", url)
+                manifest = s3.copy_image(ImageStore(images_dir()), "debian-python")
+                s3.blobs.put(f"tags/{ALIAS}", manifest.digest.encode() + b"\n")
+                jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}}
+                creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+                with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}, images=scratch / "nodes",
+                                     image_store=url, node_env=creds) as handle:
+                    yield handle
+                assert not (scratch / "nodes" / "store").exists(), "a node used a POSIX image store"
         finally:
             pg_cm.__exit__(None, None, None)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def client(cluster: LocalCluster, job: str) -> dsec.Client:
@@ -84,6 +107,50 @@ async def test_creates_spread_and_data_goes_to_the_node(cluster: LocalCluster) -
             async with client(cluster, "burst") as other_job:
                 with pytest.raises(dsec.SandboxNotFound):
                     await dsec.AsyncSandbox.connect(sb.id, client=other_job)
+        finally:
+            await asyncio.gather(*(s.close() for s in sandboxes))
+
+
+def node_endpoints(cluster: LocalCluster) -> dict[str, tuple[str, str]]:
+    """Node name -> (URL, node token), as the gateway recorded them."""
+    with psycopg.connect(cluster.dsn) as conn:
+        rows = conn.execute("SELECT name, url, token FROM dsec_cluster_nodes WHERE alive").fetchall()
+    return {name: (url, token) for name, url, token in rows}
+
+
+async def cached_on(c: dsec.Client, image: str) -> set[str]:
+    """The nodes whose cache holds ``image``, as the gateway last read them (its /metrics)."""
+    text = (await c._request("GET", "/metrics")).text
+    return {line.split('node="')[1].split('"')[0] for line in text.splitlines()
+            if line.startswith("dsec_cluster_node_image_cached{") and f'image="{image}"' in line}
+
+
+async def test_placement_prefers_a_node_whose_cache_holds_the_image(cluster: LocalCluster) -> None:
+    nodes = node_endpoints(cluster)
+    assert len(nodes) == 3
+    # The node that would lose every tie (placement breaks ties by name) gets the image in its cache,
+    # behind the gateway's back: straight through its own daemon.
+    warm = max(nodes)
+    url, token = nodes[warm]
+    async with client(cluster, "alpha") as c:
+        assert await cached_on(c, ALIAS) == set()
+        async with dsec.Client(url, token) as node:
+            health = await node.health()
+            assert ALIAS not in health.images
+            sb = await dsec.AsyncSandbox.create(client=node, **{**FN, "image": ALIAS})
+            assert (await sb.exec("true")).exit_code == 0
+            await sb.close()
+            held = (await node.health()).images
+            assert held.get(ALIAS, 0) > 0, held  # chunks fetched from S3 into this node's cache
+        deadline = time.monotonic() + 30
+        while await cached_on(c, ALIAS) != {warm}:
+            assert time.monotonic() < deadline, "the gateway did not learn the node's cache"
+            await asyncio.sleep(0.3)
+        # One decision for three: all go to the warm node (the others are idle, so without locality the
+        # batch would spread 1/1/1).
+        sandboxes = await dsec.AsyncSandbox.create_many(3, client=c, **{**FN, "image": ALIAS})
+        try:
+            assert [sb._info.node for sb in sandboxes] == [warm] * 3
         finally:
             await asyncio.gather(*(s.close() for s in sandboxes))
 
