@@ -552,7 +552,8 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
 @click.option("--skip", multiple=True, metavar="SUITE", help="Leave this suite out (repeatable).")
 @click.option("--quick", is_flag=True, help="Every sample count and duration times 0.1 (a quick look).")
 @click.option("--burst", type=click.IntRange(1, 100_000), metavar="N",
-              help="pools suite: sandboxes of the burst / density phase (default 1000; 10000 for the density target).")
+              help="pools suite: sandboxes of the burst / density phase (default 1000; 10000 for the density target); "
+                   "`dsec bench cluster --burst N`: creates of the cluster burst (default 2000).")
 @click.option("--phase", "phases", multiple=True,
               type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman"]),
               help="pools suite: run only this phase (repeatable; default: all).")
@@ -564,7 +565,10 @@ def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...]
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
     config = None
-    if burst is not None or phases:
+    if burst is not None and suites == ("cluster",):
+        cluster_bench = importlib.import_module("dsec.bench.cluster")
+        config = dataclasses.replace(cluster_bench.ClusterBench().scaled(0.1 if quick else 1.0), burst=burst)
+    elif burst is not None or phases:
         pools = importlib.import_module("dsec.bench.pools")
         config = pools.PoolBench().scaled(0.1 if quick else 1.0)
         config = dataclasses.replace(config, burst_n=burst or config.burst_n, phases=phases)

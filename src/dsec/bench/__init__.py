@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dsec.bench.cluster import ClusterBench
 from dsec.bench.container import BenchUnavailable, ContainerBench
 from dsec.bench.container import run as run_container
 from dsec.bench.function import FunctionBench
@@ -47,7 +48,7 @@ SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "imag
 QUICK_SCALE = 0.1
 """``--quick``: every sample count and duration times this (on top of ``DSEC_BENCH_SCALE``)."""
 
-Config = ContainerBench | FunctionBench | PoolBench
+Config = ContainerBench | FunctionBench | PoolBench | ClusterBench
 
 
 def _scale() -> float:
@@ -64,10 +65,10 @@ def _scale() -> float:
 def _run_one(name: str, scale: float, config: Config | None, progress: Callable[[str], None],
              idle_vms: int | None = None) -> Suite:
     if name == "cluster":
-        from dsec.bench.cluster import ClusterBench
         from dsec.bench.cluster import run as run_cluster
 
-        return run_cluster(ClusterBench().scaled(scale), progress=progress)
+        return run_cluster(config if isinstance(config, ClusterBench) else ClusterBench().scaled(scale),
+                           progress=progress)
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
     if name == "trajectory":

@@ -100,6 +100,7 @@ class NodeImages:
         # moves) is seen within tag_ttl seconds.
         self.tag_ttl = tag_ttl
         self._tags: dict[str, tuple[str, float]] = {}
+        self._tag_files: dict[str, str] = {}
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ resolver protocol
@@ -146,9 +147,11 @@ class NodeImages:
         manifest = self._manifests.get(digest)
         if manifest is None:
             manifest = self._manifests[digest] = self.store.manifest_by_digest(digest)
+        if self._tag_files.get(name) != digest:  # what this node resolved ``name`` to (see cached())
             tags = self.cache.root / "tags"
             tags.mkdir(exist_ok=True)
             (tags / name).write_text(digest)
+            self._tag_files[name] = digest
         return manifest
 
     def _remembered(self, name: str) -> Manifest | None:
