@@ -71,7 +71,9 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
                 with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}, images=scratch / "nodes",
                                      image_store=url, node_env=creds) as handle:
                     yield handle
-                assert not (scratch / "nodes" / "store").exists(), "a node used a POSIX image store"
+                    local = scratch / "nodes" / "store"
+                    used = [str(f) for f in local.rglob("*") if f.is_file()] if local.exists() else []
+                    assert not used, f"a node used a POSIX image store: {used[:5]}"
         finally:
             pg_cm.__exit__(None, None, None)
             shutil.rmtree(scratch, ignore_errors=True)
