@@ -619,8 +619,11 @@ def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, 
         args += ["--node-config", str(node_config.resolve())]
     ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        with contextlib.suppress(ValueError):
+        try:
             ray.get_actor(GATEWAY_ACTOR, namespace=NAMESPACE)
+        except ValueError:
+            pass  # none yet (InvalidRequest is a ValueError too: raised outside this try)
+        else:
             raise InvalidRequest("a DSec gateway already runs on this Ray cluster: `dsec cluster down` first")
         here = ray.get_runtime_context().get_node_id()
         ray.remote(GatewayProcess).options(
