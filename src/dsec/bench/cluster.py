@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -148,11 +150,15 @@ def run(cfg: ClusterBench, progress: Callable[[str], None] = lambda _m: None) ->
     suite.latencies = {"create_via_gateway": via, "create_direct_to_node": direct,
                        "placement_decision_160_nodes": summarize([d / 1000 for d in decision])}
     overhead_ms = (via.p50 - direct.p50) * 1000
+    # Each gateway create is paired with the direct create that follows it: the median of the pairs'
+    # differences cancels the machine's slow and fast periods that the difference of two p50s keeps.
+    paired_ms = statistics.median(v - d for v, d in zip(measured["via"], measured["direct"], strict=True)) * 1000
     burst_rate = cfg.burst / measured["burst_s"]
     suite.rows = [
         Row("create p50, through the gateway", "ms", via.p50 * 1000, direct.p50 * 1000, "straight to the node"),
-        Row("placement overhead per create (p50 difference)", "ms", overhead_ms, target="≤ 2 ms",
-            passed=overhead_ms <= 2.0),
+        Row("placement overhead per create (p50 of paired differences)", "ms", paired_ms, target="≤ 2 ms",
+            passed=paired_ms <= 2.0),
+        Row("placement overhead per create (difference of the p50s)", "ms", overhead_ms),
         Row("placement decision alone, 160 nodes (p50)", "ms", summarize(decision).p50),
         Row(f"burst of {cfg.burst} creates across {cfg.nodes} nodes", "s", measured["burst_s"]),
         Row("burst rate (create + close)", "/s", burst_rate, better="higher"),
@@ -161,13 +167,11 @@ def run(cfg: ClusterBench, progress: Callable[[str], None] = lambda _m: None) ->
     ]
     suite.extra = {"config": asdict(cfg), "per_node": measured["per_node"], "queued": measured["queued"],
                    "failures": measured["failures"][:20], "failed": len(measured["failures"]),
-                   "logs": measured.get("logs", {}), "cores": _cores()}
+                   "logs": measured.get("logs", {}), "cores": _cores(), "load_average": list(os.getloadavg())}
     return suite
 
 
 def _cores() -> int:
-    import os
-
     with contextlib.suppress(Exception):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
