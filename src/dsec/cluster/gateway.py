@@ -137,7 +137,7 @@ class GatewayEngine:
         quotas: dict[str, JobQuota] | None = None,
         admission_wait: float = 60.0,
         poll_interval: float = 0.5,
-        image_interval: float = 2.0,
+        image_interval: float = 5.0,
     ) -> None:
         self.state = state
         self.source = nodes

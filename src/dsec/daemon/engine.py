@@ -85,6 +85,9 @@ IMAGE_IDLE_SECONDS = 600.0
 
 log = logging.getLogger(__name__)
 
+IMAGE_CACHE_REPORT_AGE = 5.0
+"""Seconds a node's image cache listing in ``/v1/health`` may be old (reading it stats every chunk)."""
+
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
@@ -1197,7 +1200,7 @@ class Engine:
         images: dict[str, int] = {}
         if cached is not None:
             try:
-                images = await asyncio.to_thread(cached)
+                images = await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE)
             except OSError as exc:  # a cache being swept under us: report none rather than fail health
                 log.warning("cannot list the image cache: %s", exc)
         return NodeInfo(

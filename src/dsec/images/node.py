@@ -101,6 +101,7 @@ class NodeImages:
         self.tag_ttl = tag_ttl
         self._tags: dict[str, tuple[str, float]] = {}
         self._tag_files: dict[str, str] = {}
+        self._cached: tuple[float, dict[str, int]] | None = None
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ resolver protocol
@@ -282,13 +283,17 @@ class NodeImages:
         self._mounts.pop(mount.hexdigest, None)
         self._save_access(mount.hexdigest)
 
-    def cached(self) -> dict[str, int]:
+    def cached(self, max_age: float = 0.0) -> dict[str, int]:
         """Image name -> bytes of it on this node (cached chunks plus its metadata image), for every image
         this node has resolved of which some chunks are still cached: what cluster placement calls image
         locality.
 
-        Read from the cache itself (a stat per chunk), so eviction shows at once. Blocking.
+        Read from the cache itself (a stat per chunk), so eviction shows at the next read; an answer up
+        to ``max_age`` seconds old is reused (a node's health is asked often). Blocking.
         """
+        last = self._cached
+        if last is not None and time.monotonic() - last[0] <= max_age:
+            return dict(last[1])
         found: dict[str, int] = {}
         tags = self.cache.root / "tags"
         for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
@@ -302,7 +307,8 @@ class NodeImages:
             if held:
                 meta = self.base / "meta" / manifest.meta_digest.removeprefix("sha256:")
                 found[tag.name] = held + (manifest.meta_size if meta.is_file() else 0)
-        return found
+        self._cached = (time.monotonic(), found)
+        return dict(found)
 
     def mounted(self) -> dict[str, int]:
         """Digest -> pins, of every image this manager has mounted."""
