@@ -32,6 +32,9 @@ class _NoDatabase:
     def close(self) -> None:
         pass
 
+    async def aclose(self) -> None:
+        pass
+
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"the operator views must not touch the gateway's database ({name})")
 

@@ -182,8 +182,7 @@ class GatewayEngine:
         for _transport, http in self._transports.values():
             await http.aclose()
         self._transports.clear()
-        await self.state.writer.aclose()
-        await asyncio.to_thread(self.state.close)
+        await self.state.aclose()
 
     async def _poll_forever(self) -> None:
         while True:

@@ -208,8 +208,13 @@ class ClusterState:
         self.writer = StateWriter(dsn, sync_commit)
 
     def close(self) -> None:
-        """Close the reading connection (the writer is closed by ``await writer.aclose()``)."""
+        """Close the reading connection (:meth:`aclose` closes the writer too)."""
         self._conn.close()
+
+    async def aclose(self) -> None:
+        """Let the writes in flight commit, then close both connections."""
+        await self.writer.aclose()
+        await asyncio.to_thread(self.close)
 
     def _run(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock, self._conn.cursor() as cur:
