@@ -142,8 +142,11 @@ async def test_placement_prefers_a_node_whose_cache_holds_the_image(cluster: Loc
             sb = await dsec.AsyncSandbox.create(client=node, **{**FN, "image": ALIAS})
             assert (await sb.exec("true")).exit_code == 0
             await sb.close()
-            held = (await node.health()).images
-            assert held.get(ALIAS, 0) > 0, held  # chunks fetched from S3 into this node's cache
+            deadline = time.monotonic() + 30  # the node's listing may be a few seconds old
+            while (held := (await node.health()).images).get(ALIAS, 0) == 0:
+                assert time.monotonic() < deadline, f"the node does not report the image it ran: {held}"
+                await asyncio.sleep(0.5)
+            # held[ALIAS] > 0: chunks fetched from S3 into this node's cache
         deadline = time.monotonic() + 30
         while await cached_on(c, ALIAS) != {warm}:
             assert time.monotonic() < deadline, "the gateway did not learn the node's cache"
