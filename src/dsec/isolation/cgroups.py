@@ -168,11 +168,18 @@ class CgroupSet:
         try:
             for name, d in made.dirs.items():
                 path = Path(d)
-                if mode == "v2":
-                    _v2_enable_parents(root, path.parent)
-                else:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                path.mkdir()
+                for attempt in range(3):
+                    if mode == "v2":
+                        _v2_enable_parents(root, path.parent)
+                    else:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        path.mkdir()
+                        break
+                    except FileNotFoundError:
+                        # The last sibling's destroy removed the shared parent between the two mkdirs: again.
+                        if attempt == 2:
+                            raise
                 made._limit(name, path, limits)
         except BaseException:
             made.remove()
