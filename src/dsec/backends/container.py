@@ -433,8 +433,12 @@ class ContainerBackend(Backend):
             return
         self._busy.pop(record.id, None)
         if record.id in self._busy_class and record.id not in self._idle_timers:
-            self._idle_timers[record.id] = asyncio.get_running_loop().call_later(
-                CPU_IDLE_AFTER_S, self._cpu_idle, record.id, cgroups)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # an exec stream finalised outside any loop: demote it now
+                self._cpu_idle(record.id, cgroups)
+                return
+            self._idle_timers[record.id] = loop.call_later(CPU_IDLE_AFTER_S, self._cpu_idle, record.id, cgroups)
 
     def _cpu_idle(self, sandbox_id: str, cgroups: CgroupSet) -> None:
         self._idle_timers.pop(sandbox_id, None)
