@@ -226,9 +226,10 @@ class SandboxSpec(Model):
     (default: only report them as ``missing_effects``)."""
 
     landlock: bool = True
-    """Confine every command's writes with Landlock (container: writable everywhere but ``/proc``, ``/sys``
-    and ``/dev`` beyond its shared-memory, pts and null-like nodes; function: the workspace and ``/tmp`` only,
-    always on). ``False`` turns it off for a container whose tools must write there."""
+    """Confine every command with Landlock (container: one rule on the root, no device nodes, no access to the
+    sandbox's init, and ``/proc`` and ``/dev`` mounted read-only but for ``/dev``'s shared-memory, mqueue and
+    pts mounts and null-like nodes; function: writes in the workspace and ``/tmp`` only, always on).
+    ``False`` turns it off for a container whose tools must write there."""
     protected: list[str] = Field(default_factory=list, max_length=256)
     """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
     creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must

@@ -198,6 +198,36 @@ async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, en
     assert (r.status_code, r.json()["error"]["type"]) == (409, "SandboxStateError")
 
 
+async def test_exec_result_fast_path_hands_what_it_does_not_serve_to_the_route(
+        engine: Engine, client: httpx.AsyncClient) -> None:
+    """ExecResultFastPath serves well-formed requests itself; every other one is FastAPI's to answer (and word)."""
+    sid = await new_sandbox(client)
+    url = f"/v1/sandboxes/{sid}/exec/result"
+    for params, message in (({"seq": "abc"}, "query.seq: Input should be a valid integer"),
+                            ({"seq": "-1"}, "query.seq: Input should be greater than or equal to 0"),
+                            ({"seq": "\u00b2"}, "query.seq: Input should be a valid integer")):
+        r = await client.post(url, params=params, json={"command": "true"})
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest"), r.text
+        assert message in r.json()["error"]["message"], r.text
+    r = await client.post(url, json={"command": "true", "bogus": 1})
+    assert r.status_code == 400 and "body.bogus: Extra inputs are not permitted" in r.text, r.text
+    for headers in ({"content-type": "text/plain"}, {}):
+        r = await client.post(url, content=b'{"command": "true"}', headers=headers)
+        assert r.status_code == 400 and "invalid request: body:" in r.text, r.text
+    # served: with a seq, and with a query parameter the route ignores
+    r = await client.post(url, params={"seq": "0"}, json={"command": "echo hi"})
+    assert r.status_code == 200 and base64.b64decode(r.json()["stdout"]) == b"hi\n", r.text
+    r = await client.post(url, params={"other": "1"}, json={"command": "echo hi"})
+    assert r.status_code == 200 and r.headers["content-length"] == str(len(r.content)), r.text
+    # other methods on the path are the router's (405), and the token guard wraps the fast path
+    assert (await client.get(url)).status_code == 405
+    async with client_for(engine, token="s3cret") as guarded:
+        r = await guarded.post(url, json={"command": "true"})
+        assert (r.status_code, r.json()["error"]["type"]) == (401, "Unauthorized")
+        r = await guarded.post(url, json={"command": "true"}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0
+
+
 async def test_exception_inside_one_response_exec_is_a_sandbox_error(tmp_path: Path) -> None:
     eng = Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
                  FakeImages())

@@ -315,6 +315,26 @@ async def test_exec_answer_that_is_not_a_result_is_connection_failed(
             await cut.exec("echo hi")
 
 
+async def test_exec_on_the_lean_pool_maps_failures_like_every_call(tmp_path: Path, sb: dsec.AsyncSandbox) -> None:
+    """sb.exec goes on httpcore directly: a dead daemon, a hang-up and an error answer still come back typed."""
+    async with dsec.Client(url=f"unix://{tmp_path}/absent.sock") as nowhere:
+        with pytest.raises(dsec.ConnectionFailed, match="dsec up"):
+            await dsec.AsyncSandbox(sb._info, nowhere).exec("true")
+    for name, answer in (("a", b""), ("b", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"exit_code\":")):
+        server = await _serve_once(tmp_path / f"{name}.sock", answer)
+        async with server, dsec.Client(url=f"unix://{tmp_path}/{name}.sock") as c:
+            with pytest.raises(dsec.ConnectionFailed, match="lost mid-call"):
+                await dsec.AsyncSandbox(sb._info, c).exec("true")
+    body = b'{"error": {"type": "SandboxTimeout", "message": "too slow", "detail": {}}}'
+    head = f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    server = await _serve_once(tmp_path / "t.sock", head.encode() + body)
+    async with server, dsec.Client(url=f"unix://{tmp_path}/t.sock") as c:
+        with pytest.raises(dsec.SandboxTimeout, match="too slow"):
+            await dsec.AsyncSandbox(sb._info, c).exec("true")
+    # the lean pool reuses one connection across execs, and closes with the client
+    assert [(await sb.exec(f"echo {i}")).stdout for i in range(3)] == [b"0\n", b"1\n", b"2\n"]
+
+
 async def test_pools_declared_and_claimed_through_the_api(client: dsec.Client) -> None:
     shape = dsec.PoolConfig(image="tiny", memory="300Mi", min=1, max=2)
     declared = await client.declare_pool(shape)

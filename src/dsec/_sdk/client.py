@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
 
+import httpcore
 import httpx
 
 from dsec.config import Settings
@@ -34,6 +35,9 @@ from .transport import Transport
 
 __all__ = ["Client", "default_client"]
 
+_Pools = tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, httpcore.AsyncConnectionPool]
+"""One event loop's connections: the httpx client, and the lean httpcore pool of ``sb.exec``."""
+
 
 class Client:
     """Connection to one DSec daemon.
@@ -48,8 +52,8 @@ class Client:
         self.token: str | None = token if token is not None else (os.environ.get("DSEC_TOKEN") or None)
         self._transport = Transport(self.url, self.token)
         self._lock = threading.Lock()
-        # id(loop) -> (loop, client); keeping the loop lets us notice it closed and drop its pool.
-        self._pools: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        # id(loop) -> (loop, client, lean pool); keeping the loop lets us notice it closed and drop its pools.
+        self._pools: dict[int, _Pools] = {}
         # Cluster mode: one client per node URL the gateway sent us to, closed with this one.
         self._nodes: dict[str, Client] = {}
 
@@ -65,17 +69,26 @@ class Client:
     def __repr__(self) -> str:
         return f"Client(url={self.url!r})"
 
-    def _http(self) -> httpx.AsyncClient:
+    def _entry(self) -> _Pools:
         loop = asyncio.get_running_loop()
         with self._lock:
-            for key, (other, _) in list(self._pools.items()):
+            for key, (other, _, _) in list(self._pools.items()):
                 if other.is_closed():
                     del self._pools[key]
             entry = self._pools.get(id(loop))
             if entry is None or entry[0] is not loop:
-                entry = (loop, self._transport.build())
+                entry = (loop, self._transport.build(), self._transport.build_lean())
                 self._pools[id(loop)] = entry
-            return entry[1]
+            return entry
+
+    def _http(self) -> httpx.AsyncClient:
+        return self._entry()[1]
+
+    async def _post_json(self, path: str, body: bytes, *, params: dict[str, Any] | None = None,
+                         headers: dict[str, str] | None = None, timeout: httpx.Timeout | None = None) -> bytes:
+        """POST a serialised JSON body on this loop's lean pool; the answer's body (see Transport.post_json)."""
+        return await self._transport.post_json(self._entry()[2], path, body, params=params, headers=headers,
+                                               **({"timeout": timeout} if timeout is not None else {}))
 
     async def _request(
         self,
@@ -151,11 +164,11 @@ class Client:
         loop = asyncio.get_running_loop()
         with self._lock:
             mine = self._pools.pop(id(loop), None)
-            for key, (other, _) in list(self._pools.items()):
+            for key, (other, _, _) in list(self._pools.items()):
                 if other.is_closed():
                     del self._pools[key]
         if mine is not None:
-            await mine[1].aclose()
+            await _close_pools(mine[1], mine[2])
 
     def close(self) -> None:
         """Close the connections the blocking API opened (they live on the portal's loop)."""
@@ -164,11 +177,11 @@ class Client:
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
-        for loop, http in pools:
+        for loop, http, lean in pools:
             if loop is portal.current_loop:
-                portal.run(http.aclose())
+                portal.run(_close_pools(http, lean))
             elif not loop.is_closed() and not loop.is_running():
-                loop.run_until_complete(http.aclose())
+                loop.run_until_complete(_close_pools(http, lean))
             # A pool on a loop running in another thread is that thread's to close (aclose there).
 
     def _close_soon(self) -> None:
@@ -178,9 +191,9 @@ class Client:
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
-        for loop, http in pools:
+        for loop, http, lean in pools:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(_spawn_close, loop, http)
+                loop.call_soon_threadsafe(_spawn_close, loop, http, lean)
 
     async def __aenter__(self) -> Client:
         return self
@@ -199,8 +212,15 @@ class Client:
         self.close()
 
 
-def _spawn_close(loop: asyncio.AbstractEventLoop, http: httpx.AsyncClient) -> None:
-    loop.create_task(http.aclose())
+async def _close_pools(http: httpx.AsyncClient, lean: httpcore.AsyncConnectionPool) -> None:
+    try:
+        await http.aclose()
+    finally:
+        await lean.aclose()
+
+
+def _spawn_close(loop: asyncio.AbstractEventLoop, http: httpx.AsyncClient, lean: httpcore.AsyncConnectionPool) -> None:
+    loop.create_task(_close_pools(http, lean))
 
 
 _default: Client | None = None

@@ -581,11 +581,13 @@ class AsyncSandbox:
         if hit:
             result: ExecResult = cached
             return result
+        client, headers = self._auth()
         try:
-            # One request, one answer (no stream): the output arrives with the exit status anyway.
-            response = await self._node_request(
-                "POST", f"/v1/sandboxes/{self.id}/exec/result", json=request.model_dump(mode="json"),
-                params=params or None, timeout=STREAM_TIMEOUT)
+            # One request, one answer (no stream): the output arrives with the exit status anyway. It goes
+            # on the client's lean pool (httpcore, no httpx layer): the SDK's share of an exec's round trip.
+            content = await client._post_json(f"/v1/sandboxes/{self.id}/exec/result",
+                                              request.model_dump_json().encode(), params=params or None,
+                                              headers=headers, timeout=STREAM_TIMEOUT)
         except ReplayDivergence as exc:
             # The daemon answers a divergence before running anything: the call can move to a branch.
             if not await self._branch(exc):
@@ -593,7 +595,7 @@ class AsyncSandbox:
             return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
                                    pristine=pristine)
         try:
-            return ExecResult.model_validate_json(response.content)
+            return ExecResult.model_validate_json(content)
         except pydantic.ValidationError as exc:
             raise ConnectionFailed(f"the daemon's answer to an exec is not an ExecResult (daemon stopped mid-call, "
                                    f"or not a DSec daemon?): {exc.errors()[0]['msg']}") from None

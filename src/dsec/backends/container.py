@@ -60,6 +60,9 @@ _MS_REC = 16384
 _PR_SET_CHILD_SUBREAPER = 36
 # The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
+CPU_IDLE_AFTER_S = 0.5
+"""A sandbox returns to the best-effort CPU class once it has run no command for this long: back-to-back
+commands (an agent's tool loop) pay no cgroup write at all, a background hog yields within half a second."""
 
 
 def _mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> None:
@@ -116,8 +119,11 @@ class ContainerBackend(Backend):
         self._mask_v2 = False
         self.network = Network(tag)
         self._policies: dict[int, Policy] = {}
-        # Sandbox id -> execs running now; a sandbox with none is in the best-effort CPU class.
+        # Sandbox id -> execs running now; a sandbox with none (for CPU_IDLE_AFTER_S) is in the best-effort
+        # CPU class. _busy_class: the sandboxes in the normal class now; _idle_timers: their pending demotions.
         self._busy: dict[str, int] = {}
+        self._busy_class: set[str] = set()
+        self._idle_timers: dict[str, asyncio.TimerHandle] = {}
         """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
         self._dns = DnsProxy(self.network, self._policies.get)
         self._table_ready = False
@@ -162,6 +168,10 @@ class ContainerBackend(Backend):
         self._helper.start()
 
     async def aclose(self) -> None:
+        for timer in self._idle_timers.values():
+            timer.cancel()
+        self._idle_timers.clear()
+        self._busy_class.clear()
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
@@ -407,16 +417,41 @@ class ContainerBackend(Backend):
                 self._cpu_busy(record, cgroups, -1)
 
     def _cpu_busy(self, record: SandboxRecord, cgroups: CgroupSet, delta: int) -> None:
-        """Normal CPU weight while a command runs, best-effort once the last one ends (one cgroup write
-        at each edge; a sandbox destroyed meanwhile has no cgroup left to write)."""
+        """Normal CPU weight while a command runs, best-effort once none has run for ``CPU_IDLE_AFTER_S``
+        (one cgroup write at each edge, none for a command that follows another within that time; a
+        sandbox destroyed meanwhile has no cgroup left to write)."""
         running = self._busy.get(record.id, 0) + delta
         if running > 0:
             self._busy[record.id] = running
-        else:
-            self._busy.pop(record.id, None)
-        if (delta > 0 and running == 1) or running <= 0:
+            timer = self._idle_timers.pop(record.id, None)
+            if timer is not None:
+                timer.cancel()
+            if record.id not in self._busy_class:
+                with contextlib.suppress(OSError):
+                    cgroups.set_cpu_class(busy=True)
+                    self._busy_class.add(record.id)
+            return
+        self._busy.pop(record.id, None)
+        if record.id in self._busy_class and record.id not in self._idle_timers:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # an exec stream finalised outside any loop: demote it now
+                self._cpu_idle(record.id, cgroups)
+                return
+            self._idle_timers[record.id] = loop.call_later(CPU_IDLE_AFTER_S, self._cpu_idle, record.id, cgroups)
+
+    def _cpu_idle(self, sandbox_id: str, cgroups: CgroupSet) -> None:
+        self._idle_timers.pop(sandbox_id, None)
+        if sandbox_id in self._busy_class and not self._busy.get(sandbox_id):
+            self._busy_class.discard(sandbox_id)
             with contextlib.suppress(OSError):
-                cgroups.set_cpu_class(busy=running > 0)
+                cgroups.set_cpu_class(busy=False)
+
+    def _forget_cpu_class(self, sandbox_id: str) -> None:
+        timer = self._idle_timers.pop(sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        self._busy_class.discard(sandbox_id)
 
     def _fs(self, record: SandboxRecord, path: str = "/") -> SandboxFS:
         """The files API's view: the sandbox's own root, or for a path beneath a hidden (not yet revealed)
@@ -467,6 +502,7 @@ class ContainerBackend(Backend):
         await self._destroy_id(record.id, record.backend_state)
 
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        self._forget_cpu_class(sandbox_id)
         index = state.get("net_index")
         if index is not None:
             self._dns.stop(int(index))

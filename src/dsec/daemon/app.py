@@ -8,13 +8,18 @@ sandboxes is a bug -- that logic belongs in the engine, where in-process tests e
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from urllib.parse import parse_qs
 
+import pydantic
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import AuthGuard, TokenFile
@@ -120,13 +125,13 @@ async def _event_lines(events: AsyncIterator[LifecycleEvent]) -> AsyncIterator[b
             await aclose()
 
 
-async def _until_hangup(request: Request, work: Coroutine[Any, Any, T]) -> T:
+async def _until_hangup(receive: Callable[[], Awaitable[Message]], work: Coroutine[Any, Any, T]) -> T:
     """Await ``work``, cancelling it if the client hangs up first (a cancelled exec kills its command, as
     closing a stream does). The body must have been read: what ``receive`` answers next is the hang-up."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         task.cancel()
 
@@ -152,6 +157,81 @@ async def _exec_result(work: Coroutine[Any, Any, ExecResult]) -> ExecResult:
     except Exception as exc:
         log.exception("exec failed")
         raise SandboxError(f"exec failed: {type(exc).__name__}: {exc}") from exc
+
+
+_EXEC_RESULT_PATH = re.compile(r"/v1/sandboxes/([^/]+)/exec/result")
+
+
+class ExecResultFastPath:
+    """``POST /v1/sandboxes/{id}/exec/result`` (what ``sb.exec`` sends) served without FastAPI's routing,
+    dependency solving and per-field validation: one ``ExecRequest.model_validate_json`` and one engine call.
+
+    It answers exactly what the declared route answers (the route stays, documents the API and serves
+    whatever this class hands back): a body that is not a valid ExecRequest, a query other than one
+    ``seq``, or a content type other than JSON go on to FastAPI with their body replayed, so their 400s are
+    FastAPI's. It sits inside the bearer-token guard like every route.
+    """
+
+    def __init__(self, app: ASGIApp, engine: Engine | GatewayEngine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = _EXEC_RESULT_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
+        if match is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before its body arrived: nothing to run
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        request = self._parse(scope, body)
+        if request is None:
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await self.app(scope, replay, send)
+            return
+        exec_request, seq = request
+        try:
+            result = await _until_hangup(receive, _exec_result(self.engine.exec(match.group(1), exec_request, seq)))
+            status, payload = 200, result.model_dump_json().encode()
+        except DSecError as err:
+            status, payload = err.status_code, json.dumps(err.to_payload(), ensure_ascii=False,
+                                                          separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    @staticmethod
+    def _parse(scope: Scope, body: bytes) -> tuple[ExecRequest, int | None] | None:
+        """The request and its ``seq``, or None when FastAPI should answer (and word the 400)."""
+        content_type = dict(scope["headers"]).get(b"content-type", b"")
+        if content_type.split(b";")[0].strip().lower() != b"application/json":
+            return None
+        seq: int | None = None
+        if scope["query_string"]:
+            query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+            values = query.pop("seq", [])
+            if query or len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
+                return None
+            seq = int(values[0])
+        try:
+            return ExecRequest.model_validate_json(body), seq
+        except pydantic.ValidationError:
+            return None
 
 
 def _mode(mode: str | None) -> int | None:
@@ -261,7 +341,7 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
     async def exec_result(sandbox_id: str, body: ExecRequest, request: Request, seq: Seq = None) -> Response:
         """Run a command to completion and answer its result in one response: the cheap round trip for short
         commands (what ``sb.exec`` uses); hanging up kills it (not on a trajectory: it is logged)."""
-        result = await _until_hangup(request, _exec_result(engine.exec(sandbox_id, body, seq)))
+        result = await _until_hangup(request.receive, _exec_result(engine.exec(sandbox_id, body, seq)))
         return Response(result.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/sandboxes/{sandbox_id}/call", tags=["commands"])
@@ -451,6 +531,7 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
 
     mount_ui(app)
     _add_error_schema(app)
+    app.add_middleware(ExecResultFastPath, engine=engine)  # added first: the token guard wraps it
     if token is not None or tokens is not None:
         app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
     return app

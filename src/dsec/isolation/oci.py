@@ -84,6 +84,12 @@ def runtime_config(
     them with :func:`sandbox_limits` and starts the runtime inside them).
     """
     caps = list(DEFAULT_CAPS)
+    # With Landlock (the default), whose one rule lets a command write anywhere beneath the root (see
+    # confine_writes in nsenter.c), /proc and /dev are mounted read-only as a whole: no /proc/PID knob and
+    # no file in /dev's tmpfs is writable, while the device nodes (/dev/null, /dev/tty...) stay writable (a
+    # device is no file of the mount) and /dev/shm, /dev/mqueue and /dev/pts are writable mounts of their
+    # own. The runtime populates /dev before it turns it read-only.
+    ro = ["ro"] if spec.landlock else []
     mapping = [{"containerID": 0, "hostID": uid_shift, "size": uid_count}]
     config: dict[str, Any] = {
         "ociVersion": "1.0.2",
@@ -103,9 +109,9 @@ def runtime_config(
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id,
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev", *ro]},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k", *ro]},
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",

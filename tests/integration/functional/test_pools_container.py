@@ -120,5 +120,8 @@ async def test_idle_sandboxes_are_best_effort_until_they_run_a_command(engine: E
     assert result.exit_code == 0
     assert int((d / knob).read_text()) == busy  # the sleep still runs
     assert (await running).exit_code == 0
-    assert int((d / knob).read_text()) == idle
+    # ...after CPU_IDLE_AFTER_S without a command (a command in between keeps it in the normal class)
+    assert (await engine.exec(info.id, ExecRequest(command="true"))).exit_code == 0
+    assert int((d / knob).read_text()) == busy
+    assert await await_until(lambda: int((d / knob).read_text()) == idle, timeout=10)
     await engine.destroy(info.id)

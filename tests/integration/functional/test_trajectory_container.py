@@ -405,10 +405,7 @@ def test_snapshot_in_an_s3_store_restores_on_another_daemon(
             daemons.append(Daemon(homes[0], first_images, DSEC_IMAGE_STORE=url))
             daemons.append(Daemon(homes[1], second_images, DSEC_IMAGE_STORE=url))
             sb = dsec.Sandbox.create(image="bbox", client=daemons[0].client)
-            # Two commands: Landlock's rules are computed per command from the top level of / (a directory
-            # made there is writable from the next command on; see docs/security.md).
-            assert sb.exec("echo state > /etc/hello && mkdir -p /w && rm /data/big.bin").exit_code == 0
-            assert sb.exec("echo 1 > /w/n").exit_code == 0
+            assert sb.exec("echo state > /etc/hello && mkdir -p /w && echo 1 > /w/n && rm /data/big.bin").exit_code == 0
             snap = sb.snapshot()
             sb.close()
             record = ImageStore(second_images, url).snapshot(snap)
