@@ -42,10 +42,16 @@ __all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "keys_for
 
 _CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
             "net.ifnames=0 mitigations=off")
+_SHELL_READY = ('until p=$(pgrep -x bash -P "$(pgrep -d, -x xterm)") && '
+                'stty -a < /proc/$p/fd/0 2>/dev/null | grep -q -- -icanon; do sleep 0.5; done')
+"""Returns once the desktop terminal's shell waits at its prompt: readline has put the terminal in
+non-canonical mode. Keys typed into an xterm whose shell has not started yet are lost, and under TCG an xterm
+takes many seconds to start its shell."""
 _SETTLE = ("systemctl is-system-running --wait; "
            "if systemctl -q is-enabled dsec-desktop.service 2>/dev/null; then "
-           "until pgrep -x twm >/dev/null && pgrep -x xterm >/dev/null; do sleep 0.5; done; sleep 3; fi")
-"""Run in a freshly booted guest: returns once boot is over (and, on a desktop image, its windows are up)."""
+           f"until pgrep -x twm >/dev/null; do sleep 0.5; done; {_SHELL_READY}; sleep 1; fi")
+"""Run in a freshly booted guest: returns once boot is over (and, on a desktop image, the window manager runs
+and the terminal's shell is ready for keys): a template is saved in that state."""
 _ABS_MAX = 0x7FFF
 """QEMU's absolute pointer range (both axes)."""
 
@@ -155,6 +161,15 @@ class VMBackend(MicroVMBackend):
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
         self._started = True
 
+    def _shape(self, record: SandboxRecord) -> tuple[int, int, int]:
+        """As microvm's, and a ``disk`` the host can hold: the overlay is sparse, but a guest may fill it."""
+        vcpus, mem_mib, disk_bytes = super()._shape(record)
+        free = shutil.disk_usage(self.sandbox_files if self.sandbox_files.is_dir() else self.vm_dir).free
+        if disk_bytes > free:
+            raise InvalidRequest(f"disk={disk_bytes} is more than the {free // MiB} MiB free on the host's "
+                                 f"filesystem for vm disks ({self.sandbox_files})")
+        return vcpus, mem_mib, disk_bytes
+
     def resolve_image(self, name: str) -> ImageRef:
         """A VM image (not an image of the store): ``rootfs`` is its directory."""
         image = find_vm_image(name, self.vm_dir)
@@ -171,7 +186,8 @@ class VMBackend(MicroVMBackend):
 
     def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
         st = erofs.stat()
-        return hashlib.sha256(f"vm:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
+        # "vm2": templates saved before the terminal's shell was ready (clones lost their first keys) are not reused
+        return hashlib.sha256(f"vm2:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
                               ).hexdigest()[:16]
 
     async def _cold_boot(self, record: SandboxRecord, rundir: Path, erofs: Path, vcpus: int, mem_mib: int,
@@ -192,6 +208,28 @@ class VMBackend(MicroVMBackend):
         r = await self.exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"], timeout=30))
         if r.exit_code != 0:
             raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
+        await self._grow_disk(record)
+
+    async def _grow_disk(self, record: SandboxRecord) -> None:
+        """Give the guest a disk of ``spec.disk`` bytes: QMP ``block_resize`` of the sandbox's overlay (the
+        guest's virtio-blk sees the new capacity at once), then an online ``resize2fs`` of its root
+        filesystem. A disk is never shrunk: a ``spec.disk`` below the image's (or snapshot's) size leaves that
+        size, which ``backend_state["disk_bytes"]`` reports."""
+        vm = self._vm(record)
+        blocks = (await self._qmp(vm.rundir, [("query-block", {})]))[0]
+        size = next(int(b["inserted"]["image"]["virtual-size"]) for b in blocks if b.get("device") == "root")
+        want = record.spec.disk // 512 * 512
+        if want > size:
+            await self._qmp(vm.rundir, [("block_resize", {"device": "root", "size": want})])
+            # the capacity change reaches the guest's driver through a config interrupt: wait for it
+            r = await self.exec(record, ExecRequest(command=(
+                f"for i in $(seq 300); do [ $(blockdev --getsize64 /dev/vda) -ge {want} ] && break; sleep 0.1; done; "
+                "resize2fs /dev/vda 2>&1"), timeout=300))
+            if r.exit_code != 0:
+                raise SandboxError(f"growing the guest's root filesystem to {want} bytes failed: "
+                                   f"{r.stdout.decode(errors='replace')[-300:]}")
+            size = want
+        record.backend_state["disk_bytes"] = size
 
     async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
         """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
