@@ -182,3 +182,34 @@ async def test_input_cut_by_a_daemon_death_is_not_sent_again(tmp_path: Path) -> 
     finally:
         await second.destroy_all()
         await second.aclose()
+
+
+async def test_the_sdk_fast_forwards_through_computer_use(tmp_path: Path) -> None:
+    import dsec
+    from sdk_daemon import running_daemon
+
+    vm = DisplayBackend(tmp_path / "vm")
+
+    async def episode(sb: dsec.AsyncSandbox) -> bytes:
+        shot = await sb.screenshot()
+        await sb.mouse(5, 6, action="move")
+        await sb.keyboard(keys=["ctrl+c"])
+        return shot
+
+    with running_daemon(tmp_path / "home", backends={"vm": vm}) as daemon:
+        async with dsec.Client(daemon.unix_url) as client:
+            first = await dsec.AsyncSandbox.create(image="desk", backend="vm", trajectory="sdk/cu", client=client)
+            try:
+                assert await episode(first) == tiny_png()
+                sent = list(vm.inputs)
+                again = await dsec.AsyncSandbox.create(image="desk", backend="vm", trajectory="sdk/cu",
+                                                       client=client)
+                assert again.id == first.id and again._cursor is not None
+                assert await episode(again) == tiny_png()
+                assert again._cursor.served == 3 and vm.inputs == sent  # answered from the log, nothing re-sent
+                await again.keyboard(text="x")  # past the log: live, logged
+                assert vm.inputs == [*sent, ("keyboard", "x", None)]
+                info = await again.info()
+                assert info.trajectory is not None and info.trajectory.calls == 4
+            finally:
+                await first.close()

@@ -119,7 +119,9 @@ class VMBackend(MicroVMBackend):
     """Full QEMU q35 VMs booting a VM image's own kernel and systemd; computer use through QMP."""
 
     name = "vm"
-    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 300)
+    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 900)
+    """Seconds for a cold boot to reach the agent, and again for systemd and the desktop to settle: TCG on a
+    loaded 2-core host has needed more than 300 s for each."""
     min_memory = 256 * MiB
     pristine_execs = False
 
@@ -197,8 +199,9 @@ class VMBackend(MicroVMBackend):
         vm = await super()._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes, ram_file)
         result = await self.exec(record, ExecRequest(command=_SETTLE, timeout=self.boot_timeout))
         if result.limit == "time":
-            raise SandboxError(f"the guest did not finish booting within {self.boot_timeout:.0f}s "
-                               f"(systemctl is-system-running: {result.stdout.decode(errors='replace').strip()})")
+            raise SandboxError(f"the guest did not settle within {self.boot_timeout:.0f}s (systemd: "
+                               f"{result.stdout.decode(errors='replace').strip() or 'starting'}; a desktop image "
+                               "also waits for twm and for its terminal's shell at the prompt)")
         return vm
 
     async def _prepare(self, record: SandboxRecord) -> None:

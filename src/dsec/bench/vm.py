@@ -121,7 +121,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             for i in range(boots):
                 progress(f"plain QEMU boot {i + 1}/{boots} to the agent's first frame, then idle")
                 booted, mem = await asyncio.to_thread(_plain_vm, fast, image, int(parse_size(memory) // MiB),
-                                                      Path(home), 5.0, fast.boot_timeout)
+                                                      Path(home), 5.0, 3 * fast.boot_timeout)
                 plain_s.append(booted)
                 plain_pss.append(mem)
                 progress(f"cold boot {i + 1}/{boots} (kernel, systemd, desktop) to first exec")
