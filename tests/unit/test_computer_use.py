@@ -185,8 +185,9 @@ async def test_input_cut_by_a_daemon_death_is_not_sent_again(tmp_path: Path) -> 
 
 
 async def test_the_sdk_fast_forwards_through_computer_use(tmp_path: Path) -> None:
-    import dsec
     from sdk_daemon import running_daemon
+
+    import dsec
 
     vm = DisplayBackend(tmp_path / "vm")
 
