@@ -312,7 +312,10 @@ class AsyncSandbox:
             lease=lease, rerun_missing=rerun_missing,
         )
         client = client or default_client()
-        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"))
+        # no read timeout: a create may take minutes (a vm template's first boot under TCG, an image pull);
+        # the spec's own limits bound it on the daemon
+        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"),
+                                         timeout=STREAM_TIMEOUT)
         sandbox = cls(SandboxInfo.model_validate(response.json()), client)
         status = sandbox._info.trajectory
         if status is not None:
