@@ -130,7 +130,7 @@ async def test_loads_a_kernel_module(backend: VMBackend, image: ImageRef) -> Non
         assert r.exit_code == 0 and b"d0" in r.stdout, r
 
 
-async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: ImageRef) -> None:
+async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:
     async with sandbox(backend, image) as sb:
         before = await backend.screenshot(sb)
         assert before[:8] == b"\x89PNG\r\n\x1a\n"
@@ -141,7 +141,12 @@ async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: Image
             if r.stdout:
                 break
             await asyncio.sleep(0.5)
-        assert r.stdout == b"typed-by-dsec\n", "the keystrokes did not reach the terminal's shell"
+        if r.stdout != b"typed-by-dsec\n":
+            (tmp_path / "screen.png").write_bytes(await backend.screenshot(sb))
+            ps = await backend.exec(sb, ExecRequest(command="ps -eo pid,ppid,etimes,wchan:16,cmd | grep -E "
+                                                            "'xterm|bash|twm|Xorg' | grep -v grep; cat /proc/uptime"))
+            pytest.fail(f"the keystrokes did not reach the terminal's shell (start: {sb.backend_state['start']}; "
+                        f"screen: {tmp_path / 'screen.png'}):\n{ps.stdout.decode(errors='replace')}")
         after = await backend.screenshot(sb)
         assert pixels(after) != pixels(before), "typing changed nothing on the screen"
         await backend.keyboard(sb, keys=["ctrl+c", "enter"])

@@ -14,7 +14,7 @@ import pytest
 
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import _combo as combo
-from dsec.backends.vm import keys_for_text
+from dsec.backends.vm import key_chunks, keys_for_text
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -58,6 +58,14 @@ def test_text_becomes_us_layout_key_combos() -> None:
     assert keys_for_text('~"|') == [["shift", "grave_accent"], ["shift", "apostrophe"], ["shift", "backslash"]]
     with pytest.raises(InvalidRequest, match=r"text\[2\]='é' cannot be typed"):
         keys_for_text("caé")
+
+
+def test_typing_is_cut_to_fit_the_ps2_queue() -> None:
+    # 16 bytes: four plain keys (make + break, up to 2 bytes each), two shifted characters, a big combo alone
+    chunks = key_chunks([*keys_for_text("echo A>\n"), ["ctrl", "alt", "shift", "delete", "f1"]])
+    assert chunks == [[["e"], ["c"], ["h"], ["o"]], [["spc"], ["shift", "a"]], [["shift", "dot"], ["ret"]],
+                      [["ctrl", "alt", "shift", "delete", "f1"]]]
+    assert key_chunks([]) == []
 
 
 def test_key_combos() -> None:

@@ -38,7 +38,7 @@ from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
-__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "keys_for_text"]
+__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "key_chunks", "keys_for_text"]
 
 _CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
             "net.ifnames=0 mitigations=off")
@@ -52,6 +52,11 @@ _SETTLE = ("systemctl is-system-running --wait; "
            f"until pgrep -x twm >/dev/null; do sleep 0.5; done; {_SHELL_READY}; sleep 1; fi")
 """Run in a freshly booted guest: returns once boot is over (and, on a desktop image, the window manager runs
 and the terminal's shell is ready for keys): a template is saved in that state."""
+_PS2_QUEUE = 16
+"""Bytes QEMU's PS/2 keyboard queues for the guest (hw/input/ps2.c ``PS2_QUEUE_SIZE``); more are dropped."""
+_KEY_BYTES = 4
+"""Scancode bytes one key of a combo may take, pressed and released (extended keys: 2 + 2)."""
+_HOLD_MS = 20
 _ABS_MAX = 0x7FFF
 """QEMU's absolute pointer range (both axes)."""
 
@@ -95,6 +100,18 @@ def keys_for_text(text: str) -> list[list[str]]:
             raise InvalidRequest(f"text[{i}]={ch!r} cannot be typed: only printable ASCII, tab and newline "
                                  f"(US keyboard layout)")
     return out
+
+
+def key_chunks(combos: list[list[str]]) -> list[list[list[str]]]:
+    """``combos`` in order, cut into runs whose scancodes fit QEMU's PS/2 queue (a combo bigger than the queue
+    goes alone)."""
+    chunks: list[list[list[str]]] = []
+    for combo in combos:
+        if chunks and _KEY_BYTES * sum(map(len, [*chunks[-1], combo])) <= _PS2_QUEUE:
+            chunks[-1].append(combo)
+        else:
+            chunks.append([combo])
+    return chunks
 
 
 def _combo(spec: str) -> list[str]:
@@ -360,6 +377,12 @@ class VMBackend(MicroVMBackend):
         if not combos:
             return
         vm = self._vm(record)
-        commands = [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo], "hold-time": 20})
-                    for combo in combos]
-        await self._qmp(vm.rundir, list(commands))
+        # QEMU's PS/2 keyboard holds 16 bytes for the guest and drops what comes after; a vCPU starved by a
+        # loaded host drains it late. Send at most a queue's worth (4 bytes per key of a combo, make and
+        # break, extended keys included), let QEMU release it, then make sure the guest has run (an agent
+        # round trip: its keyboard interrupt comes first) before the next.
+        for chunk in key_chunks(combos):
+            await self._qmp(vm.rundir, [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo],
+                                                      "hold-time": _HOLD_MS}) for combo in chunk])
+            await asyncio.sleep(len(chunk) * 2 * _HOLD_MS / 1000 + 0.02)
+            await self._client(record).ping(timeout=60)
