@@ -16,6 +16,8 @@ from pathlib import Path
 import dsec
 
 TERMINAL = "xterm -geometry 70x12+380+300 -bg navy -fg yellow -fs 14 -fa Monospace -title agent-terminal"
+SHELL_READY = ('until p=$(pgrep -x bash -P "$(pgrep -d, -f agent-terminal)") && '
+               'stty -a < /proc/$p/fd/0 2>/dev/null | grep -q -- -icanon; do sleep 0.5; done')
 INSIDE_TERMINAL = (600, 380)
 """A pixel inside the window TERMINAL opens (70x12 characters at +380+300)."""
 
@@ -24,7 +26,7 @@ def run(out: Path, image: str = "debian-desktop", url: str | None = None, wait_s
     """Open a terminal, point at it, type a command; save ``before.png`` and ``after.png`` in ``out``.
 
     Returns what happened: the screenshots' paths, the sandbox, and ``typed``: what the typed command wrote,
-    or None when the keystrokes did not reach the terminal within ``wait_s`` (a known defect today).
+    or None when the keystrokes did not reach the terminal within ``wait_s``.
     """
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -34,11 +36,9 @@ def run(out: Path, image: str = "debian-desktop", url: str | None = None, wait_s
         (out / "before.png").write_bytes(sb.screenshot())
         # open a terminal on the desktop (an agent could click a menu instead; this is the shortest way)
         sb.exec(f"DISPLAY=:0 setsid {TERMINAL} >/dev/null 2>&1 < /dev/null &")
-        for _ in range(int(wait_s * 2)):
-            if sb.exec("pgrep -f agent-terminal").exit_code == 0:
-                break
-            time.sleep(0.5)
-        time.sleep(3)  # let it draw
+        # Keys typed before the terminal's shell runs are lost (under TCG an xterm takes seconds to start
+        # it): wait until the shell waits at its prompt (readline puts the terminal in non-canonical mode).
+        sb.exec(SHELL_READY, timeout=max(wait_s, 300))
         sb.mouse(*INSIDE_TERMINAL, action="move")
         sb.keyboard(text="uname -a; echo hello from the agent | tee /tmp/agent.txt\n")
         typed = None
@@ -62,7 +62,7 @@ def main() -> None:
     result = run(args.out, args.image)
     print(f"sandbox {result['sandbox']} ready in {result['ready_s']}s")
     if result["typed"] is None:
-        print("the keystrokes did not reach the terminal (known defect: vm keyboard input does not reach X yet)")
+        print("the keystrokes did not reach the terminal's shell")
     else:
         print("the typed command wrote:", result["typed"])
     print(f"screenshots: {result['before']} {result['after']}")

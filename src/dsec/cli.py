@@ -405,16 +405,31 @@ def image_build(name: str, packages: str | None, suite: str, replace: bool) -> N
 @click.option("--suite", default="bookworm", show_default=True, help="Debian suite.")
 @click.option("--disk-size", default="4Gi", show_default=True, help="Size of the root filesystem.")
 @click.option("--replace", is_flag=True, help="Replace an existing VM image of that name.")
+@click.option("--from", "from_image", metavar="IMAGE",
+              help="Start from DSec image IMAGE's root (Debian-based) instead of a fresh mmdebstrap.")
 def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, disk_size: str,
-                   replace: bool) -> None:
-    """Build VM disk image NAME for backend="vm" with mmdebstrap (needs root): Debian's kernel, systemd, the
-    guest agent as a service, optionally a desktop. Stored under /var/lib/dsec/vm/images (DSEC_VM_DIR)."""
+                   replace: bool, from_image: str | None) -> None:
+    """Build VM disk image NAME for backend="vm" with mmdebstrap, or from a DSec image (needs root): Debian's
+    kernel, systemd, the guest agent as a service, optionally a desktop. Stored under /var/lib/dsec/vm/images
+    (DSEC_VM_DIR)."""
+    from dsec.config import Settings
     from dsec.guest.vmimage import build_vm_image
+    from dsec.images.node import NodeImages
     from dsec.models import parse_size
 
     pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
-    img = build_vm_image(name, desktop=desktop, packages=pkgs, suite=suite, disk_bytes=parse_size(disk_size),
-                         replace=replace)
+    size = parse_size(disk_size)
+    if from_image is None:
+        img = build_vm_image(name, desktop=desktop, packages=pkgs, suite=suite, disk_bytes=size, replace=replace)
+    else:
+        images = NodeImages(Settings(), prefetch=False)
+        source = images.resolve(from_image)  # a chunked image is mounted (lazily) for the copy
+        try:
+            img = build_vm_image(name, desktop=desktop, packages=pkgs, disk_bytes=size, replace=replace,
+                                 source=source)
+        finally:
+            images.release(source)
+            images.close_idle_sync()
     click.echo(f"built VM image {img.name}: {img.disk} (kernel {img.meta['kernel']}, "
                f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk{', desktop' if img.desktop else ''})")
 

@@ -570,7 +570,7 @@ class LoggedCall(Model):
 
     seq: int
     """Sequence number."""
-    op: Literal["exec", "read", "write", "list", "snapshot"]
+    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard"]
     """Operation."""
     digest: str
     """sha256 identity of the call (``dsec.trajectory.digest``)."""

@@ -130,10 +130,7 @@ async def test_loads_a_kernel_module(backend: VMBackend, image: ImageRef) -> Non
         assert r.exit_code == 0 and b"d0" in r.stdout, r
 
 
-@pytest.mark.xfail(reason="known defect: on the first real run (loaded machine, TCG) the typed command never reached "
-                          "the xterm's shell; not yet diagnosed (focus, PS/2 keyboard after restore, or X input)",
-                   strict=False)
-async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: ImageRef) -> None:
+async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:
     async with sandbox(backend, image) as sb:
         before = await backend.screenshot(sb)
         assert before[:8] == b"\x89PNG\r\n\x1a\n"
@@ -144,7 +141,12 @@ async def test_typing_into_the_desktop_terminal(backend: VMBackend, image: Image
             if r.stdout:
                 break
             await asyncio.sleep(0.5)
-        assert r.stdout == b"typed-by-dsec\n", "the keystrokes did not reach the terminal's shell"
+        if r.stdout != b"typed-by-dsec\n":
+            (tmp_path / "screen.png").write_bytes(await backend.screenshot(sb))
+            ps = await backend.exec(sb, ExecRequest(command="ps -eo pid,ppid,etimes,wchan:16,cmd | grep -E "
+                                                            "'xterm|bash|twm|Xorg' | grep -v grep; cat /proc/uptime"))
+            pytest.fail(f"the keystrokes did not reach the terminal's shell (start: {sb.backend_state['start']}; "
+                        f"screen: {tmp_path / 'screen.png'}):\n{ps.stdout.decode(errors='replace')}")
         after = await backend.screenshot(sb)
         assert pixels(after) != pixels(before), "typing changed nothing on the screen"
         await backend.keyboard(sb, keys=["ctrl+c", "enter"])
@@ -195,6 +197,21 @@ async def test_disk_full_is_a_clear_error_and_bounded_on_the_host(backend: VMBac
         assert overlay.stat().st_size < 512 * 1024**2, overlay.stat().st_size
         r = await backend.exec(sb, ExecRequest(command="rm /fill /more; echo ok"))
         assert r.stdout == b"ok\n", r
+
+
+async def test_disk_size_grows_the_guest_filesystem(backend: VMBackend, image: ImageRef) -> None:
+    size = 6 * 1024**3  # the image's filesystem is 4 GiB
+    async with sandbox(backend, image, disk=size) as sb:
+        assert sb.backend_state["start"] == "restore" and sb.backend_state["disk_bytes"] == size, sb.backend_state
+        r = await backend.exec(sb, ExecRequest(command="blockdev --getsize64 /dev/vda; df -B1 --output=size / | tail -1"
+                                                       ))
+        device, fs = map(int, r.stdout.split())
+        assert device == size and fs > 5.5 * 1024**3, r
+        # the host's overlay has that virtual size, and stays sparse
+        overlay = Path(sb.backend_state["erofs"])
+        assert overlay.stat().st_size < 256 * 1024**2, overlay.stat().st_size
+    with pytest.raises(InvalidRequest, match=r"disk=.* free on the host"):
+        await backend.create(new_record("vm", image, disk=1024**5), image)
 
 
 async def test_pause_resume_and_snapshot_restore(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dsec.backends.base import ImageRef
+from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -63,11 +63,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_daemon(home: Path, token: str | None = None) -> Iterator[Daemon]:
-    """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given)."""
+def running_daemon(home: Path, token: str | None = None, backends: dict[str, Backend] | None = None
+                   ) -> Iterator[Daemon]:
+    """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given); ``backends`` adds
+    to (or replaces) the fake container backend."""
     settings = Settings(home=home)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
-    engine = Engine(settings, {"container": FakeBackend(root=home / "fake")}, TinyImages(home / "rootfs"))
+    engine = Engine(settings, {"container": FakeBackend(root=home / "fake"), **(backends or {})},
+                    TinyImages(home / "rootfs"))
     sock = str(settings.socket_path)
     port = _free_port() if token else None
     servers: list[uvicorn.Server] = []

@@ -14,7 +14,7 @@ import pytest
 
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import _combo as combo
-from dsec.backends.vm import keys_for_text
+from dsec.backends.vm import key_chunks, keys_for_text
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -58,6 +58,14 @@ def test_text_becomes_us_layout_key_combos() -> None:
     assert keys_for_text('~"|') == [["shift", "grave_accent"], ["shift", "apostrophe"], ["shift", "backslash"]]
     with pytest.raises(InvalidRequest, match=r"text\[2\]='é' cannot be typed"):
         keys_for_text("caé")
+
+
+def test_typing_is_cut_to_fit_the_ps2_queue() -> None:
+    # 16 bytes: four plain keys (make + break, up to 2 bytes each), two shifted characters, a big combo alone
+    chunks = key_chunks([*keys_for_text("echo A>\n"), ["ctrl", "alt", "shift", "delete", "f1"]])
+    assert chunks == [[["e"], ["c"], ["h"], ["o"]], [["spc"], ["shift", "a"]], [["shift", "dot"], ["ret"]],
+                      [["ctrl", "alt", "shift", "delete", "f1"]]]
+    assert key_chunks([]) == []
 
 
 def test_key_combos() -> None:
@@ -123,3 +131,94 @@ async def test_backends_without_a_display_say_so(client: httpx.AsyncClient) -> N
         r = await client.request(method, f"/v1/sandboxes/{sid}/{path}", json=body)
         assert r.status_code == 501, r.text
         assert r.json()["error"]["type"] == "NotSupported" and "has no display" in r.text
+
+
+async def test_computer_use_is_logged_on_trajectories(client: httpx.AsyncClient,
+                                                      engine: tuple[Engine, DisplayBackend]) -> None:
+    eng, vm = engine
+    r = await client.post("/v1/sandboxes", json={"image": "desk", "backend": "vm", "trajectory": "cu/1"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    calls = [("GET", "screenshot", None), ("POST", "mouse", {"x": 3, "y": 4}), ("POST", "keyboard", {"text": "ls\n"})]
+    for seq, (method, path, body) in enumerate(calls):
+        r = await client.request(method, f"/v1/sandboxes/{sid}/{path}", params={"seq": seq}, json=body)
+        assert r.status_code in (200, 204), r.text
+    log = (await client.get("/v1/trajectories/log", params={"name": "cu/1", "start": 0})).json()
+    assert [(c["op"], c["status"]) for c in log] == [("screenshot", "done"), ("mouse", "done"), ("keyboard", "done")]
+    assert '"x": 3' in (await eng.rollouts.log.store.entries("cu/1", 1, 1))[0].request.replace('":', '": ')
+    sent = list(vm.inputs)
+    # the same calls again (an agent replaying its rollout): answered from the log, nothing reaches the display
+    shot = await client.get(f"/v1/sandboxes/{sid}/screenshot", params={"seq": 0})
+    assert shot.content == tiny_png()
+    for seq, (method, path, body) in enumerate(calls[1:], start=1):
+        assert (await client.request(method, f"/v1/sandboxes/{sid}/{path}", params={"seq": seq}, json=body)
+                ).status_code == 204
+    assert vm.inputs == sent == [("mouse", 3, 4, "left", "click"), ("keyboard", "ls\n", None)]
+    # a different action at a logged position is a divergence naming both
+    r = await client.post(f"/v1/sandboxes/{sid}/keyboard", params={"seq": 2}, json={"text": "rm\n"})
+    assert r.status_code == 409 and "ReplayDivergence" in r.text and "rm" in r.text, r.text
+    assert vm.inputs == sent
+
+
+async def test_input_cut_by_a_daemon_death_is_not_sent_again(tmp_path: Path) -> None:
+    from dsec.models import KeyboardRequest, SandboxSpec
+    from dsec.trajectory.digest import call_identity
+    from dsec.trajectory.store import Entry
+
+    def make() -> tuple[Engine, DisplayBackend]:
+        return Engine(Settings(home=tmp_path / "home"), {"vm": vm}, FakeImages()), vm
+
+    vm = DisplayBackend(tmp_path / "vm")
+    first, _ = make()
+    await first.start()
+    info = await first.create(SandboxSpec(image="desk", backend="vm", trajectory="cu/2"))
+    request = KeyboardRequest(text="halt\n")
+    digest, readable = call_identity("keyboard", request.model_dump(mode="json", exclude_none=True))
+    # what a daemon killed while sending the keys leaves: the call logged as running, no answer
+    await first.rollouts.log.store.put_entry("cu/2", Entry(seq=0, op="keyboard", digest=digest, request=readable))
+    await first.aclose()
+    second, _ = make()
+    await second.start()
+    try:
+        from dsec.errors import SandboxError
+
+        with pytest.raises(SandboxError, match="may or may not have received it"):
+            await second.keyboard(info.id, request, seq=0)
+        assert vm.inputs == []
+        info2 = await second.get(info.id)
+        assert info2.trajectory is not None and info2.trajectory.calls == 1
+    finally:
+        await second.destroy_all()
+        await second.aclose()
+
+
+async def test_the_sdk_fast_forwards_through_computer_use(tmp_path: Path) -> None:
+    from sdk_daemon import running_daemon
+
+    import dsec
+
+    vm = DisplayBackend(tmp_path / "vm")
+
+    async def episode(sb: dsec.AsyncSandbox) -> bytes:
+        shot = await sb.screenshot()
+        await sb.mouse(5, 6, action="move")
+        await sb.keyboard(keys=["ctrl+c"])
+        return shot
+
+    with running_daemon(tmp_path / "home", backends={"vm": vm}) as daemon:
+        async with dsec.Client(daemon.unix_url) as client:
+            first = await dsec.AsyncSandbox.create(image="desk", backend="vm", trajectory="sdk/cu", client=client)
+            try:
+                assert await episode(first) == tiny_png()
+                sent = list(vm.inputs)
+                again = await dsec.AsyncSandbox.create(image="desk", backend="vm", trajectory="sdk/cu",
+                                                       client=client)
+                assert again.id == first.id and again._cursor is not None
+                assert await episode(again) == tiny_png()
+                assert again._cursor.served == 3 and vm.inputs == sent  # answered from the log, nothing re-sent
+                await again.keyboard(text="x")  # past the log: live, logged
+                assert vm.inputs == [*sent, ("keyboard", "x", None)]
+                info = await again.info()
+                assert info.trajectory is not None and info.trajectory.calls == 4
+            finally:
+                await first.close()

@@ -312,7 +312,10 @@ class AsyncSandbox:
             lease=lease, rerun_missing=rerun_missing,
         )
         client = client or default_client()
-        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"))
+        # no read timeout: a create may take minutes (a vm template's first boot under TCG, an image pull);
+        # the spec's own limits bound it on the daemon
+        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"),
+                                         timeout=STREAM_TIMEOUT)
         sandbox = cls(SandboxInfo.model_validate(response.json()), client)
         status = sandbox._info.trajectory
         if status is not None:
@@ -421,29 +424,50 @@ class AsyncSandbox:
         return self._info
 
     async def screenshot(self) -> bytes:
-        """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported)."""
-        response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/screenshot")
+        """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported). On a trajectory it
+        is a logged call (replayed from the log when fast-forwarding)."""
+        params: dict[str, Any] = {}
+        hit, cached = await self._logged(params, "screenshot", {})
+        if hit:
+            return bytes(cached)
+        try:
+            response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/screenshot", params=params)
+        except ReplayDivergence as exc:
+            if not await self._branch(exc):
+                raise
+            return await self.screenshot()
         return response.content
 
     async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> None:
         """Move the pointer to pixel (``x``, ``y``) of the display, then act: ``"click"``, ``"double_click"``,
         ``"down"``, ``"up"``, ``"move"``, ``"scroll_up"`` or ``"scroll_down"``, with ``button`` ``"left"``,
-        ``"middle"`` or ``"right"`` (``backend="vm"``)."""
+        ``"middle"`` or ``"right"`` (``backend="vm"``; a logged call on a trajectory)."""
         try:
             request = MouseRequest.model_validate({"x": x, "y": y, "button": button, "action": action})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "mouse action") from None
-        await self._node_request("POST", f"/v1/sandboxes/{self.id}/mouse", json=request.model_dump(mode="json"))
+        await self._input("mouse", request.model_dump(mode="json"))
 
     async def keyboard(self, text: str | None = None, keys: Sequence[str] | None = None) -> None:
         """Type ``text`` (US layout; ``\n`` is Enter) or press ``keys`` in order, each a key or a combo:
-        ``["ctrl+c", "enter"]`` (``backend="vm"``)."""
+        ``["ctrl+c", "enter"]`` (``backend="vm"``; a logged call on a trajectory)."""
         try:
             request = KeyboardRequest(text=text, keys=None if keys is None else list(keys))
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "keyboard input") from None
-        await self._node_request("POST", f"/v1/sandboxes/{self.id}/keyboard",
-                                 json=request.model_dump(mode="json", exclude_none=True))
+        await self._input("keyboard", request.model_dump(mode="json", exclude_none=True))
+
+    async def _input(self, op: str, body: dict[str, Any]) -> None:
+        params: dict[str, Any] = {}
+        hit, _ = await self._logged(params, op, body)
+        if hit:
+            return
+        try:
+            await self._node_request("POST", f"/v1/sandboxes/{self.id}/{op}", params=params, json=body)
+        except ReplayDivergence as exc:
+            if not await self._branch(exc):
+                raise
+            await self._input(op, body)
 
     async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
         response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)

@@ -38,14 +38,25 @@ from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
-__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "keys_for_text"]
+__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "key_chunks", "keys_for_text"]
 
 _CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
             "net.ifnames=0 mitigations=off")
+_SHELL_READY = ('until p=$(pgrep -x bash -P "$(pgrep -d, -x xterm)") && '
+                'stty -a < /proc/$p/fd/0 2>/dev/null | grep -q -- -icanon; do sleep 0.5; done')
+"""Returns once the desktop terminal's shell waits at its prompt: readline has put the terminal in
+non-canonical mode. Keys typed into an xterm whose shell has not started yet are lost, and under TCG an xterm
+takes many seconds to start its shell."""
 _SETTLE = ("systemctl is-system-running --wait; "
            "if systemctl -q is-enabled dsec-desktop.service 2>/dev/null; then "
-           "until pgrep -x twm >/dev/null && pgrep -x xterm >/dev/null; do sleep 0.5; done; sleep 3; fi")
-"""Run in a freshly booted guest: returns once boot is over (and, on a desktop image, its windows are up)."""
+           f"until pgrep -x twm >/dev/null; do sleep 0.5; done; {_SHELL_READY}; sleep 1; fi")
+"""Run in a freshly booted guest: returns once boot is over (and, on a desktop image, the window manager runs
+and the terminal's shell is ready for keys): a template is saved in that state."""
+_PS2_QUEUE = 16
+"""Bytes QEMU's PS/2 keyboard queues for the guest (hw/input/ps2.c ``PS2_QUEUE_SIZE``); more are dropped."""
+_KEY_BYTES = 4
+"""Scancode bytes one key of a combo may take, pressed and released (extended keys: 2 + 2)."""
+_HOLD_MS = 20
 _ABS_MAX = 0x7FFF
 """QEMU's absolute pointer range (both axes)."""
 
@@ -91,6 +102,18 @@ def keys_for_text(text: str) -> list[list[str]]:
     return out
 
 
+def key_chunks(combos: list[list[str]]) -> list[list[list[str]]]:
+    """``combos`` in order, cut into runs whose scancodes fit QEMU's PS/2 queue (a combo bigger than the queue
+    goes alone)."""
+    chunks: list[list[list[str]]] = []
+    for combo in combos:
+        if chunks and _KEY_BYTES * sum(map(len, [*chunks[-1], combo])) <= _PS2_QUEUE:
+            chunks[-1].append(combo)
+        else:
+            chunks.append([combo])
+    return chunks
+
+
 def _combo(spec: str) -> list[str]:
     if not isinstance(spec, str) or not spec:
         raise InvalidRequest(f"a key must be a non-empty string like 'enter' or 'ctrl+c', got {spec!r}")
@@ -113,7 +136,9 @@ class VMBackend(MicroVMBackend):
     """Full QEMU q35 VMs booting a VM image's own kernel and systemd; computer use through QMP."""
 
     name = "vm"
-    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 300)
+    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 900)
+    """Seconds for a cold boot to reach the agent, and again for systemd and the desktop to settle: TCG on a
+    loaded 2-core host has needed more than 300 s for each."""
     min_memory = 256 * MiB
     pristine_execs = False
 
@@ -155,6 +180,15 @@ class VMBackend(MicroVMBackend):
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
         self._started = True
 
+    def _shape(self, record: SandboxRecord) -> tuple[int, int, int]:
+        """As microvm's, and a ``disk`` the host can hold: the overlay is sparse, but a guest may fill it."""
+        vcpus, mem_mib, disk_bytes = super()._shape(record)
+        free = shutil.disk_usage(self.sandbox_files if self.sandbox_files.is_dir() else self.vm_dir).free
+        if disk_bytes > free:
+            raise InvalidRequest(f"disk={disk_bytes} is more than the {free // MiB} MiB free on the host's "
+                                 f"filesystem for vm disks ({self.sandbox_files})")
+        return vcpus, mem_mib, disk_bytes
+
     def resolve_image(self, name: str) -> ImageRef:
         """A VM image (not an image of the store): ``rootfs`` is its directory."""
         image = find_vm_image(name, self.vm_dir)
@@ -171,7 +205,8 @@ class VMBackend(MicroVMBackend):
 
     def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
         st = erofs.stat()
-        return hashlib.sha256(f"vm:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
+        # "vm2": templates saved before the terminal's shell was ready (clones lost their first keys) are not reused
+        return hashlib.sha256(f"vm2:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
                               ).hexdigest()[:16]
 
     async def _cold_boot(self, record: SandboxRecord, rundir: Path, erofs: Path, vcpus: int, mem_mib: int,
@@ -181,8 +216,9 @@ class VMBackend(MicroVMBackend):
         vm = await super()._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes, ram_file)
         result = await self.exec(record, ExecRequest(command=_SETTLE, timeout=self.boot_timeout))
         if result.limit == "time":
-            raise SandboxError(f"the guest did not finish booting within {self.boot_timeout:.0f}s "
-                               f"(systemctl is-system-running: {result.stdout.decode(errors='replace').strip()})")
+            raise SandboxError(f"the guest did not settle within {self.boot_timeout:.0f}s (systemd: "
+                               f"{result.stdout.decode(errors='replace').strip() or 'starting'}; a desktop image "
+                               "also waits for twm and for its terminal's shell at the prompt)")
         return vm
 
     async def _prepare(self, record: SandboxRecord) -> None:
@@ -192,6 +228,28 @@ class VMBackend(MicroVMBackend):
         r = await self.exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"], timeout=30))
         if r.exit_code != 0:
             raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
+        await self._grow_disk(record)
+
+    async def _grow_disk(self, record: SandboxRecord) -> None:
+        """Give the guest a disk of ``spec.disk`` bytes: QMP ``block_resize`` of the sandbox's overlay (the
+        guest's virtio-blk sees the new capacity at once), then an online ``resize2fs`` of its root
+        filesystem. A disk is never shrunk: a ``spec.disk`` below the image's (or snapshot's) size leaves that
+        size, which ``backend_state["disk_bytes"]`` reports."""
+        vm = self._vm(record)
+        blocks = (await self._qmp(vm.rundir, [("query-block", {})]))[0]
+        size = next(int(b["inserted"]["image"]["virtual-size"]) for b in blocks if b.get("device") == "root")
+        want = record.spec.disk // 512 * 512
+        if want > size:
+            await self._qmp(vm.rundir, [("block_resize", {"device": "root", "size": want})])
+            # the capacity change reaches the guest's driver through a config interrupt: wait for it
+            r = await self.exec(record, ExecRequest(command=(
+                f"for i in $(seq 300); do [ $(blockdev --getsize64 /dev/vda) -ge {want} ] && break; sleep 0.1; done; "
+                "resize2fs /dev/vda 2>&1"), timeout=300))
+            if r.exit_code != 0:
+                raise SandboxError(f"growing the guest's root filesystem to {want} bytes failed: "
+                                   f"{r.stdout.decode(errors='replace')[-300:]}")
+            size = want
+        record.backend_state["disk_bytes"] = size
 
     async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
         """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
@@ -319,6 +377,12 @@ class VMBackend(MicroVMBackend):
         if not combos:
             return
         vm = self._vm(record)
-        commands = [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo], "hold-time": 20})
-                    for combo in combos]
-        await self._qmp(vm.rundir, list(commands))
+        # QEMU's PS/2 keyboard holds 16 bytes for the guest and drops what comes after; a vCPU starved by a
+        # loaded host drains it late. Send at most a queue's worth (4 bytes per key of a combo, make and
+        # break, extended keys included), let QEMU release it, then make sure the guest has run (an agent
+        # round trip: its keyboard interrupt comes first) before the next.
+        for chunk in key_chunks(combos):
+            await self._qmp(vm.rundir, [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo],
+                                                      "hold-time": _HOLD_MS}) for combo in chunk])
+            await asyncio.sleep(len(chunk) * 2 * _HOLD_MS / 1000 + 0.02)
+            await self._client(record).ping(timeout=60)

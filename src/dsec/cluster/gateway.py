@@ -456,18 +456,22 @@ class GatewayEngine:
         return ExecResult.model_validate(await self._json(sandbox_id, "POST", "/exec/result", params=params,
                                                           json_body=request.model_dump(mode="json")))
 
-    async def screenshot(self, sandbox_id: str) -> bytes:
+    async def screenshot(self, sandbox_id: str, seq: int | None = None) -> bytes:
         """Forward a screenshot (vm backend)."""
         row = self._row(sandbox_id)
-        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/screenshot")).content
+        params = {"seq": seq} if seq is not None else None
+        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/screenshot",
+                                         params=params)).content
 
-    async def mouse(self, sandbox_id: str, request: MouseRequest) -> None:
+    async def mouse(self, sandbox_id: str, request: MouseRequest, seq: int | None = None) -> None:
         """Forward a pointer action (vm backend)."""
-        await self._json(sandbox_id, "POST", "/mouse", json_body=request.model_dump(mode="json"))
+        await self._json(sandbox_id, "POST", "/mouse" + (f"?seq={seq}" if seq is not None else ""),
+                         json_body=request.model_dump(mode="json"))
 
-    async def keyboard(self, sandbox_id: str, request: KeyboardRequest) -> None:
+    async def keyboard(self, sandbox_id: str, request: KeyboardRequest, seq: int | None = None) -> None:
         """Forward keyboard input (vm backend)."""
-        await self._json(sandbox_id, "POST", "/keyboard", json_body=request.model_dump(mode="json", exclude_none=True))
+        await self._json(sandbox_id, "POST", "/keyboard" + (f"?seq={seq}" if seq is not None else ""),
+                         json_body=request.model_dump(mode="json", exclude_none=True))
 
     async def reveal(self, sandbox_id: str) -> SandboxInfo:
         """Forward reveal (hidden paths)."""

@@ -401,20 +401,20 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
     @app.get("/v1/sandboxes/{sandbox_id}/screenshot", tags=["computer use"],
              responses={200: {"content": {"image/png": {}}, "description": "the display as PNG"}},
              response_class=Response)
-    async def screenshot(sandbox_id: str) -> Response:
+    async def screenshot(sandbox_id: str, seq: Seq = None) -> Response:
         """The sandbox's display as a PNG (``vm`` backend; others answer 501 NotSupported)."""
-        return Response(content=await engine.screenshot(sandbox_id), media_type="image/png")
+        return Response(content=await engine.screenshot(sandbox_id, seq), media_type="image/png")
 
     @app.post("/v1/sandboxes/{sandbox_id}/mouse", status_code=204, tags=["computer use"])
-    async def mouse(sandbox_id: str, request: MouseRequest) -> Response:
+    async def mouse(sandbox_id: str, request: MouseRequest, seq: Seq = None) -> Response:
         """Move the pointer to a pixel of the display and click, press, release or scroll there."""
-        await engine.mouse(sandbox_id, request)
+        await engine.mouse(sandbox_id, request, seq)
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/keyboard", status_code=204, tags=["computer use"])
-    async def keyboard(sandbox_id: str, request: KeyboardRequest) -> Response:
+    async def keyboard(sandbox_id: str, request: KeyboardRequest, seq: Seq = None) -> Response:
         """Type text (US layout) or press key combos on the display."""
-        await engine.keyboard(sandbox_id, request)
+        await engine.keyboard(sandbox_id, request, seq)
         return Response(status_code=204)
 
     @app.put("/v1/sandboxes/{sandbox_id}/network", tags=["sandboxes"])

@@ -1077,20 +1077,43 @@ class Engine:
             self.events.publish("resumed", self._info(record))
         return self._info(record)
 
-    async def screenshot(self, sandbox_id: str) -> bytes:
-        """The sandbox's display as PNG bytes (backends without a display raise NotSupported)."""
+    async def screenshot(self, sandbox_id: str, seq: int | None = None) -> bytes:
+        """The sandbox's display as PNG bytes (backends without a display raise NotSupported); logged on a
+        trajectory like a file read."""
         record = self._live(sandbox_id, allow_paused=True)
-        return await self._backend(record.spec.backend).screenshot(record)
+        backend = self._backend(record.spec.backend)
+        if record.spec.trajectory is None:
+            return await backend.screenshot(record)
+        data: bytes = await self.rollouts.call(record, seq, "screenshot", {}, None,
+                                               lambda _: backend.screenshot(record))
+        return data
 
-    async def mouse(self, sandbox_id: str, request: MouseRequest) -> None:
-        """A pointer action on the sandbox's display."""
+    async def mouse(self, sandbox_id: str, request: MouseRequest, seq: int | None = None) -> None:
+        """A pointer action on the sandbox's display (a logged call on a trajectory)."""
         record = self._live(sandbox_id, allow_paused=False)
-        await self._backend(record.spec.backend).mouse(record, request.x, request.y, request.button, request.action)
+        backend = self._backend(record.spec.backend)
 
-    async def keyboard(self, sandbox_id: str, request: KeyboardRequest) -> None:
-        """Type text or press key combos on the sandbox's display."""
+        async def act(_: int) -> None:
+            await backend.mouse(record, request.x, request.y, request.button, request.action)
+
+        if record.spec.trajectory is None:
+            await act(0)
+            return
+        await self.rollouts.call(record, seq, "mouse", request.model_dump(mode="json"), None, act)
+
+    async def keyboard(self, sandbox_id: str, request: KeyboardRequest, seq: int | None = None) -> None:
+        """Type text or press key combos on the sandbox's display (a logged call on a trajectory)."""
         record = self._live(sandbox_id, allow_paused=False)
-        await self._backend(record.spec.backend).keyboard(record, text=request.text, keys=request.keys)
+        backend = self._backend(record.spec.backend)
+
+        async def act(_: int) -> None:
+            await backend.keyboard(record, text=request.text, keys=request.keys)
+
+        if record.spec.trajectory is None:
+            await act(0)
+            return
+        await self.rollouts.call(record, seq, "keyboard", request.model_dump(mode="json", exclude_none=True), None,
+                                 act)
 
     async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
         """Replace a live sandbox's network policy; the record keeps the new one."""

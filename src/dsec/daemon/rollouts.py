@@ -37,6 +37,9 @@ __all__ = ["Rollouts"]
 log = logging.getLogger(__name__)
 
 _MAX_NAME = 512
+_EFFECTS = frozenset({"exec", "write", "mouse", "keyboard"})
+"""Logged calls that changed the sandbox: after the latest checkpoint, a rebuilt sandbox lacks their effects
+unless they are re-run (exec and write can be; input actions cannot, and are reported missing)."""
 
 
 def _stored(readable: str, body: bytes | None, cap: int) -> str:
@@ -162,7 +165,7 @@ class Rollouts:
         checkpoint = t.binding.checkpoint
         info = await self.engine._create(spec, checkpoint or None)
         after = range(t.binding.checkpoint_seq, upto)
-        missing = [seq for seq in after if t.ops[seq] in ("exec", "write") and t.statuses[seq] != "running"]
+        missing = [seq for seq in after if t.ops[seq] in _EFFECTS and t.statuses[seq] != "running"]
         rerun: list[int] = []
         if spec.rerun_missing and missing:
             start = t.binding.checkpoint_seq

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidRequest
+from dsec.backends.base import ImageRef
+from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidRequest, NotSupported
 from dsec.guest.initramfs import ensure_agent
-from dsec.images.build import mmdebstrap_command, run_mmdebstrap
+from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
 from dsec.images.store import validate_name
+from dsec.isolation.idmap import unshifted_view
 
 __all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "default_vm_dir",
            "find_vm_image", "list_vm_images"]
@@ -47,11 +49,27 @@ AGENT_PORT = "dsec.agent"
 """Name of the virtio-serial port the agent serves (udev links it as /dev/virtio-ports/dsec.agent)."""
 
 _DISK_SIZE = 4 * 1024**3
-_INITRAMFS_HOOK = ('--essential-hook=mkdir -p "$1/etc/initramfs-tools/conf.d" "$1/usr/share/initramfs-tools/modules.d" '
-                   '&& echo MODULES=list > "$1/etc/initramfs-tools/conf.d/dsec.conf" && '
-                   'printf "virtio_pci\\nvirtio_blk\\next4\\n" > "$1/usr/share/initramfs-tools/modules.d/dsec"')
-"""Before the kernel is installed: its initramfs holds only what mounts the root disk (a smaller initramfs
-unpacks faster, which counts under TCG)."""
+_INITRAMFS_SETUP = ('mkdir -p "$1/etc/initramfs-tools/conf.d" "$1/usr/share/initramfs-tools/modules.d" && '
+                    'echo MODULES=list > "$1/etc/initramfs-tools/conf.d/dsec.conf" && '
+                    'printf "virtio_pci\\nvirtio_blk\\next4\\n" > "$1/usr/share/initramfs-tools/modules.d/dsec"')
+"""Run on the root tree (``$1``) before the kernel is installed: its initramfs holds only what mounts the root
+disk (a smaller initramfs unpacks faster, which counts under TCG)."""
+_INITRAMFS_HOOK = "--essential-hook=" + _INITRAMFS_SETUP
+_APT_DIR = "run/dsec-apt"
+"""Inside a ``--from`` tree while packages are installed: the host's apt sources and options (the image's own
+sources may point where this host cannot reach)."""
+_CHROOT_APT = f"""set -e
+T=$1; shift
+mount -t proc proc "$T/proc"
+mount --rbind /dev "$T/dev"
+mount -t sysfs sysfs "$T/sys"
+export APT_CONFIG=/{_APT_DIR}/apt.conf DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8
+chroot "$T" apt-get update -q
+chroot "$T" apt-get install -q -y --no-install-recommends -o Dpkg::Options::=--force-confold "$@"
+chroot "$T" apt-get clean
+rm -rf "$T"/var/lib/apt/lists/*
+"""
+"""Run in a private mount namespace (``unshare -m``): the chroot's /proc, /dev and /sys vanish with it."""
 _UNITS_OFF = ("apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_all.timer", "fstrim.timer",
               "serial-getty@ttyS0.service", "systemd-timesyncd.service", "e2scrub_reap.service")
 """Units masked in the image: periodic jobs that would wake an idle VM (and its template) for nothing."""
@@ -216,13 +234,71 @@ def _configure(root: Path, desktop: bool) -> str:
     return version
 
 
+def _tree_from(source: ImageRef, tree: Path, packages: list[str], log: Path | None) -> None:
+    """``source``'s root with its real owners in ``tree``, plus ``packages`` installed by the tree's own apt
+    (in a chroot, with the host's apt sources and options)."""
+    for tool in ("usr/bin/apt-get", "usr/bin/dpkg"):
+        if not (source.rootfs / tool).exists():
+            raise InvalidRequest(f"image {source.name!r} has no /{tool}: build-vm --from needs a Debian-based "
+                                 "image (its own apt installs the kernel, systemd and the agent's needs)",
+                                 image=source.name)
+    check_packages(packages)
+    tree.mkdir()
+    if source.uid_shift:
+        try:
+            with unshifted_view(source.rootfs, source.uid_shift, tree.parent) as view:
+                _run(["cp", "-a", "--reflink=auto", "-T", str(view), str(tree)])
+        except NotSupported as e:
+            raise DSecError(f"image {source.name!r} is stored with its owners shifted by {source.uid_shift}, and "
+                            f"they cannot be read back here: {e}", image=source.name) from None
+    else:
+        _run(["cp", "-a", "--reflink=auto", "-T", str(source.rootfs), str(tree)])
+    _run(["sh", "-c", _INITRAMFS_SETUP, "sh", str(tree)])
+    apt = tree / _APT_DIR
+    (apt / "sources.list.d").mkdir(parents=True)
+    for src in apt_sources():
+        shutil.copy(src, apt / "sources.list.d" / (src.name if src.name != "sources.list" else "host.list"))
+    conf = [f'Dir::Etc::SourceList "/{_APT_DIR}/none.list";', f'Dir::Etc::SourceParts "/{_APT_DIR}/sources.list.d";']
+    conf += [f.read_text() for f in apt_options()]
+    (apt / "apt.conf").write_text("\n".join(conf) + "\n")
+    # services are not started in a chroot; the host's resolver for apt's downloads (restored after)
+    saved = {f: f.read_bytes() if f.is_file() and not f.is_symlink() else os.readlink(f) if f.is_symlink() else None
+             for f in (tree / "etc/resolv.conf", tree / "usr/sbin/policy-rc.d")}
+    for f in saved:
+        f.unlink(missing_ok=True)
+    shutil.copy("/etc/resolv.conf", tree / "etc/resolv.conf")
+    (tree / "usr/sbin/policy-rc.d").write_text("#!/bin/sh\nexit 101\n")
+    os.chmod(tree / "usr/sbin/policy-rc.d", 0o755)
+    try:
+        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", _CHROOT_APT, "sh",
+                               str(tree), *packages], capture_output=True, text=True, check=False)
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+            raise DSecError(f"installing the VM's packages into image {source.name!r} failed (exit "
+                            f"{proc.returncode}):\n{tail}", image=source.name)
+    finally:
+        shutil.rmtree(apt, ignore_errors=True)
+        for f, old in saved.items():
+            f.unlink(missing_ok=True)
+            if isinstance(old, bytes):
+                f.write_bytes(old)
+            elif isinstance(old, str):
+                f.symlink_to(old)
+
+
 def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None = None, suite: str = "bookworm",
                    disk_bytes: int = _DISK_SIZE, replace: bool = False, vm_dir: Path | None = None,
-                   log: Path | None = None) -> VMImage:
-    """Bootstrap a bootable Debian (plus ``packages``, plus the desktop) and store it as VM image ``name``.
+                   log: Path | None = None, source: ImageRef | None = None) -> VMImage:
+    """Bootstrap a bootable Debian (plus ``packages``, plus the desktop) and store it as VM image ``name``;
+    with ``source`` (a DSec image), start from that image's root instead and add the same packages with its
+    own apt (``suite`` is then the image's).
 
-    Needs root (mmdebstrap's root mode), ``mkfs.ext4`` (populates the filesystem from the tree without a
-    loop mount) and ``qemu-img``. Built in a temporary directory beside the images, which is always removed.
+    Needs root (mmdebstrap's root mode, or chroot), ``mkfs.ext4`` (populates the filesystem from the tree
+    without a loop mount) and ``qemu-img``. Built in a temporary directory beside the images, which is always
+    removed.
     """
     validate_name(name)
     if disk_bytes < 1024**3:
@@ -239,7 +315,10 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
     work = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=root_dir))
     try:
         tree = work / "rootfs"
-        run_mmdebstrap(mmdebstrap_command(wanted, suite, tree, hooks=[_INITRAMFS_HOOK]), name, log)
+        if source is None:
+            run_mmdebstrap(mmdebstrap_command(wanted, suite, tree, hooks=[_INITRAMFS_HOOK]), name, log)
+        else:
+            _tree_from(source, tree, wanted, log)
         version = _configure(tree, desktop)
         out = work / "out"
         out.mkdir()
@@ -250,8 +329,9 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
               str(disk_bytes // 1024) + "k"])
         _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / "disk.qcow2")])
         os.chmod(out / "disk.qcow2", 0o444)
-        meta = {"name": name, "suite": suite, "packages": wanted, "desktop": desktop, "kernel": version,
-                "disk_bytes": disk_bytes, "built_at": time.time()}
+        meta = {"name": name, "suite": suite if source is None else None, "packages": wanted, "desktop": desktop,
+                "kernel": version, "disk_bytes": disk_bytes, "built_at": time.time(),
+                "from": source.name if source is not None else None}
         (out / "image.json").write_text(json.dumps(meta, indent=2))
         os.chmod(out, 0o755)
         if target.exists():

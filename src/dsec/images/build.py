@@ -60,13 +60,18 @@ def apt_options(apt_dir: Path = _APT) -> list[Path]:
     return found
 
 
+def check_packages(packages: Sequence[str]) -> None:
+    """:class:`InvalidRequest` naming the first entry that is not a Debian package name (or ``name=version``)."""
+    for pkg in packages:
+        if not re.match(_PACKAGE_RE, pkg):
+            raise InvalidRequest(f"invalid Debian package name {pkg!r}")
+
+
 def mmdebstrap_command(packages: Sequence[str], suite: str, target: Path,
                        apt_dir: Path = _APT, hooks: Sequence[str] = ()) -> list[str]:
     """The mmdebstrap argv that builds ``packages`` over a minbase ``suite`` into ``target``; ``hooks`` are
     extra ``--*-hook=`` options."""
-    for pkg in packages:
-        if not re.match(_PACKAGE_RE, pkg):
-            raise InvalidRequest(f"invalid Debian package name {pkg!r}")
+    check_packages(packages)
     if not re.fullmatch(r"[a-z][a-z0-9-]*", suite):
         raise InvalidRequest(f"invalid Debian suite {suite!r}")
     exe = shutil.which("mmdebstrap")

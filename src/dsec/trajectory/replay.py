@@ -8,8 +8,8 @@ with sequence number ``seq`` gets:
 - same digest, the call still running on this daemon (its client died and re-issued it): wait for that
   run and answer with its result (:class:`Join`) -- it never runs twice;
 - same digest, logged as ``interrupted`` (this daemon died while it ran): an exec answers with the
-  logged "outcome unknown" result and is not run again; a read, listing or write runs again (they are
-  idempotent);
+  logged "outcome unknown" result and is not run again, nor is a mouse or keyboard action (its logged
+  error says so); a read, listing, write or screenshot runs again (they are idempotent);
 - ``seq`` at the end of the log: logged as ``running`` (durably, before it runs), then live (:class:`Live`);
 - a different digest: :class:`~dsec.errors.ReplayDivergence` with both calls;
 - ``seq`` past the end: :class:`~dsec.errors.InvalidRequest` (calls must come in order).
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.errors import DSecError, InvalidRequest, ReplayDivergence, error_from_payload
+from dsec.errors import DSecError, InvalidRequest, ReplayDivergence, SandboxError, error_from_payload
 from dsec.models import ExecResult, FileEntry, LoggedCall, TrajectoryStatus
 from dsec.trajectory.store import Binding, Entry, TrajectoryStore
 
@@ -34,11 +34,18 @@ __all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajector
 
 DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
-STATE_CHANGING = frozenset({"exec", "write", "snapshot"})
+STATE_CHANGING = frozenset({"exec", "write", "snapshot", "mouse", "keyboard"})
 """Operations whose log entry must be durable before they run (their response is logged in the next batch)."""
+NOT_RERUN = frozenset({"exec", "mouse", "keyboard"})
+"""Operations that are never run twice: one interrupted by a daemon's death answers with "outcome unknown"
+(a command may have half-run; input events may have reached the guest)."""
 ORPHAN_AFTER = 60.0
 """Seconds without a call (and none running; at most half the lease) after which a trajectory sandbox
 counts as orphaned in ``dsec ps``."""
+_INTERRUPTED_INPUT = (
+    "the node daemon stopped while this {op} action was sent (trajectory {name}, call {seq}): the guest may "
+    "or may not have received it, and it was not sent again"
+)
 _INTERRUPTED = (
     "dsec: the node daemon stopped while this command ran (trajectory {name}, call {seq}); its outcome is "
     "unknown and it was not run again\n"
@@ -115,7 +122,7 @@ def decode_response(op: str, response: str) -> Any:
     data = json.loads(response)
     if isinstance(data, dict) and "__error__" in data:
         raise error_from_payload({"error": data["__error__"]})
-    if op == "read":
+    if op in ("read", "screenshot"):
         return base64.urlsafe_b64decode(data)
     if op == "list":
         return [FileEntry.model_validate(item) for item in data]
@@ -170,6 +177,9 @@ class Trajectories:
         if entry.op == "exec":
             result = ExecResult(exit_code=255, stderr=_INTERRUPTED.format(name=name, seq=entry.seq).encode())
             entry.response = result.model_dump_json()
+        elif entry.op in NOT_RERUN:
+            error = SandboxError(_INTERRUPTED_INPUT.format(op=entry.op, name=name, seq=entry.seq))
+            entry.response = json.dumps({"__error__": error.to_payload()["error"]})
         await self.store.put_entry(name, entry)
 
     async def create(self, binding: Binding, prefix: list[Entry] | None = None) -> OpenTrajectory:
@@ -210,9 +220,9 @@ class Trajectories:
             entry = (await self.store.entries(t.name, seq, 1))[0]
             if t.statuses[seq] == "done" and entry.response is not None:
                 return Replay(entry)
-            if t.statuses[seq] == "interrupted" and op == "exec":
+            if t.statuses[seq] == "interrupted" and op in NOT_RERUN and entry.response is not None:
                 return Replay(entry)
-            # A read over the cap, or an interrupted read/list/write: run it again (it is idempotent).
+            # A read over the cap, or an interrupted read/list/write/screenshot: run it again (idempotent).
             return Live(seq)
         t.digests.append(digest)
         t.statuses.append("running")
@@ -279,7 +289,7 @@ class Trajectories:
             stored = result.model_copy(update={"stdout": result.stdout[:cap], "stderr": result.stderr[:cap],
                                                "log_truncated": truncated})
             return stored.model_dump_json(), truncated, original
-        if op == "read":
+        if op in ("read", "screenshot"):
             data: bytes = response
             if len(data) > cap:
                 return None, True, len(data)  # replayed by reading again: a cut file would be wrong data
