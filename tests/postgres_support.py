@@ -1,5 +1,21 @@
 """The tests' throwaway PostgreSQL server lives in :mod:`dsec.testing.postgres` (the cluster bench uses it too)."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from conftest import missing
 from dsec.testing.postgres import PgServer, pg_bin, postgres_server
 
-__all__ = ["PgServer", "pg_bin", "postgres_server"]
+__all__ = ["PgServer", "pg_bin", "postgres_or_missing", "postgres_server"]
+
+
+def postgres_or_missing() -> Iterator[PgServer]:
+    """A module fixture's body: a server for the module, or the test reported missing its PostgreSQL."""
+    try:
+        with postgres_server() as server:
+            yield server
+    except RuntimeError as exc:
+        if "not installed" in str(exc):
+            missing(str(exc))
+        raise

@@ -14,24 +14,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import missing
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.errors import BackendUnavailable
 from dsec.models import SandboxInfo, SandboxSpec
-from postgres_support import PgServer, postgres_server
+from postgres_support import PgServer, postgres_or_missing
 
 pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except RuntimeError as exc:
-        if "not installed" in str(exc):
-            missing(str(exc))
-        raise
+    yield from postgres_or_missing()
 
 
 def row(sandbox_id: str, node: str = "n1", job: str = "j") -> SandboxRow:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import missing
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import ReplayDivergence
@@ -20,20 +19,14 @@ from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 from dsec.trajectory.postgres import PostgresStore
 from dsec.trajectory.store import Binding, Entry
-from postgres_support import PgServer, postgres_server
+from postgres_support import PgServer, postgres_or_missing
 
 pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except RuntimeError as exc:
-        if "not installed" in str(exc):
-            missing(str(exc))
-        raise
+    yield from postgres_or_missing()
 
 
 async def test_log_survives_a_restart_between_calls(pg: PgServer) -> None:
