@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -606,18 +607,27 @@ def _reap(pid: int) -> None:
 
 
 def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
+    thawed = False
     for attempt in range(1000):  # at most ~2 s: dying tasks leave the cgroup within microseconds
         pids = cgroups.pids()
-        if not pids:
-            break
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-        if attempt == 0:
+        if pids and not thawed:
             cgroups.thaw()  # frozen tasks (a paused sandbox) only die once thawed
+            thawed = True
+        if not pids:
+            # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
+            # cleanup_orphans() remove it once empty.
+            try:
+                cgroups.remove()
+                return
+            except OSError as err:
+                # EBUSY: a task joined after the read (the shim of a create cancelled while it moved itself
+                # in, one hierarchy after another): kill it too, and try again.
+                if err.errno != errno.EBUSY or attempt == 999:
+                    raise
         time.sleep(0.002)
-    # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
-    # cleanup_orphans() remove it once empty.
     cgroups.remove()
 
 
