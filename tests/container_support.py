@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dsec.backends.base import Backend
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.isolation.network import Network, dsec_tables
@@ -184,11 +186,30 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
     assert f"dsec_{home_tag(home)}" not in dsec_tables(), "the home's nft table outlived its last sandbox"
 
 
-async def run(backend: ContainerBackend, record: SandboxRecord, command: str | list[str],
-              **kw: Any) -> ExecResult:
-    """Run a command in a sandbox (30 s timeout unless given)."""
+async def run(backend: Backend, record: SandboxRecord, command: str | list[str], **kw: Any) -> ExecResult:
+    """Run a command in a sandbox of any backend (30 s timeout unless given)."""
     kw.setdefault("timeout", 30.0)
     return await backend.exec(record, ExecRequest(command=command, **kw))
+
+
+async def py(backend: Backend, record: SandboxRecord, code: str, timeout: float = 30.0) -> Any:
+    """Run a python3 snippet in the sandbox; it must print one JSON document, returned decoded."""
+    r = await run(backend, record, ["python3", "-c", code], timeout=timeout)
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+# creates empty files in /workspace until the disk quota's inode count says no; prints {"n": .., "err": errno}
+INODE_BOMB = r"""
+import json, os
+n, err = 0, None
+try:
+    while n < 200000:
+        os.close(os.open(f"/workspace/f{n}", os.O_CREAT | os.O_WRONLY, 0o644)); n += 1
+except OSError as e:
+    err = e.errno
+print(json.dumps({"n": n, "err": err}))
+"""
 
 
 @contextlib.contextmanager

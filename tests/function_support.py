@@ -7,14 +7,16 @@ Every such test uses its own ``DSEC_HOME``; the backend keeps its host resources
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from container_support import CGROUP_ROOT, home_tag, images_dir, mounts_under
+import pytest
+
+from container_support import CGROUP_ROOT, home_tag, images_dir, mounts_under, py, run
+from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
-from dsec.models import ExecRequest, ExecResult, SandboxRecord
 
 
 def fn_leftovers(home: Path) -> dict[str, list[str]]:
@@ -53,7 +55,25 @@ async def checked_fn_backend(home: Path) -> AsyncIterator[FunctionBackend]:
     assert parents == [], f"cgroup parents left: {parents}"
 
 
-async def run(backend: FunctionBackend, record: SandboxRecord, command: str | list[str], **kw: Any) -> ExecResult:
-    """Run a command in a sandbox (30 s timeout unless given)."""
-    kw.setdefault("timeout", 30.0)
-    return await backend.exec(record, ExecRequest(command=command, **kw))
+
+def function_backend_fixtures(prefix: str) -> tuple[Any, Any]:
+    """A test module's ``home`` (module-scoped, checked for leftovers at the end) and ``backend`` fixtures.
+
+    Use as ``home, backend = function_backend_fixtures("fn-x-home")`` at module level.
+    """
+
+    @pytest.fixture(scope="module")
+    def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+        path = tmp_path_factory.mktemp(prefix)
+        yield path
+        assert not any(fn_leftovers(path).values()), fn_leftovers(path)
+
+    @pytest.fixture
+    async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[FunctionBackend]:
+        async with checked_fn_backend(home) as b:
+            yield b
+
+    return home, backend
+
+
+__all__ = ["checked_fn_backend", "fn_leftovers", "function_backend_fixtures", "py", "run"]

@@ -4,7 +4,6 @@ per-call namespaces and restrictions, verdicts with CPU time and peak memory, cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from dsec.errors import DSecError, InvalidRequest
 from dsec.models import SandboxRecord
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
-from function_support import checked_fn_backend, fn_leftovers, run
+from function_support import fn_leftovers, function_backend_fixtures, run
 
 pytestmark = [pytest.mark.root]
 
@@ -31,17 +30,7 @@ def _has_cap(number: int) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("function-home")
-    yield path
-    assert not any(fn_leftovers(path).values()), fn_leftovers(path)
-
-
-@pytest.fixture
-async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[FunctionBackend]:
-    async with checked_fn_backend(home) as b:
-        yield b
+home, backend = function_backend_fixtures("function-home")
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])

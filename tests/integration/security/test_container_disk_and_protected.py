@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from container_support import checked_backend, leftovers, run, swept_home
+from container_support import INODE_BOMB, checked_backend, leftovers, py, run, swept_home
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.errors import DSecError, InvalidRequest
@@ -41,12 +39,6 @@ def home(tmp_path_factory: pytest.TempPathFactory, debian_python_image: ImageRef
 async def backend(home: Path) -> AsyncIterator[ContainerBackend]:
     async with checked_backend(home) as b:
         yield b
-
-
-async def py(backend: ContainerBackend, record: SandboxRecord, code: str) -> Any:
-    r = await run(backend, record, ["python3", "-c", code])
-    assert r.exit_code == 0, r
-    return json.loads(r.stdout)
 
 
 # ------------------------------------------------------------------------------------------- disk
@@ -85,18 +77,8 @@ async def test_files_api_write_past_the_disk_limit_is_a_clear_error(backend: Con
 
 
 async def test_inode_bomb_hits_the_disk_limit(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
-    code = r"""
-import json, os
-n, err = 0, None
-try:
-    while n < 200000:
-        os.close(os.open(f"/workspace/f{n}", os.O_CREAT | os.O_WRONLY, 0o644)); n += 1
-except OSError as e:
-    err = e.errno
-print(json.dumps({"n": n, "err": err}))
-"""
     async with sandbox(backend, debian_python_image, disk="16Mi") as sb:
-        out = await py(backend, sb, code)
+        out = await py(backend, sb, INODE_BOMB)
         assert out["err"] == errno.ENOSPC and out["n"] < 200000, out
         assert (await backend.stats(sb)).disk_full
 

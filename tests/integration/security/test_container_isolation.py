@@ -10,20 +10,19 @@ import asyncio
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from container_support import (
     await_until,
     checked_backend,
+    py,
     run,
     swept_home,
 )
@@ -57,13 +56,6 @@ async def backend(home: Path) -> AsyncIterator[ContainerBackend]:
 async def sb(backend: ContainerBackend, debian_python_image: ImageRef) -> AsyncIterator[SandboxRecord]:
     async with sandbox(backend, debian_python_image) as record:
         yield record
-
-
-async def py(backend: ContainerBackend, record: SandboxRecord, code: str) -> Any:
-    """Run a python3 snippet in the sandbox; it must print one JSON document, returned decoded."""
-    r = await run(backend, record, ["python3", "-c", code])
-    assert r.exit_code == 0, r
-    return json.loads(r.stdout)
 
 
 def status_fields(text: str) -> dict[str, str]:

@@ -11,44 +11,26 @@ on the host afterwards (``checked_fn_backend``).
 from __future__ import annotations
 
 import errno
-import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from container_support import images_dir
+from container_support import INODE_BOMB, images_dir
 from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest
 from dsec.models import SandboxRecord
 from dsec.testing import sandbox
-from function_support import checked_fn_backend, fn_leftovers, run
+from function_support import fn_leftovers, function_backend_fixtures, py, run
 
 pytestmark = [pytest.mark.root]
 
 MiB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("fn-disk-home")
-    yield path
-    assert not any(fn_leftovers(path).values()), fn_leftovers(path)
-
-
-@pytest.fixture
-async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[FunctionBackend]:
-    async with checked_fn_backend(home) as b:
-        yield b
-
-
-async def py(backend: FunctionBackend, record: SandboxRecord, code: str) -> Any:
-    r = await run(backend, record, ["python3", "-c", code], timeout=120)
-    assert r.exit_code == 0, r
-    return json.loads(r.stdout)
+home, backend = function_backend_fixtures("fn-disk-home")
 
 
 def _fstype(mount_point: str) -> list[str]:
@@ -81,18 +63,8 @@ async def test_yes_and_many_small_files_stop_at_the_workspace_quota(backend: Fun
 
 
 async def test_inode_bomb_and_files_api_hit_the_quota(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
-    code = r"""
-import json, os
-n, err = 0, None
-try:
-    while n < 200000:
-        os.close(os.open(f"/workspace/f{n}", os.O_CREAT | os.O_WRONLY, 0o644)); n += 1
-except OSError as e:
-    err = e.errno
-print(json.dumps({"n": n, "err": err}))
-"""
     async with sandbox(backend, debian_python_image, disk="16Mi") as sb:
-        out = await py(backend, sb, code)
+        out = await py(backend, sb, INODE_BOMB, timeout=120)
         assert out["err"] == errno.ENOSPC and out["n"] < 20000, out
         assert (await backend.stats(sb)).disk_full
         r = await run(backend, sb, "rm -rf /workspace/* && echo freed")
@@ -137,7 +109,7 @@ async def test_hidden_then_revealed_tests_in_the_workspace(backend: FunctionBack
         names = [(e.name, e.path) for e in await backend.list_files(sb, "/workspace/tests")]
         assert names == [("test_secret.py", "/workspace/tests/test_secret.py")], names
         # the very first call (cloned ahead of its request) already sees the covers
-        out = await py(backend, sb, _INSIDE)
+        out = await py(backend, sb, _INSIDE, timeout=120)
         assert out["listing"] == [] and out["read"] == errno.ENOENT, out
         for name in ("write_in", "create_in"):
             assert out[name] == errno.EROFS, (name, out)
@@ -151,7 +123,7 @@ async def test_hidden_then_revealed_tests_in_the_workspace(backend: FunctionBack
             await backend.write_file(sb, "/usr/share/doc/planted", b"x", None)
 
         await backend.reveal(sb)
-        out = await py(backend, sb, _INSIDE)  # the first call after the reveal sees it
+        out = await py(backend, sb, _INSIDE, timeout=120)  # the first call after the reveal sees it
         assert out["listing"] == ["test_secret.py"] and out["read"] == secret.decode(), out
         for name in ("write_in", "create_in", "unlink_in"):
             assert out[name] == errno.EROFS, (name, out)
