@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from test_engine import fake_of, make_engine, record_files
 
+from container_support import await_until
 from dsec.daemon import engine as engine_module
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
@@ -348,6 +349,8 @@ async def test_burst_queues_instead_of_failing(engine: Engine) -> None:
     short = {"now": "memory: pretend the node is full"}
     engine.admission = Admission(4, poll=0.01, shortage=lambda: short["now"])
     batch = asyncio.create_task(engine.create_many(BatchCreateRequest(count=40, spec=SandboxSpec(image="base"))))
+    # all 40 queue (a loaded host may take a while to get there), then stay queued while the shortage lasts
+    assert await await_until(lambda: engine.admission.statistics().waiting == 40, timeout=20)
     await asyncio.sleep(0.2)
     stats = engine.admission.statistics()
     assert not batch.done() and stats.waiting == 40 and stats.shortage == short["now"]

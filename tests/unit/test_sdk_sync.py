@@ -182,12 +182,13 @@ def test_ctrl_c_during_a_blocking_exec_kills_the_command(client: dsec.Client) ->
         sender.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                sb.exec("touch started; sleep 3; touch marker", timeout=60)
+                sb.exec("touch started; sleep 8; touch marker", timeout=60)
         finally:
             sender.join()
             signal.signal(signal.SIGINT, previous)
-        # interrupted: the command was killed before it got to `touch marker`
-        assert sb.exec("sleep 3.5; ls").stdout == b"started\n"
+        # interrupted: the command was killed before it got to `touch marker` (8 s leave a loaded host time
+        # to deliver the interrupt)
+        assert sb.exec("sleep 8.5; ls").stdout == b"started\n"
 
 
 def test_checked_in_type_stub_matches_the_generated_twins() -> None:

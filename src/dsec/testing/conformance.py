@@ -153,14 +153,15 @@ async def check_output_cap(backend: Backend, image: ImageRef) -> None:
 
 async def check_timeout(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
-        # the background job must die with the command: the whole process group is killed
+        # the background job must die with the command: the whole process group is killed (2 s leaves a
+        # slow, loaded host time to print "started" before the deadline)
         r = await asyncio.wait_for(
-            run(backend, sb, "(sleep 2; echo late > late.txt) & echo started; sleep 30", timeout=1), 25)
+            run(backend, sb, "(sleep 4; echo late > late.txt) & echo started; sleep 30", timeout=2), 30)
         assert r.limit == "time" and r.timed_out and r.exit_code != 0, r
         assert r.stdout == b"started\n", r
         r = await run(backend, sb, "echo ok")
         assert r.stdout == b"ok\n", "sandbox unusable after a timeout"
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(4.5)
         r = await run(backend, sb, "ls")
         assert b"late.txt" not in r.stdout, "a background process survived the command's timeout"
 
