@@ -8,14 +8,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
+from conftest import missing
 from container_support import SESSION_TAGS, home_tag, images_dir, sweep
 from dsec.cluster.local import LocalCluster, local_cluster, own_netns
-from postgres_support import PgServer
+from postgres_support import PgServer, postgres_server
 
-__all__ = ["LocalCluster", "checked_cluster", "own_netns"]
+__all__ = ["LocalCluster", "checked_cluster", "cluster_services", "own_netns"]
+
+
+@contextlib.contextmanager
+def cluster_services() -> Iterator[PgServer]:
+    """What every cluster test starts from: Ray and iproute2 installed (else reported missing), the test's own
+    network namespace, and a PostgreSQL server in it."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
+    if shutil.which("ip") is None:
+        missing("iproute2 is not installed (./scripts/setup)")
+    with own_netns(), contextlib.ExitStack() as stack:
+        try:
+            pg = stack.enter_context(postgres_server())
+        except RuntimeError as exc:
+            if "not installed" in str(exc):
+                missing(str(exc))
+            raise
+        yield pg
 
 
 @contextlib.contextmanager

@@ -27,12 +27,10 @@ import psycopg
 import pytest
 
 import dsec
-from cluster_support import LocalCluster, checked_cluster, own_netns
-from conftest import missing
+from cluster_support import LocalCluster, checked_cluster, cluster_services
 from container_support import images_dir
 from dsec.images.store import ImageStore
 from image_support import seaweedfs
-from postgres_support import PgServer, postgres_server
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,21 +41,8 @@ ALIAS = "debian-python-cl"
 
 @pytest.fixture(scope="module")
 def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
-    if shutil.which("ip") is None:
-        missing("iproute2 is not installed (./scripts/setup)")
     scratch = Path(tempfile.mkdtemp(prefix="dsec-cl-img-", dir="/tmp"))
-    with own_netns(), pytest.MonkeyPatch.context() as env:
-        try:
-            pg_cm = postgres_server()
-            pg: PgServer = pg_cm.__enter__()
-        except RuntimeError as exc:
-            if "not installed" in str(exc):
-                missing(str(exc))
-            raise
+    with cluster_services() as pg, pytest.MonkeyPatch.context() as env:
         try:
             with seaweedfs(env) as weed:
                 # Seed the S3 store from the local one; the nodes' image root is an empty scratch
@@ -75,7 +60,6 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
                     used = [str(f) for f in local.rglob("*") if f.is_file()] if local.exists() else []
                     assert not used, f"a node used a POSIX image store: {used[:5]}"
         finally:
-            pg_cm.__exit__(None, None, None)
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -13,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -24,10 +23,9 @@ import httpx
 import pytest
 
 import dsec
-from cluster_support import LocalCluster, checked_cluster, own_netns
-from conftest import missing
+from cluster_support import LocalCluster, checked_cluster, cluster_services
 from dsec.cluster.local import _pids_with
-from postgres_support import PgServer, postgres_server
+from postgres_support import PgServer
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,26 +34,9 @@ FN = {"image": "debian-python", "backend": "function", "cpu": 0.1, "memory": "64
 
 @pytest.fixture(scope="module")
 def ray_cluster(debian_python_image: object) -> Iterator[tuple[LocalCluster, PgServer]]:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
-    if shutil.which("ip") is None:
-        missing("iproute2 is not installed (./scripts/setup)")
-    with own_netns():
-        try:
-            pg_cm = postgres_server()
-            pg: PgServer = pg_cm.__enter__()
-        except RuntimeError as exc:
-            if "not installed" in str(exc):
-                missing(str(exc))
-            raise
-        try:
-            with checked_cluster(pg, 2, {"job": {}}, {"function": 4, "container": 0},
-                                 start_gateway=False) as handle:
-                yield handle, pg
-        finally:
-            pg_cm.__exit__(None, None, None)
+    with cluster_services() as pg, checked_cluster(pg, 2, {"job": {}}, {"function": 4, "container": 0},
+                                                   start_gateway=False) as handle:
+        yield handle, pg
 
 
 def dsec_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
