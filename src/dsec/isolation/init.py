@@ -6,7 +6,11 @@
 - ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
-upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``).
+upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``,
+which runs once per exec, is linked against musl when ``musl-gcc`` is there (Debian: ``musl-tools``):
+a static glibc binary probes the CPU with ~20 ``cpuid`` instructions at every start, each a trap to the
+hypervisor on a VM, which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-up
+does none, and its binary is 46 KB instead of 800 KB (fewer page faults per exec).
 """
 
 from __future__ import annotations
@@ -28,18 +32,23 @@ RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 
 
-def ensure_binary(source: Path, name: str, directory: Path) -> Path:
-    """Path of ``name`` built statically from the current ``source``; builds it if needed."""
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
+    """Path of ``name`` built statically from the current ``source``; builds it if needed (``musl``: with
+    ``musl-gcc`` when installed, else with gcc and glibc as every other binary)."""
+    musl_cc = shutil.which("musl-gcc") if musl else None
+    # The libc is part of the key: installing musl-tools later rebuilds the binary instead of keeping glibc's.
+    digest = hashlib.sha256(source.read_bytes() + (b"\0musl" if musl_cc else b"")).hexdigest()[:16]
     target = directory / f"{name}-{digest}"
     if target.exists():
         return target
-    cc = shutil.which("gcc") or shutil.which("cc")
+    cc = musl_cc or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise BackendUnavailable(f"building {name} needs a C compiler: apt-get install gcc libc6-dev")
+    # musl ships no kernel headers: the system's (linux-libc-dev) come after musl's own libc headers.
+    headers = ["-idirafter", "/usr/include", "-idirafter", f"/usr/include/{_multiarch()}"] if musl_cc else []
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{name}-{digest}.{os.getpid()}"
-    proc = subprocess.run([cc, "-static", "-O2", "-s", "-Wall", "-Werror", "-o", str(tmp), str(source)],
+    proc = subprocess.run([cc, "-static", "-O2", "-s", "-Wall", "-Werror", *headers, "-o", str(tmp), str(source)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -50,6 +59,11 @@ def ensure_binary(source: Path, name: str, directory: Path) -> Path:
     return target
 
 
+def _multiarch() -> str:
+    """Debian's multiarch tuple of this machine (where ``asm/*.h`` lives), e.g. ``x86_64-linux-gnu``."""
+    return f"{os.uname().machine}-linux-gnu"
+
+
 def ensure_init(directory: Path) -> Path:
     """The container init, built if needed."""
     return ensure_binary(INIT_SOURCE, "dsec-init", directory)
@@ -57,7 +71,7 @@ def ensure_init(directory: Path) -> Path:
 
 def ensure_nsenter(directory: Path) -> Path:
     """The exec entry binary, built if needed."""
-    return ensure_binary(NSENTER_SOURCE, "dsec-nsenter", directory)
+    return ensure_binary(NSENTER_SOURCE, "dsec-nsenter", directory, musl=True)
 
 
 def ensure_rtshim(directory: Path) -> Path:
