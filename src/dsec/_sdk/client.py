@@ -16,7 +16,6 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
 
-import httpcore
 import httpx
 
 from dsec.config import Settings
@@ -30,13 +29,14 @@ from dsec.models import (
     PoolStatistics,
 )
 
+from .lean import LeanPool
 from .portal import portal
 from .transport import Transport
 
 __all__ = ["Client", "default_client"]
 
-_Pools = tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, httpcore.AsyncConnectionPool]
-"""One event loop's connections: the httpx client, and the lean httpcore pool of ``sb.exec``."""
+_Pools = tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, LeanPool]
+"""One event loop's connections: the httpx client, and the lean connections of ``sb.exec``."""
 
 
 class Client:
@@ -212,14 +212,14 @@ class Client:
         self.close()
 
 
-async def _close_pools(http: httpx.AsyncClient, lean: httpcore.AsyncConnectionPool) -> None:
+async def _close_pools(http: httpx.AsyncClient, lean: LeanPool) -> None:
     try:
         await http.aclose()
     finally:
         await lean.aclose()
 
 
-def _spawn_close(loop: asyncio.AbstractEventLoop, http: httpx.AsyncClient, lean: httpcore.AsyncConnectionPool) -> None:
+def _spawn_close(loop: asyncio.AbstractEventLoop, http: httpx.AsyncClient, lean: LeanPool) -> None:
     loop.create_task(_close_pools(http, lean))
 
 

@@ -608,7 +608,7 @@ class AsyncSandbox:
         client, headers = self._auth()
         try:
             # One request, one answer (no stream): the output arrives with the exit status anyway. It goes
-            # on the client's lean pool (httpcore, no httpx layer): the SDK's share of an exec's round trip.
+            # on the client's lean connections (dsec._sdk.lean): the SDK's share of an exec's round trip.
             content = await client._post_json(f"/v1/sandboxes/{self.id}/exec/result",
                                               request.model_dump_json().encode(), params=params or None,
                                               headers=headers, timeout=STREAM_TIMEOUT)

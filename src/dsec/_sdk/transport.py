@@ -9,16 +9,18 @@ retry anything on its own: a retried ``exec`` could run a command twice.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-import httpcore
 import httpx
 
 from dsec.errors import ConnectionFailed, DSecError, InvalidRequest, error_from_payload
+
+from .lean import LeanError, LeanPool
 
 __all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "parse_url"]
 
@@ -68,44 +70,46 @@ class Transport:
     def url(self) -> str:
         return self.endpoint.url
 
-    def build_lean(self) -> httpcore.AsyncConnectionPool:
-        """A bare HTTP/1.1 connection pool for :meth:`post_json` (the same limits as httpx's defaults)."""
-        return httpcore.AsyncConnectionPool(uds=self.endpoint.uds, max_connections=100,
-                                            max_keepalive_connections=20, keepalive_expiry=5.0)
+    def build_lean(self) -> LeanPool:
+        """Keep-alive connections for :meth:`post_json` (at most 100 requests in flight, as httpx's default)."""
+        if self.endpoint.uds is not None:
+            return LeanPool(uds=self.endpoint.uds)
+        parts = urlsplit(self.endpoint.base_url)
+        tls = ssl.create_default_context() if parts.scheme == "https" else None
+        return LeanPool(host=parts.hostname or "", port=parts.port or (443 if tls else 80), tls=tls)
 
-    async def post_json(self, pool: httpcore.AsyncConnectionPool, path: str, body: bytes, *,
+    async def post_json(self, pool: LeanPool, path: str, body: bytes, *,
                         params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
                         timeout: httpx.Timeout = CONTROL_TIMEOUT) -> bytes:
-        """POST an already serialised JSON body straight on httpcore and return the 2xx answer's body.
+        """POST an already serialised JSON body on the lean connections and return the 2xx answer's body.
 
-        The hot path of ``sb.exec``: httpx's layer over httpcore (URL merging, request and response models,
-        auth and redirect handling, cookies) cost more client CPU per exec than the HTTP exchange itself.
-        Errors are mapped exactly as :meth:`request` maps them."""
-        url = self.endpoint.base_url + path + (f"?{urlencode(params)}" if params else "")
-        sent = [(b"User-Agent", b"dsec-sdk"), (b"Content-Type", b"application/json")]
+        The hot path of ``sb.exec`` (see :mod:`dsec._sdk.lean`): httpx's layers, and httpcore's under them,
+        cost more client CPU per exec than the HTTP exchange itself. Errors are mapped exactly as
+        :meth:`request` maps them."""
+        parts = urlsplit(self.endpoint.base_url)
+        target = parts.path.rstrip("/") + path + (f"?{urlencode(params)}" if params else "")
+        head = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}", "User-Agent: dsec-sdk",
+                "Content-Type: application/json", f"Content-Length: {len(body)}"]
         if headers:
-            sent += [(k.encode(), v.encode()) for k, v in headers.items()]
+            head += [f"{k}: {v}" for k, v in headers.items()]
         if self.token and not (headers and any(k.lower() == "authorization" for k in headers)):
-            sent.append((b"Authorization", f"Bearer {self.token}".encode()))
-        extensions = {"timeout": {"connect": timeout.connect, "read": timeout.read, "write": timeout.write,
-                                  "pool": timeout.pool}}
+            head.append(f"Authorization: Bearer {self.token}")
+        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         try:
-            response = await pool.request("POST", url, headers=sent, content=body, extensions=extensions)
-        except httpcore.ConnectError as exc:
-            raise ConnectionFailed(f"cannot reach the DSec daemon at {self.url}: {exc}; {_HINT}") from exc
-        except httpcore.TimeoutException as exc:
-            raise ConnectionFailed(f"the DSec daemon at {self.url} did not answer in time: {exc!r}") from exc
-        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-            raise ConnectionFailed(
-                f"connection to the DSec daemon at {self.url} was lost mid-call: {exc!r}"
-            ) from exc
-        if not 200 <= response.status < 300:
+            status, content = await pool.request(request, connect_timeout=timeout.connect, read_timeout=timeout.read)
+        except LeanError as exc:
+            if exc.kind == "connect":
+                raise ConnectionFailed(f"cannot reach the DSec daemon at {self.url}: {exc}; {_HINT}") from exc
+            if exc.kind == "timeout":
+                raise ConnectionFailed(f"the DSec daemon at {self.url} did not answer in time: {exc}") from exc
+            raise ConnectionFailed(f"connection to the DSec daemon at {self.url} was lost mid-call: {exc}") from exc
+        if not 200 <= status < 300:
             try:
-                payload: Any = json.loads(response.content)
+                payload: Any = json.loads(content)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                payload = response.content.decode(errors="replace")
-            raise error_from_payload(payload, response.status)
-        return response.content
+                payload = content.decode(errors="replace")
+            raise error_from_payload(payload, status)
+        return content
 
     def build(self, limits: httpx.Limits | None = None) -> httpx.AsyncClient:
         """A new client bound to the calling event loop (httpx pools cannot cross loops)."""

@@ -37,7 +37,7 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.isolation.cgroups import CgroupSet, cgroup_mode, v2_controllers_in_hybrid
+from dsec.isolation.cgroups import CgroupSet, LimitCounters, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.disk import disk_full, mount_disk, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
@@ -123,6 +123,9 @@ class ContainerBackend(Backend):
         # Sandbox id -> execs running now; a sandbox with none (for CPU_IDLE_AFTER_S) is in the best-effort
         # CPU class. _busy_class: the sandboxes in the normal class now; _idle_timers: their pending demotions.
         self._busy: dict[str, int] = {}
+        # Sandbox id -> what every exec needs of its cgroups (the set, the cgroup.procs files to join, the
+        # limit counters), resolved at its first exec instead of at each one; dropped on destroy.
+        self._exec_cgroups: dict[str, tuple[CgroupSet, list[str], LimitCounters]] = {}
         self._busy_class: set[str] = set()
         self._idle_timers: dict[str, asyncio.TimerHandle] = {}
         """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
@@ -376,18 +379,22 @@ class ContainerBackend(Backend):
         if self._helper is None:
             raise BackendUnavailable("container backend is not started")
         pid = self._pid(record)
-        cgroups = self._cgroups(record)
+        cached = self._exec_cgroups.get(record.id)
+        if cached is None:
+            cgroups = self._cgroups(record)
+            cached = self._exec_cgroups[record.id] = (cgroups, cgroups.procs_files(), cgroups.limit_counters())
+        cgroups, procs_files, counters = cached
         uid, gid = record.backend_state.get("user", [0, 0])
         env = {"PATH": DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
                **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
-        before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+        before = (counters.oom_kills(), counters.pids_limit_hits())
         disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if sig == 9 and cgroups.oom_kills() > before[0]:
+            if sig == 9 and counters.oom_kills() > before[0]:
                 return "memory"
-            if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
+            if exit_code != 0 and counters.pids_limit_hits() > before[1]:
                 return "pids"
             if exit_code != 0 and disk and disk_full(disk):
                 return "disk"
@@ -395,7 +402,7 @@ class ContainerBackend(Backend):
 
         spawned = self._helper.spawn({
             "init_pid": pid,
-            "cgroup_procs": cgroups.procs_files(),
+            "cgroup_procs": procs_files,
             "argv": request.argv(),
             "env": env,
             "cwd": request.cwd or workdir_of(record),
@@ -449,6 +456,7 @@ class ContainerBackend(Backend):
                 cgroups.set_cpu_class(busy=False)
 
     def _forget_cpu_class(self, sandbox_id: str) -> None:
+        self._exec_cgroups.pop(sandbox_id, None)
         timer = self._idle_timers.pop(sandbox_id, None)
         if timer is not None:
             timer.cancel()

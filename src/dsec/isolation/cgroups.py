@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "Limits",
+__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters", "Limits",
            "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
@@ -91,7 +91,7 @@ def _read_int(path: Path, default: int = 0) -> int:
         return default
 
 
-def _read_kv(path: Path) -> dict[str, int]:
+def _read_kv(path: Path | str) -> dict[str, int]:
     # A bare open/read/close: these counters are read around every exec, and a text file object costs
     # four more syscalls (fstat, ioctl, lseek, a second read) per read.
     out: dict[str, int] = {}
@@ -110,6 +110,21 @@ def _read_kv(path: Path) -> dict[str, int]:
         if len(parts) == 2 and parts[1].lstrip("-").isdigit():
             out[parts[0]] = int(parts[1])
     return out
+
+
+@dataclass(frozen=True)
+class LimitCounters:
+    """Where a set counts its OOM kills and pids-limit hits: what :meth:`CgroupSet.oom_kills` and
+    :meth:`CgroupSet.pids_limit_hits` read, without building the paths again at each read."""
+
+    oom_file: str | None
+    pids_file: str | None
+
+    def oom_kills(self) -> int:
+        return _read_kv(self.oom_file).get("oom_kill", 0) if self.oom_file else 0
+
+    def pids_limit_hits(self) -> int:
+        return _read_kv(self.pids_file).get("max", 0) if self.pids_file else 0
 
 
 @dataclass(frozen=True)
@@ -284,6 +299,12 @@ class CgroupSet:
         """How often a fork failed on the pids limit (v1 and v2 both count ``max`` events)."""
         d = self._dir("pids")
         return _read_kv(d / "pids.events").get("max", 0) if d else 0
+
+    def limit_counters(self) -> LimitCounters:
+        """The OOM-kill and pids-limit counters of this set, paths resolved once (read around every exec)."""
+        memory, pids = self._dir("memory"), self._dir("pids")
+        oom = None if memory is None else str(memory / ("memory.events" if self.mode == "v2" else "memory.oom_control"))
+        return LimitCounters(oom_file=oom, pids_file=None if pids is None else str(pids / "pids.events"))
 
     def pids(self) -> list[int]:
         """Every process in the set."""

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +186,10 @@ class _Watch:
         self.loop = asyncio.get_running_loop()
         self.spawned = spawned
         self.request = request
-        self.queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        # What the consumer has not taken yet, and the future it waits on while there is nothing (a deque and a
+        # bare future: an asyncio.Queue costs a few objects and a lock-step of its own per exec).
+        self.items: deque[tuple[str, bytes]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
         self.queued = 0
         self.paused = False
         self.open: dict[int, str] = {}
@@ -269,7 +273,9 @@ class _Watch:
             self._push(name, data)
 
     def _push(self, name: str, data: bytes) -> None:
-        self.queue.put_nowait((name, data))
+        self.items.append((name, data))
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
         self.queued += len(data)
         if self.queued > _MAX_QUEUED and not self.paused:
             self.paused = True
@@ -277,8 +283,18 @@ class _Watch:
                 if stream != "status":
                     self.loop.remove_reader(fd)
 
+    def drained(self) -> None:
+        """The drain timer's marker: stop waiting for output of a command that has exited."""
+        self._push("drained", b"")
+
     async def get(self) -> tuple[str, bytes]:
-        name, data = await self.queue.get()
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        name, data = self.items.popleft()
         self.queued -= len(data)
         if self.paused and self.queued <= _MAX_QUEUED // 2:
             self.paused = False
@@ -325,15 +341,15 @@ async def stream_exec(
                 exited_at = time.monotonic()
                 # After the exit, output still in the pipes is read for a short while; a background job
                 # that keeps the pipes open does not hold the call.
-                drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.queue.put_nowait, ("drained", b""))
-            if exited_at is not None and not watch.outputs_open() and watch.queue.empty():
+                drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.drained)
+            if exited_at is not None and not watch.outputs_open() and not watch.items:
                 break
             name, data = await watch.get()
             if name == "drained":
                 # Pipes paused for a slow consumer still hold the command's own last output (at most a
                 # pipe buffer each): keep going while the consumer catches up, within a bound.
                 if watch.paused and time.monotonic() - (exited_at or 0.0) < _DRAIN_MAX_S:
-                    drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.queue.put_nowait, ("drained", b""))
+                    drain_timer = watch.loop.call_later(_DRAIN_AFTER_EXIT_S, watch.drained)
                     continue
                 if watch.paused:
                     watch.truncated = True  # output was left in the pipes: say so rather than drop it silently

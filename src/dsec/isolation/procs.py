@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 __all__ = ["start_time"]
 
@@ -12,7 +12,18 @@ def start_time(pid: int) -> str | None:
 
     None when the process is gone.
     """
+    # A bare open/read/close: every container exec checks its sandbox's init this way.
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return data.rsplit(b")", 1)[1].split()[19].decode()
+    except IndexError:
         return None

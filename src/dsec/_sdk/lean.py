@@ -1,0 +1,165 @@
+"""The connections of ``sb.exec``: HTTP/1.1 keep-alive on bare asyncio protocols, answers parsed by httptools.
+
+``sb.exec`` is the call an RL rollout makes thousands of times, and the client shares the node's CPU
+with the daemon in every local benchmark. On httpcore, one exec cost the client ~1 ms of CPU (anyio
+streams and locks, h11's pure-Python parser, the pool's bookkeeping), as much as the daemon spent
+serving it. Here a request is one ``write`` of head and body, and the answer is parsed by httptools
+(the C parser uvicorn serves with) in the protocol's ``data_received``: one wake-up of the caller per
+answer. Only what the exec call needs: POST with a body, a ``Content-Length`` or chunked answer read
+whole, keep-alive, a connect timeout and an optional read timeout; everything else of the SDK stays
+on httpx.
+
+Failures are raised as :class:`LeanError` naming their kind (connect, timeout, lost); the transport
+maps them to :class:`dsec.ConnectionFailed` as it maps httpx's. Nothing here retries: a request
+written to a connection that then drops may have run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import deque
+from typing import Literal
+
+import httptools
+
+__all__ = ["LeanError", "LeanPool"]
+
+Kind = Literal["connect", "timeout", "lost"]
+
+
+class LeanError(Exception):
+    """A request that got no complete answer: ``kind`` says whether it never connected, ran out of time
+    or lost its connection mid-call."""
+
+    def __init__(self, kind: Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind: Kind = kind
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; at most one request on it at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer: asyncio.Future[tuple[int, bytes, bool]] | None = None
+        self.body: list[bytes] = []
+        self.closed = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(LeanError("lost", f"the answer is not HTTP/1.1: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(LeanError("lost", f"the connection closed before a complete answer ({exc or 'EOF'})"))
+
+    # -- httptools callbacks --
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result((self.parser.get_status_code(), b"".join(self.body),
+                                    self.parser.should_keep_alive()))
+
+    def _fail(self, error: LeanError) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(error)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def exchange(self, request: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
+        """Write ``request`` (head and body) in one go and wait for the whole answer."""
+        assert self.transport is not None
+        self.body = []
+        self.answer = self.loop.create_future()
+        self.transport.write(request)
+        if read_timeout is None:
+            return await self.answer
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.answer), read_timeout)
+        except TimeoutError:
+            raise LeanError("timeout", f"no answer within {read_timeout:g} s") from None
+
+
+class LeanPool:
+    """Keep-alive connections to one daemon (a unix socket, or a TCP host and port, optionally TLS) for one
+    event loop; at most ``max_connections`` requests in flight, the rest wait for a free one."""
+
+    def __init__(self, *, uds: str | None = None, host: str = "", port: int = 0,
+                 tls: ssl.SSLContext | None = None, max_connections: int = 100,
+                 keepalive_expiry: float = 4.0) -> None:
+        self.uds, self.host, self.port, self.tls = uds, host, port, tls
+        # Idle connections are dropped a second before uvicorn's 5 s keep-alive timeout closes them from its
+        # end, so a request is never written to a connection the daemon is closing.
+        self.keepalive_expiry = keepalive_expiry
+        self._slots = asyncio.Semaphore(max_connections)
+        self._idle: deque[_Connection] = deque()
+        self._closed = False
+
+    async def _connect(self, timeout: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            if self.uds is not None:
+                opening = loop.create_unix_connection(lambda: _Connection(loop), self.uds)
+            else:
+                opening = loop.create_connection(lambda: _Connection(loop), self.host, self.port, ssl=self.tls)
+            _, conn = await asyncio.wait_for(opening, timeout)
+        except TimeoutError:
+            raise LeanError("connect", f"no connection within {timeout:g} s") from None
+        except OSError as exc:
+            raise LeanError("connect", str(exc) or type(exc).__name__) from exc
+        return conn
+
+    def _reuse(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+                return conn
+            conn.close()
+        return None
+
+    async def request(self, request: bytes, *, connect_timeout: float | None,
+                      read_timeout: float | None) -> tuple[int, bytes]:
+        """Send one whole HTTP/1.1 request; the answer's status and body. A caller cancelled mid-call
+        closes the connection, which tells the daemon to stop (a cancelled exec kills its command)."""
+        if self._closed:
+            raise LeanError("connect", "the client is closed")
+        async with self._slots:
+            conn = self._reuse() or await self._connect(connect_timeout)
+            try:
+                status, body, keep = await conn.exchange(request, read_timeout)
+            except BaseException:
+                conn.close()
+                raise
+            if keep and not conn.closed and not self._closed:
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+            else:
+                conn.close()
+            return status, body
+
+    async def aclose(self) -> None:
+        """Close every idle connection; requests in flight close theirs when they end."""
+        self._closed = True
+        while self._idle:
+            with contextlib.suppress(Exception):
+                self._idle.pop().close()
