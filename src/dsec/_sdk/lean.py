@@ -96,6 +96,7 @@ class _Connection(asyncio.Protocol):
         try:
             return await asyncio.wait_for(asyncio.shield(self.answer), read_timeout)
         except TimeoutError:
+            self.answer.cancel()  # nobody will read it: the connection closing later must not set an error on it
             raise LeanError("timeout", f"no answer within {read_timeout:g} s") from None
 
 

@@ -33,7 +33,7 @@ from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
-from dsec.isolation.cgroups import CgroupSet, Limits, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, LimitCounters, Limits, cgroup_mode
 from dsec.isolation.disk import disk_full, mount_disk, umount
 from dsec.isolation.exec_client import stream_exec
 from dsec.isolation.files import SandboxFS
@@ -77,6 +77,8 @@ class FunctionBackend(Backend):
         # Not the container backend's parent: each backend's orphan sweep must see only its own sandboxes.
         self.cgroup_parent = f"dsec-{tag}-fn"
         self._zygotes: dict[str, Zygote] = {}
+        # Sandbox id -> its cgroups' limit counters (read around every call), resolved at its first call.
+        self._counters: dict[str, LimitCounters] = {}
         self._binary: Path | None = None
         self._bpf = b""
         self._support: Path | None = None
@@ -231,7 +233,9 @@ class FunctionBackend(Backend):
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         zygote = self._zygote(record)
-        cgroups = self._cgroups(record)
+        counters = self._counters.get(record.id)
+        if counters is None:
+            counters = self._counters[record.id] = self._cgroups(record).limit_counters()
         env = {"PATH": DEFAULT_PATH, "HOME": "/tmp", **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         argv = request.argv()
@@ -242,15 +246,15 @@ class FunctionBackend(Backend):
         fsize = 0 if record.backend_state.get("disk") else record.spec.disk
         fields = [str(cpu), str(fsize), str(_NOFILE), request.cwd or workdir_of(record),
                   str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
-        before = (cgroups.oom_kills(), cgroups.pids_limit_hits())
+        before = (counters.oom_kills(), counters.pids_limit_hits())
         disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if sig == signal.SIGKILL and cgroups.oom_kills() > before[0]:
+            if sig == signal.SIGKILL and counters.oom_kills() > before[0]:
                 return "memory"
             if sig == signal.SIGXCPU:
                 return "time"
-            if exit_code != 0 and cgroups.pids_limit_hits() > before[1]:
+            if exit_code != 0 and counters.pids_limit_hits() > before[1]:
                 return "pids"
             if exit_code != 0 and disk and disk_full(disk):
                 return "disk"
@@ -348,6 +352,7 @@ class FunctionBackend(Backend):
 
     async def destroy(self, record: SandboxRecord) -> None:
         zygote = self._zygotes.pop(record.id, None)
+        self._counters.pop(record.id, None)
         if zygote is not None:
             await asyncio.to_thread(zygote.close)
         await asyncio.to_thread(self._release, record.id, record.backend_state)

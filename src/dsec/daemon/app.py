@@ -169,7 +169,8 @@ class ExecResultFastPath:
     It answers exactly what the declared route answers (the route stays, documents the API and serves
     whatever this class hands back): a body that is not a valid ExecRequest, a query other than one
     ``seq``, or a content type other than JSON go on to FastAPI with their body replayed, so their 400s are
-    FastAPI's. It sits inside the bearer-token guard like every route.
+    FastAPI's. Behind a bearer-token guard it sits inside the guard like every route; without one (the
+    node's unix socket) the app takes it before its middleware stack (see ``_NodeAPI``).
     """
 
     def __init__(self, app: ASGIApp, engine: Engine | GatewayEngine) -> None:
@@ -255,13 +256,32 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
+class _NodeAPI(FastAPI):
+    """The FastAPI app, with ``sb.exec``'s requests taken before its middleware stack when no token guards
+    the app (the node's unix socket): ServerErrorMiddleware, FastAPI's telemetry and body-limit layers and
+    Starlette's wrap every ``send`` of an answer in a frame of their own, a visible share of the daemon's
+    CPU per exec. Behind a token guard the fast path stays inside it, where every route is."""
+
+    exec_fast_path: ExecResultFastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.exec_fast_path is not None and scope["type"] == "http":
+            await self.exec_fast_path(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def full_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every request the fast path does not serve."""
+        await super().__call__(scope, receive, send)
+
+
 def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
                tokens: TokenFile | None = None) -> FastAPI:
     """The node's FastAPI app over ``engine`` (a node's, or the cluster gateway's, which has the same
     methods); with ``token`` (admin) or ``tokens`` (the token file), every route but ``GET /v1/health``
     needs a token (see :mod:`dsec.daemon.auth` for scopes, rate limits and the sandbox-scoped tokens of
     cluster mode)."""
-    app = FastAPI(
+    app = _NodeAPI(
         title="DSec node API",
         version=dsec_version(),
         description=(
@@ -531,9 +551,11 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
 
     mount_ui(app)
     _add_error_schema(app)
-    app.add_middleware(ExecResultFastPath, engine=engine)  # added first: the token guard wraps it
     if token is not None or tokens is not None:
+        app.add_middleware(ExecResultFastPath, engine=engine)  # added first: the token guard wraps it
         app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
+    else:
+        app.exec_fast_path = ExecResultFastPath(app.full_stack, engine)
     return app
 
 

@@ -199,9 +199,11 @@ class Daemon:
         if self.tcp is not None:
             apps.append(create_app(engine, self.token, tokens=TokenFile(self.settings.tokens_file)))
         for app in apps:
+            # X-Forwarded-For means nothing on the unix socket (apps[0]); uvicorn's layer for it costs a frame
+            # per request.
             config = uvicorn.Config(
                 app, loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
-                timeout_graceful_shutdown=5,
+                timeout_graceful_shutdown=5, proxy_headers=app is not apps[0],
             )
             self._servers.append(_Server(config))
         loop = asyncio.get_running_loop()

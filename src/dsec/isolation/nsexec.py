@@ -119,6 +119,9 @@ class Helper:
 
     def serve(self, sock: socket.socket) -> None:
         fd_size = array.array("i").itemsize
+        # One receive buffer for the helper's life: recvmsg(MAX_MESSAGE) allocated (mmap) and shrank (mremap,
+        # munmap with its TLB shootdown) a fresh 1 MiB buffer per command.
+        buffer = bytearray(MAX_MESSAGE)
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ, None)
         while True:
@@ -136,9 +139,10 @@ class Helper:
                     os.close(status)
                     continue
                 try:
-                    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * fd_size))
+                    size, ancdata, _, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(4 * fd_size))
                 except InterruptedError:
                     continue
+                data = bytes(memoryview(buffer)[:size])
                 if not data:
                     return  # the daemon closed its end; running commands are re-parented to the daemon (subreaper)
                 fds: list[int] = []

@@ -1,0 +1,152 @@
+"""dsec._sdk.lean: the keep-alive HTTP/1.1 connections of ``sb.exec``, against a real unix-socket server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from dsec._sdk.lean import LeanError, LeanPool
+
+pytestmark = pytest.mark.asyncio
+
+Reply = Callable[[bytes], bytes | None]
+"""What the server answers to one request (None: say nothing)."""
+
+
+def _ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
+class _Server:
+    """Counts connections and requests; answers each request with ``reply``."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.hangups = asyncio.Event()
+        self.close_after = False
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                request = head + await reader.readexactly(length)
+                self.requests.append(request)
+                answer = self.reply(request)
+                if answer is not None:
+                    writer.write(answer)
+                    await writer.drain()
+                if self.close_after:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.hangups.set()
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path, reply: Reply) -> AsyncIterator[tuple[_Server, LeanPool]]:
+    server = _Server(reply)
+    sock = str(tmp_path / "lean.sock")
+    listener = await asyncio.start_unix_server(server.handle, sock)
+    pool = LeanPool(uds=sock)
+    try:
+        yield server, pool
+    finally:
+        await pool.aclose()
+        listener.close()
+        await listener.wait_closed()
+
+
+def _post(body: bytes) -> bytes:
+    return b"POST /x HTTP/1.1\r\nHost: dsec\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def test_answers_come_back_whole_on_one_kept_alive_connection(tmp_path: Path) -> None:
+    async with _serving(tmp_path, lambda req: _ok(req.rsplit(b"\r\n\r\n", 1)[1].upper())) as (server, pool):
+        answers = [await pool.request(_post(b"call %d" % i), connect_timeout=5, read_timeout=None) for i in range(3)]
+        assert answers == [(200, b"CALL 0"), (200, b"CALL 1"), (200, b"CALL 2")]
+        assert server.connections == 1 and len(server.requests) == 3
+        # concurrent calls each get a connection of their own, and their own answer
+        many = await asyncio.gather(*(pool.request(_post(b"c%d" % i), connect_timeout=5, read_timeout=None)
+                                      for i in range(5)))
+        assert many == [(200, b"C%d" % i) for i in range(5)]
+
+
+async def test_chunked_and_error_answers(tmp_path: Path) -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    error = b'HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}'
+    replies = iter([chunked, error, _ok(b"after")])
+    async with _serving(tmp_path, lambda _: next(replies)) as (server, pool):
+        assert await pool.request(_post(b""), connect_timeout=5, read_timeout=None) == (200, b"abcde")
+        assert await pool.request(_post(b""), connect_timeout=5, read_timeout=None) == (404, b"{}")
+        # "Connection: close" is honoured: the next call opens a new connection
+        assert await pool.request(_post(b""), connect_timeout=5, read_timeout=None) == (200, b"after")
+        assert server.connections == 2
+
+
+async def test_idle_connections_expire_before_the_server_drops_them(tmp_path: Path) -> None:
+    async with _serving(tmp_path, lambda _: _ok(b"ok")) as (server, pool):
+        pool.keepalive_expiry = 0.05
+        await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
+        await asyncio.sleep(0.1)
+        await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
+        assert server.connections == 2
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused(tmp_path: Path) -> None:
+    replies = iter([_ok(b"one"), _ok(b"two")])
+    async with _serving(tmp_path, lambda _: next(replies)) as (server, pool):
+        assert await pool.request(_post(b""), connect_timeout=5, read_timeout=None) == (200, b"one")
+        idle = pool._idle[0]
+        assert idle.transport is not None
+        idle.transport.close()  # as if the daemon had closed it: the protocol learns of it
+        await asyncio.sleep(0.05)
+        assert await pool.request(_post(b""), connect_timeout=5, read_timeout=None) == (200, b"two")
+        assert server.connections == 2
+
+
+async def test_failures_name_their_kind(tmp_path: Path) -> None:
+    with pytest.raises(LeanError, match="No such file") as info:
+        await LeanPool(uds=str(tmp_path / "absent.sock")).request(_post(b""), connect_timeout=5, read_timeout=None)
+    assert info.value.kind == "connect"
+    async with _serving(tmp_path, lambda _: None) as (server, pool):
+        with pytest.raises(LeanError, match="no answer within") as info:
+            await pool.request(_post(b""), connect_timeout=5, read_timeout=0.1)
+        assert info.value.kind == "timeout"
+        await asyncio.wait_for(server.hangups.wait(), 5)  # the timed-out connection was closed, not kept
+        assert not pool._idle
+    async with _serving(tmp_path, lambda _: b"SSH-2.0-OpenSSH\r\n\r\n") as (server, pool):
+        with pytest.raises(LeanError, match="not HTTP") as info:
+            await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
+        assert info.value.kind == "lost"
+    async with _serving(tmp_path, lambda _: b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\npartial") as (server, pool):
+        server.close_after = True  # the daemon dies mid-answer
+        with pytest.raises(LeanError, match="closed before a complete answer") as info:
+            await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
+        assert info.value.kind == "lost"
+    pool = LeanPool(uds=str(tmp_path / "lean.sock"))
+    await pool.aclose()
+    with pytest.raises(LeanError, match="closed"):
+        await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
+
+
+async def test_a_cancelled_call_closes_its_connection(tmp_path: Path) -> None:
+    async with _serving(tmp_path, lambda _: None) as (server, pool):
+        task = asyncio.ensure_future(pool.request(_post(b"slow"), connect_timeout=5, read_timeout=None))
+        while not server.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the daemon sees the hang-up (that is what kills a cancelled exec's command)
+        await asyncio.wait_for(server.hangups.wait(), 5)
+        assert not pool._idle
