@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters", "Limits",
-           "cgroup_mode", "v2_controllers_in_hybrid"]
+__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters",
+           "Limits", "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
 
