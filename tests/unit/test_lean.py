@@ -11,8 +11,6 @@ import pytest
 
 from dsec._sdk.lean import LeanError, LeanPool
 
-pytestmark = pytest.mark.asyncio
-
 Reply = Callable[[bytes], bytes | None]
 """What the server answers to one request (None: say nothing)."""
 
@@ -79,6 +77,18 @@ async def test_answers_come_back_whole_on_one_kept_alive_connection(tmp_path: Pa
         many = await asyncio.gather(*(pool.request(_post(b"c%d" % i), connect_timeout=5, read_timeout=None)
                                       for i in range(5)))
         assert many == [(200, b"C%d" % i) for i in range(5)]
+
+
+def test_the_connections_work_on_uvloop(tmp_path: Path) -> None:
+    """The daemon's and the benchmarks' loop: its transports are not asyncio.Transport subclasses."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def calls() -> list[tuple[int, bytes]]:
+        async with _serving(tmp_path, lambda _: _ok(b"ok")) as (_, pool):
+            return [await pool.request(_post(b""), connect_timeout=5, read_timeout=1) for _ in range(2)]
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(calls()) == [(200, b"ok"), (200, b"ok")]
 
 
 async def test_chunked_and_error_answers(tmp_path: Path) -> None:

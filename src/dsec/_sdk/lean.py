@@ -21,7 +21,7 @@ import contextlib
 import ssl
 import time
 from collections import deque
-from typing import Literal
+from typing import Literal, cast
 
 import httptools
 
@@ -53,8 +53,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's do not subclass asyncio.Transport, so no isinstance check).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
