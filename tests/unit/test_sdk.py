@@ -316,7 +316,8 @@ async def test_exec_answer_that_is_not_a_result_is_connection_failed(
 
 
 async def test_exec_on_the_lean_pool_maps_failures_like_every_call(tmp_path: Path, sb: dsec.AsyncSandbox) -> None:
-    """sb.exec goes on its lean connections (dsec._sdk.lean): a dead daemon, a hang-up and an error answer still come back typed."""
+    """sb.exec goes on its lean connections (dsec._sdk.lean): a dead daemon, a hang-up and an error answer
+    still come back typed."""
     async with dsec.Client(url=f"unix://{tmp_path}/absent.sock") as nowhere:
         with pytest.raises(dsec.ConnectionFailed, match="dsec up"):
             await dsec.AsyncSandbox(sb._info, nowhere).exec("true")
