@@ -200,7 +200,7 @@ async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, en
 
 async def test_exec_result_fast_path_hands_what_it_does_not_serve_to_the_route(
         engine: Engine, client: httpx.AsyncClient) -> None:
-    """ExecResultFastPath serves well-formed requests itself; every other one is FastAPI's to answer (and word)."""
+    """FastPath serves well-formed exec requests itself; every other one is FastAPI's to answer (and word)."""
     sid = await new_sandbox(client)
     url = f"/v1/sandboxes/{sid}/exec/result"
     for params, message in (({"seq": "abc"}, "query.seq: Input should be a valid integer"),
