@@ -68,10 +68,12 @@ class Transport:
     def url(self) -> str:
         return self.endpoint.url
 
-    def build_lean(self) -> httpcore.AsyncConnectionPool:
-        """A bare HTTP/1.1 connection pool for :meth:`post_json` (the same limits as httpx's defaults)."""
-        return httpcore.AsyncConnectionPool(uds=self.endpoint.uds, max_connections=100,
-                                            max_keepalive_connections=20, keepalive_expiry=5.0)
+    def build_lean(self, max_connections: int = 100, max_keepalive_connections: int = 20,
+                   keepalive_expiry: float = 5.0) -> httpcore.AsyncConnectionPool:
+        """A bare HTTP/1.1 connection pool for :meth:`post_json` (by default the same limits as httpx's)."""
+        return httpcore.AsyncConnectionPool(uds=self.endpoint.uds, max_connections=max_connections,
+                                            max_keepalive_connections=max_keepalive_connections,
+                                            keepalive_expiry=keepalive_expiry)
 
     async def post_json(self, pool: httpcore.AsyncConnectionPool, path: str, body: bytes, *,
                         params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
