@@ -166,10 +166,13 @@ class GatewayEngine:
             self.placer.set_node(node.name, _capacity(node.capacity), usable=False)
         for row in await asyncio.to_thread(self.state.sandboxes):
             self.rows[row.id] = row
-            if row.info.state in ("running", "paused", "creating"):
+            if row.info.state in _LIVE:
                 self.placer.adopt(row.job, row.node, row.info.spec)
                 if row.info.image and row.node in self.placer.nodes:
                     self.placer.nodes[row.node].images.add(row.info.image)
+        # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
+        # first request (membership, which may take a poll or two to answer, then only confirms them).
+        await asyncio.gather(*(self._rejoin(node) for node in builtins.list(self.node_rows.values()) if node.alive))
         await self.poll()
         await self.refresh_images()
         self._poller = asyncio.create_task(self._poll_forever())
@@ -257,6 +260,15 @@ class GatewayEngine:
                 lost.append(row)
         await self.state.writer.put_sandboxes(lost)
         log.warning("node %s died (%s): %d sandbox(es) lost", node.name, reason, len(lost))
+
+    async def _rejoin(self, node: NodeRow) -> None:
+        try:
+            await self.reconcile(node.name)
+        except DSecError as exc:
+            log.warning("node %s does not answer at %s yet (%s): membership decides", node.name, node.url, exc)
+            return
+        self._reconciled.add(node.name)
+        self.placer.set_node(node.name, _capacity(node.capacity))
 
     async def reconcile(self, node: str) -> None:
         """Make the records of ``node`` follow what it holds (at gateway start and when a node joins).
