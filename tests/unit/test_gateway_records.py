@@ -23,7 +23,7 @@ from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow, SandboxRow
 from dsec.daemon.auth import JOB_LABEL
-from dsec.errors import SandboxNotFound
+from dsec.errors import SandboxNotFound, SandboxTimeout
 from dsec.models import SandboxSpec
 
 
@@ -114,7 +114,7 @@ async def test_reconcile_adopts_what_the_node_holds_and_forgets_what_it_does_not
             assert set(g.rows) == {labelled.id}
             row = g.rows[labelled.id]
             assert row.job == "j2" and row.node == "node-0" and row.info.endpoint is not None
-            assert ("put", (labelled.id, "j2", "running")) in writer.submitted
+            assert ("put", labelled.id) in writer.waited  # rare, and the only record: waited for
             assert ("delete", gone.id) in writer.submitted
             assert g.placer.job("j2").live == 1
             # Reconciling again changes nothing.
@@ -177,6 +177,32 @@ async def test_a_sandbox_destroyed_on_its_node_is_forgotten_on_first_contact(nod
         assert writer.submitted[-1] == ("delete", info.id)
         with pytest.raises(SandboxNotFound):
             await g.get(info.id)
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+
+
+async def test_the_nodes_events_keep_the_records_true_without_a_client_call(nodes: list[Daemon]) -> None:
+    """Followed nodes tell the gateway of expiries and destroys at once: the room is given back before any
+    client touches the sandbox again."""
+    g, writer = gateway(nodes)
+    for name in g.node_rows:
+        g._follow(name)
+    token = current_job.set("j6")
+    try:
+        short = await g.create(SandboxSpec(image="tiny", timeout=0.3))
+        other = await g.create(SandboxSpec(image="tiny"))
+        assert g.placer.job("j6").live == 2
+        async with node_client(nodes[int(g.rows[other.id].node == "node-1")]) as node:
+            await (await dsec.AsyncSandbox.connect(other.id, client=node)).close()  # behind the gateway's back
+        deadline = time.monotonic() + 20
+        while g.placer.job("j6").live:
+            assert time.monotonic() < deadline, "the gateway did not learn of the expiry and the destroy"
+            await asyncio.sleep(0.05)
+        assert g.rows[short.id].info.state == "expired" and "timeout of 0.3 s" in (g.rows[short.id].info.reason or "")
+        assert other.id not in g.rows and ("delete", other.id) in writer.submitted
+        with pytest.raises(SandboxTimeout, match=r"timeout of 0\.3 s"):
+            await g.get(short.id)
     finally:
         current_job.reset(token)
         await g.aclose()

@@ -31,6 +31,7 @@ from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
 from dsec.daemon.engine import dsec_version
+from dsec.daemon.events import EventBus
 from dsec.errors import (
     BackendUnavailable,
     ConnectionFailed,
@@ -153,6 +154,9 @@ class GatewayEngine:
         self.metrics = _Metrics(self)
         self._transports: dict[str, tuple[Transport, httpx.AsyncClient, httpcore.AsyncConnectionPool]] = {}
         self._reconciled: set[str] = set()
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self.events = EventBus("gateway", history=10_000)
+        """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
         self._poller: asyncio.Task[None] | None = None
         self._image_poller: asyncio.Task[None] | None = None
 
@@ -184,6 +188,8 @@ class GatewayEngine:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        for name in builtins.list(self._followers):
+            await self._unfollow(name)
         for name in builtins.list(self._transports):
             await self._drop_client(name)
         await self.state.aclose()
@@ -229,6 +235,7 @@ class GatewayEngine:
                 row = NodeRow(facts.name, facts.url, facts.token, True, facts.capacity or {}, None)
                 if known is None or (known.url, known.token, known.alive) != (row.url, row.token, True):
                     await self.state.writer.put_node(row)
+                    await self._unfollow(facts.name)
                     await self._drop_client(facts.name)
                     self._reconciled.discard(facts.name)
                     log.info("node %s joined at %s", facts.name, facts.url)
@@ -243,6 +250,7 @@ class GatewayEngine:
                                     exc)
                         continue
                     self._reconciled.add(facts.name)
+                    self._follow(facts.name)
                 self.placer.set_node(facts.name, _capacity(row.capacity))
             elif not facts.alive and known is not None and known.alive:
                 await self._node_died(known, facts.reason or "Ray reports the node dead")
@@ -250,6 +258,7 @@ class GatewayEngine:
     async def _node_died(self, node: NodeRow, reason: str) -> None:
         node.alive, node.reason = False, reason
         self.placer.mark_dead(node.name)
+        await self._unfollow(node.name)
         await self.state.writer.put_node(node)
         lost: list[SandboxRow] = []
         for row in self.rows.values():
@@ -268,6 +277,7 @@ class GatewayEngine:
             log.warning("node %s does not answer at %s yet (%s): membership decides", node.name, node.url, exc)
             return
         self._reconciled.add(node.name)
+        self._follow(node.name)
         self.placer.set_node(node.name, _capacity(node.capacity))
 
     async def reconcile(self, node: str) -> None:
@@ -291,7 +301,7 @@ class GatewayEngine:
             adopted.append(row)
         if adopted:
             log.warning("node %s: adopted %d sandbox(es) the gateway had no record of", node, len(adopted))
-            self.state.writer.submit_sandboxes(adopted)
+            await self.state.writer.put_sandboxes(adopted)
         for row in builtins.list(self.rows.values()):
             if row.node == node and row.info.state in _LIVE and row.id not in held:
                 try:
@@ -722,42 +732,59 @@ class GatewayEngine:
         return entries
 
     def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Every live node's lifecycle events as they happen, merged and numbered by the gateway (admin only).
+        """Every node's lifecycle events, merged and numbered by the gateway (admin only); ``since`` replays the
+        gateway's kept history after that number first, as a node daemon does.
 
-        Live only: the nodes number their events each on their own, so there is no gateway history to resume
-        from (``since`` is refused); nodes that join after the stream opened are not followed."""
+        The gateway follows each live node's stream from the moment the node is reconciled (after a
+        gateway restart, from the node's own kept history), so the history holds the nodes' recent events
+        in the order the gateway received them; a node's ``seq`` is replaced by the gateway's."""
         self._admin_only("the event stream")
-        if since is not None:
-            raise NotSupported("the gateway merges the nodes' live events and keeps no history: resume with "
-                               "?since= on each node daemon, or open the gateway's stream without it")
-        return self._merged_events()
+        return self.events.subscribe(since)
 
-    async def _merged_events(self) -> AsyncIterator[LifecycleEvent]:
-        queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(1000)  # a slow reader slows the node readers
+    def _follow(self, node: str) -> None:
+        task = self._followers.get(node)
+        if task is None or task.done():
+            self._followers[node] = asyncio.create_task(self._follow_node(node), name=f"dsec-events-{node}")
 
-        async def follow(node: str) -> None:
-            transport, http = self._client(node)
+    async def _unfollow(self, node: str) -> None:
+        task = self._followers.pop(node, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _follow_node(self, node: str) -> None:
+        """Follow one node's event stream for as long as it lives: each event goes into the gateway's
+        history and keeps the records true (a sandbox the node expired or destroyed frees its room now, not
+        when a client next asks). A dropped stream is re-opened from the node's kept history, skipping what
+        was already seen (by time: a restarted node daemon numbers from 1 again)."""
+        seen = (0.0, 0)
+        while True:
             try:
-                async with transport.stream(http, "GET", "/v1/events") as response:
+                transport, http = self._client(node)
+                async with transport.stream(http, "GET", "/v1/events?since=0") as response:
                     async for line in response.aiter_lines():
-                        if line:
-                            await queue.put(LifecycleEvent.model_validate_json(line))
+                        if not line:
+                            continue
+                        event = LifecycleEvent.model_validate_json(line)
+                        if (event.at, event.seq) <= seen and event.kind != "lagged":
+                            continue
+                        seen = (event.at, event.seq)
+                        self._apply(node, event)
+                        self.events.forward(event)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a node that dies ends its part of the stream, said once
-                log.warning("event stream of node %s ended: %s", node, exc)
+            except Exception as exc:  # a node that dies: membership stops this follower
+                log.info("event stream of node %s ended (%s); re-opening", node, exc)
+            await asyncio.sleep(1.0)
 
-        tasks = [asyncio.create_task(follow(n.name)) for n in self.placer.nodes.values() if n.alive]
-        seq = 0
-        try:
-            while True:
-                event = await queue.get()
-                seq += 1
-                yield event.model_copy(update={"seq": seq})
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def _apply(self, node: str, event: LifecycleEvent) -> None:
+        row = self.rows.get(event.sandbox_id or "")
+        if row is None or row.node != node or row.info.state not in _LIVE:
+            return
+        if event.kind == "expired":
+            self._ended(row, event.reason or f"sandbox {row.id} passed its timeout and was destroyed")
+        elif event.kind == "destroyed":
+            self._ended(row, None)
 
     async def overview(self) -> NodeOverview:
         """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""

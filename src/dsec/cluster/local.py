@@ -231,11 +231,12 @@ async def sweep_home(home: Path, images: Path) -> list[str]:
     """Destroy every sandbox still under a node home (a killed node leaves its sandboxes); their ids."""
     from dsec.backends.container import ContainerBackend
     from dsec.backends.function import FunctionBackend
+    from dsec.backends.microvm import MicroVMBackend
     from dsec.config import Settings
 
     settings = Settings(home=home, images_dir=images)
     removed: list[str] = []
-    for backend in (FunctionBackend(settings), ContainerBackend(settings)):
+    for backend in (FunctionBackend(settings), ContainerBackend(settings), MicroVMBackend(settings)):
         with contextlib.suppress(Exception):
             removed += await backend.cleanup_orphans(set())
         with contextlib.suppress(Exception):
