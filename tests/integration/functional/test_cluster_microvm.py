@@ -8,18 +8,15 @@ covered by test_cluster.py; this checks that nothing in the cluster path is cont
 from __future__ import annotations
 
 import base64
-import contextlib
-import shutil
 from collections.abc import Iterator
 
 import pytest
 
 import dsec
-from cluster_support import LocalCluster, checked_cluster, own_netns
+from cluster_support import LocalCluster, checked_cluster, cluster_services
 from conftest import missing
 from dsec.errors import DSecError
 from dsec.guest.kernel import default_guest_dir, find_kernel
-from postgres_support import postgres_or_missing
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,17 +24,11 @@ pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.ti
 @pytest.fixture(scope="module")
 def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
     try:
-        import ray  # noqa: F401
-    except ImportError:
-        missing("ray is not installed: pip install 'dsec[cluster]' (./scripts/setup)")
-    if shutil.which("ip") is None:
-        missing("iproute2 is not installed (./scripts/setup)")
-    try:
         find_kernel(default_guest_dir())
     except DSecError as exc:
         missing(str(exc))
-    with own_netns(), contextlib.contextmanager(postgres_or_missing)() as pg, checked_cluster(
-            pg, 1, {"vm": {}}, {"microvm": 2, "function": 0, "container": 0}) as handle:
+    with cluster_services() as pg, checked_cluster(pg, 1, {"vm": {}},
+                                                   {"microvm": 2, "function": 0, "container": 0}) as handle:
         yield handle
 
 
