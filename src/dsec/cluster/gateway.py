@@ -491,7 +491,15 @@ class GatewayEngine:
         row = self._row(sandbox_id)
         with self._on_node(row):
             response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
-        row.info = self._with_endpoint(SandboxInfo.model_validate(response.json()), row.node)
+        return self._refresh(row, SandboxInfo.model_validate(response.json()))
+
+    def _refresh(self, row: SandboxRow, info: SandboxInfo) -> SandboxInfo:
+        """The node's fresh info into the row; one the node is expiring right now ends the row (room given back)."""
+        if info.state == "expired":
+            if row.info.state in _LIVE:
+                self._ended(row, info.reason or f"sandbox {row.id} passed its timeout and was destroyed")
+            return row.info
+        row.info = self._with_endpoint(info, row.node)
         return row.info
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -564,9 +572,7 @@ class GatewayEngine:
 
     async def _info_call(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> SandboxInfo:
         row = self._row(sandbox_id)
-        row.info = self._with_endpoint(SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)),
-                                       row.node)
-        return row.info
+        return self._refresh(row, SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)))
 
     async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
         """Forward pause."""
