@@ -200,7 +200,7 @@ async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, en
 
 async def test_exec_result_fast_path_hands_what_it_does_not_serve_to_the_route(
         engine: Engine, client: httpx.AsyncClient) -> None:
-    """ExecResultFastPath serves well-formed requests itself; every other one is FastAPI's to answer (and word)."""
+    """FastPath serves well-formed exec requests itself; every other one is FastAPI's to answer (and word)."""
     sid = await new_sandbox(client)
     url = f"/v1/sandboxes/{sid}/exec/result"
     for params, message in (({"seq": "abc"}, "query.seq: Input should be a valid integer"),
@@ -226,6 +226,23 @@ async def test_exec_result_fast_path_hands_what_it_does_not_serve_to_the_route(
         assert (r.status_code, r.json()["error"]["type"]) == (401, "Unauthorized")
         r = await guarded.post(url, json={"command": "true"}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["exit_code"] == 0
+
+
+async def test_create_fast_path_serves_creates_and_hands_bad_ones_to_the_route(client: httpx.AsyncClient) -> None:
+    """POST /v1/sandboxes is served by FastPath (201, the SandboxInfo); what it does not serve is FastAPI's."""
+    r = await client.post("/v1/sandboxes", json={"image": "base", "labels": {"k": "v"}})
+    assert r.status_code == 201 and r.headers["content-length"] == str(len(r.content)), r.text
+    assert r.json()["state"] == "running" and r.json()["labels"] == {"k": "v"}
+    r = await client.post("/v1/sandboxes", json={"image": "base", "bogus": 1})
+    assert r.status_code == 400 and "body.bogus: Extra inputs are not permitted" in r.text, r.text
+    r = await client.post("/v1/sandboxes", json={"image": "base", "cpu": -1})
+    assert r.status_code == 400 and "body.cpu" in r.text, r.text
+    r = await client.post("/v1/sandboxes", content=b'{"image": "base"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "invalid request: body:" in r.text, r.text
+    r = await client.post("/v1/sandboxes", params={"x": "1"}, json={"image": "base"})  # the route ignores it
+    assert r.status_code == 201, r.text
+    r = await client.post("/v1/sandboxes", json={"image": "no-such-image"})
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "ImageNotFound"), r.text
 
 
 async def test_exception_inside_one_response_exec_is_a_sandbox_error(tmp_path: Path) -> None:

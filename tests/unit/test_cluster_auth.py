@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 from test_app import client_for, engine, new_sandbox
 
 from dsec.cluster.server import Jobs
-from dsec.daemon.auth import scoped_token
+from dsec.daemon.auth import TokenFile, scoped_token
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
 
@@ -84,3 +86,31 @@ def test_cluster_up_refuses_a_bad_jobs_file_before_touching_ray(tmp_path: Path) 
                                        "--ray-address", "127.0.0.1:1"])
     assert result.exit_code != 0
     assert "at least 16 characters" in result.output + str(result.exception)
+
+
+async def test_job_token_is_told_its_sandbox_expired(engine: Engine, tmp_path: Path) -> None:
+    """A job's token asking for its sandbox after the timeout gets SandboxTimeout with the reason, not a bare
+    404; another job's token still gets the 404 of an id that does not exist; a destroyed one says so."""
+    tokens = TokenFile(tmp_path / "tokens.json")
+    mine, theirs = tokens.create("trainer-1", job="j1"), tokens.create("trainer-2", job="j2")
+    async with client_for(engine, NODE_TOKEN, tokens=tokens) as c:  # type: ignore[arg-type]
+        job = {"Authorization": f"Bearer {mine}"}
+        short = (await c.post("/v1/sandboxes", json={"image": "base", "timeout": 0.3}, headers=job)).json()["id"]
+        gone = (await c.post("/v1/sandboxes", json={"image": "base"}, headers=job)).json()["id"]
+        assert (await c.delete(f"/v1/sandboxes/{gone}", headers=job)).status_code == 204
+        deadline = time.monotonic() + 20
+        while (await c.get(f"/v1/sandboxes/{short}", headers=job)).status_code == 200:
+            assert time.monotonic() < deadline, "the sandbox did not expire"
+            await asyncio.sleep(0.05)
+        for call in (c.get(f"/v1/sandboxes/{short}", headers=job),
+                     c.post(f"/v1/sandboxes/{short}/exec/result", json={"command": "true"}, headers=job)):
+            r = await call
+            assert (r.status_code, r.json()["error"]["type"]) == (408, "SandboxTimeout"), r.text
+            assert "timeout of 0.3 s" in r.json()["error"]["message"]
+        r = await c.get(f"/v1/sandboxes/{gone}", headers=job)
+        assert (r.status_code, r.json()["error"]["message"]) == (404, f"sandbox {gone} was destroyed")
+        other = {"Authorization": f"Bearer {theirs}"}
+        for sid in (short, gone):
+            r = await c.get(f"/v1/sandboxes/{sid}", headers=other)
+            assert (r.status_code, r.json()["error"]["message"]) == (404, f"no sandbox {sid!r}")
+        assert (await c.delete(f"/v1/sandboxes/{short}", headers=job)).status_code == 204

@@ -314,9 +314,9 @@ class AsyncSandbox:
         client = client or default_client()
         # no read timeout: a create may take minutes (a vm template's first boot under TCG, an image pull);
         # the spec's own limits bound it on the daemon
-        response = await client._request("POST", "/v1/sandboxes", json=spec.model_dump(mode="json"),
-                                         timeout=STREAM_TIMEOUT)
-        sandbox = cls(SandboxInfo.model_validate(response.json()), client)
+        # On the lean pool, as exec: the create is the other call an RL loop makes thousands of times.
+        content = await client._post_json("/v1/sandboxes", spec.model_dump_json().encode(), timeout=STREAM_TIMEOUT)
+        sandbox = cls(SandboxInfo.model_validate_json(content), client)
         status = sandbox._info.trajectory
         if status is not None:
             sandbox._cursor = Cursor(client, status.name, status.calls)

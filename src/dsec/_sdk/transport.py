@@ -70,13 +70,16 @@ class Transport:
     def url(self) -> str:
         return self.endpoint.url
 
-    def build_lean(self) -> LeanPool:
-        """Keep-alive connections for :meth:`post_json` (at most 100 requests in flight, as httpx's default)."""
+    def build_lean(self, max_connections: int = 100, keepalive_expiry: float = 4.0) -> LeanPool:
+        """Keep-alive connections for :meth:`post_json` (by default at most 100 requests in flight, as httpx's
+        default; idle ones dropped after 4 s, before uvicorn's 5 s keep-alive closes them)."""
         if self.endpoint.uds is not None:
-            return LeanPool(uds=self.endpoint.uds)
+            return LeanPool(uds=self.endpoint.uds, max_connections=max_connections,
+                            keepalive_expiry=keepalive_expiry)
         parts = urlsplit(self.endpoint.base_url)
         tls = ssl.create_default_context() if parts.scheme == "https" else None
-        return LeanPool(host=parts.hostname or "", port=parts.port or (443 if tls else 80), tls=tls)
+        return LeanPool(host=parts.hostname or "", port=parts.port or (443 if tls else 80), tls=tls,
+                        max_connections=max_connections, keepalive_expiry=keepalive_expiry)
 
     async def post_json(self, pool: LeanPool, path: str, body: bytes, *,
                         params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,

@@ -3,7 +3,7 @@
 Measured in one run, on one machine, with the real pieces (``dsec.cluster.local``: Ray head + 3 worker
 nodes each with a node daemon, the gateway process, PostgreSQL), all in a private network namespace:
 
-- create latency through the gateway (placement + PostgreSQL write + forward) versus a create sent
+- create latency through the gateway (placement + forward; the state row commits after the answer) versus a create sent
   straight to one node daemon (the single-node path), interleaved; the difference is the overhead;
 - the placement decision alone (``Placer.try_place``) on 160 simulated nodes, in-process;
 - a burst of creates (each created then closed) from one client across the 3 nodes: time and failures.

@@ -16,7 +16,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +24,14 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import TypeAdapter
 
-from dsec._sdk.transport import Transport
+from dsec._sdk.lean import LeanPool
+from dsec._sdk.transport import STREAM_TIMEOUT, Transport
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
-from dsec.daemon.auth import scoped_token
+from dsec.daemon.auth import JOB_LABEL, scoped_token
 from dsec.daemon.engine import dsec_version
+from dsec.daemon.events import EventBus
 from dsec.errors import (
     BackendUnavailable,
     ConnectionFailed,
@@ -38,6 +40,7 @@ from dsec.errors import (
     NotSupported,
     SandboxLost,
     SandboxNotFound,
+    SandboxTimeout,
 )
 from dsec.models import (
     AuditEntry,
@@ -95,9 +98,9 @@ NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
 # Drop idle connections to a node before its uvicorn does (5 s keep-alive): reusing one the server is
 # closing at that instant fails the request ("Server disconnected without sending a response").
 _NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
-_JSON = {"Content-Type": "application/json"}
 _HEALTH_TIMEOUT = httpx.Timeout(5.0)
 _INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
+_LIVE = ("running", "paused", "creating")
 
 
 class _Metrics:
@@ -149,7 +152,11 @@ class GatewayEngine:
         self.rows: dict[str, SandboxRow] = {}
         self.node_rows: dict[str, NodeRow] = {}
         self.metrics = _Metrics(self)
-        self._transports: dict[str, tuple[Transport, httpx.AsyncClient]] = {}
+        self._transports: dict[str, tuple[Transport, httpx.AsyncClient, LeanPool]] = {}
+        self._reconciled: set[str] = set()
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self.events = EventBus("gateway", history=10_000)
+        """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
         self._poller: asyncio.Task[None] | None = None
         self._image_poller: asyncio.Task[None] | None = None
 
@@ -159,15 +166,17 @@ class GatewayEngine:
         """Reload nodes and sandboxes from the database, then follow membership."""
         for node in await asyncio.to_thread(self.state.nodes):
             self.node_rows[node.name] = node
-            self.placer.set_node(node.name, _capacity(node.capacity))
-            if not node.alive:
-                self.placer.mark_dead(node.name)
+            # Known, but nothing is placed there until membership confirms it and it is reconciled.
+            self.placer.set_node(node.name, _capacity(node.capacity), usable=False)
         for row in await asyncio.to_thread(self.state.sandboxes):
             self.rows[row.id] = row
-            if row.info.state in ("running", "paused", "creating"):
+            if row.info.state in _LIVE:
                 self.placer.adopt(row.job, row.node, row.info.spec)
                 if row.info.image and row.node in self.placer.nodes:
                     self.placer.nodes[row.node].images.add(row.info.image)
+        # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
+        # first request (membership, which may take a poll or two to answer, then only confirms them).
+        await asyncio.gather(*(self._rejoin(node) for node in builtins.list(self.node_rows.values()) if node.alive))
         await self.poll()
         await self.refresh_images()
         self._poller = asyncio.create_task(self._poll_forever())
@@ -179,9 +188,10 @@ class GatewayEngine:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for _transport, http in self._transports.values():
-            await http.aclose()
-        self._transports.clear()
+        for name in builtins.list(self._followers):
+            await self._unfollow(name)
+        for name in builtins.list(self._transports):
+            await self._drop_client(name)
         await self.state.aclose()
 
     async def _poll_forever(self) -> None:
@@ -225,9 +235,22 @@ class GatewayEngine:
                 row = NodeRow(facts.name, facts.url, facts.token, True, facts.capacity or {}, None)
                 if known is None or (known.url, known.token, known.alive) != (row.url, row.token, True):
                     await self.state.writer.put_node(row)
-                    self._transports.pop(facts.name, None)
+                    await self._unfollow(facts.name)
+                    await self._drop_client(facts.name)
+                    self._reconciled.discard(facts.name)
                     log.info("node %s joined at %s", facts.name, facts.url)
                 self.node_rows[facts.name] = row
+                if facts.name not in self._reconciled:
+                    self.placer.set_node(facts.name, _capacity(row.capacity), usable=False)
+                    # Before placement may use it: what the node holds is the truth the records follow.
+                    try:
+                        await self.reconcile(facts.name)
+                    except DSecError as exc:
+                        log.warning("node %s: its sandboxes could not be listed yet (%s); retrying", facts.name,
+                                    exc)
+                        continue
+                    self._reconciled.add(facts.name)
+                    self._follow(facts.name)
                 self.placer.set_node(facts.name, _capacity(row.capacity))
             elif not facts.alive and known is not None and known.alive:
                 await self._node_died(known, facts.reason or "Ray reports the node dead")
@@ -235,6 +258,7 @@ class GatewayEngine:
     async def _node_died(self, node: NodeRow, reason: str) -> None:
         node.alive, node.reason = False, reason
         self.placer.mark_dead(node.name)
+        await self._unfollow(node.name)
         await self.state.writer.put_node(node)
         lost: list[SandboxRow] = []
         for row in self.rows.values():
@@ -246,25 +270,100 @@ class GatewayEngine:
         await self.state.writer.put_sandboxes(lost)
         log.warning("node %s died (%s): %d sandbox(es) lost", node.name, reason, len(lost))
 
+    async def _rejoin(self, node: NodeRow) -> None:
+        try:
+            await self.reconcile(node.name)
+        except DSecError as exc:
+            log.warning("node %s does not answer at %s yet (%s): membership decides", node.name, node.url, exc)
+            return
+        self._reconciled.add(node.name)
+        self._follow(node.name)
+        self.placer.set_node(node.name, _capacity(node.capacity))
+
+    async def reconcile(self, node: str) -> None:
+        """Make the records of ``node`` follow what it holds (at gateway start and when a node joins).
+
+        A create is answered before its record is committed, so a gateway that crashed in between has no
+        row for a sandbox the node made: the node's record carries the job (the ``dsec.job`` label the
+        gateway stamps on every spec), so it is adopted here, with its quota and capacity. A record whose
+        sandbox the node no longer holds ended while the gateway was away: an expired one keeps its
+        reason (the job is told ``SandboxTimeout``), a destroyed one is forgotten."""
+        response = await self._node_request(node, "GET", "/v1/sandboxes", timeout=_HEALTH_TIMEOUT)
+        held = {info.id: info for info in _INFO_LIST.validate_json(response.content)}
+        adopted = []
+        for info in held.values():
+            job = info.labels.get(JOB_LABEL)
+            if info.id in self.rows or job is None:  # known, or not created through the gateway
+                continue
+            row = SandboxRow(self._with_endpoint(info, node), node, job)
+            self.rows[row.id] = row
+            self.placer.adopt(job, node, info.spec)
+            adopted.append(row)
+        if adopted:
+            log.warning("node %s: adopted %d sandbox(es) the gateway had no record of", node, len(adopted))
+            await self.state.writer.put_sandboxes(adopted)
+        for row in builtins.list(self.rows.values()):
+            if row.node == node and row.info.state in _LIVE and row.id not in held:
+                try:
+                    await self._node_request(node, "GET", f"/v1/sandboxes/{row.id}", timeout=_HEALTH_TIMEOUT)
+                except SandboxTimeout as exc:
+                    self._ended(row, exc.message)
+                except SandboxNotFound:
+                    self._ended(row, None)
+
+    def _ended(self, row: SandboxRow, expired: str | None) -> None:
+        """The node says the sandbox is gone: free its room; keep an expired one (with the reason) so its job
+        is told why, forget a destroyed one."""
+        if row.info.state in _LIVE:
+            self.placer.release(row.job, row.node, row.info.spec)
+        if expired is None:
+            self.rows.pop(row.id, None)
+            self.state.writer.submit_delete(row.id)
+            return
+        row.info = row.info.model_copy(update={"state": "expired", "reason": expired, "endpoint": None})
+        self.state.writer.submit_sandboxes([row])
+
     # -- node plumbing ------------------------------------------------------------------------------------
 
-    def _client(self, node: str) -> tuple[Transport, httpx.AsyncClient]:
+    def _entry(self, node: str) -> tuple[Transport, httpx.AsyncClient, LeanPool]:
         entry = self._transports.get(node)
         if entry is None:
             row = self.node_rows[node]
             transport = Transport(row.url, row.token)
-            entry = self._transports[node] = (transport, transport.build(_NODE_LIMITS))
+            entry = self._transports[node] = (transport, transport.build(_NODE_LIMITS),
+                                              transport.build_lean(max_connections=200, keepalive_expiry=2.0))
         return entry
 
-    async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
-        transport, http = self._client(node)
+    def _client(self, node: str) -> tuple[Transport, httpx.AsyncClient]:
+        transport, http, _lean = self._entry(node)
+        return transport, http
+
+    async def _drop_client(self, node: str) -> None:
+        entry = self._transports.pop(node, None)
+        if entry is not None:
+            await entry[1].aclose()
+            await entry[2].aclose()
+
+    @contextlib.contextmanager
+    def _reaching(self, node: str) -> Iterator[None]:
         try:
-            return await transport.request(http, method, path, **kw)
+            yield
         except ConnectionFailed as exc:
             # Not the client's ConnectionFailed (that would read as "the gateway is down").
             raise BackendUnavailable(
                 f"node {node} does not answer ({exc.message}); if it died, Ray reports it and its sandboxes "
                 "are marked lost within seconds", node=node) from exc
+
+    async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
+        transport, http = self._client(node)
+        with self._reaching(node):
+            return await transport.request(http, method, path, **kw)
+
+    async def _node_post(self, node: str, path: str, body: bytes) -> bytes:
+        """POST serialised JSON to a node on its lean pool (the create hot path); the answer's body."""
+        transport, _http, lean = self._entry(node)
+        with self._reaching(node):
+            return await transport.post_json(lean, path, body, timeout=STREAM_TIMEOUT)
 
     def _any_node(self) -> str:
         alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
@@ -279,20 +378,41 @@ class GatewayEngine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
         if row.info.state == "lost":
             raise SandboxLost(row.info.reason or "its node died", sandbox_id=sandbox_id, node=row.node)
+        if row.info.state == "expired":
+            raise SandboxTimeout(row.info.reason or f"sandbox {sandbox_id} passed its timeout and was destroyed",
+                                 sandbox_id=sandbox_id)
         return row
+
+    @contextlib.contextmanager
+    def _on_node(self, row: SandboxRow) -> Iterator[None]:
+        """Around a call to the row's node: its answer that the sandbox expired or is gone updates the row."""
+        try:
+            yield
+        except SandboxTimeout as exc:
+            self._ended(row, exc.message)
+            raise
+        except SandboxNotFound:
+            self._ended(row, None)
+            raise
 
     def _with_endpoint(self, info: SandboxInfo, node: str) -> SandboxInfo:
         url = self.node_rows[node].url
         token = scoped_token(self.node_rows[node].token, info.id)
         return info.model_copy(update={"endpoint": NodeEndpoint(url=url, token=token)})
 
-    async def _remember(self, infos: builtins.list[SandboxInfo], node: str, job: str) -> builtins.list[SandboxInfo]:
+    async def _remember(self, infos: builtins.list[SandboxInfo], node: str, job: str, *,
+                        durable: bool = True) -> builtins.list[SandboxInfo]:
+        """Record sandboxes a node made; ``durable=False`` answers before the commit (the node's own record
+        carries the job label, from which :meth:`reconcile` rebuilds a row a gateway crash lost)."""
         rows = [SandboxRow(self._with_endpoint(info, node), node, job) for info in infos]
         for row in rows:
             self.rows[row.id] = row
         if infos and infos[0].image and node in self.placer.nodes:
             self.placer.nodes[node].images.add(infos[0].image)
-        await self.state.writer.put_sandboxes(rows)
+        if durable:
+            await self.state.writer.put_sandboxes(rows)
+        else:
+            self.state.writer.submit_sandboxes(rows)
         return [row.info for row in rows]
 
     # -- control plane ------------------------------------------------------------------------------------
@@ -310,6 +430,7 @@ class GatewayEngine:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Place one sandbox (a trajectory re-attaches on its live node, else is rebuilt anywhere)."""
         job = current_job.get()
+        spec = _stamped(spec, job)
         if spec.trajectory is not None:
             for row in self.rows.values():
                 if (row.info.trajectory is not None and row.info.trajectory.name == spec.trajectory
@@ -321,7 +442,8 @@ class GatewayEngine:
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Place a batch in one decision, create each node's share in one request; all or nothing."""
-        return await self._create_placed(request.spec, request.count, current_job.get())
+        job = current_job.get()
+        return await self._create_placed(_stamped(request.spec, job), request.count, job)
 
     async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
         placement = await self.placer.place(spec, count, job, self.admission_wait)
@@ -331,19 +453,15 @@ class GatewayEngine:
             try:
                 # Serialized once by pydantic's Rust core and parsed the same way: no dict round trip.
                 if n == 1:
-                    response = await self._node_request(node, "POST", "/v1/sandboxes", content=body,
-                                                        headers=_JSON)
-                    infos = [SandboxInfo.model_validate_json(response.content)]
+                    infos = [SandboxInfo.model_validate_json(await self._node_post(node, "/v1/sandboxes", body))]
                 else:
                     batch = BatchCreateRequest(count=n, spec=spec).model_dump_json().encode()
-                    response = await self._node_request(node, "POST", "/v1/sandboxes/batch", content=batch,
-                                                        headers=_JSON)
-                    infos = _INFO_LIST.validate_json(response.content)
+                    infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch))
             except BaseException:
                 for _ in range(n):
                     self.placer.release(job, node, spec)
                 raise
-            return await self._remember(infos, node, job)
+            return await self._remember(infos, node, job, durable=False)
 
         results = await asyncio.gather(*(on(node, n) for node, n in placement.counts.items()),
                                        return_exceptions=True)
@@ -360,7 +478,8 @@ class GatewayEngine:
         """The job's sandboxes as last seen (lost ones included, with their reason)."""
         job = current_job.get()
         return [r.info for r in self.rows.values()
-                if (r.job == job or job == "admin") and all(r.info.labels.get(k) == v for k, v in labels.items())
+                if (r.job == job or job == "admin") and r.info.state != "expired"
+                and all(r.info.labels.get(k) == v for k, v in labels.items())
                 and (backend is None or r.info.backend == backend) and (state is None or r.info.state == state)]
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -370,8 +489,17 @@ class GatewayEngine:
                                                             or current_job.get() == "admin"):
             return row.info
         row = self._row(sandbox_id)
-        response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
-        row.info = self._with_endpoint(SandboxInfo.model_validate(response.json()), row.node)
+        with self._on_node(row):
+            response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
+        return self._refresh(row, SandboxInfo.model_validate(response.json()))
+
+    def _refresh(self, row: SandboxRow, info: SandboxInfo) -> SandboxInfo:
+        """The node's fresh info into the row; one the node is expiring right now ends the row (room given back)."""
+        if info.state == "expired":
+            if row.info.state in _LIVE:
+                self._ended(row, info.reason or f"sandbox {row.id} passed its timeout and was destroyed")
+            return row.info
+        row.info = self._with_endpoint(info, row.node)
         return row.info
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -379,18 +507,21 @@ class GatewayEngine:
         row = self.rows.get(sandbox_id)
         if row is None or (row.job != current_job.get() and current_job.get() != "admin"):
             return
-        if row.info.state != "lost":
+        if row.info.state in _LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._node_request(row.node, "DELETE", f"/v1/sandboxes/{sandbox_id}")
-            self.placer.release(row.job, row.node, row.info.spec)
-        self.rows.pop(sandbox_id, None)
-        await self.state.writer.delete_sandbox(sandbox_id)
+            if self.rows.get(sandbox_id) is row and row.info.state in _LIVE:  # not ended meanwhile
+                self.placer.release(row.job, row.node, row.info.spec)
+        if self.rows.pop(sandbox_id, None) is not None:
+            # Not waited for: a restarted gateway forgets a row whose sandbox its node no longer holds.
+            self.state.writer.submit_delete(sandbox_id)
 
     # -- forwarded data plane (for clients that do not follow the endpoint) ------------------------------
 
     async def _json(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> Any:
         row = self._row(sandbox_id)
-        response = await self._node_request(row.node, method, f"/v1/sandboxes/{sandbox_id}{suffix}", **kw)
+        with self._on_node(row):
+            response = await self._node_request(row.node, method, f"/v1/sandboxes/{sandbox_id}{suffix}", **kw)
         return response.json() if response.content else None
 
     def exec_stream(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> AsyncIterator[ExecEvent]:
@@ -441,9 +572,7 @@ class GatewayEngine:
 
     async def _info_call(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> SandboxInfo:
         row = self._row(sandbox_id)
-        row.info = self._with_endpoint(SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)),
-                                       row.node)
-        return row.info
+        return self._refresh(row, SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)))
 
     async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
         """Forward pause."""
@@ -609,42 +738,59 @@ class GatewayEngine:
         return entries
 
     def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Every live node's lifecycle events as they happen, merged and numbered by the gateway (admin only).
+        """Every node's lifecycle events, merged and numbered by the gateway (admin only); ``since`` replays the
+        gateway's kept history after that number first, as a node daemon does.
 
-        Live only: the nodes number their events each on their own, so there is no gateway history to resume
-        from (``since`` is refused); nodes that join after the stream opened are not followed."""
+        The gateway follows each live node's stream from the moment the node is reconciled (after a
+        gateway restart, from the node's own kept history), so the history holds the nodes' recent events
+        in the order the gateway received them; a node's ``seq`` is replaced by the gateway's."""
         self._admin_only("the event stream")
-        if since is not None:
-            raise NotSupported("the gateway merges the nodes' live events and keeps no history: resume with "
-                               "?since= on each node daemon, or open the gateway's stream without it")
-        return self._merged_events()
+        return self.events.subscribe(since)
 
-    async def _merged_events(self) -> AsyncIterator[LifecycleEvent]:
-        queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(1000)  # a slow reader slows the node readers
+    def _follow(self, node: str) -> None:
+        task = self._followers.get(node)
+        if task is None or task.done():
+            self._followers[node] = asyncio.create_task(self._follow_node(node), name=f"dsec-events-{node}")
 
-        async def follow(node: str) -> None:
-            transport, http = self._client(node)
+    async def _unfollow(self, node: str) -> None:
+        task = self._followers.pop(node, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _follow_node(self, node: str) -> None:
+        """Follow one node's event stream for as long as it lives: each event goes into the gateway's
+        history and keeps the records true (a sandbox the node expired or destroyed frees its room now, not
+        when a client next asks). A dropped stream is re-opened from the node's kept history, skipping what
+        was already seen (by time: a restarted node daemon numbers from 1 again)."""
+        seen = (0.0, 0)
+        while True:
             try:
-                async with transport.stream(http, "GET", "/v1/events") as response:
+                transport, http = self._client(node)
+                async with transport.stream(http, "GET", "/v1/events?since=0") as response:
                     async for line in response.aiter_lines():
-                        if line:
-                            await queue.put(LifecycleEvent.model_validate_json(line))
+                        if not line:
+                            continue
+                        event = LifecycleEvent.model_validate_json(line)
+                        if (event.at, event.seq) <= seen and event.kind != "lagged":
+                            continue
+                        seen = (event.at, event.seq)
+                        self._apply(node, event)
+                        self.events.forward(event)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a node that dies ends its part of the stream, said once
-                log.warning("event stream of node %s ended: %s", node, exc)
+            except Exception as exc:  # a node that dies: membership stops this follower
+                log.info("event stream of node %s ended (%s); re-opening", node, exc)
+            await asyncio.sleep(1.0)
 
-        tasks = [asyncio.create_task(follow(n.name)) for n in self.placer.nodes.values() if n.alive]
-        seq = 0
-        try:
-            while True:
-                event = await queue.get()
-                seq += 1
-                yield event.model_copy(update={"seq": seq})
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def _apply(self, node: str, event: LifecycleEvent) -> None:
+        row = self.rows.get(event.sandbox_id or "")
+        if row is None or row.node != node or row.info.state not in _LIVE:
+            return
+        if event.kind == "expired":
+            self._ended(row, event.reason or f"sandbox {row.id} passed its timeout and was destroyed")
+        elif event.kind == "destroyed":
+            self._ended(row, None)
 
     async def overview(self) -> NodeOverview:
         """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""
@@ -672,6 +818,14 @@ class GatewayEngine:
             if not total.images:
                 total.images = got.images  # one shared store; the first node's cache stands for the rest
         return total
+
+
+def _stamped(spec: SandboxSpec, job: str) -> SandboxSpec:
+    """The spec with the job's label (set by the gateway, never taken from the client): the node's record
+    then names the job, which is what a restarted gateway rebuilds a lost row from."""
+    if spec.labels.get(JOB_LABEL) == job:
+        return spec
+    return spec.model_copy(update={"labels": {**spec.labels, JOB_LABEL: job}})
 
 
 def _capacity(raw: dict[str, Any]) -> Capacity:

@@ -177,8 +177,10 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
         node_config["image_store"] = image_store
     (base / "node.json").write_text(json.dumps(node_config))
     # Ray's health checks decide that a node is dead: tuned to seconds (default ~15 s) for the tests.
-    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-              "health_check_timeout_ms": 1000, "health_check_initial_delay_ms": 1000}
+    # ~8 s, not ~2 s: at a load average of 50-60 on this shared 2-core VM, raylets missed three 0.5 s checks
+    # and Ray killed every worker node while the cluster was still starting.
+    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 8,
+              "health_check_timeout_ms": 2000, "health_check_initial_delay_ms": 2000}
     small: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * 1024**2, "node_ip_address": "127.0.0.1"}
     cluster = None
     gateway = None
@@ -231,11 +233,12 @@ async def sweep_home(home: Path, images: Path) -> list[str]:
     """Destroy every sandbox still under a node home (a killed node leaves its sandboxes); their ids."""
     from dsec.backends.container import ContainerBackend
     from dsec.backends.function import FunctionBackend
+    from dsec.backends.microvm import MicroVMBackend
     from dsec.config import Settings
 
     settings = Settings(home=home, images_dir=images)
     removed: list[str] = []
-    for backend in (FunctionBackend(settings), ContainerBackend(settings)):
+    for backend in (FunctionBackend(settings), ContainerBackend(settings), MicroVMBackend(settings)):
         with contextlib.suppress(Exception):
             removed += await backend.cleanup_orphans(set())
         with contextlib.suppress(Exception):

@@ -132,15 +132,18 @@ class Placer:
 
     # -- facts ------------------------------------------------------------------------------------------
 
-    def set_node(self, name: str, capacity: Capacity, images: set[str] | None = None) -> NodeSlot:
-        """Add a node or refresh its capacity and image list (its placed load is kept)."""
+    def set_node(self, name: str, capacity: Capacity, images: set[str] | None = None, *,
+                 usable: bool = True) -> NodeSlot:
+        """Add a node or refresh its capacity and image list (its placed load is kept). ``usable=False``:
+        known (its sandboxes can be accounted) but nothing is placed there yet."""
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = NodeSlot(name, capacity)
-        node.capacity, node.alive = capacity, True
+        node.capacity, node.alive = capacity, usable
         if images is not None:
             node.images = set(images)
-        self.wake()
+        if usable:
+            self.wake()
         return node
 
     def mark_dead(self, name: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from dsec.errors import BackendUnavailable
 from dsec.models import SandboxInfo
 
 __all__ = ["ClusterState", "NodeRow", "SandboxRow", "StateWriter"]
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS dsec_cluster_nodes (
@@ -82,6 +85,12 @@ def _sandbox_params(row: SandboxRow) -> tuple[Any, ...]:
             row.info.model_dump_json())
 
 
+def _log_failure(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("a state write was not recorded (a restarted gateway reconciles it from the nodes): %s",
+                  done.exception())
+
+
 @dataclass
 class _Write:
     sql: str
@@ -117,15 +126,24 @@ class StateWriter:
                 await self._conn.execute("SET synchronous_commit TO off")
         return self._conn
 
-    async def write(self, sql: str, params: Sequence[tuple[Any, ...]]) -> None:
-        """Run ``sql`` once per params tuple, in the next group commit; returns once committed."""
-        if not params:
-            return
+    def _enqueue(self, sql: str, params: Sequence[tuple[Any, ...]]) -> asyncio.Future[None]:
         item = _Write(sql, list(params), asyncio.get_running_loop().create_future())
         self._pending.append(item)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(item.done)
+        return item.done
+
+    async def write(self, sql: str, params: Sequence[tuple[Any, ...]]) -> None:
+        """Run ``sql`` once per params tuple, in the next group commit; returns once committed."""
+        if params:
+            await asyncio.shield(self._enqueue(sql, params))
+
+    def submit(self, sql: str, params: Sequence[tuple[Any, ...]]) -> None:
+        """Like :meth:`write`, without waiting: the next group commit carries it, in submission order; a
+        failure is logged (for writes whose truth is kept elsewhere too: the gateway's sandbox rows, which
+        a restarted gateway reconciles from the nodes' own records)."""
+        if params:
+            self._enqueue(sql, params).add_done_callback(_log_failure)
 
     async def _flush(self) -> None:
         while self._pending:
@@ -179,6 +197,14 @@ class StateWriter:
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Forget a destroyed sandbox."""
         await self.write(_DELETE_SANDBOX, [(sandbox_id,)])
+
+    def submit_sandboxes(self, rows: Sequence[SandboxRow]) -> None:
+        """Insert or update sandboxes in the next group commit, without waiting for it."""
+        self.submit(_PUT_SANDBOX, [_sandbox_params(r) for r in rows])
+
+    def submit_delete(self, sandbox_id: str) -> None:
+        """Forget a destroyed sandbox in the next group commit, without waiting for it."""
+        self.submit(_DELETE_SANDBOX, [(sandbox_id,)])
 
     async def aclose(self) -> None:
         """Wait for the writes in flight, close the connection."""

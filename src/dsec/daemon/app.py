@@ -162,14 +162,16 @@ async def _exec_result(work: Coroutine[Any, Any, ExecResult]) -> ExecResult:
 _EXEC_RESULT_PATH = re.compile(r"/v1/sandboxes/([^/]+)/exec/result")
 
 
-class ExecResultFastPath:
-    """``POST /v1/sandboxes/{id}/exec/result`` (what ``sb.exec`` sends) served without FastAPI's routing,
-    dependency solving and per-field validation: one ``ExecRequest.model_validate_json`` and one engine call.
+class FastPath:
+    """The two hottest calls served without FastAPI's routing, dependency solving and per-field validation:
+    ``POST /v1/sandboxes/{id}/exec/result`` (what ``sb.exec`` sends) and ``POST /v1/sandboxes`` (what
+    ``Sandbox.create`` sends), each one ``model_validate_json`` and one engine call; on the gateway the
+    same class serves the gateway engine, so a create pays for one lean request cycle there too.
 
-    It answers exactly what the declared route answers (the route stays, documents the API and serves
-    whatever this class hands back): a body that is not a valid ExecRequest, a query other than one
-    ``seq``, or a content type other than JSON go on to FastAPI with their body replayed, so their 400s are
-    FastAPI's. Behind a bearer-token guard it sits inside the guard like every route; without one (the
+    It answers exactly what the declared routes answer (they stay, document the API and serve whatever
+    this class hands back): a body that is not valid, a query other than one ``seq`` (exec) or any query
+    (create), or a content type other than JSON go on to FastAPI with their body replayed, so their 400s
+    are FastAPI's. Behind a bearer-token guard it sits inside the guard like every route; without one (the
     node's unix socket) the app takes it before its middleware stack (see ``_NodeAPI``).
     """
 
@@ -178,8 +180,12 @@ class ExecResultFastPath:
         self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _EXEC_RESULT_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
-        if match is None or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        match = None if path == "/v1/sandboxes" else _EXEC_RESULT_PATH.fullmatch(path)
+        if match is None and path != "/v1/sandboxes":
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -191,8 +197,8 @@ class ExecResultFastPath:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        request = self._parse(scope, body)
-        if request is None:
+        parsed = self._parse(scope, body, exec_request=match is not None)
+        if parsed is None:
             replayed = False
 
             async def replay() -> Message:
@@ -204,10 +210,17 @@ class ExecResultFastPath:
 
             await self.app(scope, replay, send)
             return
-        exec_request, seq = request
+        request, seq = parsed
+        status = 200
         try:
-            result = await _until_hangup(receive, _exec_result(self.engine.exec(match.group(1), exec_request, seq)))
-            status, payload = 200, result.model_dump_json().encode()
+            if match is not None:
+                assert isinstance(request, ExecRequest)
+                result: pydantic.BaseModel = await _until_hangup(
+                    receive, _exec_result(self.engine.exec(match.group(1), request, seq)))
+            else:
+                assert isinstance(request, SandboxSpec)
+                result, status = await self.engine.create(request), 201
+            payload = result.model_dump_json().encode()
         except DSecError as err:
             status, payload = err.status_code, json.dumps(err.to_payload(), ensure_ascii=False,
                                                           separators=(",", ":")).encode()
@@ -217,20 +230,25 @@ class ExecResultFastPath:
         await send({"type": "http.response.body", "body": payload})
 
     @staticmethod
-    def _parse(scope: Scope, body: bytes) -> tuple[ExecRequest, int | None] | None:
+    def _parse(scope: Scope, body: bytes, *, exec_request: bool
+               ) -> tuple[ExecRequest | SandboxSpec, int | None] | None:
         """The request and its ``seq``, or None when FastAPI should answer (and word the 400)."""
         content_type = dict(scope["headers"]).get(b"content-type", b"")
         if content_type.split(b";")[0].strip().lower() != b"application/json":
             return None
         seq: int | None = None
         if scope["query_string"]:
+            if not exec_request:
+                return None
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
             values = query.pop("seq", [])
             if query or len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
                 return None
             seq = int(values[0])
         try:
-            return ExecRequest.model_validate_json(body), seq
+            if exec_request:
+                return ExecRequest.model_validate_json(body), seq
+            return SandboxSpec.model_validate_json(body), None
         except pydantic.ValidationError:
             return None
 
@@ -262,7 +280,7 @@ class _NodeAPI(FastAPI):
     Starlette's wrap every ``send`` of an answer in a frame of their own, a visible share of the daemon's
     CPU per exec. Behind a token guard the fast path stays inside it, where every route is."""
 
-    exec_fast_path: ExecResultFastPath | None = None
+    exec_fast_path: FastPath | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.exec_fast_path is not None and scope["type"] == "http":
@@ -552,10 +570,10 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
     mount_ui(app)
     _add_error_schema(app)
     if token is not None or tokens is not None:
-        app.add_middleware(ExecResultFastPath, engine=engine)  # added first: the token guard wraps it
+        app.add_middleware(FastPath, engine=engine)  # added first: the token guard wraps it
         app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
     else:
-        app.exec_fast_path = ExecResultFastPath(app.full_stack, engine)
+        app.exec_fast_path = FastPath(app.full_stack, engine)
     return app
 
 

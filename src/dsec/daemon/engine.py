@@ -200,7 +200,7 @@ class Engine:
         # Teardowns of destroyed pooled sandboxes still running after the destroy was answered.
         self._teardowns: set[asyncio.Task[None]] = set()
         # Ids destroyed recently -> (state, message). Bounded: a long-lived daemon creates millions.
-        self._tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._tombstones: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()  # state, message, job
         self._tombstone_limit = tombstone_limit
         self._reaper: asyncio.Task[None] | None = None
         self.snapshots = _snapshot_store(settings, images)
@@ -402,9 +402,16 @@ class Engine:
         return backend
 
     async def owner_labels(self, sandbox_id: str) -> dict[str, str] | None:
-        """The labels of a live sandbox (the token guard reads the job that owns it), None if there is none."""
+        """The labels of a live sandbox (the token guard reads the job that owns it), None if there is none.
+
+        A sandbox that expired or was destroyed lately answers only its owning job's label, so that job's
+        token reaches the route and is told why it is gone (SandboxTimeout with the reason), while other
+        jobs still get the 404 of an id that does not exist."""
         record = self._records.get(sandbox_id)
-        return None if record is None else dict(record.spec.labels)
+        if record is not None:
+            return dict(record.spec.labels)
+        tomb = self._tombstones.get(sandbox_id)
+        return None if tomb is None or tomb[2] is None else {JOB_LABEL: tomb[2]}
 
     def _resolve_image(self, backend: Backend, name: str) -> ImageRef:
         """The backend's own image ``name`` if it has such images (``vm``), else the store's. Blocking."""
@@ -448,9 +455,10 @@ class Engine:
             pooled=pooled,
         )
 
-    def _tombstone(self, sandbox_id: str, state: str, message: str) -> None:
-        self._tombstones[sandbox_id] = (state, message)
-        self._tombstones.move_to_end(sandbox_id)
+    def _tombstone(self, record: SandboxRecord, state: str, message: str) -> None:
+        # The owning job is kept so that its token is told why the sandbox is gone (not a bare 404).
+        self._tombstones[record.id] = (state, message, record.spec.labels.get(JOB_LABEL))
+        self._tombstones.move_to_end(record.id)
         while len(self._tombstones) > self._tombstone_limit:
             self._tombstones.popitem(last=False)
 
@@ -735,7 +743,7 @@ class Engine:
         self._store.save(record)
         if self._records.pop(record.id, None) is not None:
             self.metrics.live.labels(record.spec.backend).dec()
-        self._tombstone(record.id, "destroyed", f"sandbox {record.id} was destroyed")
+        self._tombstone(record, "destroyed", f"sandbox {record.id} was destroyed")
         self.events.publish("destroyed", info, reason=None)
         task = asyncio.create_task(self._teardown(record), name=f"dsec-teardown-{record.id}")
         self._teardowns.add(task)
@@ -773,7 +781,7 @@ class Engine:
             if state == "expired":
                 self.metrics.expired.labels(record.spec.backend).inc()
         self._store.delete(record.id)
-        self._tombstone(record.id, state, message)
+        self._tombstone(record, state, message)
         self.events.publish("expired" if state == "expired" else "destroyed", self._info(record),
                             reason=record.reason if state == "expired" else None)
         self.rollouts.forget(record)

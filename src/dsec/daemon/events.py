@@ -50,6 +50,15 @@ class EventBus:
             sandbox_id=info.id if info else None, backend=spec.backend if spec else None,
             image=spec.image if spec else None, labels=dict(spec.labels) if spec else {},
         )
+        return self._fan_out(event)
+
+    def forward(self, event: LifecycleEvent) -> LifecycleEvent:
+        """Record and fan out an event another bus numbered (the gateway merging its nodes' streams): it is
+        given this bus's next sequence number and keeps everything else (its node, time, reason)."""
+        self._seq += 1
+        return self._fan_out(event.model_copy(update={"seq": self._seq}))
+
+    def _fan_out(self, event: LifecycleEvent) -> LifecycleEvent:
         self._history.append(event)
         for sub in self._subscribers:
             try:

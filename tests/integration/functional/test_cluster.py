@@ -247,11 +247,20 @@ async def test_node_killed_then_gateway_restarted(cluster: LocalCluster) -> None
             # The gateway dies and comes back: placements, lost records and quotas are all still there.
             before = sorted((s.id, s._info.state) for s in await dsec.AsyncSandbox.list(client=c))
             cluster.gateway.kill()
+            # A create is answered before its row commits: a gateway killed in between has no row for it.
+            # Made so here (the row deleted while the gateway is dead): the restarted gateway rebuilds it
+            # from the node's own record, job and room included.
+            with psycopg.connect(cluster.dsn) as conn:
+                assert conn.execute("DELETE FROM dsec_cluster_sandboxes WHERE id = %s",
+                                    (survivors[1].id,)).rowcount == 1
             # The data plane does not need the gateway.
             assert (await survivors[0].exec("echo still")).stdout == b"still\n"
             await asyncio.to_thread(cluster.gateway.start)
             after = sorted((s.id, s._info.state) for s in await dsec.AsyncSandbox.list(client=c))
             assert after == before
+            with psycopg.connect(cluster.dsn) as conn:
+                job = conn.execute("SELECT job FROM dsec_cluster_sandboxes WHERE id = %s", (survivors[1].id,))
+                assert job.fetchone() == ("alpha",)
             assert (await survivors[1].info()).state == "running"
             assert (await doomed[0].info()).state == "lost"
             again = await dsec.AsyncSandbox.connect(survivors[1].id, client=c)

@@ -228,7 +228,7 @@ function renderImages(images) {
 // ----- events stream -----------------------------------------------------------------------------------
 
 async function followEvents() {
-  let since = 0; // null: live only (the cluster gateway merges the nodes' live events and keeps no history)
+  let since = 0; // null: live only (a server that refuses ?since= with 501, as gateways before issue 10c did)
   for (;;) {
     try {
       const headers = token ? { Authorization: "Bearer " + token } : {};

@@ -1,0 +1,208 @@
+"""The gateway's sandbox records against two real node daemons (uvicorn on TCP with tokens): a create
+answered before its row commits, rows rebuilt from the nodes' own records (reconcile), and sandboxes that
+expired or were destroyed behind the gateway's back.
+
+The database is a recorder (what the gateway asked to write, and whether it waited): the durable side is
+tested on a real PostgreSQL and a real gateway kill in tests/integration/functional/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sdk_daemon import Daemon, running_daemon
+
+import dsec
+from dsec.cluster.gateway import GatewayEngine, current_job
+from dsec.cluster.placement import Capacity
+from dsec.cluster.server import Jobs, gateway_app
+from dsec.cluster.state import NodeRow, SandboxRow
+from dsec.daemon.auth import JOB_LABEL
+from dsec.errors import SandboxNotFound, SandboxTimeout
+from dsec.models import SandboxSpec
+
+
+class _Writer:
+    """Records the gateway's writes: ``waited`` for the ones a caller awaited, ``submitted`` for the rest."""
+
+    def __init__(self) -> None:
+        self.waited: list[tuple[str, Any]] = []
+        self.submitted: list[tuple[str, Any]] = []
+
+    async def put_sandboxes(self, rows: list[SandboxRow]) -> None:
+        self.waited += [("put", r.id) for r in rows]
+
+    async def put_node(self, row: NodeRow) -> None:
+        self.waited.append(("node", row.name))
+
+    def submit_sandboxes(self, rows: list[SandboxRow]) -> None:
+        self.submitted += [("put", (r.id, r.job, r.info.state)) for r in rows]
+
+    def submit_delete(self, sandbox_id: str) -> None:
+        self.submitted.append(("delete", sandbox_id))
+
+
+class _State:
+    def __init__(self) -> None:
+        self.writer = _Writer()
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+    with (running_daemon(tmp_path_factory.mktemp("n1"), token="node-one-token-0123456789") as one,
+          running_daemon(tmp_path_factory.mktemp("n2"), token="node-two-token-0123456789") as two):
+        yield [one, two]
+
+
+def gateway(nodes: list[Daemon]) -> tuple[GatewayEngine, _Writer]:
+    state = _State()
+    g = GatewayEngine(state, None)  # type: ignore[arg-type]
+    for i, node in enumerate(nodes):
+        name = f"node-{i}"
+        assert node.tcp_url is not None and node.token is not None
+        g.node_rows[name] = NodeRow(name, node.tcp_url, node.token, True, {})
+        g.placer.set_node(name, Capacity(cpu=64, memory=2**36, slots={"container": 100}))
+    return g, state.writer
+
+
+def node_client(node: Daemon) -> dsec.Client:
+    assert node.tcp_url is not None
+    return dsec.Client(node.tcp_url, node.token)
+
+
+async def test_create_answers_before_the_commit_and_stamps_the_job(nodes: list[Daemon]) -> None:
+    g, writer = gateway(nodes)
+    jobs = Jobs(by_token={"job-token-0123456789": "j1"}, quotas={})
+    try:
+        transport = httpx.ASGITransport(app=gateway_app(g, jobs))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            job = {"Authorization": "Bearer job-token-0123456789"}
+            # A client cannot claim another job through the label: the gateway sets it.
+            r = await c.post("/v1/sandboxes", json={"image": "tiny", "labels": {JOB_LABEL: "other", "k": "v"}},
+                             headers=job)
+            assert r.status_code == 201, r.text
+            info = r.json()
+            assert info["labels"] == {JOB_LABEL: "j1", "k": "v"} and info["endpoint"]["url"].startswith("http")
+            assert ("put", (info["id"], "j1", "running")) in writer.submitted
+            assert not [w for w in writer.waited if w[0] == "put"], "the create waited for its commit"
+            assert g.placer.job("j1").live == 1
+            assert (await c.delete(f"/v1/sandboxes/{info['id']}", headers=job)).status_code == 204
+            assert writer.submitted[-1] == ("delete", info["id"]) and g.placer.job("j1").live == 0
+    finally:
+        await g.aclose()
+
+
+async def test_reconcile_adopts_what_the_node_holds_and_forgets_what_it_does_not(nodes: list[Daemon]) -> None:
+    async with node_client(nodes[0]) as node:
+        labelled = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j2"}, client=node)
+        foreign = await dsec.AsyncSandbox.create(image="tiny", client=node)  # made on the node, not by a gateway
+        gone = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j2"}, client=node)
+        g, writer = gateway(nodes)
+        g.rows[gone.id] = SandboxRow(gone._info, "node-0", "j2")
+        g.placer.adopt("j2", "node-0", gone._info.spec)
+        await gone.close()  # destroyed behind the gateway's back (while it was down)
+        try:
+            await g.reconcile("node-0")
+            assert set(g.rows) == {labelled.id}
+            row = g.rows[labelled.id]
+            assert row.job == "j2" and row.node == "node-0" and row.info.endpoint is not None
+            assert ("put", labelled.id) in writer.waited  # rare, and the only record: waited for
+            assert ("delete", gone.id) in writer.submitted
+            assert g.placer.job("j2").live == 1
+            # Reconciling again changes nothing.
+            before = list(writer.submitted)
+            await g.reconcile("node-0")
+            assert writer.submitted == before and g.placer.job("j2").live == 1
+            token = current_job.set("j2")
+            try:
+                assert [i.id for i in await g.list({})] == [labelled.id]
+            finally:
+                current_job.reset(token)
+        finally:
+            await g.aclose()
+            for sb in (labelled, foreign):
+                await sb.close()
+
+
+async def test_an_expired_sandbox_is_a_timeout_with_its_reason_through_the_gateway(nodes: list[Daemon]) -> None:
+    g, writer = gateway(nodes)
+    jobs = Jobs(by_token={"job-token-0123456789": "j3", "other-token-0123456789": "j4"}, quotas={})
+    try:
+        transport = httpx.ASGITransport(app=gateway_app(g, jobs))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            job = {"Authorization": "Bearer job-token-0123456789"}
+            other = {"Authorization": "Bearer other-token-0123456789"}
+            r = await c.post("/v1/sandboxes", json={"image": "tiny", "timeout": 0.3}, headers=job)
+            sid = r.json()["id"]
+            assert g.placer.job("j3").live == 1
+            deadline = time.monotonic() + 20
+            while (r := await c.get(f"/v1/sandboxes/{sid}", headers=job)).status_code == 200:
+                assert time.monotonic() < deadline, "the sandbox did not expire"
+                await asyncio.sleep(0.05)
+            assert (r.status_code, r.json()["error"]["type"]) == (408, "SandboxTimeout"), r.text
+            assert "timeout of 0.3 s" in r.json()["error"]["message"]
+            # The gateway remembers: its room is given back, later calls are told the same without the node.
+            assert g.placer.job("j3").live == 0 and g.rows[sid].info.state == "expired"
+            assert ("put", (sid, "j3", "expired")) in writer.submitted
+            r = await c.post(f"/v1/sandboxes/{sid}/pause", headers=job)
+            assert (r.status_code, r.json()["error"]["type"]) == (408, "SandboxTimeout"), r.text
+            assert (await c.get("/v1/sandboxes", headers=job)).json() == []
+            r = await c.get(f"/v1/sandboxes/{sid}", headers=other)  # another job: an unknown id
+            assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound")
+            assert (await c.delete(f"/v1/sandboxes/{sid}", headers=job)).status_code == 204
+            assert sid not in g.rows and g.placer.job("j3").live == 0
+    finally:
+        await g.aclose()
+
+
+async def test_a_sandbox_destroyed_on_its_node_is_forgotten_on_first_contact(nodes: list[Daemon]) -> None:
+    g, writer = gateway(nodes)
+    token = current_job.set("j5")
+    try:
+        info = await g.create(SandboxSpec(image="tiny"))
+        assert writer.submitted == [("put", (info.id, "j5", "running"))]
+        async with node_client(nodes[int(g.rows[info.id].node == "node-1")]) as node:
+            await (await dsec.AsyncSandbox.connect(info.id, client=node)).close()
+        with pytest.raises(SandboxNotFound, match="was destroyed"):
+            await g.get(info.id)
+        assert info.id not in g.rows and g.placer.job("j5").live == 0
+        assert writer.submitted[-1] == ("delete", info.id)
+        with pytest.raises(SandboxNotFound):
+            await g.get(info.id)
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+
+
+async def test_the_nodes_events_keep_the_records_true_without_a_client_call(nodes: list[Daemon]) -> None:
+    """Followed nodes tell the gateway of expiries and destroys at once: the room is given back before any
+    client touches the sandbox again."""
+    g, writer = gateway(nodes)
+    for name in g.node_rows:
+        g._follow(name)
+    token = current_job.set("j6")
+    try:
+        short = await g.create(SandboxSpec(image="tiny", timeout=0.3))
+        other = await g.create(SandboxSpec(image="tiny"))
+        assert g.placer.job("j6").live == 2
+        async with node_client(nodes[int(g.rows[other.id].node == "node-1")]) as node:
+            await (await dsec.AsyncSandbox.connect(other.id, client=node)).close()  # behind the gateway's back
+        deadline = time.monotonic() + 20
+        while g.placer.job("j6").live:
+            assert time.monotonic() < deadline, "the gateway did not learn of the expiry and the destroy"
+            await asyncio.sleep(0.05)
+        assert g.rows[short.id].info.state == "expired" and "timeout of 0.3 s" in (g.rows[short.id].info.reason or "")
+        assert other.id not in g.rows and ("delete", other.id) in writer.submitted
+        with pytest.raises(SandboxTimeout, match=r"timeout of 0\.3 s"):
+            await g.get(short.id)
+    finally:
+        current_job.reset(token)
+        await g.aclose()
