@@ -23,6 +23,7 @@ from container_support import (
     mounts_under,
     pid_alive,
     run,
+    sandbox_mounts,
     started_backend,
     swept_home,
 )
@@ -169,7 +170,10 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         assert r.exit_code == 0
         tag = home_tag(home)
         init = record.backend_state["init_pid"]
-        assert mounts_under(f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
+        # Mounted in the home's mount holder, never in the host's mount table (which every new namespace copies).
+        assert sandbox_mounts(home, f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
+        assert sandbox_mounts(home, str(home / "container" / record.id / "disk")), "sandbox disk not mounted"
+        assert not mounts_under(f"/run/dsec/{tag}") and not mounts_under(str(home)), "a sandbox mount is on the host"
         assert cgroup_dirs(tag, record.id), "sandbox cgroups not found"
         assert (home / "runtime" / record.id).is_dir()
         assert pid_alive(init)

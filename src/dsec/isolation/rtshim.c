@@ -1,7 +1,8 @@
 /*
  * dsec-rtshim: starts the OCI runtime (crun) for one container sandbox.
  *
- *   dsec-rtshim ERRFILE MASK CGROUP_PROCS... -- RUNTIME ARG...
+ *   dsec-rtshim ERRFILE MASK ROOT CGROUP_PROCS... -- RUNTIME ARG...
+ *   dsec-rtshim --hold TAG
  *
  * DSec owns the sandbox's cgroups (it creates them with their limits and runs crun with
  * --cgroup-manager=disabled). This shim moves itself into them, so that crun, the
@@ -14,6 +15,18 @@
  * (/sys/fs/cgroup/unified/cgroup.controllers) reads empty. Nothing else changes: the
  * namespace dies with the runtime process, and the container pivots away from it.
  *
+ * ROOT is "-" or "FD:PATH": FD (inherited) is a detached mount tree (open_tree(OPEN_TREE_CLONE) of the
+ * sandbox's root: its overlay with the read-only image bind in it). The shim then runs the runtime in a
+ * private mount namespace of its own and attaches the tree on PATH there (move_mount), so the sandbox's
+ * root is mounted nowhere in the host's mount namespace: that table, which every new mount namespace
+ * copies and crun reads, stays as small as the host's own. The namespace dies with the runtime process;
+ * the container keeps its own copy of the root, the daemon reaches its copy through the holder below.
+ *
+ * --hold: the node's mount holder. It unshares a private mount namespace, names itself dsec-mntns and
+ * sleeps until killed; the daemon attaches each sandbox's overlay and disk tmpfs in that namespace (out
+ * of the host's table) and reaches them through /proc/<pid>/root. It outlives a daemon crash, so a
+ * restarted daemon still reaches the sandboxes it re-adopts. TAG only names the home it serves.
+ *
  * On failure it writes "dsec-rtshim: <what>: <why>" to ERRFILE (created 0600; the runtime's own
  * stdio goes to the container's init, so it cannot carry the shim's errors) and exits 125.
  */
@@ -23,8 +36,15 @@
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
 
 #define CONTROLLERS "/sys/fs/cgroup/unified/cgroup.controllers"
 
@@ -41,32 +61,60 @@ static void fail(const char *what, int err) {
     _exit(125);
 }
 
+static int hold(void) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) {
+        perror("dsec-rtshim --hold: private mount namespace");
+        return 125;
+    }
+    prctl(PR_SET_NAME, "dsec-mntns", 0, 0, 0);
+    for (;;)
+        pause();
+}
+
 int main(int argc, char **argv) {
     int sep = 0;
-    for (int i = 3; i < argc; i++) {
+    if (argc == 3 && strcmp(argv[1], "--hold") == 0)
+        return hold();
+    for (int i = 4; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
             sep = i;
             break;
         }
     }
-    if (argc < 5 || sep == 0 || sep + 1 >= argc) {
-        fprintf(stderr, "usage: dsec-rtshim ERRFILE MASK CGROUP_PROCS... -- RUNTIME ARG...\n");
+    if (argc < 6 || sep == 0 || sep + 1 >= argc) {
+        fprintf(stderr, "usage: dsec-rtshim ERRFILE MASK ROOT CGROUP_PROCS... -- RUNTIME ARG...\n"
+                        "       dsec-rtshim --hold TAG\n");
         return 125;
     }
     errfile = argv[1];
-    for (int i = 3; i < sep; i++) {
+    int root_fd = -1;
+    const char *root_path = NULL;
+    if (strcmp(argv[3], "-") != 0) {
+        char *end = NULL;
+        root_fd = (int)strtol(argv[3], &end, 10);
+        if (end == argv[3] || *end != ':' || root_fd < 3 || end[1] != '/')
+            fail("ROOT is neither - nor FD:/PATH", EINVAL);
+        root_path = end + 1;
+    }
+    for (int i = 4; i < sep; i++) {
         int fd = open(argv[i], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1)
             fail(argv[i], errno);
         close(fd);
     }
-    if (strcmp(argv[2], "1") == 0) {
+    int mask = strcmp(argv[2], "1") == 0;
+    if (mask || root_fd >= 0) {
         if (unshare(CLONE_NEWNS) != 0)
             fail("unshare the mount namespace", errno);
         if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
             fail("make the mount namespace private", errno);
-        if (mount("/dev/null", CONTROLLERS, NULL, MS_BIND, NULL) != 0)
-            fail("mask " CONTROLLERS, errno);
+    }
+    if (mask && mount("/dev/null", CONTROLLERS, NULL, MS_BIND, NULL) != 0)
+        fail("mask " CONTROLLERS, errno);
+    if (root_fd >= 0) {
+        if (syscall(SYS_move_mount, root_fd, "", AT_FDCWD, root_path, MOVE_MOUNT_F_EMPTY_PATH) != 0)
+            fail("attach the sandbox's root", errno);
+        close(root_fd);
     }
     execv(argv[sep + 1], &argv[sep + 1]);
     fail(argv[sep + 1], errno);
