@@ -95,6 +95,13 @@ def mount_holder(home: Path) -> int | None:
     return None
 
 
+def holder_mountinfo(home: Path) -> list[str]:
+    """The lines of the home's mount holder's mountinfo (where its sandboxes' overlays and disks are)."""
+    holder = mount_holder(home)
+    assert holder is not None, f"no mount holder runs for {home}"
+    return Path(f"/proc/{holder}/mountinfo").read_text().splitlines()
+
+
 def sandbox_mounts(home: Path, prefix: str) -> list[str]:
     """Mount points at or below ``prefix``, on the host or in the home's mount holder."""
     holder = mount_holder(home)
