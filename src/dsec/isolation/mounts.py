@@ -77,7 +77,7 @@ def _fs_mount(fstype: str, options: list[tuple[str, str]], attrs: int, where: st
     """A detached mount of a new ``fstype`` with ``options`` (key, value) and mount ``attrs``: its fd."""
     ctx = _call(f"fsopen {fstype} ({where})", _SYS_FSOPEN, fstype.encode(), 1)  # FSOPEN_CLOEXEC
     try:
-        for key, value in options:
+        for key, value in [("source", fstype), *options]:  # source: how mountinfo names it
             _call(f"{fstype} option {key}={value} ({where})", _SYS_FSCONFIG, ctx, _FSCONFIG_SET_STRING,
                   key.encode(), value.encode(), 0)
         _call(f"{fstype} mount ({where})", _SYS_FSCONFIG, ctx, _FSCONFIG_CMD_CREATE, None, None, 0)
