@@ -11,10 +11,11 @@ namespace of its own before it runs crun (see ``rtshim.c``).
 
 The holder is a sleeping ``dsec-rtshim --hold`` process (comm ``dsec-mntns``), one per DSEC_HOME,
 in its own session: it outlives a daemon crash, and the restarted daemon adopts it (pid and start
-time in ``$DSEC_HOME/container/mntns.pid``). The daemon works in its namespace from one dedicated
-thread (which unshares its filesystem context and ``setns``-es there), and reads the mounts through
-that thread's ``/proc/<pid>/task/<tid>/root``: the upper layer for snapshots, the disk tmpfs for
-usage, the uncovered overlay for hidden paths.
+time in ``$DSEC_HOME/container/mntns.pid``). The daemon works in its namespace from a few dedicated
+threads (each unshares its filesystem context and ``setns``-es there; several, because an unmount
+waits for an RCU grace period and concurrent teardowns must not queue behind one another), and reads
+the mounts through the first one's ``/proc/<pid>/task/<tid>/root``: the upper layer for snapshots, the
+disk tmpfs for usage, the uncovered overlay for hidden paths.
 
 Blocking: call from a thread.
 """
@@ -25,7 +26,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +58,8 @@ _CLONE_FS = 0x200
 _CLONE_NEWNS = 0x20000
 _MNT_DETACH = 2
 T = TypeVar("T")
+THREADS = 4
+"""Worker threads in the holder's namespace."""
 
 
 class _MountAttr(ctypes.Structure):
@@ -133,19 +135,21 @@ class MountHolder:
     def __init__(self, shim: Path, pidfile: Path, tag: str) -> None:
         self.shim, self.pidfile, self.tag = shim, pidfile, tag
         self.pid = 0
-        self._child: subprocess.Popen[bytes] | None = None
+        self._child = 0  # the holder's pid when this process started it (and must reap it)
         self._thread: ThreadPoolExecutor | None = None
         self._tid = 0
+        self._join_error: Exception | None = None
 
     def start(self) -> None:
-        """Adopt the running holder of this home, or start one; then join its namespace from the worker."""
+        """Adopt the running holder of this home, or start one; then join its namespace from the workers."""
         self.pid = self._adopt() or self._spawn()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsec-mntns")
+        pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="dsec-mntns", initializer=self._join)
         try:
-            self._tid = pool.submit(self._join).result()
-        except BaseException:
+            self._tid = pool.submit(threading.get_native_id).result()  # the first worker: it lives until close
+        except BaseException as exc:
             pool.shutdown()
-            raise
+            # A failed initializer only breaks the pool; its own error says what went wrong.
+            raise (self._join_error or exc) from None
         self._thread = pool
 
     def _adopt(self) -> int:
@@ -159,44 +163,50 @@ class MountHolder:
         return 0
 
     def _spawn(self) -> int:
-        # Its own session: a signal to the daemon's process group (a terminal's ^C) must not reach it.
-        child = subprocess.Popen([str(self.shim), "--hold", self.tag], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        # posix_spawn, not subprocess: the holder is meant to outlive this process's handle on it. Its own
+        # session: a signal to the daemon's process group (a terminal's ^C) must not reach it.
+        null = [(os.POSIX_SPAWN_OPEN, fd, "/dev/null", os.O_RDWR, 0) for fd in (0, 1, 2)]
+        pid = os.posix_spawn(str(self.shim), [str(self.shim), "--hold", self.tag], {}, file_actions=null,
+                             setsid=True)
         own = os.readlink(f"/proc/{os.getpid()}/ns/mnt")
         for _ in range(1000):  # ~2 s: the holder unshares within a millisecond
-            if child.poll() is not None:
-                err = child.stderr.read().decode(errors="replace").strip() if child.stderr else ""
-                raise BackendUnavailable(f"the mount holder exited at once: {err or child.returncode}")
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                raise BackendUnavailable(f"the mount holder ({self.shim} --hold) could not make its private mount "
+                                         f"namespace: exit status {os.waitstatus_to_exitcode(status)}")
             with contextlib.suppress(OSError):
-                if (os.readlink(f"/proc/{child.pid}/ns/mnt") != own
-                        and Path(f"/proc/{child.pid}/comm").read_text().strip() == "dsec-mntns"):
+                if (os.readlink(f"/proc/{pid}/ns/mnt") != own
+                        and Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns"):
                     break
             time.sleep(0.002)
         else:
-            child.kill()
-            child.wait()
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
             raise BackendUnavailable("the mount holder did not set up its mount namespace within 2 s")
-        if child.stderr is not None:
-            child.stderr.close()
-        self._child = child
+        self._child = pid
         tmp = self.pidfile.with_name(self.pidfile.name + ".tmp")
-        tmp.write_text(f"{child.pid} {start_time(child.pid)}\n")
+        tmp.write_text(f"{pid} {start_time(pid)}\n")
         os.replace(tmp, self.pidfile)
-        return child.pid
+        return pid
 
-    def _join(self) -> int:
-        if _libc.unshare(_CLONE_FS) != 0:
-            raise BackendUnavailable(f"unshare(CLONE_FS): {os.strerror(ctypes.get_errno())}")
-        fd = os.open(f"/proc/{self.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    def _join(self) -> None:
         try:
-            if _libc.setns(fd, _CLONE_NEWNS) != 0:
-                raise BackendUnavailable(f"joining the mount holder's namespace: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(fd)
-        return threading.get_native_id()
+            if _libc.unshare(_CLONE_FS) != 0:
+                raise BackendUnavailable(f"unshare(CLONE_FS): {os.strerror(ctypes.get_errno())}")
+            fd = os.open(f"/proc/{self.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc.setns(fd, _CLONE_NEWNS) != 0:
+                    raise BackendUnavailable(f"joining the mount holder's namespace (pid {self.pid}): "
+                                             f"{os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            self._join_error = exc if isinstance(exc, BackendUnavailable) else BackendUnavailable(
+                f"joining the mount holder's namespace (pid {self.pid}): {exc}")
+            raise
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` in the holder's mount namespace (on its one worker thread) and wait."""
+        """Run ``fn(*args)`` in the holder's mount namespace (on one of its worker threads) and wait."""
         if self._thread is None:
             raise BackendUnavailable("the mount holder is not started")
         return self._thread.submit(fn, *args).result()
@@ -225,10 +235,11 @@ class MountHolder:
             self._tid = 0
         if stop and self.pid:
             with contextlib.suppress(ProcessLookupError):
-                if self._child is not None or self._adopt() == self.pid:
+                if self._child == self.pid or self._adopt() == self.pid:
                     os.kill(self.pid, signal.SIGKILL)
-            if self._child is not None:
-                self._child.wait()
+            if self._child == self.pid:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
             self.pidfile.unlink(missing_ok=True)
-        self._child = None
+        self._child = 0
         self.pid = 0
