@@ -24,7 +24,9 @@ import hashlib
 import json
 import os
 import posixpath
+import select
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -553,10 +555,15 @@ class ContainerBackend(Backend):
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
-        if pid and start_time(pid) == state.get("init_start"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        _kill_and_remove_cgroups(self._cgroup_set(sandbox_id, state))
+        pidfd = _pidfd_of(int(pid), state.get("init_start")) if pid else None
+        try:
+            if pidfd is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            _kill_and_remove_cgroups(self._cgroup_set(sandbox_id, state), pidfd)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         if pid:
             _reap(pid)
         shutil.rmtree(self.runtime_root / sandbox_id, True)
@@ -642,8 +649,27 @@ def _reap(pid: int) -> None:
         time.sleep(0.002)
 
 
-def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
+def _pidfd_of(pid: int, started: str | None) -> int | None:
+    """A pidfd of ``pid`` if it is still the process that started at ``started`` (the pidfd pins it: checked
+    once, no signal sent through it can reach a recycled pid), else None."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+    if start_time(pid) != started:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> None:
+    """Kill every task of ``cgroups`` and remove them; ``init``: a pidfd of the sandbox's (killed) init, whose
+    exit (the namespaces' teardown, a few ms) is waited for in one poll instead of polling the cgroup."""
     thawed = False
+    waiter = None
+    if init is not None:
+        waiter = select.poll()
+        waiter.register(init, select.POLLIN)
     for attempt in range(1000):  # at most ~2 s: dying tasks leave the cgroup within microseconds
         pids = cgroups.pids()
         for pid in pids:
@@ -663,6 +689,9 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
                 # in, one hierarchy after another): kill it too, and try again.
                 if err.errno != errno.EBUSY or attempt == 999:
                     raise
+        if waiter is not None and not waiter.poll(0):
+            waiter.poll(2000)  # readable once the init has exited (past leaving its cgroups)
+            continue
         time.sleep(0.002)
     cgroups.remove()
 
