@@ -40,6 +40,7 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
@@ -59,6 +60,41 @@ static void fail(const char *what, int err) {
     if (n > 0 && write(fd, msg, (size_t)n) < 0)
         _exit(125);
     _exit(125);
+}
+
+/* The pid crun wrote to its --pid-file (the container's init), or 0. */
+static pid_t read_pid(int argc, char **argv, int sep) {
+    for (int i = sep + 1; i + 1 < argc; i++) {
+        if (strcmp(argv[i], "--pid-file") == 0) {
+            char buf[32] = {0};
+            int fd = open(argv[i + 1], O_RDONLY | O_CLOEXEC);
+            if (fd < 0)
+                return 0;
+            ssize_t n = read(fd, buf, sizeof buf - 1);
+            close(fd);
+            return n > 0 ? (pid_t)atoi(buf) : 0;
+        }
+    }
+    return 0;
+}
+
+/* Whether our children are at most `init` (zombies count: they are what we wait for). */
+static int only_child(pid_t init) {
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 1;
+    buf[n] = 0;
+    char *end = NULL;
+    long first = strtol(buf, &end, 10);
+    while (*end == ' ')
+        end++;
+    return *end == 0 && first == init;
 }
 
 static int hold(void) {
@@ -116,7 +152,33 @@ int main(int argc, char **argv) {
             fail("attach the sandbox's root", errno);
         close(root_fd);
     }
-    execv(argv[sep + 1], &argv[sep + 1]);
-    fail(argv[sep + 1], errno);
+    /* The runtime runs as our child, and we are a subreaper while it does: the processes it forks and
+       leaves behind are re-parented here, not to the daemon (a subreaper too, for the sandboxes' inits),
+       which never waits for them: `crun run --detach` left one zombie per create there, for good. Once
+       the runtime is done we collect its leftovers until only the container's init (named by the
+       runtime's --pid-file) is left, for at most a second; the init is re-parented to the daemon when we
+       exit. */
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0)
+        fail("become a subreaper", errno);
+    pid_t runtime = fork();
+    if (runtime < 0)
+        fail("fork", errno);
+    if (runtime == 0) {
+        prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0);
+        execv(argv[sep + 1], &argv[sep + 1]);
+        fail(argv[sep + 1], errno);
+    }
+    int status = 0;
+    while (waitpid(runtime, &status, 0) < 0)
+        if (errno != EINTR)
+            fail("wait for the runtime", errno);
+    pid_t init = read_pid(argc, argv, sep);
+    for (int i = 0; i < 1000 && !only_child(init); i++) {
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        usleep(1000);
+    }
+    if (WIFEXITED(status))
+        return WEXITSTATUS(status);
     return 125;
 }
