@@ -182,6 +182,21 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         await backend.destroy(record)
     assert_clean(home, record.id)
     assert not pid_alive(init), "the init survived destroy"
+    # nothing crun forked stays behind as our zombie (the shim collects it; it used to stay for good)
+    assert not _zombie_children("crun"), _zombie_children("crun")
+
+
+def _zombie_children(comm: str) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        if name.split("(", 1)[1] == comm and fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(stat.parent.name))
+    return found
 
 
 async def test_recover_live_and_dead(backend: ContainerBackend, debian_python_image: ImageRef,
