@@ -99,6 +99,11 @@ def _host_footprint(tags: set[str]) -> set[str]:
                 # A zombie holds no resource; it waits for whichever pid 1 adopted it (a sandbox
                 # re-adopted across a daemon restart is no longer the new daemon's child).
                 comm = (proc / "comm").read_text().strip()
+                if state != "Z" and comm == "dsec-mntns":  # a container home's mount holder: argv names its tag
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    if len(argv) > 2 and argv[2].decode(errors="replace") in tags:
+                        found.add(f"process dsec-mntns pid {proc.name}")
+                    continue
                 if state == "Z" or not (comm in ("dsec-init", "qemu-system-x86") or comm.startswith("dsec-zygote")):
                     continue
                 cgroups = (proc / "cgroup").read_text()

@@ -52,10 +52,14 @@ def short_home(prefix: str) -> Path:
     return path
 
 
-def mounts_under(prefix: str) -> list[str]:
-    """Mount points (from our mountinfo) at or below ``prefix``."""
+def mounts_under(prefix: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points (from our mountinfo, or another namespace's) at or below ``prefix``."""
     found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    try:
+        text = Path(mountinfo).read_text()
+    except OSError:  # that namespace's process is gone: nothing is mounted there any more
+        return []
+    for line in text.splitlines():
         point = line.split()[4]
         if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
             found.append(point)
@@ -82,13 +86,35 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def mount_holder(home: Path) -> int | None:
+    """Pid of the home's live mount holder (``dsec-mntns``, see dsec.isolation.mounts), if any."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((home / "container" / "mntns.pid").read_text().split()[0])
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns":
+            return pid
+    return None
+
+
+def holder_mountinfo(home: Path) -> list[str]:
+    """The lines of the home's mount holder's mountinfo (where its sandboxes' overlays and disks are)."""
+    holder = mount_holder(home)
+    assert holder is not None, f"no mount holder runs for {home}"
+    return Path(f"/proc/{holder}/mountinfo").read_text().splitlines()
+
+
+def sandbox_mounts(home: Path, prefix: str) -> list[str]:
+    """Mount points at or below ``prefix``, on the host or in the home's mount holder."""
+    holder = mount_holder(home)
+    return mounts_under(prefix) + (mounts_under(prefix, f"/proc/{holder}/mountinfo") if holder else [])
+
+
 def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]:
     """Host resources still held by this home's sandboxes (or one sandbox): empty lists when clean."""
     tag = home_tag(home)
     ids = (lambda p: p.name == sandbox_id) if sandbox_id else (lambda p: p.name.startswith("sb-"))
     out = {
-        "mounts": mounts_under(f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
-        + mounts_under(str(home / "container" / sandbox_id) if sandbox_id else str(home / "container")),
+        "mounts": sandbox_mounts(home, f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
+        + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container")),
         "cgroups": cgroup_dirs(tag, sandbox_id),
         "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
         "runtime_state": [],
@@ -134,13 +160,18 @@ async def sweep(home: Path, images: Path) -> list[str]:
     home's ``/run/dsec/<tag>`` directory gone as well (it only holds a copy of the static init).
     """
     backend = ContainerBackend(Settings(home=home, images_dir=images))
-    removed = await backend.cleanup_orphans(set())
+    if (home / "container").is_dir():  # started, it adopts the home's mount holder, and ends it when done
+        await backend.start()
+    try:
+        removed = await backend.cleanup_orphans(set())
+    finally:
+        await backend.aclose()
     if (home / "lazy").exists():  # image mounts a daemon of this home kept warm, then its FUSE server
         from dsec.images.node import NodeImages
 
         await NodeImages(Settings(home=home, images_dir=images)).aclose(unmount=True)
     tag_dir = Path("/run/dsec") / home_tag(home)
-    if tag_dir.is_dir() and not mounts_under(str(tag_dir)):
+    if tag_dir.is_dir() and not sandbox_mounts(home, str(tag_dir)):
         shutil.rmtree(tag_dir, ignore_errors=True)
     for parent in (CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}")):
         with contextlib.suppress(OSError):
@@ -184,6 +215,7 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
     # closing the backend drops the home's (now empty) parent cgroups and nft table (shared while it runs)
     assert cgroup_parents(home_tag(home)) == []
     assert f"dsec_{home_tag(home)}" not in dsec_tables(), "the home's nft table outlived its last sandbox"
+    assert mount_holder(home) is None, "the home's mount holder outlived its last sandbox"
 
 
 async def run(backend: Backend, record: SandboxRecord, command: str | list[str], **kw: Any) -> ExecResult:

@@ -23,6 +23,7 @@ from container_support import (
     mounts_under,
     pid_alive,
     run,
+    sandbox_mounts,
     started_backend,
     swept_home,
 )
@@ -169,7 +170,10 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         assert r.exit_code == 0
         tag = home_tag(home)
         init = record.backend_state["init_pid"]
-        assert mounts_under(f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
+        # Mounted in the home's mount holder, never in the host's mount table (which every new namespace copies).
+        assert sandbox_mounts(home, f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
+        assert sandbox_mounts(home, str(home / "container" / record.id / "disk")), "sandbox disk not mounted"
+        assert not mounts_under(f"/run/dsec/{tag}") and not mounts_under(str(home)), "a sandbox mount is on the host"
         assert cgroup_dirs(tag, record.id), "sandbox cgroups not found"
         assert (home / "runtime" / record.id).is_dir()
         assert pid_alive(init)
@@ -178,6 +182,21 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         await backend.destroy(record)
     assert_clean(home, record.id)
     assert not pid_alive(init), "the init survived destroy"
+    # nothing crun forked stays behind as our zombie (the shim collects it; it used to stay for good)
+    assert not _zombie_children("crun"), _zombie_children("crun")
+
+
+def _zombie_children(comm: str) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        if name.split("(", 1)[1] == comm and fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(stat.parent.name))
+    return found
 
 
 async def test_recover_live_and_dead(backend: ContainerBackend, debian_python_image: ImageRef,

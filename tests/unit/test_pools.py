@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from dsec.daemon import engine as engine_module
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
-from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL
+from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL, REFILL_DELAY
 from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxNotFound
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxRecord, SandboxSpec
 from dsec.testing.fake import FakeBackend
@@ -107,6 +108,26 @@ async def test_demand_raises_target_within_ceiling(engine: Engine) -> None:
     pool.claims = type(pool.claims)(t - DEMAND_WINDOW - 1 for t in pool.claims)
     await engine.pools.refill()
     assert engine.statistics().pools[0].ready == 2
+
+
+async def test_refill_task_sleeps_while_nothing_changes(engine: Engine) -> None:
+    """Event-driven: a filled pool with no demand makes no pass at all, however small ``interval`` is; a
+    claim wakes it at once; a claim's leaving the demand window is scheduled, not polled for."""
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(10)
+    await asyncio.sleep(0.05)  # the pass after the last member joined
+    before = engine.pools.passes
+    await asyncio.sleep(0.3)  # 30 intervals of 0.01 s
+    assert engine.pools.passes == before
+    assert engine.pools.next_timed_pass(time.monotonic()) is None
+    info = await engine.create(SHAPE)
+    assert info.pooled
+    await engine.pools.wait_filled(10)
+    assert engine.pools.passes > before
+    await asyncio.sleep(REFILL_DELAY * 2)  # past the claim's deferral
+    wait = engine.pools.next_timed_pass(time.monotonic())
+    assert wait is not None and DEMAND_WINDOW - 1 < wait <= DEMAND_WINDOW  # the claim leaves the window
+    await engine.destroy(info.id)
 
 
 async def test_reserved_label_refused(engine: Engine) -> None:

@@ -24,7 +24,9 @@ import hashlib
 import json
 import os
 import posixpath
+import select
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -38,10 +40,11 @@ from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, cgroup_mode, v2_controllers_in_hybrid
-from dsec.isolation.disk import disk_full, mount_disk, umount
+from dsec.isolation.disk import disk_full, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
+from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, tmpfs_mount
 from dsec.isolation.network import DnsProxy, Network, Policy
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
@@ -52,12 +55,6 @@ from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxReco
 __all__ = ["ContainerBackend"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_MS_RDONLY = 1
-_MS_NOSUID = 2
-_MS_NODEV = 4
-_MS_REMOUNT = 32
-_MS_BIND = 4096
-_MS_REC = 16384
 _PR_SET_CHILD_SUBREAPER = 36
 # The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
@@ -66,33 +63,8 @@ CPU_IDLE_AFTER_S = 0.5
 commands (an agent's tool loop) pay no cgroup write at all, a background hog yields within half a second."""
 
 
-def _mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> None:
-    # xino=on: with the lowers on other filesystems (lazily loaded EROFS images) every file still
-    # reports the overlay's st_dev, which the files API relies on to stay on the sandbox's root.
-    # Lowers are top first: snapshot layers (newest first), then the image.
-    lowerdir = ":".join(str(p) for p in lowers)
-    opts = f"lowerdir={lowerdir},upperdir={upper},workdir={work},xino=on"
-    if len(opts) >= 4096:
-        raise SandboxError(f"overlay mount on {target}: {len(lowers)} layers do not fit in one mount's options "
-                           "(4 KiB); restore from an earlier snapshot or snapshot a fresh sandbox")
-    # nosuid, nodev: every process in a sandbox runs with no_new_privs anyway, and the mount point is
-    # visible on the host, where a setuid file or device node planted by an agent must mean nothing.
-    if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
-        err = ctypes.get_errno()
-        raise SandboxError(f"overlay mount on {target} failed: {os.strerror(err)}")
-
-
 PRISTINE_DIR = "/.dsec-pristine"
 """Where a sandbox sees its image's original root (read-only); ``dsec-nsenter`` roots pristine execs there."""
-
-
-def _mount_pristine(image_root: Path, target: Path) -> None:
-    target.mkdir(mode=0o555, exist_ok=True)  # a restored snapshot's upper layer already has it
-    flags = _MS_BIND | _MS_NOSUID | _MS_NODEV
-    if (_libc.mount(str(image_root).encode(), str(target).encode(), None, _MS_BIND | _MS_REC, None) != 0
-            or _libc.mount(None, str(target).encode(), None, flags | _MS_REMOUNT | _MS_RDONLY, None) != 0):
-        err = ctypes.get_errno()
-        raise SandboxError(f"read-only bind of the image root on {target} failed: {os.strerror(err)}")
 
 
 class ContainerBackend(Backend):
@@ -109,6 +81,7 @@ class ContainerBackend(Backend):
         # developer's and CI's) never touch each other's sandboxes when cleaning up orphans.
         tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
         self.cgroup_parent = f"dsec-{tag}"
+        self._tag = tag
         # Root filesystems are mounted where the container's (shifted) root user can traverse to
         # them: crun mounts them from inside the user namespace, and DSEC_HOME may sit below a
         # 0700 directory. The writable layers stay in DSEC_HOME, on disk.
@@ -117,6 +90,8 @@ class ContainerBackend(Backend):
         self._init: Path | None = None
         self._nofile = 0
         self._shim: Path | None = None
+        # The node's private mount namespace, where each sandbox's overlay and disk live (mounts.py).
+        self._holder: MountHolder | None = None
         self._mask_v2 = False
         self.network = Network(tag)
         self._policies: dict[int, Policy] = {}
@@ -168,6 +143,9 @@ class ContainerBackend(Backend):
         self._nofile = exec_rlimits()["nofile"][0]
         self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
         self._mask_v2 = v2_controllers_in_hybrid()
+        holder = MountHolder(self._shim, self.root / "mntns.pid", self._tag)
+        await asyncio.to_thread(holder.start)
+        self._holder = holder
         self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
 
@@ -184,6 +162,10 @@ class ContainerBackend(Backend):
         self._table_ready = False
         if not await asyncio.to_thread(self.network.indexes):  # no networked sandbox of this home is left
             await asyncio.to_thread(self.network.drop_table)
+        if self._holder is not None:  # ended with the last sandbox; kept (and re-adopted) while any is alive
+            last = not any(p.name.startswith("sb-") for p in self.root.iterdir())
+            await asyncio.to_thread(self._holder.close, last)
+            self._holder = None
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
 
@@ -207,15 +189,17 @@ class ContainerBackend(Backend):
 
     # -- OCI runtime ----------------------------------------------------------------------
 
-    async def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet) -> None:
-        """Run crun (cgroup manager disabled) with ``args`` from inside ``cgroups`` (through the shim).
+    async def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet, root: tuple[int, Path]) -> None:
+        """Run crun (cgroup manager disabled) with ``args`` from inside ``cgroups`` (through the shim), in a
+        mount namespace of its own where the detached mount tree ``root[0]`` is attached on ``root[1]``.
 
         crun's errors go to ``log`` (JSON lines), the shim's to ``log`` + ``.shim``.
         """
         if self._shim is None:
             raise BackendUnavailable("container backend is not started")
         shim_errors = log.with_name(log.name + ".shim")
-        cmd = [str(self._shim), str(shim_errors), "1" if self._mask_v2 else "0", *cgroups.procs_files(), "--",
+        cmd = [str(self._shim), str(shim_errors), "1" if self._mask_v2 else "0", f"{root[0]}:{root[1]}",
+               *cgroups.procs_files(), "--",
                self.runtime, "--cgroup-manager=disabled", "--root", str(self.runtime_root), f"--log=file:{log}",
                "--log-format=json"]
 
@@ -225,7 +209,7 @@ class ContainerBackend(Backend):
         # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every call.
         def run() -> subprocess.CompletedProcess[bytes]:
             return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, check=False)
+                                  stderr=subprocess.DEVNULL, check=False, pass_fds=(root[0],))
 
         proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
         if proc.returncode != 0:
@@ -263,7 +247,8 @@ class ContainerBackend(Backend):
         if was_running:
             await asyncio.to_thread(cgroups.freeze)
         try:
-            await self._tool("cp", "-a", "--reflink=auto", "--sparse=always", f"{upper}/.", str(target))
+            await self._tool("cp", "-a", "--reflink=auto", "--sparse=always", f"{self.mount_view(record, 'upper')}/.",
+                             str(target))
         finally:
             if was_running:
                 await asyncio.to_thread(cgroups.thaw)
@@ -284,27 +269,29 @@ class ContainerBackend(Backend):
         apply_image_defaults(record, image)
         bundle = self._bundle(record.id)
         disk = bundle / "disk"
-        rootfs, upper, work = self.mounts / record.id, disk / "upper", disk / "work"
+        rootfs, upper = self.mounts / record.id, disk / "upper"
         shift = image.uid_shift
         record.backend_state = {
             "bundle": str(bundle), "rootfs": str(rootfs), "upper": str(upper), "disk": str(disk), "uid_shift": shift,
             "cgroups_path": f"/{self.cgroup_parent}/{record.id}",
             # The image's environment (PATH of a Python or Node image...) under the spec's and the call's.
             "image_env": dict(image.config.env),
+            # Its overlay and disk are mounted in the node's mount holder, not on the host (mount_view).
+            "mntns": True,
         }
         bundle.mkdir(mode=0o700)
         disk.mkdir()
         rootfs.mkdir()
-        await asyncio.to_thread(mount_disk, disk, record.spec.disk)
-        upper.mkdir()
-        work.mkdir()
-        os.chown(upper, shift, shift)
-        # Cgroups, root mount, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
+        # Cgroups, mounts, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
         # and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
-        cgroups = await asyncio.to_thread(self._prepare, record, image, [*(layers or []), image.rootfs], rootfs,
-                                          upper, work)
-        await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
-                                record.id, log=bundle / "runtime.log", cgroups=cgroups)
+        cgroups, root_fd = await asyncio.to_thread(self._prepare, record, image, [*(layers or []), image.rootfs],
+                                                   rootfs, disk)
+        try:
+            await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file",
+                                    str(bundle / "init.pid"), record.id, log=bundle / "runtime.log", cgroups=cgroups,
+                                    root=(root_fd, rootfs))
+        finally:
+            os.close(root_fd)
         pid = int((bundle / "init.pid").read_text())
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
         await asyncio.to_thread(protect_paths, pid, record.spec.protected)
@@ -313,29 +300,77 @@ class ContainerBackend(Backend):
         if policy.mode != "none":
             await self._connect(record, policy)
 
-    def _prepare(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path, upper: Path,
-                 work: Path) -> CgroupSet:
+    def _prepare(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path,
+                 disk: Path) -> tuple[CgroupSet, int]:
+        """Cgroups, mounts and bundle of a new sandbox: its cgroups and a detached clone of its root for the
+        runtime shim (the caller closes it)."""
         assert self._init is not None
         cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec))
         record.backend_state["cgroups"] = cgroups.dirs
         cgroups.set_cpu_class(busy=False)  # born idle: nobody has asked it for anything yet
-        _mount_overlay(lowers, upper, work, rootfs)
-        record.backend_state["mounted"] = True
-        # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image format
-        # works): execs run as that user, with its home as HOME unless the image's Env sets one.
-        user = resolve_user(rootfs, image.config.user)
-        record.backend_state.update(user=[user.uid, user.gid], home=user.home)
+        root_fd = self._mount_root(record, image, lowers, rootfs, disk)
+        try:
+            config = runtime_config(
+                sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init,
+                uid_shift=image.uid_shift, uid_count=self.settings.uid_count, cgroups_path=None,
+                profile=DEFAULT_PROFILE,
+            )
+            (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
+        except BaseException:
+            os.close(root_fd)
+            raise
+        return cgroups, root_fd
+
+    def _mount_root(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path,
+                    disk: Path) -> int:
+        """Build the sandbox's disk tmpfs and overlay detached (never on the host's mount table), attach them
+        on ``disk`` and ``rootfs`` in the mount holder's namespace, and return a detached clone of the root
+        for the runtime shim."""
+        holder = self._holder
+        if holder is None:
+            raise BackendUnavailable("container backend is not started")
         shift = image.uid_shift
-        SandboxFS(str(rootfs), shift, shift).makedirs(workdir_of(record))
-        # The image's untouched root for pristine execs, read-only inside the sandbox's root (crun carries
-        # the mount along; from the host's namespace it is a locked mount the sandbox cannot undo).
-        _mount_pristine(image.rootfs, rootfs / PRISTINE_DIR.lstrip("/"))
-        config = runtime_config(
-            sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init, uid_shift=shift,
-            uid_count=self.settings.uid_count, cgroups_path=None, profile=DEFAULT_PROFILE,
-        )
-        (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
-        return cgroups
+        disk_fd = tmpfs_mount(record.spec.disk, where=f"the disk of {record.id}")
+        try:
+            on_disk = f"/proc/self/fd/{disk_fd}"
+            os.mkdir(f"{on_disk}/upper")
+            os.mkdir(f"{on_disk}/work")
+            os.chown(f"{on_disk}/upper", shift, shift)
+            root_fd = overlay_mount([str(p) for p in lowers], f"{on_disk}/upper", f"{on_disk}/work",
+                                    where=f"the root of {record.id}")
+            try:
+                root = f"/proc/self/fd/{root_fd}"
+                # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image
+                # format works): execs run as that user, with its home as HOME unless the image's Env sets one.
+                user = resolve_user(Path(root), image.config.user)
+                record.backend_state.update(user=[user.uid, user.gid], home=user.home)
+                SandboxFS(root, shift, shift).makedirs(workdir_of(record))
+                # The image's untouched root for pristine execs, read-only inside the sandbox's root (from the
+                # sandbox's user namespace a locked mount it cannot undo). A restored upper already has the dir.
+                os.makedirs(f"{root}{PRISTINE_DIR}", mode=0o555, exist_ok=True)
+                pristine = clone_tree(str(image.rootfs), readonly=True)
+                try:
+                    attach(pristine, PRISTINE_DIR.lstrip("/"), root_fd)
+                finally:
+                    os.close(pristine)
+                holder.run(attach, root_fd, str(rootfs))
+                record.backend_state["mounted"] = True
+                holder.run(attach, disk_fd, str(disk))
+            finally:
+                os.close(root_fd)
+        finally:
+            os.close(disk_fd)
+        return holder.run(clone_tree, str(rootfs))
+
+    def mount_view(self, record: SandboxRecord, key: str) -> str:
+        """The path of the sandbox's ``key`` mount ("rootfs", "disk" or "upper") as the daemon reaches it:
+        through the mount holder's namespace (the host's for a sandbox made before the holder existed)."""
+        path = str(record.backend_state[key])
+        if record.backend_state.get("mntns"):
+            if self._holder is None:
+                raise BackendUnavailable("container backend is not started")
+            return self._holder.view(path)
+        return path
 
     # -- network --------------------------------------------------------------------------
 
@@ -389,7 +424,7 @@ class ContainerBackend(Backend):
                **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         before = (counters.oom_kills(), counters.pids_limit_hits())
-        disk = record.backend_state.get("disk")
+        disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
             if sig == 9 and counters.oom_kills() > before[0]:
@@ -469,7 +504,7 @@ class ContainerBackend(Backend):
         root = f"/proc/{self._pid(record)}/root"
         norm = posixpath.normpath("/" + path.lstrip("/"))
         if any(norm == h or norm.startswith(h + "/") for h in record.backend_state.get("hidden", [])):
-            root = str(record.backend_state["rootfs"])
+            root = self.mount_view(record, "rootfs")
         return SandboxFS(root, shift, shift)
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
@@ -488,7 +523,8 @@ class ContainerBackend(Backend):
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)
-        upper, disk = record.backend_state.get("upper"), record.backend_state.get("disk")
+        upper = self.mount_view(record, "upper") if record.backend_state.get("upper") else None
+        disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
         if disk:  # the writable layer is its own tmpfs: the kernel counts it
             st = await asyncio.to_thread(os.statvfs, disk)
             used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
@@ -527,18 +563,25 @@ class ContainerBackend(Backend):
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
-        if pid and start_time(pid) == state.get("init_start"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        _kill_and_remove_cgroups(self._cgroup_set(sandbox_id, state))
+        pidfd = _pidfd_of(int(pid), state.get("init_start")) if pid else None
+        try:
+            if pidfd is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            _kill_and_remove_cgroups(self._cgroup_set(sandbox_id, state), pidfd)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         if pid:
             _reap(pid)
         shutil.rmtree(self.runtime_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
-        umount(rootfs)
+        bundle = self._bundle(sandbox_id)
+        if self._holder is not None:
+            self._holder.umount(str(rootfs), str(bundle / "disk"))
+        umount(rootfs)  # a sandbox made before the mount holder existed has its mounts on the host
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
-        bundle = self._bundle(sandbox_id)
         umount(bundle / "disk")
         shutil.rmtree(bundle, True)
         if bundle.exists() or rootfs.exists():
@@ -614,8 +657,27 @@ def _reap(pid: int) -> None:
         time.sleep(0.002)
 
 
-def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
+def _pidfd_of(pid: int, started: str | None) -> int | None:
+    """A pidfd of ``pid`` if it is still the process that started at ``started`` (the pidfd pins it: checked
+    once, no signal sent through it can reach a recycled pid), else None."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+    if start_time(pid) != started:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> None:
+    """Kill every task of ``cgroups`` and remove them; ``init``: a pidfd of the sandbox's (killed) init, whose
+    exit (the namespaces' teardown, a few ms) is waited for in one poll instead of polling the cgroup."""
     thawed = False
+    waiter = None
+    if init is not None:
+        waiter = select.poll()
+        waiter.register(init, select.POLLIN)
     for attempt in range(1000):  # at most ~2 s: dying tasks leave the cgroup within microseconds
         pids = cgroups.pids()
         for pid in pids:
@@ -635,6 +697,9 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet) -> None:
                 # in, one hierarchy after another): kill it too, and try again.
                 if err.errno != errno.EBUSY or attempt == 999:
                     raise
+        if waiter is not None and not waiter.poll(0):
+            waiter.poll(2000)  # readable once the init has exited (past leaving its cgroups)
+            continue
         time.sleep(0.002)
     cgroups.remove()
 

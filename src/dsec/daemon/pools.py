@@ -112,12 +112,17 @@ class Pools:
     """Every warm pool of one engine, and the task that keeps them filled."""
 
     def __init__(self, host: PoolHost, metrics: Metrics, *, interval: float = 0.1) -> None:
+        # The refill task sleeps until an event (a declaration, a claim, a member made or failed) or until
+        # time alone changes something (demand leaving the window, a back-off ending); ``interval`` is the
+        # least time between two such timed passes, never a polling period: an idle node's pools cost nothing.
         self._host = host
         self._metrics = metrics
         self.interval = interval
         self._pools: dict[str, _Pool] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.passes = 0
+        """Refill passes the background task has made (an idle node makes none)."""
 
     def declare(self, config: PoolConfig) -> PoolStatistics:
         """Add a pool, or change an existing pool's bounds (its shape is its identity)."""
@@ -204,16 +209,33 @@ class Pools:
             await asyncio.sleep(0.02)
 
     async def _refill_forever(self) -> None:
+        timeout: float | None = None
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+                await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             if self._task is None:  # aclose() asked us to stop
                 return
+            self.passes += 1
             try:
                 await self.refill()
             except Exception:
                 log.exception("pool refill pass failed")
+            timeout = self.next_timed_pass(time.monotonic())
+
+    def next_timed_pass(self, now: float) -> float | None:
+        """Seconds until time alone changes what a refill pass would do, at least ``interval``: the oldest
+        claim leaving a pool's demand window, a back-off ending, a deferred refill coming due. None: nothing
+        changes until an event wakes the task."""
+        due: list[float] = []
+        for pool in self._pools.values():
+            if pool.claims:
+                due.append(pool.claims[0] + DEMAND_WINDOW)
+            if pool.retry_at > now:
+                due.append(pool.retry_at)
+            if pool.deferred(now):
+                due.append(pool.last_claim + REFILL_DELAY)
+        return max(self.interval, min(due) - now) if due else None
 
     async def refill(self) -> None:
         """One pass: start creates where a pool is short, destroy members above the target."""
@@ -247,6 +269,7 @@ class Pools:
             # Back off (0.5 s doubling to 30 s): a broken image must not turn into a create storm.
             pool.retry_at = time.monotonic() + min(30.0, 0.5 * 2 ** (pool.consecutive_failures - 1))
             log.warning("pool %s: refill failed: %s", pool.key, pool.last_error)
+            self._wake.set()  # a pass that schedules the retry once the back-off ends
             return
         pool.consecutive_failures = 0
         pool.created += 1

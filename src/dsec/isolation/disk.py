@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsec.errors import SandboxError
 
-__all__ = ["disk_full", "disk_inodes", "mount_disk", "umount"]
+__all__ = ["disk_full", "disk_inodes", "disk_options", "mount_disk", "umount"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
@@ -27,10 +27,15 @@ def disk_inodes(size: int) -> int:
     return max(16384, size // 16384)
 
 
+def disk_options(size: int, mode: int = 0o700, uid: int = 0) -> str:
+    """The tmpfs options of a sandbox disk: ``size`` bytes, :func:`disk_inodes` inodes, its root directory
+    of ``mode``, owned by host uid and gid ``uid``."""
+    return f"size={size},nr_inodes={disk_inodes(size)},mode={mode:o},uid={uid},gid={uid}"
+
+
 def mount_disk(target: Path, size: int, mode: int = 0o700, uid: int = 0) -> None:
-    """Mount a tmpfs of ``size`` bytes and :func:`disk_inodes` inodes on ``target`` (nosuid, nodev), its
-    root directory of ``mode``, owned by host uid and gid ``uid``."""
-    opts = f"size={size},nr_inodes={disk_inodes(size)},mode={mode:o},uid={uid},gid={uid}"
+    """Mount a tmpfs of :func:`disk_options` on ``target`` (nosuid, nodev)."""
+    opts = disk_options(size, mode, uid)
     if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"tmpfs mount on {target} failed: {os.strerror(err)}")

@@ -39,10 +39,11 @@ pid, namespaces, op, paths = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 def bail(code, msg):
     sys.stderr.write(msg); sys.exit(code)
-for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)):
-    if ns not in namespaces:
-        continue
-    fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)
+# Both opened first, as host root: once in the user namespace, opening /proc/PID/ns/mnt is a ptrace check
+# against the init, refused while it is still the runtime's non-dumpable child just before its execve.
+fds = [(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY), ns, flag)
+       for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)) if ns in namespaces]
+for fd, ns, flag in fds:
     if libc.setns(fd, flag) != 0:
         bail(4, f"setns {ns}: {os.strerror(ctypes.get_errno())}")
     os.close(fd)

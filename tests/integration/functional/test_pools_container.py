@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from container_support import await_until, checked_backend, images_dir, short_home, sweep
+from container_support import await_until, checked_backend, images_dir, sandbox_mounts, short_home, sweep
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.daemon.admission import Admission
@@ -83,7 +83,7 @@ async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engi
     await engine.wait_teardowns()
     assert engine.statistics().teardowns == 0
     assert not any(Path(d).exists() for d in cgroups.dirs.values())
-    assert rootfs not in Path("/proc/mounts").read_text()
+    assert not sandbox_mounts(engine.settings.home, rootfs)
     assert not Path(f"/proc/{pid}").exists()
     assert not (engine.settings.state_dir / f"{info.id}.json").exists()
 

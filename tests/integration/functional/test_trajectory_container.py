@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import hashlib
 import io
@@ -241,11 +242,16 @@ def test_abandoned_trajectory_sandbox_is_orphaned_then_its_lease_expires(daemon:
 
 
 def overlay_lowers(sandbox_id: str) -> list[str]:
-    """The lower layers of a container sandbox's root overlay, top first (from the host's mount table)."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if f"/{sandbox_id} " in line and " - overlay " in line:
-            opts = line.split(" - overlay ", 1)[1]
-            return opts.split("lowerdir=", 1)[1].split(",", 1)[0].split(":")
+    """The lower layers of a container sandbox's root overlay, top first (from the mount table of the mount
+    holder that holds it: sandbox mounts are never in the host's table)."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().strip() != "dsec-mntns":
+                continue
+            for line in (comm.parent / "mountinfo").read_text().splitlines():
+                if f"/{sandbox_id} " in line and " - overlay " in line:
+                    opts = line.split(" - overlay ", 1)[1].split()[1].split(",")
+                    return [o.removeprefix("lowerdir+=") for o in opts if o.startswith("lowerdir+=")]
     raise AssertionError(f"no overlay mount for {sandbox_id}")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from container_support import INODE_BOMB, checked_backend, leftovers, py, run, swept_home
+from container_support import INODE_BOMB, checked_backend, holder_mountinfo, leftovers, py, run, swept_home
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.errors import DSecError, InvalidRequest
@@ -55,7 +55,7 @@ async def test_yes_fills_only_the_sandbox_disk(backend: ContainerBackend, debian
         # the host's filesystem did not take the writes: the layer is the sandbox's own tmpfs (a free-space
         # comparison would be flaky on a shared machine)
         disk = sb.backend_state["disk"]
-        fstypes = [line.split(" - ")[1].split()[0] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        fstypes = [line.split(" - ")[1].split()[0] for line in holder_mountinfo(backend.settings.home)
                    if line.split()[4] == disk]
         assert fstypes == ["tmpfs"], fstypes
         assert Path(sb.backend_state["upper"]).is_relative_to(disk)

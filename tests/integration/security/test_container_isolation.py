@@ -22,6 +22,7 @@ import pytest
 from container_support import (
     await_until,
     checked_backend,
+    holder_mountinfo,
     py,
     run,
     swept_home,
@@ -72,7 +73,7 @@ async def test_root_in_sandbox_is_unprivileged_uid_on_host(backend: ContainerBac
     assert lines[0] == "0"
     assert lines[1].split() == ["0", str(UID_SHIFT), "65536"], lines
     assert lines[2].split() == ["0", str(UID_SHIFT), "65536"], lines
-    upper = Path(sb.backend_state["upper"])
+    upper = Path(backend.mount_view(sb, "upper"))
     for created in (upper / "workspace" / "mine", upper / "var" / "owned-by-root"):
         st = created.stat()
         assert (st.st_uid, st.st_gid) == (UID_SHIFT, UID_SHIFT), (created, st.st_uid)
@@ -405,9 +406,12 @@ async def test_commands_are_first_oom_victims_and_overlay_is_nosuid_nodev(backen
                                                                          sb: SandboxRecord) -> None:
     assert (await run(backend, sb, "cat /proc/self/oom_score_adj")).stdout == b"500\n"
     rootfs = sb.backend_state["rootfs"]
-    options = [line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-               if line.split()[4] == rootfs]
-    assert options and "nosuid" in options[0].split(",") and "nodev" in options[0].split(","), options
+    # the daemon's copy in the home's mount holder, and the sandbox's own root
+    held = [line.split()[5] for line in holder_mountinfo(backend.settings.home) if line.split()[4] == rootfs]
+    own = [line.split()[5] for line in Path(f"/proc/{sb.backend_state['init_pid']}/mountinfo").read_text().splitlines()
+           if line.split()[4] == "/"]
+    for options in (held, own):
+        assert options and "nosuid" in options[0].split(",") and "nodev" in options[0].split(","), options
 
 
 async def test_no_platform_socket_inside(backend: ContainerBackend, sb: SandboxRecord) -> None:
