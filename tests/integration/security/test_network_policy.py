@@ -187,13 +187,13 @@ async def test_allow_reaches_out_but_not_the_host_or_other_sandboxes(
         assert await probe(backend, a, PEER_IP, 8081) == "hello from 8081"
         assert await resolve(backend, a, "allowed.test") == PEER_IP
         # the host's own services (here: the upstream DNS's address, and the host side of the link)
-        host_side = backend._dns.servers[a.backend_state["net_index"]].get_extra_info("sockname")[0]
+        host_side = backend.networks.dns.servers[a.backend_state["net_index"]].get_extra_info("sockname")[0]
         with socket.socket() as listener:
             listener.bind((host_side, 0))
             listener.listen()
             assert (await probe(backend, a, host_side, listener.getsockname()[1])).startswith("blocked")
         # another sandbox's address
-        other = backend._dns.servers[b.backend_state["net_index"]].get_extra_info("sockname")[0]
+        other = backend.networks.dns.servers[b.backend_state["net_index"]].get_extra_info("sockname")[0]
         sandbox_b = other.rsplit(".", 1)[0] + "." + str(int(other.rsplit(".", 1)[1]) + 1)
         assert (await probe(backend, a, sandbox_b, 8080)).startswith("blocked")
 
