@@ -1,8 +1,10 @@
 """Network egress, port scans and DNS exfiltration under each policy.
 
 Every target is on this machine: a listener the attack opens on the host's loopback or on the host
-side of the sandbox's own veth pair, or a neighbour sandbox. Nothing is sent to an address that
-could leave the machine, even if a defence failed (no subnet sweeps, no public names resolved).
+side of the sandbox's own veth pair, or a neighbour sandbox. A microVM's NIC sits on a tap in a network
+namespace of its own, behind that veth pair: the same host rules judge its traffic. Nothing is sent to
+an address that could leave the machine, even if a defence failed (no subnet sweeps, no public names
+resolved).
 """
 
 from __future__ import annotations
@@ -10,16 +12,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import socket
 from collections.abc import Iterator
 
 from redteam import NO_NETWORK_DEVICE, VM_BACKENDS, Target, attack, guest_kernel_is_own, probe
 
-from dsec.models import ExecRequest
+from dsec.isolation.network import GUEST_GATEWAY
+from dsec.models import ExecRequest, SandboxRecord
 
-_NETWORK_ONLY_CONTAINER = {"function": "every exec runs in a network namespace with only loopback: no policy other "
-                                       "than none exists (net-none-scan-host covers it)",
-                           "microvm": NO_NETWORK_DEVICE}
+_NETWORKED_ONLY = {"function": "every exec runs in a network namespace with only loopback: no policy other "
+                               "than none exists (net-none-scan-host covers it)",
+                   "vm": NO_NETWORK_DEVICE}
+
+
+def _veth(record: SandboxRecord) -> tuple[str, str]:
+    """(host side, sandbox side) of a networked sandbox's veth pair (container: the sandbox's own eth0;
+    microvm: its namespace's, which the guest's traffic leaves from, masqueraded)."""
+    base = int(ipaddress.IPv4Address("10.200.0.0")) + 4 * int(record.backend_state["net_index"])
+    return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
 
 _CONNECT = r"""
 def connect(host, port, timeout=2):
@@ -93,12 +104,21 @@ print(json.dumps({{"links": sorted(n for _, n in socket.if_nameindex()), "routes
 @attack("net-allow-host-services", description="with network='allow', connect to a host service listening on the "
                                                "host side of the sandbox's own veth pair, and scan common ports there",
         models="incident: agents scanned for reachable services (the daemon, databases, the cloud metadata)",
-        defence="container: nftables input chain: from a sandbox only DNS to the proxy reaches the host (dropped: "
-                "ETIMEDOUT)",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": "allow"})
+        defence="container, microvm: nftables input chain: from a sandbox only DNS to the proxy reaches the host "
+                "(dropped: ETIMEDOUT); microvm: the guest's gateway is its namespace's tap, which drops all input",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_host_services(t: Target) -> None:
-    gw = (await probe(t, _CONNECT + "print(json.dumps(gateway()))"))
-    assert gw, "a sandbox with network='allow' has no default route"
+    route = (await probe(t, _CONNECT + "print(json.dumps(gateway()))"))
+    assert route, "a sandbox with network='allow' has no default route"
+    gw = _veth(t.sb)[0]  # the host side of the sandbox's veth (a container's gateway; behind a microVM's tap)
+    if t.name == "microvm":
+        assert route == GUEST_GATEWAY, route
+        near = await probe(t, _CONNECT + f"""
+print(json.dumps({{str(p): connect({route!r}, p, 1) for p in [22, 53, 80, 8000]}}))
+""")
+        assert set(near.values()) == {errno.ETIMEDOUT}, f"the guest's namespace answered: {near}"
+    else:
+        assert route == gw, (route, gw)
     srv = socket.socket()
     srv.bind((gw, 0))
     srv.listen(8)
@@ -117,8 +137,9 @@ print(json.dumps({{str(p): connect({gw!r}, p, 1) for p in [{port}, 22, 80, 5432,
 @attack("net-allow-neighbour", description="with network='allow', connect to a neighbour sandbox's listener by its "
                                            "address",
         models="cross-sandbox: reaching another agent's services",
-        defence="container: nftables forward chain drops anything towards a sandbox that is not a reply (ETIMEDOUT)",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": "allow"})
+        defence="container, microvm: nftables forward chain drops anything towards a sandbox that is not a reply "
+                "(ETIMEDOUT); microvm: nothing is forwarded towards a guest's tap but replies",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_neighbour(t: Target) -> None:
     async with t.neighbour(network="allow") as other:
         r = await t.backend.exec(other, ExecRequest(command=[
@@ -127,8 +148,9 @@ async def net_allow_neighbour(t: Target) -> None:
                         "python3 -c 'import socket,fcntl,struct;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
                         "print(socket.inet_ntoa(fcntl.ioctl(s.fileno(),0x8915,struct.pack(\"256s\",b\"eth0\"))"
                         "[20:24]))'"]))
-        victim = r.stdout.decode().strip()
-        assert victim.startswith("10.200."), f"the neighbour has no address: {r}"
+        own = r.stdout.decode().strip()
+        assert own.startswith("10.200."), f"the neighbour has no address: {r}"
+        victim = _veth(other)[1]  # where the neighbour's traffic comes from (a container's eth0 is that address)
         await asyncio.sleep(0.5)
         own = await t.backend.exec(other, ExecRequest(command=["python3", "-c", _CONNECT + (
             "import errno, socket\nprint(connect('127.0.0.1', 8099))")]))
@@ -140,9 +162,10 @@ async def net_allow_neighbour(t: Target) -> None:
 @attack("net-dns-exfil", description="with an allowlist of one name, exfiltrate data in DNS queries for other names "
                                      "and connect to the resolver's host on other ports",
         models="exfiltration through DNS; policy bypass",
-        defence="container: the DNS proxy answers only allowed names (REFUSED, never forwarded upstream); the input "
-                "chain drops everything else to the host",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": ["allowed.test:443"]})
+        defence="container, microvm: the DNS proxy answers only allowed names (REFUSED, never forwarded upstream); the "
+                "input chain drops everything else to the host (microvm: the resolver is the namespace's tap, which "
+                "forwards only DNS to the proxy)",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": ["allowed.test:443"]})
 async def net_dns_exfil(t: Target) -> None:
     res = await probe(t, _CONNECT + r"""
 import struct
