@@ -143,6 +143,7 @@ class MicroVMBackend(Backend):
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
     network_device: bool = True
     """Sandboxes with a network policy get a NIC (see :mod:`dsec.isolation.network`)."""
+    network_fixed_at_create = True
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
                  accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
