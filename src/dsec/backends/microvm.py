@@ -963,7 +963,12 @@ class MicroVMBackend(Backend):
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):
             record.state = "paused"
-            return (Path(record.backend_state["hibernated"]) / "state").is_file()
+            if not (Path(record.backend_state["hibernated"]) / "state").is_file():
+                return False
+            if record.backend_state.get("netns") and not TapNamespace(self.tag, record.id).exists():
+                return False  # the host rebooted: the NIC's namespace is gone
+            await self.networks.recover(record.backend_state, record.spec.network)  # its namespace stayed
+            return True
         pid = record.backend_state.get("qemu_pid")
         rundir = record.backend_state.get("rundir")
         if not pid or not rundir or start_time(pid) != record.backend_state.get("qemu_start"):
