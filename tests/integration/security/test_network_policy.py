@@ -426,3 +426,37 @@ async def test_microvm_network_survives_a_daemon_restart_and_orphans_are_swept(
     finally:
         await vm.destroy(kept)  # a no-op once destroyed above; the fixture checks nothing is left
         await vm.start()
+
+
+async def test_microvm_snapshot_clone_and_hibernation_keep_networks_apart(
+        vm: MicroVMBackend, debian_python_image: ImageRef, tmp_path: Path) -> None:
+    """A clone of a networked VM has a NIC of its own under its own policy (none until set); a NIC-less
+    snapshot cannot become networked (400); a hibernated VM wakes with its network."""
+    from dsec.testing import new_record
+
+    async with sandbox(vm, debian_python_image, network=[f"{PEER_IP}:8080"], **VM_SMALL) as a:
+        assert await probe(vm, a, PEER_IP, 8080) == "hello from 8080"
+        snap = tmp_path / "networked"
+        snap.mkdir()
+        await vm.snapshot(a, snap)
+        clone = new_record("microvm", debian_python_image, **VM_SMALL)
+        await vm.restore(clone, debian_python_image, [snap])
+        try:
+            assert clone.backend_state["netns"] != a.backend_state["netns"] and "net_index" not in clone.backend_state
+            assert (await probe(vm, clone, PEER_IP, 8080)).startswith("blocked")
+            await vm.set_network(clone, [f"{PEER_IP}:8081"])
+            assert await probe(vm, clone, PEER_IP, 8081) == "hello from 8081"
+            assert (await probe(vm, clone, PEER_IP, 8080)).startswith("blocked")
+            assert (await probe(vm, a, PEER_IP, 8081)).startswith("blocked"), "the clone's policy leaked"
+        finally:
+            await vm.destroy(clone)
+        await vm.hibernate(a)
+        await vm.resume(a)
+        assert await probe(vm, a, PEER_IP, 8080) == "hello from 8080"
+    async with sandbox(vm, debian_python_image, **VM_SMALL) as plain:
+        snap = tmp_path / "plain"
+        snap.mkdir()
+        await vm.snapshot(plain, snap)
+    bad = new_record("microvm", debian_python_image, network="allow", **VM_SMALL)
+    with pytest.raises(InvalidRequest, match="without a network device"):
+        await vm.restore(bad, debian_python_image, [snap])
