@@ -954,11 +954,13 @@ class MicroVMBackend(Backend):
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
         await self._kill(sandbox_id, state)
         self.networks.forget(state)
-        await asyncio.to_thread(self._network_down, sandbox_id, state)
-        rundir = self.run_root / sandbox_id
-        await asyncio.to_thread(shutil.rmtree, rundir, True)
-        await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
-        await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
+        try:
+            await asyncio.to_thread(self._network_down, sandbox_id, state)
+        finally:  # the files go even if the network's removal failed (the orphan sweep retries it)
+            rundir = self.run_root / sandbox_id
+            await asyncio.to_thread(shutil.rmtree, rundir, True)
+            await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
+            await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
 
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):

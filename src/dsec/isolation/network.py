@@ -529,9 +529,15 @@ table ip dsec {
              f"udp dport 53 dnat to {resolver}\n")
 
     def delete(self) -> None:
-        """Remove the namespace (its tap and its end of the veth pair go with it; the host end too)."""
-        if self.exists():
+        """Remove the namespace (its tap and its end of the veth pair go with it; the host end too).
+        Idempotent: a concurrent removal (a create's clean-up and an orphan sweep) is no error."""
+        if not self.exists():
+            return
+        try:
             _run(["ip", "netns", "del", self.name], "")
+        except SandboxError:
+            if self.exists():
+                raise
 
     def enter(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace (``nsenter`` execs it: the pid stays the command's)."""
