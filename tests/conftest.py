@@ -115,9 +115,12 @@ def _host_footprint(tags: set[str]) -> set[str]:
             if comm != "qemu-system-x86" and any(f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups
                                                 for tag in tags):
                 found.add(f"process {comm} pid {proc.name}")
-    for name in dsec_tables():
-        if name.removeprefix("dsec_") in tags:
+    for name in dsec_tables():  # dsec_<tag> (container), dsec_<tag>_microvm
+        if name.removeprefix("dsec_").split("_")[0] in tags:
             found.add(f"nft table {name}")
+    for netns in Path("/run/netns").glob("dsvm-*"):  # microvm sandboxes' network namespaces: dsvm-<tag>-<id>
+        if netns.name.split("-")[1] in tags:
+            found.add(f"network namespace {netns.name}")
     for proc in Path("/proc").iterdir():  # lazy image filesystem servers of this session's homes
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []

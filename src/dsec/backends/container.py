@@ -45,7 +45,7 @@ from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, tmpfs_mount
-from dsec.isolation.network import DnsProxy, Network, Policy
+from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.procs import start_time
@@ -93,8 +93,7 @@ class ContainerBackend(Backend):
         # The node's private mount namespace, where each sandbox's overlay and disk live (mounts.py).
         self._holder: MountHolder | None = None
         self._mask_v2 = False
-        self.network = Network(tag)
-        self._policies: dict[int, Policy] = {}
+        self.networks = SandboxNetworks(tag)
         # Sandbox id -> execs running now; a sandbox with none (for CPU_IDLE_AFTER_S) is in the best-effort
         # CPU class. _busy_class: the sandboxes in the normal class now; _idle_timers: their pending demotions.
         self._busy: dict[str, int] = {}
@@ -103,9 +102,6 @@ class ContainerBackend(Backend):
         self._exec_cgroups: dict[str, tuple[CgroupSet, list[str], LimitCounters]] = {}
         self._busy_class: set[str] = set()
         self._idle_timers: dict[str, asyncio.TimerHandle] = {}
-        """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
-        self._dns = DnsProxy(self.network, self._policies.get)
-        self._table_ready = False
         # Runtime calls block a thread each (~10 ms); enough threads for a burst of creates on a big node.
         self._runtime_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dsec-runtime")
 
@@ -157,11 +153,7 @@ class ContainerBackend(Backend):
         if self._helper is not None:
             await asyncio.to_thread(self._helper.close)
             self._helper = None
-        self._dns.close()
-        self._policies.clear()
-        self._table_ready = False
-        if not await asyncio.to_thread(self.network.indexes):  # no networked sandbox of this home is left
-            await asyncio.to_thread(self.network.drop_table)
+        await self.networks.aclose()
         if self._holder is not None:  # ended with the last sandbox; kept (and re-adopted) while any is alive
             last = not any(p.name.startswith("sb-") for p in self.root.iterdir())
             await asyncio.to_thread(self._holder.close, last)
@@ -376,27 +368,13 @@ class ContainerBackend(Backend):
 
     async def _connect(self, record: SandboxRecord, policy: Policy) -> None:
         """Give a running sandbox its veth pair, DNS and ``policy`` (see :mod:`dsec.isolation.network`)."""
-        if not self._table_ready:
-            await asyncio.to_thread(self.network.ensure_table)
-            self._table_ready = True
-        index = await asyncio.to_thread(self.network.attach, self._pid(record))
-        record.backend_state["net_index"] = index
-        await asyncio.to_thread(self.network.apply, index, policy)
-        self._policies[index] = policy
-        await self._dns.serve(index)
-        host = self._dns.servers[index].get_extra_info("sockname")[0]
+        host = await self.networks.connect(record.backend_state, self._pid(record), policy)
         await asyncio.to_thread(self._fs(record).write, "/etc/resolv.conf", f"nameserver {host}\n".encode(), 0o644)
 
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         policy = Policy.parse(network)
-        index = record.backend_state.get("net_index")
-        if index is None:
-            if policy.mode != "none":
-                await self._connect(record, policy)
-            return
-        await asyncio.to_thread(self.network.apply, int(index), policy)
-        self._policies[int(index)] = policy
-        self._dns.forget(int(index))
+        if not await self.networks.set_policy(record.backend_state, policy) and policy.mode != "none":
+            await self._connect(record, policy)
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")
@@ -548,18 +526,13 @@ class ContainerBackend(Backend):
 
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
         self._forget_cpu_class(sandbox_id)
-        index = state.get("net_index")
-        if index is not None:
-            self._dns.stop(int(index))
-            self._policies.pop(int(index), None)
+        self.networks.forget(state)
         # Every blocking step in one worker-thread hop: each hop is a thread hand-off and a wake-up of the
         # loop, and six of them were a visible share of a create -> exec -> destroy cycle.
         await asyncio.to_thread(self._teardown, sandbox_id, state)
 
     def _teardown(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        index = state.get("net_index")
-        if index is not None:
-            self.network.release(int(index))
+        self.networks.release(state)
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
@@ -612,11 +585,7 @@ class ContainerBackend(Backend):
             return False
         if await asyncio.to_thread(self._cgroups(record).frozen):
             record.state = "paused"
-        index = record.backend_state.get("net_index")
-        if index is not None:  # its rules and veth live in the kernel; the DNS proxy lived in the old daemon
-            self._policies[int(index)] = Policy.parse(record.spec.network)
-            self._table_ready = True
-            await self._dns.serve(int(index))
+        await self.networks.recover(record.backend_state, record.spec.network)
         return True
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
@@ -638,10 +607,7 @@ class ContainerBackend(Backend):
                     state = {"init_pid": pid, "init_start": start_time(pid)}
             await self._destroy_id(sandbox_id, state)
         await asyncio.to_thread(self._remove_empty_parent)
-        # Network chains of sandboxes that no recovered record claims (recover() runs first).
-        for index in await asyncio.to_thread(self.network.indexes):
-            if index not in self._policies:
-                await asyncio.to_thread(self.network.release, index)
+        await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
 
 

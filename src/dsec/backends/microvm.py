@@ -7,7 +7,10 @@ cold-boots it once and snapshots it; if a restore fails, the sandbox cold-boots 
 Exec and files: :class:`dsec.guest.protocol.AgentClient` over virtio-serial. Root filesystem: the
 image as a cached EROFS file on a read-only virtio-blk disk, under a tmpfs overlay in the guest
 (sized by ``disk``; it lives in guest RAM, so a VM snapshot captures it). Each QEMU runs in the
-sandbox's cgroups, as an unprivileged user, under QEMU's seccomp sandbox, with no network device.
+sandbox's cgroups, as an unprivileged user, under QEMU's seccomp sandbox. ``network="none"`` (the default):
+no network device at all. Any other policy: a virtio-net NIC on a tap in the sandbox's own network
+namespace, QEMU started inside it, the policy enforced by the container backend's code outside the guest
+(:mod:`dsec.isolation.network`); such sandboxes restore from a template of their own (booted with the NIC).
 
 This module owns the QEMU processes, their runtime directories and cgroups, the template cache and
 snapshots, and must leave no QEMU process behind (destroy, recover, cleanup_orphans).
@@ -43,6 +46,7 @@ from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
 from dsec.isolation.cgroups import CgroupSet, cgroup_mode
 from dsec.isolation.idmap import unshifted_view
+from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Policy, SandboxNetworks, TapNamespace
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
@@ -75,6 +79,10 @@ _QEMU_PIDS = 256
 # TCG cannot calibrate the TSC on -M microvm without these (see PLATFORM.md); harmless under KVM.
 _CMDLINE = "console=ttyS0 panic=-1 oops=panic tsc_early_khz=2000000 tsc=reliable quiet loglevel=4"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# A networked guest's NIC (on the tap of its namespace) and the address its init gives it.
+_NIC_ARGS = ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+             "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
+_NIC_CMDLINE = f" dsec.net={GUEST_ADDRESS}/30:{GUEST_GATEWAY}"
 
 
 _DETACHED: dict[int, subprocess.Popen[bytes]] = {}
@@ -133,6 +141,9 @@ class MicroVMBackend(Backend):
     min_memory: int = _MIN_MEMORY
     pristine_execs: bool = True
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
+    network_device: bool = True
+    """Sandboxes with a network policy get a NIC (see :mod:`dsec.isolation.network`)."""
+    network_fixed_at_create = True
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
                  accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
@@ -164,6 +175,8 @@ class MicroVMBackend(Backend):
         self._started = False
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._erofs_lock = asyncio.Lock()
+        # A table of its own ("dsec_<tag>_microvm"): the container backend's orphan sweep must not see these.
+        self.networks = SandboxNetworks(f"{tag}_{self.name}")
 
     def available(self) -> str:
         if os.geteuid() != 0:
@@ -192,6 +205,7 @@ class MicroVMBackend(Backend):
         self._started = True
 
     async def aclose(self) -> None:
+        await self.networks.aclose()
         for vm in list(self._vms.values()):
             for task in (vm.watcher, vm.console_task):
                 if task is not None:
@@ -234,7 +248,7 @@ class MicroVMBackend(Backend):
         if spec.memory < self.min_memory:
             raise InvalidRequest(f"memory={spec.memory} is too small for a {self.name} sandbox "
                                  f"(at least {self.min_memory // MiB}Mi)")
-        if record.spec.network != "none":
+        if record.spec.network != "none" and not self.network_device:
             raise InvalidRequest(f"network={spec.network!r} is not available on the {self.name} backend: only 'none'")
         vcpus = max(1, math.ceil(spec.cpu))
         if vcpus > (os.cpu_count() or 1) * 4:
@@ -300,6 +314,11 @@ class MicroVMBackend(Backend):
     async def _spawn(self, record: SandboxRecord, rundir: Path, cmd: list[str], pass_fds: tuple[int, ...] = ()
                      ) -> _VM:
         vcpus, mem_mib, _ = self._shape(record)
+        if record.backend_state.get("netns"):
+            # QEMU opens the tap in the sandbox's namespace and has no other network (nsenter execs it).
+            append = cmd.index("-append") + 1
+            cmd = TapNamespace(self.tag, record.id).enter(
+                [*cmd[:append], cmd[append] + _NIC_CMDLINE, *cmd[append + 1:], *_NIC_ARGS])
         cg = await asyncio.to_thread(self._make_cgroups, record.id, vcpus, mem_mib)
         procs = [Path(p) for p in cg.procs_files()]
 
@@ -411,6 +430,7 @@ class MicroVMBackend(Backend):
             raise InvalidRequest("protected= and hidden= are not available on the microvm backend yet: use "
                                  "backend='container'")
         vcpus, mem_mib, disk_bytes = self._shape(record)
+        policy = Policy.parse(record.spec.network)
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs),
@@ -418,8 +438,11 @@ class MicroVMBackend(Backend):
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
+        nic = policy.mode != "none"
+        if nic:  # namespace, tap, veth and rules before the guest runs a single instruction
+            await self._network_up(record, policy)
         if self.fast_start:
-            template = await self._template(erofs, image, vcpus, mem_mib, disk_bytes)
+            template = await self._template(erofs, image, vcpus, mem_mib, disk_bytes, nic=nic)
             try:
                 disk = await self._sandbox_disk(record.id, erofs, template)
                 record.backend_state["erofs"] = str(disk)
@@ -525,9 +548,11 @@ class MicroVMBackend(Backend):
         return hashlib.sha256(f"{erofs.name}:{vcpus}:{mem_mib}:{disk_bytes}:{self.accel}:"
                               f"{self._initramfs}".encode()).hexdigest()[:16]
 
-    async def _template(self, erofs: Path, image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> Path:
-        """Directory with ``ram`` + ``state`` of a booted, idle guest of this shape (made on first use)."""
-        key = self._template_key(erofs, vcpus, mem_mib, disk_bytes)
+    async def _template(self, erofs: Path, image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int,
+                        nic: bool = False) -> Path:
+        """Directory with ``ram`` + ``state`` of a booted, idle guest of this shape (made on first use); with
+        ``nic``, of a guest with a network device (booted on a tap in a namespace of its own, no veth)."""
+        key = self._template_key(erofs, vcpus, mem_mib, disk_bytes) + ("-nic" if nic else "")
         tdir = self.root / "templates" / key
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -543,11 +568,13 @@ class MicroVMBackend(Backend):
             rundir.mkdir(mode=0o711)
             self._chown(rundir)
             try:
+                if nic:
+                    await self._network_up(rec, Policy("none"))
                 disk = await self._sandbox_disk(rec.id, erofs, None)
                 await self._cold_boot(rec, rundir, disk, vcpus, mem_mib, disk_bytes, ram_file=tdir / "ram")
                 await self._save(rec, tdir / "state", ignore_shared=True)
                 (tdir / "meta.json").write_text(json.dumps({"image": image.name, "erofs": str(erofs),
-                                                            "vcpus": vcpus, "memory_mib": mem_mib}))
+                                                            "vcpus": vcpus, "memory_mib": mem_mib, "nic": nic}))
             except BaseException:
                 shutil.rmtree(tdir, ignore_errors=True)
                 raise
@@ -628,6 +655,42 @@ class MicroVMBackend(Backend):
                 writer.close()
         finally:
             sock.close()
+
+    # -- network ----------------------------------------------------------------------------------------
+
+    async def _network_up(self, record: SandboxRecord, policy: Policy) -> None:
+        """The sandbox's network namespace with the tap its NIC sits on; unless ``policy`` is none, its veth
+        pair and rules too (:mod:`dsec.isolation.network`)."""
+        namespace = TapNamespace(self.tag, record.id)
+        record.backend_state["netns"] = namespace.name
+        await asyncio.to_thread(namespace.create)
+        if policy.mode != "none":
+            await self._network_attach(record, policy)
+
+    async def _network_attach(self, record: SandboxRecord, policy: Policy) -> None:
+        namespace = TapNamespace(self.tag, record.id)
+        resolver = await self.networks.connect(record.backend_state, namespace.name, policy)
+        await asyncio.to_thread(namespace.route_dns, resolver)
+
+    def _network_down(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        """Remove the sandbox's rules, veth pair and namespace (blocking; nothing to do without them)."""
+        self.networks.release(state)
+        TapNamespace(self.tag, sandbox_id).delete()
+
+    async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
+        """Swap a live sandbox's policy (one nft transaction on the host, as on the container backend).
+
+        A sandbox created with ``network="none"`` has no network device, and a microVM cannot gain one
+        while it runs: it is refused, unless the new policy is ``"none"`` too."""
+        policy = Policy.parse(network)
+        if not record.backend_state.get("netns"):
+            if policy.mode == "none":
+                return
+            raise NotSupported(f"sandbox {record.id} was created with network='none' and has no network device; a "
+                               f"{self.name} sandbox cannot gain one while it runs: create it with its set-up policy "
+                               f"(e.g. network='allow') and switch to 'none' later")
+        if not await self.networks.set_policy(record.backend_state, policy) and policy.mode != "none":
+            await self._network_attach(record, policy)
 
     # -- agent operations ------------------------------------------------------------------------------
 
@@ -809,7 +872,8 @@ class MicroVMBackend(Backend):
         try:
             await self._save(record, target / "state")
             (target / "vm.json").write_text(json.dumps({"vcpus": vcpus, "memory_mib": mem_mib, "disk": disk_bytes,
-                                                        "accel": self.accel}))
+                                                        "accel": self.accel,
+                                                        "nic": bool(record.backend_state.get("netns"))}))
         finally:
             if status == "running":
                 with contextlib.suppress(SandboxError):
@@ -824,10 +888,15 @@ class MicroVMBackend(Backend):
         try:
             shape = json.loads((source / "vm.json").read_text())
             vcpus, mem_mib, disk_bytes = int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            nic = bool(shape.get("nic", False))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SandboxError(f"snapshot {source.name} is not a readable {self.name} snapshot: {e}") from None
         if not (source / "state").is_file():
             raise SandboxError(f"snapshot {source.name} is incomplete: its state file is missing")
+        policy = Policy.parse(record.spec.network)
+        if policy.mode != "none" and not nic:
+            raise InvalidRequest(f"snapshot {source.name} was taken of a sandbox without a network device "
+                                 f"(network='none'): its clones cannot have network={record.spec.network!r}")
         record.spec.cpu, record.spec.memory, record.spec.disk = float(vcpus), mem_mib * MiB, disk_bytes
         self._shape(record)
         erofs = await self._erofs(image)
@@ -838,6 +907,8 @@ class MicroVMBackend(Backend):
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
         try:
+            if nic:  # the snapshot's VM has a NIC: its clone too (with no veth while its policy is none)
+                await self._network_up(record, policy)
             disk = await self._sandbox_disk(record.id, erofs, source)
             record.backend_state["erofs"] = str(disk)
             await self._restore(record, rundir, disk, source, vcpus, mem_mib, disk_bytes, ram_from_template=False)
@@ -882,15 +953,24 @@ class MicroVMBackend(Backend):
 
     async def _destroy_id(self, sandbox_id: str, state: dict[str, Any]) -> None:
         await self._kill(sandbox_id, state)
-        rundir = self.run_root / sandbox_id
-        await asyncio.to_thread(shutil.rmtree, rundir, True)
-        await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
-        await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
+        self.networks.forget(state)
+        try:
+            await asyncio.to_thread(self._network_down, sandbox_id, state)
+        finally:  # the files go even if the network's removal failed (the orphan sweep retries it)
+            rundir = self.run_root / sandbox_id
+            await asyncio.to_thread(shutil.rmtree, rundir, True)
+            await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
+            await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
 
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):
             record.state = "paused"
-            return (Path(record.backend_state["hibernated"]) / "state").is_file()
+            if not (Path(record.backend_state["hibernated"]) / "state").is_file():
+                return False
+            if record.backend_state.get("netns") and not TapNamespace(self.tag, record.id).exists():
+                return False  # the host rebooted: the NIC's namespace is gone
+            await self.networks.recover(record.backend_state, record.spec.network)  # its namespace stayed
+            return True
         pid = record.backend_state.get("qemu_pid")
         rundir = record.backend_state.get("rundir")
         if not pid or not rundir or start_time(pid) != record.backend_state.get("qemu_start"):
@@ -905,6 +985,7 @@ class MicroVMBackend(Backend):
             return False
         if status == "paused":
             record.state = "paused"
+        await self.networks.recover(record.backend_state, record.spec.network)
         return True
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
@@ -913,6 +994,7 @@ class MicroVMBackend(Backend):
             found.update(p.name for p in self.run_root.iterdir() if p.name.startswith(("sb-", "tpl-")))
         if self.sandbox_files.is_dir():
             found.update(p.name for p in self.sandbox_files.iterdir() if p.name.startswith(("sb-", "tpl-")))
+        found.update(n for n in await asyncio.to_thread(TapNamespace.names, self.tag) if n.startswith(("sb-", "tpl-")))
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             if Path(cg).is_dir():
                 found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith(("sb-", "tpl-")))
@@ -924,6 +1006,7 @@ class MicroVMBackend(Backend):
                 if f"/{self.cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text():
                     state = {"qemu_pid": pid, "qemu_start": start_time(pid)}
             await self._destroy_id(sandbox_id, state)
+        await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
 
 

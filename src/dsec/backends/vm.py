@@ -141,6 +141,8 @@ class VMBackend(MicroVMBackend):
     loaded 2-core host has needed more than 300 s for each."""
     min_memory = 256 * MiB
     pristine_execs = False
+    network_device = False
+    """No NIC yet: the guest's own systemd would have to be configured for it (network must be 'none')."""
 
     def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
                  fast_start: bool = True, qemu_user: str | None = "nobody") -> None:

@@ -481,7 +481,8 @@ class Engine:
         backend = self._backends.get(spec.backend)
         if backend is None:
             return False
-        return spec.network == "none" or type(backend).set_network is not Backend.set_network
+        return spec.network == "none" or (type(backend).set_network is not Backend.set_network
+                                           and not backend.network_fixed_at_create)
 
     async def _claim(self, spec: SandboxSpec) -> SandboxInfo | None:
         """Hand out a ready pool member with ``spec``'s labels, env, timeout and network; None: pool empty."""

@@ -2,7 +2,8 @@
 # /init of the microvm initramfs (busybox): load the modules the guest needs, mount the image read-only
 # (EROFS on /dev/vda) under a tmpfs overlay, lock the guest kernel down, and hand pid 1 to dsec-agent
 # inside that root.
-# Kernel command line: dsec.disk=<bytes> (size of the writable layer).
+# Kernel command line: dsec.disk=<bytes> (size of the writable layer); dsec.net=<address/prefix>:<gateway>
+# (networked sandboxes only: their NIC's address, default route and resolver).
 /bin/busybox --install -s /bin
 export PATH=/bin
 mount -t proc proc /proc
@@ -12,10 +13,25 @@ for m in $(cat /modules.order); do
     insmod "/modules/$m" || echo "dsec-init: insmod $m failed" >&2
 done
 disk=268435456
+net=
 for arg in $(cat /proc/cmdline); do
-    case "$arg" in dsec.disk=*) disk=${arg#dsec.disk=} ;; esac
+    case "$arg" in
+        dsec.disk=*) disk=${arg#dsec.disk=} ;;
+        dsec.net=*) net=${arg#dsec.net=} ;;
+    esac
 done
 fail() { echo "dsec-init: $*" >&2; echo o > /proc/sysrq-trigger; sleep 5; }
+# The NIC of a networked sandbox (the policy is enforced outside the VM, see dsec.isolation.network): the same
+# address in every guest, so one template snapshot serves all of them; DNS goes to the gateway (the host's proxy).
+setup_net() {
+    n=0
+    while [ ! -e /sys/class/net/eth0 ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
+    ip link set lo up
+    ip addr add "$1" dev eth0 && ip link set eth0 up && ip route add default via "$2" \
+        || fail "cannot configure eth0 ($1 via $2)"
+    mkdir -p /newroot/etc && rm -f /newroot/etc/resolv.conf
+    echo "nameserver $2" > /newroot/etc/resolv.conf || fail "cannot write /etc/resolv.conf"
+}
 mkdir -p /ro /rw /newroot
 n=0
 while [ ! -b /dev/vda ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
@@ -30,6 +46,7 @@ mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /ne
 for d in dev proc sys run tmp; do mkdir -p /newroot/$d; done
 mount -t tmpfs -o mode=0755,size=16m,nr_inodes=4096 run /newroot/run
 mkdir -p /newroot/run/dsec
+[ -n "$net" ] && setup_net "${net%%:*}" "${net#*:}"
 cp /dsec-agent /newroot/run/dsec/agent
 port=
 n=0

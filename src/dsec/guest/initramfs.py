@@ -25,9 +25,10 @@ AGENT_SOURCE = Path(__file__).with_name("agent.c")
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 
-GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "erofs", "overlay")
+GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
 """What the guest loads: the virtio-mmio transport (``-M microvm``), the image disk, the agent port,
-the image's filesystem and the writable overlay. Dependencies are added automatically."""
+the NIC of networked sandboxes, the image's filesystem and the writable overlay. Dependencies are added
+automatically."""
 
 
 def ensure_agent(directory: Path) -> Path:

