@@ -570,7 +570,7 @@ class LoggedCall(Model):
 
     seq: int
     """Sequence number."""
-    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard"]
+    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal"]
     """Operation."""
     digest: str
     """sha256 identity of the call (``dsec.trajectory.digest``)."""

@@ -141,6 +141,8 @@ class VMBackend(MicroVMBackend):
     loaded 2-core host has needed more than 300 s for each."""
     min_memory = 256 * MiB
     pristine_execs = False
+    confines_commands = False
+    """A full VM's root keeps every capability (kernel modules, mounts, systemd): the VM is the boundary."""
 
     def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
                  fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
