@@ -13,13 +13,12 @@ import os
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from conftest import missing
-from container_support import short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import VMBackend
 from dsec.config import Settings
@@ -63,16 +62,13 @@ def pixels(png: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def home() -> Iterator[Path]:
+def home(vm_home: Path) -> Path:
+    """The session's vm home (conftest.py): its template is shared with the red-team suite."""
     try:
         find_vm_image(IMAGE)
     except DSecError as e:
         missing(str(e))
-    path = short_home("dsec-fvm-")
-    yield path
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    return vm_home
 
 
 @pytest.fixture

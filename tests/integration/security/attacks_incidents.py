@@ -9,7 +9,6 @@ another sandbox's files or processes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import uuid
 
 from redteam import NO_PERSISTENT_PROCS, VM_BACKENDS, MiB, Target, attack, expect_errno, guest_kernel_is_own, probe
@@ -108,6 +107,8 @@ for dev in sorted(glob.glob("/dev/vport*") + glob.glob("/dev/hvc*") + glob.glob(
 print(json.dumps(out))
 """)
     assert res, "no virtio port found to attack"
+    ports = {dev: err for dev, err in res.items() if "vport" in dev or "virtio-ports" in dev}
+    assert ports and all(err == errno.EBUSY for err in ports.values()), f"the agent's port opened twice: {ports}"
     await guest_kernel_is_own(t)
     # the agent channel still works after the garbage (the suite also runs a command afterwards)
     r = await t.sh("echo still-serving")
@@ -121,7 +122,7 @@ print(json.dumps(out))
                 "sandbox keep the real binary); function: the root is read-only (EROFS)",
         fresh=True)
 async def overwrite_bin_bash(t: Target) -> None:
-    real = hashlib.sha256((t.image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
+    real = t.image_sha("usr/bin/bash")
     r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
     if t.name == "function":
         assert b"rc=0" not in r.stdout, f"the function sandbox's root was writable: {r}"

@@ -19,7 +19,7 @@ from dsec.models import ExecRequest
 
 _NETWORK_ONLY_CONTAINER = {"function": "every exec runs in a network namespace with only loopback: no policy other "
                                        "than none exists (net-none-scan-host covers it)",
-                           "microvm": NO_NETWORK_DEVICE}
+                           "microvm": NO_NETWORK_DEVICE, "vm": NO_NETWORK_DEVICE}
 
 _CONNECT = r"""
 def connect(host, port, timeout=2):
