@@ -230,7 +230,8 @@ static void enter_pristine(const char *cwd) {
 /* ---- Confinement (microvm): commands without the capabilities that undo protections ------------------
  * After CONFINE, every command runs in a mount namespace of its own ("the sandbox's"), made once by the
  * agent, and without the capabilities that would let guest root undo what the agent set up there:
- * protected paths are read-only bind mounts (made in the agent's namespace first, so both have them),
+ * protected paths are read-only bind mounts (made in the agent's namespace first, so both have them; each
+ * directory above them bound over itself, so none can be renamed away with the path inside),
  * hidden directories are covered by an empty read-only tmpfs in the sandbox's namespace only (the agent's
  * files API sees and writes beneath the cover), /proc/sys, /proc/sysrq-trigger and /sys are read-only
  * there (their writable knobs would run a helper as full root: core_pattern, uevent_helper...). The agent
@@ -307,6 +308,30 @@ static int bind_read_only(const char *path) {
     return mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
 }
 
+/* Each directory above `path` (but /) bound over itself, read-write: a mount point cannot be renamed or
+ * removed (EBUSY), so no command can move a protected or hidden path away with its parent and put its own
+ * directory where the grader looks (a mount moves with a renamed ancestor). Idempotent per directory. */
+static int pin_ancestors(const char *path) {
+    static char *pinned[1024];
+    static int npinned;
+    char buf[PATH_MAX];
+    if (strlen(path) >= sizeof buf) { errno = ENAMETOOLONG; return -1; }
+    strcpy(buf, path);
+    for (char *s = buf + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        int seen = 0;
+        for (int i = 0; i < npinned && !seen; i++) seen = !strcmp(pinned[i], buf);
+        if (!seen) {
+            if (npinned == (int)(sizeof pinned / sizeof *pinned)) { errno = E2BIG; return -1; }
+            if (mount(buf, buf, NULL, MS_BIND | MS_REC, NULL) != 0) return -1;
+            pinned[npinned++] = strdup(buf);
+        }
+        *s = '/';
+    }
+    return 0;
+}
+
 static void send_hidden(uint32_t id) {
     static char buf[OUT_CHUNK];
     size_t used = 0;
@@ -337,6 +362,11 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
         if (strs[i][0] == 'H' && ++nh > MAX_HIDDEN) { send_error(id, E2BIG, "hidden paths"); return; }
         if (check_path(id, strs[i] + 1, strs[i][0] == 'H') != 0) return;
     }
+    for (int i = 0; i < n; i++)
+        if (pin_ancestors(strs[i] + 1) != 0) {
+            snprintf(msg, sizeof msg, "bind mount over a parent of %s: %s", strs[i] + 1, strerror(errno));
+            send_text_error(id, EIO, msg); return;
+        }
     for (int i = 0; i < n; i++)
         if (strs[i][0] == 'P' && bind_read_only(strs[i] + 1) != 0) {
             snprintf(msg, sizeof msg, "read-only bind mount of %s: %s", strs[i] + 1, strerror(errno));

@@ -203,3 +203,28 @@ async def pristine_grader_binaries(t: Target) -> None:
     if replaced:  # without pristine, the grader would have been fooled: the attack itself worked
         fooled = await t.sh(["sha256sum", "/usr/bin/python3.11"])
         assert b"PASS" in fooled.stdout, fooled
+
+
+@attack("grading-path-parent-rename", description="rename the directory above a hidden path away (the cover moves "
+                                                  "with it), make a plain directory in its place, and wait for the "
+                                                  "grader to write its tests there",
+        models="incident: agents read or rewrote the tests that grade them (a mount moves with a renamed parent)",
+        defence="microvm: the agent binds every directory above a protected or hidden path over itself, so none "
+                "can be renamed or removed (EBUSY) and the grader's files land beneath the cover",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/grading/tests"]},
+        open_gaps={"container": "directories above a hidden/protected path are not pinned: a parent in the "
+                                "sandbox's own layer can be renamed away with the cover inside it",
+                   "function": "directories above a hidden/protected path in the workspace are not pinned: "
+                               "they can be renamed away with the cover inside them"})
+async def grading_path_parent_rename(t: Target) -> None:
+    await t.backend.write_file(t.sb, "/workspace/grading/tests/test_grade.py", b"assert solve() == 42\n", None)
+    r = await t.sh("mv /workspace/grading /workspace/moved; echo rc=$?; rmdir /workspace/grading 2>/dev/null; "
+                   "mkdir -p /workspace/grading/tests; true")
+    assert b"rc=0" not in r.stdout and b"busy" in r.stderr, f"the parent of a hidden path was renamed: {r}"
+    late = b"assert solve(7) == 49\n"
+    await t.backend.write_file(t.sb, "/workspace/grading/tests/test_late.py", late, None)
+    r = await t.sh("ls -A /workspace/grading/tests; cat /workspace/grading/tests/test_late.py; ls -A /workspace")
+    assert b"test_" not in r.stdout and late not in r.stdout, f"the grader's tests are visible: {r}"
+    await t.backend.reveal(t.sb)
+    r = await t.sh("cat /workspace/grading/tests/test_late.py")
+    assert r.stdout == late, f"the revealed tests are not the grader's: {r}"

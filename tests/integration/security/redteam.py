@@ -379,6 +379,23 @@ async def guest_kernel_is_own(t: Target) -> None:
 VM_BACKENDS = ("microvm", "vm")
 
 
+async def fill_vm_disk(t: Target, leave_kib: int = 32 * 1024) -> None:
+    """vm: leave only ``leave_kib`` free on the guest's root filesystem, root's reserved blocks included (one
+    fallocate, no data written): a VM's disk is the image's (4 GiB, grown by ``disk=``, never shrunk), so the
+    disk bombs meet its end quickly."""
+    r = await t.sh(f"fallocate -l $(( $(stat -f -c '%f*%S' /) - {leave_kib} * 1024 )) /dsec-fill && "
+                   "echo $(( $(stat -f -c '%f*%S' /) / 1024 ))", timeout=120)
+    assert r.exit_code == 0 and int(r.stdout.split()[-1]) <= leave_kib + 8192, f"could not fill the vm's disk: {r}"
+
+
+def assert_vm_disk_bounded(t: Target) -> None:
+    """vm: the sandbox's disk on the host (a qcow2 overlay of fixed virtual size) holds far less than the
+    guest wrote at it: the guest's filesystem ended the bomb, not the host's."""
+    overlay = Path(t.sb.backend_state["erofs"])
+    allocated = overlay.stat().st_blocks * 512
+    assert allocated < 512 * MiB, f"the vm's overlay on the host holds {allocated // MiB} MiB"
+
+
 def expect_errno(t: Target, what: str, got: int, want: Mapping[str, int | tuple[int, ...]]) -> None:
     """``got`` must be the errno ``want`` names for this backend (VM backends: checked by the caller)."""
     expected = want[t.name]
