@@ -329,17 +329,19 @@ async def test_image_user_and_workdir_apply(backend: MicroVMBackend, debian_pyth
 
 async def test_pristine_exec_runs_the_images_binaries_whatever_guest_root_did(backend: MicroVMBackend,
                                                                                debian_python_image: ImageRef) -> None:
-    """Guest root may replace binaries, bind-mount over them and swap the image's device node; a pristine
+    """Guest root may replace binaries and remove the image's device node; a pristine
     exec still runs the image as booted (its EROFS disk mounted afresh by device number) with the workspace
     as the agent left it, a fresh /tmp, and its own writes thrown away."""
     import hashlib
 
     image_bash = hashlib.sha256((debian_python_image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        # (mounting over a binary and making a device node need capabilities commands no longer have: see
+        # test_commands_run_without_the_capabilities_that_undo_protections)
         subvert = ("printf '#!/bin/sh\\necho ALL TESTS PASSED\\n' > /workspace/fake && chmod +x /workspace/fake && "
-                   "mount --bind /workspace/fake /usr/bin/python3.11 && cp /workspace/fake /usr/local/bin/python3 && "
+                   "cp /workspace/fake /usr/bin/python3.11 && cp /workspace/fake /usr/local/bin/python3 && "
                    "echo 'root::0:0::/:/bin/sh' > /etc/passwd && echo 'print(6 * 7)' > /workspace/solution.py && "
-                   "echo scratch > /tmp/agent-tmp && rm /dev/vda && mknod /dev/vda b 1 3 && echo done")
+                   "echo scratch > /tmp/agent-tmp && rm /dev/vda && echo done")
         r = await backend.exec(sb, ExecRequest(command=["bash", "-c", subvert]))
         assert r.stdout == b"done\n", r
         r = await backend.exec(sb, ExecRequest(command="python3 /workspace/solution.py"))
@@ -372,7 +374,7 @@ out = {"bnd": int(status["CapBnd"], 16), "eff": int(status["CapEff"], 16), "nnp"
        "uid": os.getuid()}
 out["mount"] = 0 if libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None) == 0 else ctypes.get_errno()
 out["sysctl"] = attempt(lambda: open("/proc/sys/kernel/core_pattern", "w").write("|/tmp/x"))
-out["sysrq"] = attempt(lambda: open("/proc/sysrq-trigger", "w").write("s"))
+out["uevent_helper"] = attempt(lambda: open("/sys/kernel/uevent_helper", "w").write("/tmp/x"))
 out["agent_root"] = attempt(lambda: os.listdir("/proc/1/root/"))
 out["agent_ns"] = attempt(lambda: os.open("/proc/1/ns/mnt", os.O_RDONLY))
 out["userns"] = 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()
@@ -399,7 +401,7 @@ async def test_commands_run_without_the_capabilities_that_undo_protections(
         assert kept == _KEPT_CAPS, f"bounding set {sorted(kept)}"
         assert out["eff"] == out["bnd"] and out["uid"] == 0 and out["nnp"] == "1", out
         assert out["mount"] == errno.EPERM and out["mknod"] == errno.EPERM, out
-        assert out["sysctl"] == errno.EROFS and out["sysrq"] == errno.EROFS, out
+        assert out["sysctl"] == errno.EROFS and out["uevent_helper"] in (errno.EROFS, errno.ENOENT), out
         assert out["agent_root"] == errno.EACCES and out["agent_ns"] == errno.EACCES, out
         assert out["userns"] in (errno.ENOSPC, errno.EPERM), out
         assert out["chown"] == 0, "root lost CAP_CHOWN"

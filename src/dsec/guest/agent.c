@@ -233,7 +233,7 @@ static void enter_pristine(const char *cwd) {
  * protected paths are read-only bind mounts (made in the agent's namespace first, so both have them; each
  * directory above them bound over itself, so none can be renamed away with the path inside),
  * hidden directories are covered by an empty read-only tmpfs in the sandbox's namespace only (the agent's
- * files API sees and writes beneath the cover), /proc/sys, /proc/sysrq-trigger and /sys are read-only
+ * files API sees and writes beneath the cover), /proc/sys and /sys are read-only
  * there (their writable knobs would run a helper as full root: core_pattern, uevent_helper...). The agent
  * becomes non-dumpable, so /proc/1/root and /proc/1/ns (its uncovered view) refuse commands, and new user
  * namespaces are switched off for good (max_user_namespaces = 0, which /proc/sys read-only keeps so). */
@@ -375,7 +375,7 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     int root_ns = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
     if (root_ns < 0 || unshare(CLONE_NEWNS) != 0) { send_error(id, errno, "sandbox mount namespace"); return; }
     int failed = mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ? errno : 0;
-    const char *knobs[] = {"/proc/sys", "/proc/sysrq-trigger", "/sys"};
+    const char *knobs[] = {"/proc/sys", "/sys"};  /* /proc/sysrq-trigger stays: it only ends this VM */
     for (size_t i = 0; !failed && i < sizeof knobs / sizeof *knobs; i++)
         if (bind_read_only(knobs[i]) != 0) failed = errno;
     for (int i = 0; !failed && i < n; i++)
