@@ -33,7 +33,9 @@ ATTACK_TIMEOUT = 240.0
 
 
 def _backend_params() -> list[object]:
-    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow], "vm": [pytest.mark.vm, pytest.mark.slow]}
+    # vm: the first attack also waits for the session's template cold boot (minutes under TCG, as in test_vm.py)
+    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow],
+             "vm": [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]}
     return [pytest.param(name, marks=marks.get(name, []), id=name) for name in BACKENDS]
 
 
