@@ -211,13 +211,10 @@ async def pristine_grader_binaries(t: Target) -> None:
                                                   "with it), make a plain directory in its place, and wait for the "
                                                   "grader to write its tests there",
         models="incident: agents read or rewrote the tests that grade them (a mount moves with a renamed parent)",
-        defence="microvm: the agent binds every directory above a protected or hidden path over itself, so none "
-                "can be renamed or removed (EBUSY) and the grader's files land beneath the cover",
-        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/grading/tests"]},
-        open_gaps={"container": "directories above a hidden/protected path are not pinned: a parent in the "
-                                "sandbox's own layer can be renamed away with the cover inside it",
-                   "function": "directories above a hidden/protected path in the workspace are not pinned: "
-                               "they can be renamed away with the cover inside them"})
+        defence="container, function, microvm: every directory above a protected or hidden path is bound over "
+                "itself when the paths are mounted (the daemon's helper; microvm: the guest agent), so none can be "
+                "renamed or removed (EBUSY) and the grader's files land beneath the cover",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/grading/tests"]})
 async def grading_path_parent_rename(t: Target) -> None:
     await t.backend.write_file(t.sb, "/workspace/grading/tests/test_grade.py", b"assert solve() == 42\n", None)
     r = await t.sh("mv /workspace/grading /workspace/moved; echo rc=$?; rmdir /workspace/grading 2>/dev/null; "
