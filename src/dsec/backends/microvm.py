@@ -130,6 +130,8 @@ class MicroVMBackend(Backend):
     name = "microvm"
     boot_timeout: float = _BOOT_TIMEOUT
     """Seconds a cold boot may take until the agent answers."""
+    restore_timeout: float = 20.0
+    """Seconds a restored guest's agent may take to answer its first ping."""
     min_memory: int = _MIN_MEMORY
     pristine_execs: bool = True
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
@@ -510,7 +512,7 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"restoring {template.name} left QEMU in state {status!r}")
         vm.client = await self._connect(vm, 10)
         await self._qmp(rundir, [("cont", {})])
-        await vm.client.ping(timeout=20)
+        await vm.client.ping(timeout=self.restore_timeout)
 
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
