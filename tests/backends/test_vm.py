@@ -22,7 +22,7 @@ from conftest import missing
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import VMBackend
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.errors import DSecError, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.vmimage import find_vm_image
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
@@ -244,3 +244,11 @@ async def test_bad_specs_and_images_are_refused(backend: VMBackend, image: Image
         await backend.create(new_record("vm", image, network="allow"), image)
     with pytest.raises(DSecError, match="build-vm"):
         backend.resolve_image("no-such-vm-image")
+    # grading layers: root of a full VM keeps every capability, so they are refused before anything boots
+    for spec in ({"protected": ["/etc/passwd"]}, {"hidden": ["/workspace/tests"]}):
+        with pytest.raises(InvalidRequest, match="not available on the vm backend"):
+            await backend.create(new_record("vm", image, **spec), image)
+    assert vm_qemu_pids(backend) == []
+    # pristine execs: no untouched copy of the image is attached (refused before the sandbox is looked up)
+    with pytest.raises(NotSupported, match="pristine execs are not available on the vm backend"):
+        await backend.exec(new_record("vm", image), ExecRequest(command="true", pristine=True))
