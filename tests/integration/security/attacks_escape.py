@@ -2,9 +2,10 @@
 
 On ``container`` and ``function`` the sandbox shares the host's kernel: each attack must be refused by
 the specific layer named (seccomp answers EPERM, a read-only mount EROFS, a missing node ENOENT, a
-foreign pid namespace ESRCH). On ``microvm`` the agent is root of its own guest kernel: the same call
-may succeed there, and the defence asserted is the VM boundary (a kernel that is not the host's, and a
-host unchanged afterwards, which the suite checks after every attack).
+foreign pid namespace ESRCH). On ``microvm`` and ``vm`` the command runs on its own guest kernel (microvm:
+as root without the capabilities that undo protections; vm: as full root): the same call may succeed
+there, and the defence asserted is the VM boundary (a kernel that is not the host's, and a host unchanged
+afterwards, which the suite checks after every attack).
 """
 
 from __future__ import annotations
