@@ -92,7 +92,7 @@ def _qemu_pids(backend: Backend) -> list[int]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=_backend_params())
-async def arena(request: pytest.FixtureRequest, debian_python_image: ImageRef) -> AsyncIterator[Arena]:
+async def arena(request: pytest.FixtureRequest) -> AsyncIterator[Arena]:
     """A started backend of one kind with a lazily created shared sandbox; nothing of it survives."""
     name: str = request.param
     # vm: the session's vm home, whose template tests/backends/test_vm.py shares (one cold boot per session)
@@ -100,8 +100,10 @@ async def arena(request: pytest.FixtureRequest, debian_python_image: ImageRef) -
     try:
         backend = _make_backend(name, home)
         await backend.start()
-        image = backend.resolve_image(VM_IMAGE) if name == "vm" else debian_python_image
-        assert image is not None
+        # vm: its own disk image; the others: debian-python from the store (requested only here, so a vm-only
+        # run never mounts it)
+        image = backend.resolve_image(VM_IMAGE) if name == "vm" else request.getfixturevalue("debian_python_image")
+        assert isinstance(image, ImageRef)
         ring = Arena(name, backend, image, home)
         try:
             if name == "vm":
