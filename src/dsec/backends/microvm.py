@@ -131,7 +131,7 @@ class MicroVMBackend(Backend):
     boot_timeout: float = _BOOT_TIMEOUT
     """Seconds a cold boot may take until the agent answers."""
     restore_timeout: float = 20.0
-    """Seconds a restored guest's agent may take to answer its first ping."""
+    """Seconds a restored guest may take to load its state (at least 30) and for its agent to answer."""
     min_memory: int = _MIN_MEMORY
     pristine_execs: bool = True
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
@@ -494,7 +494,7 @@ class MicroVMBackend(Backend):
                                      ("migrate-incoming", {"uri": f"fd:{fd}"})])
         finally:
             os.close(fd)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + max(30.0, self.restore_timeout)
         while True:
             try:
                 status = (await self._qmp(rundir, [("query-status", {})]))[-1]["status"]
