@@ -34,7 +34,10 @@ async def read_executor_logs(t: Target) -> None:
     r = await t.sh(f"ls -d {t.home} {t.home}/*.log /var/log/dsec* 2>/dev/null; "
                    "find / -xdev \\( -name 'dsec*.log' -o -name 'trajectory*.db' -o -name 'dsec.sock' \\) "
                    "-print 2>/dev/null; echo end", timeout=120)
-    assert r.stdout == b"end\n", f"platform files visible in the sandbox: {r.stdout!r}"
+    # vm: the desktop image's own X session log (written by the image's unit, never by the platform; the
+    # needle search above shows nothing of an exec is in it)
+    seen = [f for f in r.stdout.decode().split() if not (t.name == "vm" and f == "/var/log/dsec-xsession.log")]
+    assert seen == ["end"], f"platform files visible in the sandbox: {r.stdout!r}"
 
 
 @attack("forge-platform-socket", description="find every unix socket (filesystem and abstract) and inherited "
