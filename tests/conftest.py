@@ -133,6 +133,24 @@ def _host_footprint(tags: set[str]) -> set[str]:
     return found
 
 
+@pytest.fixture(scope="session")
+def vm_home() -> Iterator[Path]:
+    """One DSEC_HOME for every module that runs the ``vm`` backend (tests/backends/test_vm.py, the red-team
+    suite): they share its template of the ``debian-desktop`` image, so a session cold-boots that VM once
+    (minutes under TCG) and every later sandbox is restored in seconds. ``DSEC_TEST_VM_HOME`` names a home to
+    reuse across sessions instead (kept afterwards; its templates spare a developer the cold boot)."""
+    kept = os.environ.get("DSEC_TEST_VM_HOME")
+    if kept:
+        path = Path(kept)
+        path.mkdir(parents=True, exist_ok=True)
+        SESSION_TAGS.add(home_tag(path))
+        yield path
+        return
+    path = short_home("dsec-fvm-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_host_leftovers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The whole run must leave no mount, cgroup or sandbox process behind, even when tests fail."""

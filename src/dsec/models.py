@@ -233,14 +233,15 @@ class SandboxSpec(Model):
     protected: list[str] = Field(default_factory=list, max_length=256)
     """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
     creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must
-    not pass through a symbolic link. Container and function backends."""
+    not pass through a symbolic link. Container, function and microvm backends (microvm: the guest agent makes
+    the binds and runs commands without the capabilities that would undo them; vm refuses it)."""
 
     hidden: list[str] = Field(default_factory=list, max_length=64)
     """Absolute directories the sandbox cannot see until ``sb.reveal()``: each is covered by an empty
     read-only mount at creation (created if missing). The files API reads and writes beneath the cover, so
     a grader can put its tests there; ``reveal()`` removes the covers and leaves the paths read-only.
-    Container and function backends (function: created in the workspace if missing; elsewhere the image must
-    have them)."""
+    Container, function and microvm backends (function: created in the workspace if missing; elsewhere the
+    image must have them; vm refuses it)."""
 
     @field_validator("protected", "hidden")
     @classmethod
@@ -570,7 +571,7 @@ class LoggedCall(Model):
 
     seq: int
     """Sequence number."""
-    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard"]
+    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal"]
     """Operation."""
     digest: str
     """sha256 identity of the call (``dsec.trajectory.digest``)."""

@@ -4,6 +4,7 @@ its own kernel, snapshot restore with fresh identity, and faults (panic, power-o
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -327,17 +328,19 @@ async def test_image_user_and_workdir_apply(backend: MicroVMBackend, debian_pyth
 
 async def test_pristine_exec_runs_the_images_binaries_whatever_guest_root_did(backend: MicroVMBackend,
                                                                                debian_python_image: ImageRef) -> None:
-    """Guest root may replace binaries, bind-mount over them and swap the image's device node; a pristine
+    """Guest root may replace binaries and remove the image's device node; a pristine
     exec still runs the image as booted (its EROFS disk mounted afresh by device number) with the workspace
     as the agent left it, a fresh /tmp, and its own writes thrown away."""
     import hashlib
 
     image_bash = hashlib.sha256((debian_python_image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        # (mounting over a binary and making a device node need capabilities commands no longer have: see
+        # test_commands_run_without_the_capabilities_that_undo_protections)
         subvert = ("printf '#!/bin/sh\\necho ALL TESTS PASSED\\n' > /workspace/fake && chmod +x /workspace/fake && "
-                   "mount --bind /workspace/fake /usr/bin/python3.11 && cp /workspace/fake /usr/local/bin/python3 && "
+                   "cp /workspace/fake /usr/bin/python3.11 && cp /workspace/fake /usr/local/bin/python3 && "
                    "echo 'root::0:0::/:/bin/sh' > /etc/passwd && echo 'print(6 * 7)' > /workspace/solution.py && "
-                   "echo scratch > /tmp/agent-tmp && rm /dev/vda && mknod /dev/vda b 1 3 && echo done")
+                   "echo scratch > /tmp/agent-tmp && rm /dev/vda && echo done")
         r = await backend.exec(sb, ExecRequest(command=["bash", "-c", subvert]))
         assert r.stdout == b"done\n", r
         r = await backend.exec(sb, ExecRequest(command="python3 /workspace/solution.py"))
@@ -354,3 +357,86 @@ async def test_pristine_exec_runs_the_images_binaries_whatever_guest_root_did(ba
         assert r.stdout == b"/workspace/from-grader\nALL TESTS PASSED\n", r  # the agent's root as it left it
         r = await backend.exec(sb, ExecRequest(command="pwd", cwd="/no/such/dir", pristine=True))
         assert r.exit_code == 126 and b"pristine exec: /no/such/dir" in r.stderr, r
+
+
+_CONFINEMENT_PROBE = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(fn):
+    try:
+        fn()
+        return 0
+    except OSError as e:
+        return e.errno
+status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+out = {"bnd": int(status["CapBnd"], 16), "eff": int(status["CapEff"], 16), "nnp": status["NoNewPrivs"].strip(),
+       "uid": os.getuid()}
+out["mount"] = 0 if libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None) == 0 else ctypes.get_errno()
+out["sysctl"] = attempt(lambda: open("/proc/sys/kernel/core_pattern", "w").write("|/tmp/x"))
+out["uevent_helper"] = attempt(lambda: open("/sys/kernel/uevent_helper", "w").write("/tmp/x"))
+out["agent_root"] = attempt(lambda: os.listdir("/proc/1/root/"))
+out["agent_ns"] = attempt(lambda: os.open("/proc/1/ns/mnt", os.O_RDONLY))
+out["userns"] = 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()
+out["mknod"] = attempt(lambda: os.mknod("/tmp/sda", 0o600 | 0o060000, os.makedev(8, 0)))
+os.makedirs("/workspace/owned", exist_ok=True)
+out["chown"] = attempt(lambda: os.chown("/workspace/owned", 1000, 1000))
+out["kthread_root"] = sorted(os.listdir("/proc/2/root/")) if os.access("/proc/2/root/", os.R_OK) else []
+print(json.dumps(out))
+"""
+_KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 10, 11, 13, 14, 15, 18, 23, 28, 29, 31}
+"""CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID, NET_BIND_SERVICE, NET_BROADCAST, NET_RAW, IPC_LOCK,
+IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP (docs/design.md, "microvm: confined commands")."""
+
+
+async def test_commands_run_without_the_capabilities_that_undo_protections(
+        backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command=["python3", "-c", _CONFINEMENT_PROBE], timeout=60))
+        assert r.exit_code == 0, r
+        import json
+
+        out = json.loads(r.stdout)
+        kept = {cap for cap in range(64) if out["bnd"] >> cap & 1}
+        assert kept == _KEPT_CAPS, f"bounding set {sorted(kept)}"
+        assert out["eff"] == out["bnd"] and out["uid"] == 0 and out["nnp"] == "1", out
+        assert out["mount"] == errno.EPERM and out["mknod"] == errno.EPERM, out
+        assert out["sysctl"] == errno.EROFS and out["uevent_helper"] in (errno.EROFS, errno.ENOENT), out
+        assert out["agent_root"] == errno.EACCES and out["agent_ns"] == errno.EACCES, out
+        assert out["userns"] in (errno.ENOSPC, errno.EPERM), out
+        assert out["chown"] == 0, "root lost CAP_CHOWN"
+        # the initramfs's root (kernel threads') holds no path into the writable layer
+        assert not {"rw", "ro", "newroot"} & set(out["kthread_root"]), out["kthread_root"]
+
+
+async def test_protected_and_hidden_paths(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image, protected=["/etc/passwd", "/usr/bin"],
+                       hidden=["/workspace/tests"], **SMALL) as sb:
+        assert sb.backend_state["hidden"] == ["/workspace/tests"]
+        await backend.write_file(sb, "/workspace/tests/t.py", b"secret", None)
+        assert await backend.read_file(sb, "/workspace/tests/t.py", 100) == b"secret"  # beneath the cover
+        r = await backend.exec(sb, ExecRequest(command=(
+            "ls -A /workspace/tests; echo x >> /etc/passwd; echo $?; rm /usr/bin/ls; echo $?; "
+            "mv /usr/bin /usr/bin2; echo $?"), timeout=60))
+        codes = r.stdout.decode().split()
+        assert len(codes) == 3 and "0" not in codes, r  # nothing listed, and every change refused
+        assert b"Read-only file system" in r.stderr and b"busy" in r.stderr, r.stderr
+        with pytest.raises(SandboxError):
+            await backend.write_file(sb, "/usr/bin/evil", b"x", None)
+        await backend.reveal(sb)
+        assert sb.backend_state["hidden"] == []
+        r = await backend.exec(sb, ExecRequest(command="cat /workspace/tests/t.py; echo >> /workspace/tests/t.py",
+                                               timeout=60))
+        assert r.stdout == b"secret" and b"Read-only file system" in r.stderr, r
+        await backend.reveal(sb)  # a second reveal has nothing left to do
+        pristine = await backend.exec(sb, ExecRequest(command="sha256sum /usr/bin/ls | cut -c1-8", pristine=True))
+        assert pristine.exit_code == 0 and len(pristine.stdout) == 9, pristine
+
+
+async def test_bad_protected_and_hidden_paths_are_refused(backend: MicroVMBackend,
+                                                          debian_python_image: ImageRef) -> None:
+    for spec, message in (({"protected": ["/no/such/file"]}, "protected path /no/such/file does not exist"),
+                          ({"protected": ["/bin/ls"]}, "symbolic link"),  # /bin -> usr/bin in Debian
+                          ({"hidden": ["/etc/passwd"]}, "not a directory")):
+        with pytest.raises(InvalidRequest, match=message):
+            await backend.create(new_record("microvm", debian_python_image, **spec, **SMALL), debian_python_image)
+    assert qemu_pids(backend.tag) == [], "a refused create left its VM running"

@@ -13,17 +13,16 @@ import os
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from conftest import missing
-from container_support import short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import VMBackend
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.errors import DSecError, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.vmimage import find_vm_image
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
@@ -63,16 +62,13 @@ def pixels(png: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def home() -> Iterator[Path]:
+def home(vm_home: Path) -> Path:
+    """The session's vm home (conftest.py): its template is shared with the red-team suite."""
     try:
         find_vm_image(IMAGE)
     except DSecError as e:
         missing(str(e))
-    path = short_home("dsec-fvm-")
-    yield path
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    return vm_home
 
 
 @pytest.fixture
@@ -248,3 +244,11 @@ async def test_bad_specs_and_images_are_refused(backend: VMBackend, image: Image
         await backend.create(new_record("vm", image, network="allow"), image)
     with pytest.raises(DSecError, match="build-vm"):
         backend.resolve_image("no-such-vm-image")
+    # grading layers: root of a full VM keeps every capability, so they are refused before anything boots
+    for spec in ({"protected": ["/etc/passwd"]}, {"hidden": ["/workspace/tests"]}):
+        with pytest.raises(InvalidRequest, match="not available on the vm backend"):
+            await backend.create(new_record("vm", image, **spec), image)
+    assert vm_qemu_pids(backend) == []
+    # pristine execs: no untouched copy of the image is attached (refused before the sandbox is looked up)
+    with pytest.raises(NotSupported, match="pristine execs are not available on the vm backend"):
+        await backend.exec(new_record("vm", image), ExecRequest(command="true", pristine=True))

@@ -405,8 +405,18 @@ class AsyncSandbox:
 
     async def reveal(self) -> SandboxInfo:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
-        grading phase begins (container and function backends)."""
-        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/reveal")
+        grading phase begins (container, function and microvm backends). On a trajectory it is a logged
+        call (replayed from the log when fast-forwarding, re-run on a rebuilt sandbox)."""
+        params: dict[str, Any] = {}
+        hit, _ = await self._logged(params, "reveal", {})
+        if hit:
+            return self._info
+        try:
+            response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/reveal", params=params)
+        except ReplayDivergence as exc:
+            if not await self._branch(exc):
+                raise
+            return await self.reveal()
         self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
         return self._info
 

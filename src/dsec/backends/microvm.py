@@ -138,12 +138,17 @@ class MicroVMBackend(Backend):
     name = "microvm"
     boot_timeout: float = _BOOT_TIMEOUT
     """Seconds a cold boot may take until the agent answers."""
+    restore_timeout: float = 20.0
+    """Seconds a restored guest may take to load its state (at least 30) and for its agent to answer."""
     min_memory: int = _MIN_MEMORY
     pristine_execs: bool = True
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
     network_device: bool = True
     """Sandboxes with a network policy get a NIC (see :mod:`dsec.isolation.network`)."""
     network_fixed_at_create = True
+    confines_commands: bool = True
+    """Commands run confined by the guest agent (own mount namespace, capabilities that undo protections
+    dropped, no_new_privs), which makes ``protected=`` and ``hidden=`` hold against guest root."""
 
     def __init__(self, settings: Settings | None = None, guest_dir: Path | None = None,
                  accel: str | None = None, fast_start: bool = True, qemu_user: str | None = "nobody",
@@ -426,9 +431,10 @@ class MicroVMBackend(Backend):
     async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
         if not self._started:
             raise BackendUnavailable(f"{self.name} backend is not started")
-        if record.spec.protected or record.spec.hidden:
-            raise InvalidRequest("protected= and hidden= are not available on the microvm backend yet: use "
-                                 "backend='container'")
+        if (record.spec.protected or record.spec.hidden) and not self.confines_commands:
+            raise InvalidRequest(f"protected= and hidden= are not available on the {self.name} backend: root of a "
+                                 f"full VM keeps every capability (it loads modules, mounts) and could undo them; "
+                                 f"use backend='microvm' or 'container'")
         vcpus, mem_mib, disk_bytes = self._shape(record)
         policy = Policy.parse(record.spec.network)
         erofs = await self._erofs(image)
@@ -511,7 +517,7 @@ class MicroVMBackend(Backend):
                                      ("migrate-incoming", {"uri": f"fd:{fd}"})])
         finally:
             os.close(fd)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + max(30.0, self.restore_timeout)
         while True:
             try:
                 status = (await self._qmp(rundir, [("query-status", {})]))[-1]["status"]
@@ -529,12 +535,31 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"restoring {template.name} left QEMU in state {status!r}")
         vm.client = await self._connect(vm, 10)
         await self._qmp(rundir, [("cont", {})])
-        await vm.client.ping(timeout=20)
+        await vm.client.ping(timeout=self.restore_timeout)
 
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
         await client.mkdir(workdir_of(record))
+        if self.confines_commands:
+            try:
+                hidden = await client.confine(record.spec.protected, record.spec.hidden)
+            except InvalidRequest as e:  # a path the image lacks, or one through a symlink: the spec's fault
+                raise InvalidRequest(str(e).replace("guest agent refused the request: ", "")) from None
+            record.backend_state["hidden"] = hidden  # until reveal()
+
+    async def reveal(self, record: SandboxRecord) -> None:
+        """Uncover the hidden paths (the agent unmounts their covers in the commands' mount namespace and
+        leaves them read-only)."""
+        if not self.confines_commands:
+            await super().reveal(record)
+        if not record.backend_state.get("hidden"):
+            return
+        try:
+            await self._client(record).reveal()
+        except AgentGone as e:
+            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
+        record.backend_state["hidden"] = []
 
     async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
         """The disk a sandbox's QEMU opens: here the shared read-only EROFS image (the writable layer is in

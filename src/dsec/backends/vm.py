@@ -139,10 +139,14 @@ class VMBackend(MicroVMBackend):
     boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 900)
     """Seconds for a cold boot to reach the agent, and again for systemd and the desktop to settle: TCG on a
     loaded 2-core host has needed more than 300 s for each."""
+    restore_timeout = float(os.environ.get("DSEC_VM_RESTORE_TIMEOUT") or 180)
+    """A restored desktop guest under TCG on a loaded host has needed more than the microvm's 20 s to answer."""
     min_memory = 256 * MiB
     pristine_execs = False
     network_device = False
     """No NIC yet: the guest's own systemd would have to be configured for it (network must be 'none')."""
+    confines_commands = False
+    """A full VM's root keeps every capability (kernel modules, mounts, systemd): the VM is the boundary."""
 
     def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
                  fast_start: bool = True, qemu_user: str | None = "nobody") -> None:

@@ -602,9 +602,10 @@ class GatewayEngine:
         await self._json(sandbox_id, "POST", "/keyboard" + (f"?seq={seq}" if seq is not None else ""),
                          json_body=request.model_dump(mode="json", exclude_none=True))
 
-    async def reveal(self, sandbox_id: str) -> SandboxInfo:
-        """Forward reveal (hidden paths)."""
-        return await self._info_call(sandbox_id, "POST", "/reveal")
+    async def reveal(self, sandbox_id: str, seq: int | None = None) -> SandboxInfo:
+        """Forward reveal (hidden paths; a logged call on a trajectory)."""
+        params = {"seq": seq} if seq is not None else None
+        return await self._info_call(sandbox_id, "POST", "/reveal", params=params)
 
     async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
         """Forward a lease renewal."""

@@ -461,9 +461,9 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
         return await engine.set_network(sandbox_id, request.network)
 
     @app.post("/v1/sandboxes/{sandbox_id}/reveal", tags=["sandboxes"])
-    async def reveal(sandbox_id: str) -> SandboxInfo:
-        """Make the sandbox's hidden paths visible, read-only (for grading)."""
-        return await engine.reveal(sandbox_id)
+    async def reveal(sandbox_id: str, seq: Seq = None) -> SandboxInfo:
+        """Make the sandbox's hidden paths visible, read-only (for grading; a logged call on a trajectory)."""
+        return await engine.reveal(sandbox_id, seq)
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot", tags=["sandboxes"])
     async def snapshot(sandbox_id: str, seq: Seq = None) -> SnapshotRef:

@@ -1132,11 +1132,19 @@ class Engine:
         self._store.save(record)
         return self._info(record)
 
-    async def reveal(self, sandbox_id: str) -> SandboxInfo:
-        """Make a sandbox's hidden paths visible (read-only), e.g. before grading."""
+    async def reveal(self, sandbox_id: str, seq: int | None = None) -> SandboxInfo:
+        """Make a sandbox's hidden paths visible (read-only), e.g. before grading; a logged call on a
+        trajectory (``seq``: its call number), which a rebuilt sandbox re-runs like a write."""
         record = self._live(sandbox_id, allow_paused=False)
-        await self._backend(record.spec.backend).reveal(record)
-        self._store.save(record)
+
+        async def act(_: int) -> None:
+            await self._backend(record.spec.backend).reveal(record)
+            self._store.save(record)
+
+        if record.spec.trajectory is None:
+            await act(0)
+        else:
+            await self.rollouts.call(record, seq, "reveal", {}, None, act)
         return self._info(record)
 
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:

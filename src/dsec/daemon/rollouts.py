@@ -37,9 +37,9 @@ __all__ = ["Rollouts"]
 log = logging.getLogger(__name__)
 
 _MAX_NAME = 512
-_EFFECTS = frozenset({"exec", "write", "mouse", "keyboard"})
+_EFFECTS = frozenset({"exec", "write", "mouse", "keyboard", "reveal"})
 """Logged calls that changed the sandbox: after the latest checkpoint, a rebuilt sandbox lacks their effects
-unless they are re-run (exec and write can be; input actions cannot, and are reported missing)."""
+unless they are re-run (exec, write and reveal can be; input actions cannot, and are reported missing)."""
 
 
 def _stored(readable: str, body: bytes | None, cap: int) -> str:
@@ -223,6 +223,11 @@ class Rollouts:
                 request = ExecRequest.model_validate({**args, "stdin": body})
                 record = self.engine._live(sandbox_id, allow_paused=False)
                 await self.engine.exec_unlogged(record, request)
+                return True
+            if op == "reveal":
+                record = self.engine._live(sandbox_id, allow_paused=False)
+                await self.engine._backend(record.spec.backend).reveal(record)
+                self.engine._store.save(record)
                 return True
             if op == "write" and body is not None:
                 record = self.engine._live(sandbox_id, allow_paused=True)

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
@@ -32,11 +33,13 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <linux/capability.h>
 #include <linux/random.h>
 
 enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
     T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11,
+    T_CONFINE = 16, T_REVEAL = 17,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
     T_READY = 0x87,
 };
@@ -224,6 +227,204 @@ static void enter_pristine(const char *cwd) {
     if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) pristine_fail("detach the guest's root");
 }
 
+/* ---- Confinement (microvm): commands without the capabilities that undo protections ------------------
+ * After CONFINE, every command runs in a mount namespace of its own ("the sandbox's"), made once by the
+ * agent, and without the capabilities that would let guest root undo what the agent set up there:
+ * protected paths are read-only bind mounts (made in the agent's namespace first, so both have them; each
+ * directory above them bound over itself, so none can be renamed away with the path inside),
+ * hidden directories are covered by an empty read-only tmpfs in the sandbox's namespace only (the agent's
+ * files API sees and writes beneath the cover), /proc/sys and /sys are read-only
+ * there (their writable knobs would run a helper as full root: core_pattern, uevent_helper...). The agent
+ * becomes non-dumpable, so /proc/1/root and /proc/1/ns (its uncovered view) refuse commands, and new user
+ * namespaces are switched off for good (max_user_namespaces = 0, which /proc/sys read-only keeps so). */
+static int confined;
+static int sandbox_ns = -1;            /* mount namespace of commands */
+#define MAX_HIDDEN 64
+static char *hidden[MAX_HIDDEN];       /* still covered */
+static int nhidden;
+
+/* Capabilities no command keeps (bounding set), each because it undoes a protection or reaches past the
+ * guest's own files: mounts and namespaces (SYS_ADMIN), open_by_handle_at around mounts (DAC_READ_SEARCH),
+ * kernel modules, raw I/O, device nodes, ptrace, immutable flags, the clock, reboot, MAC, audit, BPF,
+ * perf, syslog, rlimit/quotas overrides, network configuration, and SETPCAP (last: it drops the others).
+ * Kept: CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID, NET_BIND_SERVICE, NET_BROADCAST,
+ * NET_RAW, IPC_LOCK, IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP: root installs packages,
+ * chowns files and changes users as usual. */
+static const int dropped_caps[] = {
+    CAP_DAC_READ_SEARCH, CAP_LINUX_IMMUTABLE, CAP_NET_ADMIN, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE,
+    CAP_SYS_PACCT, CAP_SYS_ADMIN, CAP_SYS_BOOT, CAP_SYS_RESOURCE, CAP_SYS_TIME, CAP_SYS_TTY_CONFIG, CAP_MKNOD,
+    CAP_AUDIT_CONTROL, CAP_MAC_OVERRIDE, CAP_MAC_ADMIN, CAP_SYSLOG, CAP_WAKE_ALARM, CAP_BLOCK_SUSPEND,
+    37 /* AUDIT_READ */, 38 /* PERFMON */, 39 /* BPF */, 40 /* CHECKPOINT_RESTORE */, CAP_SETPCAP,
+};
+
+/* In a command's child, after any pristine mounts and before it becomes its user: no way back. */
+static void drop_privileges(void) {
+    for (size_t i = 0; i < sizeof dropped_caps / sizeof *dropped_caps; i++)
+        if (prctl(PR_CAPBSET_DROP, dropped_caps[i], 0, 0, 0) != 0 && errno != EINVAL) {
+            dprintf(2, "dsec-agent: cannot drop capability %d: %s\n", dropped_caps[i], strerror(errno));
+            _exit(126);
+        }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+        dprintf(2, "dsec-agent: cannot set no_new_privs: %s\n", strerror(errno));
+        _exit(126);
+    }
+}
+
+static void send_text_error(uint32_t ch, int err, const char *text) {
+    char buf[512];
+    put32((unsigned char *)buf, (uint32_t)err);
+    size_t n = strlen(text);
+    if (n > sizeof buf - 4) n = sizeof buf - 4;
+    memcpy(buf + 4, text, n);
+    send_frame(T_ERROR, ch, buf, 4 + n);
+}
+
+/* 0 when `path` exists (dir: a directory, created if missing) and no component is a symbolic link (a link
+ * the sandbox controls could later point elsewhere than the mount); else an error frame and -1. */
+static int check_path(uint32_t id, const char *path, int dir) {
+    char msg[PATH_MAX + 128], real[PATH_MAX];
+    struct stat st;
+    if (dir) { mkdirs(path); mkdir(path, 0755); }
+    if (lstat(path, &st) != 0) {
+        snprintf(msg, sizeof msg, "%s path %s does not exist in the sandbox", dir ? "hidden" : "protected", path);
+        send_text_error(id, EINVAL, msg);
+        return -1;
+    }
+    if (!realpath(path, real) || strcmp(real, path) != 0) {
+        snprintf(msg, sizeof msg, "path %s passes through a symbolic link", path);
+        send_text_error(id, EINVAL, msg);
+        return -1;
+    }
+    if (dir && !S_ISDIR(st.st_mode)) {
+        snprintf(msg, sizeof msg, "hidden path %s is not a directory", path);
+        send_text_error(id, EINVAL, msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int bind_read_only(const char *path) {
+    if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) != 0) return -1;
+    return mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
+}
+
+/* Each directory above `path` (but /) bound over itself, read-write: a mount point cannot be renamed or
+ * removed (EBUSY), so no command can move a protected or hidden path away with its parent and put its own
+ * directory where the grader looks (a mount moves with a renamed ancestor). Idempotent per directory. */
+static int pin_ancestors(const char *path) {
+    static char *pinned[1024];
+    static int npinned;
+    char buf[PATH_MAX];
+    if (strlen(path) >= sizeof buf) { errno = ENAMETOOLONG; return -1; }
+    strcpy(buf, path);
+    for (char *s = buf + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        int seen = 0;
+        for (int i = 0; i < npinned && !seen; i++) seen = !strcmp(pinned[i], buf);
+        if (!seen) {
+            if (npinned == (int)(sizeof pinned / sizeof *pinned)) { errno = E2BIG; return -1; }
+            if (mount(buf, buf, NULL, MS_BIND | MS_REC, NULL) != 0) return -1;
+            pinned[npinned++] = strdup(buf);
+        }
+        *s = '/';
+    }
+    return 0;
+}
+
+static void send_hidden(uint32_t id) {
+    static char buf[OUT_CHUNK];
+    size_t used = 0;
+    for (int i = 0; i < nhidden; i++) {
+        size_t n = strlen(hidden[i]) + 1;
+        if (used + n > sizeof buf) break;
+        memcpy(buf + used, hidden[i], n);
+        used += n;
+    }
+    if (used) send_frame(T_DATA, id, buf, used);
+    send_frame(T_END, id, NULL, 0);
+}
+
+/* CONFINE payload: "P/path\0" (protected) and "H/path\0" (hidden) strings, any number (none: just the
+ * namespace and the dropped capabilities). Reply: DATA with the still hidden paths (NUL-terminated), END.
+ * A guest already confined (a restored snapshot of one) keeps its setup and only reports. */
+static void do_confine(uint32_t id, unsigned char *p, size_t len) {
+    char *strs[512];
+    char msg[PATH_MAX + 64];
+    if (confined) { send_hidden(id); return; }
+    int n = split_strings((char *)p, len, strs, 512);
+    if (n < 0) { send_error(id, EINVAL, "malformed confine"); return; }
+    int nh = 0;
+    for (int i = 0; i < n; i++) {
+        if ((strs[i][0] != 'P' && strs[i][0] != 'H') || strs[i][1] != '/' || strs[i][2] == 0) {
+            send_error(id, EINVAL, "malformed confine path"); return;
+        }
+        if (strs[i][0] == 'H' && ++nh > MAX_HIDDEN) { send_error(id, E2BIG, "hidden paths"); return; }
+        if (check_path(id, strs[i] + 1, strs[i][0] == 'H') != 0) return;
+    }
+    for (int i = 0; i < n; i++)
+        if (pin_ancestors(strs[i] + 1) != 0) {
+            snprintf(msg, sizeof msg, "bind mount over a parent of %s: %s", strs[i] + 1, strerror(errno));
+            send_text_error(id, EIO, msg); return;
+        }
+    for (int i = 0; i < n; i++)
+        if (strs[i][0] == 'P' && bind_read_only(strs[i] + 1) != 0) {
+            snprintf(msg, sizeof msg, "read-only bind mount of %s: %s", strs[i] + 1, strerror(errno));
+            send_text_error(id, EIO, msg); return;
+        }
+    int root_ns = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    if (root_ns < 0 || unshare(CLONE_NEWNS) != 0) { send_error(id, errno, "sandbox mount namespace"); return; }
+    int failed = mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ? errno : 0;
+    const char *knobs[] = {"/proc/sys", "/sys"};  /* /proc/sysrq-trigger stays: it only ends this VM */
+    for (size_t i = 0; !failed && i < sizeof knobs / sizeof *knobs; i++)
+        if (bind_read_only(knobs[i]) != 0) failed = errno;
+    for (int i = 0; !failed && i < n; i++)
+        if (strs[i][0] == 'H' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                       "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
+    sandbox_ns = failed ? -1 : open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    if (!failed && sandbox_ns < 0) failed = errno;
+    if (setns(root_ns, CLONE_NEWNS) != 0 || chdir("/") != 0) {
+        /* the agent is stranded in a half-made namespace: nothing it serves could be trusted */
+        dprintf(2, "dsec-agent: cannot return to its mount namespace: %s\n", strerror(errno));
+        reboot(RB_POWER_OFF);
+    }
+    close(root_ns);
+    if (failed) { send_error(id, failed, "setting up the sandbox's mount namespace"); return; }
+    int fd = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) { if (write(fd, "0\n", 2) != 2) { /* an older kernel: unshare-user stays seccomp-free */ } close(fd); }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    for (int i = 0; i < n; i++)
+        if (strs[i][0] == 'H') hidden[nhidden++] = strdup(strs[i] + 1);
+    confined = 1;
+    send_hidden(id);
+}
+
+/* REVEAL (no payload): uncover every hidden path in the sandbox's namespace and leave it read-only in both. */
+static void do_reveal(uint32_t id) {
+    char msg[PATH_MAX + 64];
+    if (!confined) { send_error(id, EINVAL, "reveal before confine"); return; }
+    int root_ns = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    if (root_ns < 0 || setns(sandbox_ns, CLONE_NEWNS) != 0) { send_error(id, errno, "enter the sandbox's namespace"); return; }
+    int failed = 0, at = 0;
+    for (; at < nhidden && !failed; at++)
+        if (umount2(hidden[at], 0) != 0 || bind_read_only(hidden[at]) != 0) failed = errno;
+    if (setns(root_ns, CLONE_NEWNS) != 0 || chdir("/") != 0) {
+        dprintf(2, "dsec-agent: cannot return to its mount namespace: %s\n", strerror(errno));
+        reboot(RB_POWER_OFF);
+    }
+    close(root_ns);
+    for (int i = 0; i < nhidden && !failed; i++)
+        if (bind_read_only(hidden[i]) != 0) failed = errno;
+    if (failed) {
+        snprintf(msg, sizeof msg, "revealing %s: %s", hidden[at - 1], strerror(failed));
+        send_text_error(id, EIO, msg);
+        return;
+    }
+    for (int i = 0; i < nhidden; i++) free(hidden[i]);
+    nhidden = 0;
+    send_frame(T_END, id, NULL, 0);
+}
+
 /* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ...
    (EXEC_PRISTINE: the same, run on the image's untouched root, see enter_pristine) */
 static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
@@ -251,8 +452,14 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
         sigset_t all;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
+        if (confined && setns(sandbox_ns, CLONE_NEWNS) != 0) {
+            dprintf(2, "dsec-agent: cannot enter the sandbox's mount namespace: %s\n", strerror(errno));
+            _exit(126);
+        }
         if (pristine)
             enter_pristine(strs[0]);
+        if (confined)
+            drop_privileges();
         if (gid != 0 || uid != 0) {
             if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
                 dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", uid, gid, strerror(errno));
@@ -459,6 +666,8 @@ static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     case T_WRITE: do_write(id, p, len); break;
     case T_LIST: do_list(id, p, len); break;
     case T_IDENTITY: do_identity(id, p, len); break;
+    case T_CONFINE: do_confine(id, p, len); break;
+    case T_REVEAL: do_reveal(id); break;
     case T_PING: send_frame(T_END, id, NULL, 0); break;
     case T_MKDIR: {
         char *path;

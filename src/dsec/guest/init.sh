@@ -43,6 +43,9 @@ inodes=$((disk / 16384))
 mount -t tmpfs -o "size=$disk,nr_inodes=$inodes,mode=0755" rw /rw || fail "cannot mount the writable layer"
 mkdir /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot || fail "overlay mount failed"
+# The overlay holds its own references to its layers: detach them, so that nothing reached through the
+# initramfs's root (kernel threads' /proc/N/root) leads to the writable layer beneath protected paths.
+umount -l /ro /rw || fail "cannot detach the overlay's layers"
 for d in dev proc sys run tmp; do mkdir -p /newroot/$d; done
 mount -t tmpfs -o mode=0755,size=16m,nr_inodes=4096 run /newroot/run
 mkdir -p /newroot/run/dsec

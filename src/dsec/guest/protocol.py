@@ -37,6 +37,7 @@ class T:
     """Frame types (host -> guest below 0x80, guest -> host above)."""
 
     EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE = range(1, 12)
+    CONFINE, REVEAL = 16, 17
     STDOUT, STDERR, EXIT, DATA, END, ERROR, READY = range(0x81, 0x88)
 
 
@@ -293,6 +294,18 @@ class AgentClient:
 
     async def identity(self, hostname: str, machine_id: str, seed: bytes) -> None:
         await self._simple(T.IDENTITY, hostname.encode() + b"\0" + machine_id.encode() + b"\0" + seed, "")
+
+    async def confine(self, protected: builtins.list[str], hidden: builtins.list[str]) -> builtins.list[str]:
+        """Confine every later command (own mount namespace, capabilities dropped, no_new_privs) with
+        ``protected`` read-only and ``hidden`` covered; returns the paths still hidden (a guest restored from a
+        snapshot of a confined one keeps its own setup and reports it)."""
+        payload = b"".join(b"P" + _path(p) for p in protected) + b"".join(b"H" + _path(h) for h in hidden)
+        chunks = await self._simple(T.CONFINE, payload, "", 60.0)
+        return [p.decode(errors="replace") for p in b"".join(chunks).split(b"\0") if p]
+
+    async def reveal(self) -> None:
+        """Uncover every hidden path, leaving it read-only."""
+        await self._simple(T.REVEAL, b"", "", 60.0)
 
     async def shutdown(self) -> None:
         await self._simple(T.SHUTDOWN, b"", "", 10.0)

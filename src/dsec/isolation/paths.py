@@ -10,6 +10,10 @@ The mounts are made by a short-lived child (``python -I -S``) that imports every
 joins the sandbox's user and mount namespaces with ``setns`` and calls ``mount(2)`` through the
 already loaded libc: after ``setns`` the child's root is the sandbox's, so it must never load or run
 anything from there (which :mod:`subprocess` + ``nsenter mount`` would do: the image's own ``mount``).
+Every directory above a protected or hidden path is bound over itself (read-write) first: a mount moves
+with a renamed ancestor, so without that the sandbox could rename ``/workspace`` away with the cover of a
+hidden ``/workspace/tests`` inside it and make a plain ``/workspace/tests`` where the grader writes; a
+mount point cannot be renamed or removed (EBUSY). A rename across such a directory's edge gets EXDEV.
 A hidden directory is covered by an empty read-only tmpfs in the same way (the sandbox sees an empty,
 unwritable directory); its real content stays on the sandbox's overlay, where the daemon's host-side
 view (without the cover) reads and writes it. Revealing removes the cover and protects the path.
@@ -49,6 +53,7 @@ for fd, ns, flag in fds:
     os.close(fd)
 os.setgroups([]); os.setresgid(0, 0, 0); os.setresuid(0, 0, 0)
 os.chdir("/")
+pinned = set()
 for path in paths:
     b = path.encode()
     if op == "cover":
@@ -62,6 +67,14 @@ for path in paths:
         bail(3, f"path {path} does not exist in the sandbox")
     if os.path.realpath(path) != path:
         bail(3, f"path {path} passes through a symbolic link")
+    if op in ("protect", "cover"):
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent not in pinned and libc.mount(parent.encode(), parent.encode(), None, MS_BIND | MS_REC,
+                                                   None) != 0:
+                bail(4, f"bind mount over {parent}: {os.strerror(ctypes.get_errno())}")
+            pinned.add(parent)
     if op == "cover":
         if libc.mount(b"tmpfs", b, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755") != 0:
             bail(4, f"covering {path}: {os.strerror(ctypes.get_errno())}")

@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajector
 
 DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
-STATE_CHANGING = frozenset({"exec", "write", "snapshot", "mouse", "keyboard"})
+STATE_CHANGING = frozenset({"exec", "write", "snapshot", "mouse", "keyboard", "reveal"})
 """Operations whose log entry must be durable before they run (their response is logged in the next batch)."""
 NOT_RERUN = frozenset({"exec", "mouse", "keyboard"})
 """Operations that are never run twice: one interrupted by a daemon's death answers with "outcome unknown"

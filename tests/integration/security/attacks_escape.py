@@ -2,9 +2,10 @@
 
 On ``container`` and ``function`` the sandbox shares the host's kernel: each attack must be refused by
 the specific layer named (seccomp answers EPERM, a read-only mount EROFS, a missing node ENOENT, a
-foreign pid namespace ESRCH). On ``microvm`` the agent is root of its own guest kernel: the same call
-may succeed there, and the defence asserted is the VM boundary (a kernel that is not the host's, and a
-host unchanged afterwards, which the suite checks after every attack).
+foreign pid namespace ESRCH). On ``microvm`` and ``vm`` the command runs on its own guest kernel (microvm:
+as root without the capabilities that undo protections; vm: as full root): the same call may succeed
+there, and the defence asserted is the VM boundary (a kernel that is not the host's, and a host unchanged
+afterwards, which the suite checks after every attack).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ PROC_SYS = {"container": EROFS, "function": EACCES}
 """container: /proc/sys is mounted read-only; function: its files belong to the host's root, which the sandbox's
 user namespace does not map (EACCES before any write)."""
 PROC_SYS_DEFENCE = "container: /proc/sys read-only (EROFS); function: owned by an unmapped root (EACCES)"
-VM_DEFENCE = "microvm: the guest's own kernel (the call may succeed there; the host is unaffected)"
+VM_DEFENCE = ("microvm, vm: the guest's own kernel (the call may succeed there; the host is unaffected; "
+              "microvm commands also lack CAP_SYS_ADMIN and the other capabilities that undo protections)")
 
 
 def _syscall_attack(id: str, description: str, models: str, expr: str,
@@ -220,15 +222,35 @@ print(json.dumps({{str(p): try_os(os.kill, p, 0) for p in {victims}}}))
                                           "Yama's ptrace_scope and re-enable module loading",
         models="attacking the executor: stopping or rewriting the guest agent (hangs or subverts its own VM)",
         defence="microvm: Yama ptrace_scope 3 set by the guest's init before the agent starts (EPERM even with "
-                "CAP_SYS_PTRACE, and it cannot be lowered: EINVAL), module loading and kexec disabled for "
-                "good, and the kernel ignores SIGSTOP sent to its pid 1 from inside; the agent answers afterwards",
+                "CAP_SYS_PTRACE, which commands do not have, and it cannot be lowered: /proc/sys is read-only for "
+                "commands, EROFS), module loading and kexec disabled for good, and the kernel ignores SIGSTOP sent "
+                "to its pid 1 from inside; the agent answers afterwards. vm: root owns that VM (it may stop its "
+                "agent, a systemd service): the VM boundary; the host and the backend carry on",
         not_applicable={"container": "no agent inside: commands enter from the host; the init is covered by "
                                      "ptrace-init",
                         "function": "no agent inside: each call is its own pid namespace's init, spawned by "
                                     "the zygote outside (ptrace-init)"},
         fresh=True)
 async def ptrace_guest_agent(t: Target) -> None:
-    res = await probe(t, r"""
+    if t.name == "vm":
+        await guest_kernel_is_own(t)
+        with contextlib.suppress(DSecError, AssertionError):  # it may hang its own agent: only its VM suffers
+            await probe(t, _PTRACE_AGENT.replace("os.kill(1,", "os.kill(int(os.popen('pidof dsec-agent').read()),"),
+                        timeout=30)
+        return
+    res = await probe(t, _PTRACE_AGENT)
+    await guest_kernel_is_own(t)
+    assert res["scope"] == "3" and res["modules_disabled"] == "1" and res["kexec_disabled"] == "1", res
+    for what in ("attach", "seize", "mem", "vm_writev"):
+        assert res[what] in (errno.EPERM, errno.EACCES), (what, res)
+    # /proc/sys is read-only for commands (EROFS); were it not, the knobs are one-way (EINVAL) and need
+    # capabilities commands lack (EPERM)
+    assert res["lower_scope"] == errno.EROFS and res["enable_modules"] == errno.EROFS, res
+    r = await t.sh("echo agent-alive; cat /proc/sys/kernel/yama/ptrace_scope")  # SIGSTOP did not stop pid 1
+    assert r.stdout == b"agent-alive\n3\n", r
+
+
+_PTRACE_AGENT = r"""
 import signal
 out = {"scope": open("/proc/sys/kernel/yama/ptrace_scope").read().strip(),
        "modules_disabled": open("/proc/sys/kernel/modules_disabled").read().strip(),
@@ -246,11 +268,4 @@ out["lower_scope"] = try_os(lower, "/proc/sys/kernel/yama/ptrace_scope", "0")
 out["enable_modules"] = try_os(lower, "/proc/sys/kernel/modules_disabled", "0")
 os.kill(1, signal.SIGSTOP)
 print(json.dumps(out))
-""")
-    await guest_kernel_is_own(t)
-    assert res["scope"] == "3" and res["modules_disabled"] == "1" and res["kexec_disabled"] == "1", res
-    for what in ("attach", "seize", "mem", "vm_writev"):
-        assert res[what] in (errno.EPERM, errno.EACCES), (what, res)
-    assert res["lower_scope"] == errno.EINVAL and res["enable_modules"] == errno.EINVAL, res
-    r = await t.sh("echo agent-alive; cat /proc/sys/kernel/yama/ptrace_scope")  # SIGSTOP did not stop pid 1
-    assert r.stdout == b"agent-alive\n3\n", r
+"""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 
 from redteam import MiB, Target, attack
 
@@ -52,13 +51,13 @@ async def files_symlink_race(t: Target) -> None:
                 "sandbox keep the original; function: the root is read-only and a cross-mount link fails (EXDEV)",
         fresh=True)
 async def files_hardlink(t: Target) -> None:
-    image_passwd = hashlib.sha256((t.image.rootfs / "etc/passwd").read_bytes()).hexdigest()
+    image_passwd = t.image_sha("etc/passwd")
     r = await t.sh("ln /etc/passwd /workspace/pw; echo rc=$?")
     if t.name == "function":
         assert b"rc=0" not in r.stdout and b"Invalid cross-device link" in r.stderr, r
     with contextlib.suppress(DSecError):
         await t.backend.write_file(t.sb, "/workspace/pw", b"root::0:0::/root:/bin/sh\n", None)
-    assert hashlib.sha256((t.image.rootfs / "etc/passwd").read_bytes()).hexdigest() == image_passwd, \
+    assert t.image_sha("etc/passwd") == image_passwd, \
         "the image's /etc/passwd was changed through a hard link"
     async with t.neighbour() as other:
         r = await t.backend.exec(other, ExecRequest(command="sha256sum /etc/passwd"))

@@ -9,7 +9,6 @@ another sandbox's files or processes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import uuid
 
 from redteam import NO_PERSISTENT_PROCS, VM_BACKENDS, MiB, Target, attack, expect_errno, guest_kernel_is_own, probe
@@ -35,7 +34,10 @@ async def read_executor_logs(t: Target) -> None:
     r = await t.sh(f"ls -d {t.home} {t.home}/*.log /var/log/dsec* 2>/dev/null; "
                    "find / -xdev \\( -name 'dsec*.log' -o -name 'trajectory*.db' -o -name 'dsec.sock' \\) "
                    "-print 2>/dev/null; echo end", timeout=120)
-    assert r.stdout == b"end\n", f"platform files visible in the sandbox: {r.stdout!r}"
+    # vm: the desktop image's own X session log (written by the image's unit, never by the platform; the
+    # needle search above shows nothing of an exec is in it)
+    seen = [f for f in r.stdout.decode().split() if not (t.name == "vm" and f == "/var/log/dsec-xsession.log")]
+    assert seen == ["end"], f"platform files visible in the sandbox: {r.stdout!r}"
 
 
 @attack("forge-platform-socket", description="find every unix socket (filesystem and abstract) and inherited "
@@ -108,6 +110,8 @@ for dev in sorted(glob.glob("/dev/vport*") + glob.glob("/dev/hvc*") + glob.glob(
 print(json.dumps(out))
 """)
     assert res, "no virtio port found to attack"
+    ports = {dev: err for dev, err in res.items() if "vport" in dev or "virtio-ports" in dev}
+    assert ports and all(err == errno.EBUSY for err in ports.values()), f"the agent's port opened twice: {ports}"
     await guest_kernel_is_own(t)
     # the agent channel still works after the garbage (the suite also runs a command afterwards)
     r = await t.sh("echo still-serving")
@@ -121,7 +125,7 @@ print(json.dumps(out))
                 "sandbox keep the real binary); function: the root is read-only (EROFS)",
         fresh=True)
 async def overwrite_bin_bash(t: Target) -> None:
-    real = hashlib.sha256((t.image.rootfs / "usr/bin/bash").read_bytes()).hexdigest()
+    real = t.image_sha("usr/bin/bash")
     r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
     if t.name == "function":
         assert b"rc=0" not in r.stdout, f"the function sandbox's root was writable: {r}"

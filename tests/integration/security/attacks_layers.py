@@ -13,9 +13,8 @@ import errno
 
 from redteam import Target, attack, expect_errno, probe
 
-_NOT_YET = {"microvm": "protected=/hidden= are refused on microvm (400): guest root holds CAP_SYS_ADMIN in its "
-                       "own kernel and could unmount them",
-            "vm": "backend not built yet"}
+_NO_PATHS_ON_VM = {"vm": "protected=/hidden= are refused on vm (400): root of a full VM keeps every capability "
+                         "(modules, mounts) and could undo them; use microvm or container"}
 _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
 
 
@@ -24,8 +23,9 @@ _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
         models="incident: agents overwrote /bin/bash and test files to subvert later checks",
         defence="container: protected paths are read-only bind mounts (EROFS for writes, EBUSY for the mount "
                 "point, EXDEV/EROFS for renames into them); function: the same binds in the zygote's mount "
-                "namespace, over a root that is read-only anyway (EROFS before the mount point's EBUSY)",
-        not_applicable=_NOT_YET, fresh=True, spec=_PROTECTED)
+                "namespace, over a root that is read-only anyway (EROFS before the mount point's EBUSY); microvm: "
+                "the same binds made by the guest agent, which runs commands without CAP_SYS_ADMIN",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec=_PROTECTED)
 async def protected_rewrite(t: Target) -> None:
     before = (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout
     res = await probe(t, r"""
@@ -51,7 +51,7 @@ print(json.dumps(out))
             "rename_over_binary": (errno.EXDEV, errno.EROFS)}
     for name, err in want.items():
         function_err = errno.EROFS if err == errno.EBUSY else err  # the read-only parent answers first
-        expect_errno(t, name, res[name], {"container": err, "function": function_err})
+        expect_errno(t, name, res[name], {"container": err, "function": function_err, "microvm": err})
     assert (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout == before
 
 
@@ -59,13 +59,18 @@ print(json.dumps(out))
                                                     "file, then umount, remount read-write or mount over it",
         models="incident: XFS_IOC_SWAPEXT on protected files; container escape classic: undo a read-only mount",
         defence="container, function: seccomp denies the ioctls and the whole mount family (EPERM) and the "
-                "sandbox's root has no CAP_SYS_ADMIN; the read-only bind mount stands behind both",
-        not_applicable=_NOT_YET, fresh=True, spec=_PROTECTED)
+                "sandbox's root has no CAP_SYS_ADMIN; the read-only bind mount stands behind both; microvm: the "
+                "bind is read-only (a protected file opens for writing with EROFS, so no ioctl gets a writable "
+                "descriptor) and commands have no CAP_SYS_ADMIN (the mount family: EPERM)",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec=_PROTECTED)
 async def protected_swap_clone_unmount(t: Target) -> None:
+    before = (await t.sh("sha256sum /etc/passwd /usr/bin/bash")).stdout
     res = await probe(t, r"""
 import ctypes, fcntl
 out = {}
 src = os.open("/workspace/src", os.O_RDWR | os.O_CREAT, 0o644); os.write(src, b"fake" * 1024)
+for target in ("/usr/bin/bash", "/etc/passwd"):
+    out["open_rw" + target] = try_os(lambda: os.close(os.open(target, os.O_RDWR)))
 for target, flags in (("/usr/bin/bash", os.O_RDONLY), ("/etc/passwd", os.O_RDONLY)):
     fd = os.open(target, flags)
     for name, req in (("FICLONE", 0x40049409), ("FICLONERANGE", 0x4020940D), ("XFS_IOC_SWAPEXT", 0xC0C0586D)):
@@ -81,7 +86,18 @@ for name, rc in (("umount", lambda: libc.umount2(b"/usr/bin", 2)),
 print(json.dumps(out))
 """)
     for name, got in res.items():
-        expect_errno(t, name, got, {"container": errno.EPERM, "function": errno.EPERM})
+        if name.startswith("open_rw"):
+            expect_errno(t, name, got, {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS})
+        elif t.name == "microvm" and name.startswith(("FICLONE", "XFS")):
+            # a read-only descriptor is all the sandbox can get: the kernel refuses the ioctl before any
+            # filesystem sees it (EBADF: not open for writing), or the filesystem has no such ioctl
+            # (EFAULT: FICLONERANGE reads its argument struct first, and the probe passes a descriptor)
+            refused = (errno.EBADF, errno.EXDEV, errno.EROFS, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL,
+                       errno.EFAULT)
+            assert got in refused, (name, got)
+        else:
+            expect_errno(t, name, got, {"container": errno.EPERM, "function": errno.EPERM, "microvm": errno.EPERM})
+    assert (await t.sh("sha256sum /etc/passwd /usr/bin/bash")).stdout == before
 
 
 @attack("hidden-tests-then-revealed", description="look for tests hidden until grading, write into their cover, "
@@ -90,8 +106,10 @@ print(json.dumps(out))
         models="incident: agents read or rewrote the tests that grade them",
         defence="container, function: before reveal an empty read-only tmpfs covers the directory (nothing to "
                 "read: ENOENT; writes EROFS; the directory itself EBUSY); after reveal a read-only bind (EROFS, "
-                "EBUSY, EXDEV), and the files API reads the grader's bytes unchanged",
-        not_applicable=_NOT_YET, fresh=True, spec={"hidden": ["/workspace/tests"]})
+                "EBUSY, EXDEV), and the files API reads the grader's bytes unchanged; microvm: the same, the cover "
+                "made by the guest agent in the commands' own mount namespace (the agent's view, which the files "
+                "API uses, has none; commands cannot reach it: the agent is not dumpable)",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/tests"]})
 async def hidden_tests_then_revealed(t: Target) -> None:
     secret = b"def test_answer():\n    assert solve() == 42\n"
     await t.backend.write_file(t.sb, "/workspace/tests/test_grade.py", secret, None)
@@ -112,16 +130,23 @@ print(json.dumps(out))
 """
     before = await probe(t, snippet)
     assert before["listing"] == [] and before["read"] == errno.ENOENT, f"hidden tests visible: {before}"
-    expect_errno(t, "write (hidden)", before["write"], {"container": errno.EROFS, "function": errno.EROFS})
-    expect_errno(t, "rename_dir (hidden)", before["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY})
+    expect_errno(t, "write (hidden)", before["write"], {"container": errno.EROFS, "function": errno.EROFS,
+                                                         "microvm": errno.EROFS})
+    expect_errno(t, "rename_dir (hidden)", before["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY,
+                                                                  "microvm": errno.EBUSY})
+    if t.name == "microvm":  # the agent's uncovered view, through its /proc entry
+        res = await probe(t, 'print(json.dumps(try_os(os.listdir, "/proc/1/root/workspace/tests")))')
+        assert res == errno.EACCES, f"the agent's view of the hidden tests: {res}"
     await t.backend.reveal(t.sb)
     after = await probe(t, snippet)
     assert after["listing"] == ["test_grade.py"] and after["read"] == 0, f"revealed tests not visible: {after}"
     for name in ("write", "unlink"):
-        expect_errno(t, name, after[name], {"container": errno.EROFS, "function": errno.EROFS})
-    expect_errno(t, "rename_dir", after["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY})
-    expect_errno(t, "rename_over", after["rename_over"],
-                 {"container": (errno.EXDEV, errno.EROFS), "function": (errno.EXDEV, errno.EROFS)})
+        expect_errno(t, name, after[name], {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS})
+    expect_errno(t, "rename_dir", after["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY,
+                                                        "microvm": errno.EBUSY})
+    expect_errno(t, "rename_over", after["rename_over"], {"container": (errno.EXDEV, errno.EROFS),
+                                                          "function": (errno.EXDEV, errno.EROFS),
+                                                          "microvm": (errno.EXDEV, errno.EROFS)})
     assert await t.backend.read_file(t.sb, "/workspace/tests/test_grade.py", 1 << 20) == secret
 
 
@@ -133,8 +158,9 @@ print(json.dumps(out))
                 "unconfined init (EACCES)",
         not_applicable={"function": "every call has its own Landlock domain (workspace and /tmp only): see the "
                                     "function backend's attacks",
-                        "microvm": "the guest's own kernel: no Landlock inside the guest",
-                        "vm": "backend not built yet"})
+                        "microvm": "the guest's own kernel: no Landlock inside the guest (the agent's /proc entries: "
+                                   "see hidden-tests-then-revealed and ptrace-guest-agent)",
+                        "vm": "the guest's own kernel: no Landlock inside the guest; its root owns that VM"})
 async def landlock_kernel_knobs(t: Target) -> None:
     res = await probe(t, r"""
 out = {}
@@ -152,3 +178,52 @@ print(json.dumps(out))
 """)
     for name, got in res.items():
         expect_errno(t, name, got, {"container": errno.EACCES if name.startswith("init_") else errno.EROFS})
+
+
+@attack("pristine-grader-binaries", description="replace sha256sum and python3 in the sandbox's own layer with "
+                                                "scripts that print what a grader wants, then let the grader run",
+        models="incident: agents overwrote /bin/bash to subvert later checks",
+        defence="container, microvm: pristine=True runs the grader on the image's untouched root (a fresh overlay "
+                "over the image; microvm: its read-only disk mounted afresh), so it runs the image's binaries "
+                "whatever the sandbox's layer holds; function: the root is read-only anyway (EROFS) and pristine "
+                "runs on the image the same way",
+        not_applicable={"vm": "pristine execs are refused on vm (501): its root disk is the sandbox's own, with no "
+                              "untouched copy of the image to run from"},
+        fresh=True)
+async def pristine_grader_binaries(t: Target) -> None:
+
+    fake = "#!/bin/sh\\necho 0000000000000000000000000000000000000000000000000000000000000000  PASS\\n"
+    r = await t.sh(f"for f in /usr/bin/sha256sum /usr/bin/python3.11; do printf '{fake}' > $f; echo $?; done")
+    replaced = r.stdout.split() == [b"0", b"0"]
+    assert replaced or t.name == "function", f"the sandbox's own layer refused a write: {r}"
+    files = ("usr/bin/sha256sum", "usr/bin/python3.11")
+    want = [t.image_sha(f) for f in files]
+    graded = await t.sh(["sha256sum", *(f"/{f}" for f in files)], pristine=True)
+    assert graded.exit_code == 0, graded
+    got = [line.split()[0] for line in graded.stdout.decode().splitlines()]
+    assert got == want, f"the pristine grader ran something else than the image's binaries: {graded}"
+    if replaced:  # without pristine, the grader would have been fooled: the attack itself worked
+        fooled = await t.sh(["sha256sum", "/usr/bin/python3.11"])
+        assert b"PASS" in fooled.stdout, fooled
+
+
+@attack("grading-path-parent-rename", description="rename the directory above a hidden path away (the cover moves "
+                                                  "with it), make a plain directory in its place, and wait for the "
+                                                  "grader to write its tests there",
+        models="incident: agents read or rewrote the tests that grade them (a mount moves with a renamed parent)",
+        defence="container, function, microvm: every directory above a protected or hidden path is bound over "
+                "itself when the paths are mounted (the daemon's helper; microvm: the guest agent), so none can be "
+                "renamed or removed (EBUSY) and the grader's files land beneath the cover",
+        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/grading/tests"]})
+async def grading_path_parent_rename(t: Target) -> None:
+    await t.backend.write_file(t.sb, "/workspace/grading/tests/test_grade.py", b"assert solve() == 42\n", None)
+    r = await t.sh("mv /workspace/grading /workspace/moved; echo rc=$?; rmdir /workspace/grading 2>/dev/null; "
+                   "mkdir -p /workspace/grading/tests; true")
+    assert b"rc=0" not in r.stdout and b"busy" in r.stderr, f"the parent of a hidden path was renamed: {r}"
+    late = b"assert solve(7) == 49\n"
+    await t.backend.write_file(t.sb, "/workspace/grading/tests/test_late.py", late, None)
+    r = await t.sh("ls -A /workspace/grading/tests; cat /workspace/grading/tests/test_late.py; ls -A /workspace")
+    assert b"test_" not in r.stdout and late not in r.stdout, f"the grader's tests are visible: {r}"
+    await t.backend.reveal(t.sb)
+    r = await t.sh("cat /workspace/grading/tests/test_late.py")
+    assert r.stdout == late, f"the revealed tests are not the grader's: {r}"

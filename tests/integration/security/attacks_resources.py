@@ -11,8 +11,19 @@ from __future__ import annotations
 
 import errno
 
-from redteam import VM_BACKENDS, MiB, Target, attack, guest_kernel_is_own, probe
+from redteam import (
+    VM_BACKENDS,
+    MiB,
+    Target,
+    assert_vm_disk_bounded,
+    attack,
+    fill_vm_disk,
+    guest_kernel_is_own,
+    probe,
+)
 
+_VM_DISK = ("vm: the guest's own filesystem on a disk of fixed size (a qcow2 overlay on the host), filled first "
+            "but 32 MiB (its 4 GiB would take minutes under TCG): ENOSPC in the guest, the overlay bounded")
 _CAP_MIB = 768
 """A disk bomb stops by itself after this much: far beyond the 64 MiB the sandbox may use, far below harm."""
 
@@ -55,7 +66,8 @@ print(json.dumps({"count": count, "err": err}))
 @attack("memory-bomb", description="allocate and touch memory without end",
         models="resource exhaustion: memory bomb",
         defence="container, function: the memory cgroup OOM-kills the command (limit='memory'); microvm: the "
-                "guest's RAM is the limit (its own OOM killer)",
+                "guest's RAM is the limit (its own OOM killer); vm: the same, at the template's memory (1 GiB: "
+                "another size would boot another template)",
         fresh=True, spec={"memory": "128Mi"})
 async def memory_bomb(t: Target) -> None:
     r = await t.sh(["python3", "-c", "b = []\nwhile len(b) < 4096: b.append(bytearray(1 << 20))\nprint('survived')"],
@@ -71,23 +83,31 @@ async def memory_bomb(t: Target) -> None:
                                  f"{_CAP_MIB} MiB)",
         models="incident: agents filled tens of GB with `yes`; resource exhaustion: disk bomb",
         defence="microvm: the overlay's size; container, function: the writable layer (function: the workspace) "
-                "is a tmpfs of the spec's disk size (ENOSPC at it, limit=\"disk\")",
+                "is a tmpfs of the spec's disk size (ENOSPC at it, limit=\"disk\"); " + _VM_DISK,
         fresh=True, spec={"disk": "64Mi"})
 async def disk_fill(t: Target) -> None:
+    if t.name == "vm":
+        await fill_vm_disk(t)
     r = await t.sh(f"yes | head -c {_CAP_MIB}M > /workspace/fill; echo rc=$?; du -sm /workspace/fill; "
                    "rm -f /workspace/fill", timeout=180)
     lines = r.stdout.decode().split()
     written = int(lines[1]) if len(lines) > 1 and lines[1].isdigit() else 0
     assert written < 128, f"wrote {written} MiB into a sandbox with disk=64Mi: no quota stopped it ({r})"
     assert b"No space left on device" in r.stderr or b"rc=1" in r.stdout, r
+    if t.name == "vm":
+        assert_vm_disk_bounded(t)
 
 
 @attack("inode-bomb", description="create empty files until no inode is left (stops itself at 25,000)",
         models="resource exhaustion: inode bomb",
         defence="microvm: the guest's overlay tmpfs's inode limit; container: the writable layer's tmpfs inode "
-                "limit; function: the workspace tmpfs's inode limit (each disk / 16 KiB, at least 16,384)",
+                "limit; function: the workspace tmpfs's inode limit (each disk / 16 KiB, at least 16,384); vm: the "
+                "guest's own ext4 on a disk of fixed size, filled first (its 262,144 inodes would take many minutes "
+                "under TCG): the directory cannot grow, ENOSPC, and the host's overlay stays bounded",
         fresh=True, spec={"disk": "64Mi"})
 async def inode_bomb(t: Target) -> None:
+    if t.name == "vm":
+        await fill_vm_disk(t, leave_kib=64)  # a directory of a few thousand names needs more
     res = await probe(t, r"""
 os.makedirs("/workspace/inodes", exist_ok=True)
 n, err = 0, 0
@@ -103,6 +123,8 @@ shutil.rmtree("/workspace/inodes", ignore_errors=True)
 print(json.dumps({"n": n, "err": err}))
 """, timeout=240)  # 25,000 creates take most of a minute in an emulated (TCG) VM
     assert res["err"] in (errno.ENOSPC, errno.EDQUOT), f"created {res['n']} files without hitting a limit: {res}"
+    if t.name == "vm":
+        assert_vm_disk_bounded(t)
 
 
 @attack("fd-bomb", description="open descriptors until the table is full",
@@ -145,10 +167,14 @@ async def output_bomb(t: Target) -> None:
                                             "(6 x 40 MiB into a sandbox with disk=64Mi)",
         models="resource exhaustion: disk bomb that dodges a per-file size limit",
         defence="microvm: the overlay's size; container: the writable layer's tmpfs size; function: the "
-                "workspace is a tmpfs of the disk size (ENOSPC at it, limit=\"disk\")",
+                "workspace is a tmpfs of the disk size (ENOSPC at it, limit=\"disk\"); " + _VM_DISK,
         fresh=True, spec={"disk": "64Mi"})
 async def disk_fill_many_files(t: Target) -> None:
+    if t.name == "vm":
+        await fill_vm_disk(t)
     r = await t.sh("for i in 1 2 3 4 5 6; do head -c 40M /dev/zero > /workspace/f$i || break; done; "
                    "du -sm /workspace | cut -f1; rm -f /workspace/f?", timeout=180)
     total = int(r.stdout.split()[0]) if r.stdout.split() and r.stdout.split()[0].isdigit() else -1
     assert 0 <= total < 128, f"{total} MiB written into a sandbox with disk=64Mi ({r})"
+    if t.name == "vm":
+        assert_vm_disk_bounded(t)

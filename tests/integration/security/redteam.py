@@ -121,6 +121,15 @@ class Target:
     home: Path
     host_marker: Path
     """A path on the host that must never come to exist (attacks aim their payloads at it)."""
+    reference: Mapping[str, str] = field(default_factory=dict)
+    """sha256 of image files as a fresh sandbox saw them, for images whose files the host cannot read (a vm
+    image is a disk); see :meth:`image_sha`."""
+
+    def image_sha(self, path: str) -> str:
+        """sha256 of the image's file ``path`` (relative: ``"etc/passwd"``) as the image ships it."""
+        if path in self.reference:
+            return self.reference[path]
+        return hashlib.sha256((self.image.rootfs / path).read_bytes()).hexdigest()
 
     async def sh(self, command: str | list[str], *, timeout: float = 60.0, **kw: Any) -> ExecResult:
         """Run a command in the attacked sandbox."""
@@ -140,6 +149,15 @@ class Target:
 
 
 # ------------------------------------------------------------------------------------------- arena
+REFERENCE_FILES = ("etc/passwd", "usr/bin/bash", "usr/bin/sha256sum", "usr/bin/python3.11")
+"""Image files the attacks compare against (:meth:`Target.image_sha`)."""
+
+TEMPLATE_SHAPE = {"vm": ("memory", "cpu")}
+"""Spec fields that pick a VM template: a fresh sandbox asking for another value would cold-boot a new template
+(minutes for a full VM under TCG), so the arena leaves them at the shared sandbox's values there; the attacks'
+VM branches assert what the guest's own limits do."""
+
+
 class Arena:
     """One started backend with a shared sandbox for the attacks that do not damage theirs."""
 
@@ -147,6 +165,18 @@ class Arena:
         self.name, self.backend, self.image, self.home = name, backend, image, home
         self._shared: SandboxRecord | None = None
         self._stack = contextlib.AsyncExitStack()
+        self.reference: dict[str, str] = {}
+
+    async def load_reference(self) -> None:
+        """Hash :data:`REFERENCE_FILES` in the shared sandbox before any attack ran (for a vm image, whose
+        files the host cannot read)."""
+        shared = await self.shared()
+        paths = [f"/{f}" for f in REFERENCE_FILES]
+        r = await self.backend.exec(shared, ExecRequest(command=["sha256sum", *paths], timeout=60))
+        assert r.exit_code == 0, f"hashing the image's files failed: {r}"
+        for line in r.stdout.decode().splitlines():
+            digest, path = line.split(maxsplit=1)
+            self.reference[path.lstrip("/")] = digest
 
     async def shared(self) -> SandboxRecord:
         """The shared sandbox, created on first use and re-created if an attack broke it anyway."""
@@ -166,10 +196,12 @@ class Arena:
     async def target(self, item: Attack, host_marker: Path) -> AsyncIterator[Target]:
         """The sandbox ``item`` attacks: its own when it is destructive, else the shared one."""
         if item.fresh:
-            async with sandbox(self.backend, self.image, **item.spec) as record:
-                yield Target(self.name, self.backend, self.image, record, self.home, host_marker)
+            spec = {k: v for k, v in item.spec.items() if k not in TEMPLATE_SHAPE.get(self.name, ())}
+            async with sandbox(self.backend, self.image, **spec) as record:
+                yield Target(self.name, self.backend, self.image, record, self.home, host_marker, self.reference)
         else:
-            yield Target(self.name, self.backend, self.image, await self.shared(), self.home, host_marker)
+            yield Target(self.name, self.backend, self.image, await self.shared(), self.home, host_marker,
+                         self.reference)
 
     async def aclose(self) -> None:
         await self._stack.aclose()
@@ -197,6 +229,18 @@ _KERNEL_KNOBS = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "
 _IMAGE_FILES = ("usr/bin/bash", "usr/bin/python3.11", "usr/bin/sh", "etc/passwd", "etc/shadow")
 
 
+def _image_state(image: ImageRef) -> dict[str, str]:
+    """The image's files as the host keeps them: hashes of a root's files, or for a vm image (a directory of
+    a read-only disk, kernel and initramfs, each GBs to hash) each file's size, mtime and mode."""
+    if (image.rootfs / "usr").is_dir():
+        return {f: _sha(image.rootfs / f) for f in _IMAGE_FILES}
+    out = {}
+    for p in sorted(image.rootfs.iterdir()):
+        st = p.stat()
+        out[p.name] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_mode:o}"
+    return out
+
+
 @dataclass
 class HostState:
     """What the host looks like before an attack; :meth:`assert_unchanged` compares after it."""
@@ -213,7 +257,7 @@ class HostState:
         agents = {str(p): _read(str(p)) for p in Path("/sys/fs/cgroup").glob("*/release_agent")}
         modules = {line.split()[0] for line in _read("/proc/modules").splitlines() if line.strip()}
         return cls(knobs={k: _read(k) for k in _KERNEL_KNOBS}, release_agents=agents, modules=modules,
-                   image_files={f: _sha(image.rootfs / f) for f in _IMAGE_FILES},
+                   image_files=_image_state(image),
                    host_files={f: _sha(Path(f)) for f in ("/etc/passwd", "/etc/shadow", "/usr/bin/bash")},
                    disk_free=shutil.disk_usage("/").free)
 
@@ -334,6 +378,23 @@ async def guest_kernel_is_own(t: Target) -> None:
 
 
 VM_BACKENDS = ("microvm", "vm")
+
+
+async def fill_vm_disk(t: Target, leave_kib: int = 32 * 1024) -> None:
+    """vm: leave only ``leave_kib`` free on the guest's root filesystem, root's reserved blocks included (one
+    fallocate, no data written): a VM's disk is the image's (4 GiB, grown by ``disk=``, never shrunk), so the
+    disk bombs meet its end quickly."""
+    r = await t.sh(f"fallocate -l $(( $(stat -f -c '%f*%S' /) - {leave_kib} * 1024 )) /dsec-fill && "
+                   "echo $(( $(stat -f -c '%f*%S' /) / 1024 ))", timeout=120)
+    assert r.exit_code == 0 and int(r.stdout.split()[-1]) <= leave_kib + 8192, f"could not fill the vm's disk: {r}"
+
+
+def assert_vm_disk_bounded(t: Target) -> None:
+    """vm: the sandbox's disk on the host (a qcow2 overlay of fixed virtual size) holds far less than the
+    guest wrote at it: the guest's filesystem ended the bomb, not the host's."""
+    overlay = Path(t.sb.backend_state["erofs"])
+    allocated = overlay.stat().st_blocks * 512
+    assert allocated < 512 * MiB, f"the vm's overlay on the host holds {allocated // MiB} MiB"
 
 
 def expect_errno(t: Target, what: str, got: int, want: Mapping[str, int | tuple[int, ...]]) -> None:

@@ -33,7 +33,9 @@ ATTACK_TIMEOUT = 240.0
 
 
 def _backend_params() -> list[object]:
-    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow], "vm": [pytest.mark.vm, pytest.mark.slow]}
+    # vm: the first attack also waits for the session's template cold boot (minutes under TCG, as in test_vm.py)
+    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow],
+             "vm": [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]}
     return [pytest.param(name, marks=marks.get(name, []), id=name) for name in BACKENDS]
 
 
@@ -56,13 +58,27 @@ def _make_backend(name: str, home: Path) -> Backend:
         except DSecError as e:
             missing(str(e))
         return MicroVMBackend(settings)
+    if name == "vm":
+        from dsec.backends.vm import VMBackend
+        from dsec.guest.vmimage import find_vm_image
+
+        try:
+            find_vm_image(VM_IMAGE)
+        except DSecError as e:
+            missing(str(e))
+        return VMBackend(settings)
     pytest.skip(NOT_BUILT.format(name))
     raise AssertionError("unreachable")
 
 
-def _qemu_pids(home: Path) -> list[int]:
-    from container_support import home_tag
+VM_IMAGE = "debian-desktop"
+"""The vm backend's image (built by scripts/setup; tests/backends/test_vm.py runs it too, on the same template)."""
 
+
+def _qemu_pids(backend: Backend) -> list[int]:
+    run_root = getattr(backend, "run_root", None)
+    if run_root is None:
+        return []
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -70,21 +86,28 @@ def _qemu_pids(home: Path) -> list[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"qemu-system" in cmdline and f"/run/dsec-vm/{home_tag(home)}/".encode() in cmdline:
+            if b"qemu-system" in cmdline and f"{run_root}/".encode() in cmdline:
                 found.append(int(proc.name))
     return found
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=_backend_params())
-async def arena(request: pytest.FixtureRequest, debian_python_image: ImageRef) -> AsyncIterator[Arena]:
+async def arena(request: pytest.FixtureRequest) -> AsyncIterator[Arena]:
     """A started backend of one kind with a lazily created shared sandbox; nothing of it survives."""
     name: str = request.param
-    home = short_home(f"dsec-rt-{name[:3]}-")
+    # vm: the session's vm home, whose template tests/backends/test_vm.py shares (one cold boot per session)
+    home = request.getfixturevalue("vm_home") if name == "vm" else short_home(f"dsec-rt-{name[:3]}-")
     try:
         backend = _make_backend(name, home)
         await backend.start()
-        ring = Arena(name, backend, debian_python_image, home)
+        # vm: its own disk image; the others: debian-python from the store (requested only here, so a vm-only
+        # run never mounts it)
+        image = backend.resolve_image(VM_IMAGE) if name == "vm" else request.getfixturevalue("debian_python_image")
+        assert isinstance(image, ImageRef)
+        ring = Arena(name, backend, image, home)
         try:
+            if name == "vm":
+                await ring.load_reference()
             yield ring
         finally:
             try:
@@ -94,14 +117,15 @@ async def arena(request: pytest.FixtureRequest, debian_python_image: ImageRef) -
                 await backend.aclose()
                 if name == "container":
                     removed += await sweep(home, images_dir())
-                for pid in _qemu_pids(home):
+                for pid in _qemu_pids(backend):
                     os.kill(pid, signal.SIGKILL)
                     removed.append(f"qemu {pid}")
                 left = fn_leftovers(home) if name == "function" else {}
             assert [r for r in removed if r.startswith(("sb-", "qemu"))] == [], f"arena leaked: {removed}"
             assert not any(left.values()), f"arena leaked: {left}"
     finally:
-        shutil.rmtree(home, ignore_errors=True)
+        if name != "vm":
+            shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.mark.asyncio(loop_scope="module")
