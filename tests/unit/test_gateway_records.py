@@ -94,6 +94,10 @@ async def test_create_answers_before_the_commit_and_stamps_the_job(nodes: list[D
             assert ("put", (info["id"], "j1", "running")) in writer.submitted
             assert not [w for w in writer.waited if w[0] == "put"], "the create waited for its commit"
             assert g.placer.job("j1").live == 1
+            # The fast path sits inside the job guard: no token, no create and no exec.
+            assert (await c.post("/v1/sandboxes", json={"image": "tiny"})).status_code == 401
+            refused = await c.post(f"/v1/sandboxes/{info['id']}/exec/result", json={"command": ["true"]})
+            assert refused.status_code == 401, refused.text
             assert (await c.delete(f"/v1/sandboxes/{info['id']}", headers=job)).status_code == 204
             assert writer.submitted[-1] == ("delete", info["id"]) and g.placer.job("j1").live == 0
     finally:

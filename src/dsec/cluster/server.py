@@ -102,7 +102,7 @@ class _JobGuard:
 
 def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
     """The node API served over the gateway engine, behind job authentication."""
-    app = create_app(engine)
+    app = create_app(engine, guarded_outside=True)
     app.title = "DSec cluster gateway API"
     app.add_middleware(_JobGuard, jobs=jobs)
     return app

@@ -294,11 +294,12 @@ class _NodeAPI(FastAPI):
 
 
 def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
-               tokens: TokenFile | None = None) -> FastAPI:
+               tokens: TokenFile | None = None, guarded_outside: bool = False) -> FastAPI:
     """The node's FastAPI app over ``engine`` (a node's, or the cluster gateway's, which has the same
     methods); with ``token`` (admin) or ``tokens`` (the token file), every route but ``GET /v1/health``
     needs a token (see :mod:`dsec.daemon.auth` for scopes, rate limits and the sandbox-scoped tokens of
-    cluster mode)."""
+    cluster mode). ``guarded_outside``: the caller adds its own guard middleware (the gateway's job
+    guard), so the fast path must sit inside the middleware stack too, never in front of it."""
     app = _NodeAPI(
         title="DSec node API",
         version=dsec_version(),
@@ -569,10 +570,11 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
 
     mount_ui(app)
     _add_error_schema(app)
-    if token is not None or tokens is not None:
+    if token is not None or tokens is not None or guarded_outside:
         app.add_middleware(FastPath, engine=engine)  # added first: the token guard wraps it
-        app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
-    else:
+        if token is not None or tokens is not None:
+            app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=engine.owner_labels)
+    else:  # nothing guards the app (the node's unix socket): the fast path goes in front of the whole stack
         app.exec_fast_path = FastPath(app.full_stack, engine)
     return app
 
