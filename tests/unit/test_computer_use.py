@@ -11,12 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
+from test_app import client_for
 
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import _combo as combo
 from dsec.backends.vm import key_chunks, keys_for_text
 from dsec.config import Settings
-from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
 from dsec.models import SandboxRecord
@@ -92,8 +92,7 @@ async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, DisplayBackend]]
 
 @pytest.fixture
 async def client(engine: tuple[Engine, DisplayBackend]) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(engine[0], None)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec") as c:
+    async with client_for(engine[0]) as c:
         yield c
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_app import client_for
 
 from dsec.config import Settings
-from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
 from dsec.models import SandboxRecord
 from dsec.testing.fake import FakeBackend, FakeImages
@@ -43,8 +43,7 @@ async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, HidingBackend]]:
 
 @pytest.fixture
 async def client(engine: tuple[Engine, HidingBackend]) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(engine[0], None)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec") as c:
+    async with client_for(engine[0]) as c:
         yield c
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.isolation.procs import read_small
+
 __all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters",
            "Limits", "cgroup_mode", "v2_controllers_in_hybrid"]
 
@@ -96,19 +98,10 @@ def _read_int(path: Path, default: int = 0) -> int:
 
 
 def _read_kv(path: Path | str) -> dict[str, int]:
-    # A bare open/read/close: these counters are read around every exec, and a text file object costs
-    # four more syscalls (fstat, ioctl, lseek, a second read) per read.
     out: dict[str, int] = {}
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    data = read_small(str(path), 65536)  # read around every exec: a bare open/read/close
+    if data is None:
         return out
-    try:
-        data = os.read(fd, 65536)
-    except OSError:
-        return out
-    finally:
-        os.close(fd)
     for line in data.decode(errors="replace").splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[1].lstrip("-").isdigit():
