@@ -455,3 +455,12 @@ async def test_engine_raises_and_restores_host_limits(tmp_path: Path) -> None:
     assert (tmp_path / "sys/kernel/pid_max").read_text() == "65536\n"
     await eng.aclose()
     assert (tmp_path / "sys/kernel/pid_max").read_text() == "32768\n"
+
+
+async def test_a_pool_larger_than_one_fill_wave_fills_completely(engine: Engine) -> None:
+    """Each finished fill leaves ``filling`` before it wakes the refill task: a pass that saw it still
+    "filling" started no replacement, and a 16-member pool stalled at 15 with nothing filling."""
+    engine.pools.declare(PoolConfig(image="base", min=16, max=32))
+    await engine.pools.wait_filled(20)
+    stats = engine.statistics().pools[0]
+    assert stats.ready == 16 and stats.filling == 0, stats

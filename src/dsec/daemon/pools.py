@@ -259,6 +259,17 @@ class Pools:
 
     async def _fill_one(self, pool: _Pool) -> None:
         try:
+            await self._make_member(pool)
+        finally:
+            # Out of ``filling`` before the wake-up: a pass that ran first (the task's done-callbacks come
+            # after the woken refill task) would count this finished fill as running and start no new one.
+            task = asyncio.current_task()
+            if task is not None:
+                pool.filling.discard(task)
+            self._wake.set()
+
+    async def _make_member(self, pool: _Pool) -> None:
+        try:
             record = await self._host.create_member(pool.member_spec())
         except asyncio.CancelledError:
             raise
@@ -269,8 +280,7 @@ class Pools:
             # Back off (0.5 s doubling to 30 s): a broken image must not turn into a create storm.
             pool.retry_at = time.monotonic() + min(30.0, 0.5 * 2 ** (pool.consecutive_failures - 1))
             log.warning("pool %s: refill failed: %s", pool.key, pool.last_error)
-            self._wake.set()  # a pass that schedules the retry once the back-off ends
-            return
+            return  # the wake-up's pass schedules the retry once the back-off ends
         pool.consecutive_failures = 0
         pool.created += 1
         if self._pools.get(pool.key) is not pool or self._task is None:
@@ -278,4 +288,3 @@ class Pools:
             return
         pool.ready.append(record)
         self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
-        self._wake.set()
