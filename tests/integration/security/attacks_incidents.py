@@ -123,7 +123,9 @@ print(json.dumps(out))
         models="incident: agents overwrote /bin/bash to subvert later checks",
         defence="container, microvm: writes land in the sandbox's own writable layer (the image and every other "
                 "sandbox keep the real binary); function: the root is read-only (EROFS)",
-        fresh=True)
+        fresh=True,
+        open_gaps={"vm": "in a full VM /bin/bash is in use by the guest's own processes (ETXTBSY): the attack's "
+                          "expectation of a copy-up layer does not fit a VM's ext4 root; not reworked yet"})
 async def overwrite_bin_bash(t: Target) -> None:
     real = t.image_sha("usr/bin/bash")
     r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
@@ -171,7 +173,9 @@ print(json.dumps(out))
                                            "kcore, kmsg directly",
         models="incident: a recursive grep through /proc crashed the host kernel (/proc/kpagecgroup)",
         defence="container, function: the kernel-wide files are masked (empty or refused) and the sandbox sees "
-                "only its own pid namespace; microvm: the guest's own kernel")
+                "only its own pid namespace; microvm: the guest's own kernel",
+        open_gaps={"vm": "the desktop guest panicked ('System is deadlocked on memory') during the grep in the "
+                          "clean-clone CI of stop 15: the host was unaffected, the VM died; not investigated yet"})
 async def proc_recursive_grep(t: Target) -> None:
     r = await t.sh("timeout -s KILL 30 grep -rsa -D skip dsec-no-such-needle /proc >/dev/null 2>&1; echo rc=$?",
                    timeout=90)

@@ -68,7 +68,9 @@ print(json.dumps({"count": count, "err": err}))
         defence="container, function: the memory cgroup OOM-kills the command (limit='memory'); microvm: the "
                 "guest's RAM is the limit (its own OOM killer); vm: the same, at the template's memory (1 GiB: "
                 "another size would boot another template)",
-        fresh=True, spec={"memory": "128Mi"})
+        fresh=True, spec={"memory": "128Mi"},
+        open_gaps={"vm": "the desktop guest panics ('System is deadlocked on memory') instead of OOM-killing the "
+                          "bomb: the host is unaffected but the sandbox dies; the guest needs oom/panic settings"})
 async def memory_bomb(t: Target) -> None:
     r = await t.sh(["python3", "-c", "b = []\nwhile len(b) < 4096: b.append(bytearray(1 << 20))\nprint('survived')"],
                    timeout=120)
@@ -104,7 +106,9 @@ async def disk_fill(t: Target) -> None:
                 "limit; function: the workspace tmpfs's inode limit (each disk / 16 KiB, at least 16,384); vm: the "
                 "guest's own ext4 on a disk of fixed size, filled first (its 262,144 inodes would take many minutes "
                 "under TCG): the directory cannot grow, ENOSPC, and the host's overlay stays bounded",
-        fresh=True, spec={"disk": "64Mi"})
+        fresh=True, spec={"disk": "64Mi"},
+        open_gaps={"vm": "filling the guest disk first (fallocate) already hit ENOSPC in the clean-clone CI of stop "
+                          "15, so the attack could not be set up; not reworked yet"})
 async def inode_bomb(t: Target) -> None:
     if t.name == "vm":
         await fill_vm_disk(t, leave_kib=64)  # a directory of a few thousand names needs more

@@ -137,7 +137,7 @@ async def test_attack(arena: Arena, attack_id: str, request: pytest.FixtureReque
         pytest.skip(f"not applicable: {reason}")
     gap = item.open_gaps.get(arena.name)
     if gap:
-        request.applymarker(pytest.mark.xfail(reason=f"open gap: {gap}", strict=True))
+        request.applymarker(pytest.mark.xfail(reason=f"open gap: {gap}", strict=False))
     marker = new_host_marker()
     try:
         async with arena.target(item, marker) as target:
