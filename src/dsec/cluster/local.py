@@ -239,6 +239,10 @@ async def sweep_home(home: Path, images: Path) -> list[str]:
     settings = Settings(home=home, images_dir=images)
     removed: list[str] = []
     for backend in (FunctionBackend(settings), ContainerBackend(settings), MicroVMBackend(settings)):
+        if isinstance(backend, ContainerBackend) and (home / "container").is_dir():
+            # started, it adopts the home's mount holder (which outlives a killed daemon) and ends it at close
+            with contextlib.suppress(Exception):
+                await backend.start()
         with contextlib.suppress(Exception):
             removed += await backend.cleanup_orphans(set())
         with contextlib.suppress(Exception):
