@@ -118,6 +118,26 @@ async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dse
         await sb.close()
 
 
+async def test_a_diverging_files_call_branches_and_is_sent_on_the_branch(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/files-branch", client=client)
+    try:
+        await sb.files.write("/work/notes.txt", "base\n")
+        await sb.files.write("/work/notes.txt", "agent a\n")
+        other = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/files-branch", on_divergence="fork",
+                                               rerun_missing=True, client=client)
+        await other.files.write("/work/notes.txt", "base\n")  # call 0 matches: replayed
+        assert other.id == sb.id
+        await other.files.write("/work/notes.txt", "agent b\n")  # call 1 differs: the handle branches, then writes
+        assert other.id != sb.id
+        assert await other.files.read("/work/notes.txt") == b"agent b\n"
+        info = await other.info()
+        assert info.trajectory is not None and info.trajectory.fork_point == 1 and info.trajectory.calls == 3
+        assert await sb.files.read("/work/notes.txt") == b"agent a\n"  # the original is untouched
+        await other.close()
+    finally:
+        await sb.close()
+
+
 async def test_unknown_divergence_policy_is_refused(client: dsec.Client) -> None:
     with pytest.raises(dsec.InvalidRequest, match="on_divergence"):
         await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/p", on_divergence="ignore", client=client)

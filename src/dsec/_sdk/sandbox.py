@@ -103,53 +103,26 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
 
-    def _path(self) -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/files"
-
     async def write(self, path: str, data: bytes | str, mode: int | None = None) -> None:
         """Create or replace ``path`` (parents created); ``str`` data is written as UTF-8."""
         body = data.encode() if isinstance(data, str) else bytes(data)
         params: dict[str, Any] = {"path": path}
         if mode is not None:
             params["mode"] = format(mode, "o")  # the API takes octal text, like chmod
-        hit, _ = await self._sandbox._logged(params, "write", {"path": path, "mode": mode, "data": body})
-        if hit:
-            return
-        try:
-            await self._sandbox._node_request("PUT", self._path(), params=params, content=body)
-        except ReplayDivergence as exc:
-            if not await self._sandbox._branch(exc):
-                raise
-            await self.write(path, data, mode)
+        await self._sandbox._logged_call("write", {"path": path, "mode": mode, "data": body},
+                                         "PUT", "/files", params, content=body)
 
     async def read(self, path: str) -> bytes:
         """The whole content of the regular file ``path``."""
-        params: dict[str, Any] = {"path": path}
-        hit, cached = await self._sandbox._logged(params, "read", {"path": path})
-        if hit:
-            return bytes(cached)
-        try:
-            response = await self._sandbox._node_request("GET", self._path(), params=params)
-        except ReplayDivergence as exc:
-            if not await self._sandbox._branch(exc):
-                raise
-            return await self.read(path)
-        return response.content
+        hit, answer = await self._sandbox._logged_call("read", {"path": path}, "GET", "/files", {"path": path})
+        return bytes(answer) if hit else answer.content
 
     async def list(self, path: str | None = None) -> builtins.list[FileEntry]:
         """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
         where = path if path is not None else self._sandbox._info.spec.workdir
-        params: dict[str, Any] = {"path": where}
-        hit, cached = await self._sandbox._logged(params, "list", {"path": where})
-        if hit:
-            return builtins.list(cached)
-        try:
-            response = await self._sandbox._node_request("GET", self._path() + "/list", params=params)
-        except ReplayDivergence as exc:
-            if not await self._sandbox._branch(exc):
-                raise
-            return await self.list(path)
-        return [FileEntry.model_validate(item) for item in response.json()]
+        hit, answer = await self._sandbox._logged_call("list", {"path": where}, "GET", "/files/list",
+                                                       {"path": where})
+        return builtins.list(answer) if hit else [FileEntry.model_validate(item) for item in answer.json()]
 
     async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
         """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
@@ -239,6 +212,24 @@ class AsyncSandbox:
         if seq >= self._cursor.logged:
             return False, None
         return await self._cursor.cached(seq, op, args() if callable(args) else args)
+
+    async def _logged_call(
+        self, op: str, args: dict[str, Any], method: str, route: str, params: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> tuple[bool, Any]:
+        """A logged data-plane call: ``(True, the logged answer)`` when the log answers it, else ``(False, the
+        node's response)``; ``route`` is the path below the sandbox's. A divergence moves the handle onto a
+        branch (``on_divergence="fork"``, a sandbox of its own), where the call is numbered and sent again."""
+        while True:
+            numbered = dict(params or {})
+            hit, cached = await self._logged(numbered, op, args)
+            if hit:
+                return True, cached
+            try:
+                return False, await self._node_request(method, f"/v1/sandboxes/{self.id}{route}", params=numbered, **kw)
+            except ReplayDivergence as exc:
+                if not await self._branch(exc):
+                    raise
 
     def _auth(self) -> tuple[Client, dict[str, str] | None]:
         endpoint = self._info.endpoint
@@ -407,17 +398,9 @@ class AsyncSandbox:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
         grading phase begins (container, function and microvm backends). On a trajectory it is a logged
         call (replayed from the log when fast-forwarding, re-run on a rebuilt sandbox)."""
-        params: dict[str, Any] = {}
-        hit, _ = await self._logged(params, "reveal", {})
-        if hit:
-            return self._info
-        try:
-            response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/reveal", params=params)
-        except ReplayDivergence as exc:
-            if not await self._branch(exc):
-                raise
-            return await self.reveal()
-        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
+        hit, answer = await self._logged_call("reveal", {}, "POST", "/reveal")
+        if not hit:
+            self._info = self._keep_endpoint(SandboxInfo.model_validate(answer.json()))
         return self._info
 
     async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
@@ -436,17 +419,8 @@ class AsyncSandbox:
     async def screenshot(self) -> bytes:
         """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported). On a trajectory it
         is a logged call (replayed from the log when fast-forwarding)."""
-        params: dict[str, Any] = {}
-        hit, cached = await self._logged(params, "screenshot", {})
-        if hit:
-            return bytes(cached)
-        try:
-            response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/screenshot", params=params)
-        except ReplayDivergence as exc:
-            if not await self._branch(exc):
-                raise
-            return await self.screenshot()
-        return response.content
+        hit, answer = await self._logged_call("screenshot", {}, "GET", "/screenshot")
+        return bytes(answer) if hit else answer.content
 
     async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> None:
         """Move the pointer to pixel (``x``, ``y``) of the display, then act: ``"click"``, ``"double_click"``,
@@ -468,16 +442,7 @@ class AsyncSandbox:
         await self._input("keyboard", request.model_dump(mode="json", exclude_none=True))
 
     async def _input(self, op: str, body: dict[str, Any]) -> None:
-        params: dict[str, Any] = {}
-        hit, _ = await self._logged(params, op, body)
-        if hit:
-            return
-        try:
-            await self._node_request("POST", f"/v1/sandboxes/{self.id}/{op}", params=params, json=body)
-        except ReplayDivergence as exc:
-            if not await self._branch(exc):
-                raise
-            await self._input(op, body)
+        await self._logged_call(op, body, "POST", f"/{op}", json=body)
 
     async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
         response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
@@ -487,22 +452,16 @@ class AsyncSandbox:
     async def snapshot(self) -> str:
         """Save the sandbox's writable state; the id restores it with ``create(snapshot=...)``, on this
         node or on another sharing the snapshot store. On a trajectory it is also the latest checkpoint."""
-        params: dict[str, Any] = {}
-        hit, cached = await self._logged(params, "snapshot", {})
-        if hit:
-            return str(cached)
         try:
-            response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/snapshot", params=params)
-        except ReplayDivergence as exc:
-            if not await self._branch(exc):
-                raise
-            return await self.snapshot()
+            hit, answer = await self._logged_call("snapshot", {}, "POST", "/snapshot")
         except DSecError as exc:
             if type(exc) is DSecError:
                 # A daemon without the route answers a bare 404/405, not a DSec error payload.
                 raise NotSupported("this daemon cannot snapshot sandboxes yet") from exc
             raise
-        body = response.json()
+        if hit:
+            return str(answer)
+        body = answer.json()
         return str(body["snapshot"] if isinstance(body, dict) else body)
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
