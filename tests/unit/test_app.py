@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openapi_spec_validator import validate
+from test_engine import started
 
 from dsec.config import Settings
 from dsec.daemon.app import create_app
@@ -31,14 +32,9 @@ class BrokenStreamBackend(FakeBackend):
 
 @pytest.fixture
 async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
-    eng = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake")},
-                 FakeImages())
-    await eng.start()
-    try:
+    async with started(Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake")},
+                              FakeImages())) as eng:
         yield eng
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 def client_for(engine: Engine, token: str | None = None, **kwargs: int) -> httpx.AsyncClient:

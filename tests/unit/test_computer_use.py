@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from test_app import client_for
+from test_engine import started
 
 from dsec.backends.base import ImageRef
 from dsec.backends.vm import _combo as combo
@@ -80,14 +81,9 @@ def test_key_combos() -> None:
 @pytest.fixture
 async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, DisplayBackend]]:
     vm = DisplayBackend(tmp_path / "vm")
-    eng = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "fake"), "vm": vm},
-                 FakeImages())
-    await eng.start()
-    try:
+    async with started(Engine(Settings(home=tmp_path / "home"),
+                              {"container": FakeBackend(root=tmp_path / "fake"), "vm": vm}, FakeImages())) as eng:
         yield eng, vm
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 @pytest.fixture

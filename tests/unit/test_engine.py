@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,15 +52,21 @@ def make_engine(tmp_path: Path, backend: FakeBackend | None = None, **kwargs: fl
     return Engine(settings, {"container": fake}, FakeImages(), **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
-    eng = make_engine(tmp_path, reaper_interval=0.05)
+@contextlib.asynccontextmanager
+async def started(eng: Engine) -> AsyncIterator[Engine]:
+    """``eng`` started; on the way out its sandboxes are destroyed and it is closed."""
     await eng.start()
     try:
         yield eng
     finally:
         await eng.destroy_all()
         await eng.aclose()
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
+    async with started(make_engine(tmp_path, reaper_interval=0.05)) as eng:
+        yield eng
 
 
 def fake_of(engine: Engine) -> FakeBackend:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_engine import fake_of, make_engine, record_files
+from test_engine import fake_of, make_engine, record_files, started
 
 from container_support import await_until
 from dsec.daemon import engine as engine_module
@@ -30,12 +30,8 @@ SHAPE = SandboxSpec(image="base", memory="512Mi")
 async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
     eng = make_engine(tmp_path, reaper_interval=0.05)
     eng.pools.interval = 0.01
-    await eng.start()
-    try:
+    async with started(eng):
         yield eng
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 def test_pool_config_parse() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_app import client_for
+from test_engine import started
 
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
@@ -32,13 +33,8 @@ class HidingBackend(FakeBackend):
 @pytest.fixture
 async def engine(tmp_path: Path) -> AsyncIterator[tuple[Engine, HidingBackend]]:
     backend = HidingBackend(tmp_path / "fake")
-    eng = Engine(Settings(home=tmp_path / "home"), {"container": backend}, FakeImages())
-    await eng.start()
-    try:
+    async with started(Engine(Settings(home=tmp_path / "home"), {"container": backend}, FakeImages())) as eng:
         yield eng, backend
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 @pytest.fixture
