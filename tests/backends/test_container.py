@@ -30,7 +30,7 @@ from container_support import (
 from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
-from dsec.errors import DSecError
+from dsec.errors import DSecError, InvalidRequest
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
@@ -259,6 +259,21 @@ def _rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+async def test_large_environment_passes_and_an_oversized_one_is_refused(backend: ContainerBackend,
+                                                                        debian_python_image: ImageRef) -> None:
+    async with sandbox(backend, debian_python_image) as sb:
+        # 600 KiB of environment: past the default socket send buffer (~208 KiB) the helper's request
+        # needs a larger one; each value stays under the kernel's 128 KiB per string.
+        env = {f"BIG{i}": chr(ord("a") + i) * (100 * 1024) for i in range(6)}
+        r = await run(backend, sb, 'printf %s "$BIG5" | wc -c', env=env)
+        assert (r.exit_code, r.stdout.strip()) == (0, str(100 * 1024).encode()), r
+        huge = {f"HUGE{i}": "x" * (100 * 1024) for i in range(12)}  # 1.2 MiB: over the helper's request limit
+        with pytest.raises(InvalidRequest, match="at most 1048576"):
+            await run(backend, sb, "true", env=huge)
+        r = await run(backend, sb, "echo still")  # the node's exec helper is alive and serves the next call
+        assert r.stdout == b"still\n", r
 
 
 async def test_stalled_consumer_neither_buffers_nor_outlives_limits(backend: ContainerBackend,

@@ -38,6 +38,8 @@ _DRAIN_AFTER_EXIT_S = 0.2
 _DRAIN_MAX_S = 2.0
 # Output waiting for a slow consumer; past it the pipes are paused (the command blocks on write).
 _MAX_QUEUED = 4 * 1024 * 1024
+# Messages to a helper or zygote up to this size fit any default socket send buffer.
+_SMALL_MESSAGE = 128 * 1024
 
 
 @dataclass
@@ -119,6 +121,14 @@ class ExecHelper:
 def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
     """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
     (stdin, stdout, stderr, status) attached; returns our ends, non-blocking."""
+    if len(message) > nsexec.MAX_MESSAGE:
+        # A peer reads at most this much per command; the kernel's exec takes at most 2 MiB of arguments
+        # and environment (ARG_MAX with the usual 8 MiB stack) and 128 KiB per string anyway.
+        raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
+                             f"bytes; at most {nsexec.MAX_MESSAGE} are accepted", size=len(message))
+    if len(message) > _SMALL_MESSAGE:
+        # Past the default send buffer (wmem_default, ~208 KiB) a datagram is refused with EMSGSIZE.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nsexec.MAX_MESSAGE + 64 * 1024)
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])

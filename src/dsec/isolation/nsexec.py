@@ -139,7 +139,7 @@ class Helper:
                     os.close(status)
                     continue
                 try:
-                    size, ancdata, _, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(4 * fd_size))
+                    size, ancdata, flags, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(4 * fd_size))
                 except InterruptedError:
                     continue
                 data = bytes(memoryview(buffer)[:size])
@@ -156,7 +156,18 @@ class Helper:
                     for fd in fds:
                         os.close(fd)
                     continue
-                spawned = self.spawn(json.loads(data), fds)
+                try:
+                    if flags & socket.MSG_TRUNC:
+                        raise ValueError(f"the request is larger than {MAX_MESSAGE} bytes")
+                    request = json.loads(data)
+                except ValueError as e:
+                    # The daemon refuses such requests before sending; a helper that died on one would take
+                    # every running command's status reports with it.
+                    _report(fds[3], f"error request: {e}")
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                spawned = self.spawn(request, fds)
                 for fd in fds[:3]:
                     os.close(fd)
                 if spawned is None:
