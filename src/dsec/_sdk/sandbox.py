@@ -283,6 +283,9 @@ class AsyncSandbox:
         lease: float = 1800,
         rerun_missing: bool = False,
         on_divergence: str = "raise",
+        protected: Sequence[str] = (),
+        hidden: Sequence[str] = (),
+        landlock: bool = True,
     ) -> AsyncSandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -300,7 +303,8 @@ class AsyncSandbox:
             image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
-            lease=lease, rerun_missing=rerun_missing,
+            lease=lease, rerun_missing=rerun_missing, protected=list(protected), hidden=list(hidden),
+            landlock=landlock,
         )
         client = client or default_client()
         # no read timeout: a create may take minutes (a vm template's first boot under TCG, an image pull);
@@ -340,12 +344,16 @@ class AsyncSandbox:
         snapshot: str | None = None,
         pids: int = 1024,
         client: Client | None = None,
+        protected: Sequence[str] = (),
+        hidden: Sequence[str] = (),
+        landlock: bool = True,
     ) -> builtins.list[AsyncSandbox]:
         """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
         spec = _spec(
             image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
+            protected=list(protected), hidden=list(hidden), landlock=landlock,
         )
         try:
             batch = BatchCreateRequest(count=n, spec=spec)

@@ -49,6 +49,9 @@ class Sandbox:
         lease: float = ...,
         rerun_missing: bool = ...,
         on_divergence: str = ...,
+        protected: Sequence[str] = ...,
+        hidden: Sequence[str] = ...,
+        landlock: bool = ...,
     ) -> Sandbox: ...
     @classmethod
     def create_many(
@@ -68,6 +71,9 @@ class Sandbox:
         snapshot: str | None = ...,
         pids: int = ...,
         client: Client | None = ...,
+        protected: Sequence[str] = ...,
+        hidden: Sequence[str] = ...,
+        landlock: bool = ...,
     ) -> builtins.list[Sandbox]: ...
     @classmethod
     def connect(cls, sandbox_id: str, client: Client | None = ...) -> Sandbox: ...

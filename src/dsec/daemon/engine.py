@@ -552,10 +552,12 @@ class Engine:
         """
         name = spec.backend
         layers: builtins.list[str] = []
+        revealed: builtins.list[str] = []
         try:
             backend = self._backend(name)
             if snapshot is not None:
                 meta = await asyncio.to_thread(self.snapshots.meta, snapshot)
+                revealed = list(meta.get("revealed", []))
                 if meta.get("backend") != name:
                     raise InvalidRequest(f"snapshot {snapshot} was taken on backend {meta.get('backend')!r}; "
                                          f"it cannot be restored on {name!r}")
@@ -602,6 +604,10 @@ class Engine:
                 started = time.monotonic()
                 if snapshot is not None:
                     await backend.restore(record, image, roots)
+                    if record.backend_state.get("hidden") and set(record.spec.hidden) <= set(revealed):
+                        # Taken in the grading phase: what was revealed then is visible in the copy too
+                        # (a trajectory rebuilt from a checkpoint after its reveal must not hide it again).
+                        await backend.reveal(record)
                 else:
                     await backend.create(record, image)
         except BaseException as exc:
@@ -1020,7 +1026,9 @@ class Engine:
             raise
         meta = {"image": record.spec.image, "backend": record.spec.backend, "source": record.id,
                 "uid_shift": record.backend_state.get("uid_shift", 0), "ephemeral": ephemeral,
-                "spec": record.spec.model_dump(mode="json")}
+                "spec": record.spec.model_dump(mode="json"),
+                # hidden paths already revealed: a restore reveals them again
+                "revealed": [] if record.backend_state.get("hidden") else list(record.spec.hidden)}
         below = record.layers if backend.layered else []
         await asyncio.to_thread(self.snapshots.publish, snap_id, work, meta, below)
         log.info("sandbox %s: snapshot %s taken", record.id, snap_id)

@@ -372,6 +372,33 @@ def test_lost_trajectory_sandbox_is_rebuilt_from_its_checkpoint(daemon: Daemon) 
         again.close()
 
 
+def test_checkpoint_taken_after_a_reveal_rebuilds_revealed(daemon: Daemon) -> None:
+    name = "job-3/graded"
+    sb = dsec.Sandbox.create(image="debian-python", trajectory=name, hidden=["/workspace/tests"],
+                             protected=["/usr/bin"], client=daemon.client)
+    sb.files.write("/workspace/tests/test_a.py", "assert True\n")
+    assert sb.exec("ls /workspace/tests").stdout == b""  # hidden while the agent works
+    sb.reveal()
+    checkpoint = sb.snapshot()
+    sb.close()  # lost after its checkpoint
+
+    again = dsec.Sandbox.create(image="debian-python", trajectory=name, hidden=["/workspace/tests"],
+                                protected=["/usr/bin"], client=daemon.client)
+    try:
+        status = again.info().trajectory
+        assert again.id != sb.id and status is not None and status.restored_from == checkpoint
+        again.files.write("/workspace/tests/test_a.py", "assert True\n")  # replayed from the log
+        again.exec("ls /workspace/tests")
+        again.reveal()
+        assert again.snapshot() == checkpoint
+        # Live: the rebuilt sandbox is in the grading phase, as the checkpoint was (not hidden again).
+        r = again.exec("cat /workspace/tests/test_a.py; echo x > /workspace/tests/new; echo $?; touch /usr/bin/x")
+        assert r.stdout.startswith(b"assert True\n") and r.stdout.splitlines()[1] != b"0", r
+        assert b"Read-only file system" in r.stderr, r
+    finally:
+        again.close()
+
+
 def test_client_killed_mid_command_reissue_waits_for_the_same_run(daemon: Daemon) -> None:
     script = textwrap.dedent('''
         import sys, dsec
