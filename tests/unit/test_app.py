@@ -153,19 +153,13 @@ async def test_exec_streams_ndjson_events(client: httpx.AsyncClient, engine: Eng
 
 
 async def test_exception_inside_stream_becomes_error_event(tmp_path: Path) -> None:
-    eng = Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
-                 FakeImages())
-    await eng.start()
-    try:
-        async with client_for(eng) as c:
-            sid = await new_sandbox(c)
-            evs = events(await c.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}))
+    async with started(Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
+                              FakeImages())) as eng, client_for(eng) as c:
+        sid = await new_sandbox(c)
+        evs = events(await c.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}))
         assert [e["type"] for e in evs] == ["stdout", "error"]
         assert evs[-1]["error"] == {"type": "SandboxError", "message": "init died", "detail": {}}
         assert eng.metrics.value("dsec_exec_total", backend="container", outcome="error") == 1
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, engine: Engine) -> None:
@@ -242,19 +236,13 @@ async def test_create_fast_path_serves_creates_and_hands_bad_ones_to_the_route(c
 
 
 async def test_exception_inside_one_response_exec_is_a_sandbox_error(tmp_path: Path) -> None:
-    eng = Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
-                 FakeImages())
-    await eng.start()
-    try:
-        async with client_for(eng) as c:
-            sid = await new_sandbox(c)
-            r = await c.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true"})
+    async with started(Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
+                              FakeImages())) as eng, client_for(eng) as c:
+        sid = await new_sandbox(c)
+        r = await c.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true"})
         assert r.status_code == 500
         assert r.json() == {"error": {"type": "SandboxError", "message": "init died", "detail": {}}}
         assert eng.metrics.value("dsec_exec_total", backend="container", outcome="error") == 1
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 async def test_file_round_trip_with_binary_data(client: httpx.AsyncClient) -> None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from test_engine import started
 
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
@@ -28,13 +29,8 @@ def make_engine(tmp_path: Path, fake: FakeBackend | None = None) -> Engine:
 
 @pytest.fixture
 async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
-    eng = make_engine(tmp_path)
-    await eng.start()
-    try:
+    async with started(make_engine(tmp_path)) as eng:
         yield eng
-    finally:
-        await eng.destroy_all()
-        await eng.aclose()
 
 
 def spec(name: str = "job-17/rollout-3", **kw: object) -> SandboxSpec:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import importlib
 import importlib.metadata
 import logging
 import secrets
@@ -91,6 +92,13 @@ IMAGE_CACHE_REPORT_AGE = 5.0
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
+_BACKENDS = {
+    "container": ("dsec.backends.container", "ContainerBackend"),
+    "microvm": ("dsec.backends.microvm", "MicroVMBackend"),
+    "vm": ("dsec.backends.vm", "VMBackend"),
+    "function": ("dsec.backends.function", "FunctionBackend"),
+}
+"""The backends a node loads (module, class); one that fails to import or construct is reported unavailable."""
 SAMPLE_SECONDS = 5.0
 """How often the engine samples its counters for the overview's history."""
 HISTORY_SECONDS = 1800.0
@@ -225,30 +233,12 @@ class Engine:
         images = cls.default_images(settings)
         backends: dict[str, Backend] = {}
         unavailable: dict[str, str] = {}
-        try:
-            from dsec.backends.container import ContainerBackend
-
-            backends["container"] = ContainerBackend(settings)
-        except Exception as exc:
-            unavailable["container"] = f"cannot load the container backend: {type(exc).__name__}: {exc}"
-        try:
-            from dsec.backends.microvm import MicroVMBackend
-
-            backends["microvm"] = MicroVMBackend(settings)
-        except Exception as exc:
-            unavailable["microvm"] = f"cannot load the microvm backend: {type(exc).__name__}: {exc}"
-        try:
-            from dsec.backends.vm import VMBackend
-
-            backends["vm"] = VMBackend(settings)
-        except Exception as exc:
-            unavailable["vm"] = f"cannot load the vm backend: {type(exc).__name__}: {exc}"
-        try:
-            from dsec.backends.function import FunctionBackend
-
-            backends["function"] = FunctionBackend(settings)
-        except Exception as exc:
-            unavailable["function"] = f"cannot load the function backend: {type(exc).__name__}: {exc}"
+        for name, (module, cls_name) in _BACKENDS.items():
+            try:
+                backend_cls = getattr(importlib.import_module(module), cls_name)
+                backends[name] = backend_cls(settings)
+            except Exception as exc:
+                unavailable[name] = f"cannot load the {name} backend: {type(exc).__name__}: {exc}"
         return cls(settings, backends, images, unavailable=unavailable, reaper_interval=reaper_interval)
 
     @staticmethod
