@@ -44,6 +44,9 @@ class ImageRef:
     uid_shift: int = 0
     """Host uid of the image's uid 0."""
     config: ImageConfig = field(default_factory=ImageConfig)
+    digest: str | None = None
+    """The image's content identity (a chunked image's manifest digest), the same on every node and home;
+    None when only its ``rootfs`` path names it (a directory image)."""
 
 
 def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:

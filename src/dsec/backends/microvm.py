@@ -232,9 +232,14 @@ class MicroVMBackend(Backend):
 
     async def _erofs(self, image: ImageRef) -> Path:
         """The image's root as a cached EROFS file (rebuilt when the image directory changes)."""
-        st = image.rootfs.stat()
-        # "owners-v2": built with the image's real owners (earlier files flattened them to root)
-        source = f"owners-v2:{image.rootfs.resolve()}:{st.st_mtime_ns}:{st.st_ino}"
+        # "owners-v2": built with the image's real owners (earlier files flattened them to root). A chunked
+        # image is named by its content, so every home of the node shares one file per image version; a
+        # directory image by its path and inode.
+        if image.digest is not None:
+            source = f"owners-v2:digest:{image.digest}"
+        else:
+            st = image.rootfs.stat()
+            source = f"owners-v2:{image.rootfs.resolve()}:{st.st_mtime_ns}:{st.st_ino}"
         key = hashlib.sha256(source.encode()).hexdigest()[:16]
         target = self.guest_dir / "rootfs" / f"{image.name}-{key}.erofs"
         async with self._erofs_lock:

@@ -132,7 +132,8 @@ class NodeImages:
             mount.refs += 1
             self._by_name[name] = mount.hexdigest
         info = manifest.info
-        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config)
+        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config,
+                        digest=mount.hexdigest)
 
     def _manifest(self, name: str) -> Manifest | None:
         cached = self._tags.get(name)
