@@ -136,10 +136,12 @@ class MicroVMBackend(Backend):
     """QEMU microVMs restored from per-template snapshots; exec and files through the guest agent."""
 
     name = "microvm"
-    boot_timeout: float = _BOOT_TIMEOUT
-    """Seconds a cold boot may take until the agent answers."""
-    restore_timeout: float = 20.0
-    """Seconds a restored guest may take to load its state (at least 30) and for its agent to answer."""
+    boot_timeout: float = float(os.environ.get("DSEC_MICROVM_BOOT_TIMEOUT") or _BOOT_TIMEOUT)
+    """Seconds a cold boot may take until the agent answers (``DSEC_MICROVM_BOOT_TIMEOUT``; a host whose
+    cores are oversubscribed boots TCG guests several times slower)."""
+    restore_timeout: float = float(os.environ.get("DSEC_MICROVM_RESTORE_TIMEOUT") or 20.0)
+    """Seconds a restored guest may take to load its state (at least 30) and for its agent to answer
+    (``DSEC_MICROVM_RESTORE_TIMEOUT``)."""
     min_memory: int = _MIN_MEMORY
     pristine_execs: bool = True
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
