@@ -16,10 +16,13 @@
  * Each call is one clone() into new pid, mount, network, ipc and uts namespaces, made one call
  * ahead: while a call runs, the next one is cloned and prepares itself (pid 1 there) by mounting a
  * fresh /proc and /tmp, dropping every capability, setting no_new_privs, and restricting itself
- * with Landlock and the seccomp program; then it waits on its own socketpair. A request
+ * with Landlock and the seccomp program; then it waits on its own socketpair. What is the same for
+ * every call is done once in the zygote and inherited: the empty bounding and ambient sets and the
+ * locked securebits. The zygote runs SCHED_BATCH (it never preempts the daemon or a running call at
+ * a wake-up); each clone returns to SCHED_OTHER before its command. A request
  * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four fds: stdin, stdout,
  * stderr, status) is forwarded to the ready clone, which sets the request's rlimits and working
- * directory, forks the command and waits for it. When the command exits it reports
+ * directory, vforks the command and waits for it. When the command exits it reports
  * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
  * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
  * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
@@ -309,6 +312,10 @@ static int prepare_call(void) {
     struct rlimit no_core = {0, 0};
     if (setrlimit(RLIMIT_CORE, &no_core) != 0)
         return prep_fail("set rlimits");
+    /* The zygote's SCHED_BATCH (see main) ends here: the command is scheduled like any other process. */
+    struct sched_param normal = {0};
+    if (sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
+        return prep_fail("set scheduling policy");
     return drop_privileges();
 }
 
@@ -620,6 +627,12 @@ int main(int argc, char **argv) {
     if (send(CTL_FD, "ready", 5, MSG_NOSIGNAL) != 5)
         return 1;
 
+    /* SCHED_BATCH: woken by a request, the zygote does not preempt the daemon that sent it (which has a
+       little left to do before it sleeps), and cloning the next call ahead does not preempt the call that
+       is running or the daemon collecting its result: on a 2-core host that work belongs in idle time.
+       The clones return to SCHED_OTHER once prepared. Best effort: the policy only orders the work. */
+    struct sched_param batch = {0};
+    (void)sched_setscheduler(0, SCHED_BATCH, &batch);
     /* A daemon that stopped listening to a call must not take the zygote down with SIGPIPE. */
     signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
