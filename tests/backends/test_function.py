@@ -80,6 +80,28 @@ async def test_call_is_normally_scheduled_with_locked_securebits(backend: Functi
             assert securebits == 0b101111, bin(securebits)
 
 
+async def test_daemon_under_another_policy_passes_it_on(backend: FunctionBackend,
+                                                       debian_python_image: ImageRef) -> None:
+    """A daemon run under SCHED_IDLE (``chrt -i``): the zygote cannot leave that policy without
+    CAP_SYS_NICE, so it must not try to, and its calls run (under SCHED_IDLE) rather than fail."""
+    def set_policy(policy: int) -> None:  # every thread: the zygote is spawned from a worker thread
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+    set_policy(os.SCHED_IDLE)
+    try:
+        context = sandbox(backend, debian_python_image)
+        sb = await context.__aenter__()  # the zygote is spawned here, inheriting SCHED_IDLE
+    finally:
+        set_policy(os.SCHED_OTHER)
+    try:
+        r = await run(backend, sb, 'python3 -c "import os; print(os.sched_getscheduler(0))"')
+        assert r.exit_code == 0, r
+        assert int(r.stdout) == os.SCHED_IDLE, r.stdout
+    finally:
+        await context.__aexit__(None, None, None)
+
+
 async def test_root_read_only_writes_only_workspace_and_tmp(backend: FunctionBackend,
                                                             debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image) as sb:

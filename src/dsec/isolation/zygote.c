@@ -68,6 +68,7 @@
 #define CAP_LAST 63
 
 static struct sock_fprog seccomp_prog;
+static int batched; /* the zygote switched itself from SCHED_OTHER to SCHED_BATCH; calls switch back */
 static const char *tmpfs_opts;
 static struct {
     pid_t pid;
@@ -314,7 +315,7 @@ static int prepare_call(void) {
         return prep_fail("set rlimits");
     /* The zygote's SCHED_BATCH (see main) ends here: the command is scheduled like any other process. */
     struct sched_param normal = {0};
-    if (sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
+    if (batched && sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
         return prep_fail("set scheduling policy");
     return drop_privileges();
 }
@@ -630,9 +631,10 @@ int main(int argc, char **argv) {
     /* SCHED_BATCH: woken by a request, the zygote does not preempt the daemon that sent it (which has a
        little left to do before it sleeps), and cloning the next call ahead does not preempt the call that
        is running or the daemon collecting its result: on a 2-core host that work belongs in idle time.
-       The clones return to SCHED_OTHER once prepared. Best effort: the policy only orders the work. */
+       The clones return to SCHED_OTHER once prepared. Only from SCHED_OTHER (a daemon run under another
+       policy passes its own on unchanged) and best effort: the policy only orders the work. */
     struct sched_param batch = {0};
-    (void)sched_setscheduler(0, SCHED_BATCH, &batch);
+    batched = sched_getscheduler(0) == SCHED_OTHER && sched_setscheduler(0, SCHED_BATCH, &batch) == 0;
     /* A daemon that stopped listening to a call must not take the zygote down with SIGPIPE. */
     signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
