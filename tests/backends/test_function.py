@@ -4,6 +4,7 @@ per-call namespaces and restrictions, verdicts with CPU time and peak memory, cl
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,44 @@ async def test_each_call_has_fresh_namespaces_and_no_privileges(backend: Functio
         assert uid_map[0] == "0" and int(uid_map[1]) == backend.settings.uid_shift, la[-2]
         assert int(la[-1]) <= 4, f"a call sees other processes (pid 1, sh, ls, grep): {a.stdout!r}"
         assert la[6] == "2", "the command is not the second process of its own pid namespace"
+
+
+async def test_call_is_normally_scheduled_with_locked_securebits(backend: FunctionBackend,
+                                                                  debian_python_image: ImageRef) -> None:
+    """The zygote runs SCHED_BATCH and drops the bounding set and securebits once for all calls: every
+    command must still run SCHED_OTHER at nice 0 and inherit the locked securebits."""
+    probe = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             "print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), libc.prctl(27, 0, 0, 0, 0))")
+    async with sandbox(backend, debian_python_image) as sb:
+        for _ in range(2):  # the call cloned at start and one cloned ahead while another ran
+            r = await run(backend, sb, f'python3 -c "{probe}"')
+            assert r.exit_code == 0, r
+            policy, nice, securebits = (int(v) for v in r.stdout.split())
+            assert (policy, nice) == (os.SCHED_OTHER, 0), r.stdout
+            # NOROOT, NO_SETUID_FIXUP (each locked) and KEEP_CAPS_LOCKED (keep-caps off)
+            assert securebits == 0b101111, bin(securebits)
+
+
+async def test_daemon_under_another_policy_passes_it_on(backend: FunctionBackend,
+                                                       debian_python_image: ImageRef) -> None:
+    """A daemon run under SCHED_IDLE (``chrt -i``): the zygote cannot leave that policy without
+    CAP_SYS_NICE, so it must not try to, and its calls run (under SCHED_IDLE) rather than fail."""
+    def set_policy(policy: int) -> None:  # every thread: the zygote is spawned from a worker thread
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+    set_policy(os.SCHED_IDLE)
+    try:
+        context = sandbox(backend, debian_python_image)
+        sb = await context.__aenter__()  # the zygote is spawned here, inheriting SCHED_IDLE
+    finally:
+        set_policy(os.SCHED_OTHER)
+    try:
+        r = await run(backend, sb, 'python3 -c "import os; print(os.sched_getscheduler(0))"')
+        assert r.exit_code == 0, r
+        assert int(r.stdout) == os.SCHED_IDLE, r.stdout
+    finally:
+        await context.__aexit__(None, None, None)
 
 
 async def test_root_read_only_writes_only_workspace_and_tmp(backend: FunctionBackend,

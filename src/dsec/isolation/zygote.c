@@ -16,10 +16,13 @@
  * Each call is one clone() into new pid, mount, network, ipc and uts namespaces, made one call
  * ahead: while a call runs, the next one is cloned and prepares itself (pid 1 there) by mounting a
  * fresh /proc and /tmp, dropping every capability, setting no_new_privs, and restricting itself
- * with Landlock and the seccomp program; then it waits on its own socketpair. A request
+ * with Landlock and the seccomp program; then it waits on its own socketpair. What is the same for
+ * every call is done once in the zygote and inherited: the empty bounding and ambient sets and the
+ * locked securebits. The zygote runs SCHED_BATCH (it never preempts the daemon or a running call at
+ * a wake-up); each clone returns to SCHED_OTHER before its command. A request
  * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four fds: stdin, stdout,
  * stderr, status) is forwarded to the ready clone, which sets the request's rlimits and working
- * directory, forks the command and waits for it. When the command exits it reports
+ * directory, vforks the command and waits for it. When the command exits it reports
  * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
  * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
  * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
@@ -65,6 +68,7 @@
 #define CAP_LAST 63
 
 static struct sock_fprog seccomp_prog;
+static int batched; /* the zygote switched itself from SCHED_OTHER to SCHED_BATCH; calls switch back */
 static const char *tmpfs_opts;
 static struct {
     pid_t pid;
@@ -251,16 +255,22 @@ static int prep_fail(const char *what) {
     return -1;
 }
 
-static int drop_privileges(void) {
+/* Once, in the zygote (which never executes anything): every call inherits an empty bounding set, no
+   ambient capabilities and locked securebits, so uid 0 of the user namespace cannot regain capabilities
+   by exec. The zygote keeps its effective set, which the clones need to create their namespaces and
+   mount; each call empties it below. */
+static void drop_bounding_set(void) {
     for (int cap = 0; cap <= CAP_LAST; cap++)
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
-            return prep_fail("drop bounding capability");
-    /* uid 0 of the user namespace must not regain capabilities by executing anything. */
+            die("drop bounding capability", errno);
     if (prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
                                      SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED, 0, 0, 0) != 0)
-        return prep_fail("set securebits");
+        die("set securebits", errno);
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
-        return prep_fail("clear ambient capabilities");
+        die("clear ambient capabilities", errno);
+}
+
+static int drop_privileges(void) {
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2] = {{0, 0, 0}, {0, 0, 0}};
     if (syscall(SYS_capset, &header, data) != 0)
@@ -303,6 +313,10 @@ static int prepare_call(void) {
     struct rlimit no_core = {0, 0};
     if (setrlimit(RLIMIT_CORE, &no_core) != 0)
         return prep_fail("set rlimits");
+    /* The zygote's SCHED_BATCH (see main) ends here: the command is scheduled like any other process. */
+    struct sched_param normal = {0};
+    if (batched && sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
+        return prep_fail("set scheduling policy");
     return drop_privileges();
 }
 
@@ -425,7 +439,9 @@ static void run_call(int sock) {
     if (cpu) /* SIGXCPU at the soft limit, SIGKILL a second later: a CPU-bound command cannot outlast it. */
         set_limit(RLIMIT_CPU, cpu, cpu + 1);
 
-    pid_t child = fork();
+    /* vfork: the command shares our memory until its execve (no page tables copied, nothing to unmap at
+       its exec); until then it only writes to its stack and, on failure, to the status fd. */
+    pid_t child = vfork();
     if (child < 0)
         call_fail("fork", errno, 127);
     if (child == 0) {
@@ -606,11 +622,19 @@ int main(int argc, char **argv) {
         return 1;
     if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0)
         die("become the sandbox's root", errno);
+    drop_bounding_set();
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
         die("set non-dumpable", errno);
     if (send(CTL_FD, "ready", 5, MSG_NOSIGNAL) != 5)
         return 1;
 
+    /* SCHED_BATCH: woken by a request, the zygote does not preempt the daemon that sent it (which has a
+       little left to do before it sleeps), and cloning the next call ahead does not preempt the call that
+       is running or the daemon collecting its result: on a 2-core host that work belongs in idle time.
+       The clones return to SCHED_OTHER once prepared. Only from SCHED_OTHER (a daemon run under another
+       policy passes its own on unchanged) and best effort: the policy only orders the work. */
+    struct sched_param batch = {0};
+    batched = sched_getscheduler(0) == SCHED_OTHER && sched_setscheduler(0, SCHED_BATCH, &batch) == 0;
     /* A daemon that stopped listening to a call must not take the zygote down with SIGPIPE. */
     signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
