@@ -596,3 +596,48 @@ async def test_vm_allowlist_dns_and_live_cut(fullvm: tuple[VMBackend, ImageRef],
         namespace = sb.backend_state["netns"]
         assert namespace.startswith(f"dsvm-{backend.net_tag}-"), namespace
     assert not Path(f"/run/netns/{namespace}").exists(), "destroy left the sandbox's network namespace"
+
+
+@pytest.mark.vm
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_vm_snapshot_clone_and_daemon_restart_keep_networks_apart(
+        vm_home: Path, fullvm: tuple[VMBackend, ImageRef], tmp_path: Path) -> None:
+    """A clone of a networked VM's snapshot gets a namespace and NIC of its own under its own policy (none until
+    set); a restarted daemon re-adopts a networked VM (DNS proxy, set_network) and sweeps an unclaimed one."""
+    from dsec.config import Settings
+    from dsec.testing import new_record
+
+    backend, image = fullvm
+    async with sandbox(backend, image, network=["allowed.test:8080"]) as a:
+        assert (await probe(backend, a, PEER_IP, 8080)).startswith("blocked")  # not resolved yet
+        assert await resolve(backend, a, "allowed.test") == PEER_IP
+        assert await probe(backend, a, PEER_IP, 8080) == "hello from 8080"
+        snap = tmp_path / "networked"
+        snap.mkdir()
+        await backend.snapshot(a, snap)
+        clone = new_record("vm", image)
+        await backend.restore(clone, image, [snap])
+        try:
+            assert clone.backend_state["netns"] != a.backend_state["netns"] and "net_index" not in clone.backend_state
+            assert (await probe(backend, clone, PEER_IP, 8080)).startswith("blocked")
+            await backend.set_network(clone, [f"{PEER_IP}:8081"])
+            assert await probe(backend, clone, PEER_IP, 8081) == "hello from 8081"
+            assert (await probe(backend, a, PEER_IP, 8081)).startswith("blocked"), "the clone's policy leaked"
+            await backend.aclose()  # the daemon stops; the VMs, namespaces and rules stay
+            again = VMBackend(Settings(home=vm_home))
+            await again.start()
+            try:
+                assert await again.recover(a)
+                assert sorted(await again.cleanup_orphans({a.id})) == [clone.id]
+                assert not Path(f"/run/netns/{clone.backend_state['netns']}").exists()
+                assert await resolve(again, a, "allowed.test") == PEER_IP
+                assert await probe(again, a, PEER_IP, 8080) == "hello from 8080"
+                await again.set_network(a, "none")
+                assert (await probe(again, a, PEER_IP, 8080)).startswith("blocked")
+            finally:
+                await again.destroy(a)
+                await again.aclose()
+        finally:
+            await backend.start()
+            await backend.destroy(clone)  # no-ops once swept / destroyed above
