@@ -118,8 +118,8 @@ def _host_footprint(tags: set[str]) -> set[str]:
     for name in dsec_tables():  # dsec_<tag> (container), dsec_<tag>_microvm
         if name.removeprefix("dsec_").split("_")[0] in tags:
             found.add(f"nft table {name}")
-    for netns in Path("/run/netns").glob("dsvm-*"):  # microvm sandboxes' network namespaces: dsvm-<tag>-<id>
-        if netns.name.split("-")[1] in tags:
+    for netns in Path("/run/netns").glob("dsvm-*"):  # microvm's dsvm-<tag>-<id>, vm's dsvm-<tag>.vm-<id>
+        if netns.name.split("-")[1].split(".")[0] in tags:
             found.add(f"network namespace {netns.name}")
     for proc in Path("/proc").iterdir():  # lazy image filesystem servers of this session's homes
         try:

@@ -79,9 +79,8 @@ _QEMU_PIDS = 256
 # TCG cannot calibrate the TSC on -M microvm without these (see PLATFORM.md); harmless under KVM.
 _CMDLINE = "console=ttyS0 panic=-1 oops=panic tsc_early_khz=2000000 tsc=reliable quiet loglevel=4"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# A networked guest's NIC (on the tap of its namespace) and the address its init gives it.
-_NIC_ARGS = ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
-             "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
+# A networked guest's NIC backend (the tap of its namespace) and the address its init gives it.
+_NIC_NETDEV = ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no"]
 _NIC_CMDLINE = f" dsec.net={GUEST_ADDRESS}/30:{GUEST_GATEWAY}"
 
 
@@ -148,6 +147,8 @@ class MicroVMBackend(Backend):
     network_device: bool = True
     """Sandboxes with a network policy get a NIC (see :mod:`dsec.isolation.network`)."""
     network_fixed_at_create = True
+    nic_device = "virtio-net-device"
+    """QEMU device of a networked guest's NIC (on ``-M microvm``: virtio-mmio); its MAC is :data:`GUEST_MAC`."""
     confines_commands: bool = True
     """Commands run confined by the guest agent (own mount namespace, capabilities that undo protections
     dropped, no_new_privs), which makes ``protected=`` and ``hidden=`` hold against guest root."""
@@ -165,6 +166,9 @@ class MicroVMBackend(Backend):
         self.cgroup_parent = f"dsec-{tag}/{self.name}"
         # Unix socket paths must fit in 108 bytes: runtime directories live under /run, not DSEC_HOME.
         self.run_root = Path("/run/dsec-vm") / (tag if self.name == "microvm" else f"{tag}.{self.name}")
+        # Network namespaces dsvm-<net_tag>-<id>: each backend's orphan sweep removes every one of its tag that
+        # no record of its own claims, so the microvm and vm backends of one home must not share a tag.
+        self.net_tag = tag if self.name == "microvm" else f"{tag}.{self.name}"
         self.sandbox_files = self.root / "sandboxes"
         """Per-sandbox host files (the vm backend's disk overlays), one directory per sandbox id."""
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
@@ -329,8 +333,9 @@ class MicroVMBackend(Backend):
         if record.backend_state.get("netns"):
             # QEMU opens the tap in the sandbox's namespace and has no other network (nsenter execs it).
             append = cmd.index("-append") + 1
-            cmd = TapNamespace(self.tag, record.id).enter(
-                [*cmd[:append], cmd[append] + _NIC_CMDLINE, *cmd[append + 1:], *_NIC_ARGS])
+            nic = ["-device", f"{self.nic_device},netdev=net0,mac={GUEST_MAC}"]
+            cmd = self._namespace(record.id).enter(
+                [*cmd[:append], cmd[append] + _NIC_CMDLINE, *cmd[append + 1:], *_NIC_NETDEV, *nic])
         cg = await asyncio.to_thread(self._make_cgroups, record.id, vcpus, mem_mib)
         procs = [Path(p) for p in cg.procs_files()]
 
@@ -690,24 +695,27 @@ class MicroVMBackend(Backend):
 
     # -- network ----------------------------------------------------------------------------------------
 
+    def _namespace(self, sandbox_id: str) -> TapNamespace:
+        return TapNamespace(self.net_tag, sandbox_id)
+
     async def _network_up(self, record: SandboxRecord, policy: Policy) -> None:
         """The sandbox's network namespace with the tap its NIC sits on; unless ``policy`` is none, its veth
         pair and rules too (:mod:`dsec.isolation.network`)."""
-        namespace = TapNamespace(self.tag, record.id)
+        namespace = self._namespace(record.id)
         record.backend_state["netns"] = namespace.name
         await asyncio.to_thread(namespace.create)
         if policy.mode != "none":
             await self._network_attach(record, policy)
 
     async def _network_attach(self, record: SandboxRecord, policy: Policy) -> None:
-        namespace = TapNamespace(self.tag, record.id)
+        namespace = self._namespace(record.id)
         resolver = await self.networks.connect(record.backend_state, namespace.name, policy)
         await asyncio.to_thread(namespace.route_dns, resolver)
 
     def _network_down(self, sandbox_id: str, state: dict[str, Any]) -> None:
         """Remove the sandbox's rules, veth pair and namespace (blocking; nothing to do without them)."""
         self.networks.release(state)
-        TapNamespace(self.tag, sandbox_id).delete()
+        self._namespace(sandbox_id).delete()
 
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         """Swap a live sandbox's policy (one nft transaction on the host, as on the container backend).
@@ -999,7 +1007,7 @@ class MicroVMBackend(Backend):
             record.state = "paused"
             if not (Path(record.backend_state["hibernated"]) / "state").is_file():
                 return False
-            if record.backend_state.get("netns") and not TapNamespace(self.tag, record.id).exists():
+            if record.backend_state.get("netns") and not self._namespace(record.id).exists():
                 return False  # the host rebooted: the NIC's namespace is gone
             await self.networks.recover(record.backend_state, record.spec.network)  # its namespace stayed
             return True
@@ -1026,7 +1034,8 @@ class MicroVMBackend(Backend):
             found.update(p.name for p in self.run_root.iterdir() if p.name.startswith(("sb-", "tpl-")))
         if self.sandbox_files.is_dir():
             found.update(p.name for p in self.sandbox_files.iterdir() if p.name.startswith(("sb-", "tpl-")))
-        found.update(n for n in await asyncio.to_thread(TapNamespace.names, self.tag) if n.startswith(("sb-", "tpl-")))
+        namespaces = await asyncio.to_thread(TapNamespace.names, self.net_tag)
+        found.update(n for n in namespaces if n.startswith(("sb-", "tpl-")))
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             if Path(cg).is_dir():
                 found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith(("sb-", "tpl-")))

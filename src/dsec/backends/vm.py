@@ -14,7 +14,11 @@ and recovery). What differs:
   the disk as root; systemd starts the agent (``dsec-agent.service``) on the virtio-serial port;
 * a display (``-device VGA``), a USB tablet (absolute pointer) and the PS/2 keyboard: :meth:`screenshot`
   (QMP ``screendump`` as PNG), :meth:`mouse` (QMP ``input-send-event``) and :meth:`keyboard` (QMP
-  ``send-key``, which QEMU spaces out itself so the guest's keyboard buffer never overflows).
+  ``send-key``, which QEMU spaces out itself so the guest's keyboard buffer never overflows);
+* the NIC of a networked sandbox: ``virtio-net-pci`` (on the same tap in the sandbox's network namespace as a
+  microVM's, under the same policies), which the agent configures once systemd has booted (the image runs no
+  network manager): the address, route and resolver survive in a template's RAM and disk, so every clone of
+  the ``-nic`` template comes up with them. ``network="none"`` has no NIC at all, as on microvm.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
+from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
 __all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "key_chunks", "keys_for_text"]
@@ -143,8 +148,7 @@ class VMBackend(MicroVMBackend):
     """A restored desktop guest under TCG on a loaded host has needed more than the microvm's 20 s to answer."""
     min_memory = 256 * MiB
     pristine_execs = False
-    network_device = False
-    """No NIC yet: the guest's own systemd would have to be configured for it (network must be 'none')."""
+    nic_device = "virtio-net-pci"
     confines_commands = False
     """A full VM's root keeps every capability (kernel modules, mounts, systemd): the VM is the boundary."""
 
@@ -225,7 +229,25 @@ class VMBackend(MicroVMBackend):
             raise SandboxError(f"the guest did not settle within {self.boot_timeout:.0f}s (systemd: "
                                f"{result.stdout.decode(errors='replace').strip() or 'starting'}; a desktop image "
                                "also waits for twm and for its terminal's shell at the prompt)")
+        if record.backend_state.get("netns"):
+            await self._guest_network(record)
         return vm
+
+    async def _guest_network(self, record: SandboxRecord) -> None:
+        """Configure a freshly booted guest's NIC (``eth0``: the image boots with ``net.ifnames=0``) as every
+        networked guest's: :data:`GUEST_ADDRESS` on the tap's link, the tap as default route and resolver.
+        Done once per cold boot: templates and snapshots carry it to their clones. The guest's root may change
+        it; the policy is enforced outside the guest, so that only cuts the guest off."""
+        script = (f"for i in $(seq 600); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done; "
+                  f"[ -e /sys/class/net/eth0 ] || {{ echo 'no eth0 (virtio_net not loaded?)'; exit 1; }}; "
+                  "sysctl -qw net.ipv6.conf.eth0.disable_ipv6=1; ip link set lo up && ip addr flush dev eth0 && "
+                  f"ip addr add {GUEST_ADDRESS}/30 dev eth0 && ip link set eth0 up && "
+                  f"ip route replace default via {GUEST_GATEWAY} && rm -f /etc/resolv.conf && "
+                  f"echo 'nameserver {GUEST_GATEWAY}' > /etc/resolv.conf 2>&1")
+        r = await self.exec(record, ExecRequest(command=script, timeout=120))
+        if r.exit_code != 0:
+            raise SandboxError(f"configuring the guest's network failed: "
+                               f"{(r.stdout + r.stderr).decode(errors='replace').strip()[-300:]}")
 
     async def _prepare(self, record: SandboxRecord) -> None:
         """Fresh identity (as microvm), and the host's time: a clone's clock is its template's, which may be

@@ -1,5 +1,6 @@
 """``dsec bench vm``: a full VM's cold boot (kernel, systemd, desktop) to first exec vs restore from its
-template to first exec, measured in one run; host memory per idle VM; screenshot and exec round trips.
+template to first exec, measured in one run; what a network policy adds to a restore (namespace, tap, veth,
+nft rules, DNS proxy, the template with a NIC); host memory per idle VM; screenshot and exec round trips.
 
 The peer is plain QEMU: the same q35 command line, kernel and disk image (a qcow2 overlay of its own), no
 DSec around it, started cold and timed until the guest agent's first frame (systemd has started it: the
@@ -104,8 +105,8 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
         await cold.start()
         live: list[tuple[VMBackend, SandboxRecord]] = []
 
-        async def first_exec(backend: VMBackend) -> float:
-            rec = new_record("vm", image, memory=memory)
+        async def first_exec(backend: VMBackend, network: str = "none") -> float:
+            rec = new_record("vm", image, memory=memory, network=network)
             live.append((backend, rec))
             start = time.monotonic()
             await backend.create(rec, image)
@@ -117,7 +118,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
 
         try:
             progress(f"accelerator: {fast.accel} ({fast.accel_reason})")
-            cold_s, restore_s, shot_s, rtt, plain_s, plain_pss = [], [], [], [], [], []
+            cold_s, restore_s, shot_s, rtt, plain_s, plain_pss, networked = [], [], [], [], [], [], []
             for i in range(boots):
                 progress(f"plain QEMU boot {i + 1}/{boots} to the agent's first frame, then idle")
                 booted, mem = await asyncio.to_thread(_plain_vm, fast, image, int(parse_size(memory) // MiB),
@@ -128,9 +129,12 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
                 cold_s.append(await first_exec(cold))
             progress("making the template (one more cold boot + save)")
             template_s = await first_exec(fast)
+            progress("making the template with a NIC (network='allow': one more cold boot + save)")
+            nic_template_s = await first_exec(fast, network="allow")
             for i in range(samples):
-                progress(f"restore {i + 1}/{samples} to first exec")
+                progress(f"restore {i + 1}/{samples} to first exec (network='none', then 'allow')")
                 restore_s.append(await first_exec(fast))
+                networked.append(await first_exec(fast, network="allow"))
             progress("exec and screenshot round trips")
             rec = new_record("vm", image, memory=memory)
             live.append((fast, rec))
@@ -166,8 +170,9 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             await fast.aclose()
             await cold.aclose()
     s_cold, s_restore, s_rtt, s_shot = summarize(cold_s), summarize(restore_s), summarize(rtt), summarize(shot_s)
-    s_plain = summarize(plain_s)
+    s_plain, s_net = summarize(plain_s), summarize(networked)
     suite.latencies.update({"cold_boot_first_exec": s_cold, "restore_first_exec": s_restore,
+                            "restore_first_exec_networked": s_net,
                             "plain_qemu_boot_agent": s_plain, "exec_round_trip": s_rtt, "screenshot": s_shot})
     plain_mem = sum(plain_pss) / len(plain_pss)
     suite.rows = [
@@ -177,7 +182,10 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             "plain QEMU boot → agent up", note="the peer stops at the agent's first frame (before systemd is done)"),
         Row("cold boot → first exec", "s", s_cold.p50, s_plain.p50, "plain QEMU boot → agent up",
             note="DSec also waits for systemd and the desktop to settle"),
+        Row("restore → first exec, network='allow'", "s", s_net.p50, s_restore.p50,
+            "restore → first exec, network='none'", note="netns + tap + veth + nft + DNS proxy, NIC template"),
         Row("first create of a shape (boot + template save)", "s", template_s),
+        Row("first create of a shape with a NIC (boot + agent's network set-up + save)", "s", nic_template_s),
         Row("exec round trip p50", "ms", s_rtt.p50 * 1e3),
         Row("screenshot (PNG) p50", "ms", s_shot.p50 * 1e3),
         Row("host memory per idle VM (QEMU PSS)", "MiB", pss / MiB, plain_mem / MiB, "plain QEMU VM, idle",

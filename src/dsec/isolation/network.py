@@ -22,10 +22,12 @@ The veth pair disappears with the sandbox's network namespace; :meth:`Network.re
 chain, sets and map entries. IPv4 only; the sandbox gets no IPv6 route. :class:`SandboxNetworks` is
 what a backend holds: the table, the DNS proxy and the policy of each of its networked sandboxes.
 
-A microvm's namespace (:class:`TapNamespace`, named ``dsvm-<tag>-<sandbox id>``) is made by DSec and
+A microvm's or vm's namespace (:class:`TapNamespace`, named ``dsvm-<tag>-<sandbox id>``, the vm backend's
+tag ending in ``.vm``) is made by DSec and
 holds QEMU: besides ``eth0`` it has a tap ``tap0`` (``10.200.255.253/30``, the last /30 of the subnet,
 the same in every namespace) that QEMU's virtio-net device sits on. Every guest has the same address
-(``10.200.255.254``), route and resolver (the tap's address), set by its init at template boot, so a
+(``10.200.255.254``), route and resolver (the tap's address), set at template boot (microvm: by its init;
+vm: by the agent, once systemd has booted), so a
 template snapshot serves every networked clone. The namespace's own nftables table masquerades the
 guest's traffic to ``eth0``'s address and DNATs its DNS to the proxy: from then on the host's rules
 above judge it exactly as a container's. Nothing from outside reaches the guest (no forwarding towards

@@ -239,7 +239,7 @@ async def neighbour_processes(t: Target) -> None:
                                    "the usual proxy ports of the host",
         models="incident: agents fetched code through module proxies",
         defence="all: no proxy configuration is given to sandboxes; network none: nothing but loopback (container, "
-                "function) or no NIC at all (microvm)")
+                "function) or no NIC at all (microvm, vm)")
 async def proxy_fetch(t: Target) -> None:
     res = await probe(t, r"""
 env = {k: v for k, v in os.environ.items() if "proxy" in k.lower() or k.startswith(("PIP_", "NPM_", "GOPROXY"))}

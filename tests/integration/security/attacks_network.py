@@ -1,8 +1,8 @@
 """Network egress, port scans and DNS exfiltration under each policy.
 
 Every target is on this machine: a listener the attack opens on the host's loopback or on the host
-side of the sandbox's own veth pair, or a neighbour sandbox. A microVM's NIC sits on a tap in a network
-namespace of its own, behind that veth pair: the same host rules judge its traffic. Nothing is sent to
+side of the sandbox's own veth pair, or a neighbour sandbox. A microVM's or full VM's NIC sits on a tap in a
+network namespace of its own, behind that veth pair: the same host rules judge its traffic. Nothing is sent to
 an address that could leave the machine, even if a defence failed (no subnet sweeps, no public names
 resolved).
 """
@@ -19,19 +19,18 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from redteam import NO_NETWORK_DEVICE, VM_BACKENDS, Target, attack, guest_kernel_is_own, probe
+from redteam import VM_BACKENDS, Target, attack, guest_kernel_is_own, probe
 
 from dsec.isolation.network import GUEST_GATEWAY
 from dsec.models import ExecRequest, SandboxRecord
 
 _NETWORKED_ONLY = {"function": "every exec runs in a network namespace with only loopback: no policy other "
-                               "than none exists (net-none-scan-host covers it)",
-                   "vm": NO_NETWORK_DEVICE}
+                               "than none exists (net-none-scan-host covers it)"}
 
 
 def _veth(record: SandboxRecord) -> tuple[str, str]:
     """(host side, sandbox side) of a networked sandbox's veth pair (container: the sandbox's own eth0;
-    microvm: its namespace's, which the guest's traffic leaves from, masqueraded)."""
+    microvm, vm: its namespace's, which the guest's traffic leaves from, masqueraded)."""
     base = int(ipaddress.IPv4Address("10.200.0.0")) + 4 * int(record.backend_state["net_index"])
     return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
 
@@ -82,7 +81,7 @@ def _accepted(port_owner: socket.socket) -> bool:
                                           "links and routes, under the default policy none",
         models="incident: agents scanned for reachable services",
         defence="container: a network namespace with only loopback (the host's 127.0.0.1 is the sandbox's own: "
-                "ECONNREFUSED); function: the same, and Landlock denies TCP connect (EACCES); microvm: no network "
+                "ECONNREFUSED); function: the same, and Landlock denies TCP connect (EACCES); microvm, vm: no network "
                 "device in the VM at all")
 async def net_none_scan_host(t: Target) -> None:
     with _listener("127.0.0.1") as port:
@@ -107,14 +106,15 @@ print(json.dumps({{"links": sorted(n for _, n in socket.if_nameindex()), "routes
 @attack("net-allow-host-services", description="with network='allow', connect to a host service listening on the "
                                                "host side of the sandbox's own veth pair, and scan common ports there",
         models="incident: agents scanned for reachable services (the daemon, databases, the cloud metadata)",
-        defence="container, microvm: nftables input chain: from a sandbox only DNS to the proxy reaches the host "
-                "(dropped: ETIMEDOUT); microvm: the guest's gateway is its namespace's tap, which drops all input",
+        defence="container, microvm, vm: nftables input chain: from a sandbox only DNS to the proxy reaches the "
+                "host (dropped: ETIMEDOUT); microvm, vm: the guest's gateway is its namespace's tap, which drops all "
+                "input",
         not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_host_services(t: Target) -> None:
     route = (await probe(t, _CONNECT + "print(json.dumps(gateway()))"))
     assert route, "a sandbox with network='allow' has no default route"
     gw = _veth(t.sb)[0]  # the host side of the sandbox's veth (a container's gateway; behind a microVM's tap)
-    if t.name == "microvm":
+    if t.name in VM_BACKENDS:
         assert route == GUEST_GATEWAY, route
         near = await probe(t, _CONNECT + f"""
 print(json.dumps({{str(p): connect({route!r}, p, 1) for p in [22, 53, 80, 8000]}}))
@@ -140,8 +140,8 @@ print(json.dumps({{str(p): connect({gw!r}, p, 1) for p in [{port}, 22, 80, 5432,
 @attack("net-allow-neighbour", description="with network='allow', connect to a neighbour sandbox's listener by its "
                                            "address",
         models="cross-sandbox: reaching another agent's services",
-        defence="container, microvm: nftables forward chain drops anything towards a sandbox that is not a reply "
-                "(ETIMEDOUT); microvm: nothing is forwarded towards a guest's tap but replies",
+        defence="container, microvm, vm: nftables forward chain drops anything towards a sandbox that is not a "
+                "reply (ETIMEDOUT); microvm, vm: nothing is forwarded towards a guest's tap but replies",
         not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": "allow"})
 async def net_allow_neighbour(t: Target) -> None:
     async with t.neighbour(network="allow") as other:
@@ -165,9 +165,9 @@ async def net_allow_neighbour(t: Target) -> None:
 @attack("net-dns-exfil", description="with an allowlist of one name, exfiltrate data in DNS queries for other names "
                                      "and connect to the resolver's host on other ports",
         models="exfiltration through DNS; policy bypass",
-        defence="container, microvm: the DNS proxy answers only allowed names (REFUSED, never forwarded upstream); the "
-                "input chain drops everything else to the host (microvm: the resolver is the namespace's tap, which "
-                "forwards only DNS to the proxy)",
+        defence="container, microvm, vm: the DNS proxy answers only allowed names (REFUSED, never forwarded "
+                "upstream); the input chain drops everything else to the host (microvm, vm: the resolver is the "
+                "namespace's tap, which forwards only DNS to the proxy)",
         not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": ["allowed.test:443"]})
 async def net_dns_exfil(t: Target) -> None:
     res = await probe(t, _CONNECT + r"""
@@ -239,7 +239,7 @@ def _peer() -> Iterator[None]:
 @attack("net-list-egress", description="with an allowlist of one address:port, reach the same host's other port, "
                                        "then keep using the allowed one after set_network('none') (graded phase)",
         models="incident: agents fetched code and scanned for services; policy bypass after set-up",
-        defence="container, microvm: the sandbox's own nftables chain outside it (allowlist sets, counted drop: "
+        defence="container, microvm, vm: the sandbox's own nftables chain outside it (allowlist sets, counted drop: "
                 "ETIMEDOUT); set_network swaps that chain in one transaction, cutting even the allowed peer",
         not_applicable=_NETWORKED_ONLY, fresh=True, spec={"network": [f"{_PEER}:8080"]})
 async def net_list_egress(t: Target) -> None:

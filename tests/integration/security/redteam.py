@@ -104,8 +104,6 @@ def all_attacks() -> list[Attack]:
 
 
 # Reasons shared by many attacks, so the table reads the same everywhere.
-NO_NETWORK_DEVICE = ("no network device at all: only container and microvm sandboxes have a network "
-                     "(policy none/allow/list)")
 NO_PERSISTENT_PROCS = "every exec is a fresh pid namespace that ends with the command: nothing to race or signal"
 
 
