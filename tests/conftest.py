@@ -110,7 +110,9 @@ def _host_footprint(tags: set[str]) -> set[str]:
                 cmdline = (proc / "cmdline").read_bytes()
             except (OSError, IndexError):
                 continue
-            if comm == "qemu-system-x86" and any(f"/run/dsec-vm/{tag}/".encode() in cmdline for tag in tags):
+            # microvm's run directories are /run/dsec-vm/<tag>/, vm's /run/dsec-vm/<tag>.vm/
+            if comm == "qemu-system-x86" and any(f"/run/dsec-vm/{tag}/".encode() in cmdline
+                                                 or f"/run/dsec-vm/{tag}.vm/".encode() in cmdline for tag in tags):
                 found.add(f"process qemu pid {proc.name}")
             if comm != "qemu-system-x86" and any(f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups
                                                 for tag in tags):
