@@ -181,6 +181,90 @@ static void mkdirs(const char *path) {
         if (*s == '/') { *s = 0; mkdir(buf, 0755); *s = '/'; }
 }
 
+/* ---- Commands' memory (vm: the agent is a systemd service with Delegate=yes) ---------------------------
+ * The agent's unit has OOMScoreAdjust=-1000 (the OOM killer never takes it), which every child would inherit:
+ * with all commands unkillable, a command eating the guest's memory made the kernel kill the desktop and
+ * the services, then panic ("System is deadlocked on memory"). So each command's child puts its score back
+ * to 0 and joins `commands`, a cgroup beside the agent's own with memory.max below the guest's RAM: a
+ * command that eats memory meets that limit first and the memory cgroup's OOM killer ends the biggest
+ * command process (counted in the guest's oom_kill, so the host reports limit="memory"), while the agent,
+ * systemd and the desktop keep the memory they need. Without a delegated cgroup v2 (a microvm, where the
+ * agent is pid 1 and the guest's RAM is only the command's) commands run where the agent is. */
+static char cmd_procs[PATH_MAX + 64];  /* <cgroup>/commands/cgroup.procs, "" when there is none */
+
+static int write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+static long long meminfo_total(void) {
+    char buf[4096];
+    int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strstr(buf, "MemTotal:");
+    return p ? atoll(p + 9) * 1024 : -1;
+}
+
+static void setup_command_cgroup(void) {
+    char buf[PATH_MAX], base[PATH_MAX], path[PATH_MAX + 64], num[32];
+    int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 3 || strncmp(buf, "0::/", 4) != 0) return;  /* no cgroup v2 (or a hybrid): nothing to do */
+    buf[n] = 0;
+    buf[strcspn(buf, "\n")] = 0;
+    if (strcmp(buf, "0::/") == 0) return;  /* the root cgroup: pid 1, not a delegated service */
+    if (snprintf(base, sizeof base, "/sys/fs/cgroup%s", buf + 3) >= (int)sizeof base) return;
+    char *leaf = strrchr(base, '/');
+    if (leaf && strcmp(leaf, "/agent") == 0) *leaf = 0;  /* a restarted agent's leftover placement */
+    long long total = meminfo_total();
+    if (total <= 0) return;
+    long long reserve = total / 4;
+    if (reserve < 96ll << 20) reserve = 96ll << 20;
+    if (reserve > 512ll << 20) reserve = 512ll << 20;
+    if (total <= 2 * reserve) reserve = total / 2;
+    snprintf(path, sizeof path, "%s/agent", base);
+    if (mkdir(path, 0755) != 0 && errno != EEXIST) goto fail;
+    snprintf(path, sizeof path, "%s/agent/cgroup.procs", base);
+    snprintf(num, sizeof num, "%d\n", getpid());
+    if (write_file(path, num) != 0) goto fail;
+    snprintf(path, sizeof path, "%s/cgroup.subtree_control", base);
+    if (write_file(path, "+memory\n") != 0) goto fail;
+    snprintf(path, sizeof path, "%s/commands", base);
+    if (mkdir(path, 0755) != 0 && errno != EEXIST) goto fail;
+    snprintf(path, sizeof path, "%s/commands/memory.max", base);
+    snprintf(num, sizeof num, "%lld\n", (total - reserve) & ~4095ll);
+    if (write_file(path, num) != 0) goto fail;
+    snprintf(path, sizeof path, "%s/commands/memory.swap.max", base);
+    write_file(path, "0\n");  /* absent without swap accounting: nothing to limit then */
+    snprintf(cmd_procs, sizeof cmd_procs, "%s/commands/cgroup.procs", base);
+    return;
+fail:
+    dprintf(2, "dsec-agent: no memory cgroup for commands (%s): %s\n", path, strerror(errno));
+}
+
+/* In a command's child, first: an ordinary OOM score (not the agent's -1000) and the commands' cgroup. */
+static void enter_command_cgroup(void) {
+    if (write_file("/proc/self/oom_score_adj", "0\n") != 0) {
+        dprintf(2, "dsec-agent: cannot reset the command's oom_score_adj: %s\n", strerror(errno));
+        _exit(126);
+    }
+    if (cmd_procs[0] && write_file(cmd_procs, "0\n") != 0) {
+        dprintf(2, "dsec-agent: cannot join the commands' memory cgroup: %s\n", strerror(errno));
+        _exit(126);
+    }
+}
+
 /* The image's read-only disk (microvm: argv[2], recorded before any command ran), for pristine execs. */
 static dev_t image_dev;
 
@@ -345,8 +429,32 @@ static void send_hidden(uint32_t id) {
     send_frame(T_END, id, NULL, 0);
 }
 
+/* In the commands' namespace: every block device node directly in `dir` covered by a read-only bind of
+ * /dev/null (opening it for writing: EROFS; reading: nothing). A full VM's root disk is a writable block
+ * device whose filesystem holds the protected files: raw writes (debugfs -w) would go around every mount. */
+static int cover_block_devices(const char *dir) {
+    char path[PATH_MAX];
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? 0 : -1;
+    struct dirent *e;
+    int failed = 0;
+    while (!failed && (e = readdir(d)) != NULL) {
+        struct stat st;
+        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) >= (int)sizeof path) continue;
+        if (lstat(path, &st) != 0 || !S_ISBLK(st.st_mode)) continue;
+        if (mount("/dev/null", path, NULL, MS_BIND, NULL) != 0 ||
+            mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, NULL) != 0) failed = errno;
+    }
+    closedir(d);
+    if (failed) errno = failed;
+    return failed ? -1 : 0;
+}
+
 /* CONFINE payload: "P/path\0" (protected) and "H/path\0" (hidden) strings, any number (none: just the
- * namespace and the dropped capabilities). Reply: DATA with the still hidden paths (NUL-terminated), END.
+ * namespace and the dropped capabilities); a vm adds "C/path\0" (a directory covered for good by an empty
+ * read-only tmpfs in the commands' namespace, when it exists: the control sockets of systemd, udev and D-Bus,
+ * which would run anything as full root) and "B/dev\0" (the block devices there covered, see
+ * cover_block_devices). Reply: DATA with the still hidden paths (NUL-terminated), END.
  * A guest already confined (a restored snapshot of one) keeps its setup and only reports. */
 static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     char *strs[512];
@@ -356,14 +464,14 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     if (n < 0) { send_error(id, EINVAL, "malformed confine"); return; }
     int nh = 0;
     for (int i = 0; i < n; i++) {
-        if ((strs[i][0] != 'P' && strs[i][0] != 'H') || strs[i][1] != '/' || strs[i][2] == 0) {
+        if (!strchr("PHCB", strs[i][0]) || strs[i][1] != '/' || strs[i][2] == 0) {
             send_error(id, EINVAL, "malformed confine path"); return;
         }
         if (strs[i][0] == 'H' && ++nh > MAX_HIDDEN) { send_error(id, E2BIG, "hidden paths"); return; }
-        if (check_path(id, strs[i] + 1, strs[i][0] == 'H') != 0) return;
+        if (strchr("PH", strs[i][0]) && check_path(id, strs[i] + 1, strs[i][0] == 'H') != 0) return;
     }
     for (int i = 0; i < n; i++)
-        if (pin_ancestors(strs[i] + 1) != 0) {
+        if (strchr("PH", strs[i][0]) && pin_ancestors(strs[i] + 1) != 0) {
             snprintf(msg, sizeof msg, "bind mount over a parent of %s: %s", strs[i] + 1, strerror(errno));
             send_text_error(id, EIO, msg); return;
         }
@@ -381,6 +489,13 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     for (int i = 0; !failed && i < n; i++)
         if (strs[i][0] == 'H' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                        "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
+    for (int i = 0; !failed && i < n; i++) {
+        struct stat st;
+        if (strs[i][0] == 'C' && lstat(strs[i] + 1, &st) == 0 && S_ISDIR(st.st_mode) &&
+            mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
+        if (strs[i][0] == 'B' && cover_block_devices(strs[i] + 1) != 0) failed = errno;
+    }
     sandbox_ns = failed ? -1 : open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
     if (!failed && sandbox_ns < 0) failed = errno;
     if (setns(root_ns, CLONE_NEWNS) != 0 || chdir("/") != 0) {
@@ -452,6 +567,7 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
         sigset_t all;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
+        enter_command_cgroup();  /* before the sandbox's namespace, where /sys is read-only */
         if (confined && setns(sandbox_ns, CLONE_NEWNS) != 0) {
             dprintf(2, "dsec-agent: cannot enter the sandbox's mount namespace: %s\n", strerror(errno));
             _exit(126);
@@ -749,6 +865,7 @@ int main(int argc, char **argv) {
     if (argc > 2 && stat(argv[2], &image) == 0 && S_ISBLK(image.st_mode))
         image_dev = image.st_rdev;
     rbuf = malloc(MAX_IN + 4);
+    setup_command_cgroup();
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

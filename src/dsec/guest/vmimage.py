@@ -15,6 +15,7 @@ command line is :func:`dsec.images.build.mmdebstrap_command`'s.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ from dsec.images.store import validate_name
 from dsec.isolation.idmap import unshifted_view
 
 __all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "default_vm_dir",
-           "find_vm_image", "list_vm_images"]
+           "find_vm_image", "list_vm_images", "recipe_digest"]
 
 BASE_PACKAGES = ("systemd", "systemd-sysv", "udev", "linux-image-amd64", "initramfs-tools", "kmod", "procps",
                  "e2fsprogs", "iproute2", "python3", "ca-certificates")
@@ -86,10 +87,14 @@ ExecStart=/usr/local/sbin/dsec-agent /dev/virtio-ports/{AGENT_PORT}
 Restart=always
 RestartSec=0.2
 OOMScoreAdjust=-1000
+Delegate=yes
 
 [Install]
 WantedBy=sysinit.target
 """
+"""The agent as a service: never the OOM killer's victim (-1000, which its commands do not inherit: each puts its
+score back to 0), with its cgroup delegated so it can put its commands in a memory cgroup of their own below the
+guest's RAM (``commands``, beside its own leaf ``agent``; see ``setup_command_cgroup`` in ``agent.c``)."""
 
 _DESKTOP_UNIT = """[Unit]
 Description=DSec desktop (Xorg on the VM's display, twm, xterm)
@@ -141,6 +146,18 @@ EndSection
 """
 
 
+def recipe_digest(desktop: bool) -> str:
+    """Digest of what :func:`build_vm_image` puts into an image besides the packages: the agent (its source, by
+    the name :func:`~dsec.guest.initramfs.ensure_agent` gives the binary) and the units and files written into
+    the tree. ``image.json`` records it (``recipe``); an image whose recipe differs is stale (``scripts/setup``
+    rebuilds it). Builds the agent if needed."""
+    agent = ensure_agent(Path(tempfile.gettempdir()) / "dsec-agent-build")
+    parts = [agent.name, _AGENT_UNIT, *_UNITS_OFF, *BASE_PACKAGES]
+    if desktop:
+        parts += [_DESKTOP_UNIT, _XSESSION, _TWMRC, _XORG_CONF, *DESKTOP_PACKAGES]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 def default_vm_dir() -> Path:
     """``DSEC_VM_DIR`` or ``/var/lib/dsec/vm``: shared by every DSEC_HOME on the node, like images."""
     return Path(os.environ.get("DSEC_VM_DIR") or "/var/lib/dsec/vm")
@@ -158,6 +175,11 @@ class VMImage:
     desktop: bool
     disk_bytes: int
     meta: dict[str, Any]
+
+    @property
+    def current(self) -> bool:
+        """Whether the image was built with this code's agent and recipe (:func:`recipe_digest`)."""
+        return bool(self.meta.get("recipe") == recipe_digest(self.desktop))
 
 
 def find_vm_image(name: str, vm_dir: Path | None = None) -> VMImage:
@@ -331,7 +353,7 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
         os.chmod(out / "disk.qcow2", 0o444)
         meta = {"name": name, "suite": suite if source is None else None, "packages": wanted, "desktop": desktop,
                 "kernel": version, "disk_bytes": disk_bytes, "built_at": time.time(),
-                "from": source.name if source is not None else None}
+                "from": source.name if source is not None else None, "recipe": recipe_digest(desktop)}
         (out / "image.json").write_text(json.dumps(meta, indent=2))
         os.chmod(out, 0o755)
         if target.exists():
