@@ -38,7 +38,7 @@
 
 enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
-    T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11,
+    T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11, T_EXEC_SYSTEM = 12,
     T_CONFINE = 16, T_REVEAL = 17,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
     T_READY = 0x87,
@@ -265,7 +265,8 @@ static void enter_command_cgroup(void) {
     }
 }
 
-/* The image's read-only disk (microvm: argv[2], recorded before any command ran), for pristine execs. */
+/* The image's read-only disk (argv[2], recorded before any command ran: microvm's EROFS root, a vm's second
+   disk, its image's base attached read-only), for pristine execs. */
 static dev_t image_dev;
 
 static void pristine_fail(const char *what) {
@@ -288,7 +289,10 @@ static void enter_pristine(const char *cwd) {
     for (size_t i = 0; i < sizeof dirs / sizeof *dirs; i++)
         if (mkdir(dirs[i], 0755) != 0) pristine_fail(dirs[i]);
     if (mknod("/run/disk", S_IFBLK | 0600, image_dev) != 0) pristine_fail("image disk node");
-    if (mount("/run/disk", "/run/img", "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, NULL) != 0)
+    /* microvm: the EROFS image; vm: the image's base disk, ext4, attached read-only (noload: no journal
+       replay on a disk nothing may write) */
+    if (mount("/run/disk", "/run/img", "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, NULL) != 0 &&
+        mount("/run/disk", "/run/img", "ext4", MS_RDONLY | MS_NODEV | MS_NOSUID, "noload") != 0)
         pristine_fail("mount the image disk");
     if (mount("overlay", "/run/root", "overlay", MS_NOSUID | MS_NODEV,
               "lowerdir=/run/img,upperdir=/run/upper,workdir=/run/work") != 0)
@@ -321,6 +325,8 @@ static void enter_pristine(const char *cwd) {
  * there (their writable knobs would run a helper as full root: core_pattern, uevent_helper...). The agent
  * becomes non-dumpable, so /proc/1/root and /proc/1/ns (its uncovered view) refuse commands, and new user
  * namespaces are switched off for good (max_user_namespaces = 0, which /proc/sys read-only keeps so). */
+#define CONFINED_DIR "/run/dsec-agent"
+#define CONFINED_MARK CONFINED_DIR "/confined"
 static int confined;
 static int sandbox_ns = -1;            /* mount namespace of commands */
 #define MAX_HIDDEN 64
@@ -453,8 +459,13 @@ static int cover_block_devices(const char *dir) {
 /* CONFINE payload: "P/path\0" (protected) and "H/path\0" (hidden) strings, any number (none: just the
  * namespace and the dropped capabilities); a vm adds "C/path\0" (a directory covered for good by an empty
  * read-only tmpfs in the commands' namespace, when it exists: the control sockets of systemd, udev and D-Bus,
- * which would run anything as full root) and "B/dev\0" (the block devices there covered, see
- * cover_block_devices). Reply: DATA with the still hidden paths (NUL-terminated), END.
+ * which would run anything as full root), "T/path\0" (covered by an empty writable tmpfs of the commands'
+ * own: a vm's /run, where systemd, udev and modprobe read units, rules and install commands), "W/path\0"
+ * (when any is given, the commands' root filesystem is read-only but for these directories: a vm's systemd,
+ * services, desktop and the kernel's modprobe run as full root outside the confinement and execute what is
+ * on that disk) and "B/dev\0" (the block devices there covered, see cover_block_devices). Once confined, the
+ * agent leaves a mark in its own /run: an agent started again in this guest (a vm's systemd restarts a
+ * killed one) powers the guest off rather than serve unconfined (see main). Reply: DATA with the still hidden paths (NUL-terminated), END.
  * A guest already confined (a restored snapshot of one) keeps its setup and only reports. */
 static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     char *strs[512];
@@ -464,7 +475,7 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     if (n < 0) { send_error(id, EINVAL, "malformed confine"); return; }
     int nh = 0;
     for (int i = 0; i < n; i++) {
-        if (!strchr("PHCB", strs[i][0]) || strs[i][1] != '/' || strs[i][2] == 0) {
+        if (!strchr("PHCTWB", strs[i][0]) || strs[i][1] != '/' || strs[i][2] == 0) {
             send_error(id, EINVAL, "malformed confine path"); return;
         }
         if (strs[i][0] == 'H' && ++nh > MAX_HIDDEN) { send_error(id, E2BIG, "hidden paths"); return; }
@@ -486,6 +497,19 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     const char *knobs[] = {"/proc/sys", "/sys"};  /* /proc/sysrq-trigger stays: it only ends this VM */
     for (size_t i = 0; !failed && i < sizeof knobs / sizeof *knobs; i++)
         if (bind_read_only(knobs[i]) != 0) failed = errno;
+    int read_only_root = 0;
+    for (int i = 0; !failed && i < n; i++) {
+        struct stat st;
+        if (strs[i][0] != 'W') continue;
+        read_only_root = 1;
+        if (lstat(strs[i] + 1, &st) == 0 && S_ISDIR(st.st_mode) &&
+            mount(strs[i] + 1, strs[i] + 1, NULL, MS_BIND | MS_REC, NULL) != 0) failed = errno;
+    }
+    if (!failed && read_only_root && mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0)
+        failed = errno;
+    for (int i = 0; !failed && i < n; i++)
+        if (strs[i][0] == 'T' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_NOSUID | MS_NODEV,
+                                       "size=16m,mode=0755") != 0) failed = errno;
     for (int i = 0; !failed && i < n; i++)
         if (strs[i][0] == 'H' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                        "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
@@ -508,6 +532,9 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     int fd = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
     if (fd >= 0) { if (write(fd, "0\n", 2) != 2) { /* an older kernel: unshare-user stays seccomp-free */ } close(fd); }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    mkdir(CONFINED_DIR, 0700);
+    fd = open(CONFINED_MARK, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd >= 0) close(fd);
     for (int i = 0; i < n; i++)
         if (strs[i][0] == 'H') hidden[nhidden++] = strdup(strs[i] + 1);
     confined = 1;
@@ -541,8 +568,9 @@ static void do_reveal(uint32_t id) {
 }
 
 /* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ...
-   (EXEC_PRISTINE: the same, run on the image's untouched root, see enter_pristine) */
-static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
+   (EXEC_PRISTINE: the same, run on the image's untouched root, see enter_pristine; EXEC_SYSTEM: the host's
+   own upkeep (a vm's clock, its disk's growth), never confined, whatever CONFINE did) */
+static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int system) {
     if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
     uid_t uid = get32(p + 4);
@@ -568,13 +596,13 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine) {
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
         enter_command_cgroup();  /* before the sandbox's namespace, where /sys is read-only */
-        if (confined && setns(sandbox_ns, CLONE_NEWNS) != 0) {
+        if (confined && !system && setns(sandbox_ns, CLONE_NEWNS) != 0) {
             dprintf(2, "dsec-agent: cannot enter the sandbox's mount namespace: %s\n", strerror(errno));
             _exit(126);
         }
         if (pristine)
             enter_pristine(strs[0]);
-        if (confined)
+        if (confined && !system)
             drop_privileges();
         if (gid != 0 || uid != 0) {
             if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
@@ -770,8 +798,9 @@ static void do_identity(uint32_t id, unsigned char *p, size_t len) {
 
 static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     switch (type) {
-    case T_EXEC: do_exec(id, p, len, 0); break;
-    case T_EXEC_PRISTINE: do_exec(id, p, len, 1); break;
+    case T_EXEC: do_exec(id, p, len, 0, 0); break;
+    case T_EXEC_PRISTINE: do_exec(id, p, len, 1, 0); break;
+    case T_EXEC_SYSTEM: do_exec(id, p, len, 0, 1); break;
     case T_STDIN: do_stdin(id, p, len); break;
     case T_SIGNAL: {
         struct chan *c = find_chan(id);
@@ -864,6 +893,15 @@ int main(int argc, char **argv) {
     struct stat image;
     if (argc > 2 && stat(argv[2], &image) == 0 && S_ISBLK(image.st_mode))
         image_dev = image.st_rdev;
+    struct stat mark;
+    if (getpid() != 1 && stat(CONFINED_MARK, &mark) == 0) {
+        /* an agent of this guest confined its commands and died (killed by one of them?): a new one would
+           serve unconfined, so the guest ends here (the host reports its death) */
+        dprintf(2, "dsec-agent: the confining agent of this guest died: powering off\n");
+        sync();
+        reboot(RB_POWER_OFF);
+        return 1;
+    }
     rbuf = malloc(MAX_IN + 4);
     setup_command_cgroup();
     sigset_t mask;

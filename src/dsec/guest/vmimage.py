@@ -83,7 +83,7 @@ Wants=systemd-udevd.service
 StartLimitIntervalSec=0
 
 [Service]
-ExecStart=/usr/local/sbin/dsec-agent /dev/virtio-ports/{AGENT_PORT}
+ExecStart=/usr/local/sbin/dsec-agent /dev/virtio-ports/{AGENT_PORT} /dev/vdb
 Restart=always
 RestartSec=0.2
 OOMScoreAdjust=-1000
@@ -94,7 +94,9 @@ WantedBy=sysinit.target
 """
 """The agent as a service: never the OOM killer's victim (-1000, which its commands do not inherit: each puts its
 score back to 0), with its cgroup delegated so it can put its commands in a memory cgroup of their own below the
-guest's RAM (``commands``, beside its own leaf ``agent``; see ``setup_command_cgroup`` in ``agent.c``)."""
+guest's RAM (``commands``, beside its own leaf ``agent``; see ``setup_command_cgroup`` in ``agent.c``). Its second
+argument is the image's untouched base disk (``/dev/vdb``, attached read-only by the vm backend) for pristine
+execs: its device number is taken when the agent starts, before any command ran."""
 
 _DESKTOP_UNIT = """[Unit]
 Description=DSec desktop (Xorg on the VM's display, twm, xterm)
@@ -102,7 +104,7 @@ After=systemd-user-sessions.service systemd-udev-settle.service dsec-agent.servi
 
 [Service]
 Environment=HOME=/root
-ExecStart=/usr/bin/xinit /etc/dsec/xsession -- /usr/bin/Xorg :0 vt7 -nolisten tcp -noreset -s 0 -dpms
+ExecStart=/usr/bin/xinit /etc/dsec/xsession -- /usr/bin/Xorg :0 vt7 -nolisten tcp -noreset -s 0 -dpms -extension XTEST
 Restart=always
 RestartSec=1
 
