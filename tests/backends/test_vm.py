@@ -9,6 +9,9 @@ under TCG), the others restore in seconds. The image is ``debian-desktop`` (buil
 from __future__ import annotations
 
 import asyncio
+import errno
+import hashlib
+import json
 import os
 import signal
 import time
@@ -242,11 +245,88 @@ async def test_bad_specs_and_images_are_refused(backend: VMBackend, image: Image
         await backend.create(new_record("vm", image, memory="64Mi"), image)
     with pytest.raises(DSecError, match="build-vm"):
         backend.resolve_image("no-such-vm-image")
-    # grading layers: root of a full VM keeps every capability, so they are refused before anything boots
-    for spec in ({"protected": ["/etc/passwd"]}, {"hidden": ["/workspace/tests"]}):
-        with pytest.raises(InvalidRequest, match="not available on the vm backend"):
-            await backend.create(new_record("vm", image, **spec), image)
-    assert vm_qemu_pids(backend) == []
-    # pristine execs: no untouched copy of the image is attached (refused before the sandbox is looked up)
-    with pytest.raises(NotSupported, match="pristine execs are not available on the vm backend"):
+    # pristine execs need a confined sandbox (refused before the sandbox is looked up)
+    with pytest.raises(NotSupported, match="pristine execs on the vm backend need a confined sandbox"):
         await backend.exec(new_record("vm", image), ExecRequest(command="true", pristine=True))
+    # a protected path the image lacks: refused naming it, nothing left running
+    with pytest.raises(InvalidRequest, match="/no/such/file"):
+        await backend.create(new_record("vm", image, protected=["/no/such/file"]), image)
+    assert vm_qemu_pids(backend) == []
+
+
+_CONFINED_PROBE = r'''
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+attempt("append_protected", lambda: open("/etc/passwd", "a").write("x::0:0::/:/bin/sh\n"))
+attempt("write_etc", lambda: open("/etc/ld.so.preload", "w").write("/workspace/evil.so\n"))
+attempt("write_usr", lambda: open("/usr/local/bin/twm", "w").write("#!/bin/sh\n"))
+attempt("write_agent", lambda: open("/usr/local/sbin/dsec-agent", "ab").write(b"x"))
+attempt("write_workspace", lambda: open("/workspace/ok", "w").write("ok"))
+attempt("write_tmp", lambda: open("/tmp/ok", "w").write("ok"))
+attempt("raw_disk", lambda: os.close(os.open("/dev/vda", os.O_WRONLY)))
+attempt("hidden_listing", lambda: out.__setitem__("listing", os.listdir("/workspace/tests")))
+attempt("systemd_socket", lambda: os.stat("/run/systemd/private"))
+out["umount"] = 0 if libc.umount2(b"/etc/passwd", 2) == 0 else ctypes.get_errno()
+print(json.dumps(out))
+'''
+
+
+async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRef) -> None:
+    """protected= and hidden= on a vm: commands confined (read-only system but the work directories, their own
+    /run, no raw disk, no mount, no module loading), the agent's upkeep not (clock, disk growth), pristine execs
+    on the image's base disk, reveal, and a killed agent ends the guest instead of serving unconfined."""
+    async with sandbox(backend, image, protected=["/etc/passwd"], hidden=["/workspace/tests"]) as sb:
+        assert sb.backend_state["hidden"] == ["/workspace/tests"]
+        clock = await backend.exec(sb, ExecRequest(command="date +%s"))
+        assert abs(int(clock.stdout) - time.time()) < 120, clock  # set by the agent's unconfined upkeep
+        await backend.write_file(sb, "/workspace/tests/test_grade.py", b"assert 42\n", None)
+        r = await backend.exec(sb, ExecRequest(command=["python3", "-c", _CONFINED_PROBE]))
+        res = json.loads(r.stdout)
+        assert {k: res[k] for k in ("append_protected", "write_etc", "write_usr", "write_agent", "raw_disk")} == \
+            dict.fromkeys(("append_protected", "write_etc", "write_usr", "write_agent", "raw_disk"), errno.EROFS), res
+        assert res["write_workspace"] == res["write_tmp"] == 0, res
+        assert res["listing"] == [] and res["systemd_socket"] == errno.ENOENT and res["umount"] == errno.EPERM, res
+        r = await backend.exec(sb, ExecRequest(command="modprobe dummy"))
+        assert r.exit_code != 0, r
+        # pristine: the image's own binaries, whatever the sandbox's disk holds (the files API, as guest root,
+        # can replace them: commands cannot)
+        real = (await backend.exec(sb, ExecRequest(command="sha256sum /usr/bin/sha256sum"))).stdout.split()[0]
+        await backend.write_file(sb, "/usr/bin/sha256sum", b"#!/bin/sh\necho 0000  PASS\n", 0o755)
+        fooled = await backend.exec(sb, ExecRequest(command="sha256sum /usr/bin/sha256sum"))
+        assert fooled.stdout.startswith(b"0000"), fooled
+        graded = await backend.exec(sb, ExecRequest(command=["sha256sum", "/usr/bin/python3"], pristine=True))
+        plain = await backend.exec(sb, ExecRequest(command=["cat", "/usr/bin/python3"]))
+        assert graded.exit_code == 0 and graded.stdout.split()[0].decode() == \
+            hashlib.sha256(plain.stdout).hexdigest(), graded
+        graded = await backend.exec(sb, ExecRequest(command="head -c 20 /usr/bin/sha256sum | od -c | head -1",
+                                                    pristine=True))
+        assert b"E   L   F" in graded.stdout, graded  # the image's binary, not the replacement script
+        assert real != b"0000"
+        await backend.reveal(sb)
+        r = await backend.exec(sb, ExecRequest(command="cat /workspace/tests/test_grade.py; "
+                                                       "echo x >> /workspace/tests/test_grade.py"))
+        assert r.stdout == b"assert 42\n" and b"Read-only file system" in r.stderr, r
+        # a command kills the agent: systemd restarts it, and the new agent ends the guest
+        await backend.exec(sb, ExecRequest(command="kill -9 $(pidof dsec-agent)", timeout=30))
+        with pytest.raises(SandboxError, match=r"(?i)power|dead|gone"):
+            for _ in range(60):
+                await backend.exec(sb, ExecRequest(command="true", timeout=30))
+                await asyncio.sleep(1)
+
+
+async def test_memory_bomb_is_oom_killed(backend: VMBackend, image: ImageRef) -> None:
+    """A command that eats memory is OOM-killed in the guest's commands cgroup (limit='memory'); the guest, its
+    agent and its desktop live on."""
+    async with sandbox(backend, image) as sb:
+        bomb = "b = []\nwhile True: b.append(bytearray(1 << 20))"
+        r = await backend.exec(sb, ExecRequest(command=["python3", "-c", bomb], timeout=300))
+        assert r.limit == "memory" and r.signal == signal.SIGKILL, r
+        r = await backend.exec(sb, ExecRequest(command="cat /proc/self/oom_score_adj; cat /proc/self/cgroup; "
+                                                       "systemctl is-active dsec-desktop"))
+        assert r.stdout.split() == [b"0", b"0::/system.slice/dsec-agent.service/commands", b"active"], r

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.initramfs import build_initramfs
@@ -549,13 +549,22 @@ class MicroVMBackend(Backend):
         await self._qmp(rundir, [("cont", {})])
         await vm.client.ping(timeout=self.restore_timeout)
 
+    def _confines(self, record: SandboxRecord) -> bool:
+        """Whether ``record``'s commands run confined (microvm: always)."""
+        return self.confines_commands
+
+    def _confine_extra(self, record: SandboxRecord) -> list[tuple[str, str]]:
+        """More of the commands' confinement than protected and hidden paths (the vm backend's)."""
+        return []
+
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
         await client.mkdir(workdir_of(record))
-        if self.confines_commands:
+        if self._confines(record):
             try:
-                hidden = await client.confine(record.spec.protected, record.spec.hidden)
+                hidden = await client.confine(record.spec.protected, record.spec.hidden,
+                                              self._confine_extra(record))
             except InvalidRequest as e:  # a path the image lacks, or one through a symlink: the spec's fault
                 raise InvalidRequest(str(e).replace("guest agent refused the request: ", "")) from None
             record.backend_state["hidden"] = hidden  # until reveal()
@@ -563,7 +572,7 @@ class MicroVMBackend(Backend):
     async def reveal(self, record: SandboxRecord) -> None:
         """Uncover the hidden paths (the agent unmounts their covers in the commands' mount namespace and
         leaves them read-only)."""
-        if not self.confines_commands:
+        if not self._confines(record):
             await super().reveal(record)
         if not record.backend_state.get("hidden"):
             return
@@ -752,18 +761,30 @@ class MicroVMBackend(Backend):
     def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         return self._exec_stream(record, request)
 
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        if request.pristine and not self.pristine_execs:
-            raise NotSupported(f"pristine execs are not available on the {self.name} backend (its root disk is "
-                               f"the sandbox's own, with no untouched copy of the image): use backend='microvm' "
-                               f"or 'container'")
+    async def _system_exec(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
+        """Run the backend's own upkeep command in the guest: as root, never confined (a vm's clock, its disk's
+        growth), whatever the sandbox's commands may do."""
+        return await collect_exec(self._exec_stream(record, request, system=True))
+
+    def _pristine_refusal(self, record: SandboxRecord) -> str | None:
+        """Why ``record`` cannot run pristine execs (None: it can)."""
+        if self.pristine_execs:
+            return None
+        return (f"pristine execs are not available on the {self.name} backend (its root disk is the sandbox's "
+                f"own, with no untouched copy of the image): use backend='microvm' or 'container'")
+
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, system: bool = False
+                           ) -> AsyncIterator[ExecEvent]:
+        refusal = self._pristine_refusal(record) if request.pristine else None
+        if refusal:
+            raise NotSupported(refusal)
         client = self._client(record)
         env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
                **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
         uid, gid = record.backend_state.get("user", [0, 0])
         start = time.monotonic()
         channel = await client.start_exec(request.argv(), env, request.cwd or workdir_of(record), uid, gid,
-                                          pristine=request.pristine)
+                                          pristine=request.pristine, system=system)
         finished = False
         try:
             if request.stdin:

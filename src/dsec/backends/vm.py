@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import ImageRef
+from dsec.backends.base import ImageRef, workdir_of
 from dsec.backends.microvm import _VM, QEMU, MiB, MicroVMBackend, accel_arg, probe_accelerator
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
@@ -147,10 +147,13 @@ class VMBackend(MicroVMBackend):
     restore_timeout = float(os.environ.get("DSEC_VM_RESTORE_TIMEOUT") or 180)
     """A restored desktop guest under TCG on a loaded host has needed more than the microvm's 20 s to answer."""
     min_memory = 256 * MiB
-    pristine_execs = False
+    pristine_execs = True
+    """The image's base disk is attached read-only (``/dev/vdb``); pristine execs need a confined sandbox
+    (:meth:`_pristine_refusal`)."""
     nic_device = "virtio-net-pci"
-    confines_commands = False
-    """A full VM's root keeps every capability (kernel modules, mounts, systemd): the VM is the boundary."""
+    confines_commands = True
+    """Only sandboxes created with ``protected=`` or ``hidden=`` (:meth:`_confines`): otherwise a full VM's root
+    keeps every capability (kernel modules, mounts, systemd) and the VM is the boundary."""
 
     def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
                  fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
@@ -215,8 +218,9 @@ class VMBackend(MicroVMBackend):
 
     def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
         st = erofs.stat()
-        # "vm2": templates saved before the terminal's shell was ready (clones lost their first keys) are not reused
-        return hashlib.sha256(f"vm2:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
+        # "vm3": templates saved before the terminal's shell was ready (vm2) or without the pristine disk are not
+        # reused
+        return hashlib.sha256(f"vm3:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
                               ).hexdigest()[:16]
 
     async def _cold_boot(self, record: SandboxRecord, rundir: Path, erofs: Path, vcpus: int, mem_mib: int,
@@ -253,10 +257,33 @@ class VMBackend(MicroVMBackend):
         """Fresh identity (as microvm), and the host's time: a clone's clock is its template's, which may be
         days old (the image masks timesyncd, and there is no network to sync with)."""
         await super()._prepare(record)
-        r = await self.exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"], timeout=30))
+        r = await self._system_exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"],
+                                                        timeout=30))
         if r.exit_code != 0:
             raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
         await self._grow_disk(record)
+
+    # -- confined commands (protected and hidden paths, pristine execs) ----------------------------------
+
+    def _confines(self, record: SandboxRecord) -> bool:
+        """Commands of a vm run confined only when the sandbox has grading paths: confinement takes root's
+        capabilities to mount, load modules or set the clock, and makes the system read-only to commands."""
+        return bool(record.spec.protected or record.spec.hidden)
+
+    def _confine_extra(self, record: SandboxRecord) -> list[tuple[str, str]]:
+        """What confinement needs besides the paths in a full VM, where systemd, udev, the kernel's modprobe and
+        the desktop run as unconfined root: a read-only root but for the work directories (nothing a command
+        writes is ever run by them), the commands' own ``/run`` (units, udev rules, modprobe.d, the control
+        sockets of systemd and udev live there), and the block devices covered (raw writes to the root disk
+        would go around every mount)."""
+        writable = dict.fromkeys(("/workspace", workdir_of(record), "/tmp", "/var/tmp", "/home", "/dev/shm"))
+        return [("T", "/run"), *(("W", d) for d in writable), ("B", "/dev")]
+
+    def _pristine_refusal(self, record: SandboxRecord) -> str | None:
+        if not self._confines(record):
+            return ("pristine execs on the vm backend need a confined sandbox (create it with protected= or "
+                    "hidden=): in an unconfined VM, guest root could replace the agent that runs them")
+        return None
 
     async def _grow_disk(self, record: SandboxRecord) -> None:
         """Give the guest a disk of ``spec.disk`` bytes: QMP ``block_resize`` of the sandbox's overlay (the
@@ -270,7 +297,7 @@ class VMBackend(MicroVMBackend):
         if want > size:
             await self._qmp(vm.rundir, [("block_resize", {"device": "root", "size": want})])
             # the capacity change reaches the guest's driver through a config interrupt: wait for it
-            r = await self.exec(record, ExecRequest(command=(
+            r = await self._system_exec(record, ExecRequest(command=(
                 f"for i in $(seq 300); do [ $(blockdev --getsize64 /dev/vda) -ge {want} ] && break; sleep 0.1; done; "
                 "resize2fs /dev/vda 2>&1"), timeout=300))
             if r.exit_code != 0:
@@ -295,6 +322,7 @@ class VMBackend(MicroVMBackend):
             raise SandboxError(f"qemu-img create of the sandbox's disk failed: {proc.stderr.strip()[-300:]}")
         for name in ("vmlinuz", "initrd.img"):
             (d / name).symlink_to(base.parent / name)
+        (d / "pristine.qcow2").symlink_to(base)
         self._chown(d / "disk.qcow2")
         self._chown(d)
         return d / "disk.qcow2"
@@ -323,6 +351,9 @@ class VMBackend(MicroVMBackend):
             "-chardev", f"socket,id=con,path={rundir / 'console.sock'},server=on,wait=off", "-serial", "chardev:con",
             "-drive", f"id=root,file={disk},format=qcow2,if=none,discard=unmap",
             "-device", "virtio-blk-pci,drive=root",
+            # the image's untouched base, read-only at QEMU's level: /dev/vdb, the root of pristine execs
+            "-drive", f"id=pristine,file={disk.parent / 'pristine.qcow2'},format=qcow2,if=none,readonly=on",
+            "-device", "virtio-blk-pci,drive=pristine",
             "-device", "virtio-serial-pci",
             "-chardev", f"socket,id=agent,path={rundir / 'agent.sock'},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",

@@ -36,7 +36,7 @@ _HDR = struct.Struct(">IBI")
 class T:
     """Frame types (host -> guest below 0x80, guest -> host above)."""
 
-    EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE = range(1, 12)
+    EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE, EXEC_SYSTEM = range(1, 13)
     CONFINE, REVEAL = 16, 17
     STDOUT, STDERR, EXIT, DATA, END, ERROR, READY = range(0x81, 0x88)
 
@@ -295,11 +295,15 @@ class AgentClient:
     async def identity(self, hostname: str, machine_id: str, seed: bytes) -> None:
         await self._simple(T.IDENTITY, hostname.encode() + b"\0" + machine_id.encode() + b"\0" + seed, "")
 
-    async def confine(self, protected: builtins.list[str], hidden: builtins.list[str]) -> builtins.list[str]:
+    async def confine(self, protected: builtins.list[str], hidden: builtins.list[str],
+                      extra: builtins.list[tuple[str, str]] | None = None) -> builtins.list[str]:
         """Confine every later command (own mount namespace, capabilities dropped, no_new_privs) with
         ``protected`` read-only and ``hidden`` covered; returns the paths still hidden (a guest restored from a
-        snapshot of a confined one keeps its own setup and reports it)."""
+        snapshot of a confined one keeps its own setup and reports it). ``extra``: ``(kind, path)`` entries of
+        the full-VM setup (``C`` covered, ``T`` own tmpfs, ``W`` writable in a read-only root, ``B`` block
+        devices covered; see docs/design.md)."""
         payload = b"".join(b"P" + _path(p) for p in protected) + b"".join(b"H" + _path(h) for h in hidden)
+        payload += b"".join(kind.encode() + _path(p) for kind, p in extra or [])
         chunks = await self._simple(T.CONFINE, payload, "", 60.0)
         return [p.decode(errors="replace") for p in b"".join(chunks).split(b"\0") if p]
 
@@ -311,16 +315,17 @@ class AgentClient:
         await self._simple(T.SHUTDOWN, b"", "", 10.0)
 
     async def start_exec(self, argv: builtins.list[str], env: dict[str, str], cwd: str, uid: int = 0,
-                         gid: int = 0, pristine: bool = False) -> int:
-        """Start a command as ``uid:gid`` (``pristine``: on the image's untouched root, with ``cwd`` bound in);
-        returns its channel (read it with :meth:`next_frame`)."""
+                         gid: int = 0, pristine: bool = False, system: bool = False) -> int:
+        """Start a command as ``uid:gid`` (``pristine``: on the image's untouched root, with ``cwd`` bound in;
+        ``system``: the backend's own upkeep, never confined); returns its channel (read it with
+        :meth:`next_frame`)."""
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
         payload = struct.pack(">HHII", len(argv), len(env), uid, gid) + b"".join(s.encode() + b"\0" for s in strings)
         channel = self.open_channel()
         try:
-            await self.send(T.EXEC_PRISTINE if pristine else T.EXEC, channel, payload)
+            await self.send(T.EXEC_SYSTEM if system else T.EXEC_PRISTINE if pristine else T.EXEC, channel, payload)
         except BaseException:
             self.close_channel(channel)
             raise

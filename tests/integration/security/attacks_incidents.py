@@ -122,13 +122,20 @@ print(json.dumps(out))
                                           "then check a later exec and a neighbour sandbox",
         models="incident: agents overwrote /bin/bash to subvert later checks",
         defence="container, microvm: writes land in the sandbox's own writable layer (the image and every other "
-                "sandbox keep the real binary); function: the root is read-only (EROFS)",
-        fresh=True,
-        open_gaps={"vm": "in a full VM /bin/bash is in use by the guest's own processes (ETXTBSY): the attack's "
-                          "expectation of a copy-up layer does not fit a VM's ext4 root; not reworked yet"})
+                "sandbox keep the real binary); function: the root is read-only (EROFS); vm: the guest's own "
+                "processes run /bin/bash, so the kernel refuses to write it (ETXTBSY) and the agent replaces it by "
+                "rename instead: it lands on the sandbox's own qcow2 overlay (the image's base disk is read-only, "
+                "every other sandbox has its own overlay)",
+        fresh=True)
 async def overwrite_bin_bash(t: Target) -> None:
     real = t.image_sha("usr/bin/bash")
-    r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
+    if t.name == "vm":  # a running binary (the desktop's shell): ETXTBSY in place, so the way round: a rename
+        r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?")
+        assert b"rc=0" in r.stdout or b"Text file busy" in r.stderr, r
+        r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash.new && chmod 755 /bin/bash.new && "
+                       "mv -f /bin/bash.new /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
+    else:
+        r = await t.sh("printf '#!/bin/sh\\necho PASS\\n' > /bin/bash; echo rc=$?; /bin/bash -c 'exit 1'; echo $?")
     if t.name == "function":
         assert b"rc=0" not in r.stdout, f"the function sandbox's root was writable: {r}"
         assert b"Read-only file system" in r.stderr, r
@@ -173,9 +180,9 @@ print(json.dumps(out))
                                            "kcore, kmsg directly",
         models="incident: a recursive grep through /proc crashed the host kernel (/proc/kpagecgroup)",
         defence="container, function: the kernel-wide files are masked (empty or refused) and the sandbox sees "
-                "only its own pid namespace; microvm: the guest's own kernel",
-        open_gaps={"vm": "the desktop guest panicked ('System is deadlocked on memory') during the grep in the "
-                          "clean-clone CI of stop 15: the host was unaffected, the VM died; not investigated yet"})
+                "only its own pid namespace; microvm: the guest's own kernel; vm: the same, and grep's memory "
+                "(a 'line' of /proc/kcore has no end) is bounded by the agent's commands cgroup (it once made the "
+                "guest panic, 'System is deadlocked on memory', when commands inherited the agent's OOM immunity)")
 async def proc_recursive_grep(t: Target) -> None:
     r = await t.sh("timeout -s KILL 30 grep -rsa -D skip dsec-no-such-needle /proc >/dev/null 2>&1; echo rc=$?",
                    timeout=90)
