@@ -401,9 +401,10 @@ static int bind_read_only(const char *path) {
 /* Each directory above `path` (but /) bound over itself, read-write: a mount point cannot be renamed or
  * removed (EBUSY), so no command can move a protected or hidden path away with its parent and put its own
  * directory where the grader looks (a mount moves with a renamed ancestor). Idempotent per directory. */
+static char *pinned[1024];
+static int npinned;
+
 static int pin_ancestors(const char *path) {
-    static char *pinned[1024];
-    static int npinned;
     char buf[PATH_MAX];
     if (strlen(path) >= sizeof buf) { errno = ENAMETOOLONG; return -1; }
     strcpy(buf, path);
@@ -497,16 +498,28 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     const char *knobs[] = {"/proc/sys", "/sys"};  /* /proc/sysrq-trigger stays: it only ends this VM */
     for (size_t i = 0; !failed && i < sizeof knobs / sizeof *knobs; i++)
         if (bind_read_only(knobs[i]) != 0) failed = errno;
+    /* W: the root read-only, and so every directory pinned above a grading path (its own mount) but those in
+       a writable directory; then each writable directory bound over itself read-write (its mounts within,
+       protected paths among them, keep their flags) */
     int read_only_root = 0;
-    for (int i = 0; !failed && i < n; i++) {
-        struct stat st;
-        if (strs[i][0] != 'W') continue;
-        read_only_root = 1;
-        if (lstat(strs[i] + 1, &st) == 0 && S_ISDIR(st.st_mode) &&
-            mount(strs[i] + 1, strs[i] + 1, NULL, MS_BIND | MS_REC, NULL) != 0) failed = errno;
+    for (int i = 0; i < n; i++) read_only_root |= strs[i][0] == 'W';
+    for (int p = 0; !failed && read_only_root && p < npinned; p++) {
+        int writable = 0;
+        for (int i = 0; i < n && !writable; i++) {
+            size_t wl = strlen(strs[i] + 1);
+            writable = strs[i][0] == 'W' && !strncmp(pinned[p], strs[i] + 1, wl) &&
+                       (pinned[p][wl] == 0 || pinned[p][wl] == '/');
+        }
+        if (!writable && mount(NULL, pinned[p], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0) failed = errno;
     }
     if (!failed && read_only_root && mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0)
         failed = errno;
+    for (int i = 0; !failed && i < n; i++) {
+        struct stat st;
+        if (strs[i][0] != 'W' || lstat(strs[i] + 1, &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+        if (mount(strs[i] + 1, strs[i] + 1, NULL, MS_BIND | MS_REC, NULL) != 0 ||
+            mount(NULL, strs[i] + 1, NULL, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV, NULL) != 0) failed = errno;
+    }
     for (int i = 0; !failed && i < n; i++)
         if (strs[i][0] == 'T' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_NOSUID | MS_NODEV,
                                        "size=16m,mode=0755") != 0) failed = errno;
