@@ -191,14 +191,54 @@ async def test_pristine_exec_frame_and_the_vm_backends_refusal() -> None:
 
     await with_fake_agent(agent, body)
     assert seen == [T.EXEC_PRISTINE]
-    # the vm backend's root disk is the sandbox's own: no untouched image to run on, a clear refusal
+    # the vm backend runs pristine execs only in a confined sandbox (with grading paths): a clear refusal
     from dsec.backends.vm import VMBackend
     from dsec.config import Settings
     from dsec.errors import NotSupported
     from dsec.models import ExecRequest, SandboxRecord, SandboxSpec
 
     record = SandboxRecord(id="sb-x", spec=SandboxSpec(image="x"), state="running", created_at=0, expires_at=0)
-    with pytest.raises(NotSupported, match="pristine execs are not available on the vm backend"):
+    with pytest.raises(NotSupported, match="pristine execs on the vm backend need a confined sandbox"):
         async for _ in VMBackend(Settings(home=Path(tempfile.gettempdir()))).exec_stream(
                 record, ExecRequest(command="true", pristine=True)):
             pass
+
+
+async def test_system_exec_and_vm_confine_frames() -> None:
+    """The vm backend's upkeep goes as EXEC_SYSTEM, and its CONFINE carries the full-VM entries after the paths;
+    only sandboxes with grading paths are confined there."""
+    seen: list[tuple[int, bytes]] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0))
+        await writer.drain()
+        for _ in range(2):
+            header = await reader.readexactly(9)
+            length, kind, channel = struct.unpack(">IBI", header)
+            seen.append((kind, await reader.readexactly(length - 5)))
+            if kind == T.CONFINE:
+                writer.write(frame(T.DATA, channel, b"/workspace/tests\0") + frame(T.END, channel))
+                await writer.drain()
+        await asyncio.sleep(5)
+
+    from dsec.backends.vm import VMBackend
+    from dsec.config import Settings
+    from dsec.models import SandboxRecord, SandboxSpec
+
+    backend = VMBackend(Settings(home=Path(tempfile.gettempdir())))
+    plain = SandboxRecord(id="sb-x", spec=SandboxSpec(image="x"), state="running", created_at=0, expires_at=0)
+    graded = SandboxRecord(id="sb-y", spec=SandboxSpec(image="x", hidden=["/workspace/tests"]), state="running",
+                           created_at=0, expires_at=0)
+    assert not backend._confines(plain) and backend._confines(graded)
+    extra = backend._confine_extra(graded)
+    assert ("T", "/run") in extra and ("B", "/dev") in extra and ("W", "/workspace") in extra
+    assert len([p for kind, p in extra if kind == "W"]) == len({p for kind, p in extra if kind == "W"})
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        await client.start_exec(["date"], {}, "/", system=True)
+        assert await client.confine([], ["/workspace/tests"], extra) == ["/workspace/tests"]
+
+    await with_fake_agent(agent, body)
+    assert seen[0][0] == T.EXEC_SYSTEM
+    assert seen[1] == (T.CONFINE, b"H/workspace/tests\0" + b"".join(k.encode() + p.encode() + b"\0" for k, p in extra))

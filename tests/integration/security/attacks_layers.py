@@ -13,8 +13,10 @@ import errno
 
 from redteam import Target, attack, expect_errno, probe
 
-_NO_PATHS_ON_VM = {"vm": "protected=/hidden= are refused on vm (400): root of a full VM keeps every capability "
-                         "(modules, mounts) and could undo them; use microvm or container"}
+_VM_CONFINED = ("vm: a sandbox with grading paths runs its commands confined by the guest agent as on microvm, and "
+                "on a system read-only to them but for the work directories (systemd, udev, modprobe and the "
+                "desktop run as unconfined root and execute what is on the disk), with their own /run and no "
+                "block devices")
 _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
 
 
@@ -24,8 +26,9 @@ _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
         defence="container: protected paths are read-only bind mounts (EROFS for writes, EBUSY for the mount "
                 "point, EXDEV/EROFS for renames into them); function: the same binds in the zygote's mount "
                 "namespace, over a root that is read-only anyway (EROFS before the mount point's EBUSY); microvm: "
-                "the same binds made by the guest agent, which runs commands without CAP_SYS_ADMIN",
-        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec=_PROTECTED)
+                "the same binds made by the guest agent, which runs commands without CAP_SYS_ADMIN; " + _VM_CONFINED +
+                " (EROFS from the read-only parent before EBUSY)",
+        fresh=True, spec=_PROTECTED)
 async def protected_rewrite(t: Target) -> None:
     before = (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout
     res = await probe(t, r"""
@@ -51,7 +54,8 @@ print(json.dumps(out))
             "rename_over_binary": (errno.EXDEV, errno.EROFS)}
     for name, err in want.items():
         function_err = errno.EROFS if err == errno.EBUSY else err  # the read-only parent answers first
-        expect_errno(t, name, res[name], {"container": err, "function": function_err, "microvm": err})
+        expect_errno(t, name, res[name], {"container": err, "function": function_err, "microvm": err,
+                                          "vm": function_err})
     assert (await t.sh("sha256sum /etc/passwd /usr/bin/bash /usr/bin/python3")).stdout == before
 
 
@@ -61,8 +65,8 @@ print(json.dumps(out))
         defence="container, function: seccomp denies the ioctls and the whole mount family (EPERM) and the "
                 "sandbox's root has no CAP_SYS_ADMIN; the read-only bind mount stands behind both; microvm: the "
                 "bind is read-only (a protected file opens for writing with EROFS, so no ioctl gets a writable "
-                "descriptor) and commands have no CAP_SYS_ADMIN (the mount family: EPERM)",
-        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec=_PROTECTED)
+                "descriptor) and commands have no CAP_SYS_ADMIN (the mount family: EPERM); " + _VM_CONFINED,
+        fresh=True, spec=_PROTECTED)
 async def protected_swap_clone_unmount(t: Target) -> None:
     before = (await t.sh("sha256sum /etc/passwd /usr/bin/bash")).stdout
     res = await probe(t, r"""
@@ -87,8 +91,9 @@ print(json.dumps(out))
 """)
     for name, got in res.items():
         if name.startswith("open_rw"):
-            expect_errno(t, name, got, {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS})
-        elif t.name == "microvm" and name.startswith(("FICLONE", "XFS")):
+            expect_errno(t, name, got, {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS,
+                                        "vm": errno.EROFS})
+        elif t.name in ("microvm", "vm") and name.startswith(("FICLONE", "XFS")):
             # a read-only descriptor is all the sandbox can get: the kernel refuses the ioctl before any
             # filesystem sees it (EBADF: not open for writing), or the filesystem has no such ioctl
             # (EFAULT: FICLONERANGE reads its argument struct first, and the probe passes a descriptor)
@@ -96,7 +101,8 @@ print(json.dumps(out))
                        errno.EFAULT)
             assert got in refused, (name, got)
         else:
-            expect_errno(t, name, got, {"container": errno.EPERM, "function": errno.EPERM, "microvm": errno.EPERM})
+            expect_errno(t, name, got, {"container": errno.EPERM, "function": errno.EPERM, "microvm": errno.EPERM,
+                                        "vm": errno.EPERM})
     assert (await t.sh("sha256sum /etc/passwd /usr/bin/bash")).stdout == before
 
 
@@ -108,8 +114,8 @@ print(json.dumps(out))
                 "read: ENOENT; writes EROFS; the directory itself EBUSY); after reveal a read-only bind (EROFS, "
                 "EBUSY, EXDEV), and the files API reads the grader's bytes unchanged; microvm: the same, the cover "
                 "made by the guest agent in the commands' own mount namespace (the agent's view, which the files "
-                "API uses, has none; commands cannot reach it: the agent is not dumpable)",
-        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/tests"]})
+                "API uses, has none; commands cannot reach it: the agent is not dumpable); " + _VM_CONFINED,
+        fresh=True, spec={"hidden": ["/workspace/tests"]})
 async def hidden_tests_then_revealed(t: Target) -> None:
     secret = b"def test_answer():\n    assert solve() == 42\n"
     await t.backend.write_file(t.sb, "/workspace/tests/test_grade.py", secret, None)
@@ -131,22 +137,26 @@ print(json.dumps(out))
     before = await probe(t, snippet)
     assert before["listing"] == [] and before["read"] == errno.ENOENT, f"hidden tests visible: {before}"
     expect_errno(t, "write (hidden)", before["write"], {"container": errno.EROFS, "function": errno.EROFS,
-                                                         "microvm": errno.EROFS})
+                                                         "microvm": errno.EROFS, "vm": errno.EROFS})
     expect_errno(t, "rename_dir (hidden)", before["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY,
-                                                                  "microvm": errno.EBUSY})
-    if t.name == "microvm":  # the agent's uncovered view, through its /proc entry
-        res = await probe(t, 'print(json.dumps(try_os(os.listdir, "/proc/1/root/workspace/tests")))')
-        assert res == errno.EACCES, f"the agent's view of the hidden tests: {res}"
+                                                                  "microvm": errno.EBUSY, "vm": errno.EBUSY})
+    if t.name in ("microvm", "vm"):  # the agent's uncovered view, through its /proc entry (vm: and systemd's)
+        agent = "1" if t.name == "microvm" else (await t.sh("pidof dsec-agent")).stdout.decode().split()[0]
+        for pid in {agent, "1"}:
+            res = await probe(t, f'print(json.dumps(try_os(os.listdir, "/proc/{pid}/root/workspace/tests")))')
+            assert res == errno.EACCES, f"the view of the hidden tests of pid {pid}: {res}"
     await t.backend.reveal(t.sb)
     after = await probe(t, snippet)
     assert after["listing"] == ["test_grade.py"] and after["read"] == 0, f"revealed tests not visible: {after}"
     for name in ("write", "unlink"):
-        expect_errno(t, name, after[name], {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS})
+        expect_errno(t, name, after[name], {"container": errno.EROFS, "function": errno.EROFS, "microvm": errno.EROFS,
+                                            "vm": errno.EROFS})
     expect_errno(t, "rename_dir", after["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY,
-                                                        "microvm": errno.EBUSY})
+                                                        "microvm": errno.EBUSY, "vm": errno.EBUSY})
     expect_errno(t, "rename_over", after["rename_over"], {"container": (errno.EXDEV, errno.EROFS),
                                                           "function": (errno.EXDEV, errno.EROFS),
-                                                          "microvm": (errno.EXDEV, errno.EROFS)})
+                                                          "microvm": (errno.EXDEV, errno.EROFS),
+                                                          "vm": (errno.EXDEV, errno.EROFS)})
     assert await t.backend.read_file(t.sb, "/workspace/tests/test_grade.py", 1 << 20) == secret
 
 
@@ -186,15 +196,20 @@ print(json.dumps(out))
         defence="container, microvm: pristine=True runs the grader on the image's untouched root (a fresh overlay "
                 "over the image; microvm: its read-only disk mounted afresh), so it runs the image's binaries "
                 "whatever the sandbox's layer holds; function: the root is read-only anyway (EROFS) and pristine "
-                "runs on the image the same way",
-        not_applicable={"vm": "pristine execs are refused on vm (501): its root disk is the sandbox's own, with no "
-                              "untouched copy of the image to run from"},
-        fresh=True)
+                "runs on the image the same way; vm: the image's base disk, attached read-only, mounted afresh "
+                "(pristine execs need a confined sandbox there, hence the grading path of this attack's spec, "
+                "and the agent writes the fakes: the system is read-only to confined commands)",
+        fresh=True, spec={"hidden": ["/workspace/tests"]})
 async def pristine_grader_binaries(t: Target) -> None:
 
     fake = "#!/bin/sh\\necho 0000000000000000000000000000000000000000000000000000000000000000  PASS\\n"
     r = await t.sh(f"for f in /usr/bin/sha256sum /usr/bin/python3.11; do printf '{fake}' > $f; echo $?; done")
     replaced = r.stdout.split() == [b"0", b"0"]
+    if t.name == "vm":  # the confined commands' system is read-only: the fakes come through the files API
+        assert not replaced, f"a confined vm command rewrote /usr/bin: {r}"
+        for f in ("/usr/bin/sha256sum", "/usr/bin/python3.11"):
+            await t.backend.write_file(t.sb, f, fake.replace("\\n", "\n").encode(), 0o755)
+        replaced = True
     assert replaced or t.name == "function", f"the sandbox's own layer refused a write: {r}"
     files = ("usr/bin/sha256sum", "usr/bin/python3.11")
     want = [t.image_sha(f) for f in files]
@@ -214,7 +229,7 @@ async def pristine_grader_binaries(t: Target) -> None:
         defence="container, function, microvm: every directory above a protected or hidden path is bound over "
                 "itself when the paths are mounted (the daemon's helper; microvm: the guest agent), so none can be "
                 "renamed or removed (EBUSY) and the grader's files land beneath the cover",
-        not_applicable=_NO_PATHS_ON_VM, fresh=True, spec={"hidden": ["/workspace/grading/tests"]})
+        fresh=True, spec={"hidden": ["/workspace/grading/tests"]})
 async def grading_path_parent_rename(t: Target) -> None:
     await t.backend.write_file(t.sb, "/workspace/grading/tests/test_grade.py", b"assert solve() == 42\n", None)
     r = await t.sh("mv /workspace/grading /workspace/moved; echo rc=$?; rmdir /workspace/grading 2>/dev/null; "
