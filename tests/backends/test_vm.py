@@ -267,6 +267,7 @@ attempt("append_protected", lambda: open("/etc/passwd", "a").write("x::0:0::/:/b
 attempt("write_etc", lambda: open("/etc/ld.so.preload", "w").write("/workspace/evil.so\n"))
 attempt("write_usr", lambda: open("/usr/local/bin/twm", "w").write("#!/bin/sh\n"))
 attempt("write_agent", lambda: open("/usr/local/sbin/dsec-agent", "ab").write(b"x"))
+attempt("write_unit", lambda: open("/etc/systemd/system/dsec-agent.service", "a").write("ExecStartPre=/bin/true\\n"))
 attempt("write_workspace", lambda: open("/workspace/ok", "w").write("ok"))
 attempt("write_tmp", lambda: open("/tmp/ok", "w").write("ok"))
 attempt("raw_disk", lambda: os.close(os.open("/dev/vda", os.O_WRONLY)))
@@ -288,8 +289,9 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
         await backend.write_file(sb, "/workspace/tests/test_grade.py", b"assert 42\n", None)
         r = await backend.exec(sb, ExecRequest(command=["python3", "-c", _CONFINED_PROBE]))
         res = json.loads(r.stdout)
-        assert {k: res[k] for k in ("append_protected", "write_etc", "write_usr", "write_agent", "raw_disk")} == \
-            dict.fromkeys(("append_protected", "write_etc", "write_usr", "write_agent", "raw_disk"), errno.EROFS), res
+        assert {k: res[k] for k in ("append_protected", "write_etc", "write_usr", "write_unit")} == \
+            dict.fromkeys(("append_protected", "write_etc", "write_usr", "write_unit"), errno.EROFS), res
+        assert res["write_agent"] in (errno.EROFS, errno.ETXTBSY) and res["raw_disk"] == errno.EACCES, res
         assert res["write_workspace"] == res["write_tmp"] == 0, res
         assert res["listing"] == [] and res["systemd_socket"] == errno.ENOENT and res["umount"] == errno.EPERM, res
         r = await backend.exec(sb, ExecRequest(command="modprobe dummy"))

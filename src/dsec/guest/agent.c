@@ -436,9 +436,9 @@ static void send_hidden(uint32_t id) {
     send_frame(T_END, id, NULL, 0);
 }
 
-/* In the commands' namespace: every block device node directly in `dir` covered by a read-only bind of
- * /dev/null (opening it for writing: EROFS; reading: nothing). A full VM's root disk is a writable block
- * device whose filesystem holds the protected files: raw writes (debugfs -w) would go around every mount. */
+/* In the commands' namespace: every block device node directly in `dir` covered by a bind of /dev/null on a
+ * nodev mount (opening it: EACCES). A full VM's root disk is a writable block device whose filesystem holds
+ * the protected files: raw writes (debugfs -w) would go around every mount. */
 static int cover_block_devices(const char *dir) {
     char path[PATH_MAX];
     DIR *d = opendir(dir);
@@ -450,7 +450,7 @@ static int cover_block_devices(const char *dir) {
         if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) >= (int)sizeof path) continue;
         if (lstat(path, &st) != 0 || !S_ISBLK(st.st_mode)) continue;
         if (mount("/dev/null", path, NULL, MS_BIND, NULL) != 0 ||
-            mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, NULL) != 0) failed = errno;
+            mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0) failed = errno;
     }
     closedir(d);
     if (failed) errno = failed;
