@@ -242,3 +242,25 @@ async def test_system_exec_and_vm_confine_frames() -> None:
     await with_fake_agent(agent, body)
     assert seen[0][0] == T.EXEC_SYSTEM
     assert seen[1] == (T.CONFINE, b"H/workspace/tests\0" + b"".join(k.encode() + p.encode() + b"\0" for k, p in extra))
+
+
+def test_a_vm_image_built_with_another_agent_is_refused(tmp_path: Path) -> None:
+    """The vm backend refuses an image whose recorded recipe (agent, units) is not this code's, naming the
+    rebuild; the current recipe is accepted."""
+    import json
+
+    from dsec.backends.vm import VMBackend
+    from dsec.config import Settings
+    from dsec.errors import BackendUnavailable
+    from dsec.guest.vmimage import recipe_digest
+
+    d = tmp_path / "images" / "old"
+    d.mkdir(parents=True)
+    for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
+        (d / f).write_bytes(b"")
+    (d / "image.json").write_text(json.dumps({"name": "old", "desktop": True}))
+    backend = VMBackend(Settings(home=tmp_path / "home"), vm_dir=tmp_path)
+    with pytest.raises(BackendUnavailable, match="dsec image build-vm old --desktop --replace"):
+        backend.resolve_image("old")
+    (d / "image.json").write_text(json.dumps({"name": "old", "desktop": True, "recipe": recipe_digest(True)}))
+    assert backend.resolve_image("old").rootfs == d

@@ -203,8 +203,13 @@ class VMBackend(MicroVMBackend):
         return vcpus, mem_mib, disk_bytes
 
     def resolve_image(self, name: str) -> ImageRef:
-        """A VM image (not an image of the store): ``rootfs`` is its directory."""
+        """A VM image (not an image of the store): ``rootfs`` is its directory. One built with another guest
+        agent or recipe is refused: the backend and the agent inside must speak the same protocol."""
         image = find_vm_image(name, self.vm_dir)
+        if not image.current:
+            raise BackendUnavailable(f"VM image {name!r} was built with another guest agent or recipe than this "
+                                     f"DSec's: rebuild it with `dsec image build-vm {name}"
+                                     f"{' --desktop' if image.desktop else ''} --replace` (scripts/setup does)")
         return ImageRef(name=name, rootfs=image.dir, config=ImageConfig(workdir="/workspace"))
 
     # -- disks, templates ---------------------------------------------------------------------------------
