@@ -18,7 +18,10 @@ and recovery). What differs:
 * the NIC of a networked sandbox: ``virtio-net-pci`` (on the same tap in the sandbox's network namespace as a
   microVM's, under the same policies), which the agent configures once systemd has booted (the image runs no
   network manager): the address, route and resolver survive in a template's RAM and disk, so every clone of
-  the ``-nic`` template comes up with them. ``network="none"`` has no NIC at all, as on microvm.
+  the ``-nic`` template comes up with them. ``network="none"`` has no NIC at all, as on microvm;
+* grading: a sandbox with ``protected=``/``hidden=`` has its commands confined by the agent (microvm's CONFINE,
+  plus a read-only system, their own ``/run`` and no block devices: the VM's systemd, services and desktop are
+  unconfined root), and only such a sandbox runs pristine execs, on the image's base disk attached read-only.
 """
 
 from __future__ import annotations
