@@ -278,7 +278,7 @@ print(json.dumps(out))
 '''
 
 
-async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRef) -> None:
+async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:
     """protected= and hidden= on a vm: commands confined (read-only system but the work directories, their own
     /run, no raw disk, no mount, no module loading), the agent's upkeep not (clock, disk growth), pristine execs
     on the image's base disk, reveal, and a killed agent ends the guest instead of serving unconfined."""
@@ -310,6 +310,18 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
                                                     pristine=True))
         assert b"E   L   F" in graded.stdout, graded  # the image's binary, not the replacement script
         assert real != b"0000"
+        # a snapshot's clone is its guest: still confined, tests still hidden, its clock set by the upkeep
+        await backend.snapshot(sb, tmp_path)
+        clone = new_record("vm", image, protected=["/etc/passwd"], hidden=["/workspace/tests"])
+        try:
+            await backend.restore(clone, image, [tmp_path])
+            assert clone.backend_state["hidden"] == ["/workspace/tests"]
+            r = await backend.exec(clone, ExecRequest(command="ls -A /workspace/tests; date +%s; "
+                                                              "echo x >> /etc/hostname"))
+            assert r.stdout.split()[:-1] == [] and abs(int(r.stdout) - time.time()) < 120, r
+            assert b"Read-only file system" in r.stderr, r
+        finally:
+            await backend.destroy(clone)
         await backend.reveal(sb)
         r = await backend.exec(sb, ExecRequest(command="cat /workspace/tests/test_grade.py; "
                                                        "echo x >> /workspace/tests/test_grade.py"))
