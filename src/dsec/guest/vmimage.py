@@ -29,6 +29,7 @@ from typing import Any
 from dsec.backends.base import ImageRef
 from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidRequest, NotSupported
 from dsec.guest.initramfs import ensure_agent
+from dsec.guest.kernel import default_guest_dir
 from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
 from dsec.images.store import validate_name
 from dsec.isolation.idmap import unshifted_view
@@ -148,12 +149,18 @@ EndSection
 """
 
 
+def _agent_build_dir() -> Path:
+    """Where the agent for VM images is built: the node's guest directory (root's), never a world-writable
+    /tmp, where another user could plant a binary under the name the build would then copy into an image."""
+    return default_guest_dir() / "build"
+
+
 def recipe_digest(desktop: bool) -> str:
     """Digest of what :func:`build_vm_image` puts into an image besides the packages: the agent (its source, by
     the name :func:`~dsec.guest.initramfs.ensure_agent` gives the binary) and the units and files written into
     the tree. ``image.json`` records it (``recipe``); an image whose recipe differs is stale (``scripts/setup``
     rebuilds it). Builds the agent if needed."""
-    agent = ensure_agent(Path(tempfile.gettempdir()) / "dsec-agent-build")
+    agent = ensure_agent(_agent_build_dir())
     parts = [agent.name, _AGENT_UNIT, *_UNITS_OFF, *BASE_PACKAGES]
     if desktop:
         parts += [_DESKTOP_UNIT, _XSESSION, _TWMRC, _XORG_CONF, *DESKTOP_PACKAGES]
@@ -221,7 +228,7 @@ def _run(argv: list[str]) -> None:
 
 def _configure(root: Path, desktop: bool) -> str:
     """Install the agent and units into the bootstrapped ``root``; return the kernel version."""
-    agent = ensure_agent(Path(tempfile.gettempdir()) / "dsec-agent-build")
+    agent = ensure_agent(_agent_build_dir())
     shutil.copy2(agent, root / "usr/local/sbin/dsec-agent")
     os.chmod(root / "usr/local/sbin/dsec-agent", 0o755)
     units = root / "etc/systemd/system"
