@@ -88,6 +88,9 @@ def _host_footprint(tags: set[str]) -> set[str]:
             found.add(f"mount {point}")
         if "/lazy/" in point and home_tag(Path(point.split("/lazy/")[0])) in tags:
             found.add(f"image mount {point}")  # NodeImages: EROFS images and the FUSE blob mount
+    for state in Path("/dev/shm").glob("dsec-*/*/sb-*"):  # ContainerBackend.state_root: bundles, crun state
+        if state.parent.parent.name.removeprefix("dsec-") in tags:
+            found.add(f"sandbox state {state}")
     for cg in Path("/sys/fs/cgroup").glob("*/dsec-*"):
         tag = cg.name.removeprefix("dsec-").removesuffix("-fn")  # the function backend's parent: dsec-<tag>-fn
         if cg.is_dir() and not cg.parent.is_symlink() and tag in tags:

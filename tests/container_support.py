@@ -38,6 +38,16 @@ def home_tag(home: Path) -> str:
     return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]
 
 
+def state_root(home: Path) -> Path:
+    """The home's tmpfs directory of sandbox bundles and runtime state (ContainerBackend.state_root)."""
+    return ContainerBackend.STATE_BASE / f"dsec-{home_tag(home)}"
+
+
+def bundle_dir(home: Path, sandbox_id: str) -> Path:
+    """A sandbox's bundle (config, init pid, runtime log, the mount point of its disk)."""
+    return state_root(home) / "container" / sandbox_id
+
+
 SESSION_TAGS: set[str] = set()
 """Tags of the homes this test session made outside pytest's temporary root (see ``short_home``)."""
 
@@ -114,7 +124,8 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
     ids = (lambda p: p.name == sandbox_id) if sandbox_id else (lambda p: p.name.startswith("sb-"))
     out = {
         "mounts": sandbox_mounts(home, f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
-        + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container")),
+        + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container"))
+        + sandbox_mounts(home, str(bundle_dir(home, sandbox_id)) if sandbox_id else str(state_root(home))),
         "cgroups": cgroup_dirs(tag, sandbox_id),
         "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
         "runtime_state": [],
@@ -122,10 +133,12 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
         "bundles": [],
         "rootfs_dirs": [],
     }
-    for key, parent in (("runtime_state", home / "runtime"), ("bundles", home / "container"),
+    state = state_root(home)
+    for key, parent in (("runtime_state", state / "runtime"), ("runtime_state", home / "runtime"),
+                        ("bundles", state / "container"), ("bundles", home / "container"),
                         ("rootfs_dirs", Path("/run/dsec") / tag)):
         if parent.is_dir():
-            out[key] = sorted(str(p) for p in parent.iterdir() if ids(p))
+            out[key] += sorted(str(p) for p in parent.iterdir() if ids(p))
     return out
 
 
@@ -173,6 +186,8 @@ async def sweep(home: Path, images: Path) -> list[str]:
     tag_dir = Path("/run/dsec") / home_tag(home)
     if tag_dir.is_dir() and not sandbox_mounts(home, str(tag_dir)):
         shutil.rmtree(tag_dir, ignore_errors=True)
+    if state_root(home).is_dir() and not sandbox_mounts(home, str(state_root(home))):
+        shutil.rmtree(state_root(home), ignore_errors=True)
     for parent in (CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}")):
         with contextlib.suppress(OSError):
             parent.rmdir()

@@ -16,6 +16,7 @@ import pytest
 from container_support import (
     assert_clean,
     await_until,
+    bundle_dir,
     cgroup_dirs,
     checked_backend,
     home_tag,
@@ -25,6 +26,7 @@ from container_support import (
     run,
     sandbox_mounts,
     started_backend,
+    state_root,
     swept_home,
 )
 from dsec.backends.base import ImageRef
@@ -172,10 +174,13 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         init = record.backend_state["init_pid"]
         # Mounted in the home's mount holder, never in the host's mount table (which every new namespace copies).
         assert sandbox_mounts(home, f"/run/dsec/{tag}/{record.id}"), "sandbox root not mounted where expected"
-        assert sandbox_mounts(home, str(home / "container" / record.id / "disk")), "sandbox disk not mounted"
+        assert sandbox_mounts(home, str(bundle_dir(home, record.id) / "disk")), "sandbox disk not mounted"
         assert not mounts_under(f"/run/dsec/{tag}") and not mounts_under(str(home)), "a sandbox mount is on the host"
         assert cgroup_dirs(tag, record.id), "sandbox cgroups not found"
-        assert (home / "runtime" / record.id).is_dir()
+        assert (state_root(home) / "runtime" / record.id).is_dir()
+        # bundle and runtime state on a tmpfs, not on DSEC_HOME's disk
+        assert os.stat(bundle_dir(home, record.id)).st_dev == os.stat(ContainerBackend.STATE_BASE).st_dev
+        assert not (home / "container" / record.id).exists() and not (home / "runtime" / record.id).exists()
         assert pid_alive(init)
         await backend.pause(record)  # destroy must also work on a frozen sandbox
     finally:
@@ -246,7 +251,36 @@ async def test_backend_settings_isolated_per_home(tmp_path: Path) -> None:
     """Two homes never share a tag, so one's orphan cleanup cannot touch the other's sandboxes."""
     a = ContainerBackend(Settings(home=tmp_path / "a"))
     b = ContainerBackend(Settings(home=tmp_path / "b"))
-    assert a.cgroup_parent != b.cgroup_parent and a.mounts != b.mounts
+    assert a.cgroup_parent != b.cgroup_parent and a.mounts != b.mounts and a.state_root != b.state_root
+
+
+@pytest.mark.parametrize("planted", ["symlink", "world-writable", "other-owner"])
+async def test_state_root_planted_by_someone_else_is_refused(tmp_path: Path, planted: str) -> None:
+    """The bundles' tmpfs directory has a predictable name in a world-writable /dev/shm: one that another user
+    made (or a symlink elsewhere) is refused with an error naming it, and nothing is written through it."""
+
+    class Backend(ContainerBackend):
+        STATE_BASE = tmp_path / "shm"
+
+    Backend.STATE_BASE.mkdir(mode=0o1777)
+    backend = Backend(Settings(home=tmp_path / "home"))
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    if planted == "symlink":
+        backend.state_root.symlink_to(target)
+    else:
+        backend.state_root.mkdir(mode=0o700)
+        if planted == "world-writable":
+            os.chmod(backend.state_root, 0o777)
+        else:
+            os.chown(backend.state_root, 65534, 65534)
+    try:
+        with pytest.raises(DSecError, match="not a private directory") as err:
+            await backend.start()
+        assert str(backend.state_root) in str(err.value)
+        assert list(target.iterdir()) == [] and not (backend.state_root / "container").exists()
+    finally:
+        await backend.aclose()
 
 
 def _count(name: str) -> str:

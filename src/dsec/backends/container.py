@@ -27,6 +27,7 @@ import posixpath
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -72,16 +73,29 @@ class ContainerBackend(Backend):
 
     name = "container"
 
+    STATE_BASE = Path("/dev/shm")
+    """A tmpfs on every Linux host (``/run`` is ext4 on some): where each home keeps its sandboxes' bundles and
+    crun's state (see :attr:`state_root`)."""
+
     def __init__(self, settings: Settings | None = None, runtime: str | None = None) -> None:
         self.settings = settings or Settings()
+        # DSEC_HOME/container keeps the mount holder's pid file (and, from before the state moved to a tmpfs,
+        # bundles of sandboxes still alive: teardown and orphan cleanup look in both places).
         self.root = self.settings.home / "container"
-        self.runtime_root = self.settings.home / "runtime"
+        self._legacy_runtime_root = self.settings.home / "runtime"
         self.runtime = runtime or shutil.which("crun") or "/usr/bin/crun"
         # Cgroups and /run are host-wide: each DSEC_HOME gets its own tag so that two daemons (tests, a
         # developer's and CI's) never touch each other's sandboxes when cleaning up orphans.
         tag = hashlib.sha256(str(self.settings.home.resolve()).encode()).hexdigest()[:8]
         self.cgroup_parent = f"dsec-{tag}"
         self._tag = tag
+        # Per-sandbox bundles (config.json, init.pid, the runtime's log, the disk's mount point) and crun's state
+        # directory live on a tmpfs: on an ext4 DSEC_HOME their ~10 creates, writes and unlinks per sandbox were
+        # journal commits (jbd2 and kworker CPU charged to nobody, and waits on a busy journal). A tmpfs keeps
+        # them across a daemon crash (recover() reads them), not across a reboot, which no sandbox survives.
+        self.state_root = self.STATE_BASE / f"dsec-{tag}"
+        self.bundles = self.state_root / "container"
+        self.runtime_root = self.state_root / "runtime"
         # Root filesystems are mounted where the container's (shifted) root user can traverse to
         # them: crun mounts them from inside the user namespace, and DSEC_HOME may sit below a
         # 0700 directory. The writable layers stay in DSEC_HOME, on disk.
@@ -121,7 +135,9 @@ class ContainerBackend(Backend):
         # pid 1 (which may reap late, or never in a minimal container host).
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.runtime_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private_dir(self.state_root)
+        self.bundles.mkdir(exist_ok=True, mode=0o700)
+        self.runtime_root.mkdir(exist_ok=True, mode=0o700)
         # /run/dsec is 0711 (traversable, not listable); /run/dsec/<tag> belongs to the sandboxes' root
         # user, 0700: crun mounts from inside the user namespace and must traverse it, nobody else may.
         self.mounts.parent.mkdir(exist_ok=True, mode=0o711)
@@ -155,11 +171,29 @@ class ContainerBackend(Backend):
             self._helper = None
         await self.networks.aclose()
         if self._holder is not None:  # ended with the last sandbox; kept (and re-adopted) while any is alive
-            last = not any(p.name.startswith("sb-") for p in self.root.iterdir())
-            await asyncio.to_thread(self._holder.close, last)
+            await asyncio.to_thread(self._holder.close, not self._sandbox_dirs())
             self._holder = None
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
+        await asyncio.to_thread(self._remove_empty_state_root)
+
+    def _sandbox_dirs(self) -> set[str]:
+        """Ids with a bundle, runtime state or root mount point of this home (live or left behind)."""
+        found: set[str] = set()
+        for parent in (self.bundles, self.root, self.runtime_root, self._legacy_runtime_root, self.mounts):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                found.update(p.name for p in parent.iterdir() if p.name.startswith("sb-"))
+        return found
+
+    def _remove_empty_state_root(self) -> None:
+        """Drop the home's tmpfs state directory when no sandbox of this home is left."""
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.state_root)
+            if self._sandbox_dirs() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                return  # in use, or not ours (start() refused it)
+        for d in (self.bundles, self.runtime_root, self.state_root):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     def _remove_empty_mounts_dir(self) -> None:
         """Drop /run/dsec/<tag> (and the init copy in it) when no sandbox of this home is left;
@@ -213,7 +247,7 @@ class ContainerBackend(Backend):
     # -- lifecycle ------------------------------------------------------------------------
 
     def _bundle(self, sandbox_id: str) -> Path:
-        return self.root / sandbox_id
+        return self.bundles / sandbox_id
 
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:
         await self._create(record, image, None)
@@ -285,6 +319,8 @@ class ContainerBackend(Backend):
         finally:
             os.close(root_fd)
         pid = int((bundle / "init.pid").read_text())
+        # crun keeps its own copy in its state directory; the bundle's would only hold a page of the tmpfs.
+        (bundle / "config.json").unlink(missing_ok=True)
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
         await asyncio.to_thread(protect_paths, pid, record.spec.protected)
         await asyncio.to_thread(cover_paths, pid, record.spec.hidden)
@@ -547,18 +583,25 @@ class ContainerBackend(Backend):
                 os.close(pidfd)
         if pid:
             _reap(pid)
-        shutil.rmtree(self.runtime_root / sandbox_id, True)
+        # A sandbox made before bundles and crun's state moved to the tmpfs has them in DSEC_HOME.
+        bundles = [self._bundle(sandbox_id), self.root / sandbox_id]
+        for runtime_root in (self.runtime_root, self._legacy_runtime_root):
+            shutil.rmtree(runtime_root / sandbox_id, True)
         rootfs = self.mounts / sandbox_id
-        bundle = self._bundle(sandbox_id)
         if self._holder is not None:
-            self._holder.umount(str(rootfs), str(bundle / "disk"))
+            disk = str(state.get("disk") or "")
+            if disk not in {str(b / "disk") for b in bundles}:  # never trust a recorded path outside our own
+                disk = str(bundles[0] / "disk")
+            self._holder.umount(str(rootfs), disk)
         umount(rootfs)  # a sandbox made before the mount holder existed has its mounts on the host
         with contextlib.suppress(FileNotFoundError):
             rootfs.rmdir()
-        umount(bundle / "disk")
-        shutil.rmtree(bundle, True)
-        if bundle.exists() or rootfs.exists():
-            raise SandboxError(f"could not remove {bundle} or {rootfs} (still mounted?)")
+        for bundle in bundles:
+            if bundle.exists():
+                umount(bundle / "disk")
+                shutil.rmtree(bundle, True)
+        if any(b.exists() for b in bundles) or rootfs.exists():
+            raise SandboxError(f"could not remove {bundles[0]} or {rootfs} (still mounted?)")
 
     def _cgroup_set(self, sandbox_id: str, state: dict[str, Any]) -> CgroupSet:
         expected = f"/{self.cgroup_parent}/{sandbox_id}"
@@ -589,10 +632,7 @@ class ContainerBackend(Backend):
         return True
 
     async def cleanup_orphans(self, known: set[str]) -> list[str]:
-        found: set[str] = set()
-        for parent in (self.root, self.runtime_root, self.mounts):
-            if parent.is_dir():
-                found.update(p.name for p in parent.iterdir() if p.name.startswith("sb-"))
+        found = self._sandbox_dirs()
         for cg in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             if Path(cg).is_dir():
                 found.update(p.name for p in Path(cg).iterdir() if p.is_dir() and p.name.startswith("sb-"))
@@ -600,7 +640,10 @@ class ContainerBackend(Backend):
         for sandbox_id in orphans:
             state: dict[str, Any] = {}
             with contextlib.suppress(OSError, ValueError):
-                pid = int((self._bundle(sandbox_id) / "init.pid").read_text())
+                bundle = self._bundle(sandbox_id)
+                if not bundle.is_dir():
+                    bundle = self.root / sandbox_id
+                pid = int((bundle / "init.pid").read_text())
                 # Without a record there is no start time to check the pid against: trust it only while
                 # it still sits in this sandbox's cgroup, or a recycled pid would be SIGKILLed as root.
                 if f"/{self.cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text():
@@ -609,6 +652,21 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self._remove_empty_parent)
         await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (0700, ours) in a world-writable directory such as /dev/shm, or check that the one there
+    is ours: a directory (not a symlink) owned by this user that nobody else can write or read."""
+    try:
+        os.mkdir(path, 0o700)
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise BackendUnavailable(
+            f"container backend: {path} exists but is not a private directory of uid {os.geteuid()} "
+            f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): someone else made it; remove it")
 
 
 def _reap(pid: int) -> None:

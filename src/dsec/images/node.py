@@ -208,7 +208,10 @@ class NodeImages:
 
     # ------------------------------------------------------------------ mounts
     def _mount(self, manifest: Manifest) -> _Mount:
-        hexdigest = next((d for d, m in self._manifests.items() if m is manifest), manifest.digest)[7:]
+        # The digest it was fetched under; hashing the manifest (a dump of its JSON, ~1 MB for a big image) is
+        # the fallback only: as next()'s default it was computed on every create.
+        known = next((d for d, m in self._manifests.items() if m is manifest), None)
+        hexdigest = (known or manifest.digest)[7:]
         mount = self._mounts.get(hexdigest)
         if mount is not None:
             return mount

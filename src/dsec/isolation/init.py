@@ -66,7 +66,7 @@ def _multiarch() -> str:
 
 def ensure_init(directory: Path) -> Path:
     """The container init, built if needed."""
-    return ensure_binary(INIT_SOURCE, "dsec-init", directory)
+    return ensure_binary(INIT_SOURCE, "dsec-init", directory, musl=True)
 
 
 def ensure_nsenter(directory: Path) -> Path:
@@ -76,7 +76,7 @@ def ensure_nsenter(directory: Path) -> Path:
 
 def ensure_rtshim(directory: Path) -> Path:
     """The OCI runtime launcher, built if needed."""
-    return ensure_binary(RTSHIM_SOURCE, "dsec-rtshim", directory)
+    return ensure_binary(RTSHIM_SOURCE, "dsec-rtshim", directory, musl=True)
 
 
 def ensure_zygote(directory: Path) -> Path:
