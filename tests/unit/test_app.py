@@ -235,6 +235,29 @@ async def test_create_fast_path_serves_creates_and_hands_bad_ones_to_the_route(c
     assert (r.status_code, r.json()["error"]["type"]) == (404, "ImageNotFound"), r.text
 
 
+async def test_delete_fast_path_answers_as_the_route(engine: Engine, client: httpx.AsyncClient) -> None:
+    """DELETE /v1/sandboxes/{id} is served by FastPath: 204 without a body, idempotent, the error payload for
+    an unknown id; with a query it is the route's (same answers), and the token guard wraps it."""
+    sid = await new_sandbox(client)
+    r = await client.delete(f"/v1/sandboxes/{sid}")
+    assert (r.status_code, r.content) == (204, b""), r.text
+    r = await client.get(f"/v1/sandboxes/{sid}")
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound"), r.text  # it is gone
+    assert (await client.delete(f"/v1/sandboxes/{sid}")).status_code == 204  # idempotent
+    r = await client.delete("/v1/sandboxes/sb-nope")
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound"), r.text
+    r = await client.delete("/v1/sandboxes/sb-nope", params={"x": "1"})  # FastAPI's route: the same answer
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound"), r.text
+    other = await new_sandbox(client)
+    assert (await client.delete(f"/v1/sandboxes/{other}/exec")).status_code == 405  # not a sandbox path
+    async with client_for(engine, token="s3cret") as guarded:
+        r = await guarded.delete(f"/v1/sandboxes/{other}")
+        assert (r.status_code, r.json()["error"]["type"]) == (401, "Unauthorized")
+        assert (await client.get(f"/v1/sandboxes/{other}")).json()["state"] == "running"
+        r = await guarded.delete(f"/v1/sandboxes/{other}", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 204
+
+
 async def test_exception_inside_one_response_exec_is_a_sandbox_error(tmp_path: Path) -> None:
     async with started(Engine(Settings(home=tmp_path), {"container": BrokenStreamBackend(root=tmp_path / "fake")},
                               FakeImages())) as eng, client_for(eng) as c:

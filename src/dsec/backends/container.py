@@ -322,8 +322,11 @@ class ContainerBackend(Backend):
         # crun keeps its own copy in its state directory; the bundle's would only hold a page of the tmpfs.
         (bundle / "config.json").unlink(missing_ok=True)
         record.backend_state.update(init_pid=pid, init_start=start_time(pid))
-        await asyncio.to_thread(protect_paths, pid, record.spec.protected)
-        await asyncio.to_thread(cover_paths, pid, record.spec.hidden)
+        # Each a worker-thread hop (a hand-off and a wake-up of the loop): only when there is something to do.
+        if record.spec.protected:
+            await asyncio.to_thread(protect_paths, pid, record.spec.protected)
+        if record.spec.hidden:
+            await asyncio.to_thread(cover_paths, pid, record.spec.hidden)
         record.backend_state["hidden"] = list(record.spec.hidden)  # until reveal()
         if policy.mode != "none":
             await self._connect(record, policy)

@@ -160,13 +160,15 @@ async def _exec_result(work: Coroutine[Any, Any, ExecResult]) -> ExecResult:
 
 
 _EXEC_RESULT_PATH = re.compile(r"/v1/sandboxes/([^/]+)/exec/result")
+_SANDBOX_PATH = re.compile(r"/v1/sandboxes/([^/]+)")
 
 
 class FastPath:
-    """The two hottest calls served without FastAPI's routing, dependency solving and per-field validation:
+    """The three hottest calls served without FastAPI's routing, dependency solving and per-field validation:
     ``POST /v1/sandboxes/{id}/exec/result`` (what ``sb.exec`` sends) and ``POST /v1/sandboxes`` (what
-    ``Sandbox.create`` sends), each one ``model_validate_json`` and one engine call; on the gateway the
-    same class serves the gateway engine, so a create pays for one lean request cycle there too.
+    ``Sandbox.create`` sends), each one ``model_validate_json`` and one engine call, and ``DELETE
+    /v1/sandboxes/{id}`` (``sb.close``: one engine call, 204); on the gateway the same class serves the
+    gateway engine, so a create pays for one lean request cycle there too.
 
     It answers exactly what the declared routes answer (they stay, document the API and serve whatever
     this class hands back): a body that is not valid, a query other than one ``seq`` (exec) or any query
@@ -180,6 +182,11 @@ class FastPath:
         self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "DELETE" and not scope["query_string"]:
+            deleted = _SANDBOX_PATH.fullmatch(scope["path"])
+            if deleted is not None:
+                await self._destroy(deleted.group(1), send)
+                return
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
@@ -228,6 +235,21 @@ class FastPath:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+    async def _destroy(self, sandbox_id: str, send: Send) -> None:
+        """``DELETE /v1/sandboxes/{id}`` as the route answers it: 204 without a body, or the error payload.
+        (The engine shields the teardown from a client that hangs up, as it does behind the route.)"""
+        try:
+            await self.engine.destroy(sandbox_id)
+        except DSecError as err:
+            payload = json.dumps(err.to_payload(), ensure_ascii=False, separators=(",", ":")).encode()
+            await send({"type": "http.response.start", "status": err.status_code,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
     @staticmethod
     def _parse(scope: Scope, body: bytes, *, exec_request: bool
