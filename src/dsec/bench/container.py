@@ -27,7 +27,7 @@ from dsec import AsyncSandbox, Client
 from dsec.bench.peers import RuncPeer, mount_overlay, podman_argv, time_command, umount
 from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
-from dsec.isolation.init import INIT_SOURCE, ensure_init
+from dsec.isolation.init import HELPERS, binary_path, ensure_init
 
 __all__ = ["BenchUnavailable", "ContainerBench", "run"]
 
@@ -108,12 +108,12 @@ def preflight(settings: Settings) -> tuple[str, Path | None]:
 def _private_settings(node: Settings) -> Settings:
     home = Path(tempfile.mkdtemp(prefix="dsec-bench-", dir="/var/tmp"))
     os.chmod(home, 0o755)  # the container's shifted root must traverse to the init binary
-    # Reuse the node's built init (same source digest) instead of compiling one per run.
-    digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
-    built = node.home / "bin" / f"dsec-init-{digest}"
-    if built.is_file():
-        (home / "bin").mkdir()
-        shutil.copy2(built, home / "bin" / built.name)
+    # Reuse the node's built helpers (same source digest and libc) instead of compiling them per run.
+    (home / "bin").mkdir()
+    for source, name in HELPERS:
+        built = binary_path(source, name, node.home / "bin", musl=True)
+        if built.is_file():
+            shutil.copy2(built, home / "bin" / built.name)
     return Settings(home=home, images_dir=node.images, node="bench")
 
 

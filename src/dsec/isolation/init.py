@@ -7,7 +7,8 @@
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
 upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``,
-which runs once per exec, is linked against musl when ``musl-gcc`` is there (Debian: ``musl-tools``):
+which runs once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against musl when
+``musl-gcc`` is there (Debian: ``musl-tools``):
 a static glibc binary probes the CPU with ~20 ``cpuid`` instructions at every start, each a trap to the
 hypervisor on a VM, which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-up
 does none, and its binary is 46 KB instead of 800 KB (fewer page faults per exec).
@@ -23,8 +24,8 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 
-__all__ = ["INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE", "ensure_binary", "ensure_init",
-           "ensure_nsenter", "ensure_rtshim", "ensure_zygote"]
+__all__ = ["HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE", "binary_path",
+           "ensure_binary", "ensure_init", "ensure_nsenter", "ensure_rtshim", "ensure_zygote"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
@@ -32,15 +33,22 @@ RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 
 
-def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
-    """Path of ``name`` built statically from the current ``source``; builds it if needed (``musl``: with
-    ``musl-gcc`` when installed, else with gcc and glibc as every other binary)."""
+def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
+    """Where :func:`ensure_binary` keeps ``name`` built from the current ``source`` (built or not)."""
     musl_cc = shutil.which("musl-gcc") if musl else None
     # The libc is part of the key: installing musl-tools later rebuilds the binary instead of keeping glibc's.
     digest = hashlib.sha256(source.read_bytes() + (b"\0musl" if musl_cc else b"")).hexdigest()[:16]
-    target = directory / f"{name}-{digest}"
+    return directory / f"{name}-{digest}"
+
+
+def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
+    """Path of ``name`` built statically from the current ``source``; builds it if needed (``musl``: with
+    ``musl-gcc`` when installed, else with gcc and glibc as every other binary)."""
+    target = binary_path(source, name, directory, musl=musl)
     if target.exists():
         return target
+    digest = target.name.rsplit("-", 1)[1]
+    musl_cc = shutil.which("musl-gcc") if musl else None
     cc = musl_cc or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise BackendUnavailable(f"building {name} needs a C compiler: apt-get install gcc libc6-dev")
@@ -62,6 +70,11 @@ def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = Fals
 def _multiarch() -> str:
     """Debian's multiarch tuple of this machine (where ``asm/*.h`` lives), e.g. ``x86_64-linux-gnu``."""
     return f"{os.uname().machine}-linux-gnu"
+
+
+HELPERS = ((INIT_SOURCE, "dsec-init"), (NSENTER_SOURCE, "dsec-nsenter"), (RTSHIM_SOURCE, "dsec-rtshim"))
+"""The container backend's binaries (source, name), all linked against musl when it is installed: each runs once
+per create or exec, where static glibc's start-up ``cpuid`` probes would trap to the hypervisor every time."""
 
 
 def ensure_init(directory: Path) -> Path:
