@@ -120,6 +120,30 @@ def test_import_shifts_ownership_and_keeps_everything(store: ImageStore, node: N
 
 
 @pytest.mark.root
+def test_resolve_warm_pins_a_mounted_image_without_blocking(store: ImageStore, tmp_path: Path) -> None:
+    """resolve_warm answers (and pins) only an image this node mounted under a tag it checked within tag_ttl;
+    anything else is None, for resolve() to do the blocking work."""
+    src = tmp_path / "src"
+    make_tree(src)
+    store.import_dir("img", src, uid_shift=SHIFT)
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60)
+    try:
+        assert images.resolve_warm("img") is None  # never resolved: not mounted
+        ref = images.resolve("img")
+        warm = images.resolve_warm("img")
+        assert warm is not None and (warm.rootfs, warm.uid_shift) == (ref.rootfs, SHIFT)
+        assert images.resolve_warm("other") is None
+        images.release(ref)
+        assert not images.idle(), "the warm resolve holds its own pin"
+        images.release(warm)
+        assert images.idle(), "each resolve (warm or not) is one pin, released once"
+        images.tag_ttl = 0  # the tag must be checked again in the store: not warm
+        assert images.resolve_warm("img") is None
+    finally:
+        images.aclose_sync(unmount=True)
+
+
+@pytest.mark.root
 def test_import_keeps_file_capabilities(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()

@@ -215,9 +215,10 @@ class ContainerBackend(Backend):
 
     # -- OCI runtime ----------------------------------------------------------------------
 
-    async def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet, root: tuple[int, Path]) -> None:
+    def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet, root: tuple[int, Path]) -> None:
         """Run crun (cgroup manager disabled) with ``args`` from inside ``cgroups`` (through the shim), in a
         mount namespace of its own where the detached mount tree ``root[0]`` is attached on ``root[1]``.
+        Blocking (~10 ms): call it from a worker thread.
 
         crun's errors go to ``log`` (JSON lines), the shim's to ``log`` + ``.shim``.
         """
@@ -233,11 +234,8 @@ class ContainerBackend(Backend):
         # init gets /dev/null (no host file or pipe inside the sandbox), errors come through the logs.
         # subprocess.run in a worker thread, not the event loop's subprocess support: CPython spawns with
         # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every call.
-        def run() -> subprocess.CompletedProcess[bytes]:
-            return subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, check=False, pass_fds=(root[0],))
-
-        proc = await asyncio.get_running_loop().run_in_executor(self._runtime_pool, run)
+        proc = subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, check=False, pass_fds=(root[0],))
         if proc.returncode != 0:
             detail = _last_runtime_error(log) if log.exists() else None
             with contextlib.suppress(OSError):
@@ -305,23 +303,10 @@ class ContainerBackend(Backend):
             # Its overlay and disk are mounted in the node's mount holder, not on the host (mount_view).
             "mntns": True,
         }
-        bundle.mkdir(mode=0o700)
-        disk.mkdir()
-        rootfs.mkdir()
-        # Cgroups, mounts, user lookup and bundle in one worker-thread hop (each hop is a thread hand-off
-        # and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
-        cgroups, root_fd = await asyncio.to_thread(self._prepare, record, image, [*(layers or []), image.rootfs],
-                                                   rootfs, disk)
-        try:
-            await self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file",
-                                    str(bundle / "init.pid"), record.id, log=bundle / "runtime.log", cgroups=cgroups,
-                                    root=(root_fd, rootfs))
-        finally:
-            os.close(root_fd)
-        pid = int((bundle / "init.pid").read_text())
-        # crun keeps its own copy in its state directory; the bundle's would only hold a page of the tmpfs.
-        (bundle / "config.json").unlink(missing_ok=True)
-        record.backend_state.update(init_pid=pid, init_start=start_time(pid))
+        # Cgroups, mounts, user lookup, bundle and the runtime in one worker-thread hop (each hop is a thread
+        # hand-off and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
+        pid = await asyncio.get_running_loop().run_in_executor(
+            self._runtime_pool, self._start, record, image, [*(layers or []), image.rootfs], rootfs, bundle)
         # Each a worker-thread hop (a hand-off and a wake-up of the loop): only when there is something to do.
         if record.spec.protected:
             await asyncio.to_thread(protect_paths, pid, record.spec.protected)
@@ -330,6 +315,25 @@ class ContainerBackend(Backend):
         record.backend_state["hidden"] = list(record.spec.hidden)  # until reveal()
         if policy.mode != "none":
             await self._connect(record, policy)
+
+    def _start(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path, bundle: Path) -> int:
+        """Everything blocking of a create (in one worker thread): the bundle, cgroups, mounts, ``crun run``;
+        returns the init's pid (its start time noted in the record)."""
+        disk = bundle / "disk"
+        bundle.mkdir(mode=0o700)
+        disk.mkdir()
+        rootfs.mkdir()
+        cgroups, root_fd = self._prepare(record, image, lowers, rootfs, disk)
+        try:
+            self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
+                              record.id, log=bundle / "runtime.log", cgroups=cgroups, root=(root_fd, rootfs))
+        finally:
+            os.close(root_fd)
+        pid = int((bundle / "init.pid").read_text())
+        # crun keeps its own copy in its state directory; the bundle's would only hold a page of the tmpfs.
+        (bundle / "config.json").unlink(missing_ok=True)
+        record.backend_state.update(init_pid=pid, init_start=start_time(pid))
+        return pid
 
     def _prepare(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path,
                  disk: Path) -> tuple[CgroupSet, int]:

@@ -407,6 +407,15 @@ class Engine:
         """The backend's own image ``name`` if it has such images (``vm``), else the store's. Blocking."""
         return backend.resolve_image(name) or self.images.resolve(name)
 
+    def _resolve_warm(self, backend: Backend, name: str) -> ImageRef | None:
+        """:meth:`_resolve_image` without a worker-thread hop when the store's image is mounted and its tag
+        fresh (most creates); None otherwise."""
+        warm = getattr(self.images, "resolve_warm", None)
+        if warm is None or type(backend).resolve_image is not Backend.resolve_image:
+            return None
+        found: ImageRef | None = warm(name)
+        return found
+
     def _lookup(self, sandbox_id: str) -> SandboxRecord:
         record = self._records.get(sandbox_id)
         if record is not None:
@@ -560,7 +569,8 @@ class Engine:
                 layers = list(meta.get("layers", []))
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
-            image = await asyncio.to_thread(self._resolve_image, backend, spec.image)
+            warm = self._resolve_warm(backend, spec.image)
+            image = warm if warm is not None else await asyncio.to_thread(self._resolve_image, backend, spec.image)
             try:
                 roots = await asyncio.to_thread(self.snapshots.open, layers) if snapshot is not None else []
             except BaseException:

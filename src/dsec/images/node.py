@@ -135,6 +135,22 @@ class NodeImages:
         return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config,
                         digest=mount.hexdigest)
 
+    def resolve_warm(self, name: str) -> ImageRef | None:
+        """:meth:`resolve` without blocking, for an image this node resolved within ``tag_ttl`` and still has
+        mounted (the common create): pinned and returned, or None (call :meth:`resolve` from a thread)."""
+        cached = self._tags.get(name)
+        if cached is None or time.monotonic() - cached[1] >= self.tag_ttl or self._tag_files.get(name) != cached[0]:
+            return None
+        manifest = self._manifests.get(cached[0])
+        with self._lock:
+            mount = self._mounts.get(cached[0][7:])
+            if manifest is None or mount is None:
+                return None
+            mount.refs += 1
+            self._by_name[name] = mount.hexdigest
+        info = manifest.info
+        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config)
+
     def _manifest(self, name: str) -> Manifest | None:
         cached = self._tags.get(name)
         if cached is not None and time.monotonic() - cached[1] < self.tag_ttl:
