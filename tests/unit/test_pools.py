@@ -408,6 +408,23 @@ async def test_admission_timeout_names_the_shortage(engine: Engine) -> None:
     assert engine.admission.statistics().running == 0
 
 
+def test_pid_limits_are_read_again_after_their_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pid_max / threads-max are cached for a few seconds (not read at every create); the task count never is."""
+    from dsec.daemon import admission
+
+    (tmp_path / "sys/kernel").mkdir(parents=True)
+    (tmp_path / "loadavg").write_text("0.1 0.2 0.3 2/300 99\n")
+    (tmp_path / "sys/kernel/pid_max").write_text("4096\n")
+    (tmp_path / "sys/kernel/threads-max").write_text("9000\n")
+    assert admission._tasks_and_limit(tmp_path) == (300, 4096)
+    (tmp_path / "loadavg").write_text("0.1 0.2 0.3 2/310 99\n")
+    (tmp_path / "sys/kernel/pid_max").write_text("8192\n")
+    assert admission._tasks_and_limit(tmp_path) == (310, 4096)  # the limit is cached, the count is not
+    monkeypatch.setattr(admission, "_LIMIT_TTL", 0.0)
+    assert admission._tasks_and_limit(tmp_path) == (310, 8192)
+    monkeypatch.setattr(admission, "_limit_cache", None)
+
+
 def test_host_shortage_reads_the_host() -> None:
     assert host_shortage(0, 0) is None
     assert "memory" in (host_shortage(1 << 60, 0) or "")

@@ -30,12 +30,22 @@ def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int:
     raise RuntimeError(f"no MemAvailable in {meminfo}")
 
 
+_LIMIT_TTL = 5.0
+_limit_cache: tuple[float, Path, int] | None = None
+
+
 def _tasks_and_limit(proc: Path = Path("/proc")) -> tuple[int, int]:
-    """(threads alive on the host, the lower of pid_max and threads-max): cheap, no /proc walk."""
+    """(threads alive on the host, the lower of pid_max and threads-max): cheap, no /proc walk. The two limits
+    are sysctls an operator changes rarely: read again every ``_LIMIT_TTL`` seconds, not at every create."""
+    global _limit_cache
     entities = (proc / "loadavg").read_text().split()[3]  # "running/total" scheduling entities
     total = int(entities.split("/")[1])
-    limit = min(int((proc / "sys/kernel/pid_max").read_text()), int((proc / "sys/kernel/threads-max").read_text()))
-    return total, limit
+    now = time.monotonic()
+    if _limit_cache is None or now - _limit_cache[0] > _LIMIT_TTL or _limit_cache[1] != proc:
+        limit = min(int((proc / "sys/kernel/pid_max").read_text()),
+                    int((proc / "sys/kernel/threads-max").read_text()))
+        _limit_cache = (now, proc, limit)
+    return total, _limit_cache[2]
 
 
 def host_shortage(min_free_memory: int, min_free_pids: int) -> str | None:
