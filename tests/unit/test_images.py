@@ -131,7 +131,7 @@ def test_resolve_warm_pins_a_mounted_image_without_blocking(store: ImageStore, t
         assert images.resolve_warm("img") is None  # never resolved: not mounted
         ref = images.resolve("img")
         warm = images.resolve_warm("img")
-        assert warm is not None and (warm.rootfs, warm.uid_shift) == (ref.rootfs, SHIFT)
+        assert warm is not None and (warm.rootfs, warm.uid_shift, warm.digest) == (ref.rootfs, SHIFT, ref.digest)
         assert images.resolve_warm("other") is None
         images.release(ref)
         assert not images.idle(), "the warm resolve holds its own pin"

@@ -77,6 +77,12 @@ class _Mount:
     idle_since: float = field(default_factory=time.monotonic)
 
 
+def _ref(manifest: Manifest, mount: _Mount) -> ImageRef:
+    info = manifest.info
+    return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config,
+                    digest=mount.hexdigest)
+
+
 class NodeImages:
     """Chunked images mounted on this node (see the module docstring). Thread-safe."""
 
@@ -131,9 +137,7 @@ class NodeImages:
             mount = self._mount(manifest)
             mount.refs += 1
             self._by_name[name] = mount.hexdigest
-        info = manifest.info
-        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config,
-                        digest=mount.hexdigest)
+        return _ref(manifest, mount)
 
     def resolve_warm(self, name: str) -> ImageRef | None:
         """:meth:`resolve` without blocking, for an image this node resolved within ``tag_ttl`` and still has
@@ -148,8 +152,7 @@ class NodeImages:
                 return None
             mount.refs += 1
             self._by_name[name] = mount.hexdigest
-        info = manifest.info
-        return ImageRef(name=info.name, rootfs=mount.path, uid_shift=info.uid_shift, config=info.config)
+        return _ref(manifest, mount)
 
     def _manifest(self, name: str) -> Manifest | None:
         cached = self._tags.get(name)
