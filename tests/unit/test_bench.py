@@ -80,7 +80,8 @@ def _fake_suite() -> Suite:
     suite.extra = {
         "config": {"batch_n": 20},
         "skipped": {"podman_run": "podman cannot run here: rlimit\nsecond line"},
-        "sustained": {"rate": 55.0, "failures": 0, "concurrency": 4},
+        "sustained": {"rate": 55.0, "failures": 0, "concurrency": 4, "cpu_ms_client": 1.5, "cpu_ms_daemon": 7.0,
+                      "cpu_ms_helpers": 9.5, "load": 0.5},
         "idle_memory": {"k": 50, "host_bytes_per_sandbox": 2**20, "cgroup_bytes_per_sandbox": 2**19},
         "phases_s": {"exec": 1.0},
     }
@@ -98,6 +99,8 @@ def test_rows_apply_the_targets() -> None:
     assert rate.passed is True and rate.peer is None and "rlimit" in (rate.note or "")
     assert rows[("exec true p50", "podman run")].note is not None
     assert "bwrap" not in str(rows)  # neither measured nor skipped: no row claims a figure
+    cpu = next(r for r in rows.values() if r.metric.startswith("CPU per"))
+    assert cpu.dsec == pytest.approx(18.0) and "daemon 7.0" in (cpu.note or "") and "load 0.5" in (cpu.note or "")
 
 
 def test_table_shows_figures_ratios_and_skips() -> None:

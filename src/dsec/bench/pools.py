@@ -29,6 +29,7 @@ from dsec.bench.container import (
     _Timer,
     preflight,
 )
+from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.peers import mount_overlay, podman_argv, umount
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
@@ -97,69 +98,6 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-
-
-def _tree_cpu(root: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of process ``root`` itself, and of its descendants with everything they
-    and ``root`` reaped (the exec helper, the commands it ran); processes that vanish are skipped."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, list[int]] = {}
-    times: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-        times[int(entry)] = [int(x) for x in fields[11:15]]  # utime stime cutime cstime
-    own = sum(times.get(root, [0, 0])[:2])
-    rest = sum(times.get(root, [0, 0, 0, 0])[2:])
-    todo = list(parents.get(root, []))
-    while todo:
-        pid = todo.pop()
-        rest += sum(times.get(pid, [0]))
-        todo += parents.get(pid, [])
-    return own / tick, rest / tick
-
-
-class _CpuWindow:
-    """CPU spent by this process (the bench's client), the daemon, and the daemon's helpers with the commands
-    they ran, between :meth:`start` and :meth:`stop`: who pays for an exec on these two shared cores."""
-
-    def __init__(self, daemon_pid: int | None) -> None:
-        self.daemon_pid = daemon_pid
-        self.start_at = (0.0, 0.0, 0.0)
-
-    def _tree(self) -> tuple[float, float]:
-        return _tree_cpu(self.daemon_pid) if self.daemon_pid else (0.0, 0.0)
-
-    @staticmethod
-    def _own() -> float:
-        usage = os.times()
-        return usage.user + usage.system
-
-    def start(self) -> None:
-        # The scan of /proc (tens of thousands of processes on a busy node) is this process's own CPU: it
-        # happens before the window opens and after it closes, never inside it.
-        daemon, helpers = self._tree()
-        self.start_at = (self._own(), daemon, helpers)
-
-    def stop(self, calls: int) -> dict[str, float]:
-        """Milliseconds of CPU per call, by side."""
-        own = self._own()
-        end = (own, *self._tree())
-        names = ("client", "daemon", "helpers")
-        return {f"cpu_ms_{n}": (b - a) * 1e3 / max(calls, 1) for n, a, b in zip(names, self.start_at, end, strict=True)}
-
-
-def _daemon_pid(settings: Settings) -> int | None:
-    try:
-        return int(settings.pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class _Run:
@@ -252,7 +190,7 @@ class _Run:
                 failures += result.exit_code != 0
                 i += self.cfg.exec_workers
 
-        cpu = _CpuWindow(self.daemon_pid)
+        cpu = CpuWindow(self.daemon_pid)
         cpu.start()
         t0 = time.perf_counter()
         try:
@@ -383,7 +321,7 @@ async def run(cfg: PoolBench, node: Settings | None = None,
         limits = {"DSEC_HOST_LIMITS": "1"} if cfg.burst_n > HOST_LIMITS_ABOVE else {}
         with _env(limits), _daemon(settings, "process"):
             client = Client(url=f"unix://{settings.socket_path}")
-            bench = _Run(cfg, client, _daemon_pid(settings))
+            bench = _Run(cfg, client, daemon_pid(settings))
             try:
                 await client.declare_pool(PoolConfig(image=IMAGE, memory=MEMORY, min=cfg.pool_max // 2,
                                                      max=cfg.pool_max))

@@ -1,0 +1,73 @@
+"""CPU per operation by side (the bench's client, the daemon, everything under the daemon), from ``/proc``:
+the figure that holds up on a shared 2-core VM, where rates and latencies follow other people's load."""
+
+from __future__ import annotations
+
+import os
+
+from dsec.config import Settings
+
+__all__ = ["CpuWindow", "daemon_pid", "tree_cpu"]
+
+
+def tree_cpu(root: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of process ``root`` itself, and of its descendants with everything they
+    and ``root`` reaped (the exec helper, the commands it ran); processes that vanish are skipped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, list[int]] = {}
+    times: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = [int(x) for x in fields[11:15]]  # utime stime cutime cstime
+    own = sum(times.get(root, [0, 0])[:2])
+    rest = sum(times.get(root, [0, 0, 0, 0])[2:])
+    todo = list(parents.get(root, []))
+    while todo:
+        pid = todo.pop()
+        rest += sum(times.get(pid, [0]))
+        todo += parents.get(pid, [])
+    return own / tick, rest / tick
+
+
+class CpuWindow:
+    """CPU spent by this process (the bench's client), the daemon, and the daemon's helpers with the commands
+    they ran, between :meth:`start` and :meth:`stop`: who pays for an exec on these two shared cores."""
+
+    def __init__(self, daemon_pid: int | None) -> None:
+        self.daemon_pid = daemon_pid
+        self.start_at = (0.0, 0.0, 0.0)
+
+    def _tree(self) -> tuple[float, float]:
+        return tree_cpu(self.daemon_pid) if self.daemon_pid else (0.0, 0.0)
+
+    @staticmethod
+    def _own() -> float:
+        usage = os.times()
+        return usage.user + usage.system
+
+    def start(self) -> None:
+        # The scan of /proc (tens of thousands of processes on a busy node) is this process's own CPU: it
+        # happens before the window opens and after it closes, never inside it.
+        daemon, helpers = self._tree()
+        self.start_at = (self._own(), daemon, helpers)
+
+    def stop(self, calls: int) -> dict[str, float]:
+        """Milliseconds of CPU per call, by side."""
+        own = self._own()
+        end = (own, *self._tree())
+        names = ("client", "daemon", "helpers")
+        return {f"cpu_ms_{n}": (b - a) * 1e3 / max(calls, 1) for n, a, b in zip(names, self.start_at, end, strict=True)}
+
+
+def daemon_pid(settings: Settings) -> int | None:
+    try:
+        return int(settings.pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
