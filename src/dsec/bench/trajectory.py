@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import AsyncSandbox, Client
+from dsec.backends.container import ContainerBackend
 from dsec.bench.container import IMAGE, _cleanup_backend, _daemon, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
@@ -123,7 +124,10 @@ async def _checkpoints(cfg: TrajectoryBench, client: Client, settings: Settings,
         fresh = list(await asyncio.gather(*(AsyncSandbox.create(image=IMAGE, client=client)
                                             for _ in range(cfg.fork_n))))
         creates_s = time.perf_counter() - started
-        upper = Path(settings.home) / "container" / sb.id / "disk" / "upper" / "workspace" / "data"
+        # The sandbox's writable layer as the home's mount holder sees it (the host sees only the mount point).
+        backend = ContainerBackend(settings)
+        holder = int((backend.root / "mntns.pid").read_text().split()[0])
+        upper = Path(f"/proc/{holder}/root{backend.bundles}/{sb.id}/disk/upper/workspace/data")
         with tempfile.TemporaryDirectory(dir=settings.home) as scratch:
             started = time.perf_counter()
             await asyncio.to_thread(subprocess.run, ["cp", "-a", str(upper), scratch], check=True)
