@@ -305,8 +305,16 @@ class ContainerBackend(Backend):
         }
         # Cgroups, mounts, user lookup, bundle and the runtime in one worker-thread hop (each hop is a thread
         # hand-off and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
-        pid = await asyncio.get_running_loop().run_in_executor(
+        started = asyncio.get_running_loop().run_in_executor(
             self._runtime_pool, self._start, record, image, [*(layers or []), image.rootfs], rootfs, bundle)
+        try:
+            pid = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            # A worker thread cannot be stopped: let it finish (tens of ms), so that the caller's cleanup
+            # (destroy) finds everything it made instead of racing with a crun still starting the sandbox.
+            with contextlib.suppress(Exception):
+                await started
+            raise
         # Each a worker-thread hop (a hand-off and a wake-up of the loop): only when there is something to do.
         if record.spec.protected:
             await asyncio.to_thread(protect_paths, pid, record.spec.protected)
