@@ -779,12 +779,17 @@ class MicroVMBackend(Backend):
         if refusal:
             raise NotSupported(refusal)
         client = self._client(record)
-        env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
-               **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
-        uid, gid = record.backend_state.get("user", [0, 0])
+        if system:
+            # Unconfined root: nothing of the sandbox's may steer it (a PATH or LD_* of the spec's env, a
+            # planted binary in the workdir), so neither the spec's nor the image's environment nor its user.
+            env, cwd, (uid, gid) = {"PATH": _DEFAULT_PATH, "HOME": "/root", **(request.env or {})}, "/", (0, 0)
+        else:
+            env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
+                   **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
+            cwd, (uid, gid) = request.cwd or workdir_of(record), record.backend_state.get("user", [0, 0])
         start = time.monotonic()
-        channel = await client.start_exec(request.argv(), env, request.cwd or workdir_of(record), uid, gid,
-                                          pristine=request.pristine, system=system)
+        channel = await client.start_exec(request.argv(), env, cwd, uid, gid, pristine=request.pristine,
+                                          system=system)
         finished = False
         try:
             if request.stdin:

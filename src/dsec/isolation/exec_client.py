@@ -40,6 +40,7 @@ _DRAIN_MAX_S = 2.0
 _MAX_QUEUED = 4 * 1024 * 1024
 # Messages to a helper or zygote up to this size fit any default socket send buffer.
 _SMALL_MESSAGE = 128 * 1024
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 
 
 @dataclass
@@ -126,9 +127,10 @@ def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
         # and environment (ARG_MAX with the usual 8 MiB stack) and 128 KiB per string anyway.
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
                              f"bytes; at most {nsexec.MAX_MESSAGE} are accepted", size=len(message))
-    if len(message) > _SMALL_MESSAGE:
-        # Past the default send buffer (wmem_default, ~208 KiB) a datagram is refused with EMSGSIZE.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nsexec.MAX_MESSAGE + 64 * 1024)
+    if len(message) > _SMALL_MESSAGE and len(message) > _widen_send_buffer(sock):
+        raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
+                             f"bytes; this host's socket buffers carry at most {_widen_send_buffer(sock)} "
+                             f"(net.core.wmem_max)", size=len(message))
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
@@ -143,6 +145,21 @@ def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
     for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
         os.set_blocking(fd, False)
     return ours
+
+
+def _widen_send_buffer(sock: socket.socket) -> int:
+    """Make ``sock`` carry a request of up to ``nsexec.MAX_MESSAGE`` bytes; returns the largest it now carries.
+
+    Past the send buffer (``net.core.wmem_default``, ~208 KiB) a datagram is refused with EMSGSIZE. The daemon
+    runs as root, so SO_SNDBUFFORCE goes past ``net.core.wmem_max`` (also ~208 KiB on a stock host), where
+    SO_SNDBUF would be capped silently; the kernel keeps 32 bytes of the buffer for itself.
+    """
+    want = nsexec.MAX_MESSAGE + 64 * 1024
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, want)
+    except PermissionError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)) - 32
 
 
 async def _feed_stdin(fd: int, data: bytes) -> None:
