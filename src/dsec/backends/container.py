@@ -22,8 +22,10 @@ import ctypes
 import errno
 import hashlib
 import json
+import logging
 import os
 import posixpath
+import secrets
 import select
 import shutil
 import signal
@@ -54,6 +56,8 @@ from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
 __all__ = ["ContainerBackend"]
+
+log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
@@ -671,17 +675,32 @@ class ContainerBackend(Backend):
 
 def _private_dir(path: Path) -> None:
     """Create ``path`` (0700, ours) in a world-writable directory such as /dev/shm, or check that the one there
-    is ours: a directory (not a symlink) owned by this user that nobody else can write or read."""
-    try:
-        os.mkdir(path, 0o700)
-        return
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise BackendUnavailable(
-            f"container backend: {path} exists but is not a private directory of uid {os.geteuid()} "
-            f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): someone else made it; remove it")
+    is ours: a directory (not a symlink) owned by this user that nobody else can write or read.
+
+    Anything else there was planted (the name is predictable): it is moved aside, so another local user cannot
+    keep the backend from starting, and nothing is ever written through it. Moving another user's entry in a
+    sticky directory takes root (CAP_FOWNER); without it the backend refuses to start, naming the path.
+    """
+    for _ in range(3):
+        try:
+            os.mkdir(path, 0o700)
+            return
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return
+        aside = path.with_name(f"{path.name}.planted-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, aside)
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"container backend: {path} exists but is not a private directory of uid {os.geteuid()} "
+                f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}) and cannot be moved aside ({exc}): "
+                f"someone else made it; remove it") from None
+        log.warning("container backend: %s was not a private directory of uid %d (owner uid %d, mode %s): "
+                    "moved aside to %s", path, os.geteuid(), st.st_uid, stat.filemode(st.st_mode), aside)
+    raise BackendUnavailable(f"container backend: {path} keeps being planted by someone else; remove its creator")
 
 
 def _reap(pid: int) -> None:
