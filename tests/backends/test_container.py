@@ -192,15 +192,19 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
     assert not _zombie_children("crun"), _zombie_children("crun")
 
 
+@pytest.mark.parametrize("cancels", [1, 3])
 async def test_cancelled_create_lets_its_worker_finish_and_destroy_leaves_nothing(
-        backend: ContainerBackend, debian_python_image: ImageRef, home: Path) -> None:
+        backend: ContainerBackend, debian_python_image: ImageRef, home: Path, cancels: int) -> None:
     """A create cancelled while its worker thread builds the sandbox (a thread cannot be stopped) returns only
-    once that thread is done: the record then names everything it made, and destroy removes all of it
-    (before, the thread could still be mounting or starting crun while the caller's cleanup ran)."""
+    once that thread is done, however often it is cancelled meanwhile: the record then names everything it
+    made, and destroy removes all of it (before, the thread could still be mounting or starting crun while the
+    caller's cleanup ran)."""
     record = new_record(backend.name, debian_python_image)
     task = asyncio.create_task(backend.create(record, debian_python_image))
     await asyncio.sleep(0.005)  # the worker is busy with the bundle, cgroups, mounts or crun
-    task.cancel()
+    for _ in range(cancels):
+        task.cancel()
+        await asyncio.sleep(0)  # the next cancellation lands while the create waits for its worker
     try:
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -316,8 +316,10 @@ class ContainerBackend(Backend):
         except asyncio.CancelledError:
             # A worker thread cannot be stopped: let it finish (tens of ms), so that the caller's cleanup
             # (destroy) finds everything it made instead of racing with a crun still starting the sandbox.
-            with contextlib.suppress(Exception):
-                await started
+            # A second cancellation meanwhile must not cut that wait short either.
+            while not started.done():
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait([started])
             raise
         # Each a worker-thread hop (a hand-off and a wake-up of the loop): only when there is something to do.
         if record.spec.protected:

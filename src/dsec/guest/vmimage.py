@@ -15,6 +15,7 @@ command line is :func:`dsec.images.build.mmdebstrap_command`'s.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -155,11 +156,12 @@ def _agent_build_dir() -> Path:
     return default_guest_dir() / "build"
 
 
+@functools.cache
 def recipe_digest(desktop: bool) -> str:
     """Digest of what :func:`build_vm_image` puts into an image besides the packages: the agent (its source, by
     the name :func:`~dsec.guest.initramfs.ensure_agent` gives the binary) and the units and files written into
     the tree. ``image.json`` records it (``recipe``); an image whose recipe differs is stale (``scripts/setup``
-    rebuilds it). Builds the agent if needed."""
+    rebuilds it). Builds the agent if needed; computed once per process (every vm create asks)."""
     agent = ensure_agent(_agent_build_dir())
     parts = [agent.name, _AGENT_UNIT, *_UNITS_OFF, *BASE_PACKAGES]
     if desktop:

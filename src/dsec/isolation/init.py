@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from dsec.errors import BackendUnavailable
@@ -55,7 +56,7 @@ def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = Fals
     # musl ships no kernel headers: the system's (linux-libc-dev) come after musl's own libc headers.
     headers = ["-idirafter", "/usr/include", "-idirafter", f"/usr/include/{_multiarch()}"] if musl_cc else []
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{name}-{digest}.{os.getpid()}"
+    tmp = directory / f".{name}-{digest}.{os.getpid()}-{threading.get_ident()}"  # one per building thread
     proc = subprocess.run([cc, "-static", "-O2", "-s", "-Wall", "-Werror", *headers, "-o", str(tmp), str(source)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
