@@ -201,11 +201,13 @@ async def test_bad_specs_are_refused(backend: MicroVMBackend, debian_python_imag
 
 async def test_killing_the_agent_from_inside_does_not_hang(backend: MicroVMBackend,
                                                            debian_python_image: ImageRef) -> None:
-    """The agent is the guest's pid 1: the guest kernel refuses even root's SIGKILL to it, so the attempt
-    returns and the sandbox keeps working."""
+    """Commands run in a pid namespace of their own: their pid 1 is a waiting init the kernel shields from
+    its namespace's signals, and the agent (the guest's pid 1, which the guest kernel shields too) is not
+    visible; the attempts return and the sandbox keeps working."""
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
-        r = await asyncio.wait_for(backend.exec(sb, ExecRequest(command="kill -9 1; kill -SEGV 1; echo tried")), 60)
-        assert r.stdout == b"tried\n", r
+        r = await asyncio.wait_for(backend.exec(sb, ExecRequest(
+            command="kill -9 1; kill -SEGV 1; kill -9 -1; pidof dsec-agent; echo tried; cat /proc/1/comm")), 60)
+        assert r.stdout == b"tried\ndsec-pidns-init\n", r
         assert (await backend.exec(sb, ExecRequest(command="echo alive"))).stdout == b"alive\n"
 
 
@@ -380,7 +382,14 @@ out["userns"] = 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()
 out["mknod"] = attempt(lambda: os.mknod("/tmp/sda", 0o600 | 0o060000, os.makedev(8, 0)))
 os.makedirs("/workspace/owned", exist_ok=True)
 out["chown"] = attempt(lambda: os.chown("/workspace/owned", 1000, 1000))
-out["kthread_root"] = sorted(os.listdir("/proc/2/root/")) if os.access("/proc/2/root/", os.R_OK) else []
+def comm(pid):
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+out["comms"] = sorted({comm(pid) for pid in os.listdir("/proc") if pid.isdigit()} - {""})
+out["rw_submounts"] = [line.split()[4] for line in open("/proc/self/mountinfo")
+                       if line.split()[4].startswith(("/sys/", "/proc/sys/")) and "rw" in line.split()[5].split(",")]
 print(json.dumps(out))
 """
 _KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 10, 11, 13, 14, 15, 18, 23, 28, 29, 31}
@@ -404,8 +413,10 @@ async def test_commands_run_without_the_capabilities_that_undo_protections(
         assert out["agent_root"] == errno.EACCES and out["agent_ns"] == errno.EACCES, out
         assert out["userns"] in (errno.ENOSPC, errno.EPERM), out
         assert out["chown"] == 0, "root lost CAP_CHOWN"
-        # the initramfs's root (kernel threads') holds no path into the writable layer
-        assert not {"rw", "ro", "newroot"} & set(out["kthread_root"]), out["kthread_root"]
+        # their own pid namespace: no agent, no kernel thread (whose root is the initramfs's, with a path into the
+        # writable layer) to reach through /proc/<pid>/root
+        assert set(out["comms"]) <= {"dsec-pidns-init", "python3", "sh"}, out["comms"]
+        assert out["rw_submounts"] == [], out
 
 
 async def test_protected_and_hidden_paths(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:

@@ -274,6 +274,14 @@ attempt("raw_disk", lambda: os.close(os.open("/dev/vda", os.O_WRONLY)))
 attempt("hidden_listing", lambda: out.__setitem__("listing", os.listdir("/workspace/tests")))
 attempt("systemd_socket", lambda: os.stat("/run/systemd/private"))
 out["umount"] = 0 if libc.umount2(b"/etc/passwd", 2) == 0 else ctypes.get_errno()
+def comm(pid):
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+out["comms"] = sorted({comm(pid) for pid in os.listdir("/proc") if pid.isdigit()} - {""})
+mounts = [line.split() for line in open("/proc/self/mountinfo")]
+out["submounts"] = {m[4]: m[5] for m in mounts if m[4].startswith(("/sys/", "/proc/sys/"))}
 print(json.dumps(out))
 '''
 
@@ -281,7 +289,7 @@ print(json.dumps(out))
 async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:
     """protected= and hidden= on a vm: commands confined (read-only system but the work directories, their own
     /run, no raw disk, no mount, no module loading), the agent's upkeep not (clock, disk growth), pristine execs
-    on the image's base disk, reveal, and a killed agent ends the guest instead of serving unconfined."""
+    on the image's base disk, reveal, and an agent that died ends the guest instead of serving unconfined."""
     async with sandbox(backend, image, protected=["/etc/passwd"], hidden=["/workspace/tests"]) as sb:
         assert sb.backend_state["hidden"] == ["/workspace/tests"]
         clock = await backend.exec(sb, ExecRequest(command="date +%s"))
@@ -294,8 +302,17 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
         assert res["write_agent"] in (errno.EROFS, errno.ETXTBSY) and res["raw_disk"] == errno.EACCES, res
         assert res["write_workspace"] == res["write_tmp"] == 0, res
         assert res["listing"] == [] and res["systemd_socket"] == errno.ENOENT and res["umount"] == errno.EPERM, res
+        # their own pid namespace (no agent, service or desktop process to signal or to read the uncovered disk
+        # through /proc/<pid>/root of); every mount under /sys and /proc/sys read-only (tracefs, cgroup, ...)
+        assert set(res["comms"]) <= {"dsec-pidns-init", "python3"}, res["comms"]
+        assert any(p.startswith("/sys/fs/cgroup") for p in res["submounts"]), res["submounts"]
+        assert all("ro" in opts.split(",") for opts in res["submounts"].values()), res["submounts"]
         r = await backend.exec(sb, ExecRequest(command="modprobe dummy"))
         assert r.exit_code != 0, r
+        r = await backend.exec(sb, ExecRequest(command="kill -9 -1; pkill -9 Xorg; pidof dsec-agent; echo tried"))
+        assert r.stdout == b"tried\n", r
+        r = await backend._system_exec(sb, ExecRequest(command="systemctl is-active dsec-agent dsec-desktop"))
+        assert r.stdout.split() == [b"active", b"active"], r
         # pristine: the image's own binaries, whatever the sandbox's disk holds (the files API, as guest root,
         # can replace them: commands cannot)
         real = (await backend.exec(sb, ExecRequest(command="sha256sum /usr/bin/sha256sum"))).stdout.split()[0]
@@ -326,10 +343,11 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
         r = await backend.exec(sb, ExecRequest(command="cat /workspace/tests/test_grade.py; "
                                                        "echo x >> /workspace/tests/test_grade.py"))
         assert r.stdout == b"assert 42\n" and b"Read-only file system" in r.stderr, r
-        # a command kills the agent: systemd restarts it, and the new agent ends the guest (the call that
-        # killed it may already see that, or the next ones)
+        # the agent dies (commands cannot reach it: here the backend's own upkeep kills it): systemd restarts
+        # it, and the new agent ends the guest instead of serving unconfined (the call that killed it may
+        # already see that, or the next ones)
         with pytest.raises(SandboxError, match="the guest powered off"):
-            await backend.exec(sb, ExecRequest(command="kill -9 $(pidof dsec-agent)", timeout=30))
+            await backend._system_exec(sb, ExecRequest(command="kill -9 $(pidof dsec-agent)", timeout=30))
             for _ in range(60):
                 await backend.exec(sb, ExecRequest(command="true", timeout=30))
                 await asyncio.sleep(1)

@@ -321,14 +321,19 @@ static void enter_pristine(const char *cwd) {
  * protected paths are read-only bind mounts (made in the agent's namespace first, so both have them; each
  * directory above them bound over itself, so none can be renamed away with the path inside),
  * hidden directories are covered by an empty read-only tmpfs in the sandbox's namespace only (the agent's
- * files API sees and writes beneath the cover), /proc/sys and /sys are read-only
- * there (their writable knobs would run a helper as full root: core_pattern, uevent_helper...). The agent
- * becomes non-dumpable, so /proc/1/root and /proc/1/ns (its uncovered view) refuse commands, and new user
+ * files API sees and writes beneath the cover), /proc/sys and /sys are read-only there, every mount below
+ * them included (their writable knobs would run a helper as full root: core_pattern, uevent_helper, tracefs,
+ * configfs...). Commands also run in a pid namespace of their own (start_pid_namespace): no process outside
+ * it, the agent, a vm's services and its desktop included, is visible or reachable to them. The agent
+ * becomes non-dumpable as a second line (its /proc entries refuse commands even if reached), and new user
  * namespaces are switched off for good (max_user_namespaces = 0, which /proc/sys read-only keeps so). */
 #define CONFINED_DIR "/run/dsec-agent"
 #define CONFINED_MARK CONFINED_DIR "/confined"
 static int confined;
 static int sandbox_ns = -1;            /* mount namespace of commands */
+static int sandbox_pidns = -1;         /* pid namespace of commands (see start_pid_namespace) */
+static int agent_pidns = -1;           /* the agent's own, for the forks that are not commands */
+static pid_t pidns_init = -1;          /* its init, a child of the agent */
 #define MAX_HIDDEN 64
 static char *hidden[MAX_HIDDEN];       /* still covered */
 static int nhidden;
@@ -398,6 +403,54 @@ static int bind_read_only(const char *path) {
     return mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
 }
 
+/* A mount point of /proc/self/mountinfo (field 5) decoded in place: the kernel writes space, tab, newline
+ * and backslash as \ooo. */
+static char *mountinfo_point(char *line) {
+    char *s = line;
+    for (int field = 0; field < 4; field++) {
+        s = strchr(s, ' ');
+        if (!s) return NULL;
+        s++;
+    }
+    char *end = strchr(s, ' ');
+    if (!end) return NULL;
+    *end = 0;
+    char *w = s;
+    for (char *r = s; *r; w++) {
+        if (r[0] == '\\' && r[1] >= '0' && r[1] <= '3' && r[2] >= '0' && r[2] <= '7' && r[3] >= '0' && r[3] <= '7') {
+            *w = (char)(((r[1] - '0') << 6) | ((r[2] - '0') << 3) | (r[3] - '0'));
+            r += 4;
+        } else {
+            *w = *r++;
+        }
+    }
+    *w = 0;
+    return s;
+}
+
+/* bind_read_only, and every mount below `path` read-only too: a recursive bind keeps its submounts' own
+ * flags, and under /sys and /proc/sys those are the writable ones that matter (tracefs, debugfs, configfs,
+ * securityfs, bpf, cgroup, binfmt_misc, pstore, efivarfs). In the caller's mount namespace. */
+static int bind_read_only_tree(const char *path) {
+    if (bind_read_only(path) != 0) return -1;
+    FILE *f = fopen("/proc/self/mountinfo", "re");
+    if (!f) return -1;
+    size_t plen = strlen(path), cap = 0;
+    char *line = NULL;
+    int failed = 0;
+    while (!failed && getline(&line, &cap, f) > 0) {
+        char *point = mountinfo_point(line);
+        if (!point || strncmp(point, path, plen) != 0 || point[plen] != '/') continue;
+        if (mount(NULL, point, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0 &&
+            errno != ENOENT)  /* an automount point not mounted here, or a mount hidden under another */
+            failed = errno;
+    }
+    free(line);
+    fclose(f);
+    if (failed) errno = failed;
+    return failed ? -1 : 0;
+}
+
 /* Each directory above `path` (but /) bound over itself, read-write: a mount point cannot be renamed or
  * removed (EBUSY), so no command can move a protected or hidden path away with its parent and put its own
  * directory where the grader looks (a mount moves with a renamed ancestor). Idempotent per directory. */
@@ -457,6 +510,68 @@ static int cover_block_devices(const char *dir) {
     return failed ? -1 : 0;
 }
 
+/* The commands' pid namespace: they see and signal only each other. Without it a command could read the
+ * guest's other processes (/proc/<pid>/root of a service is its uncovered view of the disk, hidden paths
+ * included, reachable after setuid to the service's user), kill the agent or a vm's Xorg (and answer as :0 in
+ * its place to the session that restarts it), or signal services. Its init is a child of the agent that
+ * mounts the namespace's own /proc in the sandbox's mount namespace (/proc/sys read-only again) and then
+ * only waits (SIGCHLD ignored: the kernel reaps the orphans reparented to it); the kernel ignores the
+ * signals its namespace sends it. The agent forks each command into it (setns of pid_for_children around
+ * the fork). 0, or -1 with errno. */
+static const char *pidns_step;  /* what failed, for CONFINE's error */
+
+static int start_pid_namespace(void) {
+    static const char *steps[] = {"pipe", "unshare", "namespace fd", "fork", "enter the mount namespace",
+                                  "mount /proc", "/proc/sys read-only", "no word from its init"};
+    int ready[2], err = 0, at[2] = {0, 0};  /* errno, step */
+    pidns_step = steps[0];
+    pid_t pid = -1;
+    if (pipe2(ready, O_CLOEXEC) != 0) return -1;
+    pidns_step = steps[1];
+    agent_pidns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    if (agent_pidns < 0 || unshare(CLONE_NEWPID) != 0) {
+        err = errno;
+        close(ready[0]); close(ready[1]);
+        errno = err;
+        return -1;
+    }
+    if ((pid = fork()) == 0) {  /* pid 1 of the new namespace */
+        sigset_t none;
+        sigemptyset(&none);
+        signal(SIGCHLD, SIG_IGN);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        prctl(PR_SET_NAME, "dsec-pidns-init", 0, 0, 0);
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        if (setns(sandbox_ns, CLONE_NEWNS) != 0) at[1] = 4;
+        else if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) at[1] = 5;
+        else if (bind_read_only_tree("/proc/sys") != 0) at[1] = 6;
+        if (at[1]) at[0] = errno;
+        if (write(ready[1], at, sizeof at) != sizeof at || at[0]) _exit(1);
+        for (int fd = 0; fd < 1024; fd++) close(fd);  /* the port above all */
+        for (;;) pause();
+    }
+    if (!err && pid < 0) { err = errno; pidns_step = steps[3]; }
+    close(ready[1]);
+    if (!err) {
+        if (read(ready[0], at, sizeof at) != sizeof at) { at[0] = EIO; at[1] = 7; }
+        if (at[0]) { err = at[0]; pidns_step = steps[at[1]]; }
+    }
+    close(ready[0]);
+    /* (only now: the kernel shows pid_for_children once the namespace has its init) */
+    if (!err && (sandbox_pidns = open("/proc/self/ns/pid_for_children", O_RDONLY | O_CLOEXEC)) < 0) {
+        err = errno; pidns_step = steps[2];
+    }
+    /* the agent's other forks (its upkeep commands) stay in its own namespace */
+    if (setns(agent_pidns, CLONE_NEWPID) != 0) {
+        dprintf(2, "dsec-agent: cannot return to its pid namespace: %s\n", strerror(errno));
+        reboot(RB_POWER_OFF);
+    }
+    if (pid > 0 && err) { kill(pid, SIGKILL); waitpid(pid, NULL, 0); }
+    if (err) { errno = err; return -1; }
+    pidns_init = pid;
+    return 0;
+}
+
 /* CONFINE payload: "P/path\0" (protected) and "H/path\0" (hidden) strings, any number (none: just the
  * namespace and the dropped capabilities); a vm adds "C/path\0" (a directory covered for good by an empty
  * read-only tmpfs in the commands' namespace, when it exists: the control sockets of systemd, udev and D-Bus,
@@ -464,9 +579,9 @@ static int cover_block_devices(const char *dir) {
  * own: a vm's /run, where systemd, udev and modprobe read units, rules and install commands), "W/path\0"
  * (when any is given, the commands' root filesystem is read-only but for these directories: a vm's systemd,
  * services, desktop and the kernel's modprobe run as full root outside the confinement and execute what is
- * on that disk) and "B/dev\0" (the block devices there covered, see cover_block_devices). Once confined, the
- * agent leaves a mark in its own /run: an agent started again in this guest (a vm's systemd restarts a
- * killed one) powers the guest off rather than serve unconfined (see main). Reply: DATA with the still hidden paths (NUL-terminated), END.
+ * on that disk) and "B/dev\0" (the block devices there covered, see cover_block_devices). Before confining,
+ * the agent leaves a mark in its own /run (no mark, no confinement): an agent started again in this guest (a
+ * vm's systemd restarts one that died) powers the guest off rather than serve unconfined (see main). Reply: DATA with the still hidden paths (NUL-terminated), END.
  * A guest already confined (a restored snapshot of one) keeps its setup and only reports. */
 static void do_confine(uint32_t id, unsigned char *p, size_t len) {
     char *strs[512];
@@ -482,6 +597,14 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
         if (strs[i][0] == 'H' && ++nh > MAX_HIDDEN) { send_error(id, E2BIG, "hidden paths"); return; }
         if (strchr("PH", strs[i][0]) && check_path(id, strs[i] + 1, strs[i][0] == 'H') != 0) return;
     }
+    /* the mark first: an agent that confined anything (or began to) is never followed by an unconfined one */
+    mkdir(CONFINED_DIR, 0700);
+    int fd = open(CONFINED_MARK, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        snprintf(msg, sizeof msg, "the confined mark %s: %s", CONFINED_MARK, strerror(errno));
+        send_text_error(id, EIO, msg); return;
+    }
+    close(fd);
     for (int i = 0; i < n; i++)
         if (strchr("PH", strs[i][0]) && pin_ancestors(strs[i] + 1) != 0) {
             snprintf(msg, sizeof msg, "bind mount over a parent of %s: %s", strs[i] + 1, strerror(errno));
@@ -494,10 +617,11 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
         }
     int root_ns = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
     if (root_ns < 0 || unshare(CLONE_NEWNS) != 0) { send_error(id, errno, "sandbox mount namespace"); return; }
+    const char *what = "private mounts";
     int failed = mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ? errno : 0;
     const char *knobs[] = {"/proc/sys", "/sys"};  /* /proc/sysrq-trigger stays: it only ends this VM */
     for (size_t i = 0; !failed && i < sizeof knobs / sizeof *knobs; i++)
-        if (bind_read_only(knobs[i]) != 0) failed = errno;
+        if (bind_read_only_tree(knobs[i]) != 0) { failed = errno; what = knobs[i]; }
     /* W: the root read-only, and so every directory pinned above a grading path (its own mount) but those in
        a writable directory; then each writable directory bound over itself read-write (its mounts within,
        protected paths among them, keep their flags) */
@@ -510,44 +634,53 @@ static void do_confine(uint32_t id, unsigned char *p, size_t len) {
             writable = strs[i][0] == 'W' && !strncmp(pinned[p], strs[i] + 1, wl) &&
                        (pinned[p][wl] == 0 || pinned[p][wl] == '/');
         }
-        if (!writable && mount(NULL, pinned[p], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0) failed = errno;
+        if (!writable && mount(NULL, pinned[p], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0) {
+            failed = errno; what = pinned[p];
+        }
     }
-    if (!failed && read_only_root && mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0)
-        failed = errno;
+    if (!failed && read_only_root && mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0) {
+        failed = errno; what = "read-only root";
+    }
     for (int i = 0; !failed && i < n; i++) {
         struct stat st;
         if (strs[i][0] != 'W' || lstat(strs[i] + 1, &st) != 0 || !S_ISDIR(st.st_mode)) continue;
         if (mount(strs[i] + 1, strs[i] + 1, NULL, MS_BIND | MS_REC, NULL) != 0 ||
-            mount(NULL, strs[i] + 1, NULL, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV, NULL) != 0) failed = errno;
+            mount(NULL, strs[i] + 1, NULL, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV, NULL) != 0) {
+            failed = errno; what = strs[i] + 1;
+        }
     }
     for (int i = 0; !failed && i < n; i++)
         if (strs[i][0] == 'T' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_NOSUID | MS_NODEV,
-                                       "size=16m,mode=0755") != 0) failed = errno;
+                                       "size=16m,mode=0755") != 0) { failed = errno; what = strs[i] + 1; }
     for (int i = 0; !failed && i < n; i++)
         if (strs[i][0] == 'H' && mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                       "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
+                                       "size=4k,nr_inodes=16,mode=0755") != 0) { failed = errno; what = strs[i] + 1; }
     for (int i = 0; !failed && i < n; i++) {
         struct stat st;
         if (strs[i][0] == 'C' && lstat(strs[i] + 1, &st) == 0 && S_ISDIR(st.st_mode) &&
             mount("tmpfs", strs[i] + 1, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                  "size=4k,nr_inodes=16,mode=0755") != 0) failed = errno;
-        if (strs[i][0] == 'B' && cover_block_devices(strs[i] + 1) != 0) failed = errno;
+                  "size=4k,nr_inodes=16,mode=0755") != 0) { failed = errno; what = strs[i] + 1; }
+        if (strs[i][0] == 'B' && cover_block_devices(strs[i] + 1) != 0) { failed = errno; what = strs[i] + 1; }
     }
     sandbox_ns = failed ? -1 : open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
-    if (!failed && sandbox_ns < 0) failed = errno;
+    if (!failed && sandbox_ns < 0) { failed = errno; what = "namespace fd"; }
     if (setns(root_ns, CLONE_NEWNS) != 0 || chdir("/") != 0) {
         /* the agent is stranded in a half-made namespace: nothing it serves could be trusted */
         dprintf(2, "dsec-agent: cannot return to its mount namespace: %s\n", strerror(errno));
         reboot(RB_POWER_OFF);
     }
     close(root_ns);
-    if (failed) { send_error(id, failed, "setting up the sandbox's mount namespace"); return; }
-    int fd = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
+    if (failed) {
+        snprintf(msg, sizeof msg, "setting up the commands' mount namespace (%s): %s", what, strerror(failed));
+        send_text_error(id, EIO, msg); return;
+    }
+    if (start_pid_namespace() != 0) {
+        snprintf(msg, sizeof msg, "starting the commands' pid namespace (%s): %s", pidns_step, strerror(errno));
+        send_text_error(id, EIO, msg); return;
+    }
+    fd = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
     if (fd >= 0) { if (write(fd, "0\n", 2) != 2) { /* an older kernel: unshare-user stays seccomp-free */ } close(fd); }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    mkdir(CONFINED_DIR, 0700);
-    fd = open(CONFINED_MARK, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    if (fd >= 0) close(fd);
     for (int i = 0; i < n; i++)
         if (strs[i][0] == 'H') hidden[nhidden++] = strdup(strs[i] + 1);
     confined = 1;
@@ -601,6 +734,12 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int
     if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
         free(strs); free_chan(c); send_error(id, errno, "pipe"); return;
     }
+    int in_pidns = confined && !system;
+    if (in_pidns && setns(sandbox_pidns, CLONE_NEWPID) != 0) {
+        int e = errno;
+        close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
+        free(strs); free_chan(c); send_error(id, e, "enter the sandbox's pid namespace"); return;
+    }
     pid_t pid = fork();
     if (pid == 0) {
         setsid();
@@ -637,6 +776,10 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int
         _exit(errno == ENOENT ? 127 : 126);
     }
     int fork_errno = errno;
+    if (in_pidns && setns(agent_pidns, CLONE_NEWPID) != 0) {
+        dprintf(2, "dsec-agent: cannot return to its pid namespace: %s\n", strerror(errno));
+        reboot(RB_POWER_OFF);
+    }
     free(strs);
     close(in[0]); close(out[1]); close(err[1]);
     c->kind = T_EXEC;
@@ -892,6 +1035,12 @@ static void reap(void) {
     int status;
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (pid == pidns_init) {
+            /* no command can be started confined any more (fork: ENOMEM), and none may start unconfined */
+            dprintf(2, "dsec-agent: the init of the commands' pid namespace died: powering off\n");
+            sync();
+            reboot(RB_POWER_OFF);
+        }
         for (int i = 0; i < MAX_CHANS; i++)
             if (chans[i].used && chans[i].kind == T_EXEC && chans[i].pid == pid) {
                 chans[i].exited = 1; chans[i].status = status; chans[i].exit_ms = now_ms();

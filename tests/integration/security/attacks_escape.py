@@ -221,10 +221,11 @@ print(json.dumps({{str(p): try_os(os.kill, p, 0) for p in {victims}}}))
                                           "memory through /proc/1/mem and process_vm_writev, SIGSTOP it, lower "
                                           "Yama's ptrace_scope and re-enable module loading",
         models="attacking the executor: stopping or rewriting the guest agent (hangs or subverts its own VM)",
-        defence="microvm: Yama ptrace_scope 3 set by the guest's init before the agent starts (EPERM even with "
-                "CAP_SYS_PTRACE, which commands do not have, and it cannot be lowered: /proc/sys is read-only for "
-                "commands, EROFS), module loading and kexec disabled for good, and the kernel ignores SIGSTOP sent "
-                "to its pid 1 from inside; the agent answers afterwards. vm: root owns that VM (it may stop its "
+        defence="microvm: commands run in a pid namespace of their own where the agent is not visible (pid 1 "
+                "there is a waiting init, the kernel ignores the SIGSTOP its namespace sends it); Yama ptrace_scope "
+                "3 set by the guest's init before the agent starts (EPERM even with CAP_SYS_PTRACE, which commands "
+                "do not have, and it cannot be lowered: /proc/sys is read-only for commands, EROFS), module loading "
+                "and kexec disabled for good; the agent answers afterwards. vm: root owns that VM (it may stop its "
                 "agent, a systemd service): the VM boundary; the host and the backend carry on",
         not_applicable={"container": "no agent inside: commands enter from the host; the init is covered by "
                                      "ptrace-init",
@@ -241,6 +242,7 @@ async def ptrace_guest_agent(t: Target) -> None:
     res = await probe(t, _PTRACE_AGENT)
     await guest_kernel_is_own(t)
     assert res["scope"] == "3" and res["modules_disabled"] == "1" and res["kexec_disabled"] == "1", res
+    assert res["agents"] == [], f"the agent is visible to commands: {res}"
     for what in ("attach", "seize", "mem", "vm_writev"):
         assert res[what] in (errno.EPERM, errno.EACCES), (what, res)
     # /proc/sys is read-only for commands (EROFS); were it not, the knobs are one-way (EINVAL) and need
@@ -255,6 +257,12 @@ import signal
 out = {"scope": open("/proc/sys/kernel/yama/ptrace_scope").read().strip(),
        "modules_disabled": open("/proc/sys/kernel/modules_disabled").read().strip(),
        "kexec_disabled": open("/proc/sys/kernel/kexec_load_disabled").read().strip()}
+def comm(pid):
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+out["agents"] = [pid for pid in os.listdir("/proc") if pid.isdigit() and comm(pid) == "dsec-agent"]
 out["attach"] = sc(101, 16, 1, 0, 0)          # PTRACE_ATTACH
 out["seize"] = sc(101, 0x4206, 1, 0, 0)       # PTRACE_SEIZE
 out["mem"] = try_os(lambda: os.close(os.open("/proc/1/mem", os.O_RDWR)))

@@ -16,7 +16,8 @@ from redteam import Target, attack, expect_errno, probe
 _VM_CONFINED = ("vm: a sandbox with grading paths runs its commands confined by the guest agent as on microvm, and "
                 "on a system read-only to them but for the work directories (systemd, udev, modprobe and the "
                 "desktop run as unconfined root and execute what is on the disk), with their own /run and no "
-                "block devices")
+                "block devices, in a pid namespace of their own (no service, desktop process or agent to signal "
+                "or to read through /proc/<pid>/root)")
 _PROTECTED = {"protected": ["/usr/bin", "/etc/passwd"]}
 
 
@@ -115,7 +116,9 @@ print(json.dumps(out))
                 "read: ENOENT; writes EROFS; the directory itself EBUSY); after reveal a read-only bind (EROFS, "
                 "EBUSY, EXDEV), and the files API reads the grader's bytes unchanged; microvm: the same, the cover "
                 "made by the guest agent in the commands' own mount namespace (the agent's view, which the files "
-                "API uses, has none; commands cannot reach it: the agent is not dumpable); " + _VM_CONFINED,
+                "API uses, has none; commands cannot reach it: they run in their own pid namespace, where the "
+                "agent is not visible, and it is not dumpable; tried through /proc/<pid>/root of every process, "
+                "as root and after setuid to each user); " + _VM_CONFINED,
         fresh=True, spec={"hidden": ["/workspace/tests"]})
 async def hidden_tests_then_revealed(t: Target) -> None:
     secret = b"def test_answer():\n    assert solve() == 42\n"
@@ -141,11 +144,15 @@ print(json.dumps(out))
                                                          "microvm": errno.EROFS, "vm": errno.EROFS})
     expect_errno(t, "rename_dir (hidden)", before["rename_dir"], {"container": errno.EBUSY, "function": errno.EBUSY,
                                                                   "microvm": errno.EBUSY, "vm": errno.EBUSY})
-    if t.name in ("microvm", "vm"):  # the agent's uncovered view, through its /proc entry (vm: and systemd's)
-        agent = "1" if t.name == "microvm" else (await t.sh("pidof dsec-agent")).stdout.decode().split()[0]
-        for pid in {agent, "1"}:
-            res = await probe(t, f'print(json.dumps(try_os(os.listdir, "/proc/{pid}/root/workspace/tests")))')
-            assert res == errno.EACCES, f"the view of the hidden tests of pid {pid}: {res}"
+    if t.name in ("microvm", "vm"):
+        # the uncovered view of any process outside the commands' mount namespace (the agent's, a vm's services'
+        # and desktop's), through its /proc/<pid>/root: as root, and as each other user after setuid (a service
+        # of that user is as dumpable as its peers) -- the commands' pid namespace shows no such process
+        res = await probe(t, _PROC_ROOTS)
+        assert res["comms"].get("1") == "dsec-pidns-init", res
+        assert not {"dsec-agent", "systemd", "Xorg", "dbus-daemon"} & set(res["comms"].values()), res
+        leaks = {k: v for k, v in res["views"].items() if v not in ([], errno.EACCES, errno.ENOENT)}
+        assert not leaks, f"the hidden tests through /proc/<pid>/root: {leaks}"
     await t.backend.reveal(t.sb)
     after = await probe(t, snippet)
     assert after["listing"] == ["test_grade.py"] and after["read"] == 0, f"revealed tests not visible: {after}"
@@ -159,6 +166,36 @@ print(json.dumps(out))
                                                           "microvm": (errno.EXDEV, errno.EROFS),
                                                           "vm": (errno.EXDEV, errno.EROFS)})
     assert await t.backend.read_file(t.sb, "/workspace/tests/test_grade.py", 1 << 20) == secret
+
+
+_PROC_ROOTS = r"""
+def view(path):
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        return e.errno
+def views(tag):
+    return {f"{tag}:{pid}": view(f"/proc/{pid}/root/workspace/tests")
+            for pid in filter(str.isdigit, os.listdir("/proc"))}
+comms, uids = {}, {65534}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        comms[pid] = open(f"/proc/{pid}/comm").read().strip()
+        uids.add(os.stat(f"/proc/{pid}").st_uid)
+    except OSError:
+        pass
+found = views("root")
+for uid in sorted(uids):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setgid(uid); os.setuid(uid)
+        os.write(w, json.dumps(views(uid)).encode()); os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        found.update(json.loads(f.read() or "{}"))
+    os.wait()
+print(json.dumps({"comms": comms, "views": found}))
+"""
 
 
 @attack("landlock-kernel-knobs", description="write /proc/self/{comm,oom_score_adj,attr}, create files in /dev and "
