@@ -334,6 +334,8 @@ static int sandbox_ns = -1;            /* mount namespace of commands */
 static int sandbox_pidns = -1;         /* pid namespace of commands (see start_pid_namespace) */
 static int agent_pidns = -1;           /* the agent's own, for the forks that are not commands */
 static pid_t pidns_init = -1;          /* its init, a child of the agent */
+static char *args_start;               /* the agent's argv strings (its /proc/<pid>/cmdline) */
+static size_t args_len;
 #define MAX_HIDDEN 64
 static char *hidden[MAX_HIDDEN];       /* still covered */
 static int nhidden;
@@ -403,17 +405,18 @@ static int bind_read_only(const char *path) {
     return mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
 }
 
-/* A mount point of /proc/self/mountinfo (field 5) decoded in place: the kernel writes space, tab, newline
- * and backslash as \ooo. */
-static char *mountinfo_point(char *line) {
+/* The mount id, parent id and mount point of a /proc/self/mountinfo line (fields 1, 2 and 5), the point
+ * decoded in place (the kernel writes space, tab, newline and backslash as \ooo); -1 if malformed. */
+static int mountinfo_fields(char *line, int *id, int *parent, char **point) {
     char *s = line;
+    if (sscanf(line, "%d %d", id, parent) != 2) return -1;
     for (int field = 0; field < 4; field++) {
         s = strchr(s, ' ');
-        if (!s) return NULL;
+        if (!s) return -1;
         s++;
     }
     char *end = strchr(s, ' ');
-    if (!end) return NULL;
+    if (!end) return -1;
     *end = 0;
     char *w = s;
     for (char *r = s; *r; w++) {
@@ -425,28 +428,50 @@ static char *mountinfo_point(char *line) {
         }
     }
     *w = 0;
-    return s;
+    *point = s;
+    return 0;
 }
 
-/* bind_read_only, and every mount below `path` read-only too: a recursive bind keeps its submounts' own
- * flags, and under /sys and /proc/sys those are the writable ones that matter (tracefs, debugfs, configfs,
- * securityfs, bpf, cgroup, binfmt_misc, pstore, efivarfs). In the caller's mount namespace. */
+/* bind_read_only, and every mount below it read-only too: a recursive bind keeps its submounts' own flags,
+ * and under /sys and /proc/sys those are the writable ones that matter (tracefs, debugfs, configfs,
+ * securityfs, bpf, cgroup, binfmt_misc, pstore, efivarfs). Only the mounts of the new bind's own tree (by
+ * parent id): mounts hidden beneath another at the same path (the guest's /proc under a namespace's own)
+ * are listed too, and their paths lead elsewhere. In the caller's mount namespace. */
+#define MAX_MOUNTS 4096
 static int bind_read_only_tree(const char *path) {
+    static int ids[MAX_MOUNTS], parents[MAX_MOUNTS];
+    static char *points[MAX_MOUNTS];
     if (bind_read_only(path) != 0) return -1;
     FILE *f = fopen("/proc/self/mountinfo", "re");
     if (!f) return -1;
-    size_t plen = strlen(path), cap = 0;
+    size_t cap = 0;
     char *line = NULL;
-    int failed = 0;
-    while (!failed && getline(&line, &cap, f) > 0) {
-        char *point = mountinfo_point(line);
-        if (!point || strncmp(point, path, plen) != 0 || point[plen] != '/') continue;
-        if (mount(NULL, point, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0 &&
-            errno != ENOENT)  /* an automount point not mounted here, or a mount hidden under another */
-            failed = errno;
+    int n = 0, top = -1, failed = 0;
+    while (n < MAX_MOUNTS && getline(&line, &cap, f) > 0) {
+        char *point;
+        if (mountinfo_fields(line, &ids[n], &parents[n], &point) != 0) continue;
+        points[n] = strdup(point);
+        if (!points[n]) { failed = ENOMEM; break; }
+        if (!strcmp(point, path)) top = ids[n];  /* the last one: the bind just made */
+        n++;
     }
     free(line);
     fclose(f);
+    if (!failed && n == MAX_MOUNTS) failed = E2BIG;
+    if (!failed && top < 0) failed = ENOENT;
+    for (int i = 0; !failed && i < n; i++) {
+        int under = 0, at = parents[i];
+        for (int depth = 0; depth < 64 && !under && ids[i] != top; depth++) {
+            if (at == top) { under = 1; break; }
+            int j = 0;
+            while (j < n && ids[j] != at) j++;
+            if (j == n) break;
+            at = parents[j];
+        }
+        if (under && mount(NULL, points[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0)
+            failed = errno;
+    }
+    for (int i = 0; i < n; i++) free(points[i]);
     if (failed) errno = failed;
     return failed ? -1 : 0;
 }
@@ -540,7 +565,12 @@ static int start_pid_namespace(void) {
         sigemptyset(&none);
         signal(SIGCHLD, SIG_IGN);
         sigprocmask(SIG_SETMASK, &none, NULL);
+        /* its name and command line its own (pidof and ps match an agent's argv[0]) */
         prctl(PR_SET_NAME, "dsec-pidns-init", 0, 0, 0);
+        if (args_len > sizeof "dsec-pidns-init") {
+            memset(args_start, 0, args_len);
+            strcpy(args_start, "dsec-pidns-init");
+        }
         prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
         if (setns(sandbox_ns, CLONE_NEWNS) != 0) at[1] = 4;
         else if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) at[1] = 5;
@@ -1052,6 +1082,10 @@ static void reap(void) {
 
 int main(int argc, char **argv) {
     const char *dev = argc > 1 ? argv[1] : "/dev/vport0p1";
+    if (argc > 0) {
+        args_start = argv[0];
+        args_len = (size_t)(argv[argc - 1] + strlen(argv[argc - 1]) + 1 - argv[0]);
+    }
     struct stat image;
     if (argc > 2 && stat(argv[2], &image) == 0 && S_ISBLK(image.st_mode))
         image_dev = image.st_rdev;
