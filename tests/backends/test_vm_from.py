@@ -21,7 +21,7 @@ from dsec.backends.vm import VMBackend
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest
 from dsec.guest.vmimage import build_vm_image, find_vm_image
-from dsec.images.store import ImageStore
+from dsec.images.node import NodeImages
 from dsec.models import ExecRequest
 from dsec.testing import sandbox
 
@@ -32,13 +32,21 @@ SOURCE = "debian-python"
 
 
 @pytest.fixture(scope="module")
-def source() -> ImageRef:
-    settings = Settings()
+def source() -> Iterator[ImageRef]:
+    """The image's root as ``dsec image build-vm --from`` reads it: a chunked image (as ./scripts/setup stores
+    it now) mounted lazily by the node's images, released after."""
+    images = NodeImages(Settings(), prefetch=False)
     try:
-        return ImageStore(settings.images, settings.image_store).resolve(SOURCE)
+        ref = images.resolve(SOURCE)
     except DSecError as e:
+        images.close_idle_sync()
         missing(f"{SOURCE}: {e}")
         raise
+    try:
+        yield ref
+    finally:
+        images.release(ref)
+        images.close_idle_sync()
 
 
 @pytest.fixture(scope="module")

@@ -135,10 +135,14 @@ static struct chan *new_chan(uint32_t id) {
     return NULL;
 }
 
+/* The guest's /proc as the agent found it at start (O_PATH): what it reads and writes there keeps working
+ * when guest root unmounts or covers /proc (an unconfined vm's commands may). */
+static int proc_dir = AT_FDCWD;
+
 /* The guest kernel's OOM-kill counter (/proc/vmstat oom_kill); -1 when unreadable. */
 static long oom_kills(void) {
     char buf[8192];
-    int fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
+    int fd = openat(proc_dir, proc_dir == AT_FDCWD ? "/proc/vmstat" : "vmstat", O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -190,7 +194,8 @@ static void mkdirs(const char *path) {
  * command process (counted in the guest's oom_kill, so the host reports limit="memory"), while the agent,
  * systemd and the desktop keep the memory they need. Without a delegated cgroup v2 (a microvm, where the
  * agent is pid 1 and the guest's RAM is only the command's) commands run where the agent is. */
-static char cmd_procs[PATH_MAX + 64];  /* <cgroup>/commands/cgroup.procs, "" when there is none */
+static int cmd_procs_fd = -1;  /* <cgroup>/commands/cgroup.procs, open for writing from the start (a command may
+                                  unmount /sys/fs/cgroup); -1 when there is none */
 
 static int write_file(const char *path, const char *text) {
     int fd = open(path, O_WRONLY | O_CLOEXEC);
@@ -247,7 +252,9 @@ static void setup_command_cgroup(void) {
     if (write_file(path, num) != 0) goto fail;
     snprintf(path, sizeof path, "%s/commands/memory.swap.max", base);
     write_file(path, "0\n");  /* absent without swap accounting: nothing to limit then */
-    snprintf(cmd_procs, sizeof cmd_procs, "%s/commands/cgroup.procs", base);
+    snprintf(path, sizeof path, "%s/commands/cgroup.procs", base);
+    cmd_procs_fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (cmd_procs_fd < 0) goto fail;
     return;
 fail:
     dprintf(2, "dsec-agent: no memory cgroup for commands (%s): %s\n", path, strerror(errno));
@@ -255,11 +262,14 @@ fail:
 
 /* In a command's child, first: an ordinary OOM score (not the agent's -1000) and the commands' cgroup. */
 static void enter_command_cgroup(void) {
-    if (write_file("/proc/self/oom_score_adj", "0\n") != 0) {
+    int fd = openat(proc_dir, proc_dir == AT_FDCWD ? "/proc/self/oom_score_adj" : "self/oom_score_adj",
+                    O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, "0\n", 2) != 2) {
         dprintf(2, "dsec-agent: cannot reset the command's oom_score_adj: %s\n", strerror(errno));
         _exit(126);
     }
-    if (cmd_procs[0] && write_file(cmd_procs, "0\n") != 0) {
+    close(fd);
+    if (cmd_procs_fd >= 0 && write(cmd_procs_fd, "0\n", 2) != 2) {
         dprintf(2, "dsec-agent: cannot join the commands' memory cgroup: %s\n", strerror(errno));
         _exit(126);
     }
@@ -1099,6 +1109,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     rbuf = malloc(MAX_IN + 4);
+    int dir = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) proc_dir = dir;
     setup_command_cgroup();
     sigset_t mask;
     sigemptyset(&mask);
