@@ -30,6 +30,7 @@ from dsec.guest.vmimage import find_vm_image
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
+from guest_support import CONFINED_VIEW
 
 # the first test boots the template: minutes under TCG on a loaded machine
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -274,16 +275,7 @@ attempt("raw_disk", lambda: os.close(os.open("/dev/vda", os.O_WRONLY)))
 attempt("hidden_listing", lambda: out.__setitem__("listing", os.listdir("/workspace/tests")))
 attempt("systemd_socket", lambda: os.stat("/run/systemd/private"))
 out["umount"] = 0 if libc.umount2(b"/etc/passwd", 2) == 0 else ctypes.get_errno()
-def comm(pid):
-    try:
-        return open(f"/proc/{pid}/comm").read().strip()
-    except OSError:
-        return ""
-out["comms"] = sorted({comm(pid) for pid in os.listdir("/proc") if pid.isdigit()} - {""})
-mounts = [line.split() for line in open("/proc/self/mountinfo")]
-out["submounts"] = {m[4]: m[5] for m in mounts if m[4].startswith(("/sys/", "/proc/sys/"))}
-print(json.dumps(out))
-'''
+''' + CONFINED_VIEW + "print(json.dumps(out))\n"
 
 
 async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRef, tmp_path: Path) -> None:
