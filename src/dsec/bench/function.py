@@ -58,18 +58,23 @@ class FunctionBench:
                        peer_n=n(self.peer_n), sustained_seconds=max(0.5, self.sustained_seconds * factor))
 
 
-def preflight(settings: Settings) -> Path:
-    """The image root, or :class:`BenchUnavailable` naming what is missing."""
+def preflight(settings: Settings) -> Path | None:
+    """The image's root directory for the bwrap peer when it is a legacy directory image, None when it is
+    stored chunked (mounted for the peer later); :class:`BenchUnavailable` naming what is missing."""
+    from dsec.images.store import ImageStore
+
     if os.geteuid() != 0:
         raise BenchUnavailable("the function suite needs root (namespaces, mounts, cgroups)")
     reason = FunctionBackend(settings).available()
     if reason != "ok":
         raise BenchUnavailable(f"function backend unavailable: {reason}")
     root = settings.images / IMAGE / "rootfs"
-    if not (settings.images / IMAGE / "image.json").is_file() or not root.is_dir():
+    if (settings.images / IMAGE / "image.json").is_file() and root.is_dir():
+        return root
+    if not ImageStore(settings.images, settings.image_store).exists(IMAGE):
         raise BenchUnavailable(f"image {IMAGE!r} is not in the store at {settings.images}: "
                                f"run ./scripts/setup or `dsec image build {IMAGE}`")
-    return root
+    return None
 
 
 def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
@@ -189,8 +194,10 @@ def _leaks(settings: Settings) -> list[str]:
 async def run(cfg: FunctionBench, node: Settings | None = None,
               progress: Callable[[str], None] = lambda _: None) -> Suite:
     """Measure everything; ``progress`` is told each phase as it starts."""
+    from dsec.images.node import NodeImages
+
     node = node or Settings()
-    image_root = preflight(node)
+    legacy_root = preflight(node)
     settings = _private_settings(node)
     suite = Suite(name="function")
     timer = _Timer()
@@ -217,6 +224,8 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
             suite.latencies["bare_true"] = summarize(await asyncio.to_thread(_timed, ["/bin/true"], cfg.peer_n, 5))
             results["bare_sustained"] = await asyncio.to_thread(
                 _threads_rate, ["/bin/true"], cfg.concurrency, cfg.sustained_seconds)
+        # a chunked image: the same lazily mounted root the backend phase used
+        image_root = legacy_root or (await asyncio.to_thread(NodeImages(settings).resolve, IMAGE)).rootfs
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             results["skipped"]["bwrap"] = "bwrap not installed (apt-get install bubblewrap)"
@@ -232,6 +241,8 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
         with timer.phase("cleanup"):
             with contextlib.suppress(Exception):
                 await FunctionBackend(settings).cleanup_orphans(set())
+            with contextlib.suppress(Exception):  # the home's image mounts, then their FUSE server
+                await NodeImages(settings).aclose(unmount=True)
             results["leaks"] = _leaks(settings)
             shutil.rmtree(settings.home, ignore_errors=True)
     results["phases_s"] = timer.phases
