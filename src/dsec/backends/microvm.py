@@ -76,8 +76,11 @@ _CONSOLE_TAIL = 64 * 1024
 # QEMU's threads (vCPUs, I/O, RCU...): the spec's pids limit is for guest processes, which the guest kernel
 # counts; the host cgroup only needs to stop a runaway QEMU.
 _QEMU_PIDS = 256
-# TCG cannot calibrate the TSC on -M microvm without these (see PLATFORM.md); harmless under KVM.
-_CMDLINE = "console=ttyS0 panic=-1 oops=panic tsc_early_khz=2000000 tsc=reliable quiet loglevel=4"
+# TCG cannot calibrate the TSC on -M microvm without these (see PLATFORM.md); harmless under KVM. reboot=t:
+# a panic (panic=-1) restarts by triple fault, which QEMU (-no-reboot) turns into its exit at once; the default
+# order tries ACPI and the keyboard controller first, which -M microvm lacks, and under KVM the guest at times
+# hung there after its panic, so the host never learnt of it.
+_CMDLINE = "console=ttyS0 panic=-1 oops=panic reboot=t tsc_early_khz=2000000 tsc=reliable quiet loglevel=4"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A networked guest's NIC backend (the tap of its namespace) and the address its init gives it.
 _NIC_NETDEV = ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no"]
@@ -592,7 +595,7 @@ class MicroVMBackend(Backend):
 
     def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
         return hashlib.sha256(f"{erofs.name}:{vcpus}:{mem_mib}:{disk_bytes}:{self.accel}:"
-                              f"{self._initramfs}".encode()).hexdigest()[:16]
+                              f"{self._initramfs}:{_CMDLINE}".encode()).hexdigest()[:16]
 
     async def _template(self, erofs: Path, image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int,
                         nic: bool = False) -> Path:
