@@ -139,15 +139,23 @@ static struct chan *new_chan(uint32_t id) {
  * when guest root unmounts or covers /proc (an unconfined vm's commands may). */
 static int proc_dir = AT_FDCWD;
 
-/* The guest kernel's OOM-kill counter (/proc/vmstat oom_kill); -1 when unreadable. */
-static long oom_kills(void) {
-    char buf[8192];
-    int fd = openat(proc_dir, proc_dir == AT_FDCWD ? "/proc/vmstat" : "vmstat", O_RDONLY | O_CLOEXEC);
+/* The start of /proc/`name` (through proc_dir), NUL-terminated in `buf`; -1 when unreadable or empty. */
+static int read_proc(const char *name, char *buf, size_t size) {
+    char path[64];
+    if (proc_dir == AT_FDCWD) snprintf(path, sizeof path, "/proc/%s", name);
+    int fd = openat(proc_dir, proc_dir == AT_FDCWD ? path : name, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t n = read(fd, buf, size - 1);
     close(fd);
     if (n <= 0) return -1;
     buf[n] = 0;
+    return 0;
+}
+
+/* The guest kernel's OOM-kill counter (/proc/vmstat oom_kill); -1 when unreadable. */
+static long oom_kills(void) {
+    char buf[8192];
+    if (read_proc("vmstat", buf, sizeof buf) != 0) return -1;
     char *p = strstr(buf, "\noom_kill ");
     return p ? atol(p + 10) : -1;
 }
@@ -209,12 +217,7 @@ static int write_file(const char *path, const char *text) {
 
 static long long meminfo_total(void) {
     char buf[4096];
-    int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
+    if (read_proc("meminfo", buf, sizeof buf) != 0) return -1;
     char *p = strstr(buf, "MemTotal:");
     return p ? atoll(p + 9) * 1024 : -1;
 }
