@@ -122,12 +122,15 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
     """Host resources still held by this home's sandboxes (or one sandbox): empty lists when clean."""
     tag = home_tag(home)
     ids = (lambda p: p.name == sandbox_id) if sandbox_id else (lambda p: p.name.startswith("sb-"))
+    mounts = (sandbox_mounts(home, f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
+              + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container"))
+              + sandbox_mounts(home, str(bundle_dir(home, sandbox_id)) if sandbox_id else str(state_root(home))))
+    node_sysfs = f"/run/dsec/{tag}/sysfs"  # the node's shared sysfs, mounted in the holder while the backend runs
     out = {
-        "mounts": sandbox_mounts(home, f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
-        + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container"))
-        + sandbox_mounts(home, str(bundle_dir(home, sandbox_id)) if sandbox_id else str(state_root(home))),
+        "mounts": [m for m in mounts if m != node_sysfs],
         "cgroups": cgroup_dirs(tag, sandbox_id),
-        "cgroup_parents": [] if sandbox_id else cgroup_parents(tag),
+        # what the home's sandboxes share while its backend runs: parent cgroups, the node's sysfs
+        "shared": [] if sandbox_id else cgroup_parents(tag) + [m for m in mounts if m == node_sysfs],
         "runtime_state": [],
         "network_chains": [] if sandbox_id else [f"n{i}" for i in Network(tag).indexes()],
         "bundles": [],
@@ -223,7 +226,7 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
             yield b
         finally:
             left = leftovers(home)
-            left.pop("cgroup_parents")  # shared by all sandboxes of the home while the backend runs
+            left.pop("shared")  # shared by all sandboxes of the home while the backend runs
             # Destroy whatever the test leaked before failing, so one failure does not cascade.
             removed = await b.cleanup_orphans(set())
     assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"

@@ -47,7 +47,7 @@ from dsec.isolation.disk import disk_full, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
-from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, tmpfs_mount
+from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
@@ -104,6 +104,10 @@ class ContainerBackend(Backend):
         # them: crun mounts them from inside the user namespace, and DSEC_HOME may sit below a
         # 0700 directory. The writable layers stay in DSEC_HOME, on disk.
         self.mounts = Path("/run/dsec") / tag
+        self.mask_dir = self.mounts / "masked"
+        """Empty, root's, 0555: bound read-only over the masked directories of every sandbox (oci.runtime_config)."""
+        self.sysfs = self.mounts / "sysfs"
+        """Where the node's shared sysfs (mounts.sysfs_mount) is mounted in the holder's namespace."""
         self._helper: ExecHelper | None = None
         self._init: Path | None = None
         self._nofile = 0
@@ -149,6 +153,7 @@ class ContainerBackend(Backend):
         self.mounts.mkdir(exist_ok=True, mode=0o700)
         os.chown(self.mounts, self.settings.uid_shift, self.settings.uid_shift)
         os.chmod(self.mounts, 0o700)
+        _mask_dir(self.mask_dir)
         built = await asyncio.to_thread(ensure_init, self.settings.home / "bin")
         self._init = self.mounts / built.name
         if not self._init.exists():
@@ -162,6 +167,7 @@ class ContainerBackend(Backend):
         holder = MountHolder(self._shim, self.root / "mntns.pid", self._tag)
         await asyncio.to_thread(holder.start)
         self._holder = holder
+        await asyncio.to_thread(self._mount_sysfs)
         self._helper = ExecHelper(bpf, nsenter)
         self._helper.start()
 
@@ -200,13 +206,16 @@ class ContainerBackend(Backend):
                 d.rmdir()
 
     def _remove_empty_mounts_dir(self) -> None:
-        """Drop /run/dsec/<tag> (and the init copy in it) when no sandbox of this home is left;
-        live sandboxes keep it, since their init is bind-mounted from there."""
+        """Drop /run/dsec/<tag> (the init copy, the mask directory and the sysfs mount point in it) when no
+        sandbox of this home is left; live sandboxes keep it, since their init is bind-mounted from there."""
         if not self.mounts.is_dir() or any(p.name.startswith("sb-") for p in self.mounts.iterdir()):
             return
         for p in self.mounts.iterdir():
             if p.name.startswith("dsec-init-"):
                 p.unlink(missing_ok=True)
+            elif p in (self.mask_dir, self.sysfs):
+                with contextlib.suppress(OSError):  # the sysfs is mounted only in the holder's namespace
+                    p.rmdir()
         with contextlib.suppress(OSError):
             self.mounts.rmdir()
             self.mounts.parent.rmdir()  # only if no other home uses /run/dsec
@@ -362,7 +371,7 @@ class ContainerBackend(Backend):
             config = runtime_config(
                 sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init,
                 uid_shift=image.uid_shift, uid_count=self.settings.uid_count, cgroups_path=None,
-                profile=DEFAULT_PROFILE,
+                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, sysfs_in_root=True,
             )
             (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
         except BaseException:
@@ -396,12 +405,19 @@ class ContainerBackend(Backend):
                 SandboxFS(root, shift, shift).makedirs(workdir_of(record))
                 # The image's untouched root for pristine execs, read-only inside the sandbox's root (from the
                 # sandbox's user namespace a locked mount it cannot undo). A restored upper already has the dir.
-                os.makedirs(f"{root}{PRISTINE_DIR}", mode=0o555, exist_ok=True)
+                _plain_dir(f"{root}{PRISTINE_DIR}")
                 pristine = clone_tree(str(image.rootfs), readonly=True)
                 try:
                     attach(pristine, PRISTINE_DIR.lstrip("/"), root_fd)
                 finally:
                     os.close(pristine)
+                # The node's one sysfs on /sys (read-only; from the sandbox's user namespace a locked mount).
+                _plain_dir(f"{root}/sys")
+                sysfs = holder.run(clone_tree, str(self.sysfs), True)
+                try:
+                    attach(sysfs, "sys", root_fd)
+                finally:
+                    os.close(sysfs)
                 holder.run(attach, root_fd, str(rootfs))
                 record.backend_state["mounted"] = True
                 holder.run(attach, disk_fd, str(disk))
@@ -410,6 +426,18 @@ class ContainerBackend(Backend):
         finally:
             os.close(disk_fd)
         return holder.run(clone_tree, str(rootfs))
+
+    def _mount_sysfs(self) -> None:
+        """The node's shared sysfs in the holder's namespace (kept when an adopted holder already has it)."""
+        assert self._holder is not None
+        self.sysfs.mkdir(mode=0o555, exist_ok=True)
+        if self._holder.run(os.path.ismount, str(self.sysfs)):
+            return
+        fd = sysfs_mount()
+        try:
+            self._holder.run(attach, fd, str(self.sysfs))
+        finally:
+            os.close(fd)
 
     def mount_view(self, record: SandboxRecord, key: str) -> str:
         """The path of the sandbox's ``key`` mount ("rootfs", "disk" or "upper") as the daemon reaches it:
@@ -673,6 +701,37 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self._remove_empty_parent)
         await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
+
+
+def _plain_dir(path: str) -> None:
+    """Make ``path`` (in a sandbox's root, before the sandbox runs) a real directory: an image's symlink or file
+    there is replaced, so that nothing mounted on it can land outside the root."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return
+        os.unlink(path)
+    os.mkdir(path, 0o555)
+
+
+def _mask_dir(path: Path) -> None:
+    """The empty directory bound over the sandboxes' masked directories: made afresh (root's, 0555) unless the
+    one there already is exactly that. Its parent belongs to the sandboxes' root user, which could have
+    swapped it; anything else there is removed first."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o555 and not os.listdir(path):
+            return
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(path, 0o700)
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    os.mkdir(path, 0o555)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o555)
 
 
 def _private_dir(path: Path) -> None:

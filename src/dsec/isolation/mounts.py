@@ -37,7 +37,7 @@ from dsec.errors import BackendUnavailable, SandboxError
 from dsec.isolation.disk import disk_options
 from dsec.isolation.procs import start_time
 
-__all__ = ["MountHolder", "attach", "clone_tree", "overlay_mount", "tmpfs_mount"]
+__all__ = ["MountHolder", "attach", "clone_tree", "overlay_mount", "sysfs_mount", "tmpfs_mount"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -53,9 +53,11 @@ _FSCONFIG_CMD_CREATE = 6
 _MOUNT_ATTR_RDONLY = 1
 _MOUNT_ATTR_NOSUID = 2
 _MOUNT_ATTR_NODEV = 4
+_MOUNT_ATTR_NOEXEC = 8
 _MOVE_MOUNT_F_EMPTY_PATH = 4
 _CLONE_FS = 0x200
 _CLONE_NEWNS = 0x20000
+_CLONE_NEWNET = 0x40000000
 _MNT_DETACH = 2
 T = TypeVar("T")
 THREADS = 4
@@ -104,6 +106,34 @@ def overlay_mount(lowers: list[str], upper: str, work: str, where: str = "root")
         raise SandboxError(f"overlay for {where}: a layer path is longer than the kernel's 255-byte option limit")
     options = [("lowerdir+", p) for p in lowers] + [("upperdir", upper), ("workdir", work), ("xino", "on")]
     return _fs_mount("overlay", options, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, where)
+
+
+def sysfs_mount() -> int:
+    """A detached sysfs (read-only, nosuid, nodev, noexec) of a new network namespace: its mount fd.
+
+    sysfs shows the network devices of the namespace it is mounted from. That namespace dies with the thread
+    that made it (the mount holds no live reference to it), so this sysfs lists no network device at all,
+    none of the host's or of any sandbox's, and one of it can be shared by every sandbox of the node (a
+    superblock per sandbox is what each would otherwise cost, see oci.runtime_config).
+    """
+    made: list[int] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:  # its own thread: the new network namespace is this thread's alone, and dies with it
+        try:
+            if _libc.unshare(_CLONE_NEWNET) != 0:
+                raise SandboxError(f"unshare(CLONE_NEWNET) for the node's sysfs: {os.strerror(ctypes.get_errno())}")
+            made.append(_fs_mount("sysfs", [], _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+                                  | _MOUNT_ATTR_NOEXEC, "the node's sysfs"))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="dsec-sysfs")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def clone_tree(path: str, readonly: bool = False) -> int:

@@ -9,6 +9,8 @@ commands joining the sandbox carry exactly the init's restrictions.
 
 from __future__ import annotations
 
+import functools
+import os
 import resource
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,13 @@ MASKED_PATHS = (
     "/sys/kernel/tracing", "/sys/kernel/security", "/sys/devices/virtual/powercap",
 )
 READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys")
+
+
+@functools.cache
+def masked_dirs() -> tuple[str, ...]:
+    """The :data:`MASKED_PATHS` that are directories on this kernel (a sandbox's /proc and /sys show the
+    host kernel's tree)."""
+    return tuple(p for p in MASKED_PATHS if os.path.isdir(p))
 
 _NOFILE = 65536
 
@@ -76,12 +85,21 @@ def runtime_config(
     uid_count: int,
     cgroups_path: str | None,
     profile: Profile,
+    mask_dir: Path | None = None,
+    sysfs_in_root: bool = False,
 ) -> dict[str, Any]:
     """The config.json for the OCI runtime.
 
     With ``cgroups_path`` the runtime creates and limits the cgroups (how the runc peers of the
     benchmark run); with None it leaves cgroups alone (DSec's own sandboxes: the backend creates
     them with :func:`sandbox_limits` and starts the runtime inside them).
+
+    With ``mask_dir`` (an empty directory that no sandbox can write to: root's, mode 0555) the masked
+    directories are read-only binds of it instead of the runtime's empty tmpfs each: a tmpfs is a
+    superblock, and every superblock registers a shrinker in every memory cgroup of the node, a cost that
+    grows with the number of live sandboxes (five of a sandbox's twelve superblocks were these masks).
+    With ``sysfs_in_root`` the root already carries a read-only sysfs on /sys (the node's shared one,
+    mounts.sysfs_mount) and the runtime mounts none.
     """
     caps = list(DEFAULT_CAPS)
     # With Landlock (the default), whose one rule lets a command write anywhere beneath the root (see
@@ -118,16 +136,18 @@ def runtime_config(
              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            *([] if sysfs_in_root else [{"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                                         "options": ["nosuid", "noexec", "nodev", "ro"]}]),
             {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
              "options": ["bind", "ro", "nosuid", "nodev"]},
+            *({"destination": d, "type": "bind", "source": str(mask_dir),
+               "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in (masked_dirs() if mask_dir else ())),
         ],
         "linux": {
             "uidMappings": mapping,
             "gidMappings": mapping,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
-            "maskedPaths": list(MASKED_PATHS),
+            "maskedPaths": [p for p in MASKED_PATHS if not (mask_dir and p in masked_dirs())],
             "readonlyPaths": list(READONLY_PATHS),
             "seccomp": profile.to_oci(),
             "rootfsPropagation": "private",

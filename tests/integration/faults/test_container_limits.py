@@ -205,7 +205,7 @@ async def test_unknown_image_and_sandbox(client: dsec.Client, served: Served) ->
     with pytest.raises(dsec.SandboxNotFound):
         await dsec.AsyncSandbox.connect("sb-000000000000", client=client)
     left = leftovers(served.settings.home)
-    left.pop("cgroup_parents")  # the home's shared parent stays while its backend runs
+    left.pop("shared")  # the home's shared parent cgroups and sysfs stay while its backend runs
     assert not any(left.values()), left
 
 

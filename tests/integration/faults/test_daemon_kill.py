@@ -236,7 +236,7 @@ async def test_sigkill_during_create_many(daemon: DaemonProcess) -> None:
             r = await sb.exec("echo usable; cat /proc/1/cmdline")
             assert r.stdout.startswith(b"usable\n/dev/.dsec-init"), r
         left = leftovers(daemon.home)
-        left.pop("cgroup_parents")  # shared by the survivors
+        left.pop("shared")  # shared by the survivors
         for kind, paths in left.items():  # ...or fully gone
             strays = [p for p in paths if not any(i in p for i in survivors)]
             assert strays == [], f"{kind} of sandboxes that were not re-adopted: {strays}"

@@ -4,7 +4,9 @@ config (Env, WorkingDir, User) are checked from *inside* the sandbox."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 APPLETS = ("sh", "env", "id", "pwd", "cat", "ls", "stat", "echo", "test")
 
 
-def runnable_image(user: str = "app") -> Image:
+def runnable_image(user: str = "app", extra: tuple[Entry, ...] = ()) -> Image:
     """Busybox (static) over a merged-/usr layout in layer 1; layer 2 writes through the /bin symlink,
     whites out ``ls``, adds a setuid file and a home owned by the image's user."""
     busybox = shutil.which("busybox")
@@ -48,6 +50,7 @@ def runnable_image(user: str = "app") -> Image:
         f("usr/bin/suid", "x", mode=0o4755),
         d("home"), d("home/app", mode=0o750, uid=1000, gid=1000),
         f("home/app/notes", "mine\n", uid=1000, gid=1000, mode=0o600),
+        *extra,
     ]
     return Image.build([base, upper], compression=["gzip", "zstd"],
                        env=["PATH=/usr/bin:/bin", "GREETING=hello from the image config"],
@@ -131,6 +134,31 @@ async def test_sandbox_from_docker_archive_as_root_and_numeric_user(engine: tupl
             assert r.stdout.decode().split() == expected, r.stderr
         finally:
             await eng.destroy(sb.id)
+
+
+async def test_image_symlinks_on_mount_points_stay_in_the_sandbox(engine: tuple[Engine, ImageStore],
+                                                                  tmp_path: Path) -> None:
+    """An image whose /sys and /.dsec-pristine are symlinks to host paths: the backend mounts the node's sysfs
+    and the pristine image on real directories of the sandbox's root, never through the links on the host."""
+    eng, store = engine
+    bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine")}
+    try:
+        image = runnable_image(user="", extra=(sym("sys", str(bait["sys"])),
+                                               sym(".dsec-pristine", str(bait["pristine"]))))
+        import_image(store, "linked", source(image.write_docker_archive(tmp_path / "linked.tar")),
+                     uid_shift=Settings().uid_shift)
+        sb = await eng.create(SandboxSpec(image="linked"))
+        try:
+            r = await sh(eng, sb.id, "test -d /sys/kernel && ! test -L /sys && test -x /.dsec-pristine/usr/bin/busybox"
+                                     " && echo inside")
+            assert r.stdout.decode().split() == ["inside"], r.stderr
+        finally:
+            await eng.destroy(sb.id)
+        for name, path in bait.items():
+            assert not os.path.ismount(path) and list(path.iterdir()) == [], f"the {name} mount followed the link"
+    finally:
+        for path in bait.values():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_unknown_image_user_fails_create_cleanly(engine: tuple[Engine, ImageStore], tmp_path: Path) -> None:

@@ -236,6 +236,40 @@ print(json.dumps({"read": out, "write": writes, "sys_opts": mounts.get("/proc/sy
     assert "ro" in res["sysfs_opts"].split(","), res["sysfs_opts"]
 
 
+async def test_sysfs_is_the_nodes_shared_read_only_one_and_masks_are_empty(backend: ContainerBackend,
+                                                                         sb: SandboxRecord) -> None:
+    """/sys is the node's one sysfs (a superblock per sandbox costs kernel memory in every memory cgroup),
+    read-only, from a network namespace that is gone (it lists no network device, the host's or any other
+    sandbox's); the masked directories are empty and cannot be written."""
+    code = r"""
+import json, os
+masked = {}
+for p in ("/proc/acpi", "/sys/firmware", "/sys/kernel/debug", "/sys/kernel/security"):
+    if not os.path.isdir(p):
+        continue
+    try:
+        open(p + "/planted", "w").close()
+        masked[p] = [os.listdir(p), "written"]
+    except OSError as e:
+        masked[p] = [os.listdir(p), e.errno]
+try:
+    open("/sys/kernel/uevent_helper", "w").write("/x")
+    sysfs_write = "written"
+except OSError as e:
+    sysfs_write = e.errno
+print(json.dumps({"dev": os.stat("/sys").st_dev, "net": sorted(os.listdir("/sys/class/net")), "masked": masked,
+                  "sysfs_write": sysfs_write}))
+"""
+    res = await py(backend, sb, code)
+    assert backend._holder is not None
+    assert res["dev"] == os.stat(backend._holder.view(str(backend.sysfs))).st_dev, "/sys is not the node's sysfs"
+    assert res["net"] == [], res["net"]
+    assert res["masked"], "no masked directory was found to check"
+    for path, (entries, wrote) in res["masked"].items():
+        assert entries == [] and wrote in (errno.EROFS, errno.EACCES), (path, entries, wrote)
+    assert res["sysfs_write"] in (errno.EROFS, errno.EACCES), res["sysfs_write"]
+
+
 # ------------------------------------------------------------------------------------------ network
 @pytest.fixture
 def host_listener() -> Iterator[tuple[int, list[tuple[str, int]]]]:
@@ -278,7 +312,7 @@ async def test_network_off_and_host_loopback_unreachable(
     assert await await_until(lambda: len(accepted) >= 1, timeout=5)
     code = rf"""
 import json, os, socket
-out = {{"links": sorted(os.listdir("/sys/class/net"))}}
+out = {{"links": sorted(l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:])}}
 s = socket.socket(); s.settimeout(5)
 try:
     s.connect(("127.0.0.1", {port})); out["connect"] = "connected"
