@@ -309,3 +309,47 @@ def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert extra[-1] == 100
     bad = CliRunner().invoke(cli.main, ["bench", "pools", "--phase", "warp"])
     assert bad.exit_code != 0 and "warp" in bad.output
+
+
+async def test_burst_stops_at_the_memory_floor_and_still_pings_and_destroys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst above 1,000 goes in requests of 250 and stops asking for more once MemAvailable is under the
+    floor; what was made is still pinged and destroyed, and the stop is the burst's error."""
+    from dsec.bench import pools
+
+    class FakeSandbox:
+        def __init__(self, n: int) -> None:
+            self.id, self.closed = f"sb-{n}", False
+            self._info = type("Info", (), {"queue_seconds": 0.0})()
+
+        async def exec(self, argv: list[str]) -> object:
+            return type("Result", (), {"exit_code": 0, "stderr": b""})()
+
+        async def close(self) -> None:
+            self.closed = True
+
+    made: list[FakeSandbox] = []
+    requests: list[int] = []
+
+    async def create_many(n: int, **kw: object) -> list[FakeSandbox]:
+        requests.append(n)
+        new = [FakeSandbox(len(made) + i) for i in range(n)]
+        made.extend(new)
+        return new
+
+    available = iter([8 << 30, 5 << 30, 2 << 30, 1 << 30])
+    monkeypatch.setattr(pools.AsyncSandbox, "create_many", staticmethod(create_many))
+    monkeypatch.setattr(pools, "_meminfo", lambda *keys: {"MemAvailable": next(available), "SUnreclaim": 1 << 30})
+    monkeypatch.setattr(pools, "_mem_available", lambda: 10 << 30)
+    monkeypatch.setattr(pools.asyncio, "sleep", lambda s: asyncio_sleep0())
+    run = pools._Run(pools.PoolBench(burst_n=2000), client=None)  # type: ignore[arg-type]
+    lines: list[str] = []
+    out = await run.burst(lines.append)
+    assert requests == [250, 250, 250]  # the third left 2 GiB, under the 3 GiB floor: no fourth
+    assert out["created"] == 750 and out["answered"] == 750 and all(s.closed for s in made)
+    assert out["error"] is not None and "stopped at 750 alive: 2048 MiB available" in out["error"]
+    assert out["chunks"][-1] == (750, out["chunks"][-1][1], 2048, 1024)
+    assert any("unreclaimable slab" in line for line in lines)
+
+
+async def asyncio_sleep0() -> None:
+    return None

@@ -81,11 +81,20 @@ def _ms(seconds: float) -> float:
     return seconds * 1000
 
 
-def _mem_available() -> int:
+def _meminfo(*keys: str) -> dict[str, int]:
+    """Fields of /proc/meminfo, in bytes."""
+    found = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+        key, _, value = line.partition(":")
+        if key in keys:
+            found[key] = int(value.split()[0]) * 1024
+    if missing := set(keys) - set(found):
+        raise RuntimeError(f"no {', '.join(sorted(missing))} in /proc/meminfo")
+    return found
+
+
+def _mem_available() -> int:
+    return _meminfo("MemAvailable")["MemAvailable"]
 
 
 def preflight(settings: Settings) -> tuple[str, Path | None]:

@@ -23,6 +23,7 @@ from dsec.bench.container import (
     _cleanup_backend,
     _daemon,
     _mem_available,
+    _meminfo,
     _podman_cycle,
     _private_settings,
     _sustain,
@@ -81,6 +82,9 @@ class PoolBench:
 
 _BURST_CHUNK = 250
 """Sandboxes per ``create_many`` request of a burst above 1,000."""
+_BURST_MEMORY_FLOOR = 3 << 30
+"""A burst above 1,000 stops creating when MemAvailable falls under this (bytes): past it the kernel reclaims
+so hard that the node is no longer a measurement (kswapd at half a core at 1.7 GiB in a 9,200-sandbox run)."""
 
 HOST_LIMITS_ABOVE = 2000
 """Bursts larger than this run their daemon with ``DSEC_HOST_LIMITS=1``."""
@@ -211,7 +215,7 @@ class _Run:
         made: list[AsyncSandbox] = []
         t0 = time.perf_counter()
         error = None
-        chunks: list[tuple[int, float]] = []
+        chunks: list[tuple[int, float, int, int]] = []
         try:
             # The API takes up to 10,000 per request; small requests keep replies small and each well inside
             # the client's read timeout when creates slow down as the node fills up.
@@ -221,9 +225,20 @@ class _Run:
                 c0 = time.perf_counter()
                 made += await AsyncSandbox.create_many(min(chunk, n - start), image=IMAGE, memory=MEMORY,
                                                        client=self.client)
-                chunks.append((len(made), round(time.perf_counter() - c0, 2)))
+                mem = _meminfo("MemAvailable", "SUnreclaim")
+                # (alive, seconds for this request, MiB available, MiB of unreclaimable kernel slab)
+                chunks.append((len(made), round(time.perf_counter() - c0, 2), mem["MemAvailable"] >> 20,
+                               mem["SUnreclaim"] >> 20))
                 self.live.update((s.id, s) for s in made)
-                progress(f"burst: {len(made)} alive, the last {min(chunk, n - start)} in {chunks[-1][1]:g} s")
+                progress(f"burst: {len(made)} alive, the last {min(chunk, n - start)} in {chunks[-1][1]:g} s; "
+                         f"{chunks[-1][2]} MiB available, {chunks[-1][3]} MiB unreclaimable slab")
+                if len(made) < n and mem["MemAvailable"] < _BURST_MEMORY_FLOOR:
+                    # Stop before the node thrashes: the figure is how many fit, and the rest must still be
+                    # pinged and destroyed in reasonable time.
+                    error = (f"stopped at {len(made)} alive: {mem['MemAvailable'] >> 20} MiB available, under the "
+                             f"bench's floor of {_BURST_MEMORY_FLOOR >> 20} MiB")
+                    progress(f"burst: {error}")
+                    break
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
         wall = time.perf_counter() - t0
