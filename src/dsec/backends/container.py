@@ -371,7 +371,7 @@ class ContainerBackend(Backend):
             config = runtime_config(
                 sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init,
                 uid_shift=image.uid_shift, uid_count=self.settings.uid_count, cgroups_path=None,
-                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, sysfs_in_root=True,
+                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, node_mounts=True,
             )
             (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
         except BaseException:
@@ -394,6 +394,11 @@ class ContainerBackend(Backend):
             os.mkdir(f"{on_disk}/upper")
             os.mkdir(f"{on_disk}/work")
             os.chown(f"{on_disk}/upper", shift, shift)
+            # /dev and /dev/shm are directories of the disk, not a tmpfs each (see _mount_dev).
+            for name, mode in (("dev", 0o755), ("dev/shm", 0o755), ("shm", 0o1777)):
+                os.mkdir(f"{on_disk}/{name}")
+                os.chown(f"{on_disk}/{name}", shift, shift)
+                os.chmod(f"{on_disk}/{name}", mode)
             root_fd = overlay_mount([str(p) for p in lowers], f"{on_disk}/upper", f"{on_disk}/work",
                                     where=f"the root of {record.id}")
             try:
@@ -418,9 +423,11 @@ class ContainerBackend(Backend):
                     attach(sysfs, "sys", root_fd)
                 finally:
                     os.close(sysfs)
+                _plain_dir(f"{root}/dev")
                 holder.run(attach, root_fd, str(rootfs))
                 record.backend_state["mounted"] = True
                 holder.run(attach, disk_fd, str(disk))
+                holder.run(_mount_dev, str(disk), str(rootfs))
             finally:
                 os.close(root_fd)
         finally:
@@ -701,6 +708,21 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self._remove_empty_parent)
         await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
+
+
+def _mount_dev(disk: str, rootfs: str) -> None:
+    """Bind the disk's ``dev`` on the sandbox's /dev and its ``shm`` on /dev/shm (in the holder's namespace).
+
+    Each tmpfs is a superblock, and superblocks cost kernel memory in every memory cgroup of the node (see
+    oci.runtime_config); as directories of the sandbox's disk they cost none, and /dev/shm shares the disk's
+    size instead of a fixed 64 MiB of its own. The runtime populates /dev (device nodes bound from the host,
+    pts, mqueue) and then makes it read-only (oci.runtime_config)."""
+    for source, target in ((f"{disk}/dev", f"{rootfs}/dev"), (f"{disk}/shm", f"{rootfs}/dev/shm")):
+        fd = clone_tree(source)
+        try:
+            attach(fd, target)
+        finally:
+            os.close(fd)
 
 
 def _plain_dir(path: str) -> None:

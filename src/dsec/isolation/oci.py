@@ -86,7 +86,7 @@ def runtime_config(
     cgroups_path: str | None,
     profile: Profile,
     mask_dir: Path | None = None,
-    sysfs_in_root: bool = False,
+    node_mounts: bool = False,
 ) -> dict[str, Any]:
     """The config.json for the OCI runtime.
 
@@ -98,8 +98,9 @@ def runtime_config(
     directories are read-only binds of it instead of the runtime's empty tmpfs each: a tmpfs is a
     superblock, and every superblock registers a shrinker in every memory cgroup of the node, a cost that
     grows with the number of live sandboxes (five of a sandbox's twelve superblocks were these masks).
-    With ``sysfs_in_root`` the root already carries a read-only sysfs on /sys (the node's shared one,
-    mounts.sysfs_mount) and the runtime mounts none.
+    With ``node_mounts`` (DSec's own sandboxes) the root already carries /sys (a read-only clone of the node's
+    one sysfs, mounts.sysfs_mount), /dev and /dev/shm (directories of the sandbox's disk): the runtime mounts
+    none of them, populates /dev and, with Landlock, makes /dev read-only as a read-only path.
     """
     caps = list(DEFAULT_CAPS)
     # With Landlock (the default), whose one rule lets a command write anywhere beneath the root (see
@@ -128,16 +129,16 @@ def runtime_config(
         "hostname": sandbox_id,
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev", *ro]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k", *ro]},
+            *([] if node_mounts else [{"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+                                       "options": ["nosuid", "strictatime", "mode=755", "size=65536k", *ro]}]),
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            *([] if node_mounts else [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                                       "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}]),
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
-            *([] if sysfs_in_root else [{"destination": "/sys", "type": "sysfs", "source": "sysfs",
-                                         "options": ["nosuid", "noexec", "nodev", "ro"]}]),
+            *([] if node_mounts else [{"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                                       "options": ["nosuid", "noexec", "nodev", "ro"]}]),
             {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
              "options": ["bind", "ro", "nosuid", "nodev"]},
             *({"destination": d, "type": "bind", "source": str(mask_dir),
@@ -148,7 +149,7 @@ def runtime_config(
             "gidMappings": mapping,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
             "maskedPaths": [p for p in MASKED_PATHS if not (mask_dir and p in masked_dirs())],
-            "readonlyPaths": list(READONLY_PATHS),
+            "readonlyPaths": [*READONLY_PATHS, *(["/dev"] if node_mounts and ro else [])],
             "seccomp": profile.to_oci(),
             "rootfsPropagation": "private",
         },

@@ -270,6 +270,36 @@ print(json.dumps({"dev": os.stat("/sys").st_dev, "net": sorted(os.listdir("/sys/
     assert res["sysfs_write"] in (errno.EROFS, errno.EACCES), res["sysfs_write"]
 
 
+async def test_a_sandbox_makes_five_superblocks_and_dev_lives_on_its_disk(backend: ContainerBackend,
+                                                                        sb: SandboxRecord) -> None:
+    """Each superblock costs kernel memory in every memory cgroup of the node (design.md, "The shrinker
+    wall"): a sandbox makes only its overlay, its disk tmpfs (which also holds /dev and /dev/shm), proc,
+    devpts and its ipc namespace's mqueue. /dev is read-only, /dev/shm writable and as big as the disk."""
+    code = r"""
+import collections, errno, json, os
+devs = collections.defaultdict(set)
+for line in open("/proc/self/mountinfo"):
+    f = line.split()
+    devs[f[f.index("-") + 1]].add(f[2])
+try:
+    open("/dev/planted", "w").close()
+    dev_write = "written"
+except OSError as e:
+    dev_write = e.errno
+with open("/dev/shm/x", "w") as f:
+    f.write("shared memory")
+shm, root = os.statvfs("/dev/shm"), os.statvfs("/")
+print(json.dumps({"devs": {k: sorted(v) for k, v in devs.items()}, "dev_write": dev_write,
+                  "same_disk": (shm.f_blocks, shm.f_bfree) == (root.f_blocks, root.f_bfree),
+                  "shm": open("/dev/shm/x").read()}))
+"""
+    res = await py(backend, sb, code)
+    own = {kind: len(res["devs"].get(kind, [])) for kind in ("overlay", "tmpfs", "proc", "devpts", "mqueue", "sysfs")}
+    assert own == {"overlay": 1, "tmpfs": 1, "proc": 1, "devpts": 1, "mqueue": 1, "sysfs": 1}, res["devs"]
+    assert res["dev_write"] in (errno.EROFS, errno.EACCES), res["dev_write"]
+    assert res["same_disk"] and res["shm"] == "shared memory", res
+
+
 # ------------------------------------------------------------------------------------------ network
 @pytest.fixture
 def host_listener() -> Iterator[tuple[int, list[tuple[str, int]]]]:
