@@ -97,7 +97,7 @@ def runtime_config(
     With ``mask_dir`` (an empty directory that no sandbox can write to: root's, mode 0555) the masked
     directories are read-only binds of it instead of the runtime's empty tmpfs each: a tmpfs is a
     superblock, and every superblock registers a shrinker in every memory cgroup of the node, a cost that
-    grows with the number of live sandboxes (five of a sandbox's twelve superblocks were these masks).
+    grows with the number of live sandboxes (five of the thirteen superblocks a sandbox had were these masks).
     With ``node_mounts`` (DSec's own sandboxes) the root already carries /sys (a read-only clone of the node's
     one sysfs, mounts.sysfs_mount), /dev and /dev/shm (directories of the sandbox's disk): the runtime mounts
     none of them, populates /dev and, with Landlock, makes /dev read-only as a read-only path.
