@@ -125,12 +125,12 @@ def leftovers(home: Path, sandbox_id: str | None = None) -> dict[str, list[str]]
     mounts = (sandbox_mounts(home, f"/run/dsec/{tag}/{sandbox_id}" if sandbox_id else f"/run/dsec/{tag}")
               + sandbox_mounts(home, str(home / "container" / sandbox_id) if sandbox_id else str(home / "container"))
               + sandbox_mounts(home, str(bundle_dir(home, sandbox_id)) if sandbox_id else str(state_root(home))))
-    node_sysfs = f"/run/dsec/{tag}/sysfs"  # the node's shared sysfs, mounted in the holder while the backend runs
     out = {
-        "mounts": [m for m in mounts if m != node_sysfs],
+        "mounts": mounts,
         "cgroups": cgroup_dirs(tag, sandbox_id),
-        # what the home's sandboxes share while its backend runs: parent cgroups, the node's sysfs
-        "shared": [] if sandbox_id else cgroup_parents(tag) + [m for m in mounts if m == node_sysfs],
+        # what the home's sandboxes share while its backend runs: parent cgroups, the node's sysfs (mounted in
+        # the holder)
+        "shared": [] if sandbox_id else cgroup_parents(tag) + sandbox_mounts(home, f"/run/dsec/{tag}.sysfs"),
         "runtime_state": [],
         "network_chains": [] if sandbox_id else [f"n{i}" for i in Network(tag).indexes()],
         "bundles": [],
@@ -230,8 +230,12 @@ async def checked_backend(home: Path) -> AsyncIterator[ContainerBackend]:
             # Destroy whatever the test leaked before failing, so one failure does not cascade.
             removed = await b.cleanup_orphans(set())
     assert removed == [] and not any(left.values()), f"test leaked: {removed} {left}"
-    # closing the backend drops the home's (now empty) parent cgroups and nft table (shared while it runs)
+    # closing the backend drops the home's (now empty) parent cgroups, nft table, mask directory and sysfs
+    # mount point (shared while it runs)
     assert cgroup_parents(home_tag(home)) == []
+    tag = home_tag(home)
+    node_dirs = [p for p in (f"/run/dsec/{tag}.masked", f"/run/dsec/{tag}.sysfs") if os.path.lexists(p)]
+    assert node_dirs == [], f"left after the backend closed: {node_dirs}"
     assert f"dsec_{home_tag(home)}" not in dsec_tables(), "the home's nft table outlived its last sandbox"
     assert mount_holder(home) is None, "the home's mount holder outlived its last sandbox"
 

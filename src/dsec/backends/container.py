@@ -104,10 +104,13 @@ class ContainerBackend(Backend):
         # them: crun mounts them from inside the user namespace, and DSEC_HOME may sit below a
         # 0700 directory. The writable layers stay in DSEC_HOME, on disk.
         self.mounts = Path("/run/dsec") / tag
-        self.mask_dir = self.mounts / "masked"
+        # Both beside /run/dsec/<tag>, in root's /run/dsec: the sandboxes' root user owns /run/dsec/<tag> and
+        # could swap an entry there, and crun and the backend find these by path at every create.
+        self.mask_dir = Path("/run/dsec") / f"{tag}.masked"
         """Empty, root's, 0555: bound read-only over the masked directories of every sandbox (oci.runtime_config)."""
-        self.sysfs = self.mounts / "sysfs"
+        self.sysfs = Path("/run/dsec") / f"{tag}.sysfs"
         """Where the node's shared sysfs (mounts.sysfs_mount) is mounted in the holder's namespace."""
+        self._sysfs_dev = 0
         self._helper: ExecHelper | None = None
         self._init: Path | None = None
         self._nofile = 0
@@ -206,16 +209,18 @@ class ContainerBackend(Backend):
                 d.rmdir()
 
     def _remove_empty_mounts_dir(self) -> None:
-        """Drop /run/dsec/<tag> (the init copy, the mask directory and the sysfs mount point in it) when no
-        sandbox of this home is left; live sandboxes keep it, since their init is bind-mounted from there."""
-        if not self.mounts.is_dir() or any(p.name.startswith("sb-") for p in self.mounts.iterdir()):
+        """Drop /run/dsec/<tag> (and the init copy in it), the mask directory and the sysfs mount point when no
+        sandbox of this home is left; live sandboxes keep them, since their init is bind-mounted from there."""
+        if self._sandbox_dirs():
+            return
+        for p in (self.mask_dir, self.sysfs):  # the sysfs is mounted only in the holder's namespace, now gone
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        if not self.mounts.is_dir():
             return
         for p in self.mounts.iterdir():
             if p.name.startswith("dsec-init-"):
                 p.unlink(missing_ok=True)
-            elif p in (self.mask_dir, self.sysfs):
-                with contextlib.suppress(OSError):  # the sysfs is mounted only in the holder's namespace
-                    p.rmdir()
         with contextlib.suppress(OSError):
             self.mounts.rmdir()
             self.mounts.parent.rmdir()  # only if no other home uses /run/dsec
@@ -371,7 +376,7 @@ class ContainerBackend(Backend):
             config = runtime_config(
                 sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init,
                 uid_shift=image.uid_shift, uid_count=self.settings.uid_count, cgroups_path=None,
-                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, node_mounts=True,
+                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, node_mounts=True, node_sysfs=_node_sysfs(record),
             )
             (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
         except BaseException:
@@ -416,13 +421,14 @@ class ContainerBackend(Backend):
                     attach(pristine, PRISTINE_DIR.lstrip("/"), root_fd)
                 finally:
                     os.close(pristine)
-                # The node's one sysfs on /sys (read-only; from the sandbox's user namespace a locked mount).
                 _plain_dir(f"{root}/sys")
-                sysfs = holder.run(clone_tree, str(self.sysfs), True)
-                try:
-                    attach(sysfs, "sys", root_fd)
-                finally:
-                    os.close(sysfs)
+                if _node_sysfs(record):
+                    # The node's one sysfs on /sys (read-only; from the sandbox's user namespace a locked mount).
+                    sysfs = holder.run(_clone_node_sysfs, str(self.sysfs), self._sysfs_dev)
+                    try:
+                        attach(sysfs, "sys", root_fd)
+                    finally:
+                        os.close(sysfs)
                 _plain_dir(f"{root}/dev")
                 holder.run(attach, root_fd, str(rootfs))
                 record.backend_state["mounted"] = True
@@ -438,13 +444,13 @@ class ContainerBackend(Backend):
         """The node's shared sysfs in the holder's namespace (kept when an adopted holder already has it)."""
         assert self._holder is not None
         self.sysfs.mkdir(mode=0o555, exist_ok=True)
-        if self._holder.run(os.path.ismount, str(self.sysfs)):
-            return
-        fd = sysfs_mount()
-        try:
-            self._holder.run(attach, fd, str(self.sysfs))
-        finally:
-            os.close(fd)
+        if not self._holder.run(os.path.ismount, str(self.sysfs)):
+            fd = sysfs_mount()
+            try:
+                self._holder.run(attach, fd, str(self.sysfs))
+            finally:
+                os.close(fd)
+        self._sysfs_dev = self._holder.run(os.stat, str(self.sysfs)).st_dev
 
     def mount_view(self, record: SandboxRecord, key: str) -> str:
         """The path of the sandbox's ``key`` mount ("rootfs", "disk" or "upper") as the daemon reaches it:
@@ -717,12 +723,27 @@ def _mount_dev(disk: str, rootfs: str) -> None:
     oci.runtime_config); as directories of the sandbox's disk they cost none, and /dev/shm shares the disk's
     size instead of a fixed 64 MiB of its own. The runtime populates /dev (device nodes bound from the host,
     pts, mqueue) and then makes it read-only (oci.runtime_config)."""
-    for source, target in ((f"{disk}/dev", f"{rootfs}/dev"), (f"{disk}/shm", f"{rootfs}/dev/shm")):
-        fd = clone_tree(source)
+    for source, target, noexec in ((f"{disk}/dev", f"{rootfs}/dev", False), (f"{disk}/shm", f"{rootfs}/dev/shm", True)):
+        fd = clone_tree(source, noexec=noexec)  # /dev/shm no-exec, as the runtime's own tmpfs there was
         try:
             attach(fd, target)
         finally:
             os.close(fd)
+
+
+def _node_sysfs(record: SandboxRecord) -> bool:
+    """Whether the sandbox gets the node's shared sysfs: one created with a network gets its own (a superblock
+    more), which lists its interfaces under /sys/class/net, as tools that pick an interface expect."""
+    return Policy.parse(record.spec.network).mode == "none"
+
+
+def _clone_node_sysfs(path: str, dev: int) -> int:
+    """A read-only clone of the node's sysfs (in the holder's namespace), checked to still be the one mounted
+    at start: an empty directory there would give a sandbox an empty /sys without a word."""
+    if os.stat(path).st_dev != dev:
+        raise SandboxError(f"the node's sysfs is no longer mounted on {path} in the mount holder's namespace; "
+                           "restart the daemon")
+    return clone_tree(path, readonly=True)
 
 
 def _plain_dir(path: str) -> None:
@@ -737,8 +758,7 @@ def _plain_dir(path: str) -> None:
 
 def _mask_dir(path: Path) -> None:
     """The empty directory bound over the sandboxes' masked directories: made afresh (root's, 0555) unless the
-    one there already is exactly that. Its parent belongs to the sandboxes' root user, which could have
-    swapped it; anything else there is removed first."""
+    one there already is exactly that (its parent is root's /run/dsec; anything else there is removed first)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -136,15 +136,17 @@ def sysfs_mount() -> int:
     return made[0]
 
 
-def clone_tree(path: str, readonly: bool = False) -> int:
-    """A detached recursive clone of the mount tree at ``path`` (resolved in the caller's mount namespace),
-    read-only, nosuid and nodev throughout when ``readonly``: its fd."""
+def clone_tree(path: str, readonly: bool = False, noexec: bool = False) -> int:
+    """A detached recursive clone of the mount tree at ``path`` (resolved in the caller's mount namespace):
+    its fd. With ``readonly`` it is read-only, with ``noexec`` no-exec, with either nosuid and nodev too,
+    throughout."""
     fd = _call(f"cloning the mounts at {path}", _SYS_OPEN_TREE, _AT_FDCWD, path.encode(),
                _OPEN_TREE_CLONE | _AT_RECURSIVE | _O_CLOEXEC)
-    if readonly:
-        attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
+    flags = (_MOUNT_ATTR_RDONLY if readonly else 0) | (_MOUNT_ATTR_NOEXEC if noexec else 0)
+    if flags:
+        attr = _MountAttr(flags | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
         try:
-            _call(f"making the clone of {path} read-only", _SYS_MOUNT_SETATTR, fd, b"",
+            _call(f"setting the flags of the clone of {path}", _SYS_MOUNT_SETATTR, fd, b"",
                   _AT_EMPTY_PATH | _AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
         except BaseException:
             os.close(fd)

@@ -23,7 +23,8 @@ from dsec.models import SandboxSpec
 __all__ = ["INIT_PATH", "MASKED_PATHS", "READONLY_PATHS", "exec_rlimits", "runtime_config", "sandbox_limits"]
 
 INIT_PATH = "/dev/.dsec-init"
-"""Where the host's static init is bind-mounted (``/dev`` is a fresh tmpfs: nothing lands in the image)."""
+"""Where the host's static init is bind-mounted (``/dev`` is not the image's: a fresh tmpfs, or a directory of
+the sandbox's disk with ``node_mounts``; nothing lands in the image)."""
 
 # Paths that leak host state or reach host kernel interfaces. /proc/kpage* let a recursive
 # grep of /proc take a host down; sysrq-trigger and kcore speak for themselves.
@@ -87,6 +88,7 @@ def runtime_config(
     profile: Profile,
     mask_dir: Path | None = None,
     node_mounts: bool = False,
+    node_sysfs: bool = False,
 ) -> dict[str, Any]:
     """The config.json for the OCI runtime.
 
@@ -98,14 +100,15 @@ def runtime_config(
     directories are read-only binds of it instead of the runtime's empty tmpfs each: a tmpfs is a
     superblock, and every superblock registers a shrinker in every memory cgroup of the node, a cost that
     grows with the number of live sandboxes (five of the thirteen superblocks a sandbox had were these masks).
-    With ``node_mounts`` (DSec's own sandboxes) the root already carries /sys (a read-only clone of the node's
-    one sysfs, mounts.sysfs_mount), /dev and /dev/shm (directories of the sandbox's disk): the runtime mounts
-    none of them, populates /dev and, with Landlock, makes /dev read-only as a read-only path.
+    With ``node_mounts`` (DSec's own sandboxes) the root already carries /dev and /dev/shm (directories of
+    the sandbox's disk): the runtime mounts neither, populates /dev and, with Landlock, makes it read-only as a
+    read-only path. With ``node_sysfs`` the root also carries /sys (a read-only clone of the node's one sysfs,
+    mounts.sysfs_mount) and the runtime mounts none.
     """
     caps = list(DEFAULT_CAPS)
     # With Landlock (the default), whose one rule lets a command write anywhere beneath the root (see
     # confine_writes in nsenter.c), /proc and /dev are mounted read-only as a whole: no /proc/PID knob and
-    # no file in /dev's tmpfs is writable, while the device nodes (/dev/null, /dev/tty...) stay writable (a
+    # no file in /dev is writable, while the device nodes (/dev/null, /dev/tty...) stay writable (a
     # device is no file of the mount) and /dev/shm, /dev/mqueue and /dev/pts are writable mounts of their
     # own. The runtime populates /dev before it turns it read-only.
     ro = ["ro"] if spec.landlock else []
@@ -137,8 +140,8 @@ def runtime_config(
                                        "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}]),
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
-            *([] if node_mounts else [{"destination": "/sys", "type": "sysfs", "source": "sysfs",
-                                       "options": ["nosuid", "noexec", "nodev", "ro"]}]),
+            *([] if node_sysfs else [{"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                                      "options": ["nosuid", "noexec", "nodev", "ro"]}]),
             {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
              "options": ["bind", "ro", "nosuid", "nodev"]},
             *({"destination": d, "type": "bind", "source": str(mask_dir),

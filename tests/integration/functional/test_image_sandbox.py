@@ -14,6 +14,7 @@ import pytest
 
 from conftest import missing
 from container_support import checked_backend, short_home, sweep
+from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
@@ -141,21 +142,26 @@ async def test_image_symlinks_on_mount_points_stay_in_the_sandbox(engine: tuple[
     """An image whose /sys and /.dsec-pristine are symlinks to host paths: the backend mounts the node's sysfs
     and the pristine image on real directories of the sandbox's root, never through the links on the host."""
     eng, store = engine
-    bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine")}
+    bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine", "dev")}
+    backend = eng._backends["container"]
+    assert isinstance(backend, ContainerBackend) and backend._holder is not None
+    holder_root = Path(f"/proc/{backend._holder.pid}/root")  # /dev is mounted in the holder's namespace
     try:
-        image = runnable_image(user="", extra=(sym("sys", str(bait["sys"])),
+        image = runnable_image(user="", extra=(sym("sys", str(bait["sys"])), sym("dev", str(bait["dev"])),
                                                sym(".dsec-pristine", str(bait["pristine"]))))
         import_image(store, "linked", source(image.write_docker_archive(tmp_path / "linked.tar")),
                      uid_shift=Settings().uid_shift)
         sb = await eng.create(SandboxSpec(image="linked"))
         try:
             r = await sh(eng, sb.id, "test -d /sys/kernel && ! test -L /sys && test -x /.dsec-pristine/usr/bin/busybox"
-                                     " && echo inside")
+                                     " && test -c /dev/null && ! test -L /dev && echo inside")
             assert r.stdout.decode().split() == ["inside"], r.stderr
+            for name, path in bait.items():
+                for seen_from in (path, holder_root / path.relative_to("/")):
+                    assert not os.path.ismount(seen_from) and list(Path(seen_from).iterdir()) == [], \
+                        f"the {name} mount followed the link ({seen_from})"
         finally:
             await eng.destroy(sb.id)
-        for name, path in bait.items():
-            assert not os.path.ismount(path) and list(path.iterdir()) == [], f"the {name} mount followed the link"
     finally:
         for path in bait.values():
             shutil.rmtree(path, ignore_errors=True)

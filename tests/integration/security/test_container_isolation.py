@@ -28,9 +28,10 @@ from container_support import (
     swept_home,
 )
 from dsec.backends.base import ImageRef
-from dsec.backends.container import ContainerBackend
+from dsec.backends.container import PRISTINE_DIR, ContainerBackend
 from dsec.errors import DSecError, InvalidRequest
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
+from dsec.isolation.oci import INIT_PATH, masked_dirs
 from dsec.models import SandboxRecord
 from dsec.testing import sandbox
 
@@ -243,15 +244,16 @@ async def test_sysfs_is_the_nodes_shared_read_only_one_and_masks_are_empty(backe
     sandbox's); the masked directories are empty and cannot be written."""
     code = r"""
 import json, os
+options = {line.split()[4]: line.split()[5].split(",") for line in open("/proc/self/mountinfo")}
 masked = {}
 for p in ("/proc/acpi", "/sys/firmware", "/sys/kernel/debug", "/sys/kernel/security"):
     if not os.path.isdir(p):
         continue
     try:
         open(p + "/planted", "w").close()
-        masked[p] = [os.listdir(p), "written"]
+        masked[p] = [os.listdir(p), "written", options.get(p, [])]
     except OSError as e:
-        masked[p] = [os.listdir(p), e.errno]
+        masked[p] = [os.listdir(p), e.errno, options.get(p, [])]
 try:
     open("/sys/kernel/uevent_helper", "w").write("/x")
     sysfs_write = "written"
@@ -265,8 +267,8 @@ print(json.dumps({"dev": os.stat("/sys").st_dev, "net": sorted(os.listdir("/sys/
     assert res["dev"] == os.stat(backend._holder.view(str(backend.sysfs))).st_dev, "/sys is not the node's sysfs"
     assert res["net"] == [], res["net"]
     assert res["masked"], "no masked directory was found to check"
-    for path, (entries, wrote) in res["masked"].items():
-        assert entries == [] and wrote in (errno.EROFS, errno.EACCES), (path, entries, wrote)
+    for path, (entries, wrote, opts) in res["masked"].items():
+        assert entries == [] and wrote in (errno.EROFS, errno.EACCES) and "ro" in opts, (path, entries, wrote, opts)
     assert res["sysfs_write"] in (errno.EROFS, errno.EACCES), res["sysfs_write"]
 
 
@@ -274,13 +276,16 @@ async def test_a_sandbox_makes_five_superblocks_and_dev_lives_on_its_disk(backen
                                                                         sb: SandboxRecord) -> None:
     """Each superblock costs kernel memory in every memory cgroup of the node (design.md, "The shrinker
     wall"): a sandbox makes only its overlay, its disk tmpfs (which also holds /dev and /dev/shm), proc,
-    devpts and its ipc namespace's mqueue. /dev is read-only, /dev/shm writable and as big as the disk."""
-    code = r"""
+    devpts and its ipc namespace's mqueue; its sysfs is the node's. /dev is read-only, /dev/shm writable,
+    no-exec and as big as the disk."""
+    shared = [INIT_PATH, PRISTINE_DIR, *masked_dirs()]  # binds of the node's files, wherever those live
+    code = f"SHARED = {shared!r}\n" + r"""
 import collections, errno, json, os
 devs = collections.defaultdict(set)
 for line in open("/proc/self/mountinfo"):
     f = line.split()
-    devs[f[f.index("-") + 1]].add(f[2])
+    if f[4] not in SHARED:
+        devs[f[f.index("-") + 1]].add(f[2])
 try:
     open("/dev/planted", "w").close()
     dev_write = "written"
@@ -291,13 +296,15 @@ with open("/dev/shm/x", "w") as f:
 shm, root = os.statvfs("/dev/shm"), os.statvfs("/")
 print(json.dumps({"devs": {k: sorted(v) for k, v in devs.items()}, "dev_write": dev_write,
                   "same_disk": (shm.f_blocks, shm.f_bfree) == (root.f_blocks, root.f_bfree),
-                  "shm": open("/dev/shm/x").read()}))
+                  "shm": open("/dev/shm/x").read(),
+                  "shm_opts": [l.split()[5] for l in open("/proc/self/mountinfo") if l.split()[4] == "/dev/shm"]}))
 """
     res = await py(backend, sb, code)
     own = {kind: len(res["devs"].get(kind, [])) for kind in ("overlay", "tmpfs", "proc", "devpts", "mqueue", "sysfs")}
     assert own == {"overlay": 1, "tmpfs": 1, "proc": 1, "devpts": 1, "mqueue": 1, "sysfs": 1}, res["devs"]
     assert res["dev_write"] in (errno.EROFS, errno.EACCES), res["dev_write"]
     assert res["same_disk"] and res["shm"] == "shared memory", res
+    assert res["shm_opts"] and all("noexec" in o.split(",") for o in res["shm_opts"]), res["shm_opts"]
 
 
 # ------------------------------------------------------------------------------------------ network

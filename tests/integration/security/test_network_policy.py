@@ -217,6 +217,9 @@ async def test_allow_reaches_out_but_not_the_host_or_other_sandboxes(
         assert await probe(backend, a, PEER_IP, 8080) == "hello from 8080"
         assert await probe(backend, a, PEER_IP, 8081) == "hello from 8081"
         assert await resolve(backend, a, "allowed.test") == PEER_IP
+        # created with a network: its own sysfs, which lists its interface (the node's shared one lists none)
+        r = await run(backend, a, "ls /sys/class/net")
+        assert r.stdout.split() == [b"eth0", b"lo"], r
         # the host's own services (here: the upstream DNS's address, and the host side of the link)
         host_side = backend.networks.dns.servers[a.backend_state["net_index"]].get_extra_info("sockname")[0]
         with socket.socket() as listener:
