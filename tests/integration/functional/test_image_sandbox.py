@@ -139,13 +139,14 @@ async def test_sandbox_from_docker_archive_as_root_and_numeric_user(engine: tupl
 
 async def test_image_symlinks_on_mount_points_stay_in_the_sandbox(engine: tuple[Engine, ImageStore],
                                                                   tmp_path: Path) -> None:
-    """An image whose /sys and /.dsec-pristine are symlinks to host paths: the backend mounts the node's sysfs
-    and the pristine image on real directories of the sandbox's root, never through the links on the host."""
+    """An image whose /sys, /dev and /.dsec-pristine are symlinks to host paths: the backend mounts the node's
+    sysfs, the disk's /dev and the pristine image on real directories of the sandbox's root, never through the
+    links, on the host or in the mount holder."""
     eng, store = engine
-    bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine", "dev")}
     backend = eng._backends["container"]
     assert isinstance(backend, ContainerBackend) and backend._holder is not None
     holder_root = Path(f"/proc/{backend._holder.pid}/root")  # /dev is mounted in the holder's namespace
+    bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine", "dev")}
     try:
         image = runnable_image(user="", extra=(sym("sys", str(bait["sys"])), sym("dev", str(bait["dev"])),
                                                sym(".dsec-pristine", str(bait["pristine"]))))
