@@ -7,6 +7,7 @@ runs in its own process group and is killed with SIGKILL at the end (its SIGTERM
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -81,9 +82,11 @@ def seaweedfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seaweed]:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "dsec-test")
     data = Path(tempfile.mkdtemp(prefix="dsec-weed-"))
     ports = [_free_port() for _ in range(4)]
-    argv = [exe, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-            f"-master.port={ports[0]}", f"-volume.port={ports[1]}", "-filer", f"-filer.port={ports[2]}",
-            "-s3", f"-s3.port={ports[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=16"]
+    # -logdir: glog's files would go to /tmp otherwise (a global flag: before the command)
+    argv = [exe, f"-logdir={data}", "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-master.telemetry=false", f"-master.port={ports[0]}", f"-volume.port={ports[1]}", "-filer",
+            f"-filer.port={ports[2]}", "-s3", f"-s3.port={ports[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-volume.max=16"]
     log = open(data / "weed.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     server = Seaweed(proc, f"http://127.0.0.1:{ports[3]}", data)
@@ -108,6 +111,11 @@ def seaweedfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seaweed]:
         server.kill()
         log.close()
         shutil.rmtree(data, ignore_errors=True)
+        # Killed, it leaves its local sockets (/tmp/seaweedfs-<service>[-grpc]-<port>.sock; gRPC at port + 10000).
+        for port in (*ports, *(p + 10000 for p in ports)):
+            for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(sock)
 
 
 MiB = 1 << 20

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -312,6 +313,7 @@ async def _sdk_roundtrip() -> None:
                 await sb.close()
     finally:
         down(settings, destroy=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_table_setup_is_idempotent_and_dropped_cleanly(peer: _Upstream) -> None:
