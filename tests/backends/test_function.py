@@ -78,6 +78,13 @@ async def test_call_is_normally_scheduled_with_locked_securebits(backend: Functi
             assert (policy, nice) == (os.SCHED_OTHER, 0), r.stdout
             # NOROOT, NO_SETUID_FIXUP (each locked) and KEEP_CAPS_LOCKED (keep-caps off)
             assert securebits == 0b101111, bin(securebits)
+        # Against the node's own processes the calls yield as a group: the sandboxes' cgroup is SCHED_IDLE
+        # (cgroups.background_group) while each process keeps SCHED_OTHER (kernels before 5.15: no cpu.idle).
+        cpu_dir = next((Path(d) for name, d in sb.backend_state["cgroups"].items() if "cpu" in name.split(",")
+                        or name == "unified"), None)
+        assert cpu_dir is not None, sb.backend_state["cgroups"]
+        if (cpu_dir.parent / "cpu.idle").exists():
+            assert int((cpu_dir.parent / "cpu.idle").read_text()) == 1
 
 
 async def test_daemon_under_another_policy_passes_it_on(backend: FunctionBackend,

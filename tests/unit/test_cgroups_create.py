@@ -1,4 +1,5 @@
-"""CgroupSet.create against a sibling's destroy that removes the shared parent (a v1 layout in a temp dir)."""
+"""CgroupSet.create against a sibling's destroy that removes the shared parent, and the CPU class of the
+sandboxes' group (v1 layouts in a temp dir)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.isolation.cgroups import CgroupSet, Limits
+from dsec.isolation.cgroups import CPU_SHARES_BUSY, CPU_SHARES_IDLE, CgroupSet, Limits, background_group
 
 
 def test_create_remakes_a_parent_removed_between_its_two_mkdirs(tmp_path: Path,
@@ -40,3 +41,67 @@ def test_create_gives_up_when_the_parent_keeps_vanishing(tmp_path: Path, monkeyp
     monkeypatch.setattr(Path, "mkdir", mkdir)
     with pytest.raises(FileNotFoundError):
         CgroupSet.create("/dsec-t-fn/sb-1", Limits(memory=1 << 30, cpu=1.0, pids=64), root=tmp_path)
+
+
+def _stand_in_cgroupfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A v1 layout whose cpu hierarchy gives every new directory a ``cpu.idle`` of 0, as the kernel's does."""
+    for name in ("cpu,cpuacct", "pids", "memory"):
+        (tmp_path / name).mkdir()
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
+        real_mkdir(self, mode, parents, exist_ok)
+        if "cpu,cpuacct" in self.parts and not (self / "cpu.idle").exists():
+            (self / "cpu.idle").write_text("0\n")
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+
+def test_the_group_a_create_makes_gets_the_cpu_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _stand_in_cgroupfs(tmp_path, monkeypatch)
+    group = tmp_path / "cpu,cpuacct" / "dsec-t"
+    made = CgroupSet.create("/dsec-t/sb-1", Limits(memory=1 << 30, cpu=1.0, pids=64), root=tmp_path,
+                            background=True)
+    assert int((group / "cpu.idle").read_text()) == 1
+    assert int((group / "sb-1" / "cpu.idle").read_text()) == 0  # the class of the group, not of the sandbox
+    made.set_cpu_class(busy=False)
+    assert int((group / "sb-1" / "cpu.idle").read_text()) == 1
+    made.set_cpu_class(busy=True)
+    assert int((group / "sb-1" / "cpu.idle").read_text()) == 0
+    # A group that is already there keeps what it has (start() sets the class of a kept group).
+    (group / "cpu.idle").write_text("0\n")
+    CgroupSet.create("/dsec-t/sb-2", Limits(memory=1 << 30, cpu=1.0, pids=64), root=tmp_path, background=True)
+    assert int((group / "cpu.idle").read_text()) == 0
+    # Nested sandboxes (the microvm backend's dsec-<tag>/microvm/...) give the class to the top-level group.
+    CgroupSet.create("/dsec-u/microvm/sb-3", Limits(memory=1 << 30, cpu=1.0, pids=64), root=tmp_path,
+                     background=True)
+    assert int((tmp_path / "cpu,cpuacct" / "dsec-u" / "cpu.idle").read_text()) == 1
+    assert int((tmp_path / "cpu,cpuacct" / "dsec-u" / "microvm" / "cpu.idle").read_text()) == 0
+
+
+def test_background_group_sets_a_kept_group_and_makes_none_unless_asked(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _stand_in_cgroupfs(tmp_path, monkeypatch)
+    background_group("dsec-t", True, root=tmp_path, make=False)
+    assert not any((tmp_path / name / "dsec-t").exists() for name in ("cpu,cpuacct", "pids", "memory"))
+    background_group("dsec-t", True, root=tmp_path)
+    assert all((tmp_path / name / "dsec-t").is_dir() for name in ("cpu,cpuacct", "pids", "memory"))
+    assert int((tmp_path / "cpu,cpuacct" / "dsec-t" / "cpu.idle").read_text()) == 1
+    background_group("dsec-t", False, root=tmp_path, make=False)  # DSEC_SANDBOX_CPU_IDLE=0 on a restart
+    assert int((tmp_path / "cpu,cpuacct" / "dsec-t" / "cpu.idle").read_text()) == 0
+    with pytest.raises(ValueError, match="not a top-level cgroup"):
+        background_group("dsec-t/microvm", True, root=tmp_path)
+
+
+def test_kernels_without_cpu_idle_fall_back_to_cpu_shares(tmp_path: Path) -> None:
+    """Before 5.15 there is no ``cpu.idle``: the group is left alone and an idle sandbox gets the lowest shares."""
+    for name in ("cpu,cpuacct", "pids"):
+        (tmp_path / name).mkdir()
+    made = CgroupSet.create("/dsec-t/sb-1", Limits(memory=1 << 30, cpu=1.0, pids=64), root=tmp_path,
+                            background=True)
+    assert not (tmp_path / "cpu,cpuacct" / "dsec-t" / "cpu.idle").exists()
+    made.set_cpu_class(busy=False)
+    assert (tmp_path / "cpu,cpuacct" / "dsec-t" / "sb-1" / "cpu.shares").read_text() == str(CPU_SHARES_IDLE)
+    assert not (tmp_path / "cpu,cpuacct" / "dsec-t" / "sb-1" / "cpu.idle").exists()
+    made.set_cpu_class(busy=True)
+    assert (tmp_path / "cpu,cpuacct" / "dsec-t" / "sb-1" / "cpu.shares").read_text() == str(CPU_SHARES_BUSY)

@@ -42,7 +42,7 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.isolation.cgroups import CgroupSet, LimitCounters, cgroup_mode, v2_controllers_in_hybrid
+from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.disk import disk_full, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
@@ -167,6 +167,9 @@ class ContainerBackend(Backend):
         self._nofile = exec_rlimits()["nofile"][0]
         self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
         self._mask_v2 = v2_controllers_in_hybrid()
+        # The sandboxes' group gets its CPU class when a create makes it; one kept from an earlier daemon (live
+        # sandboxes) gets this daemon's setting here.
+        await asyncio.to_thread(background_group, self.cgroup_parent, self.settings.sandbox_cpu_idle, make=False)
         holder = MountHolder(self._shim, self.root / "mntns.pid", self._tag)
         await asyncio.to_thread(holder.start)
         self._holder = holder
@@ -368,7 +371,8 @@ class ContainerBackend(Backend):
         """Cgroups, mounts and bundle of a new sandbox: its cgroups and a detached clone of its root for the
         runtime shim (the caller closes it)."""
         assert self._init is not None
-        cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec))
+        cgroups = CgroupSet.create(record.backend_state["cgroups_path"], sandbox_limits(record.spec),
+                                   background=self.settings.sandbox_cpu_idle)
         record.backend_state["cgroups"] = cgroups.dirs
         cgroups.set_cpu_class(busy=False)  # born idle: nobody has asked it for anything yet
         root_fd = self._mount_root(record, image, lowers, rootfs, disk)

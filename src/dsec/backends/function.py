@@ -33,7 +33,7 @@ from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
-from dsec.isolation.cgroups import CgroupSet, LimitCounters, Limits, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, LimitCounters, Limits, background_group, cgroup_mode
 from dsec.isolation.disk import disk_full, mount_disk, umount
 from dsec.isolation.exec_client import stream_exec
 from dsec.isolation.files import SandboxFS
@@ -99,6 +99,8 @@ class FunctionBackend(Backend):
         self._binary = await asyncio.to_thread(ensure_zygote, self.settings.home / "bin")
         self._bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
         self._support = await asyncio.to_thread(_ensure_support, self.root)
+        # The sandboxes' group gets its CPU class when a create makes it (see container.start).
+        await asyncio.to_thread(background_group, self.cgroup_parent, self.settings.sandbox_cpu_idle, make=False)
 
     async def aclose(self) -> None:
         # Zygotes die with their sockets; workspaces and cgroups stay for a restarted daemon's recover().
@@ -133,7 +135,8 @@ class FunctionBackend(Backend):
         await asyncio.to_thread(self._prepare_hidden, record)
         spec = record.spec
         made = await asyncio.to_thread(CgroupSet.create, record.backend_state["cgroup"],
-                                       Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids))
+                                       Limits(memory=spec.memory, cpu=spec.cpu, pids=spec.pids),
+                                       background=self.settings.sandbox_cpu_idle)
         record.backend_state["cgroups"] = made.dirs
         await self._start_zygote(record)
 

@@ -44,7 +44,7 @@ from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
-from dsec.isolation.cgroups import CgroupSet, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, background_group, cgroup_mode
 from dsec.isolation.idmap import unshifted_view
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Policy, SandboxNetworks, TapNamespace
 from dsec.isolation.procs import start_time
@@ -235,7 +235,8 @@ class MicroVMBackend(Backend):
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             with contextlib.suppress(OSError):
                 os.rmdir(d)
-                os.rmdir(Path(d).parent)  # dsec-<tag>, unless the container backend still uses it
+            with contextlib.suppress(OSError):  # dsec-<tag> (background_group makes it in every joined hierarchy)
+                os.rmdir(Path(d).parent)  # unless the container backend still uses it
 
     # -- images, templates ----------------------------------------------------------------------------
 
@@ -306,6 +307,8 @@ class MicroVMBackend(Backend):
 
     def _make_cgroups(self, sandbox_id: str, vcpus: int, mem_mib: int) -> CgroupSet:
         cg = self._cgroups(sandbox_id)
+        # The top-level group it shares with the container backend's sandboxes, with its CPU class.
+        background_group(self.cgroup_parent.split("/", 1)[0], self.settings.sandbox_cpu_idle)
         limit = mem_mib * MiB + _QEMU_OVERHEAD
         if cgroup_mode() == "v2":
             unified = Path(cg.dirs["unified"])

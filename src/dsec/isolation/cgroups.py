@@ -17,7 +17,7 @@ from pathlib import Path
 from dsec.isolation.procs import read_small
 
 __all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters",
-           "Limits", "cgroup_mode", "v2_controllers_in_hybrid"]
+           "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
 
@@ -79,6 +79,20 @@ _KERNEL_CFS_PERIOD_US = 100_000
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
+
+
+def _write_if_present(path: Path, value: str) -> bool:
+    """Write a control file that a kernel may not have (``cpu.idle``): False when it is not there. Never
+    creates it: an open for creation in cgroupfs fails with EACCES, which would read as a real error."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+    return True
 
 
 def _v1_hierarchies(root: Path) -> list[str]:
@@ -164,11 +178,13 @@ class CgroupSet:
         return cls(mode=mode, dirs={name: str(root / name / rel) for name in _v1_hierarchies(root)})
 
     @classmethod
-    def create(cls, relpath: str, limits: Limits, root: Path = _ROOT) -> CgroupSet:
+    def create(cls, relpath: str, limits: Limits, root: Path = _ROOT, *, background: bool | None = None
+               ) -> CgroupSet:
         """Make the cgroups at ``relpath`` with ``limits``; on v1 only in the :data:`V1_JOINED` hierarchies.
 
-        The parent directory is created when missing and kept (other sandboxes share it). On failure
-        whatever was made for ``relpath`` is removed again.
+        The parent directory is created when missing and kept (other sandboxes share it); when this call
+        makes it and ``background`` is not None, the top-level group gets that CPU class
+        (:func:`background_group`). On failure whatever was made for ``relpath`` is removed again.
         """
         mode = cgroup_mode(root)
         rel = relpath.strip("/")
@@ -182,9 +198,17 @@ class CgroupSet:
                 path = Path(d)
                 for attempt in range(3):
                     if mode == "v2":
+                        new_parent = not path.parent.is_dir()
                         _v2_enable_parents(root, path.parent)
                     else:
-                        path.parent.mkdir(parents=True, exist_ok=True)
+                        try:
+                            path.parent.mkdir(parents=True)
+                            new_parent = True
+                        except FileExistsError:
+                            new_parent = False
+                    if new_parent and background is not None and (mode == "v2" or "cpu" in name.split(",")):
+                        top = rel.split("/", 1)[0]
+                        _set_cpu_idle(root / top if mode == "v2" else root / name / top, background)
                     try:
                         path.mkdir()
                         break
@@ -228,13 +252,18 @@ class CgroupSet:
     def set_cpu_class(self, busy: bool) -> None:
         """Best-effort CPU for an idle sandbox, normal weight while it runs a command.
 
-        v1: ``cpu.shares`` 2 (the kernel's minimum) vs 1024; v2: ``cpu.weight`` 1 vs 100. The CFS quota
-        (the ``cpu`` limit) is untouched: the class only decides who yields when the node's CPUs are
-        contended, so the background processes of sandboxes nobody is talking to yield to the commands
-        of the others.
+        A SCHED_IDLE group (``cpu.idle`` 1, kernel 5.15+, v1 and v2) while idle: a sibling that wakes with a
+        command to run preempts it at once, where a low weight only made it yield over the next few ms of
+        scheduler slices. Older kernels: ``cpu.shares`` 2 (the kernel's minimum) vs 1024 on v1, ``cpu.weight``
+        1 vs 100 on v2. The CFS quota (the ``cpu`` limit) is untouched: the class only decides who yields
+        when the node's CPUs are contended, so the background processes of sandboxes nobody is talking to
+        yield to the commands of the others. Against the node's own processes the sandboxes' top-level
+        group decides (:func:`background_group`).
         """
         d = self._dir("cpu")
         if d is None:
+            return
+        if _write_if_present(d / "cpu.idle", "0" if busy else "1"):
             return
         if self.mode == "v2":
             _write(d / "cpu.weight", str(CPU_WEIGHT_BUSY if busy else CPU_WEIGHT_IDLE))
@@ -368,6 +397,42 @@ def _rmdir_tree(path: str) -> None:
         _rmdir_tree(child)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)
+
+
+def background_group(relpath: str, background: bool, root: Path = _ROOT, *, make: bool = True) -> None:
+    """Make the top-level cgroup ``relpath`` that holds a backend's sandboxes (in every hierarchy they join)
+    and set its CPU class; with ``make`` False only set the class of a group that is already there (a daemon
+    restarted with another setting over live sandboxes).
+
+    ``background``: a SCHED_IDLE group (``cpu.idle`` 1, kernel 5.15+). Against the node's own processes
+    (the daemon, the exec helper) the whole group then counts as one idle task: they preempt it at once
+    when they wake. A sandbox's share of CPU weight (``cpu.shares``, :meth:`CgroupSet.set_cpu_class`) only
+    ranks it against its siblings inside the group, so without this a CPU hog in an idle sandbox still
+    took the daemon's CPU at equal weight and delayed every other sandbox's exec by a few ms. Otherwise
+    (``cpu.idle`` 0) the sandboxes compete with the node's processes at normal weight.
+    """
+    rel = relpath.strip("/")
+    if "/" in rel:
+        raise ValueError(f"background_group: {relpath!r} is not a top-level cgroup")
+    mode = cgroup_mode(root)
+    if mode == "v2":
+        if make:
+            _v2_enable_parents(root, root / rel)
+        _set_cpu_idle(root / rel, background)
+        return
+    for name in _v1_hierarchies(root):
+        if V1_JOINED.intersection(name.split(",")):
+            if make:
+                (root / name / rel).mkdir(exist_ok=True)
+            if "cpu" in name.split(","):
+                _set_cpu_idle(root / name / rel, background)
+
+
+def _set_cpu_idle(group: Path, idle: bool) -> None:
+    """Write ``cpu.idle`` of ``group`` when it differs (a kernel older than 5.15 has no such file: nothing)."""
+    value = "1" if idle else "0"
+    if read_small(str(group / "cpu.idle"), 16) not in (value.encode() + b"\n", None):
+        _write_if_present(group / "cpu.idle", value)
 
 
 def _v2_enable_parents(root: Path, parent: Path) -> None:
