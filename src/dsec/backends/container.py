@@ -327,7 +327,10 @@ class ContainerBackend(Backend):
         # Cgroups, mounts, user lookup, bundle and the runtime in one worker-thread hop (each hop is a thread
         # hand-off and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
         started = asyncio.get_running_loop().run_in_executor(
-            self._runtime_pool, self._start, record, image, [*(layers or []), image.rootfs], rootfs, bundle)
+            self._runtime_pool, self._start, record, image, [*(layers or []), image.rootfs], rootfs, bundle,
+            # The node's shared sysfs, unless the sandbox has a network: then crun mounts its own (a superblock
+            # more), which lists its interfaces under /sys/class/net, as tools that pick an interface expect.
+            policy.mode == "none")
         try:
             pid = await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -347,14 +350,15 @@ class ContainerBackend(Backend):
         if policy.mode != "none":
             await self._connect(record, policy)
 
-    def _start(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path, bundle: Path) -> int:
+    def _start(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path, bundle: Path,
+               node_sysfs: bool) -> int:
         """Everything blocking of a create (in one worker thread): the bundle, cgroups, mounts, ``crun run``;
         returns the init's pid (its start time noted in the record)."""
         disk = bundle / "disk"
         bundle.mkdir(mode=0o700)
         disk.mkdir()
         rootfs.mkdir()
-        cgroups, root_fd = self._prepare(record, image, lowers, rootfs, disk)
+        cgroups, root_fd = self._prepare(record, image, lowers, rootfs, disk, node_sysfs)
         try:
             self._run_runtime("run", "--detach", "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"),
                               record.id, log=bundle / "runtime.log", cgroups=cgroups, root=(root_fd, rootfs))
@@ -367,7 +371,7 @@ class ContainerBackend(Backend):
         return pid
 
     def _prepare(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path,
-                 disk: Path) -> tuple[CgroupSet, int]:
+                 disk: Path, node_sysfs: bool) -> tuple[CgroupSet, int]:
         """Cgroups, mounts and bundle of a new sandbox: its cgroups and a detached clone of its root for the
         runtime shim (the caller closes it)."""
         assert self._init is not None
@@ -375,12 +379,12 @@ class ContainerBackend(Backend):
                                    background=self.settings.sandbox_cpu_idle)
         record.backend_state["cgroups"] = cgroups.dirs
         cgroups.set_cpu_class(busy=False)  # born idle: nobody has asked it for anything yet
-        root_fd = self._mount_root(record, image, lowers, rootfs, disk)
+        root_fd = self._mount_root(record, image, lowers, rootfs, disk, node_sysfs)
         try:
             config = runtime_config(
                 sandbox_id=record.id, spec=record.spec, rootfs=rootfs, init_binary=self._init,
                 uid_shift=image.uid_shift, uid_count=self.settings.uid_count, cgroups_path=None,
-                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, node_mounts=True, node_sysfs=_node_sysfs(record),
+                profile=DEFAULT_PROFILE, mask_dir=self.mask_dir, node_mounts=True, node_sysfs=node_sysfs,
             )
             (self._bundle(record.id) / "config.json").write_text(json.dumps(config))
         except BaseException:
@@ -389,7 +393,7 @@ class ContainerBackend(Backend):
         return cgroups, root_fd
 
     def _mount_root(self, record: SandboxRecord, image: ImageRef, lowers: list[Path], rootfs: Path,
-                    disk: Path) -> int:
+                    disk: Path, node_sysfs: bool) -> int:
         """Build the sandbox's disk tmpfs and overlay detached (never on the host's mount table), attach them
         on ``disk`` and ``rootfs`` in the mount holder's namespace, and return a detached clone of the root
         for the runtime shim."""
@@ -426,23 +430,14 @@ class ContainerBackend(Backend):
                 finally:
                     os.close(pristine)
                 _plain_dir(f"{root}/sys")
-                if _node_sysfs(record):
-                    # The node's one sysfs on /sys (read-only; from the sandbox's user namespace a locked mount).
-                    sysfs = holder.run(_clone_node_sysfs, str(self.sysfs), self._sysfs_dev)
-                    try:
-                        attach(sysfs, "sys", root_fd)
-                    finally:
-                        os.close(sysfs)
                 _plain_dir(f"{root}/dev")
-                holder.run(attach, root_fd, str(rootfs))
-                record.backend_state["mounted"] = True
-                holder.run(attach, disk_fd, str(disk))
-                holder.run(_mount_dev, str(disk), str(rootfs))
+                # The rest in one hop to the holder's thread (each is a hand-off and a wake-up).
+                sysfs = (str(self.sysfs), self._sysfs_dev) if node_sysfs else None
+                return holder.run(_attach_sandbox, root_fd, disk_fd, str(rootfs), str(disk), sysfs)
             finally:
                 os.close(root_fd)
         finally:
             os.close(disk_fd)
-        return holder.run(clone_tree, str(rootfs))
 
     def _mount_sysfs(self) -> None:
         """The node's shared sysfs in the holder's namespace (kept when an adopted holder already has it)."""
@@ -720,6 +715,23 @@ class ContainerBackend(Backend):
         return orphans
 
 
+def _attach_sandbox(root_fd: int, disk_fd: int, rootfs: str, disk: str, sysfs: tuple[str, int] | None) -> int:
+    """In the holder's namespace: the node's sysfs on the detached root's /sys (``sysfs``: its path and device
+    there; read-only, and from the sandbox's user namespace a locked mount), the root on ``rootfs``, the disk
+    on ``disk``, /dev and /dev/shm from the disk (:func:`_mount_dev`); returns a detached clone of the mounted
+    root for the runtime shim. A failure part-way leaves mounts that destroy's unmounts remove."""
+    if sysfs is not None:
+        fd = _clone_node_sysfs(*sysfs)
+        try:
+            attach(fd, "sys", root_fd)
+        finally:
+            os.close(fd)
+    attach(root_fd, rootfs)
+    attach(disk_fd, disk)
+    _mount_dev(disk, rootfs)
+    return clone_tree(rootfs)
+
+
 def _mount_dev(disk: str, rootfs: str) -> None:
     """Bind the disk's ``dev`` on the sandbox's /dev and its ``shm`` on /dev/shm (in the holder's namespace).
 
@@ -733,12 +745,6 @@ def _mount_dev(disk: str, rootfs: str) -> None:
             attach(fd, target)
         finally:
             os.close(fd)
-
-
-def _node_sysfs(record: SandboxRecord) -> bool:
-    """Whether the sandbox gets the node's shared sysfs: one created with a network gets its own (a superblock
-    more), which lists its interfaces under /sys/class/net, as tools that pick an interface expect."""
-    return Policy.parse(record.spec.network).mode == "none"
 
 
 def _clone_node_sysfs(path: str, dev: int) -> int:
