@@ -338,7 +338,7 @@ async def test_burst_stops_at_the_memory_floor_and_still_pings_and_destroys(monk
 
     available = iter([8 << 30, 5 << 30, 2 << 30, 1 << 30])
     monkeypatch.setattr(pools.AsyncSandbox, "create_many", staticmethod(create_many))
-    monkeypatch.setattr(pools, "_meminfo", lambda *keys: {"MemAvailable": next(available), "SUnreclaim": 1 << 30})
+    monkeypatch.setattr(pools, "meminfo", lambda *keys: {"MemAvailable": next(available), "SUnreclaim": 1 << 30})
     monkeypatch.setattr(pools, "_mem_available", lambda: 10 << 30)
     monkeypatch.setattr(pools.asyncio, "sleep", lambda s: asyncio_sleep0())
     run = pools._Run(pools.PoolBench(burst_n=2000), client=None)  # type: ignore[arg-type]
@@ -353,3 +353,15 @@ async def test_burst_stops_at_the_memory_floor_and_still_pings_and_destroys(monk
 
 async def asyncio_sleep0() -> None:
     return None
+
+
+def test_meminfo_reads_fields_in_bytes_and_names_what_is_missing(tmp_path: Path) -> None:
+    from dsec.isolation.procs import meminfo
+
+    stand_in = tmp_path / "meminfo"
+    stand_in.write_text("MemTotal:       24576000 kB\nMemAvailable:   20000000 kB\nSUnreclaim:       818520 kB\n")
+    assert meminfo("MemAvailable", "SUnreclaim", path=str(stand_in)) == {
+        "MemAvailable": 20000000 * 1024, "SUnreclaim": 818520 * 1024}
+    with pytest.raises(RuntimeError, match="no MemFree, Slab in"):
+        meminfo("MemTotal", "Slab", "MemFree", path=str(stand_in))
+    assert meminfo("MemTotal")["MemTotal"] > 0  # the host's own

@@ -29,6 +29,7 @@ from dsec.bench.peers import RuncPeer, mount_overlay, podman_argv, time_command,
 from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
 from dsec.isolation.init import HELPERS, binary_path, ensure_init
+from dsec.isolation.procs import meminfo
 
 __all__ = ["BenchUnavailable", "ContainerBench", "run"]
 
@@ -81,20 +82,8 @@ def _ms(seconds: float) -> float:
     return seconds * 1000
 
 
-def _meminfo(*keys: str) -> dict[str, int]:
-    """Fields of /proc/meminfo, in bytes."""
-    found = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in keys:
-            found[key] = int(value.split()[0]) * 1024
-    if missing := set(keys) - set(found):
-        raise RuntimeError(f"no {', '.join(sorted(missing))} in /proc/meminfo")
-    return found
-
-
 def _mem_available() -> int:
-    return _meminfo("MemAvailable")["MemAvailable"]
+    return meminfo("MemAvailable")["MemAvailable"]
 
 
 def preflight(settings: Settings) -> tuple[str, Path | None]:

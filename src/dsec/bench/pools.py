@@ -23,7 +23,6 @@ from dsec.bench.container import (
     _cleanup_backend,
     _daemon,
     _mem_available,
-    _meminfo,
     _podman_cycle,
     _private_settings,
     _sustain,
@@ -34,6 +33,7 @@ from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.peers import mount_overlay, podman_argv, umount
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
+from dsec.isolation.procs import meminfo
 from dsec.models import PoolConfig
 
 __all__ = ["PHASES", "PoolBench", "run"]
@@ -225,7 +225,7 @@ class _Run:
                 c0 = time.perf_counter()
                 made += await AsyncSandbox.create_many(min(chunk, n - start), image=IMAGE, memory=MEMORY,
                                                        client=self.client)
-                mem = _meminfo("MemAvailable", "SUnreclaim")
+                mem = meminfo("MemAvailable", "SUnreclaim")
                 # (alive, seconds for this request, MiB available, MiB of unreclaimable kernel slab)
                 chunks.append((len(made), round(time.perf_counter() - c0, 2), mem["MemAvailable"] >> 20,
                                mem["SUnreclaim"] >> 20))

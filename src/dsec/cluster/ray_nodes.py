@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.cluster.gateway import NodeFacts
+from dsec.isolation.procs import meminfo
 
 __all__ = ["GATEWAY_ACTOR", "NAMESPACE", "GatewayProcess", "NodeConfig", "NodeDaemon", "RayNodes", "node_name"]
 
@@ -83,10 +84,10 @@ def _free_port(host: str) -> int:
 
 
 def _mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    try:
+        return meminfo("MemTotal")["MemTotal"]
+    except (OSError, ValueError, RuntimeError):
+        return 0
 
 
 class _Supervisor:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from dsec.errors import QuotaExceeded
+from dsec.isolation.procs import meminfo
 from dsec.models import AdmissionStatistics
 
 __all__ = ["Admission", "host_shortage"]
@@ -23,11 +24,8 @@ __all__ = ["Admission", "host_shortage"]
 _MIB = 1024**2
 
 
-def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no MemAvailable in {meminfo}")
+def _mem_available() -> int:
+    return meminfo("MemAvailable")["MemAvailable"]
 
 
 _LIMIT_TTL = 5.0

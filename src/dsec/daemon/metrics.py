@@ -19,6 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dsec.isolation.procs import meminfo
+
 __all__ = ["CONTENT_TYPE", "Metrics", "host_load"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -112,10 +114,9 @@ def host_load() -> dict[str, Any]:
     except OSError:
         out["load"] = []
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
-        out["memory_total_bytes"] = info.get("MemTotal", 0)
-        out["memory_used_bytes"] = info.get("MemTotal", 0) - info.get("MemAvailable", 0)
-    except (OSError, ValueError):
+        info = meminfo("MemTotal", "MemAvailable")
+        out["memory_total_bytes"] = info["MemTotal"]
+        out["memory_used_bytes"] = info["MemTotal"] - info["MemAvailable"]
+    except (OSError, ValueError, RuntimeError):
         pass
     return out

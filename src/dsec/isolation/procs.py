@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["read_small", "start_time"]
+__all__ = ["meminfo", "read_small", "start_time"]
+
+
+def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:
+    """Fields of the host's ``/proc/meminfo``, in bytes; RuntimeError naming any that is missing."""
+    found = {}
+    with open(path, encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                found[key] = int(value.split()[0]) * 1024
+    if missing := set(keys) - set(found):
+        raise RuntimeError(f"no {', '.join(sorted(missing))} in {path}")
+    return found
 
 
 def read_small(path: str, limit: int) -> bytes | None:
