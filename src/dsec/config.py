@@ -15,7 +15,7 @@
 | ``DSEC_POOLS`` | none | warm pools, ``;``-separated ``IMAGE:BACKEND:min=N,max=N,...`` (as ``dsec serve --pool``) |
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
 | ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
-| ``DSEC_SANDBOX_CPU_IDLE`` | ``1`` | ``1``: sandboxes sit in a SCHED_IDLE cgroup: the daemon always runs first |
+| ``DSEC_SANDBOX_CPU_IDLE`` | ``1`` | sandboxes sit in a SCHED_IDLE cgroup: the daemon preempts them when it wakes |
 | ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 | ``DSEC_AUDIT_DB`` | ``$DSEC_HOME/audit.db`` | the audit trail (SQLite): every command run in every sandbox |
 | ``DSEC_AUDIT_MAX_ROWS`` | ``200000`` | commands the audit trail keeps (oldest evicted first) |
@@ -49,7 +49,8 @@ class Settings:
     """Creates that run at once; the rest queue in the admission."""
     host_limits: bool = field(default_factory=lambda: os.environ.get("DSEC_HOST_LIMITS", "0") == "1")
     """Raise the host's pid/thread/inotify/file limits at start and restore them at stop (opt-in)."""
-    sandbox_cpu_idle: bool = field(default_factory=lambda: os.environ.get("DSEC_SANDBOX_CPU_IDLE", "1") != "0")
+    sandbox_cpu_idle: bool = field(default_factory=lambda: os.environ.get("DSEC_SANDBOX_CPU_IDLE", "1").strip().lower()
+                                   not in {"0", "false", "no", "off"})
     """Put every sandbox's cgroups in a SCHED_IDLE group (``cpu.idle`` 1): the node's own processes (the daemon,
     the exec helper) preempt any sandbox when they wake (``cgroups.background_group``); ``0``: normal weight."""
     snapshot_store_url: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ __all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_
            "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid"]
 
 _ROOT = Path("/sys/fs/cgroup")
+_log = logging.getLogger(__name__)
 
 
 CPU_SHARES_IDLE, CPU_SHARES_BUSY = 2, 1024
@@ -198,8 +200,7 @@ class CgroupSet:
                 path = Path(d)
                 for attempt in range(3):
                     if mode == "v2":
-                        new_parent = not path.parent.is_dir()
-                        _v2_enable_parents(root, path.parent)
+                        new_parent = _v2_enable_parents(root, path.parent)
                     else:
                         try:
                             path.parent.mkdir(parents=True)
@@ -252,18 +253,14 @@ class CgroupSet:
     def set_cpu_class(self, busy: bool) -> None:
         """Best-effort CPU for an idle sandbox, normal weight while it runs a command.
 
-        A SCHED_IDLE group (``cpu.idle`` 1, kernel 5.15+, v1 and v2) while idle: a sibling that wakes with a
-        command to run preempts it at once, where a low weight only made it yield over the next few ms of
-        scheduler slices. Older kernels: ``cpu.shares`` 2 (the kernel's minimum) vs 1024 on v1, ``cpu.weight``
-        1 vs 100 on v2. The CFS quota (the ``cpu`` limit) is untouched: the class only decides who yields
-        when the node's CPUs are contended, so the background processes of sandboxes nobody is talking to
-        yield to the commands of the others. Against the node's own processes the sandboxes' top-level
-        group decides (:func:`background_group`).
+        v1: ``cpu.shares`` 2 (the kernel's minimum) vs 1024; v2: ``cpu.weight`` 1 vs 100. The CFS quota
+        (the ``cpu`` limit) is untouched: the class only decides who yields when the node's CPUs are
+        contended, so the background processes of sandboxes nobody is talking to yield to the commands
+        of the others. It ranks a sandbox against its siblings only; against the node's own processes the
+        sandboxes' top-level group decides (:func:`background_group`).
         """
         d = self._dir("cpu")
         if d is None:
-            return
-        if _write_if_present(d / "cpu.idle", "0" if busy else "1"):
             return
         if self.mode == "v2":
             _write(d / "cpu.weight", str(CPU_WEIGHT_BUSY if busy else CPU_WEIGHT_IDLE))
@@ -412,7 +409,7 @@ def background_group(relpath: str, background: bool, root: Path = _ROOT, *, make
     (``cpu.idle`` 0) the sandboxes compete with the node's processes at normal weight.
     """
     rel = relpath.strip("/")
-    if "/" in rel:
+    if not rel or "/" in rel:
         raise ValueError(f"background_group: {relpath!r} is not a top-level cgroup")
     mode = cgroup_mode(root)
     if mode == "v2":
@@ -429,20 +426,32 @@ def background_group(relpath: str, background: bool, root: Path = _ROOT, *, make
 
 
 def _set_cpu_idle(group: Path, idle: bool) -> None:
-    """Write ``cpu.idle`` of ``group`` when it differs (a kernel older than 5.15 has no such file: nothing)."""
+    """Write ``cpu.idle`` of ``group`` when it differs. Best effort: a kernel older than 5.15 (or a v2 group
+    without the cpu controller) has no such file, and a group removed meanwhile (ENODEV) is made again with
+    its class by the next create; either is logged, not raised, since sandboxes run without the class."""
     value = "1" if idle else "0"
-    if read_small(str(group / "cpu.idle"), 16) not in (value.encode() + b"\n", None):
-        _write_if_present(group / "cpu.idle", value)
+    try:
+        if read_small(str(group / "cpu.idle"), 16) not in (value.encode() + b"\n", None):
+            _write_if_present(group / "cpu.idle", value)
+    except OSError as exc:
+        _log.warning("could not set cpu.idle of %s to %s: %s", group, value, exc)
 
 
-def _v2_enable_parents(root: Path, parent: Path) -> None:
+def _v2_enable_parents(root: Path, parent: Path) -> bool:
     """Make ``parent`` (below ``root``) and enable memory, cpu and pids for the children of every
-    directory from ``root`` down to it, so that a sandbox directory below ``parent`` gets them."""
+    directory from ``root`` down to it, so that a sandbox directory below ``parent`` gets them; True when
+    this call made any of those directories."""
     rel = parent.relative_to(root).parts
     chain = [root] + [root.joinpath(*rel[:n]) for n in range(1, len(rel) + 1)]
+    made = False
     for d in chain:
-        d.mkdir(exist_ok=True)
+        try:
+            d.mkdir()
+            made = True
+        except FileExistsError:
+            pass
         control = d / "cgroup.subtree_control"
         missing = {"memory", "cpu", "pids"} - set(control.read_text().split())
         if missing:
             _write(control, " ".join(f"+{c}" for c in sorted(missing)))
+    return made
