@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsec.config import Settings
-from dsec.isolation.cgroups import CPU_SHARES_BUSY, CPU_SHARES_IDLE, CgroupSet, Limits, background_group
+from dsec.isolation.cgroups import CPU_SHARES_BUSY, CPU_SHARES_IDLE, CgroupSet, Limits, background_group, v2_make
 
 
 def test_create_remakes_a_parent_removed_between_its_two_mkdirs(tmp_path: Path,
@@ -150,3 +150,15 @@ def test_the_setting_reads_the_usual_false_values(monkeypatch: pytest.MonkeyPatc
         assert Settings().sandbox_cpu_idle is expected, value
     monkeypatch.delenv("DSEC_SANDBOX_CPU_IDLE")
     assert Settings().sandbox_cpu_idle is True
+
+
+def test_v2_make_enables_the_controllers_down_to_a_nested_cgroup(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The microvm backend's QEMU cgroup sits two levels down (dsec-<tag>/microvm/<id>): every directory above
+    it must list memory, cpu and pids in its subtree_control, or its limit files do not exist."""
+    _stand_in_cgroupfs(tmp_path, monkeypatch, v2=True)
+    v2_make(tmp_path / "dsec-t" / "microvm" / "sb-1", root=tmp_path)
+    assert (tmp_path / "dsec-t" / "microvm" / "sb-1").is_dir()
+    for d in (tmp_path, tmp_path / "dsec-t", tmp_path / "dsec-t" / "microvm"):
+        assert set((d / "cgroup.subtree_control").read_text().replace("+", "").split()) == {"cpu", "memory", "pids"}, d
+    v2_make(tmp_path / "dsec-t" / "microvm" / "sb-1", root=tmp_path)  # again: nothing to do, no error

@@ -44,7 +44,7 @@ from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
-from dsec.isolation.cgroups import CgroupSet, background_group, cgroup_mode
+from dsec.isolation.cgroups import CgroupSet, background_group, cgroup_mode, v2_make
 from dsec.isolation.idmap import unshifted_view
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Policy, SandboxNetworks, TapNamespace
 from dsec.isolation.procs import start_time
@@ -312,11 +312,12 @@ class MicroVMBackend(Backend):
         limit = mem_mib * MiB + _QEMU_OVERHEAD
         if cgroup_mode() == "v2":
             unified = Path(cg.dirs["unified"])
-            unified.mkdir(parents=True, exist_ok=True)
+            # With the controllers enabled down to it: a bare mkdir under dsec-<tag>/microvm gave a cgroup
+            # without memory.max, and the (then suppressed) writes left QEMU without any limit.
+            v2_make(unified)
             for name, value in (("memory.max", str(limit)), ("cpu.max", f"{vcpus * 100000} 100000"),
                                 ("pids.max", str(_QEMU_PIDS))):
-                with contextlib.suppress(OSError):
-                    (unified / name).write_text(value)
+                (unified / name).write_text(value)
             return cg
         wanted = {"memory": [("memory.limit_in_bytes", str(limit))],
                   "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(vcpus * 100000))],

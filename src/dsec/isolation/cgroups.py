@@ -18,7 +18,7 @@ from pathlib import Path
 from dsec.isolation.procs import read_small
 
 __all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters",
-           "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid"]
+           "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid", "v2_make"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _log = logging.getLogger(__name__)
@@ -423,6 +423,14 @@ def background_group(relpath: str, background: bool, root: Path = _ROOT, *, make
                 (root / name / rel).mkdir(exist_ok=True)
             if "cpu" in name.split(","):
                 _set_cpu_idle(root / name / rel, background)
+
+
+def v2_make(path: Path, root: Path = _ROOT) -> None:
+    """Make the v2 cgroup ``path`` (below ``root``) with memory, cpu and pids enabled for it: each directory
+    above it lists them in ``cgroup.subtree_control``, or the limit files would not exist and a limit written
+    there would never apply (for a caller that writes its own limits, such as the microvm backend's QEMU)."""
+    _v2_enable_parents(root, path.parent)
+    path.mkdir(exist_ok=True)
 
 
 def _set_cpu_idle(group: Path, idle: bool) -> None:
