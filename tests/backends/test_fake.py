@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -77,3 +78,22 @@ async def test_suite_catches_broken_backends(mutant: type[FakeBackend], check_na
     backend = mutant(root=tmp_path / "sandboxes")
     with pytest.raises(AssertionError):
         await check(backend, ImageRef(name="fake", rootfs=tmp_path / "rootfs"))
+
+
+def test_a_fake_removes_the_root_it_made_when_it_goes() -> None:
+    import gc
+
+    fake = FakeBackend()
+    root = fake.root
+    (root / "sandbox").mkdir()
+    del fake
+    gc.collect()
+    assert not root.exists()
+    given = Path(tempfile.mkdtemp(prefix="dsec-given-"))
+    try:
+        fake = FakeBackend(root=given)  # a root the caller gave stays the caller's
+        del fake
+        gc.collect()
+        assert given.is_dir()
+    finally:
+        shutil.rmtree(given)

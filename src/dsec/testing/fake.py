@@ -16,6 +16,7 @@ import signal
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
@@ -49,6 +50,8 @@ class FakeBackend(Backend):
         self.name = name  # type: ignore[misc]  # one fake class stands in for every backend name
         self.root = root or Path(tempfile.mkdtemp(prefix="dsec-fake-"))
         self.root.mkdir(parents=True, exist_ok=True)
+        if root is None:  # a root of its own goes with the fake (collected, or at exit), not with an engine's close:
+            weakref.finalize(self, shutil.rmtree, self.root, True)  # one fake may outlive an engine restart
         self.create_error: BaseException | None = None
         self._groups: dict[str, set[int]] = {}
 
