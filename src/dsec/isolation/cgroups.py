@@ -434,9 +434,10 @@ def v2_make(path: Path, root: Path = _ROOT) -> None:
 
 
 def _set_cpu_idle(group: Path, idle: bool) -> None:
-    """Write ``cpu.idle`` of ``group`` when it differs. Best effort: a kernel older than 5.15 (or a v2 group
-    without the cpu controller) has no such file, and a group removed meanwhile (ENODEV) is made again with
-    its class by the next create; either is logged, not raised, since sandboxes run without the class."""
+    """Write ``cpu.idle`` of ``group`` when it differs. Best effort, since sandboxes run without the class:
+    nothing is done where there is no such file (a kernel older than 5.15, a v2 group without the cpu
+    controller), and a failed write (the group removed meanwhile: ENODEV; the create that makes it again
+    sets the class) is logged, not raised."""
     value = "1" if idle else "0"
     try:
         if read_small(str(group / "cpu.idle"), 16) not in (value.encode() + b"\n", None):
