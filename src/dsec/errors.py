@@ -27,6 +27,7 @@ classes defined here, never an arbitrary import path).
     ├── StoreUnavailable (ConnectionError)  503  the image store cannot be reached
     ├── CacheFull                           507  the node image cache's disk is full of pinned chunks
     └── ConnectionFailed (ConnectionError)       client could not reach the daemon
+        └── DaemonStopping                  503  the daemon is stopping: new and queued creates are refused
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "CallFailed",
     "ConnectionFailed",
     "DSecError",
+    "DaemonStopping",
     "Forbidden",
     "ImageCorrupt",
     "ImageNotFound",
@@ -214,6 +216,15 @@ class ConnectionFailed(DSecError, ConnectionError):
     """The client could not reach the daemon (not running, wrong URL, died mid-call)."""
 
     status_code = 502
+
+
+class DaemonStopping(ConnectionFailed):
+    """The node daemon is stopping (SIGTERM, ``dsec down``): it refused this create, or the create was still
+    queued for admission. Nothing of it was kept (a batch's sandboxes already made were destroyed again);
+    retry once the daemon is back. A :class:`ConnectionFailed`, so code that retries a daemon going away
+    retries this too."""
+
+    status_code = 503
 
 
 def _registry() -> dict[str, type[DSecError]]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -319,3 +320,52 @@ async def test_served_openapi_matches_checked_in_document(client: httpx.AsyncCli
     exec_doc = served["paths"]["/v1/sandboxes/{sandbox_id}/exec"]["post"]["responses"]["200"]
     assert "application/x-ndjson" in exec_doc["content"]
     assert "422" not in json.dumps(served["paths"])
+
+
+async def test_a_call_cut_off_while_the_daemon_stops_is_answered_daemon_stopping(engine: Engine) -> None:
+    """At the server's graceful timeout a running call is cancelled: while the engine drains, the outermost
+    layer answers 503 DaemonStopping instead of the server's bare 500; otherwise, or once an answer has
+    begun, the cancellation goes on to the server untouched."""
+    from dsec.daemon.app import AnswerCutOffCalls
+
+    async def run(inner_starts_answer: bool) -> tuple[asyncio.Task[None], list[dict[str, object]]]:
+        entered = asyncio.Event()
+
+        async def inner(scope: object, receive: object, send: Callable[[dict[str, object]], Awaitable[None]]) -> None:
+            if inner_starts_answer:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            entered.set()
+            await asyncio.Event().wait()  # a long exec
+
+        sent: list[dict[str, object]] = []
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/sandboxes/sb-1/exec/result", "headers": []}
+        task = asyncio.create_task(AnswerCutOffCalls(inner, engine)(scope, receive, send))  # type: ignore[arg-type]
+        await entered.wait()
+        task.cancel()
+        return task, sent
+
+    task, sent = await run(inner_starts_answer=False)  # the daemon is not stopping: the server's business
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sent == []
+
+    engine.drain("the DSec daemon on node n1 is stopping; retry once it is back")
+    task, sent = await run(inner_starts_answer=False)
+    await task  # answered, not raised
+    assert sent[0]["status"] == 503
+    body = json.loads(sent[1]["body"])["error"]  # type: ignore[arg-type]
+    assert body["type"] == "DaemonStopping"
+    assert body["message"] == ("POST /v1/sandboxes/sb-1/exec/result was cut off (a command it was running is "
+                               "killed): the DSec daemon on node n1 is stopping; retry once it is back")
+
+    task, sent = await run(inner_starts_answer=True)  # a stream under way just ends
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [m["type"] for m in sent] == ["http.response.start"]

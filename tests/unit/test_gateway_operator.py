@@ -24,7 +24,7 @@ from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
-from dsec.errors import Forbidden, SandboxNotFound
+from dsec.errors import BackendUnavailable, DaemonStopping, Forbidden, SandboxNotFound
 
 
 class _NoDatabase:
@@ -188,3 +188,15 @@ async def test_gateway_merges_the_nodes_events_and_replays_them(nodes: list[Daem
     while any(n.engine.events.statistics()["subscribers"] for n in nodes):
         assert time.monotonic() < deadline, "the nodes still stream to a closed gateway"
         await asyncio.sleep(0.05)
+
+
+def test_a_stopping_node_reads_as_a_node_that_is_stopping_not_a_gateway_going_away() -> None:
+    """A node's DaemonStopping (a ConnectionFailed) reaches the gateway's client as BackendUnavailable naming
+    the node: passed on as it is, it would read as the gateway itself stopping."""
+    g = GatewayEngine(_NoDatabase(), _NoDatabase())  # type: ignore[arg-type]
+    with pytest.raises(BackendUnavailable, match=r"node n1 is stopping \(create refused: the DSec daemon on node "
+                                                 r"n1 is stopping; retry once it is back\)") as err, g._reaching("n1"):
+        raise DaemonStopping("create refused: the DSec daemon on node n1 is stopping; retry once it is back")
+    assert err.value.detail == {"node": "n1"}
+    with pytest.raises(BackendUnavailable, match="node n1 does not answer"), g._reaching("n1"):
+        raise dsec.ConnectionFailed("connection refused")

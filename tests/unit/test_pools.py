@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL, REFILL_DELAY
-from dsec.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxNotFound
+from dsec.errors import BackendUnavailable, DaemonStopping, InvalidRequest, QuotaExceeded, SandboxNotFound
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxRecord, SandboxSpec
 from dsec.testing.fake import FakeBackend
 
@@ -406,6 +407,101 @@ async def test_admission_timeout_names_the_shortage(engine: Engine) -> None:
         await engine.create(SandboxSpec(image="base"))
     assert await engine.list() == [] and record_files(engine) == []
     assert engine.admission.statistics().running == 0
+
+
+async def test_stopping_fails_the_queue_at_once_and_rolls_back_the_batch(engine: Engine) -> None:
+    """drain(): the queued creates of a batch fail with DaemonStopping without a backend call, the admitted
+    ones finish, the batch answers at once and its sandboxes are torn down in the background (the engine's
+    close waits for them); every later create, batch or claim is refused."""
+    engine.admission = Admission(3, shortage=lambda: None)
+    fake = fake_of(engine)
+    original_create, original_destroy = fake.create, fake.destroy
+    calls = {"create": 0, "destroy": 0}
+
+    async def slow_create(record, image):  # type: ignore[no-untyped-def]
+        calls["create"] += 1
+        await asyncio.sleep(0.02)
+        await original_create(record, image)
+
+    async def counted_destroy(record):  # type: ignore[no-untyped-def]
+        calls["destroy"] += 1
+        await original_destroy(record)
+
+    fake.create = slow_create  # type: ignore[method-assign]
+    fake.destroy = counted_destroy  # type: ignore[method-assign]
+    batch = asyncio.create_task(engine.create_many(BatchCreateRequest(count=60, spec=SandboxSpec(image="base"))))
+    assert await await_until(lambda: engine.admission.statistics().admitted >= 7, timeout=20)
+    engine.drain("the test stops the daemon")
+    with pytest.raises(DaemonStopping, match=r"create_many\(60\) refused: the test stops the daemon; the (\d+) "
+                                             "sandboxes it had made are destroyed again") as err:
+        await asyncio.wait_for(batch, 10)
+    found = re.search(r"the (\d+) sandboxes", str(err.value))
+    assert found is not None
+    made = int(found.group(1))
+    admitted = engine.admission.statistics().admitted
+    assert made >= 6 and calls["create"] == admitted < 60  # the refused ones never reached the backend
+    assert await engine.list() == []  # gone for the API at once
+    await engine.wait_teardowns()
+    assert calls["destroy"] == made and record_files(engine) == [] and list(fake.root.iterdir()) == []
+    stats = engine.admission.statistics()
+    assert stats.running == 0 and stats.waiting == 0 and not engine.admission._sem.locked()  # no slot kept
+    assert engine.stopping == "the test stops the daemon"
+    for refused in (engine.create(SandboxSpec(image="base")),
+                    engine.create_many(BatchCreateRequest(count=2, spec=SandboxSpec(image="base")))):
+        with pytest.raises(DaemonStopping, match="create refused: the test stops the daemon"):
+            await refused
+    assert calls["create"] == admitted
+
+
+async def test_closed_admission_gives_every_slot_back() -> None:
+    """Waiters fail with DaemonStopping; a slot granted in the same step as the close, and the slot of a
+    waiter cancelled from outside, go back to the semaphore; the admitted create runs to its end."""
+    adm = Admission(1, shortage=lambda: None)
+    holder_in, holder_out = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with adm.admit():
+            holder_in.set()
+            await holder_out.wait()
+
+    async def wait_in_queue() -> float:
+        async with adm.admit() as waited:
+            return waited
+
+    holder = asyncio.create_task(hold())
+    await holder_in.wait()
+    waiters = [asyncio.create_task(wait_in_queue()) for _ in range(4)]
+    cancelled = asyncio.create_task(wait_in_queue())
+    assert await await_until(lambda: adm.statistics().waiting == 5, timeout=5)
+    cancelled.cancel()
+    holder_out.set()
+    await holder  # its release hands the slot to the first waiter, which has not run yet...
+    adm.close("the daemon is stopping")  # ...when the close comes
+    for task in waiters:
+        with pytest.raises(DaemonStopping, match="create refused: the daemon is stopping"):
+            await task
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    stats = adm.statistics()
+    assert stats.running == 0 and stats.waiting == 0 and stats.admitted == 1
+    assert not adm._sem.locked()
+    with pytest.raises(DaemonStopping):
+        async with adm.admit():
+            pass
+
+
+async def test_stopping_refuses_pool_refills_without_counting_failures(engine: Engine) -> None:
+    short = {"now": "memory: pretend the node is full"}
+    engine.admission = Admission(4, poll=0.01, shortage=lambda: short["now"])
+    engine.pools.declare(POOL)  # min 2: two fills queue for admission
+    assert await await_until(lambda: engine.admission.statistics().waiting == 2, timeout=20)
+    engine.drain("the test stops the daemon")
+    assert await await_until(lambda: engine.admission.statistics().waiting == 0, timeout=20)
+    engine.pools._wake.set()  # a pass now starts nothing
+    await asyncio.sleep(0.05)
+    [stats] = engine.statistics().pools
+    assert (stats.ready, stats.filling, stats.created, stats.failures, stats.last_error) == (0, 0, 0, 0, None)
+    assert engine.admission.statistics().waiting == 0 and record_files(engine) == []
 
 
 def test_pid_limits_are_read_again_after_their_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

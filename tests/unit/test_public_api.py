@@ -11,7 +11,7 @@ EXPECTED = {
     "SandboxStats", "SandboxSpec", "DSecError", "SandboxNotFound", "SandboxTimeout", "ImageNotFound",
     "QuotaExceeded", "SandboxLost", "BackendUnavailable", "ReplayDivergence", "InvalidRequest", "NotSupported",
     "SandboxStateError", "SandboxError", "ConnectionFailed", "Unauthorized", "NotFound", "__version__",
-    "RemoteError", "CallFailed",
+    "RemoteError", "CallFailed", "DaemonStopping",
     "ImageCorrupt", "StoreUnavailable", "CacheFull",
     "PoolConfig", "NodeStatistics",
     "Forbidden", "RateLimited",
@@ -40,6 +40,6 @@ def test_nothing_private_leaks() -> None:
 def test_errors_share_one_root_and_version_is_a_string() -> None:
     objects = [getattr(dsec, n) for n in dsec.__all__]
     errors = [o for o in objects if isinstance(o, type) and issubclass(o, Exception)]
-    assert len(errors) == 22
+    assert len(errors) == 23
     assert all(issubclass(e, dsec.DSecError) for e in errors)
     assert isinstance(dsec.__version__, str) and dsec.__version__.count(".") == 2

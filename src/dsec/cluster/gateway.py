@@ -35,6 +35,7 @@ from dsec.daemon.events import EventBus
 from dsec.errors import (
     BackendUnavailable,
     ConnectionFailed,
+    DaemonStopping,
     DSecError,
     Forbidden,
     NotSupported,
@@ -348,6 +349,9 @@ class GatewayEngine:
     def _reaching(self, node: str) -> Iterator[None]:
         try:
             yield
+        except DaemonStopping as exc:  # a ConnectionFailed too: the same reason to translate it
+            raise BackendUnavailable(f"node {node} is stopping ({exc.message}); its sandboxes stay, and it takes "
+                                     "calls again once it is back", node=node) from exc
         except ConnectionFailed as exc:
             # Not the client's ConnectionFailed (that would read as "the gateway is down").
             raise BackendUnavailable(

@@ -4,7 +4,8 @@ Owns the create slots, the host-resource checks done before a create starts and 
 accounting. A burst of creates (``create_many(1000)``) waits here, in arrival order, until a slot is
 free and the host has headroom, and each create learns how long it waited. It never creates or
 destroys anything itself and never fails a create for being queued, except past ``timeout``, with an
-error naming what was short.
+error naming what was short, or when the daemon stops (:meth:`Admission.close`): the queue is then failed at
+once instead of making the shutdown wait for it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
-from dsec.errors import QuotaExceeded
+from dsec.errors import DaemonStopping, QuotaExceeded
 from dsec.isolation.procs import meminfo
 from dsec.models import AdmissionStatistics
 
@@ -89,6 +91,50 @@ class Admission:
         self._queued = 0
         self._queue_seconds = 0.0
         self._last_shortage: str | None = None
+        self._closed: str | None = None
+        self._closing = asyncio.Event()
+
+    def close(self, reason: str) -> None:
+        """Admit nothing more: every queued create and every later one raises :class:`DaemonStopping` with
+        ``reason``. Creates already admitted run to their end."""
+        if self._closed is None:
+            self._closed = reason
+            self._closing.set()
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed is not None:
+            raise DaemonStopping(f"create refused: {self._closed}")
+
+    async def _acquire(self, deadline: float) -> None:
+        """Take a slot: at once when one is free, else wait until one is, ``deadline`` passes (QuotaExceeded)
+        or the admission is closed (DaemonStopping)."""
+        if not self._sem.locked():
+            await self._sem.acquire()  # a free slot: returns without waiting
+            return
+        slot = asyncio.ensure_future(self._sem.acquire())
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((slot, closing), timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            closing.cancel()
+            self._give_back(slot)
+            raise
+        closing.cancel()
+        if slot.done() and not slot.cancelled() and self._closed is None:
+            return
+        self._give_back(slot)  # the daemon began stopping, or the deadline passed, maybe just as a slot came
+        self._refuse_if_closed()
+        raise QuotaExceeded(f"create not admitted within {self.timeout:g} s: all {self.slots} create slots "
+                            "stayed busy")
+
+    def _give_back(self, slot: asyncio.Future[Any]) -> None:
+        """Undo a slot wait: a slot granted is released; a wait still pending is cancelled (the semaphore
+        passes a slot it grants at that moment on to the next waiter)."""
+        if not slot.done():
+            slot.cancel()
+        elif not slot.cancelled() and slot.exception() is None:
+            self._sem.release()
 
     def statistics(self) -> AdmissionStatistics:
         """Slots, running and waiting creates, totals and the current shortage."""
@@ -102,16 +148,14 @@ class Admission:
         after ``timeout`` seconds, naming what was short."""
         started = time.monotonic()
         deadline = started + self.timeout
+        self._refuse_if_closed()
         self._waiting += 1
         try:
-            try:
-                await asyncio.wait_for(self._sem.acquire(), self.timeout)
-            except TimeoutError:
-                raise QuotaExceeded(f"create not admitted within {self.timeout:g} s: all {self.slots} create "
-                                    "slots stayed busy") from None
+            await self._acquire(deadline)
             try:
                 while (short := self._shortage()) is not None:  # two small /proc reads: no thread hop
                     self._last_shortage = short
+                    self._refuse_if_closed()
                     if time.monotonic() >= deadline:
                         raise QuotaExceeded(f"create not admitted within {self.timeout:g} s: the node is short "
                                             f"of {short}")

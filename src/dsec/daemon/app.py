@@ -25,7 +25,7 @@ from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import AuthGuard, TokenFile
 from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
 from dsec.daemon.metrics import CONTENT_TYPE
-from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.errors import DaemonStopping, DSecError, InvalidRequest, SandboxError
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
@@ -60,7 +60,7 @@ from dsec.models import (
 if TYPE_CHECKING:
     from dsec.cluster.gateway import GatewayEngine
 
-__all__ = ["create_app"]
+__all__ = ["AnswerCutOffCalls", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "InvalidRequest"), (401, "Unauthorized"), (403, "Forbidden"), (404, "SandboxNotFound / ImageNotFound"),
         (408, "SandboxTimeout"), (409, "SandboxStateError / ReplayDivergence"), (429, "RateLimited / QuotaExceeded"),
         (501, "NotSupported"),
-        (503, "BackendUnavailable"),
+        (503, "BackendUnavailable / DaemonStopping / StoreUnavailable"),
     ]
 }
 
@@ -294,6 +294,42 @@ async def _body(request: Request, limit: int) -> bytes:
         if len(data) > limit:
             raise InvalidRequest(f"file body is over the {limit}-byte limit")
     return bytes(data)
+
+
+class AnswerCutOffCalls:
+    """The outermost layer of a stopping node: a call still running when the server's graceful shutdown
+    timeout cancels it (an exec of a long command, a create that was already admitted) is answered
+    :class:`DaemonStopping` (503, naming the node) instead of the server's bare HTTP 500. A command such a
+    call ran was killed with it, as when a client hangs up. A stream already under way just ends (the SDK
+    then raises ConnectionFailed: no exit event); a call cancelled while the daemon is not stopping is left
+    to the server."""
+
+    def __init__(self, app: ASGIApp, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            stopping = self.engine.stopping
+            if started or stopping is None:
+                raise
+            err = DaemonStopping(f"{scope['method']} {scope['path']} was cut off (a command it was running is "
+                                 f"killed): {stopping}")
+            await _error_response(err)(scope, receive, send)
+            # The task ends here: the server cancelled it at shutdown and waits for nothing of it.
 
 
 class _NodeAPI(FastAPI):

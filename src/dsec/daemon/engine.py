@@ -35,6 +35,7 @@ from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
 from dsec.errors import (
     BackendUnavailable,
+    DaemonStopping,
     DSecError,
     ImageNotFound,
     InvalidRequest,
@@ -211,6 +212,7 @@ class Engine:
         self._tombstones: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()  # state, message, job
         self._tombstone_limit = tombstone_limit
         self._reaper: asyncio.Task[None] | None = None
+        self._stopping: str | None = None  # why creates are refused (drain)
         self.snapshots = _snapshot_store(settings, images)
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
@@ -338,6 +340,27 @@ class Engine:
             return
         self._store.delete(record.id)
         log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
+
+    def drain(self, reason: str) -> None:
+        """The daemon is stopping (``reason`` says why): refuse new creates and fail the queued ones with
+        :class:`DaemonStopping` at once (a batch then destroys what it had made), and stop refilling the pools.
+        Creates already admitted, execs and destroys run on; the sandboxes stay for the next daemon. Without
+        it a batch still queued held the shutdown for the server's graceful timeout and its caller got an HTTP
+        500 when the server gave up."""
+        if self._stopping is None:
+            self._stopping = reason
+            log.info("draining: %s; new and queued creates are refused", reason)
+            self.admission.close(reason)
+            self.pools.drain()
+
+    @property
+    def stopping(self) -> str | None:
+        """Why the engine refuses creates (see :meth:`drain`), or None while it serves."""
+        return self._stopping
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping is not None:
+            raise DaemonStopping(f"create refused: {self._stopping}")
 
     async def aclose(self) -> None:
         """Drain the warm pools, stop the reaper and the backends. Sandboxes stay alive for the next daemon
@@ -467,6 +490,7 @@ class Engine:
         """Create one sandbox and return it running; with ``spec.trajectory``, open that trajectory."""
         if POOL_LABEL in spec.labels:
             raise InvalidRequest(f"label {POOL_LABEL!r} is reserved for warm-pool sandboxes")
+        self._refuse_if_stopping()
         if spec.trajectory is not None:
             return await self.rollouts.open(spec)
         if spec.snapshot is None and self._poolable(spec):
@@ -549,6 +573,7 @@ class Engine:
 
         ``visible``: a client sandbox (listed, counted live) rather than a pool member.
         """
+        self._refuse_if_stopping()
         name = spec.backend
         layers: builtins.list[str] = []
         revealed: builtins.list[str] = []
@@ -598,8 +623,10 @@ class Engine:
         self._image_refs[record.id] = image
         self._layer_roots[record.id] = roots
         queued = 0.0
+        admitted = False
         try:
             async with self.admission.admit() as queued:
+                admitted = True
                 self.metrics.admission_seconds.labels(name).observe(queued)
                 started = time.monotonic()
                 if snapshot is not None:
@@ -611,8 +638,8 @@ class Engine:
                 else:
                     await backend.create(record, image)
         except BaseException as exc:
-            await self._undo_create(backend, record)
-            cause = self._explain_image(image)
+            await self._undo_create(backend, record, started=admitted)
+            cause = self._explain_image(image) if admitted else None
             if cause is not None and not isinstance(exc, asyncio.CancelledError):
                 self.metrics.failed.labels(name, type(cause).__name__).inc()
                 if visible:
@@ -638,8 +665,15 @@ class Engine:
         self.events.publish("created", self._info(record), seconds=round(time.monotonic() - started, 6))
         return record, queued
 
-    async def _undo_create(self, backend: Backend, record: SandboxRecord) -> None:
+    async def _undo_create(self, backend: Backend, record: SandboxRecord, *, started: bool) -> None:
+        """Forget a create that failed; ``started``: the backend was called, so it may have made something.
+        A create that never left the admission queue (timed out, or refused by the daemon stopping) costs no
+        backend call: a stopping daemon fails a queue of thousands at once."""
         self._records.pop(record.id, None)
+        if not started:
+            self._release_image(record.id)
+            self._store.delete(record.id)
+            return
         try:
             await backend.destroy(record)
         except BaseException:
@@ -669,6 +703,7 @@ class Engine:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
         if request.spec.trajectory is not None:
             raise InvalidRequest("a trajectory binds one sandbox: create trajectory sandboxes one at a time")
+        self._refuse_if_stopping()
         # No batch-level limit: admission queues every create (slots, memory, pids) in arrival order.
         tasks = [asyncio.create_task(self.create(request.spec)) for _ in range(request.count)]
         try:
@@ -682,10 +717,26 @@ class Engine:
             raise
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        if not errors:
+            return made
+        if self._stopping is None:
             await self._destroy_quietly(made)
             raise errors[0]
-        return made
+        # The daemon is stopping: answer before the server's graceful timeout cuts the call off (an HTTP
+        # 500 then, and the rollback cancelled half-way); the made sandboxes go in the background, and the
+        # engine's close waits for them.
+        self._retire_quietly(made)
+        stopped = next((e for e in errors if isinstance(e, DaemonStopping)), None)
+        if stopped is None:
+            raise errors[0]
+        undone = f"; the {len(made)} sandboxes it had made are destroyed again" if made else ""
+        raise DaemonStopping(f"create_many({request.count}) refused: {self._stopping}{undone}") from stopped
+
+    def _retire_quietly(self, infos: builtins.list[SandboxInfo]) -> None:
+        for info in infos:
+            record = self._records.get(info.id)
+            if record is not None and record.state == "running" and info.id not in self._destroying:
+                self._retire(record)
 
     async def _destroy_quietly(self, infos: builtins.list[SandboxInfo]) -> None:
         results = await asyncio.gather(*(self.destroy(i.id) for i in infos), return_exceptions=True)
@@ -739,7 +790,8 @@ class Engine:
                 task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
 
     def _retire(self, record: SandboxRecord) -> None:
-        """Destroy a pooled sandbox as the client sees it now, and tear it down in the background.
+        """Destroy a pooled sandbox (or one of a batch failed by the daemon stopping) as the client sees it
+        now, and tear it down in the background (:meth:`aclose` waits for it).
 
         From here on the id is gone (lookups answer "destroyed") and no call reaches the sandbox. Its
         record is saved as ``stopped`` first: a daemon restarted before the teardown ends destroys it
@@ -769,6 +821,8 @@ class Engine:
         self._release_image(record.id)
         self._store.delete(record.id)
         log.debug("sandbox %s torn down", record.id)
+        if record.spec.snapshot is not None:
+            await asyncio.to_thread(self._drop_ephemeral, record.spec.snapshot)
 
     async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
         backend = self._backend(record.spec.backend)
@@ -1042,6 +1096,7 @@ class Engine:
         parent's trajectory, not logged); the snapshot's record goes when the last of them is destroyed.
         """
         record = self._live(sandbox_id, allow_paused=True)
+        self._refuse_if_stopping()
         snap_id = await self.take_snapshot(record, ephemeral=True)
         spec = record.spec.model_copy(update={"trajectory": None, "snapshot": None})
         results = await asyncio.gather(*(self._create(spec, snap_id) for _ in range(count)), return_exceptions=True)

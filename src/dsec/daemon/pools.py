@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dsec.daemon.metrics import Metrics
+from dsec.errors import DaemonStopping
 from dsec.models import PoolConfig, PoolStatistics, SandboxRecord, SandboxSpec
 
 __all__ = ["DEMAND_WINDOW", "POOL_LABEL", "REFILL_DELAY", "PoolHost", "Pools", "pool_key"]
@@ -32,9 +33,9 @@ POOL_LABEL = "dsec.pool"
 DEMAND_WINDOW = 30.0
 """Seconds of claims (hits and misses) a pool's target follows."""
 _FILL_PARALLELISM = 8
+"""Members one pool creates at once: a refill must not crowd out the creates of users."""
 FILL_CLOSE_WAIT = 30.0
 """Seconds a closing engine waits for pool creates in flight before it cancels them."""
-"""Members one pool creates at once: a refill must not crowd out the creates of users."""
 REFILL_DELAY = 0.05
 """Seconds a pool with more than half its target ready waits after a claim before refilling: a refill
 (runtime processes, mounts) started at once competes for the CPU with the claim's own answer and with
@@ -123,6 +124,7 @@ class Pools:
         self._pools: dict[str, _Pool] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._draining = False
         self.passes = 0
         """Refill passes the background task has made (an idle node makes none)."""
 
@@ -171,6 +173,10 @@ class Pools:
         """Start the refill task."""
         if self._task is None:
             self._task = asyncio.create_task(self._refill_forever(), name="dsec-pools")
+
+    def drain(self) -> None:
+        """Start no more refills: the daemon is stopping (the engine refuses creates, claims included)."""
+        self._draining = True
 
     async def aclose(self) -> int:
         """Stop refilling and destroy every unclaimed member (a pool does not outlive its daemon)."""
@@ -246,6 +252,8 @@ class Pools:
 
     async def refill(self) -> None:
         """One pass: start creates where a pool is short, destroy members above the target."""
+        if self._draining:
+            return
         now = time.monotonic()
         for pool in list(self._pools.values()):
             target = pool.target(now)
@@ -280,6 +288,8 @@ class Pools:
             record = await self._host.create_member(pool.member_spec())
         except asyncio.CancelledError:
             raise
+        except DaemonStopping:
+            return  # refused by the daemon stopping: not a failure of the pool's image or shape
         except Exception as exc:
             pool.failures += 1
             pool.consecutive_failures += 1

@@ -30,7 +30,7 @@ import httpx
 import uvicorn
 
 from dsec.config import Settings
-from dsec.daemon.app import create_app
+from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 
@@ -131,15 +131,19 @@ class Daemon:
         self._servers: list[_Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._serving: Engine | None = None
 
     def stop(self) -> None:
-        """Ask every listener to finish (callable from any thread or a signal handler)."""
+        """Ask every listener to finish (callable from any thread or a signal handler); the engine refuses
+        new and queued creates from now on, so a batch still queued does not hold the shutdown."""
         self._stopping = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._stop_servers)
 
     def _stop_servers(self) -> None:
+        if self._serving is not None:
+            self._serving.drain(f"the DSec daemon on node {self.settings.node} is stopping; retry once it is back")
         for server in self._servers:
             server.should_exit = True
 
@@ -181,7 +185,7 @@ class Daemon:
             if self.tcp is not None:
                 sockets.append(_bind_tcp(*self.tcp))
                 self.tcp_address = sockets[-1].getsockname()[:2]
-            engine = self.engine or Engine.from_settings(s)
+            engine = self._serving = self.engine or Engine.from_settings(s)
             self._loop = asyncio.get_running_loop()
             await engine.start()
             try:
@@ -202,7 +206,7 @@ class Daemon:
             # X-Forwarded-For means nothing on the unix socket (apps[0]); uvicorn's layer for it costs a frame
             # per request.
             config = uvicorn.Config(
-                app, loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
+                AnswerCutOffCalls(app, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
                 timeout_graceful_shutdown=5, proxy_headers=app is not apps[0],
             )
             self._servers.append(_Server(config))

@@ -2,7 +2,8 @@
 
 A killed daemon must leave its sandboxes running; the next daemon on the same home re-adopts the live
 ones, cleans up the dead and the half-created ones, and nothing of any of them leaks on the host
-(mounts, cgroups, runc state, bundles, processes).
+(mounts, cgroups, runc state, bundles, processes). A daemon stopped with SIGTERM while calls are in flight
+answers them with DaemonStopping and keeps nothing of a batch it could not finish.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class DaemonProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
+
+    def terminate(self) -> None:
+        """SIGTERM (what ``dsec down`` sends), without waiting."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -244,3 +250,61 @@ async def test_sigkill_during_create_many(daemon: DaemonProcess) -> None:
         await destroy_all(client)
     daemon.stop()
     assert_nothing_left(daemon)
+
+
+async def test_sigterm_during_create_many_answers_daemon_stopping(daemon: DaemonProcess) -> None:
+    """The queued creates of a batch are failed at once and what it made is destroyed: the call gets
+    DaemonStopping naming the node, not the HTTP 500 the server's graceful timeout produced before, and the
+    next daemon finds nothing of the batch."""
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        task = asyncio.create_task(dsec.AsyncSandbox.create_many(400, image="debian-python", client=client))
+        # stop once some are made and most still queue (32 create slots)
+        made = await await_until(lambda: sum(r.state == "running" for r in daemon.records().values()) >= 3
+                                 or task.done(), timeout=120, interval=0.01)
+        assert made and not task.done(), "the batch ended before the daemon was stopped"
+        daemon.terminate()
+        with pytest.raises(dsec.DaemonStopping, match=r"create_many\(400\) refused: the DSec daemon on node .* is "
+                                                      r"stopping; .* the \d+ sandboxes it had made are destroyed"):
+            await task
+    assert daemon.proc is not None and daemon.proc.wait(60) == 0
+    log = daemon.log.read_text()
+    assert "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert daemon.records() == {}, "the batch's sandboxes outlived the daemon that rolled it back"
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        assert await dsec.AsyncSandbox.list(client=client) == []
+    daemon.stop()
+    assert_nothing_left(daemon)
+
+
+async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonProcess) -> None:
+    """An exec still running at the end of the server's graceful timeout is answered DaemonStopping (it was
+    a bare HTTP 500) and its command is killed; the sandbox stays for the next daemon."""
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        sb = await dsec.AsyncSandbox.create(image="debian-python", client=client)
+        call = asyncio.create_task(sb.exec("touch /tmp/running; exec sleep 300", timeout=600))
+        running = await await_until(lambda: call.done() or _exists(daemon, sb.id, "/tmp/running"), timeout=60)
+        assert running and not call.done(), call
+        daemon.terminate()
+        with pytest.raises(dsec.DaemonStopping, match=r"exec/result was cut off \(a command it was running is "
+                                                      r"killed\): the DSec daemon on node .* is stopping"):
+            await call
+    assert daemon.proc is not None and daemon.proc.wait(60) == 0
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        again = await dsec.AsyncSandbox.connect(sb.id, client=client)
+        r = await again.exec("for c in /proc/[0-9]*/comm; do cat $c; done")
+        assert r.exit_code == 0 and "sleep" not in r.stdout.decode().split(), r
+        await destroy_all(client)
+    daemon.stop()
+    assert_nothing_left(daemon)
+
+
+def _exists(daemon: DaemonProcess, sandbox_id: str, path: str) -> bool:
+    """Whether ``path`` exists in the sandbox, seen from the host through its init's root."""
+    pid = daemon.records()[sandbox_id].backend_state["init_pid"]
+    return Path(f"/proc/{pid}/root{path}").exists()
