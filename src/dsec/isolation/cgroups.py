@@ -83,20 +83,6 @@ def _write(path: Path, value: str) -> None:
         f.write(value)
 
 
-def _write_if_present(path: Path, value: str) -> bool:
-    """Write a control file that a kernel may not have (``cpu.idle``): False when it is not there. Never
-    creates it: an open for creation in cgroupfs fails with EACCES, which would read as a real error."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-    return True
-
-
 def _v1_hierarchies(root: Path) -> list[str]:
     """Every hierarchy mounted below ``root`` on a v1/hybrid host (controllers, ``systemd``, ``unified``):
     runc joins all of them, so cleanup must visit all of them. Symlinked aliases are skipped."""
@@ -196,20 +182,18 @@ class CgroupSet:
             made = cls(mode=mode, dirs={name: str(root / name / rel) for name in _v1_hierarchies(root)
                                         if V1_JOINED.intersection(name.split(","))})
         try:
+            made_parent = False
             for name, d in made.dirs.items():
                 path = Path(d)
                 for attempt in range(3):
                     if mode == "v2":
-                        new_parent = _v2_enable_parents(root, path.parent)
+                        made_parent |= _v2_enable_parents(root, path.parent)
                     else:
                         try:
                             path.parent.mkdir(parents=True)
-                            new_parent = True
+                            made_parent = True
                         except FileExistsError:
-                            new_parent = False
-                    if new_parent and background is not None and (mode == "v2" or "cpu" in name.split(",")):
-                        top = rel.split("/", 1)[0]
-                        _set_cpu_idle(root / top if mode == "v2" else root / name / top, background)
+                            pass
                     try:
                         path.mkdir()
                         break
@@ -218,6 +202,8 @@ class CgroupSet:
                         if attempt == 2:
                             raise
                 made._limit(name, path, limits)
+            if made_parent and background is not None and "/" in rel:  # before anything runs in the new group
+                background_group(rel.split("/", 1)[0], background, root, make=False)
         except BaseException:
             made.remove()
             raise
@@ -441,7 +427,7 @@ def _set_cpu_idle(group: Path, idle: bool) -> None:
     value = "1" if idle else "0"
     try:
         if read_small(str(group / "cpu.idle"), 16) not in (value.encode() + b"\n", None):
-            _write_if_present(group / "cpu.idle", value)
+            _write(group / "cpu.idle", value)
     except OSError as exc:
         _log.warning("could not set cpu.idle of %s to %s: %s", group, value, exc)
 
