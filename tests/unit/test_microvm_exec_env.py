@@ -46,3 +46,19 @@ async def test_upkeep_commands_ignore_the_sandboxs_environment_user_and_workdir(
     assert env["PATH"] == "/workspace/bin:/usr/bin" and env["LD_PRELOAD"] == "/workspace/evil.so"
     assert env["LD_LIBRARY_PATH"] == "/workspace/lib"
     assert (cwd, ids, kw["system"]) == ("/workspace", [1000, 1000], False)
+
+
+async def test_a_vm_directory_removed_after_close_takes_the_empty_run_directory_with_it(tmp_path: Path) -> None:
+    """A template boot or destroy that finishes after the backend closed removes the run directory its
+    close had to leave (one VM was still in it); while the backend runs, the directory stays."""
+    backend = MicroVMBackend(Settings(home=tmp_path / "home"), guest_dir=tmp_path / "guest")
+    backend.run_root = tmp_path / "run" / "dsec-vm" / "tag"
+    for sandbox_id in ("sb-a", "tpl-b"):
+        (backend.run_root / sandbox_id).mkdir(parents=True)
+    backend._started = True  # what start() leaves (it needs QEMU and a guest kernel)
+    await backend._destroy_id("sb-a", {})
+    assert sorted(p.name for p in backend.run_root.iterdir()) == ["tpl-b"]
+    await backend.aclose()  # the template is still booting: the close leaves its directory
+    assert (backend.run_root / "tpl-b").is_dir()
+    await backend._destroy_id("tpl-b", {})  # the boot's own cleanup, after the close
+    assert not (tmp_path / "run" / "dsec-vm").exists() and (tmp_path / "run").is_dir()

@@ -205,6 +205,14 @@ class MicroVMBackend(Backend):
             return str(e)
         return "ok"
 
+    def _remove_run_root(self) -> None:
+        """Remove the run directory (and ``/run/dsec-vm``) when no VM is left in it. Also tried when a VM's
+        directory goes after :meth:`aclose` (a template boot or a destroy still finishing then), or the empty
+        directory would stay until the next daemon on this home stopped."""
+        with contextlib.suppress(OSError):
+            self.run_root.rmdir()
+            self.run_root.parent.rmdir()
+
     async def start(self) -> None:
         reason = self.available()
         if reason != "ok":
@@ -229,9 +237,8 @@ class MicroVMBackend(Backend):
             if vm.client is not None:
                 await vm.client.aclose()
         self._vms.clear()
-        with contextlib.suppress(OSError):
-            self.run_root.rmdir()
-            self.run_root.parent.rmdir()
+        self._started = False
+        self._remove_run_root()
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             with contextlib.suppress(OSError):
                 os.rmdir(d)
@@ -1034,6 +1041,8 @@ class MicroVMBackend(Backend):
             await asyncio.to_thread(shutil.rmtree, rundir, True)
             await asyncio.to_thread(shutil.rmtree, self.root / "hibernated" / sandbox_id, True)
             await asyncio.to_thread(shutil.rmtree, self.sandbox_files / sandbox_id, True)
+            if not self._started:  # closed meanwhile: its close could not remove the run directory
+                self._remove_run_root()
 
     async def recover(self, record: SandboxRecord) -> bool:
         if record.backend_state.get("hibernated"):
