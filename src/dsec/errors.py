@@ -27,7 +27,7 @@ classes defined here, never an arbitrary import path).
     ├── StoreUnavailable (ConnectionError)  503  the image store cannot be reached
     ├── CacheFull                           507  the node image cache's disk is full of pinned chunks
     └── ConnectionFailed (ConnectionError)       client could not reach the daemon
-        └── DaemonStopping                  503  the daemon is stopping: new and queued creates are refused
+        └── DaemonStopping                  503  the daemon is stopping: creates refused, long calls cut off
 """
 
 from __future__ import annotations
@@ -219,10 +219,11 @@ class ConnectionFailed(DSecError, ConnectionError):
 
 
 class DaemonStopping(ConnectionFailed):
-    """The node daemon is stopping (SIGTERM, ``dsec down``): it refused this create, or the create was still
-    queued for admission. Nothing of it was kept (a batch's sandboxes already made were destroyed again);
-    retry once the daemon is back. A :class:`ConnectionFailed`, so code that retries a daemon going away
-    retries this too."""
+    """The node daemon is stopping (SIGTERM, ``dsec down``). Either it refused a create (new, or still queued
+    for admission; a batch's or fork's sandboxes already made are destroyed again, nothing of it is kept), or
+    a call still running at the end of the shutdown's grace period was cut off (an exec's command is killed).
+    Retry once the daemon is back; its running sandboxes stay. A :class:`ConnectionFailed`, so code that
+    retries a daemon going away retries this too."""
 
     status_code = 503
 

@@ -362,7 +362,7 @@ async def test_a_call_cut_off_while_the_daemon_stops_is_answered_daemon_stopping
     assert sent[0]["status"] == 503
     body = json.loads(sent[1]["body"])["error"]  # type: ignore[arg-type]
     assert body["type"] == "DaemonStopping"
-    assert body["message"] == ("POST /v1/sandboxes/sb-1/exec/result was cut off (a command it was running is "
+    assert body["message"] == ("POST /v1/sandboxes/sb-1/exec/result was cut off (the command it was running is "
                                "killed): the DSec daemon on node n1 is stopping; retry once it is back")
 
     task, sent = await run(inner_starts_answer=True)  # a stream under way just ends

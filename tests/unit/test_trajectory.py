@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from test_engine import started
 
+from container_support import await_until
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
-from dsec.errors import InvalidRequest, NotFound, ReplayDivergence, SandboxTimeout
+from dsec.errors import DaemonStopping, InvalidRequest, NotFound, ReplayDivergence, SandboxTimeout
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 from dsec.trajectory.replay import Trajectories
@@ -181,6 +182,47 @@ async def test_lost_sandbox_restores_checkpoint_and_reports_missing_effects(engi
     assert rebuilt.trajectory.missing_effects == []
     assert ran(engine, rebuilt.id) == 2
     assert await engine.read_file(rebuilt.id, "/workspace/late.txt", seq=4) == b"late"
+
+
+async def test_a_fork_the_daemon_stops_under_is_refused_and_keeps_nothing(engine: Engine) -> None:
+    """A fork with a copy still queued when the daemon begins stopping answers DaemonStopping; the copies it
+    had made are retired, and the fork's snapshot goes with the last of them."""
+    from dsec.daemon.admission import Admission
+
+    info = await engine.create(SandboxSpec(image="base"))
+    engine.admission = Admission(1, shortage=lambda: None)
+    fake = engine._backends["container"]
+    assert isinstance(fake, FakeBackend)
+    original, gate, restores = fake.restore, asyncio.Event(), []
+
+    async def gated(record, image, layers):  # type: ignore[no-untyped-def]
+        restores.append(record.id)
+        if len(restores) == 2:  # the second copy holds the one create slot; the third queues behind it
+            await gate.wait()
+        await original(record, image, layers)
+
+    fake.restore = gated  # type: ignore[method-assign]
+    fork = asyncio.create_task(engine.fork(info.id, 3))
+    assert await await_until(lambda: len(restores) == 2 and engine.admission.statistics().waiting == 1)
+    engine.drain("the test stops the daemon")
+    gate.set()
+    with pytest.raises(DaemonStopping, match=rf"fork of {info.id} x3 refused: the test stops the daemon; the 2 "
+                                             "sandboxes it had made are destroyed again"):
+        await fork
+    assert [i.id for i in await engine.list()] == [info.id]
+    await engine.wait_teardowns()
+    assert engine.snapshots.images.snapshot_ids() == []  # dropped with the last retired copy
+    assert len(restores) == 2  # the refused copy never reached the backend
+
+
+async def test_a_stopping_daemon_still_reattaches_a_live_trajectory_but_builds_none(engine: Engine) -> None:
+    """Re-attaching to a trajectory's live sandbox makes nothing, so a draining daemon answers it; opening a
+    new trajectory needs a create and is refused."""
+    first = await engine.create(spec("job-1/rollout-1"))
+    engine.drain("the test stops the daemon")
+    assert (await engine.create(spec("job-1/rollout-1"))).id == first.id
+    with pytest.raises(DaemonStopping, match="create refused: the test stops the daemon"):
+        await engine.create(spec("job-1/rollout-2"))
 
 
 async def test_fork_copies_are_independent(engine: Engine) -> None:

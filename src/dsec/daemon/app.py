@@ -299,10 +299,10 @@ async def _body(request: Request, limit: int) -> bytes:
 class AnswerCutOffCalls:
     """The outermost layer of a stopping node: a call still running when the server's graceful shutdown
     timeout cancels it (an exec of a long command, a create that was already admitted) is answered
-    :class:`DaemonStopping` (503, naming the node) instead of the server's bare HTTP 500. A command such a
-    call ran was killed with it, as when a client hangs up. A stream already under way just ends (the SDK
-    then raises ConnectionFailed: no exit event); a call cancelled while the daemon is not stopping is left
-    to the server."""
+    :class:`DaemonStopping` (503, naming the node) instead of the server's bare HTTP 500. An exec's command
+    is killed with it, as when a client hangs up; a create cut off is undone; a destroy goes on (shielded).
+    A stream already under way just ends (the SDK then raises ConnectionFailed: no exit event); a call
+    cancelled while the daemon is not stopping is left to the server."""
 
     def __init__(self, app: ASGIApp, engine: Engine) -> None:
         self.app = app
@@ -326,8 +326,8 @@ class AnswerCutOffCalls:
             stopping = self.engine.stopping
             if started or stopping is None:
                 raise
-            err = DaemonStopping(f"{scope['method']} {scope['path']} was cut off (a command it was running is "
-                                 f"killed): {stopping}")
+            killed = " (the command it was running is killed)" if "/exec" in scope["path"] else ""
+            err = DaemonStopping(f"{scope['method']} {scope['path']} was cut off{killed}: {stopping}")
             await _error_response(err)(scope, receive, send)
             # The task ends here: the server cancelled it at shutdown and waits for nothing of it.
 

@@ -490,9 +490,9 @@ class Engine:
         """Create one sandbox and return it running; with ``spec.trajectory``, open that trajectory."""
         if POOL_LABEL in spec.labels:
             raise InvalidRequest(f"label {POOL_LABEL!r} is reserved for warm-pool sandboxes")
-        self._refuse_if_stopping()
         if spec.trajectory is not None:
-            return await self.rollouts.open(spec)
+            return await self.rollouts.open(spec)  # re-attaching makes nothing; a rebuild is refused in _make
+        self._refuse_if_stopping()
         if spec.snapshot is None and self._poolable(spec):
             claimed = await self._claim(spec)
             if claimed is not None:
@@ -639,6 +639,8 @@ class Engine:
                     await backend.create(record, image)
         except BaseException as exc:
             await self._undo_create(backend, record, started=admitted)
+            if isinstance(exc, DaemonStopping):
+                raise  # refused, not failed: no failure count, no create_failed (a whole queue is refused at once)
             cause = self._explain_image(image) if admitted else None
             if cause is not None and not isinstance(exc, asyncio.CancelledError):
                 self.metrics.failed.labels(name, type(cause).__name__).inc()
@@ -709,34 +711,51 @@ class Engine:
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException:
+            def done() -> builtins.list[SandboxInfo]:
+                return [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+
             for task in tasks:
                 task.cancel()
+            if self._stopping is not None:  # cut off at the server's graceful timeout: nothing may await now
+                self._retire_quietly(done())
             await asyncio.gather(*tasks, return_exceptions=True)
-            made = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            await self._destroy_quietly(made)
+            if self._stopping is not None:
+                self._retire_quietly(done())
+            else:
+                await self._destroy_quietly(done())
             raise
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
             return made
-        if self._stopping is None:
-            await self._destroy_quietly(made)
-            raise errors[0]
-        # The daemon is stopping: answer before the server's graceful timeout cuts the call off (an HTTP
-        # 500 then, and the rollback cancelled half-way); the made sandboxes go in the background, and the
-        # engine's close waits for them.
-        self._retire_quietly(made)
+        if self._stopping is not None:
+            raise self._stopped_batch(f"create_many({request.count})", made, errors)
+        await self._destroy_quietly(made)
+        raise errors[0]
+
+    def _stopped_batch(self, what: str, made: builtins.list[SandboxInfo], errors: builtins.list[BaseException]
+                       ) -> BaseException:
+        """A batch that failed while the daemon stops: retire what it made and return what to raise. It answers
+        before the server's graceful timeout would cut the call off (an HTTP 500 then, and the rollback cancelled
+        half-way); the sandboxes go in the background, and the engine's close waits for them."""
+        undone = self._retire_quietly(made)
         stopped = next((e for e in errors if isinstance(e, DaemonStopping)), None)
         if stopped is None:
-            raise errors[0]
-        undone = f"; the {len(made)} sandboxes it had made are destroyed again" if made else ""
-        raise DaemonStopping(f"create_many({request.count}) refused: {self._stopping}{undone}") from stopped
+            return errors[0]
+        detail = f"; the {undone} sandboxes it had made are destroyed again" if undone else ""
+        err = DaemonStopping(f"{what} refused: {self._stopping}{detail}")
+        err.__cause__ = stopped
+        return err
 
-    def _retire_quietly(self, infos: builtins.list[SandboxInfo]) -> None:
+    def _retire_quietly(self, infos: builtins.list[SandboxInfo]) -> int:
+        """Retire these sandboxes of a failed batch (those no destroy has taken yet); how many."""
+        retired = 0
         for info in infos:
             record = self._records.get(info.id)
-            if record is not None and record.state == "running" and info.id not in self._destroying:
+            if record is not None and info.id not in self._destroying:
                 self._retire(record)
+                retired += 1
+        return retired
 
     async def _destroy_quietly(self, infos: builtins.list[SandboxInfo]) -> None:
         results = await asyncio.gather(*(self.destroy(i.id) for i in infos), return_exceptions=True)
@@ -822,7 +841,7 @@ class Engine:
         self._store.delete(record.id)
         log.debug("sandbox %s torn down", record.id)
         if record.spec.snapshot is not None:
-            await asyncio.to_thread(self._drop_ephemeral, record.spec.snapshot)
+            await self._drop_ephemeral(record.spec.snapshot)
 
     async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
         backend = self._backend(record.spec.backend)
@@ -848,7 +867,7 @@ class Engine:
         self.rollouts.forget(record)
         log.info("sandbox %s %s", record.id, state)
         if record.spec.snapshot is not None:
-            await asyncio.to_thread(self._drop_ephemeral, record.spec.snapshot)
+            await self._drop_ephemeral(record.spec.snapshot)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -1103,15 +1122,21 @@ class Engine:
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            if self._stopping is not None:  # the teardowns drop the snapshot after the last copy
+                raise self._stopped_batch(f"fork of {sandbox_id} x{count}", made, errors)
             await self._destroy_quietly(made)
-            await asyncio.to_thread(self._drop_ephemeral, snap_id)
+            await self._drop_ephemeral(snap_id)
             raise errors[0]
         return made
 
-    def _drop_ephemeral(self, snap_id: str | None) -> None:
-        """Remove fork's snapshot ``snap_id`` once no sandbox of this node is restored from it."""
+    async def _drop_ephemeral(self, snap_id: str | None) -> None:
+        """Remove fork's snapshot ``snap_id`` once no sandbox of this node is restored from it (the records are
+        read here, on the loop; the store in a thread)."""
         if snap_id is None or any(r.spec.snapshot == snap_id for r in self._records.values()):
             return
+        await asyncio.to_thread(self._remove_ephemeral, snap_id)
+
+    def _remove_ephemeral(self, snap_id: str) -> None:
         try:
             if self.snapshots.meta(snap_id).get("ephemeral"):
                 self.snapshots.remove(snap_id)

@@ -142,10 +142,13 @@ class Daemon:
             loop.call_soon_threadsafe(self._stop_servers)
 
     def _stop_servers(self) -> None:
-        if self._serving is not None:
-            self._serving.drain(f"the DSec daemon on node {self.settings.node} is stopping; retry once it is back")
-        for server in self._servers:
-            server.should_exit = True
+        try:
+            if self._serving is not None:
+                self._serving.drain(f"the DSec daemon on node {self.settings.node} is stopping; retry once it is "
+                                    "back")
+        finally:
+            for server in self._servers:
+                server.should_exit = True
 
     def _prepare_dirs(self) -> None:
         s = self.settings
@@ -190,6 +193,7 @@ class Daemon:
             await engine.start()
             try:
                 await self._serve(engine, sockets)
+                await self._wait_cut_off_calls()
             finally:
                 await engine.aclose()
         finally:
@@ -197,6 +201,14 @@ class Daemon:
                 sock.close()
             with contextlib.suppress(FileNotFoundError):
                 s.socket_path.unlink()
+
+    async def _wait_cut_off_calls(self, timeout: float = 10.0) -> None:
+        """Let the calls uvicorn cancelled at its graceful timeout finish their way out (a batch retiring what
+        it made, an exec killing its command, the DaemonStopping answer) before the engine closes under them:
+        uvicorn cancels them and returns without waiting."""
+        pending = [t for server in self._servers for t in server.server_state.tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     async def _serve(self, engine: Engine, sockets: list[socket.socket]) -> None:
         apps = [create_app(engine, None)]

@@ -289,7 +289,7 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
         running = await await_until(lambda: call.done() or _exists(daemon, sb.id, "/tmp/running"), timeout=60)
         assert running and not call.done(), call
         daemon.terminate()
-        with pytest.raises(dsec.DaemonStopping, match=r"exec/result was cut off \(a command it was running is "
+        with pytest.raises(dsec.DaemonStopping, match=r"exec/result was cut off \(the command it was running is "
                                                       r"killed\): the DSec daemon on node .* is stopping"):
             await call
     assert daemon.proc is not None and daemon.proc.wait(60) == 0
