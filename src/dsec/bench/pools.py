@@ -60,7 +60,11 @@ class PoolBench:
     """Sandboxes of the burst (one ``create_many``); they also give the density figure."""
     neighbours: int = 8
     """Sandboxes of the busy-neighbour phase; half of them run a CPU hog."""
-    neighbour_execs: int = 60
+    neighbour_execs: int = 120
+    """Execs of the busy-neighbour phase per condition (hogs frozen, hogs running)."""
+    neighbour_rounds: int = 6
+    """Alternations of the two conditions: the host's drift over the phase (other work on a shared machine)
+    falls on both sides alike instead of on whichever was measured second."""
     podman_seconds: float = 5.0
     phases: tuple[str, ...] = ()
     """Phases to run (see :data:`PHASES`); empty: all of them."""
@@ -275,29 +279,38 @@ class _Run:
                 "mib_per_sandbox": (before - after) / max(1, len(made)) / 2**20}
 
     async def neighbours(self) -> dict[str, Any]:
-        """Exec latency of quiet sandboxes, alone and then with the other half running a CPU hog."""
+        """Exec latency of quiet sandboxes while the other half is idle and while it runs a CPU hog each, in
+        alternating rounds (the hogs started and killed between them; each start waits out the second in
+        which the exec that started it keeps the sandbox in the normal CPU class)."""
         k = max(2, self.cfg.neighbours)
         made = await AsyncSandbox.create_many(k, image=IMAGE, memory=MEMORY, client=self.client)
         self.live.update((s.id, s) for s in made)
         quiet, busy = made[: k // 2], made[k // 2:]
+        rounds = max(1, self.cfg.neighbour_rounds)
+        per_round = max(1, self.cfg.neighbour_execs // rounds)
 
-        async def latencies() -> list[float]:
-            samples = []
-            for i in range(self.cfg.neighbour_execs):
+        async def sample(into: list[float]) -> None:
+            for i in range(per_round):
                 t0 = time.perf_counter()
                 await quiet[i % len(quiet)].exec(["true"])
-                samples.append(time.perf_counter() - t0)
-            return samples
+                into.append(time.perf_counter() - t0)
 
+        alone: list[float] = []
+        loaded: list[float] = []
+        start = "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $! > /tmp/hog.pid"
         try:
-            alone = summarize(await latencies())
-            for sandbox in busy:  # one hog per busy sandbox, running until the sandbox is destroyed
-                await sandbox.exec(["sh", "-c", "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &"])
-            await asyncio.sleep(1.0)
-            loaded = summarize(await latencies())
+            for _ in range(rounds):
+                await sample(alone)
+                await asyncio.gather(*(s.exec(["sh", "-c", start]) for s in busy))
+                await asyncio.sleep(1.0)  # their sandboxes back in the best-effort class (no exec for a while)
+                await sample(loaded)
+                stopped = await asyncio.gather(*(s.exec(["sh", "-c", "kill $(cat /tmp/hog.pid)"]) for s in busy))
+                if any(r.exit_code != 0 for r in stopped):  # the next "alone" round would not be
+                    raise RuntimeError(f"a CPU hog could not be stopped: {stopped}")
         finally:
             await self.destroy(*made)
-        return {"alone": alone, "loaded": loaded, "rise": loaded.p50 / alone.p50 - 1, "busy": len(busy)}
+        a, b = summarize(alone), summarize(loaded)
+        return {"alone": a, "loaded": b, "rise": b.p50 / a.p50 - 1, "busy": len(busy), "rounds": rounds}
 
 
 async def _podman_rate(cfg: PoolBench, settings: Settings, skipped: dict[str, str]) -> dict[str, Any] | None:
