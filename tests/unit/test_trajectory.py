@@ -225,6 +225,24 @@ async def test_a_stopping_daemon_still_reattaches_a_live_trajectory_but_builds_n
         await engine.create(spec("job-1/rollout-2"))
 
 
+async def test_a_fork_refused_before_any_copy_drops_its_snapshot(engine: Engine) -> None:
+    """The daemon began stopping while the fork took its snapshot: no copy is made, and the snapshot, which
+    no copy's teardown would drop, goes at once."""
+    info = await engine.create(SandboxSpec(image="base"))
+    take = engine.take_snapshot
+
+    async def then_stop(record, ephemeral=False):  # type: ignore[no-untyped-def]
+        snap = await take(record, ephemeral=ephemeral)
+        engine.drain("the test stops the daemon")
+        return snap
+
+    engine.take_snapshot = then_stop  # type: ignore[method-assign]
+    with pytest.raises(DaemonStopping, match=rf"fork of {info.id} x2 refused: the test stops the daemon$"):
+        await engine.fork(info.id, 2)
+    assert engine.snapshots.images.snapshot_ids() == []
+    assert [i.id for i in await engine.list()] == [info.id]
+
+
 async def test_fork_copies_are_independent(engine: Engine) -> None:
     info = await engine.create(SandboxSpec(image="base"))
     await engine.write_file(info.id, "/workspace/x", b"parent")

@@ -1122,8 +1122,11 @@ class Engine:
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            if self._stopping is not None:  # the teardowns drop the snapshot after the last copy
-                raise self._stopped_batch(f"fork of {sandbox_id} x{count}", made, errors)
+            if self._stopping is not None:
+                err = self._stopped_batch(f"fork of {sandbox_id} x{count}", made, errors)
+                if not made:  # else the teardowns drop the snapshot after the last copy
+                    await self._drop_ephemeral(snap_id)
+                raise err
             await self._destroy_quietly(made)
             await self._drop_ephemeral(snap_id)
             raise errors[0]
