@@ -145,7 +145,8 @@ class Admission:
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[float]:
         """Wait for a slot and host headroom; yields the seconds waited. Raises :class:`QuotaExceeded`
-        after ``timeout`` seconds, naming what was short."""
+        after ``timeout`` seconds, naming what was short, and :class:`DaemonStopping` once :meth:`close` was
+        called (at once, also for a create already queued)."""
         started = time.monotonic()
         deadline = started + self.timeout
         self._refuse_if_closed()

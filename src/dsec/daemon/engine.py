@@ -343,7 +343,7 @@ class Engine:
 
     def drain(self, reason: str) -> None:
         """The daemon is stopping (``reason`` says why): refuse new creates and fail the queued ones with
-        :class:`DaemonStopping` at once (a batch then destroys what it had made), and stop refilling the pools.
+        :class:`DaemonStopping` at once (a batch or fork then retires what it had made), and stop refilling the pools.
         Creates already admitted, execs and destroys run on; the sandboxes stay for the next daemon. Without
         it a batch still queued held the shutdown for the server's graceful timeout and its caller got an HTTP
         500 when the server gave up."""
