@@ -280,8 +280,9 @@ class _Run:
 
     async def neighbours(self) -> dict[str, Any]:
         """Exec latency of quiet sandboxes while the other half is idle and while it runs a CPU hog each, in
-        alternating rounds (the hogs started and killed between them; each start waits out the second in
-        which the exec that started it keeps the sandbox in the normal CPU class)."""
+        alternating rounds (the hogs started and killed between them). Each condition is sampled a second
+        after it begins: after a start, the exec that started a hog keeps its sandbox in the normal CPU class
+        for half of that; after a kill, the scheduler's load averages still carry the hogs for a while."""
         k = max(2, self.cfg.neighbours)
         made = await AsyncSandbox.create_many(k, image=IMAGE, memory=MEMORY, client=self.client)
         self.live.update((s.id, s) for s in made)
@@ -307,6 +308,7 @@ class _Run:
                 stopped = await asyncio.gather(*(s.exec(["sh", "-c", "kill $(cat /tmp/hog.pid)"]) for s in busy))
                 if any(r.exit_code != 0 for r in stopped):  # the next "alone" round would not be
                     raise RuntimeError(f"a CPU hog could not be stopped: {stopped}")
+                await asyncio.sleep(1.0)
         finally:
             await self.destroy(*made)
         a, b = summarize(alone), summarize(loaded)
