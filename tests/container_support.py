@@ -26,6 +26,8 @@ from dsec.isolation.network import Network, dsec_tables
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+VM_RUN_ROOT = Path("/run/dsec-vm")
+"""Where the microvm and vm backends keep each home's run directory (``<tag>`` and ``<tag>.vm``)."""
 
 
 def images_dir() -> Path:
@@ -194,6 +196,11 @@ async def sweep(home: Path, images: Path) -> list[str]:
     for parent in (CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}")):
         with contextlib.suppress(OSError):
             parent.rmdir()
+    # The microvm and vm backends' run directories, which a daemon of this home killed before its close (a
+    # cluster node killed on purpose) leaves; only empty ones: a VM still running keeps its own in them.
+    for run_dir in (VM_RUN_ROOT / home_tag(home), VM_RUN_ROOT / f"{home_tag(home)}.vm", VM_RUN_ROOT):
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
     return removed
 
 
