@@ -61,7 +61,7 @@ class PoolBench:
     neighbours: int = 8
     """Sandboxes of the busy-neighbour phase; half of them run a CPU hog."""
     neighbour_execs: int = 120
-    """Execs of the busy-neighbour phase per condition (hogs frozen, hogs running)."""
+    """Execs of the busy-neighbour phase per condition (neighbours idle, neighbours hogging a CPU each)."""
     neighbour_rounds: int = 6
     """Alternations of the two conditions: the host's drift over the phase (other work on a shared machine)
     falls on both sides alike instead of on whichever was measured second."""
