@@ -76,8 +76,8 @@ def _session_tags(base: Path) -> set[str]:
 
 
 def _host_footprint(tags: set[str]) -> set[str]:
-    """Mounts under /run/dsec, DSec cgroup directories (container, microvm, function), dsec-init, QEMU and
-    dsec-zygote processes of this session's homes.
+    """Mounts under /run/dsec, DSec cgroup directories (container, microvm, function), the VM backends' run
+    directories, dsec-init, QEMU and dsec-zygote processes of this session's homes.
 
     Only this session's tags count, so test runs in other checkouts on the same host do not trip it.
     """
@@ -123,6 +123,9 @@ def _host_footprint(tags: set[str]) -> set[str]:
     for name in dsec_tables():  # dsec_<tag> (container), dsec_<tag>_microvm
         if name.removeprefix("dsec_").split("_")[0] in tags:
             found.add(f"nft table {name}")
+    for run in Path("/run/dsec-vm").glob("*"):  # microvm's /run/dsec-vm/<tag>, vm's /run/dsec-vm/<tag>.vm
+        if run.name.removesuffix(".vm") in tags:
+            found.add(f"VM run directory {run}")
     for netns in Path("/run/netns").glob("dsvm-*"):  # microvm's dsvm-<tag>-<id>, vm's dsvm-<tag>.vm-<id>
         if netns.name.split("-")[1].split(".")[0] in tags:
             found.add(f"network namespace {netns.name}")

@@ -685,6 +685,9 @@ class NodeInfo(Model):
     images: dict[str, int] = Field(default_factory=dict)
     """Images this node's cache holds: name -> bytes of it cached locally (cluster placement prefers a
     node that holds a sandbox's image)."""
+    stopping: str | None = None
+    """Why the daemon is stopping (it refuses creates and is about to close), or None while it serves: a
+    cluster gateway places nothing on the node until it answers None again."""
 
 
 class PoolConfig(Model):

@@ -54,30 +54,35 @@ class Daemon:
     tcp_url: str | None
     token: str | None
     engine: Engine
+    loop: asyncio.AbstractEventLoop
+    """The loop the engine runs on (call its methods there: ``loop.call_soon_threadsafe``)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
-def running_daemon(home: Path, token: str | None = None, backends: dict[str, Backend] | None = None
-                   ) -> Iterator[Daemon]:
-    """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given); ``backends`` adds
-    to (or replaces) the fake container backend."""
+def running_daemon(home: Path, token: str | None = None, backends: dict[str, Backend] | None = None, *,
+                   port: int | None = None) -> Iterator[Daemon]:
+    """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given, on ``port`` or a free
+    one); ``backends`` adds to (or replaces) the fake container backend."""
     settings = Settings(home=home)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(settings, {"container": FakeBackend(root=home / "fake"), **(backends or {})},
                     TinyImages(home / "rootfs"))
     sock = str(settings.socket_path)
-    port = _free_port() if token else None
+    port = (port or free_port()) if token else None
     servers: list[uvicorn.Server] = []
     ready = threading.Event()
     failure: list[BaseException] = []
+    loops: list[asyncio.AbstractEventLoop] = []
 
     async def main() -> None:
+        loops.append(asyncio.get_running_loop())
         try:
             await engine.start()
             configs = [uvicorn.Config(create_app(engine), uds=sock, log_level="warning", lifespan="off")]
@@ -105,7 +110,7 @@ def running_daemon(home: Path, token: str | None = None, backends: dict[str, Bac
     if failure:
         raise RuntimeError("test daemon failed to start") from failure[0]
     try:
-        yield Daemon(f"unix://{sock}", f"http://127.0.0.1:{port}" if port else None, token, engine)
+        yield Daemon(f"unix://{sock}", f"http://127.0.0.1:{port}" if port else None, token, engine, loops[0])
     finally:
         for server in servers:
             server.should_exit = True

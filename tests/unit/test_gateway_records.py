@@ -1,6 +1,7 @@
 """The gateway's sandbox records against two real node daemons (uvicorn on TCP with tokens): a create
-answered before its row commits, rows rebuilt from the nodes' own records (reconcile), and sandboxes that
-expired or were destroyed behind the gateway's back.
+answered before its row commits, rows rebuilt from the nodes' own records (reconcile), sandboxes that
+expired or were destroyed behind the gateway's back, and creates placed again when their node's daemon
+stops or does not answer.
 
 The database is a recorder (what the gateway asked to write, and whether it waited): the durable side is
 tested on a real PostgreSQL and a real gateway kill in tests/integration/functional/test_cluster.py.
@@ -9,22 +10,24 @@ tested on a real PostgreSQL and a real gateway kill in tests/integration/functio
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sdk_daemon import Daemon, running_daemon
+from sdk_daemon import Daemon, free_port, running_daemon
 
 import dsec
-from dsec.cluster.gateway import GatewayEngine, current_job
+from dsec.cluster.gateway import GatewayEngine, NodeFacts, current_job
 from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow, SandboxRow
 from dsec.daemon.auth import JOB_LABEL
-from dsec.errors import SandboxNotFound, SandboxTimeout
-from dsec.models import SandboxSpec
+from dsec.errors import BackendUnavailable, ImageNotFound, SandboxNotFound, SandboxTimeout
+from dsec.models import BatchCreateRequest, SandboxSpec
 
 
 class _Writer:
@@ -62,13 +65,20 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
         yield [one, two]
 
 
+_ROOM = {"cpu": 64, "memory": 2**36, "slots": {"container": 100}}
+
+
 def gateway(nodes: list[Daemon]) -> tuple[GatewayEngine, _Writer]:
     state = _State()
-    g = GatewayEngine(state, None)  # type: ignore[arg-type]
+
+    async def membership() -> list[NodeFacts]:  # Ray's view: every node alive, at the address it had
+        return [NodeFacts(name, True, row.url, row.token, _ROOM) for name, row in g.node_rows.items()]
+
+    g = GatewayEngine(state, membership)
     for i, node in enumerate(nodes):
         name = f"node-{i}"
         assert node.tcp_url is not None and node.token is not None
-        g.node_rows[name] = NodeRow(name, node.tcp_url, node.token, True, {})
+        g.node_rows[name] = NodeRow(name, node.tcp_url, node.token, True, _ROOM)
         g.placer.set_node(name, Capacity(cpu=64, memory=2**36, slots={"container": 100}))
     return g, state.writer
 
@@ -210,3 +220,107 @@ async def test_the_nodes_events_keep_the_records_true_without_a_client_call(node
     finally:
         current_job.reset(token)
         await g.aclose()
+
+
+def drain(node: Daemon) -> None:
+    """What SIGTERM does first to a real daemon (then its servers stop): creates refused from now on."""
+    done = threading.Event()
+
+    def on_loop() -> None:
+        node.engine.drain("the DSec daemon on node test is stopping; retry once it is back")
+        done.set()
+
+    node.loop.call_soon_threadsafe(on_loop)
+    assert done.wait(10)
+
+
+def where(g: GatewayEngine, infos: list[dsec.SandboxInfo]) -> dict[str, int]:
+    placed: dict[str, int] = {}
+    for info in infos:
+        placed[g.rows[info.id].node] = placed.get(g.rows[info.id].node, 0) + 1
+    return placed
+
+
+async def held_by(node: Daemon) -> int:
+    async with node_client(node) as client:
+        return len(await dsec.AsyncSandbox.list(client=client))
+
+
+async def test_a_rolling_daemon_restart_costs_a_job_no_create(tmp_path: Path) -> None:
+    """A node whose daemon stops refuses its share of a batch (DaemonStopping): the gateway places that share
+    on the other node, places nothing more there while it stops and while it does not answer, and uses it
+    again once a daemon serves at its address."""
+    port = free_port()
+    with running_daemon(tmp_path / "b", token="node-two-token-0123456789") as other:
+        token = current_job.set("j7")
+        try:
+            with running_daemon(tmp_path / "a", token="node-one-token-0123456789", port=port) as first:
+                g, _writer = gateway([first, other])
+                spread = await g.create_many(BatchCreateRequest(count=4, spec=SandboxSpec(image="tiny")))
+                assert where(g, spread) == {"node-0": 2, "node-1": 2}, "placement does not spread: nothing tested"
+                drain(first)
+                made = await g.create_many(BatchCreateRequest(count=4, spec=SandboxSpec(image="tiny")))
+                assert where(g, made) == {"node-1": 4}
+                assert await held_by(first) == 2 and await held_by(other) == 6, "the refused share left sandboxes"
+                assert g.placer.job("j7").live == 8 and g.placer.nodes["node-0"].live == {"container": 2}
+                assert "is stopping" in g.unready["node-0"] and not g.placer.nodes["node-0"].alive
+                assert "dsec_cluster_creates_replaced_total 2.0" in g.metrics.render().decode()
+                await g.poll()  # its health says it is stopping: still held
+                assert "is stopping" in g.unready["node-0"] and not g.placer.nodes["node-0"].alive
+                # Its sandboxes still answer through the gateway while it stops.
+                assert (await g.get(spread[0].id)).state == "running"
+            # The daemon is gone (between its stop and its restart): nothing is placed there.
+            await g.poll()
+            assert not g.placer.nodes["node-0"].alive
+            alone = await g.create_many(BatchCreateRequest(count=2, spec=SandboxSpec(image="tiny")))
+            assert where(g, alone) == {"node-1": 2}
+            # A daemon serves at the address again: reconciled (the fake backend's sandboxes went with the old
+            # daemon, so their room is given back) and used.
+            with running_daemon(tmp_path / "a2", token="node-one-token-0123456789", port=port):
+                await g.poll()
+                assert "node-0" not in g.unready and g.placer.nodes["node-0"].alive
+                assert g.placer.nodes["node-0"].live == {"container": 0} and g.placer.job("j7").live == 8
+                back = await g.create_many(BatchCreateRequest(count=4, spec=SandboxSpec(image="tiny")))
+                assert where(g, back).get("node-0", 0) >= 2
+                for info in back:
+                    await g.destroy(info.id)
+                await g._unfollow("node-0")  # this test daemon's server waits for an open event stream
+            for info in spread + made + alone:
+                await g.destroy(info.id)
+            assert g.placer.job("j7").live == 0
+        finally:
+            current_job.reset(token)
+            await g.aclose()
+
+
+async def test_a_node_that_does_not_answer_gets_no_create_and_the_last_node_stopping_is_named(
+        tmp_path: Path, nodes: list[Daemon]) -> None:
+    """No connection opens to a node (nothing was sent): its share goes elsewhere. When no other node can take
+    it, the error names the node that refused; any other failure is not placed again."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    g, _writer = gateway(nodes)
+    g.node_rows["node-0"] = NodeRow("node-0", closed, "node-one-token-0123456789", True, _ROOM)
+    token = current_job.set("j8")
+    try:
+        made = await g.create_many(BatchCreateRequest(count=4, spec=SandboxSpec(image="tiny")))
+        assert where(g, made) == {"node-1": 4} and "does not answer" in g.unready["node-0"]
+        for info in made:
+            await g.destroy(info.id)
+        with pytest.raises(ImageNotFound):  # the node answered: not placed again, the node not held
+            await g.create(SandboxSpec(image="no-such-image"))
+        assert "node-1" not in g.unready and g.placer.nodes["node-1"].alive
+    finally:
+        current_job.reset(token)
+        await g.aclose()
+    with running_daemon(tmp_path / "last", token="node-one-token-0123456789") as last:
+        g, _writer = gateway([last])
+        drain(last)
+        token = current_job.set("j9")
+        try:
+            with pytest.raises(BackendUnavailable, match=r"node node-0 is stopping .*; no other node could take "
+                                                         r"its 3 sandbox\(es\): no live node runs the 'container'"):
+                await g.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image="tiny")))
+            assert g.placer.job("j9").live == 0 and await held_by(last) == 0
+        finally:
+            current_job.reset(token)
+            await g.aclose()

@@ -79,7 +79,15 @@ def test_live_quota_and_release() -> None:
 def test_rate_quota() -> None:
     p = placer()
     p.quotas["r"] = JobQuota(max_rate=3)
-    assert p.try_place(SPEC, 3, "r") is not None
+    placed = p.try_place(SPEC, 3, "r")
+    assert placed is not None
+    with pytest.raises(QuotaExceeded, match="per second"):
+        p.try_place(SPEC, 1, "r")
+    # Two of them no node took (its daemon stopping): placing them again is not a new creation.
+    for node in placed.nodes()[:2]:
+        p.release("r", node, SPEC)
+    p.refund("r", 2)
+    assert p.try_place(SPEC, 2, "r") is not None
     with pytest.raises(QuotaExceeded, match="per second"):
         p.try_place(SPEC, 1, "r")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import TypeAdapter
 
-from dsec._sdk.lean import LeanPool
+from dsec._sdk.lean import LeanError, LeanPool
 from dsec._sdk.transport import STREAM_TIMEOUT, Transport
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
@@ -100,8 +100,26 @@ NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
 # closing at that instant fails the request ("Server disconnected without sending a response").
 _NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
 _HEALTH_TIMEOUT = httpx.Timeout(5.0)
+_PROBE_TIMEOUT = httpx.Timeout(2.0)
+_PLACE_ROUNDS = 4
+"""A create whose node took none of it is placed again at most this many times (nodes going down one
+after another; each round places nothing on the nodes that failed before)."""
 _INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
 _LIVE = ("running", "paused", "creating")
+
+
+def _took_none(exc: BackendUnavailable) -> bool:
+    """Whether a node's failed create (as :meth:`GatewayEngine._reaching` passes it on) left nothing on it:
+    the daemon refused it as it stopped (a stopping daemon undoes what a refused or cut-off create made), or no
+    connection to it opened (nothing was sent). A connection lost mid-call may have made sandboxes: not this."""
+    cause = exc.__cause__
+    if isinstance(cause, DaemonStopping):
+        return True
+    if isinstance(cause, ConnectionFailed):
+        inner = cause.__cause__
+        return (isinstance(inner, httpx.ConnectError | httpx.ConnectTimeout)
+                or (isinstance(inner, LeanError) and inner.kind == "connect"))
+    return False
 
 
 class _Metrics:
@@ -114,6 +132,12 @@ class _Metrics:
                             registry=self.registry)
         self.images = Gauge("dsec_cluster_node_image_cached", "1 for each image a live node's cache holds",
                             ["node", "image"], registry=self.registry)
+        self.replaced = Counter("dsec_cluster_creates_replaced",
+                                "Sandboxes placed again on another node because theirs took none (stopping "
+                                "or not answering)", registry=self.registry)
+        self.unready = Gauge("dsec_cluster_nodes_unready",
+                             "Nodes alive for Ray on which nothing is placed until their daemon serves again",
+                             registry=self.registry)
         self._gateway = gateway
 
     def render(self) -> bytes:
@@ -121,6 +145,7 @@ class _Metrics:
         self.nodes.set(sum(1 for n in g.placer.nodes.values() if n.alive))
         self.live.set(sum(1 for r in g.rows.values() if r.info.state in ("running", "paused")))
         stats = g.placer.statistics()
+        self.unready.set(len(g.unready))
         self.waiting.set(int(str(stats["waiting"])))
         self.queued.set(int(str(stats["queued"])))
         self.images.clear()
@@ -155,6 +180,9 @@ class GatewayEngine:
         self.metrics = _Metrics(self)
         self._transports: dict[str, tuple[Transport, httpx.AsyncClient, LeanPool]] = {}
         self._reconciled: set[str] = set()
+        self.unready: dict[str, str] = {}
+        """Nodes Ray sees alive whose daemon took no create (stopping, or no connection opened) -> why;
+        nothing is placed there until its ``/v1/health`` answers that it serves again (each poll asks)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
         self.events = EventBus("gateway", history=10_000)
         """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
@@ -229,7 +257,9 @@ class GatewayEngine:
                                if n.alive and n.name in self.node_rows))
 
     async def poll(self) -> None:
-        """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost."""
+        """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost; an
+        unready node is used again once its daemon says it serves (its records reconciled first)."""
+        back = await self._serving_again()
         for facts in await self.source():
             known = self.node_rows.get(facts.name)
             if facts.alive and facts.url and facts.token:
@@ -239,8 +269,16 @@ class GatewayEngine:
                     await self._unfollow(facts.name)
                     await self._drop_client(facts.name)
                     self._reconciled.discard(facts.name)
+                    self.unready.pop(facts.name, None)
                     log.info("node %s joined at %s", facts.name, facts.url)
                 self.node_rows[facts.name] = row
+                if facts.name in self.unready:
+                    if facts.name not in back:
+                        continue
+                    # Its daemon may have restarted: what it holds now is the truth the records follow.
+                    del self.unready[facts.name]
+                    self._reconciled.discard(facts.name)
+                    log.info("node %s serves again", facts.name)
                 if facts.name not in self._reconciled:
                     self.placer.set_node(facts.name, _capacity(row.capacity), usable=False)
                     # Before placement may use it: what the node holds is the truth the records follow.
@@ -256,8 +294,35 @@ class GatewayEngine:
             elif not facts.alive and known is not None and known.alive:
                 await self._node_died(known, facts.reason or "Ray reports the node dead")
 
+    async def _serving_again(self) -> set[str]:
+        """The unready nodes whose ``/v1/health`` answers that their daemon serves (not stopping)."""
+        async def serves(name: str) -> bool:
+            try:
+                response = await self._node_request(name, "GET", "/v1/health", timeout=_PROBE_TIMEOUT)
+                info = NodeInfo.model_validate_json(response.content)
+            except (DSecError, ValueError) as exc:
+                log.debug("node %s is not back yet: %s", name, exc)
+                return False
+            if info.stopping is not None:
+                self.unready[name] = f"its daemon is stopping ({info.stopping})"
+                return False
+            return True
+
+        names = [name for name in self.unready if name in self.node_rows]
+        answers = await asyncio.gather(*(serves(name) for name in names))
+        return {name for name, ok in zip(names, answers, strict=True) if ok}
+
+    def _hold(self, node: str, why: str) -> None:
+        """``node`` took no create: place nothing more there until its daemon serves again (see :meth:`poll`)."""
+        if node not in self.unready:
+            log.warning("node %s takes no creates for now (%s): placing on the other nodes until it serves "
+                        "again", node, why)
+        self.unready[node] = why
+        self.placer.mark_dead(node)
+
     async def _node_died(self, node: NodeRow, reason: str) -> None:
         node.alive, node.reason = False, reason
+        self.unready.pop(node.name, None)
         self.placer.mark_dead(node.name)
         await self._unfollow(node.name)
         await self.state.writer.put_node(node)
@@ -450,6 +515,10 @@ class GatewayEngine:
         return await self._create_placed(_stamped(request.spec, job), request.count, job)
 
     async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
+        """Place, create each node's share, and place again the shares of nodes that took none of theirs
+        (their daemon stopping, or no connection opened): a rolling restart of node daemons costs a job
+        nothing. Any other failure undoes the whole batch."""
+        deadline = time.monotonic() + self.admission_wait
         placement = await self.placer.place(spec, count, job, self.admission_wait)
         body = spec.model_dump_json().encode()
 
@@ -467,13 +536,35 @@ class GatewayEngine:
                 raise
             return await self._remember(infos, node, job, durable=False)
 
-        results = await asyncio.gather(*(on(node, n) for node, n in placement.counts.items()),
-                                       return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        created = [info for r in results if not isinstance(r, BaseException) for info in r]
+        created: builtins.list[SandboxInfo] = []
+        counts = placement.counts
+        for round_ in range(1, _PLACE_ROUNDS + 1):
+            results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
+            created += [info for r in results if not isinstance(r, BaseException) for info in r]
+            errors = [r for r in results if isinstance(r, BaseException)]
+            missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)
+                      if isinstance(r, BackendUnavailable) and _took_none(r)]
+            if not errors or len(missed) < len(errors) or round_ == _PLACE_ROUNDS:
+                break
+            for node, _n, err in missed:
+                self._hold(node, err.message)
+            again = sum(n for _node, n, _err in missed)
+            self.placer.refund(job, again)
+            try:
+                counts = (await self.placer.place(spec, again, job, max(0.0, deadline - time.monotonic()))).counts
+            except DSecError as exc:
+                first = missed[0][2]
+                errors = [BackendUnavailable(f"{first.message}; no other node could take its {again} "
+                                             f"sandbox(es): {exc.message}", **first.detail)]
+                errors[0].__cause__ = exc
+                break
+            self.metrics.replaced.inc(again)
+            log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
+                     "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
         if errors:
             await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
-            raise errors[0]
+            hard = [e for e in errors if not (isinstance(e, BackendUnavailable) and _took_none(e))]
+            raise (hard or errors)[0]
         return created
 
     async def list(

@@ -147,7 +147,8 @@ class Placer:
         return node
 
     def mark_dead(self, name: str) -> None:
-        """The node is gone: nothing more is placed there (its sandboxes are the gateway's to mark lost)."""
+        """Nothing more is placed on the node until :meth:`set_node` makes it usable again: it is gone (its
+        sandboxes are the gateway's to mark lost), or it takes no creates for now (its daemon is stopping)."""
         if name in self.nodes:
             self.nodes[name].alive = False
 
@@ -171,6 +172,13 @@ class Placer:
         if node is not None and node in self.nodes:
             self.nodes[node].give_back(spec)
         self.wake()
+
+    def refund(self, job: str, count: int) -> None:
+        """``count`` placed sandboxes no node took (given back with :meth:`release`): they do not count
+        against the job's creation rate, so placing them again is not refused by it."""
+        entry = self.job(job)
+        if entry.quota.max_rate is not None:
+            entry.tokens = min(entry.quota.max_rate, entry.tokens + count)
 
     # -- decisions --------------------------------------------------------------------------------------
 

@@ -1318,7 +1318,8 @@ class Engine:
         )
 
     async def health(self) -> NodeInfo:
-        """Identity, version, backend availability and the live sandbox count."""
+        """Identity, version, backend availability, the live sandbox count, the images cached and whether the
+        daemon is stopping."""
         backends = {}
         for name in get_args(BackendName):
             if name in self._unavailable:
@@ -1336,5 +1337,5 @@ class Engine:
                 log.warning("cannot list the image cache: %s", exc)
         return NodeInfo(
             node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records),
-            images=images,
+            images=images, stopping=self._stopping,
         )

@@ -7,8 +7,8 @@ Covered: creates spread by placement; image locality read from the nodes' own ca
 file calls go straight to the owning node with a token scoped to the sandbox; quota refusals
 (``QuotaExceeded``) and unknown tokens; a burst of 500 creates that must queue for room and all complete;
 a worker node killed mid-run (its sandboxes reported lost with the reason, new creates go elsewhere, a
-trajectory resumes on another node from its checkpoint in S3); the gateway SIGKILLed and restarted with
-nothing lost.
+trajectory resumes on another node from its checkpoint in S3); one node's daemon stopped and restarted by
+its actor with no create failing; the gateway SIGKILLed and restarted with nothing lost.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import asyncio
 import collections
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -192,6 +193,61 @@ async def test_burst_of_500_queues_and_completes(cluster: LocalCluster) -> None:
         queued = next(float(line.split()[1]) for line in metrics.splitlines()
                       if line.startswith("dsec_cluster_admission_queued "))
         assert queued > 0, "no create had to wait: the burst did not exceed the cluster's room"
+        assert await dsec.AsyncSandbox.list(client=c) == []
+
+
+def daemon_pid(home: Path) -> int:
+    """The pid of ``dsec serve --home <home>`` (the node daemon a NodeDaemon actor supervises)."""
+    wanted = b"\0serve\0--home\0" + str(home).encode() + b"\0"
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if wanted in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    assert len(found) == 1, f"not one node daemon with home {home}: {found}"
+    return found[0]
+
+
+def metric(text: str, name: str) -> float:
+    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+async def test_a_node_daemon_restart_costs_the_job_no_create(cluster: LocalCluster) -> None:
+    """One node's ``dsec serve`` is stopped (SIGTERM, as a rolling upgrade does) and its actor restarts it:
+    Ray still sees the node alive. Creates made meanwhile all succeed on the other nodes, and the node takes
+    creates again once its daemon serves."""
+    async with client(cluster, "alpha") as c:
+        made = await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+        try:
+            victim = made[0]._info.node
+            pid = daemon_pid(next(h for h in cluster.node_homes() if h.name == victim))
+            replaced = metric((await c._request("GET", "/metrics")).text, "dsec_cluster_creates_replaced_total")
+            os.kill(pid, signal.SIGTERM)
+            await_gone = time.monotonic() + 60
+            while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                assert time.monotonic() < await_gone, "the node daemon did not stop on SIGTERM"
+                await asyncio.sleep(0.02)
+            # Down until its actor restarts it: the gateway still places on it, finds no connection, and
+            # places that share again.
+            during = await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+            made += during
+            assert victim not in {s._info.node for s in during}
+            text = (await c._request("GET", "/metrics")).text
+            assert metric(text, "dsec_cluster_creates_replaced_total") > replaced
+            back_by = time.monotonic() + 90
+            while True:
+                batch = await dsec.AsyncSandbox.create_many(3, client=c, **FN)  # none may fail
+                made += batch
+                if victim in {s._info.node for s in batch}:
+                    break
+                assert time.monotonic() < back_by, "the restarted node daemon never took creates again"
+                await asyncio.sleep(0.3)
+            assert daemon_pid(next(h for h in cluster.node_homes() if h.name == victim)) != pid
+        finally:
+            await asyncio.gather(*(s.close() for s in made), return_exceptions=True)
         assert await dsec.AsyncSandbox.list(client=c) == []
 
 
