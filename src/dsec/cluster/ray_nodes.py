@@ -180,13 +180,12 @@ class NodeDaemon(_Supervisor):
     def stop(self, destroy: bool = False) -> None:
         """Stop the daemon: SIGTERM leaves sandboxes for the next daemon; ``destroy`` removes them first."""
         if destroy and self._proc is not None and self._proc.poll() is None:
-            import httpx
+            from dsec.daemon.server import ServeError, destroy_every
 
-            with contextlib.suppress(httpx.HTTPError), httpx.Client(
-                    base_url=f"http://{self.host}:{self.port}", timeout=60.0,
-                    headers={"Authorization": f"Bearer {self.token}"}) as http:
-                for info in http.get("/v1/sandboxes").raise_for_status().json():
-                    http.delete(f"/v1/sandboxes/{info['id']}")
+            try:
+                destroy_every(f"http://{self.host}:{self.port}", token=self.token)
+            except ServeError as exc:  # still stopped: the next daemon on this home re-adopts what is left
+                log.error("%s: %s", self.name, exc)
         self._halt()
 
 

@@ -8,6 +8,7 @@ re-adopts them.
     serve(settings, tcp=None, token=None, engine=None)   # blocks until SIGTERM/SIGINT
     up(settings, tcp=None, token=None, timeout=15) -> pid # background daemon, waits for /v1/health
     down(settings, destroy=False, timeout=30) -> bool     # stop it (optionally destroying sandboxes)
+    destroy_every(base_url, uds=None, token=None) -> int  # every sandbox a daemon holds, in parallel
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 
-__all__ = ["Daemon", "ServeError", "daemon_answers", "down", "loop_factory", "serve", "up"]
+__all__ = ["Daemon", "ServeError", "daemon_answers", "destroy_every", "down", "loop_factory", "serve", "up"]
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,6 @@ def _parse_tcp(tcp: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ServeError(f"--tcp must look like HOST:PORT (e.g. 127.0.0.1:8600), got {tcp!r}")
     return host.strip("[]"), int(port)
-
-
-def _health_client(socket_path: Path, timeout: float = 2.0) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://dsec",
-                        timeout=timeout)
 
 
 def daemon_answers(settings: Settings) -> bool:
@@ -395,25 +391,67 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bool:
     """Stop the daemon started by :func:`up`; returns False if none was running.
 
-    With ``destroy=True`` every sandbox is destroyed through the API first, and once the daemon is gone
-    its image mounts and lazy image server are removed too; otherwise sandboxes (and the image mounts
-    under them) stay alive and the next daemon re-adopts them.
+    With ``destroy=True`` every sandbox is destroyed through the API first (:func:`destroy_every`), and
+    once the daemon is gone its image mounts and lazy image server are removed too; otherwise sandboxes
+    (and the image mounts under them) stay alive and the next daemon re-adopts them. A sandbox that could
+    not be destroyed is named in a ServeError raised after the daemon stopped (its image mounts are left
+    for it).
     """
     pid = _read_pid(settings)
+    failed: ServeError | None = None
     if destroy and daemon_answers(settings):
-        with _health_client(settings.socket_path, timeout=timeout) as client:
-            for info in client.get("/v1/sandboxes").raise_for_status().json():
-                client.delete(f"/v1/sandboxes/{info['id']}")
+        try:
+            destroy_every("http://dsec", uds=str(settings.socket_path), timeout=max(timeout, 60.0))
+        except ServeError as exc:  # still stopped: the next daemon re-adopts what is left
+            failed = exc
     if pid is None or not _alive(pid) or not _is_dsec(pid):
         settings.pid_file.unlink(missing_ok=True)
-        if destroy:
-            _unmount_images(settings)
-        return False
-    _signal_and_wait(pid, timeout)
-    settings.pid_file.unlink(missing_ok=True)
+        stopped = False
+    else:
+        _signal_and_wait(pid, timeout)
+        settings.pid_file.unlink(missing_ok=True)
+        stopped = True
+    if failed is not None:
+        raise ServeError(f"the daemon {'stopped' if stopped else 'was not running'}, but {failed}; the next "
+                         "daemon re-adopts them") from failed
     if destroy:
         _unmount_images(settings)
-    return True
+    return stopped
+
+
+def destroy_every(base_url: str, *, uds: str | None = None, token: str | None = None, timeout: float = 60.0,
+                  parallel: int = 16) -> int:
+    """Destroy every sandbox the daemon at ``base_url`` (or on the unix socket ``uds``) holds, ``parallel``
+    at a time (a destroy is mostly waiting on the kernel: one at a time left both cores idle); how many.
+    Raises ServeError naming those that could not be destroyed (one already gone counts as destroyed)."""
+    async def run() -> int:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, transport=transport,
+                                     timeout=timeout) as client:
+            ids = [info["id"] for info in (await client.get("/v1/sandboxes")).raise_for_status().json()]
+            gate = asyncio.Semaphore(parallel)
+
+            async def one(sandbox_id: str) -> str | None:
+                async with gate:
+                    try:
+                        answer = await client.delete(f"/v1/sandboxes/{sandbox_id}")
+                    except httpx.HTTPError as exc:
+                        return f"{sandbox_id} ({exc!r})"
+                if answer.status_code in (204, 404):
+                    return None
+                return f"{sandbox_id} (HTTP {answer.status_code}: {answer.text[:300]})"
+
+            failures = [f for f in await asyncio.gather(*(one(i) for i in ids)) if f is not None]
+        if failures:
+            raise ServeError(f"{len(failures)} of {len(ids)} sandbox(es) could not be destroyed: "
+                             + "; ".join(failures[:5]) + (" ..." if len(failures) > 5 else ""))
+        return len(ids)
+
+    try:
+        return asyncio.run(run())
+    except httpx.HTTPError as exc:
+        raise ServeError(f"cannot list the sandboxes to destroy at {uds or base_url}: {exc!r}") from exc
 
 
 def _unmount_images(settings: Settings) -> None:

@@ -21,7 +21,8 @@ from container_support import short_home
 from dsec.config import Settings
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
-from dsec.daemon.server import Daemon, ServeError, daemon_answers, down, up
+from dsec.daemon.server import Daemon, ServeError, daemon_answers, destroy_every, down, up
+from dsec.models import SandboxRecord
 from dsec.testing.fake import FakeBackend, FakeImages
 
 
@@ -183,6 +184,34 @@ def test_up_and_down(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not settings.pid_file.exists()
     assert not settings.socket_path.exists()
     assert down(settings) is False
+
+
+def test_destroy_every_names_what_it_could_not_destroy(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dsec down --destroy`` (and ``cluster down --destroy``) destroy through the API, many at a time; a
+    sandbox whose destroy fails is named in the error (it used to be ignored and silently kept)."""
+    settings = Settings(home=home)
+    with Running(settings) as running, dsec.Client(f"unix://{settings.socket_path}") as client:
+        made = dsec.Sandbox.create_many(24, image="base", client=client)
+        stuck = made[5].id
+        real = FakeBackend.destroy
+
+        async def failing(self: FakeBackend, record: SandboxRecord) -> None:
+            if record.id == stuck:
+                raise OSError(f"device busy under {record.id}")
+            await real(self, record)
+
+        monkeypatch.setattr(FakeBackend, "destroy", failing)
+        with pytest.raises(ServeError, match=rf"1 of 24 sandbox\(es\) could not be destroyed: {stuck} \(HTTP 5"):
+            destroy_every("http://dsec", uds=str(settings.socket_path))
+        with running.client() as c:
+            assert [info["id"] for info in c.get("/v1/sandboxes").json()] == [stuck]
+        monkeypatch.setattr(FakeBackend, "destroy", real)
+        assert destroy_every("http://dsec", uds=str(settings.socket_path)) == 1
+        assert destroy_every("http://dsec", uds=str(settings.socket_path)) == 0
+        with running.client() as c:
+            assert c.get("/v1/sandboxes").json() == []
+    with pytest.raises(ServeError, match="cannot list the sandboxes to destroy"):
+        destroy_every("http://dsec", uds=str(settings.socket_path))
 
 
 @pytest.mark.slow
