@@ -365,3 +365,32 @@ def test_meminfo_reads_fields_in_bytes_and_names_what_is_missing(tmp_path: Path)
     with pytest.raises(RuntimeError, match="no MemFree, Slab in"):
         meminfo("MemTotal", "Slab", "MemFree", path=str(stand_in))
     assert meminfo("MemTotal")["MemTotal"] > 0  # the host's own
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_pools_run(tmp_path: Path, debian_python_image: object) -> None:
+    """Every phase of the issue's own benchmark (pools: P1-P7) on a real daemon, tiny: the code that makes the
+    SPECIFICATION's figures runs in CI, so it cannot rot between the sessions that run it in full."""
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        pytest.skip("needs root and runc")
+    from dsec.bench.pools import PHASES, PoolBench
+
+    cfg = PoolBench(pool_max=4, create_n=5, sustained_seconds=1.0, concurrency=2, live_n=4, exec_seconds=1.0,
+                    exec_workers=2, burst_n=6, neighbours=2, neighbour_execs=4, neighbour_rounds=2,
+                    podman_seconds=1.0)
+    out = tmp_path / "p.json"
+    code = bench.main("pools", out, config=cfg, console=Console(width=200, file=io.StringIO()))
+    assert code == 0
+    got = json.loads(out.read_text())["suites"]["pools"]
+    assert got["leaks"] == [] and not Path(got["home"]).exists()
+    assert set(PHASES) == {"create", "sustained", "exec", "podman", "neighbours", "burst"}, "a phase this test misses"
+    if shutil.which("podman"):
+        assert got["podman"]["rate"] > 0 or "podman_run" in got["skipped"]
+    assert got["pool_create"]["n"] == 5 and got["pool_create"]["hits"] >= 1
+    assert got["sustained"]["failures"] == 0 and got["sustained"]["rate"] > 0
+    assert got["exec_throughput"]["failures"] == 0 and got["exec_throughput"]["live"] == 4
+    assert got["neighbours"]["busy"] == 1 and got["neighbours"]["rise"] is not None
+    burst = got["burst"]
+    assert burst["failures"] == 0 and burst["answered"] == 6 and burst["mib_per_sandbox"] > 0
+    assert [r["metric"] for r in got["rows"]], "no row in the table"

@@ -298,17 +298,18 @@ async def _podman_cycle(argv: list[str]) -> None:
         raise RuntimeError(f"podman run exited {proc.returncode}: {err.decode(errors='replace').strip()}")
 
 
-def _leaks(settings: Settings, peer: RuncPeer) -> list[str]:
-    """Host resources this run made that are still there after cleanup."""
+def _leaks(settings: Settings, peer: RuncPeer | None = None) -> list[str]:
+    """Host resources this run made (its daemon's, and the runc peer's when given) still there after cleanup."""
     from dsec.backends.container import ContainerBackend
     from dsec.isolation.cgroups import CgroupSet
 
     backend = ContainerBackend(settings)
     found = [f"mount {line.split()[1]}" for line in Path("/proc/mounts").read_text().splitlines()
              if str(backend.mounts) in line or str(settings.home) in line]
-    for parent in (backend.cgroup_parent, peer.cgroup_parent):
+    parents = [backend.cgroup_parent] + ([peer.cgroup_parent] if peer is not None else [])
+    for parent in parents:
         found += [f"cgroup {d}" for d in CgroupSet.at(f"/{parent}").dirs.values() if Path(d).is_dir()]
-    found += [f"runc container {c}" for c in peer.leaked]
+    found += [f"runc container {c}" for c in peer.leaked] if peer is not None else []
     return found
 
 

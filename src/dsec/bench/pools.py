@@ -22,6 +22,7 @@ from dsec.bench.container import (
     IMAGE,
     _cleanup_backend,
     _daemon,
+    _leaks,
     _mem_available,
     _podman_cycle,
     _private_settings,
@@ -389,6 +390,7 @@ async def run(cfg: PoolBench, node: Settings | None = None,
     finally:
         with timer.phase("cleanup"):
             await _cleanup_backend(settings)
+            results["leaks"] = _leaks(settings)
             shutil.rmtree(settings.home, ignore_errors=True)
     results["phases_s"] = timer.phases
     suite.extra = results
