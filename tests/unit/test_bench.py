@@ -394,3 +394,25 @@ def test_tiny_real_pools_run(tmp_path: Path, debian_python_image: object) -> Non
     burst = got["burst"]
     assert burst["failures"] == 0 and burst["answered"] == 6 and burst["mib_per_sandbox"] > 0
     assert [r["metric"] for r in got["rows"]], "no row in the table"
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> None:
+    """The function suite (zygote forks against bare fork+exec and bwrap) tiny on a real daemon."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    from dsec.bench.function import FunctionBench
+
+    cfg = FunctionBench(warmup=2, exec_n=5, call_n=2, sustained_seconds=0.5, concurrency=2, peer_n=3)
+    out = tmp_path / "f.json"
+    code = bench.main("function", out, config=cfg, console=Console(width=200, file=io.StringIO()))
+    document = json.loads(out.read_text())
+    if code == 2 and "function" in document["failed"]:
+        pytest.skip(f"function backend unavailable here: {document['failed']['function']}")
+    assert code == 0, document["failed"]
+    got = document["suites"]["function"]
+    assert got["leaks"] == []
+    assert got["latencies_s"]["sdk_exec_true"]["n"] == 5 and got["latencies_s"]["sdk_call"]["n"] == 2
+    assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
+    assert [r["metric"] for r in got["rows"]], "no row in the table"
