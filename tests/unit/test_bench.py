@@ -416,3 +416,21 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
     assert got["latencies_s"]["sdk_exec_true"]["n"] == 5 and got["latencies_s"]["sdk_call"]["n"] == 2
     assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
     assert [r["metric"] for r in got["rows"]], "no row in the table"
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_trajectory_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debian_python_image: object) -> None:
+    """The trajectory suite (logging overhead, fast-forward, snapshot/restore/fork) tiny on a real daemon."""
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        pytest.skip("needs root and runc")
+    monkeypatch.setenv("DSEC_BENCH_SCALE", "0.05")
+    out = tmp_path / "t.json"
+    code = bench.main("trajectory", out, console=Console(width=200, file=io.StringIO()))
+    document = json.loads(out.read_text())
+    assert code == 0, document["failed"]
+    got = document["suites"]["trajectory"]
+    assert got["leaks"] == [] and not Path(got["home"]).exists()
+    assert got["latencies_s"]["exec_true_trajectory"]["n"] == got["latencies_s"]["exec_true_plain"]["n"] > 0
+    assert got["fast_forward"] and got["checkpoints"]
+    assert [r["metric"] for r in got["rows"]], "no row in the table"

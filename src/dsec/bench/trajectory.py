@@ -27,7 +27,7 @@ from typing import Any
 
 from dsec import AsyncSandbox, Client
 from dsec.backends.container import ContainerBackend
-from dsec.bench.container import IMAGE, _cleanup_backend, _daemon, _private_settings, preflight
+from dsec.bench.container import IMAGE, _cleanup_backend, _daemon, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.images.store import ImageStore
@@ -173,6 +173,7 @@ async def run(cfg: TrajectoryBench, node: Settings | None = None,
                 await client.aclose()
     finally:
         await _cleanup_backend(settings)
+        results["leaks"] = _leaks(settings)
         shutil.rmtree(settings.home, ignore_errors=True)
     suite.extra = results
     suite.rows = _rows(suite)
