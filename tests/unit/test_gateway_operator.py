@@ -200,3 +200,35 @@ def test_a_stopping_node_reads_as_a_node_that_is_stopping_not_a_gateway_going_aw
     assert err.value.detail == {"node": "n1"}
     with pytest.raises(BackendUnavailable, match="node n1 does not answer"), g._reaching("n1"):
         raise dsec.ConnectionFailed("connection refused")
+
+
+def test_only_a_create_the_node_kept_nothing_of_is_placed_again() -> None:
+    """What `_create_placed` may place on another node: a refusal the node says kept nothing, or a connection
+    the node did not take. A call cut off at the node's graceful timeout (no promise), a connection lost
+    mid-call, or a connect that failed on the gateway's own side (out of descriptors) fail the create."""
+    import errno
+
+    from dsec._sdk.lean import LeanError
+    from dsec.cluster.gateway import _took_none
+
+    g = GatewayEngine(_NoDatabase(), _NoDatabase())  # type: ignore[arg-type]
+
+    def passed_on(err: BaseException) -> BaseException:
+        with pytest.raises(BackendUnavailable) as caught, g._reaching("n1"):
+            raise err
+        return caught.value
+
+    def lean(kind: str, why: BaseException | None) -> dsec.ConnectionFailed:
+        inner = LeanError(kind, str(why))
+        inner.__cause__ = why
+        outer = dsec.ConnectionFailed(f"cannot reach: {inner}")
+        outer.__cause__ = inner
+        return outer
+
+    assert _took_none(passed_on(DaemonStopping("create refused: stopping", kept=0)))
+    assert not _took_none(passed_on(DaemonStopping("POST /v1/sandboxes was cut off: stopping")))
+    assert _took_none(passed_on(lean("connect", ConnectionRefusedError(errno.ECONNREFUSED, "refused"))))
+    assert _took_none(passed_on(lean("connect", TimeoutError())))
+    assert not _took_none(passed_on(lean("connect", OSError(errno.EMFILE, "Too many open files"))))
+    assert not _took_none(passed_on(lean("lost", ConnectionResetError(errno.ECONNRESET, "reset"))))
+    assert not _took_none(dsec.ImageNotFound("no image 'x'"))

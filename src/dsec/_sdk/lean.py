@@ -123,8 +123,8 @@ class LeanPool:
             else:
                 opening = loop.create_connection(lambda: _Connection(loop), self.host, self.port, ssl=self.tls)
             _, conn = await asyncio.wait_for(opening, timeout)
-        except TimeoutError:
-            raise LeanError("connect", f"no connection within {timeout:g} s") from None
+        except TimeoutError as exc:  # kept as the cause: the peer did not answer, unlike a local OSError
+            raise LeanError("connect", f"no connection within {timeout:g} s") from exc
         except OSError as exc:
             raise LeanError("connect", str(exc) or type(exc).__name__) from exc
         return conn

@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import contextvars
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -108,17 +109,27 @@ _INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
 _LIVE = ("running", "paused", "creating")
 
 
-def _took_none(exc: BackendUnavailable) -> bool:
-    """Whether a node's failed create (as :meth:`GatewayEngine._reaching` passes it on) left nothing on it:
-    the daemon refused it as it stopped (a stopping daemon undoes what a refused or cut-off create made), or no
-    connection to it opened (nothing was sent). A connection lost mid-call may have made sandboxes: not this."""
+_NODE_DOWN = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
+"""Connect errors that say the node daemon is not there; others (EMFILE, EADDRNOTAVAIL...) are the gateway's."""
+
+
+def _took_none(exc: BaseException) -> bool:
+    """Whether a node's failed create (on the lean pool, as :meth:`GatewayEngine._reaching` passes it on) left
+    nothing on it because of the node: its daemon refused it as it stopped and says it kept nothing
+    (``kept=0``: a call cut off at its graceful timeout has no such promise), or the node did not take the
+    connection (refused, or no answer within the connect timeout: nothing was sent). A connection lost
+    mid-call may have made sandboxes, and a connect that failed on the gateway's side says nothing of the
+    node: not these."""
+    if not isinstance(exc, BackendUnavailable):
+        return False
     cause = exc.__cause__
     if isinstance(cause, DaemonStopping):
-        return True
-    if isinstance(cause, ConnectionFailed):
+        return cause.detail.get("kept") == 0
+    if isinstance(cause, ConnectionFailed) and isinstance(cause.__cause__, LeanError):
         inner = cause.__cause__
-        return (isinstance(inner, httpx.ConnectError | httpx.ConnectTimeout)
-                or (isinstance(inner, LeanError) and inner.kind == "connect"))
+        why = inner.__cause__
+        return inner.kind == "connect" and (isinstance(why, TimeoutError)
+                                            or (isinstance(why, OSError) and why.errno in _NODE_DOWN))
     return False
 
 
@@ -259,8 +270,8 @@ class GatewayEngine:
     async def poll(self) -> None:
         """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost; an
         unready node is used again once its daemon says it serves (its records reconciled first)."""
-        back = await self._serving_again()
-        for facts in await self.source():
+        back, report = await asyncio.gather(self._serving_again(), self.source())
+        for facts in report:
             known = self.node_rows.get(facts.name)
             if facts.alive and facts.url and facts.token:
                 row = NodeRow(facts.name, facts.url, facts.token, True, facts.capacity or {}, None)
@@ -308,17 +319,20 @@ class GatewayEngine:
                 return False
             return True
 
-        names = [name for name in self.unready if name in self.node_rows]
+        names = [name for name in self.unready if name in self.node_rows and self.node_rows[name].alive]
         answers = await asyncio.gather(*(serves(name) for name in names))
         return {name for name, ok in zip(names, answers, strict=True) if ok}
 
     def _hold(self, node: str, why: str) -> None:
         """``node`` took no create: place nothing more there until its daemon serves again (see :meth:`poll`)."""
+        self.placer.mark_dead(node)
+        row = self.node_rows.get(node)
+        if row is None or not row.alive:  # dead meanwhile: membership owns it, nothing to probe
+            return
         if node not in self.unready:
             log.warning("node %s takes no creates for now (%s): placing on the other nodes until it serves "
                         "again", node, why)
         self.unready[node] = why
-        self.placer.mark_dead(node)
 
     async def _node_died(self, node: NodeRow, reason: str) -> None:
         node.alive, node.reason = False, reason
@@ -530,40 +544,47 @@ class GatewayEngine:
                 else:
                     batch = BatchCreateRequest(count=n, spec=spec).model_dump_json().encode()
                     infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch))
-            except BaseException:
+            except BaseException as exc:
+                if _took_none(exc):  # held before its room is given back: that room must not draw waiters
+                    self._hold(node, str(exc))
                 for _ in range(n):
                     self.placer.release(job, node, spec)
                 raise
             return await self._remember(infos, node, job, durable=False)
 
         created: builtins.list[SandboxInfo] = []
+        errors: builtins.list[BaseException] = []
         counts = placement.counts
-        for round_ in range(1, _PLACE_ROUNDS + 1):
-            results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
-            created += [info for r in results if not isinstance(r, BaseException) for info in r]
-            errors = [r for r in results if isinstance(r, BaseException)]
-            missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)
-                      if isinstance(r, BackendUnavailable) and _took_none(r)]
-            if not errors or len(missed) < len(errors) or round_ == _PLACE_ROUNDS:
-                break
-            for node, _n, err in missed:
-                self._hold(node, err.message)
-            again = sum(n for _node, n, _err in missed)
-            self.placer.refund(job, again)
-            try:
-                counts = (await self.placer.place(spec, again, job, max(0.0, deadline - time.monotonic()))).counts
-            except DSecError as exc:
-                first = missed[0][2]
-                errors = [BackendUnavailable(f"{first.message}; no other node could take its {again} "
-                                             f"sandbox(es): {exc.message}", **first.detail)]
-                errors[0].__cause__ = exc
-                break
-            self.metrics.replaced.inc(again)
-            log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
-                     "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
+        try:
+            for round_ in range(1, _PLACE_ROUNDS + 1):
+                results = await asyncio.gather(*(on(node, n) for node, n in counts.items()),
+                                               return_exceptions=True)
+                created += [info for r in results if not isinstance(r, BaseException) for info in r]
+                errors = [r for r in results if isinstance(r, BaseException)]
+                missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)
+                          if isinstance(r, BackendUnavailable) and _took_none(r)]
+                if not errors or len(missed) < len(errors) or round_ == _PLACE_ROUNDS:
+                    break
+                again = sum(n for _node, n, _err in missed)
+                self.placer.refund(job, again)
+                try:
+                    counts = (await self.placer.place(spec, again, job,
+                                                      max(0.0, deadline - time.monotonic()))).counts
+                except DSecError as exc:
+                    first = missed[0][2]
+                    errors = [BackendUnavailable(f"{first.message}; no other node could take its {again} "
+                                                 f"sandbox(es): {exc.message}", **first.detail)]
+                    errors[0].__cause__ = exc
+                    break
+                self.metrics.replaced.inc(again)
+                log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
+                         "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
+        except BaseException:  # cancelled (the client left) while placing again: undo the earlier rounds
+            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
+            raise
         if errors:
             await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
-            hard = [e for e in errors if not (isinstance(e, BackendUnavailable) and _took_none(e))]
+            hard = [e for e in errors if not _took_none(e)]
             raise (hard or errors)[0]
         return created
 

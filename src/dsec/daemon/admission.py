@@ -103,7 +103,7 @@ class Admission:
 
     def _refuse_if_closed(self) -> None:
         if self._closed is not None:
-            raise DaemonStopping(f"create refused: {self._closed}")
+            raise DaemonStopping(f"create refused: {self._closed}", kept=0)
 
     async def _acquire(self, deadline: float) -> None:
         """Take a slot: at once when one is free, else wait until one is, ``deadline`` passes (QuotaExceeded)

@@ -360,7 +360,7 @@ class Engine:
 
     def _refuse_if_stopping(self) -> None:
         if self._stopping is not None:
-            raise DaemonStopping(f"create refused: {self._stopping}")
+            raise DaemonStopping(f"create refused: {self._stopping}", kept=0)
 
     async def aclose(self) -> None:
         """Drain the warm pools, stop the reaper and the backends. Sandboxes stay alive for the next daemon
@@ -743,7 +743,7 @@ class Engine:
         if stopped is None:
             return errors[0]
         detail = f"; the {undone} sandboxes it had made are destroyed again" if undone else ""
-        err = DaemonStopping(f"{what} refused: {self._stopping}{detail}")
+        err = DaemonStopping(f"{what} refused: {self._stopping}{detail}", kept=0)
         err.__cause__ = stopped
         return err
 

@@ -224,15 +224,23 @@ async def test_a_node_daemon_restart_costs_the_job_no_create(cluster: LocalClust
         try:
             victim = made[0]._info.node
             pid = daemon_pid(next(h for h in cluster.node_homes() if h.name == victim))
+            actor = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its supervisor
             replaced = metric((await c._request("GET", "/metrics")).text, "dsec_cluster_creates_replaced_total")
-            os.kill(pid, signal.SIGTERM)
-            await_gone = time.monotonic() + 60
-            while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
-                assert time.monotonic() < await_gone, "the node daemon did not stop on SIGTERM"
-                await asyncio.sleep(0.02)
-            # Down until its actor restarts it: the gateway still places on it, finds no connection, and
-            # places that share again.
-            during = await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+            # The actor is held while its daemon stops, so that no restarted daemon can listen before the
+            # next create (one bound but not started yet would take the connection and make the sandbox).
+            os.kill(actor, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGTERM)
+                await_gone = time.monotonic() + 60
+                while Path(f"/proc/{pid}/stat").exists() and \
+                        Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    assert time.monotonic() < await_gone, "the node daemon did not stop on SIGTERM"
+                    await asyncio.sleep(0.02)
+                # Down until its actor restarts it: the gateway still places on it, finds no connection,
+                # and places that share again.
+                during = await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+            finally:
+                os.kill(actor, signal.SIGCONT)
             made += during
             assert victim not in {s._info.node for s in during}
             text = (await c._request("GET", "/metrics")).text
