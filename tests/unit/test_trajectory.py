@@ -184,6 +184,39 @@ async def test_lost_sandbox_restores_checkpoint_and_reports_missing_effects(engi
     assert await engine.read_file(rebuilt.id, "/workspace/late.txt", seq=4) == b"late"
 
 
+async def test_a_rebuild_that_fails_or_is_cut_off_half_way_keeps_no_sandbox(engine: Engine,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost trajectory sandbox is rebuilt in steps (create, re-run, bind); one that fails or is cut off
+    (the daemon stopping) after the create destroys what it built: an unbound sandbox would stay, and a
+    retry (or a cluster gateway placing the create on another node) would build a second one."""
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    await engine.destroy(info.id)  # lost
+    store = engine.rollouts.log.store
+    real_bind, real_entries = store.put_binding, store.entries
+
+    async def unbindable(*args: object, **kwargs: object) -> None:
+        raise OSError("the log's disk is gone")
+
+    monkeypatch.setattr(store, "put_binding", unbindable)
+    with pytest.raises(OSError, match="disk is gone"):
+        await engine.create(spec())
+    assert await engine.list() == []
+    monkeypatch.setattr(store, "put_binding", real_bind)
+
+    async def cut_off(*args: object, **kwargs: object) -> object:
+        raise asyncio.CancelledError  # what the server's graceful timeout does to a call in flight
+
+    monkeypatch.setattr(store, "entries", cut_off)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.create(spec(rerun_missing=True))
+    assert await engine.list() == []
+    monkeypatch.setattr(store, "entries", real_entries)
+    back = await engine.create(spec(rerun_missing=True))
+    assert back.trajectory is not None and back.trajectory.rerun == [0]
+    assert [i.id for i in await engine.list()] == [back.id]
+
+
 async def test_a_fork_the_daemon_stops_under_is_refused_and_keeps_nothing(engine: Engine) -> None:
     """A fork with a copy still queued when the daemon begins stopping answers DaemonStopping; the copies it
     had made are retired, and the fork's snapshot goes with the last of them."""

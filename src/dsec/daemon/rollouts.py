@@ -156,9 +156,17 @@ class Rollouts:
         base = original.model_copy(update={"lease": spec.lease, "rerun_missing": spec.rerun_missing,
                                            "timeout": spec.timeout})
         info = await self._rebuild(t, base, len(t.ops))
-        t.binding.sandbox_id = info.id
-        await self.log.store.put_binding(t.binding)
+        await self._bind(t, info)
         return await self.engine.get(info.id)
+
+    async def _bind(self, t: OpenTrajectory, info: SandboxInfo) -> None:
+        """Record ``info`` as ``t``'s sandbox; if that fails (or the call is cut off), the sandbox goes."""
+        try:
+            t.binding.sandbox_id = info.id
+            await self.log.store.put_binding(t.binding)
+        except BaseException:
+            await self.engine.destroy(info.id)
+            raise
 
     async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
         """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
@@ -167,11 +175,15 @@ class Rollouts:
         after = range(t.binding.checkpoint_seq, upto)
         missing = [seq for seq in after if t.ops[seq] in _EFFECTS and t.statuses[seq] != "running"]
         rerun: list[int] = []
-        if spec.rerun_missing and missing:
-            start = t.binding.checkpoint_seq
-            for entry in await self.log.store.entries(t.name, start, upto - start):
-                if entry.seq in missing and await self._rerun(info.id, entry.op, json.loads(entry.request)):
-                    rerun.append(entry.seq)
+        try:
+            if spec.rerun_missing and missing:
+                start = t.binding.checkpoint_seq
+                for entry in await self.log.store.entries(t.name, start, upto - start):
+                    if entry.seq in missing and await self._rerun(info.id, entry.op, json.loads(entry.request)):
+                        rerun.append(entry.seq)
+        except BaseException:  # failed or cut off half-way: no unbound sandbox stays (a retry builds another)
+            await self.engine.destroy(info.id)
+            raise
         t.restored_from = checkpoint
         t.rerun = rerun
         t.missing_effects = [seq for seq in missing if seq not in rerun]
@@ -205,11 +217,10 @@ class Rollouts:
         t.lease, t.forked_from, t.fork_point = spec.lease, name, at
         try:
             info = await self._rebuild(t, spec, at)
+            await self._bind(t, info)
         except BaseException:
             self.log.forget(branch)
             raise
-        t.binding.sandbox_id = info.id
-        await self.log.store.put_binding(t.binding)
         t.touch()
         return await self.engine.get(info.id)
 
