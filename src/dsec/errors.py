@@ -224,7 +224,7 @@ class DaemonStopping(ConnectionFailed):
     a call still running at the end of the shutdown's grace period was cut off (an exec's command is killed).
     Retry once the daemon is back; its running sandboxes stay. A :class:`ConnectionFailed`, so code that
     retries a daemon going away retries this too. ``detail["kept"] == 0`` on a refused create: the daemon
-    kept nothing of it (a call cut off has no such promise: a trajectory rebuilt half-way may stay)."""
+    kept nothing of it (a call cut off at the grace period's end makes no such promise)."""
 
     status_code = 503
 

@@ -433,7 +433,7 @@ def destroy_every(base_url: str, *, uds: str | None = None, token: str | None = 
     with httpx.Client(base_url=base_url, headers=headers, transport=transport, timeout=timeout) as client:
         try:
             ids = [info["id"] for info in client.get("/v1/sandboxes").raise_for_status().json()]
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # not a DSec daemon's answer
             raise ServeError(f"cannot list the sandboxes to destroy at {uds or base_url}: {exc!r}") from exc
 
         def one(sandbox_id: str) -> str | None:
