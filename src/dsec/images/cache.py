@@ -6,7 +6,9 @@ Layout under ``root``::
     manifests/<hex>       manifests of images this node has mounted (verified copies)
     pins/<hex>            present while image <hex> is mounted: its chunks are never evicted
     access/<hex>          chunk indexes image <hex> read on this node, in first-read order
-    errors/<hex>          the last fetch error of image <hex> (read by the daemon to explain an EIO)
+    errors/<hex>          the last fetch error of image <hex> (read by the daemon to explain an EIO); the
+                          node keeps this directory elsewhere (``errors=``): a full cache disk is one of
+                          the errors it must be able to record
     locks/<hhh>           flock stripes: one fetch of a chunk at a time across threads and processes
 
 Every fetch checks the chunk's digest; a mismatch is fetched once more, and a second mismatch raises
@@ -53,13 +55,16 @@ def chunk_key(digest: str) -> str:
 class ChunkCache:
     """Verified chunks of ``store`` under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path | str, store: BlobStore, limit: int | None = None) -> None:
+    def __init__(self, root: Path | str, store: BlobStore, limit: int | None = None,
+                 errors: Path | str | None = None) -> None:
         self.root = Path(root)
         self.store = store
         self.limit = limit
+        self.errors_dir = Path(errors) if errors is not None else self.root / "errors"
         self._touched: dict[str, float] = {}
-        for sub in ("chunks", "manifests", "pins", "access", "errors", "locks"):
+        for sub in ("chunks", "manifests", "pins", "access", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.errors_dir.mkdir(parents=True, exist_ok=True)
 
     # --------------------------------------------------------------------- chunks
     def path(self, digest: str) -> Path:
@@ -218,19 +223,35 @@ class ChunkCache:
 
     # ------------------------------------------------------------ access records
     def record_error(self, hexdigest: str, error: DSecError) -> None:
-        """Remember why a read of image ``hexdigest`` failed (type and message, one line)."""
-        with contextlib.suppress(OSError):
-            (self.root / "errors" / hexdigest).write_text(f"{type(error).__name__}\t{error.message}\n")
+        """Remember why a read of image ``hexdigest`` failed (type and message, one line).
+
+        Written to a new file and renamed over the old record, so the daemon never reads a half-written
+        one: reads of one image fail concurrently (the kernel's readahead), and a record the disk had no
+        room for is not left behind empty."""
+        line = f"{type(error).__name__}\t{' '.join(error.message.split())}\n"
+        path = self.errors_dir / hexdigest
+        tmp = self.errors_dir / f".tmp-{hexdigest}-{secrets.token_hex(4)}"
+        try:
+            tmp.write_text(line)
+            os.rename(tmp, path)
+        except OSError as exc:
+            log.warning("could not record the read error of image %s (%s): %s", hexdigest[:12], exc, line.strip())
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def take_error(self, hexdigest: str) -> tuple[str, str] | None:
         """The last recorded read error of image ``hexdigest`` (removed), or None."""
-        path = self.root / "errors" / hexdigest
-        try:
-            kind, _, message = path.read_text().rstrip("\n").partition("\t")
-        except FileNotFoundError:
-            return None
-        path.unlink(missing_ok=True)
-        return kind, message
+        # A lazy filesystem server started by an older daemon (kept warm across upgrades) records under root.
+        for folder in dict.fromkeys((self.errors_dir, self.root / "errors")):
+            path = folder / hexdigest
+            try:
+                kind, _, message = path.read_text().rstrip("\n").partition("\t")
+            except FileNotFoundError:
+                continue
+            path.unlink(missing_ok=True)
+            if kind:
+                return kind, message
+        return None
 
     def access(self, hexdigest: str) -> list[int]:
         """Chunk indexes image ``hexdigest`` read on this node, first-read order, without repeats."""

@@ -8,13 +8,14 @@ The mount shows one file per image, named by its manifest's hex digest (the mani
 node cache's ``manifests/``). A read maps its range onto the manifest's chunks and serves each one from
 the :class:`~dsec.images.cache.ChunkCache`, which fetches, verifies and stores it on first use. A chunk
 that cannot be had (store unreachable, corrupt twice, cache full) fails the read with ``EIO`` and its
-reason is written to the cache's ``errors/`` for the daemon to report; wrong bytes are never returned.
-This module never mounts EROFS and never writes to the store.
+reason is recorded (``--errors``, the daemon's ``lazy/errors/``) for the daemon to report; wrong bytes
+are never returned. This module never mounts EROFS and never writes to the store.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -134,7 +135,8 @@ class LazyFS(pyfuse3.Operations):
                 path = await trio.to_thread.run_sync(self.cache.ensure, chunk.digest, limiter=self._limiter)
                 if i not in blob.read:
                     blob.read.add(i)
-                    with open(self.cache.root / "access" / blob.hexdigest, "a") as f:
+                    # A prefetch hint: a full cache disk must not fail the read (nor hide why others failed).
+                    with contextlib.suppress(OSError), open(self.cache.root / "access" / blob.hexdigest, "a") as f:
                         f.write(f"{i}\n")
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
@@ -179,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", required=True, type=Path, help="node chunk cache directory")
     parser.add_argument("--store", required=True, help="image store URL")
     parser.add_argument("--limit", type=int, default=None, help="cache size limit in bytes")
+    parser.add_argument("--errors", type=Path, default=None,
+                        help="where read errors are recorded for the daemon (default: <cache>/errors)")
     parser.add_argument("--ready-fd", type=int, default=None, help="write one byte here once mounted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lazyfs %(levelname)s %(message)s")
-    cache = ChunkCache(args.cache, open_store(args.store), limit=args.limit)
+    cache = ChunkCache(args.cache, open_store(args.store), limit=args.limit, errors=args.errors)
     ops = LazyFS(cache)
     options = set(pyfuse3.default_options) | {"fsname=dsec-lazy", "ro", "allow_other"}
     pyfuse3.init(ops, str(args.mountpoint), options)

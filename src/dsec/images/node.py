@@ -93,7 +93,9 @@ class NodeImages:
         self.base = settings.home / "lazy"
         self.blobs_dir = self.base / "blobs"
         self.mnt_dir = self.base / "mnt"
-        self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit)
+        # Read errors are recorded beside the mounts, not in the cache: a full cache disk is one of them.
+        self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit,
+                                errors=self.base / "errors")
         self.cache_limit = cache_limit
         self.prefetch = prefetch
         self._lock = threading.RLock()
@@ -423,7 +425,8 @@ class NodeImages:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read, write = os.pipe()
         argv = [sys.executable, "-m", "dsec.images.lazyfs", "--mountpoint", str(self.blobs_dir),
-                "--cache", str(self.cache.root), "--store", self.store.blobs.url, "--ready-fd", str(write)]
+                "--cache", str(self.cache.root), "--errors", str(self.cache.errors_dir),
+                "--store", self.store.blobs.url, "--ready-fd", str(write)]
         if self.cache_limit is not None:
             argv += ["--limit", str(self.cache_limit)]
         with open(log_path, "ab") as out:

@@ -22,7 +22,7 @@ from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import CacheFull, ImageCorrupt, ImageNotFound, StoreUnavailable
-from dsec.images.cache import chunk_key
+from dsec.images.cache import ChunkCache, chunk_key
 from dsec.images.node import NodeImages
 from dsec.images.store import ImageStore
 from dsec.models import ExecRequest, SandboxSpec
@@ -151,6 +151,33 @@ def test_a_full_cache_disk_is_reported(home: Path, tmp_path: Path) -> None:
             assert isinstance(cause, CacheFull) and "is full" in cause.message
         finally:
             node.aclose_sync(unmount=True)
+    finally:
+        assert _libc.umount2(str(cache_dir).encode(), 0) == 0
+
+
+def test_a_read_error_is_recorded_whole_when_the_cache_disk_is_full(home: Path, tmp_path: Path) -> None:
+    """The record that explains an EIO lives off the cache disk; where it cannot be written, none is
+    left rather than an empty one (which read as a DSecError with no message)."""
+    store = ImageStore(home / "images")
+    cache_dir = home / "full-cache"
+    cache_dir.mkdir()
+    if _libc.mount(b"tmpfs", str(cache_dir).encode(), b"tmpfs", 0, b"size=64k") != 0:
+        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        apart = ChunkCache(cache_dir, store.blobs, errors=tmp_path / "errors")
+        inside = ChunkCache(cache_dir, store.blobs)
+        with pytest.raises(OSError) as full, open(cache_dir / "filler", "wb") as f:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        assert full.value.errno == errno.ENOSPC
+        digest = "ab" * 32
+        apart.record_error(digest, CacheFull("the node image cache is full"))
+        assert apart.take_error(digest) == ("CacheFull", "the node image cache is full")
+        assert apart.take_error(digest) is None  # taken
+        inside.record_error(digest, CacheFull("the node image cache is full"))
+        assert inside.take_error(digest) is None
+        assert [p.name for p in (cache_dir / "errors").iterdir()] == []  # no half-written record left
     finally:
         assert _libc.umount2(str(cache_dir).encode(), 0) == 0
 
