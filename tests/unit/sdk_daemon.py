@@ -67,10 +67,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_daemon(home: Path, token: str | None = None, backends: dict[str, Backend] | None = None, *,
-                   port: int | None = None) -> Iterator[Daemon]:
+                   port: int | None = None, create_slots: int = 32) -> Iterator[Daemon]:
     """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given, on ``port`` or a free
     one); ``backends`` adds to (or replaces) the fake container backend."""
-    settings = Settings(home=home)
+    settings = Settings(home=home, create_slots=create_slots)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(settings, {"container": FakeBackend(root=home / "fake"), **(backends or {})},
                     TinyImages(home / "rootfs"))

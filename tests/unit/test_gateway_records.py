@@ -21,13 +21,15 @@ import pytest
 from sdk_daemon import Daemon, free_port, running_daemon
 
 import dsec
+from dsec.backends.base import ImageRef
 from dsec.cluster.gateway import GatewayEngine, NodeFacts, current_job
 from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow, SandboxRow
 from dsec.daemon.auth import JOB_LABEL
 from dsec.errors import BackendUnavailable, ImageNotFound, SandboxNotFound, SandboxTimeout
-from dsec.models import BatchCreateRequest, SandboxSpec
+from dsec.models import BatchCreateRequest, SandboxRecord, SandboxSpec
+from dsec.testing.fake import FakeBackend
 
 
 class _Writer:
@@ -322,5 +324,57 @@ async def test_a_node_that_does_not_answer_gets_no_create_and_the_last_node_stop
                 await g.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image="tiny")))
             assert g.placer.job("j9").live == 0 and await held_by(last) == 0
         finally:
+            current_job.reset(token)
+            await g.aclose()
+
+
+class _HeldSecond(FakeBackend):
+    """Makes its first sandbox at once and holds the second one's create until ``go`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root=root)
+        self.calls = 0
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    async def create(self, record: SandboxRecord, image: ImageRef) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.entered.set()
+            assert await asyncio.to_thread(self.go.wait, 30), "the test never let the held create go"
+        await super().create(record, image)
+
+
+async def test_a_batch_half_made_on_a_stopping_node_is_undone_there_and_placed_elsewhere(tmp_path: Path) -> None:
+    """A node that made part of its share when its daemon began to stop (one made, one being made, one queued
+    for a create slot) retires what it made, says it kept nothing, and the gateway places the whole share on
+    the other node: the job gets its batch, and the stopping node holds none of it."""
+    held = _HeldSecond(tmp_path / "fake")
+    with (running_daemon(tmp_path / "a", token="node-one-token-0123456789", backends={"container": held},
+                         create_slots=1) as first,
+          running_daemon(tmp_path / "b", token="node-two-token-0123456789") as other):
+        g, _writer = gateway([first, other])
+        token = current_job.set("j10")
+        try:
+            batch = asyncio.create_task(g.create_many(BatchCreateRequest(count=6, spec=SandboxSpec(image="tiny"))))
+            assert await asyncio.to_thread(held.entered.wait, 30), "node-0 never got its share: nothing tested"
+            deadline = time.monotonic() + 30  # the third member reaches admission after its image lookup
+            while first.engine.admission.statistics().waiting < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert first.engine.admission.statistics().waiting == 1, "no member of node-0's share waits for a slot"
+            drain(first)  # the queued member is refused; the one being made finishes
+            held.go.set()
+            made = await batch
+            assert len(made) == 6 and where(g, made) == {"node-1": 6}
+            assert held.calls == 2, "the refused member reached the backend"
+            assert await held_by(first) == 0 and await held_by(other) == 6, "node-0 kept part of its share"
+            assert g.placer.job("j10").live == 6 and g.placer.nodes["node-0"].live == {"container": 0}
+            assert "is stopping" in g.unready["node-0"]
+            assert "dsec_cluster_creates_replaced_total 3.0" in g.metrics.render().decode()
+            for info in made:
+                await g.destroy(info.id)
+            assert g.placer.job("j10").live == 0
+        finally:
+            held.go.set()
             current_job.reset(token)
             await g.aclose()
