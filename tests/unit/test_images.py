@@ -144,6 +144,31 @@ def test_resolve_warm_pins_a_mounted_image_without_blocking(store: ImageStore, t
 
 
 @pytest.mark.root
+def test_the_digest_a_tag_names_is_known_without_io_within_its_ttl_and_follows_a_reimport(
+        store: ImageStore, tmp_path: Path) -> None:
+    """What a warm-pool claim asks (engine._tag_digest): fresh_digest answers from memory, current_digest asks
+    the store once the answer is older than tag_ttl, so a re-import is seen."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "v").write_bytes(b"1")
+    store.import_dir("img", src, uid_shift=0)
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60)
+    first = store.tag("img")
+    assert first is not None
+    assert images.fresh_digest("img") is None  # never looked up
+    assert images.current_digest("img") == first[7:] == images.fresh_digest("img")
+    (src / "v").write_bytes(b"2")
+    store.import_dir("img", src, uid_shift=0, replace=True)
+    second = store.tag("img")
+    assert second is not None and second != first
+    assert images.current_digest("img") == first[7:]  # within tag_ttl: the remembered answer
+    images.tag_ttl = 0
+    assert images.fresh_digest("img") is None
+    assert images.current_digest("img") == second[7:]
+    assert images.current_digest("no-such-image") is None
+
+
+@pytest.mark.root
 def test_import_keeps_file_capabilities(store: ImageStore, node: NodeImages, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()

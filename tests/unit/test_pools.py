@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,14 +15,16 @@ import pytest
 from test_engine import fake_of, make_engine, record_files, started
 
 from container_support import await_until
+from dsec.backends.base import ImageRef
+from dsec.config import Settings
 from dsec.daemon import engine as engine_module
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
-from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL, REFILL_DELAY
+from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL, REFILL_DELAY, pool_key
 from dsec.errors import BackendUnavailable, DaemonStopping, InvalidRequest, QuotaExceeded, SandboxNotFound
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxRecord, SandboxSpec
-from dsec.testing.fake import FakeBackend
+from dsec.testing.fake import FakeBackend, FakeImages
 
 POOL = PoolConfig(image="base", min=2, max=4, memory="512Mi")
 SHAPE = SandboxSpec(image="base", memory="512Mi")
@@ -626,3 +629,132 @@ async def test_a_pool_larger_than_one_fill_wave_fills_completely(engine: Engine)
     await engine.pools.wait_filled(20)
     stats = engine.statistics().pools[0]
     assert stats.ready == 16 and stats.filling == 0, stats
+
+
+class _Versioned(FakeImages):
+    """Images whose tag can move (``digest``), with pins counted (``pinned``) and an optional stall in
+    :meth:`resolve` (``hold``), as NodeImages would behave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digest = "v1"
+        self.lookups = 0
+        self.pinned = 0
+        self.hold: threading.Event | None = None
+        self.resolving = threading.Event()
+        self.returned = threading.Event()
+
+    def resolve(self, name: str) -> ImageRef:
+        self.resolving.set()
+        if self.hold is not None:
+            assert self.hold.wait(30)
+        self.pinned += 1
+        self.returned.set()
+        return dataclasses.replace(super().resolve(name), digest=self.digest)
+
+    def release(self, ref: ImageRef) -> None:
+        self.pinned -= 1
+
+    def fresh_digest(self, name: str) -> str | None:
+        return None  # always asked again: every claim below sees the move at once
+
+    def current_digest(self, name: str) -> str | None:
+        self.lookups += 1
+        return self.digest
+
+
+class _Mortal(FakeBackend):
+    """A fake whose sandboxes can be declared dead, and whose network change can be held."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root=root)
+        self.dead: set[str] = set()
+        self.destroyed: list[str] = []
+        self.network_entered = asyncio.Event()
+
+    def alive(self, record: SandboxRecord) -> bool:
+        return record.id not in self.dead
+
+    async def destroy(self, record: SandboxRecord) -> None:
+        self.destroyed.append(record.id)
+        await super().destroy(record)
+
+    async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
+        self.network_entered.set()
+        await asyncio.Event().wait()  # until cancelled
+
+
+def _versioned_engine(tmp_path: Path) -> tuple[Engine, _Mortal, _Versioned]:
+    backend, images = _Mortal(tmp_path / "fake"), _Versioned()
+    eng = Engine(Settings(home=tmp_path / "home"), {"container": backend}, images)  # type: ignore[arg-type]
+    eng.pools.interval = 0.01
+    return eng, backend, images
+
+
+async def test_a_claim_hands_out_only_live_members_of_the_image_version_the_tag_names(tmp_path: Path) -> None:
+    eng, backend, images = _versioned_engine(tmp_path)
+    async with started(eng):
+        eng.pools.declare(POOL)
+        await eng.pools.wait_filled(10)
+        members = [r.id for r in eng.pools._pools[next(iter(eng.pools._pools))].ready]
+        assert len(members) == 2
+        # The first member died while it waited: the next one is handed out, the dead one destroyed.
+        backend.dead.add(members[0])
+        info = await eng.create(SHAPE)
+        assert info.pooled and info.id == members[1]
+        assert await await_until(lambda: members[0] in backend.destroyed, 10)
+        # The image is imported again (its tag moves): members of the old version are destroyed, not served.
+        await eng.pools.wait_filled(10)
+        old = [r.id for r in eng.pools._pools[next(iter(eng.pools._pools))].ready]
+        images.digest = "v2"
+        fresh = await eng.create(SHAPE)
+        assert not fresh.pooled, "a member of the old image version was handed out"
+        assert await await_until(lambda: set(old) <= set(backend.destroyed), 10)
+        assert eng._image_refs[fresh.id].digest == "v2"
+        assert await await_until(lambda: eng.statistics().pools[0].ready >= 1, 10)
+        again = await eng.create(SHAPE)
+        assert again.pooled and eng._image_refs[again.id].digest == "v2"
+        assert images.lookups >= 3  # asked at each claim with members ready (fresh_digest knew nothing)
+
+
+async def test_landlock_off_and_a_different_cpu_are_other_shapes(engine: Engine) -> None:
+    engine.pools.declare(POOL)
+    await engine.pools.wait_filled(10)
+    # Members are made confined (/proc and /dev read-only): an unconfined sandbox is never one of them.
+    unconfined = await engine.create(SHAPE.model_copy(update={"landlock": False}))
+    assert not unconfined.pooled
+    near = await engine.create(SHAPE.model_copy(update={"cpu": 1.0000001}))  # a microVM would get 2 vCPUs
+    assert not near.pooled
+    assert engine.statistics().pools[0].hits == 0
+    assert pool_key("i", "container", 1.0, 1, 1, 8, None) == "i:container:cpu=1,memory=1,disk=1,pids=8,workdir="
+    assert pool_key("i", "container", 0.5, 1, 1, 8, None).startswith("i:container:cpu=0.5,")
+
+
+async def test_a_claim_cut_off_while_applying_its_network_destroys_the_member(tmp_path: Path) -> None:
+    eng, backend, _images = _versioned_engine(tmp_path)
+    async with started(eng):
+        eng.pools.declare(POOL)
+        await eng.pools.wait_filled(10)
+        claim = asyncio.create_task(eng.create(SHAPE.model_copy(update={"network": "allow"})))
+        await asyncio.wait_for(backend.network_entered.wait(), 10)
+        [taken] = [r for r in eng._image_refs if r not in {m.id for p in eng.pools._pools.values() for m in p.ready}]
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        assert await await_until(lambda: taken not in {p.stem for p in eng.settings.state_dir.glob("*.json")}, 10)
+        assert taken in backend.destroyed and taken not in eng._image_refs
+
+
+async def test_a_create_cancelled_while_its_image_resolves_gives_the_pin_back(tmp_path: Path) -> None:
+    eng, _backend, images = _versioned_engine(tmp_path)
+    async with started(eng):
+        images.hold = threading.Event()
+        create = asyncio.create_task(eng.create(SandboxSpec(image="base")))
+        assert await asyncio.to_thread(images.resolving.wait, 10)
+        create.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await create
+        images.hold.set()
+        assert await asyncio.to_thread(images.returned.wait, 10)
+        assert await await_until(lambda: images.pinned == 0, 10), "the cancelled create's image pin was kept"
+        assert await eng.list() == []

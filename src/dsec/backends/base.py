@@ -113,6 +113,11 @@ class Backend(abc.ABC):
     async def recover(self, record: SandboxRecord) -> bool:
         """After a daemon restart: True if the sandbox is alive and re-adopted, False if it is gone."""
 
+    def alive(self, record: SandboxRecord) -> bool:
+        """Whether the sandbox still runs, judged without blocking (a few reads of /proc at most): a warm-pool
+        member that died while it waited (the OOM killer picks idle ones first) is not handed out."""
+        return True
+
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
         """Run a pickled Python callable (``sb.call``); the reply is decoded by the SDK, never here."""
         raise NotSupported(f"backend {self.name!r} cannot run Python callables: use backend='function'")

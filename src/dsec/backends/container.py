@@ -473,6 +473,10 @@ class ContainerBackend(Backend):
         if not await self.networks.set_policy(record.backend_state, policy) and policy.mode != "none":
             await self._connect(record, policy)
 
+    def alive(self, record: SandboxRecord) -> bool:
+        pid = record.backend_state.get("init_pid")
+        return pid is not None and start_time(int(pid)) == record.backend_state.get("init_start")
+
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")
         if not pid or start_time(pid) != record.backend_state.get("init_start"):

@@ -757,6 +757,10 @@ class MicroVMBackend(Backend):
 
     # -- agent operations ------------------------------------------------------------------------------
 
+    def alive(self, record: SandboxRecord) -> bool:
+        vm = self._vms.get(record.id)
+        return vm is not None and not vm.dead and vm.client is not None and vm.client.dead_reason is None
+
     def _vm(self, record: SandboxRecord) -> _VM:
         vm = self._vms.get(record.id)
         if vm is None:

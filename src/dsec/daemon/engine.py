@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Protocol, get_args
+from typing import Protocol, TypeVar, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
@@ -108,6 +109,24 @@ _BACKGROUND_TEARDOWNS = 64
 """Pooled sandboxes torn down behind their destroy's answer at once; past it a destroy waits for its own
 teardown (back-pressure: a client destroying faster than the node tears down must not pile up dead
 sandboxes that still hold memory and mounts)."""
+
+
+_T = TypeVar("_T")
+
+
+async def _pinning(fn: Callable[[], _T], undo: Callable[[_T], None]) -> _T:
+    """``fn()`` (which pins something: an image mount, snapshot layers) in a worker thread. A caller cancelled
+    meanwhile cannot stop the thread: what it pinned is given back by ``undo`` once it returns."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def late(done: asyncio.Future[_T]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                undo(done.result())
+
+        task.add_done_callback(late)
+        raise
 
 
 def dsec_version() -> str:
@@ -508,27 +527,49 @@ class Engine:
                                            and not backend.network_fixed_at_create)
 
     async def _claim(self, spec: SandboxSpec) -> SandboxInfo | None:
-        """Hand out a ready pool member with ``spec``'s labels, env, timeout and network; None: pool empty."""
-        record = self.pools.take(spec)
+        """Hand out a ready pool member with ``spec``'s labels, env, timeout and network; None: pool empty.
+
+        A member is handed out only while it runs and is of the image version a fresh create would get now
+        (a re-import moves the tag; idle members can wait for days): others are destroyed on the way."""
+        backend = self._backend(spec.backend)
+        digest = await self._tag_digest(backend, spec.image) if spec.image and self.pools.has_ready(spec) else None
+
+        def usable(member: SandboxRecord) -> bool:
+            if not backend.alive(member):
+                log.warning("pool member %s died while it waited; destroyed", member.id)
+                return False
+            ref = self._image_refs.get(member.id)
+            if digest is not None and ref is not None and ref.digest is not None and ref.digest != digest:
+                log.info("pool member %s is of an earlier version of image %s; destroyed", member.id, spec.image)
+                return False
+            return True
+
+        record, unusable = self.pools.take(spec, usable)
+        for member in unusable:
+            self._discard_later(member)
         if record is None:
             return None
         started = time.monotonic()
-        backend = self._backend(spec.backend)
-        if spec.network != "none":
-            try:
-                await backend.set_network(record, spec.network)
-            except Exception:
-                log.exception("pool member %s: applying network %r failed; creating afresh", record.id, spec.network)
-                await self.discard_member(record)
-                return None
-        now = time.time()
-        # The request's spec is this call's own object: no deep copy (the pool shape's workdir stays).
-        record.spec = spec.model_copy(update={"workdir": record.spec.workdir})
-        record.created_at, record.expires_at = now, now + spec.timeout
-        record.pooled = True
-        # The one write of a claim (no fsync, see StateStore): without it a daemon restarted now would
-        # take this client's sandbox for an unclaimed pool member and destroy it.
-        self._store.save(record)
+        try:
+            if spec.network != "none":
+                try:
+                    await backend.set_network(record, spec.network)
+                except Exception:
+                    log.exception("pool member %s: applying network %r failed; creating afresh", record.id,
+                                  spec.network)
+                    self._discard_later(record)
+                    return None
+            now = time.time()
+            # The request's spec is this call's own object: no deep copy (the pool shape's workdir stays).
+            record.spec = spec.model_copy(update={"workdir": record.spec.workdir})
+            record.created_at, record.expires_at = now, now + spec.timeout
+            record.pooled = True
+            # The one write of a claim (no fsync, see StateStore): without it a daemon restarted now would
+            # take this client's sandbox for an unclaimed pool member and destroy it.
+            self._store.save(record)
+        except BaseException:  # cancelled (a client gone, a batch failed) or the save failed: nobody has it
+            self._discard_later(record)
+            raise
         self._records[record.id] = record
         self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - started)
         self.metrics.created.labels(spec.backend).inc()
@@ -537,6 +578,30 @@ class Engine:
         info = self._info(record, pooled=True)
         self.events.publish("created", info, pooled=True, seconds=round(time.monotonic() - started, 6))
         return info
+
+    async def _tag_digest(self, backend: Backend, name: str) -> str | None:
+        """The digest (hex) image ``name`` resolves to now, without a worker thread when known within the
+        tag's time to live; None when unknown (a backend's own images, a directory image, the store down)."""
+        if type(backend).resolve_image is not Backend.resolve_image:
+            return None
+        fresh = getattr(self.images, "fresh_digest", None)
+        if fresh is None:
+            return None
+        found: str | None = fresh(name)
+        if found is not None:
+            return found
+        try:
+            found = await asyncio.to_thread(self.images.current_digest, name)  # type: ignore[attr-defined]
+        except DSecError as exc:  # a warm node keeps serving the images it has
+            log.debug("image %s: cannot look its tag up (%s); pool members served as they are", name, exc)
+            return None
+        return found
+
+    def _discard_later(self, record: SandboxRecord) -> None:
+        """Destroy an unclaimed pool member in the background (:meth:`aclose` waits for it)."""
+        task = asyncio.create_task(self.discard_member(record), name=f"dsec-discard-{record.id}")
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
 
     async def create_member(self, spec: SandboxSpec) -> SandboxRecord:
         """Create a pool member: recorded on disk (so a crash cleans it up) but invisible until claimed."""
@@ -595,9 +660,11 @@ class Engine:
             if not spec.image:
                 raise InvalidRequest("spec.image is required unless a snapshot is given")
             warm = self._resolve_warm(backend, spec.image)
-            image = warm if warm is not None else await asyncio.to_thread(self._resolve_image, backend, spec.image)
+            image = warm if warm is not None else await _pinning(
+                functools.partial(self._resolve_image, backend, spec.image), self._release)
             try:
-                roots = await asyncio.to_thread(self.snapshots.open, layers) if snapshot is not None else []
+                roots = await _pinning(functools.partial(self.snapshots.open, layers),
+                                       self.snapshots.close) if snapshot is not None else []
             except BaseException:
                 self._release(image)
                 raise

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,13 +47,17 @@ _MEMBER_TIMEOUT = 30 * 86400.0
 
 def pool_key(image: str, backend: str, cpu: float, memory: int, disk: int, pids: int, workdir: str | None) -> str:
     """The shape two specs must share to be served by the same pool."""
-    return f"{image}:{backend}:cpu={cpu:g},memory={memory},disk={disk},pids={pids},workdir={workdir or ''}"
+    # cpu in full (shortest round-trip repr): 1 and 1.0000001 are two shapes (a microVM gets ceil(cpu) vCPUs).
+    cores = repr(float(cpu)).removesuffix(".0")
+    return f"{image}:{backend}:cpu={cores},memory={memory},disk={disk},pids={pids},workdir={workdir or ''}"
 
 
 def key_of_spec(spec: SandboxSpec) -> str | None:
-    """The pool shape of ``spec``, or None when it can never come from a pool (trajectory, snapshot, or
-    protected/hidden paths, which are mounted when the sandbox is made)."""
-    if spec.trajectory is not None or spec.snapshot is not None or not spec.image or spec.protected or spec.hidden:
+    """The pool shape of ``spec``, or None when it can never come from a pool (trajectory, snapshot,
+    protected/hidden paths, which are mounted when the sandbox is made, or ``landlock=False``: members are
+    made confined, with ``/proc`` and ``/dev`` read-only)."""
+    if (spec.trajectory is not None or spec.snapshot is not None or not spec.image or spec.protected or spec.hidden
+            or not spec.landlock):
         return None
     return pool_key(spec.image, spec.backend, spec.cpu, spec.memory, spec.disk, spec.pids, spec.workdir)
 
@@ -145,20 +150,33 @@ class Pools:
         now = time.monotonic()
         return [p.statistics(now) for p in self._pools.values()]
 
-    def take(self, spec: SandboxSpec) -> SandboxRecord | None:
-        """A ready member for ``spec`` (counted as demand either way), or None: create it fresh."""
+    def has_ready(self, spec: SandboxSpec) -> bool:
+        """Whether a pool of ``spec``'s shape has a member ready now."""
+        key = key_of_spec(spec)
+        pool = self._pools.get(key) if key is not None else None
+        return pool is not None and bool(pool.ready)
+
+    def take(self, spec: SandboxSpec, usable: Callable[[SandboxRecord], bool] = lambda _r: True
+             ) -> tuple[SandboxRecord | None, list[SandboxRecord]]:
+        """A ready member for ``spec`` (counted as demand either way), or None: create it fresh. Members
+        ``usable`` refuses on the way (dead, or of an image version the tag no longer names) are taken out
+        and returned second, for the caller to destroy."""
         key = key_of_spec(spec)
         pool = self._pools.get(key) if key is not None else None
         if pool is None:
-            return None
+            return None, []
         now = time.monotonic()
         pool.claims.append(now)
         pool.last_claim = now
+        unusable: list[SandboxRecord] = []
+        while pool.ready and not usable(pool.ready[0]):
+            unusable.append(pool.ready.popleft())
         if not pool.ready:
             self._wake.set()
             pool.misses += 1
             self._metrics.pool_claims.labels(key, "miss").inc()
-            return None
+            self._metrics.pool_ready.labels(key).set(0)
+            return None, unusable
         pool.hits += 1
         self._metrics.pool_claims.labels(key, "hit").inc()
         record = pool.ready.popleft()
@@ -167,7 +185,7 @@ class Pools:
             asyncio.get_running_loop().call_later(REFILL_DELAY, self._wake.set)
         else:
             self._wake.set()
-        return record
+        return record, unusable
 
     def start(self) -> None:
         """Start the refill task."""

@@ -156,6 +156,26 @@ class NodeImages:
             self._by_name[name] = mount.hexdigest
         return _ref(manifest, mount)
 
+    def fresh_digest(self, name: str) -> str | None:
+        """The digest (hex) tag ``name`` named when looked up within ``tag_ttl``, without I/O; None when that
+        answer is older or there is none."""
+        cached = self._tags.get(name)
+        if cached is None or time.monotonic() - cached[1] >= self.tag_ttl:
+            return None
+        return cached[0][7:]
+
+    def current_digest(self, name: str) -> str | None:
+        """The digest (hex) tag ``name`` names now: :meth:`fresh_digest`, else asked of the store (and kept
+        for ``tag_ttl``). None when the store has no such tag (or the image is a directory). Blocking."""
+        fresh = self.fresh_digest(name)
+        if fresh is not None:
+            return fresh
+        digest = self.store.tag(name)
+        if digest is None:
+            return None
+        self._tags[name] = (digest, time.monotonic())
+        return digest[7:]
+
     def _manifest(self, name: str) -> Manifest | None:
         cached = self._tags.get(name)
         if cached is not None and time.monotonic() - cached[1] < self.tag_ttl:
