@@ -758,3 +758,18 @@ async def test_a_create_cancelled_while_its_image_resolves_gives_the_pin_back(tm
         assert await asyncio.to_thread(images.returned.wait, 10)
         assert await await_until(lambda: images.pinned == 0, 10), "the cancelled create's image pin was kept"
         assert await eng.list() == []
+
+
+async def test_a_create_whose_record_cannot_be_saved_gives_the_pin_back(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng, _backend, images = _versioned_engine(tmp_path)
+    async with started(eng):
+        def full(record: SandboxRecord) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(eng._store, "save", full)
+        with pytest.raises(OSError, match="No space left"):
+            await eng.create(SandboxSpec(image="base"))
+        assert images.pinned == 0, "the image stayed pinned for a sandbox that was never made"
+        monkeypatch.undo()
+        assert (await eng.create(SandboxSpec(image="base"))).state == "running" and images.pinned == 1

@@ -684,7 +684,12 @@ class Engine:
         )
         apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
-        self._store.save(record)
+        try:
+            self._store.save(record)
+        except BaseException:  # the state disk is full, say: nothing was made, give the pins back
+            self._release(image)
+            self.snapshots.close(roots)
+            raise
         if visible:
             self._records[record.id] = record
         self._image_refs[record.id] = image

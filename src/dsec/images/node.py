@@ -239,7 +239,7 @@ class NodeImages:
 
     def explain(self, ref: ImageRef) -> DSecError | None:
         """The store or cache error that made reads of ``ref``'s image fail, if the lazy filesystem saw one."""
-        for mount in self._mounts.values():
+        for mount in builtins.list(self._mounts.values()):  # another thread may mount or unmount meanwhile
             if mount.path == ref.rootfs:
                 found = self.cache.take_error(mount.hexdigest)
                 if found is not None:
@@ -251,7 +251,7 @@ class NodeImages:
     def _mount(self, manifest: Manifest) -> _Mount:
         # The digest it was fetched under; hashing the manifest (a dump of its JSON, ~1 MB for a big image) is
         # the fallback only: as next()'s default it was computed on every create.
-        known = next((d for d, m in self._manifests.items() if m is manifest), None)
+        known = next((d for d, m in builtins.list(self._manifests.items()) if m is manifest), None)
         hexdigest = (known or manifest.digest)[7:]
         mount = self._mounts.get(hexdigest)
         if mount is not None:
@@ -428,11 +428,16 @@ class NodeImages:
         return self.base / "lazyfs.pid"
 
     def fuse_pid(self) -> int | None:
-        """Pid of the running lazy filesystem server, or None."""
+        """Pid of the running lazy filesystem server, or None. The pid file outlives its server (a reboot, a
+        crash, the OOM killer): the pid counts only while it is still this home's server, never a process
+        that was given the number since (the daemon would signal it)."""
         try:
             pid = int(self._pid_file.read_text())
-            os.kill(pid, 0)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
         except (OSError, ValueError):
+            return None
+        if b"dsec.images.lazyfs" not in argv or os.fsencode(self.blobs_dir) not in argv or not _alive(pid):
             return None
         return pid
 
@@ -469,8 +474,10 @@ class NodeImages:
 
     def _stop_fuse(self) -> None:
         pid = self.fuse_pid()
-        with contextlib.suppress(OSError):
-            _umount(self.blobs_dir, detach=self.blobs_dir.exists() and pid is None)
+        # From the mount table, never a stat: on the mount of a dead server that fails (ENOTCONN).
+        if _mounts().get(str(self.blobs_dir), "").startswith("fuse"):
+            with contextlib.suppress(OSError):
+                _umount(self.blobs_dir, detach=pid is None)
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)

@@ -7,9 +7,12 @@ Every test uses its own DSEC_HOME and image store; mounts and the FUSE server ar
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +99,39 @@ def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_pat
         node_for(home, store).aclose_sync(unmount=True)
     assert not ref.rootfs.is_mount() and not (home / "lazy" / "blobs").is_mount()
     assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=10)
+
+
+def test_a_dead_server_is_replaced_and_a_process_given_its_pid_is_left_alone(home: Path, tmp_path: Path) -> None:
+    """The lazy server is killed (OOM killer, crash): its FUSE mount is left dead (ENOTCONN) and its pid file
+    stays. The next resolve replaces both; a process that was given the pid since is not signalled."""
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "a")
+    make_tree(tmp_path / "b")
+    (tmp_path / "b" / "etc" / "hello").write_text("hello from b\n")
+    store.import_dir("a", tmp_path / "a", uid_shift=0)
+    store.import_dir("b", tmp_path / "b", uid_shift=0)
+    node = node_for(home, store)
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        node.resolve("a")
+        pid = node.fuse_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=10)
+        with pytest.raises(OSError) as dead:
+            os.listdir(home / "lazy" / "blobs")
+        assert dead.value.errno == errno.ENOTCONN, "the killed server's mount is not dead: nothing tested"
+        (home / "lazy" / "lazyfs.pid").write_text(str(bystander.pid))  # the pid, given to another process
+        assert node.fuse_pid() is None
+        ref = node.resolve("b")
+        assert (ref.rootfs / "etc" / "hello").read_text() == "hello from b\n"
+        assert node.fuse_pid() not in (None, pid, bystander.pid)
+        assert bystander.poll() is None, "the daemon signalled a process that is not its lazy server"
+    finally:
+        node.aclose_sync(unmount=True)
+        bystander.kill()
+        bystander.wait()
+    assert not (home / "lazy" / "blobs").is_mount()
 
 
 def _zombie(pid: int) -> bool:
