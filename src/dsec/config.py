@@ -6,6 +6,7 @@
 | ``DSEC_IMAGES`` | ``$DSEC_HOME/images`` | the image store's local root (scratch space, locks) |
 | ``DSEC_IMAGE_STORE`` | ``$DSEC_IMAGES/store`` | image chunks: a path (local, shared mount) or ``s3://B/P?endpoint=U``|
 | ``DSEC_IMAGE_CACHE_MAX`` | none | size limit of the node's image chunk cache in bytes (LRU eviction) |
+| ``DSEC_IMAGE_CACHE_MIN_FREE`` | 5% (1 GiB-20%) | free space the image cache keeps on its disk (bytes, ``N%``) |
 | ``DSEC_URL`` | ``unix://$DSEC_HOME/run/dsec.sock`` | where clients find the daemon |
 | ``DSEC_TOKEN`` | none | bearer token for the TCP API |
 | ``DSEC_NODE`` | host name | node name reported in sandbox info |
@@ -95,6 +96,12 @@ class Settings:
         """Byte limit of the node's image chunk cache (``DSEC_IMAGE_CACHE_MAX``), or None."""
         value = os.environ.get("DSEC_IMAGE_CACHE_MAX")
         return int(value) if value else None
+
+    @property
+    def image_cache_min_free(self) -> str | None:
+        """Free space the image cache keeps on its disk (``DSEC_IMAGE_CACHE_MIN_FREE``: bytes or ``N%``), or None
+        for the default (see :func:`dsec.images.cache.free_reserve`)."""
+        return os.environ.get("DSEC_IMAGE_CACHE_MIN_FREE") or None
 
     @property
     def run_dir(self) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsec.errors import ImageCorrupt, InvalidRequest
-from dsec.images.cache import ChunkCache, chunk_key
+from dsec.images.cache import ChunkCache, chunk_key, free_reserve
 from dsec.images.format import BLOCK, ChunkIndex, ChunkRef, Manifest, cut_blob, sha256
 from dsec.images.stores import BlobStore, DirStore, ThrottledStore, open_store
 from dsec.models import ImageInfo
@@ -208,3 +208,16 @@ def test_throttled_store_url(tmp_path: Path) -> None:
         open_store(f"{tmp_path}?speed=fast")
     with pytest.raises(InvalidRequest, match="rate > 0"):
         open_store(f"{tmp_path}?rate=0")
+
+
+def test_the_free_space_reserve_is_read_with_its_default_and_refused_when_malformed() -> None:
+    GiB = 1 << 30
+    assert free_reserve(None, 200 * GiB) == 10 * GiB  # 5%
+    assert free_reserve("", 8 * GiB) == 1 * GiB  # at least 1 GiB ...
+    assert free_reserve(None, 2 * GiB) == 2 * GiB // 5  # ... but never more than a fifth of the disk
+    assert free_reserve("10%", 100 * GiB) == 10 * GiB and free_reserve("0", 100 * GiB) == 0
+    assert free_reserve(" 4096 ", GiB) == 4096
+    for bad in ("lots", "-1", "100%", "-5%", "1.5"):
+        with pytest.raises(InvalidRequest, match="DSEC_IMAGE_CACHE_MIN_FREE") as err:
+            free_reserve(bad, GiB)
+        assert repr(bad) in str(err.value)

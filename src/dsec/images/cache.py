@@ -12,9 +12,11 @@ Layout under ``root``::
     locks/<hhh>           flock stripes: one fetch of a chunk at a time across threads and processes
 
 Every fetch checks the chunk's digest; a mismatch is fetched once more, and a second mismatch raises
-:class:`~dsec.errors.ImageCorrupt`: bad bytes are never written to the cache nor served. When ``limit``
-is set, or the disk is full, chunks no pinned image uses are evicted least-recently-used first (by mtime,
-refreshed when a chunk is used). This module owns the cache directory; it never mounts anything.
+:class:`~dsec.errors.ImageCorrupt`: bad bytes are never written to the cache nor served. Chunks no pinned
+image uses are evicted least-recently-used first (by mtime, refreshed when a chunk is used) when the cache
+passes ``limit``, when its filesystem's free space falls below ``min_free`` (the cache shares a disk with
+the node's records, logs and writable layers, which must not be the ones to run out), or when the disk is
+full. This module owns the cache directory; it never mounts anything.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dsec.errors import CacheFull, DSecError, ImageCorrupt
+from dsec.errors import CacheFull, DSecError, ImageCorrupt, InvalidRequest
 from dsec.images.format import Manifest, sha256
 from dsec.images.stores import BlobStore
 
-__all__ = ["ChunkCache", "chunk_key"]
+__all__ = ["ChunkCache", "chunk_key", "free_reserve"]
 
 log = logging.getLogger(__name__)
 _TOUCH_EVERY = 60.0
@@ -46,6 +48,27 @@ def _hex(digest: str) -> str:
     return hexpart
 
 
+def free_reserve(spec: str | None, fs_bytes: int) -> int:
+    """Bytes to keep free on a cache filesystem of ``fs_bytes``: ``spec`` is a byte count or ``N%`` of the
+    filesystem (``0``: none). By default (None or empty) 5% of it, at least 1 GiB, at most a fifth of it."""
+    if not spec:
+        return min(max(fs_bytes // 20, 1 << 30), fs_bytes // 5)
+    text = spec.strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if not 0 <= share < 100:
+                raise ValueError
+            return int(fs_bytes * share / 100)
+        value = int(text)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise InvalidRequest(f"image cache free-space reserve {spec!r} (DSEC_IMAGE_CACHE_MIN_FREE): expected "
+                             "bytes or a percentage of the disk below 100, e.g. 10737418240 or 10%") from None
+
+
 def chunk_key(digest: str) -> str:
     """Store key of a chunk (or metadata image)."""
     h = _hex(digest)
@@ -56,10 +79,12 @@ class ChunkCache:
     """Verified chunks of ``store`` under ``root`` (see the module docstring)."""
 
     def __init__(self, root: Path | str, store: BlobStore, limit: int | None = None,
-                 errors: Path | str | None = None) -> None:
+                 errors: Path | str | None = None, min_free: int = 0) -> None:
         self.root = Path(root)
         self.store = store
         self.limit = limit
+        self.min_free = min_free
+        """Bytes the cache keeps free on its filesystem by evicting (0: only a full disk evicts)."""
         self.errors_dir = Path(errors) if errors is not None else self.root / "errors"
         self._touched: dict[str, float] = {}
         for sub in ("chunks", "manifests", "pins", "access", "locks"):
@@ -122,6 +147,19 @@ class ChunkCache:
                 break
         if self.limit is not None and self.usage() > self.limit:
             self.evict(target=self.limit)
+        if self.min_free:
+            self._keep_free()
+
+    def _keep_free(self) -> None:
+        """Evict until the filesystem has ``min_free`` bytes free again, and a tenth more so that the next
+        writes do not each evict (one statvfs per chunk written; the cache is walked only when short)."""
+        st = os.statvfs(self.root)
+        short = self.min_free - st.f_bavail * st.f_frsize
+        if short > 0:
+            usage = self.usage()
+            freed = self.evict(target=max(0, usage - short - self.min_free // 10))
+            log.info("image cache %s: %d bytes free, below the %d kept free: evicted %d bytes", self.root,
+                     st.f_bavail * st.f_frsize, self.min_free, freed)
 
     @staticmethod
     def _write_once(path: Path, data: bytes) -> None:

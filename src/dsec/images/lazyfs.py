@@ -181,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", required=True, type=Path, help="node chunk cache directory")
     parser.add_argument("--store", required=True, help="image store URL")
     parser.add_argument("--limit", type=int, default=None, help="cache size limit in bytes")
+    parser.add_argument("--min-free", type=int, default=0, help="bytes kept free on the cache's disk by evicting")
     parser.add_argument("--errors", type=Path, default=None,
                         help="where read errors are recorded for the daemon (default: <cache>/errors)")
     parser.add_argument("--ready-fd", type=int, default=None, help="write one byte here once mounted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lazyfs %(levelname)s %(message)s")
-    cache = ChunkCache(args.cache, open_store(args.store), limit=args.limit, errors=args.errors)
+    cache = ChunkCache(args.cache, open_store(args.store), limit=args.limit, errors=args.errors,
+                       min_free=args.min_free)
     ops = LazyFS(cache)
     options = set(pyfuse3.default_options) | {"fsname=dsec-lazy", "ro", "allow_other"}
     pyfuse3.init(ops, str(args.mountpoint), options)

@@ -34,7 +34,7 @@ from pathlib import Path
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
-from dsec.images.cache import ChunkCache
+from dsec.images.cache import ChunkCache, free_reserve
 from dsec.images.format import Manifest, sha256
 from dsec.images.store import ImageStore
 from dsec.models import ImageInfo
@@ -96,6 +96,8 @@ class NodeImages:
         # Read errors are recorded beside the mounts, not in the cache: a full cache disk is one of them.
         self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit,
                                 errors=self.base / "errors")
+        disk = os.statvfs(self.cache.root)
+        self.cache.min_free = free_reserve(settings.image_cache_min_free, disk.f_blocks * disk.f_frsize)
         self.cache_limit = cache_limit
         self.prefetch = prefetch
         self._lock = threading.RLock()
@@ -454,6 +456,8 @@ class NodeImages:
                 "--store", self.store.blobs.url, "--ready-fd", str(write)]
         if self.cache_limit is not None:
             argv += ["--limit", str(self.cache_limit)]
+        if self.cache.min_free:
+            argv += ["--min-free", str(self.cache.min_free)]
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(write,),
                                     start_new_session=True, close_fds=True)

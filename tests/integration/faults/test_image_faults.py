@@ -22,10 +22,12 @@ from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import CacheFull, ImageCorrupt, ImageNotFound, StoreUnavailable
-from dsec.images.cache import ChunkCache, chunk_key
+from dsec.images.cache import ChunkCache, chunk_key, free_reserve
+from dsec.images.format import ChunkRef, Manifest, sha256
 from dsec.images.node import NodeImages
 from dsec.images.store import ImageStore
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.images.stores import DirStore
+from dsec.models import ExecRequest, ImageInfo, SandboxSpec
 from dsec.testing.fake import FakeBackend
 from image_support import make_tree, seaweedfs
 
@@ -180,6 +182,41 @@ def test_a_read_error_is_recorded_whole_when_the_cache_disk_is_full(home: Path, 
         assert [p.name for p in (cache_dir / "errors").iterdir()] == []  # no half-written record left
     finally:
         assert _libc.umount2(str(cache_dir).encode(), 0) == 0
+
+
+def test_the_cache_keeps_its_disk_free_space_reserve_and_spares_pinned_images(home: Path) -> None:
+    """The cache shares its disk with the node's records and logs: past the reserve it evicts least recently
+    used chunks (never those of a mounted image) so that the disk keeps ``min_free`` bytes free."""
+    disk = home / "small-disk"
+    disk.mkdir()
+    if _libc.mount(b"tmpfs", str(disk).encode(), b"tmpfs", 0, b"size=16m") != 0:
+        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        store = DirStore(home / "chunks-store")
+        chunks = [os.urandom(MiB) for _ in range(14)]
+        digests = [sha256(c) for c in chunks]
+        for digest, data in zip(digests, chunks, strict=True):
+            store.put(chunk_key(digest), data)
+        reserve = free_reserve("6291456", 16 * MiB)
+        assert reserve == 6 * MiB and free_reserve("25%", 16 * MiB) == 4 * MiB
+        cache = ChunkCache(disk / "cache", store, min_free=reserve)
+        image = _manifest_of(digests[:2], chunks[:2])  # a mounted image: the first two chunks
+        cache.pin(cache.put_manifest(image))
+        for i, digest in enumerate(digests):
+            os.utime(cache.ensure(digest), (1000 + i, 1000 + i))  # older first
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            assert free >= reserve - MiB, f"after chunk {i}: {free} bytes free, reserve {reserve}"
+        assert cache.has(digests[0]) and cache.has(digests[1]), "a chunk of a mounted image was evicted"
+        assert cache.has(digests[-1]), "the chunk just fetched was evicted"
+        assert not all(cache.has(d) for d in digests[2:]), "nothing was evicted: the disk never got short"
+    finally:
+        assert _libc.umount2(str(disk).encode(), 0) == 0
+
+
+def _manifest_of(digests: list[str], chunks: list[bytes]) -> Manifest:
+    info = ImageInfo(name="pinned", created_at=0.0, size_bytes=0, files=0, source="test", uid_shift=0)
+    return Manifest(info=info, meta_digest=sha256(b"m"), meta_size=1,
+                    chunks=[ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
 
 
 def test_a_missing_image_is_reported_by_the_engine(home: Path) -> None:
