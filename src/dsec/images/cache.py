@@ -39,6 +39,8 @@ __all__ = ["ChunkCache", "chunk_key", "free_reserve"]
 
 log = logging.getLogger(__name__)
 _TOUCH_EVERY = 60.0
+_FRUITLESS_PAUSE = 5.0
+"""Seconds a reserve eviction that freed nothing is not tried again."""
 
 
 def _hex(digest: str) -> str:
@@ -87,6 +89,7 @@ class ChunkCache:
         """Bytes the cache keeps free on its filesystem by evicting (0: only a full disk evicts)."""
         self.errors_dir = Path(errors) if errors is not None else self.root / "errors"
         self._touched: dict[str, float] = {}
+        self._fruitless_until = 0.0
         for sub in ("chunks", "manifests", "pins", "access", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.errors_dir.mkdir(parents=True, exist_ok=True)
@@ -155,11 +158,14 @@ class ChunkCache:
         writes do not each evict (one statvfs per chunk written; the cache is walked only when short)."""
         st = os.statvfs(self.root)
         short = self.min_free - st.f_bavail * st.f_frsize
-        if short > 0:
+        # A walk that found nothing to evict (every chunk pinned, or the disk filled by others) is not
+        # repeated for every chunk written: at most every few seconds.
+        if short > 0 and time.monotonic() >= self._fruitless_until:
             usage = self.usage()
             freed = self.evict(target=max(0, usage - short - self.min_free // 10))
             log.info("image cache %s: %d bytes free, below the %d kept free: evicted %d bytes", self.root,
                      st.f_bavail * st.f_frsize, self.min_free, freed)
+            self._fruitless_until = 0.0 if freed else time.monotonic() + _FRUITLESS_PAUSE
 
     @staticmethod
     def _write_once(path: Path, data: bytes) -> None:
