@@ -78,7 +78,7 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
 @click.option("--pool", "pools", multiple=True, metavar="IMAGE:BACKEND[:min=N,max=N,...]",
               help="A warm pool (repeatable; also DSEC_POOLS, ';'-separated). Keys: min, max, cpu, memory, disk, "
-                   "pids, workdir.")
+                   "pids, workdir, network (none or allow: members made with a network device).")
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
     """Run the node daemon in the foreground."""
     from dsec.config import Settings

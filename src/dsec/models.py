@@ -691,10 +691,11 @@ class NodeInfo(Model):
 
 
 class PoolConfig(Model):
-    """A warm pool: sandboxes of one shape (image, backend, limits, workdir) created ahead of demand.
+    """A warm pool: sandboxes of one shape (image, backend, limits, workdir, with or without a network device)
+    created ahead of demand.
 
-    A create whose spec has this shape claims a ready sandbox; its labels, env, timeout and network are
-    applied at the claim. Specs bound to a trajectory or restored from a snapshot never come from a pool.
+    A create whose spec has this shape claims a ready sandbox; its labels, env, timeout and network policy
+    are applied at the claim. Specs bound to a trajectory or restored from a snapshot never come from a pool.
     """
 
     image: str
@@ -711,6 +712,10 @@ class PoolConfig(Model):
     """Process limit (part of the shape)."""
     workdir: str | None = None
     """Working directory (part of the shape; None: the image's)."""
+    network: Literal["none", "allow"] | list[str] = "none"
+    """The network policy members are made with. Whether it is ``"none"`` is part of the shape: a member made
+    without a network device serves only ``network="none"`` creates, one made with a device serves every other
+    policy (the claim's own is applied to it), exactly as a sandbox created with that policy would be."""
     min: int = Field(0, ge=0, le=100_000)
     """Ready sandboxes kept even without demand (the floor)."""
     max: int = Field(16, ge=0, le=100_000)
@@ -726,16 +731,17 @@ class PoolConfig(Model):
 
     @classmethod
     def parse(cls, text: str) -> PoolConfig:
-        """``IMAGE:BACKEND[:k=v,...]`` (keys: min, max, cpu, memory, disk, pids, workdir), as ``dsec serve --pool``."""
+        """``IMAGE:BACKEND[:k=v,...]`` (keys: min, max, cpu, memory, disk, pids, workdir, network: ``none`` or
+        ``allow``), as ``dsec serve --pool``."""
         parts = text.split(":", 2)
         if len(parts) < 2 or not parts[0] or not parts[1]:
             raise InvalidRequest(f"pool {text!r}: expected IMAGE:BACKEND[:min=N,max=N,cpu=C,memory=M,...]")
         fields: dict[str, Any] = {"image": parts[0], "backend": parts[1]}
         for item in filter(None, (parts[2] if len(parts) > 2 else "").split(",")):
             key, sep, value = item.partition("=")
-            if not sep or key not in {"min", "max", "cpu", "memory", "disk", "pids", "workdir"}:
+            if not sep or key not in {"min", "max", "cpu", "memory", "disk", "pids", "workdir", "network"}:
                 raise InvalidRequest(f"pool {text!r}: {item!r} is not one of min=, max=, cpu=, memory=, disk=, "
-                                     "pids=, workdir=")
+                                     "pids=, workdir=, network=")
             fields[key] = value
         try:
             return cls.model_validate(fields)

@@ -671,6 +671,8 @@ class _Mortal(FakeBackend):
         self.dead: set[str] = set()
         self.destroyed: list[str] = []
         self.network_entered = asyncio.Event()
+        self.hold_network = True
+        self.policies: list[tuple[str, str | list[str]]] = []
 
     def alive(self, record: SandboxRecord) -> bool:
         return record.id not in self.dead
@@ -681,7 +683,9 @@ class _Mortal(FakeBackend):
 
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         self.network_entered.set()
-        await asyncio.Event().wait()  # until cancelled
+        if self.hold_network:
+            await asyncio.Event().wait()  # until cancelled
+        self.policies.append((record.id, network))
 
 
 def _versioned_engine(tmp_path: Path) -> tuple[Engine, _Mortal, _Versioned]:
@@ -726,14 +730,44 @@ async def test_landlock_off_and_a_different_cpu_are_other_shapes(engine: Engine)
     near = await engine.create(SHAPE.model_copy(update={"cpu": 1.0000001}))  # a microVM would get 2 vCPUs
     assert not near.pooled
     assert engine.statistics().pools[0].hits == 0
-    assert pool_key("i", "container", 1.0, 1, 1, 8, None) == "i:container:cpu=1,memory=1,disk=1,pids=8,workdir="
+    assert pool_key("i", "container", 1.0, 1, 1, 8, None) == \
+        "i:container:cpu=1,memory=1,disk=1,pids=8,workdir=,net=none"
     assert pool_key("i", "container", 0.5, 1, 1, 8, None).startswith("i:container:cpu=0.5,")
+    # Of the network, only whether the sandbox has a device is part of the shape.
+    assert pool_key("i", "c", 1, 1, 1, 8, None, "allow") == pool_key("i", "c", 1, 1, 1, 8, None, ["10.0.0.1:80"])
+    assert pool_key("i", "c", 1, 1, 1, 8, None, "allow").endswith(",net=device")
+
+
+async def test_a_pool_with_a_network_device_serves_every_policy_but_none(tmp_path: Path) -> None:
+    eng, backend, _images = _versioned_engine(tmp_path)
+    backend.hold_network = False
+    async with started(eng):
+        eng.pools.declare(POOL.model_copy(update={"network": "allow"}))
+        await eng.pools.wait_filled(10)
+        offline = await eng.create(SHAPE)  # no device wanted: a member with one is not handed out
+        assert not offline.pooled
+        same = await eng.create(SHAPE.model_copy(update={"network": "allow"}))
+        assert same.pooled and backend.policies == []  # the member's own policy: nothing to apply
+        narrow = await eng.create(SHAPE.model_copy(update={"network": ["127.0.0.1:9"]}))
+        assert narrow.pooled and backend.policies == [(narrow.id, ["127.0.0.1:9"])]
+        assert narrow.spec.network == ["127.0.0.1:9"]
+
+
+async def test_a_pool_with_a_network_is_refused_on_a_backend_that_cannot_change_policies(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match="takes network='none' only"):
+        await engine.declare_pool(POOL.model_copy(update={"network": "allow"}))
+    with pytest.raises(InvalidRequest, match="takes network='none' only"):
+        Engine(Settings(home=engine.settings.home.parent / "other", pools=("base:container:network=allow",)),
+               {"container": FakeBackend()}, FakeImages())  # type: ignore[arg-type]
+    assert PoolConfig.parse("img:container:network=allow").network == "allow"
+    with pytest.raises(InvalidRequest, match="network"):
+        PoolConfig.parse("img:container:network=sometimes")
 
 
 async def test_a_claim_cut_off_while_applying_its_network_destroys_the_member(tmp_path: Path) -> None:
     eng, backend, _images = _versioned_engine(tmp_path)
     async with started(eng):
-        eng.pools.declare(POOL)
+        eng.pools.declare(POOL.model_copy(update={"network": ["127.0.0.1:9"]}))
         await eng.pools.wait_filled(10)
         claim = asyncio.create_task(eng.create(SHAPE.model_copy(update={"network": "allow"})))
         await asyncio.wait_for(backend.network_entered.wait(), 10)

@@ -240,6 +240,9 @@ class Engine:
         self.pools = Pools(self, self.metrics)
         # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named.
         self._declared = [PoolConfig.parse(text) for text in settings.pools]
+        for config in self._declared:
+            if config.backend in backends:
+                self._check_pool(config, backends[config.backend])
         self.host_limits = HostLimits() if settings.host_limits else None
         self._layer_roots: dict[str, builtins.list[Path]] = {}
         self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
@@ -519,12 +522,12 @@ class Engine:
         return await self._create(spec, spec.snapshot)
 
     def _poolable(self, spec: SandboxSpec) -> bool:
-        """Whether everything ``spec`` asks beyond its pool shape can be applied to a running sandbox."""
+        """Whether everything ``spec`` asks beyond its pool shape can be applied to a running sandbox (a network
+        policy other than the member's needs ``set_network``)."""
         backend = self._backends.get(spec.backend)
         if backend is None:
             return False
-        return spec.network == "none" or (type(backend).set_network is not Backend.set_network
-                                           and not backend.network_fixed_at_create)
+        return spec.network == "none" or type(backend).set_network is not Backend.set_network
 
     async def _claim(self, spec: SandboxSpec) -> SandboxInfo | None:
         """Hand out a ready pool member with ``spec``'s labels, env, timeout and network; None: pool empty.
@@ -551,7 +554,7 @@ class Engine:
             return None
         started = time.monotonic()
         try:
-            if spec.network != "none":
+            if spec.network != record.spec.network:  # a member with a device, made with the pool's policy
                 try:
                     await backend.set_network(record, spec.network)
                 except Exception:
@@ -618,9 +621,15 @@ class Engine:
         self._release_image(record.id)
         self._store.delete(record.id)
 
+    @staticmethod
+    def _check_pool(config: PoolConfig, backend: Backend) -> None:
+        if config.network != "none" and type(backend).set_network is Backend.set_network:
+            raise InvalidRequest(f"a pool on the {config.backend!r} backend takes network='none' only: it cannot "
+                                 "apply a claim's network policy to a running sandbox")
+
     async def declare_pool(self, config: PoolConfig) -> PoolStatistics:
         """Add a warm pool or change its bounds (``max=0`` empties it)."""
-        self._backend(config.backend)
+        self._check_pool(config, self._backend(config.backend))
         return self.pools.declare(config)
 
     def statistics(self) -> NodeStatistics:

@@ -45,11 +45,16 @@ _MEMBER_TIMEOUT = 30 * 86400.0
 """A member's wall-clock timeout until it is claimed (the claim sets the real one)."""
 
 
-def pool_key(image: str, backend: str, cpu: float, memory: int, disk: int, pids: int, workdir: str | None) -> str:
-    """The shape two specs must share to be served by the same pool."""
+def pool_key(image: str, backend: str, cpu: float, memory: int, disk: int, pids: int, workdir: str | None,
+             network: str | list[str] = "none") -> str:
+    """The shape two specs must share to be served by the same pool. Of the network, only whether there is a
+    device: a sandbox made with ``none`` has none (and no per-sandbox sysfs listing one), which a policy
+    applied at the claim cannot give it; any other policy is applied to a member made with a device."""
     # cpu in full (shortest round-trip repr): 1 and 1.0000001 are two shapes (a microVM gets ceil(cpu) vCPUs).
     cores = repr(float(cpu)).removesuffix(".0")
-    return f"{image}:{backend}:cpu={cores},memory={memory},disk={disk},pids={pids},workdir={workdir or ''}"
+    device = "none" if network == "none" else "device"
+    return (f"{image}:{backend}:cpu={cores},memory={memory},disk={disk},pids={pids},workdir={workdir or ''},"
+            f"net={device}")
 
 
 def key_of_spec(spec: SandboxSpec) -> str | None:
@@ -59,13 +64,14 @@ def key_of_spec(spec: SandboxSpec) -> str | None:
     if (spec.trajectory is not None or spec.snapshot is not None or not spec.image or spec.protected or spec.hidden
             or not spec.landlock):
         return None
-    return pool_key(spec.image, spec.backend, spec.cpu, spec.memory, spec.disk, spec.pids, spec.workdir)
+    return pool_key(spec.image, spec.backend, spec.cpu, spec.memory, spec.disk, spec.pids, spec.workdir,
+                    spec.network)
 
 
 def key_of_config(config: PoolConfig) -> str:
     """The pool shape a :class:`PoolConfig` declares."""
     return pool_key(config.image, config.backend, config.cpu, config.memory, config.disk, config.pids,
-                    config.workdir)
+                    config.workdir, config.network)
 
 
 class PoolHost(Protocol):
@@ -99,7 +105,7 @@ class _Pool:
     def member_spec(self) -> SandboxSpec:
         c = self.config
         return SandboxSpec(image=c.image, backend=c.backend, cpu=c.cpu, memory=c.memory, disk=c.disk, pids=c.pids,
-                           workdir=c.workdir, timeout=_MEMBER_TIMEOUT, labels={POOL_LABEL: self.key})
+                           workdir=c.workdir, network=c.network, timeout=_MEMBER_TIMEOUT, labels={POOL_LABEL: self.key})
 
     def deferred(self, now: float) -> bool:
         """Whether a refill waits (a claim in the last ``REFILL_DELAY`` s, more than half the target ready)."""

@@ -52,17 +52,27 @@ async def engine(debian_python_image: ImageRef) -> AsyncIterator[Engine]:
 
 
 async def test_claimed_sandbox_gets_its_spec(engine: Engine) -> None:
-    engine.pools.declare(POOL)
+    """A pool whose members have a network device: the claim's own policy is applied, and the sandbox looks
+    as one created with that policy would (its interface in /proc/net/dev and in its own /sys/class/net)."""
+    engine.pools.declare(POOL.model_copy(update={"network": "allow"}))
     await engine.pools.wait_filled(60)
     spec = SHAPE.model_copy(update={"labels": {"run": "7"}, "env": {"ANSWER": "42"}, "timeout": 120.0,
                                     "network": ["127.0.0.1:9"]})
     info = await engine.create(spec)
     assert info.pooled and info.labels == {"run": "7"} and info.spec.network == ["127.0.0.1:9"]
     assert info.expires_at == pytest.approx(info.created_at + 120.0)
-    result = await engine.exec(info.id, ExecRequest(command="echo $ANSWER; cat /proc/net/dev | grep -c eth0"))
-    assert result.exit_code == 0, result
-    assert result.stdout.split() == [b"42", b"1"]  # the network policy gave it an interface at the claim
-    await engine.destroy(info.id)
+    fresh = await engine.create(spec.model_copy(update={"memory": 300 * 2**20}))  # another shape: made now
+    assert not fresh.pooled
+    probe = ExecRequest(command="echo $ANSWER; grep -c eth0 /proc/net/dev; ls /sys/class/net | sort | tr '\\n' ' '")
+    pooled, made = await engine.exec(info.id, probe), await engine.exec(fresh.id, probe)
+    assert pooled.exit_code == 0, pooled
+    assert pooled.stdout.split(b"\n")[:2] == [b"42", b"1"]
+    assert b"eth0" in pooled.stdout.split(b"\n")[2], pooled.stdout
+    assert pooled.stdout.split(b"\n")[1:] == made.stdout.split(b"\n")[1:], "a claimed sandbox differs from a new one"
+    offline = await engine.create(SHAPE)  # network="none": a member with a device is not handed out
+    assert not offline.pooled
+    for sandbox in (info, fresh, offline):
+        await engine.destroy(sandbox.id)
     await engine.pools.wait_filled(60)
     stats = engine.statistics().pools[0]
     assert stats.hits == 1 and stats.ready >= 2 and stats.failures == 0
