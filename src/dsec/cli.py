@@ -422,14 +422,19 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
     if from_image is None:
         img = build_vm_image(name, desktop=desktop, packages=pkgs, suite=suite, disk_bytes=size, replace=replace)
     else:
-        images = NodeImages(Settings(), prefetch=False)
+        from dsec.daemon.server import daemon_answers
+
+        settings = Settings()
+        images = NodeImages(settings, prefetch=False)
         source = images.resolve(from_image)  # a chunked image is mounted (lazily) for the copy
         try:
             img = build_vm_image(name, desktop=desktop, packages=pkgs, disk_bytes=size, replace=replace,
                                  source=source)
         finally:
             images.release(source)
-            images.close_idle_sync()
+            # The node's daemon, if one runs, may have taken the mount over: it stays warm for it.
+            if not daemon_answers(settings):
+                images.close_own_sync()
     click.echo(f"built VM image {img.name}: {img.disk} (kernel {img.meta['kernel']}, "
                f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk{', desktop' if img.desktop else ''})")
 

@@ -104,6 +104,8 @@ class NodeImages:
         self._mounts: dict[str, _Mount] = {}
         self._by_name: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
+        self._made: set[str] = set()  # images this instance mounted itself, and whether it started the server
+        self._started_server = False
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
         self._manifests: dict[str, Manifest] = {}
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
@@ -283,6 +285,7 @@ class NodeImages:
             raise SandboxError(f"mounting image {manifest.info.name!r} (EROFS over {blob}) failed: "
                                f"{os.strerror(err)}", image=manifest.info.name)
         mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
+        self._made.add(hexdigest)
         if self.prefetch:
             self._start_prefetch(manifest, hexdigest)
         return mount
@@ -412,6 +415,26 @@ class NodeImages:
             if not self._mounts:
                 self._stop_fuse()
 
+    def close_own_sync(self) -> None:
+        """What a short-lived user of the node's images (a CLI command) does when done: unmount the images it
+        mounted itself that nothing uses, and stop the lazy server only if it started it and no image is
+        mounted any more. It never adopts: mounts and a server that a daemon's sandboxes may use are not its
+        own (:meth:`close_idle_sync`, a daemon's, takes them all)."""
+        self.aclose_sync(unmount=False)
+        prefix = str(self.mnt_dir) + "/"
+        with self._lock:
+            for hexdigest in builtins.list(self._made):
+                mount = self._mounts.get(hexdigest)
+                if mount is None or mount.refs:
+                    continue
+                try:
+                    self._unmount(mount)
+                except OSError as exc:  # busy: a sandbox mounted over it meanwhile; it stays
+                    log.info("image %s stays mounted: %s", hexdigest[:12], exc)
+            if self._started_server and not any(fs == "erofs" and point.startswith(prefix)
+                                                for point, fs in _mounts().items()):
+                self._stop_fuse()
+
     async def close_idle(self) -> None:
         """Async :meth:`close_idle_sync`."""
         import asyncio
@@ -473,6 +496,7 @@ class NodeImages:
             tail = log_path.read_text(errors="replace")[-1500:]
             raise SandboxError(f"the lazy image filesystem did not start (see {log_path}): {tail}")
         self._pid_file.write_text(str(proc.pid))
+        self._started_server = True
         # The daemon does not wait for it: it must outlive a daemon restart. A reaper thread avoids a zombie.
         threading.Thread(target=proc.wait, daemon=True, name="lazyfs-reaper").start()
 

@@ -134,6 +134,36 @@ def test_a_dead_server_is_replaced_and_a_process_given_its_pid_is_left_alone(hom
     assert not (home / "lazy" / "blobs").is_mount()
 
 
+def test_a_cli_done_with_an_image_leaves_the_daemons_mounts_and_server_alone(home: Path, tmp_path: Path) -> None:
+    """`dsec image build-vm --from` mounts its source beside a running daemon: when done it unmounts only what
+    it mounted and stops the server only if it started it (it used to adopt, unmount and stop everything)."""
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "a")
+    make_tree(tmp_path / "b")
+    store.import_dir("a", tmp_path / "a", uid_shift=0)
+    store.import_dir("b", tmp_path / "b", uid_shift=0)
+    daemon = node_for(home, store)
+    try:
+        used = daemon.resolve("a")
+        pid = daemon.fuse_pid()
+        cli = node_for(home, store, prefetch=False)
+        source = cli.resolve("b")
+        assert (source.rootfs / "etc" / "hello").read_text().startswith("hello")
+        cli.release(source)
+        cli.close_own_sync()
+        assert not source.rootfs.is_mount(), "the CLI's own mount was left"
+        assert used.rootfs.is_mount() and daemon.fuse_pid() == pid, "the CLI took the daemon's images down"
+        assert (used.rootfs / "etc" / "hello").read_text().startswith("hello")
+    finally:
+        daemon.aclose_sync(unmount=True)
+    alone = node_for(home, store, prefetch=False)  # no daemon: the CLI started the server, and stops it
+    source = alone.resolve("b")
+    alone.release(source)
+    alone.close_own_sync()
+    assert not source.rootfs.is_mount() and alone.fuse_pid() is None
+    assert not (home / "lazy" / "blobs").is_mount()
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
