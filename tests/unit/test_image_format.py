@@ -14,7 +14,7 @@ import pytest
 from dsec.errors import ImageCorrupt, InvalidRequest
 from dsec.images.cache import ChunkCache, chunk_key, free_reserve
 from dsec.images.format import BLOCK, ChunkIndex, ChunkRef, Manifest, cut_blob, sha256
-from dsec.images.stores import BlobStore, DirStore, ThrottledStore, open_store
+from dsec.images.stores import BlobStore, DirStore, S3Store, ThrottledStore, open_store
 from dsec.models import ImageInfo
 
 
@@ -208,6 +208,19 @@ def test_throttled_store_url(tmp_path: Path) -> None:
         open_store(f"{tmp_path}?speed=fast")
     with pytest.raises(InvalidRequest, match="rate > 0"):
         open_store(f"{tmp_path}?rate=0")
+
+
+def test_an_s3_store_url_keeps_its_endpoint_and_region() -> None:
+    """The lazy server process reopens the store from its URL: a region dropped there made it sign for
+    us-east-1 against an endpoint of another region (every chunk read failing while manifests worked)."""
+    url = "s3://bucket/images?endpoint=http://127.0.0.1:8333&region=eu-west-3"
+    store = open_store(url)
+    assert isinstance(store, S3Store) and store.region == "eu-west-3"
+    again = open_store(store.url)
+    assert isinstance(again, S3Store) and again.region == "eu-west-3" and again.url == store.url
+    assert again._s3.meta.endpoint_url == "http://127.0.0.1:8333" and again._s3.meta.region_name == "eu-west-3"
+    plain = open_store("s3://bucket")
+    assert isinstance(plain, S3Store) and plain.url == "s3://bucket/" and plain.region == "us-east-1"
 
 
 def test_the_free_space_reserve_is_read_with_its_default_and_refused_when_malformed() -> None:

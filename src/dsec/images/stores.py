@@ -129,11 +129,14 @@ class S3Store(BlobStore):
 
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.url = f"s3://{bucket}/{self.prefix}" + (f"?endpoint={endpoint_url}" if endpoint_url else "")
+        # The whole configuration: the lazy server process opens the store again from this URL.
+        query = urllib.parse.urlencode({k: v for k, v in (("endpoint", endpoint_url), ("region", region)) if v},
+                                       safe=":/")
+        self.url = f"s3://{bucket}/{self.prefix}" + (f"?{query}" if query else "")
+        self.region = region or "us-east-1"
         config = Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": retries},
                         max_pool_connections=32)
-        self._s3: Any = boto3.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
-                                     config=config)
+        self._s3: Any = boto3.client("s3", endpoint_url=endpoint_url, region_name=self.region, config=config)
 
     def _fail(self, what: str, key: str, exc: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"image store {self.url}: {what} {key} failed: {type(exc).__name__}: {exc}",
