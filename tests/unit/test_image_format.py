@@ -234,3 +234,21 @@ def test_the_free_space_reserve_is_read_with_its_default_and_refused_when_malfor
         with pytest.raises(InvalidRequest, match="DSEC_IMAGE_CACHE_MIN_FREE") as err:
             free_reserve(bad, GiB)
         assert repr(bad) in str(err.value)
+
+
+def test_a_cached_chunk_cut_short_or_evicted_under_a_read_is_fetched_again(tmp_path: Path) -> None:
+    """A host crash can leave a chunk's file short under its final name (written, renamed, data not yet on
+    disk): served as it is, every byte after it would shift. The read fetches it again instead."""
+    store = DirStore(tmp_path / "s")
+    data = os.urandom(20000)
+    digest = put_chunk(store, data)
+    cache = ChunkCache(tmp_path / "c", store)
+    assert cache.read(digest, len(data), 100, 50) == data[100:150]
+    path = cache.path(digest)
+    os.truncate(path, 120)  # what the crash left
+    assert cache.read(digest, len(data), 100, 5000) == data[100:5100]
+    assert path.stat().st_size == len(data)
+    path.unlink()  # evicted by another process between two reads
+    assert cache.read(digest, len(data), 19990, 10) == data[19990:]
+    with pytest.raises(ImageCorrupt, match="could not be read in full"):
+        cache.read(digest, len(data) + 1, 0, 10)  # a manifest that disagrees with the chunk's bytes

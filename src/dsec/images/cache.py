@@ -117,6 +117,31 @@ class ChunkCache:
             self._write(path, data)
         return path
 
+    def read(self, digest: str, size: int, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of chunk ``digest`` (``size`` bytes long), fetched first if needed.
+
+        A cached file of another size is fetched again, once: a host that crashed before a chunk's data
+        reached the disk can leave it short under its final name, and a short read would shift every byte
+        after it (wrong bytes, never served). So is a chunk evicted between the check and the open."""
+        for _attempt in (1, 2):
+            path = self.ensure(digest)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                if os.fstat(fd).st_size == size:
+                    data = os.pread(fd, length, offset)
+                    if len(data) == length:
+                        return data
+            finally:
+                os.close(fd)
+            log.warning("cached chunk %s is not %d bytes long (cut short by a crash?): fetched again", digest, size)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        raise ImageCorrupt(f"chunk {digest} could not be read in full from the node cache {self.root} (evicted or "
+                           "cut short twice)", digest=digest)
+
     def fetch(self, digest: str) -> bytes:
         """Chunk ``digest``'s bytes from the store, verified (one re-fetch on a mismatch); not cached."""
         key = chunk_key(digest)

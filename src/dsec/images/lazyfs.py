@@ -132,17 +132,13 @@ class LazyFS(pyfuse3.Operations):
                 i, inner = blob.index.locate(pos)
                 chunk = blob.manifest.chunks[i]
                 take = min(chunk.size - inner, end - pos)
-                path = await trio.to_thread.run_sync(self.cache.ensure, chunk.digest, limiter=self._limiter)
+                out += await trio.to_thread.run_sync(self.cache.read, chunk.digest, chunk.size, inner, take,
+                                                     limiter=self._limiter)
                 if i not in blob.read:
                     blob.read.add(i)
                     # A prefetch hint: a full cache disk must not fail the read (nor hide why others failed).
                     with contextlib.suppress(OSError), open(self.cache.root / "access" / blob.hexdigest, "a") as f:
                         f.write(f"{i}\n")
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    out += os.pread(fd, take, inner)
-                finally:
-                    os.close(fd)
                 pos += take
         except DSecError as exc:
             log.error("image %s: read at %d failed: %s", blob.hexdigest[:12], pos, exc.message)
