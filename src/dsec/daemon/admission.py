@@ -140,7 +140,9 @@ class Admission:
         """Slots, running and waiting creates, totals and the current shortage."""
         return AdmissionStatistics(slots=self.slots, running=self._running, waiting=self._waiting,
                                    admitted=self._admitted, queued=self._queued,
-                                   queue_seconds=self._queue_seconds, shortage=self._last_shortage)
+                                   queue_seconds=self._queue_seconds,
+                                   # Seen by a create still waiting: once none waits, it may be long over.
+                                   shortage=self._last_shortage if self._waiting else None)
 
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[float]:
