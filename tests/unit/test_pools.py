@@ -808,3 +808,42 @@ async def test_a_create_whose_record_cannot_be_saved_gives_the_pin_back(tmp_path
         assert images.pinned == 0, "the image stayed pinned for a sandbox that was never made"
         monkeypatch.undo()
         assert (await eng.create(SandboxSpec(image="base"))).state == "running" and images.pinned == 1
+
+
+async def test_a_slow_trim_does_not_hold_up_other_pools_and_close_waits_for_it(tmp_path: Path) -> None:
+    class SlowToDestroy(FakeBackend):
+        def __init__(self, root: Path) -> None:
+            super().__init__(root=root)
+            self.release = asyncio.Event()
+            self.destroyed: list[str] = []
+
+        async def destroy(self, record: SandboxRecord) -> None:
+            if record.spec.memory == 512 * 2**20:  # pool A's members
+                await self.release.wait()
+            self.destroyed.append(record.id)
+            await super().destroy(record)
+
+    backend = SlowToDestroy(tmp_path / "fake")
+    eng = make_engine(tmp_path, backend)
+    eng.pools.interval = 0.01
+    await eng.start()
+    try:
+        eng.pools.declare(POOL.model_copy(update={"min": 3, "max": 3}))
+        await eng.pools.wait_filled(10)
+        trimmed = [r.id for p in eng.pools._pools.values() for r in p.ready]
+        eng.pools.declare(POOL.model_copy(update={"min": 0, "max": 0}))  # empties A: a trim that hangs
+        assert await await_until(lambda: eng.statistics().pools[0].ready == 0, 10)
+        eng.pools.declare(PoolConfig(image="base", min=2, max=2, memory="256Mi"))  # B
+        await eng.pools.wait_filled(10)  # filled while A's trim still hangs
+        assert not set(trimmed) & set(backend.destroyed)
+        closing = asyncio.create_task(eng.pools.aclose())
+        await asyncio.sleep(0.1)
+        assert not closing.done(), "close did not wait for the trim in flight"
+        backend.release.set()
+        await asyncio.wait_for(closing, 10)
+        assert set(trimmed) <= set(backend.destroyed)
+    finally:
+        backend.release.set()
+        await eng.destroy_all()
+        await eng.aclose()
+    assert record_files(eng) == []

@@ -136,6 +136,7 @@ class Pools:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._draining = False
+        self._trimming: set[asyncio.Task[None]] = set()  # surplus members being destroyed (aclose waits)
         self.passes = 0
         """Refill passes the background task has made (an idle node makes none)."""
 
@@ -224,6 +225,8 @@ class Pools:
             for task in running:
                 task.cancel()
             await asyncio.gather(*fills, return_exceptions=True)
+        if self._trimming:  # surplus members already out of ``ready``: not to be left for the next start
+            await asyncio.gather(*list(self._trimming), return_exceptions=True)
         members = [r for p in self._pools.values() for r in p.ready]
         for pool in self._pools.values():
             pool.ready.clear()
@@ -286,7 +289,11 @@ class Pools:
             if surplus > 0 and not pool.filling:
                 doomed = [pool.ready.pop() for _ in range(surplus)]  # newest first: the oldest are warmest
                 self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
-                await asyncio.gather(*(self._host.discard_member(r) for r in doomed), return_exceptions=True)
+                # In the background: a long trim must not hold up the refill of the other pools.
+                for record in doomed:
+                    task = asyncio.create_task(self._host.discard_member(record), name=f"dsec-trim-{record.id}")
+                    self._trimming.add(task)
+                    task.add_done_callback(self._trimming.discard)
                 continue
             if now < pool.retry_at or pool.deferred(now):
                 continue
