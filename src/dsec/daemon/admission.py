@@ -21,7 +21,12 @@ from dsec.errors import DaemonStopping, QuotaExceeded
 from dsec.isolation.procs import meminfo
 from dsec.models import AdmissionStatistics
 
-__all__ = ["Admission", "host_shortage"]
+__all__ = ["Admission", "Deferred", "host_shortage"]
+
+
+class Deferred(Exception):
+    """A background create (a warm-pool refill) found the node busy and was not queued: creates of users
+    come first. Not an error of the create: the pool tries again shortly."""
 
 _MIB = 1024**2
 
@@ -145,13 +150,20 @@ class Admission:
                                    shortage=self._last_shortage if self._waiting else None)
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[float]:
+    async def admit(self, background: bool = False) -> AsyncIterator[float]:
         """Wait for a slot and host headroom; yields the seconds waited. Raises :class:`QuotaExceeded`
         after ``timeout`` seconds, naming what was short, and :class:`DaemonStopping` once :meth:`close` was
-        called (at once, also for a create already queued)."""
+        called (at once, also for a create already queued). A ``background`` create never waits: with a
+        create queued, no slot free or the host short now, it raises :class:`Deferred` (holding a slot while
+        it polled for headroom, a refill would be admitted before the users' creates queued behind it)."""
         started = time.monotonic()
         deadline = started + self.timeout
         self._refuse_if_closed()
+        if background:
+            if self._waiting or self._sem.locked():
+                raise Deferred("every create slot is taken or creates are queued")
+            if (short := self._shortage()) is not None:
+                raise Deferred(f"the node is short of {short}")
         self._waiting += 1
         try:
             await self._acquire(deadline)

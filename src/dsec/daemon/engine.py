@@ -25,7 +25,7 @@ from typing import Protocol, TypeVar, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
-from dsec.daemon.admission import Admission
+from dsec.daemon.admission import Admission, Deferred
 from dsec.daemon.audit import OUTPUT_HEAD_BYTES, AuditLog, AuditQuery, caller
 from dsec.daemon.auth import JOB_LABEL
 from dsec.daemon.events import EventBus
@@ -706,7 +706,7 @@ class Engine:
         queued = 0.0
         admitted = False
         try:
-            async with self.admission.admit() as queued:
+            async with self.admission.admit(background=not visible) as queued:
                 admitted = True
                 self.metrics.admission_seconds.labels(name).observe(queued)
                 started = time.monotonic()
@@ -720,7 +720,7 @@ class Engine:
                     await backend.create(record, image)
         except BaseException as exc:
             await self._undo_create(backend, record, started=admitted)
-            if isinstance(exc, DaemonStopping):
+            if isinstance(exc, (DaemonStopping, Deferred)):
                 raise  # refused, not failed: no failure count, no create_failed (a whole queue is refused at once)
             cause = self._explain_image(image) if admitted else None
             if cause is not None and not isinstance(exc, asyncio.CancelledError):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dsec.daemon.admission import Deferred
 from dsec.daemon.metrics import Metrics
 from dsec.errors import DaemonStopping
 from dsec.models import PoolConfig, PoolStatistics, SandboxRecord, SandboxSpec
@@ -35,6 +36,8 @@ DEMAND_WINDOW = 30.0
 """Seconds of claims (hits and misses) a pool's target follows."""
 _FILL_PARALLELISM = 8
 """Members one pool creates at once: a refill must not crowd out the creates of users."""
+_DEFER_RETRY = 0.25
+"""Seconds a pool waits after the node deferred its refill (busy with users' creates)."""
 FILL_CLOSE_WAIT = 30.0
 """Seconds a closing engine waits for pool creates in flight before it cancels them."""
 REFILL_DELAY = 0.05
@@ -321,6 +324,10 @@ class Pools:
             raise
         except DaemonStopping:
             return  # refused by the daemon stopping: not a failure of the pool's image or shape
+        except Deferred as why:  # the node is busy with users' creates: not a failure either; soon again
+            pool.retry_at = time.monotonic() + _DEFER_RETRY
+            log.debug("pool %s: refill deferred: %s", pool.key, why)
+            return
         except Exception as exc:
             pool.failures += 1
             pool.consecutive_failures += 1
