@@ -252,3 +252,23 @@ def test_a_cached_chunk_cut_short_or_evicted_under_a_read_is_fetched_again(tmp_p
     assert cache.read(digest, len(data), 19990, 10) == data[19990:]
     with pytest.raises(ImageCorrupt, match="could not be read in full"):
         cache.read(digest, len(data) + 1, 0, 10)  # a manifest that disagrees with the chunk's bytes
+
+
+def test_a_read_error_is_told_to_every_create_since_it_and_to_none_before(tmp_path: Path) -> None:
+    from dsec.errors import StoreUnavailable
+
+    cache = ChunkCache(tmp_path / "c", DirStore(tmp_path / "s"), errors=tmp_path / "errors")
+    digest = "cd" * 32
+    before = time.time()
+    cache.record_error(digest, StoreUnavailable("the store\tis down\nhard"))
+    # Every create of a batch that began before it is told (not only the first to ask) ...
+    for _ in range(3):
+        assert cache.read_error(digest, since=before) == ("StoreUnavailable", "the store is down hard")
+    # ... and a create that began after it is not: an old fault is not blamed for a new failure.
+    assert cache.read_error(digest, since=time.time() + 1) is None
+    # A record written by an older lazy server (no time, in the cache's own errors/) still reads.
+    (tmp_path / "c" / "errors").mkdir(exist_ok=True)
+    (tmp_path / "errors" / digest).unlink()
+    (tmp_path / "c" / "errors" / digest).write_text("CacheFull\tthe cache is full\n")
+    assert cache.read_error(digest) == ("CacheFull", "the cache is full")
+    assert cache.take_error(digest) == ("CacheFull", "the cache is full") and cache.read_error(digest) is None

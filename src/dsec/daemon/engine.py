@@ -722,8 +722,9 @@ class Engine:
             await self._undo_create(backend, record, started=admitted)
             if isinstance(exc, (DaemonStopping, Deferred)):
                 raise  # refused, not failed: no failure count, no create_failed (a whole queue is refused at once)
-            cause = self._explain_image(image) if admitted else None
-            if cause is not None and not isinstance(exc, asyncio.CancelledError):
+            cause = self._explain_image(image, now) if admitted and not isinstance(exc, asyncio.CancelledError) \
+                else None
+            if cause is not None:
                 self.metrics.failed.labels(name, type(cause).__name__).inc()
                 if visible:
                     self.events.publish("create_failed", spec=spec, reason=cause.message, error=type(cause).__name__)
@@ -766,10 +767,11 @@ class Engine:
         self._release_image(record.id)
         self._store.delete(record.id)
 
-    def _explain_image(self, image: ImageRef) -> DSecError | None:
-        """The image-loading error (store down, corrupt chunk, cache full) behind a failed create, if any."""
+    def _explain_image(self, image: ImageRef, since: float) -> DSecError | None:
+        """The image-loading error (store down, corrupt chunk, cache full) behind a create that failed, if the
+        lazy filesystem recorded one since the create began (``since``, wall clock)."""
         explain = getattr(self.images, "explain", None)
-        return explain(image) if explain is not None else None
+        return explain(image, since) if explain is not None else None
 
     def _release_image(self, sandbox_id: str) -> None:
         ref = self._image_refs.pop(sandbox_id, None)

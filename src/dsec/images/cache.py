@@ -292,12 +292,12 @@ class ChunkCache:
 
     # ------------------------------------------------------------ access records
     def record_error(self, hexdigest: str, error: DSecError) -> None:
-        """Remember why a read of image ``hexdigest`` failed (type and message, one line).
+        """Remember why a read of image ``hexdigest`` failed (when, type and message, one line).
 
         Written to a new file and renamed over the old record, so the daemon never reads a half-written
         one: reads of one image fail concurrently (the kernel's readahead), and a record the disk had no
         room for is not left behind empty."""
-        line = f"{type(error).__name__}\t{' '.join(error.message.split())}\n"
+        line = f"{time.time():.6f}\t{type(error).__name__}\t{' '.join(error.message.split())}\n"
         path = self.errors_dir / hexdigest
         tmp = self.errors_dir / f".tmp-{hexdigest}-{secrets.token_hex(4)}"
         try:
@@ -308,19 +308,30 @@ class ChunkCache:
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
-    def take_error(self, hexdigest: str) -> tuple[str, str] | None:
-        """The last recorded read error of image ``hexdigest`` (removed), or None."""
-        # A lazy filesystem server started by an older daemon (kept warm across upgrades) records under root.
+    def read_error(self, hexdigest: str, since: float = 0.0) -> tuple[str, str] | None:
+        """The last read error of image ``hexdigest`` recorded at or after ``since`` (wall clock), or None. Left
+        in place: every create of a batch that failed on it is told, and a later one is not (too old)."""
+        # A lazy filesystem server started by an older daemon (kept warm across upgrades) records under root,
+        # without a time.
         for folder in dict.fromkeys((self.errors_dir, self.root / "errors")):
-            path = folder / hexdigest
             try:
-                kind, _, message = path.read_text().rstrip("\n").partition("\t")
+                fields = (folder / hexdigest).read_text().rstrip("\n").split("\t", 2)
             except FileNotFoundError:
                 continue
-            path.unlink(missing_ok=True)
-            if kind:
+            try:
+                when, kind, message = float(fields[0]), fields[1], fields[2]
+            except (ValueError, IndexError):
+                when, kind, message = 0.0, fields[0], fields[1] if len(fields) > 1 else ""
+            if kind and when >= since:
                 return kind, message
         return None
+
+    def take_error(self, hexdigest: str) -> tuple[str, str] | None:
+        """:meth:`read_error` (any age), and the record removed."""
+        found = self.read_error(hexdigest)
+        for folder in (self.errors_dir, self.root / "errors"):
+            (folder / hexdigest).unlink(missing_ok=True)
+        return found
 
     def access(self, hexdigest: str) -> list[int]:
         """Chunk indexes image ``hexdigest`` read on this node, first-read order, without repeats."""

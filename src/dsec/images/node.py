@@ -241,11 +241,13 @@ class NodeImages:
                         self._save_access(mount.hexdigest)
                     return
 
-    def explain(self, ref: ImageRef) -> DSecError | None:
-        """The store or cache error that made reads of ``ref``'s image fail, if the lazy filesystem saw one."""
+    def explain(self, ref: ImageRef, since: float = 0.0) -> DSecError | None:
+        """The store or cache error that made reads of ``ref``'s image fail, if the lazy filesystem saw one at or
+        after ``since`` (wall clock: a create passes its start, so that a fault of hours ago, which nobody
+        read, is not blamed for an unrelated failure)."""
         for mount in builtins.list(self._mounts.values()):  # another thread may mount or unmount meanwhile
             if mount.path == ref.rootfs:
-                found = self.cache.take_error(mount.hexdigest)
+                found = self.cache.read_error(mount.hexdigest, since)
                 if found is not None:
                     kind, message = found
                     return _ERRORS.get(kind, DSecError)(f"image {ref.name!r}: {message}", image=ref.name)
