@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,6 +140,42 @@ def test_resolve_warm_pins_a_mounted_image_without_blocking(store: ImageStore, t
         assert images.idle(), "each resolve (warm or not) is one pin, released once"
         images.tag_ttl = 0  # the tag must be checked again in the store: not warm
         assert images.resolve_warm("img") is None
+    finally:
+        images.aclose_sync(unmount=True)
+
+
+@pytest.mark.root
+def test_a_mount_in_progress_does_not_block_the_warm_path(store: ImageStore, tmp_path: Path) -> None:
+    """resolve_warm and release run on the daemon's event loop: while another thread holds the images' lock
+    (a first mount: a lazy server start, a metadata fetch, seconds) they return at once, and the release is
+    done once the lock is free."""
+    src = tmp_path / "src"
+    make_tree(src)
+    store.import_dir("img", src, uid_shift=SHIFT)
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60)
+    try:
+        ref = images.resolve("img")
+        held, done = threading.Event(), threading.Event()
+
+        def mounting() -> None:
+            with images._lock:
+                held.set()
+                done.wait(30)
+
+        holder = threading.Thread(target=mounting)
+        holder.start()
+        assert held.wait(10)
+        started = time.monotonic()
+        assert images.resolve_warm("img") is None  # the blocking path (a thread) will do it
+        images.release(ref)
+        assert time.monotonic() - started < 1.0, "the warm path waited for the lock"
+        assert images._mounts[ref.digest].refs == 1, "released before the lock was free"  # (mounted() locks)
+        done.set()
+        holder.join(10)
+        deadline = time.monotonic() + 10
+        while images.mounted() != {ref.digest: 0} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert images.mounted() == {ref.digest: 0}
     finally:
         images.aclose_sync(unmount=True)
 

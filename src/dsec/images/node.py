@@ -104,6 +104,7 @@ class NodeImages:
         self._mounts: dict[str, _Mount] = {}
         self._by_name: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
+        self._access_saved: set[str] = set()  # images whose access record the store has
         self._made: set[str] = set()  # images this instance mounted itself, and whether it started the server
         self._started_server = False
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
@@ -152,12 +153,16 @@ class NodeImages:
         if cached is None or time.monotonic() - cached[1] >= self.tag_ttl or self._tag_files.get(name) != cached[0]:
             return None
         manifest = self._manifests.get(cached[0])
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # a mount in progress (seconds): not on the event loop
+            return None
+        try:
             mount = self._mounts.get(cached[0][7:])
             if manifest is None or mount is None:
                 return None
             mount.refs += 1
             self._by_name[name] = mount.hexdigest
+        finally:
+            self._lock.release()
         return _ref(manifest, mount)
 
     def fresh_digest(self, name: str) -> str | None:
@@ -231,15 +236,36 @@ class NodeImages:
         self.unpin(ref.rootfs)
 
     def unpin(self, root: Path) -> None:
-        """Unpin the mount at ``root`` (from :meth:`resolve` or :meth:`pin_manifest`; it stays warm)."""
+        """Unpin the mount at ``root`` (from :meth:`resolve` or :meth:`pin_manifest`; it stays warm). Never
+        blocks its caller (the daemon's event loop): while a mount in progress holds the lock (a lazy server
+        start, a metadata fetch: seconds), the unpin is done by a thread; the access record goes to the store
+        from a thread too."""
+        if not self._lock.acquire(blocking=False):
+            threading.Thread(target=self._unpin, args=(root,), daemon=True, name="dsec-unpin").start()
+            return
+        try:
+            idle = self._unpin_locked(root)
+        finally:
+            self._lock.release()
+        if idle is not None and idle not in self._access_saved:
+            threading.Thread(target=self._save_access, args=(idle,), daemon=True, name="dsec-access").start()
+
+    def _unpin(self, root: Path) -> None:
         with self._lock:
-            for mount in self._mounts.values():
-                if mount.path == root and mount.refs > 0:
-                    mount.refs -= 1
-                    if mount.refs == 0:
-                        mount.idle_since = time.monotonic()
-                        self._save_access(mount.hexdigest)
-                    return
+            idle = self._unpin_locked(root)
+        if idle is not None:
+            self._save_access(idle)
+
+    def _unpin_locked(self, root: Path) -> str | None:
+        """One reference of the mount at ``root`` less; its digest if none is left."""
+        for mount in self._mounts.values():
+            if mount.path == root and mount.refs > 0:
+                mount.refs -= 1
+                if mount.refs == 0:
+                    mount.idle_since = time.monotonic()
+                    return mount.hexdigest
+                return None
+        return None
 
     def explain(self, ref: ImageRef, since: float = 0.0) -> DSecError | None:
         """The store or cache error that made reads of ``ref``'s image fail, if the lazy filesystem saw one at or
@@ -523,7 +549,10 @@ class NodeImages:
 
     # ------------------------------------------------------------------ access records and prefetch
     def _save_access(self, hexdigest: str) -> None:
-        """Upload the chunk order this node read, if the store has no record for the image yet."""
+        """Upload the chunk order this node read, if the store has no record for the image yet (asked once
+        per image and daemon once it is there)."""
+        if hexdigest in self._access_saved:
+            return
         key = f"access/{hexdigest}"
         order = self.cache.access(hexdigest)
         if not order:
@@ -531,6 +560,7 @@ class NodeImages:
         try:
             if not self.store.blobs.has(key):
                 self.store.blobs.put(key, json.dumps(order).encode())
+            self._access_saved.add(hexdigest)
         except DSecError as exc:
             log.warning("could not save the access record of image %s: %s", hexdigest[:12], exc)
 
