@@ -272,3 +272,17 @@ def test_a_read_error_is_told_to_every_create_since_it_and_to_none_before(tmp_pa
     (tmp_path / "c" / "errors" / digest).write_text("CacheFull\tthe cache is full\n")
     assert cache.read_error(digest) == ("CacheFull", "the cache is full")
     assert cache.take_error(digest) == ("CacheFull", "the cache is full") and cache.read_error(digest) is None
+
+
+def test_a_killed_writers_temporary_chunk_is_swept_by_the_next_walk(tmp_path: Path) -> None:
+    store = DirStore(tmp_path / "s")
+    digest = put_chunk(store, b"x" * 5000)
+    cache = ChunkCache(tmp_path / "c", store)
+    cache.ensure(digest)
+    folder = cache.path(digest).parent
+    old, fresh = folder / ".tmp-dead-0001", folder / ".tmp-live-0002"
+    old.write_bytes(b"y" * 100)
+    fresh.write_bytes(b"z" * 100)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    assert cache.usage() == 5000  # neither counts as cached
+    assert not old.exists() and fresh.exists(), "only a leftover older than any write in progress goes"

@@ -39,6 +39,8 @@ __all__ = ["ChunkCache", "chunk_key", "free_reserve"]
 
 log = logging.getLogger(__name__)
 _TOUCH_EVERY = 60.0
+_TMP_STALE = 600.0
+"""Seconds after which a chunk's temporary file is a killed writer's leftover (swept by the cache walks)."""
 _FRUITLESS_PAUSE = 5.0
 """Seconds a reserve eviction that freed nothing is not tried again."""
 
@@ -257,9 +259,13 @@ class ChunkCache:
 
     def _entries(self) -> list[tuple[float, int, Path]]:
         found = []
+        stale = time.time() - _TMP_STALE
         for sub in (self.root / "chunks").iterdir():
             for f in sub.iterdir():
-                if f.name.startswith(".tmp-"):
+                if f.name.startswith(".tmp-"):  # a write in progress, or the leftover of a killed one
+                    with contextlib.suppress(OSError):
+                        if f.stat().st_mtime < stale:
+                            f.unlink()
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     st = f.stat()

@@ -543,8 +543,11 @@ class NodeImages:
             if _alive(pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                while _alive(pid):
+                deadline = time.monotonic() + 10  # stuck in the kernel (a hung NFS store): not waited for forever
+                while _alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.02)
+                if _alive(pid):
+                    log.error("lazy image server %d did not die of SIGKILL within 10 s (stuck in I/O?); left", pid)
         self._pid_file.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ access records and prefetch
