@@ -294,6 +294,9 @@ class Engine:
                     reason = f"failed to start: {type(exc).__name__}: {exc}"
             if reason != "ok":
                 self._unavailable[name] = reason
+        drop_stale_pins = getattr(self.images, "drop_stale_pins", None)
+        if drop_stale_pins is not None:  # before recovery mounts (and pins) again what the sandboxes use
+            await asyncio.to_thread(drop_stale_pins)
         sem = asyncio.Semaphore(_RECOVERY_PARALLELISM)
 
         async def recover(record: SandboxRecord) -> None:

@@ -202,7 +202,13 @@ class NodeImages:
         if self._tag_files.get(name) != digest:  # what this node resolved ``name`` to (see cached())
             tags = self.cache.root / "tags"
             tags.mkdir(exist_ok=True)
-            (tags / name).write_text(digest)
+            tmp = tags / f".tmp-{name}-{os.getpid()}-{threading.get_ident()}"
+            try:  # whole or not at all: an empty file left by a full disk read as a tag to nothing
+                tmp.write_text(digest)
+                os.rename(tmp, tags / name)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                log.warning("could not record that image %s is %s on this node: %s", name, digest, exc)
             self._tag_files[name] = digest
         return manifest
 
@@ -375,6 +381,8 @@ class NodeImages:
         found: dict[str, int] = {}
         tags = self.cache.root / "tags"
         for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
+            if tag.name.startswith("."):  # a record being written
+                continue
             try:
                 digest = tag.read_text().strip()
                 manifest = self._manifests.get(digest) or self.cache.manifest(digest.removeprefix("sha256:"))
@@ -418,6 +426,22 @@ class NodeImages:
                 short = point[len(prefix):]
                 hexdigest = next((n for n in names if n.startswith(short)), short)
                 self._mounts[hexdigest] = _Mount(hexdigest, Path(point))
+
+    def drop_stale_pins(self) -> builtins.list[str]:
+        """Remove the pins of images that are not mounted (a reboot or a crash left them: pins are files, mounts
+        are not), so that their chunks can be evicted again; their digests. Run by a starting daemon."""
+        prefix = str(self.mnt_dir) + "/"
+        mounted = {point[len(prefix):] for point, fs in _mounts().items() if fs == "erofs" and point.startswith(prefix)}
+        dropped = []
+        with self._lock:
+            for pin in builtins.list((self.cache.root / "pins").iterdir()):
+                if pin.name[:16] not in mounted and pin.name not in self._mounts:
+                    self.cache.unpin(pin.name)
+                    dropped.append(pin.name)
+        if dropped:
+            log.info("dropped the pins of %d image(s) no longer mounted: %s", len(dropped),
+                     ", ".join(d[:12] for d in dropped))
+        return dropped
 
     def aclose_sync(self, unmount: bool = False) -> None:
         """Stop prefetching; with ``unmount`` also unmount every image and stop the FUSE server."""

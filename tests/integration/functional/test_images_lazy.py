@@ -164,6 +164,26 @@ def test_a_cli_done_with_an_image_leaves_the_daemons_mounts_and_server_alone(hom
     assert not (home / "lazy" / "blobs").is_mount()
 
 
+def test_pins_of_images_no_longer_mounted_are_dropped_at_start(home: Path, tmp_path: Path) -> None:
+    """Pins are files and mounts are not: after a reboot every pin of the last boot is stale, and the chunks
+    of those images could never be evicted again (the cache full of images nothing uses)."""
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src")
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    node = node_for(home, store)
+    try:
+        ref = node.resolve("img")
+        assert ref.digest is not None
+        stale = "ab" * 32  # an image mounted before a reboot
+        node.cache.pin(stale)
+        assert node.drop_stale_pins() == [stale]
+        assert sorted(p.name for p in (node.cache.root / "pins").iterdir()) == [ref.digest]
+        node.release(ref)
+        assert node.drop_stale_pins() == [], "the pin of a mounted image (unused now, warm) was dropped"
+    finally:
+        node.aclose_sync(unmount=True)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
