@@ -618,6 +618,9 @@ class SandboxRecord(Model):
     """Snapshot layers (manifest digests, top first) the sandbox was restored onto; pinned while it lives."""
     pooled: bool = False
     """Claimed from a warm pool: its destroy answers at once and the teardown runs in the background."""
+    image_digest: str | None = None
+    """The image version (manifest digest, hex) the sandbox was made of, which a restarted daemon pins again
+    (its tag may name another version by then); None for a directory image or a backend's own."""
 
 
 class ImageConfig(Model):

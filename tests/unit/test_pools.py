@@ -655,6 +655,7 @@ class _Versioned(FakeImages):
         self.hold: threading.Event | None = None
         self.resolving = threading.Event()
         self.returned = threading.Event()
+        self.repinned: list[str] = []
 
     def resolve(self, name: str) -> ImageRef:
         self.resolving.set()
@@ -673,6 +674,11 @@ class _Versioned(FakeImages):
     def current_digest(self, name: str) -> str | None:
         self.lookups += 1
         return self.digest
+
+    def pin_manifest(self, digest: str) -> Path:
+        self.pinned += 1
+        self.repinned.append(digest)
+        return self.rootfs
 
 
 class _Mortal(FakeBackend):
@@ -858,3 +864,19 @@ async def test_a_slow_trim_does_not_hold_up_other_pools_and_close_waits_for_it(t
         await eng.destroy_all()
         await eng.aclose()
     assert record_files(eng) == []
+
+
+async def test_a_restarted_daemon_pins_the_image_version_a_sandbox_was_made_of(tmp_path: Path) -> None:
+    """The tag moved while no daemon ran: the re-adopted sandbox's own version is pinned again (by digest),
+    not the one its name resolves to now."""
+    eng, backend, images = _versioned_engine(tmp_path)
+    await eng.start()
+    info = await eng.create(SandboxSpec(image="base"))
+    await eng.aclose()  # the daemon stops; the sandbox lives on
+    images.digest, images.pinned = "v2", 0
+    again = Engine(Settings(home=tmp_path / "home"), {"container": backend}, images)  # type: ignore[arg-type]
+    async with started(again):
+        assert again._image_refs[info.id].digest == "v1" and images.repinned == ["sha256:v1"]
+        assert images.pinned == 1
+        await again.destroy(info.id)
+        assert images.pinned == 0

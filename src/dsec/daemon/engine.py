@@ -341,8 +341,7 @@ class Engine:
             self._records[record.id] = record
             if record.spec.image:
                 try:  # re-pin the image mount this sandbox's root sits on
-                    self._image_refs[record.id] = await asyncio.to_thread(self._resolve_image, backend,
-                                                                          record.spec.image)
+                    self._image_refs[record.id] = await asyncio.to_thread(self._repin_image, backend, record)
                 except DSecError as exc:
                     log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
             if record.layers:
@@ -454,6 +453,17 @@ class Engine:
     def _resolve_image(self, backend: Backend, name: str) -> ImageRef:
         """The backend's own image ``name`` if it has such images (``vm``), else the store's. Blocking."""
         return backend.resolve_image(name) or self.images.resolve(name)
+
+    def _repin_image(self, backend: Backend, record: SandboxRecord) -> ImageRef:
+        """Pin again the image version a re-adopted sandbox was made of (by digest: its tag may have moved
+        while no daemon ran, and resolving the name would pin the new version, leaving the sandbox's own
+        mount unpinned: idle for the reaper, its chunks evictable). Blocking."""
+        pin = getattr(self.images, "pin_manifest", None)
+        assert record.spec.image is not None
+        if record.image_digest and pin is not None and type(backend).resolve_image is Backend.resolve_image:
+            root: Path = pin("sha256:" + record.image_digest)
+            return ImageRef(name=record.spec.image, rootfs=root, digest=record.image_digest)
+        return self._resolve_image(backend, record.spec.image)
 
     def _resolve_warm(self, backend: Backend, name: str) -> ImageRef | None:
         """:meth:`_resolve_image` without a worker-thread hop when the store's image is mounted and its tag
@@ -693,6 +703,7 @@ class Engine:
             created_at=now,
             expires_at=now + spec.timeout,
             layers=layers,
+            image_digest=image.digest,
         )
         apply_image_defaults(record, image)
         # Persisted before the backend acts, so a daemon killed mid-create cleans up on restart.
