@@ -425,7 +425,8 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
         from dsec.daemon.server import daemon_answers
 
         settings = Settings()
-        images = NodeImages(settings, prefetch=False)
+        # Its limits: if it starts the lazy server, a daemon started later adopts that server as it is.
+        images = NodeImages(settings, cache_limit=settings.image_cache_limit, prefetch=False)
         source = images.resolve(from_image)  # a chunked image is mounted (lazily) for the copy
         try:
             img = build_vm_image(name, desktop=desktop, packages=pkgs, disk_bytes=size, replace=replace,

@@ -95,12 +95,15 @@ _CASES: list[tuple[str, dict[str, str], list[tuple[int, str, list[tuple[dict[str
         (20, "DSecCreatesFailing", [({"instance": "n1", "reason": "CacheFull"},
                                      "100% of creates on n1 fail with CacheFull")]),
     ]),
-    ("a background teardown fails", {
+    ("a background teardown fails, on a counter exported at 0 or born at 1", {
         'dsec_teardown_failures_total{instance="n1", backend="microvm"}': "0x10 1x20",
+        'dsec_teardown_failures_total{instance="n2", backend="container"}': "_x10 1x40",
     }, [
         (9, "DSecTeardownsFailing", []),
         (12, "DSecTeardownsFailing", [({"instance": "n1", "backend": "microvm"},
-                                       "Sandbox teardowns fail on n1 (microvm)")]),
+                                       "Sandbox teardowns fail on n1 (microvm)"),
+                                      ({"instance": "n2", "backend": "container"},
+                                       "Sandbox teardowns fail on n2 (container)")]),
         (45, "DSecTeardownsFailing", []),
     ]),
     ("creates queue for room", {

@@ -270,7 +270,8 @@ def test_a_read_error_is_told_to_every_create_since_it_and_to_none_before(tmp_pa
     (tmp_path / "c" / "errors").mkdir(exist_ok=True)
     (tmp_path / "errors" / digest).unlink()
     (tmp_path / "c" / "errors" / digest).write_text("CacheFull\tthe cache is full\n")
-    assert cache.read_error(digest) == ("CacheFull", "the cache is full")
+    assert cache.read_error(digest, since=time.time() - 5) == ("CacheFull", "the cache is full")  # by its mtime
+    assert cache.read_error(digest, since=time.time() + 5) is None
     assert cache.take_error(digest) == ("CacheFull", "the cache is full") and cache.read_error(digest) is None
 
 

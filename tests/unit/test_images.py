@@ -16,7 +16,7 @@ import pytest
 
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
-from dsec.errors import ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
+from dsec.errors import ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported, StoreUnavailable
 from dsec.images import store as store_mod
 from dsec.images.build import RECIPES, apt_options, apt_sources, mmdebstrap_command
 from dsec.images.node import NodeImages
@@ -183,8 +183,9 @@ def test_a_mount_in_progress_does_not_block_the_warm_path(store: ImageStore, tmp
 @pytest.mark.root
 def test_the_digest_a_tag_names_is_known_without_io_within_its_ttl_and_follows_a_reimport(
         store: ImageStore, tmp_path: Path) -> None:
-    """What a warm-pool claim asks (engine._tag_digest): fresh_digest answers from memory, current_digest asks
-    the store once the answer is older than tag_ttl, so a re-import is seen."""
+    """What a warm-pool claim asks (engine._known_digest): known_digest answers from memory with its freshness,
+    current_digest asks the store once the answer is older than tag_ttl, so a re-import is seen; a store that
+    cannot be reached is not asked again before tag_ttl passes."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "v").write_bytes(b"1")
@@ -192,16 +193,29 @@ def test_the_digest_a_tag_names_is_known_without_io_within_its_ttl_and_follows_a
     images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60)
     first = store.tag("img")
     assert first is not None
-    assert images.fresh_digest("img") is None  # never looked up
-    assert images.current_digest("img") == first[7:] == images.fresh_digest("img")
+    assert images.known_digest("img") == (None, False)  # never looked up
+    assert images.current_digest("img") == first[7:]
+    assert images.known_digest("img") == (first[7:], True)
     (src / "v").write_bytes(b"2")
     store.import_dir("img", src, uid_shift=0, replace=True)
     second = store.tag("img")
     assert second is not None and second != first
     assert images.current_digest("img") == first[7:]  # within tag_ttl: the remembered answer
     images.tag_ttl = 0
-    assert images.fresh_digest("img") is None
+    assert images.known_digest("img") == (first[7:], False)
     assert images.current_digest("img") == second[7:]
+    asked = []
+
+    def down(name: str) -> str | None:
+        asked.append(name)
+        raise StoreUnavailable("the store is down")
+
+    images.store.tag = down  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        images.current_digest("img")
+    images.tag_ttl = 60
+    assert images.current_digest("img") == second[7:] and asked == ["img"], "a down store was asked again at once"
+    del images.store.tag  # the instance attribute: the method again
     assert images.current_digest("no-such-image") is None
 
 

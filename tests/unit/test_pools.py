@@ -656,6 +656,8 @@ class _Versioned(FakeImages):
         self.resolving = threading.Event()
         self.returned = threading.Event()
         self.repinned: list[str] = []
+        self.known: str | None = None  # set: a stale answer is all memory holds (the store is asked in the back)
+        self.store_hold: threading.Event | None = None
 
     def resolve(self, name: str) -> ImageRef:
         self.resolving.set()
@@ -668,11 +670,15 @@ class _Versioned(FakeImages):
     def release(self, ref: ImageRef) -> None:
         self.pinned -= 1
 
-    def fresh_digest(self, name: str) -> str | None:
-        return None  # always asked again: every claim below sees the move at once
+    def known_digest(self, name: str) -> tuple[str | None, bool]:
+        # What NodeImages answers from memory: by default fresh (every claim sees a move at once).
+        return (self.known, False) if self.known is not None else (self.digest, True)
 
     def current_digest(self, name: str) -> str | None:
         self.lookups += 1
+        if self.store_hold is not None:
+            assert self.store_hold.wait(30)
+        self.known = None
         return self.digest
 
     def pin_manifest(self, digest: str) -> Path:
@@ -736,7 +742,25 @@ async def test_a_claim_hands_out_only_live_members_of_the_image_version_the_tag_
         assert await await_until(lambda: eng.statistics().pools[0].ready >= 1, 10)
         again = await eng.create(SHAPE)
         assert again.pooled and eng._image_refs[again.id].digest == "v2"
-        assert images.lookups >= 3  # asked at each claim with members ready (fresh_digest knew nothing)
+
+
+
+async def test_a_claim_never_waits_for_the_store_to_learn_where_a_tag_points(tmp_path: Path) -> None:
+    """Memory holds only a stale answer and the store hangs: claims still answer at once (with what is
+    known), and one lookup per image runs in the background."""
+    eng, _backend, images = _versioned_engine(tmp_path)
+    async with started(eng):
+        eng.pools.declare(POOL.model_copy(update={"min": 3, "max": 3}))
+        await eng.pools.wait_filled(10)
+        images.known, images.store_hold = "v1", threading.Event()
+        try:
+            for _ in range(3):
+                info = await asyncio.wait_for(eng.create(SHAPE), 5)
+                assert info.pooled
+            assert await await_until(lambda: images.lookups == 1, 5) and list(eng._tag_refreshes) == ["base"]
+        finally:
+            images.store_hold.set()
+        assert await await_until(lambda: not eng._tag_refreshes, 10)
 
 
 async def test_landlock_off_and_a_different_cpu_are_other_shapes(engine: Engine) -> None:
@@ -880,3 +904,52 @@ async def test_a_restarted_daemon_pins_the_image_version_a_sandbox_was_made_of(t
         assert images.pinned == 1
         await again.destroy(info.id)
         assert images.pinned == 0
+
+
+async def test_a_background_admission_never_holds_a_slot_while_the_host_is_short() -> None:
+    from dsec.daemon.admission import Deferred
+
+    answers = iter([None, "memory: 100 MiB available"])  # short just after the check before the slot
+    adm = Admission(2, poll=0.01, shortage=lambda: next(answers, "memory: 100 MiB available"))
+    with pytest.raises(Deferred, match="short of memory"):
+        async with adm.admit(background=True):
+            pass
+    assert adm._sem._value == 2 and adm.statistics().waiting == 0, "the deferred refill kept its slot"
+
+
+async def test_a_shortage_is_not_reported_for_a_create_that_waits_only_for_a_slot() -> None:
+    short: dict[str, str | None] = {"now": "pids: 32000 of 32768 in use"}
+    adm = Admission(1, timeout=0.1, poll=0.01, shortage=lambda: short["now"])
+    with pytest.raises(QuotaExceeded):
+        async with adm.admit():
+            pass
+    short["now"], adm.timeout = None, 10.0
+    held = asyncio.Event()
+
+    async def hold() -> None:
+        async with adm.admit():
+            held.set()
+            await asyncio.sleep(0.3)
+
+    holder = asyncio.create_task(hold())
+    await held.wait()
+    waiter = asyncio.create_task(hold())  # waits for the one slot, not for headroom
+    assert await await_until(lambda: adm.statistics().waiting == 1, 5)
+    assert adm.statistics().shortage is None, "the timed-out create's shortage is reported as current"
+    await asyncio.gather(holder, waiter)
+
+
+def test_a_malformed_image_cache_reserve_stops_the_daemon_with_its_name(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_IMAGE_CACHE_MIN_FREE", "plenty")
+    with pytest.raises(InvalidRequest, match="DSEC_IMAGE_CACHE_MIN_FREE"):
+        make_engine(tmp_path)
+
+
+async def test_a_poolable_create_on_an_unavailable_backend_is_counted_as_a_failure(tmp_path: Path) -> None:
+    eng = Engine(Settings(home=tmp_path / "home"), {"container": FakeBackend(root=tmp_path / "f")},
+                 FakeImages(), unavailable={"container": "crun not found"})  # type: ignore[arg-type]
+    async with started(eng):
+        with pytest.raises(BackendUnavailable, match="crun not found"):
+            await eng.create(SHAPE)
+        assert eng.metrics.failures() == {"BackendUnavailable": 1}, "the alert on node-side failures saw nothing"

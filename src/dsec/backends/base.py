@@ -144,10 +144,6 @@ class Backend(abc.ABC):
         """Replace a live sandbox's network policy (``"none"``, ``"allow"`` or an allowlist)."""
         raise NotSupported(f"backend {self.name!r} cannot change network policies")
 
-    network_fixed_at_create: bool = False
-    """True when a sandbox created with ``network="none"`` cannot be given a network later (a microVM has no
-    NIC to add): warm-pool members, created with ``none``, then serve only ``none`` requests."""
-
     layered: bool = False
     """True when :meth:`snapshot` writes only what changed over the layers the sandbox was restored from
     (the engine stacks the new layer over them); False when a snapshot is whole (a VM's state)."""

@@ -149,7 +149,6 @@ class MicroVMBackend(Backend):
     """The guest agent can run a command on the image's untouched root (its read-only EROFS disk)."""
     network_device: bool = True
     """Sandboxes with a network policy get a NIC (see :mod:`dsec.isolation.network`)."""
-    network_fixed_at_create = True
     nic_device = "virtio-net-device"
     """QEMU device of a networked guest's NIC (on ``-M microvm``: virtio-mmio); its MAC is :data:`GUEST_MAC`."""
     confines_commands: bool = True

@@ -149,6 +149,15 @@ class Admission:
                                    # Seen by a create still waiting: once none waits, it may be long over.
                                    shortage=self._last_shortage if self._waiting else None)
 
+    def busy(self) -> str | None:
+        """Why a background create would be deferred now (a create queued, no slot free, the host short), or
+        None. Cheap (two small /proc reads at most): checked before a refill does any of its set-up."""
+        if self._waiting or self._sem.locked():
+            return "every create slot is taken or creates are queued"
+        if (short := self._shortage()) is not None:
+            return f"the node is short of {short}"
+        return None
+
     @contextlib.asynccontextmanager
     async def admit(self, background: bool = False) -> AsyncIterator[float]:
         """Wait for a slot and host headroom; yields the seconds waited. Raises :class:`QuotaExceeded`
@@ -159,16 +168,15 @@ class Admission:
         started = time.monotonic()
         deadline = started + self.timeout
         self._refuse_if_closed()
-        if background:
-            if self._waiting or self._sem.locked():
-                raise Deferred("every create slot is taken or creates are queued")
-            if (short := self._shortage()) is not None:
-                raise Deferred(f"the node is short of {short}")
+        if background and (busy := self.busy()) is not None:
+            raise Deferred(busy)
         self._waiting += 1
         try:
             await self._acquire(deadline)
             try:
                 while (short := self._shortage()) is not None:  # two small /proc reads: no thread hop
+                    if background:  # short since the check above: no slot held while polling
+                        raise Deferred(f"the node is short of {short}")
                     self._last_shortage = short
                     self._refuse_if_closed()
                     if time.monotonic() >= deadline:
@@ -177,6 +185,7 @@ class Admission:
                     await asyncio.sleep(self.poll)
             except BaseException:
                 self._sem.release()
+                self._last_shortage = None  # gone with this create (a later one waiting for a slot is not short)
                 raise
             self._last_shortage = None
         finally:

@@ -46,6 +46,7 @@ from dsec.errors import (
     SandboxStateError,
     SandboxTimeout,
 )
+from dsec.images.cache import free_reserve
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
@@ -141,7 +142,7 @@ class ImageResolver(Protocol):
     """What the engine needs of an image source (``dsec.images.node.NodeImages`` implements it).
 
     ``resolve`` may block (it can mount an image and fetch its metadata): the engine calls it in a thread.
-    Resolvers that pin images also offer ``release(ref)`` and ``explain(ref)`` (see ``NodeImages``).
+    Resolvers that pin images also offer ``release(ref)`` and ``explain(ref, since)`` (see ``NodeImages``).
     """
 
     def resolve(self, name: str) -> ImageRef:
@@ -220,6 +221,8 @@ class Engine:
         self.metrics = Metrics()
         self.reaper_interval = reaper_interval
         self._backends: dict[str, Backend] = dict(backends)
+        for name in self._backends:  # exported at 0 from the start: a first failure is an increase to alert on
+            self.metrics.teardown_failures.labels(name)
         # Backend name -> why it cannot be used; filled from imports that failed and from available().
         self._unavailable: dict[str, str] = dict(unavailable or {})
         self._store = StateStore(settings.state_dir)
@@ -236,9 +239,12 @@ class Engine:
         store = trajectory_store or default_trajectory_store(settings)
         self.rollouts = Rollouts(self, Trajectories(store))
         self._image_refs: dict[str, ImageRef] = {}
+        self._tag_refreshes: dict[str, asyncio.Task[None]] = {}
         self.admission = Admission(settings.create_slots)
         self.pools = Pools(self, self.metrics)
-        # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named.
+        # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named; so does a
+        # bad image cache reserve (the image store would otherwise be replaced by a stand-in refusing all).
+        free_reserve(settings.image_cache_min_free, 1 << 40)
         self._declared = [PoolConfig.parse(text) for text in settings.pools]
         for config in self._declared:
             if config.backend in backends:
@@ -393,6 +399,8 @@ class Engine:
         if drained:
             log.info("destroyed %d unclaimed pool sandboxes", drained)
         await self.wait_teardowns()
+        for task in list(self._tag_refreshes.values()):  # (the store lookup's thread ends on its own)
+            task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -547,8 +555,10 @@ class Engine:
 
         A member is handed out only while it runs and is of the image version a fresh create would get now
         (a re-import moves the tag; idle members can wait for days): others are destroyed on the way."""
-        backend = self._backend(spec.backend)
-        digest = await self._tag_digest(backend, spec.image) if spec.image and self.pools.has_ready(spec) else None
+        backend = self._backends.get(spec.backend)
+        if backend is None or spec.backend in self._unavailable:
+            return None  # the create path raises (and counts) BackendUnavailable
+        digest = self._known_digest(backend, spec.image) if spec.image and self.pools.has_ready(spec) else None
 
         def usable(member: SandboxRecord) -> bool:
             if not backend.alive(member):
@@ -595,23 +605,28 @@ class Engine:
         self.events.publish("created", info, pooled=True, seconds=round(time.monotonic() - started, 6))
         return info
 
-    async def _tag_digest(self, backend: Backend, name: str) -> str | None:
-        """The digest (hex) image ``name`` resolves to now, without a worker thread when known within the
-        tag's time to live; None when unknown (a backend's own images, a directory image, the store down)."""
+    def _known_digest(self, backend: Backend, name: str) -> str | None:
+        """The digest (hex) image ``name`` resolved to when last looked up (None: unknown: a backend's own
+        images, a directory image, never looked up). Never waits for the store: an answer older than the
+        tag's time to live is refreshed in the background (one lookup per image at a time), and the claims
+        until it lands use the older answer."""
         if type(backend).resolve_image is not Backend.resolve_image:
             return None
-        fresh = getattr(self.images, "fresh_digest", None)
-        if fresh is None:
+        known = getattr(self.images, "known_digest", None)
+        if known is None:
             return None
-        found: str | None = fresh(name)
-        if found is not None:
-            return found
+        digest, fresh = known(name)
+        if not fresh and name not in self._tag_refreshes:
+            task = asyncio.create_task(self._refresh_tag(name), name=f"dsec-tag-{name}")
+            self._tag_refreshes[name] = task
+            task.add_done_callback(lambda _t: self._tag_refreshes.pop(name, None))
+        return digest  # type: ignore[no-any-return]
+
+    async def _refresh_tag(self, name: str) -> None:
         try:
-            found = await asyncio.to_thread(self.images.current_digest, name)  # type: ignore[attr-defined]
+            await asyncio.to_thread(self.images.current_digest, name)  # type: ignore[attr-defined]
         except DSecError as exc:  # a warm node keeps serving the images it has
             log.debug("image %s: cannot look its tag up (%s); pool members served as they are", name, exc)
-            return None
-        return found
 
     def _discard_later(self, record: SandboxRecord) -> None:
         """Destroy an unclaimed pool member in the background (:meth:`aclose` waits for it)."""
@@ -661,6 +676,8 @@ class Engine:
         ``visible``: a client sandbox (listed, counted live) rather than a pool member.
         """
         self._refuse_if_stopping()
+        if not visible and (busy := self.admission.busy()) is not None:
+            raise Deferred(busy)  # a refill: before it pins an image or writes a record it would undo at once
         name = spec.backend
         layers: builtins.list[str] = []
         revealed: builtins.list[str] = []

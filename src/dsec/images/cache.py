@@ -320,14 +320,16 @@ class ChunkCache:
         # A lazy filesystem server started by an older daemon (kept warm across upgrades) records under root,
         # without a time.
         for folder in dict.fromkeys((self.errors_dir, self.root / "errors")):
+            path = folder / hexdigest
             try:
-                fields = (folder / hexdigest).read_text().rstrip("\n").split("\t", 2)
+                fields = path.read_text().rstrip("\n").split("\t", 2)
+                written = path.stat().st_mtime
             except FileNotFoundError:
                 continue
             try:
                 when, kind, message = float(fields[0]), fields[1], fields[2]
-            except (ValueError, IndexError):
-                when, kind, message = 0.0, fields[0], fields[1] if len(fields) > 1 else ""
+            except (ValueError, IndexError):  # the older format: when it was written is the file's own time
+                when, kind, message = written, fields[0], fields[1] if len(fields) > 1 else ""
             if kind and when >= since:
                 return kind, message
         return None

@@ -17,6 +17,7 @@ This module owns those mounts and that process; it never builds images and never
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -28,8 +29,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
@@ -105,6 +108,9 @@ class NodeImages:
         self._by_name: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
         self._access_saved: set[str] = set()  # images whose access record the store has
+        self._later_lock = threading.Lock()
+        self._later_jobs: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+        self._later_thread: threading.Thread | None = None
         self._made: set[str] = set()  # images this instance mounted itself, and whether it started the server
         self._started_server = False
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
@@ -165,21 +171,28 @@ class NodeImages:
             self._lock.release()
         return _ref(manifest, mount)
 
-    def fresh_digest(self, name: str) -> str | None:
-        """The digest (hex) tag ``name`` named when looked up within ``tag_ttl``, without I/O; None when that
-        answer is older or there is none."""
+    def known_digest(self, name: str) -> tuple[str | None, bool]:
+        """The digest (hex) tag ``name`` named when last looked up, without I/O, and whether that answer is
+        fresh (within ``tag_ttl``); (None, False) when it was never looked up."""
         cached = self._tags.get(name)
-        if cached is None or time.monotonic() - cached[1] >= self.tag_ttl:
-            return None
-        return cached[0][7:]
+        if cached is None:
+            return None, False
+        return cached[0][7:], time.monotonic() - cached[1] < self.tag_ttl
 
     def current_digest(self, name: str) -> str | None:
-        """The digest (hex) tag ``name`` names now: :meth:`fresh_digest`, else asked of the store (and kept
-        for ``tag_ttl``). None when the store has no such tag (or the image is a directory). Blocking."""
-        fresh = self.fresh_digest(name)
-        if fresh is not None:
-            return fresh
-        digest = self.store.tag(name)
+        """The digest (hex) tag ``name`` names now: the known answer while fresh, else asked of the store (and
+        kept for ``tag_ttl``). None when the store has no such tag (or the image is a directory). Blocking.
+        A store that cannot be reached is not asked again before ``tag_ttl`` passes (the known answer
+        stands meanwhile: a warm node keeps serving the images it has)."""
+        known, fresh = self.known_digest(name)
+        if fresh:
+            return known
+        try:
+            digest = self.store.tag(name)
+        except StoreUnavailable:
+            if known is not None:
+                self._tags[name] = ("sha256:" + known, time.monotonic())
+            raise
         if digest is None:
             return None
         self._tags[name] = (digest, time.monotonic())
@@ -206,10 +219,10 @@ class NodeImages:
             try:  # whole or not at all: an empty file left by a full disk read as a tag to nothing
                 tmp.write_text(digest)
                 os.rename(tmp, tags / name)
+                self._tag_files[name] = digest  # (not written: tried again at the next resolve)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
                 log.warning("could not record that image %s is %s on this node: %s", name, digest, exc)
-            self._tag_files[name] = digest
         return manifest
 
     def _remembered(self, name: str) -> Manifest | None:
@@ -247,20 +260,41 @@ class NodeImages:
         start, a metadata fetch: seconds), the unpin is done by a thread; the access record goes to the store
         from a thread too."""
         if not self._lock.acquire(blocking=False):
-            threading.Thread(target=self._unpin, args=(root,), daemon=True, name="dsec-unpin").start()
+            self._later(self._unpin, root)
             return
         try:
             idle = self._unpin_locked(root)
         finally:
             self._lock.release()
         if idle is not None and idle not in self._access_saved:
-            threading.Thread(target=self._save_access, args=(idle,), daemon=True, name="dsec-access").start()
+            self._later(self._save_access, idle)
 
     def _unpin(self, root: Path) -> None:
         with self._lock:
             idle = self._unpin_locked(root)
         if idle is not None:
             self._save_access(idle)
+
+    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the images' one background thread (started when there is work, gone when
+        idle): a burst of destroys during a mount, or a store that hangs, queues work instead of threads."""
+        with self._later_lock:
+            self._later_jobs.append((fn, args))
+            if self._later_thread is None:
+                self._later_thread = threading.Thread(target=self._run_later, daemon=True, name="dsec-images")
+                self._later_thread.start()
+
+    def _run_later(self) -> None:
+        while True:
+            with self._later_lock:
+                if not self._later_jobs:
+                    self._later_thread = None
+                    return
+                fn, args = self._later_jobs.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("images: background %s failed", getattr(fn, "__name__", fn))
 
     def _unpin_locked(self, root: Path) -> str | None:
         """One reference of the mount at ``root`` less; its digest if none is left."""
