@@ -96,7 +96,8 @@ class NodeImages:
         self.base = settings.home / "lazy"
         self.blobs_dir = self.base / "blobs"
         self.mnt_dir = self.base / "mnt"
-        # Read errors are recorded beside the mounts, not in the cache: a full cache disk is one of them.
+        # Read errors are recorded beside the mounts, not in the cache: when the cache has a disk of its own, a
+        # full cache disk is one of them (by default both share DSEC_HOME's disk, kept from filling by min_free).
         self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit,
                                 errors=self.base / "errors")
         disk = os.statvfs(self.cache.root)
