@@ -229,7 +229,7 @@ class ChunkCache:
         h = _hex(manifest.digest)
         path = self.root / "manifests" / h
         if not path.is_file():
-            self._write_once(path, manifest.canonical())
+            self._write(path, manifest.canonical())  # on a full disk: evict, then CacheFull (as for chunks)
         return h
 
     def manifest(self, hexdigest: str) -> Manifest:

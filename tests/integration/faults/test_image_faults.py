@@ -213,6 +213,35 @@ def test_the_cache_keeps_its_disk_free_space_reserve_and_spares_pinned_images(ho
         assert _libc.umount2(str(disk).encode(), 0) == 0
 
 
+def test_a_manifest_written_to_a_full_cache_disk_evicts_first(home: Path) -> None:
+    """A new image's manifest (about 1 MB for a big image) goes through the cache's eviction like a chunk: on a
+    full disk it makes room from unused chunks instead of failing the mount with a raw ENOSPC."""
+    disk = home / "full-disk"
+    disk.mkdir()
+    if _libc.mount(b"tmpfs", str(disk).encode(), b"tmpfs", 0, b"size=4m") != 0:
+        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        store = DirStore(home / "chunks-store")
+        chunks = [os.urandom(MiB) for _ in range(3)]
+        digests = [sha256(c) for c in chunks]
+        for digest, data in zip(digests, chunks, strict=True):
+            store.put(chunk_key(digest), data)
+        cache = ChunkCache(disk / "cache", store)
+        for digest in digests:
+            cache.ensure(digest)
+        with pytest.raises(OSError), open(disk / "filler", "wb") as f:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        big = _manifest_of([sha256(str(i).encode()) for i in range(12000)], [b"x"] * 12000)
+        assert len(big.canonical()) > 512 * 1024
+        cache.put_manifest(big)
+        assert cache.manifest(big.digest[7:]) == big
+        assert not all(cache.has(d) for d in digests), "the room came from nowhere: nothing tested"
+    finally:
+        assert _libc.umount2(str(disk).encode(), 0) == 0
+
+
 def _manifest_of(digests: list[str], chunks: list[bytes]) -> Manifest:
     info = ImageInfo(name="pinned", created_at=0.0, size_bytes=0, files=0, source="test", uid_shift=0)
     return Manifest(info=info, meta_digest=sha256(b"m"), meta_size=1,
