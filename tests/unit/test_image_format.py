@@ -287,3 +287,23 @@ def test_a_killed_writers_temporary_chunk_is_swept_by_the_next_walk(tmp_path: Pa
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     assert cache.usage() == 5000  # neither counts as cached
     assert not old.exists() and fresh.exists(), "only a leftover older than any write in progress goes"
+
+
+def test_a_cache_limit_does_not_walk_the_cache_for_every_chunk_written(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirStore(tmp_path / "s")
+    digests = [put_chunk(store, bytes([i % 256]) * 4096 + i.to_bytes(4, "big")) for i in range(60)]
+    cache = ChunkCache(tmp_path / "c", store, limit=40 * 4100)
+    walks = 0
+    entries = cache._entries
+
+    def counted() -> list[tuple[float, int, Path]]:
+        nonlocal walks
+        walks += 1
+        return entries()
+
+    monkeypatch.setattr(cache, "_entries", counted)
+    for d in digests:
+        cache.ensure(d)
+    assert cache.usage() <= 40 * 4100 and cache.has(digests[-1])  # the limit still holds
+    assert walks <= 10, f"{walks} walks of the cache for 60 chunks written"
