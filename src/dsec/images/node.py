@@ -114,6 +114,7 @@ class NodeImages:
         self._later_thread: threading.Thread | None = None
         self._made: set[str] = set()  # images this instance mounted itself, and whether it started the server
         self._started_server = False
+        self._server_checked = False
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
         self._manifests: dict[str, Manifest] = {}
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
@@ -334,6 +335,8 @@ class NodeImages:
         if _mounts().get(str(target)) == "erofs":  # kept warm by an earlier daemon
             mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
             self.cache.pin(hexdigest)
+            if (pid := self.fuse_pid()) is not None:
+                self._check_server(pid)
             return mount
         self._ensure_fuse()
         meta = self._meta(manifest)
@@ -553,21 +556,43 @@ class NodeImages:
             return None
         return pid
 
+    def _server_args(self) -> builtins.list[str]:
+        """The lazy server's configuration (its command line after ``-m dsec.images.lazyfs``, but the fd)."""
+        args = ["--mountpoint", str(self.blobs_dir), "--cache", str(self.cache.root), "--errors",
+                str(self.cache.errors_dir), "--store", self.store.blobs.url]
+        if self.cache_limit is not None:
+            args += ["--limit", str(self.cache_limit)]
+        if self.cache.min_free:
+            args += ["--min-free", str(self.cache.min_free)]
+        return args
+
+    def _check_server(self, pid: int) -> None:
+        """Once per instance, for a server adopted from an earlier daemon: it cannot be restarted under live
+        sandboxes (their mounts read through it), so say which of this daemon's settings it does not have."""
+        if self._server_checked:
+            return
+        self._server_checked = True
+        with contextlib.suppress(OSError, ValueError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+            running = argv[argv.index("dsec.images.lazyfs") + 1:]
+            if "--ready-fd" in running:
+                at = running.index("--ready-fd")
+                del running[at:at + 2]
+            if running != self._server_args():
+                log.warning("the lazy image server %d (kept from an earlier daemon) runs with %s, not %s: settings "
+                            "such as DSEC_IMAGE_STORE or DSEC_IMAGE_CACHE_MAX take effect once it is restarted "
+                            "(`dsec down --destroy`, or a reboot)", pid, running, self._server_args())
+
     def _ensure_fuse(self) -> None:
-        if _mounts().get(str(self.blobs_dir), "").startswith("fuse") and self.fuse_pid() is not None:
+        if _mounts().get(str(self.blobs_dir), "").startswith("fuse") and (pid := self.fuse_pid()) is not None:
+            self._check_server(pid)
             return
         self._stop_fuse()  # a dead server leaves a stale mount ("transport endpoint is not connected")
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.settings.home / "log" / "lazyfs.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read, write = os.pipe()
-        argv = [sys.executable, "-m", "dsec.images.lazyfs", "--mountpoint", str(self.blobs_dir),
-                "--cache", str(self.cache.root), "--errors", str(self.cache.errors_dir),
-                "--store", self.store.blobs.url, "--ready-fd", str(write)]
-        if self.cache_limit is not None:
-            argv += ["--limit", str(self.cache_limit)]
-        if self.cache.min_free:
-            argv += ["--min-free", str(self.cache.min_free)]
+        argv = [sys.executable, "-m", "dsec.images.lazyfs", *self._server_args(), "--ready-fd", str(write)]
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(write,),
                                     start_new_session=True, close_fds=True)

@@ -184,6 +184,30 @@ def test_pins_of_images_no_longer_mounted_are_dropped_at_start(home: Path, tmp_p
         node.aclose_sync(unmount=True)
 
 
+def test_a_daemon_adopting_a_server_of_other_settings_says_so(home: Path, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The lazy server outlives a daemon and cannot be restarted under live sandboxes: a new daemon with another
+    cache limit (or store) uses it as it is, and says which settings wait for its restart."""
+    store = ImageStore(home / "images")
+    make_tree(tmp_path / "src")
+    store.import_dir("img", tmp_path / "src", uid_shift=0)
+    first = node_for(home, store)
+    try:
+        first.resolve("img")
+        first.aclose_sync(unmount=False)
+        same = node_for(home, store)
+        with caplog.at_level("WARNING", logger="dsec.images.node"):
+            same.resolve("img")
+        assert "kept from an earlier daemon" not in caplog.text, caplog.text
+        limited = node_for(home, store, cache_limit=64 * MiB)
+        with caplog.at_level("WARNING", logger="dsec.images.node"):
+            limited.resolve("img")
+        assert "kept from an earlier daemon" in caplog.text and str(64 * MiB) in caplog.text
+        assert limited.fuse_pid() == first.fuse_pid()
+    finally:
+        node_for(home, store).aclose_sync(unmount=True)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
