@@ -379,8 +379,13 @@ class NodeImages:
         data = self.cache.fetch(manifest.meta_digest)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{path.name}")
-        tmp.write_bytes(data)
-        os.rename(tmp, path)
+        try:
+            tmp.write_bytes(data)
+            os.rename(tmp, path)
+        except OSError as exc:  # DSEC_HOME's disk full, say: nothing half-written left, and a named error
+            tmp.unlink(missing_ok=True)
+            raise SandboxError(f"writing the metadata of image {manifest.info.name!r} to {path.parent} failed: "
+                               f"{exc.strerror or exc}", image=manifest.info.name) from exc
         return path
 
     def idle(self, idle_for: float = 0.0) -> builtins.list[str]:
