@@ -6,6 +6,7 @@ and leave no mount or process behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import os
@@ -59,6 +60,37 @@ def data_chunks(store: ImageStore, name: str, data: bytes) -> list[str]:
         if body[:4096] in data:
             found.append(chunk.digest)
     return found
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``3m``, ``64k``) at ``path`` for the duration: a disk that fills."""
+    path.mkdir()
+    if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", 0, f"size={size}".encode()) != 0:
+        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        yield path
+    finally:
+        assert _libc.umount2(str(path).encode(), 0) == 0
+
+
+def fill(disk: Path) -> int:
+    """Write a filler file until ``disk`` is full; the errno that stopped it."""
+    with pytest.raises(OSError) as full, open(disk / "filler", "wb") as f:
+        while True:
+            f.write(b"x" * 4096)
+            f.flush()
+    return full.value.errno or 0
+
+
+def chunk_store(root: Path, count: int) -> tuple[DirStore, list[bytes], list[str]]:
+    """A store holding ``count`` random 1 MiB chunks; the chunks and their digests."""
+    store = DirStore(root)
+    chunks = [os.urandom(MiB) for _ in range(count)]
+    digests = [sha256(c) for c in chunks]
+    for digest, data in zip(digests, chunks, strict=True):
+        store.put(chunk_key(digest), data)
+    return store, chunks, digests
 
 
 def test_a_corrupt_chunk_is_never_served(home: Path, tmp_path: Path) -> None:
@@ -137,11 +169,7 @@ def test_a_full_cache_disk_is_reported(home: Path, tmp_path: Path) -> None:
     store = ImageStore(home / "images")
     make_tree(tmp_path / "src", big=8 * MiB)
     store.import_dir("img", tmp_path / "src", uid_shift=0)
-    cache_dir = home / "image-cache"
-    cache_dir.mkdir()
-    if _libc.mount(b"tmpfs", str(cache_dir).encode(), b"tmpfs", 0, b"size=3m") != 0:
-        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
-    try:
+    with small_disk(home / "image-cache", "3m"):
         node = node_for(home, store)
         try:
             ref = node.resolve("img")
@@ -153,26 +181,16 @@ def test_a_full_cache_disk_is_reported(home: Path, tmp_path: Path) -> None:
             assert isinstance(cause, CacheFull) and "is full" in cause.message
         finally:
             node.aclose_sync(unmount=True)
-    finally:
-        assert _libc.umount2(str(cache_dir).encode(), 0) == 0
 
 
 def test_a_read_error_is_recorded_whole_when_the_cache_disk_is_full(home: Path, tmp_path: Path) -> None:
     """The record that explains an EIO lives off the cache disk; where it cannot be written, none is
     left rather than an empty one (which read as a DSecError with no message)."""
     store = ImageStore(home / "images")
-    cache_dir = home / "full-cache"
-    cache_dir.mkdir()
-    if _libc.mount(b"tmpfs", str(cache_dir).encode(), b"tmpfs", 0, b"size=64k") != 0:
-        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
-    try:
+    with small_disk(home / "full-cache", "64k") as cache_dir:
         apart = ChunkCache(cache_dir, store.blobs, errors=tmp_path / "errors")
         inside = ChunkCache(cache_dir, store.blobs)
-        with pytest.raises(OSError) as full, open(cache_dir / "filler", "wb") as f:
-            while True:
-                f.write(b"x" * 4096)
-                f.flush()
-        assert full.value.errno == errno.ENOSPC
+        assert fill(cache_dir) == errno.ENOSPC
         digest = "ab" * 32
         apart.record_error(digest, CacheFull("the node image cache is full"))
         assert apart.take_error(digest) == ("CacheFull", "the node image cache is full")
@@ -180,23 +198,13 @@ def test_a_read_error_is_recorded_whole_when_the_cache_disk_is_full(home: Path, 
         inside.record_error(digest, CacheFull("the node image cache is full"))
         assert inside.take_error(digest) is None
         assert [p.name for p in (cache_dir / "errors").iterdir()] == []  # no half-written record left
-    finally:
-        assert _libc.umount2(str(cache_dir).encode(), 0) == 0
 
 
 def test_the_cache_keeps_its_disk_free_space_reserve_and_spares_pinned_images(home: Path) -> None:
     """The cache shares its disk with the node's records and logs: past the reserve it evicts least recently
     used chunks (never those of a mounted image) so that the disk keeps ``min_free`` bytes free."""
-    disk = home / "small-disk"
-    disk.mkdir()
-    if _libc.mount(b"tmpfs", str(disk).encode(), b"tmpfs", 0, b"size=16m") != 0:
-        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
-    try:
-        store = DirStore(home / "chunks-store")
-        chunks = [os.urandom(MiB) for _ in range(14)]
-        digests = [sha256(c) for c in chunks]
-        for digest, data in zip(digests, chunks, strict=True):
-            store.put(chunk_key(digest), data)
+    with small_disk(home / "small-disk", "16m") as disk:
+        store, chunks, digests = chunk_store(home / "chunks-store", 14)
         reserve = free_reserve("6291456", 16 * MiB)
         assert reserve == 6 * MiB and free_reserve("25%", 16 * MiB) == 4 * MiB
         cache = ChunkCache(disk / "cache", store, min_free=reserve)
@@ -209,37 +217,22 @@ def test_the_cache_keeps_its_disk_free_space_reserve_and_spares_pinned_images(ho
         assert cache.has(digests[0]) and cache.has(digests[1]), "a chunk of a mounted image was evicted"
         assert cache.has(digests[-1]), "the chunk just fetched was evicted"
         assert not all(cache.has(d) for d in digests[2:]), "nothing was evicted: the disk never got short"
-    finally:
-        assert _libc.umount2(str(disk).encode(), 0) == 0
 
 
 def test_a_manifest_written_to_a_full_cache_disk_evicts_first(home: Path) -> None:
     """A new image's manifest (about 1 MB for a big image) goes through the cache's eviction like a chunk: on a
     full disk it makes room from unused chunks instead of failing the mount with a raw ENOSPC."""
-    disk = home / "full-disk"
-    disk.mkdir()
-    if _libc.mount(b"tmpfs", str(disk).encode(), b"tmpfs", 0, b"size=4m") != 0:
-        pytest.fail(f"tmpfs mount failed: {os.strerror(ctypes.get_errno())}")
-    try:
-        store = DirStore(home / "chunks-store")
-        chunks = [os.urandom(MiB) for _ in range(3)]
-        digests = [sha256(c) for c in chunks]
-        for digest, data in zip(digests, chunks, strict=True):
-            store.put(chunk_key(digest), data)
+    with small_disk(home / "full-disk", "4m") as disk:
+        store, _chunks, digests = chunk_store(home / "chunks-store", 3)
         cache = ChunkCache(disk / "cache", store)
         for digest in digests:
             cache.ensure(digest)
-        with pytest.raises(OSError), open(disk / "filler", "wb") as f:
-            while True:
-                f.write(b"x" * 4096)
-                f.flush()
+        fill(disk)
         big = _manifest_of([sha256(str(i).encode()) for i in range(12000)], [b"x"] * 12000)
         assert len(big.canonical()) > 512 * 1024
         cache.put_manifest(big)
         assert cache.manifest(big.digest[7:]) == big
         assert not all(cache.has(d) for d in digests), "the room came from nowhere: nothing tested"
-    finally:
-        assert _libc.umount2(str(disk).encode(), 0) == 0
 
 
 def _manifest_of(digests: list[str], chunks: list[bytes]) -> Manifest:
