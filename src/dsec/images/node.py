@@ -458,23 +458,27 @@ class NodeImages:
         Found from the mount table, not from the cache, so mounts whose cache files are gone (a home
         removed under them) are still found and can be unmounted.
         """
-        prefix = str(self.mnt_dir) + "/"
         with self._lock:
             known = {m.path for m in self._mounts.values()}
             manifests = self.cache.root / "manifests"
             names = [p.name for p in manifests.iterdir()] if manifests.is_dir() else []
-            for point, fstype in _mounts().items():
-                if fstype != "erofs" or not point.startswith(prefix) or Path(point) in known:
+            for short in self._image_mounts():
+                point = self.mnt_dir / short
+                if point in known:
                     continue
-                short = point[len(prefix):]
                 hexdigest = next((n for n in names if n.startswith(short)), short)
-                self._mounts[hexdigest] = _Mount(hexdigest, Path(point))
+                self._mounts[hexdigest] = _Mount(hexdigest, point)
+
+    def _image_mounts(self) -> builtins.list[str]:
+        """Names (a digest's first 16 hex digits) of the EROFS image mounts under ``mnt_dir``, from this
+        process's mount table: any daemon's or CLI's, known to this instance or not."""
+        prefix = str(self.mnt_dir) + "/"
+        return [point[len(prefix):] for point, fs in _mounts().items() if fs == "erofs" and point.startswith(prefix)]
 
     def drop_stale_pins(self) -> builtins.list[str]:
         """Remove the pins of images that are not mounted (a reboot or a crash left them: pins are files, mounts
         are not), so that their chunks can be evicted again; their digests. Run by a starting daemon."""
-        prefix = str(self.mnt_dir) + "/"
-        mounted = {point[len(prefix):] for point, fs in _mounts().items() if fs == "erofs" and point.startswith(prefix)}
+        mounted = set(self._image_mounts())
         dropped = []
         with self._lock:
             for pin in builtins.list((self.cache.root / "pins").iterdir()):
@@ -516,7 +520,6 @@ class NodeImages:
         mounted any more. It never adopts: mounts and a server that a daemon's sandboxes may use are not its
         own (:meth:`close_idle_sync`, a daemon's, takes them all)."""
         self.aclose_sync(unmount=False)
-        prefix = str(self.mnt_dir) + "/"
         with self._lock:
             for hexdigest in builtins.list(self._made):
                 mount = self._mounts.get(hexdigest)
@@ -526,8 +529,7 @@ class NodeImages:
                     self._unmount(mount)
                 except OSError as exc:  # busy: a sandbox mounted over it meanwhile; it stays
                     log.info("image %s stays mounted: %s", hexdigest[:12], exc)
-            if self._started_server and not any(fs == "erofs" and point.startswith(prefix)
-                                                for point, fs in _mounts().items()):
+            if self._started_server and not self._image_mounts():
                 self._stop_fuse()
 
     async def close_idle(self) -> None:
