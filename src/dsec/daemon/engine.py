@@ -19,9 +19,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
@@ -630,9 +630,7 @@ class Engine:
 
     def _discard_later(self, record: SandboxRecord) -> None:
         """Destroy an unclaimed pool member in the background (:meth:`aclose` waits for it)."""
-        task = asyncio.create_task(self.discard_member(record), name=f"dsec-discard-{record.id}")
-        self._teardowns.add(task)
-        task.add_done_callback(self._teardowns.discard)
+        self._in_background(self.discard_member(record), f"dsec-discard-{record.id}")
 
     async def create_member(self, spec: SandboxSpec) -> SandboxRecord:
         """Create a pool member: recorded on disk (so a crash cleans it up) but invisible until claimed."""
@@ -937,7 +935,11 @@ class Engine:
             self.metrics.live.labels(record.spec.backend).dec()
         self._tombstone(record, "destroyed", f"sandbox {record.id} was destroyed")
         self.events.publish("destroyed", info, reason=None)
-        task = asyncio.create_task(self._teardown(record), name=f"dsec-teardown-{record.id}")
+        self._in_background(self._teardown(record), f"dsec-teardown-{record.id}")
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run a teardown as a task that :meth:`aclose` (``wait_teardowns``) waits for."""
+        task = asyncio.create_task(work, name=name)
         self._teardowns.add(task)
         task.add_done_callback(self._teardowns.discard)
 
