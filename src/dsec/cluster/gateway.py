@@ -579,13 +579,12 @@ class GatewayEngine:
                 self.metrics.replaced.inc(again)
                 log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
                          "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
-        except BaseException:  # cancelled (the client left) while placing again: undo the earlier rounds
+            if errors:
+                hard = [e for e in errors if not _took_none(e)]
+                raise (hard or errors)[0]
+        except BaseException:  # a share failed, or the client left while placing again: undo every round
             await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
             raise
-        if errors:
-            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
-            hard = [e for e in errors if not _took_none(e)]
-            raise (hard or errors)[0]
         return created
 
     async def list(
