@@ -30,6 +30,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from typing import Any
 
 __all__ = ["MAX_MESSAGE", "main"]
@@ -43,6 +44,8 @@ _CLONE_NEWPID = 0x20000000
 _MFD_CLOEXEC = 1
 _MFD_ALLOW_SEALING = 2
 _HIGH_FD = 100  # sources are parked above the fds the spawned binary expects (0-5)
+# How long a helper whose daemon hung up waits for its commands to exit (killed ones take milliseconds).
+_REAP_GRACE_S = 2.0
 
 
 def _sys(ret: int, what: str) -> int:
@@ -127,16 +130,7 @@ class Helper:
         while True:
             for key, _ in sel.select():
                 if key.data is not None:
-                    # A command exited (its pidfd is readable): reap it, report, forget it.
-                    pid, status = key.data
-                    sel.unregister(key.fd)
-                    os.close(key.fd)
-                    try:
-                        _, wstatus = os.waitpid(pid, 0)
-                    except ChildProcessError:
-                        wstatus = 0
-                    _report(status, f"exit {wstatus}")
-                    os.close(status)
+                    _reap(sel, key)
                     continue
                 try:
                     size, ancdata, flags, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(4 * fd_size))
@@ -144,7 +138,9 @@ class Helper:
                     continue
                 data = bytes(memoryview(buffer)[:size])
                 if not data:
-                    return  # the daemon closed its end; running commands are re-parented to the daemon (subreaper)
+                    sel.unregister(sock)
+                    _reap_dying(sel)
+                    return
                 fds: list[int] = []
                 for level, kind, payload in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -174,6 +170,31 @@ class Helper:
                     os.close(fds[3])
                 else:
                     sel.register(spawned[1], selectors.EVENT_READ, (spawned[0], fds[3]))
+
+
+def _reap(sel: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
+    """A command exited (its pidfd is readable): reap it, report, forget it."""
+    pid, status = key.data
+    sel.unregister(key.fd)
+    os.close(key.fd)
+    try:
+        _, wstatus = os.waitpid(pid, 0)
+    except ChildProcessError:
+        wstatus = 0
+    _report(status, f"exit {wstatus}")
+    os.close(status)
+
+
+def _reap_dying(sel: selectors.BaseSelector) -> None:
+    """The daemon closed its end: it is stopping, and has just killed the commands of the calls it cut off.
+    Reap them before exiting: a child left unreaped becomes a zombie of whatever inherits it (the daemon,
+    then the host's init, which may collect it late), and a zombie shows in the sandbox's process list as
+    if its command still ran. Commands still running after the grace are left running, re-parented to the
+    daemon (subreaper)."""
+    end = time.monotonic() + _REAP_GRACE_S
+    while sel.get_map() and (left := end - time.monotonic()) > 0:
+        for key, _ in sel.select(left):
+            _reap(sel, key)
 
 
 def main() -> None:

@@ -281,18 +281,24 @@ async def test_sigterm_during_create_many_answers_daemon_stopping(daemon: Daemon
 
 async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonProcess) -> None:
     """An exec still running at the end of the server's graceful timeout is answered DaemonStopping (it was
-    a bare HTTP 500) and its command is killed; the sandbox stays for the next daemon."""
+    a bare HTTP 500) and its command is killed and reaped before the daemon exits (not left a zombie for
+    the host's init, which shows in the sandbox as a live ``sleep``); the sandbox stays for the next daemon."""
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
         sb = await dsec.AsyncSandbox.create(image="debian-python", client=client)
         call = asyncio.create_task(sb.exec("touch /tmp/running; exec sleep 300", timeout=600))
         running = await await_until(lambda: call.done() or _exists(daemon, sb.id, "/tmp/running"), timeout=60)
         assert running and not call.done(), call
+        init = daemon.records()[sb.id].backend_state["init_pid"]
+        assert await await_until(lambda: _in_sandbox(init, "sleep"), timeout=10)
+        sleeps = _in_sandbox(init, "sleep")
+        assert len(sleeps) == 1, sleeps
         daemon.terminate()
         with pytest.raises(dsec.DaemonStopping, match=r"exec/result was cut off \(the command it was running is "
                                                       r"killed\): the DSec daemon on node .* is stopping"):
             await call
     assert daemon.proc is not None and daemon.proc.wait(60) == 0
+    assert not Path(f"/proc/{sleeps[0]}").exists(), _proc_state(sleeps[0])
 
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
@@ -302,6 +308,24 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
         await destroy_all(client)
     daemon.stop()
     assert_nothing_left(daemon)
+
+
+def _in_sandbox(init_pid: int, comm: str) -> list[int]:
+    """Host pids of the processes named ``comm`` in the pid namespace of the sandbox whose init is ``init_pid``."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == comm \
+                    and os.readlink(entry / "ns/pid") == ns:
+                found.append(int(entry.name))
+    return found
+
+
+def _proc_state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text()
+    return "gone"
 
 
 def _exists(daemon: DaemonProcess, sandbox_id: str, path: str) -> bool:
