@@ -399,3 +399,43 @@ async def test_slow_consumer_gets_every_byte_of_a_large_output(backend: Containe
             await stream.aclose()
         assert result is not None and result.exit_code == 0 and not result.truncated, result
         assert received == len(result.stdout) == 8_000_000
+
+
+async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
+    """The node's exec helper dies (the OOM killer, a bug) while a command runs: the call fails naming it, the
+    command is killed (it would run on unwatched otherwise) and reaped, and the next exec starts a new helper."""
+    async with sandbox(backend, debian_python_image) as sb:
+        call = asyncio.create_task(run(backend, sb, "exec sleep 300"))
+        init = int(sb.backend_state["init_pid"])
+        assert await await_until(lambda: call.done() or _sleeps_in(init))
+        sleeps = _sleeps_in(init)
+        assert len(sleeps) == 1 and not call.done(), (sleeps, call)
+        helper = backend._helper
+        assert helper is not None and helper._proc is not None
+        helper._proc.kill()
+        with pytest.raises(DSecError, match="exec helper died while running '/bin/sh': the command is killed"):
+            await asyncio.wait_for(call, 30)
+        # Killed and reaped: the daemon (a subreaper) inherits the dead helper's children, and must collect them.
+        assert await await_until(lambda: _state(sleeps[0]) == "gone", timeout=10), _state(sleeps[0])
+        r = await run(backend, sb, "echo again")
+        assert r.exit_code == 0 and r.stdout == b"again\n", r
+        assert backend._helper is helper and helper._proc is not None and helper._proc.poll() is None
+
+
+def _sleeps_in(init_pid: int) -> list[int]:
+    """Host pids of the ``sleep`` processes in the pid namespace of the sandbox whose init is ``init_pid``."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "sleep" \
+                    and os.readlink(entry / "ns/pid") == ns:
+                found.append(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

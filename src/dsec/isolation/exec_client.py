@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -181,6 +182,17 @@ async def _feed_stdin(fd: int, data: bytes) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def _reap_orphan(pid: int, within: float = 2.0) -> None:
+    """Reap ``pid`` (just killed) once it is our child: the kernel hands a dead helper's children to the daemon
+    a moment after the helper's pipes close. A no-op for a pid that never becomes ours."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        time.sleep(0.01)
 
 
 def _decode_status(wstatus: int) -> tuple[int, int | None]:
@@ -388,8 +400,13 @@ async def stream_exec(
             _raise_or_shell_status(watch.setup_error, request, captured)
         if watch.wstatus is None:
             # The helper went away without a verdict: any exit code we made up would be a lie.
-            what = "before starting" if spawned.pid is None else "while running"
-            raise SandboxError(f"the exec helper died {what} {request.argv()[0]!r}; its exit status is lost")
+            if spawned.pid is None:
+                raise SandboxError(f"the exec helper died before starting {request.argv()[0]!r}")
+            spawned.kill()
+            # The helper's children are the daemon's now (its subreaper): collect this one, not a zombie for good.
+            threading.Thread(target=_reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
+            raise SandboxError(f"the exec helper died while running {request.argv()[0]!r}: the command is killed "
+                               "(nothing could watch it any more) and its exit status is lost")
         exit_code, sig = _decode_status(watch.wstatus)
         limit = watch.limit
         if limit is None and verdict is not None:
