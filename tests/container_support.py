@@ -98,6 +98,19 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def pids_in_sandbox(init_pid: int, comm: str) -> list[int]:
+    """Host pids of the processes named ``comm`` in the pid namespace of the sandbox whose init is ``init_pid``
+    (zombies included)."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == comm \
+                    and os.readlink(entry / "ns/pid") == ns:
+                found.append(int(entry.name))
+    return found
+
+
 def mount_holder(home: Path) -> int | None:
     """Pid of the home's live mount holder (``dsec-mntns``, see dsec.isolation.mounts), if any."""
     with contextlib.suppress(OSError, ValueError):

@@ -24,6 +24,7 @@ from container_support import (
     images_dir,
     mounts_under,
     pid_alive,
+    pids_in_sandbox,
     run,
     sandbox_mounts,
     started_backend,
@@ -407,8 +408,8 @@ async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_pyt
     async with sandbox(backend, debian_python_image) as sb:
         call = asyncio.create_task(run(backend, sb, "exec sleep 300"))
         init = int(sb.backend_state["init_pid"])
-        assert await await_until(lambda: call.done() or _sleeps_in(init))
-        sleeps = _sleeps_in(init)
+        assert await await_until(lambda: call.done() or pids_in_sandbox(init, "sleep"))
+        sleeps = pids_in_sandbox(init, "sleep")
         assert len(sleeps) == 1 and not call.done(), (sleeps, call)
         helper = backend._helper
         assert helper is not None and helper._proc is not None
@@ -422,19 +423,8 @@ async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_pyt
         assert backend._helper is helper and helper._proc is not None and helper._proc.poll() is None
 
 
-def _sleeps_in(init_pid: int) -> list[int]:
-    """Host pids of the ``sleep`` processes in the pid namespace of the sandbox whose init is ``init_pid``."""
-    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "sleep" \
-                    and os.readlink(entry / "ns/pid") == ns:
-                found.append(int(entry.name))
-    return found
-
-
 def _state(pid: int) -> str:
+    """A process's state letter (``Z`` for a zombie), or ``gone``."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:

@@ -28,6 +28,7 @@ from container_support import (
     images_dir,
     leftovers,
     pid_alive,
+    pids_in_sandbox,
     short_home,
     sweep,
     wait_until,
@@ -290,8 +291,8 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
         running = await await_until(lambda: call.done() or _exists(daemon, sb.id, "/tmp/running"), timeout=60)
         assert running and not call.done(), call
         init = daemon.records()[sb.id].backend_state["init_pid"]
-        assert await await_until(lambda: _in_sandbox(init, "sleep"), timeout=10)
-        sleeps = _in_sandbox(init, "sleep")
+        assert await await_until(lambda: pids_in_sandbox(init, "sleep"), timeout=10)
+        sleeps = pids_in_sandbox(init, "sleep")
         assert len(sleeps) == 1, sleeps
         daemon.terminate()
         with pytest.raises(dsec.DaemonStopping, match=r"exec/result was cut off \(the command it was running is "
@@ -308,18 +309,6 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
         await destroy_all(client)
     daemon.stop()
     assert_nothing_left(daemon)
-
-
-def _in_sandbox(init_pid: int, comm: str) -> list[int]:
-    """Host pids of the processes named ``comm`` in the pid namespace of the sandbox whose init is ``init_pid``."""
-    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and (entry / "comm").read_text().strip() == comm \
-                    and os.readlink(entry / "ns/pid") == ns:
-                found.append(int(entry.name))
-    return found
 
 
 def _proc_state(pid: int) -> str:
