@@ -745,6 +745,26 @@ async def test_a_claim_hands_out_only_live_members_of_the_image_version_the_tag_
 
 
 
+async def test_a_trim_removes_members_of_an_earlier_image_version_first(tmp_path: Path) -> None:
+    """After a re-import, a pool shrinking keeps the new version's members (a trim removed the newest, so it
+    kept the old ones, which the next claims then destroyed instead of serving)."""
+    eng, backend, images = _versioned_engine(tmp_path)
+    async with started(eng):
+        eng.pools.declare(POOL.model_copy(update={"min": 2, "max": 2}))
+        await eng.pools.wait_filled(10)
+        pool = eng.pools._pools[next(iter(eng.pools._pools))]
+        old = [r.id for r in pool.ready]
+        images.digest = "v2"
+        eng.pools.declare(POOL.model_copy(update={"min": 4, "max": 4}))
+        await eng.pools.wait_filled(10)
+        new = [r.id for r in pool.ready if r.id not in old]
+        assert len(new) == 2 and all(eng._image_refs[i].digest == "v2" for i in new)
+        eng.pools.declare(POOL.model_copy(update={"min": 2, "max": 2}))
+        assert await await_until(lambda: set(old) <= set(backend.destroyed), 10), backend.destroyed
+        assert [r.id for r in pool.ready] == new and not set(new) & set(backend.destroyed)
+        assert (await eng.create(SHAPE)).id == new[0]
+
+
 async def test_a_claim_never_waits_for_the_store_to_learn_where_a_tag_points(tmp_path: Path) -> None:
     """Memory holds only a stale answer and the store hangs: claims still answer at once (with what is
     known), and one lookup per image runs in the background."""

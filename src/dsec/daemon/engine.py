@@ -559,18 +559,7 @@ class Engine:
         if backend is None or spec.backend in self._unavailable:
             return None  # the create path raises (and counts) BackendUnavailable
         digest = self._known_digest(backend, spec.image) if spec.image and self.pools.has_ready(spec) else None
-
-        def usable(member: SandboxRecord) -> bool:
-            if not backend.alive(member):
-                log.warning("pool member %s died while it waited; destroyed", member.id)
-                return False
-            ref = self._image_refs.get(member.id)
-            if digest is not None and ref is not None and ref.digest is not None and ref.digest != digest:
-                log.info("pool member %s is of an earlier version of image %s; destroyed", member.id, spec.image)
-                return False
-            return True
-
-        record, unusable = self.pools.take(spec, usable)
+        record, unusable = self.pools.take(spec, lambda member: self._usable(backend, digest, member))
         for member in unusable:
             self._discard_later(member)
         if record is None:
@@ -604,6 +593,25 @@ class Engine:
         info = self._info(record, pooled=True)
         self.events.publish("created", info, pooled=True, seconds=round(time.monotonic() - started, 6))
         return info
+
+    def _usable(self, backend: Backend, digest: str | None, member: SandboxRecord) -> bool:
+        """Whether pool member ``member`` may be handed out: it runs, and its image is version ``digest`` (the
+        one its tag names; None: unknown, any version goes)."""
+        if not backend.alive(member):
+            log.warning("pool member %s died while it waited; destroyed", member.id)
+            return False
+        ref = self._image_refs.get(member.id)
+        if digest is not None and ref is not None and ref.digest is not None and ref.digest != digest:
+            log.info("pool member %s is of an earlier version of image %s; destroyed", member.id, member.spec.image)
+            return False
+        return True
+
+    def member_usable(self, record: SandboxRecord) -> bool:
+        backend = self._backends.get(record.spec.backend)
+        if backend is None:
+            return False
+        image = record.spec.image
+        return self._usable(backend, self._known_digest(backend, image) if image else None, record)
 
     def _known_digest(self, backend: Backend, name: str) -> str | None:
         """The digest (hex) image ``name`` resolved to when last looked up (None: unknown: a backend's own

@@ -88,6 +88,11 @@ class PoolHost(Protocol):
         """Destroy an unclaimed member."""
         ...
 
+    def member_usable(self, record: SandboxRecord) -> bool:
+        """Whether a claim would hand ``record`` out now (alive, of the image version its tag names); never
+        waits (a trim asks it of every member)."""
+        ...
+
 
 @dataclass
 class _Pool:
@@ -290,7 +295,7 @@ class Pools:
             self._metrics.pool_target.labels(pool.key).set(target)
             surplus = len(pool.ready) - target
             if surplus > 0 and not pool.filling:
-                doomed = [pool.ready.pop() for _ in range(surplus)]  # newest first: the oldest are warmest
+                doomed = self._doomed(pool, surplus)
                 self._metrics.pool_ready.labels(pool.key).set(len(pool.ready))
                 # In the background: a long trim must not hold up the refill of the other pools.
                 for record in doomed:
@@ -305,6 +310,15 @@ class Pools:
                 task = asyncio.create_task(self._fill_one(pool))
                 pool.filling.add(task)
                 task.add_done_callback(pool.filling.discard)
+
+    def _doomed(self, pool: _Pool, surplus: int) -> list[SandboxRecord]:
+        """Take ``surplus`` members out of ``pool`` to trim: those no claim would hand out first (dead, or of an
+        image version a re-import replaced: before, a trim removed the newest, new version's members and kept
+        the old ones for the claims to destroy), then the newest (the oldest are warmest)."""
+        unusable = [r for r in pool.ready if not self._host.member_usable(r)][:surplus]
+        for record in unusable:
+            pool.ready.remove(record)
+        return unusable + [pool.ready.pop() for _ in range(surplus - len(unusable))]
 
     async def _fill_one(self, pool: _Pool) -> None:
         try:
