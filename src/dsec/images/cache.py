@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, InvalidRequest
@@ -164,20 +164,24 @@ class ChunkCache:
                            f"after a re-fetch (got {got}): the store holds corrupt data; not served",
                            digest=digest, got=got)
 
-    def _write(self, path: Path, data: bytes) -> None:
+    def _with_room(self, write: Callable[[], object], size: int) -> None:
+        """Run ``write``; on a full disk (no space or no inode left) evict unused chunks (8 times ``size``, at least
+        1 MiB: a few inodes) and run it once more; still full: :class:`CacheFull`."""
         for attempt in (1, 2):
             try:
-                self._write_once(path, data)
+                write()
+                return
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 2:
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise CacheFull(f"the node image cache {self.root} is full: every cached chunk belongs "
-                                        "to a mounted image; free disk space or raise the cache size",
-                                        cache=str(self.root)) from exc
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                self.evict(target=max(0, self.usage() - len(data) * 8))
-            else:
-                break
+                if attempt == 2:
+                    raise CacheFull(f"the node image cache {self.root} is full: every cached chunk belongs to a "
+                                    "mounted image; free disk space (or inodes) or raise the cache size",
+                                    cache=str(self.root)) from exc
+                self.evict(target=max(0, self.usage() - max(size * 8, 1 << 20)))
+
+    def _write(self, path: Path, data: bytes) -> None:
+        self._with_room(lambda: self._write_once(path, data), len(data))
         if self._tally is not None:
             self._tally = (self._tally[0] + len(data), self._tally[1])
         if self.limit is not None and self._estimated_usage() > self.limit:
@@ -253,8 +257,9 @@ class ChunkCache:
 
     # ---------------------------------------------------------------- pins and LRU
     def pin(self, hexdigest: str) -> None:
-        """Mark image ``hexdigest`` mounted: its chunks are not evicted."""
-        (self.root / "pins" / hexdigest).touch()
+        """Mark image ``hexdigest`` mounted: its chunks are not evicted. On a disk out of inodes, evicts to make
+        one (:class:`CacheFull` if none can be freed; it was a raw OSError)."""
+        self._with_room((self.root / "pins" / hexdigest).touch, 0)
 
     def unpin(self, hexdigest: str) -> None:
         """Undo :meth:`pin`."""

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,6 +234,35 @@ def test_a_manifest_written_to_a_full_cache_disk_evicts_first(home: Path) -> Non
         cache.put_manifest(big)
         assert cache.manifest(big.digest[7:]) == big
         assert not all(cache.has(d) for d in digests), "the room came from nowhere: nothing tested"
+
+
+def test_a_pin_on_a_disk_out_of_inodes_evicts_first_then_reports_cache_full(home: Path) -> None:
+    """Mounting an image pins it with an empty file: with no inode left that was a raw OSError. It now makes
+    room from unused chunks, and says CacheFull when every chunk belongs to a mounted image."""
+    with small_disk(home / "few-inodes", "8m,nr_inodes=32") as disk:
+        store, chunks, digests = chunk_store(home / "chunks-store", 3)
+        cache = ChunkCache(disk / "cache", store)
+        for i, digest in enumerate(digests):
+            os.utime(cache.ensure(digest), (1000 + i, 1000 + i))  # chunk 0 the least recently used
+        mounted = cache.put_manifest(_manifest_of(digests[1:], chunks[1:]))
+        other = cache.put_manifest(_manifest_of(digests[1:2], chunks[1:2]))
+        assert _fill_inodes(disk) == errno.ENOSPC
+        cache.pin(mounted)
+        assert not cache.has(digests[0]) and cache.has(digests[1]) and cache.has(digests[2])
+        assert _fill_inodes(disk) == errno.ENOSPC
+        with pytest.raises(CacheFull, match="free disk space \\(or inodes\\)"):
+            cache.pin(other)
+        assert cache.has(digests[1]) and cache.has(digests[2]), "a chunk of the mounted image was evicted"
+
+
+def _fill_inodes(disk: Path) -> int:
+    """Create empty files on ``disk`` until no inode is left; the errno that stopped it."""
+    filler = disk / "inodes"
+    filler.mkdir(exist_ok=True)
+    with pytest.raises(OSError) as full:
+        for i in range(100_000):
+            (filler / f"{i}-{time.monotonic_ns()}").touch()
+    return full.value.errno or 0
 
 
 def _manifest_of(digests: list[str], chunks: list[bytes]) -> Manifest:
