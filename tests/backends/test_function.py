@@ -4,20 +4,23 @@ per-call namespaces and restrictions, verdicts with CPU time and peak memory, cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import os
 from pathlib import Path
 
 import pytest
 
-from container_support import images_dir
+from container_support import images_dir, run
 from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest
+from dsec.isolation import zygote as zygote_module
 from dsec.models import SandboxRecord
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
-from function_support import fn_leftovers, function_backend_fixtures, run
+from function_support import fn_leftovers, function_backend_fixtures
 
 pytestmark = [pytest.mark.root]
 
@@ -300,3 +303,36 @@ async def test_kernel_attack_surface_is_closed(backend: FunctionBackend, debian_
         assert got["unshare_user"] == "1" and got["mount"] == "1" and got["ptrace"] == "1", got  # EPERM
         assert got["io_uring"] == "1", got
         assert got["pids"] == "[1, 2]", f"a call sees processes beyond its own pid 1 and itself: {got}"
+
+
+@pytest.mark.parametrize("grace", [2.0, 0.0], ids=["zygote-reaps", "killed-at-once"])
+async def test_destroy_leaves_no_zombie_to_the_daemon(backend: FunctionBackend, debian_python_image: ImageRef,
+                                                      grace: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon is a child subreaper once the container backend runs: the zygote's children (the call it
+    cloned ahead, calls still running) are handed to it when the zygote dies. Destroy must reap them: each
+    left a zombie of the daemon for good (a pid, a dying memory cgroup), one per destroyed sandbox at least.
+    Normally the zygote reaps its calls itself; one that does not exit in time is killed, and then the daemon
+    reaps what it inherits (``killed-at-once``)."""
+    monkeypatch.setattr(zygote_module, "_EXIT_GRACE_S", grace)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER, as ContainerBackend.start sets it
+    before = _zombie_children()
+    async with sandbox(backend, debian_python_image) as sb:
+        busy = asyncio.create_task(run(backend, sb, ["sleep", "300"]))
+        r = await run(backend, sb, ["true"])
+        assert r.exit_code == 0, r
+    with contextlib.suppress(DSecError):
+        await asyncio.wait_for(busy, 30)
+    await asyncio.sleep(0.5)
+    assert _zombie_children() - before == set()
+
+
+def _zombie_children() -> set[str]:
+    me = str(os.getpid())
+    found = set()
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z" and fields[1] == me:
+                found.add(proc.name)
+    return found

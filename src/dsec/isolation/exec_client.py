@@ -29,7 +29,7 @@ from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import nsexec
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
-__all__ = ["ExecHelper", "Spawned", "send_with_pipes", "stream_exec"]
+__all__ = ["ExecHelper", "Spawned", "reap_orphan", "send_with_pipes", "stream_exec"]
 
 _CHUNK = 64 * 1024
 # After the command exits, output still in the pipes is read for this long; a background job that
@@ -184,13 +184,17 @@ async def _feed_stdin(fd: int, data: bytes) -> None:
             os.close(fd)
 
 
-def _reap_orphan(pid: int, within: float = 2.0) -> None:
-    """Reap ``pid`` (just killed) once it is our child: the kernel hands a dead helper's children to the daemon
-    a moment after the helper's pipes close. A no-op for a pid that never becomes ours."""
+def reap_orphan(pid: int, within: float = 2.0, pending: bool = True) -> None:
+    """Reap ``pid`` (just killed) once it is our child, waiting up to ``within`` seconds: the kernel hands a dead
+    helper's or zygote's children to the daemon (a child subreaper) a moment after it died (``pending``: that
+    may not have happened yet; otherwise a pid that is not our child is left at once)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
+        try:
             if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            if not pending:
                 return
         time.sleep(0.01)
 
@@ -404,7 +408,7 @@ async def stream_exec(
                 raise SandboxError(f"the exec helper died before starting {request.argv()[0]!r}")
             spawned.kill()
             # The helper's children are the daemon's now (its subreaper): collect this one, not a zombie for good.
-            threading.Thread(target=_reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
+            threading.Thread(target=reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
             raise SandboxError(f"the exec helper died while running {request.argv()[0]!r}: the command is killed "
                                "(nothing could watch it any more) and its exit status is lost")
         exit_code, sig = _decode_status(watch.wstatus)

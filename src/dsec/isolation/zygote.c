@@ -28,7 +28,7 @@
  * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
  * Setup failures are "error <what>: <why>" lines. A "refresh" message (no fds) replaces the clone made
  * ahead, after the daemon changed the sandbox's mounts (protected and hidden paths) in our mount namespace.
- * The zygote exits, killing every call, when the control socket closes.
+ * The zygote exits, killing and reaping every call, when the control socket closes.
  */
 #define _GNU_SOURCE
 /* Paths are checked to be short by the daemon; a truncated one could only fail to mount. */
@@ -682,5 +682,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < MAX_CALLS; i++)
         if (calls[i].pid > 0)
             kill(calls[i].pid, SIGKILL);
+    /* Reap them before exiting: orphans go to the daemon (a child subreaper), which would keep them as
+       zombies. Each is its namespace's init, so it is reaped once everything in its namespace is gone. */
+    for (;;) {
+        pid_t pid = waitpid(-1, NULL, 0);
+        if (pid < 0 && errno != EINTR)
+            break;
+    }
     return 0;
 }

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.isolation.exec_client import Spawned, send_with_pipes
+from dsec.isolation.exec_client import Spawned, reap_orphan, send_with_pipes
 
 __all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig"]
 
 _MFD_CLOEXEC = 1
 _START_TIMEOUT_S = 30.0
+# How long a zygote told to stop (its socket closed) has to kill and reap its calls before it is killed.
+_EXIT_GRACE_S = 2.0
 MAX_REQUEST = 192 * 1024
 """Largest argv + environment of one call: a unix datagram must fit the socket's send buffer."""
 
@@ -139,21 +141,43 @@ class Zygote:
         self._sock.send(b"refresh")
 
     def close(self) -> None:
-        """Stop the zygote (every running call dies with it) and reap it."""
+        """Stop the zygote and reap it, and every call with it.
+
+        Closing its socket tells the zygote to kill its calls (and the one it cloned ahead) and reap them;
+        only one that does not manage within ``_EXIT_GRACE_S`` is killed. Its children are then the daemon's
+        (a child subreaper: the calls' PDEATHSIG kills them, and the kernel hands them to us), reaped here:
+        each left a zombie of the daemon for good before (one per destroyed sandbox at least)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         pid, self.pid = self.pid, None
-        if pid is None:
+        if pid is None or _wait_exit(pid, _EXIT_GRACE_S):
             return
+        children = _children(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if done:
-                return
-            time.sleep(0.001)
+        adopted = _wait_exit(pid, 5.0)  # reaped: its children are ours already (or gone)
+        for child in children:
+            reap_orphan(child, pending=not adopted)
+
+
+def _wait_exit(pid: int, within: float) -> bool:
+    """Reap child ``pid`` once it exits, waiting up to ``within`` seconds; True when it is gone."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (one thread: the zygote's)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
