@@ -402,6 +402,17 @@ async def test_slow_consumer_gets_every_byte_of_a_large_output(backend: Containe
         assert received == len(result.stdout) == 8_000_000
 
 
+async def test_memory_bomb_run_by_a_shell_gets_memory_verdict(backend: ContainerBackend,
+                                                              debian_python_image: ImageRef) -> None:
+    """A string command runs under ``sh -c``, which forks its last command: the bomb's SIGKILL reaches the
+    caller as exit code 137 with no signal, and the verdict must still name the memory limit."""
+    async with sandbox(backend, debian_python_image, memory="64Mi") as sb:
+        r = await run(backend, sb, "python3 -c 'x = bytearray(512 << 20)'; exit $?", timeout=60)
+        assert r.exit_code == 137 and r.signal is None and r.limit == "memory", r
+        r = await run(backend, sb, "exit 137")
+        assert r.exit_code == 137 and r.limit is None, r
+
+
 async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
     """The node's exec helper dies (the OOM killer, a bug) while a command runs: the call fails naming it, the
     command is killed (it would run on unwatched otherwise) and reaped, and the next exec starts a new helper."""

@@ -181,6 +181,17 @@ async def test_memory_bomb_gets_memory_verdict(backend: FunctionBackend, debian_
         assert r.cpu_s is not None and r.cpu_s > 0, r
 
 
+async def test_memory_bomb_run_by_a_shell_gets_memory_verdict(backend: FunctionBackend,
+                                                              debian_python_image: ImageRef) -> None:
+    """A string command runs under ``sh -c``, which forks its last command: the bomb's SIGKILL reaches the
+    caller as exit code 137 with no signal, and the verdict must still name the memory limit."""
+    async with sandbox(backend, debian_python_image, memory="128Mi") as sb:
+        r = await run(backend, sb, "python3 -c 'x = bytearray(512 << 20)'; exit $?", timeout=60)
+        assert r.limit == "memory" and r.exit_code == 137 and r.signal is None, r
+        r = await run(backend, sb, "exit 137")
+        assert r.exit_code == 137 and r.limit is None, r
+
+
 async def test_fork_bomb_gets_pids_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image, pids=64) as sb:
         bomb = "import os\nwhile True:\n    os.fork()\n"

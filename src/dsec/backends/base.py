@@ -28,7 +28,7 @@ from dsec.models import (
     SandboxStats,
 )
 
-__all__ = ["DEFAULT_WORKDIR", "Backend", "ImageRef", "apply_image_defaults", "collect_exec", "workdir_of"]
+__all__ = ["DEFAULT_WORKDIR", "Backend", "ImageRef", "apply_image_defaults", "collect_exec", "signal_of", "workdir_of"]
 
 DEFAULT_WORKDIR = "/workspace"
 """Working directory of sandboxes whose spec and image name none."""
@@ -53,6 +53,15 @@ def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:
     """Fill what the spec left to the image (the working directory). Idempotent; backends call it in create."""
     if record.spec.workdir is None:
         record.spec.workdir = image.config.workdir or DEFAULT_WORKDIR
+
+
+def signal_of(exit_code: int, sig: int | None) -> int | None:
+    """The signal that ended a command: its own, or the one a shell reports as exit code 128+N (``sh -c``, what
+    a string command runs, forks its last command rather than exec it, so a memory bomb it ran exits 137 with
+    no signal). Only for a verdict that a kernel counter confirms: a command may ``exit 137`` by itself."""
+    if sig is not None:
+        return sig
+    return exit_code - 128 if 128 < exit_code < 128 + 65 else None
 
 
 def workdir_of(record: SandboxRecord) -> str:

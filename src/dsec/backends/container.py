@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, signal_of, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
@@ -506,7 +506,7 @@ class ContainerBackend(Backend):
         disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if sig == 9 and counters.oom_kills() > before[0]:
+            if signal_of(exit_code, sig) == signal.SIGKILL and counters.oom_kills() > before[0]:
                 return "memory"
             if exit_code != 0 and counters.pids_limit_hits() > before[1]:
                 return "pids"

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
+from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, signal_of, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, SandboxError
 from dsec.isolation import call_loader
@@ -242,8 +242,10 @@ class FunctionBackend(Backend):
         env = {"PATH": DEFAULT_PATH, "HOME": "/tmp", **record.backend_state.get("image_env", {}),
                **record.spec.env, **(request.env or {})}
         argv = request.argv()
-        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL.
-        cpu = math.ceil(request.timeout) + 1 if request.timeout else 0
+        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL. It counts every
+        # thread, so it allows the CPU time the sandbox's quota gives in that time (a 4-thread call on cpu=4 got
+        # SIGXCPU after a quarter of its timeout).
+        cpu = math.ceil(request.timeout * math.ceil(record.spec.cpu)) + 1 if request.timeout else 0
         # No RLIMIT_FSIZE (0) where the workspace is a tmpfs of `disk` bytes: the quota answers ENOSPC (and the
         # verdict limit="disk") instead of a SIGXFSZ; a sandbox created before quotas keeps the per-file limit.
         fsize = 0 if record.backend_state.get("disk") else record.spec.disk
@@ -253,7 +255,7 @@ class FunctionBackend(Backend):
         disk = record.backend_state.get("disk")
 
         def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if sig == signal.SIGKILL and counters.oom_kills() > before[0]:
+            if signal_of(exit_code, sig) == signal.SIGKILL and counters.oom_kills() > before[0]:
                 return "memory"
             if sig == signal.SIGXCPU:
                 return "time"
@@ -268,7 +270,8 @@ class FunctionBackend(Backend):
             async for event in events:
                 if event.type == "exit" and event.result is not None and event.result.limit is None:
                     r = event.result
-                    if r.signal == signal.SIGKILL and cpu and r.cpu_s is not None and r.cpu_s >= cpu:
+                    killed = signal_of(r.exit_code, r.signal) in (signal.SIGKILL, signal.SIGXCPU)
+                    if killed and cpu and r.cpu_s is not None and r.cpu_s >= cpu - 1:
                         event = ExecEvent(type="exit", result=r.model_copy(update={"limit": "time"}))
                 yield event
         finally:
