@@ -184,6 +184,44 @@ async def _feed_stdin(fd: int, data: bytes) -> None:
             os.close(fd)
 
 
+def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes, within: float = 10.0) -> None:
+    """Own status pipe ``fd`` of a call closed before its command's pid was known: read on until the helper
+    reports the pid, kill the command's process group then, and close the pipe (also at EOF: nothing was
+    started, and after ``within`` seconds)."""
+    pending = bytearray(buffered)
+    timer: asyncio.TimerHandle | None = None
+
+    def done() -> None:
+        nonlocal fd
+        if fd >= 0:
+            loop.remove_reader(fd)
+            os.close(fd)
+            fd = -1
+        if timer is not None:
+            timer.cancel()
+
+    def ready() -> None:
+        try:
+            data = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        pending.extend(data)
+        for line in bytes(pending).split(b"\n")[:-1]:
+            kind, _, value = line.partition(b" ")
+            if kind == b"pid":
+                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.killpg(int(value), signal.SIGKILL)
+                done()
+                return
+        if not data:
+            done()
+
+    loop.add_reader(fd, ready)
+    timer = loop.call_later(within, done)
+
+
 def reap_orphan(pid: int, within: float = 2.0, pending: bool = True) -> None:
     """Reap ``pid`` (just killed) once it is our child, waiting up to ``within`` seconds: the kernel hands a dead
     helper's or zygote's children to the daemon (a child subreaper) a moment after it died (``pending``: that
@@ -409,6 +447,7 @@ async def stream_exec(
             spawned.kill()
             # The helper's children are the daemon's now (its subreaper): collect this one, not a zombie for good.
             threading.Thread(target=reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
+            spawned.pid = None  # the reaper's now: no later kill may reach whatever reuses the number
             raise SandboxError(f"the exec helper died while running {request.argv()[0]!r}: the command is killed "
                                "(nothing could watch it any more) and its exit status is lost")
         exit_code, sig = _decode_status(watch.wstatus)
@@ -428,9 +467,15 @@ async def stream_exec(
         )
         yield ExecEvent(type="exit", result=result)
     finally:
+        handover = watch.wstatus is None and spawned.pid is None and not watch.status_closed
         if watch.wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
         watch.close()
+        if handover:
+            # Closed before the helper's "pid" line was read (it may sit in the pipe, or come a moment later):
+            # closing the pipe now would leave that command running with no one to kill it.
+            _kill_once_started(watch.loop, spawned.status, watch.status_buf)
+            spawned.status = -1
         if drain_timer is not None:
             drain_timer.cancel()
         if stdin_task is not None and not stdin_task.done():

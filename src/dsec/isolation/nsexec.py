@@ -90,6 +90,7 @@ class Helper:
         status = fds[3]
         parked: list[int] = []
         target = -1
+        pid = 0
         try:
             target = _sys(_libc.syscall(_SYS_PIDFD_OPEN, req["init_pid"], 0), f"open sandbox init {req['init_pid']}")
             sources = [*fds, target] + ([self.bpf_fd] if self.bpf_fd >= 0 else [])
@@ -106,6 +107,11 @@ class Helper:
                 _sys(_libc.syscall(_SYS_SETNS, self.own_pidns, _CLONE_NEWPID), "return to own pid namespace")
             watch = _sys(_libc.syscall(_SYS_PIDFD_OPEN, pid, 0), "watch command")
         except (OSError, ValueError, TypeError, KeyError) as e:
+            if pid:  # started, but it cannot be watched (no pidfd: EMFILE): the daemon never learns its pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
             # One bad request must never take the helper (and every other sandbox's commands) down.
             _report(status, f"error {type(e).__name__}: {e}")
             return None

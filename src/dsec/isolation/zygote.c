@@ -478,10 +478,10 @@ static void run_call(int sock) {
 
 /* -- the zygote's loop ----------------------------------------------------------------------------- */
 
-static void report(int fd, const char *fmt, long value) {
+static int report(int fd, const char *fmt, long value) {
     char buf[64];
     int n = snprintf(buf, sizeof buf, fmt, value);
-    (void)!write(fd, buf, (size_t)n);
+    return write(fd, buf, (size_t)n) == n ? 0 : -1;
 }
 
 /* One call cloned ahead of its request: its namespaces, mounts and restrictions are ready when the
@@ -552,7 +552,8 @@ static void dispatch(char *request, ssize_t len, int *fds) {
         if (sent == len) {
             calls[slot].pid = pid;
             calls[slot].status_fd = fds[3];
-            report(fds[3], "pid %ld\n", pid);
+            if (report(fds[3], "pid %ld\n", pid) != 0)
+                kill(pid, SIGKILL); /* the daemon hung up before it learnt the pid: nobody else could kill it */
             for (int i = 0; i < 3; i++)
                 close(fds[i]);
             clone_ahead(); /* the next call's, while this one runs */

@@ -1,0 +1,108 @@
+"""The daemon's side of an exec (``dsec.isolation.exec_client``) against a stand-in helper: real pipes and a real
+process playing the command, the status lines written by the test (what ``nsexec.py`` or the zygote sends)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from dsec.backends.base import collect_exec
+from dsec.isolation.exec_client import Spawned, stream_exec
+from dsec.models import ExecRequest
+
+
+class _Helper:
+    """Our ends of one command's pipes (``spawned``) and the helper's ends (``status`` to report on)."""
+
+    def __init__(self) -> None:
+        ends = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, status
+        for r, w in ends:
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+        stdin, stdout, stderr, status = ends
+        self.spawned = Spawned(stdin=stdin[1], stdout=stdout[0], stderr=stderr[0], status=status[0])
+        self.theirs = [stdin[0], stdout[1], stderr[1]]
+        self.status = status[1]
+
+    def report(self, line: str) -> None:
+        os.write(self.status, line.encode() + b"\n")
+
+    def hang_up(self) -> None:
+        """The helper's ends close (it exited, or the command's status was reported and closed)."""
+        for fd in [*self.theirs, self.status]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.theirs, self.status = [], -1
+
+
+@pytest.fixture
+def helper() -> Iterator[_Helper]:
+    h = _Helper()
+    yield h
+    h.hang_up()
+
+
+@pytest.fixture
+def command() -> Iterator[subprocess.Popen[bytes]]:
+    """The command: a session leader, as the helper starts it."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+async def test_a_call_closed_before_the_pid_line_is_read_still_kills_its_command(
+        helper: _Helper, command: subprocess.Popen[bytes]) -> None:
+    """The client hangs up between the helper starting the command and the daemon reading its pid: the "pid"
+    line comes after the call is gone, and the command must still be killed (it ran on, with no timeout)."""
+    call = asyncio.create_task(collect_exec(stream_exec(helper.spawned, ExecRequest(command=["sleep", "300"]))))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    helper.report(f"pid {command.pid}")
+    for _ in range(200):
+        if command.poll() is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert command.poll() == -9, "the command outlived its call"
+
+
+async def test_a_call_closed_before_anything_started_lets_go_of_the_pipe(helper: _Helper) -> None:
+    """No command was started (the helper reports an error, or just hangs up): nothing is killed, and the
+    daemon's end of the status pipe is closed at the helper's EOF."""
+    status = helper.spawned.status
+    call = asyncio.create_task(collect_exec(stream_exec(helper.spawned, ExecRequest(command=["true"]))))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    os.fstat(status)  # still ours: a "pid" line may come
+    helper.hang_up()
+    for _ in range(200):
+        try:
+            os.fstat(status)
+        except OSError:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(OSError):
+        os.fstat(status)
+
+
+async def test_a_call_that_ends_normally_needs_no_watch_on_its_pipe(helper: _Helper) -> None:
+    """The common path: pid, output, exit: the result, and every pipe of ours closed at the end."""
+    call = asyncio.create_task(collect_exec(stream_exec(helper.spawned, ExecRequest(command=["echo", "hi"]))))
+    helper.report("pid 12345")
+    os.write(helper.theirs[1], b"hi\n")
+    helper.report("exit 0")
+    helper.hang_up()
+    result = await asyncio.wait_for(call, 10)
+    assert result.exit_code == 0 and result.stdout == b"hi\n", result
+    for fd in (helper.spawned.stdout, helper.spawned.stderr, helper.spawned.status):
+        with pytest.raises(OSError):
+            os.fstat(fd)
