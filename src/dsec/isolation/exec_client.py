@@ -184,6 +184,16 @@ async def _feed_stdin(fd: int, data: bytes) -> None:
             os.close(fd)
 
 
+def _read_ready(fd: int) -> bytes | None:
+    """What a readable pipe holds: ``b""`` at EOF (or a read error), None when there was nothing after all."""
+    try:
+        return os.read(fd, _CHUNK)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes, within: float = 10.0) -> None:
     """Own status pipe ``fd`` of a call closed before its command's pid was known: read on until the helper
     reports the pid, kill the command's process group then, and close the pipe (also at EOF: nothing was
@@ -201,12 +211,9 @@ def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes
             timer.cancel()
 
     def ready() -> None:
-        try:
-            data = os.read(fd, _CHUNK)
-        except BlockingIOError:
+        data = _read_ready(fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         pending.extend(data)
         for line in bytes(pending).split(b"\n")[:-1]:
             kind, _, value = line.partition(b" ")
@@ -304,12 +311,9 @@ class _Watch:
         name = self.open.get(fd)
         if name is None:
             return
-        try:
-            data = os.read(fd, _CHUNK)
-        except BlockingIOError:
+        data = _read_ready(fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self.remove(fd)
         if name == "status":
