@@ -13,7 +13,15 @@ from test_engine import started
 from container_support import await_until
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
-from dsec.errors import DaemonStopping, InvalidRequest, NotFound, ReplayDivergence, SandboxTimeout
+from dsec.errors import (
+    DaemonStopping,
+    InvalidRequest,
+    NotFound,
+    ReplayDivergence,
+    SandboxError,
+    SandboxTimeout,
+    StoreUnavailable,
+)
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 from dsec.trajectory.replay import Trajectories
@@ -358,3 +366,90 @@ async def test_responses_are_logged_in_the_next_batch_and_every_read_sees_them(t
     finally:
         outside.close()
         await store.aclose()
+
+
+async def _lose_answer(engine: Engine, name: str, seq: int) -> None:
+    """What a daemon killed inside the deferred-response window (or a failed write of the log) leaves: the
+    call logged as running, with no answer."""
+    store = engine.rollouts.log.store
+    entry = await store.entry(name, seq)
+    entry.status, entry.response = "running", None
+    await store.put_entry(name, entry, durable=True)
+
+
+async def test_an_interrupted_write_is_not_run_again_once_later_calls_ran(tmp_path: Path) -> None:
+    """Call 0 (a write) lost its answer when the daemon died; the live client went on. A replay of call 0 must
+    not write "old" over what later calls wrote: it answers that the outcome is unknown. The log's last call,
+    idempotent, still runs again."""
+    fake = FakeBackend(root=tmp_path / "fake")
+    first = make_engine(tmp_path, fake)
+    await first.start()
+    info = await first.create(spec())
+    await first.write_file(info.id, "/workspace/f", b"old", seq=0)
+    await first.exec(info.id, ExecRequest(command="echo new > f"), seq=1)
+    await first.write_file(info.id, "/workspace/g", b"last", seq=2)
+    for seq in (0, 2):
+        await _lose_answer(first, "job-17/rollout-3", seq)
+    await first.aclose()
+    second = make_engine(tmp_path, fake)
+    await second.start()
+    workspace = Path(second._records[info.id].backend_state["root"]) / "workspace"
+    try:
+        with pytest.raises(SandboxError, match="later calls have run since: its outcome is unknown"):
+            await second.write_file(info.id, "/workspace/f", b"old", seq=0)
+        assert (workspace / "f").read_bytes() == b"new\n", "a replayed write undid a later call"
+        with pytest.raises(SandboxError, match="its outcome is unknown"):  # and so it stays
+            await second.write_file(info.id, "/workspace/f", b"old", seq=0)
+        assert (await second.exec(info.id, ExecRequest(command="echo new > f"), seq=1)).replayed
+        (workspace / "g").write_bytes(b"changed")
+        await second.write_file(info.id, "/workspace/g", b"last", seq=2)  # the last call: run again
+        assert (workspace / "g").read_bytes() == b"last"
+    finally:
+        await second.destroy_all()
+        await second.aclose()
+
+
+async def test_an_exec_whose_answer_was_not_logged_is_not_run_again(engine: Engine) -> None:
+    """The daemon ran call 0 and answered it, but the log never got the answer (its write failed): memory says
+    done, the log says running. A re-issue must not run the command a second time."""
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    await _lose_answer(engine, "job-17/rollout-3", 0)
+    again = await engine.exec(info.id, COUNT, seq=0)
+    assert again.exit_code == 255 and b"its outcome is unknown" in again.stderr, again
+    assert ran(engine, info.id) == 1
+
+
+async def test_a_call_reissued_while_it_is_being_logged_joins_the_first(engine: Engine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow durable write of the call's request (PostgreSQL, a failover): the client dies and re-issues the
+    same call meanwhile. The re-issue joins the first run, which runs once, and gets its result; if the write
+    fails instead, both get the error, nothing runs, and the call can be issued again."""
+    info = await engine.create(spec())
+    store = engine.rollouts.log.store
+    real = store.put_entry
+    fail: list[BaseException] = []
+
+    async def slow(name: str, entry: Entry, durable: bool = True) -> None:
+        if durable and entry.status == "running":
+            await asyncio.sleep(0.3)
+            if fail:
+                raise fail[0]
+        await real(name, entry, durable=durable)
+
+    monkeypatch.setattr(store, "put_entry", slow)
+    first = asyncio.create_task(engine.exec(info.id, COUNT, seq=0))
+    await asyncio.sleep(0.05)
+    second = await engine.exec(info.id, COUNT, seq=0)
+    assert (await first).stdout == second.stdout == b"1\n" and second.replayed
+    assert ran(engine, info.id) == 1
+    fail.append(StoreUnavailable("the trajectory log is unreachable"))
+    first = asyncio.create_task(engine.exec(info.id, COUNT, seq=1))
+    await asyncio.sleep(0.05)
+    with pytest.raises(StoreUnavailable):
+        await engine.exec(info.id, COUNT, seq=1)
+    with pytest.raises(StoreUnavailable):
+        await first
+    assert ran(engine, info.id) == 1
+    fail.clear()
+    assert (await engine.exec(info.id, COUNT, seq=1)).stdout == b"2\n"

@@ -290,8 +290,7 @@ class Rollouts:
             return await self.log.finish(t, at, op, stored, digest, response, started)
 
         task = asyncio.create_task(live(decision.seq))
-        t.flights[decision.seq] = task
-        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        self.log.fly(t, decision, task)
         return await asyncio.shield(task)
 
     async def exec(self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None) -> ExecResult:
@@ -311,8 +310,7 @@ class Rollouts:
                 raise joined
             return joined.model_copy(update={"replayed": True})  # type: ignore[no-any-return]
         task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, []))
-        t.flights[decision.seq] = task
-        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        self.log.fly(t, decision, task)
         outcome = await asyncio.shield(task)  # the command runs on (and is logged) if this caller goes
         if isinstance(outcome, DSecError):
             raise outcome
@@ -340,8 +338,7 @@ class Rollouts:
             return
         sink: list[asyncio.Queue[ExecEvent | DSecError]] = [asyncio.Queue()]
         task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, sink))
-        t.flights[decision.seq] = task
-        task.add_done_callback(lambda _t: t.flights.pop(decision.seq, None))
+        self.log.fly(t, decision, task)
         try:
             while True:
                 item = await sink[0].get()

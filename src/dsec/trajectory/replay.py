@@ -7,9 +7,11 @@ with sequence number ``seq`` gets:
 - ``seq`` inside the log, same digest, call done: the logged response (:class:`Replay`);
 - same digest, the call still running on this daemon (its client died and re-issued it): wait for that
   run and answer with its result (:class:`Join`) -- it never runs twice;
-- same digest, logged as ``interrupted`` (this daemon died while it ran): an exec answers with the
-  logged "outcome unknown" result and is not run again, nor is a mouse or keyboard action (its logged
-  error says so); a read, listing, write or screenshot runs again (they are idempotent);
+- same digest, its outcome unknown (``interrupted``: a daemon died while it ran; or its answer never
+  reached the log): an exec answers with an "outcome unknown" result and is not run again, nor is a mouse
+  or keyboard action (its error says so); a read, listing, write, screenshot or snapshot runs again if it
+  is the log's last call, and answers "outcome unknown" (a SandboxError) once later calls have run: run
+  now, a write would undo theirs and a read would see their state;
 - ``seq`` at the end of the log: logged as ``running`` (durably, before it runs), then live (:class:`Live`);
 - a different digest: :class:`~dsec.errors.ReplayDivergence` with both calls;
 - ``seq`` past the end: :class:`~dsec.errors.InvalidRequest` (calls must come in order).
@@ -47,8 +49,13 @@ _INTERRUPTED_INPUT = (
     "or may not have received it, and it was not sent again"
 )
 _INTERRUPTED = (
-    "dsec: the node daemon stopped while this command ran (trajectory {name}, call {seq}); its outcome is "
-    "unknown and it was not run again\n"
+    "dsec: the node daemon stopped while this command ran, or its result could not be logged (trajectory {name}, "
+    "call {seq}); its outcome is unknown and it was not run again\n"
+)
+_SUPERSEDED = (
+    "the node daemon stopped while this {op} call ran, or its answer could not be logged (trajectory {name}, call "
+    "{seq}), and later calls have run since: its outcome is unknown, and run again now it would not do or see "
+    "what it did then, so it was not"
 )
 
 
@@ -63,14 +70,17 @@ class Replay:
 class Join:
     """The same call is running live on this daemon: wait for it."""
 
-    flight: asyncio.Task[Any]
+    flight: asyncio.Future[Any]
 
 
 @dataclass
 class Live:
-    """Run the call now; report with :meth:`Trajectories.finish`."""
+    """Run the call now (in a task handed to :meth:`Trajectories.fly`); report with :meth:`Trajectories.finish`.
+    ``flight`` stands for the run from the moment the call is decided: the same call issued again meanwhile
+    (its client died while the call was being logged) joins it instead of running it a second time."""
 
     seq: int
+    flight: asyncio.Future[Any]
 
 
 @dataclass
@@ -81,7 +91,7 @@ class OpenTrajectory:
     digests: list[str] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
-    flights: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    flights: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     last_activity: float = field(default_factory=time.time)
     lease: float = 1800.0
     restored_from: str | None = None
@@ -172,13 +182,16 @@ class Trajectories:
             self._open[name] = opened
             return opened
 
-    async def _interrupt(self, name: str, entry: Entry) -> None:
+    async def _interrupt(self, name: str, entry: Entry, superseded: bool = False) -> None:
+        """Log ``entry`` as interrupted, with the "outcome unknown" answer of an operation never run twice (and,
+        ``superseded``, of any other: later calls have run since)."""
         entry.status = "interrupted"
         if entry.op == "exec":
             result = ExecResult(exit_code=255, stderr=_INTERRUPTED.format(name=name, seq=entry.seq).encode())
             entry.response = result.model_dump_json()
-        elif entry.op in NOT_RERUN:
-            error = SandboxError(_INTERRUPTED_INPUT.format(op=entry.op, name=name, seq=entry.seq))
+        elif entry.op in NOT_RERUN or superseded:
+            text = _INTERRUPTED_INPUT if entry.op in NOT_RERUN else _SUPERSEDED
+            error = SandboxError(text.format(op=entry.op, name=name, seq=entry.seq), trajectory=name, seq=entry.seq)
             entry.response = json.dumps({"__error__": error.to_payload()["error"]})
         await self.store.put_entry(name, entry)
 
@@ -217,28 +230,64 @@ class Trajectories:
             flight = t.flights.get(seq)
             if flight is not None and not flight.done():
                 return Join(flight)
-            entry = (await self.store.entries(t.name, seq, 1))[0]
-            if t.statuses[seq] == "done" and entry.response is not None:
+            entry = await self.store.entry(t.name, seq)
+            status = t.statuses[seq]
+            if entry.response is not None and status in ("done", "interrupted"):
+                return Replay(entry)  # (an interrupted call's answer says its outcome is unknown)
+            if status == "done" and entry.status == "done" and entry.truncated:
+                return self._live(t, seq)  # a read or listing over the log's cap: read again
+            # Its outcome is unknown: interrupted, or its answer never reached the log (a failed write of the
+            # log). Only an idempotent call that is still the log's last runs again.
+            if op in NOT_RERUN or seq < length - 1:
+                await self._interrupt(t.name, entry, superseded=True)
+                t.statuses[seq] = "interrupted"
                 return Replay(entry)
-            if t.statuses[seq] == "interrupted" and op in NOT_RERUN and entry.response is not None:
-                return Replay(entry)
-            # A read over the cap, or an interrupted read/list/write/screenshot: run it again (idempotent).
-            return Live(seq)
+            return self._live(t, seq)
         t.digests.append(digest)
         t.statuses.append("running")
         t.ops.append(op)
+        live = self._live(t, seq)  # before the write below yields: the same call issued meanwhile joins it
         entry = Entry(seq=seq, op=op, digest=digest, request=request)
         try:
             await self.store.put_entry(t.name, entry, durable=op in STATE_CHANGING)
-        except BaseException:
+        except BaseException as exc:
+            if t.flights.get(seq) is live.flight:
+                del t.flights[seq]
+            error = exc if isinstance(exc, DSecError) else SandboxError(
+                f"trajectory {t.name!r} call {seq}: logging it failed ({type(exc).__name__}), so it did not run; "
+                "issue it again", trajectory=t.name, seq=seq)
+            _settle(live.flight, error=error)
             if len(t.digests) == seq + 1:  # nothing was appended after us: take the slot back
                 del t.digests[seq], t.statuses[seq], t.ops[seq]
             raise
-        return Live(seq)
+        return live
+
+    @staticmethod
+    def _live(t: OpenTrajectory, seq: int) -> Live:
+        flight: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        t.flights[seq] = flight
+        return Live(seq, flight)
+
+    @staticmethod
+    def fly(t: OpenTrajectory, live: Live, run: asyncio.Task[Any]) -> None:
+        """``run`` is call ``live.seq``'s run: whoever joined the call gets its outcome."""
+
+        def landed(task: asyncio.Task[Any]) -> None:
+            if t.flights.get(live.seq) is live.flight:
+                del t.flights[live.seq]
+            if task.cancelled():
+                _settle(live.flight, error=SandboxError(f"trajectory {t.name!r} call {live.seq} was cut off",
+                                                        trajectory=t.name, seq=live.seq))
+            elif task.exception() is not None:
+                _settle(live.flight, error=task.exception())
+            else:
+                _settle(live.flight, result=task.result())
+
+        run.add_done_callback(landed)
 
     async def divergence(self, t: OpenTrajectory, seq: int, request: str) -> ReplayDivergence:
         """The error for a call that differs from the log, showing both calls."""
-        logged = (await self.store.entries(t.name, seq, 1))[0].request
+        logged = (await self.store.entry(t.name, seq)).request
         return ReplayDivergence(
             f"trajectory {t.name!r} call {seq} differs from the log:\n  logged: {_shown(logged)}\n"
             f"  now:    {_shown(request)}", trajectory=t.name, seq=seq, logged=json.loads(logged),
@@ -246,9 +295,9 @@ class Trajectories:
 
     async def interrupt(self, t: OpenTrajectory, seq: int) -> None:
         """A live call failed without an answer (not a DSec error): nothing will run it again."""
-        entries = await self.store.entries(t.name, seq, 1)
-        if entries and entries[0].status == "running":
-            await self._interrupt(t.name, entries[0])
+        entry = await self.store.entry(t.name, seq)
+        if entry.status == "running":
+            await self._interrupt(t.name, entry)
             t.statuses[seq] = "interrupted"
 
     async def finish(
@@ -313,6 +362,17 @@ class Trajectories:
                                        "request": e.request, "started_at": e.started_at, "duration_s": e.duration_s})
             for e in await self.store.entries(name, start, limit)
         ]
+
+
+def _settle(flight: asyncio.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a call's flight (once); an error nobody joined for is not reported as never retrieved."""
+    if flight.done():
+        return
+    if error is None:
+        flight.set_result(result)
+        return
+    flight.set_exception(error)
+    flight.exception()  # retrieved: joiners (if any) still get it
 
 
 def _shown(request: str, limit: int = 400) -> str:

@@ -335,6 +335,14 @@ class TrajectoryStore(abc.ABC):
             (name, start, limit))
         return [Entry.from_row(r) for r in rows]
 
+    async def entry(self, name: str, seq: int) -> Entry:
+        """Call ``seq`` of a trajectory (one the log holds: a missing one is a :class:`SandboxError` naming it)."""
+        rows = await self._read(f"SELECT {_ENTRY_COLUMNS} FROM dsec_calls WHERE name = ? AND seq = ?", (name, seq))
+        if not rows:
+            raise SandboxError(f"trajectory {name!r}: the log has no call {seq}, which it listed", trajectory=name,
+                               seq=seq)
+        return Entry.from_row(rows[0])
+
     async def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         statement = self._sql(sql)
         await self.barrier()  # a read sees every write made before it (deferred responses included)
