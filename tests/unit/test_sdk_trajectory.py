@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import gc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -113,6 +114,28 @@ async def test_on_divergence_fork_branches_at_the_last_matching_call(client: dse
         assert info.trajectory.name.startswith("sdk/branch~2-") and info.trajectory.calls == 3
         # The original trajectory and its sandbox are untouched.
         assert (await sb.exec("cat state")).stdout == b"base\na\na2\n"
+        await other.close()
+    finally:
+        await sb.close()
+
+
+async def test_a_diverging_pristine_stream_keeps_pristine_on_the_branch(client: dsec.Client) -> None:
+    """A grader's ``exec_stream(..., pristine=True)`` that diverges is sent on the branch as it was asked: the
+    retry dropped ``pristine``, so the grader ran on the agent's modified root."""
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/pristine-branch", client=client)
+    try:
+        await sb.exec("echo a > state")
+        other = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/pristine-branch", on_divergence="fork",
+                                               client=client)
+        events = [e async for e in other.exec_stream(["cat", "state"], pristine=True)]
+        assert events[-1].type == "exit" and other.id != sb.id
+        info = await other.info()
+        assert info.trajectory is not None
+        page = await client._request("GET", "/v1/trajectories/log",
+                                     params={"name": info.trajectory.name, "start": 0, "limit": 10})
+        calls = [json.loads(c["request"]) for c in page.json()]
+        assert calls[-1]["args"]["command"] == ["cat", "state"], calls
+        assert calls[-1]["args"].get("pristine") is True, calls[-1]
         await other.close()
     finally:
         await sb.close()

@@ -453,3 +453,19 @@ async def test_a_call_reissued_while_it_is_being_logged_joins_the_first(engine: 
     assert ran(engine, info.id) == 1
     fail.clear()
     assert (await engine.exec(info.id, COUNT, seq=1)).stdout == b"2\n"
+
+
+async def test_a_logged_call_failing_with_a_bug_is_a_named_error(engine: Engine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend bug under a logged files call is a SandboxError naming it (as under an exec), not a raw
+    exception (an HTTP 500 without the error payload); the call is logged as interrupted."""
+    info = await engine.create(spec())
+    fake = engine._backends["container"]
+
+    async def broken(*_args: object, **_kw: object) -> None:
+        raise RuntimeError("disk driver bug")
+
+    monkeypatch.setattr(fake, "write_file", broken)
+    with pytest.raises(SandboxError, match="write failed: RuntimeError: disk driver bug"):
+        await engine.write_file(info.id, "/workspace/f", b"x", seq=0)
+    assert (await engine.rollouts.log.store.entry("job-17/rollout-3", 0)).status == "interrupted"

@@ -634,7 +634,8 @@ class AsyncSandbox:
             # The daemon answers a divergence before any output: the call can move to a branch whole.
             if started or not await self._branch(exc):
                 raise
-            retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output)
+            retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
+                                     pristine=pristine)
             try:
                 async for event in retry:
                     yield event

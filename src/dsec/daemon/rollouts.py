@@ -284,6 +284,10 @@ class Rollouts:
                 response: Any = await run(at)
             except DSecError as exc:
                 response = exc
+            except Exception as exc:  # a bug, not an answer: named, as an exec's (it was a bare HTTP 500)
+                log.exception("trajectory %s: call %d (%s) failed", t.name, at, op)
+                await self.log.interrupt(t, at)
+                raise SandboxError(f"{op} failed: {type(exc).__name__}: {exc}") from exc
             except BaseException:
                 await self.log.interrupt(t, at)
                 raise
