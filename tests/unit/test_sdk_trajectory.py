@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import gc
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -202,3 +202,29 @@ def test_heartbeat_interval_is_a_third_of_the_lease_within_bounds() -> None:
     from dsec._sdk.sandbox import heartbeat_interval
 
     assert heartbeat_interval(1800) == 300 and heartbeat_interval(60) == 20 and heartbeat_interval(0.3) == 0.5
+
+
+async def test_a_call_that_never_reached_the_log_does_not_wedge_the_handle(client: dsec.Client) -> None:
+    """A call refused at connect (the daemon restarting) used its number without reaching the log: every later
+    call was refused as past the log's end, for good. The handle now numbers the next call where the log ends."""
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/lost-call", client=client)
+    try:
+        await sb.exec("echo one >> ran")
+        assert sb._cursor is not None
+        for send in (lambda: sb.exec("echo two >> ran"), lambda: sb.files.write("/work/x", "x"),
+                     lambda: _drain(sb.exec_stream("echo three >> ran"))):
+            sb._cursor.take()  # what a call lost before the log took
+            await send()
+        info = await sb.info()
+        assert info.trajectory is not None and info.trajectory.calls == 4, info.trajectory
+        assert (await sb.exec("cat ran")).stdout == b"one\ntwo\nthree\n"
+        with pytest.raises(dsec.InvalidRequest, match="in order"):  # a raw call past the end is still refused
+            await client._request("POST", f"/v1/sandboxes/{sb.id}/exec/result", params={"seq": 99},
+                                  json={"command": "true"})
+    finally:
+        await sb.close()
+
+
+async def _drain(events: AsyncIterator[dsec.ExecEvent]) -> None:
+    async for _ in events:
+        pass

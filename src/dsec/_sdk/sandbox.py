@@ -201,6 +201,18 @@ class AsyncSandbox:
         self._cursor.next_seq = at
         return True
 
+    def _resync(self, exc: InvalidRequest, params: dict[str, Any]) -> bool:
+        """The daemon refused call ``params["seq"]`` as past the end of the log: calls numbered before it never
+        reached the log (refused at connect while the daemon restarted, or a read answered just before it was
+        killed), so every later call would be refused too. Number this one at the log's end, where the daemon
+        is; False for any other refusal."""
+        logged, seq = exc.detail.get("logged"), params.get("seq")
+        if (self._cursor is None or exc.detail.get("trajectory") != self._cursor.name or not isinstance(logged, int)
+                or not isinstance(seq, int) or not 0 <= logged < seq):
+            return False
+        self._cursor.next_seq = logged
+        return True
+
     async def _logged(
         self, params: dict[str, Any], op: str, args: dict[str, Any] | Callable[[], dict[str, Any]]
     ) -> tuple[bool, Any]:
@@ -229,6 +241,9 @@ class AsyncSandbox:
                 return False, await self._node_request(method, f"/v1/sandboxes/{self.id}{route}", params=numbered, **kw)
             except ReplayDivergence as exc:
                 if not await self._branch(exc):
+                    raise
+            except InvalidRequest as exc:
+                if not self._resync(exc, numbered):
                     raise
 
     def _auth(self) -> tuple[Client, dict[str, str] | None]:
@@ -589,9 +604,11 @@ class AsyncSandbox:
             content = await client._post_json(f"/v1/sandboxes/{self.id}/exec/result",
                                               request.model_dump_json().encode(), params=params or None,
                                               headers=headers, timeout=STREAM_TIMEOUT)
-        except ReplayDivergence as exc:
-            # The daemon answers a divergence before running anything: the call can move to a branch.
-            if not await self._branch(exc):
+        except (ReplayDivergence, InvalidRequest) as exc:
+            # The daemon answers a divergence before running anything: the call can move to a branch. A call
+            # numbered past the log's end is numbered again.
+            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, params)
+            if not moved:
                 raise
             return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
                                    pristine=pristine)
@@ -630,9 +647,13 @@ class AsyncSandbox:
             async for event in events:
                 started = True
                 yield event
-        except ReplayDivergence as exc:
-            # The daemon answers a divergence before any output: the call can move to a branch whole.
-            if started or not await self._branch(exc):
+        except (ReplayDivergence, InvalidRequest) as exc:
+            # The daemon answers a divergence (or a call numbered past the log's end) before any output: the call
+            # can move to a branch (or its number) whole.
+            if started:
+                raise
+            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, params)
+            if not moved:
                 raise
             retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
                                      pristine=pristine)
