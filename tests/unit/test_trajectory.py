@@ -469,3 +469,32 @@ async def test_a_logged_call_failing_with_a_bug_is_a_named_error(engine: Engine,
     with pytest.raises(SandboxError, match="write failed: RuntimeError: disk driver bug"):
         await engine.write_file(info.id, "/workspace/f", b"x", seq=0)
     assert (await engine.rollouts.log.store.entry("job-17/rollout-3", 0)).status == "interrupted"
+
+
+async def test_a_node_that_only_answered_a_log_fetch_rebuilds_from_the_current_log(tmp_path: Path) -> None:
+    """Cluster mode: one log, several nodes. Node C answered a log fetch (the gateway sends it to any node)
+    while node A owned the trajectory; A logged on, then died, and the job resumed on C. C must rebuild from
+    the log as it is then: it kept its early copy, so the calls A logged since ran again."""
+    shared = tmp_path / "log.db"
+
+    def node(name: str) -> Engine:
+        settings = Settings(home=tmp_path / name)
+        return Engine(settings, {"container": FakeBackend(root=tmp_path / f"{name}-fake")}, FakeImages(),
+                      reaper_interval=0.05, trajectory_store=SQLiteStore(shared))
+
+    a, c = node("a"), node("c")
+    async with started(a), started(c):
+        info = await a.create(spec())
+        for seq in range(2):
+            await a.exec(info.id, COUNT, seq=seq)
+        assert len(await c.rollouts.log.logged("job-17/rollout-3", 0, 100)) == 2
+        for seq in range(2, 5):
+            await a.exec(info.id, COUNT, seq=seq)
+        await asyncio.sleep(a.rollouts.log.store.defer_s * 3)  # the last answer's batch lands
+        # A is lost; the job re-opens its trajectory and the gateway places it on C.
+        rebuilt = await c.create(spec())
+        assert rebuilt.id != info.id and rebuilt.trajectory is not None and rebuilt.trajectory.calls == 5
+        replayed = await c.exec(rebuilt.id, COUNT, seq=4)
+        assert replayed.replayed and replayed.stdout == b"5\n" and ran(c, rebuilt.id) == 0
+        await c.destroy_all()
+        await a.destroy_all()

@@ -133,6 +133,7 @@ class Rollouts:
         if spec.snapshot is not None:
             raise InvalidRequest("give either trajectory or snapshot: a trajectory restores its own checkpoints")
         async with self._opening.setdefault(name, asyncio.Lock()):
+            kept = self.log.by_name(name) is not None  # a copy loaded earlier, rather than read just now
             t = await self.log.load(name)
             if t is None:
                 info = await self.engine._create(spec, None)
@@ -143,11 +144,20 @@ class Rollouts:
                     raise
                 t.lease = spec.lease
                 return await self.engine.get(info.id)
-            t.lease = spec.lease
-            t.touch()
             record = self.engine._records.get(t.binding.sandbox_id or "")
             if record is not None and record.state in ("running", "paused"):
+                t.lease = spec.lease
+                t.touch()
                 return self.engine._info(record)
+            if kept and not t.flights:
+                # Rebuilt here: from the log as the store has it now. A copy loaded earlier (this node owned
+                # the trajectory once; in cluster mode another node may have logged on since) is stale.
+                self.log.forget(name)
+                t = await self.log.load(name)
+                if t is None:
+                    raise InvalidRequest(f"trajectory {name!r} is gone from the log", trajectory=name)
+            t.lease = spec.lease
+            t.touch()
             return await self._recover(t, spec)
 
     async def _recover(self, t: OpenTrajectory, spec: SandboxSpec) -> SandboxInfo:
@@ -194,7 +204,7 @@ class Rollouts:
     async def branch(self, name: str, at: int, rerun_missing: bool) -> SandboxInfo:
         """A new trajectory sharing ``name``'s calls ``< at``, bound to a sandbox rebuilt to that point
         (the latest checkpoint before ``at``, plus re-run calls if asked); ``name`` itself is untouched."""
-        source = await self.log.load(name)
+        source = await self.log.peek(name)
         if source is None:
             raise InvalidRequest(f"no trajectory {name!r} on this node", trajectory=name)
         if not 0 <= at <= len(source.digests):

@@ -182,6 +182,25 @@ class Trajectories:
             self._open[name] = opened
             return opened
 
+    async def peek(self, name: str) -> OpenTrajectory | None:
+        """The trajectory as the store has it now, for a look (its log, a branch's source): the loaded one, else
+        read without being kept and without marking anything interrupted. In cluster mode the log is shared:
+        a node that loaded a trajectory only to answer a log fetch kept a copy that went stale as its owner
+        logged on, then served a resumed job from it (calls run again), and marked the owner's running calls
+        interrupted."""
+        loaded = self._open.get(name)
+        if loaded is not None:
+            return loaded
+        binding = await self.store.get_binding(name)
+        if binding is None:
+            return None
+        seen = OpenTrajectory(binding)
+        for entry in await self.store.entries(name):
+            seen.digests.append(entry.digest)
+            seen.statuses.append(entry.status)
+            seen.ops.append(entry.op)
+        return seen
+
     async def _interrupt(self, name: str, entry: Entry, superseded: bool = False) -> None:
         """Log ``entry`` as interrupted, with the "outcome unknown" answer of an operation never run twice (and,
         ``superseded``, of any other: later calls have run since)."""
@@ -352,10 +371,11 @@ class Trajectories:
 
     async def logged(self, name: str, start: int, limit: int) -> list[LoggedCall]:
         """Completed calls from ``start`` (what the SDK fetches to fast-forward on its own)."""
-        t = await self.load(name)
-        if t is None:
+        t = self._open.get(name)
+        if t is not None:
+            t.touch()
+        elif await self.store.get_binding(name) is None:
             raise InvalidRequest(f"no trajectory {name!r} on this node", trajectory=name)
-        t.touch()
         return [
             LoggedCall.model_validate({"seq": e.seq, "op": e.op, "digest": e.digest, "status": e.status,
                                        "response": e.response, "truncated": e.truncated,
