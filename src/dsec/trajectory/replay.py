@@ -169,17 +169,9 @@ class Trajectories:
             loaded = self._open.get(name)
             if loaded is not None:
                 return loaded
-            binding = await self.store.get_binding(name)
-            if binding is None:
-                return None
-            opened = OpenTrajectory(binding)
-            for entry in await self.store.entries(name):
-                if entry.status == "running":
-                    await self._interrupt(name, entry)
-                opened.digests.append(entry.digest)
-                opened.statuses.append(entry.status)
-                opened.ops.append(entry.op)
-            self._open[name] = opened
+            opened = await self._read(name, interrupt=True)
+            if opened is not None:
+                self._open[name] = opened
             return opened
 
     async def peek(self, name: str) -> OpenTrajectory | None:
@@ -189,17 +181,22 @@ class Trajectories:
         logged on, then served a resumed job from it (calls run again), and marked the owner's running calls
         interrupted."""
         loaded = self._open.get(name)
-        if loaded is not None:
-            return loaded
+        return loaded if loaded is not None else await self._read(name, interrupt=False)
+
+    async def _read(self, name: str, interrupt: bool) -> OpenTrajectory | None:
+        """The trajectory from the store (None: never opened); ``interrupt``: mark calls left ``running`` by a
+        previous daemon ``interrupted`` (nothing runs them now)."""
         binding = await self.store.get_binding(name)
         if binding is None:
             return None
-        seen = OpenTrajectory(binding)
+        read = OpenTrajectory(binding)
         for entry in await self.store.entries(name):
-            seen.digests.append(entry.digest)
-            seen.statuses.append(entry.status)
-            seen.ops.append(entry.op)
-        return seen
+            if interrupt and entry.status == "running":
+                await self._interrupt(name, entry)
+            read.digests.append(entry.digest)
+            read.statuses.append(entry.status)
+            read.ops.append(entry.op)
+        return read
 
     async def _interrupt(self, name: str, entry: Entry, superseded: bool = False) -> None:
         """Log ``entry`` as interrupted, with the "outcome unknown" answer of an operation never run twice (and,
