@@ -190,12 +190,13 @@ class Trajectories:
         if binding is None:
             return None
         read = OpenTrajectory(binding)
-        for entry in await self.store.entries(name):
-            if interrupt and entry.status == "running":
-                await self._interrupt(name, entry)
-            read.digests.append(entry.digest)
-            read.statuses.append(entry.status)
-            read.ops.append(entry.op)
+        for seq, op, digest, status in await self.store.index(name):
+            if interrupt and status == "running":
+                await self._interrupt(name, await self.store.entry(name, seq))
+                status = "interrupted"
+            read.digests.append(digest)
+            read.statuses.append(status)
+            read.ops.append(op)
         return read
 
     async def _interrupt(self, name: str, entry: Entry, superseded: bool = False) -> None:
@@ -225,6 +226,9 @@ class Trajectories:
     def forget(self, name: str) -> None:
         """Drop a trajectory from memory (its log stays in the store)."""
         self._open.pop(name, None)
+        lock = self._loading.get(name)
+        if lock is not None and not lock.locked():
+            del self._loading[name]
 
     # -- matching -----------------------------------------------------------------------------------
 

@@ -335,6 +335,12 @@ class TrajectoryStore(abc.ABC):
             (name, start, limit))
         return [Entry.from_row(r) for r in rows]
 
+    async def index(self, name: str) -> list[tuple[int, str, str, str]]:
+        """``(seq, op, digest, status)`` of every call of a trajectory, in order: what matching needs, without
+        the requests and responses (up to 2 MiB of stored output per call)."""
+        rows = await self._read("SELECT seq, op, digest, status FROM dsec_calls WHERE name = ? ORDER BY seq", (name,))
+        return [(int(seq), str(op), str(digest), str(status)) for seq, op, digest, status in rows]
+
     async def entry(self, name: str, seq: int) -> Entry:
         """Call ``seq`` of a trajectory (one the log holds: a missing one is a :class:`SandboxError` naming it)."""
         rows = await self._read(f"SELECT {_ENTRY_COLUMNS} FROM dsec_calls WHERE name = ? AND seq = ?", (name, seq))
