@@ -38,8 +38,17 @@ class PostgresStore(TrajectoryStore):
         self._write_conn: Any = None
         self._read_conn: Any = None
 
-    def _connect(self) -> Any:
-        return self._psycopg.connect(self.dsn, autocommit=False, connect_timeout=5)
+    def _connect(self, autocommit: bool = False) -> Any:
+        return self._psycopg.connect(self.dsn, autocommit=autocommit, **self._timeouts())
+
+    def _timeouts(self) -> dict[str, Any]:
+        """libpq settings that bound how long a dead or black-holed server can hold a call, each only where the
+        DSN does not set it: without them a failover that drops packets held the writer for the kernel's TCP
+        retransmission time (~15 min), not the ``retry_for`` the log promises."""
+        given = self._psycopg.conninfo.conninfo_to_dict(self.dsn)
+        defaults = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3,
+                    "keepalives_count": 3, "tcp_user_timeout": 10_000, "options": "-c statement_timeout=30000"}
+        return {k: v for k, v in defaults.items() if k not in given}
 
     def _prepare(self) -> None:
         conn = self._retrying(self._connect)
@@ -87,7 +96,7 @@ class PostgresStore(TrajectoryStore):
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         def attempt() -> list[tuple[Any, ...]]:
             if self._read_conn is None or self._read_conn.closed or self._read_conn.broken:
-                self._read_conn = self._psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                self._read_conn = self._connect(autocommit=True)
             try:
                 with self._read_conn.cursor() as cur:
                     cur.execute(sql, args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -187,6 +188,10 @@ class TrajectoryStore(abc.ABC):
     def __init__(self) -> None:
         self._writer = _Writer(self, f"dsec-trajectory-{type(self).__name__}")
         self._read_lock = threading.Lock()
+        # Reads run on a thread of their own: during a database outage each one retries for up to a
+        # half-minute, and on the loop's default executor (6 threads on 2 cores) they held every thread that
+        # creates and destroys use.
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-trajectory-read")
         self._inline_commits = 0
         self._inline_writes = 0
         # Inline mode: writes that need not be durable before the caller goes on, committed in one transaction
@@ -226,6 +231,7 @@ class TrajectoryStore(abc.ABC):
         """Commit what is queued and stop the writer."""
         self._flush_pending()
         await asyncio.to_thread(self._writer.close)
+        await asyncio.to_thread(self._reader.shutdown)
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
@@ -311,10 +317,11 @@ class TrajectoryStore(abc.ABC):
         await self._write("DELETE FROM dsec_calls WHERE name = ? AND seq >= ?", (name, length), True)
 
     async def copy_prefix(self, source: str, target: str, length: int) -> None:
-        """Copy calls ``< length`` of ``source`` into ``target`` (a fork's shared history), durably."""
+        """Copy calls ``< length`` of ``source`` into ``target`` (a fork's shared history), durably; applied
+        again after a lost commit acknowledgement (PostgreSQL's retry) it copies nothing twice."""
         await self._write(
             f"INSERT INTO dsec_calls (name, {_ENTRY_COLUMNS}) SELECT CAST(? AS TEXT), {_ENTRY_COLUMNS} FROM dsec_calls "
-            "WHERE name = ? AND seq < ?", (target, source, length), True)
+            "WHERE name = ? AND seq < ? ON CONFLICT (name, seq) DO NOTHING", (target, source, length), True)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -352,7 +359,7 @@ class TrajectoryStore(abc.ABC):
     async def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         statement = self._sql(sql)
         await self.barrier()  # a read sees every write made before it (deferred responses included)
-        return await asyncio.to_thread(self._locked_query, statement, args)
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self._locked_query, statement, args)
 
     def _locked_query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._read_lock:

@@ -14,7 +14,7 @@ import pytest
 
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
-from dsec.errors import ReplayDivergence
+from dsec.errors import BackendUnavailable, ReplayDivergence
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 from dsec.trajectory.postgres import PostgresStore
@@ -81,3 +81,47 @@ async def test_engine_replays_across_a_postgres_restart(pg: PgServer, tmp_path: 
     finally:
         await second.destroy_all()
         await second.aclose()
+
+
+async def test_a_fork_prefix_applied_twice_copies_nothing_twice(pg: PgServer) -> None:
+    """The writer applies a batch again when the server's acknowledgement was lost (a restart mid-commit):
+    a fork's prefix copy must not fail the whole batch with a unique violation then."""
+    store = PostgresStore(pg.dsn)
+    await store.start()
+    try:
+        await store.put_binding(Binding(name="pg/src", spec="{}", sandbox_id="sb-1"))
+        for seq in range(3):
+            await store.put_entry("pg/src", Entry(seq=seq, op="exec", digest=f"d{seq}", request="{}",
+                                                  status="done", response='{"exit_code": 0}'))
+        await store.copy_prefix("pg/src", "pg/src~2", 2)
+        await store.copy_prefix("pg/src", "pg/src~2", 2)  # what a re-applied batch does
+        assert [(e.seq, e.digest) for e in await store.entries("pg/src~2")] == [(0, "d0"), (1, "d1")]
+    finally:
+        await store.aclose()
+
+
+def test_connections_are_bounded_unless_the_dsn_says_otherwise() -> None:
+    """A black-holed server must fail a call within the retry window, not after TCP's ~15 min: keepalives,
+    a TCP user timeout and a statement timeout, each only where the DSN sets none."""
+    defaults = PostgresStore("postgresql://dsec@db.invalid/log")._timeouts()
+    assert defaults["tcp_user_timeout"] == 10_000 and defaults["keepalives"] == 1, defaults
+    assert "statement_timeout" in defaults["options"] and defaults["connect_timeout"] == 5
+    given = PostgresStore("postgresql://dsec@db.invalid/log?connect_timeout=3&options=-c%20search_path%3Dx")
+    assert "connect_timeout" not in given._timeouts() and "options" not in given._timeouts()
+
+
+async def test_reads_waiting_out_an_outage_hold_no_thread_the_daemon_needs(pg: PgServer) -> None:
+    """Reads of the log retry for up to ``retry_for`` while the server is down; on the event loop's default
+    executor (6 threads on a 2-core node) a few of them held every thread that creates and destroys use."""
+    store = PostgresStore(pg.dsn, retry_for=1.0)
+    await store.start()
+    await asyncio.to_thread(pg.stop)
+    try:
+        reads = [asyncio.create_task(store.get_binding(f"pg/outage-{i}")) for i in range(8)]
+        await asyncio.sleep(0.5)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
+        done, _ = await asyncio.wait(reads, timeout=60)
+        assert len(done) == 8 and all(isinstance(t.exception(), BackendUnavailable) for t in done)
+    finally:
+        await asyncio.to_thread(pg.start)
+        await store.aclose()
