@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from dsec.backends.base import collect_exec
-from dsec.isolation.exec_client import Spawned, stream_exec
+from dsec.errors import SandboxError
+from dsec.isolation.exec_client import Spawned, send_with_pipes, stream_exec
 from dsec.models import ExecRequest
 
 
@@ -106,3 +108,34 @@ async def test_a_call_that_ends_normally_needs_no_watch_on_its_pipe(helper: _Hel
     for fd in (helper.spawned.stdout, helper.spawned.stderr, helper.spawned.status):
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+async def test_a_peer_that_takes_no_request_holds_only_that_call() -> None:
+    """A zygote that does not read (its sandbox starved of CPU) fills its socket's queue: the next request
+    waits for room without blocking the event loop (every other sandbox's calls), then fails naming it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with pytest.raises(BlockingIOError):
+            while True:  # fill the queue, as requests nobody reads do
+                ours.send(b"x" * 1024, socket.MSG_DONTWAIT)
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        beat = asyncio.create_task(heartbeat())
+        fds_before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(SandboxError, match=r"took no request for 0\.5 s"):
+            await send_with_pipes(ours, b"request", "the sandbox's zygote", within=0.5)
+        beat.cancel()
+        assert ticks >= 20, f"the event loop was blocked: {ticks} ticks in 0.5 s"
+        assert len(os.listdir("/proc/self/fd")) == fds_before, "the request's pipes leaked"
+        theirs.recv(2048)  # the peer reads one: room again, and a request goes through
+        spawned = await send_with_pipes(ours, b"request", "the sandbox's zygote", within=5)
+        spawned.close()
+    finally:
+        ours.close()
+        theirs.close()

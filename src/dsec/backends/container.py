@@ -514,7 +514,7 @@ class ContainerBackend(Backend):
                 return "disk"
             return None
 
-        spawned = self._helper.spawn({
+        spawned = await self._helper.spawn({
             "init_pid": pid,
             "cgroup_procs": procs_files,
             "argv": request.argv(),

@@ -265,7 +265,7 @@ class FunctionBackend(Backend):
                 return "disk"
             return None
 
-        events = stream_exec(zygote.spawn(fields), request, verdict)
+        events = stream_exec(await zygote.spawn(fields), request, verdict)
         try:
             async for event in events:
                 if event.type == "exit" and event.result is not None and event.result.limit is None:

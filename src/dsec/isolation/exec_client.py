@@ -42,6 +42,8 @@ _MAX_QUEUED = 4 * 1024 * 1024
 # Messages to a helper or zygote up to this size fit any default socket send buffer.
 _SMALL_MESSAGE = 128 * 1024
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+# How long a request may wait for room in the queue of a helper or zygote that does not read.
+_SEND_WITHIN_S = 30.0
 
 
 @dataclass
@@ -110,17 +112,18 @@ class ExecHelper:
                 self._proc.wait()
             self._proc = None
 
-    def spawn(self, request: dict[str, Any]) -> Spawned:
+    async def spawn(self, request: dict[str, Any]) -> Spawned:
         """Ask the helper to run ``request`` (see :mod:`dsec.isolation.nsexec`); returns our pipe ends."""
         if self._proc is None or self._proc.poll() is not None:
             # The helper died (or was never started): one restart, then give up loudly.
             self.close()
             self.start()
         assert self._sock is not None
-        return send_with_pipes(self._sock, json.dumps(request).encode(), "exec helper")
+        return await send_with_pipes(self._sock, json.dumps(request).encode(), "exec helper")
 
 
-def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
+async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
+                          within: float = _SEND_WITHIN_S) -> Spawned:
     """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
     (stdin, stdout, stderr, status) attached; returns our ends, non-blocking."""
     if len(message) > nsexec.MAX_MESSAGE:
@@ -135,17 +138,48 @@ def send_with_pipes(sock: socket.socket, message: bytes, peer: str) -> Spawned:
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())]
     try:
-        sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())])
+        # Never blocking the event loop: a peer that does not read (a zygote in a sandbox starved of CPU, its
+        # queue full of requests) holds this call only, for ``within`` seconds.
+        async with asyncio.timeout(within):
+            while True:
+                try:
+                    sock.sendmsg([message], rights, socket.MSG_DONTWAIT)
+                    break
+                except BlockingIOError:
+                    await _writable(sock.fileno())
+    except TimeoutError:
+        ours.close()
+        raise SandboxError(f"{peer} took no request for {within:g} s (its queue is full: is its sandbox starved "
+                           "of CPU?)") from None
     except OSError as e:
         ours.close()
         raise SandboxError(f"{peer} is unreachable: {e}") from e
+    except BaseException:
+        ours.close()
+        raise
     finally:
         for fd in theirs:
             os.close(fd)
     for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
         os.set_blocking(fd, False)
     return ours
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _writable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(fd, _resolve, ready)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
 
 
 def _widen_send_buffer(sock: socket.socket) -> int:
@@ -164,19 +198,13 @@ def _widen_send_buffer(sock: socket.socket) -> int:
 
 
 async def _feed_stdin(fd: int, data: bytes) -> None:
-    loop = asyncio.get_running_loop()
     view = memoryview(data)
     try:
         while view:
             try:
                 view = view[os.write(fd, view):]
             except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(fd, ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(fd)
+                await _writable(fd)
     except (BrokenPipeError, OSError):
         pass  # the command closed its stdin early; that is its business
     finally:

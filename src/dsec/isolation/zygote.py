@@ -123,7 +123,7 @@ class Zygote:
     def alive(self) -> bool:
         return self.pid is not None and self._sock is not None
 
-    def spawn(self, fields: list[str]) -> Spawned:
+    async def spawn(self, fields: list[str]) -> Spawned:
         """Send one call (see ``zygote.c``); returns our ends of its pipes."""
         if self._sock is None:
             raise SandboxError("the sandbox's zygote is gone (destroyed)")
@@ -131,7 +131,7 @@ class Zygote:
         if len(message) > MAX_REQUEST:
             raise InvalidRequest(f"command and environment take {len(message)} bytes, over the function backend's "
                                  f"limit of {MAX_REQUEST}: pass large inputs as stdin or through a file")
-        return send_with_pipes(self._sock, message, "the sandbox's zygote")
+        return await send_with_pipes(self._sock, message, "the sandbox's zygote")
 
     def refresh(self) -> None:
         """Make the next call see the zygote's mount namespace as it is now (after the daemon mounted over a
