@@ -107,6 +107,27 @@ async def test_pause_blocks_execs_until_resume(backend: ContainerBackend,
         assert r.stdout == b"alive\n", "a process did not survive pause/resume"
 
 
+async def test_a_command_paused_past_its_timeout_still_ends_at_it(backend: ContainerBackend,
+                                                                  debian_python_image: ImageRef) -> None:
+    """A sandbox paused while a command runs: the SIGKILL of its timeout stays pending while the sandbox is
+    frozen, and the call hung until someone resumed it. It now ends a few seconds after its timeout, as
+    killed at it, and the command dies once the sandbox is resumed."""
+    async with sandbox(backend, debian_python_image) as sb:
+        init = int(sb.backend_state["init_pid"])
+        call = asyncio.create_task(run(backend, sb, ["sleep", "300"], timeout=1.5))
+        assert await await_until(lambda: pids_in_sandbox(init, "sleep"), timeout=10)
+        sleeper = pids_in_sandbox(init, "sleep")[0]
+        await backend.pause(sb)
+        try:
+            r = await asyncio.wait_for(call, 30)
+            assert r.limit == "time" and r.signal == 9 and r.exit_code == 137, r
+            assert b"its exit was not seen" in r.stderr, r
+            assert pid_alive(sleeper), "frozen, the command cannot have died yet"
+        finally:
+            await backend.resume(sb)
+        assert await await_until(lambda: not pid_alive(sleeper), timeout=10), "the kill did not land at resume"
+
+
 async def test_stats_report_memory_and_pids(backend: ContainerBackend, debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image) as sb:
         r = await run(backend, sb, "for i in 1 2 3; do sleep 1000 >/dev/null 2>&1 & done; "

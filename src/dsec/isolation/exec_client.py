@@ -37,6 +37,9 @@ _CHUNK = 64 * 1024
 _DRAIN_AFTER_EXIT_S = 0.2
 # ...or longer, up to this, while the pipes are paused for a slow consumer.
 _DRAIN_MAX_S = 2.0
+# How long a command killed at its timeout has to show its exit before the call ends without it: a process
+# of a paused (frozen) sandbox keeps a SIGKILL pending until the sandbox is resumed.
+_KILLED_GRACE_S = 5.0
 # Output waiting for a slow consumer; past it the pipes are paused (the command blocks on write).
 _MAX_QUEUED = 4 * 1024 * 1024
 # Messages to a helper or zygote up to this size fit any default socket send buffer.
@@ -318,6 +321,8 @@ class _Watch:
         self.limit: LimitHit | None = None
         self.truncated = False
         self.timer: asyncio.TimerHandle | None = None
+        self.unseen_exit = False
+        """Killed at the timeout, and its exit not seen within ``_KILLED_GRACE_S``: the call ends without it."""
         if request.timeout:
             self.timer = self.loop.call_later(request.timeout, self._timed_out)
 
@@ -326,6 +331,13 @@ class _Watch:
         if self.wstatus is None:
             self.limit = self.limit or "time"
             self.spawned.kill()  # no-op until the pid is known; the "pid" line kills then
+            self.timer = self.loop.call_later(_KILLED_GRACE_S, self._exit_unseen)
+
+    def _exit_unseen(self) -> None:
+        self.timer = None
+        if self.wstatus is None and not self.status_closed and self.spawned.pid is not None:
+            self.unseen_exit = True
+            self._push("status", b"")
 
     def add(self, fd: int, name: str) -> None:
         self.open[fd] = name
@@ -450,7 +462,7 @@ async def stream_exec(
             os.close(spawned.stdin)
         spawned.stdin = -1
         while True:
-            if exited_at is None and (watch.wstatus is not None or watch.status_closed):
+            if exited_at is None and (watch.wstatus is not None or watch.status_closed or watch.unseen_exit):
                 exited_at = time.monotonic()
                 # After the exit, output still in the pipes is read for a short while; a background job
                 # that keeps the pipes open does not hold the call.
@@ -472,6 +484,13 @@ async def stream_exec(
                 yield ExecEvent(type=name, data=data)
         if watch.setup_error is not None:
             _raise_or_shell_status(watch.setup_error, request, captured)
+        if watch.wstatus is None and watch.unseen_exit:
+            # SIGKILLed at the timeout; a frozen (paused) sandbox holds the signal until it is resumed. The call
+            # keeps its timeout: it ends now, as killed at its limit, which the command will be.
+            captured["stderr"] += (f"dsec: killed at its {request.timeout:g} s timeout; its exit was not seen "
+                                   f"{_KILLED_GRACE_S:g} s later (a paused sandbox's processes die when it is "
+                                   "resumed)\n").encode()
+            watch.wstatus = signal.SIGKILL  # a wait status: killed by SIGKILL
         if watch.wstatus is None:
             # The helper went away without a verdict: any exit code we made up would be a lie.
             if spawned.pid is None:
