@@ -139,3 +139,17 @@ async def test_a_peer_that_takes_no_request_holds_only_that_call() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+async def test_an_exit_read_after_the_timeout_fired_is_not_a_timeout(
+        helper: _Helper, command: subprocess.Popen[bytes]) -> None:
+    """The command exits 0 just as its timeout fires: the timer's kill comes too late and the "exit 0" line is
+    read after it. It was not killed, so the result names no limit (it said limit="time" with exit code 0)."""
+    call = asyncio.create_task(collect_exec(stream_exec(helper.spawned,
+                                                        ExecRequest(command=["true"], timeout=0.05))))
+    helper.report(f"pid {command.pid}")
+    await asyncio.sleep(0.3)  # the timer has fired
+    helper.report("exit 0")
+    helper.hang_up()
+    result = await asyncio.wait_for(call, 10)
+    assert result.exit_code == 0 and result.limit is None, result

@@ -503,6 +503,8 @@ async def stream_exec(
                                "(nothing could watch it any more) and its exit status is lost")
         exit_code, sig = _decode_status(watch.wstatus)
         limit = watch.limit
+        if limit == "time" and sig != signal.SIGKILL:
+            limit = None  # it exited on its own just as the timeout fired (its status not read yet): not killed
         if limit is None and verdict is not None:
             limit = verdict(exit_code, sig)
         result = ExecResult(
