@@ -133,9 +133,26 @@ async def test_a_peer_that_takes_no_request_holds_only_that_call() -> None:
         beat.cancel()
         assert ticks >= 20, f"the event loop was blocked: {ticks} ticks in 0.5 s"
         assert len(os.listdir("/proc/self/fd")) == fds_before, "the request's pipes leaked"
-        theirs.recv(2048)  # the peer reads one: room again, and a request goes through
-        spawned = await send_with_pipes(ours, b"request", "the sandbox's zygote", within=5)
-        spawned.close()
+        # Several calls wait for the same socket (the node's exec helper is shared); as the peer reads, each one
+        # gets through (one writer callback per fd: a second waiter replaced the first, which then timed out).
+        waiting = [asyncio.create_task(send_with_pipes(ours, b"request", "the exec helper", within=10))
+                   for _ in range(3)]
+        await asyncio.sleep(0.2)
+        theirs.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                theirs.recv(2048)
+        for spawned in await asyncio.wait_for(asyncio.gather(*waiting), 10):
+            spawned.close()
+        # A socket closed by a destroy (in a worker thread) while a call waits fails that call at once.
+        with pytest.raises(BlockingIOError):
+            while True:
+                ours.send(b"x" * 1024, socket.MSG_DONTWAIT)
+        stuck = asyncio.create_task(send_with_pipes(ours, b"request", "the sandbox's zygote", within=10))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(ours.close)
+        with pytest.raises(SandboxError, match="unreachable"):
+            await asyncio.wait_for(stuck, 2)
     finally:
         ours.close()
         theirs.close()
@@ -153,3 +170,16 @@ async def test_an_exit_read_after_the_timeout_fired_is_not_a_timeout(
     helper.hang_up()
     result = await asyncio.wait_for(call, 10)
     assert result.exit_code == 0 and result.limit is None, result
+
+
+async def test_a_late_pid_with_its_exit_kills_nothing(helper: _Helper, command: subprocess.Popen[bytes]) -> None:
+    """The pid line comes after the call was closed, with the exit line right behind it: the command was reaped
+    already, and its number may be another process's now. Nothing is killed."""
+    call = asyncio.create_task(collect_exec(stream_exec(helper.spawned, ExecRequest(command=["true"]))))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    helper.report(f"pid {command.pid}\nexit 0")
+    await asyncio.sleep(0.3)
+    assert command.poll() is None, "a process was killed for a command that had exited"

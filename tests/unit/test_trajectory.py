@@ -498,3 +498,18 @@ async def test_a_node_that_only_answered_a_log_fetch_rebuilds_from_the_current_l
         assert replayed.replayed and replayed.stdout == b"5\n" and ran(c, rebuilt.id) == 0
         await c.destroy_all()
         await a.destroy_all()
+
+
+async def test_a_branch_counts_a_call_copied_while_running_as_missing(engine: Engine) -> None:
+    """A call still ``running`` in the source's log when a branch copies it (a dead daemon's, or another node's
+    in flight) runs nowhere on the branch: the branch lists it among the effects its sandbox lacks, and the
+    source's own log is left alone."""
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    await engine.exec(info.id, COUNT, seq=1)
+    await _lose_answer(engine, "job-17/rollout-3", 1)
+    branch = await engine.rollouts.branch("job-17/rollout-3", 2, rerun_missing=False)
+    assert branch.trajectory is not None and branch.trajectory.missing_effects == [0, 1], branch.trajectory
+    store = engine.rollouts.log.store
+    assert (await store.entry(branch.trajectory.name, 1)).status == "interrupted"
+    assert (await store.entry("job-17/rollout-3", 1)).status == "running"

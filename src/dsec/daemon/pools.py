@@ -315,7 +315,12 @@ class Pools:
         """Take ``surplus`` members out of ``pool`` to trim: those no claim would hand out first (dead, or of an
         image version a re-import replaced: before, a trim removed the newest, new version's members and kept
         the old ones for the claims to destroy), then the newest (the oldest are warmest)."""
-        unusable = [r for r in pool.ready if not self._host.member_usable(r)][:surplus]
+        unusable: list[SandboxRecord] = []
+        for record in list(pool.ready):  # asked only until enough are found (each refused one is logged)
+            if len(unusable) == surplus:
+                break
+            if not self._host.member_usable(record):
+                unusable.append(record)
         for record in unusable:
             pool.ready.remove(record)
         return unusable + [pool.ready.pop() for _ in range(surplus - len(unusable))]

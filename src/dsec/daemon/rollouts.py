@@ -223,6 +223,9 @@ class Rollouts:
         binding = Binding(name=branch, spec=spec.model_dump_json(), checkpoint=checkpoint,
                           checkpoint_seq=checkpoint_seq)
         await self.log.store.copy_prefix(name, branch, at)
+        for entry in prefix:
+            if entry.status == "running":  # nothing runs it on the branch: its effect is missing there
+                await self.log.interrupt_copied(branch, entry)
         t = await self.log.create(binding, prefix)
         t.lease, t.forked_from, t.fork_point = spec.lease, name, at
         try:

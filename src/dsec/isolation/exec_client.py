@@ -142,20 +142,24 @@ async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    pause = 0.001
     try:
         # Never blocking the event loop: a peer that does not read (a zygote in a sandbox starved of CPU, its
-        # queue full of requests) holds this call only, for ``within`` seconds.
-        async with asyncio.timeout(within):
-            while True:
-                try:
-                    sock.sendmsg([message], rights, socket.MSG_DONTWAIT)
-                    break
-                except BlockingIOError:
-                    await _writable(sock.fileno())
-    except TimeoutError:
-        ours.close()
-        raise SandboxError(f"{peer} took no request for {within:g} s (its queue is full: is its sandbox starved "
-                           "of CPU?)") from None
+        # queue full of requests) holds this call only, for ``within`` seconds. Polled, not a writer callback:
+        # the socket is shared by concurrent calls (one writer per fd: a second replaced the first), and may be
+        # closed by a destroy in a worker thread meanwhile (a closed socket fails the next try at once).
+        while True:
+            try:
+                sock.sendmsg([message], rights, socket.MSG_DONTWAIT)
+                break
+            except BlockingIOError:
+                if loop.time() >= deadline:
+                    raise SandboxError(f"{peer} took no request for {within:g} s (its queue is full: is its "
+                                       "sandbox starved of CPU?)") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
     except OSError as e:
         ours.close()
         raise SandboxError(f"{peer} is unreachable: {e}") from e
@@ -246,13 +250,13 @@ def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes
         if data is None:
             return
         pending.extend(data)
-        for line in bytes(pending).split(b"\n")[:-1]:
-            kind, _, value = line.partition(b" ")
-            if kind == b"pid":
+        lines = dict(line.partition(b" ")[::2] for line in bytes(pending).split(b"\n")[:-1])
+        if b"pid" in lines:
+            if b"exit" not in lines:  # (exited and reaped already: its number may be another's now)
                 with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                    os.killpg(int(value), signal.SIGKILL)
-                done()
-                return
+                    os.killpg(int(lines[b"pid"]), signal.SIGKILL)
+            done()
+            return
         if not data:
             done()
 
@@ -520,7 +524,8 @@ async def stream_exec(
         )
         yield ExecEvent(type="exit", result=result)
     finally:
-        handover = watch.wstatus is None and spawned.pid is None and not watch.status_closed
+        handover = (watch.wstatus is None and spawned.pid is None and not watch.status_closed
+                    and not watch.loop.is_closed())
         if watch.wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
         watch.close()

@@ -9,6 +9,7 @@ a call or fail the rollout: a batch that hits a broken connection reconnects and
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -46,6 +47,11 @@ class PostgresStore(TrajectoryStore):
         DSN does not set it: without them a failover that drops packets held the writer for the kernel's TCP
         retransmission time (~15 min), not the ``retry_for`` the log promises."""
         given = self._psycopg.conninfo.conninfo_to_dict(self.dsn)
+        if "service" in given or os.environ.get("PGSERVICE"):
+            return {}  # a service file may set any of them: passing ours would override it
+        # (libpq's environment too: an explicit keyword overrides PGOPTIONS and PGCONNECT_TIMEOUT)
+        given.update({key: "" for key, env in (("options", "PGOPTIONS"), ("connect_timeout", "PGCONNECT_TIMEOUT"))
+                      if os.environ.get(env)})
         defaults = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3,
                     "keepalives_count": 3, "tcp_user_timeout": 10_000, "options": "-c statement_timeout=30000"}
         return {k: v for k, v in defaults.items() if k not in given}
@@ -71,6 +77,8 @@ class PostgresStore(TrajectoryStore):
         while True:
             try:
                 return action()
+            except self._psycopg.errors.QueryCanceled as exc:  # an OperationalError, but the server is up
+                raise BackendUnavailable(f"the trajectory log database cancelled a statement: {exc}") from exc
             except self._psycopg.OperationalError as exc:
                 if time.monotonic() >= deadline:
                     raise BackendUnavailable(f"the trajectory log database is unreachable: {exc}") from exc

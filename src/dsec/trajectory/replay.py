@@ -313,6 +313,11 @@ class Trajectories:
             f"  now:    {_shown(request)}", trajectory=t.name, seq=seq, logged=json.loads(logged),
             given=json.loads(request))
 
+    async def interrupt_copied(self, name: str, entry: Entry) -> None:
+        """A call copied into a new branch's log while it was ``running`` (on the source's node, or left so by a
+        dead daemon): on the branch it is interrupted (counted among the effects its rebuild lacks)."""
+        await self._interrupt(name, entry)
+
     async def interrupt(self, t: OpenTrajectory, seq: int) -> None:
         """A live call failed without an answer (not a DSec error): nothing will run it again."""
         entry = await self.store.entry(t.name, seq)

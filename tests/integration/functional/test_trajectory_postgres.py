@@ -125,3 +125,24 @@ async def test_reads_waiting_out_an_outage_hold_no_thread_the_daemon_needs(pg: P
     finally:
         await asyncio.to_thread(pg.start)
         await store.aclose()
+
+
+async def test_a_statement_cancelled_by_its_timeout_is_not_retried_as_an_outage(pg: PgServer) -> None:
+    """``statement_timeout`` cancels a statement with QueryCanceled, an OperationalError to psycopg: it was
+    retried as if the server were down, each try taking the timeout again. It fails at once now."""
+    store = PostgresStore(pg.dsn + "?options=-c%20statement_timeout%3D200", retry_for=30.0)
+    await store.start()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BackendUnavailable, match="cancelled a statement"):
+            await asyncio.to_thread(store._query, "SELECT pg_sleep(2)", ())
+        assert asyncio.get_running_loop().time() - started < 10
+    finally:
+        await store.aclose()
+
+
+def test_libpq_environment_settings_are_not_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGOPTIONS", "-c search_path=x")
+    assert "options" not in PostgresStore("postgresql://dsec@db.invalid/log")._timeouts()
+    monkeypatch.setenv("PGSERVICE", "dsec")
+    assert PostgresStore("postgresql://dsec@db.invalid/log")._timeouts() == {}
