@@ -446,7 +446,7 @@ async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_pyt
         helper = backend._helper
         assert helper is not None and helper._proc is not None
         helper._proc.kill()
-        with pytest.raises(DSecError, match="exec helper died while running '/bin/sh': the command is killed"):
+        with pytest.raises(DSecError, match="exec helper went away while running '/bin/sh': the command is killed"):
             await asyncio.wait_for(call, 30)
         # Killed and reaped: the daemon (a subreaper) inherits the dead helper's children, and must collect them.
         assert await await_until(lambda: _state(sleeps[0]) == "gone", timeout=10), _state(sleeps[0])

@@ -236,7 +236,7 @@ async def test_destroy_while_call_runs(backend: FunctionBackend, debian_python_i
     task = asyncio.create_task(run(backend, record, "echo started; sleep 60", timeout=90))
     await asyncio.sleep(0.5)
     await backend.destroy(record)
-    with pytest.raises(DSecError):
+    with pytest.raises(DSecError, match=r"the sandbox's zygote .*went away while running '/bin/sh'"):
         await asyncio.wait_for(task, 20)
     assert not any(fn_leftovers(home).values()), fn_leftovers(home)
 

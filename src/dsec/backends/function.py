@@ -265,7 +265,8 @@ class FunctionBackend(Backend):
                 return "disk"
             return None
 
-        events = stream_exec(await zygote.spawn(fields), request, verdict)
+        events = stream_exec(await zygote.spawn(fields), request, verdict,
+                             peer="the sandbox's zygote (the sandbox was destroyed, or the zygote killed)")
         try:
             async for event in events:
                 if event.type == "exit" and event.result is not None and event.result.limit is None:

@@ -447,8 +447,10 @@ async def stream_exec(
     spawned: Spawned,
     request: ExecRequest,
     verdict: Callable[[int, int | None], LimitHit | None] | None = None,
+    peer: str = "the exec helper",
 ) -> AsyncGenerator[ExecEvent, None]:
-    """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit."""
+    """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit; ``peer``
+    is what started it (named when it goes away mid-command)."""
     watch = _Watch(spawned, request)
     captured = {"stdout": bytearray(), "stderr": bytearray()}
     start = time.monotonic()
@@ -498,12 +500,12 @@ async def stream_exec(
         if watch.wstatus is None:
             # The helper went away without a verdict: any exit code we made up would be a lie.
             if spawned.pid is None:
-                raise SandboxError(f"the exec helper died before starting {request.argv()[0]!r}")
+                raise SandboxError(f"{peer} went away before starting {request.argv()[0]!r}")
             spawned.kill()
             # The helper's children are the daemon's now (its subreaper): collect this one, not a zombie for good.
             threading.Thread(target=reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
             spawned.pid = None  # the reaper's now: no later kill may reach whatever reuses the number
-            raise SandboxError(f"the exec helper died while running {request.argv()[0]!r}: the command is killed "
+            raise SandboxError(f"{peer} went away while running {request.argv()[0]!r}: the command is killed "
                                "(nothing could watch it any more) and its exit status is lost")
         exit_code, sig = _decode_status(watch.wstatus)
         limit = watch.limit
