@@ -89,13 +89,17 @@ def cgroup_parents(tag: str) -> list[str]:
     return sorted(str(p) for p in CGROUP_ROOT.glob(f"*/dsec-{tag}") if p.is_dir() and not p.parent.is_symlink())
 
 
+def proc_state(pid: int) -> str:
+    """A process's state letter (``Z`` for a zombie), or ``gone``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return proc_state(pid) not in ("gone", "Z")
 
 
 def pids_in_sandbox(init_pid: int, comm: str) -> list[int]:

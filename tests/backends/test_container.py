@@ -25,6 +25,7 @@ from container_support import (
     mounts_under,
     pid_alive,
     pids_in_sandbox,
+    proc_state,
     run,
     sandbox_mounts,
     started_backend,
@@ -449,15 +450,7 @@ async def test_exec_helper_killed_mid_exec(backend: ContainerBackend, debian_pyt
         with pytest.raises(DSecError, match="exec helper went away while running '/bin/sh': the command is killed"):
             await asyncio.wait_for(call, 30)
         # Killed and reaped: the daemon (a subreaper) inherits the dead helper's children, and must collect them.
-        assert await await_until(lambda: _state(sleeps[0]) == "gone", timeout=10), _state(sleeps[0])
+        assert await await_until(lambda: proc_state(sleeps[0]) == "gone", timeout=10), proc_state(sleeps[0])
         r = await run(backend, sb, "echo again")
         assert r.exit_code == 0 and r.stdout == b"again\n", r
         assert backend._helper is helper and helper._proc is not None and helper._proc.poll() is None
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (``Z`` for a zombie), or ``gone``."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"

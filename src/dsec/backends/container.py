@@ -51,7 +51,7 @@ from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.procs import start_time
+from dsec.isolation.procs import reap, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -647,7 +647,7 @@ class ContainerBackend(Backend):
             if pidfd is not None:
                 os.close(pidfd)
         if pid:
-            _reap(pid)
+            reap(int(pid), 1.0)  # a killed init, if it is our child (we are its subreaper): not a zombie
         # A sandbox made before bundles and crun's state moved to the tmpfs has them in DSEC_HOME.
         bundles = [self._bundle(sandbox_id), self.root / sandbox_id]
         for runtime_root in (self.runtime_root, self._legacy_runtime_root):
@@ -818,18 +818,6 @@ def _private_dir(path: Path) -> None:
         log.warning("container backend: %s was not a private directory of uid %d (owner uid %d, mode %s): "
                     "moved aside to %s", path, os.geteuid(), st.st_uid, stat.filemode(st.st_mode), aside)
     raise BackendUnavailable(f"container backend: {path} keeps being planted by someone else; remove its creator")
-
-
-def _reap(pid: int) -> None:
-    """Collect a killed init if it is our child (we are its subreaper); a no-op otherwise."""
-    for _ in range(500):  # at most ~1 s; a SIGKILLed process becomes a zombie within microseconds
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return  # not ours (the daemon restarted since) or already reaped
-        if done:
-            return
-        time.sleep(0.002)
 
 
 def _pidfd_of(pid: int, started: str | None) -> int | None:

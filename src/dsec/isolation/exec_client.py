@@ -27,9 +27,10 @@ from typing import Any
 
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import nsexec
+from dsec.isolation.procs import reap
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
-__all__ = ["ExecHelper", "Spawned", "reap_orphan", "send_with_pipes", "stream_exec"]
+__all__ = ["ExecHelper", "Spawned", "send_with_pipes", "stream_exec"]
 
 _CHUNK = 64 * 1024
 # After the command exits, output still in the pipes is read for this long; a background job that
@@ -264,21 +265,6 @@ def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes
     timer = loop.call_later(within, done)
 
 
-def reap_orphan(pid: int, within: float = 2.0, pending: bool = True) -> None:
-    """Reap ``pid`` (just killed) once it is our child, waiting up to ``within`` seconds: the kernel hands a dead
-    helper's or zygote's children to the daemon (a child subreaper) a moment after it died (``pending``: that
-    may not have happened yet; otherwise a pid that is not our child is left at once)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            if not pending:
-                return
-        time.sleep(0.01)
-
-
 def _decode_status(wstatus: int) -> tuple[int, int | None]:
     if os.WIFSIGNALED(wstatus):
         sig = os.WTERMSIG(wstatus)
@@ -503,7 +489,7 @@ async def stream_exec(
                 raise SandboxError(f"{peer} went away before starting {request.argv()[0]!r}")
             spawned.kill()
             # The helper's children are the daemon's now (its subreaper): collect this one, not a zombie for good.
-            threading.Thread(target=reap_orphan, args=(spawned.pid,), name="dsec-reap", daemon=True).start()
+            threading.Thread(target=reap, args=(spawned.pid, 2.0, True), name="dsec-reap", daemon=True).start()
             spawned.pid = None  # the reaper's now: no later kill may reach whatever reuses the number
             raise SandboxError(f"{peer} went away while running {request.argv()[0]!r}: the command is killed "
                                "(nothing could watch it any more) and its exit status is lost")

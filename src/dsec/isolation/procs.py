@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
-__all__ = ["meminfo", "read_small", "start_time"]
+__all__ = ["meminfo", "read_small", "reap", "start_time"]
 
 
 def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:
@@ -50,3 +51,22 @@ def start_time(pid: int) -> str | None:
         return data.rsplit(b")", 1)[1].split()[19].decode()
     except IndexError:
         return None
+
+
+def reap(pid: int, within: float, pending: bool = False) -> bool:
+    """Reap child ``pid`` once it exits, waiting up to ``within`` seconds; True when it is gone (reaped, or not
+    our child). ``pending``: it may not be our child yet (the kernel hands a dead helper's or zygote's children
+    to the daemon, a child subreaper, a moment after it died), so a pid that is not ours is waited for too."""
+    deadline = time.monotonic() + within
+    pause = 0.001
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return True
+        except ChildProcessError:
+            if not pending:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)

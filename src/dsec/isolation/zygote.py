@@ -16,12 +16,12 @@ import contextlib
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.isolation.exec_client import Spawned, reap_orphan, send_with_pipes
+from dsec.isolation.exec_client import Spawned, send_with_pipes
+from dsec.isolation.procs import reap
 
 __all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig"]
 
@@ -151,28 +151,14 @@ class Zygote:
             self._sock.close()
             self._sock = None
         pid, self.pid = self.pid, None
-        if pid is None or _wait_exit(pid, _EXIT_GRACE_S):
+        if pid is None or reap(pid, _EXIT_GRACE_S):
             return
         children = _children(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        adopted = _wait_exit(pid, 5.0)  # reaped: its children are ours already (or gone)
+        adopted = reap(pid, 5.0)  # reaped: its children are ours already (or gone)
         for child in children:
-            reap_orphan(child, pending=not adopted)
-
-
-def _wait_exit(pid: int, within: float) -> bool:
-    """Reap child ``pid`` once it exits, waiting up to ``within`` seconds; True when it is gone."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return True
-        except ChildProcessError:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
+            reap(child, 2.0, pending=not adopted)
 
 
 def _children(pid: int) -> list[int]:

@@ -29,6 +29,7 @@ from container_support import (
     leftovers,
     pid_alive,
     pids_in_sandbox,
+    proc_state,
     short_home,
     sweep,
     wait_until,
@@ -299,7 +300,7 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
                                                       r"killed\): the DSec daemon on node .* is stopping"):
             await call
     assert daemon.proc is not None and daemon.proc.wait(60) == 0
-    assert not Path(f"/proc/{sleeps[0]}").exists(), _proc_state(sleeps[0])
+    assert proc_state(sleeps[0]) == "gone", proc_state(sleeps[0])
 
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
@@ -309,12 +310,6 @@ async def test_sigterm_cuts_off_a_long_exec_with_daemon_stopping(daemon: DaemonP
         await destroy_all(client)
     daemon.stop()
     assert_nothing_left(daemon)
-
-
-def _proc_state(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text()
-    return "gone"
 
 
 def _exists(daemon: DaemonProcess, sandbox_id: str, path: str) -> bool:
