@@ -278,6 +278,36 @@ def test_pools_rows() -> None:
     assert rows["exec p50 rise, 4 neighbours hogging CPU"].passed is True
     assert rows["create_many(1000): failures"].passed is True
     assert rows["idle sandboxes alive and answering (of 1000)"].passed is False
+    assert not any(m.startswith("this machine") for m in rows)  # no probe ran: no row
+
+    extra["neighbours"] = {"rise": 0.1, "busy": 4, "wakeup": {"idle_ms": [0.05, 0.07], "busy_ms": [1.9, 3.8]}}
+    probe = next(r for r in pool_rows(extra) if r.metric.startswith("this machine"))
+    assert probe.dsec == 1.9 and "0.05 ms" in probe.metric and probe.passed is None
+    extra["neighbours"] = {"rise": 0.1, "busy": 4, "wakeup": {"skipped": "needs two CPUs"}}
+    probe = next(r for r in pool_rows(extra) if r.metric.startswith("this machine"))
+    assert probe.dsec is None and probe.note == "needs two CPUs"
+
+
+def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
+    """The platform probe beside P5, run for real (no timing asserted): two figures per case, its children gone;
+    with one CPU it says why it cannot run."""
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    out = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    result = json.loads(out)
+    for case in ("idle_ms", "busy_ms"):
+        p50, p90 = result[case]
+        assert 0 < p50 <= p90
+    assert len(set(result["cpus"])) == 2
+    leftovers = subprocess.run(["pgrep", "-f", "dsec.bench.wakeup"], capture_output=True, text=True).stdout.split()
+    assert not leftovers
+    one_cpu = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m",
+                              "dsec.bench.wakeup"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "needs two CPUs" in json.loads(one_cpu)["skipped"]
 
 
 def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:

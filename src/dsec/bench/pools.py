@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -313,7 +315,25 @@ class _Run:
         finally:
             await self.destroy(*made)
         a, b = summarize(alone), summarize(loaded)
-        return {"alone": a, "loaded": b, "rise": b.p50 / a.p50 - 1, "busy": len(busy), "rounds": rounds}
+        return {"alone": a, "loaded": b, "rise": b.p50 / a.p50 - 1, "busy": len(busy), "rounds": rounds,
+                "wakeup": await _wakeup_probe()}
+
+
+async def _wakeup_probe() -> dict[str, Any]:
+    """The machine's own cross-CPU wakeup latency, idle and busy (:mod:`dsec.bench.wakeup`), in a fresh
+    process since it forks."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dsec.bench.wakeup",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return {"skipped": "the wakeup probe took over 60 s"}
+    if proc.returncode != 0:
+        return {"skipped": f"the wakeup probe failed ({proc.returncode}): {err.decode(errors='replace')[-300:]}"}
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 async def _podman_rate(cfg: PoolBench, settings: Settings, skipped: dict[str, str]) -> dict[str, Any] | None:
@@ -438,6 +458,14 @@ def _rows(ex: dict[str, Any]) -> list[Row]:
         nb = ex["neighbours"]
         rows.append(Row(f"exec p50 rise, {nb['busy']} neighbours hogging CPU", "%", nb["rise"] * 100,
                         target="≤ 20%", passed=nb["rise"] <= 0.2))
+        wake = nb.get("wakeup") or {}
+        if "busy_ms" in wake:
+            rows.append(Row(f"this machine: wake a task on a CPU running a SCHED_IDLE hog, p50 (on an idle CPU "
+                            f"{wake['idle_ms'][0]:g} ms)", "ms", wake["busy_ms"][0], target="reported",
+                            note="not DSec: each exec hop the scheduler puts on a busy CPU "
+                            "waits this long (dsec.bench.wakeup)"))
+        elif wake:
+            rows.append(Row("this machine: wake a task on a busy CPU", "ms", None, note=wake.get("skipped")))
     if "burst" in ex:
         b = ex["burst"]
         rows += [

@@ -1,0 +1,99 @@
+"""How fast this machine wakes a task on another CPU, idle and busy: the floor under the busy-neighbour figure.
+
+An exec crosses several processes (client, daemon, exec helper, the command, and back); each wakeup that
+the scheduler places on another CPU needs that CPU to preempt what it runs. On hardware, and on most
+virtual machines, the rescheduling interrupt arrives within microseconds. On some (the paravirtual KVM of
+the development VMs, stop 25) a vCPU that is running a task acts on it only at its next tick, up to 4 ms
+later, whatever the running task's class, SCHED_IDLE included; no priority inside the guest can fix that.
+The pools suite runs this probe beside its busy-neighbour phase so the two figures are read together.
+
+Run as ``python -m dsec.bench.wakeup`` (a fresh single-threaded process, since it forks): prints one JSON
+object, ``{"idle_ms": [p50, p90], "busy_ms": [p50, p90], "cpus": [waker, wakee]}``, or ``{"skipped": why}``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+ROUNDS = 200
+GAP_S = 0.002
+"""Pause between round trips, so the partner is asleep (not spinning in its read) when it is woken."""
+
+
+def _child(fn: object, *args: object) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            fn(*args)  # type: ignore[operator]
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _hog(cpu: int) -> None:  # pragma: no cover - runs in the child
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlives the probe
+    os.sched_setaffinity(0, {cpu})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
+def _echo(cpu: int, rd: int, wr: int, *parents: int) -> None:  # pragma: no cover - runs in the child
+    for fd in parents:  # the parent's ends: the read below must see EOF once the parent closes its own
+        os.close(fd)
+    os.sched_setaffinity(0, {cpu})
+    while os.read(rd, 1):
+        os.write(wr, b".")
+
+
+def _round_trips(waker: int, wakee: int) -> list[float]:
+    to_r, to_w = os.pipe()
+    back_r, back_w = os.pipe()
+    pid = _child(_echo, wakee, to_r, back_w, to_w, back_r)
+    os.close(to_r)
+    os.close(back_w)
+    os.sched_setaffinity(0, {waker})
+    took: list[float] = []
+    try:
+        for _ in range(ROUNDS):
+            time.sleep(GAP_S)
+            t0 = time.perf_counter()
+            os.write(to_w, b".")
+            os.read(back_r, 1)
+            took.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        os.close(to_w)
+        os.close(back_r)
+        os.waitpid(pid, 0)
+    return sorted(took)
+
+
+def probe() -> dict[str, object]:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {"skipped": f"needs two CPUs, this process may use {len(cpus)}"}
+    waker, wakee = cpus[0], cpus[1]
+    idle = _round_trips(waker, wakee)
+    hog = _child(_hog, wakee)
+    try:
+        time.sleep(0.2)
+        busy = _round_trips(waker, wakee)
+    finally:
+        os.kill(hog, signal.SIGKILL)
+        os.waitpid(hog, 0)
+
+    def pct(xs: list[float]) -> list[float]:
+        return [round(xs[len(xs) // 2], 3), round(xs[len(xs) * 9 // 10], 3)]
+
+    return {"idle_ms": pct(idle), "busy_ms": pct(busy), "cpus": [waker, wakee]}
+
+
+if __name__ == "__main__":
+    json.dump(probe(), sys.stdout)
+    sys.stdout.write("\n")
