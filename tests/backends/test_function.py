@@ -164,6 +164,24 @@ async def test_infinite_loop_gets_time_verdict(backend: FunctionBackend, debian_
         assert r.stdout == b"alive\n"
 
 
+async def test_cpu_rlimit_scales_with_the_cpu_limit(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    """RLIMIT_CPU, the timeout's backstop, counts every thread of a process: a call using both of its 2 CPUs must
+    run until its wall-clock timeout (SIGKILL), not get SIGXCPU at ~3/4 of it (it allowed timeout + 1 s of CPU)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    burn = ("import threading, zlib\n"  # zlib releases the GIL: two threads burn two CPUs
+            "data = bytes(range(256)) * 4096\n"
+            "def burn():\n"
+            "    while True: zlib.compress(data, 9)\n"
+            "for _ in range(2): threading.Thread(target=burn, daemon=True).start()\n"
+            "print('burning', flush=True)\n"
+            "threading.Event().wait()\n")
+    async with sandbox(backend, debian_python_image, cpu=2) as sb:
+        r = await run(backend, sb, ["python3", "-c", burn], timeout=4)
+        assert r.stdout == b"burning\n", r
+        assert r.limit == "time" and r.timed_out and r.signal == 9, r
+
+
 async def test_memory_bomb_gets_memory_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image, memory="128Mi") as sb:
         r = await run(backend, sb, ["python3", "-c", "x = []\nwhile True: x.append(bytearray(8 << 20))"],
