@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 ROUNDS = 200
@@ -26,11 +27,11 @@ GAP_S = 0.002
 """Pause between round trips, so the partner is asleep (not spinning in its read) when it is woken."""
 
 
-def _child(fn: object, *args: object) -> int:
+def _child(fn: Callable[..., None], *args: int) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         try:
-            fn(*args)  # type: ignore[operator]
+            fn(*args)
         finally:
             os._exit(0)
     return pid
