@@ -21,6 +21,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from dsec.bench.report import percentile
+
 PR_SET_PDEATHSIG = 1
 ROUNDS = 200
 GAP_S = 0.002
@@ -72,7 +74,7 @@ def _round_trips(waker: int, wakee: int) -> list[float]:
         os.close(to_w)
         os.close(back_r)
         os.waitpid(pid, 0)
-    return sorted(took)
+    return took
 
 
 def probe() -> dict[str, object]:
@@ -90,7 +92,7 @@ def probe() -> dict[str, object]:
         os.waitpid(hog, 0)
 
     def pct(xs: list[float]) -> list[float]:
-        return [round(xs[len(xs) // 2], 3), round(xs[len(xs) * 9 // 10], 3)]
+        return [round(percentile(xs, 50), 3), round(percentile(xs, 90), 3)]
 
     return {"idle_ms": pct(idle), "busy_ms": pct(busy), "cpus": [waker, wakee]}
 
