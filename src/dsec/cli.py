@@ -79,7 +79,10 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 @click.option("--pool", "pools", multiple=True, metavar="IMAGE:BACKEND[:min=N,max=N,...]",
               help="A warm pool (repeatable; also DSEC_POOLS, ';'-separated). Keys: min, max, cpu, memory, disk, "
                    "pids, workdir, network (none or allow: members made with a network device).")
-def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
+@click.option("--control-cpus", metavar="LIST", envvar="DSEC_CONTROL_CPUS",
+              help="Housekeeping CPUs (e.g. 0 or 0-1): the daemon, its exec helper and zygotes run there; each "
+                   "sandbox's processes get the daemon's other CPUs back as they start. Also DSEC_CONTROL_CPUS.")
+def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None) -> None:
     """Run the node daemon in the foreground."""
     from dsec.config import Settings
     from dsec.daemon import server
@@ -88,6 +91,8 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...]) -> None:
     settings = Settings()
     if pools:
         settings = dataclasses.replace(settings, pools=settings.pools + pools)
+    if control_cpus:
+        settings = dataclasses.replace(settings, control_cpus=control_cpus)
     try:
         for text in settings.pools:
             PoolConfig.parse(text)

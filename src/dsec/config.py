@@ -17,6 +17,7 @@
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
 | ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
 | ``DSEC_SANDBOX_CPU_IDLE`` | ``1`` | sandboxes sit in a SCHED_IDLE cgroup: the daemon preempts them when it wakes |
+| ``DSEC_CONTROL_CPUS`` | none | housekeeping CPUs (``0``, ``0-1``): the daemon and its helpers; sandboxes use all |
 | ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 | ``DSEC_AUDIT_DB`` | ``$DSEC_HOME/audit.db`` | the audit trail (SQLite): every command run in every sandbox |
 | ``DSEC_AUDIT_MAX_ROWS`` | ``200000`` | commands the audit trail keeps (oldest evicted first) |
@@ -54,6 +55,9 @@ class Settings:
                                    not in {"0", "false", "no", "off"})
     """Put every sandbox's cgroups in a SCHED_IDLE group (``cpu.idle`` 1): the node's own processes (the daemon,
     the exec helper) preempt any sandbox when they wake (``cgroups.background_group``); ``0``: normal weight."""
+    control_cpus: str | None = field(default_factory=lambda: os.environ.get("DSEC_CONTROL_CPUS", "").strip() or None)
+    """Housekeeping CPUs (a CPU list): the daemon pins itself there at start, and so its exec helper, zygotes and
+    crun; each sandbox's processes get the daemon's original CPUs back as they start (``isolation.affinity``)."""
     snapshot_store_url: str | None = None
     audit_db: Path | None = field(default_factory=lambda: Path(p) if (p := os.environ.get("DSEC_AUDIT_DB")) else None)
     audit_max_rows: int = field(default_factory=lambda: int(os.environ.get("DSEC_AUDIT_MAX_ROWS", "200000")))

@@ -286,6 +286,14 @@ def test_pools_rows() -> None:
     extra["neighbours"] = {"rise": 0.1, "busy": 4, "wakeup": {"skipped": "needs two CPUs"}}
     probe = next(r for r in pool_rows(extra) if r.metric.startswith("this machine"))
     assert probe.dsec is None and probe.note == "needs two CPUs"
+    # A run with housekeeping CPUs says so on every DSec figure the pinning can move.
+    extra["control_cpus"] = "0"
+    pinned = {r.metric for r in pool_rows(extra) if r.metric.endswith(", control path on CPU 0)")
+              or r.metric.endswith(", control path on CPU 0")}
+    assert pinned == {"pool create p50 (9/10 from the pool, control path on CPU 0)",
+                      "pooled create→exec→destroy (C=4, 0 failed, control path on CPU 0)",
+                      "exec rate over 100 live sandboxes (16 clients, control path on CPU 0)",
+                      "exec p50 rise, 4 neighbours hogging CPU, control path on CPU 0"}
 
 
 def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
@@ -308,6 +316,14 @@ def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
     one_cpu = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m",
                               "dsec.bench.wakeup"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert "needs two CPUs" in json.loads(one_cpu)["skipped"]
+    # Told its CPUs (the pools suite passes the node's while its own process sits on housekeeping CPUs).
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    told = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", f"{cpus[0]},{cpus[1]}"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    assert json.loads(told)["cpus"] == cpus
+    told_one = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", str(cpus[0])], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+    assert "needs two CPUs" in json.loads(told_one)["skipped"]
 
 
 def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,6 +443,31 @@ def test_tiny_real_pools_run(tmp_path: Path, debian_python_image: object) -> Non
     # (the earlier phases' sandboxes are still being freed), so even its sign is noise at this size.
     assert burst["failures"] == 0 and burst["answered"] == 6 and isinstance(burst["mib_per_sandbox"], float)
     assert [r["metric"] for r in got["rows"]], "no row in the table"
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_pools_run_with_housekeeping_cpus(tmp_path: Path, debian_python_image: object,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The busy-neighbour phase with ``DSEC_CONTROL_CPUS``: the figures are labelled, the client sat on the
+    housekeeping CPU only while the daemon was up, and the wakeup probe still got the node's CPUs."""
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        pytest.skip("needs root and runc")
+    node = os.sched_getaffinity(0)
+    if len(node) < 2:
+        pytest.skip("needs two CPUs")
+    from dsec.bench.pools import PoolBench
+
+    monkeypatch.setenv("DSEC_CONTROL_CPUS", str(min(node)))
+    cfg = PoolBench(pool_max=4, neighbours=2, neighbour_execs=4, neighbour_rounds=2, phases=("neighbours",))
+    out = tmp_path / "p.json"
+    code = bench.main("pools", out, config=cfg, console=Console(width=200, file=io.StringIO()))
+    assert code == 0
+    got = json.loads(out.read_text())["suites"]["pools"]
+    assert got["leaks"] == [] and got["control_cpus"] == str(min(node))
+    assert os.sched_getaffinity(0) == node, "the client's CPUs were not given back"
+    assert got["neighbours"]["wakeup"]["cpus"] == sorted(node)[:2]
+    assert any(r["metric"].endswith(f"control path on CPU {min(node)}") for r in got["rows"])
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
 from dsec.images.users import resolve_user
+from dsec.isolation.affinity import sandbox_cpus
 from dsec.isolation.cgroups import CgroupSet, background_group, cgroup_mode, v2_make
 from dsec.isolation.idmap import unshifted_view
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Policy, SandboxNetworks, TapNamespace
@@ -352,11 +353,16 @@ class MicroVMBackend(Backend):
         cg = await asyncio.to_thread(self._make_cgroups, record.id, vcpus, mem_mib)
         procs = [Path(p) for p in cg.procs_files()]
 
+        cpus = sandbox_cpus()
+
         def start() -> subprocess.Popen[bytes]:
-            # The child joins the sandbox's cgroups before exec: QEMU never runs outside its limits.
+            # The child joins the sandbox's cgroups before exec: QEMU never runs outside its limits. It leaves the
+            # daemon's housekeeping CPUs, if any, for the node's: its vCPU threads inherit the mask.
             def join() -> None:
                 for p in procs:
                     p.write_text(str(os.getpid()))
+                if cpus is not None:
+                    os.sched_setaffinity(0, cpus)
             with open(rundir / "qemu.log", "wb") as log:
                 return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         pass_fds=pass_fds, preexec_fn=join, start_new_session=True)

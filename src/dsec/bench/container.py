@@ -118,10 +118,12 @@ def _private_settings(node: Settings) -> Settings:
 
 @contextlib.contextmanager
 def _daemon(settings: Settings, mode: str) -> Iterator[None]:
-    """A daemon on ``settings``' socket for the duration; stopped (sandboxes destroyed) on exit."""
+    """A daemon on ``settings``' socket for the duration; stopped (sandboxes destroyed) on exit. A daemon with
+    housekeeping CPUs runs as a process of its own whatever ``mode`` says: pinned, it pins every thread of the
+    process it runs in, and so would pin the bench's client and its peers."""
     from dsec.daemon import server
 
-    if mode == "process":
+    if mode == "process" or settings.control_cpus:
         server.up(settings, timeout=60)
         try:
             yield

@@ -7,8 +7,9 @@ the development VMs, stop 25) a vCPU that is running a task acts on it only at i
 later, whatever the running task's class, SCHED_IDLE included; no priority inside the guest can fix that.
 The pools suite runs this probe beside its busy-neighbour phase so the two figures are read together.
 
-Run as ``python -m dsec.bench.wakeup`` (a fresh single-threaded process, since it forks): prints one JSON
-object, ``{"idle_ms": [p50, p90], "busy_ms": [p50, p90], "cpus": [waker, wakee]}``, or ``{"skipped": why}``.
+Run as ``python -m dsec.bench.wakeup [CPULIST]`` (a fresh single-threaded process, since it forks; on the
+first two CPUs of CPULIST, default those it may use): prints one JSON object,
+``{"idle_ms": [p50, p90], "busy_ms": [p50, p90], "cpus": [waker, wakee]}``, or ``{"skipped": why}``.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _round_trips(waker: int, wakee: int) -> list[float]:
     return took
 
 
-def probe() -> dict[str, object]:
-    cpus = sorted(os.sched_getaffinity(0))
+def probe(allowed: set[int] | frozenset[int] | None = None) -> dict[str, object]:
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
     if len(cpus) < 2:
         return {"skipped": f"needs two CPUs, this process may use {len(cpus)}"}
     waker, wakee = cpus[0], cpus[1]
@@ -98,5 +99,7 @@ def probe() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    json.dump(probe(), sys.stdout)
+    from dsec.isolation.affinity import parse_cpu_list
+
+    json.dump(probe(parse_cpu_list(sys.argv[1], "CPULIST") if len(sys.argv) > 1 else None), sys.stdout)
     sys.stdout.write("\n")

@@ -47,6 +47,7 @@ from dsec.errors import (
     SandboxTimeout,
 )
 from dsec.images.cache import free_reserve
+from dsec.isolation import affinity
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
@@ -250,6 +251,9 @@ class Engine:
             if config.backend in backends:
                 self._check_pool(config, backends[config.backend])
         self.host_limits = HostLimits() if settings.host_limits else None
+        # Checked now, pinned at start (isolation/affinity.py): a CPU the daemon may not use stops it here.
+        self._control_cpus = affinity.control_cpus(settings.control_cpus)
+        self._pinned = False
         self._layer_roots: dict[str, builtins.list[Path]] = {}
         self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
         self.events = EventBus(settings.node)
@@ -286,6 +290,11 @@ class Engine:
 
     async def start(self) -> None:
         """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
+        if self._control_cpus is not None:  # before anything is spawned: the helpers inherit the mask
+            node = affinity.pin_control(self._control_cpus)
+            self._pinned = True
+            log.info("control path pinned to CPUs %s; sandboxes run on %s", affinity.cpu_list(self._control_cpus),
+                     affinity.cpu_list(node))
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.raise_all)
         await self.rollouts.start()
@@ -415,6 +424,9 @@ class Engine:
         await self.audit.aclose()
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.restore)
+        if self._pinned:
+            affinity.release()
+            self._pinned = False
         close_images = getattr(self.images, "close_idle", None)
         if close_images is not None:  # image mounts stay only under live sandboxes (for the next daemon)
             try:

@@ -35,6 +35,7 @@ from dsec.config import Settings
 from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
+from dsec.isolation import affinity
 
 __all__ = ["Daemon", "ServeError", "daemon_answers", "destroy_every", "down", "loop_factory", "serve", "up"]
 
@@ -257,6 +258,10 @@ def serve(
     ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
     ``engine`` defaults to :meth:`Engine.from_settings`.
     """
+    try:
+        affinity.control_cpus(settings.control_cpus)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
 

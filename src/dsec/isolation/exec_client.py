@@ -27,6 +27,7 @@ from typing import Any
 
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation import nsexec
+from dsec.isolation.affinity import hex_mask, sandbox_cpus
 from dsec.isolation.procs import reap
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
@@ -88,8 +89,10 @@ class ExecHelper:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                # Isolated mode, no site: the helper forks per command, so it must stay small (~8 MB).
-                [sys.executable, "-I", "-S", nsexec.__file__, str(theirs.fileno()), str(self._nsenter)],
+                # Isolated mode, no site: the helper forks per command, so it must stay small (~8 MB). It runs where
+                # the daemon runs (housekeeping CPUs, if any); its commands get the node's CPUs back.
+                [sys.executable, "-I", "-S", nsexec.__file__, str(theirs.fileno()), str(self._nsenter),
+                 hex_mask(sandbox_cpus())],
                 stdin=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),),
                 close_fds=True,

@@ -7,12 +7,14 @@
  *   fd 3        the status pipe (close-on-exec: it closes when the command starts)
  *   fd 4        a pidfd of the sandbox's init
  *   fd 5        the seccomp program (raw struct sock_filter array), or -1 / absent for none
- *   argv        dsec-nsenter UID GID CAPMASK NOFILE FLAGS CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *   argv        dsec-nsenter UID GID CAPMASK NOFILE FLAGS CPUS CWD CGROUP_PROCS... -- COMMAND ARGS...
  *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine)
+ *               CPUS: "-", or the hexadecimal mask of the CPUs the command gets (isolation/affinity.py: the
+ *               daemon and its helper are pinned to housekeeping CPUs, the command has the node's back)
  *   envp        the command's environment
  * It moves itself into the sandbox's cgroups, joins the sandbox's user, mount, network,
  * ipc, uts and cgroup namespaces, becomes UID/GID, cuts its bounding set and sets its
- * capabilities to CAPMASK, sets no_new_privs and RLIMIT_NOFILE, confines writes with Landlock
+ * capabilities to CAPMASK, sets no_new_privs, RLIMIT_NOFILE and its CPUs, confines writes with Landlock
  * (confine_writes), loads the seccomp program and execs the command; a pristine command first gets a
  * mount namespace of its own rooted at the image's read-only root (enter_pristine). On any failure it writes "error <what>: <why>" to fd 3 and exits
  * 127 (126 when the command exists but cannot be executed). It holds no secret and talks to
@@ -63,6 +65,30 @@ static unsigned long long parse_u64(const char *s, int base, const char *what) {
     if (errno || *end || end == s)
         fail(what, EINVAL, 127);
     return v;
+}
+
+/* CPUS (see the header): the command leaves the housekeeping CPUs it was spawned on. It stays on the
+   current one until the scheduler balances it, so a short command starts and ends next to its parent. */
+static void set_cpus(const char *hex) {
+    if (strcmp(hex, "-") == 0)
+        return;
+    size_t len = strlen(hex), size = CPU_ALLOC_SIZE(len * 4 + 1);
+    cpu_set_t *set = CPU_ALLOC(len * 4 + 1);
+    if (set == NULL || len == 0)
+        fail("cpu mask", set ? EINVAL : ENOMEM, 127);
+    CPU_ZERO_S(size, set);
+    for (size_t i = 0; i < len; i++) {
+        char c = hex[len - 1 - i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0)
+            fail("cpu mask", EINVAL, 127);
+        for (int bit = 0; bit < 4; bit++)
+            if (v & (1 << bit))
+                CPU_SET_S(i * 4 + bit, size, set);
+    }
+    if (sched_setaffinity(0, size, set) != 0)
+        fail("set the sandbox's CPUs", errno, 127);
+    CPU_FREE(set);
 }
 
 static void join_cgroups(char **paths, int n) {
@@ -189,15 +215,15 @@ static void enter_pristine(const char *cwd) {
 }
 
 int main(int argc, char **argv, char **envp) {
-    if (argc < 9)
+    if (argc < 10)
         fail("usage", EINVAL, 127);
     uid_t uid = (uid_t)parse_u64(argv[1], 10, "uid");
     gid_t gid = (gid_t)parse_u64(argv[2], 10, "gid");
     unsigned long long caps = parse_u64(argv[3], 16, "capability mask");
     rlim_t nofile = (rlim_t)parse_u64(argv[4], 10, "nofile");
     int flags = (int)parse_u64(argv[5], 10, "flags");
-    const char *cwd = argv[6];
-    int sep = 7;
+    const char *cpus = argv[6], *cwd = argv[7];
+    int sep = 8;
     while (sep < argc && strcmp(argv[sep], "--") != 0)
         sep++;
     if (sep + 1 >= argc)
@@ -213,7 +239,7 @@ int main(int argc, char **argv, char **envp) {
     if (oom < 0 || write(oom, "500", 3) != 3)
         fail("set oom_score_adj", errno, 127);
     close(oom);
-    join_cgroups(&argv[7], sep - 7);
+    join_cgroups(&argv[8], sep - 8);
     if (setns(PIDFD, NS_FLAGS) != 0)
         fail("join sandbox namespaces", errno, 127);
     close(PIDFD);
@@ -243,6 +269,7 @@ int main(int argc, char **argv, char **envp) {
     struct rlimit nofile_limit = {nofile, nofile}, no_core = {0, 0};
     if (setrlimit(RLIMIT_NOFILE, &nofile_limit) != 0 || setrlimit(RLIMIT_CORE, &no_core) != 0)
         fail("set rlimits", errno, 127);
+    set_cpus(cpus);
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
         fail("clear ambient capabilities", errno, 127);
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};

@@ -71,8 +71,9 @@ def _park(fd: int) -> int:
 class Helper:
     """State of the helper process: the nsenter binary, the seccomp program, its own pid namespace."""
 
-    def __init__(self, nsenter: str, bpf: bytes) -> None:
+    def __init__(self, nsenter: str, bpf: bytes, cpus: str = "-") -> None:
         self.nsenter = nsenter
+        self.cpus = cpus
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.bpf_fd = -1
         if bpf:
@@ -98,7 +99,7 @@ class Helper:
             actions = [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(parked)]
             flags = int(req.get("landlock", True)) | int(req.get("pristine", False)) << 1  # see nsenter.c
             argv = [self.nsenter, str(req["uid"]), str(req["gid"]), f"{req['capmask']:x}", str(req["nofile"]),
-                    str(flags), req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
+                    str(flags), self.cpus, req["cwd"], *req["cgroup_procs"], "--", *req["argv"]]
             _sys(_libc.syscall(_SYS_SETNS, target, _CLONE_NEWPID), "join sandbox pid namespace")
             try:
                 pid = os.posix_spawn(self.nsenter, argv, req["env"], file_actions=actions, setsid=True,
@@ -204,7 +205,8 @@ def _reap_dying(sel: selectors.BaseSelector) -> None:
 
 
 def main() -> None:
-    """Entry point: ``python -I -S nsexec.py SOCKET_FD NSENTER_PATH`` (seccomp BPF on stdin)."""
+    """Entry point: ``python -I -S nsexec.py SOCKET_FD NSENTER_PATH [CPUS]`` (seccomp BPF on stdin; CPUS: the
+    hexadecimal mask commands get, see :mod:`dsec.isolation.affinity`)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # Commands are our children and we reap them ourselves (pidfd + waitpid).
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -217,7 +219,7 @@ def main() -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0, inheritable=False)
     os.close(null)
-    Helper(sys.argv[2], bpf).serve(sock)
+    Helper(sys.argv[2], bpf, *sys.argv[3:4]).serve(sock)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
  * The daemon starts it as host root with
  *   fd 0        the control socket (SOCK_SEQPACKET)
  *   fd 3        the seccomp program (raw struct sock_filter array; absent for none)
- *   argv        dsec-zygote NEWROOT LOWERDIRS WORKSPACE WORKDIR SUPPORT TMPFS_BYTES
+ *   argv        dsec-zygote NEWROOT LOWERDIRS WORKSPACE WORKDIR SUPPORT TMPFS_BYTES CPUS
+ *               CPUS: "-", or the hexadecimal mask of the CPUs each command gets (isolation/affinity.py: the
+ *               zygote runs on the daemon's housekeeping CPUs, the commands on the node's)
  * Once, at start, it builds the sandbox's root in a private mount namespace: a read-only
  * overlay of LOWERDIRS (the scaffold of mount points over the image root) on NEWROOT, the
  * host directory WORKSPACE bound writable on WORKDIR, SUPPORT bound read-only on /.dsec, a
@@ -70,6 +72,8 @@
 static struct sock_fprog seccomp_prog;
 static int batched; /* the zygote switched itself from SCHED_OTHER to SCHED_BATCH; calls switch back */
 static const char *tmpfs_opts;
+static cpu_set_t *call_cpus; /* CPUS, or NULL: the commands keep the mask they inherit */
+static size_t call_cpus_size;
 static struct {
     pid_t pid;
     int status_fd;
@@ -83,6 +87,25 @@ static void die(const char *what, int err) {
     if (n > 0)
         (void)!send(CTL_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1, MSG_NOSIGNAL);
     _exit(1);
+}
+
+static void parse_cpus(const char *hex) {
+    if (strcmp(hex, "-") == 0)
+        return;
+    size_t len = strlen(hex);
+    call_cpus_size = CPU_ALLOC_SIZE(len * 4 + 1);
+    if (len == 0 || (call_cpus = CPU_ALLOC(len * 4 + 1)) == NULL)
+        die("cpu mask", len ? ENOMEM : EINVAL);
+    CPU_ZERO_S(call_cpus_size, call_cpus);
+    for (size_t i = 0; i < len; i++) {
+        char c = hex[len - 1 - i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0)
+            die("cpu mask", EINVAL);
+        for (int bit = 0; bit < 4; bit++)
+            if (v & (1 << bit))
+                CPU_SET_S(i * 4 + bit, call_cpus_size, call_cpus);
+    }
 }
 
 static void must_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data) {
@@ -445,6 +468,9 @@ static void run_call(int sock) {
     if (child < 0)
         call_fail("fork", errno, 127);
     if (child == 0) {
+        /* The command leaves the housekeeping CPUs; it stays on this one until the scheduler balances it. */
+        if (call_cpus && sched_setaffinity(0, call_cpus_size, call_cpus) != 0)
+            call_fail("set the sandbox's CPUs", errno, 127);
         execvpe(argv[0], argv, envp);
         int err = errno;
         char what[300];
@@ -592,7 +618,7 @@ static void reap(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7)
+    if (argc != 8)
         return 2;
     if (dup2(0, CTL_FD) != CTL_FD || fcntl(CTL_FD, F_SETFD, FD_CLOEXEC) != 0)
         return 2;
@@ -602,6 +628,7 @@ int main(int argc, char **argv) {
     char opts[128];
     snprintf(opts, sizeof opts, "mode=1777,size=%s", argv[6]);
     tmpfs_opts = opts;
+    parse_cpus(argv[7]);
     /* A memory bomb in a call must never take the zygote (and so the sandbox) with it. Best effort:
        lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from root; the calls raise
        theirs to 500 in any case, so the OOM killer picks them first. */

@@ -16,10 +16,11 @@ import contextlib
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
+from dsec.isolation.affinity import hex_mask, sandbox_cpus
 from dsec.isolation.exec_client import Spawned, send_with_pipes
 from dsec.isolation.procs import reap
 
@@ -54,6 +55,8 @@ class ZygoteConfig:
     uid_count: int
     cgroup_procs: tuple[str, ...]
     """``cgroup.procs`` files the zygote (and so every call) is moved into."""
+    cpus: str = field(default_factory=lambda: hex_mask(sandbox_cpus()))
+    """Hexadecimal mask of the CPUs each command gets, ``-`` to keep the zygote's (see :mod:`.affinity`)."""
 
     def argv(self) -> list[str]:
         for path in (*self.lowerdirs, self.newroot, self.workspace, self.support):
@@ -62,7 +65,7 @@ class ZygoteConfig:
             if any(c in text for c in ":,\\\n") or len(text) > 1024:
                 raise SandboxError(f"path unusable for the sandbox root (no ':', ',', '\\\\', <= 1 KiB): {text!r}")
         return [str(self.binary), str(self.newroot), ":".join(str(p) for p in self.lowerdirs),
-                str(self.workspace), self.workdir, str(self.support), str(self.tmpfs_bytes)]
+                str(self.workspace), self.workdir, str(self.support), str(self.tmpfs_bytes), self.cpus]
 
 
 class Zygote:
