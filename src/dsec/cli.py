@@ -81,7 +81,7 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
                    "pids, workdir, network (none or allow: members made with a network device).")
 @click.option("--control-cpus", metavar="LIST", envvar="DSEC_CONTROL_CPUS",
               help="Housekeeping CPUs (e.g. 0 or 0-1): the daemon, its exec helper and zygotes run there; each "
-                   "sandbox's processes get the daemon's other CPUs back as they start. Also DSEC_CONTROL_CPUS.")
+                   "sandbox's processes get the daemon's original CPUs back as they start. Also DSEC_CONTROL_CPUS.")
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None) -> None:
     """Run the node daemon in the foreground."""
     from dsec.config import Settings

@@ -75,7 +75,7 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         ("root", _root), ("kernel", _kernel), ("user namespaces", _userns), ("cgroups", _cgroups),
         ("overlayfs", _overlayfs), ("inotify limits", _inotify), ("pid limit", _pid_max),
         ("seccomp", _seccomp),
-        ("landlock", _landlock), ("kvm", _kvm),
+        ("landlock", _landlock), ("kvm", _kvm), ("cpu wakeups", lambda: _wakeups(settings)),
         *[(f"tool: {t.name}", lambda t=t: _tool(t)) for t in _TOOLS],
         ("libseccomp", _libseccomp),
         ("image store", lambda: _image_store(settings)),
@@ -225,6 +225,41 @@ def _inotify() -> Check:
 
 PID_MAX_FOR_DENSITY = 262_144
 """kernel.pid_max below which ~10,000 idle sandboxes (plus the host) may run out of pids."""
+
+
+WAKEUP_LATE_MS = 0.5
+"""A busy CPU that takes longer than this (p50) to run a task woken for it is late enough to show in exec
+latency next to CPU-bound sandboxes (each hop of an exec may wait this long)."""
+
+
+def _wakeups(settings: Settings) -> Check:
+    """How fast this host wakes a task on a CPU that runs a SCHED_IDLE hog (``dsec.bench.wakeup``, ~1 s, in a
+    process of its own since it forks); late wakeups are what ``DSEC_CONTROL_CPUS`` is for."""
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True,
+                          timeout=_PROBE_TIMEOUT * 3, check=False)
+    if proc.returncode != 0:
+        return Check("cpu wakeups", False, f"probe failed ({proc.returncode}): {proc.stderr.strip()[-200:]}",
+                     required=False)
+    return wakeup_check(json.loads(proc.stdout), settings.control_cpus)
+
+
+def wakeup_check(result: dict[str, object], control_cpus: str | None) -> Check:
+    """The verdict on a ``dsec.bench.wakeup`` result for a daemon with ``control_cpus`` (``DSEC_CONTROL_CPUS``)."""
+    if "busy_ms" not in result:
+        return Check("cpu wakeups", True, f"not measured: {result.get('skipped')}", required=False)
+    busy, idle = result["busy_ms"], result["idle_ms"]
+    assert isinstance(busy, list) and isinstance(idle, list)
+    detail = f"a task woken on a busy CPU runs after {busy[0]:g} ms p50 (on an idle CPU {idle[0]:g} ms)"
+    if busy[0] <= WAKEUP_LATE_MS:
+        return Check("cpu wakeups", True, detail, required=False)
+    if control_cpus:
+        return Check("cpu wakeups", True, f"{detail}; the control path is pinned (DSEC_CONTROL_CPUS={control_cpus})",
+                     required=False)
+    return Check("cpu wakeups", False, f"{detail}: execs next to CPU-bound sandboxes wait for it at every hop",
+                 "run the daemon with DSEC_CONTROL_CPUS=0 (its control path on CPU 0; sandboxes keep every CPU)",
+                 required=False)
 
 
 def _pid_max() -> Check:

@@ -29,7 +29,7 @@ def test_run_checks_reports_everything(tmp_path: Path) -> None:
     for expected in ("root", "kernel", "user namespaces", "cgroups", "overlayfs", "seccomp", "landlock",
                      "kvm", "tool: crun", "tool: runc", "tool: mmdebstrap", "tool: mkfs.erofs", "tool: qemu",
                      "tool: bwrap", "tool: podman", "tool: gcc", "libseccomp", "image store", "image debian-python",
-                     "pid limit"):
+                     "pid limit", "cpu wakeups"):
         assert expected in names
     for c in checks:
         assert isinstance(c.ok, bool) and c.detail
@@ -38,6 +38,8 @@ def test_run_checks_reports_everything(tmp_path: Path) -> None:
     pid = by_name(checks)["pid limit"]
     assert "kernel.pid_max=" in pid.detail and not pid.required
     assert pid.ok == (int(Path("/proc/sys/kernel/pid_max").read_text()) >= doctor.PID_MAX_FOR_DENSITY)
+    wake = by_name(checks)["cpu wakeups"]
+    assert not wake.required and ("busy CPU runs after" in wake.detail or "not measured" in wake.detail)
     kvm = by_name(checks)["kvm"].detail
     # with the guest kernel fetched, the probe boots it and names the accelerator the microvm backend uses
     assert "microvm accelerator: KVM" in kvm or "microvm accelerator: TCG" in kvm or "TCG" in kvm \
@@ -126,3 +128,16 @@ def test_render_and_json(tmp_path: Path) -> None:
 def test_landlock_abi_is_an_int() -> None:
     abi = doctor.landlock_abi()
     assert isinstance(abi, int) and abi >= 0
+
+
+def test_late_wakeups_point_at_housekeeping_cpus() -> None:
+    prompt = {"idle_ms": [0.05, 0.07], "busy_ms": [0.08, 0.2], "cpus": [0, 1]}
+    late = {"idle_ms": [0.07, 0.09], "busy_ms": [1.9, 2.9], "cpus": [0, 1]}
+    assert doctor.wakeup_check(prompt, None).ok
+    verdict = doctor.wakeup_check(late, None)
+    assert not verdict.ok and not verdict.required
+    assert "1.9 ms p50" in verdict.detail and verdict.fix and "DSEC_CONTROL_CPUS=0" in verdict.fix
+    pinned = doctor.wakeup_check(late, "0")
+    assert pinned.ok and "DSEC_CONTROL_CPUS=0" in pinned.detail
+    one_cpu = doctor.wakeup_check({"skipped": "needs two CPUs, this process may use 1"}, None)
+    assert one_cpu.ok and "needs two CPUs" in one_cpu.detail
