@@ -17,7 +17,7 @@
 | ``DSEC_CREATE_SLOTS`` | ``32`` | creates run at once; more queue (see ``daemon/admission.py``) |
 | ``DSEC_HOST_LIMITS`` | ``0`` | ``1``: raise pid_max, threads-max, inotify and file limits at start, restore at stop |
 | ``DSEC_SANDBOX_CPU_IDLE`` | ``1`` | sandboxes sit in a SCHED_IDLE cgroup: the daemon preempts them when it wakes |
-| ``DSEC_CONTROL_CPUS`` | none | housekeeping CPUs (``0``, ``0-1``): the daemon and its helpers; sandboxes use all |
+| ``DSEC_CONTROL_CPUS`` | none | housekeeping CPUs (``0``, ``0-1``): the daemon and its helpers; sandboxes keep all |
 | ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 | ``DSEC_AUDIT_DB`` | ``$DSEC_HOME/audit.db`` | the audit trail (SQLite): every command run in every sandbox |
 | ``DSEC_AUDIT_MAX_ROWS`` | ``200000`` | commands the audit trail keeps (oldest evicted first) |

@@ -237,20 +237,23 @@ def _wakeups(settings: Settings) -> Check:
     process of its own since it forks); late wakeups are what ``DSEC_CONTROL_CPUS`` is for."""
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True,
-                          timeout=_PROBE_TIMEOUT * 3, check=False)
-    if proc.returncode != 0:
-        return Check("cpu wakeups", False, f"probe failed ({proc.returncode}): {proc.stderr.strip()[-200:]}",
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True,
+                              timeout=_PROBE_TIMEOUT * 3, check=False)
+        result = json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr.strip()[-200:] or "no output"
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    if not isinstance(result, dict):
+        return Check("cpu wakeups", False, f"the probe failed: {result}", "python -m dsec.bench.wakeup shows why",
                      required=False)
-    return wakeup_check(json.loads(proc.stdout), settings.control_cpus)
+    return wakeup_check(result, settings.control_cpus)
 
 
 def wakeup_check(result: dict[str, object], control_cpus: str | None) -> Check:
     """The verdict on a ``dsec.bench.wakeup`` result for a daemon with ``control_cpus`` (``DSEC_CONTROL_CPUS``)."""
-    if "busy_ms" not in result:
+    busy, idle = result.get("busy_ms"), result.get("idle_ms")
+    if not isinstance(busy, list) or not isinstance(idle, list):
         return Check("cpu wakeups", True, f"not measured: {result.get('skipped')}", required=False)
-    busy, idle = result["busy_ms"], result["idle_ms"]
-    assert isinstance(busy, list) and isinstance(idle, list)
     detail = f"a task woken on a busy CPU runs after {busy[0]:g} ms p50 (on an idle CPU {idle[0]:g} ms)"
     if busy[0] <= WAKEUP_LATE_MS:
         return Check("cpu wakeups", True, detail, required=False)
@@ -258,7 +261,8 @@ def wakeup_check(result: dict[str, object], control_cpus: str | None) -> Check:
         return Check("cpu wakeups", True, f"{detail}; the control path is pinned (DSEC_CONTROL_CPUS={control_cpus})",
                      required=False)
     return Check("cpu wakeups", False, f"{detail}: execs next to CPU-bound sandboxes wait for it at every hop",
-                 "run the daemon with DSEC_CONTROL_CPUS=0 (its control path on CPU 0; sandboxes keep every CPU)",
+                 f"run the daemon with DSEC_CONTROL_CPUS={min(os.sched_getaffinity(0))} (its control path on that CPU; "
+                 "sandboxes keep every CPU)",
                  required=False)
 
 

@@ -27,6 +27,11 @@ def test_a_bad_cpu_list_is_refused_with_the_variable_and_the_part_named(text: st
         parse_cpu_list(text)
 
 
+def test_a_huge_range_is_refused_before_it_is_expanded() -> None:
+    with pytest.raises(ValueError, match=r"CPU 4000000000 is beyond any machine's \(8192 at most\)"):
+        parse_cpu_list("0-4000000000")
+
+
 def test_cpu_list_round_trips() -> None:
     for cpus in ({0}, {0, 1, 2, 3, 8}, {1, 3, 5}, {0, 1, 63, 64, 65, 200}):
         assert parse_cpu_list(cpu_list(frozenset(cpus))) == cpus

@@ -141,3 +141,21 @@ def test_late_wakeups_point_at_housekeeping_cpus() -> None:
     assert pinned.ok and "DSEC_CONTROL_CPUS=0" in pinned.detail
     one_cpu = doctor.wakeup_check({"skipped": "needs two CPUs, this process may use 1"}, None)
     assert one_cpu.ok and "needs two CPUs" in one_cpu.detail
+
+
+def test_a_failing_wakeup_probe_is_a_warning_with_a_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def broken(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, 1, "", "Traceback ... RuntimeError: no fork")
+
+    monkeypatch.setattr(doctor.subprocess, "run", broken)
+    check = doctor._wakeups(settings(tmp_path))
+    assert not check.ok and not check.required and "no fork" in check.detail and check.fix
+
+    def slow(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired("probe", 30)
+
+    monkeypatch.setattr(doctor.subprocess, "run", slow)
+    check = doctor._wakeups(settings(tmp_path))
+    assert not check.ok and not check.required and "TimeoutExpired" in check.detail

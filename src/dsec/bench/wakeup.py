@@ -101,5 +101,9 @@ def probe(allowed: set[int] | frozenset[int] | None = None) -> dict[str, object]
 if __name__ == "__main__":
     from dsec.isolation.affinity import parse_cpu_list
 
-    json.dump(probe(parse_cpu_list(sys.argv[1], "CPULIST") if len(sys.argv) > 1 else None), sys.stdout)
+    try:
+        allowed = parse_cpu_list(sys.argv[1], "CPULIST") if len(sys.argv) > 1 else None
+    except ValueError as exc:
+        sys.exit(f"python -m dsec.bench.wakeup: {exc}")
+    json.dump(probe(allowed), sys.stdout)
     sys.stdout.write("\n")

@@ -20,6 +20,7 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, get_args
 
@@ -291,10 +292,23 @@ class Engine:
     async def start(self) -> None:
         """Start backends, re-adopt or clean up recorded sandboxes, remove orphans, start the reaper."""
         if self._control_cpus is not None:  # before anything is spawned: the helpers inherit the mask
-            node = affinity.pin_control(self._control_cpus)
+            node = affinity.node_cpus()
+            # Sized for the node, not the pin (Python 3.13 sizes a default pool by the calling thread's CPUs).
+            asyncio.get_running_loop().set_default_executor(
+                ThreadPoolExecutor(max_workers=min(32, len(node) + 4), thread_name_prefix="dsec-worker"))
+            affinity.pin_control(self._control_cpus)
             self._pinned = True
             log.info("control path pinned to CPUs %s; sandboxes run on %s", affinity.cpu_list(self._control_cpus),
                      affinity.cpu_list(node))
+        try:
+            await self._start()
+        except BaseException:
+            if self._pinned:  # an engine run inside another process must not leave it pinned
+                affinity.release()
+                self._pinned = False
+            raise
+
+    async def _start(self) -> None:
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.raise_all)
         await self.rollouts.start()

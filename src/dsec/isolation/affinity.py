@@ -20,11 +20,16 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["control_cpus", "cpu_list", "hex_mask", "parse_cpu_list", "pin_control", "release", "sandbox_cpus"]
+__all__ = ["MAX_CPUS", "control_cpus", "cpu_list", "hex_mask", "node_cpus", "parse_cpu_list", "pin_control", "release",
+           "sandbox_cpus"]
 
 _lock = threading.Lock()
 _sandbox_cpus: frozenset[int] | None = None
 """The node's CPUs while this process's control path is pinned (the mask it had before), else None."""
+
+
+MAX_CPUS = 8192
+"""Linux's largest NR_CPUS: no CPU number reaches it (checked before a range is expanded)."""
 
 
 def parse_cpu_list(text: str, what: str = "DSEC_CONTROL_CPUS") -> frozenset[int]:
@@ -39,6 +44,8 @@ def parse_cpu_list(text: str, what: str = "DSEC_CONTROL_CPUS") -> frozenset[int]
             raise ValueError(f"{what}={text!r}: {part!r} is not a CPU number or a range like 0-3") from None
         if first < 0 or last < first:
             raise ValueError(f"{what}={text!r}: {part!r} is not a CPU number or a range like 0-3")
+        if last >= MAX_CPUS:
+            raise ValueError(f"{what}={text!r}: CPU {last} is beyond any machine's ({MAX_CPUS} at most)")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
 
@@ -64,13 +71,22 @@ def _threads() -> list[int]:
 
 
 def _set_all_threads(cpus: frozenset[int]) -> None:
-    # sched_setaffinity(0) sets the calling thread only; threads made later inherit their creator's mask.
-    for tid in _threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, cpus)
+    # sched_setaffinity(0) sets the calling thread only; threads made later inherit their creator's mask. A thread
+    # made during a pass by one not yet set is caught by the next pass; /proc/self/task lists only our threads.
+    os.sched_setaffinity(0, cpus)
+    done: set[int] = set()
+    for _ in range(100):
+        todo = set(_threads()) - done
+        if not todo:
+            return
+        for tid in todo:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+        done |= todo
 
 
-def _node_cpus() -> frozenset[int]:
+def node_cpus() -> frozenset[int]:
+    """The CPUs this process may use: its mask, or the one it had before :func:`pin_control`."""
     return _sandbox_cpus if _sandbox_cpus is not None else frozenset(os.sched_getaffinity(0))
 
 
@@ -80,7 +96,7 @@ def control_cpus(text: str | None) -> frozenset[int] | None:
     if text is None or not text.strip():
         return None
     control = parse_cpu_list(text)
-    node = _node_cpus()
+    node = node_cpus()
     outside = control - node
     if outside:
         raise ValueError(f"DSEC_CONTROL_CPUS={text!r}: CPU {cpu_list(outside)} is not one this daemon may run on "
@@ -93,7 +109,7 @@ def pin_control(control: frozenset[int]) -> frozenset[int]:
     CPUs (the mask it had before), which :func:`sandbox_cpus` reports until :func:`release`."""
     global _sandbox_cpus
     with _lock:
-        node = _node_cpus()
+        node = node_cpus()
         _set_all_threads(control)
         _sandbox_cpus = node
         return node

@@ -79,7 +79,8 @@ def test_function_calls_get_the_node_cpus_and_the_zygote_stays(pinned: str) -> N
     with dsec.Client(pinned) as client, \
             dsec.Sandbox.create(image="debian-python", backend="function", client=client) as sandbox:
         result = sandbox.exec(REPORT)
-        zygotes = processes("dsec-zygote")
+        home = pinned.removeprefix("unix://").rsplit("/run/", 1)[0]
+        zygotes = [p for p in processes("dsec-zygote") if f"{home}/function/" in Path(f"/proc/{p}/cmdline").read_text()]
         assert zygotes and {allowed(p) for p in zygotes} == {str(CONTROL)}
     assert result.exit_code == 0, result
     assert result.stdout.decode().split() == ["Cpus_allowed_list:", cpu_list(NODE)] * 2
@@ -109,15 +110,18 @@ def test_without_the_option_commands_keep_the_daemon_mask(debian_python_image: o
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {CONTROL})  # the daemon process inherits it (set back below)
     try:
-        with daemon_process("dsec-cpus-off-") as (unix_url, _):
+        with daemon_process("dsec-cpus-off-", DSEC_CONTROL_CPUS="") as (unix_url, _):
             os.sched_setaffinity(0, mask)
-            with dsec.Client(unix_url) as client, \
-                    dsec.Sandbox.create(image="debian-python", client=client) as sandbox:
-                result = sandbox.exec(REPORT)
+            with dsec.Client(unix_url) as client:
+                results = []
+                for backend in ("container", "function"):
+                    with dsec.Sandbox.create(image="debian-python", backend=backend, client=client) as sandbox:
+                        results.append(sandbox.exec(REPORT))
     finally:
         os.sched_setaffinity(0, mask)
-    assert result.exit_code == 0, result
-    assert result.stdout.decode().split() == ["Cpus_allowed_list:", str(CONTROL)] * 2
+    for result in results:
+        assert result.exit_code == 0, result
+        assert result.stdout.decode().split() == ["Cpus_allowed_list:", str(CONTROL)] * 2
 
 
 @pytest.mark.parametrize("entry", [["dsec"], ["dsec.daemon"]], ids=["cli", "daemon-module"])
