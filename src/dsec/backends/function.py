@@ -362,11 +362,12 @@ class FunctionBackend(Backend):
         self._counters.pop(record.id, None)
         if zygote is not None:
             await asyncio.to_thread(zygote.close)
-        await asyncio.to_thread(self._release, record.id, record.backend_state)
+        # A zygote of ours is reaped by close(): its pid is free for reuse, so only a previous daemon's is killed.
+        await asyncio.to_thread(self._release, record.id, record.backend_state, stale=zygote is None)
 
-    def _release(self, sandbox_id: str, state: dict[str, Any]) -> None:
+    def _release(self, sandbox_id: str, state: dict[str, Any], *, stale: bool = True) -> None:
         pid = state.get("zygote_pid")
-        if pid and start_time(int(pid)) == state.get("zygote_start"):
+        if stale and pid and start_time(int(pid)) == state.get("zygote_start"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)  # a zygote of a previous daemon (not our child)
         cgroups = CgroupSet.at(state.get("cgroup") or f"/{self.cgroup_parent}/{sandbox_id}")

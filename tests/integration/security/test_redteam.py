@@ -29,7 +29,7 @@ from function_support import fn_leftovers
 pytestmark = [pytest.mark.root]
 
 NOT_BUILT = "not applicable: backend {} is not built yet"
-ATTACK_TIMEOUT = 240.0
+ATTACK_TIMEOUT = 300.0
 
 
 def _backend_params() -> list[object]:
