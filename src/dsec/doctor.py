@@ -128,8 +128,8 @@ def render(checks: list[Check], console: object | None = None) -> None:
 
 
 # --------------------------------------------------------------------- probes
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=_PROBE_TIMEOUT, check=False,
+def _run(argv: list[str], timeout: float = _PROBE_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
                           stdin=subprocess.DEVNULL)
 
 
@@ -238,8 +238,7 @@ def _wakeups(settings: Settings) -> Check:
     import sys
 
     try:
-        proc = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True,
-                              timeout=_PROBE_TIMEOUT * 3, check=False)
+        proc = _run([sys.executable, "-m", "dsec.bench.wakeup"], timeout=_PROBE_TIMEOUT * 3)
         result = json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr.strip()[-200:] or "no output"
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         result = f"{type(exc).__name__}: {exc}"

@@ -51,8 +51,13 @@ def pinned(debian_python_image: object) -> Iterator[str]:
         yield unix_url
 
 
+def home_of(unix_url: str) -> str:
+    """The DSEC_HOME of the daemon answering on ``unix_url`` (its socket is ``$DSEC_HOME/run/dsec.sock``)."""
+    return unix_url.removeprefix("unix://").rsplit("/run/", 1)[0]
+
+
 def daemon_pid(unix_url: str) -> int:
-    home = unix_url.removeprefix("unix://").rsplit("/run/", 1)[0]
+    home = home_of(unix_url)
     pids = processes(f"dsec.daemon serve --home {home}")
     assert len(pids) == 1, pids
     return pids[0]
@@ -79,7 +84,7 @@ def test_function_calls_get_the_node_cpus_and_the_zygote_stays(pinned: str) -> N
     with dsec.Client(pinned) as client, \
             dsec.Sandbox.create(image="debian-python", backend="function", client=client) as sandbox:
         result = sandbox.exec(REPORT)
-        home = pinned.removeprefix("unix://").rsplit("/run/", 1)[0]
+        home = home_of(pinned)
         zygotes = [p for p in processes("dsec-zygote") if f"{home}/function/" in Path(f"/proc/{p}/cmdline").read_text()]
         assert zygotes and {allowed(p) for p in zygotes} == {str(CONTROL)}
     assert result.exit_code == 0, result
@@ -92,7 +97,7 @@ def test_microvm_qemu_and_its_vcpu_threads_get_the_node_cpus(pinned: str) -> Non
         find_kernel(default_guest_dir())
     except DSecError as e:
         missing(str(e))
-    home = pinned.removeprefix("unix://").rsplit("/run/", 1)[0]
+    home = home_of(pinned)
     with dsec.Client(pinned) as client, \
             dsec.Sandbox.create(image="debian-python", backend="microvm", client=client) as sandbox:
         assert sandbox.exec(["true"]).exit_code == 0
