@@ -4,7 +4,7 @@ Create: make the sandbox's cgroups with their limits (:mod:`dsec.isolation.cgrou
 an overlayfs (image root as the read-only lower, a per-sandbox upper), write the OCI config
 (:mod:`dsec.isolation.oci`) and ``crun run --detach`` a static init from inside those cgroups
 (through ``dsec-rtshim``; crun runs with its cgroup manager disabled).
-Exec: never ``crun/runc exec``; the node's exec helper (:mod:`dsec.isolation.nsexec`) joins
+Exec: never ``crun/runc exec``; the node's exec helper (``dsec-nsexec``, ``isolation/nsexec.c``) joins
 the running sandbox in ~1 ms with the same restrictions. Files: confined ``openat2`` from the
 host (:mod:`dsec.isolation.files`). Pause: the freezer cgroup. Destroy: kill the init (the pid
 namespace goes with it), remove the cgroups, unmount, remove the upper and the runtime state.
@@ -46,7 +46,7 @@ from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, c
 from dsec.isolation.disk import disk_full, umount
 from dsec.isolation.exec_client import ExecHelper, stream_exec
 from dsec.isolation.files import SandboxFS
-from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_rtshim
+from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
@@ -163,6 +163,7 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(shutil.copy2, built, self._init)
         bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
         nsenter = await asyncio.to_thread(ensure_nsenter, self.settings.home / "bin")
+        nsexec = await asyncio.to_thread(ensure_nsexec, self.settings.home / "bin")
         # The init's open-file limit (OCI config), read once: commands get the same.
         self._nofile = exec_rlimits()["nofile"][0]
         self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
@@ -174,7 +175,7 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(holder.start)
         self._holder = holder
         await asyncio.to_thread(self._mount_sysfs)
-        self._helper = ExecHelper(bpf, nsenter)
+        self._helper = ExecHelper(bpf, nsenter, nsexec)
         self._helper.start()
 
     async def aclose(self) -> None:

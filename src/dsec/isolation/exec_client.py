@@ -1,6 +1,6 @@
 """Daemon side of the exec helper: start it, hand it a command, stream what the command does.
 
-:class:`ExecHelper` owns the helper process (:mod:`dsec.isolation.nsexec`) and the
+:class:`ExecHelper` owns the helper process (``dsec-nsexec``, built from ``nsexec.c``) and the
 socketpair to it. :func:`stream_exec` turns one spawned command into ``ExecEvent``s with
 the limits every backend promises: wall-clock timeout, captured-output cap, kill on
 close, and a verdict naming the limit that ended the command.
@@ -11,12 +11,10 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -26,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
-from dsec.isolation import nsexec
 from dsec.isolation.affinity import hex_mask, sandbox_cpus
 from dsec.isolation.procs import reap
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
-__all__ = ["ExecHelper", "Spawned", "send_with_pipes", "stream_exec"]
+__all__ = ["MAX_MESSAGE", "ExecHelper", "Spawned", "encode_request", "send_with_pipes", "stream_exec"]
+
+MAX_MESSAGE = 1 << 20
+"""The largest request a peer (the exec helper, a zygote) reads per command (``MAX_MESSAGE`` in ``nsexec.c``)."""
 
 _CHUNK = 64 * 1024
 # After the command exits, output still in the pipes is read for this long; a background job that
@@ -76,12 +76,36 @@ class Spawned:
                     os.close(fd)
 
 
-class ExecHelper:
-    """One helper process per daemon; :meth:`spawn` is cheap (one message + one fork there)."""
+def encode_request(request: dict[str, Any]) -> bytes:
+    """The exec helper's request for one command: NUL-terminated fields (see ``nsexec.c``)::
 
-    def __init__(self, seccomp_bpf: bytes, nsenter: Path) -> None:
+        INIT_PID UID GID CAPMASK(hex) NOFILE FLAGS CWD NCGROUPS CGROUP_PROCS... ARGC ARGV... ENVC KEY=VALUE...
+
+    FLAGS: bit 0 Landlock, bit 1 pristine (``nsenter.c``). A NUL inside a field would shift every field after
+    it: such a request is refused here, naming the field (the API's models refuse them earlier)."""
+    flags = int(request.get("landlock", True)) | int(request.get("pristine", False)) << 1
+    cgroups, argv, env = list(request["cgroup_procs"]), list(request["argv"]), request["env"]
+    fields = [str(int(request["init_pid"])), str(int(request["uid"])), str(int(request["gid"])),
+              f"{int(request['capmask']):x}", str(int(request["nofile"])), str(flags), request["cwd"],
+              str(len(cgroups)), *cgroups, str(len(argv)), *argv, str(len(env)),
+              *(f"{key}={value}" for key, value in env.items())]
+    encoded = [os.fsencode(field) for field in fields]
+    message = b"\0".join(encoded) + b"\0"
+    if message.count(b"\0") != len(encoded):
+        bad = next(field for field in fields if "\0" in field)
+        raise InvalidRequest(f"a NUL byte in {bad!r}: commands, environment and working directory cannot carry one")
+    if any(not key or "=" in key for key in env):
+        raise InvalidRequest(f"environment names must be non-empty without '=': {sorted(env)!r}")
+    return message
+
+
+class ExecHelper:
+    """One helper process per daemon; :meth:`spawn` is cheap (one message + one vfork there)."""
+
+    def __init__(self, seccomp_bpf: bytes, nsenter: Path, binary: Path) -> None:
         self._bpf = seccomp_bpf
         self._nsenter = nsenter
+        self._binary = binary
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -89,10 +113,8 @@ class ExecHelper:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                # Isolated mode, no site: the helper forks per command, so it must stay small (~8 MB). It runs where
-                # the daemon runs (housekeeping CPUs, if any); its commands get the node's CPUs back.
-                [sys.executable, "-I", "-S", nsexec.__file__, str(theirs.fileno()), str(self._nsenter),
-                 hex_mask(sandbox_cpus())],
+                # It runs where the daemon runs (housekeeping CPUs, if any); its commands get the node's CPUs back.
+                [str(self._binary), str(theirs.fileno()), str(self._nsenter), hex_mask(sandbox_cpus())],
                 stdin=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),),
                 close_fds=True,
@@ -120,24 +142,25 @@ class ExecHelper:
             self._proc = None
 
     async def spawn(self, request: dict[str, Any]) -> Spawned:
-        """Ask the helper to run ``request`` (see :mod:`dsec.isolation.nsexec`); returns our pipe ends."""
+        """Ask the helper to run ``request`` (fields: :func:`encode_request`); returns our pipe ends."""
+        message = encode_request(request)
         if self._proc is None or self._proc.poll() is not None:
             # The helper died (or was never started): one restart, then give up loudly.
             self.close()
             self.start()
         assert self._sock is not None
-        return await send_with_pipes(self._sock, json.dumps(request).encode(), "exec helper")
+        return await send_with_pipes(self._sock, message, "exec helper")
 
 
 async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
                           within: float = _SEND_WITHIN_S) -> Spawned:
     """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
     (stdin, stdout, stderr, status) attached; returns our ends, non-blocking."""
-    if len(message) > nsexec.MAX_MESSAGE:
+    if len(message) > MAX_MESSAGE:
         # A peer reads at most this much per command; the kernel's exec takes at most 2 MiB of arguments
         # and environment (ARG_MAX with the usual 8 MiB stack) and 128 KiB per string anyway.
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
-                             f"bytes; at most {nsexec.MAX_MESSAGE} are accepted", size=len(message))
+                             f"bytes; at most {MAX_MESSAGE} are accepted", size=len(message))
     if len(message) > _SMALL_MESSAGE and len(message) > _widen_send_buffer(sock):
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
                              f"bytes; this host's socket buffers carry at most {_widen_send_buffer(sock)} "
@@ -194,13 +217,13 @@ async def _writable(fd: int) -> None:
 
 
 def _widen_send_buffer(sock: socket.socket) -> int:
-    """Make ``sock`` carry a request of up to ``nsexec.MAX_MESSAGE`` bytes; returns the largest it now carries.
+    """Make ``sock`` carry a request of up to ``MAX_MESSAGE`` bytes; returns the largest it now carries.
 
     Past the send buffer (``net.core.wmem_default``, ~208 KiB) a datagram is refused with EMSGSIZE. The daemon
     runs as root, so SO_SNDBUFFORCE goes past ``net.core.wmem_max`` (also ~208 KiB on a stock host), where
     SO_SNDBUF would be capped silently; the kernel keeps 32 bytes of the buffer for itself.
     """
-    want = nsexec.MAX_MESSAGE + 64 * 1024
+    want = MAX_MESSAGE + 64 * 1024
     try:
         sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, want)
     except PermissionError:

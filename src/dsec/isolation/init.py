@@ -1,14 +1,15 @@
 """Builds DSec's static helper binaries from their C sources on first use.
 
 - ``dsec-init`` (``init.c``): pid 1 of a container sandbox; reaps orphans, nothing else.
+- ``dsec-nsexec`` (``nsexec.c``): the exec helper, one per daemon; starts each command through ``dsec-nsenter``.
 - ``dsec-nsenter`` (``nsenter.c``): the last step of an exec into a running sandbox.
 - ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
 - ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
-upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``,
-which runs once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against musl when
-``musl-gcc`` is there (Debian: ``musl-tools``):
+upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsexec`` and
+``dsec-nsenter``, which run once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against
+musl when ``musl-gcc`` is there (Debian: ``musl-tools``):
 a static glibc binary probes the CPU with ~20 ``cpuid`` instructions at every start, each a trap to the
 hypervisor on a VM, which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-up
 does none, and its binary is 46 KB instead of 800 KB (fewer page faults per exec).
@@ -25,11 +26,13 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 
-__all__ = ["HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE", "binary_path",
-           "ensure_binary", "ensure_init", "ensure_nsenter", "ensure_rtshim", "ensure_zygote"]
+__all__ = ["HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "NSEXEC_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE",
+           "binary_path", "ensure_binary", "ensure_init", "ensure_nsenter", "ensure_nsexec", "ensure_rtshim",
+           "ensure_zygote"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
+NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 
@@ -73,7 +76,8 @@ def _multiarch() -> str:
     return f"{os.uname().machine}-linux-gnu"
 
 
-HELPERS = ((INIT_SOURCE, "dsec-init"), (NSENTER_SOURCE, "dsec-nsenter"), (RTSHIM_SOURCE, "dsec-rtshim"))
+HELPERS = ((INIT_SOURCE, "dsec-init"), (NSENTER_SOURCE, "dsec-nsenter"), (NSEXEC_SOURCE, "dsec-nsexec"),
+           (RTSHIM_SOURCE, "dsec-rtshim"))
 """The container backend's binaries (source, name), all linked against musl when it is installed: each runs once
 per create or exec, where static glibc's start-up ``cpuid`` probes would trap to the hypervisor every time."""
 
@@ -86,6 +90,11 @@ def ensure_init(directory: Path) -> Path:
 def ensure_nsenter(directory: Path) -> Path:
     """The exec entry binary, built if needed."""
     return ensure_binary(NSENTER_SOURCE, "dsec-nsenter", directory, musl=True)
+
+
+def ensure_nsexec(directory: Path) -> Path:
+    """The exec helper, built if needed."""
+    return ensure_binary(NSEXEC_SOURCE, "dsec-nsexec", directory, musl=True)
 
 
 def ensure_rtshim(directory: Path) -> Path:

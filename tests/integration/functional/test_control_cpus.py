@@ -69,7 +69,7 @@ def test_the_control_path_runs_on_the_control_cpus(pinned: str) -> None:
     assert {allowed(pid, tid) for tid in threads} == {str(CONTROL)}, "every daemon thread is pinned"
     with dsec.Client(pinned) as client, dsec.Sandbox.create(image="debian-python", client=client) as sandbox:
         assert sandbox.exec(["true"]).exit_code == 0  # the exec helper is started
-        helpers = [p for p in processes("nsexec.py") if Path(f"/proc/{p}/stat").read_text().split()[3] == str(pid)]
+        helpers = [p for p in processes("dsec-nsexec-") if Path(f"/proc/{p}/stat").read_text().split()[3] == str(pid)]
         assert helpers and {allowed(p) for p in helpers} == {str(CONTROL)}
 
 
