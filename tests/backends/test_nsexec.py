@@ -12,6 +12,7 @@ import array
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import time
@@ -30,10 +31,18 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the helper joins pid 
 FAKE_NSENTER = r"""#!/usr/bin/python3 -I
 import json, os, sys
 fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
-links = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in range(6) if fd in fds}
+links = {}
+for fd in range(6):
+    try:
+        links[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:  # the listing's own fd, closed again
+        pass
 env = dict(e.split("=", 1) for e in open("/proc/self/environ").read().split("\0") if e)
 print(json.dumps({"argv": sys.argv[1:], "env": env, "fds": fds, "links": links,
-                  "sid": os.getsid(0) == os.getpid()}), file=sys.stderr)
+                  "sid": os.getsid(0) == os.getpid(), "pidns": os.readlink("/proc/self/ns/pid")}),
+      file=sys.stderr, flush=True)
+if "SLEEP" in env:
+    import time; time.sleep(float(env["SLEEP"]))
 sys.exit(int(os.environ.get("EXIT", "0")))
 """
 
@@ -181,13 +190,56 @@ def test_an_oversized_request_is_answered(helper: Helper) -> None:
 
 
 def test_the_helper_reaps_its_commands_and_exits_when_the_daemon_hangs_up(helper: Helper) -> None:
-    ends = helper.send(encode_request(request(env={"EXIT": "0"}, argv=["sleep"])))
+    """A stopping daemon kills the commands it cut off and closes its end: the helper waits for them (up to
+    2 s), reports each exit and is gone, leaving no zombie to whatever inherits it."""
+    ends = helper.send(encode_request(request(env={"SLEEP": "60"})))
     pid = int(os.read(ends["status"], 100).decode().split()[1])
+    assert b"argv" in os.read(ends["stderr"], 65536)  # started, and sleeping now
+    helper.sock.close()  # hung up first: the command is reaped in the helper's last 2 s, not its main loop
+    time.sleep(0.3)
+    assert helper.proc.poll() is None, "the helper waits for its running command"
+    os.killpg(pid, signal.SIGKILL)
     assert helper.close() == 0
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # not ours, and not a zombie left to anyone: reaped by the helper
-    assert not Path(f"/proc/{pid}").exists()
-    assert read_all(ends["status"]).decode() == "exit 0\n"
+    assert read_all(ends["status"]).decode() == f"exit {signal.SIGKILL}\n"  # reported after its waitpid
+
+
+def test_commands_are_born_in_their_sandbox_pid_namespace(helper: Helper) -> None:
+    sandbox = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+    try:
+        inner = _wait_for_child(sandbox.pid)
+        ends = helper.send(encode_request(request(init_pid=inner, env={})))
+        seen = json.loads(read_all(ends["stderr"]))
+        assert seen["pidns"] == os.readlink(f"/proc/{inner}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        ends = helper.send(encode_request(request(env={})))  # the next command, for a sandbox in our namespace
+        assert json.loads(read_all(ends["stderr"]))["pidns"] == os.readlink("/proc/self/ns/pid")
+    finally:
+        sandbox.kill()
+        sandbox.wait()
+
+
+def test_without_a_seccomp_program_fd_5_is_absent(binary: Path, tmp_path: Path) -> None:
+    nsenter = tmp_path / "fake-nsenter"
+    nsenter.write_text(FAKE_NSENTER)
+    nsenter.chmod(0o755)
+    bare = Helper(binary, nsenter, bpf=b"")
+    try:
+        ends = bare.send(encode_request(request(env={})))
+        seen = json.loads(read_all(ends["stderr"]))
+        assert seen["fds"][:5] == [0, 1, 2, 3, 4] and len(seen["fds"]) == 6, seen  # + the listing's own
+        assert "5" not in seen["links"], seen
+    finally:
+        assert bare.close() == 0
+
+
+def _wait_for_child(parent: int, timeout: float = 10.0) -> int:
+    """The first child of ``parent`` once it has exec'd (``unshare --fork``'s pid 1 of the new namespace)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        if children and Path(f"/proc/{children[0]}/exe").resolve().name == "sleep":
+            return int(children[0])
+        time.sleep(0.01)
+    raise AssertionError(f"unshare {parent} started no sleep")
 
 
 def test_encode_request_refuses_what_the_fields_cannot_carry() -> None:
@@ -198,3 +250,11 @@ def test_encode_request_refuses_what_the_fields_cannot_carry() -> None:
     with pytest.raises(InvalidRequest, match="environment names"):
         encode_request(request(env={"A=B": "c"}))
     assert encode_request(request(cwd="/caf\udce9")).split(b"\0")[6] == b"/caf\xe9"  # undecodable bytes survive
+
+
+def test_a_command_of_many_short_arguments_is_started(helper: Helper) -> None:
+    """70,000 one-letter arguments (140 KB: within what execve takes) are as many fields: all reach nsenter."""
+    helper.sock.setsockopt(socket.SOL_SOCKET, 32, 4 * MAX_MESSAGE)  # SO_SNDBUFFORCE, as the daemon does past 128 KiB
+    ends = helper.send(encode_request(request(argv=["/bin/true", *["a"] * 70_000], env={})))
+    seen = json.loads(read_all(ends["stderr"]))
+    assert len(seen["argv"]) == 7 + 2 + 1 + 70_001 and seen["argv"][-1] == "a"  # fields, cgroups, --, command

@@ -1,5 +1,5 @@
 """The daemon's side of an exec (``dsec.isolation.exec_client``) against a stand-in helper: real pipes and a real
-process playing the command, the status lines written by the test (what ``nsexec.py`` or the zygote sends)."""
+process playing the command, the status lines written by the test (what ``dsec-nsexec`` or the zygote sends)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@
 - ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an
-upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsexec`` and
-``dsec-nsenter``, which run once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against
-musl when ``musl-gcc`` is there (Debian: ``musl-tools``):
+upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``,
+which runs once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against musl when
+``musl-gcc`` is there (Debian: ``musl-tools``), and so is ``dsec-nsexec`` (one per daemon: the small binary):
 a static glibc binary probes the CPU with ~20 ``cpuid`` instructions at every start, each a trap to the
 hypervisor on a VM, which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-up
 does none, and its binary is 46 KB instead of 800 KB (fewer page faults per exec).
@@ -78,8 +78,9 @@ def _multiarch() -> str:
 
 HELPERS = ((INIT_SOURCE, "dsec-init"), (NSENTER_SOURCE, "dsec-nsenter"), (NSEXEC_SOURCE, "dsec-nsexec"),
            (RTSHIM_SOURCE, "dsec-rtshim"))
-"""The container backend's binaries (source, name), all linked against musl when it is installed: each runs once
-per create or exec, where static glibc's start-up ``cpuid`` probes would trap to the hypervisor every time."""
+"""The container backend's binaries (source, name), all linked against musl when it is installed: but for the exec
+helper (one per daemon) each runs once per create or exec, where static glibc's start-up ``cpuid`` probes would trap
+to the hypervisor every time."""
 
 
 def ensure_init(directory: Path) -> Path:

@@ -1,8 +1,8 @@
 /*
  * dsec-nsenter: the last step of an exec into a container sandbox, what runc's nsexec does.
  *
- * The exec helper (nsexec.py) posix_spawns this static binary into the sandbox's pid
- * namespace with:
+ * The exec helper (nsexec.c) starts this static binary in the sandbox's pid namespace
+ * with:
  *   fd 0, 1, 2  the command's stdin, stdout, stderr
  *   fd 3        the status pipe (close-on-exec: it closes when the command starts)
  *   fd 4        a pidfd of the sandbox's init

@@ -9,7 +9,7 @@
  * Each request is one datagram of NUL-terminated fields, with four fds attached (the command's stdin,
  * stdout and stderr, and a status pipe):
  *   INIT_PID UID GID CAPMASK(hex) NOFILE FLAGS CWD NCGROUPS CGROUP_PROCS... ARGC ARGV... ENVC ENV...
- * (built by exec_client.py: ExecHelper.encode). For each, the helper points its children at the sandbox's
+ * (built by exec_client.py: encode_request). For each, the helper points its children at the sandbox's
  * pid namespace, vforks (no page-table copy) and execs the static dsec-nsenter (nsenter.c) there with the
  * command's pipes, and points its children home again. dsec-nsenter does the joining and the dropping and
  * execs the command. The helper reports "pid HOSTPID" on the status pipe, then, when the command's pidfd
@@ -17,8 +17,8 @@
  * One bad request never takes the helper (and every other sandbox's running commands) down.
  *
  * Nothing of this runs inside the sandbox before the command itself: the helper's socket lives in the
- * host's mount namespace only, so sandboxed code cannot reach it, and every fd the helper holds is
- * close-on-exec. It was a Python program (nsexec.py) until stop 27; in C its CPU per exec is a fraction.
+ * host's mount namespace only, so sandboxed code cannot reach it; every fd the helper opens or receives is
+ * close-on-exec, and the child replaces 0-2 (the daemon's) with the command's own. It was a Python program (nsexec.py) until stop 27; in C its CPU per exec is a fraction.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -42,7 +42,6 @@
 #define MAX_MESSAGE (1 << 20) /* exec_client.MAX_MESSAGE */
 #define HIGH_FD 100           /* sources are parked above the fds dsec-nsenter expects (0-5) */
 #define REAP_GRACE_MS 2000    /* a helper whose daemon hung up waits this long for its commands to exit */
-#define MAX_FIELDS 65536
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -65,7 +64,7 @@ struct watch {
 static const char *nsenter, *cpus;
 static int own_pidns = -1, bpf_fd = -1, epfd = -1, watching;
 static char message[MAX_MESSAGE + 1];
-static char *fields[MAX_FIELDS];
+static char *fields[MAX_MESSAGE]; /* a field is at least its NUL: pages touched only as used */
 
 static int report(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int report(int fd, const char *fmt, ...) {
@@ -173,20 +172,14 @@ static void spawn(size_t size, int *fds) {
         close_all(fds, 4);
         return;
     }
-    for (size_t at = 0; at < size; at += strlen(message + at) + 1) {
-        if (nfields == MAX_FIELDS) {
-            report(status, "error request: more than %d fields", MAX_FIELDS);
-            close_all(fds, 4);
-            return;
-        }
+    for (size_t at = 0; at < size; at += strlen(message + at) + 1)
         fields[nfields++] = message + at;
-    }
     long long init_pid, ncg, argc, envc;
     const int at = 8; /* the first cgroup.procs field */
     if (nfields < 9 || parse_int(fields[0], 10, 1, INT_MAX, &init_pid) ||
         parse_int(fields[7], 10, 0, 64, &ncg) || at + ncg >= nfields ||
-        parse_int(fields[at + ncg], 10, 1, MAX_FIELDS, &argc) || at + ncg + 1 + argc >= nfields ||
-        parse_int(fields[at + ncg + 1 + argc], 10, 0, MAX_FIELDS, &envc) ||
+        parse_int(fields[at + ncg], 10, 1, MAX_MESSAGE, &argc) || at + ncg + 1 + argc >= nfields ||
+        parse_int(fields[at + ncg + 1 + argc], 10, 0, MAX_MESSAGE, &envc) ||
         at + ncg + 2 + argc + envc != nfields) {
         report(status, "error request: malformed (%d fields)", nfields);
         close_all(fds, 4);

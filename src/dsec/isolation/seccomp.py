@@ -11,14 +11,16 @@ This module never loads a filter into the calling process.
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DEFAULT_PROFILE", "ArgRule", "Profile", "Rule"]
+
+log = logging.getLogger(__name__)
 
 # ioctl request numbers (x86-64). FICLONE/FICLONERANGE/FIDEDUPERANGE share extents with
 # another file and XFS_IOC_SWAPEXT swaps them: agents used these to rewrite files they
@@ -90,8 +92,10 @@ class Profile:
         import pyseccomp
 
         filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-        with contextlib.suppress(Exception):  # libseccomp < 2.5.0 knows no such attribute: a chain then
+        try:
             filt.set_attr(pyseccomp.Attr.CTL_OPTIMIZE, 2)
+        except Exception as e:  # libseccomp < 2.5.0 knows no such attribute: the same filter as a chain
+            log.warning("libseccomp cannot lay the seccomp filter out as a tree (%s): every exec attaches a chain", e)
         for rule in self.rules:
             for name in rule.names:
                 try:
