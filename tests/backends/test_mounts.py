@@ -11,7 +11,7 @@ import pytest
 from container_support import mounts_under, pid_alive
 from dsec.errors import SandboxError
 from dsec.isolation.init import ensure_rtshim
-from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, tmpfs_mount
+from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 
 pytestmark = [pytest.mark.root]
 
@@ -111,3 +111,15 @@ def test_holder_is_adopted_and_a_stale_pidfile_is_not(tmp_path: Path) -> None:
     finally:
         first.close(stop=True)
     assert pid_alive(os.getpid())
+
+
+def test_the_node_sysfs_lists_no_network_device_when_returned() -> None:
+    """Its network namespace ended with the thread that made it; the kernel drops that namespace's loopback from
+    the listing a moment later (CI46 once started a sandbox that still saw it)."""
+    for _ in range(20):
+        fd = sysfs_mount()
+        try:
+            assert os.listdir(f"/proc/self/fd/{fd}/class/net") == []
+            assert os.listdir(f"/proc/self/fd/{fd}/class")  # a real sysfs, not an empty directory
+        finally:
+            os.close(fd)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import threading
@@ -39,8 +40,11 @@ from dsec.isolation.procs import start_time
 
 __all__ = ["MountHolder", "attach", "clone_tree", "overlay_mount", "sysfs_mount", "tmpfs_mount"]
 
+log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+_SYSFS_SETTLE_S = 10.0
+"""How long a new sysfs may list the devices of its (ended) network namespace before the backend starts anyway."""
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOUNT_SETATTR = (
     428, 429, 430, 431, 432, 442)  # x86_64 and aarch64 share these (the new syscalls are numbered alike)
 _AT_FDCWD = -100
@@ -114,7 +118,8 @@ def sysfs_mount() -> int:
     sysfs shows the network devices of the namespace it is mounted from. That namespace dies with the thread
     that made it (the mount holds no live reference to it), so this sysfs lists no network device at all,
     none of the host's or of any sandbox's, and one of it can be shared by every sandbox of the node (a
-    superblock per sandbox is what each would otherwise cost, see oci.runtime_config).
+    superblock per sandbox is what each would otherwise cost, see oci.runtime_config). It returns once the
+    namespace's loopback is gone from the listing (a kernel worker removes it after the thread ends).
     """
     made: list[int] = []
     failed: list[BaseException] = []
@@ -133,6 +138,15 @@ def sysfs_mount() -> int:
     thread.join()
     if failed:
         raise failed[0]
+    # The namespace is torn down by a kernel worker after the thread ends (1-2 ms here when quiet, longer under
+    # load): until then its loopback device is still listed. Sandboxes are started only once it is gone.
+    devices = f"/proc/self/fd/{made[0]}/class/net"
+    deadline = time.monotonic() + _SYSFS_SETTLE_S
+    while (left := os.listdir(devices)) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if left:
+        log.warning("the node's sysfs still lists %s of its dead network namespace after %g s", left,
+                    _SYSFS_SETTLE_S)
     return made[0]
 
 
