@@ -142,8 +142,12 @@ def sysfs_mount() -> int:
     # load): until then its loopback device is still listed. Sandboxes are started only once it is gone.
     devices = f"/proc/self/fd/{made[0]}/class/net"
     deadline = time.monotonic() + _SYSFS_SETTLE_S
-    while (left := os.listdir(devices)) and time.monotonic() < deadline:
-        time.sleep(0.002)
+    try:
+        while (left := os.listdir(devices)) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    except BaseException:
+        os.close(made[0])
+        raise
     if left:
         log.warning("the node's sysfs still lists %s of its dead network namespace after %g s", left,
                     _SYSFS_SETTLE_S)
