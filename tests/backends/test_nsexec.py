@@ -101,6 +101,14 @@ def request(**changes: object) -> dict[str, object]:
     return base
 
 
+def stand_in(directory: Path) -> Path:
+    """``FAKE_NSENTER`` as an executable in ``directory``."""
+    nsenter = directory / "fake-nsenter"
+    nsenter.write_text(FAKE_NSENTER)
+    nsenter.chmod(0o755)
+    return nsenter
+
+
 @pytest.fixture(scope="module")
 def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_nsexec(tmp_path_factory.mktemp("bin"))
@@ -108,10 +116,7 @@ def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def helper(binary: Path, tmp_path: Path) -> Iterator[Helper]:
-    nsenter = tmp_path / "fake-nsenter"
-    nsenter.write_text(FAKE_NSENTER)
-    nsenter.chmod(0o755)
-    running = Helper(binary, nsenter)
+    running = Helper(binary, stand_in(tmp_path))
     try:
         yield running
     finally:
@@ -218,10 +223,7 @@ def test_commands_are_born_in_their_sandbox_pid_namespace(helper: Helper) -> Non
 
 
 def test_without_a_seccomp_program_fd_5_is_absent(binary: Path, tmp_path: Path) -> None:
-    nsenter = tmp_path / "fake-nsenter"
-    nsenter.write_text(FAKE_NSENTER)
-    nsenter.chmod(0o755)
-    bare = Helper(binary, nsenter, bpf=b"")
+    bare = Helper(binary, stand_in(tmp_path), bpf=b"")
     try:
         ends = bare.send(encode_request(request(env={})))
         seen = json.loads(read_all(ends["stderr"]))
