@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import os
 import signal
 import stat
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import dsec.backends.container as container_module
 from container_support import (
     assert_clean,
     await_until,
@@ -36,6 +39,7 @@ from dsec.backends.base import ImageRef
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest
+from dsec.isolation.procs import SEALS
 from dsec.models import ExecRequest, ExecResult, SandboxRecord
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check
@@ -211,8 +215,9 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
         await backend.destroy(record)
     assert_clean(home, record.id)
     assert not pid_alive(init), "the init survived destroy"
-    # nothing crun forked stays behind as our zombie (the shim collects it; it used to stay for good)
-    assert not _zombie_children("crun"), _zombie_children("crun")
+    # nothing crun forked stays behind as our zombie (the shim collects it; it used to stay for good); crun runs
+    # from the node's sealed copy of it, named after that memfd
+    assert not _zombie_children("crun", "memfd:crun"), _zombie_children("crun", "memfd:crun")
 
 
 @pytest.mark.parametrize("cancels", [1, 3])
@@ -237,7 +242,7 @@ async def test_cancelled_create_lets_its_worker_finish_and_destroy_leaves_nothin
     assert_clean(home, record.id)
 
 
-def _zombie_children(comm: str) -> list[int]:
+def _zombie_children(*comms: str) -> list[int]:
     found = []
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -245,7 +250,7 @@ def _zombie_children(comm: str) -> list[int]:
         except OSError:
             continue
         fields = rest.split()
-        if name.split("(", 1)[1] == comm and fields[0] == "Z" and int(fields[1]) == os.getpid():
+        if name.split("(", 1)[1] in comms and fields[0] == "Z" and int(fields[1]) == os.getpid():
             found.append(int(stat_file.parent.name))
     return found
 
@@ -291,6 +296,28 @@ async def test_cleanup_orphans_spares_known(backend: ContainerBackend, debian_py
     finally:
         with contextlib.suppress(DSecError):
             await backend.destroy(orphan)
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["sealed-copy", "copy-refused"])
+async def test_crun_runs_from_the_nodes_sealed_copy_or_else_from_its_path(
+        home: Path, debian_python_image: ImageRef, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        copy: bool) -> None:
+    """The backend keeps one sealed copy of crun and starts every sandbox from it (crun then skips copying
+    itself); where the kernel refuses one, crun runs from its path as before and the log says so."""
+    if not copy:
+        def refused(path: str, name: str) -> int:
+            raise OSError(errno.EPERM, "memfd refused")
+        monkeypatch.setattr(container_module, "sealed_executable", refused)
+    async with checked_backend(home) as b:
+        if copy:
+            assert b._runtime_exe is not None and fcntl.fcntl(b._runtime_exe, fcntl.F_GET_SEALS) == SEALS
+            assert Path(f"/proc/self/fd/{b._runtime_exe}").read_bytes() == Path(b.runtime).read_bytes()
+        else:
+            assert b._runtime_exe is None and f"no sealed copy of {b.runtime} (" in caplog.text
+        async with sandbox(b, debian_python_image) as record:
+            r = await run(b, record, "echo up")
+            assert r.exit_code == 0 and r.stdout == b"up\n", r
+    assert b._runtime_exe is None  # closed with the backend
 
 
 async def test_backend_settings_isolated_per_home(tmp_path: Path) -> None:

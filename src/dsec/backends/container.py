@@ -51,7 +51,7 @@ from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.procs import reap, start_time
+from dsec.isolation.procs import reap, sealed_executable, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -115,6 +115,8 @@ class ContainerBackend(Backend):
         self._init: Path | None = None
         self._nofile = 0
         self._shim: Path | None = None
+        # A sealed in-memory copy of the runtime (procs.sealed_executable), or None: crun then runs from its path.
+        self._runtime_exe: int | None = None
         # The node's private mount namespace, where each sandbox's overlay and disk live (mounts.py).
         self._holder: MountHolder | None = None
         self._mask_v2 = False
@@ -167,6 +169,12 @@ class ContainerBackend(Backend):
         # The init's open-file limit (OCI config), read once: commands get the same.
         self._nofile = exec_rlimits()["nofile"][0]
         self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
+        if self._runtime_exe is None:
+            try:
+                self._runtime_exe = await asyncio.to_thread(sealed_executable, self.runtime, Path(self.runtime).name)
+            except OSError as exc:
+                log.warning("container backend: no sealed copy of %s (%s); it will copy itself at every create",
+                            self.runtime, exc)
         self._mask_v2 = v2_controllers_in_hybrid()
         # The sandboxes' group gets its CPU class when a create makes it; one kept from an earlier daemon (live
         # sandboxes) gets this daemon's setting here.
@@ -193,6 +201,9 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
         await asyncio.to_thread(self._remove_empty_state_root)
+        if self._runtime_exe is not None:
+            os.close(self._runtime_exe)
+            self._runtime_exe = None
 
     def _sandbox_dirs(self) -> set[str]:
         """Ids with a bundle, runtime state or root mount point of this home (live or left behind)."""
@@ -247,17 +258,20 @@ class ContainerBackend(Backend):
         if self._shim is None:
             raise BackendUnavailable("container backend is not started")
         shim_errors = log.with_name(log.name + ".shim")
+        # From the sealed copy (the shim execs /proc/self/fd/N itself): crun skips copying itself first.
+        exe = self._runtime_exe
+        fds = (root[0],) if exe is None else (root[0], exe)
         cmd = [str(self._shim), str(shim_errors), "1" if self._mask_v2 else "0", f"{root[0]}:{root[1]}",
                *cgroups.procs_files(), "--",
-               self.runtime, "--cgroup-manager=disabled", "--root", str(self.runtime_root), f"--log=file:{log}",
-               "--log-format=json"]
+               self.runtime if exe is None else f"/proc/self/fd/{exe}", "--cgroup-manager=disabled", "--root",
+               str(self.runtime_root), f"--log=file:{log}", "--log-format=json"]
 
         # `crun run --detach` hands its own stdio to the container's init, which never closes it: the
         # init gets /dev/null (no host file or pipe inside the sandbox), errors come through the logs.
         # subprocess.run in a worker thread, not the event loop's subprocess support: CPython spawns with
         # vfork, while uvloop's libuv forks the whole daemon (page tables and all) for every call.
         proc = subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, check=False, pass_fds=(root[0],))
+                              stderr=subprocess.DEVNULL, check=False, pass_fds=fds)
         if proc.returncode != 0:
             detail = _last_runtime_error(log) if log.exists() else None
             with contextlib.suppress(OSError):

@@ -27,6 +27,12 @@
  * of the host's table) and reaches them through /proc/<pid>/root. It outlives a daemon crash, so a
  * restarted daemon still reaches the sandboxes it re-adopts. TAG only names the home it serves.
  *
+ * RUNTIME may be /proc/self/fd/N, N an inherited fd of a sealed memfd copy of the runtime that the daemon
+ * keeps (procs.sealed_executable): crun finds itself running from a sealed copy and skips making one (the
+ * CVE-2019-5736 defence it otherwise repeats at every start, a copy and a second exec). The shim execs it
+ * with execveat(AT_EMPTY_PATH) after marking N close-on-exec, so neither the runtime nor the container it
+ * starts holds the fd, and the runtime's name (comm) is the memfd's ("memfd:crun"), not "N".
+ *
  * On failure it writes "dsec-rtshim: <what>: <why>" to ERRFILE (created 0600; the runtime's own
  * stdio goes to the container's init, so it cannot carry the shim's errors) and exits 125.
  */
@@ -42,6 +48,8 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+extern char **environ;
 
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
@@ -95,6 +103,16 @@ static int only_child(pid_t init) {
     while (*end == ' ')
         end++;
     return *end == 0 && first == init;
+}
+
+/* N if the runtime is given as /proc/self/fd/N (an inherited fd of a sealed copy of it, see below), else -1. */
+static int runtime_fd(const char *runtime) {
+    const char *prefix = "/proc/self/fd/";
+    if (strncmp(runtime, prefix, strlen(prefix)) != 0)
+        return -1;
+    char *end = NULL;
+    long fd = strtol(runtime + strlen(prefix), &end, 10);
+    return end != runtime + strlen(prefix) && *end == 0 && fd >= 3 && fd < 1 << 20 ? (int)fd : -1;
 }
 
 static int hold(void) {
@@ -165,7 +183,15 @@ int main(int argc, char **argv) {
         fail("fork", errno);
     if (runtime == 0) {
         prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0);
-        execv(argv[sep + 1], &argv[sep + 1]);
+        int exe = runtime_fd(argv[sep + 1]);
+        if (exe >= 0) {
+            /* Close-on-exec first: neither the runtime nor the container it starts holds the copy. */
+            if (fcntl(exe, F_SETFD, FD_CLOEXEC) != 0)
+                fail(argv[sep + 1], errno);
+            syscall(SYS_execveat, exe, "", &argv[sep + 1], environ, AT_EMPTY_PATH);
+        } else {
+            execv(argv[sep + 1], &argv[sep + 1]);
+        }
         fail(argv[sep + 1], errno);
     }
     int status = 0;
