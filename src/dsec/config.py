@@ -133,8 +133,13 @@ class Settings:
         return self.home / "log" / "dsec.log"
 
     @property
-    def state_dir(self) -> Path:
-        """One JSON record per sandbox."""
+    def state_db(self) -> Path:
+        """The sandbox records (SQLite, ``daemon/state.py``)."""
+        return self.home / "sandboxes.db"
+
+    @property
+    def legacy_state_dir(self) -> Path:
+        """Where an older daemon kept one JSON file per record: moved into :attr:`state_db` at start."""
         return self.home / "sandboxes"
 
     @property

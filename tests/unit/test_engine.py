@@ -76,7 +76,7 @@ def fake_of(engine: Engine) -> FakeBackend:
 
 
 def record_files(engine: Engine) -> list[str]:
-    return sorted(p.name for p in engine.settings.state_dir.glob("*.json"))
+    return [f"{i}.json" for i in StateStore(engine.settings.state_db).ids()]
 
 
 async def test_create_get_list_destroy(engine: Engine) -> None:
@@ -199,7 +199,7 @@ async def test_recovery_keeps_live_drops_dead_and_orphans(tmp_path: Path) -> Non
     assert (fake_root / live.id).is_dir()
     (fake_root / dead.id).rename(tmp_path / "gone")  # its "processes" died with the host
     (fake_root / "sb-0123456789ab").mkdir()  # leftover with no record
-    store = StateStore(Settings(home=tmp_path / "home").state_dir)
+    store = StateStore(Settings(home=tmp_path / "home").state_db)
     half = SandboxRecord(id="sb-aaaaaaaaaaaa", spec=SPEC, state="creating", created_at=1, expires_at=2,
                          backend_state={"root": str(fake_root / "sb-aaaaaaaaaaaa")})
     (fake_root / half.id).mkdir()

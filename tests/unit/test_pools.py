@@ -22,6 +22,7 @@ from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.pools import DEMAND_WINDOW, POOL_LABEL, REFILL_DELAY, pool_key
+from dsec.daemon.state import StateStore
 from dsec.errors import BackendUnavailable, DaemonStopping, InvalidRequest, QuotaExceeded, SandboxNotFound
 from dsec.models import BatchCreateRequest, ExecRequest, PoolConfig, SandboxRecord, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
@@ -837,7 +838,7 @@ async def test_a_claim_cut_off_while_applying_its_network_destroys_the_member(tm
         claim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await claim
-        assert await await_until(lambda: taken not in {p.stem for p in eng.settings.state_dir.glob("*.json")}, 10)
+        assert await await_until(lambda: taken not in StateStore(eng.settings.state_db).ids(), 10)
         assert taken in backend.destroyed and taken not in eng._image_refs
 
 

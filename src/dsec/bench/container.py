@@ -231,12 +231,7 @@ class _Run:
                 if result.exit_code != 0:
                     raise RuntimeError(f"exec true exited {result.exit_code}")
 
-        cpu = CpuWindow(daemon)
-        cpu.start()
-        result = await _sustain(cycle, self.cfg.concurrency, self.cfg.sustained_seconds)
-        if daemon is not None:
-            result.update(cpu.stop(result["ok"]), load=os.getloadavg()[0])
-        return result
+        return await _sustain(cycle, self.cfg.concurrency, self.cfg.sustained_seconds, daemon)
 
     async def idle_memory(self) -> dict[str, Any]:
         k = self.cfg.idle_k
@@ -269,8 +264,11 @@ class _Run:
         return samples
 
 
-async def _sustain(cycle: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict[str, Any]:
-    """Run ``cycle`` back to back in ``concurrency`` workers for ``seconds``; completed cycles per second."""
+async def _sustain(cycle: Callable[[], Awaitable[None]], concurrency: int, seconds: float,
+                   daemon: int | None = None) -> dict[str, Any]:
+    """Run ``cycle`` back to back in ``concurrency`` workers for ``seconds``; completed cycles per second, and
+    with ``daemon`` (the pid of a daemon process) the CPU per cycle of this client, the daemon and everything
+    under it (:class:`~dsec.bench.cpu.CpuWindow`), which holds up under load where rates do not."""
     ok = 0
     failures: list[str] = []
     deadline = time.perf_counter() + seconds
@@ -284,11 +282,24 @@ async def _sustain(cycle: Callable[[], Awaitable[None]], concurrency: int, secon
             except Exception as exc:
                 failures.append(f"{type(exc).__name__}: {exc}"[:200])
 
+    cpu = CpuWindow(daemon)
+    cpu.start()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    return {"ok": ok, "failures": len(failures), "first_failures": failures[:3], "seconds": elapsed,
-            "rate": ok / elapsed, "concurrency": concurrency}
+    result = {"ok": ok, "failures": len(failures), "first_failures": failures[:3], "seconds": elapsed,
+              "rate": ok / elapsed, "concurrency": concurrency}
+    if daemon is not None:
+        result.update(cpu.stop(ok), load=os.getloadavg()[0])
+    return result
+
+
+def cpu_per_cycle(label: str, s: dict[str, Any]) -> Row:
+    """The row of a :func:`_sustain` result's CPU per cycle."""
+    total = s["cpu_ms_client"] + s["cpu_ms_daemon"] + s["cpu_ms_helpers"]
+    return Row(label, "ms", total, target="reported",
+               note=f"client {s['cpu_ms_client']:.1f} + daemon {s['cpu_ms_daemon']:.1f} + under it "
+                    f"{s['cpu_ms_helpers']:.1f} ms, load {s['load']:.1f}")
 
 
 async def _podman_cycle(argv: list[str]) -> None:
@@ -510,11 +521,7 @@ def _rows(suite: Suite) -> list[Row]:
             note=skipped.get("podman_sustained") or skipped.get("podman_run"),
         ))
     if "cpu_ms_daemon" in ex.get("sustained", {}):
-        s = ex["sustained"]
-        total = s["cpu_ms_client"] + s["cpu_ms_daemon"] + s["cpu_ms_helpers"]
-        rows.append(Row("CPU per create→exec→destroy", "ms", total, target="reported",
-                        note=f"client {s['cpu_ms_client']:.1f} + daemon {s['cpu_ms_daemon']:.1f} + under it "
-                             f"{s['cpu_ms_helpers']:.1f} ms, load {s['load']:.1f}"))
+        rows.append(cpu_per_cycle("CPU per create→exec→destroy", ex["sustained"]))
     if "idle_memory" in ex:
         m = ex["idle_memory"]
         rows += [Row(f"memory per idle sandbox, host (K={m['k']})", "MiB",

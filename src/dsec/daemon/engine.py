@@ -227,7 +227,7 @@ class Engine:
             self.metrics.teardown_failures.labels(name)
         # Backend name -> why it cannot be used; filled from imports that failed and from available().
         self._unavailable: dict[str, str] = dict(unavailable or {})
-        self._store = StateStore(settings.state_dir)
+        self._store = StateStore(settings.state_db, settings.legacy_state_dir)
         self._records: dict[str, SandboxRecord] = {}
         self._destroying: dict[str, asyncio.Task[None]] = {}
         # Teardowns of destroyed pooled sandboxes still running after the destroy was answered.
@@ -436,6 +436,7 @@ class Engine:
                 log.exception("backend %s failed to close", name)
         await self.rollouts.aclose()
         await self.audit.aclose()
+        self._store.close()
         if self.host_limits is not None:
             await asyncio.to_thread(self.host_limits.restore)
         if self._pinned:

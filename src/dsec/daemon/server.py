@@ -150,7 +150,7 @@ class Daemon:
 
     def _prepare_dirs(self) -> None:
         s = self.settings
-        for path in (s.home, s.state_dir, s.log_file.parent):
+        for path in (s.home, s.log_file.parent):
             path.mkdir(parents=True, exist_ok=True)
         s.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(s.run_dir, 0o700)

@@ -37,6 +37,7 @@ from container_support import (
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers
+from dsec.daemon.state import StateStore
 from dsec.models import SandboxRecord
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -94,12 +95,11 @@ class DaemonProcess:
                 self.proc.wait(30)
 
     def records(self) -> dict[str, SandboxRecord]:
-        out = {}
-        for path in self.settings.state_dir.glob("sb-*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                record = SandboxRecord.model_validate_json(path.read_bytes())
-                out[record.id] = record
-        return out
+        store = StateStore(self.settings.state_db)
+        try:
+            return {record.id: record for record in store.load_all()}
+        finally:
+            store.close()
 
 
 @pytest.fixture
@@ -226,7 +226,7 @@ async def test_sigkill_during_create_many(daemon: DaemonProcess) -> None:
     async with dsec.Client(url=daemon.url) as client:
         task = asyncio.create_task(dsec.AsyncSandbox.create_many(10, image="debian-python", client=client))
         # kill as soon as the daemon has started creating (records are written before the backend acts)
-        started = await await_until(lambda: any(daemon.settings.state_dir.glob("sb-*.json")) or task.done(),
+        started = await await_until(lambda: bool(daemon.records()) or task.done(),
                                     timeout=60, interval=0.005)
         daemon.kill()
         assert started

@@ -22,6 +22,7 @@ from dsec.config import Settings
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import Daemon, ServeError, daemon_answers, destroy_every, down, up
+from dsec.daemon.state import StateStore
 from dsec.models import SandboxRecord
 from dsec.testing.fake import FakeBackend, FakeImages
 
@@ -99,7 +100,7 @@ def test_serves_on_a_private_unix_socket_and_stops_cleanly(home: Path) -> None:
     assert not settings.socket_path.exists()
     # A plain stop leaves sandboxes for the next daemon to re-adopt.
     assert (home / "fake" / sid).is_dir()
-    assert (settings.state_dir / f"{sid}.json").exists()
+    assert sid in StateStore(settings.state_db).ids()
 
 
 def test_stale_socket_is_replaced(home: Path) -> None:

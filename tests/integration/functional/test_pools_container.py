@@ -14,6 +14,7 @@ from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.daemon.admission import Admission
 from dsec.daemon.engine import Engine
+from dsec.daemon.state import StateStore
 from dsec.images.node import NodeImages
 from dsec.isolation.cgroups import (
     CPU_SHARES_BUSY,
@@ -95,7 +96,7 @@ async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engi
     assert not any(Path(d).exists() for d in cgroups.dirs.values())
     assert not sandbox_mounts(engine.settings.home, rootfs)
     assert not Path(f"/proc/{pid}").exists()
-    assert not (engine.settings.state_dir / f"{info.id}.json").exists()
+    assert info.id not in StateStore(engine.settings.state_db).ids()
 
 
 async def test_burst_is_queued_not_failed(engine: Engine) -> None:
