@@ -39,6 +39,10 @@ def test_the_copy_is_sealed_as_runtimes_expect_and_cannot_be_written(tmp_path: P
         os.close(fd)
     with pytest.raises(FileNotFoundError):
         sealed_executable(str(tmp_path / "missing"), "x")
+    script = tmp_path / "wrapper"
+    script.write_text("#!/bin/sh\nexec crun \"$@\"\n")
+    with pytest.raises(OSError, match="not an ELF binary"):  # it could not run from a close-on-exec fd
+        sealed_executable(str(script), "x")
 
 
 def test_the_shim_runs_the_runtime_from_the_copy_and_passes_the_fd_on_to_nobody(tmp_path: Path) -> None:

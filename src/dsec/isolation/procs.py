@@ -87,8 +87,12 @@ def sealed_executable(path: str, name: str) -> int:
     It is what crun and runc make of themselves at every start (against CVE-2019-5736, a container
     overwriting the host's runtime through ``/proc/self/exe``): a runtime executed from this copy finds
     itself already sealed and skips the copy and its second exec (~1 ms of CPU per run here). OSError if the
-    kernel refuses (e.g. ``vm.memfd_noexec=2``): the caller then runs ``path`` itself.
+    kernel refuses (e.g. ``vm.memfd_noexec=2``) or ``path`` is no ELF binary (a script could not run from a
+    close-on-exec fd: its interpreter opens it by name): the caller then runs ``path`` itself.
     """
+    with open(path, "rb") as probe:
+        if probe.read(4) != b"\x7fELF":
+            raise OSError(errno.ENOEXEC, f"{path} is not an ELF binary")
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | _MFD_EXEC)
     except OSError as exc:
