@@ -75,8 +75,8 @@ def fake_of(engine: Engine) -> FakeBackend:
     return backend
 
 
-def record_files(engine: Engine) -> list[str]:
-    return [f"{i}.json" for i in StateStore(engine.settings.state_db).ids()]
+def record_ids(engine: Engine) -> list[str]:
+    return sorted(StateStore.peek(engine.settings.state_db))
 
 
 async def test_create_get_list_destroy(engine: Engine) -> None:
@@ -89,7 +89,7 @@ async def test_create_get_list_destroy(engine: Engine) -> None:
     assert [i.id for i in await engine.list({"n": "2"})] == [b.id]
     assert await engine.list({"job": "y"}) == []
     assert await engine.list(backend="vm") == []
-    assert record_files(engine) == sorted([f"{a.id}.json", f"{b.id}.json"])
+    assert record_ids(engine) == sorted([a.id, b.id])
     assert engine.metrics.value("dsec_sandboxes_live", backend="container") == 2
     assert engine.metrics.value("dsec_sandboxes_created_total", backend="container") == 2
 
@@ -97,7 +97,7 @@ async def test_create_get_list_destroy(engine: Engine) -> None:
     await engine.destroy(a.id)  # idempotent
     with pytest.raises(SandboxNotFound, match="destroyed"):
         await engine.get(a.id)
-    assert record_files(engine) == [f"{b.id}.json"]
+    assert record_ids(engine) == [b.id]
     assert not (fake_of(engine).root / a.id).exists()
     assert engine.metrics.value("dsec_sandboxes_live", backend="container") == 1
     assert (await engine.health()).sandboxes == 1
@@ -108,7 +108,7 @@ async def test_create_failure_cleans_up_and_counts(engine: Engine) -> None:
     with pytest.raises(SandboxError, match="RuntimeError: boom"):
         await engine.create(SPEC)
     assert await engine.list() == []
-    assert record_files(engine) == []
+    assert record_ids(engine) == []
     assert list(fake_of(engine).root.iterdir()) == []
     failed = engine.metrics.value("dsec_sandboxes_failed_total", backend="container", reason="SandboxError")
     assert failed == 1
@@ -130,7 +130,7 @@ async def test_create_refusals(engine: Engine) -> None:
         await engine.create(SandboxSpec())
     failed = engine.metrics.value("dsec_sandboxes_failed_total", backend="container", reason="ImageNotFound")
     assert failed == 1
-    assert record_files(engine) == []
+    assert record_ids(engine) == []
 
 
 async def test_unavailable_backend_reason_is_reported(tmp_path: Path) -> None:
@@ -168,7 +168,7 @@ async def test_timeout_destroys_and_leaves_tombstone(engine: Engine) -> None:
     with pytest.raises(SandboxTimeout):
         engine.exec_stream(info.id, ExecRequest(command="true"))
     await engine.destroy(info.id)  # already gone: not an error
-    assert record_files(engine) == []
+    assert record_ids(engine) == []
     assert not (fake_of(engine).root / info.id).exists()
     assert engine.metrics.value("dsec_sandboxes_expired_total", backend="container") == 1
     assert engine.metrics.value("dsec_sandboxes_live", backend="container") == 0
@@ -203,7 +203,8 @@ async def test_recovery_keeps_live_drops_dead_and_orphans(tmp_path: Path) -> Non
     half = SandboxRecord(id="sb-aaaaaaaaaaaa", spec=SPEC, state="creating", created_at=1, expires_at=2,
                          backend_state={"root": str(fake_root / "sb-aaaaaaaaaaaa")})
     (fake_root / half.id).mkdir()
-    store.save(half)
+    store.save(half)  # a create the first daemon was in the middle of
+    store.close()
 
     second = make_engine(tmp_path)
     await second.start()
@@ -214,7 +215,7 @@ async def test_recovery_keeps_live_drops_dead_and_orphans(tmp_path: Path) -> Non
             with pytest.raises(SandboxNotFound):
                 await second.get(gone)
         assert sorted(p.name for p in fake_root.iterdir()) == [live.id]
-        assert record_files(second) == [f"{live.id}.json"]
+        assert record_ids(second) == [live.id]
         assert second.metrics.value("dsec_sandboxes_live", backend="container") == 1
         result = await second.exec(live.id, ExecRequest(command="echo still here"))
         assert result.stdout == b"still here\n"
@@ -230,7 +231,7 @@ async def test_create_many_is_all_or_nothing(tmp_path: Path) -> None:
         with pytest.raises(SandboxError, match="flaky create"):
             await eng.create_many(BatchCreateRequest(count=5, spec=SPEC))
         assert await eng.list() == []
-        assert record_files(eng) == []
+        assert record_ids(eng) == []
         assert list((tmp_path / "fake").iterdir()) == []
         made = await eng.create_many(BatchCreateRequest(count=4, spec=SPEC))
         assert len({i.id for i in made}) == 4

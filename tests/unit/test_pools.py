@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_engine import fake_of, make_engine, record_files, started
+from test_engine import fake_of, make_engine, record_ids, started
 
 from container_support import await_until
 from dsec.backends.base import ImageRef
@@ -162,7 +162,7 @@ async def test_shutdown_drains_and_restart_destroys_leftovers(tmp_path: Path) ->
     await eng.pools.wait_filled(10)
     kept = await eng.create(SandboxSpec(image="base"))
     await eng.aclose()
-    assert record_files(eng) == [f"{kept.id}.json"]  # the members are gone, the client's sandbox is not
+    assert record_ids(eng) == [kept.id]  # the members are gone, the client's sandbox is not
     assert sorted(p.name for p in fake_of(eng).root.iterdir()) == [kept.id]
     # A daemon killed without draining: its members' records are on disk; the next start destroys them.
     eng2 = make_engine(tmp_path)
@@ -177,7 +177,7 @@ async def test_shutdown_drains_and_restart_destroys_leftovers(tmp_path: Path) ->
     await eng3.start()
     try:
         assert [i.id for i in await eng3.list()] == [kept.id]
-        assert record_files(eng3) == [f"{kept.id}.json"]
+        assert record_ids(eng3) == [kept.id]
         assert not any((fake_of(eng3).root / m).exists() for m in members)
     finally:
         await eng3.destroy_all()
@@ -227,7 +227,7 @@ async def test_pooled_destroy_answers_before_its_teardown(tmp_path: Path) -> Non
             await eng.exec(sid, ExecRequest(command="true"))
         assert sid not in [i.id for i in await eng.list()]
         assert (fake.root / sid).exists()  # still being torn down...
-        assert f"{sid}.json" in record_files(eng)  # ...and its record says so (state "stopped")
+        assert sid in record_ids(eng)  # ...and its record says so (state "stopped")
         await eng.destroy(sid)  # idempotent meanwhile
         plain_done = asyncio.create_task(eng.destroy(plain.id))
         await asyncio.sleep(0.05)
@@ -236,7 +236,7 @@ async def test_pooled_destroy_answers_before_its_teardown(tmp_path: Path) -> Non
         await plain_done
         await eng.wait_teardowns()
         assert eng.statistics().teardowns == 0 and not (fake.root / sid).exists()
-        assert f"{sid}.json" not in record_files(eng)
+        assert sid not in record_ids(eng)
     finally:
         fake.release.set()
         await eng.destroy_all()
@@ -266,7 +266,7 @@ async def test_failed_background_teardown_keeps_the_record(tmp_path: Path) -> No
     eng2 = make_engine(tmp_path, backend=FakeBackend(root=fake.root))
     await eng2.start()
     try:
-        assert await eng2.list() == [] and f"{sid}.json" not in record_files(eng2)
+        assert await eng2.list() == [] and sid not in record_ids(eng2)
         assert not (fake.root / sid).exists()
     finally:
         await eng2.aclose()
@@ -293,7 +293,7 @@ async def test_restart_during_background_teardown_destroys_instead_of_adopting(t
     await eng2.start()
     try:
         assert await eng2.list() == []  # the client destroyed it: never handed back
-        assert not (fake.root / sid).exists() and f"{sid}.json" not in record_files(eng2)
+        assert not (fake.root / sid).exists() and sid not in record_ids(eng2)
     finally:
         await eng2.aclose()
 
@@ -337,7 +337,7 @@ async def test_aclose_waits_for_background_teardowns(tmp_path: Path) -> None:
     assert not closing.done()
     fake.release.set()
     await closing
-    assert not (fake.root / sid).exists() and record_files(eng) == []
+    assert not (fake.root / sid).exists() and record_ids(eng) == []
 
 
 async def test_refill_waits_for_claims_to_pause(engine: Engine) -> None:
@@ -409,7 +409,7 @@ async def test_admission_timeout_names_the_shortage(engine: Engine) -> None:
     engine.admission = Admission(2, timeout=0.1, poll=0.01, shortage=lambda: "pids: 32000 of 32768 in use")
     with pytest.raises(QuotaExceeded, match="pids: 32000 of 32768"):
         await engine.create(SandboxSpec(image="base"))
-    assert await engine.list() == [] and record_files(engine) == []
+    assert await engine.list() == [] and record_ids(engine) == []
     stats = engine.admission.statistics()
     assert stats.running == 0 and stats.shortage is None  # no create waits: the shortage seen is not "now"
 
@@ -447,7 +447,7 @@ async def test_stopping_fails_the_queue_at_once_and_rolls_back_the_batch(engine:
     assert made >= 6 and calls["create"] == admitted < 60  # the refused ones never reached the backend
     assert await engine.list() == []  # gone for the API at once
     await engine.wait_teardowns()
-    assert calls["destroy"] == made and record_files(engine) == [] and list(fake.root.iterdir()) == []
+    assert calls["destroy"] == made and record_ids(engine) == [] and list(fake.root.iterdir()) == []
     stats = engine.admission.statistics()
     assert stats.running == 0 and stats.waiting == 0 and engine.admission._sem._value == 3  # every slot back
     assert engine.stopping == "the test stops the daemon"
@@ -492,7 +492,7 @@ async def test_a_batch_cut_off_while_stopping_retires_what_it_made_before_awaiti
         await batch
     assert await engine.list() == []
     await engine.wait_teardowns()
-    assert record_files(engine) == [] and list(fake.root.iterdir()) == []  # the three in flight undone too
+    assert record_ids(engine) == [] and list(fake.root.iterdir()) == []  # the three in flight undone too
 
 
 async def test_closed_admission_gives_every_slot_back() -> None:
@@ -838,7 +838,7 @@ async def test_a_claim_cut_off_while_applying_its_network_destroys_the_member(tm
         claim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await claim
-        assert await await_until(lambda: taken not in StateStore(eng.settings.state_db).ids(), 10)
+        assert await await_until(lambda: taken not in StateStore.peek(eng.settings.state_db), 10)
         assert taken in backend.destroyed and taken not in eng._image_refs
 
 
@@ -908,7 +908,7 @@ async def test_a_slow_trim_does_not_hold_up_other_pools_and_close_waits_for_it(t
         backend.release.set()
         await eng.destroy_all()
         await eng.aclose()
-    assert record_files(eng) == []
+    assert record_ids(eng) == []
 
 
 async def test_a_restarted_daemon_pins_the_image_version_a_sandbox_was_made_of(tmp_path: Path) -> None:

@@ -60,6 +60,10 @@ def test_corrupt_records_are_moved_aside_and_others_load(tmp_path: Path) -> None
     assert set(kept) == {"sb-000000000002", "sb-000000000003"}
     assert "does not match its key" in kept["sb-000000000003"]
     assert store.load("sb-000000000002") is None
+    with sqlite3.connect(path) as db:  # a row under another sandbox's key
+        misplaced = _record("sb-000000000006").model_dump_json()
+        db.execute("insert into records values (?, ?)", ("sb-000000000005", misplaced))
+    assert store.load("sb-000000000005") is None
     store.close()
 
 
@@ -84,6 +88,51 @@ def test_an_unreadable_database_is_moved_aside_and_a_new_one_started(tmp_path: P
     (aside,) = tmp_path.glob("sandboxes.db.corrupt-*")
     assert aside.read_bytes().startswith(b"this is not a database")
     assert "is unreadable" in caplog.text and str(aside) in caplog.text
+    store.close()
+
+
+def test_a_locked_database_is_an_error_and_is_never_moved_aside(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holding the database (an operator's sqlite3 shell, a backup) is no corruption: moving the
+    file aside would have the daemon start empty and destroy every live sandbox as an orphan."""
+    path = tmp_path / "sandboxes.db"
+    store = StateStore(path)
+    store.save(_record())
+    store.close()
+    monkeypatch.setattr(StateStore, "BUSY_TIMEOUT_S", 0.1)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("pragma locking_mode=exclusive")
+    holder.execute("begin exclusive")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            StateStore(path).load_all()
+    finally:
+        holder.execute("rollback")
+        holder.close()
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    again = StateStore(path)
+    assert again.load_all() == [_record()]
+    again.close()
+
+
+def test_a_reader_changes_nothing_and_an_existing_file_gets_the_private_mode(tmp_path: Path) -> None:
+    path = tmp_path / "sandboxes.db"
+    with pytest.raises(sqlite3.OperationalError):  # read-only never creates the database
+        StateStore(path, read_only=True).load_all()
+    assert not path.exists()
+    path.touch(mode=0o644)
+    os.chmod(path, 0o644)
+    store = StateStore(path)
+    store.save(_record())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with sqlite3.connect(path) as db:
+        db.execute("insert into records values (?, ?)", ("sb-000000000002", "{not json"))
+    reader = StateStore(path, read_only=True)
+    assert reader.load_all() == [_record()]
+    assert reader.ids() == ["sb-000000000001", "sb-000000000002"]  # the corrupt row is skipped, not moved
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.save(_record("sb-000000000003"))
+    reader.close()
     store.close()
 
 

@@ -31,6 +31,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,7 @@ class ContainerBackend(Backend):
         self._shim: Path | None = None
         # A sealed in-memory copy of the runtime (procs.sealed_executable), or None: crun then runs from its path.
         self._runtime_exe: int | None = None
+        self._runtime_exe_lock = threading.Lock()
         # The node's private mount namespace, where each sandbox's overlay and disk live (mounts.py).
         self._holder: MountHolder | None = None
         self._mask_v2 = False
@@ -170,11 +172,7 @@ class ContainerBackend(Backend):
         self._nofile = exec_rlimits()["nofile"][0]
         self._shim = await asyncio.to_thread(ensure_rtshim, self.settings.home / "bin")
         if self._runtime_exe is None:
-            try:
-                self._runtime_exe = await asyncio.to_thread(sealed_executable, self.runtime, Path(self.runtime).name)
-            except OSError as exc:
-                log.warning("container backend: no sealed copy of %s (%s); it will copy itself at every create",
-                            self.runtime, exc)
+            self._runtime_exe = await asyncio.to_thread(self._sealed_runtime)
         self._mask_v2 = v2_controllers_in_hybrid()
         # The sandboxes' group gets its CPU class when a create makes it; one kept from an earlier daemon (live
         # sandboxes) gets this daemon's setting here.
@@ -201,9 +199,10 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self._remove_empty_parent)
         await asyncio.to_thread(self._remove_empty_mounts_dir)
         await asyncio.to_thread(self._remove_empty_state_root)
-        if self._runtime_exe is not None:
-            os.close(self._runtime_exe)
-            self._runtime_exe = None
+        with self._runtime_exe_lock:  # a create still running takes its own duplicate first (_run_runtime)
+            if self._runtime_exe is not None:
+                os.close(self._runtime_exe)
+                self._runtime_exe = None
 
     def _sandbox_dirs(self) -> set[str]:
         """Ids with a bundle, runtime state or root mount point of this home (live or left behind)."""
@@ -248,6 +247,30 @@ class ContainerBackend(Backend):
 
     # -- OCI runtime ----------------------------------------------------------------------
 
+    def _sealed_runtime(self) -> int | None:
+        """A sealed copy of the runtime that runs (``--version`` from it, once), or None, with a warning: crun then
+        runs from its path and copies itself at every create, as it does anywhere else."""
+        try:
+            exe = sealed_executable(self.runtime, Path(self.runtime).name)
+        except OSError as exc:
+            log.warning("container backend: no sealed copy of %s (%s); it will copy itself at every create",
+                        self.runtime, exc)
+            return None
+        try:
+            probe = subprocess.run([f"/proc/self/fd/{exe}", "--version"], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(exe,), timeout=30,
+                                   check=False)
+            failure = None if probe.returncode == 0 else (
+                probe.stderr.decode(errors="replace").strip() or f"exit status {probe.returncode}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            failure = str(exc)
+        if failure is not None:
+            os.close(exe)
+            log.warning("container backend: the sealed copy of %s does not run (%s); it will copy itself at every "
+                        "create", self.runtime, failure)
+            return None
+        return exe
+
     def _run_runtime(self, *args: str, log: Path, cgroups: CgroupSet, root: tuple[int, Path]) -> None:
         """Run crun (cgroup manager disabled) with ``args`` from inside ``cgroups`` (through the shim), in a
         mount namespace of its own where the detached mount tree ``root[0]`` is attached on ``root[1]``.
@@ -257,9 +280,20 @@ class ContainerBackend(Backend):
         """
         if self._shim is None:
             raise BackendUnavailable("container backend is not started")
+        # From the sealed copy (the shim execs /proc/self/fd/N itself): crun skips copying itself first. A duplicate
+        # of this call's own, which aclose() closing the backend's meanwhile cannot take away or renumber.
+        with self._runtime_exe_lock:
+            exe = None if self._runtime_exe is None else os.dup(self._runtime_exe)
+        try:
+            self._spawn_runtime(args, log, cgroups, root, exe)
+        finally:
+            if exe is not None:
+                os.close(exe)
+
+    def _spawn_runtime(self, args: tuple[str, ...], log: Path, cgroups: CgroupSet, root: tuple[int, Path],
+                       exe: int | None) -> None:
+        assert self._shim is not None
         shim_errors = log.with_name(log.name + ".shim")
-        # From the sealed copy (the shim execs /proc/self/fd/N itself): crun skips copying itself first.
-        exe = self._runtime_exe
         fds = (root[0],) if exe is None else (root[0], exe)
         cmd = [str(self._shim), str(shim_errors), "1" if self._mask_v2 else "0", f"{root[0]}:{root[1]}",
                *cgroups.procs_files(), "--",

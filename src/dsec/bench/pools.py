@@ -185,8 +185,8 @@ class _Run:
             finally:
                 await self.destroy(sandbox)
 
-        # The pool's refills run in the daemon during the window (and up to pool_max after it): its CPU per cycle
-        # is the whole cycle's, refill included.
+        # The pool's refills run in the daemon during the window, so its CPU per cycle is the whole cycle's,
+        # refill included, but for the up to pool_max refills still running when the window closes (~3%).
         return await _sustain(cycle, self.cfg.concurrency, self.cfg.sustained_seconds, self.daemon_pid)
 
     async def exec_throughput(self) -> dict[str, Any]:
@@ -458,7 +458,7 @@ def _rows(ex: dict[str, Any]) -> list[Row]:
         versus.passed = versus.ratio is not None and versus.ratio >= 20
         rows += [rate, versus]
         if "cpu_ms_daemon" in s:
-            rows.append(cpu_per_cycle("CPU per pooled create→exec→destroy (refill included)", s))
+            rows.append(cpu_per_cycle("CPU per pooled create→exec→destroy (refills in the window included)", s))
     if "exec_throughput" in ex:
         t = ex["exec_throughput"]
         rows.append(Row(f"exec rate over {t['live']} live sandboxes ({t['workers']} clients)", "/s", t["rate"],

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import sqlite3
 import threading
 import time
@@ -48,40 +49,82 @@ def _check_id(sandbox_id: str) -> str:
 
 
 class StateStore:
-    """Reads and writes sandbox records atomically in one database (opened at first use)."""
+    """Reads and writes sandbox records atomically in one database (opened at first use).
 
-    def __init__(self, path: Path, legacy_dir: Path | None = None) -> None:
+    ``read_only`` opens an existing database for reading alone (a tool or test looking at a running daemon's
+    records): nothing is created, imported or moved, and corrupt rows are only skipped.
+    """
+
+    BUSY_TIMEOUT_S = 2.0
+    """How long a call waits for another process's lock on the database (the daemon's calls run on its event
+    loop, which stands still meanwhile): then ``sqlite3.OperationalError`` ("database is locked")."""
+
+    def __init__(self, path: Path, legacy_dir: Path | None = None, *, read_only: bool = False) -> None:
         self.path = path
-        self.legacy_dir = legacy_dir
+        self.legacy_dir = None if read_only else legacy_dir
+        self.read_only = read_only
         self._db: sqlite3.Connection | None = None
+        self._closed = False
         # The engine writes from the event loop; a lock keeps any other thread's call whole.
         self._lock = threading.Lock()
 
+    @classmethod
+    def peek(cls, path: Path) -> dict[str, SandboxRecord]:
+        """Every readable record of the database at ``path`` by id, read-only (``{}`` while there is none): what
+        a tool or a test sees of a running daemon's records, changing nothing."""
+        if not path.exists():
+            return {}
+        store = cls(path, read_only=True)
+        try:
+            return {record.id: record for record in store.load_all()}
+        finally:
+            store.close()
+
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
+            if self._closed:
+                log.warning("sandbox record database %s used after close; opened again", self.path)
+                self._closed = False
             self._db = self._open()
         return self._db
 
     def _open(self) -> sqlite3.Connection:
+        if self.read_only:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                                 check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
+            db.execute("select count(*) from records").fetchone()
+            return db
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # Created 0600 before SQLite opens it (its -wal and -shm files take the same mode): records hold
-        # the sandboxes' environments.
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._create_private()
         try:
             return self._connect()
         except sqlite3.DatabaseError as exc:
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            # Only a file that is no database, or a damaged one: a lock held by another process, a full disk
+            # or an I/O error is raised (the daemon then does not start) -- moving the file aside would make
+            # the next start destroy every live sandbox as an orphan.
+            if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                raise
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{secrets.token_hex(3)}")
             log.error("sandbox record database %s is unreadable (%s); moved to %s, starting an empty one: "
                       "the sandboxes it named are cleaned up as orphans", self.path, exc, aside)
             for suffix in ("", "-wal", "-shm"):
                 src = self.path.with_name(self.path.name + suffix)
                 if src.exists():
                     os.replace(src, aside.with_name(aside.name + suffix))
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            self._create_private()
             return self._connect()
 
+    def _create_private(self) -> None:
+        """The database file, 0600 (its -wal and -shm files take its mode): records hold the sandboxes'
+        environments. A file that was there keeps its contents and gets the mode."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
         try:
             db.execute("pragma journal_mode=wal")
             db.execute("pragma synchronous=normal")
@@ -106,7 +149,10 @@ class StateStore:
         if row is None:
             return None
         try:
-            return SandboxRecord.model_validate_json(row[0])
+            record = SandboxRecord.model_validate_json(row[0])
+            if record.id != sandbox_id:
+                raise ValueError(f"record id {record.id!r} does not match its key {sandbox_id!r}")
+            return record
         except (ValidationError, ValueError):
             log.exception("cannot read the record of sandbox %s", sandbox_id)
             return None
@@ -130,15 +176,25 @@ class StateStore:
                     if record.id != sandbox_id:
                         raise ValueError(f"record id {record.id!r} does not match its key {sandbox_id!r}")
                 except (ValidationError, ValueError) as exc:
-                    log.error("corrupt record of sandbox %s (%s); moved to the corrupt table of %s",
-                              sandbox_id, exc, self.path)
-                    with db:
-                        db.execute("begin")
-                        db.execute("insert into corrupt values (?, ?, ?, ?)", (sandbox_id, data, str(exc), time.time()))
-                        db.execute("delete from records where id = ?", (sandbox_id,))
+                    if not self.read_only:
+                        self._move_corrupt(db, sandbox_id, data, exc)
                     continue
                 records.append(record)
         return records
+
+    def _move_corrupt(self, db: sqlite3.Connection, sandbox_id: str, data: str, exc: Exception) -> None:
+        """Move one unreadable row to the ``corrupt`` table (in one transaction); a failure to is logged and the
+        row stays (a corrupt record never keeps the others from loading)."""
+        try:
+            with db:  # commits the explicit transaction below, or rolls it back
+                db.execute("begin")
+                db.execute("insert into corrupt values (?, ?, ?, ?)", (sandbox_id, data, str(exc), time.time()))
+                db.execute("delete from records where id = ?", (sandbox_id,))
+        except sqlite3.Error:
+            log.exception("corrupt record of sandbox %s (%s): cannot move it to the corrupt table of %s",
+                          sandbox_id, exc, self.path)
+            return
+        log.error("corrupt record of sandbox %s (%s); moved to the corrupt table of %s", sandbox_id, exc, self.path)
 
     def _import_legacy(self) -> None:
         """Move ``<id>.json`` records of a daemon from before the database into it (the file goes once its row is
@@ -176,7 +232,9 @@ class StateStore:
             self._conn().execute("delete from records where id = ?", (_check_id(sandbox_id),))
 
     def close(self) -> None:
+        """Close the database; a later call opens it again, with a warning in the log."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+                self._closed = True

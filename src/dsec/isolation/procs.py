@@ -90,17 +90,16 @@ def sealed_executable(path: str, name: str) -> int:
     kernel refuses (e.g. ``vm.memfd_noexec=2``) or ``path`` is no ELF binary (a script could not run from a
     close-on-exec fd: its interpreter opens it by name): the caller then runs ``path`` itself.
     """
-    with open(path, "rb") as probe:
-        if probe.read(4) != b"\x7fELF":
+    with open(path, "rb") as src:  # one open: the bytes checked are the bytes copied
+        if os.pread(src.fileno(), 4, 0) != b"\x7fELF":
             raise OSError(errno.ENOEXEC, f"{path} is not an ELF binary")
-    try:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | _MFD_EXEC)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # a kernel before 6.3: memfds are executable there anyway
-            raise
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        with open(path, "rb") as src:
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | _MFD_EXEC)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # a kernel before 6.3: memfds are executable there anyway
+                raise
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
             size = os.fstat(src.fileno()).st_size
             copied = 0
             while copied < size:
@@ -108,9 +107,9 @@ def sealed_executable(path: str, name: str) -> int:
                 if n == 0:
                     raise OSError(errno.EIO, f"{path} shrank while it was copied")
                 copied += n
-        os.fchmod(fd, 0o555)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
+            os.fchmod(fd, 0o555)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
     return fd

@@ -95,11 +95,7 @@ class DaemonProcess:
                 self.proc.wait(30)
 
     def records(self) -> dict[str, SandboxRecord]:
-        store = StateStore(self.settings.state_db)
-        try:
-            return {record.id: record for record in store.load_all()}
-        finally:
-            store.close()
+        return StateStore.peek(self.settings.state_db)  # read-only: the daemon may be writing
 
 
 @pytest.fixture

@@ -100,7 +100,7 @@ def test_serves_on_a_private_unix_socket_and_stops_cleanly(home: Path) -> None:
     assert not settings.socket_path.exists()
     # A plain stop leaves sandboxes for the next daemon to re-adopt.
     assert (home / "fake" / sid).is_dir()
-    assert sid in StateStore(settings.state_db).ids()
+    assert sid in StateStore.peek(settings.state_db)
 
 
 def test_stale_socket_is_replaced(home: Path) -> None:

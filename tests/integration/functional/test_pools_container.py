@@ -96,7 +96,7 @@ async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engi
     assert not any(Path(d).exists() for d in cgroups.dirs.values())
     assert not sandbox_mounts(engine.settings.home, rootfs)
     assert not Path(f"/proc/{pid}").exists()
-    assert info.id not in StateStore(engine.settings.state_db).ids()
+    assert info.id not in StateStore.peek(engine.settings.state_db)
 
 
 async def test_burst_is_queued_not_failed(engine: Engine) -> None:

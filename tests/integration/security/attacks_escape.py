@@ -186,7 +186,8 @@ print(json.dumps(out))
                                      "binary on the host",
         models="runc CVE-2019-5736",
         defence="container, function: the exec'd binary is busy (ETXTBSY) or read-only (EROFS/EACCES), and the "
-                "sandbox's binaries are its own copies, never the host runtime's; " + VM_DEFENCE)
+                "sandbox's binaries are its own copies, never the host runtime's; container: crun itself runs from "
+                "a sealed memfd copy (writes EPERM), never from /usr/bin/crun; " + VM_DEFENCE)
 async def proc_self_exe(t: Target) -> None:
     res = await probe(t, r"""
 print(json.dumps({p: try_os(lambda q: os.close(os.open(q, os.O_WRONLY)), p)
