@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 
@@ -62,6 +64,24 @@ async def test_audit_flusher_writes_in_the_background_and_close_flushes(tmp_path
         assert [e.sandbox_id for e in await reopened.query(AuditQuery())] == ["sb-b", "sb-a"]
     finally:
         await reopened.aclose()
+
+
+async def test_audit_trail_is_private_to_the_daemons_user(tmp_path: Path) -> None:
+    """Commands and the heads of their output: readable by nobody else, also when an older daemon left the file
+    world-readable."""
+    (tmp_path / "old.db").touch(mode=0o644)
+    os.chmod(tmp_path / "old.db", 0o644)
+    for name in ("audit.db", "old.db"):
+        audit = AuditLog(tmp_path / name, flush_interval=0.05)
+        await audit.start()
+        try:
+            audit.record(entry("sb-a"))
+        finally:
+            await audit.aclose()
+        for suffix in ("", "-wal"):
+            path = tmp_path / f"{name}{suffix}"
+            if path.exists():
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
 async def test_audit_pending_overflow_drops_oldest_and_counts(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dsec.daemon.state import private_database
 from dsec.errors import InvalidRequest
 from dsec.models import AuditEntry
 
@@ -166,6 +167,7 @@ class AuditLog:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_database(self.path)  # every command every sandbox ran, with the head of its output
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # survives a daemon crash; an audit row is not worth an fsync

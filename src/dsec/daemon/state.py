@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from dsec.models import SandboxRecord
 
-__all__ = ["StateStore"]
+__all__ = ["StateStore", "private_database"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,17 @@ _SCHEMA = """
 create table if not exists records (id text primary key, data text not null) without rowid;
 create table if not exists corrupt (id text not null, data text not null, error text not null, at real not null);
 """
+
+
+def private_database(path: Path) -> None:
+    """Create the SQLite file ``path`` 0600 before SQLite opens it (its -wal and -shm files take its mode); one
+    that was there keeps its contents and gets the mode. For the daemon's databases that hold what sandboxes
+    were given or ran (records, the audit trail), in a home others can usually list."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def _check_id(sandbox_id: str) -> str:
@@ -115,13 +126,8 @@ class StateStore:
             return self._connect()
 
     def _create_private(self) -> None:
-        """The database file, 0600 (its -wal and -shm files take its mode): records hold the sandboxes'
-        environments. A file that was there keeps its contents and gets the mode."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+        # Records hold the sandboxes' environments.
+        private_database(self.path)
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
