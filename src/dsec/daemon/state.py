@@ -103,7 +103,11 @@ class StateStore:
         if self.read_only:
             db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
                                  check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
-            db.execute("select count(*) from records").fetchone()
+            try:
+                db.execute("select count(*) from records").fetchone()
+            except BaseException:
+                db.close()
+                raise
             return db
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._create_private()

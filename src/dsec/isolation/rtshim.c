@@ -31,7 +31,7 @@
  * keeps (procs.sealed_executable): crun finds itself running from a sealed copy and skips making one (the
  * CVE-2019-5736 defence it otherwise repeats at every start, a copy and a second exec). The shim execs it
  * with execveat(AT_EMPTY_PATH) after marking N close-on-exec, so neither the runtime nor the container it
- * starts holds the fd, and the runtime's name (comm) is the memfd's ("memfd:crun"), not "N".
+ * starts holds the fd, and from Linux 6.14 on the runtime's name (comm) is the memfd's ("memfd:crun"), not "N".
  *
  * On failure it writes "dsec-rtshim: <what>: <why>" to ERRFILE (created 0600; the runtime's own
  * stdio goes to the container's init, so it cannot carry the shim's errors) and exits 125.
