@@ -59,6 +59,14 @@ def _check_id(sandbox_id: str) -> str:
     return sandbox_id
 
 
+def _parse(sandbox_id: str, data: str) -> SandboxRecord:
+    """The record stored under ``sandbox_id``; ValidationError or ValueError (another sandbox's) if it is not."""
+    record = SandboxRecord.model_validate_json(data)
+    if record.id != sandbox_id:
+        raise ValueError(f"record id {record.id!r} does not match its key {sandbox_id!r}")
+    return record
+
+
 class StateStore:
     """Reads and writes sandbox records atomically in one database (opened at first use).
 
@@ -101,16 +109,9 @@ class StateStore:
 
     def _open(self) -> sqlite3.Connection:
         if self.read_only:
-            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
-                                 check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
-            try:
-                db.execute("select count(*) from records").fetchone()
-            except BaseException:
-                db.close()
-                raise
-            return db
+            return self._connect()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._create_private()
+        private_database(self.path)  # records hold the sandboxes' environments
         try:
             return self._connect()
         except sqlite3.DatabaseError as exc:
@@ -126,19 +127,21 @@ class StateStore:
                 src = self.path.with_name(self.path.name + suffix)
                 if src.exists():
                     os.replace(src, aside.with_name(aside.name + suffix))
-            self._create_private()
+            private_database(self.path)
             return self._connect()
 
-    def _create_private(self) -> None:
-        # Records hold the sandboxes' environments.
-        private_database(self.path)
-
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
+        if self.read_only:  # an existing database only, opened read-only: no pragma, no schema
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                                 check_same_thread=False, timeout=self.BUSY_TIMEOUT_S)
+        else:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                 timeout=self.BUSY_TIMEOUT_S)
         try:
-            db.execute("pragma journal_mode=wal")
-            db.execute("pragma synchronous=normal")
-            db.executescript(_SCHEMA)
+            if not self.read_only:
+                db.execute("pragma journal_mode=wal")
+                db.execute("pragma synchronous=normal")
+                db.executescript(_SCHEMA)
             db.execute("select count(*) from records").fetchone()  # a damaged file fails here, not at a save
         except BaseException:
             db.close()
@@ -159,10 +162,7 @@ class StateStore:
         if row is None:
             return None
         try:
-            record = SandboxRecord.model_validate_json(row[0])
-            if record.id != sandbox_id:
-                raise ValueError(f"record id {record.id!r} does not match its key {sandbox_id!r}")
-            return record
+            return _parse(sandbox_id, row[0])
         except (ValidationError, ValueError):
             log.exception("cannot read the record of sandbox %s", sandbox_id)
             return None
@@ -182,9 +182,7 @@ class StateStore:
             rows = db.execute("select id, data from records order by id").fetchall()
             for sandbox_id, data in rows:
                 try:
-                    record = SandboxRecord.model_validate_json(data)
-                    if record.id != sandbox_id:
-                        raise ValueError(f"record id {record.id!r} does not match its key {sandbox_id!r}")
+                    record = _parse(sandbox_id, data)
                 except (ValidationError, ValueError) as exc:
                     if not self.read_only:
                         self._move_corrupt(db, sandbox_id, data, exc)
