@@ -84,8 +84,11 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
                    "sandbox's processes get the daemon's original CPUs back as they start. Also DSEC_CONTROL_CPUS.")
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None) -> None:
     """Run the node daemon in the foreground."""
+    from click.core import ParameterSource
+
     from dsec.config import Settings
     from dsec.daemon import server
+    from dsec.isolation import affinity
     from dsec.models import PoolConfig
 
     settings = Settings()
@@ -93,6 +96,13 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
         settings = dataclasses.replace(settings, pools=settings.pools + pools)
     if control_cpus:
         settings = dataclasses.replace(settings, control_cpus=control_cpus)
+        # Checked here too, so that the error names the option when the value came from it.
+        source = click.get_current_context().get_parameter_source("control_cpus")
+        try:
+            affinity.control_cpus(control_cpus, "--control-cpus" if source is ParameterSource.COMMANDLINE
+                                  else "DSEC_CONTROL_CPUS")
+        except ValueError as exc:
+            _fail(str(exc))
     try:
         for text in settings.pools:
             PoolConfig.parse(text)

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,18 @@ def test_pools_rows() -> None:
     assert rows["create_many(1000): failures"].passed is True
     assert rows["idle sandboxes alive and answering (of 1000)"].passed is False
     assert not any(m.startswith("this machine") for m in rows)  # no probe ran: no row
+    assert not any(m.startswith("ceiling") for m in rows)  # no CPU figures: no bound
+
+    # With the CPU per cycle: the host's 18 ms less the client's 1 and the daemon's 7 leave 10 ms of the rest of
+    # the host per cycle, so 2 CPUs allow at most 200 cycles/s however cheap DSec's Python becomes.
+    cycle = {"cpu_ms_client": 1.0, "cpu_ms_daemon": 7.0, "cpu_ms_helpers": 7.5, "cpu_ms_host": 18.0, "cpus": 2,
+             "load": 3.9}
+    with_cpu = {r.metric: r for r in pool_rows({**extra, "sustained": {**extra["sustained"], **cycle}})}
+    ceiling = with_cpu["ceiling with a client and daemon that cost nothing (2 CPUs ÷ 10.0 ms of the rest of the "
+                       "host per cycle)"]
+    assert ceiling.dsec == pytest.approx(200.0) and ceiling.ratio == pytest.approx(40.0) and ceiling.passed is None
+    spent = with_cpu["CPU per pooled create→exec→destroy (refills in the window included)"]
+    assert spent.dsec == pytest.approx(15.5) and "whole host 18.0 ms" in (spent.note or "")
 
     extra["neighbours"] = {"rise": 0.1, "busy": 4, "wakeup": {"idle_ms": [0.05, 0.07], "busy_ms": [1.9, 3.8]}}
     probe = next(r for r in pool_rows(extra) if r.metric.startswith("this machine"))
@@ -292,6 +305,26 @@ def test_pools_rows() -> None:
     assert {r.metric for r in labelled if not r.metric.endswith(", control path on CPU 0")} == {probe.metric}
     assert "exec p50 rise, 4 neighbours hogging CPU, control path on CPU 0" in {r.metric for r in labelled}
     assert "pooled create→exec→destroy, control path on CPU 0" in {r.metric for r in labelled}
+
+
+def test_cpu_window_counts_the_whole_host_as_well() -> None:
+    """Busy CPU on the host shows in ``cpu_ms_host`` even when it is outside the daemon's tree (here: this process
+    itself, with no daemon): at least what this process spent, and no more than the host's CPUs could."""
+    from dsec.bench.cpu import CpuWindow, host_busy
+
+    assert host_busy() > 0
+    window = CpuWindow(None)
+    window.start()
+    t0 = time.perf_counter()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    wall = time.perf_counter() - t0
+    spent = window.stop(1)
+    assert spent["cpu_ms_daemon"] == spent["cpu_ms_helpers"] == 0.0
+    assert spent["cpu_ms_client"] >= 280  # 300 ms, less a tick at each end
+    # Clock ticks (10 ms each) round both figures.
+    assert spent["cpu_ms_client"] - 30 <= spent["cpu_ms_host"] <= spent["cpus"] * wall * 1e3 + 30
 
 
 def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -317,6 +318,26 @@ async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) ->
         await again.store.aclose()
     with pytest.raises(ValueError, match="sync"):
         SQLiteStore(tmp_path / "x.db", sync="sometimes")
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["home-file", "named-file"])
+async def test_sqlite_log_is_created_private_and_a_named_shared_file_keeps_its_mode(
+        tmp_path: Path, private: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The log holds every command and its output: a new file is 0600 either way; an existing readable one is
+    made 0600 when it is the home's own file, and kept (with a warning naming it) when the operator named it."""
+    new, old = tmp_path / "new.db", tmp_path / "old.db"
+    old.touch()
+    old.chmod(0o644)
+    for path in (new, old):
+        store = SQLiteStore(path, private=private)
+        await store.start()
+        await store.put_entry("t", Entry(seq=0, op="exec", digest="d", request="{}"))
+        await store.aclose()
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600
+    assert stat.S_IMODE(old.stat().st_mode) == (0o600 if private else 0o644)
+    warned = [r.getMessage() for r in caplog.records if "mode 0644" in r.getMessage()]
+    assert warned == ([] if private else [f"trajectory log {old} is mode 0644: other users can read every logged "
+                                          "command and its output (chmod 600 it unless it is shared on purpose)"])
 
 
 async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:

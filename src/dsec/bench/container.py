@@ -297,9 +297,10 @@ async def _sustain(cycle: Callable[[], Awaitable[None]], concurrency: int, secon
 def cpu_per_cycle(label: str, s: dict[str, Any]) -> Row:
     """The row of a :func:`_sustain` result's CPU per cycle."""
     total = s["cpu_ms_client"] + s["cpu_ms_daemon"] + s["cpu_ms_helpers"]
+    host = f"; whole host {s['cpu_ms_host']:.1f} ms" if "cpu_ms_host" in s else ""
     return Row(label, "ms", total, target="reported",
                note=f"client {s['cpu_ms_client']:.1f} + daemon {s['cpu_ms_daemon']:.1f} + under it "
-                    f"{s['cpu_ms_helpers']:.1f} ms, load {s['load']:.1f}")
+                    f"{s['cpu_ms_helpers']:.1f} ms{host}, load {s['load']:.1f}")
 
 
 async def _podman_cycle(argv: list[str]) -> None:

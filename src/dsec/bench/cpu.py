@@ -7,7 +7,7 @@ import os
 
 from dsec.config import Settings
 
-__all__ = ["CpuWindow", "daemon_pid", "tree_cpu"]
+__all__ = ["CpuWindow", "daemon_pid", "host_busy", "tree_cpu"]
 
 
 def tree_cpu(root: int) -> tuple[float, float]:
@@ -36,13 +36,24 @@ def tree_cpu(root: int) -> tuple[float, float]:
     return own / tick, rest / tick
 
 
+def host_busy() -> float:
+    """CPU seconds every CPU of the host has been busy since boot (user, nice, system, irq and softirq; not
+    idle, iowait or the hypervisor's steal): kernel threads and processes outside any one tree included."""
+    with open("/proc/stat", "rb") as f:
+        fields = f.readline().split()  # "cpu" user nice system idle iowait irq softirq steal ...
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 class CpuWindow:
     """CPU spent by this process (the bench's client), the daemon, and the daemon's helpers with the commands
-    they ran, between :meth:`start` and :meth:`stop`: who pays for an exec on these two shared cores."""
+    they ran, between :meth:`start` and :meth:`stop`: who pays for an exec on these two shared cores. And the
+    whole host's busy time (``host``): it also holds what no tree accounts for, the kernel's worker threads
+    (a network namespace's or a cgroup's teardown) and a container init reparented away from the daemon."""
 
     def __init__(self, daemon_pid: int | None) -> None:
         self.daemon_pid = daemon_pid
-        self.start_at = (0.0, 0.0, 0.0)
+        self.start_at = (0.0, 0.0, 0.0, 0.0)
 
     def _tree(self) -> tuple[float, float]:
         return tree_cpu(self.daemon_pid) if self.daemon_pid else (0.0, 0.0)
@@ -56,14 +67,16 @@ class CpuWindow:
         # The scan of /proc (tens of thousands of processes on a busy node) is this process's own CPU: it
         # happens before the window opens and after it closes, never inside it.
         daemon, helpers = self._tree()
-        self.start_at = (self._own(), daemon, helpers)
+        self.start_at = (self._own(), daemon, helpers, host_busy())
 
     def stop(self, calls: int) -> dict[str, float]:
-        """Milliseconds of CPU per call, by side."""
-        own = self._own()
-        end = (own, *self._tree())
-        names = ("client", "daemon", "helpers")
-        return {f"cpu_ms_{n}": (b - a) * 1e3 / max(calls, 1) for n, a, b in zip(names, self.start_at, end, strict=True)}
+        """Milliseconds of CPU per call, by side, and the number of CPUs the host has (``cpus``)."""
+        own, host = self._own(), host_busy()
+        end = (own, *self._tree(), host)
+        names = ("client", "daemon", "helpers", "host")
+        per_call = {f"cpu_ms_{n}": (b - a) * 1e3 / max(calls, 1)
+                    for n, a, b in zip(names, self.start_at, end, strict=True)}
+        return {**per_call, "cpus": os.cpu_count() or 1}
 
 
 def daemon_pid(settings: Settings) -> int | None:

@@ -167,7 +167,8 @@ def default_trajectory_store(settings: Settings) -> TrajectoryStore:
         from dsec.trajectory.postgres import PostgresStore
 
         return PostgresStore(where)
-    return SQLiteStore(Path(where), sync=settings.trajectory_sync)
+    # The home's own file is made private like the other databases there; a path the operator named keeps its mode.
+    return SQLiteStore(Path(where), sync=settings.trajectory_sync, private=settings.trajectory_db is None)
 
 
 def _snapshot_store(settings: Settings, images: object) -> SnapshotStore:

@@ -45,7 +45,7 @@ create table if not exists corrupt (id text not null, data text not null, error 
 def private_database(path: Path) -> None:
     """Create the SQLite file ``path`` 0600 before SQLite opens it (its -wal and -shm files take its mode); one
     that was there keeps its contents and gets the mode. For the daemon's databases that hold what sandboxes
-    were given or ran (records, the audit trail), in a home others can usually list."""
+    were given or ran (records, the audit trail, the home's trajectory log), in a home others can usually list."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)

@@ -90,16 +90,16 @@ def node_cpus() -> frozenset[int]:
     return _sandbox_cpus if _sandbox_cpus is not None else frozenset(os.sched_getaffinity(0))
 
 
-def control_cpus(text: str | None) -> frozenset[int] | None:
+def control_cpus(text: str | None, what: str = "DSEC_CONTROL_CPUS") -> frozenset[int] | None:
     """The housekeeping CPUs of a ``DSEC_CONTROL_CPUS`` value (None: unset), checked against the CPUs this
-    process may run on; ``ValueError`` names the value and what is wrong with it."""
+    process may run on; ``ValueError`` names the value, where it came from (``what``) and what is wrong with it."""
     if text is None or not text.strip():
         return None
-    control = parse_cpu_list(text)
+    control = parse_cpu_list(text, what)
     node = node_cpus()
     outside = control - node
     if outside:
-        raise ValueError(f"DSEC_CONTROL_CPUS={text!r}: CPU {cpu_list(outside)} is not one this daemon may run on "
+        raise ValueError(f"{what}={text!r}: CPU {cpu_list(outside)} is not one this daemon may run on "
                          f"(it may use {cpu_list(node)})")
     return control
 

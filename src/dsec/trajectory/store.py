@@ -22,8 +22,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.daemon.state import private_database
 from dsec.errors import DSecError, SandboxError
 
 __all__ = ["Binding", "Entry", "SQLiteStore", "TrajectoryStore"]
@@ -372,14 +375,19 @@ class SQLiteStore(TrajectoryStore):
     ``sync="normal"`` (default): a commit is in the OS before the caller continues, so it survives the
     death of the client or the daemon, not a host crash (which also kills the sandbox whose state those
     calls made). ``sync="full"`` fsyncs every group commit as well.
+
+    The log holds every logged call with its output. A file it creates is 0600. ``private`` (the daemon's own
+    file in its home) also takes the mode from a file that is there; otherwise (a path the operator named,
+    perhaps shared on purpose) an existing file keeps its mode, with a warning if others can read it.
     """
 
-    def __init__(self, path: Path, sync: str = "normal") -> None:
+    def __init__(self, path: Path, sync: str = "normal", *, private: bool = True) -> None:
         super().__init__()
         if sync not in ("normal", "full"):
             raise ValueError(f"sync must be 'normal' or 'full', got {sync!r}")
         self.path = path
         self.sync = sync
+        self.private = private
         self.inline = sync == "normal"
         self._write_conn: sqlite3.Connection | None = None
         self._read_conn: sqlite3.Connection | None = None
@@ -392,10 +400,26 @@ class SQLiteStore(TrajectoryStore):
 
     def _prepare(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.private:
+            private_database(self.path)
+        else:
+            self._create_or_check()
         self._write_conn = self._connect()
         for statement in _SCHEMA:
             self._write_conn.execute(statement)
         self._read_conn = self._connect()
+
+    def _create_or_check(self) -> None:
+        """A new file 0600 (SQLite's -wal and -shm files take its mode); an existing one as it is."""
+        try:
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            return
+        except FileExistsError:
+            pass
+        mode = stat.S_IMODE(self.path.stat().st_mode)
+        if mode & 0o044:
+            log.warning("trajectory log %s is mode %04o: other users can read every logged command and its output "
+                        "(chmod 600 it unless it is shared on purpose)", self.path, mode)
 
     def _close(self) -> None:
         for conn in (self._write_conn, self._read_conn):

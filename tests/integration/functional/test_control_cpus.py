@@ -141,3 +141,19 @@ def test_a_control_cpu_the_daemon_may_not_use_stops_it_with_the_value_named(entr
     assert f"DSEC_CONTROL_CPUS='{CONTROL},{outside}': CPU {outside} is not one this daemon may run on" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "dsec.sock").exists()
+
+
+@pytest.mark.parametrize("value", ["0,x", "1-0"])
+def test_a_bad_control_cpus_option_is_named_as_the_option(value: str, tmp_path: Path) -> None:
+    """Given as ``--control-cpus`` (over an environment that sets none), the error names the option, not the
+    variable the user never set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DSEC_CONTROL_CPUS"}
+    proc = subprocess.run([sys.executable, "-m", "dsec", "serve", "--control-cpus", value], capture_output=True,
+                          text=True, timeout=120, env=dict(env, DSEC_HOME=str(tmp_path)))
+    assert proc.returncode == 1, proc.stderr
+    assert f"--control-cpus={value!r}: " in proc.stderr and "DSEC_CONTROL_CPUS" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "dsec.sock").exists()
