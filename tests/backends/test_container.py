@@ -221,6 +221,59 @@ async def test_destroy_leaves_nothing(backend: ContainerBackend, debian_python_i
     assert not zombies, zombies
 
 
+@pytest.mark.parametrize("late_joiner", [False, True], ids=["usual", "late-joiner"])
+def test_teardown_of_cgroups_reads_them_once_and_again_only_for_a_task_that_joined_late(
+        monkeypatch: pytest.MonkeyPatch, late_joiner: bool) -> None:
+    """``_kill_and_remove_cgroups`` on real cgroups. Once the init has exited it removes the set without
+    reading it again (one read of the procs files per destroy, not two). A task that was not in that read (it
+    joined after it) fails the rmdir with EBUSY, and is then found, killed and the set removed. A child cgroup
+    (one a sandbox made in a hierarchy delegated to it) goes too."""
+    import subprocess
+    import uuid
+
+    from dsec.isolation.cgroups import CgroupSet, Limits
+
+    cgroups = CgroupSet.create(f"/dsec-t-kill-{uuid.uuid4().hex[:8]}/sb", Limits(memory=1 << 28, cpu=1.0, pids=64))
+    init = subprocess.Popen(["sleep", "60"])
+    other = subprocess.Popen(["sleep", "60"])
+    pidfd = os.pidfd_open(init.pid)
+    try:
+        for procs in cgroups.procs_files():
+            for pid in (init.pid, other.pid):
+                Path(procs).write_text(str(pid))
+        child = Path(next(iter(cgroups.dirs.values()))) / "child"
+        child.mkdir()
+        reads: list[list[int]] = []
+        real_pids = CgroupSet.pids
+
+        def counted(self: CgroupSet) -> list[int]:
+            found = real_pids(self)
+            reads.append(found)
+            return [p for p in found if p != other.pid] if late_joiner and len(reads) == 1 else found
+
+        monkeypatch.setattr(CgroupSet, "pids", counted)
+        if not late_joiner:
+            other.kill()  # only the init is left for the first read to find
+            other.wait()
+        container_module._kill_and_remove_cgroups(cgroups, pidfd)
+        assert init.wait(5) == -signal.SIGKILL and other.wait(5) == -signal.SIGKILL
+        assert not any(Path(d).exists() for d in cgroups.dirs.values()), cgroups.dirs
+        if late_joiner:
+            assert len(reads) >= 2 and other.pid in reads[1], reads
+        else:
+            assert reads == [[init.pid]]
+    finally:
+        os.close(pidfd)
+        for proc in (init, other):
+            proc.kill()
+            proc.wait()
+        monkeypatch.undo()
+        cgroups.remove()
+        for d in cgroups.dirs.values():
+            with contextlib.suppress(OSError):
+                Path(d).parent.rmdir()
+
+
 @pytest.mark.parametrize("cancels", [1, 3])
 async def test_cancelled_create_lets_its_worker_finish_and_destroy_leaves_nothing(
         backend: ContainerBackend, debian_python_image: ImageRef, home: Path, cancels: int) -> None:

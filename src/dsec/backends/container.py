@@ -911,6 +911,14 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
                     raise
         if waiter is not None and not waiter.poll(0):
             waiter.poll(2000)  # readable once the init has exited (past leaving its cgroups)
+            # The init exits after every other process of its pid namespace is gone: the set is most likely
+            # empty now, and a task still there fails the rmdir with EBUSY. Then (only then) read it again.
+            try:
+                cgroups.remove()
+                return
+            except OSError as err:
+                if err.errno != errno.EBUSY:
+                    raise
             continue
         time.sleep(0.002)
     cgroups.remove()

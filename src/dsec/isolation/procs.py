@@ -20,10 +20,12 @@ def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:
     """Fields of the host's ``/proc/meminfo``, in bytes; RuntimeError naming any that is missing."""
     found = {}
     with open(path, encoding="ascii") as f:
-        for line in f:
+        for line in f:  # MemTotal, MemFree, MemAvailable... first: stop once every key is read
             key, _, value = line.partition(":")
             if key in keys:
                 found[key] = int(value.split()[0]) * 1024
+                if len(found) == len(keys):
+                    break
     if missing := set(keys) - set(found):
         raise RuntimeError(f"no {', '.join(sorted(missing))} in {path}")
     return found
