@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.daemon.state import StateStore
+from dsec.daemon.state import StateStore, private_database
 from dsec.models import SandboxRecord, SandboxSpec, SandboxState
 
 
@@ -115,6 +115,28 @@ def test_a_locked_database_is_an_error_and_is_never_moved_aside(tmp_path: Path,
     again.close()
 
 
+def test_private_mode_reaches_the_wal_and_shm_a_dead_daemon_left(tmp_path: Path) -> None:
+    """A database an older daemon made 0644 and left with its -wal and -shm (it died with them open): SQLite
+    reuses those as they are, so they get the mode too, not only the main file."""
+    path = tmp_path / "trajectories.db"
+    old_umask = os.umask(0o022)
+    try:
+        left = sqlite3.connect(path)
+        left.execute("pragma journal_mode=wal")
+        left.execute("create table t (x)")
+        left.execute("insert into t values ('a command and its output')")
+        left.commit()
+    finally:
+        os.umask(old_umask)
+    try:
+        files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+        assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o644] * 3
+        private_database(path)
+        assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o600] * 3
+    finally:
+        left.close()
+
+
 def test_a_reader_changes_nothing_and_an_existing_file_gets_the_private_mode(tmp_path: Path) -> None:
     path = tmp_path / "sandboxes.db"
     with pytest.raises(sqlite3.OperationalError):  # read-only never creates the database
@@ -161,7 +183,7 @@ def test_ids_that_are_not_names_are_refused(tmp_path: Path, bad: str) -> None:
 
 _WRITER = """
 import sys
-from dsec.daemon.state import StateStore
+from dsec.daemon.state import StateStore, private_database
 from dsec.models import SandboxRecord, SandboxSpec
 store = StateStore(__import__("pathlib").Path(sys.argv[1]))
 spec = SandboxSpec(image="base", env={"PAD": "x" * 3000})

@@ -336,8 +336,9 @@ async def test_sqlite_log_is_created_private_and_a_named_shared_file_keeps_its_m
     assert stat.S_IMODE(new.stat().st_mode) == 0o600
     assert stat.S_IMODE(old.stat().st_mode) == (0o600 if private else 0o644)
     warned = [r.getMessage() for r in caplog.records if "mode 0644" in r.getMessage()]
-    assert warned == ([] if private else [f"trajectory log {old} is mode 0644: other users can read every logged "
-                                          "command and its output (chmod 600 it unless it is shared on purpose)"])
+    assert warned == ([] if private else [f"trajectory log {old} is mode 0644: other users can read or change every "
+                                          "logged command and its output (chmod 600 it unless it is shared on "
+                                          "purpose)"])
 
 
 async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:

@@ -890,7 +890,7 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
     if init is not None:
         waiter = select.poll()
         waiter.register(init, select.POLLIN)
-    for attempt in range(1000):  # at most ~2 s: dying tasks leave the cgroup within microseconds
+    for attempt in range(1000):  # at most ~4 s: dying tasks leave the cgroup within microseconds
         pids = cgroups.pids()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -909,10 +909,14 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
                 # in, one hierarchy after another): kill it too, and try again.
                 if err.errno != errno.EBUSY or attempt == 999:
                     raise
-        if waiter is not None and not waiter.poll(0):
-            waiter.poll(2000)  # readable once the init has exited (past leaving its cgroups)
-            # The init exits after every other process of its pid namespace is gone: the set is most likely
-            # empty now, and a task still there fails the rmdir with EBUSY. Then (only then) read it again.
+        if waiter is not None:
+            # Once, whether the init has exited already or not yet: its pidfd is readable once it has (past
+            # leaving its cgroups). It exits after every other process of its pid namespace is gone, so the set
+            # is most likely empty then, and a task still there fails the rmdir with EBUSY. Then (only then) it
+            # is read again, every 2 ms from here on.
+            if not waiter.poll(0):
+                waiter.poll(2000)
+            waiter = None
             try:
                 cgroups.remove()
                 return

@@ -7,7 +7,7 @@ import os
 
 from dsec.config import Settings
 
-__all__ = ["CpuWindow", "daemon_pid", "host_busy", "tree_cpu"]
+__all__ = ["CpuWindow", "daemon_pid", "host_cpu", "tree_cpu"]
 
 
 def tree_cpu(root: int) -> tuple[float, float]:
@@ -36,24 +36,31 @@ def tree_cpu(root: int) -> tuple[float, float]:
     return own / tick, rest / tick
 
 
-def host_busy() -> float:
+def host_cpu() -> tuple[float, float]:
     """CPU seconds every CPU of the host has been busy since boot (user, nice, system, irq and softirq; not
-    idle, iowait or the hypervisor's steal): kernel threads and processes outside any one tree included."""
+    idle or iowait): kernel threads and processes outside any one tree included; and the seconds the
+    hypervisor gave to other guests instead (steal)."""
     with open("/proc/stat", "rb") as f:
-        fields = f.readline().split()  # "cpu" user nice system idle iowait irq softirq steal ...
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        fields = f.readline().split()  # "cpu" user nice system idle iowait irq softirq steal (guest in user)
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
 class CpuWindow:
     """CPU spent by this process (the bench's client), the daemon, and the daemon's helpers with the commands
     they ran, between :meth:`start` and :meth:`stop`: who pays for an exec on these two shared cores. And the
     whole host's busy time (``host``): it also holds what no tree accounts for, the kernel's worker threads
-    (a network namespace's or a cgroup's teardown) and a container init reparented away from the daemon."""
+    (a network namespace's or a cgroup's teardown), a container init reparented away from the daemon, and any
+    other load on the host; with the time the hypervisor took away from the host's CPUs (``steal``).
+
+    The host is read next to this process (after the scan of ``/proc`` at the start, before it at the end):
+    the daemon's window is then wider than the host's by part of two scans (a few ms in all), so the host's
+    time less the client's and the daemon's errs low, never high."""
 
     def __init__(self, daemon_pid: int | None) -> None:
         self.daemon_pid = daemon_pid
-        self.start_at = (0.0, 0.0, 0.0, 0.0)
+        self.start_at = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def _tree(self) -> tuple[float, float]:
         return tree_cpu(self.daemon_pid) if self.daemon_pid else (0.0, 0.0)
@@ -67,13 +74,13 @@ class CpuWindow:
         # The scan of /proc (tens of thousands of processes on a busy node) is this process's own CPU: it
         # happens before the window opens and after it closes, never inside it.
         daemon, helpers = self._tree()
-        self.start_at = (self._own(), daemon, helpers, host_busy())
+        self.start_at = (self._own(), daemon, helpers, *host_cpu())
 
     def stop(self, calls: int) -> dict[str, float]:
         """Milliseconds of CPU per call, by side, and the number of CPUs the host has (``cpus``)."""
-        own, host = self._own(), host_busy()
-        end = (own, *self._tree(), host)
-        names = ("client", "daemon", "helpers", "host")
+        own, host = self._own(), host_cpu()
+        end = (own, *self._tree(), *host)
+        names = ("client", "daemon", "helpers", "host", "steal")
         per_call = {f"cpu_ms_{n}": (b - a) * 1e3 / max(calls, 1)
                     for n, a, b in zip(names, self.start_at, end, strict=True)}
         return {**per_call, "cpus": os.cpu_count() or 1}

@@ -167,8 +167,11 @@ def default_trajectory_store(settings: Settings) -> TrajectoryStore:
         from dsec.trajectory.postgres import PostgresStore
 
         return PostgresStore(where)
-    # The home's own file is made private like the other databases there; a path the operator named keeps its mode.
-    return SQLiteStore(Path(where), sync=settings.trajectory_sync, private=settings.trajectory_db is None)
+    # The home's own file is made private like the other databases there (also when DSEC_TRAJECTORY_DB names it);
+    # another path the operator named keeps its mode.
+    path = Path(where)
+    own = settings.trajectory_db is None or path.absolute() == (settings.home / "trajectories.db").absolute()
+    return SQLiteStore(path, sync=settings.trajectory_sync, private=own)
 
 
 def _snapshot_store(settings: Settings, images: object) -> SnapshotStore:

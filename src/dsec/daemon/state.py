@@ -43,14 +43,25 @@ create table if not exists corrupt (id text not null, data text not null, error 
 
 
 def private_database(path: Path) -> None:
-    """Create the SQLite file ``path`` 0600 before SQLite opens it (its -wal and -shm files take its mode); one
-    that was there keeps its contents and gets the mode. For the daemon's databases that hold what sandboxes
-    were given or ran (records, the audit trail, the home's trajectory log), in a home others can usually list."""
+    """Create the SQLite file ``path`` 0600 before SQLite opens it (the -wal and -shm files it makes take its
+    mode); one that was there keeps its contents and gets the mode, and so do its -wal, -shm and -journal
+    files if a daemon that died left them (SQLite reuses them as they are). For the daemon's databases that
+    hold what sandboxes were given or ran (records, the audit trail, the home's trajectory log), in a home
+    others can usually list."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
+    for suffix in ("-wal", "-shm", "-journal"):
+        try:
+            fd = os.open(f"{path}{suffix}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
 
 
 def _check_id(sandbox_id: str) -> str:

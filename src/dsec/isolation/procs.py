@@ -24,7 +24,7 @@ def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:
             key, _, value = line.partition(":")
             if key in keys:
                 found[key] = int(value.split()[0]) * 1024
-                if len(found) == len(keys):
+                if len(found) == len(set(keys)):
                     break
     if missing := set(keys) - set(found):
         raise RuntimeError(f"no {', '.join(sorted(missing))} in {path}")

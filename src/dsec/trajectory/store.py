@@ -377,8 +377,9 @@ class SQLiteStore(TrajectoryStore):
     calls made). ``sync="full"`` fsyncs every group commit as well.
 
     The log holds every logged call with its output. A file it creates is 0600. ``private`` (the daemon's own
-    file in its home) also takes the mode from a file that is there; otherwise (a path the operator named,
-    perhaps shared on purpose) an existing file keeps its mode, with a warning if others can read it.
+    file in its home) also gives that mode to a file that is there (and to the -wal and -shm left with it);
+    otherwise (a path the operator named, perhaps shared on purpose) an existing file keeps its mode, with a
+    warning if other users can read or change it or another user owns it.
     """
 
     def __init__(self, path: Path, sync: str = "normal", *, private: bool = True) -> None:
@@ -410,16 +411,20 @@ class SQLiteStore(TrajectoryStore):
         self._read_conn = self._connect()
 
     def _create_or_check(self) -> None:
-        """A new file 0600 (SQLite's -wal and -shm files take its mode); an existing one as it is."""
+        """A new file 0600 (SQLite's -wal and -shm files take its mode); an existing one as it is, with a warning
+        if other users can read or change it (and so what a replay returns), or if another user owns it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-            return
-        except FileExistsError:
-            pass
-        mode = stat.S_IMODE(self.path.stat().st_mode)
-        if mode & 0o044:
-            log.warning("trajectory log %s is mode %04o: other users can read every logged command and its output "
-                        "(chmod 600 it unless it is shared on purpose)", self.path, mode)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o066:
+            log.warning("trajectory log %s is mode %04o: other users can read or change every logged command and "
+                        "its output (chmod 600 it unless it is shared on purpose)", self.path, mode)
+        if st.st_uid != os.geteuid():
+            log.warning("trajectory log %s belongs to uid %d, not to this daemon's (%d): that user can read and change "
+                        "every logged command and its output", self.path, st.st_uid, os.geteuid())
 
     def _close(self) -> None:
         for conn in (self._write_conn, self._read_conn):
