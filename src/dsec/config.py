@@ -77,7 +77,12 @@ class Settings:
     @property
     def trajectory_log(self) -> str:
         """Where the trajectory log lives: a ``postgresql://`` URL or a SQLite file path."""
-        return self.trajectory_db or str(self.home / "trajectories.db")
+        return self.trajectory_db or str(self.home_trajectory_db)
+
+    @property
+    def home_trajectory_db(self) -> Path:
+        """The home's own trajectory log file, where it lives unless ``DSEC_TRAJECTORY_DB`` names another."""
+        return self.home / "trajectories.db"
 
     @property
     def audit_path(self) -> Path:

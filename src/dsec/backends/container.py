@@ -898,32 +898,27 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
         if pids and not thawed:
             cgroups.thaw()  # frozen tasks (a paused sandbox) only die once thawed
             thawed = True
-        if not pids:
-            # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
-            # cleanup_orphans() remove it once empty.
-            try:
-                cgroups.remove()
-                return
-            except OSError as err:
-                # EBUSY: a task joined after the read (the shim of a create cancelled while it moved itself
-                # in, one hierarchy after another): kill it too, and try again.
-                if err.errno != errno.EBUSY or attempt == 999:
-                    raise
-        if waiter is not None:
+        if pids:
+            if waiter is None:
+                time.sleep(0.002)
+                continue
             # Once, whether the init has exited already or not yet: its pidfd is readable once it has (past
             # leaving its cgroups). It exits after every other process of its pid namespace is gone, so the set
-            # is most likely empty then, and a task still there fails the rmdir with EBUSY. Then (only then) it
-            # is read again, every 2 ms from here on.
+            # is most likely empty then, and is removed without being read again; a task still there fails the
+            # rmdir with EBUSY, and only then is the set read again (every 2 ms from here on).
             if not waiter.poll(0):
                 waiter.poll(2000)
             waiter = None
-            try:
-                cgroups.remove()
-                return
-            except OSError as err:
-                if err.errno != errno.EBUSY:
-                    raise
-            continue
+        # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
+        # cleanup_orphans() remove it once empty.
+        try:
+            cgroups.remove()
+            return
+        except OSError as err:
+            # EBUSY: a task joined after the read (the shim of a create cancelled while it moved itself in, one
+            # hierarchy after another), or is still leaving: kill it too, and try again.
+            if err.errno != errno.EBUSY or attempt == 999:
+                raise
         time.sleep(0.002)
     cgroups.remove()
 

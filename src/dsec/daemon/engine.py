@@ -170,8 +170,8 @@ def default_trajectory_store(settings: Settings) -> TrajectoryStore:
     # The home's own file is made private like the other databases there (also when DSEC_TRAJECTORY_DB names it);
     # another path the operator named keeps its mode.
     path = Path(where)
-    own = settings.trajectory_db is None or path.absolute() == (settings.home / "trajectories.db").absolute()
-    return SQLiteStore(path, sync=settings.trajectory_sync, private=own)
+    return SQLiteStore(path, sync=settings.trajectory_sync,
+                       private=path.absolute() == settings.home_trajectory_db.absolute())
 
 
 def _snapshot_store(settings: Settings, images: object) -> SnapshotStore:
