@@ -10,6 +10,7 @@ from dsec._sdk.sandbox import AsyncSandbox
 from dsec._sdk.sync import Sandbox
 from dsec.errors import (
     BackendUnavailable,
+    BuildFailed,
     CacheFull,
     CallFailed,
     ConnectionFailed,
@@ -38,6 +39,7 @@ from dsec.models import (
     ExecEvent,
     ExecResult,
     FileEntry,
+    ImageInfo,
     LifecycleEvent,
     NodeOverview,
     NodeStatistics,
@@ -53,6 +55,7 @@ __all__ = [
     "AsyncSandbox",
     "AuditEntry",
     "BackendUnavailable",
+    "BuildFailed",
     "CacheFull",
     "CallFailed",
     "Client",
@@ -64,6 +67,7 @@ __all__ = [
     "FileEntry",
     "Forbidden",
     "ImageCorrupt",
+    "ImageInfo",
     "ImageNotFound",
     "InvalidRequest",
     "LifecycleEvent",

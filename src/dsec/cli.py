@@ -374,6 +374,10 @@ class _RichProgress:
         task_id = self.bars.add_task(description, total=total)
         return lambda n: self.bars.advance(task_id, n)
 
+    def line(self, text: str) -> None:
+        """A line of a tool's output, above the bars."""
+        self.bars.console.print(escape(text), highlight=False, markup=False)
+
 
 @contextlib.contextmanager
 def _progress() -> Iterator[_RichProgress]:
@@ -401,16 +405,60 @@ image.add_command(click.Command("import-dir", callback=image_import.callback, pa
 
 @image.command(name="build")
 @click.argument("name")
+@click.argument("context", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option("-f", "--file", "dockerfile", type=click.Path(dir_okay=False, path_type=Path),
+              help="Build from this Dockerfile (default CONTEXT/Dockerfile) with buildah instead of mmdebstrap.")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE", help="An ARG value (repeatable).")
+@click.option("--target", help="The stage to build (default: the last).")
+@click.option("--network", type=click.Choice(["private", "none"]), default="private", show_default=True,
+              help="RUN steps' network: private (outbound only, no host loopback) or none.")
+@click.option("--no-cache", is_flag=True, help="Build every step again instead of reusing the layer cache.")
+@click.option("--insecure", is_flag=True, help="Pull FROM images over plain HTTP (a registry on loopback).")
+@click.option("--username", envvar="DSEC_REGISTRY_USERNAME", help="Registry user for FROM images.")
+@click.option("--password", envvar="DSEC_REGISTRY_PASSWORD", help="Registry password (prefer the env var).")
 @click.option("--packages", help="Comma-separated Debian packages (default: the recipe named NAME).")
 @click.option("--suite", default="bookworm", show_default=True, help="Debian suite.")
 @click.option("--replace", is_flag=True, help="Replace an existing image of that name.")
-def image_build(name: str, packages: str | None, suite: str, replace: bool) -> None:
-    """Build image NAME with mmdebstrap (needs root)."""
-    from dsec.images.build import build
+def image_build(name: str, context: Path | None, dockerfile: Path | None, build_args: tuple[str, ...],
+                target: str | None, network: str, no_cache: bool, insecure: bool, username: str | None,
+                password: str | None, packages: str | None, suite: str, replace: bool) -> None:
+    """Build image NAME from a Dockerfile (CONTEXT and/or --file; rootless buildah, FROM an image of the
+    store or a registry), or with mmdebstrap from Debian packages (needs root)."""
+    if context is None and dockerfile is None:
+        from dsec.images.build import build
 
-    pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
-    info = build(_store(), name, packages=pkgs, suite=suite, replace=replace)
+        pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
+        info = build(_store(), name, packages=pkgs, suite=suite, replace=replace)
+    else:
+        if packages is not None:
+            raise click.UsageError("--packages is for mmdebstrap builds; a Dockerfile build installs with RUN")
+        info = _dockerfile_build(name, context or (dockerfile.parent if dockerfile else Path(".")), dockerfile,
+                                 dict(parse_pairs(build_args, "--build-arg")), target=target, network=network,
+                                 no_cache=no_cache, insecure=insecure, username=username, password=password,
+                                 replace=replace)
     click.echo(f"built {info.name}: {info.files} files, {info.size_bytes / 1024**2:.1f} MiB")
+
+
+def _dockerfile_build(name: str, context: Path, dockerfile: Path | None, build_args: dict[str, str],
+                      **options: Any) -> ImageInfo:
+    """A Dockerfile build on this node's store (no daemon needed), its output and progress on stderr."""
+    from dsec.config import Settings
+    from dsec.images.dockerfile import build_dockerfile, node_bases
+    from dsec.models import ImageBuildRequest
+
+    path = (dockerfile or context / "Dockerfile").resolve()
+    inside = path.is_relative_to(context.resolve())
+    try:
+        text = None if inside else path.read_text()
+    except OSError as exc:
+        raise click.UsageError(f"cannot read the Dockerfile {path}: {exc}") from None
+    request = ImageBuildRequest(name=name, build_args=build_args, dockerfile_text=text,
+                                dockerfile=str(path.relative_to(context.resolve())) if inside else "Dockerfile",
+                                **options)
+    settings = Settings()
+    store = _store()
+    with _progress() as progress, node_bases(settings, store) as bases:
+        return build_dockerfile(store, bases, request, context, settings, output=progress.line, progress=progress)
 
 
 @image.command(name="build-vm")

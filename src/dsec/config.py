@@ -101,6 +101,13 @@ class Settings:
         return os.environ.get("DSEC_IMAGE_STORE") or str(self.images / "store")
 
     @property
+    def build_root(self) -> Path:
+        """Where Dockerfile builds keep buildah's storage (the layer cache) and their work directories
+        (``DSEC_BUILD_ROOT``; default ``/var/lib/dsec-build``, the build user's home). Node-local; the build
+        user must be able to reach it."""
+        return Path(os.environ.get("DSEC_BUILD_ROOT") or "/var/lib/dsec-build")
+
+    @property
     def image_cache_limit(self) -> int | None:
         """Byte limit of the node's image chunk cache (``DSEC_IMAGE_CACHE_MAX``), or None."""
         value = os.environ.get("DSEC_IMAGE_CACHE_MAX")

@@ -7,6 +7,7 @@ classes defined here, never an arbitrary import path).
 
     DSecError
     ├── InvalidRequest (ValueError)        400  malformed body, bad path, bad limit
+    │   └── BuildFailed                     400  a Dockerfile build failed at a step (``detail["step"]``)
     ├── Unauthorized (PermissionError)      401  missing or wrong token on TCP
     ├── Forbidden (PermissionError)         403  the token's scope does not cover the route
     ├── NotFound (LookupError)              404
@@ -36,6 +37,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendUnavailable",
+    "BuildFailed",
     "CacheFull",
     "CallFailed",
     "ConnectionFailed",
@@ -80,6 +82,11 @@ class InvalidRequest(DSecError, ValueError):
     """The request was malformed or named something impossible (a path escaping the root, a bad size)."""
 
     status_code = 400
+
+
+class BuildFailed(InvalidRequest):
+    """A Dockerfile build failed: ``detail`` names the ``step`` (``RUN make``), its ``line`` in the Dockerfile
+    when known, and the builder's last ``output`` lines. Nothing was stored."""
 
 
 class Unauthorized(DSecError, PermissionError):

@@ -107,9 +107,11 @@ class Client:
         )
 
     def _stream(
-        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
+        params: Any = None, content: AsyncIterator[bytes] | None = None,
     ) -> AbstractAsyncContextManager[httpx.Response]:
-        return self._transport.stream(self._http(), method, path, json_body=json, headers=headers)
+        return self._transport.stream(self._http(), method, path, json_body=json, headers=headers, params=params,
+                                      content=content)
 
     async def health(self) -> NodeInfo:
         """The daemon's identity, version and which backends work on its host."""

@@ -43,6 +43,7 @@ from dsec.models import (
     ExecResult,
     FileEntry,
     ForkRequest,
+    ImageInfo,
     KeyboardRequest,
     MouseRequest,
     NetworkRequest,
@@ -340,6 +341,39 @@ class AsyncSandbox:
         holds the handle weakly: a handle that is dropped (or closed) stops renewing and the lease runs out."""
         interval = heartbeat_interval(self._info.spec.lease)
         self._heartbeat = asyncio.get_running_loop().create_task(_renew_lease(weakref.ref(self), interval))
+
+    @classmethod
+    async def build_image(
+        cls,
+        name: str,
+        context: str | os.PathLike[str] = ".",
+        *,
+        dockerfile: str | os.PathLike[str] | None = None,
+        build_args: Mapping[str, str] | None = None,
+        target: str | None = None,
+        network: str = "private",
+        no_cache: bool = False,
+        insecure: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        replace: bool = False,
+        output: Callable[[str], None] | None = None,
+        client: Client | None = None,
+    ) -> ImageInfo:
+        """Build image ``name`` from a Dockerfile on the node, as ``docker build`` would, and store it there.
+
+        ``context`` is the build context directory (sent to the node; its ``.dockerignore`` is honoured by
+        the builder); ``dockerfile`` defaults to ``CONTEXT/Dockerfile`` (a path, like ``docker build -f``).
+        ``FROM`` may name an image of the node's store or of a registry the node is configured for
+        (``insecure``: plain HTTP; ``username``/``password``: its credentials). ``output`` gets each line the
+        builder prints. Raises :class:`dsec.BuildFailed` naming the failing step; nothing is stored then.
+        """
+        from .images import build_image
+
+        return await build_image(
+            client or default_client(), name, context, dockerfile=dockerfile, build_args=build_args, target=target,
+            network=network, no_cache=no_cache, insecure=insecure, username=username, password=password,
+            replace=replace, output=output)
 
     @classmethod
     async def create_many(

@@ -35,7 +35,7 @@ _IMPORTS = {
     "AsyncFiles": "from dsec._sdk.sandbox import AsyncFiles",
     "AsyncSandbox": "from dsec._sdk.sandbox import AsyncSandbox",
     **{n: f"from dsec.models import {n}" for n in
-       ("ExecEvent", "ExecResult", "FileEntry", "SandboxInfo", "SandboxSpec", "SandboxStats")},
+       ("ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "SandboxInfo", "SandboxSpec", "SandboxStats")},
 }
 
 _HEADER = '''\

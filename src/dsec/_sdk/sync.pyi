@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from dsec._sdk.client import Client
 from dsec._sdk.sandbox import AsyncFiles, AsyncSandbox
-from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxStats
+from dsec.models import ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
 
 class Files:
     def __init__(self, inner: AsyncFiles) -> None: ...
@@ -53,6 +53,24 @@ class Sandbox:
         hidden: Sequence[str] = ...,
         landlock: bool = ...,
     ) -> Sandbox: ...
+    @classmethod
+    def build_image(
+        cls,
+        name: str,
+        context: str | os.PathLike[str] = ...,
+        *,
+        dockerfile: str | os.PathLike[str] | None = ...,
+        build_args: Mapping[str, str] | None = ...,
+        target: str | None = ...,
+        network: str = ...,
+        no_cache: bool = ...,
+        insecure: bool = ...,
+        username: str | None = ...,
+        password: str | None = ...,
+        replace: bool = ...,
+        output: Callable[[str], None] | None = ...,
+        client: Client | None = ...,
+    ) -> ImageInfo: ...
     @classmethod
     def create_many(
         cls,

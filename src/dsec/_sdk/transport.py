@@ -8,21 +8,23 @@ retry anything on its own: a retried ``exec`` could run a command twice.
 
 from __future__ import annotations
 
+import base64
 import json
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
 
 from dsec.errors import ConnectionFailed, DSecError, InvalidRequest, error_from_payload
+from dsec.models import ImageBuildRequest
 
 from .lean import LeanError, LeanPool
 
-__all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "parse_url"]
+__all__ = ["CONTROL_TIMEOUT", "STREAM_TIMEOUT", "Transport", "build_request_parts", "parse_url", "read_chunks"]
 
 # Creating sandboxes in bulk or moving large files can take minutes on a loaded node; a read that
 # stalls longer than this means the daemon is wedged, not busy. A burst of thousands of calls from one
@@ -165,12 +167,13 @@ class Transport:
     @asynccontextmanager
     async def stream(
         self, client: httpx.AsyncClient, method: str, path: str, *, json_body: Any = None,
-        headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None, params: Any = None, content: AsyncIterator[bytes] | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """Open a streamed response (no read timeout); closing it tells the server to stop."""
+        """Open a streamed response (no read timeout); closing it tells the server to stop. ``content``
+        streams a request body (a build context)."""
         with self.mapped_errors():
-            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT,
-                                     headers=headers) as response:
+            async with client.stream(method, path, json=json_body, timeout=STREAM_TIMEOUT, params=params,
+                                     content=content, headers=headers) as response:
                 if not response.is_success:
                     await response.aread()
                     raise_for_status(response)
@@ -187,3 +190,22 @@ def raise_for_status(response: httpx.Response) -> None:
         payload = response.text
     err: DSecError = error_from_payload(payload, response.status_code)
     raise err
+
+
+def build_request_parts(request: ImageBuildRequest) -> tuple[dict[str, str], dict[str, str]]:
+    """``POST /v1/images/build``'s query parameters and headers for ``request``: the model as JSON, and the
+    registry credentials in ``X-Registry-Auth`` (base64url JSON), never in the URL."""
+    public = request.model_copy(update={"username": None, "password": None})
+    headers: dict[str, str] = {"Content-Type": "application/x-tar"}
+    if request.username is not None:
+        auth = json.dumps({"username": request.username, "password": request.password or ""})
+        headers["X-Registry-Auth"] = base64.urlsafe_b64encode(auth.encode()).decode().rstrip("=")
+    return {"request": public.model_dump_json(exclude_defaults=True)}, headers
+
+
+async def read_chunks(stream: IO[bytes], size: int = 1024 * 1024) -> AsyncIterator[bytes]:
+    """A file's bytes as a request body, read in a worker thread."""
+    import asyncio
+
+    while chunk := await asyncio.to_thread(stream.read, size):
+        yield chunk

@@ -19,14 +19,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import TypeAdapter
 
 from dsec._sdk.lean import LeanError, LeanPool
-from dsec._sdk.transport import STREAM_TIMEOUT, Transport
+from dsec._sdk.transport import STREAM_TIMEOUT, Transport, build_request_parts, read_chunks
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
 from dsec.daemon.audit import AuditQuery
@@ -53,6 +53,8 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ImageBuildEvent,
+    ImageBuildRequest,
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
@@ -787,6 +789,18 @@ class GatewayEngine:
         response = await self._node_request(self._any_node(), "POST", "/v1/images/pull",
                                             json_body=request.model_dump(mode="json"))
         return ImageInfo.model_validate(response.json())
+
+    async def build_image(self, request: ImageBuildRequest, context: IO[bytes]) -> AsyncIterator[ImageBuildEvent]:
+        """Build on a live node into the shared store, passing its output on; closing the stream cancels it."""
+        node = self._any_node()
+        transport, http = self._client(node)
+        params, headers = build_request_parts(request)
+        with self._reaching(node):
+            async with transport.stream(http, "POST", "/v1/images/build", params=params, headers=headers,
+                                        content=read_chunks(context)) as response:
+                async for line in response.aiter_lines():
+                    if line:
+                        yield ImageBuildEvent.model_validate_json(line)
 
     async def get_image(self, name: str) -> ImageInfo:
         """One image of the shared store."""

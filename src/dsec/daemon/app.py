@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from urllib.parse import parse_qs
 
 import pydantic
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dsec.daemon import builds
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import AuthGuard, TokenFile
 from dsec.daemon.engine import MAX_FILE_BYTES, Engine, dsec_version
@@ -562,6 +563,28 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
     async def pull_image(request: ImagePullRequest) -> ImageInfo:
         """Pull an image from an OCI registry into the node's store (returns when it is ready)."""
         return await engine.pull_image(request)
+
+    @app.post(
+        "/v1/images/build",
+        tags=["images"],
+        response_class=StreamingResponse,
+        openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": {"schema": {
+            "type": "string", "format": "binary"}}}}},
+        responses={200: {
+            "description": "One JSON `ImageBuildEvent` per line: the builder's output, then one `done` or `error`.",
+            "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/ImageBuildEvent"}}},
+        }},
+    )
+    async def build_image(
+        http: Request,
+        request: Annotated[str, Query(description="the `ImageBuildRequest` as JSON (no password)")],
+        x_registry_auth: Annotated[str | None, Header(description="base64url JSON username/password")] = None,
+    ) -> StreamingResponse:
+        """Build an image from a Dockerfile; the body is the build context as a tar. Hanging up cancels it."""
+        parsed = builds.parse_request(request, x_registry_auth)
+        context = await builds.spool_context(http.stream())
+        return StreamingResponse(builds.event_lines(engine.build_image(parsed, context), context),
+                                 media_type=NDJSON)
 
     @app.get("/v1/images/{name}", tags=["images"])
     async def get_image(name: str) -> ImageInfo:

@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, get_args
+from typing import IO, Any, Protocol, TypeVar, get_args
 
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
@@ -61,6 +61,8 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ImageBuildEvent,
+    ImageBuildRequest,
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
@@ -1433,6 +1435,13 @@ class Engine:
         )
         log.info("image %s pulled from %s", info.name, info.source)
         return info
+
+    def build_image(self, request: ImageBuildRequest, context: IO[bytes]) -> AsyncIterator[ImageBuildEvent]:
+        """Build an image from a Dockerfile and the tar ``context`` into the store, streaming the builder's
+        output (``dsec.daemon.builds``); closing the stream cancels the build."""
+        from dsec.daemon.builds import build_events
+
+        return build_events(self.images, self.settings, request, context)
 
     async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
         """Commands of the node's audit trail matching ``query``, newest first."""

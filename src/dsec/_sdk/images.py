@@ -1,0 +1,94 @@
+"""Building images from the SDK: a Dockerfile and its context sent to the node, its output streamed back.
+
+Owns the client side of ``POST /v1/images/build``: packing the context directory as a tar (in a worker
+thread, into a temporary file), deciding whether the Dockerfile travels inside the context or beside it,
+and reading the event stream into output lines and the stored :class:`~dsec.models.ImageInfo`. It must
+never interpret a Dockerfile: the node's builder does (``.dockerignore`` included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tarfile
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO
+
+from dsec.errors import DSecError, InvalidRequest, error_from_payload
+from dsec.models import ImageBuildEvent, ImageBuildRequest, ImageInfo
+
+from .client import Client
+from .transport import build_request_parts, read_chunks
+
+__all__ = ["build_image"]
+
+
+def _pack(context: Path) -> IO[bytes]:
+    """The context directory as a tar in a temporary file, rewound (symlinks as links, never followed)."""
+    spool = tempfile.TemporaryFile()  # noqa: SIM115 (returned open)
+    try:
+        with tarfile.open(fileobj=spool, mode="w") as tar:
+            tar.add(context, arcname=".", recursive=True)
+    except OSError as exc:
+        spool.close()
+        raise InvalidRequest(f"cannot pack the build context {context}: {exc}", path=str(context)) from None
+    spool.seek(0)
+    return spool
+
+
+def _request(context: Path, dockerfile: str | os.PathLike[str] | None, fields: dict[str, object]
+             ) -> ImageBuildRequest:
+    """The request; a Dockerfile outside the context travels as text, one inside it by its path."""
+    path = Path(dockerfile) if dockerfile is not None else context / "Dockerfile"
+    path = path.resolve()
+    if not path.is_file():
+        raise InvalidRequest(f"no Dockerfile at {path}", path=str(path))
+    if path.is_relative_to(context):
+        return ImageBuildRequest.model_validate({**fields, "dockerfile": str(path.relative_to(context))})
+    return ImageBuildRequest.model_validate({**fields, "dockerfile_text": path.read_text()})
+
+
+async def build_image(
+    client: Client,
+    name: str,
+    context: str | os.PathLike[str] = ".",
+    *,
+    dockerfile: str | os.PathLike[str] | None = None,
+    build_args: Mapping[str, str] | None = None,
+    target: str | None = None,
+    network: str = "private",
+    no_cache: bool = False,
+    insecure: bool = False,
+    username: str | None = None,
+    password: str | None = None,
+    replace: bool = False,
+    output: Callable[[str], None] | None = None,
+) -> ImageInfo:
+    """Build image ``name`` on the client's node (see :meth:`dsec.AsyncSandbox.build_image`)."""
+    root = Path(context).resolve()
+    if not root.is_dir():
+        raise InvalidRequest(f"build context {root} is not a directory", path=str(root))
+    request = _request(root, dockerfile, {
+        "name": name, "build_args": dict(build_args or {}), "target": target, "network": network,
+        "no_cache": no_cache, "insecure": insecure, "username": username, "password": password, "replace": replace})
+    params, headers = build_request_parts(request)
+    tar = await asyncio.to_thread(_pack, root)
+    try:
+        async with client._stream("POST", "/v1/images/build", params=params, headers=headers,
+                                  content=read_chunks(tar)) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                event = ImageBuildEvent.model_validate_json(line)
+                if event.type == "output" and output is not None and event.line is not None:
+                    output(event.line)
+                elif event.type == "done" and event.image is not None:
+                    return event.image
+                elif event.type == "error":
+                    raise error_from_payload({"error": event.error})
+    finally:
+        tar.close()
+    raise DSecError(f"the node's build stream for {name!r} ended without a result")
+
