@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -67,13 +68,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_daemon(home: Path, token: str | None = None, backends: dict[str, Backend] | None = None, *,
-                   port: int | None = None, create_slots: int = 32) -> Iterator[Daemon]:
+                   port: int | None = None, create_slots: int = 32, images: Any = None) -> Iterator[Daemon]:
     """Serve one engine on ``home/run/dsec.sock`` (and on TCP with ``token`` when given, on ``port`` or a free
-    one); ``backends`` adds to (or replaces) the fake container backend."""
+    one); ``backends`` adds to (or replaces) the fake container backend; ``images`` replaces the tiny images."""
     settings = Settings(home=home, create_slots=create_slots)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(settings, {"container": FakeBackend(root=home / "fake"), **(backends or {})},
-                    TinyImages(home / "rootfs"))
+                    images if images is not None else TinyImages(home / "rootfs"))
     sock = str(settings.socket_path)
     port = (port or free_port()) if token else None
     servers: list[uvicorn.Server] = []

@@ -41,6 +41,8 @@ __all__ = ["BaseImages", "BaseRef", "base_references", "build_dockerfile", "node
 _VAR_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::?[-+]([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _STORE_REF_RE = re.compile(r"(?:localhost/)?([a-z0-9][a-z0-9._-]{0,127})(?::latest)?")
 _REGISTRIES_CONF = Path("/etc/containers/registries.conf")
+_INSTRUCTIONS = frozenset({"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
+                           "MAINTAINER", "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"})
 
 
 class BaseImages(Protocol):
@@ -90,6 +92,10 @@ def base_references(text: str, build_args: dict[str, str]) -> list[BaseRef]:
     """The images ``text`` starts from (``FROM``, ``COPY --from=IMAGE``), in order, without ``scratch`` and
     the names of its own stages; global ``ARG`` defaults and ``build_args`` are substituted as docker does."""
     commands = _parse(text)
+    for c in commands:
+        if c.cmd.upper() not in _INSTRUCTIONS:
+            raise InvalidRequest(f"Dockerfile line {c.start_line}: unknown instruction {c.cmd.upper()} "
+                                 f"({c.original!r})", line=c.start_line)
     if not any(c.cmd.upper() == "FROM" for c in commands):
         raise InvalidRequest("the Dockerfile has no FROM instruction")
     values: dict[str, str] = {}
@@ -294,6 +300,11 @@ class _Build:
         if code != 0 or not iidfile.is_file():
             raise self.output.error(r.name, code)
         image_id = iidfile.read_text().strip()
+        current = self.store.tag(r.name)
+        known = self.builder.root / "digests" / (current or "sha256:").removeprefix("sha256:")
+        if current is not None and known.is_file() and known.read_text().strip() == image_id:
+            self.output.feed(f"image {r.name} is unchanged: the store already holds this build ({current[:19]})")
+            return self.store.get(r.name)
         layout = self.dir / "out"
         self.builder.run(self.builder.argv("push", "--quiet", image_id, f"oci:{layout}:{r.name}"), self.tmp,
                          f"exporting image {r.name}")
