@@ -108,7 +108,7 @@ def build(node: tuple[ImageStore, NodeImages, Settings], ctx: Path, lines: list[
 
 def test_multi_stage_build_from_the_store_with_args_and_dockerignore(
         node: tuple[ImageStore, NodeImages, Settings], tmp_path: Path) -> None:
-    store, images, settings = node
+    _, images, settings = node
     ctx = context(tmp_path / "ctx", MULTI_STAGE, {"keep.txt": "kept\n", "secret.txt": "no\n",
                                                   ".dockerignore": "secret.txt\n"})
     lines: list[str] = []
@@ -178,7 +178,7 @@ def test_bad_dockerfiles_are_refused_before_building(node: tuple[ImageStore, Nod
 def test_from_a_registry_on_loopback(node: tuple[ImageStore, NodeImages, Settings], tmp_path: Path) -> None:
     if shutil.which("docker-registry") is None:
         missing("docker-registry is not installed: run ./scripts/setup")
-    store, images, _ = node
+    _, images, _ = node
     img = busybox_image()
     with running_registry(tmp_path / "registry", "none") as registry:
         with RegistryClient(registry.host, insecure=True) as client:
