@@ -61,6 +61,8 @@ _TOOLS = (
     _Tool("busybox", "busybox", "busybox-static", (), False, "microvm initramfs"),
     _Tool("bwrap", "bwrap", "bubblewrap", ("--version",), False, "benchmark peer"),
     _Tool("podman", "podman", "podman", ("--version",), False, "benchmark peer"),
+    _Tool("buildah", "buildah", "buildah", ("--version",), False, "Dockerfile builds (dsec image build --file)"),
+    _Tool("slirp4netns", "slirp4netns", "slirp4netns", ("--version",), False, "a Dockerfile RUN step's network"),
     _Tool("newuidmap", "newuidmap", "uidmap", (), False, "rootless user namespaces"),
 )
 
@@ -81,6 +83,8 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         ("image store", lambda: _image_store(settings)),
         ("image debian-python", lambda: _base_image(settings)),
         ("vm images", _vm_images),
+        ("build user", _build_user),
+        ("python >= 3.12 (harbor)", _harbor_python),
     ]
     checks: list[Check] = []
     for name, probe in probes:
@@ -378,3 +382,25 @@ def _base_image(settings: Settings) -> Check:
         return Check("image debian-python", True,
                      f"{info.size_bytes / 1e6:.0f} MB, {info.files} files, uid shift {info.uid_shift}")
     return Check("image debian-python", False, "not built", "dsec image build debian-python")
+
+
+def _build_user() -> Check:
+    from dsec.images.builder import BUILD_USER, build_user
+
+    user = build_user()
+    if user is None:
+        return Check("build user", False, f"no {BUILD_USER} user with subordinate ids: Dockerfile builds run buildah "
+                     "as root", "run ./scripts/setup (useradd --system dsec-build; usermod --add-subuids)", False)
+    return Check("build user", True, f"{user.pw_name} (uid {user.pw_uid}): Dockerfile builds are rootless", None, False)
+
+
+def _harbor_python() -> Check:
+    from dsec.integrations.interpreters import find_python
+
+    found = find_python((3, 12))
+    name = "python >= 3.12 (harbor)"
+    if found is None:
+        return Check(name, False, "no Python 3.12+ interpreter on this host: harbor (dsec.integrations.harbor) cannot "
+                     "run here", "install python3.12 or newer, or point DSEC_HARBOR_PYTHON at one", False)
+    exe, (major, minor) = found
+    return Check(name, True, f"{exe} ({major}.{minor}): harbor runs from its own venv made with it", None, False)

@@ -159,3 +159,20 @@ def test_a_failing_wakeup_probe_is_a_warning_with_a_fix(tmp_path: Path, monkeypa
     monkeypatch.setattr(doctor.subprocess, "run", slow)
     check = doctor._wakeups(settings(tmp_path))
     assert not check.ok and not check.required and "TimeoutExpired" in check.detail
+
+
+def test_harbor_interpreter_is_found_or_named_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSEC_HARBOR_PYTHON is tried first; an interpreter older than 3.12 is not enough, and the check says so."""
+    old, new = tmp_path / "old-python", tmp_path / "new-python"
+    old.write_text("#!/bin/sh\necho 3 11\n")
+    new.write_text("#!/bin/sh\necho 3 13\n")
+    old.chmod(0o755)
+    new.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("DSEC_HARBOR_PYTHON", str(old))
+    monkeypatch.setattr("dsec.integrations.interpreters._PREFIXES", ())
+    check = doctor._harbor_python()
+    assert not check.ok and not check.required and "DSEC_HARBOR_PYTHON" in (check.fix or "")
+    monkeypatch.setenv("DSEC_HARBOR_PYTHON", str(new))
+    check = doctor._harbor_python()
+    assert check.ok and str(new) in check.detail and "3.13" in check.detail
