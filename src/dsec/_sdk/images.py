@@ -1,8 +1,8 @@
 """Building images from the SDK: a Dockerfile and its context sent to the node, its output streamed back.
 
-Owns the client side of ``POST /v1/images/build``: packing the context directory as a tar (in a worker
-thread, into a temporary file), deciding whether the Dockerfile travels inside the context or beside it,
-and reading the event stream into output lines and the stored :class:`~dsec.models.ImageInfo`. It must
+Owns the client side of ``POST /v1/images/build`` and ``/v1/images/pull``: packing the context directory
+as a tar (in a worker thread, into a temporary file), deciding whether the Dockerfile travels inside the
+context or beside it, and reading the event stream into output lines and the stored image. It must
 never interpret a Dockerfile: the node's builder does (``.dockerignore`` included).
 """
 
@@ -16,13 +16,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
+import httpx
+
 from dsec.errors import DSecError, InvalidRequest, error_from_payload
-from dsec.models import ImageBuildEvent, ImageBuildRequest, ImageInfo
+from dsec.models import ImageBuildEvent, ImageBuildRequest, ImageInfo, ImagePullRequest
 
 from .client import Client
-from .transport import build_request_parts, read_chunks
+from .transport import CONTROL_TIMEOUT, build_request_parts, read_chunks
 
-__all__ = ["build_image"]
+__all__ = ["build_image", "pull_image"]
 
 
 def _pack(context: Path) -> IO[bytes]:
@@ -92,3 +94,13 @@ async def build_image(
         tar.close()
     raise DSecError(f"the node's build stream for {name!r} ended without a result")
 
+
+
+async def pull_image(client: Client, reference: str, *, name: str | None = None, insecure: bool = False,
+                     username: str | None = None, password: str | None = None, replace: bool = False) -> ImageInfo:
+    """Pull ``reference`` into the client's node's store (see :meth:`dsec.AsyncSandbox.pull_image`)."""
+    request = ImagePullRequest(reference=reference, name=name, insecure=insecure, username=username,
+                               password=password, replace=replace)
+    response = await client._request("POST", "/v1/images/pull", json=request.model_dump(mode="json"),
+                                     timeout=httpx.Timeout(CONTROL_TIMEOUT.connect, read=None))
+    return ImageInfo.model_validate(response.json())

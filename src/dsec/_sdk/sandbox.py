@@ -376,6 +376,17 @@ class AsyncSandbox:
             replace=replace, output=output)
 
     @classmethod
+    async def pull_image(cls, reference: str, *, name: str | None = None, insecure: bool = False,
+                         username: str | None = None, password: str | None = None, replace: bool = False,
+                         client: Client | None = None) -> ImageInfo:
+        """Pull ``reference`` (``[host[:port]/]repo[:tag][@sha256:...]``) from an OCI registry into the node's
+        store as ``name`` (default: the repository's last part, plus ``-TAG``); returns when it is ready."""
+        from .images import pull_image
+
+        return await pull_image(client or default_client(), reference, name=name, insecure=insecure,
+                                username=username, password=password, replace=replace)
+
+    @classmethod
     async def create_many(
         cls,
         n: int,

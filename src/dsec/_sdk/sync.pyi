@@ -72,6 +72,18 @@ class Sandbox:
         client: Client | None = ...,
     ) -> ImageInfo: ...
     @classmethod
+    def pull_image(
+        cls,
+        reference: str,
+        *,
+        name: str | None = ...,
+        insecure: bool = ...,
+        username: str | None = ...,
+        password: str | None = ...,
+        replace: bool = ...,
+        client: Client | None = ...,
+    ) -> ImageInfo: ...
+    @classmethod
     def create_many(
         cls,
         n: int,

@@ -43,7 +43,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images", "cluster")
+SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
@@ -70,6 +70,10 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
 
         return run_cluster(config if isinstance(config, ClusterBench) else ClusterBench().scaled(scale),
                            progress=progress)
+    if name == "builds":
+        from dsec.bench.builds import run as run_builds
+
+        return run_builds(samples=max(2, round(3 * scale)), progress=progress)
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
     if name == "trajectory":
