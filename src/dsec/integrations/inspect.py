@@ -130,9 +130,10 @@ def _client(config: DSecSandboxConfig) -> dsec.Client:
 class DSecSandboxEnvironment(SandboxEnvironment):
     """One DSec sandbox as an inspect sandbox environment."""
 
-    def __init__(self, sandbox: dsec.AsyncSandbox, workdir: str, user: str | None) -> None:
+    def __init__(self, sandbox: dsec.AsyncSandbox, workdir: str, user: str | None, client: dsec.Client) -> None:
         super().__init__()
         self.sandbox = sandbox
+        self.client = client
         self.workdir = workdir
         self.default_user = user
 
@@ -173,9 +174,10 @@ class DSecSandboxEnvironment(SandboxEnvironment):
                     network=cfg.network, env=service.env, workdir=service.workdir, client=client,
                     labels={_LABEL: "inspect", "inspect.task": _label(task_name), "inspect.service": _label(name)})
                 info = await sb.info()
-                made[name] = cls(sb, info.spec.workdir or "/workspace", None)
+                made[name] = cls(sb, info.spec.workdir or "/workspace", None, client)
         except BaseException:
             await cls.sample_cleanup(task_name, cfg, made, interrupted=True)
+            await client.aclose()
             raise
         return made
 
@@ -183,10 +185,14 @@ class DSecSandboxEnvironment(SandboxEnvironment):
     async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                              environments: dict[str, SandboxEnvironment], interrupted: bool) -> None:
         """Destroy the sample's sandboxes, whether it finished, failed or was cancelled."""
+        clients: dict[int, dsec.Client] = {}
         for env in environments.values():
             if isinstance(env, DSecSandboxEnvironment):
+                clients[id(env.client)] = env.client
                 with contextlib.suppress(DSecError):
                     await env.sandbox.aclose()
+        for client in clients.values():
+            await client.aclose()
 
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None, cleanup: bool) -> None:

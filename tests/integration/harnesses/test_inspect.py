@@ -1,0 +1,68 @@
+"""inspect-ai on DSec, checked by inspect's own tools: its sandbox compliance suite (``self_check.py``, all 44
+checks) against the ``dsec`` sandbox environment on a real daemon, and an ``inspect eval`` of a small task with
+the ``mockllm`` model and ``--sandbox dsec``, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("inspect_ai", reason="inspect-ai is not installed: pip install 'dsec[inspect]'")
+
+from inspect_ai.util._sandbox.self_check import *  # noqa: F403 (inspect's 44 checks, collected as tests)
+
+from container_support import daemon_process
+from dsec.integrations.inspect import DSecSandboxConfig, DSecSandboxEnvironment, DSecService
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+# Checks that need DSec's per-call users, permission checks as that user, and the 2 MiB argv limit (issue 33).
+# strict: once that surface lands they pass, and the XPASS fails until this set is emptied.
+NEEDS_SANDBOX_SURFACE = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",
+                         "test_write_binary_file_without_permissions", "test_exec_as_user", "test_exec_large_command"}
+
+
+@pytest.fixture(scope="module")
+def daemon_url() -> Iterator[str]:
+    with daemon_process("dsec-inspect-") as (unix_url, _):
+        yield unix_url
+
+
+@pytest.fixture(params=["container"])
+async def sandbox_env(request: pytest.FixtureRequest, daemon_url: str) -> AsyncIterator[DSecSandboxEnvironment]:
+    if request.node.originalname in NEEDS_SANDBOX_SURFACE:
+        request.applymarker(pytest.mark.xfail(reason="needs per-call users and 2 MiB args (issue 33)", strict=True))
+    config = DSecSandboxConfig(backend=request.param, url=daemon_url,
+                               services={"default": DSecService(image="debian-python")})
+    envs = await DSecSandboxEnvironment.sample_init("self-check", config, {})
+    env = envs["default"]
+    assert isinstance(env, DSecSandboxEnvironment)
+    try:
+        yield env
+    finally:
+        await DSecSandboxEnvironment.sample_cleanup("self-check", config, envs, interrupted=False)
+
+
+def test_inspect_eval_with_mockllm(daemon_url: str, tmp_path: Path) -> None:
+    """``inspect eval`` (the CLI) of a task on inspect's ``mockllm`` model finds the ``dsec`` sandbox through the
+    entry point; both samples score."""
+    task = Path(__file__).parent / "inspect_task.py"
+    env = dict(os.environ, DSEC_URL=daemon_url, INSPECT_LOG_DIR=str(tmp_path / "logs"),
+               INSPECT_DISPLAY="plain")
+    inspect = Path(sys.executable).parent / "inspect"
+    proc = subprocess.run([str(inspect), "eval", task.name, "--log-format", "json"],
+                          env=env, cwd=task.parent, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = list((tmp_path / "logs").glob("*.json"))
+    assert len(logs) == 1, logs
+    log = json.loads(logs[0].read_text())
+    assert log["status"] == "success", log.get("error")
+    assert log["eval"]["sandbox"]["type"] == "dsec" and log["eval"]["model"] == "mockllm/model"
+    scores = [s["scores"]["answer_file"] for s in log["samples"]]
+    assert [s["value"] for s in scores] == ["C", "C"] and {s["answer"] for s in scores} == {"42", "1024"}
