@@ -16,6 +16,7 @@ EXPECTED = {
     "PoolConfig", "NodeStatistics",
     "Forbidden", "RateLimited",
     "AuditEntry", "LifecycleEvent", "NodeOverview",
+    "BuildFailed", "ImageInfo",
 }
 
 
@@ -40,6 +41,6 @@ def test_nothing_private_leaks() -> None:
 def test_errors_share_one_root_and_version_is_a_string() -> None:
     objects = [getattr(dsec, n) for n in dsec.__all__]
     errors = [o for o in objects if isinstance(o, type) and issubclass(o, Exception)]
-    assert len(errors) == 23
+    assert len(errors) == 24
     assert all(issubclass(e, dsec.DSecError) for e in errors)
     assert isinstance(dsec.__version__, str) and dsec.__version__.count(".") == 2

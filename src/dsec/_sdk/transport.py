@@ -196,7 +196,7 @@ def build_request_parts(request: ImageBuildRequest) -> tuple[dict[str, str], dic
     """``POST /v1/images/build``'s query parameters and headers for ``request``: the model as JSON, and the
     registry credentials in ``X-Registry-Auth`` (base64url JSON), never in the URL."""
     public = request.model_copy(update={"username": None, "password": None})
-    headers: dict[str, str] = {"Content-Type": "application/x-tar"}
+    headers: dict[str, str] = {"Content-Type": "application/octet-stream"}  # a tar
     if request.username is not None:
         auth = json.dumps({"username": request.username, "password": request.password or ""})
         headers["X-Registry-Auth"] = base64.urlsafe_b64encode(auth.encode()).decode().rstrip("=")

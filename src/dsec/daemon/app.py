@@ -38,6 +38,7 @@ from dsec.models import (
     ExecResult,
     FileEntry,
     ForkRequest,
+    ImageBuildEvent,
     ImageInfo,
     ImagePullRequest,
     KeyboardRequest,
@@ -568,7 +569,7 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
         "/v1/images/build",
         tags=["images"],
         response_class=StreamingResponse,
-        openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": {"schema": {
+        openapi_extra={"requestBody": {"required": True, "content": {OCTET: {"schema": {
             "type": "string", "format": "binary"}}}}},
         responses={200: {
             "description": "One JSON `ImageBuildEvent` per line: the builder's output, then one `done` or `error`.",
@@ -695,6 +696,10 @@ def _add_error_schema(app: FastAPI) -> None:
         schemas.setdefault("ExecEvent", event)
         lifecycle = LifecycleEvent.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.setdefault("LifecycleEvent", lifecycle)
+        build_event = ImageBuildEvent.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in build_event.pop("$defs", {}).items():
+            schemas.setdefault(name, sub)
+        schemas.setdefault("ImageBuildEvent", build_event)
         app.openapi_schema = schema
         return schema
 
