@@ -83,7 +83,9 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
               help="Housekeeping CPUs (e.g. 0 or 0-1): the daemon, its exec helper and zygotes run there; each "
                    "sandbox's processes get the daemon's original CPUs back as they start. Also DSEC_CONTROL_CPUS.")
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None) -> None:
-    """Run the node daemon in the foreground."""
+    """Run the node daemon in the foreground (its log, start-up phases included, on stderr)."""
+    import logging
+
     from click.core import ParameterSource
 
     from dsec.config import Settings
@@ -108,6 +110,8 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
             PoolConfig.parse(text)
     except InvalidRequest as exc:
         _fail(str(exc))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server.serve(settings, tcp=tcp, token=token or None)
     except _daemon_errors() as exc:
@@ -117,14 +121,19 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
 @main.command()
 @click.option("--tcp", metavar="HOST:PORT", help="Also listen on TCP (needs --token, DSEC_TOKEN or a token file).")
 @click.option("--token", envvar="DSEC_TOKEN", help="Bearer token required on TCP.")
-def up(tcp: str | None, token: str | None) -> None:
+@click.option("--restart", is_flag=True,
+              help="Stop the home's running daemon first (however it was started: dsec serve, a unit file, dsec up).")
+@click.option("--timeout", type=float, default=15.0, show_default=True,
+              help="Seconds one start-up phase may last before the start is given up (it waits while they progress).")
+def up(tcp: str | None, token: str | None, restart: bool, timeout: float) -> None:
     """Start the node daemon in the background."""
     from dsec.config import Settings
     from dsec.daemon import server
 
     settings = Settings()
     try:
-        pid = server.up(settings, tcp=tcp, token=token or None)
+        start = server.restart if restart else server.up
+        pid = start(settings, tcp=tcp, token=token or None, timeout=timeout)
     except _daemon_errors() as exc:
         _fail(str(exc))
     click.echo(f"dsec daemon running (pid {pid}) on unix://{settings.socket_path}; log: {settings.log_file}")
@@ -133,7 +142,7 @@ def up(tcp: str | None, token: str | None) -> None:
 @main.command()
 @click.option("--destroy", is_flag=True, help="Also destroy every sandbox (default: keep them).")
 def down(destroy: bool) -> None:
-    """Stop the background node daemon."""
+    """Stop the node daemon, however it was started (dsec up, dsec serve, a unit file)."""
     from dsec.config import Settings
     from dsec.daemon import server
 

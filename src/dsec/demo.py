@@ -107,12 +107,17 @@ async def rollout(backend: str, client: dsec.Client, console: Console) -> Rollou
     return result
 
 
+def _usable(status: str) -> bool:
+    return status == "ok" or status.startswith("pending:")
+
+
 async def _main(backends: Sequence[str] | None, console: Console) -> list[Rollout]:
     async with dsec.Client() as client:
         if backends is None:
             health = await client.health()
-            backends = [name for name, status in sorted(health.backends.items()) if status == "ok"]
-            skipped = {n: s for n, s in health.backends.items() if s != "ok"}
+            # a pending backend is usable: its creates wait for what it still decides (KVM or TCG)
+            backends = [name for name, status in sorted(health.backends.items()) if _usable(status)]
+            skipped = {n: s for n, s in health.backends.items() if not _usable(s)}
             for name, why in sorted(skipped.items()):
                 console.print(f"[yellow]skipping backend {name}: {why}[/yellow]")
         results = []

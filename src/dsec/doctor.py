@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,13 +87,17 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
         ("build user", _build_user),
         ("python >= 3.12 (harbor)", _harbor_python),
     ]
-    checks: list[Check] = []
-    for name, probe in probes:
+
+    def run(name: str, probe: Callable[[], Check]) -> Check:
         try:
-            checks.append(probe())
+            return probe()
         except Exception as exc:
-            checks.append(Check(name, False, f"probe failed: {type(exc).__name__}: {exc}"))
-    return checks
+            return Check(name, False, f"probe failed: {type(exc).__name__}: {exc}")
+
+    # Side by side: most probes wait on a subprocess (a tool's version, the wakeup and KVM probes), so the
+    # report takes about as long as its slowest probe rather than their sum.
+    with ThreadPoolExecutor(max_workers=len(probes), thread_name_prefix="dsec-doctor") as pool:
+        return list(pool.map(lambda item: run(*item), probes))
 
 
 def healthy(checks: list[Check]) -> bool:
@@ -299,9 +304,10 @@ def _landlock() -> Check:
 
 
 def _kvm() -> Check:
-    """Boots the fetched guest kernel under KVM for a moment: a /dev/kvm that exists may still be unable to
-    run a stock kernel (a paravirtual KVM), so only a real boot tells KVM from TCG."""
-    from dsec.backends.microvm import probe_accelerator
+    """KVM or TCG, as the daemon decides it (:mod:`dsec.guest.accel`): a /dev/kvm that exists may still be unable
+    to run a stock kernel (a paravirtual KVM), so only a probe boot tells. The verdict kept for this boot is read
+    as it is; without one, the probe runs now (bounded) and keeps its verdict for the daemon."""
+    from dsec.guest.accel import decide
     from dsec.guest.kernel import default_guest_dir, find_kernel
 
     if not Path("/dev/kvm").exists():
@@ -311,9 +317,9 @@ def _kvm() -> Check:
         kernel = find_kernel(default_guest_dir())
     except Exception as exc:
         return Check("kvm", False, f"present, not probed: {exc}", "python -m dsec.guest.kernel", required=False)
-    accel, why = probe_accelerator(kernel.vmlinuz)
-    return Check("kvm", accel == "kvm", f"microvm accelerator: {accel.upper()} ({why})",
-                 None if accel == "kvm" else "none needed: TCG works, only slower", required=False)
+    verdict = decide(kernel.vmlinuz)
+    return Check("kvm", verdict.accel == "kvm", f"microvm and vm accelerator: {verdict.describe()}",
+                 None if verdict.accel == "kvm" else "none needed: TCG works, only slower", required=False)
 
 
 def _vm_images() -> Check:

@@ -733,7 +733,8 @@ class NodeInfo(Model):
     version: str
     """DSec version."""
     backends: dict[str, str]
-    """Backend name -> ``"ok"`` or why it is unavailable."""
+    """Backend name -> ``"ok"``, ``"pending: <what it still decides>"`` (creates wait for it, with a bound) or why
+    it is unavailable."""
     sandboxes: int
     """Live sandboxes."""
     images: dict[str, int] = Field(default_factory=dict)

@@ -86,9 +86,20 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Stop host-side machinery. Live sandboxes are left running for a later ``recover``."""
 
+    def release_host(self) -> list[str]:
+        """For a daemon of this home that died with no sandbox left (its janitor calls this on an unstarted
+        backend, blocking): end what :meth:`aclose` would have ended and remove what it would have removed
+        (helpers kept for live sandboxes, their directories and cgroups). Returns what it did."""
+        return []
+
     def available(self) -> str:
         """``"ok"`` or a sentence saying why this backend cannot run here and what to install."""
         return "ok"
+
+    def pending(self) -> str | None:
+        """What a started backend still decides in the background before it can create (its creates wait for it,
+        with a bound), or None when it is ready. Health reports the backend as ``pending: <this>``."""
+        return None
 
     @abc.abstractmethod
     async def create(self, record: SandboxRecord, image: ImageRef) -> None:

@@ -204,6 +204,19 @@ class ContainerBackend(Backend):
                 os.close(self._runtime_exe)
                 self._runtime_exe = None
 
+    def release_host(self) -> list[str]:
+        if self._sandbox_dirs():
+            return ["sandbox directories left: the mount holder stays"]
+        done = []
+        if MountHolder(Path("dsec-rtshim"), self.root / "mntns.pid", self._tag).stop_left_behind():
+            done.append("mount holder ended")
+        if not self.networks.network.indexes():
+            self.networks.network.drop_table()
+        self._remove_empty_parent()
+        self._remove_empty_mounts_dir()
+        self._remove_empty_state_root()
+        return done
+
     def _sandbox_dirs(self) -> set[str]:
         """Ids with a bundle, runtime state or root mount point of this home (live or left behind)."""
         found: set[str] = set()

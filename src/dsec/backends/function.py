@@ -108,6 +108,12 @@ class FunctionBackend(Backend):
             await asyncio.to_thread(zygote.close)
         self._zygotes.clear()
 
+    def release_host(self) -> list[str]:
+        for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+            with contextlib.suppress(OSError):  # only an empty parent goes
+                os.rmdir(d)
+        return []
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def _base(self, sandbox_id: str) -> Path:

@@ -40,6 +40,7 @@ from typing import Any
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
+from dsec.guest.accel import QEMU, Accelerator
 from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
@@ -51,11 +52,10 @@ from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Poli
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
 
-__all__ = ["MicroVMBackend", "probe_accelerator"]
+__all__ = ["MicroVMBackend"]
 
 log = logging.getLogger(__name__)
 
-QEMU = "qemu-system-x86_64"
 MiB = 1024 * 1024
 _MIN_MEMORY = 128 * MiB
 # QEMU's own memory (TCG translation cache, device models) on top of guest RAM, for the cgroup limit.
@@ -91,33 +91,6 @@ _NIC_CMDLINE = f" dsec.net={GUEST_ADDRESS}/30:{GUEST_GATEWAY}"
 _DETACHED: dict[int, subprocess.Popen[bytes]] = {}
 """QEMUs this process started whose backend was closed (they keep running for a later ``recover``); kept so
 that they are reaped, by whichever backend destroys them, instead of lingering as zombies."""
-
-
-def probe_accelerator(kernel: Path, timeout: float = 8.0) -> tuple[str, str]:
-    """``("kvm" | "tcg", why)``: boots ``kernel`` under KVM for a moment and checks it reached userspace.
-
-    A host's /dev/kvm may be unable to run a stock kernel (a paravirtual KVM hangs or aborts), so its
-    presence proves nothing: the kernel must print its "Run /init" line within ``timeout``.
-    """
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return "tcg", "no usable /dev/kvm"
-    cmd = [QEMU, "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", "kvm", "-cpu", "host", "-m", "128",
-           "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-kernel", str(kernel),
-           "-append", "console=ttyS0 panic=-1 rdinit=/nonexistent", "-serial", "stdio"]
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    except OSError as e:
-        return "tcg", f"cannot run {QEMU}: {e}"
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    text = out.decode(errors="replace")
-    if "Run /" in text or "No working init found" in text:
-        return "kvm", "KVM booted the guest kernel"
-    last = text.strip().splitlines()[-1:] or ["no output"]
-    return "tcg", f"KVM could not boot the guest kernel within {timeout:.0f}s ({last[0][:120]}); using TCG"
 
 
 @dataclass
@@ -175,7 +148,10 @@ class MicroVMBackend(Backend):
         self.sandbox_files = self.root / "sandboxes"
         """Per-sandbox host files (the vm backend's disk overlays), one directory per sandbox id."""
         self.accel = accel or os.environ.get("DSEC_MICROVM_ACCEL")
+        """``"kvm"`` or ``"tcg"`` once decided (forced, or by the host's shared :class:`Accelerator`)."""
         self.accel_reason = "forced" if self.accel else ""
+        self.accelerator: Accelerator | None = None
+        """The host's decision this backend waits for (None when ``accel`` was forced or is decided)."""
         self.fast_start = fast_start
         self.fast_start_failures = 0
         """Creates that fell back to a cold boot because the template restore failed."""
@@ -219,8 +195,8 @@ class MicroVMBackend(Backend):
             raise BackendUnavailable(f"microvm backend: {reason}")
         self._kernel = find_kernel(self.guest_dir)
         self._initramfs = await asyncio.to_thread(build_initramfs, self._kernel, self.guest_dir / "build")
-        if self.accel is None:
-            self.accel, self.accel_reason = await asyncio.to_thread(probe_accelerator, self._kernel.vmlinuz)
+        if self.accel is None:  # decided in the background: the daemon serves meanwhile, creates wait for it
+            self.accelerator = Accelerator.shared(self._kernel.vmlinuz)
         for d in (self.root / "templates", self.root / "snapshots", self.guest_dir / "rootfs"):
             d.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
@@ -244,6 +220,28 @@ class MicroVMBackend(Backend):
                 os.rmdir(d)
             with contextlib.suppress(OSError):  # dsec-<tag> (background_group makes it in every joined hierarchy)
                 os.rmdir(Path(d).parent)  # unless the container backend still uses it
+
+    def release_host(self) -> list[str]:
+        if not self.networks.network.indexes():
+            self.networks.network.drop_table()
+        self._remove_run_root()
+        for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+            with contextlib.suppress(OSError):  # only empty ones go: a live QEMU's keeps its parent
+                os.rmdir(d)
+                os.rmdir(Path(d).parent)
+        return []
+
+    def pending(self) -> str | None:
+        return self.accelerator.pending() if self.accel is None and self.accelerator is not None else None
+
+    async def wait_accelerator(self) -> str:
+        """KVM or TCG for this backend's guests, waiting (bounded) for the host's decision if it is pending."""
+        if self.accel is None:
+            if self.accelerator is None:
+                raise BackendUnavailable(f"{self.name} backend is not started")
+            verdict = await self.accelerator.wait_decided()
+            self.accel, self.accel_reason = verdict.accel, verdict.describe()
+        return self.accel
 
     # -- images, templates ----------------------------------------------------------------------------
 
@@ -462,6 +460,7 @@ class MicroVMBackend(Backend):
     async def _create(self, record: SandboxRecord, image: ImageRef) -> None:
         if not self._started:
             raise BackendUnavailable(f"{self.name} backend is not started")
+        await self.wait_accelerator()
         if (record.spec.protected or record.spec.hidden) and not self.confines_commands:
             raise InvalidRequest(f"protected= and hidden= are not available on the {self.name} backend: root of a "
                                  f"full VM keeps every capability (it loads modules, mounts) and could undo them; "
@@ -940,6 +939,7 @@ class MicroVMBackend(Backend):
         if not (target / "state").is_file():
             raise SandboxError(f"sandbox {record.id} cannot wake: its saved state {target / 'state'} is missing")
         vcpus, mem_mib, disk_bytes = self._shape(record)
+        await self.wait_accelerator()
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711, exist_ok=True)
         self._chown(rundir)
@@ -988,6 +988,7 @@ class MicroVMBackend(Backend):
                                  f"(network='none'): its clones cannot have network={record.spec.network!r}")
         record.spec.cpu, record.spec.memory, record.spec.disk = float(vcpus), mem_mib * MiB, disk_bytes
         self._shape(record)
+        await self.wait_accelerator()
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",

@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import ImageRef, workdir_of
-from dsec.backends.microvm import _VM, QEMU, MiB, MicroVMBackend, accel_arg, probe_accelerator
+from dsec.backends.microvm import _VM, MiB, MicroVMBackend, accel_arg
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.guest.accel import QEMU, Accelerator
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY
@@ -186,8 +187,8 @@ class VMBackend(MicroVMBackend):
                 kernel = find_kernel(default_guest_dir()).vmlinuz
             except BackendUnavailable:
                 self.accel, self.accel_reason = "tcg", "no guest kernel to probe KVM with"
-            else:
-                self.accel, self.accel_reason = await asyncio.to_thread(probe_accelerator, kernel)
+            else:  # the decision microvm waits for too, made once in the background
+                self.accelerator = Accelerator.shared(kernel)
         for d in (self.root / "templates", self.root / "snapshots"):
             d.mkdir(parents=True, exist_ok=True)
         self.sandbox_files.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.microvm import QEMU, MicroVMBackend
+from dsec.backends.microvm import MicroVMBackend
 from dsec.bench.container import BenchUnavailable, _mem_available
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
+from dsec.guest.accel import QEMU
 from dsec.models import ExecRequest
 from dsec.testing import new_record
 
@@ -70,6 +71,7 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
         if reason != "ok":
             raise BenchUnavailable(f"microvm backend: {reason}")
         await fast.start()
+        await fast.wait_accelerator()
         cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
         await cold.start()
         spec = {"memory": "512Mi"}

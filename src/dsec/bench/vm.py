@@ -101,6 +101,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
         except DSecError as e:
             raise BenchUnavailable(str(e)) from None
         await fast.start()
+        await fast.wait_accelerator()
         cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
         await cold.start()
         live: list[tuple[VMBackend, SandboxRecord]] = []

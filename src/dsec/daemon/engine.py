@@ -86,7 +86,7 @@ from dsec.trajectory.replay import Trajectories
 from dsec.trajectory.snapshots import SnapshotStore
 from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
-__all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
+__all__ = ["BACKENDS", "IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
 
 IMAGE_IDLE_SECONDS = 600.0
 """How long an image mount stays warm after its last sandbox is destroyed."""
@@ -99,7 +99,7 @@ IMAGE_CACHE_REPORT_AGE = 5.0
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
-_BACKENDS = {
+BACKENDS = {
     "container": ("dsec.backends.container", "ContainerBackend"),
     "microvm": ("dsec.backends.microvm", "MicroVMBackend"),
     "vm": ("dsec.backends.vm", "VMBackend"),
@@ -267,6 +267,8 @@ class Engine:
         # The counters every SAMPLE_SECONDS (by the reaper), so a dashboard opened now can chart the past.
         self._samples: deque[CounterSample] = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
         self._sampled_at = 0.0
+        self.on_phase: Callable[[str], None] = lambda what: log.info("start-up: %s", what)
+        """Told each start-up phase as it begins (the daemon logs them and shows them to ``dsec up``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -274,7 +276,7 @@ class Engine:
         images = cls.default_images(settings)
         backends: dict[str, Backend] = {}
         unavailable: dict[str, str] = {}
-        for name, (module, cls_name) in _BACKENDS.items():
+        for name, (module, cls_name) in BACKENDS.items():
             try:
                 backend_cls = getattr(importlib.import_module(module), cls_name)
                 backends[name] = backend_cls(settings)
@@ -316,12 +318,16 @@ class Engine:
 
     async def _start(self) -> None:
         if self.host_limits is not None:
+            self.on_phase("raising the host's limits")
             await asyncio.to_thread(self.host_limits.raise_all)
+        self.on_phase("opening the trajectory log")
         await self.rollouts.start()
+        self.on_phase("opening the audit trail")
         await self.audit.start()
         for name, backend in list(self._backends.items()):
             reason = backend.available()
             if reason == "ok":
+                self.on_phase(f"starting the {name} backend")
                 try:
                     await backend.start()
                 except Exception as exc:
@@ -331,17 +337,26 @@ class Engine:
                 self._unavailable[name] = reason
         drop_stale_pins = getattr(self.images, "drop_stale_pins", None)
         if drop_stale_pins is not None:  # before recovery mounts (and pins) again what the sandboxes use
+            self.on_phase("dropping stale image pins")
             await asyncio.to_thread(drop_stale_pins)
         sem = asyncio.Semaphore(_RECOVERY_PARALLELISM)
+        records = self._store.load_all()
+        done = 0
 
         async def recover(record: SandboxRecord) -> None:
+            nonlocal done
             async with sem:
                 await self._recover(record)
+            done += 1
+            if done % 16 == 0:  # progress within a long phase is progress too
+                self.on_phase(f"recovering sandboxes ({done}/{len(records)})")
 
-        await asyncio.gather(*(recover(r) for r in self._store.load_all()))
+        self.on_phase(f"recovering sandboxes (0/{len(records)})")
+        await asyncio.gather(*(recover(r) for r in records))
         for name, backend in self._backends.items():
             if name in self._unavailable:
                 continue
+            self.on_phase(f"removing orphans of the {name} backend")
             known = {r.id for r in self._records.values() if r.spec.backend == name}
             try:
                 removed = await backend.cleanup_orphans(known)
@@ -350,7 +365,9 @@ class Engine:
                 continue
             if removed:
                 log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
+        self.on_phase("re-attaching trajectories")
         await self.rollouts.adopt(list(self._records.values()))
+        self.on_phase("sweeping snapshot layers")
         await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
         for config in self._declared:
@@ -1482,14 +1499,15 @@ class Engine:
         )
 
     async def health(self) -> NodeInfo:
-        """Identity, version, backend availability, the live sandbox count, the images cached and whether the
-        daemon is stopping."""
+        """Identity, version, backend availability (``ok``, ``pending: <what it waits for>`` or why it cannot be
+        used), the live sandbox count, the images cached and whether the daemon is stopping."""
         backends = {}
         for name in get_args(BackendName):
             if name in self._unavailable:
                 backends[name] = self._unavailable[name]
             elif name in self._backends:
-                backends[name] = "ok"
+                pending = self._backends[name].pending()
+                backends[name] = "ok" if pending is None else f"pending: {pending}"
             else:
                 backends[name] = "not implemented on this node yet"
         cached = getattr(self.images, "cached", None)

@@ -1,13 +1,15 @@
 """Running the node daemon: ``serve`` in the foreground, ``up``/``down`` in the background.
 
 Owns the process side: directories and their modes, the unix socket (0600 in a 0700 directory), the
-optional TCP listener (always behind a token), signals, the pid file and the log file. It must never
-hold sandbox logic (the engine does) and never destroy sandboxes on a plain stop: a restarted daemon
-re-adopts them.
+optional TCP listener (always behind a token), signals, the home's lock, the janitor that cleans up if the
+daemon dies (:mod:`dsec.daemon.janitor`), the start-up phases (:mod:`dsec.daemon.startup`), the pid file and the
+log file. It must never hold sandbox logic (the engine does) and never destroy sandboxes on a plain stop: a
+restarted daemon re-adopts them.
 
     serve(settings, tcp=None, token=None, engine=None)   # blocks until SIGTERM/SIGINT
-    up(settings, tcp=None, token=None, timeout=15) -> pid # background daemon, waits for /v1/health
-    down(settings, destroy=False, timeout=30) -> bool     # stop it (optionally destroying sandboxes)
+    up(settings, tcp=None, token=None, timeout=15) -> pid # background daemon, waits while its start progresses
+    down(settings, destroy=False, timeout=30) -> bool     # stop the home's daemon, however it was started
+    restart(settings, ...) -> pid                         # down (if one runs), then up
     destroy_every(base_url, uds=None, token=None) -> int  # every sandbox a daemon holds, in parallel
 """
 
@@ -35,14 +37,20 @@ from dsec.config import Settings
 from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
+from dsec.daemon.janitor import Janitor
+from dsec.daemon.startup import SERVING, Phases, find_daemon, is_dsec, lock_holder, read_status, write_lock_owner
 from dsec.isolation import affinity
+from dsec.isolation.procs import start_time
 
-__all__ = ["Daemon", "ServeError", "daemon_answers", "destroy_every", "down", "loop_factory", "serve", "up"]
+__all__ = ["Daemon", "ServeError", "daemon_answers", "destroy_every", "down", "loop_factory", "restart", "serve",
+           "up"]
 
 log = logging.getLogger(__name__)
 
 # Popen objects of daemons this process started, kept so they are reaped (no zombie, no ResourceWarning).
 _children: dict[int, subprocess.Popen[bytes]] = {}
+_JANITOR_WAIT = 30.0
+"""How long a new daemon, ``dsec up`` or ``dsec down`` wait for a dead daemon's janitor to finish its cleanup."""
 
 
 class ServeError(RuntimeError):
@@ -130,6 +138,7 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._serving: Engine | None = None
+        self.phases: Phases | None = None
 
     def stop(self) -> None:
         """Ask every listener to finish (callable from any thread or a signal handler); the engine refuses
@@ -157,23 +166,60 @@ class Daemon:
 
     def _lock_home(self) -> int:
         """An exclusive lock on DSEC_HOME for the daemon's lifetime: two daemons on one home would both
-        adopt, reap and clean up the same sandboxes. Released by the kernel when the process dies."""
+        adopt, reap and clean up the same sandboxes. Released by the kernel when the process dies. The janitor
+        of a daemon that just died holds it while it cleans up (seconds): that is waited for."""
         fd = os.open(self.settings.run_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ServeError(f"another DSec daemon is running on {self.settings.home}; stop it first") from None
+        deadline = time.monotonic() + _JANITOR_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = lock_holder(self.settings)
+                if holder is None or holder[0] != "janitor" or time.monotonic() > deadline:
+                    os.close(fd)
+                    pid = f" (pid {holder[1]})" if holder is not None else ""
+                    raise ServeError(f"another DSec daemon{pid} is running on {self.settings.home}; stop it first "
+                                     "(dsec down)") from None
+                time.sleep(0.05)
+        write_lock_owner(fd, "daemon")  # what `dsec down` finds a daemon by, whoever started it
         return fd
 
     async def run(self) -> None:
         """Serve until stopped; the engine is closed (sandboxes left alive) and the socket removed."""
-        self._prepare_dirs()
-        lock = self._lock_home()
+        self._loop = asyncio.get_running_loop()
+        handled = self._handle_signals()
         try:
-            await self._run_locked()
+            self._prepare_dirs()
+            lock = await asyncio.to_thread(self._lock_home)
+            try:
+                janitor = await asyncio.to_thread(Janitor.spawn, self.settings)
+                self.phases = Phases(self.settings, (janitor.pid, janitor.start_time))
+                try:
+                    await self._run_locked()
+                finally:
+                    self.phases.remove()
+                    await asyncio.to_thread(janitor.release)  # closed down by itself: nothing left to clean
+            finally:
+                os.close(lock)
         finally:
-            os.close(lock)
+            for sig in handled:
+                self._loop.remove_signal_handler(sig)
+
+    def _handle_signals(self) -> list[signal.Signals]:
+        """SIGTERM and SIGINT stop the daemon, from the start: one that arrives while the engine starts stops it
+        as soon as it has started (leaving nothing half-started behind)."""
+        handled = []
+        if threading.current_thread() is threading.main_thread():
+            assert self._loop is not None
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self.stop)
+                handled.append(sig)
+        return handled
+
+    def _phase(self, what: str) -> None:
+        if self.phases is not None:
+            self.phases(what)
 
     async def _run_locked(self) -> None:
         s = self.settings
@@ -181,15 +227,18 @@ class Daemon:
             if await asyncio.to_thread(daemon_answers, s):
                 raise ServeError(f"another DSec daemon already answers on {s.socket_path}; stop it first")
             s.socket_path.unlink()  # stale: left by a daemon that was killed
+        self._phase("binding the sockets")
         sockets = [_bind_unix(s.socket_path)]
         try:
             if self.tcp is not None:
                 sockets.append(_bind_tcp(*self.tcp))
                 self.tcp_address = sockets[-1].getsockname()[:2]
+            self._phase("loading the backends")
             engine = self._serving = self.engine or Engine.from_settings(s)
-            self._loop = asyncio.get_running_loop()
-            await engine.start()
-            try:
+            engine.on_phase = self._phase
+            try:  # closed however far its start got: a failed start leaves nothing running
+                await engine.start()
+                self._phase(SERVING)
                 await self._serve(engine, sockets)
                 await self._wait_cut_off_calls()
             finally:
@@ -220,23 +269,13 @@ class Daemon:
                 timeout_graceful_shutdown=5, proxy_headers=app is not apps[0],
             )
             self._servers.append(_Server(config))
-        loop = asyncio.get_running_loop()
-        handled = []
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
-                handled.append(sig)
-        try:
-            if self._stopping:
-                self._stop_servers()
-            self.started.set()
-            log.info("dsec daemon serving on %s%s", self.settings.socket_path,
-                     f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
-            pairs = zip(self._servers, sockets, strict=True)
-            await asyncio.gather(*(server.serve([sock]) for server, sock in pairs))
-        finally:
-            for sig in handled:
-                loop.remove_signal_handler(sig)
+        if self._stopping:
+            self._stop_servers()
+        self.started.set()
+        log.info("dsec daemon serving on %s%s", self.settings.socket_path,
+                 f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
+        pairs = zip(self._servers, sockets, strict=True)
+        await asyncio.gather(*(server.serve([sock]) for server, sock in pairs))
 
 
 try:  # httptools parses HTTP in C; h11 (pure Python) is the fallback
@@ -275,13 +314,6 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _read_pid(settings: Settings) -> int | None:
-    try:
-        return int(settings.pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def _alive(pid: int) -> bool:
     child = _children.get(pid)
     if child is not None:
@@ -299,19 +331,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_dsec(pid: int) -> bool:
-    """Guard against a recycled pid: only signal a process whose command line is a DSec daemon."""
-    try:
-        return b"dsec" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def _log_tail(settings: Settings, lines: int = 20) -> str:
     try:
-        return "\n".join(settings.log_file.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+        tail = "\n".join(settings.log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {settings.log_file}: {exc.strerror})"
+    return tail or f"(the daemon wrote nothing to its log {settings.log_file})"
 
 
 def _check_tcp_auth(settings: Settings, tcp: str | None, token: str | None) -> None:
@@ -320,19 +345,7 @@ def _check_tcp_auth(settings: Settings, tcp: str | None, token: str | None) -> N
                          f"tokens with `dsec token create` (token file {settings.tokens_file})")
 
 
-def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0) -> int:
-    """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
-
-    The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token
-    travels in the environment, never on the command line (where ``ps`` would show it).
-    """
-    _check_tcp_auth(settings, tcp, token)
-    if daemon_answers(settings):
-        pid = _read_pid(settings)
-        raise ServeError(f"a DSec daemon already answers on {settings.socket_path} (pid {pid})")
-    settings.log_file.parent.mkdir(parents=True, exist_ok=True)
-    settings.run_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(settings.run_dir, 0o700)
+def _daemon_env(settings: Settings, token: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env["DSEC_HOME"] = str(settings.home)
     env["DSEC_IMAGES"] = str(settings.images)
@@ -346,27 +359,68 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     # Work from a source tree too: the child must import the same dsec as this process.
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0) -> int:
+    """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
+
+    It waits as long as the daemon's start makes progress: ``timeout`` is how long one start-up phase may last
+    (:mod:`dsec.daemon.startup`). A daemon that stalls in a phase, or dies, is stopped, its janitor's cleanup
+    waited for (nothing is left behind), and the ServeError names the phase and ends with the log's tail.
+    The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token travels in the
+    environment, never on the command line (where ``ps`` would show it).
+    """
+    _check_tcp_auth(settings, tcp, token)
+    if daemon_answers(settings):
+        raise ServeError(f"a DSec daemon already answers on {settings.socket_path} (pid {find_daemon(settings)}): "
+                         "`dsec up --restart` replaces it, `dsec down` stops it")
+    settings.log_file.parent.mkdir(parents=True, exist_ok=True)
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.run_dir, 0o700)
     argv = [sys.executable, "-m", "dsec.daemon", "serve"] + (["--tcp", tcp] if tcp else [])
     with settings.log_file.open("ab") as logf:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env, start_new_session=True,
-            cwd="/",
-        )
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                env=_daemon_env(settings, token), start_new_session=True, cwd="/")
     _children[proc.pid] = proc
     settings.pid_file.write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
+    seen: tuple[str, float] | None = None
+    janitor: tuple[int, str] | None = None
+    stall = time.monotonic() + timeout
+    while True:
+        exited = proc.poll() is not None  # before the phase is read: a daemon that died has written its last
+        status = read_status(settings)
+        if status is not None and status.pid == proc.pid:
+            janitor = status.janitor
+            if (status.phase, status.since) != seen:  # progress: the phase's own time starts again
+                seen, stall = (status.phase, status.since), time.monotonic() + timeout
+        phase = f" in its start-up phase {seen[0]!r}" if seen else " before its first start-up phase"
+        if exited:
             _children.pop(proc.pid, None)
             settings.pid_file.unlink(missing_ok=True)
-            raise ServeError(f"the daemon exited with status {proc.returncode} at startup; log tail:\n"
+            _wait_janitor(janitor)
+            raise ServeError(f"the daemon exited with status {proc.returncode}{phase}; log tail:\n"
                              + _log_tail(settings))
         if daemon_answers(settings):
             return proc.pid
+        if time.monotonic() > stall:
+            break
         time.sleep(0.05)
     _signal_and_wait(proc.pid, 5.0)
     settings.pid_file.unlink(missing_ok=True)
-    raise ServeError(f"the daemon did not answer within {timeout:g} s; log tail:\n" + _log_tail(settings))
+    _wait_janitor(janitor)
+    raise ServeError(f"the daemon made no progress for {timeout:g} s{phase} and was stopped; log tail:\n"
+                     + _log_tail(settings))
+
+
+def _wait_janitor(janitor: tuple[int, str] | None, timeout: float = _JANITOR_WAIT) -> None:
+    """Wait for a dead daemon's janitor to finish its cleanup (it exits when done)."""
+    deadline = time.monotonic() + timeout
+    while janitor is not None and start_time(janitor[0]) == janitor[1] and _alive(janitor[0]):
+        if time.monotonic() > deadline:
+            log.warning("the daemon's janitor (pid %d) is still cleaning up after %g s", janitor[0], timeout)
+            return
+        time.sleep(0.05)
 
 
 def _signal_and_wait(pid: int, timeout: float) -> bool:
@@ -395,34 +449,42 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bool:
-    """Stop the daemon started by :func:`up`; returns False if none was running.
+    """Stop the home's daemon, whoever started it (``dsec serve``, a unit file, :func:`up`: it is found through
+    its socket or its lock, :func:`dsec.daemon.startup.find_daemon`); False if none was running.
 
     With ``destroy=True`` every sandbox is destroyed through the API first (:func:`destroy_every`), and
     once the daemon is gone its image mounts and lazy image server are removed too; otherwise sandboxes
     (and the image mounts under them) stay alive and the next daemon re-adopts them. A sandbox that could
     not be destroyed is named in a ServeError raised after the daemon stopped (its image mounts are left
-    for it).
+    for it). A daemon that ignores SIGTERM for ``timeout`` seconds is killed, and its janitor's cleanup waited for.
     """
-    pid = _read_pid(settings)
+    pid = find_daemon(settings)
     failed: ServeError | None = None
     if destroy and daemon_answers(settings):
         try:
             destroy_every("http://dsec", uds=str(settings.socket_path), timeout=max(timeout, 60.0))
         except ServeError as exc:  # still stopped: the next daemon re-adopts what is left
             failed = exc
-    if pid is None or not _alive(pid) or not _is_dsec(pid):
-        settings.pid_file.unlink(missing_ok=True)
-        stopped = False
-    else:
-        _signal_and_wait(pid, timeout)
-        settings.pid_file.unlink(missing_ok=True)
-        stopped = True
+    status = read_status(settings)
+    stopped = pid is not None and _alive(pid) and is_dsec(pid)
+    if stopped:
+        assert pid is not None
+        if not _signal_and_wait(pid, timeout):
+            _wait_janitor(status.janitor if status is not None and status.pid == pid else None)
+    settings.pid_file.unlink(missing_ok=True)
     if failed is not None:
         raise ServeError(f"the daemon {'stopped' if stopped else 'was not running'}, but {failed}; the next "
                          "daemon re-adopts them") from failed
     if destroy:
         _unmount_images(settings)
     return stopped
+
+
+def restart(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0) -> int:
+    """Stop the home's daemon if one runs (whoever started it), then start one with :func:`up`; returns its pid."""
+    _check_tcp_auth(settings, tcp, token)
+    down(settings)
+    return up(settings, tcp=tcp, token=token, timeout=timeout)
 
 
 def destroy_every(base_url: str, *, uds: str | None = None, token: str | None = None, timeout: float = 60.0,

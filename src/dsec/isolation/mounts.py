@@ -277,6 +277,15 @@ class MountHolder:
                         raise SandboxError(f"unmounting {target} failed: {os.strerror(err)}")
         self.run(run)
 
+    def stop_left_behind(self) -> bool:
+        """End this home's holder that a dead daemon left (no sandbox of the home is left); True if one ran."""
+        pid = self._adopt()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.pidfile.unlink(missing_ok=True)
+        return bool(pid)
+
     def close(self, stop: bool) -> None:
         """Leave the namespace; with ``stop`` (no sandbox of this home is left) end the holder too."""
         if self._thread is not None:

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import signal
 import time
 
-__all__ = ["SEALS", "meminfo", "read_small", "reap", "sealed_executable", "start_time"]
+__all__ = ["SEALS", "die_with_parent", "meminfo", "read_small", "reap", "sealed_executable", "start_time"]
 
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 """The seals of :func:`sealed_executable`'s copy: exactly these, which crun and runc take as "already a safe
 copy of myself" (any other set, F_SEAL_EXEC added included, and they copy themselves again)."""
 
 _MFD_EXEC = 0x0010  # linux/memfd.h (6.3+): executable even where vm.memfd_noexec defaults memfds to noexec
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a helper that must never outlive the daemon (an accelerator probe, a build step): the
+    kernel SIGKILLs it when its parent dies, however the parent ends (SIGKILL included). The kernel ties the
+    signal to the spawning *thread*: spawn from a thread that lives as long as the helper may run. A parent
+    that died before the prctl took effect has reparented the child already: it exits at once."""
+    parent = os.getppid()
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:

@@ -137,6 +137,8 @@ class _Writer:
         return future
 
     def close(self) -> None:
+        if self._thread.ident is None:  # never started: its store's start failed before it
+            return
         self._queue.put(None)
         self._thread.join()
 
