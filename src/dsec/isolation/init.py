@@ -6,13 +6,15 @@
 - ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
 - ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
 
-Binaries are cached in the node's state directory, keyed by the source's digest, so an
-upgrade rebuilds them. They need gcc and a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``,
-which runs once per exec, ``dsec-init`` and ``dsec-rtshim`` (once per create) are linked against musl when
-``musl-gcc`` is there (Debian: ``musl-tools``), and so is ``dsec-nsexec`` (one per daemon: the small binary):
-a static glibc binary probes the CPU with ~20 ``cpuid`` instructions at every start, each a trap to the
-hypervisor on a VM, which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-up
-does none, and its binary is 46 KB instead of 800 KB (fewer page faults per exec).
+Binaries are cached in the node's state directory, keyed by the source's digest, so an upgrade rebuilds them;
+a node-wide copy (``DSEC_HELPERS``, default ``/var/lib/dsec/helpers``, root's) spares every new home the
+compiler (tenths of a second each, which a daemon's first start and every test home paid). They need gcc and
+a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``, which runs once per exec, ``dsec-init`` and
+``dsec-rtshim`` (once per create) are linked against musl when ``musl-gcc`` is there (Debian: ``musl-tools``),
+and so is ``dsec-nsexec`` (one per daemon: the small binary): a static glibc binary probes the CPU with ~20
+``cpuid`` instructions at every start, each a trap to the hypervisor on a VM, which was the largest user-space
+cost of an exec (~0.3 ms of CPU); musl's start-up does none, and its binary is 46 KB instead of 800 KB (fewer
+page faults per exec).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dsec.errors import BackendUnavailable
 
 __all__ = ["HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "NSEXEC_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE",
            "binary_path", "ensure_binary", "ensure_init", "ensure_nsenter", "ensure_nsexec", "ensure_rtshim",
-           "ensure_zygote"]
+           "ensure_zygote", "node_cache"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
@@ -45,11 +47,46 @@ def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False)
     return directory / f"{name}-{digest}"
 
 
+def node_cache() -> Path:
+    """Where built helpers are shared by every home of the node (``DSEC_HELPERS``)."""
+    return Path(os.environ.get("DSEC_HELPERS") or "/var/lib/dsec/helpers")
+
+
+def _trusted(path: Path) -> bool:
+    """Root's and writable by root only (the file and its directory): what a daemon may copy and run."""
+    try:
+        return all(st.st_uid == 0 and not st.st_mode & 0o022 for st in (path.parent.stat(), path.lstat()))
+    except OSError:
+        return False
+
+
+def _share(target: Path) -> None:
+    """Offer ``target`` to the other homes of the node (root only; best effort)."""
+    cache = node_cache()
+    if os.geteuid() != 0 or (cache / target.name).exists():
+        return
+    try:
+        cache.mkdir(mode=0o755, parents=True, exist_ok=True)
+        tmp = cache / f".{target.name}.{os.getpid()}-{threading.get_ident()}"
+        shutil.copy2(target, tmp)
+        os.replace(tmp, cache / target.name)
+    except OSError:
+        pass
+
+
 def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
     """Path of ``name`` built statically from the current ``source``; builds it if needed (``musl``: with
-    ``musl-gcc`` when installed, else with gcc and glibc as every other binary)."""
+    ``musl-gcc`` when installed, else with gcc and glibc as every other binary), or copies the node's build of
+    the same source."""
     target = binary_path(source, name, directory, musl=musl)
     if target.exists():
+        return target
+    shared = node_cache() / target.name
+    if _trusted(shared):
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{target.name}.{os.getpid()}-{threading.get_ident()}"
+        shutil.copy2(shared, tmp)
+        os.replace(tmp, target)
         return target
     digest = target.name.rsplit("-", 1)[1]
     musl_cc = shutil.which("musl-gcc") if musl else None
@@ -68,6 +105,7 @@ def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = Fals
                                  f"{proc.stderr.strip()[-500:]}")
     os.chmod(tmp, 0o755)
     os.replace(tmp, target)
+    _share(target)
     return target
 
 
