@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec._term import Column, console
+from dsec._term import table as fit_table
 from dsec.cli_ops import age as _age
 from dsec.cli_ops import register as _register_ops
 from dsec.errors import DSecError, InvalidRequest
@@ -179,22 +181,26 @@ _register_ops(main)
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds before it is killed.")
 @click.option("--cwd", help="Working directory (default: the sandbox's workdir).")
 @click.option("-e", "--env", "env", multiple=True, metavar="K=V", help="Extra environment variable.")
+@click.option("-n", "--no-stdin", is_flag=True,
+              help="Do not forward standard input (it is forwarded when it is a pipe or a file, not a terminal).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(
-    sandbox_id: str, timeout: float, cwd: str | None, env: tuple[str, ...], command: tuple[str, ...]
+    sandbox_id: str, timeout: float, cwd: str | None, env: tuple[str, ...], no_stdin: bool, command: tuple[str, ...]
 ) -> None:
     """Run a command in a sandbox: dsec exec ID -- CMD [ARGS]...
 
-    Output is streamed as it arrives; the exit code is the command's.
+    Output is streamed as it arrives; the exit code is the command's. Standard input, when it is a pipe or a
+    file (echo hello | dsec exec ID -- cat), is read to its end and given to the command.
     """
     from dsec import Sandbox
 
+    stdin = None if no_stdin or sys.stdin is None or sys.stdin.isatty() else _read_stdin()
     sb = Sandbox.connect(sandbox_id)
     # One argument is a shell line (``dsec exec ID -- 'make && make test'``); several are an argv.
     argv: str | list[str] = command[0] if len(command) == 1 else list(command)
     out, err = sys.stdout.buffer, sys.stderr.buffer
     code = 1
-    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=parse_pairs(env, "-e") or None):
+    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=parse_pairs(env, "-e") or None, stdin=stdin):
         if event.type in ("stdout", "stderr") and event.data:
             stream = out if event.type == "stdout" else err
             stream.write(event.data)
@@ -205,6 +211,18 @@ def exec_(
                 note = f"dsec: command stopped by the {event.result.limit} limit"
                 Console(stderr=True).print(f"[yellow]{note}[/yellow]")
     sys.exit(code)
+
+
+_STDIN_MAX = 64 * 1024**2
+"""Largest standard input ``dsec exec`` forwards (the command gets it whole, in the request)."""
+
+
+def _read_stdin() -> bytes:
+    data = sys.stdin.buffer.read(_STDIN_MAX + 1)
+    if len(data) > _STDIN_MAX:
+        _fail(f"standard input is larger than {_STDIN_MAX // 1024**2} MiB: write it into the sandbox as a file "
+              "(sb.files.write) and read it from there, or pass -n to run without it")
+    return data
 
 
 @main.command()
@@ -515,17 +533,37 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
 @image.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def image_ls(as_json: bool) -> None:
-    """List images."""
-    infos = _store().list()
-    if as_json:
-        click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+    """List images and the backends each one is ready for (the vm backend boots a disk derived from a DSec image on
+    its first vm create; VM images built with `dsec image build-vm` boot on vm only)."""
+    from dsec.guest.vmimage import image_backends, list_vm_images
+
+    store = _store()
+    infos = store.list()
+    ready = {info.name: image_backends(store, info.name) for info in infos}
+    if as_json:  # the store's images (the VM images of `dsec image build-vm` are in the table only)
+        click.echo(json.dumps([{**i.model_dump(mode="json"), "backends": ready[i.name]} for i in infos], indent=2))
         return
-    table = Table(box=None, header_style="bold")
-    for column in ("NAME", "SIZE", "FILES", "CREATED", "SOURCE"):
-        table.add_column(column, overflow="fold")
+    vm_images = list_vm_images()
+    rows = []
     for info in infos:
-        table.add_row(*(escape(cell) for cell in _image_row(info)))
-    Console(width=200).print(table)
+        name, size, files, made, source = _image_row(info)
+        rows.append([escape(cell) for cell in (name, size, files, made, _backends_cell(ready[info.name]), source)])
+    for v in vm_images:
+        made = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(v.meta.get("built_at", 0))))
+        size = f"{v.disk.stat().st_size / 1024**2:.1f} MiB"
+        rows.append([escape(v.name), size, "-", made, "vm (a VM image)",
+                     escape(f"build-vm{' --desktop' if v.desktop else ''}")])
+    columns = (Column("NAME", rank=9), Column("SIZE", rank=6), Column("FILES", rank=2), Column("CREATED", rank=4),
+               Column("BACKENDS", "text", rank=8), Column("SOURCE", "text", rank=3))
+    out = console()
+    out.print(fit_table(columns, rows, out.width))
+
+
+def _backends_cell(backends: dict[str, str]) -> str:
+    """``container function microvm vm``, with what is not ready yet said after it."""
+    ready = [name for name, state in backends.items() if state == "ready"]
+    rest = [f"{name}: {state}" for name, state in backends.items() if state != "ready"]
+    return " ".join(ready) + (f" ({'; '.join(rest)})" if rest else "")
 
 
 @image.command(name="inspect")

@@ -21,6 +21,8 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
+from dsec._term import Column, console
+from dsec._term import table as fit_table
 from dsec.errors import InvalidRequest
 from dsec.models import parse_pairs
 
@@ -94,13 +96,16 @@ def _list(labels: dict[str, str], backend: str | None, state: str | None, image:
     return work
 
 
-def _sandbox_table(infos: list[SandboxInfo], stats: dict[str, SandboxStats] | None = None) -> Table:
-    table = Table(box=None, header_style="bold")
-    columns = ["ID", "BACKEND", "IMAGE", "STATE", "AGE", "EXPIRES", "NODE"]
-    if stats is not None:
-        columns += ["CPU s", "MEMORY", "PIDS"]
-    for column in (*columns, "TRAJECTORY", "LABELS"):
-        table.add_column(column, overflow="fold")
+_PS_COLUMNS = (Column("ID", rank=9), Column("BACKEND", rank=8), Column("IMAGE", rank=6), Column("STATE", rank=7),
+               Column("AGE", rank=3), Column("EXPIRES", rank=2), Column("NODE", rank=1))
+_USAGE_COLUMNS = (Column("CPU s", rank=4), Column("MEMORY", rank=5), Column("PIDS", rank=2))
+_TAIL_COLUMNS = (Column("TRAJECTORY", "text", rank=3), Column("LABELS", "text", rank=5))
+
+
+def _sandbox_table(infos: list[SandboxInfo], width: int, stats: dict[str, SandboxStats] | None = None) -> Table:
+    """The sandboxes, fitted to ``width`` columns (the least useful columns go first on a narrow terminal)."""
+    columns = [*_PS_COLUMNS, *(_USAGE_COLUMNS if stats is not None else ()), *_TAIL_COLUMNS]
+    rows = []
     now = time.time()
     for i in infos:
         row = [i.id, i.backend, escape(i.image or "-"), i.state, age(now - i.created_at),
@@ -109,9 +114,9 @@ def _sandbox_table(infos: list[SandboxInfo], stats: dict[str, SandboxStats] | No
             s = stats.get(i.id)
             row += ["-", "-", "-"] if s is None else [f"{s.cpu_seconds:.1f}", _bytes(s.memory_bytes), str(s.pids)]
         trajectory = _trajectory_text(i, now)
-        labels = ",".join(f"{k}={v}" for k, v in sorted(i.labels.items()))
-        table.add_row(*row, escape(trajectory), escape(labels))
-    return table
+        labels = " ".join(f"{k}={v}" for k, v in sorted(i.labels.items())) or "-"
+        rows.append([*row, escape(trajectory), escape(labels)])
+    return fit_table(columns, rows, width)
 
 
 def _trajectory_text(info: SandboxInfo, now: float) -> str:
@@ -147,7 +152,8 @@ def ps(labels: tuple[str, ...], backend: str | None, state: str | None, image: s
     if as_json:
         _dump(infos)
         return
-    Console(width=200).print(_sandbox_table(infos))
+    out = console()
+    out.print(_sandbox_table(infos, out.width))
 
 
 # ----- top --------------------------------------------------------------------------------------------
@@ -171,10 +177,10 @@ async def _frame(client: Client, list_them: Callable[[Client], Coroutine[Any, An
     return overview, infos, {i.id: s for i, s in zip(infos, found, strict=True) if s is not None}
 
 
-def _header(now: NodeOverview, before: NodeOverview | None) -> Table:
-    table = Table(box=None, header_style="bold")
-    for column in ("NODE", "SANDBOXES", "LOAD", "MEMORY", "CREATES/s", "EXECS/s", "EXEC ms", "FAILURES"):
-        table.add_column(column)
+def _header(now: NodeOverview, before: NodeOverview | None, width: int) -> Table:
+    columns = (Column("NODE", rank=9), Column("SANDBOXES", rank=8), Column("LOAD", rank=5), Column("MEMORY", rank=6),
+               Column("CREATES/s", rank=7), Column("EXECS/s", rank=7), Column("EXEC ms", rank=6),
+               Column("FAILURES", "text", rank=4))
     rates = ["-", "-", "-"]
     if before is not None and now.at > before.at:
         dt = now.at - before.at
@@ -182,14 +188,15 @@ def _header(now: NodeOverview, before: NodeOverview | None) -> Table:
         mean = 1000 * (now.exec_seconds_sum - before.exec_seconds_sum) / execs if execs else 0.0
         rates = [f"{(now.created - before.created) / dt:.1f}", f"{execs / dt:.1f}", f"{mean:.1f}"]
     failures = ", ".join(f"{k} {v}" for k, v in sorted(now.failures.items(), key=lambda kv: -kv[1])) or "none"
+    rows = []
     for node in now.nodes:
         load = " ".join(f"{x:.2f}" for x in node.load) or "-"
         memory = "-"
         if node.memory_total_bytes:
             memory = f"{_bytes(node.memory_used_bytes)} / {_bytes(node.memory_total_bytes)}"
-        table.add_row(escape(node.node) + ("" if node.alive else " (dead)"), str(node.sandboxes), load, memory,
-                      *rates, escape(failures))
-    return table
+        rows.append([escape(node.node) + ("" if node.alive else " (dead)"), str(node.sandboxes), load, memory,
+                     *rates, escape(failures)])
+    return fit_table(columns, rows, width)
 
 
 @click.command()
@@ -205,27 +212,44 @@ def top(labels: tuple[str, ...], backend: str | None, state: str | None, image: 
     from rich.live import Live
 
     list_them = _list(parse_pairs(labels, "--label"), backend, state, image, job)
-    if as_json or once:
+    out = console()
+    if as_json:
         overview, infos, stats = _run(lambda c: _frame(c, list_them, rows))
-        if as_json:
-            click.echo(json.dumps({"overview": overview.model_dump(mode="json"),
-                                   "sandboxes": [i.model_dump(mode="json") for i in infos],
-                                   "stats": {k: v.model_dump(mode="json") for k, v in stats.items()}}, indent=2))
-        else:
-            Console(width=200).print(Group(_header(overview, None), _sandbox_table(infos, stats)))
+        click.echo(json.dumps({"overview": overview.model_dump(mode="json"),
+                               "sandboxes": [i.model_dump(mode="json") for i in infos],
+                               "stats": {k: v.model_dump(mode="json") for k, v in stats.items()}}, indent=2))
         return
+
+    def frame(overview: NodeOverview, before: NodeOverview | None, infos: list[SandboxInfo],
+              stats: dict[str, SandboxStats]) -> Group:
+        return Group(_header(overview, before, out.width), _sandbox_table(infos, out.width, stats))
+
+    async def snapshots(client: Client) -> None:
+        """Not a terminal (a pipe, a file, a log), or ``--once``: plain frames one after the other, each under its
+        time."""
+        before: NodeOverview | None = None
+        while True:
+            overview, infos, stats = await _frame(client, list_them, rows)
+            if not once:
+                out.print(f"--- {_when(overview.at)}")
+            out.print(frame(overview, before, infos, stats))
+            sys.stdout.flush()
+            if once:
+                return
+            before = overview
+            await asyncio.sleep(interval)
 
     async def live(client: Client) -> None:
         before: NodeOverview | None = None
-        with Live(console=Console(), auto_refresh=False, screen=False) as view:
+        with Live(console=out, auto_refresh=False, screen=False) as view:
             while True:
                 overview, infos, stats = await _frame(client, list_them, rows)
-                view.update(Group(_header(overview, before), _sandbox_table(infos, stats)), refresh=True)
+                view.update(frame(overview, before, infos, stats), refresh=True)
                 before = overview
                 await asyncio.sleep(interval)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        _run(live)
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        _run(live if out.is_terminal and not once else snapshots)
 
 
 # ----- inspect, logs, audit ---------------------------------------------------------------------------

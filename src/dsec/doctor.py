@@ -110,27 +110,30 @@ def as_json(checks: list[Check]) -> str:
     return json.dumps([asdict(c) for c in checks], indent=2)
 
 
-def table(checks: list[Check]) -> object:
-    """A :class:`rich.table.Table` of the checks."""
-    from rich.table import Table
+def table(checks: list[Check], width: int = 200) -> object:
+    """A :class:`rich.table.Table` of the checks, fitted to ``width`` columns."""
+    from rich.markup import escape
 
-    tbl = Table(title="dsec doctor", show_lines=False)
-    tbl.add_column("check")
-    tbl.add_column("status")
-    tbl.add_column("detail")
-    tbl.add_column("fix")
+    from dsec._term import Column
+    from dsec._term import table as fit
+
+    rows = []
     for c in checks:
         status = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.required else "[yellow]warn[/]")
-        tbl.add_row(c.name, status, c.detail, c.fix or "")
-    return tbl
+        rows.append([escape(c.name), status, escape(c.detail), escape(c.fix or "")])
+    columns = (Column("check", rank=9), Column("status", rank=9), Column("detail", "text", rank=8),
+               Column("fix", "text", rank=7))
+    return fit(columns, rows, width, title="dsec doctor")
 
 
 def render(checks: list[Check], console: object | None = None) -> None:
     """Print the checks as a table on ``console`` (default: stdout)."""
     from rich.console import Console
 
-    out = console if isinstance(console, Console) else Console()
-    out.print(table(checks))
+    from dsec._term import console as default_console
+
+    out = console if isinstance(console, Console) else default_console()
+    out.print(table(checks, out.width))
     bad = [c for c in checks if not c.ok and c.required]
     out.print("[green]all required checks passed[/]" if not bad
               else f"[red]{len(bad)} required check(s) failed[/]")

@@ -58,6 +58,14 @@ def test_exec_streams_output_and_returns_the_exit_code(env: dsec.Client) -> None
         assert code != 0 and "time limit" in err
 
 
+def test_exec_forwards_standard_input(env: dsec.Client) -> None:
+    """``echo hello | dsec exec ID -- cat`` prints hello (stdin that is no terminal is forwarded); -n keeps it."""
+    with dsec.Sandbox.create(image="tiny", client=env) as sb:
+        assert invoke("exec", sb.id, "--", "cat", input=b"hello\n")[:2] == (0, "hello\n")
+        assert invoke("exec", sb.id, "--", "sh", "-c", "wc -c", input=b"x" * 100_000)[1].strip() == "100000"
+        assert invoke("exec", sb.id, "-n", "--", "cat", input=b"kept back\n")[:2] == (0, "")
+
+
 def test_rm_destroys_and_reports_missing(env: dsec.Client) -> None:
     a = dsec.Sandbox.create(image="tiny", client=env)
     b = dsec.Sandbox.create(image="tiny", client=env)

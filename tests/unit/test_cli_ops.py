@@ -98,6 +98,38 @@ def test_top_once_and_json(env: dsec.Client) -> None:
         assert any(s["id"] == sb.id for s in doc["sandboxes"])
 
 
+def test_top_prints_plain_snapshots_when_not_a_terminal(daemon: Daemon, env: dsec.Client) -> None:
+    """Piped (a log, `| head`), `dsec top` prints one plain frame per interval instead of nothing."""
+    with dsec.Sandbox.create(image="tiny", client=env) as sb:
+        proc = subprocess.Popen([sys.executable, "-m", "dsec", "top", "--interval", "0.2"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={"DSEC_URL": daemon.unix_url, "PATH": "/usr/bin:/bin"})
+        try:
+            assert proc.stdout is not None
+            lines: list[str] = []
+            deadline = time.monotonic() + 30
+            while sum(line.startswith("--- ") for line in lines) < 3 and time.monotonic() < deadline:
+                line = proc.stdout.readline().decode()
+                if not line:
+                    break
+                lines.append(line)
+        finally:
+            proc.kill()
+            proc.communicate()
+    assert sum(line.startswith("--- ") for line in lines) == 3, lines
+    assert any(sb.id in line for line in lines) and any("EXECS/s" in line for line in lines)
+    assert not any("\x1b[" in line for line in lines), "terminal escapes in a pipe"
+
+
+def test_ps_and_top_fit_an_80_column_terminal(env: dsec.Client) -> None:
+    with dsec.Sandbox.create(image="tiny", labels={"team": "rl-infra"}, client=env) as sb:
+        for args in (("ps",), ("top", "--once")):
+            result = CliRunner().invoke(main, list(args), env={"COLUMNS": "80"}, catch_exceptions=False)
+            lines = result.stdout.splitlines()
+            assert result.exit_code == 0 and all(len(line) <= 80 for line in lines), lines
+            row = next(line for line in lines if sb.id in line)
+            assert "container" in row and "tiny" in row and "running" in row, lines
+
+
 def test_events_streams_lifecycle_over_http(daemon: Daemon, env: dsec.Client) -> None:
     # A separate process reads the stream live while this one creates and destroys.
     since = daemon.engine.events.statistics()["published"]

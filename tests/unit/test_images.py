@@ -295,18 +295,26 @@ def assert_clean_except(store: ImageStore, names: set[str]) -> None:
     assert left == names
 
 
-def test_not_found_lists_available(store: ImageStore, tmp_path: Path) -> None:
+def test_not_found_lists_available_and_suggests_the_name_meant(store: ImageStore, tmp_path: Path) -> None:
+    with pytest.raises(ImageNotFound, match="store is empty") as exc:
+        store.resolve("debian-python")
+    assert "dsec image build debian-python" in str(exc.value)
     with pytest.raises(ImageNotFound, match="store is empty") as exc:
         store.resolve("nope")
-    assert "dsec image build debian-python" in str(exc.value)
+    assert "dsec image import NAME SOURCE" in str(exc.value) and "debian-python" not in str(exc.value)
     src = tmp_path / "src"
     src.mkdir()
     store.import_dir("one", src, uid_shift=0)
     store.import_dir("two", src, uid_shift=0)
+    store.import_dir("debian-python", src, uid_shift=0)
     with pytest.raises(ImageNotFound) as exc:
         store.get("nope")
-    assert "'nope'" in str(exc.value) and "available: one, two" in str(exc.value)
-    assert exc.value.detail == {"image": "nope", "available": ["one", "two"]}
+    assert "'nope'" in str(exc.value) and "available: debian-python, one, two" in str(exc.value)
+    assert exc.value.detail == {"image": "nope", "available": ["debian-python", "one", "two"], "suggestions": []}
+    with pytest.raises(ImageNotFound) as exc:  # a typo: the name meant, not a build command
+        store.get("debian-pyhton")
+    assert "did you mean 'debian-python'?" in str(exc.value) and "dsec image build" not in str(exc.value)
+    assert exc.value.detail["suggestions"] == ["debian-python"]
 
 
 def test_list_and_remove(store: ImageStore, tmp_path: Path) -> None:

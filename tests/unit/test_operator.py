@@ -178,6 +178,9 @@ async def test_audit_records_who_ran_it_per_token(engine: Engine, tmp_path: Path
         page = await c.get("/ui/")
         assert page.status_code == 200 and "dashboard.js" in page.text
         assert (await c.get("/ui", follow_redirects=False)).headers["location"] == "/ui/"
+        # a browser pointed at the daemon's address lands on the dashboard, not on a 401
+        root = await c.get("/", headers={"Accept": "text/html"}, follow_redirects=False)
+        assert root.status_code == 307 and root.headers["location"] == "/ui/"
         assert (await c.get("/ui/dashboard.js")).headers["content-type"].startswith(("text/javascript",
                                                                                      "application/javascript"))
 

@@ -8,8 +8,11 @@ tests/integration/functional/test_image_pull.py.
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import json
+import socket
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -52,6 +55,41 @@ def test_gives_up_after_retries_with_a_clear_error() -> None:
     with client(httpx.MockTransport(handler)) as c, pytest.raises(DSecError, match=r"cannot reach registry reg\.test"):
         c.manifest("team/app", "v1")
     assert calls == 3
+
+
+def test_a_host_that_does_not_resolve_is_named_as_such_even_with_insecure() -> None:
+    """A DNS failure is no TLS problem: the error says the name does not resolve, never "use --insecure"."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        try:
+            raise socket.gaierror(-2, "Name or service not known")
+        except socket.gaierror as exc:
+            raise httpx.ConnectError("[Errno -2] Name or service not known", request=request) from exc
+
+    for insecure in (False, True):
+        with client(httpx.MockTransport(handler), insecure=insecure) as c, pytest.raises(DSecError) as err:
+            c.manifest("team/app", "v1")
+        assert "the host name 'reg.test' does not resolve" in err.value.message
+        assert "insecure" not in err.value.message
+
+
+def test_refused_connections_and_tls_to_a_plain_http_registry_say_what_failed() -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with RegistryClient(f"127.0.0.1:{port}", insecure=True, retries=1) as c, pytest.raises(DSecError) as err:
+        c.manifest("team/app", "v1")
+    assert "nothing accepts connections there" in err.value.message and "insecure" not in err.value.message
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with RegistryClient(f"127.0.0.1:{server.server_port}", retries=1) as c, pytest.raises(DSecError) as err:
+            c.manifest("team/app", "v1")
+        assert "the TLS handshake failed" in err.value.message and "needs --insecure" in err.value.message
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_download_restarts_after_a_cut_connection_and_verifies() -> None:

@@ -40,10 +40,10 @@ from typing import Any
 from dsec.backends.base import ImageRef, workdir_of
 from dsec.backends.microvm import _VM, MiB, MicroVMBackend, accel_arg
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
+from dsec.errors import BackendUnavailable, ImageNotFound, InvalidRequest, SandboxError
 from dsec.guest.accel import QEMU, Accelerator
 from dsec.guest.kernel import default_guest_dir, find_kernel
-from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
+from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, derive_vm_image, find_vm_image
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
@@ -206,10 +206,15 @@ class VMBackend(MicroVMBackend):
                                  f"filesystem for vm disks ({self.sandbox_files})")
         return vcpus, mem_mib, disk_bytes
 
-    def resolve_image(self, name: str) -> ImageRef:
-        """A VM image (not an image of the store): ``rootfs`` is its directory. One built with another guest
-        agent or recipe is refused: the backend and the agent inside must speak the same protocol."""
-        image = find_vm_image(name, self.vm_dir)
+    def resolve_image(self, name: str) -> ImageRef | None:
+        """A VM image (``dsec image build-vm``): ``rootfs`` is its directory. One built with another guest agent or
+        recipe is refused: the backend and the agent inside must speak the same protocol. None when there is no
+        VM image of that name: the engine resolves the DSec image of the store, whose disk :meth:`_erofs`
+        derives on first use."""
+        try:
+            image = find_vm_image(name, self.vm_dir)
+        except ImageNotFound:
+            return None
         if not image.current:
             raise BackendUnavailable(f"VM image {name!r} was built with another guest agent or recipe than this "
                                      f"DSec's: rebuild it with `dsec image build-vm {name}"
@@ -219,7 +224,12 @@ class VMBackend(MicroVMBackend):
     # -- disks, templates ---------------------------------------------------------------------------------
 
     async def _erofs(self, image: ImageRef) -> Path:
-        return find_vm_image(image.name, self.vm_dir).disk
+        """The disk the sandbox boots: the VM image's, or the one derived from a DSec image (built on its first
+        vm create, about a minute; kept per image content for every later one)."""
+        if image.rootfs.parent == self.vm_dir / "images":
+            return find_vm_image(image.name, self.vm_dir).disk
+        derived = await asyncio.to_thread(derive_vm_image, image, self.vm_dir)
+        return derived.disk
 
     @staticmethod
     async def _image_user(image: ImageRef) -> dict[str, Any]:

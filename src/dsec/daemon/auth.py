@@ -310,8 +310,8 @@ class AuthGuard:
 
 def open_path(path: str) -> bool:
     """Paths served without a token: health, and the dashboard's static files (they hold no data; the page
-    asks for a token and sends it with every API call)."""
-    return path == "/v1/health" or path == "/ui" or path.startswith("/ui/")
+    asks for a token and sends it with every API call), and ``/``, which redirects a browser there."""
+    return path in ("/v1/health", "/", "/ui") or path.startswith("/ui/")
 
 
 def _create_route(scope: Scope) -> str | None:

@@ -20,8 +20,10 @@ DASHBOARD_DIR = Path(__file__).with_name("dashboard")
 
 
 def mount_ui(app: FastAPI) -> None:
-    """Serve the dashboard at ``/ui/`` (``/ui`` redirects there)."""
+    """Serve the dashboard at ``/ui/`` (``/ui`` and ``/``, where a browser pointed at the daemon lands, redirect
+    there)."""
 
+    @app.get("/", include_in_schema=False)
     @app.get("/ui", include_in_schema=False)
     async def ui_root() -> RedirectResponse:
         return RedirectResponse("/ui/")

@@ -15,11 +15,13 @@ command line is :func:`dsec.images.build.mmdebstrap_command`'s.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -32,11 +34,12 @@ from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidReq
 from dsec.guest.initramfs import ensure_agent
 from dsec.guest.kernel import default_guest_dir
 from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
-from dsec.images.store import validate_name
+from dsec.images.store import ImageStore, validate_name
 from dsec.isolation.idmap import unshifted_view
 
-__all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "default_vm_dir",
-           "find_vm_image", "list_vm_images", "recipe_digest"]
+__all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "check_bootable",
+           "default_vm_dir", "derive_vm_image", "derived_state", "find_vm_image", "image_backends", "image_machine",
+           "list_vm_images", "recipe_digest", "source_identity"]
 
 BASE_PACKAGES = ("systemd", "systemd-sysv", "udev", "linux-image-amd64", "initramfs-tools", "kmod", "procps",
                  "e2fsprogs", "iproute2", "python3", "ca-certificates")
@@ -197,15 +200,22 @@ def find_vm_image(name: str, vm_dir: Path | None = None) -> VMImage:
     """The VM image ``name``; raises :class:`ImageNotFound` naming how to build it."""
     validate_name(name)
     d = (vm_dir or default_vm_dir()) / "images" / name
+    image = _load(d, name)
+    if image is None:
+        raise ImageNotFound(f"no VM image {name!r} in {d.parent}: build it with `dsec image build-vm {name}`",
+                            image=name)
+    return image
+
+
+def _load(d: Path, name: str) -> VMImage | None:
+    """The complete VM image in directory ``d``, or None."""
     try:
         meta = json.loads((d / "image.json").read_text())
     except (OSError, ValueError):
-        raise ImageNotFound(f"no VM image {name!r} in {d.parent}: build it with `dsec image build-vm {name}`",
-                            image=name) from None
+        return None
     for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
         if not (d / f).is_file():
-            raise ImageNotFound(f"VM image {name!r} is incomplete: {d / f} is missing (rebuild it with "
-                                f"`dsec image build-vm {name} --replace`)", image=name)
+            return None
     return VMImage(name, d, d / "disk.qcow2", d / "vmlinuz", d / "initrd.img", bool(meta.get("desktop")),
                    int(meta.get("disk_bytes", _DISK_SIZE)), meta)
 
@@ -258,6 +268,8 @@ def _configure(root: Path, desktop: bool) -> str:
     (root / "workspace").mkdir(exist_ok=True)
     # the clone's identity is set by the agent at create; an empty machine-id makes systemd make one at boot
     (root / "etc/machine-id").write_text("")
+    if not os.path.lexists(root / "sbin/init"):
+        raise DSecError("the system has no /sbin/init (systemd-sysv was not installed?): it cannot boot")
     kernels = sorted((root / "boot").glob("vmlinuz-*"))
     if not kernels:
         raise DSecError("the bootstrapped system has no kernel in /boot (linux-image-amd64 not installed?)")
@@ -270,11 +282,7 @@ def _configure(root: Path, desktop: bool) -> str:
 def _tree_from(source: ImageRef, tree: Path, packages: list[str], log: Path | None) -> None:
     """``source``'s root with its real owners in ``tree``, plus ``packages`` installed by the tree's own apt
     (in a chroot, with the host's apt sources and options)."""
-    for tool in ("usr/bin/apt-get", "usr/bin/dpkg"):
-        if not (source.rootfs / tool).exists():
-            raise InvalidRequest(f"image {source.name!r} has no /{tool}: build-vm --from needs a Debian-based "
-                                 "image (its own apt installs the kernel, systemd and the agent's needs)",
-                                 image=source.name)
+    check_bootable(source)
     check_packages(packages)
     tree.mkdir()
     if source.uid_shift:
@@ -336,20 +344,26 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
     validate_name(name)
     if disk_bytes < 1024**3:
         raise InvalidRequest(f"disk_bytes={disk_bytes} is too small for a VM image (at least 1 GiB)")
-    for tool, pkg in (("mkfs.ext4", "e2fsprogs"), ("qemu-img", "qemu-utils")):
-        if shutil.which(tool) is None:
-            raise BackendUnavailable(f"{tool} not found: apt-get install {pkg}", package=pkg)
-    root_dir = (vm_dir or default_vm_dir()) / "images"
-    target = root_dir / name
+    target = (vm_dir or default_vm_dir()) / "images" / name
     if target.exists() and not replace:
         raise InvalidRequest(f"VM image {name!r} exists: pass --replace to rebuild it", image=name)
     wanted = [*BASE_PACKAGES, *(DESKTOP_PACKAGES if desktop else ()), *(packages or [])]
-    root_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=root_dir))
+    _build(target, wanted, desktop, suite, disk_bytes, log, source)
+    return find_vm_image(name, vm_dir)
+
+
+def _build(target: Path, wanted: list[str], desktop: bool, suite: str, disk_bytes: int, log: Path | None,
+           source: ImageRef | None) -> None:
+    """Build a VM image of ``wanted`` packages into directory ``target`` (replaced whole once complete)."""
+    for tool, pkg in (("mkfs.ext4", "e2fsprogs"), ("qemu-img", "qemu-utils")):
+        if shutil.which(tool) is None:
+            raise BackendUnavailable(f"{tool} not found: apt-get install {pkg}", package=pkg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=target.parent))
     try:
         tree = work / "rootfs"
         if source is None:
-            run_mmdebstrap(mmdebstrap_command(wanted, suite, tree, hooks=[_INITRAMFS_HOOK]), name, log)
+            run_mmdebstrap(mmdebstrap_command(wanted, suite, tree, hooks=[_INITRAMFS_HOOK]), target.name, log)
         else:
             _tree_from(source, tree, wanted, log)
         version = _configure(tree, desktop)
@@ -362,18 +376,136 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
               str(disk_bytes // 1024) + "k"])
         _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / "disk.qcow2")])
         os.chmod(out / "disk.qcow2", 0o444)
-        meta = {"name": name, "suite": suite if source is None else None, "packages": wanted, "desktop": desktop,
-                "kernel": version, "disk_bytes": disk_bytes, "built_at": time.time(),
-                "from": source.name if source is not None else None, "recipe": recipe_digest(desktop)}
+        meta = {"name": target.name, "suite": suite if source is None else None, "packages": wanted,
+                "desktop": desktop, "kernel": version, "disk_bytes": disk_bytes, "built_at": time.time(),
+                "from": source.name if source is not None else None,
+                "digest": source.digest if source is not None else None, "recipe": recipe_digest(desktop)}
         (out / "image.json").write_text(json.dumps(meta, indent=2))
         os.chmod(out, 0o755)
         if target.exists():
-            trash = work / "old"
-            target.rename(trash)
+            target.rename(work / "old")
         out.rename(target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return find_vm_image(name, vm_dir)
+
+
+_ELF_MACHINES = {3: "i386", 8: "mips", 20: "ppc", 21: "ppc64", 22: "s390x", 40: "arm", 62: "x86_64",
+                 183: "aarch64", 243: "riscv64"}
+_HOST_MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+def image_machine(root: Path) -> str | None:
+    """The machine an image's binaries are built for (from the ELF header of its dpkg or apt-get), or None when
+    it has neither as a regular ELF file. Symlinks in the image are never followed (they may point out of it)."""
+    for rel in ("usr/bin/dpkg", "usr/bin/apt-get"):
+        try:
+            fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            head = os.pread(fd, 20, 0)
+        finally:
+            os.close(fd)
+        if head[:4] != b"\x7fELF" or len(head) < 20:
+            continue
+        machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+        return _ELF_MACHINES.get(machine, f"ELF machine {machine}")
+    return None
+
+
+def check_bootable(source: ImageRef) -> None:
+    """InvalidRequest naming ``source`` when it cannot become a VM disk: no apt and dpkg of its own to install
+    the kernel, systemd and the agent's needs with, or binaries for another machine than this host's. Its
+    ``reason`` detail says why in a few words."""
+    for tool in ("usr/bin/apt-get", "usr/bin/dpkg"):
+        if not os.path.lexists(source.rootfs / tool):
+            raise InvalidRequest(f"image {source.name!r} cannot boot as a vm: it has no /{tool}, and a vm disk is made "
+                                 "by the image's own apt adding Debian's kernel and systemd (use a Debian-based image, "
+                                 "or backend='container', 'function' or 'microvm', which run any image)",
+                                 image=source.name, reason=f"no /{tool}")
+    machine = image_machine(source.rootfs)
+    host = _HOST_MACHINE.get(os.uname().machine, os.uname().machine)
+    if machine is not None and machine != host:
+        raise InvalidRequest(f"image {source.name!r} cannot boot here: its binaries are for {machine}, this host runs "
+                             f"{host} guests", image=source.name, reason=f"built for {machine}")
+
+
+def _derived_dir(identity: str, vm_dir: Path | None) -> Path:
+    return (vm_dir or default_vm_dir()) / "derived" / hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def source_identity(source: ImageRef) -> str:
+    """What names a DSec image's content for its derived disk: a chunked image's manifest digest; a directory
+    image's root path, inode and mtime."""
+    if source.digest is not None:
+        return f"digest:{source.digest.removeprefix('sha256:')}"
+    st = source.rootfs.stat()
+    return f"dir:{source.rootfs.resolve()}:{st.st_ino}:{st.st_mtime_ns}"
+
+
+def derived_state(identity: str, vm_dir: Path | None = None) -> str:
+    """Whether the vm backend can boot the DSec image of ``identity`` now: ``"ready"`` (its disk is built and
+    current), ``"refused: <why>"`` (it cannot boot), or ``"on first use"`` (derived by the first vm create)."""
+    d = _derived_dir(identity, vm_dir)
+    image = _load(d, d.name)
+    if image is not None and image.current:
+        return "ready"
+    known = _refusal(d.with_suffix(".refused"))
+    return "on first use" if known is None else f"cannot boot: {known[0]}"
+
+
+def _refusal(path: Path) -> tuple[str, str] | None:
+    """(reason, message) of a kept refusal, or None."""
+    try:
+        data = json.loads(path.read_text())
+        return str(data["reason"]), str(data["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def image_backends(store: ImageStore, name: str, vm_dir: Path | None = None) -> dict[str, str]:
+    """Backend -> ``"ready"``, ``"on first use"`` or ``"cannot boot: <why>"`` for DSec image ``name`` of ``store``:
+    container, function and microvm run any image; vm boots a disk derived from it (:func:`derive_vm_image`)."""
+    digest = store.tag(name)
+    if digest is not None:
+        identity = f"digest:{digest.removeprefix('sha256:')}"
+    else:
+        identity = source_identity(ImageRef(name=name, rootfs=store.path(name) / "rootfs"))
+    return {"container": "ready", "function": "ready", "microvm": "ready", "vm": derived_state(identity, vm_dir)}
+
+
+def derive_vm_image(source: ImageRef, vm_dir: Path | None = None) -> VMImage:
+    """The vm backend's bootable disk of DSec image ``source``, built on first use as ``dsec image build-vm
+    --from`` builds one (the image's files and owners, its own apt adding Debian's kernel, systemd and the agent's
+    needs) and kept per image content (:func:`source_identity`) and recipe: later creates, of any home and any
+    daemon of the node, reuse it. Blocking (a first build takes about a minute); builds of one image wait for
+    each other. An image that cannot boot (:func:`check_bootable`) is refused, and that is kept too."""
+    d = _derived_dir(source_identity(source), vm_dir)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon's build of the same image: wait for it, then reuse it
+        image = _load(d, source.name)
+        if image is not None and image.current:
+            return image
+        refused = d.with_suffix(".refused")
+        known = _refusal(refused)
+        if known is not None:
+            raise InvalidRequest(known[1], image=source.name, reason=known[0])
+        try:
+            check_bootable(source)
+        except InvalidRequest as e:  # the image's content cannot change under its digest: kept
+            refused.write_text(json.dumps({"reason": e.detail.get("reason"), "message": e.message}))
+            raise
+        _build(d, list(BASE_PACKAGES), False, "bookworm", _DISK_SIZE, d.with_suffix(".log"), source)
+    finally:
+        os.close(fd)
+    built = _load(d, source.name)
+    if built is None:
+        raise DSecError(f"the vm disk derived from image {source.name!r} is incomplete in {d}")
+    return built
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import socket
+import ssl
 import tempfile
 import time
 from collections.abc import Callable, Generator
@@ -158,6 +160,28 @@ def _registry_errors(response: httpx.Response) -> str:
         return response.text[:200]
 
 
+def _transport_problem(exc: httpx.TransportError, client: RegistryClient) -> str:
+    """What failed, said plainly: the host name, the connection, TLS (where plain HTTP is the likely fix) or time."""
+    causes: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(causes) < 8:
+        causes.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(c) for c in causes)
+    host = client.registry.rsplit(":", 1)[0] if not client.registry.endswith("]") else client.registry
+    if any(isinstance(c, socket.gaierror) for c in causes) or "Name or service not known" in text \
+            or "name resolution" in text:
+        return (f"the host name {host!r} does not resolve ({exc}); check the reference's registry part (a registry "
+                "on this machine is 127.0.0.1:PORT)")
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {client.http.timeout.connect or 'the'} s ({type(exc).__name__})"
+    if any(isinstance(c, ssl.SSLError) for c in causes) and not client.insecure:
+        return f"the TLS handshake failed ({exc}): a plain HTTP registry needs --insecure"
+    if any(isinstance(c, ConnectionRefusedError) for c in causes) or "refused" in text:
+        return f"nothing accepts connections there ({exc}): is the registry running, on that port?"
+    return str(exc) or type(exc).__name__
+
+
 class RegistryClient:
     """One registry (``host[:port]``); ``insecure=True`` speaks plain HTTP (a registry on loopback)."""
 
@@ -165,6 +189,7 @@ class RegistryClient:
                  password: str | None = None, timeout: float = 60.0, retries: int = 3,
                  transport: httpx.BaseTransport | None = None, backoff: float = 0.5) -> None:
         self.registry = registry
+        self.insecure = insecure
         self.retries = retries
         self.backoff = backoff
         scheme = "http" if insecure else "https"
@@ -190,8 +215,8 @@ class RegistryClient:
                 if attempt + 1 < self.retries:
                     time.sleep(self.backoff * 2**attempt)
                     continue
-                raise DSecError(f"cannot reach registry {self.registry} for {what}: {exc} (plain HTTP registry? "
-                                "use --insecure)", registry=self.registry) from None
+                raise DSecError(f"cannot reach registry {self.registry} for {what}: {_transport_problem(exc, self)}",
+                                registry=self.registry) from None
             if response.status_code in _RETRY_STATUS and attempt + 1 < self.retries:
                 time.sleep(self.backoff * 2**attempt)
                 continue

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import difflib
 import errno
 import fcntl
 import json
@@ -195,12 +196,17 @@ class ImageStore:
 
     def _not_found(self, name: str) -> ImageNotFound:
         names = self.names()
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        if close:  # a typo: the fix is the right name, not a build
+            hint = "did you mean " + " or ".join(repr(n) for n in close) + "?"
+        elif name == "debian-python":
+            hint = "build it with `dsec image build debian-python` (./scripts/setup does)"
+        else:
+            hint = ("build one with `dsec image build NAME --packages ...`, import a directory or archive with "
+                    "`dsec image import NAME SOURCE`, or pull one with `dsec image pull REF`")
         have = f"available: {', '.join(names)}" if names else "the store is empty"
-        return ImageNotFound(
-            f"image {name!r} not found in {self.blobs.url} ({have}); build the base image with "
-            "`dsec image build debian-python` or import a directory with `dsec image import NAME DIR`",
-            image=name, available=names,
-        )
+        return ImageNotFound(f"image {name!r} not found in {self.blobs.url} ({have}); {hint}", image=name,
+                             available=names, suggestions=close)
 
     def stats(self, name: str) -> ImageStats:
         """Size, chunk count and bytes shared with other images, for ``dsec image inspect``."""
