@@ -100,6 +100,9 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             image = fast.resolve_image(image_name)
         except DSecError as e:
             raise BenchUnavailable(str(e)) from None
+        if image is None:
+            raise BenchUnavailable(f"no VM image {image_name!r}: build it with `dsec image build-vm {image_name} "
+                                   "--desktop` (./scripts/setup does)")
         await fast.start()
         await fast.wait_accelerator()
         cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
