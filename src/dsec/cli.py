@@ -502,9 +502,7 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
     """Build VM disk image NAME for backend="vm" with mmdebstrap, or from a DSec image (needs root): Debian's
     kernel, systemd, the guest agent as a service, optionally a desktop. Stored under /var/lib/dsec/vm/images
     (DSEC_VM_DIR)."""
-    from dsec.config import Settings
     from dsec.guest.vmimage import build_vm_image
-    from dsec.images.node import NodeImages
     from dsec.models import parse_size
 
     pkgs = [p.strip() for p in packages.split(",") if p.strip()] if packages else None
@@ -512,22 +510,44 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
     if from_image is None:
         img = build_vm_image(name, desktop=desktop, packages=pkgs, suite=suite, disk_bytes=size, replace=replace)
     else:
-        from dsec.daemon.server import daemon_answers
-
-        settings = Settings()
-        # Its limits: if it starts the lazy server, a daemon started later adopts that server as it is.
-        images = NodeImages(settings, cache_limit=settings.image_cache_limit, prefetch=False)
-        source = images.resolve(from_image)  # a chunked image is mounted (lazily) for the copy
-        try:
+        with _mounted_image(from_image) as source:
             img = build_vm_image(name, desktop=desktop, packages=pkgs, disk_bytes=size, replace=replace,
                                  source=source)
-        finally:
-            images.release(source)
-            # The node's daemon, if one runs, may have taken the mount over: it stays warm for it.
-            if not daemon_answers(settings):
-                images.close_own_sync()
     click.echo(f"built VM image {img.name}: {img.disk} (kernel {img.meta['kernel']}, "
                f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk{', desktop' if img.desktop else ''})")
+
+
+@image.command(name="derive-vm")
+@click.argument("name")
+def image_derive_vm(name: str) -> None:
+    """Derive the vm backend's disk of image NAME now (what its first backend="vm" create does otherwise, about a
+    minute): its files and owners plus Debian's kernel, systemd and the agent, kept per image content."""
+    from dsec.guest.vmimage import derive_vm_image
+
+    with _mounted_image(name) as source:
+        img = derive_vm_image(source)
+    click.echo(f"vm disk of image {name}: {img.disk} (kernel {img.meta['kernel']}, "
+               f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk)")
+
+
+@contextlib.contextmanager
+def _mounted_image(name: str) -> Iterator[Any]:
+    """Store image ``name`` mounted (lazily) as the node mounts it, for a copy of its root."""
+    from dsec.config import Settings
+    from dsec.daemon.server import daemon_answers
+    from dsec.images.node import NodeImages
+
+    settings = Settings()
+    # Its limits: if it starts the lazy server, a daemon started later adopts that server as it is.
+    images = NodeImages(settings, cache_limit=settings.image_cache_limit, prefetch=False)
+    source = images.resolve(name)
+    try:
+        yield source
+    finally:
+        images.release(source)
+        # The node's daemon, if one runs, may have taken the mount over: it stays warm for it.
+        if not daemon_answers(settings):
+            images.close_own_sync()
 
 
 @image.command(name="ls")
