@@ -546,3 +546,26 @@ def test_tiny_real_trajectory_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert got["latencies_s"]["exec_true_trajectory"]["n"] == got["latencies_s"]["exec_true_plain"]["n"] > 0
     assert got["fast_forward"] and got["checkpoints"]
     assert [r["metric"] for r in got["rows"]], "no row in the table"
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_startup_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debian_python_image: object) -> None:
+    """The startup suite tiny: first starts on this host and with a stand-in KVM that hangs, each to its first
+    health answer and container exec, nothing of any daemon (its probe's QEMU included) left running."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("DSEC_BENCH_SCALE", "0.05")
+    monkeypatch.setenv("DSEC_ACCEL_PROBE_SECONDS", "6")  # the hanging probe outlasts the first exec
+    out = tmp_path / "s.json"
+    code = bench.main("startup", out, console=Console(width=200, file=io.StringIO()))
+    document = json.loads(out.read_text())
+    assert code == 0, document["failed"]
+    got = document["suites"]["startup"]
+    assert got["leaks"] == []
+    for host in ("this host", "KVM hangs"):
+        lat = got["latencies_s"]
+        assert lat[f"{host}: start → health"]["n"] == 2
+        assert 0 < lat[f"{host}: start → health"]["p50"] < lat[f"{host}: start → first container exec"]["p50"]
+    # on the hanging host the verdict comes only when the probe gives up, long after the first exec
+    assert got["latencies_s"]["KVM hangs: start → microvm and vm decided"]["min"] >= 6

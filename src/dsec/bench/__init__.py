@@ -43,7 +43,7 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster")
+SUITES = ("startup", "container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
@@ -76,6 +76,10 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
         return run_builds(samples=max(2, round(3 * scale)), progress=progress)
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
+    if name == "startup":
+        from dsec.bench.startup import run as run_startup
+
+        return _run_lean(run_startup(samples=max(2, round(5 * scale)), progress=progress))
     if name == "trajectory":
         return asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
     if name == "microvm":
