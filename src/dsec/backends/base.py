@@ -86,10 +86,11 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Stop host-side machinery. Live sandboxes are left running for a later ``recover``."""
 
-    def release_host(self) -> list[str]:
-        """For a daemon of this home that died with no sandbox left (its janitor calls this on an unstarted
-        backend, blocking): end what :meth:`aclose` would have ended and remove what it would have removed
-        (helpers kept for live sandboxes, their directories and cgroups). Returns what it did."""
+    def release_host(self, live: set[str]) -> list[str]:
+        """For a daemon of this home that died (its janitor calls this on an unstarted backend, blocking): end
+        what it started that nobody will re-adopt (anything of a sandbox not in ``live``, the ids of the running and
+        paused records it left; with none, what :meth:`aclose` ends when no sandbox is left, and its directories
+        and cgroups). Never touches a sandbox in ``live``. Returns what it did."""
         return []
 
     def available(self) -> str:

@@ -204,9 +204,9 @@ class ContainerBackend(Backend):
                 os.close(self._runtime_exe)
                 self._runtime_exe = None
 
-    def release_host(self) -> list[str]:
-        if self._sandbox_dirs():
-            return ["sandbox directories left: the mount holder stays"]
+    def release_host(self, live: set[str]) -> list[str]:
+        if live or self._sandbox_dirs():  # the next daemon re-adopts or destroys them through the holder
+            return []
         done = []
         if MountHolder(Path("dsec-rtshim"), self.root / "mntns.pid", self._tag).stop_left_behind():
             done.append("mount holder ended")

@@ -108,7 +108,8 @@ class FunctionBackend(Backend):
             await asyncio.to_thread(zygote.close)
         self._zygotes.clear()
 
-    def release_host(self) -> list[str]:
+    def release_host(self, live: set[str]) -> list[str]:
+        # The zygotes died with the daemon (PR_SET_PDEATHSIG); the workspaces stay for the next daemon's recover().
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
             with contextlib.suppress(OSError):  # only an empty parent goes
                 os.rmdir(d)

@@ -221,15 +221,34 @@ class MicroVMBackend(Backend):
             with contextlib.suppress(OSError):  # dsec-<tag> (background_group makes it in every joined hierarchy)
                 os.rmdir(Path(d).parent)  # unless the container backend still uses it
 
-    def release_host(self) -> list[str]:
+    def release_host(self, live: set[str]) -> list[str]:
+        """The QEMUs of template boots and of creates the dead daemon left unfinished (a cold boot spins a core
+        for a minute or more) are ended: nothing re-adopts them. With no live sandbox, the rest goes too."""
+        done = []
+        for parent in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
+            with contextlib.suppress(OSError):
+                for child in Path(parent).iterdir():
+                    if child.is_dir() and child.name.startswith(("sb-", "tpl-")) and child.name not in live:
+                        cg = self._cgroups(child.name)
+                        if cg.pids():
+                            done.append(f"ended the QEMU of unfinished {child.name}")
+                        for _ in range(200):  # a killed QEMU leaves its cgroup within milliseconds
+                            cg.kill_all()
+                            if not cg.pids():
+                                break
+                            time.sleep(0.01)
+                        with contextlib.suppress(OSError):
+                            cg.remove()
+        if live:
+            return sorted(set(done))
         if not self.networks.network.indexes():
             self.networks.network.drop_table()
         self._remove_run_root()
         for d in CgroupSet.at(f"/{self.cgroup_parent}").dirs.values():
-            with contextlib.suppress(OSError):  # only empty ones go: a live QEMU's keeps its parent
+            with contextlib.suppress(OSError):  # only empty ones go: a QEMU just killed keeps its cgroup a moment
                 os.rmdir(d)
                 os.rmdir(Path(d).parent)
-        return []
+        return sorted(set(done))
 
     def pending(self) -> str | None:
         return self.accelerator.pending() if self.accel is None and self.accelerator is not None else None

@@ -9,9 +9,10 @@ With no sandbox left, nothing would ever end them; the janitor does.
 The daemon starts it with the read end of a pipe whose write end only the daemon holds (close-on-exec). It
 writes ``clean`` before it exits by itself (its own close released everything); end-of-file without it means
 the daemon died. The janitor then takes the home's lock (a new daemon that took it first cleans up by itself:
-the janitor leaves), and if the home holds no sandbox record, ends the mount holder, unmounts the images,
-stops the lazy image server and removes the directories and cgroups the daemon's own close would have
-removed. With any record left it changes nothing: the next daemon re-adopts or destroys those sandboxes.
+the janitor leaves), ends what nobody will re-adopt (the QEMU of a template boot or of a create the daemon left
+unfinished), and if the home holds no sandbox record, ends the mount holder, unmounts the images, stops the lazy
+image server and removes the directories and cgroups the daemon's own close would have removed. A running or
+paused sandbox and what it needs are never touched: the next daemon re-adopts them.
 
 This module owns that cleanup and the janitor's process; it must never touch a home whose lock another
 process holds, nor anything of a sandbox that has a record.
@@ -100,21 +101,22 @@ def _lock(settings: Settings) -> int | None:
 
 
 def clean_up(settings: Settings) -> list[str]:
-    """What a daemon's own close releases when no sandbox is left, for a daemon that died; returns what was
-    done. Call with the home's lock held. With any sandbox record left, does nothing."""
+    """For a daemon that died: end what nobody will re-adopt (the unfinished creates' QEMUs), and with no sandbox
+    record left, what its own close releases; returns what was done. Call with the home's lock held."""
     from dsec.daemon.engine import BACKENDS
     from dsec.daemon.state import StateStore
 
     records = StateStore.peek(settings.state_db) if settings.state_db.exists() else {}
-    if records:
-        return [f"{len(records)} sandbox record(s) left for the next daemon: its helpers stay"]
+    live = {r.id for r in records.values() if r.state in ("running", "paused")}
     done = []
     for name, (module, cls_name) in BACKENDS.items():
         try:
             backend = getattr(importlib.import_module(module), cls_name)(settings)
-            done += [f"{name}: {what}" for what in backend.release_host()]
+            done += [f"{name}: {what}" for what in backend.release_host(live)]
         except Exception as exc:  # one backend's leftovers must not keep the others'
             done.append(f"{name}: cleanup failed: {type(exc).__name__}: {exc}")
+    if records:
+        return [*done, f"{len(records)} sandbox record(s) left for the next daemon: the helpers they need stay"]
     if (settings.home / "lazy").exists():
         from dsec.images.node import NodeImages
 

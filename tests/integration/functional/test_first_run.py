@@ -207,3 +207,46 @@ def test_up_names_the_phase_a_stuck_daemon_is_in_and_leaves_nothing(host: tuple[
     tail = message.split("log tail:\n", 1)[1]
     assert f"start-up phase: {frozen[0]}" in tail
     assert traces(settings.home) == []
+
+
+@pytest.mark.slow
+@pytest.mark.vm
+def test_a_killed_daemon_leaves_no_qemu_of_an_unfinished_create(host: tuple[Settings, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILLed while a microvm's first create boots its template, the daemon leaves no QEMU spinning: its janitor
+    ends what nobody will re-adopt; the next daemon drops the half-made sandbox."""
+    settings, bin_dir = host
+    monkeypatch.setenv("PATH", os.environ["PATH"].removeprefix(f"{bin_dir}:"))  # the real QEMU this time
+    monkeypatch.setenv("DSEC_MICROVM_ACCEL", "tcg")
+    pid = up(settings, timeout=60)
+    tag = home_tag(settings.home)
+
+    def qemus() -> list[int]:
+        return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and alive(int(p.name))
+                and f"/run/dsec-vm/{tag}/".encode() in _cmdline(p)]
+
+    def create() -> None:
+        with contextlib.suppress(dsec.DSecError), dsec.Client(f"unix://{settings.socket_path}") as client:
+            dsec.Sandbox.create(image="debian-python", backend="microvm", client=client)
+
+    creating = threading.Thread(target=create, daemon=True)
+    creating.start()
+    assert wait_until(qemus, timeout=120), "no QEMU started for the create"
+    status = read_status(settings)
+    assert status is not None and status.janitor is not None
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not qemus(), timeout=60), "the unfinished create's QEMU outlived the killed daemon"
+    assert wait_until(lambda: not alive(status.janitor[0]), timeout=60)
+    creating.join(60)
+    up(settings, timeout=60)  # re-adopts nothing: the half-made sandbox is dropped
+    with dsec.Client(f"unix://{settings.socket_path}") as client:
+        assert dsec.Sandbox.list(client=client) == []
+    assert down(settings)
+    assert traces(settings.home) == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return proc.joinpath("cmdline").read_bytes()
+    except OSError:
+        return b""
