@@ -522,10 +522,10 @@ def image_build_vm(name: str, desktop: bool, packages: str | None, suite: str, d
 def image_derive_vm(name: str) -> None:
     """Derive the vm backend's disk of image NAME now (what its first backend="vm" create does otherwise, about a
     minute): its files and owners plus Debian's kernel, systemd and the agent, kept per image content."""
-    from dsec.guest.vmimage import derive_vm_image
+    from dsec.guest.vmderive import derive_in_helper
 
     with _mounted_image(name) as source:
-        img = derive_vm_image(source)
+        img = derive_in_helper(source)
     click.echo(f"vm disk of image {name}: {img.disk} (kernel {img.meta['kernel']}, "
                f"{img.disk.stat().st_size / 1024**2:.0f} MiB on disk)")
 
@@ -555,7 +555,8 @@ def _mounted_image(name: str) -> Iterator[Any]:
 def image_ls(as_json: bool) -> None:
     """List images and the backends each one is ready for (the vm backend boots a disk derived from a DSec image on
     its first vm create; VM images built with `dsec image build-vm` boot on vm only)."""
-    from dsec.guest.vmimage import image_backends, list_vm_images
+    from dsec.guest.vmderive import image_backends
+    from dsec.guest.vmimage import list_vm_images
 
     store = _store()
     infos = store.list()

@@ -28,7 +28,8 @@ from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.demo import rollout
 from dsec.errors import DSecError, InvalidRequest
-from dsec.guest.vmimage import build_vm_image, derive_vm_image, derived_state, image_backends, source_identity
+from dsec.guest.vmderive import derive_vm_image, derived_state, image_backends, source_identity
+from dsec.guest.vmimage import build_vm_image
 from dsec.images.node import NodeImages
 from dsec.images.store import ImageStore
 

@@ -43,7 +43,8 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, ImageNotFound, InvalidRequest, SandboxError
 from dsec.guest.accel import QEMU, Accelerator
 from dsec.guest.kernel import default_guest_dir, find_kernel
-from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, derive_vm_image, find_vm_image
+from dsec.guest.vmderive import derive_in_helper
+from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
@@ -228,7 +229,7 @@ class VMBackend(MicroVMBackend):
         vm create, about a minute; kept per image content for every later one)."""
         if image.rootfs.parent == self.vm_dir / "images":
             return find_vm_image(image.name, self.vm_dir).disk
-        derived = await asyncio.to_thread(derive_vm_image, image, self.vm_dir)
+        derived = await asyncio.to_thread(derive_in_helper, image, self.vm_dir)
         return derived.disk
 
     @staticmethod

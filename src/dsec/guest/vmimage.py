@@ -15,7 +15,6 @@ command line is :func:`dsec.images.build.mmdebstrap_command`'s.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -34,12 +33,12 @@ from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidReq
 from dsec.guest.initramfs import ensure_agent
 from dsec.guest.kernel import default_guest_dir
 from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
-from dsec.images.store import ImageStore, validate_name
+from dsec.images.store import validate_name
 from dsec.isolation.idmap import unshifted_view
 
-__all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "VMImage", "build_vm_image", "check_bootable",
-           "default_vm_dir", "derive_vm_image", "derived_state", "find_vm_image", "image_backends", "image_machine",
-           "list_vm_images", "recipe_digest", "source_identity"]
+__all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "DISK_SIZE", "VMImage", "build_into", "build_vm_image",
+           "check_bootable", "default_vm_dir", "find_vm_image", "image_machine", "list_vm_images", "load_vm_image",
+           "recipe_digest"]
 
 BASE_PACKAGES = ("systemd", "systemd-sysv", "udev", "linux-image-amd64", "initramfs-tools", "kmod", "procps",
                  "e2fsprogs", "iproute2", "python3", "ca-certificates")
@@ -54,7 +53,8 @@ window manager and xterm."""
 AGENT_PORT = "dsec.agent"
 """Name of the virtio-serial port the agent serves (udev links it as /dev/virtio-ports/dsec.agent)."""
 
-_DISK_SIZE = 4 * 1024**3
+DISK_SIZE = 4 * 1024**3
+"""Size of a VM image's root filesystem unless asked otherwise."""
 _INITRAMFS_SETUP = ('mkdir -p "$1/etc/initramfs-tools/conf.d" "$1/usr/share/initramfs-tools/modules.d" && '
                     'echo MODULES=list > "$1/etc/initramfs-tools/conf.d/dsec.conf" && '
                     'printf "virtio_pci\\nvirtio_blk\\next4\\n" > "$1/usr/share/initramfs-tools/modules.d/dsec"')
@@ -200,14 +200,14 @@ def find_vm_image(name: str, vm_dir: Path | None = None) -> VMImage:
     """The VM image ``name``; raises :class:`ImageNotFound` naming how to build it."""
     validate_name(name)
     d = (vm_dir or default_vm_dir()) / "images" / name
-    image = _load(d, name)
+    image = load_vm_image(d, name)
     if image is None:
         raise ImageNotFound(f"no VM image {name!r} in {d.parent}: build it with `dsec image build-vm {name}`",
                             image=name)
     return image
 
 
-def _load(d: Path, name: str) -> VMImage | None:
+def load_vm_image(d: Path, name: str) -> VMImage | None:
     """The complete VM image in directory ``d``, or None."""
     try:
         meta = json.loads((d / "image.json").read_text())
@@ -217,7 +217,7 @@ def _load(d: Path, name: str) -> VMImage | None:
         if not (d / f).is_file():
             return None
     return VMImage(name, d, d / "disk.qcow2", d / "vmlinuz", d / "initrd.img", bool(meta.get("desktop")),
-                   int(meta.get("disk_bytes", _DISK_SIZE)), meta)
+                   int(meta.get("disk_bytes", DISK_SIZE)), meta)
 
 
 def list_vm_images(vm_dir: Path | None = None) -> list[VMImage]:
@@ -331,7 +331,7 @@ def _tree_from(source: ImageRef, tree: Path, packages: list[str], log: Path | No
 
 
 def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None = None, suite: str = "bookworm",
-                   disk_bytes: int = _DISK_SIZE, replace: bool = False, vm_dir: Path | None = None,
+                   disk_bytes: int = DISK_SIZE, replace: bool = False, vm_dir: Path | None = None,
                    log: Path | None = None, source: ImageRef | None = None) -> VMImage:
     """Bootstrap a bootable Debian (plus ``packages``, plus the desktop) and store it as VM image ``name``;
     with ``source`` (a DSec image), start from that image's root instead and add the same packages with its
@@ -348,13 +348,14 @@ def build_vm_image(name: str, desktop: bool = False, packages: list[str] | None 
     if target.exists() and not replace:
         raise InvalidRequest(f"VM image {name!r} exists: pass --replace to rebuild it", image=name)
     wanted = [*BASE_PACKAGES, *(DESKTOP_PACKAGES if desktop else ()), *(packages or [])]
-    _build(target, wanted, desktop, suite, disk_bytes, log, source)
+    build_into(target, wanted, desktop, suite, disk_bytes, log, source)
     return find_vm_image(name, vm_dir)
 
 
-def _build(target: Path, wanted: list[str], desktop: bool, suite: str, disk_bytes: int, log: Path | None,
+def build_into(target: Path, wanted: list[str], desktop: bool, suite: str, disk_bytes: int, log: Path | None,
            source: ImageRef | None) -> None:
-    """Build a VM image of ``wanted`` packages into directory ``target`` (replaced whole once complete)."""
+    """Build a VM image of ``wanted`` packages into directory ``target`` (replaced whole once complete), in a
+    temporary ``.build-<target name>-*`` directory beside it, removed at the end."""
     for tool, pkg in (("mkfs.ext4", "e2fsprogs"), ("qemu-img", "qemu-utils")):
         if shutil.which(tool) is None:
             raise BackendUnavailable(f"{tool} not found: apt-get install {pkg}", package=pkg)
@@ -430,86 +431,3 @@ def check_bootable(source: ImageRef) -> None:
     if machine is not None and machine != host:
         raise InvalidRequest(f"image {source.name!r} cannot boot here: its binaries are for {machine}, this host runs "
                              f"{host} guests", image=source.name, reason=f"built for {machine}")
-
-
-def _derived_dir(identity: str, vm_dir: Path | None) -> Path:
-    return (vm_dir or default_vm_dir()) / "derived" / hashlib.sha256(identity.encode()).hexdigest()[:16]
-
-
-def source_identity(source: ImageRef) -> str:
-    """What names a DSec image's content for its derived disk: a chunked image's manifest digest; a directory
-    image's root path, inode and mtime."""
-    if source.digest is not None:
-        return f"digest:{source.digest.removeprefix('sha256:')}"
-    st = source.rootfs.stat()
-    return f"dir:{source.rootfs.resolve()}:{st.st_ino}:{st.st_mtime_ns}"
-
-
-def derived_state(identity: str, vm_dir: Path | None = None) -> str:
-    """Whether the vm backend can boot the DSec image of ``identity`` now: ``"ready"`` (its disk is built and
-    current), ``"refused: <why>"`` (it cannot boot), or ``"on first use"`` (derived by the first vm create)."""
-    d = _derived_dir(identity, vm_dir)
-    image = _load(d, d.name)
-    if image is not None and image.current:
-        return "ready"
-    known = _refusal(d.with_suffix(".refused"))
-    return "on first use" if known is None else f"cannot boot: {known[0]}"
-
-
-def _refusal(path: Path) -> tuple[str, str] | None:
-    """(reason, message) of a kept refusal, or None."""
-    try:
-        data = json.loads(path.read_text())
-        return str(data["reason"]), str(data["message"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def image_backends(store: ImageStore, name: str, vm_dir: Path | None = None) -> dict[str, str]:
-    """Backend -> ``"ready"``, ``"on first use"`` or ``"cannot boot: <why>"`` for DSec image ``name`` of ``store``:
-    container, function and microvm run any image; vm boots a disk derived from it (:func:`derive_vm_image`)."""
-    digest = store.tag(name)
-    if digest is not None:
-        identity = f"digest:{digest.removeprefix('sha256:')}"
-    else:
-        identity = source_identity(ImageRef(name=name, rootfs=store.path(name) / "rootfs"))
-    return {"container": "ready", "function": "ready", "microvm": "ready", "vm": derived_state(identity, vm_dir)}
-
-
-def derive_vm_image(source: ImageRef, vm_dir: Path | None = None) -> VMImage:
-    """The vm backend's bootable disk of DSec image ``source``, built on first use as ``dsec image build-vm
-    --from`` builds one (the image's files and owners, its own apt adding Debian's kernel, systemd and the agent's
-    needs) and kept per image content (:func:`source_identity`) and recipe: later creates, of any home and any
-    daemon of the node, reuse it. Blocking (a first build takes about a minute); builds of one image wait for
-    each other. An image that cannot boot (:func:`check_bootable`) is refused, and that is kept too."""
-    d = _derived_dir(source_identity(source), vm_dir)
-    d.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon's build of the same image: wait for it, then reuse it
-        image = _load(d, source.name)
-        if image is not None and image.current:
-            return image
-        refused = d.with_suffix(".refused")
-        known = _refusal(refused)
-        if known is not None:
-            raise InvalidRequest(known[1], image=source.name, reason=known[0])
-        try:
-            check_bootable(source)
-        except InvalidRequest as e:  # the image's content cannot change under its digest: kept
-            refused.write_text(json.dumps({"reason": e.detail.get("reason"), "message": e.message}))
-            raise
-        _build(d, list(BASE_PACKAGES), False, "bookworm", _DISK_SIZE, d.with_suffix(".log"), source)
-    finally:
-        os.close(fd)
-    built = _load(d, source.name)
-    if built is None:
-        raise DSecError(f"the vm disk derived from image {source.name!r} is incomplete in {d}")
-    return built
-
-
-if __name__ == "__main__":
-    import sys
-
-    img = build_vm_image(sys.argv[1] if len(sys.argv) > 1 else "debian-desktop", desktop=True, replace=True)
-    print(img.disk)
