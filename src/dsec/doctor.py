@@ -245,12 +245,13 @@ latency next to CPU-bound sandboxes (each hop of an exec may wait this long)."""
 
 
 def _wakeups(settings: Settings) -> Check:
-    """How fast this host wakes a task on a CPU that runs a SCHED_IDLE hog (``dsec.bench.wakeup``, ~1 s, in a
+    """How fast this host wakes a task on a CPU that runs a SCHED_IDLE hog (``dsec.bench.wakeup``, ~0.5 s, in a
     process of its own since it forks); late wakeups are what ``DSEC_CONTROL_CPUS`` is for."""
     import sys
 
     try:
-        proc = _run([sys.executable, "-m", "dsec.bench.wakeup"], timeout=_PROBE_TIMEOUT * 3)
+        # 60 round trips a phase: its p50 reads the same as the pools bench's 200, in a third of the time
+        proc = _run([sys.executable, "-m", "dsec.bench.wakeup", "--rounds", "60"], timeout=_PROBE_TIMEOUT * 3)
         result = json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr.strip()[-200:] or "no output"
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         result = f"{type(exc).__name__}: {exc}"

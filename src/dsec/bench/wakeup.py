@@ -7,8 +7,9 @@ the development VMs, stop 25) a vCPU that is running a task acts on it only at i
 later, whatever the running task's class, SCHED_IDLE included; no priority inside the guest can fix that.
 The pools suite runs this probe beside its busy-neighbour phase so the two figures are read together.
 
-Run as ``python -m dsec.bench.wakeup [CPULIST]`` (a fresh single-threaded process, since it forks; on the
-first two CPUs of CPULIST, default those it may use): prints one JSON object,
+Run as ``python -m dsec.bench.wakeup [CPULIST] [--rounds N]`` (a fresh single-threaded process, since it forks;
+on the first two CPUs of CPULIST, default those it may use; N round trips per phase, default 200): prints one
+JSON object,
 ``{"idle_ms": [p50, p90], "busy_ms": [p50, p90], "cpus": [waker, wakee]}``, or ``{"skipped": why}``.
 """
 
@@ -56,7 +57,7 @@ def _echo(cpu: int, rd: int, wr: int, *parents: int) -> None:  # pragma: no cove
         os.write(wr, b".")
 
 
-def _round_trips(waker: int, wakee: int) -> list[float]:
+def _round_trips(waker: int, wakee: int, rounds: int = ROUNDS) -> list[float]:
     to_r, to_w = os.pipe()
     back_r, back_w = os.pipe()
     pid = _child(_echo, wakee, to_r, back_w, to_w, back_r)
@@ -65,7 +66,7 @@ def _round_trips(waker: int, wakee: int) -> list[float]:
     os.sched_setaffinity(0, {waker})
     took: list[float] = []
     try:
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             time.sleep(GAP_S)
             t0 = time.perf_counter()
             os.write(to_w, b".")
@@ -78,16 +79,16 @@ def _round_trips(waker: int, wakee: int) -> list[float]:
     return took
 
 
-def probe(allowed: set[int] | frozenset[int] | None = None) -> dict[str, object]:
+def probe(allowed: set[int] | frozenset[int] | None = None, rounds: int = ROUNDS) -> dict[str, object]:
     cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
     if len(cpus) < 2:
         return {"skipped": f"needs two CPUs, this process may use {len(cpus)}"}
     waker, wakee = cpus[0], cpus[1]
-    idle = _round_trips(waker, wakee)
+    idle = _round_trips(waker, wakee, rounds)
     hog = _child(_hog, wakee)
     try:
         time.sleep(0.2)
-        busy = _round_trips(waker, wakee)
+        busy = _round_trips(waker, wakee, rounds)
     finally:
         os.kill(hog, signal.SIGKILL)
         os.waitpid(hog, 0)
@@ -101,9 +102,18 @@ def probe(allowed: set[int] | frozenset[int] | None = None) -> dict[str, object]
 if __name__ == "__main__":
     from dsec.isolation.affinity import parse_cpu_list
 
+    args = sys.argv[1:]
+    rounds = ROUNDS
+    if "--rounds" in args:
+        at = args.index("--rounds")
+        try:
+            rounds = int(args[at + 1])
+        except (IndexError, ValueError):
+            sys.exit("python -m dsec.bench.wakeup: --rounds takes a number")
+        del args[at:at + 2]
     try:
-        allowed = parse_cpu_list(sys.argv[1], "CPULIST") if len(sys.argv) > 1 else None
+        allowed = parse_cpu_list(args[0], "CPULIST") if args else None
     except ValueError as exc:
         sys.exit(f"python -m dsec.bench.wakeup: {exc}")
-    json.dump(probe(allowed), sys.stdout)
+    json.dump(probe(allowed, rounds), sys.stdout)
     sys.stdout.write("\n")
