@@ -146,3 +146,21 @@ def test_any_image_runs_on_vm_and_its_disk_is_derived_once(vm_dir: Path) -> None
             assert init.endswith("/systemd") and (answer, owners, mode) == ("42", "root:shadow", "640"), r
         after = (derived / "disk.qcow2").stat()
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "the disk was rebuilt"
+
+
+def test_a_dead_builds_directory_is_removed_but_never_through_a_mount(tmp_path: Path) -> None:
+    from dsec.guest import vmderive
+
+    stale = tmp_path / ".build-x-1"
+    (stale / "tree").mkdir(parents=True)
+    precious = tmp_path / "image-root"
+    precious.mkdir()
+    (precious / "file").write_text("the image's")
+    subprocess.run(["mount", "--bind", "-o", "ro", str(precious), str(stale / "tree")], check=True)
+    try:
+        vmderive._remove_stale(stale)
+        assert (precious / "file").read_text() == "the image's" and stale.is_dir()
+    finally:
+        subprocess.run(["umount", str(stale / "tree")], check=True)
+    vmderive._remove_stale(stale)
+    assert not stale.exists() and (precious / "file").exists()

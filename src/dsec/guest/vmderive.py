@@ -20,6 +20,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -41,6 +42,8 @@ from dsec.images.store import ImageStore
 from dsec.isolation.procs import die_with_parent
 
 __all__ = ["derive_in_helper", "derive_vm_image", "derived_state", "image_backends", "main", "source_identity"]
+
+log = logging.getLogger(__name__)
 
 _REFUSED = 3
 """Exit status of the helper for an image that cannot boot (its stdout: the refusal as JSON)."""
@@ -110,7 +113,7 @@ def derive_vm_image(source: ImageRef, vm_dir: Path | None = None) -> VMImage:
             d.with_suffix(".refused").write_text(json.dumps({"reason": e.detail.get("reason"), "message": e.message}))
             raise
         for stale in d.parent.glob(f".build-{d.name}-*"):  # of a build whose process died: nobody else builds it
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_stale(stale)
         build_into(d, list(BASE_PACKAGES), False, "bookworm", DISK_SIZE, d.with_suffix(".log"), source)
     finally:
         os.close(fd)
@@ -118,6 +121,17 @@ def derive_vm_image(source: ImageRef, vm_dir: Path | None = None) -> VMImage:
     if built is None:
         raise DSecError(f"the vm disk derived from image {source.name!r} is incomplete in {d}")
     return built
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a dead build's directory, unless something is still mounted below it (an image's root: removing
+    through it would delete the image's files); that one is left, with a warning."""
+    prefix = f"{path}/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
+        if any(line.split()[4].startswith(prefix) for line in mounts):
+            log.warning("a dead build's directory %s still has a mount below it: left as it is", path)
+            return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def derive_in_helper(source: ImageRef, vm_dir: Path | None = None) -> VMImage:
