@@ -53,6 +53,7 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotRef",
+    "TimeoutRequest",
     "TrajectoryForkRequest",
     "TrajectoryStatus",
     "parse_network",
@@ -310,6 +311,13 @@ class NetworkRequest(Model):
     def _network(cls, v: str | list[str]) -> str | list[str]:
         parse_network(v)
         return v
+
+
+class TimeoutRequest(Model):
+    """A new lifetime for a live sandbox, counted from now."""
+
+    timeout: float = Field(gt=0, le=30 * 86400)
+    """Seconds from now until the sandbox is destroyed (it replaces the deadline set at create)."""
 
 
 class ExecRequest(Model):

@@ -157,6 +157,23 @@ async def test_unknown_ids_raise_not_found(engine: Engine) -> None:
         engine.exec_stream("sb-000000000000", ExecRequest(command="true"))
 
 
+async def test_set_timeout_moves_the_deadline_both_ways(engine: Engine) -> None:
+    info = await engine.create(SandboxSpec(image="base", timeout=0.3))
+    later = await engine.set_timeout(info.id, 600)
+    assert later.expires_at == pytest.approx(time.time() + 600, abs=5)
+    await asyncio.sleep(0.6)  # past the first deadline: the reaper keeps it
+    assert (await engine.get(info.id)).state == "running"
+    assert StateStore.peek(engine.settings.state_db)[info.id].expires_at == later.expires_at
+    await engine.set_timeout(info.id, 0.2)
+    deadline = time.monotonic() + 20
+    while await engine.list() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    with pytest.raises(SandboxTimeout, match=r"passed its timeout of [\d.]+ s and was destroyed"):
+        await engine.get(info.id)
+    with pytest.raises(SandboxNotFound):
+        await engine.set_timeout("sb-000000000000", 10)
+
+
 async def test_timeout_destroys_and_leaves_tombstone(engine: Engine) -> None:
     info = await engine.create(SandboxSpec(image="base", timeout=0.5))
     deadline = time.monotonic() + 20

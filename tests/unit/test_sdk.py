@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -45,6 +46,14 @@ async def test_create_exec_info_and_stats(sb: dsec.AsyncSandbox) -> None:
     info = await sb.info()
     assert (info.id, info.state, info.image, info.labels) == (sb.id, "running", "tiny", {"suite": "sdk"})
     assert isinstance(await sb.stats(), dsec.SandboxStats)
+
+
+async def test_set_timeout_moves_the_deadline(sb: dsec.AsyncSandbox) -> None:
+    info = await sb.set_timeout(7200)
+    assert info.expires_at == pytest.approx(time.time() + 7200, abs=5)
+    assert (await sb.info()).expires_at == info.expires_at
+    with pytest.raises(dsec.InvalidRequest, match="timeout"):
+        await sb.set_timeout(0)
 
 
 async def test_exec_timeout_is_reported_in_the_result(sb: dsec.AsyncSandbox) -> None:

@@ -50,6 +50,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    TimeoutRequest,
     TrajectoryForkRequest,
 )
 from dsec.trajectory.digest import exec_args
@@ -461,6 +462,17 @@ class AsyncSandbox:
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox."""
         return await self._transition("resume")
+
+    async def set_timeout(self, timeout: float) -> SandboxInfo:
+        """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later)."""
+        try:
+            request = TimeoutRequest(timeout=timeout)
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "timeout") from None
+        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/timeout",
+                                               json=request.model_dump(mode="json"))
+        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
+        return self._info
 
     async def reveal(self) -> SandboxInfo:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the

@@ -72,6 +72,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TimeoutRequest,
     TrajectoryForkRequest,
 )
 
@@ -745,6 +746,11 @@ class GatewayEngine:
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Forward resume."""
         return await self._info_call(sandbox_id, "POST", "/resume")
+
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        """Forward a new deadline."""
+        body = TimeoutRequest(timeout=timeout).model_dump()
+        return await self._info_call(sandbox_id, "POST", "/timeout", json_body=body)
 
     async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
         """Forward a network policy change."""

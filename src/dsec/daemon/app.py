@@ -55,6 +55,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TimeoutRequest,
     TrajectoryForkRequest,
     parse_pairs,
 )
@@ -496,6 +497,11 @@ def create_app(engine: Engine | GatewayEngine, token: str | None = None, *, max_
     async def resume(sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox."""
         return await engine.resume(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", tags=["sandboxes"])
+    async def set_timeout(sandbox_id: str, request: TimeoutRequest) -> SandboxInfo:
+        """Destroy the sandbox `timeout` seconds from now instead of at its current deadline."""
+        return await engine.set_timeout(sandbox_id, request.timeout)
 
     @app.get("/v1/sandboxes/{sandbox_id}/screenshot", tags=["computer use"],
              responses={200: {"content": {"image/png": {}}, "description": "the display as PNG"}},

@@ -1086,8 +1086,9 @@ class Engine:
 
         async def expire(record: SandboxRecord) -> None:
             if record.expires_at <= now:
-                message = f"sandbox {record.id} passed its timeout of {record.spec.timeout:g} s and was destroyed"
-                record.reason = f"timeout of {record.spec.timeout:g} s passed"
+                lifetime = round(record.expires_at - record.created_at, 3)  # set_timeout may have moved it
+                message = f"sandbox {record.id} passed its timeout of {lifetime:g} s and was destroyed"
+                record.reason = f"timeout of {lifetime:g} s passed"
             else:
                 message = (f"sandbox {record.id} of trajectory {record.spec.trajectory!r} had no call for its "
                            f"lease of {record.spec.lease:g} s and was destroyed")
@@ -1340,6 +1341,14 @@ class Engine:
         info = self._info(record)
         self.events.publish("paused", info, release_memory=release_memory)
         return info
+
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later;
+        ``info().expires_at`` says when)."""
+        record = self._live(sandbox_id, allow_paused=True)
+        record.expires_at = time.time() + timeout
+        self._store.save(record)
+        return self._info(record)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox (idempotent)."""
