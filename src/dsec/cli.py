@@ -84,7 +84,23 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 @click.option("--control-cpus", metavar="LIST", envvar="DSEC_CONTROL_CPUS",
               help="Housekeeping CPUs (e.g. 0 or 0-1): the daemon, its exec helper and zygotes run there; each "
                    "sandbox's processes get the daemon's original CPUs back as they start. Also DSEC_CONTROL_CPUS.")
-def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None) -> None:
+@click.option("--e2b", "e2b_listen", metavar="HOST:PORT",
+              help="Also serve E2B's API here: the e2b SDK drives DSec sandboxes (E2B_API_KEY is a DSec token).")
+@click.option("--e2b-domain", metavar="DOMAIN[:PORT]",
+              help="The E2B_DOMAIN clients use: api.DOMAIN and PORT-ID.DOMAIN (default: only the E2B_API_URL / "
+                   "E2B_SANDBOX_URL form).")
+@click.option("--e2b-tls-cert", type=click.Path(exists=True, path_type=Path), help="PEM certificate for HTTPS.")
+@click.option("--e2b-tls-key", type=click.Path(exists=True, path_type=Path), help="PEM key (default: in the cert).")
+@click.option("--e2b-default-image", default="debian-python", show_default=True,
+              help="The image of E2B's default template 'base'.")
+@click.option("--e2b-backend", default="container", show_default=True,
+              type=click.Choice(["container", "microvm", "vm", "function"]),
+              help="The backend of a template that names none (BACKEND/IMAGE names one).")
+@click.option("--e2b-network", default="none", show_default=True,
+              help="Network policy of a sandbox created without allow_internet_access (none or allow).")
+def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None,
+          e2b_listen: str | None, e2b_domain: str | None, e2b_tls_cert: Path | None, e2b_tls_key: Path | None,
+          e2b_default_image: str, e2b_backend: str, e2b_network: str) -> None:
     """Run the node daemon in the foreground (its log, start-up phases included, on stderr)."""
     import logging
 
@@ -114,8 +130,18 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
         _fail(str(exc))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    e2b = None
+    if e2b_listen is not None:
+        from dsec.e2b import E2BOptions
+
+        try:
+            e2b = E2BOptions(listen=e2b_listen, domain=e2b_domain, tls_cert=e2b_tls_cert, tls_key=e2b_tls_key,
+                             default_image=e2b_default_image, backend=e2b_backend,  # type: ignore[arg-type]
+                             network=e2b_network)
+        except InvalidRequest as exc:
+            _fail(str(exc))
     try:
-        server.serve(settings, tcp=tcp, token=token or None)
+        server.serve(settings, tcp=tcp, token=token or None, e2b=e2b)
     except _daemon_errors() as exc:
         _fail(str(exc))
 
@@ -303,14 +329,16 @@ def _tokens() -> Any:
 @click.option("--admin", is_flag=True, help="An admin token: sees and controls every sandbox.")
 @click.option("--requests-per-s", type=float, help="Rate limit on all requests (429 + Retry-After past it).")
 @click.option("--creates-per-s", type=float, help="Rate limit on sandboxes created (batches count each one).")
+@click.option("--e2b", "e2b_format", is_flag=True,
+              help="Shape it as an E2B API key (e2b_ + 40 hex digits), which the e2b SDK accepts as E2B_API_KEY.")
 def token_create(name: str, job: str | None, admin: bool, requests_per_s: float | None,
-                 creates_per_s: float | None) -> None:
+                 creates_per_s: float | None, e2b_format: bool) -> None:
     """Create token NAME and print it (only once: the file keeps its sha256)."""
     from dsec.errors import DSecError
 
     try:
         value = _tokens().create(name, job=job, admin=admin, requests_per_s=requests_per_s,
-                                 creates_per_s=creates_per_s)
+                                 creates_per_s=creates_per_s, e2b_format=e2b_format)
     except DSecError as exc:
         _fail(str(exc))
     click.echo(value)

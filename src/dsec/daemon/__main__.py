@@ -14,6 +14,8 @@ from pathlib import Path
 
 from dsec.config import Settings
 from dsec.daemon.server import ServeError, serve
+from dsec.e2b.options import E2BOptions
+from dsec.errors import InvalidRequest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tcp", default=None, metavar="HOST:PORT", help="also serve on TCP (needs a token)")
     p.add_argument("--token", default=None, help="TCP bearer token (default: $DSEC_TOKEN; prefer the env)")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    p.add_argument("--e2b", default=None, metavar="HOST:PORT", help="also serve E2B's API (needs a token)")
+    p.add_argument("--e2b-domain", default=None, help="E2B_DOMAIN of the clients (api.DOMAIN, PORT-ID.DOMAIN)")
+    p.add_argument("--e2b-tls-cert", type=Path, default=None, help="PEM certificate for HTTPS")
+    p.add_argument("--e2b-tls-key", type=Path, default=None, help="PEM key (default: in the certificate)")
+    p.add_argument("--e2b-default-image", default="debian-python", help="image of the 'base' template")
+    p.add_argument("--e2b-backend", default="container", help="backend of a template that names none")
+    p.add_argument("--e2b-network", default="none", help="network of a sandbox that asks for none")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -43,11 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         fake = FakeBackend(root=settings.home / "fake")
         engine = Engine(settings, {"container": fake}, Engine.default_images(settings))
     try:
-        serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None, engine=engine)
-    except ServeError as exc:
+        e2b = _e2b_options(args)
+        serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None, engine=engine,
+              e2b=e2b)
+    except (ServeError, InvalidRequest) as exc:
         print(f"dsec daemon: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _e2b_options(args: argparse.Namespace) -> E2BOptions | None:
+    if args.e2b is None:
+        return None
+    return E2BOptions(listen=args.e2b, domain=args.e2b_domain, tls_cert=args.e2b_tls_cert, tls_key=args.e2b_tls_key,
+                      default_image=args.e2b_default_image, backend=args.e2b_backend, network=args.e2b_network)
 
 
 if __name__ == "__main__":

@@ -97,8 +97,9 @@ class TokenFile:
         return self._by_digest.get(_digest(token))
 
     def create(self, name: str, *, job: str | None = None, admin: bool = False, requests_per_s: float | None = None,
-               creates_per_s: float | None = None) -> str:
-        """Add a token and return it (shown once: only its sha256 is kept)."""
+               creates_per_s: float | None = None, e2b_format: bool = False) -> str:
+        """Add a token and return it (shown once: only its sha256 is kept). ``e2b_format``: shaped as an E2B API
+        key (``e2b_`` + 40 hex digits), which the e2b SDK checks its ``E2B_API_KEY`` against."""
         if not _NAME.match(name):
             raise InvalidRequest(f"token name must be 1-128 of [A-Za-z0-9._-], got {name!r}")
         if admin == (job is not None):
@@ -111,7 +112,7 @@ class TokenFile:
         entries = self.entries()
         if any(e.name == name for e in entries):
             raise InvalidRequest(f"a token named {name!r} already exists (remove it first)")
-        token = "dsec_" + secrets.token_urlsafe(32)
+        token = "e2b_" + secrets.token_hex(20) if e2b_format else "dsec_" + secrets.token_urlsafe(32)
         entries.append(TokenEntry(name=name, sha256=_digest(token), scope="admin" if admin else "job", job=job,
                                   requests_per_s=requests_per_s, creates_per_s=creates_per_s))
         self._write(entries)

@@ -39,6 +39,7 @@ from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
 from dsec.daemon.janitor import Janitor
 from dsec.daemon.startup import SERVING, Phases, find_daemon, is_dsec, lock_holder, read_status, write_lock_owner
+from dsec.e2b.options import E2BOptions
 from dsec.isolation import affinity
 from dsec.isolation.procs import start_time
 
@@ -125,15 +126,21 @@ class Daemon:
         tcp: str | None = None,
         token: str | None = None,
         engine: Engine | None = None,
+        e2b: E2BOptions | None = None,
     ) -> None:
         _check_tcp_auth(settings, tcp, token)
+        if e2b is not None:
+            _check_tcp_auth(settings, e2b.listen, token, "--e2b")
         self.settings = settings
+        self.e2b = e2b
         self.tcp = _parse_tcp(tcp) if tcp is not None else None
         self.token = token
         self.engine = engine
         self.started = threading.Event()
         self.tcp_address: tuple[str, int] | None = None
         """The bound TCP address once serving (useful with port 0)."""
+        self.e2b_address: tuple[str, int] | None = None
+        """The bound address of the E2B listener once serving."""
         self._servers: list[_Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -233,6 +240,9 @@ class Daemon:
             if self.tcp is not None:
                 sockets.append(_bind_tcp(*self.tcp))
                 self.tcp_address = sockets[-1].getsockname()[:2]
+            if self.e2b is not None:
+                sockets.append(_bind_tcp(*self.e2b.address))
+                self.e2b_address = sockets[-1].getsockname()[:2]
             self._phase("loading the backends")
             engine = self._serving = self.engine or Engine.from_settings(s)
             engine.on_phase = self._phase
@@ -269,11 +279,19 @@ class Daemon:
                 timeout_graceful_shutdown=5, proxy_headers=app is not apps[0],
             )
             self._servers.append(_Server(config))
+        if self.e2b is not None:
+            from dsec.e2b.serve import node_app, uvicorn_tls
+
+            e2b = node_app(engine, self.e2b, self.token, TokenFile(self.settings.tokens_file), self.settings.home)
+            self._servers.append(_Server(uvicorn.Config(
+                AnswerCutOffCalls(e2b, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
+                timeout_graceful_shutdown=5, **uvicorn_tls(self.e2b))))
         if self._stopping:
             self._stop_servers()
         self.started.set()
-        log.info("dsec daemon serving on %s%s", self.settings.socket_path,
-                 f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
+        log.info("dsec daemon serving on %s%s%s", self.settings.socket_path,
+                 f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "",
+                 f" and E2B on {self.e2b.scheme}://{self.e2b.listen}" if self.e2b else "")
         pairs = zip(self._servers, sockets, strict=True)
         await asyncio.gather(*(server.serve([sock]) for server, sock in pairs))
 
@@ -291,18 +309,19 @@ def serve(
     tcp: str | None = None,
     token: str | None = None,
     engine: Engine | None = None,
+    e2b: E2BOptions | None = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT; raises :class:`ServeError` if it cannot start.
 
     ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
-    ``engine`` defaults to :meth:`Engine.from_settings`.
+    ``engine`` defaults to :meth:`Engine.from_settings`. ``e2b``: also serve E2B's API (:mod:`dsec.e2b`).
     """
     try:
         affinity.control_cpus(settings.control_cpus)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine).run())
+        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b).run())
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -339,9 +358,9 @@ def _log_tail(settings: Settings, lines: int = 20) -> str:
     return tail or f"(the daemon wrote nothing to its log {settings.log_file})"
 
 
-def _check_tcp_auth(settings: Settings, tcp: str | None, token: str | None) -> None:
+def _check_tcp_auth(settings: Settings, tcp: str | None, token: str | None, what: str = "TCP") -> None:
     if tcp is not None and not token and not TokenFile(settings.tokens_file).entries():
-        raise ServeError("refusing to serve on TCP without a token: pass --token, set DSEC_TOKEN or create "
+        raise ServeError(f"refusing to serve {what} without a token: pass --token, set DSEC_TOKEN or create "
                          f"tokens with `dsec token create` (token file {settings.tokens_file})")
 
 

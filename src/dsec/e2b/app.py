@@ -1,0 +1,138 @@
+"""One ASGI app for an E2B listener: the control plane, each sandbox's envd, and each sandbox's ports.
+
+Owns the routing of a request by what the SDK sends: ``api.<domain>`` (or no sandbox named) is the
+control plane; ``<port>-<id>.<domain>``, or the ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers of the
+``E2B_SANDBOX_URL`` form, is a sandbox's port, envd when the port is 49983. It checks envd's access token,
+answers ``/health`` and a dead sandbox as E2B's proxy does (502), and cuts the connection of a stream
+whose sandbox went away mid-call. It must never translate a call itself (control.py, process.py and
+filesystem.py do).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from dsec.daemon.audit import caller
+from dsec.e2b.control import ControlPlane
+from dsec.e2b.filesystem import FilesystemService, download, upload
+from dsec.e2b.keys import EnvdTokens, Keys
+from dsec.e2b.node import NodeAPI
+from dsec.e2b.options import E2BOptions
+from dsec.e2b.process import ProcessService, Target, current_target
+from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect
+from dsec.errors import DSecError, NotSupported
+
+__all__ = ["E2BApp"]
+
+_ID = r"[a-z0-9][a-z0-9-]{0,62}"
+
+
+class _CutOff(Exception):
+    """Raised by the wrapped ``send`` instead of ending a stream whose sandbox went away."""
+
+
+def _json_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class E2BApp:
+    """The E2B listener's ASGI app over one node API."""
+
+    def __init__(self, api: NodeAPI, options: E2BOptions, keys: Keys, tokens: EnvdTokens) -> None:
+        self.api = api
+        self.options = options
+        self.tokens = tokens
+        self.control = ControlPlane(api, options, keys, tokens).router()
+        self.process = process_connect.ProcessASGIApplication(ProcessService(api))
+        self.filesystem = filesystem_connect.FilesystemASGIApplication(FilesystemService(api))  # type: ignore[arg-type]
+        domain = options.bare_domain
+        self._api_host = None if domain is None else f"api.{domain}"
+        self._port_host = None if domain is None else re.compile(rf"^(\d{{1,5}})-({_ID})\.{re.escape(domain)}$")
+
+    def route(self, scope: Scope) -> tuple[str, int] | None:
+        """``(sandbox id, port)`` a request is for, or None for the control plane."""
+        headers = dict(scope.get("headers") or ())
+        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0].lower()
+        if self._port_host is not None:
+            if host == self._api_host:
+                return None
+            match = self._port_host.match(host)
+            if match is not None:
+                return match.group(2), int(match.group(1))
+        sandbox_id = headers.get(b"e2b-sandbox-id")
+        if sandbox_id is None:
+            return None
+        port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode())
+        return sandbox_id.decode("latin-1"), int(port) if port.isdigit() else -1
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                return
+            await _json_error(400, "websockets are not served here")(scope, receive, send)
+            return
+        routed = self.route(scope)
+        if routed is None:
+            await self.control(scope, receive, send)
+            return
+        sandbox_id, port = routed
+        caller.set("e2b-envd")
+        try:
+            info = await self.api.get(sandbox_id)
+        except DSecError:
+            info = None
+        if info is None or info.state not in ("running", "paused"):
+            await _json_error(502, f"The sandbox {sandbox_id} was not found")(scope, receive, send)
+            return
+        if port != ENVD_PORT:
+            error = NotSupported(f"port {port} of sandbox {sandbox_id} cannot be reached: forwarding sandbox ports is "
+                                 "not supported by this DSec version (it needs DSec's port exposure)")
+            await _json_error(502, error.message)(scope, receive, send)
+            return
+        if info.state == "paused":
+            await _json_error(502, f"The sandbox {sandbox_id} is paused: connect to it to resume it")(
+                scope, receive, send)
+            return
+        await self._envd(scope, receive, send, Target(info))
+
+    async def _envd(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            await Response(status_code=204)(scope, receive, send)
+            return
+        if path == "/files" and method in ("GET", "POST"):
+            request = Request(scope, receive)
+            handler = download if method == "GET" else upload
+            await (await handler(request, self.api, self.tokens, target.info))(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        given = headers.get(b"x-access-token", b"").decode("latin-1")
+        if not self.tokens.check(target.info.id, given):
+            await _json_error(401, "unauthorized access, please provide a valid access token or method signing if "
+                                   "supported")(scope, receive, send)
+            return
+        if path.startswith("/process.Process/"):
+            app: Any = self.process
+        elif path.startswith("/filesystem.Filesystem/"):
+            app = self.filesystem
+        else:
+            await _json_error(404, f"no envd route {method} {path}")(scope, receive, send)
+            return
+        reset = current_target.set(target)
+
+        async def guarded(message: Message) -> None:
+            if target.aborted and message["type"] == "http.response.body" and not message.get("more_body"):
+                raise _CutOff
+            await send(message)
+
+        try:
+            await app(scope, receive, guarded)
+        except _CutOff:
+            pass  # the server closes the connection mid-stream: the SDK then asks /health, which answers 502
+        finally:
+            current_target.reset(reset)
