@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,10 +291,11 @@ print(json.dumps({"n": n, "err": err}))
 
 
 @contextlib.contextmanager
-def daemon_process(prefix: str, *, tcp_token: str | None = None, **env: str) -> Iterator[tuple[str, str | None]]:
-    """``python -m dsec.daemon serve`` on a fresh home (and on TCP loopback with ``tcp_token``); yields its
-    unix URL and TCP URL. Afterwards every sandbox is destroyed, the daemon stopped, and finding anything of
-    its home left on the host fails the test."""
+def daemon_process(prefix: str, *, tcp_token: str | None = None, args: Sequence[str] = (),
+                   **env: str) -> Iterator[tuple[str, str | None]]:
+    """``python -m dsec.daemon serve`` on a fresh home (and on TCP loopback with ``tcp_token``; ``args`` are more
+    options); yields its unix URL and TCP URL. Afterwards every sandbox is destroyed, the daemon stopped, and
+    finding anything of its home left on the host fails the test."""
     import signal
     import socket
     import subprocess
@@ -305,7 +306,7 @@ def daemon_process(prefix: str, *, tcp_token: str | None = None, **env: str) -> 
 
     home = short_home(prefix)
     settings = Settings(home=home, images_dir=images_dir())
-    argv = [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home)]
+    argv = [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home), *args]
     tcp_url = None
     if tcp_token is not None:
         with socket.socket() as s:

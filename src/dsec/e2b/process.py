@@ -29,6 +29,7 @@ __all__ = ["ProcessService", "Target", "current_target", "resolve_path"]
 
 _NO_HANDLES = ("is not supported by this DSec version: it needs DSec's process handles and terminals "
                "(foreground commands work)")
+_TEARDOWN_WAIT = 2.0
 _MAX_OUTPUT = 1 << 40  # a streamed command's output is not captured: E2B has no cap on it
 
 
@@ -169,26 +170,32 @@ class ProcessService:
                         raise ConnectError(Code.DEADLINE_EXCEEDED,
                                            f"the command ran past its timeout of {exec_request.timeout:g} s and "
                                            "was killed")
-                    await self._check_alive(target)
+                    await self._check_alive(target, killed=event.result.signal == signal.SIGKILL)
                     yield _end(event.result)
                     return
                 elif event.type == "error":
-                    await self._check_alive(target)
+                    await self._check_alive(target, killed=True)
                     raise ConnectError(Code.INTERNAL, str((event.error or {}).get("message", "exec failed")))
         except DSecError as exc:
-            await self._check_alive(target)
+            await self._check_alive(target, killed=True)
             raise translate.connect_error(exc) from None
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
 
-    async def _check_alive(self, target: Target) -> None:
-        """A command cut short because its sandbox went away: the connection drops, as envd's would."""
-        try:
-            await self.api.get(target.info.id)
-        except (NotFound, SandboxTimeout):
-            target.aborted = True
-            raise ConnectError(Code.UNAVAILABLE, f"sandbox {target.info.id} is gone") from None
+    async def _check_alive(self, target: Target, killed: bool = False) -> None:
+        """A command cut short because its sandbox went away: the connection drops, as envd's would. A command
+        SIGKILLed may be the first sign of its sandbox's teardown, which ends a moment later: wait for it."""
+        deadline = asyncio.get_running_loop().time() + (_TEARDOWN_WAIT if killed else 0.0)
+        while True:
+            try:
+                await self.api.get(target.info.id)
+            except (NotFound, SandboxTimeout):
+                target.aborted = True
+                raise ConnectError(Code.UNAVAILABLE, f"sandbox {target.info.id} is gone") from None
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(0.05)
 
     def _exec_request(self, request: process_pb.StartRequest,
                       ctx: RequestContext[process_pb.StartRequest, process_pb.StartResponse]) -> ExecRequest:
