@@ -43,7 +43,8 @@ from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("startup", "container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster")
+SUITES = ("startup", "container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster",
+          "e2b")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
@@ -80,6 +81,11 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
         from dsec.bench.startup import run as run_startup
 
         return _run_lean(run_startup(samples=max(2, round(5 * scale)), progress=progress))
+    if name == "e2b":
+        from dsec.bench.e2b import E2BBench
+        from dsec.bench.e2b import run as run_e2b
+
+        return run_e2b(E2BBench().scaled(scale), progress=progress)
     if name == "trajectory":
         return asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
     if name == "microvm":
