@@ -222,7 +222,7 @@ def test_images_rows_apply_the_issue_targets() -> None:
 
 
 def test_selection_and_skip() -> None:
-    assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster"]) == (
+    assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster", "e2b"]) == (
         "startup", "container", "function", "pools", "trajectory")
     assert bench._selected(["pools"], []) == ("pools",)
     with pytest.raises(BenchUnavailable, match="'nope'"):

@@ -8,6 +8,7 @@ and resume) and translates back. It must never keep sandbox state of its own.
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import urllib.parse
@@ -73,6 +74,19 @@ def _metadata_query(request: Request) -> dict[str, str]:
     if not pairs and raw:
         raise InvalidRequest(f"metadata filter must look like key=value&key2=value2, got {raw!r}")
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def _started_after(value: str | None) -> float:
+    """``startedAfter`` (RFC 3339) as Unix seconds; 0 when absent."""
+    if not value:
+        return 0.0
+    try:
+        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(f"startedAfter must be an RFC 3339 time, got {value!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
 
 
 @dataclass
@@ -177,7 +191,8 @@ class ControlPlane:
         if not states <= {"running", "paused"}:
             raise InvalidRequest(f"state must be running and/or paused, got {sorted(states)}")
         template = request.query_params.get("template")
-        infos = [i for i in await self._mine(request, who) if (i.state in states)
+        after = _started_after(request.query_params.get("startedAfter"))
+        infos = [i for i in await self._mine(request, who) if (i.state in states) and i.created_at >= after
                  and (template is None or translate.listed(i)["templateID"] == template)]
         infos.sort(key=lambda i: (i.created_at, i.id), reverse=request.query_params.get("order", "desc") != "asc")
         limit = int(request.query_params.get("limit") or 100)
