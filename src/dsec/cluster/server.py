@@ -17,6 +17,7 @@ import json
 import logging
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,10 +116,33 @@ async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> No
     host, _, port = args.listen.rpartition(":")
     config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
                             timeout_keep_alive=30, backlog=4096)
+    servers = [uvicorn.Server(config)]
+    if args.e2b is not None:
+        servers.append(uvicorn.Server(_e2b_config(args, engine, jobs)))
     try:
-        await uvicorn.Server(config).serve()
+        await asyncio.gather(*(server.serve() for server in servers))
     finally:
         await engine.aclose()
+
+
+def _e2b_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) -> uvicorn.Config:
+    """The gateway's E2B listener: API keys are the jobs' tokens, each job sees its own sandboxes."""
+    from dsec.e2b.options import E2BOptions
+    from dsec.e2b.serve import gateway_app as e2b_gateway_app
+    from dsec.e2b.serve import uvicorn_tls
+
+    options = E2BOptions(listen=args.e2b, domain=args.e2b_domain, tls_cert=args.e2b_tls_cert,
+                         tls_key=args.e2b_tls_key, default_image=args.e2b_default_image,
+                         secret_file=args.e2b_secret_file)
+
+    def set_job(job: str) -> Callable[[], None]:
+        token = current_job.set(job)
+        return lambda: current_job.reset(token)
+
+    app = e2b_gateway_app(engine, options, jobs.by_token, set_job)
+    host, port = options.address
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30,
+                          **uvicorn_tls(options))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="wait for PostgreSQL to flush every state commit to disk (default: a PostgreSQL crash "
                         "may lose the last ~0.6 s of state; a gateway crash loses nothing either way)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--e2b", default=None, metavar="HOST:PORT", help="also serve E2B's API (keys: the jobs' tokens)")
+    p.add_argument("--e2b-domain", default=None, help="E2B_DOMAIN of the clients (api.DOMAIN, PORT-ID.DOMAIN)")
+    p.add_argument("--e2b-tls-cert", type=Path, default=None, help="PEM certificate for HTTPS")
+    p.add_argument("--e2b-tls-key", type=Path, default=None, help="PEM key (default: in the certificate)")
+    p.add_argument("--e2b-default-image", default="debian-python", help="image of the 'base' template")
+    p.add_argument("--e2b-secret-file", type=Path, default=None,
+                   help="key of the envd access tokens (created 0600; default: a fresh key per start)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

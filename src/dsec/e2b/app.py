@@ -20,7 +20,7 @@ from starlette.types import Message, Receive, Scope, Send
 from dsec.daemon.audit import caller
 from dsec.e2b.control import ControlPlane
 from dsec.e2b.filesystem import FilesystemService, download, upload
-from dsec.e2b.keys import EnvdTokens, Keys
+from dsec.e2b.keys import EnvdTokens, Keys, Principal
 from dsec.e2b.node import NodeAPI
 from dsec.e2b.options import E2BOptions
 from dsec.e2b.process import ProcessService, Target, current_target
@@ -30,6 +30,7 @@ from dsec.errors import DSecError, NotSupported
 __all__ = ["E2BApp"]
 
 _ID = r"[a-z0-9][a-z0-9-]{0,62}"
+_ENVD = Principal("e2b-envd", None)
 
 
 class _CutOff(Exception):
@@ -46,6 +47,7 @@ class E2BApp:
     def __init__(self, api: NodeAPI, options: E2BOptions, keys: Keys, tokens: EnvdTokens) -> None:
         self.api = api
         self.options = options
+        self.keys = keys
         self.tokens = tokens
         self.control = ControlPlane(api, options, keys, tokens).router()
         self.process = process_connect.ProcessASGIApplication(ProcessService(api))
@@ -82,6 +84,11 @@ class E2BApp:
             return
         sandbox_id, port = routed
         caller.set("e2b-envd")
+        # envd calls carry the sandbox's access token, not an API key: they act on that one sandbox as admin.
+        with self.keys.acting(_ENVD):
+            await self._sandbox_call(scope, receive, send, sandbox_id, port)
+
+    async def _sandbox_call(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         try:
             info = await self.api.get(sandbox_id)
         except DSecError:

@@ -8,7 +8,7 @@ implement an operation.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from dsec.models import ExecEvent, ExecRequest, FileEntry, SandboxInfo, SandboxSpec, SandboxStats
@@ -22,7 +22,7 @@ class NodeAPI(Protocol):
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Create a sandbox."""
 
-    async def list(self, labels: Mapping[str, str] | None = None, backend: str | None = None,
+    async def list(self, labels: dict[str, str], backend: str | None = None,
                    state: str | None = None) -> builtins.list[SandboxInfo]:
         """Sandboxes with every label of ``labels``."""
 
