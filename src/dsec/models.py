@@ -23,6 +23,7 @@ __all__ = [
     "BatchCreateRequest",
     "CallRequest",
     "CallResult",
+    "ComponentHealth",
     "CounterSample",
     "ExecEvent",
     "ExecRequest",
@@ -733,6 +734,29 @@ class ImageBuildEvent(Model):
     """Error payload (as in HTTP errors) for ``error``."""
 
 
+ComponentState = Literal["ok", "degraded", "down"]
+
+
+class ComponentHealth(Model):
+    """One part of the node that sandboxes depend on, and how it is now."""
+
+    name: str
+    """``lazy-server``, ``mount-holder``, ``exec-helper``, ``accelerator``, ``image-store``, ``trajectory-store``,
+    ``node-disk``, or ``image:<name>`` for each image mounted."""
+    state: ComponentState
+    """``ok``; ``degraded`` (works in part, or is being repaired); ``down``."""
+    error: str | None = None
+    """What is wrong (None while ok)."""
+    since: float
+    """When the current state began (Unix seconds)."""
+    detail: str | None = None
+    """What it is or runs as (a pid, a store's address, ``kvm``/``tcg``), whatever its state."""
+    faults: int = 0
+    """Times it went wrong since the daemon started."""
+    last_error: str | None = None
+    """The last error it had, also once it is ok again."""
+
+
 class NodeInfo(Model):
     """Health and identity of a node daemon."""
 
@@ -751,6 +775,10 @@ class NodeInfo(Model):
     stopping: str | None = None
     """Why the daemon is stopping (it refuses creates and is about to close), or None while it serves: a
     cluster gateway places nothing on the node until it answers None again."""
+    status: ComponentState = "ok"
+    """The worst state of its components."""
+    components: list[ComponentHealth] = Field(default_factory=list)
+    """Each component the node's sandboxes depend on, with its state and last error."""
 
 
 class PoolConfig(Model):
@@ -913,7 +941,7 @@ class AuditEntry(Model):
     """Why it failed to run (outcome ``error``)."""
 
 
-LifecycleKind = Literal["created", "destroyed", "expired", "paused", "resumed", "create_failed", "lagged"]
+LifecycleKind = Literal["created", "destroyed", "expired", "lost", "paused", "resumed", "create_failed", "lagged"]
 
 
 class LifecycleEvent(Model):

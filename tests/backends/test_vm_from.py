@@ -23,7 +23,7 @@ from rich.console import Console
 
 import dsec
 from conftest import missing
-from container_support import daemon_process
+from container_support import daemon_process, images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.demo import rollout
@@ -43,18 +43,21 @@ SOURCE = "debian-python"
 def source() -> Iterator[ImageRef]:
     """The image's root as the vm backend reads it: a chunked image (as ./scripts/setup stores it now) mounted
     lazily by the node's images, released after."""
-    images = NodeImages(Settings(), prefetch=False)
+    home = short_home("dsec-vmsrc-")  # never the default home: a daemon there owns its mounts
+    images = NodeImages(Settings(home=home, images_dir=images_dir()), prefetch=False)
     try:
         ref = images.resolve(SOURCE)
     except DSecError as e:
-        images.close_idle_sync()
+        images.aclose_sync(unmount=True)
+        shutil.rmtree(home, ignore_errors=True)
         missing(f"{SOURCE}: {e}")
         raise
     try:
         yield ref
     finally:
         images.release(ref)
-        images.close_idle_sync()
+        images.aclose_sync(unmount=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from dsec.errors import NotSupported, SandboxError, error_from_payload
 from dsec.models import (
@@ -28,7 +28,8 @@ from dsec.models import (
     SandboxStats,
 )
 
-__all__ = ["DEFAULT_WORKDIR", "Backend", "ImageRef", "apply_image_defaults", "collect_exec", "signal_of", "workdir_of"]
+__all__ = ["DEFAULT_WORKDIR", "Backend", "Check", "ImageRef", "apply_image_defaults", "collect_exec", "signal_of",
+           "workdir_of"]
 
 DEFAULT_WORKDIR = "/workspace"
 """Working directory of sandboxes whose spec and image name none."""
@@ -47,6 +48,15 @@ class ImageRef:
     digest: str | None = None
     """The image's content identity (a chunked image's manifest digest), the same on every node and home;
     None when only its ``rootfs`` path names it (a directory image)."""
+
+
+class Check(NamedTuple):
+    """A node-level helper's state (:meth:`Backend.components`)."""
+
+    error: str | None
+    """What is wrong; None while it works."""
+    detail: str | None = None
+    """What it is or runs as (a pid, ``kvm``/``tcg``), whatever its state."""
 
 
 def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:
@@ -79,6 +89,9 @@ class Backend(abc.ABC):
     processes_persist: ClassVar[bool] = True
     """Processes an exec starts in the background outlive it (False: each exec is a fresh process tree that
     is gone when the exec returns)."""
+    reads_image: ClassVar[bool] = True
+    """A running sandbox reads its image mount (False: the image was copied at create, as a VM's disk, and
+    the death of the node's lazy image server does not touch it)."""
 
     async def start(self) -> None:
         """Prepare host-side machinery (helpers, pools). Called once by the engine."""
@@ -138,6 +151,24 @@ class Backend(abc.ABC):
         """Whether the sandbox still runs, judged without blocking (a few reads of /proc at most): a warm-pool
         member that died while it waited (the OOM killer picks idle ones first) is not handed out."""
         return True
+
+    def lost(self, record: SandboxRecord) -> str | None:
+        """Why a running sandbox stopped running on its own (its init killed, its VM gone), judged without
+        blocking like :meth:`alive`; None while it runs."""
+        return None if self.alive(record) else "its processes are gone"
+
+    async def revive(self, record: SandboxRecord, image: ImageRef) -> bool:
+        """Bring back a sandbox that :meth:`lost` reports, or whose image mount died under it (``image`` is
+        the image mounted afresh), if the backend can without losing its state; False: it is lost."""
+        return False
+
+    def components(self) -> dict[str, Check]:
+        """The node-level helpers this backend runs (an exec helper, a mount holder, an accelerator), by name.
+        Non-blocking."""
+        return {}
+
+    async def repair(self, component: str) -> None:
+        """Start helper ``component`` again after :meth:`components` reported it broken."""
 
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
         """Run a pickled Python callable (``sb.call``); the reply is decoded by the SDK, never here."""

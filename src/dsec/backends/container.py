@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, signal_of, workdir_of
+from dsec.backends.base import Backend, Check, ImageRef, apply_image_defaults, signal_of, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
@@ -52,7 +52,7 @@ from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.procs import reap, sealed_executable, start_time
+from dsec.isolation.procs import ended, reap, sealed_executable, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -538,6 +538,27 @@ class ContainerBackend(Backend):
     def alive(self, record: SandboxRecord) -> bool:
         pid = record.backend_state.get("init_pid")
         return pid is not None and start_time(int(pid)) == record.backend_state.get("init_start")
+
+    def lost(self, record: SandboxRecord) -> str | None:
+        pid = record.backend_state.get("init_pid")
+        how = ended(int(pid), record.backend_state.get("init_start")) if pid else "never started"
+        return None if how is None else f"its init process (pid {pid}) {how}"
+
+    def components(self) -> dict[str, Check]:
+        found: dict[str, Check] = {}
+        if self._helper is not None:
+            found["exec-helper"] = Check(None if self._helper.alive() else "the exec helper (dsec-nsexec) is not "
+                                         "running", f"pid {self._helper.pid}")
+        if self._holder is not None:
+            found["mount-holder"] = Check(None if self._holder.alive() else "the mount holder (dsec-mntns) is gone",
+                                          f"pid {self._holder.pid}")
+        return found
+
+    async def repair(self, component: str) -> None:
+        if component == "exec-helper" and self._helper is not None:
+            await asyncio.to_thread(self._helper.restart)
+        elif component == "mount-holder" and self._holder is not None:
+            await asyncio.to_thread(self._holder.respawn)
 
     def _pid(self, record: SandboxRecord) -> int:
         pid = record.backend_state.get("init_pid")

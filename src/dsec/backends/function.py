@@ -41,7 +41,7 @@ from dsec.isolation.init import ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.procs import start_time
+from dsec.isolation.procs import ended, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.isolation.zygote import Zygote, ZygoteConfig
 from dsec.models import (
@@ -224,6 +224,25 @@ class FunctionBackend(Backend):
         self._zygotes[record.id] = zygote
         state.update(zygote_pid=pid, zygote_start=start_time(pid))
         await asyncio.to_thread(self._mount_paths, record, zygote)
+
+    def lost(self, record: SandboxRecord) -> str | None:
+        pid = record.backend_state.get("zygote_pid")
+        how = ended(int(pid), record.backend_state.get("zygote_start")) if pid else "never started"
+        return None if how is None else f"its zygote (pid {pid}) {how}"
+
+    async def revive(self, record: SandboxRecord, image: ImageRef) -> bool:
+        """A zygote holds nothing a call needs but what it was started with: a new one over the same workspace
+        (and ``image``, which may be mounted afresh) serves the sandbox as before."""
+        zygote = self._zygotes.pop(record.id, None)
+        if zygote is not None:
+            await asyncio.to_thread(zygote.close)
+        record.backend_state["image_rootfs"] = str(image.rootfs)
+        await asyncio.to_thread(self._stop_stale, record)
+        try:
+            await self._start_zygote(record)
+        except DSecError:
+            return False
+        return True
 
     def _zygote(self, record: SandboxRecord) -> Zygote:
         zygote = self._zygotes.get(record.id)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, workdir_of
+from dsec.backends.base import Backend, Check, ImageRef, apply_image_defaults, collect_exec, workdir_of
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.accel import QEMU, Accelerator
@@ -112,6 +112,7 @@ class MicroVMBackend(Backend):
     """QEMU microVMs restored from per-template snapshots; exec and files through the guest agent."""
 
     name = "microvm"
+    reads_image = False  # the guest's disk is an EROFS file made from the image at its template's build
     boot_timeout: float = float(os.environ.get("DSEC_MICROVM_BOOT_TIMEOUT") or _BOOT_TIMEOUT)
     """Seconds a cold boot may take until the agent answers (``DSEC_MICROVM_BOOT_TIMEOUT``; a host whose
     cores are oversubscribed boots TCG guests several times slower)."""
@@ -783,6 +784,17 @@ class MicroVMBackend(Backend):
     def alive(self, record: SandboxRecord) -> bool:
         vm = self._vms.get(record.id)
         return vm is not None and not vm.dead and vm.client is not None and vm.client.dead_reason is None
+
+    def components(self) -> dict[str, Check]:
+        if self.accel is None:
+            return {}
+        return {"accelerator": Check(None, f"{self.accel}" + (f" ({self.accel_reason})" if self.accel_reason else ""))}
+
+    def lost(self, record: SandboxRecord) -> str | None:
+        vm = self._vms.get(record.id)
+        if vm is None:
+            return f"its {self.name} QEMU is not running"
+        return vm.dead or (vm.client.dead_reason if vm.client is not None else None)
 
     def _vm(self, record: SandboxRecord) -> _VM:
         vm = self._vms.get(record.id)

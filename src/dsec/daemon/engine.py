@@ -30,11 +30,13 @@ from dsec.daemon.admission import Admission, Deferred
 from dsec.daemon.audit import OUTPUT_HEAD_BYTES, AuditLog, AuditQuery, caller
 from dsec.daemon.auth import JOB_LABEL
 from dsec.daemon.events import EventBus
+from dsec.daemon.health import Health
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics, host_load
 from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
+from dsec.daemon.watchdog import Watchdog
 from dsec.errors import (
     BackendUnavailable,
     DaemonStopping,
@@ -43,6 +45,7 @@ from dsec.errors import (
     InvalidRequest,
     NotSupported,
     SandboxError,
+    SandboxLost,
     SandboxNotFound,
     SandboxStateError,
     SandboxTimeout,
@@ -56,6 +59,7 @@ from dsec.models import (
     BatchCreateRequest,
     CallRequest,
     CallResult,
+    ComponentHealth,
     CounterSample,
     ExecEvent,
     ExecRequest,
@@ -67,6 +71,7 @@ from dsec.models import (
     ImagePullRequest,
     KeyboardRequest,
     LifecycleEvent,
+    LifecycleKind,
     LoggedCall,
     MouseRequest,
     NodeInfo,
@@ -269,6 +274,8 @@ class Engine:
         self._sampled_at = 0.0
         self.on_phase: Callable[[str], None] = lambda what: log.info("start-up: %s", what)
         """Told each start-up phase as it begins (the daemon logs them and shows them to ``dsec up``)."""
+        self.components = Health()
+        self.watchdog = Watchdog(self, interval=reaper_interval)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -290,7 +297,7 @@ class Engine:
         try:
             from dsec.images.node import NodeImages
 
-            return NodeImages(settings, cache_limit=settings.image_cache_limit)
+            return NodeImages(settings, cache_limit=settings.image_cache_limit, daemon=True)
         except Exception as exc:  # a broken store must not keep the daemon (and its sandboxes) down
             log.exception("image store unavailable")
             return _NoImages(f"the image store at {settings.images} cannot be used: {exc}")
@@ -370,6 +377,7 @@ class Engine:
         self.on_phase("sweeping snapshot layers")
         await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+        self.watchdog.start()
         for config in self._declared:
             self.pools.declare(config)
         self.pools.start()
@@ -437,10 +445,15 @@ class Engine:
     def _refuse_if_stopping(self) -> None:
         if self._stopping is not None:
             raise DaemonStopping(f"create refused: {self._stopping}", kept=0)
+        disk = self.components.get("node-disk")
+        if disk is not None and disk.state == "down":
+            raise BackendUnavailable(f"create refused on node {self.settings.node}: {disk.error}",
+                                     component="node-disk")
 
     async def aclose(self) -> None:
         """Drain the warm pools, stop the reaper and the backends. Sandboxes stay alive for the next daemon
         to re-adopt."""
+        await self.watchdog.aclose()
         drained = await self.pools.aclose()
         if drained:
             log.info("destroyed %d unclaimed pool sandboxes", drained)
@@ -539,6 +552,8 @@ class Engine:
         tomb = self._tombstones.get(sandbox_id)
         if tomb is not None and tomb[0] == "expired":
             raise SandboxTimeout(tomb[1], sandbox_id=sandbox_id)
+        if tomb is not None and tomb[0] == "lost":
+            raise SandboxLost(tomb[1], sandbox_id=sandbox_id, node=self.settings.node)
         if tomb is not None:
             raise SandboxNotFound(tomb[1], sandbox_id=sandbox_id)
         message = f"no sandbox {sandbox_id!r} on node {self.settings.node}"
@@ -651,6 +666,10 @@ class Engine:
             log.warning("pool member %s died while it waited; destroyed", member.id)
             return False
         ref = self._image_refs.get(member.id)
+        stale = getattr(self.images, "stale", None)
+        if ref is not None and stale is not None and stale(ref.rootfs) is not None:
+            log.warning("pool member %s sits on a dead image mount; destroyed", member.id)
+            return False
         if digest is not None and ref is not None and ref.digest is not None and ref.digest != digest:
             log.info("pool member %s is of an earlier version of image %s; destroyed", member.id, member.spec.image)
             return False
@@ -1036,10 +1055,10 @@ class Engine:
                 self.metrics.expired.labels(record.spec.backend).inc()
         self._store.delete(record.id)
         self._tombstone(record, state, message)
-        self.events.publish("expired" if state == "expired" else "destroyed", self._info(record),
-                            reason=record.reason if state == "expired" else None)
+        kind: LifecycleKind = "expired" if state == "expired" else "lost" if state == "lost" else "destroyed"
+        self.events.publish(kind, self._info(record), reason=record.reason if kind != "destroyed" else None)
         self.rollouts.forget(record)
-        log.info("sandbox %s %s", record.id, state)
+        log.info("sandbox %s %s", record.id, state, extra={"sandbox": record.id})
         if record.spec.snapshot is not None:
             await self._drop_ephemeral(record.spec.snapshot)
 
@@ -1507,6 +1526,65 @@ class Engine:
             history=[*self._samples, self._counters(totals)],
         )
 
+    # -- what the watchdog (daemon/watchdog.py) reaches --------------------------------------------------
+
+    def watched_backends(self) -> dict[str, Backend]:
+        """The backends that started."""
+        return {n: b for n, b in self._backends.items() if n not in self._unavailable}
+
+    def running(self) -> builtins.list[SandboxRecord]:
+        """Sandboxes running now and not being destroyed."""
+        return [r for r in self._records.values() if r.state == "running" and r.id not in self._destroying]
+
+    def image_roots(self, sandbox_id: str) -> builtins.list[Path]:
+        """The image mount and snapshot layers a sandbox was made on."""
+        ref = self._image_refs.get(sandbox_id)
+        return ([ref.rootfs] if ref is not None else []) + self._layer_roots.get(sandbox_id, [])
+
+    async def revive(self, record: SandboxRecord) -> bool:
+        """Ask the backend to bring the sandbox back, on its image mounted afresh if its own mount died."""
+        backend = self._backends[record.spec.backend]
+        old = self._image_refs.get(record.id)
+        stale = getattr(self.images, "stale", None)
+        if old is None or (stale is not None and any(stale(root) for root in self._layer_roots.get(record.id, []))):
+            return False  # snapshot layers cannot be swapped under a sandbox
+        fresh = old
+        if stale is not None and stale(old.rootfs) is not None:
+            try:
+                fresh = await asyncio.to_thread(self._repin_image, backend, record)
+            except DSecError as exc:
+                log.warning("sandbox %s: its image cannot be mounted afresh: %s", record.id, exc,
+                            extra={"sandbox": record.id, "error": exc.message})
+                return False
+        revived = record.id in self._records and await backend.revive(record, fresh)
+        if fresh is not old:
+            self._release(old if revived else fresh)
+            if revived:
+                self._image_refs[record.id] = fresh
+        if revived:
+            self._store.save(record)
+        return revived
+
+    async def lose(self, record: SandboxRecord, reason: str, component: str) -> None:
+        """Report a sandbox lost (its next call raises :class:`SandboxLost` with ``reason``) and destroy its
+        leftovers; a trajectory-bound one is rebuilt from its checkpoint when the trajectory is re-opened."""
+        if self._records.get(record.id) is not record or record.id in self._destroying or record.state != "running":
+            return
+        log.warning("sandbox %s lost: %s", record.id, reason,
+                    extra={"component": component, "sandbox": record.id, "error": reason})
+        record.state, record.reason = "lost", reason
+        self.metrics.lost.labels(record.spec.backend, component).inc()
+        task = asyncio.create_task(self._remove(record, "lost", f"sandbox {record.id} was lost: {reason}"))
+        self._destroying[record.id] = task
+        try:
+            await task
+        finally:
+            self._destroying.pop(record.id, None)
+
+    async def probe_trajectories(self) -> str | None:
+        """None if the trajectory store takes a durable write now."""
+        return await self.rollouts.log.store.probe(self.settings.node)
+
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability (``ok``, ``pending: <what it waits for>`` or why it cannot be
         used), the live sandbox count, the images cached and whether the daemon is stopping."""
@@ -1526,7 +1604,10 @@ class Engine:
                 images = await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE)
             except OSError as exc:  # a cache being swept under us: report none rather than fail health
                 log.warning("cannot list the image cache: %s", exc)
+        components = [ComponentHealth(name=c.name, state=c.state, error=c.error, since=c.since, detail=c.detail,
+                                      faults=c.faults, last_error=c.last_error)
+                      for c in self.components.components()]
         return NodeInfo(
             node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records),
-            images=images, stopping=self._stopping,
+            images=images, stopping=self._stopping, status=self.components.status(), components=components,
         )

@@ -57,6 +57,10 @@ class Metrics:
         self.expired = Counter(
             "dsec_sandboxes_expired", "Sandboxes destroyed at their timeout", ["backend"], registry=r
         )
+        self.lost = Counter(
+            "dsec_sandboxes_lost", "Sandboxes that died on their own (or whose image mount died) and could not be "
+            "revived, by the component that failed", ["backend", "component"], registry=r
+        )
         self.teardown_failures = Counter(
             "dsec_teardown_failures", "Background teardowns of destroyed pooled sandboxes that failed (the record "
             "is kept and the next start retries)", ["backend"], registry=r

@@ -9,13 +9,16 @@ node cache's ``manifests/``). A read maps its range onto the manifest's chunks a
 the :class:`~dsec.images.cache.ChunkCache`, which fetches, verifies and stores it on first use. A chunk
 that cannot be had (store unreachable, corrupt twice, cache full) fails the read with ``EIO`` and its
 reason is recorded (``--errors``, the daemon's ``lazy/errors/``) for the daemon to report; wrong bytes
-are never returned. This module never mounts EROFS and never writes to the store.
+are never returned. On its way out it unmounts its own mount only: a server replaced while it still
+served (its mount detached, a new server mounted on the same path) must not take its successor's down,
+which libfuse's unmount by path did. This module never mounts EROFS and never writes to the store.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -170,6 +173,25 @@ async def _serve() -> None:
         nursery.cancel_scope.cancel()
 
 
+def _mount_id(mountpoint: str) -> str | None:
+    """The device (``major:minor``) of the mount on top of ``mountpoint`` in this process's mount table: a FUSE
+    connection's own number, read without a request to the server (a ``stat`` there would wait for it)."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4].replace("\\040", " ") == mountpoint:
+                found = fields[2]  # later lines are mounted over earlier ones
+    return found
+
+
+def _unmount_own(mountpoint: str, own: str | None) -> None:
+    if own is not None and _mount_id(mountpoint) == own:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.umount2(os.fsencode(mountpoint), 2) != 0:  # MNT_DETACH: EROFS mounts may still hold a file
+            log.warning("unmounting %s failed: %s", mountpoint, os.strerror(ctypes.get_errno()))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Mount the lazy filesystem and serve it until unmounted or signalled."""
     parser = argparse.ArgumentParser(prog="python -m dsec.images.lazyfs", description=__doc__)
@@ -187,14 +209,17 @@ def main(argv: list[str] | None = None) -> int:
                        min_free=args.min_free)
     ops = LazyFS(cache)
     options = set(pyfuse3.default_options) | {"fsname=dsec-lazy", "ro", "allow_other"}
+    mountpoint = os.path.realpath(args.mountpoint)  # before the mount: a stat there would wait for this server
     pyfuse3.init(ops, str(args.mountpoint), options)
+    own = _mount_id(mountpoint)
     if args.ready_fd is not None:
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
     try:
         trio.run(_serve)
     finally:
-        pyfuse3.close(unmount=True)
+        _unmount_own(mountpoint, own)
+        pyfuse3.close(unmount=False)
     return 0
 
 

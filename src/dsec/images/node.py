@@ -9,9 +9,18 @@ makes the next sandbox of the image start like a local one) until :meth:`unmount
 with ``unmount=True``. On later starts of an image on any node, the chunks its first start read (recorded
 in the store under ``access/``) are prefetched in the background.
 
-The FUSE process outlives the daemon: a restarted daemon adopts it and the mounts (sandboxes recovered
-by the engine re-pin theirs). Order matters when tearing down: EROFS mounts first, the FUSE mount last.
-This module owns those mounts and that process; it never builds images and never runs sandboxes.
+The FUSE process (:mod:`dsec.images.lazyserver`) outlives the daemon: a restarted daemon adopts it and the
+mounts (sandboxes recovered by the engine re-pin theirs). Order matters when tearing down: EROFS mounts first,
+the FUSE mount last.
+
+*A mount is checked before it is handed out*: it must still be mounted (its device number, one ``stat``) and
+the server it reads through must still run (one poll of its pidfd); :meth:`check` also asks the server for
+an answer. A mount that vanished (unmounted by another process) is mounted afresh; a server that died is
+started again and every image that read through it is mounted afresh, each at a new path
+(``lazy/mnt/<digest>.<n>``): what sandboxes made before that still read through the dead one, and
+:meth:`stale` names those paths so that the engine can revive or report them. Another process's
+``NodeImages`` (a CLI, a test) never unmounts or stops what a running daemon of the home uses.
+This module owns those mounts; it never builds images and never runs sandboxes.
 """
 
 from __future__ import annotations
@@ -21,12 +30,10 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +46,7 @@ from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
 from dsec.images.cache import ChunkCache, free_reserve
 from dsec.images.format import Manifest, sha256
+from dsec.images.lazyserver import LazyServer, fs_types, umount
 from dsec.images.store import ImageStore
 from dsec.models import ImageInfo
 
@@ -47,29 +55,31 @@ __all__ = ["NodeImages"]
 log = logging.getLogger(__name__)
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
-_MNT_DETACH = 2
-_FUSE_START_TIMEOUT = 15.0
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _ERRORS: dict[str, type[DSecError]] = {"ImageCorrupt": ImageCorrupt, "StoreUnavailable": StoreUnavailable,
                                        "CacheFull": CacheFull}
+_HUNG_PROBES = 3
+"""Deep checks in a row that a live lazy server must fail to answer before it is replaced as hung."""
+_DEAD_KEPT = 10_000
+"""Paths of dead mounts remembered for :meth:`NodeImages.stale` (a few per server death)."""
 
 
-def _mounts() -> dict[str, str]:
-    """Mount point -> filesystem type, from this process's mount table."""
-    found: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            found[fields[4].replace("\\040", " ")] = fields[sep + 1]
-    return found
-
-
-def _umount(path: Path, detach: bool = False) -> None:
-    if _libc.umount2(os.fsencode(path), _MNT_DETACH if detach else 0) != 0:
-        err = ctypes.get_errno()
-        if err not in (22, 2):  # EINVAL: not mounted; ENOENT: gone
-            raise OSError(err, f"umount {path}: {os.strerror(err)}")
+def _owned(lock: Path) -> bool:
+    """Whether an image manager that owns the home's mounts (a daemon's) holds ``lock``: then another one, a CLI's
+    or a test's, leaves the mounts and the lazy server alone."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (releases the lock if it was taken)
+    return False
 
 
 @dataclass
@@ -78,6 +88,10 @@ class _Mount:
     path: Path
     refs: int = 0
     idle_since: float = field(default_factory=time.monotonic)
+    dev: int = 0
+    """Device number of the EROFS mount (what a ``stat`` of ``path`` shows while it is still there)."""
+    server: str | None = None
+    """Generation of the lazy server its blob reads through (None: not known, an older daemon's mount)."""
 
 
 def _ref(manifest: Manifest, mount: _Mount) -> ImageRef:
@@ -90,12 +104,22 @@ class NodeImages:
     """Chunked images mounted on this node (see the module docstring). Thread-safe."""
 
     def __init__(self, settings: Settings, store: ImageStore | None = None,
-                 cache_limit: int | None = None, prefetch: bool = True, tag_ttl: float = 1.0) -> None:
+                 cache_limit: int | None = None, prefetch: bool = True, tag_ttl: float = 1.0,
+                 daemon: bool = False) -> None:
         self.settings = settings
+        self.daemon = daemon
+        """This is the home's daemon's image manager: it holds ``lazy/owner.lock`` (shared) while it lives, and
+        other managers of the home leave what it mounted alone."""
         self.store = store if store is not None else ImageStore(settings.images, settings.image_store)
         self.base = settings.home / "lazy"
         self.blobs_dir = self.base / "blobs"
         self.mnt_dir = self.base / "mnt"
+        self._owner_lock = self.base / "owner.lock"
+        self._owner = -1
+        if daemon:
+            self.base.mkdir(parents=True, exist_ok=True)
+            self._owner = os.open(self._owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._owner, fcntl.LOCK_SH)
         # Read errors are recorded beside the mounts, not in the cache: when the cache has a disk of its own, a
         # full cache disk is one of them (by default both share DSEC_HOME's disk, kept from filling by min_free).
         self.cache = ChunkCache(settings.home / "image-cache", self.store.blobs, limit=cache_limit,
@@ -112,9 +136,12 @@ class NodeImages:
         self._later_lock = threading.Lock()
         self._later_jobs: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
         self._later_thread: threading.Thread | None = None
-        self._made: set[str] = set()  # images this instance mounted itself, and whether it started the server
-        self._started_server = False
-        self._server_checked = False
+        self._made: set[str] = set()  # images this instance mounted itself
+        self.server = LazyServer(self.base, settings.home / "log" / "lazyfs.log", self._server_args)
+        self._dead: collections.OrderedDict[Path, str] = collections.OrderedDict()  # dead mount -> why
+        self.remounts = 0
+        """Mounts this instance made afresh because theirs had died or vanished."""
+        self._healed: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100)
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
         self._manifests: dict[str, Manifest] = {}
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
@@ -165,8 +192,8 @@ class NodeImages:
             return None
         try:
             mount = self._mounts.get(cached[0][7:])
-            if manifest is None or mount is None:
-                return None
+            if manifest is None or mount is None or not self._live(mount):
+                return None  # a dead or vanished mount is mounted afresh by resolve(), in a thread
             mount.refs += 1
             self._by_name[name] = mount.hexdigest
         finally:
@@ -329,16 +356,31 @@ class NodeImages:
         hexdigest = (known or manifest.digest)[7:]
         mount = self._mounts.get(hexdigest)
         if mount is not None:
-            return mount
+            if self._live(mount):
+                return mount
+            self._heal()
+            mount = self._mounts.get(hexdigest)
+            if mount is not None and self._live(mount):
+                return mount
+            if mount is not None:  # unmounted behind this daemon's back (its server lives on): mount it afresh
+                log.warning("image %s: its mount %s vanished; mounting it again", manifest.info.name, mount.path,
+                            extra={"component": "images", "image": manifest.info.name})
+                self._drop(mount)
+                self.remounts += 1
         self.cache.put_manifest(manifest)
         target = self.mnt_dir / hexdigest[:16]
-        if _mounts().get(str(target)) == "erofs":  # kept warm by an earlier daemon
-            mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
-            self.cache.pin(hexdigest)
-            if (pid := self.fuse_pid()) is not None:
-                self._check_server(pid)
-            return mount
-        self._ensure_fuse()
+        if fs_types().get(str(target)) == "erofs":  # kept warm by an earlier daemon
+            adopted = self._adopted(hexdigest, target)
+            if self._live(adopted):
+                mount = self._mounts[hexdigest] = adopted
+                self.cache.pin(hexdigest)
+                return mount
+            self._forget_path(target)
+        return self._mount_at(manifest, hexdigest, self._free_target(hexdigest))
+
+    def _mount_at(self, manifest: Manifest, hexdigest: str, target: Path) -> _Mount:
+        """Mount the image (through a running lazy server) at ``target`` and keep it as the image's mount."""
+        server = self.server.ensure()
         meta = self._meta(manifest)
         target.mkdir(parents=True, exist_ok=True)
         self.cache.pin(hexdigest)
@@ -355,12 +397,141 @@ class NodeImages:
             if cause is not None:
                 raise cause
             raise SandboxError(f"mounting image {manifest.info.name!r} (EROFS over {blob}) failed: "
-                               f"{os.strerror(err)}", image=manifest.info.name)
-        mount = self._mounts[hexdigest] = _Mount(hexdigest, target)
+                               f"{os.strerror(err)}", image=manifest.info.name, component="images")
+        mount = self._mounts[hexdigest] = _Mount(hexdigest, target, dev=os.stat(target).st_dev, server=server)
+        self._record(mount)
         self._made.add(hexdigest)
         if self.prefetch:
             self._start_prefetch(manifest, hexdigest)
         return mount
+
+    def _free_target(self, hexdigest: str) -> Path:
+        """A mount point for the image nothing is mounted on: ``<digest16>``, else ``<digest16>.<n>`` (a dead
+        mount's path is never used again while sandboxes may still sit on it)."""
+        mounted = fs_types()
+        for n in range(10_000):
+            target = self.mnt_dir / (hexdigest[:16] + (f".{n}" if n else ""))
+            if str(target) not in mounted and target not in self._dead:
+                return target
+        raise SandboxError(f"image {hexdigest[:12]}: no free mount point under {self.mnt_dir}", component="images")
+
+    def _live(self, mount: _Mount) -> bool:
+        """Cheap (no request to the server, no read of the mount table): the mount is still there and the
+        server it reads through still runs."""
+        if mount.server is not None and mount.server != self.server.generation:
+            return False
+        try:
+            return os.stat(mount.path).st_dev == mount.dev
+        except OSError:
+            return False
+
+    def _record(self, mount: _Mount) -> None:
+        """Remember which server the mount reads through, for a daemon that adopts it after a restart."""
+        with contextlib.suppress(OSError):
+            (self.base / "mounts").mkdir(exist_ok=True)
+            (self.base / "mounts" / mount.path.name).write_text(mount.server or "")
+
+    def _adopted(self, hexdigest: str, path: Path) -> _Mount:
+        """An EROFS mount at ``path`` that another instance made (an earlier daemon, a CLI)."""
+        server: str | None = None
+        with contextlib.suppress(OSError):
+            server = (self.base / "mounts" / path.name).read_text().strip() or None
+        dev = 0
+        with contextlib.suppress(OSError):
+            dev = os.stat(path).st_dev
+        return _Mount(hexdigest, path, dev=dev, server=server)
+
+    def _heal(self) -> builtins.list[str]:
+        """Start the lazy server again if it died, and mount afresh (at new paths) every image that read
+        through a dead one; the old paths are remembered by :meth:`stale`. Under the lock. Returns the
+        names of the mounts made afresh."""
+        running = self.server.generation
+        serving = running is not None and fs_types().get(str(self.blobs_dir), "").startswith("fuse")
+        if serving and all(m.server in (None, running) for m in self._mounts.values()):
+            return []
+        why = self.server.death() if running is None else (
+            f"the lazy image server (pid {self.server.pid()}) lost its mount" if not serving else
+            "the lazy image server these images read through is gone")
+        log.warning("%s: mounting its images afresh", why, extra={"component": "lazy-server", "error": why})
+        began = time.time()
+        if running is not None and not serving:
+            self.server.stop()
+        self.server.ensure()
+        done = []
+        for mount in builtins.list(self._mounts.values()):
+            if mount.server == self.server.generation:
+                continue
+            self._dead[mount.path] = f"{why}; image {mount.hexdigest[:12]} was mounted afresh"
+            while len(self._dead) > _DEAD_KEPT:
+                self._dead.popitem(last=False)
+            self._drop(mount)
+            manifest = self._manifests.get("sha256:" + mount.hexdigest) or self.cache.manifest(mount.hexdigest)
+            fresh = self._mount_at(manifest, mount.hexdigest, self._free_target(mount.hexdigest))
+            self.remounts += 1
+            done.append(fresh.path.name)
+        if done:
+            log.info("lazy image server %s serves again; mounted afresh: %s", self.server.generation,
+                     ", ".join(done), extra={"component": "lazy-server"})
+        self._healed.append((why, began, time.time()))
+        return done
+
+    def take_healed(self) -> builtins.list[tuple[str, float, float]]:
+        """Lazy-server faults repaired since the last call: (what was wrong, when found, when repaired)."""
+        done = builtins.list(self._healed)
+        self._healed.clear()
+        return done
+
+    def _drop(self, mount: _Mount) -> None:
+        """Forget a dead or vanished mount (detached if still mounted: sandboxes keep their own clones of it)."""
+        self._forget_path(mount.path)
+        self._mounts.pop(mount.hexdigest, None)
+
+    def _forget_path(self, path: Path) -> None:
+        if fs_types().get(str(path)) == "erofs":
+            with contextlib.suppress(OSError):
+                umount(path, detach=True)
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        (self.base / "mounts" / path.name).unlink(missing_ok=True)
+
+    def stale(self, root: Path) -> str | None:
+        """Why the image mount at ``root`` (what a sandbox was made on) is dead, or None while it serves:
+        its lazy server died and the image was mounted afresh elsewhere. Cheap: a dict lookup."""
+        return self._dead.get(root)
+
+    def check(self, deep: bool = True) -> dict[str, str | None]:
+        """Check the lazy server (``deep``: it must answer a request) and every mount, heal what is dead or
+        vanished, and report: component name (``lazy-server``, ``image:<name>``) -> None if fine, else the
+        problem. Blocking (a deep check waits up to a few seconds for the server): call from a thread."""
+        report: dict[str, str | None] = {}
+        with self._lock:
+            if not self._mounts and self.server.generation is None:
+                return {"lazy-server": None}
+            problem = self.server.answers() if deep and self.server.alive() else None
+            if problem and 0 < self.server.unanswered < _HUNG_PROBES:
+                report["lazy-server"] = problem  # slow, maybe: replaced only if it stays so
+            else:
+                if problem:
+                    log.error("%s (%d checks in a row): replacing it", problem, self.server.unanswered,
+                              extra={"component": "lazy-server", "error": problem})
+                    self.server.stop()
+                try:
+                    self._heal()
+                    for mount in builtins.list(self._mounts.values()):
+                        if not self._live(mount):
+                            self._drop(mount)
+                            manifest = self.cache.manifest(mount.hexdigest)
+                            self._mount_at(manifest, mount.hexdigest, self._free_target(mount.hexdigest))
+                            self.remounts += 1
+                    report["lazy-server"] = None
+                except DSecError as exc:
+                    report["lazy-server"] = exc.message
+            names = {d[7:]: n for n, (d, _) in self._tags.items()}
+            for hexdigest, mount in self._mounts.items():
+                found = self.cache.read_error(hexdigest, time.time() - 60)
+                report[f"image:{names.get(hexdigest, hexdigest[:12])}"] = (
+                    f"{found[0]}: {found[1]}" if found else None) if self._live(mount) else "not mounted"
+        return report
 
     def explain_digest(self, hexdigest: str) -> DSecError | None:
         """The recorded read error of image ``hexdigest``, as an exception (taken), or None."""
@@ -403,9 +574,10 @@ class NodeImages:
         return done
 
     def _unmount(self, mount: _Mount) -> None:
-        _umount(mount.path)
+        umount(mount.path)
         with contextlib.suppress(OSError):
             mount.path.rmdir()
+        (self.base / "mounts" / mount.path.name).unlink(missing_ok=True)
         self.cache.unpin(mount.hexdigest)
         self._mounts.pop(mount.hexdigest, None)
         self._save_access(mount.hexdigest)
@@ -462,23 +634,38 @@ class NodeImages:
             known = {m.path for m in self._mounts.values()}
             manifests = self.cache.root / "manifests"
             names = [p.name for p in manifests.iterdir()] if manifests.is_dir() else []
-            for short in self._image_mounts():
-                point = self.mnt_dir / short
+            for name in self._image_mounts():
+                point = self.mnt_dir / name
                 if point in known:
                     continue
+                short = name.split(".")[0]
                 hexdigest = next((n for n in names if n.startswith(short)), short)
-                self._mounts[hexdigest] = _Mount(hexdigest, point)
+                if hexdigest in self._mounts:  # a dead one of an image mounted afresh since: let go
+                    self._forget_path(point)
+                    continue
+                self._mounts[hexdigest] = self._adopted(hexdigest, point)
 
     def _image_mounts(self) -> builtins.list[str]:
-        """Names (a digest's first 16 hex digits) of the EROFS image mounts under ``mnt_dir``, from this
-        process's mount table: any daemon's or CLI's, known to this instance or not."""
+        """Names (a digest's first 16 hex digits, then ``.<n>`` for a mount made afresh) of the EROFS image
+        mounts under ``mnt_dir``, from this process's mount table: any daemon's or CLI's, known to this
+        instance or not."""
         prefix = str(self.mnt_dir) + "/"
-        return [point[len(prefix):] for point, fs in _mounts().items() if fs == "erofs" and point.startswith(prefix)]
+        return [point[len(prefix):] for point, fs in fs_types().items() if fs == "erofs" and point.startswith(prefix)]
+
+    def foreign_daemon(self) -> bool:
+        """Whether a daemon's image manager (another instance, in this process or another) owns the home's
+        mounts now."""
+        return not self.daemon and _owned(self._owner_lock)
+
+    def _release_ownership(self) -> None:
+        if self._owner >= 0:
+            os.close(self._owner)
+            self._owner = -1
 
     def drop_stale_pins(self) -> builtins.list[str]:
         """Remove the pins of images that are not mounted (a reboot or a crash left them: pins are files, mounts
         are not), so that their chunks can be evicted again; their digests. Run by a starting daemon."""
-        mounted = set(self._image_mounts())
+        mounted = {name[:16] for name in self._image_mounts()}
         dropped = []
         with self._lock:
             for pin in builtins.list((self.cache.root / "pins").iterdir()):
@@ -497,29 +684,45 @@ class NodeImages:
             t.join(timeout=30)
         self._threads.clear()
         if not unmount:
+            self.server.close()
+            return
+        if self.foreign_daemon():
+            log.warning("a daemon serves %s: its image mounts and lazy server are left to it", self.settings.home)
+            self.close_own_sync()
             return
         with self._lock:
             self.adopt()
             for mount in builtins.list(self._mounts.values()):
                 self._unmount(mount)
-            self._stop_fuse()
+            self.server.stop()
+        self._release_ownership()
 
     def close_idle_sync(self) -> None:
         """What a stopping daemon does: stop prefetching, unmount every image no live sandbox uses, and stop
-        the FUSE server when nothing is left mounted (mounts under live sandboxes stay for the next daemon)."""
+        the FUSE server when nothing is left mounted (mounts under live sandboxes stay for the next daemon).
+        Outside the daemon, while a daemon serves the home: only what this instance mounted, as
+        :meth:`close_own_sync` (the daemon's mounts look unused here, and its sandboxes' overlays hold clones
+        of them, so an unmount would succeed under them and every later create of the image would fail)."""
+        if self.foreign_daemon():
+            self.close_own_sync()
+            return
         self.aclose_sync(unmount=False)
         with self._lock:
             self.adopt()
             self.unmount_idle()
             if not self._mounts:
-                self._stop_fuse()
+                self.server.stop()
+        self._release_ownership()
 
     def close_own_sync(self) -> None:
         """What a short-lived user of the node's images (a CLI command) does when done: unmount the images it
         mounted itself that nothing uses, and stop the lazy server only if it started it and no image is
         mounted any more. It never adopts: mounts and a server that a daemon's sandboxes may use are not its
-        own (:meth:`close_idle_sync`, a daemon's, takes them all)."""
+        own (:meth:`close_idle_sync`, a daemon's, takes them all). While a daemon owns the home it leaves even its
+        own mounts (the daemon may have taken them over; its own close unmounts them)."""
         self.aclose_sync(unmount=False)
+        if self.foreign_daemon():
+            return
         with self._lock:
             for hexdigest in builtins.list(self._made):
                 mount = self._mounts.get(hexdigest)
@@ -529,8 +732,8 @@ class NodeImages:
                     self._unmount(mount)
                 except OSError as exc:  # busy: a sandbox mounted over it meanwhile; it stays
                     log.info("image %s stays mounted: %s", hexdigest[:12], exc)
-            if self._started_server and not self._image_mounts():
-                self._stop_fuse()
+            if self.server.started_here and not self._image_mounts():
+                self.server.stop()
 
     async def close_idle(self) -> None:
         """Async :meth:`close_idle_sync`."""
@@ -544,24 +747,14 @@ class NodeImages:
 
         await asyncio.to_thread(self.aclose_sync, unmount)
 
-    # ------------------------------------------------------------------ the FUSE process
+    # ------------------------------------------------------------------ the lazy server
     @property
     def _pid_file(self) -> Path:
-        return self.base / "lazyfs.pid"
+        return self.server.pid_file
 
     def fuse_pid(self) -> int | None:
-        """Pid of the running lazy filesystem server, or None. The pid file outlives its server (a reboot, a
-        crash, the OOM killer): the pid counts only while it is still this home's server, never a process
-        that was given the number since (the daemon would signal it)."""
-        try:
-            pid = int(self._pid_file.read_text())
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError):
-            return None
-        if b"dsec.images.lazyfs" not in argv or os.fsencode(self.blobs_dir) not in argv or not _alive(pid):
-            return None
-        return pid
+        """Pid of this home's running lazy filesystem server, or None (see :meth:`LazyServer.pid`)."""
+        return self.server.pid()
 
     def _server_args(self) -> builtins.list[str]:
         """The lazy server's configuration (its command line after ``-m dsec.images.lazyfs``, but the fd)."""
@@ -572,74 +765,6 @@ class NodeImages:
         if self.cache.min_free:
             args += ["--min-free", str(self.cache.min_free)]
         return args
-
-    def _check_server(self, pid: int) -> None:
-        """Once per instance, for a server adopted from an earlier daemon: it cannot be restarted under live
-        sandboxes (their mounts read through it), so say which of this daemon's settings it does not have."""
-        if self._server_checked:
-            return
-        self._server_checked = True
-        with contextlib.suppress(OSError, ValueError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
-            running = argv[argv.index("dsec.images.lazyfs") + 1:]
-            if "--ready-fd" in running:
-                at = running.index("--ready-fd")
-                del running[at:at + 2]
-            if running != self._server_args():
-                log.warning("the lazy image server %d (kept from an earlier daemon) runs with %s, not %s: settings "
-                            "such as DSEC_IMAGE_STORE or DSEC_IMAGE_CACHE_MAX take effect once it is restarted "
-                            "(`dsec down --destroy`, or a reboot)", pid, running, self._server_args())
-
-    def _ensure_fuse(self) -> None:
-        if _mounts().get(str(self.blobs_dir), "").startswith("fuse") and (pid := self.fuse_pid()) is not None:
-            self._check_server(pid)
-            return
-        self._stop_fuse()  # a dead server leaves a stale mount ("transport endpoint is not connected")
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.settings.home / "log" / "lazyfs.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        read, write = os.pipe()
-        argv = [sys.executable, "-m", "dsec.images.lazyfs", *self._server_args(), "--ready-fd", str(write)]
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(write,),
-                                    start_new_session=True, close_fds=True)
-        os.close(write)
-        try:
-            ready = _read_with_timeout(read, _FUSE_START_TIMEOUT)
-        finally:
-            os.close(read)
-        if not ready:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            proc.wait()
-            tail = log_path.read_text(errors="replace")[-1500:]
-            raise SandboxError(f"the lazy image filesystem did not start (see {log_path}): {tail}")
-        self._pid_file.write_text(str(proc.pid))
-        self._started_server = True
-        # The daemon does not wait for it: it must outlive a daemon restart. A reaper thread avoids a zombie.
-        threading.Thread(target=proc.wait, daemon=True, name="lazyfs-reaper").start()
-
-    def _stop_fuse(self) -> None:
-        pid = self.fuse_pid()
-        # From the mount table, never a stat: on the mount of a dead server that fails (ENOTCONN).
-        if _mounts().get(str(self.blobs_dir), "").startswith("fuse"):
-            with contextlib.suppress(OSError):
-                _umount(self.blobs_dir, detach=pid is None)
-        if pid is not None:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.02)
-            if _alive(pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 10  # stuck in the kernel (a hung NFS store): not waited for forever
-                while _alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if _alive(pid):
-                    log.error("lazy image server %d did not die of SIGKILL within 10 s (stuck in I/O?); left", pid)
-        self._pid_file.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ access records and prefetch
     def _save_access(self, hexdigest: str) -> None:
@@ -678,22 +803,3 @@ class NodeImages:
             except DSecError as exc:
                 log.warning("prefetch stopped: %s", exc)
                 return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a zombie (our own child not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _read_with_timeout(fd: int, timeout: float) -> bool:
-    import select
-
-    ready, _, _ = select.select([fd], [], [], timeout)
-    return bool(ready) and os.read(fd, 1) == b"1"

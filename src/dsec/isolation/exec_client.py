@@ -141,6 +141,20 @@ class ExecHelper:
                 self._proc.wait()
             self._proc = None
 
+    @property
+    def pid(self) -> int | None:
+        """The helper's pid (None before it starts)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        """Whether the helper process runs (non-blocking)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> None:
+        """Start a new helper after this one died (what :meth:`spawn` also does on its own at the next exec)."""
+        self.close()
+        self.start()
+
     async def spawn(self, request: dict[str, Any]) -> Spawned:
         """Ask the helper to run ``request`` (fields: :func:`encode_request`); returns our pipe ends."""
         message = encode_request(request)

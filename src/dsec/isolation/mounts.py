@@ -186,6 +186,7 @@ class MountHolder:
         self.shim, self.pidfile, self.tag = shim, pidfile, tag
         self.pid = 0
         self._child = 0  # the holder's pid when this process started it (and must reap it)
+        self._started: str | None = None  # its start time (a pid reused since is not it)
         self._thread: ThreadPoolExecutor | None = None
         self._tid = 0
         self._join_error: Exception | None = None
@@ -193,6 +194,7 @@ class MountHolder:
     def start(self) -> None:
         """Adopt the running holder of this home, or start one; then join its namespace from the workers."""
         self.pid = self._adopt() or self._spawn()
+        self._started = start_time(self.pid)
         pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="dsec-mntns", initializer=self._join)
         try:
             self._tid = pool.submit(threading.get_native_id).result()  # the first worker: it lives until close
@@ -254,6 +256,38 @@ class MountHolder:
             self._join_error = exc if isinstance(exc, BackendUnavailable) else BackendUnavailable(
                 f"joining the mount holder's namespace (pid {self.pid}): {exc}")
             raise
+
+    def alive(self) -> bool:
+        """Whether the holder process still runs (non-blocking: one read of its stat)."""
+        if not self.pid:
+            return False
+        with contextlib.suppress(OSError, IndexError):
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] != "Z" and start_time(self.pid) == self._started
+        return False
+
+    def respawn(self) -> int:
+        """A new holder after this one died (killed): born from a worker thread, which is still in the dead
+        holder's namespace, so the new one's private namespace is a copy of it with every sandbox's mounts in
+        it; the workers move there and the old namespace goes with them. Returns the new holder's pid."""
+        if self._thread is None:
+            raise BackendUnavailable("the mount holder is not started")
+        old, dead, ours = self._thread, self.pid, self._child == self.pid
+        pid = old.submit(self._spawn).result()
+        if ours:  # reaped: it was this process's child
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(dead, os.WNOHANG)
+        self.pid, self._started = pid, start_time(pid)
+        pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="dsec-mntns", initializer=self._join)
+        try:
+            self._tid = pool.submit(threading.get_native_id).result()
+        except BaseException as exc:
+            pool.shutdown()
+            raise (self._join_error or exc) from None
+        self._thread = pool
+        old.shutdown()
+        log.info("mount holder %d died; holder %d took its mounts over", dead, pid, extra={"component": "mount-holder"})
+        return pid
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` in the holder's mount namespace (on one of its worker threads) and wait."""

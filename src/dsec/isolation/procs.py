@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-__all__ = ["SEALS", "die_with_parent", "meminfo", "read_small", "reap", "sealed_executable", "start_time"]
+__all__ = ["SEALS", "die_with_parent", "ended", "meminfo", "read_small", "reap", "sealed_executable", "start_time"]
 
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 """The seals of :func:`sealed_executable`'s copy: exactly these, which crun and runc take as "already a safe
@@ -78,6 +78,29 @@ def start_time(pid: int) -> str | None:
         return data.rsplit(b")", 1)[1].split()[19].decode()
     except IndexError:
         return None
+
+
+def ended(pid: int, started: str | None) -> str | None:
+    """None while process ``pid`` (started at ``started``, see :func:`start_time`) runs; else how it ended:
+    ``killed by SIGKILL``, ``exited with status 1`` (read without reaping it when it is this process's unreaped
+    child, else just ``gone``). One read of its stat while it runs."""
+    data = read_small(f"/proc/{pid}/stat", 4096)
+    fields = data.rsplit(b")", 1)[1].split() if data else []
+    if len(fields) < 20 or fields[19].decode() != started:
+        return "gone"
+    if fields[0] != b"Z":
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "gone"
+    if info is None:
+        return "gone"
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        import signal
+
+        return f"killed by {signal.Signals(info.si_status).name}"
+    return f"exited with status {info.si_status}"
 
 
 def reap(pid: int, within: float, pending: bool = False) -> bool:

@@ -35,6 +35,8 @@ class PostgresStore(TrajectoryStore):
                 "the PostgreSQL trajectory log needs psycopg 3: pip install 'dsec[postgres]'") from exc
         self._psycopg = psycopg
         self.dsn = dsn
+        with_info = psycopg.conninfo.conninfo_to_dict(dsn)  # (never the password: errors show it)
+        self.where = f"PostgreSQL {with_info.get('host', 'localhost')}/{with_info.get('dbname', '')}"
         self.retry_for = retry_for
         self._write_conn: Any = None
         self._read_conn: Any = None

@@ -50,6 +50,7 @@ _SCHEMA = (
         request TEXT NOT NULL, status TEXT NOT NULL, response TEXT, truncated INTEGER NOT NULL DEFAULT 0,
         original_bytes BIGINT NOT NULL DEFAULT 0, started_at DOUBLE PRECISION NOT NULL,
         duration_s DOUBLE PRECISION NOT NULL DEFAULT 0, PRIMARY KEY (name, seq))""",
+    """CREATE TABLE IF NOT EXISTS dsec_health (node TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL)""",
 )
 _ENTRY_COLUMNS = "seq, op, digest, request, status, response, truncated, original_bytes, started_at, duration_s"
 _UPSERT_CALL = (
@@ -177,7 +178,8 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     elif isinstance(error, DSecError):
         future.set_exception(error)
     else:
-        future.set_exception(SandboxError(f"writing the trajectory log failed: {type(error).__name__}: {error}"))
+        future.set_exception(SandboxError(f"writing the trajectory log failed: {type(error).__name__}: {error}",
+                                          component="trajectory-store"))
 
 
 class TrajectoryStore(abc.ABC):
@@ -186,6 +188,8 @@ class TrajectoryStore(abc.ABC):
     placeholder = "?"
     inline = False
     """Commit on the caller's thread instead of the writer thread (only where a commit is cheap)."""
+    where = "the trajectory store"
+    """What the store is, for errors (a path, a database host)."""
     defer_s = 0.05
     """Inline mode: the longest a write that need not be durable waits to share the next commit (a call's
     response usually rides with the next call's durable ``running`` entry: one commit per call)."""
@@ -285,7 +289,8 @@ class TrajectoryStore(abc.ABC):
         except DSecError:
             raise
         except Exception as exc:
-            raise SandboxError(f"writing the trajectory log failed: {type(exc).__name__}: {exc}") from exc
+            raise SandboxError(f"writing the trajectory log ({self.where}) failed: {type(exc).__name__}: {exc}",
+                               component="trajectory-store") from exc
         self._inline_commits += 1
         self._inline_writes += len(ops)
 
@@ -305,6 +310,15 @@ class TrajectoryStore(abc.ABC):
             self._flush_pending()
         elif self._unsettled:
             await self._writer.submit(lambda cur: None, True)  # type: ignore[misc]  # FIFO: all before it
+
+    async def probe(self, node: str) -> str | None:
+        """None if a durable write succeeds now, else why not (one small upsert; the daemon's watchdog asks)."""
+        try:
+            await self._write("INSERT INTO dsec_health (node, at) VALUES (?, ?) ON CONFLICT (node) DO UPDATE SET "
+                              "at = excluded.at", (node, time.time()), True)
+        except DSecError as exc:
+            return exc.message
+        return None
 
     async def put_entry(self, name: str, entry: Entry, *, durable: bool = True) -> None:
         """Insert or replace call ``entry.seq``; with ``durable`` return only once it is committed."""
@@ -389,6 +403,7 @@ class SQLiteStore(TrajectoryStore):
         if sync not in ("normal", "full"):
             raise ValueError(f"sync must be 'normal' or 'full', got {sync!r}")
         self.path = path
+        self.where = str(path)
         self.sync = sync
         self.private = private
         self.inline = sync == "normal"

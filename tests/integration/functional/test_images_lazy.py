@@ -196,11 +196,11 @@ def test_a_daemon_adopting_a_server_of_other_settings_says_so(home: Path, tmp_pa
         first.resolve("img")
         first.aclose_sync(unmount=False)
         same = node_for(home, store)
-        with caplog.at_level("WARNING", logger="dsec.images.node"):
+        with caplog.at_level("WARNING", logger="dsec.images"):
             same.resolve("img")
         assert "kept from an earlier daemon" not in caplog.text, caplog.text
         limited = node_for(home, store, cache_limit=64 * MiB)
-        with caplog.at_level("WARNING", logger="dsec.images.node"):
+        with caplog.at_level("WARNING", logger="dsec.images"):
             limited.resolve("img")
         assert "kept from an earlier daemon" in caplog.text and str(64 * MiB) in caplog.text
         assert limited.fuse_pid() == first.fuse_pid()
