@@ -101,9 +101,7 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None,
           e2b_listen: str | None, e2b_domain: str | None, e2b_tls_cert: Path | None, e2b_tls_key: Path | None,
           e2b_default_image: str, e2b_backend: str, e2b_network: str) -> None:
-    """Run the node daemon in the foreground (its log, start-up phases included, on stderr)."""
-    import logging
-
+    """Run the node daemon in the foreground (its log, start-up phases included, on stderr and in its log file)."""
     from click.core import ParameterSource
 
     from dsec.config import Settings
@@ -128,8 +126,9 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
             PoolConfig.parse(text)
     except InvalidRequest as exc:
         _fail(str(exc))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dsec.daemon import logs
+
+    logs.setup(settings.log_file)  # info and above, structured, to the daemon's log file (`dsec logs --daemon`)
     e2b = None
     if e2b_listen is not None:
         from dsec.e2b import E2BOptions

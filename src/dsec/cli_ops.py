@@ -320,16 +320,30 @@ def _audit_table(entries: list[AuditEntry], *, with_sandbox: bool) -> Table:
 
 
 @click.command()
-@click.argument("sandbox_id")
-@click.option("--limit", "-n", type=click.IntRange(1, 10_000), default=100, show_default=True,
-              help="Latest commands shown.")
+@click.argument("sandbox_id", required=False)
+@click.option("--limit", "-n", type=click.IntRange(1, 100_000), default=100, show_default=True,
+              help="Latest commands (or daemon log lines) shown.")
 @click.option("--no-output", is_flag=True, help="Commands only, without the head of their output.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (newest first).")
-def logs(sandbox_id: str, limit: int, no_output: bool, as_json: bool) -> None:
-    """A sandbox's command history and outputs, from the audit trail (outside the sandbox; also once it is gone).
+@click.option("--daemon", "daemon_log", is_flag=True,
+              help="The node daemon's own log (starts, faults, recoveries, refusals) instead of a sandbox's commands; "
+                   "with SANDBOX_ID, only its lines.")
+@click.option("--component", help="With --daemon: only lines about this component (lazy-server, mount-holder, ...).")
+@click.option("--level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              default="INFO", show_default=True, help="With --daemon: the lowest level shown.")
+@click.option("--follow", "-f", is_flag=True, help="With --daemon: keep printing new lines.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (newest first; --daemon: oldest first).")
+def logs(sandbox_id: str | None, limit: int, no_output: bool, daemon_log: bool, component: str | None, level: str,
+         follow: bool, as_json: bool) -> None:
+    """A sandbox's command history and outputs, from the audit trail (outside the sandbox; also once it is gone);
+    or, with --daemon, the node daemon's log.
 
     Oldest first; each command's output is its first 4 KiB per stream.
     """
+    if daemon_log:
+        _daemon_log(sandbox_id, component, level.upper(), limit, follow, as_json)
+        return
+    if sandbox_id is None:
+        raise click.UsageError("give a SANDBOX_ID, or --daemon for the daemon's own log")
     entries = _run(lambda c: c.sandbox_logs(sandbox_id, limit=limit))
     if as_json:
         _dump(entries)
@@ -350,6 +364,43 @@ def logs(sandbox_id: str, limit: int, no_output: bool, as_json: bool) -> None:
                 console.print(f"[yellow]{escape(e.stderr.rstrip(chr(10)))}[/yellow]")
             if e.output_bytes > len(e.stdout) + len(e.stderr):
                 console.print(f"[dim]... {e.output_bytes} bytes of output in all[/dim]")
+
+
+_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+def _daemon_log(sandbox_id: str | None, component: str | None, level: str, limit: int, follow: bool,
+                as_json: bool) -> None:
+    """Print the daemon's log file (``DSEC_HOME/log/dsec.log``), filtered."""
+    import collections
+    import json
+
+    from dsec.config import Settings
+    from dsec.daemon.logs import LogLine, read_lines
+
+    path = Settings().log_file
+    if not path.exists():
+        raise click.ClickException(f"no daemon log at {path} (DSEC_HOME={Settings().home}): has a daemon run here?")
+
+    def wanted(line: LogLine) -> bool:
+        return (_LEVELS.get(line.level, 0) >= _LEVELS[level]
+                and (component is None or line.fields.get("component") == component)
+                and (sandbox_id is None or line.fields.get("sandbox") == sandbox_id or sandbox_id in line.message))
+
+    def show(line: LogLine) -> None:
+        if as_json:
+            click.echo(json.dumps({"at": line.at, "level": line.level, "logger": line.logger,
+                                   "message": line.message, **line.fields, "more": line.more}))
+        else:
+            click.echo(line.text())
+
+    lines = read_lines(path, follow=follow)
+    for line in collections.deque((x for x in lines if wanted(x)), maxlen=limit) if not follow else []:
+        show(line)
+    if follow:
+        for line in lines:
+            if wanted(line):
+                show(line)
 
 
 @click.command()

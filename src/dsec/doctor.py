@@ -21,7 +21,7 @@ from pathlib import Path
 from dsec.config import Settings
 from dsec.isolation.landlock import landlock_abi
 
-__all__ = ["Check", "as_json", "healthy", "render", "run_checks", "table"]
+__all__ = ["Check", "as_json", "daemon_checks", "healthy", "render", "run_checks", "table"]
 
 _PROBE_TIMEOUT = 10.0
 
@@ -97,7 +97,52 @@ def run_checks(settings: Settings | None = None) -> list[Check]:
     # Side by side: most probes wait on a subprocess (a tool's version, the wakeup and KVM probes), so the
     # report takes about as long as its slowest probe rather than their sum.
     with ThreadPoolExecutor(max_workers=len(probes), thread_name_prefix="dsec-doctor") as pool:
-        return list(pool.map(lambda item: run(*item), probes))
+        checks = list(pool.map(lambda item: run(*item), probes))
+    try:
+        checks += daemon_checks(settings)
+    except Exception as exc:
+        checks.append(Check("daemon", False, f"probe failed: {type(exc).__name__}: {exc}"))
+    return checks
+
+
+_FIXES = {
+    "lazy-server": "the daemon restarts it by itself; if it stays down, see {home}/log/lazyfs.log",
+    "mount-holder": "the daemon starts a new one by itself; `dsec logs --daemon --component mount-holder`",
+    "exec-helper": "the daemon restarts it by itself; `dsec logs --daemon --component exec-helper`",
+    "image-store": "check DSEC_IMAGE_STORE and that its server answers (creates of uncached images fail meanwhile)",
+    "trajectory-store": "make DSEC_TRAJECTORY_DB writable (trajectory-bound calls fail meanwhile)",
+    "node-disk": "free space on the disk of {home} (creates are refused meanwhile)",
+}
+
+
+def daemon_checks(settings: Settings) -> list[Check]:
+    """The running daemon of this home, if any: it answers, and each component it depends on is ok
+    (``/v1/health``: the lazy image server, the mount holder, the exec helper, the stores, the disk, each image
+    in use)."""
+    import httpx
+
+    socket = settings.socket_path
+    if not socket.exists():
+        return [Check("daemon", True, f"no daemon runs on {settings.home} (nothing to check)", required=False)]
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=10) as client:
+            answer = client.get("http://dsec/v1/health").raise_for_status().json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return [Check("daemon", False, f"{socket} does not answer: {exc}", "stale socket of a killed daemon? "
+                      "`dsec up` starts one (`dsec logs --daemon` shows why it stopped)")]
+    stopping = f", stopping: {answer['stopping']}" if answer.get("stopping") else ""
+    checks = [Check("daemon", answer.get("status", "ok") == "ok",
+                    f"version {answer.get('version')}, {answer.get('sandboxes')} sandboxes, status "
+                    f"{answer.get('status', 'ok')}{stopping}", "see the components below and `dsec logs --daemon`")]
+    for part in answer.get("components", []):
+        name, state = str(part.get("name")), str(part.get("state"))
+        ok = state == "ok"
+        detail = f"{state}: {part.get('error')}" if not ok else (part.get("detail") or "ok")
+        if ok and part.get("faults"):
+            detail += f" ({part['faults']} fault(s) since start, last: {part.get('last_error')})"
+        fix = _FIXES.get(name.split(":")[0], "`dsec logs --daemon --component " + name + "`")
+        checks.append(Check(f"daemon: {name}", ok, detail, None if ok else fix.format(home=settings.home)))
+    return checks
 
 
 def healthy(checks: list[Check]) -> bool:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dsec.config import Settings
+from dsec.daemon import logs
 from dsec.daemon.server import ServeError, serve
 from dsec.e2b.options import E2BOptions
 from dsec.errors import InvalidRequest
@@ -35,12 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2b-backend", default="container", help="backend of a template that names none")
     p.add_argument("--e2b-network", default="none", help="network of a sandbox that asks for none")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     settings = Settings(home=args.home) if args.home else Settings()
+    logs.setup(settings.log_file, args.log_level)
     engine = None
     if os.environ.get("DSEC_DAEMON_FAKE") == "1":
         # Test-only: lets process-level tests (up/down, signals) run without touching the host's
