@@ -17,7 +17,7 @@ classes defined here, never an arbitrary import path).
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
     ├── QuotaExceeded                       429
     │   └── RateLimited                     429  the token's rate limit (``retry_after`` seconds)
-    ├── SandboxLost                         410  cluster mode: the owning node died
+    ├── SandboxLost                         410  the sandbox died (init, VM, image mount) or its node did
     ├── ReplayDivergence                    409  trajectory replay saw a different call
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
@@ -144,8 +144,9 @@ class RateLimited(QuotaExceeded):
 
 
 class SandboxLost(DSecError):
-    """The node that owned the sandbox died (cluster mode); ``detail["node"]`` names it. A trajectory-bound
-    sandbox is rebuilt from its latest checkpoint on another node when its trajectory is re-opened."""
+    """The sandbox died on its own and could not be revived (its init or VM killed, its image mount's server
+    dead: the message says which), or the node that owned it died (cluster mode); ``detail["node"]`` names the
+    node. A trajectory-bound sandbox is rebuilt from its latest checkpoint when its trajectory is re-opened."""
 
     status_code = 410
 
