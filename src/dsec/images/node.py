@@ -502,16 +502,19 @@ class NodeImages:
     def check(self, deep: bool = True) -> dict[str, str | None]:
         """Check the lazy server (``deep``: it must answer a request) and every mount, heal what is dead or
         vanished, and report: component name (``lazy-server``, ``image:<name>``) -> None if fine, else the
-        problem. Blocking (a deep check waits up to a few seconds for the server): call from a thread."""
-        report: dict[str, str | None] = {}
-        with self._lock:
-            if not self._mounts and self.server.generation is None:
-                return {"lazy-server": None}
-            problem = self.server.answers() if deep and self.server.alive() else None
-            if problem and 0 < self.server.unanswered < _HUNG_PROBES:
-                report["lazy-server"] = problem  # slow, maybe: replaced only if it stays so
-            else:
-                if problem:
+        problem. Blocking (a deep check waits up to a few seconds for the server): call from a thread. The lock
+        (which creates take) is held only to heal, never while the server is asked."""
+        if not self._mounts and self.server.generation is None:
+            return {"lazy-server": None}
+        report: dict[str, str | None] = {"lazy-server": None}
+        problem = self.server.answers() if deep and self.server.alive() else None
+        hung = problem is not None and self.server.unanswered >= _HUNG_PROBES
+        if problem is not None and not hung:
+            report["lazy-server"] = problem  # slow, maybe: replaced only if it stays so
+        mounts = builtins.list(self._mounts.values())
+        if hung or self.server.generation is None or not all(self._live(m) for m in mounts):
+            with self._lock:
+                if hung:
                     log.error("%s (%d checks in a row): replacing it", problem, self.server.unanswered,
                               extra={"component": "lazy-server", "error": problem})
                     self.server.stop()
@@ -523,14 +526,13 @@ class NodeImages:
                             manifest = self.cache.manifest(mount.hexdigest)
                             self._mount_at(manifest, mount.hexdigest, self._free_target(mount.hexdigest))
                             self.remounts += 1
-                    report["lazy-server"] = None
                 except DSecError as exc:
                     report["lazy-server"] = exc.message
-            names = {d[7:]: n for n, (d, _) in self._tags.items()}
-            for hexdigest, mount in self._mounts.items():
-                found = self.cache.read_error(hexdigest, time.time() - 60)
-                report[f"image:{names.get(hexdigest, hexdigest[:12])}"] = (
-                    f"{found[0]}: {found[1]}" if found else None) if self._live(mount) else "not mounted"
+        names = {d[7:]: n for n, (d, _) in builtins.list(self._tags.items())}
+        for hexdigest, mount in builtins.list(self._mounts.items()):
+            found = self.cache.read_error(hexdigest, time.time() - 60)
+            report[f"image:{names.get(hexdigest, hexdigest[:12])}"] = (
+                f"{found[0]}: {found[1]}" if found else None) if self._live(mount) else "not mounted"
         return report
 
     def explain_digest(self, hexdigest: str) -> DSecError | None:
