@@ -732,19 +732,39 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
 @click.option("--quick", is_flag=True, help="Every sample count and duration times 0.1 (a quick look).")
 @click.option("--burst", type=click.IntRange(1, 100_000), metavar="N",
               help="pools suite: sandboxes of the burst / density phase (default 1000; 10000 for the density target); "
-                   "`dsec bench cluster --burst N`: creates of the cluster burst (default 2000).")
+                   "`dsec bench cluster --burst N`: creates of the cluster burst (default 2000); "
+                   "`dsec bench cluster-sim --burst N`: sandboxes of the one-job batch (default 32000).")
 @click.option("--phase", "phases", multiple=True,
-              type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman"]),
-              help="pools suite: run only this phase (repeatable; default: all).")
+              type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman",
+                                 "decide", "idle", "batch", "single", "fill", "death", "restart"]),
+              help="pools suite: create, sustained, exec, neighbours, burst, podman; cluster-sim suite: decide, "
+                   "idle, batch, single, fill, death, restart. Run only this phase (repeatable; default: all).")
 @click.option("--idle-vms", type=click.IntRange(1, 10_000), metavar="N",
               help="microvm suite: idle VMs alive at once, each answering an exec (default 8; 100 for the target).")
+@click.option("--nodes", "fleet_sizes", metavar="N[,N...]",
+              help="cluster-sim suite: simulated fleet sizes, one run each (default 160,1000,2000,4000).")
+@click.option("--live", type=click.IntRange(1, 10_000_000), metavar="N",
+              help="cluster-sim suite: live sandboxes the gateway holds in the fill phase (default 380000).")
 def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
-          burst: int | None, phases: tuple[str, ...], idle_vms: int | None) -> None:
+          burst: int | None, phases: tuple[str, ...], idle_vms: int | None, fleet_sizes: str | None,
+          live: int | None) -> None:
     """Run benchmarks against the peers measured in the same run (no SUITE: every suite)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
     config = None
-    if burst is not None and suites == ("cluster",):
+    if suites == ("cluster-sim",):
+        sim = importlib.import_module("dsec.bench.cluster_sim")
+        config = sim.ClusterSimBench().scaled(0.1 if quick else 1.0)
+        try:
+            sizes = tuple(int(n) for n in fleet_sizes.split(",")) if fleet_sizes else config.nodes
+        except ValueError:
+            raise click.BadParameter(f"expected node counts separated by commas, got {fleet_sizes!r}",
+                                     param_hint="--nodes") from None
+        config = dataclasses.replace(config, nodes=sizes, phases=phases, batch=burst or config.batch,
+                                     live=live or config.live)
+    elif fleet_sizes or live:
+        raise click.UsageError("--nodes and --live are options of `dsec bench cluster-sim`")
+    elif burst is not None and suites == ("cluster",):
         cluster_bench = importlib.import_module("dsec.bench.cluster")
         config = dataclasses.replace(cluster_bench.ClusterBench().scaled(0.1 if quick else 1.0), burst=burst)
     elif burst is not None or phases:

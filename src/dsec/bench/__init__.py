@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from dsec.bench.cluster import ClusterBench
+from dsec.bench.cluster_sim import ClusterSimBench
 from dsec.bench.container import BenchUnavailable, ContainerBench
 from dsec.bench.container import run as run_container
 from dsec.bench.function import FunctionBench
@@ -44,13 +45,13 @@ from dsec.bench.trajectory import run as run_trajectory
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
 SUITES = ("startup", "container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster",
-          "e2b")
+          "e2b", "cluster-sim")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
 """``--quick``: every sample count and duration times this (on top of ``DSEC_BENCH_SCALE``)."""
 
-Config = ContainerBench | FunctionBench | PoolBench | ClusterBench
+Config = ContainerBench | FunctionBench | PoolBench | ClusterBench | ClusterSimBench
 
 
 def _scale() -> float:
@@ -75,6 +76,11 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
         from dsec.bench.builds import run as run_builds
 
         return run_builds(samples=max(2, round(3 * scale)), progress=progress)
+    if name == "cluster-sim":
+        from dsec.bench.cluster_sim import run as run_cluster_sim
+
+        return run_cluster_sim(config if isinstance(config, ClusterSimBench) else ClusterSimBench().scaled(scale),
+                               progress=progress)
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
     if name == "startup":

@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db", required=True, help="PostgreSQL URL of the gateway state (postgresql://...)")
     p.add_argument("--jobs", type=Path, required=True, help="jobs file (tokens and quotas)")
     p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: auto)")
+    p.add_argument("--nodes-from", default=None, metavar="URL",
+                   help="read membership from this URL (a JSON list of nodes: the fleet simulator's "
+                        "/fleet/membership, or an inventory service) instead of running node daemons on Ray")
     p.add_argument("--node-config", type=Path, default=None, help="JSON of NodeConfig fields for node daemons")
     p.add_argument("--admission-wait", type=float, default=60.0, help="seconds a create may wait for room")
     p.add_argument("--sync-commit", action="store_true",
@@ -176,6 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidRequest as exc:
         print(f"dsec gateway: {exc}", file=sys.stderr)
         return 2
+    if args.nodes_from:
+        from dsec.cluster.membership import HttpNodes
+
+        try:
+            source = HttpNodes(args.nodes_from)
+        except InvalidRequest as exc:
+            print(f"dsec gateway: {exc}", file=sys.stderr)
+            return 2
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(_serve(args, source, jobs))
+        return 0
     import ray
 
     from dsec.cluster.ray_nodes import NAMESPACE, NodeConfig, RayNodes

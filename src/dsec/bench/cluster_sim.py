@@ -1,0 +1,413 @@
+"""``dsec bench cluster-sim``: the control plane at fleet scale, against the fleet simulator.
+
+For each fleet size (160, 1,000, 2,000 and 4,000 simulated nodes by default) one run starts a throwaway
+PostgreSQL, the fleet simulator (:mod:`dsec.testing.fleet`, one process, every node on its own loopback
+address) and the real gateway process (``python -m dsec.cluster gateway --nodes-from``, pinned to one
+core), then measures the issue's figures:
+
+- ``decide``: the placement decision alone, one sandbox, and a whole batch (in this process);
+- ``idle``: the gateway's CPU with nothing to do but membership and health;
+- ``batch``: one ``create_many`` of 32,000 end to end, then its destroy;
+- ``single``: creates each followed by a destroy from a client process on the other core, sustained; the
+  gateway's CPU per create split by part (py-spy samples), the fleet's CPU per create;
+- ``fill``: the gateway holding ``live`` sandboxes: its memory per live sandbox, the longest answer of a
+  health probe (an event-loop stall shows there), ``list`` at that size;
+- ``death``: a node holding 3,200 sandboxes dies: time until the gateway reports them all lost;
+- ``restart``: the gateway SIGKILLed and started again: time until a create is served.
+
+Everything runs on this machine's loopback. It measures; the SPECIFICATION lines say what was met.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsec.bench.container import BenchUnavailable
+from dsec.bench.cpu import tree_cpu
+from dsec.bench.report import Row, Suite, summarize
+
+__all__ = ["PHASES", "ClusterSimBench", "run"]
+
+PHASES = ("decide", "idle", "batch", "single", "fill", "death", "restart")
+"""Every phase, in the order a run measures them."""
+
+SPEC: dict[str, Any] = {"image": "debian-python", "backend": "function", "cpu": 0.01, "memory": 16 * 1024**2,
+                        "timeout": 86_400}
+_NODE_CAPACITY: dict[str, Any] = {"cpu": 4096.0, "memory": 2**44, "slots": {"function": 4000}}
+
+
+@dataclass(frozen=True)
+class ClusterSimBench:
+    """Sizes of the cluster-sim benchmark."""
+
+    nodes: tuple[int, ...] = (160, 1000, 2000, 4000)
+    """Fleet sizes, one run each."""
+    batch: int = 32_000
+    """Sandboxes of the one-job batch."""
+    fill_batch: int = 10_000
+    """Sandboxes per request while filling to ``live``."""
+    live: int = 380_000
+    """Live sandboxes the gateway holds in the ``fill`` phase (and keeps for ``death`` and ``restart``)."""
+    dead_node: int = 3_200
+    """Sandboxes on the node that dies."""
+    single_seconds: float = 15.0
+    concurrency: int = 64
+    idle_seconds: float = 20.0
+    probe_seconds: float = 10.0
+    gateway_cpu: int = 1
+    """The core the gateway is pinned to; the fleet, PostgreSQL and the client share the others."""
+    phases: tuple[str, ...] = ()
+    """Phases to run (empty: all)."""
+
+    def scaled(self, factor: float) -> ClusterSimBench:
+        """Counts and durations multiplied by ``factor`` (at least a few)."""
+        return replace(self, batch=max(100, round(self.batch * factor)), live=max(1000, round(self.live * factor)),
+                       dead_node=max(50, round(self.dead_node * factor)),
+                       single_seconds=max(2.0, self.single_seconds * factor),
+                       idle_seconds=max(2.0, self.idle_seconds * factor),
+                       probe_seconds=max(2.0, self.probe_seconds * factor))
+
+    def wants(self, phase: str) -> bool:
+        return not self.phases or phase in self.phases
+
+
+def _decide(nodes: int, batch: int, samples: int = 2000) -> dict[str, Any]:
+    """The placement decision alone, in this process: one sandbox at a time, then one batch."""
+    from dsec.cluster.placement import Capacity, Placer
+    from dsec.models import SandboxSpec
+
+    def placer() -> Placer:
+        p = Placer()
+        for i in range(nodes):
+            p.set_node(f"n{i}", Capacity(cpu=4096.0, memory=2**44, slots={"function": 100_000}))
+        return p
+
+    spec = SandboxSpec.model_validate(SPEC)
+    p = placer()
+    single = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        p.try_place(spec, 1, "bench")
+        single.append(time.perf_counter() - start)
+    p = placer()
+    start = time.perf_counter()
+    p.try_place(spec, batch, "bench")
+    return {"single": single, "batch_s": time.perf_counter() - start}
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class _Env:
+    """PostgreSQL, the fleet and the gateway of one fleet size, with the calls the phases need."""
+
+    def __init__(self, cfg: ClusterSimBench, nodes: int, dsn: str, base: Path, progress: Callable[[str], None]):
+        from dsec.testing.fleet import FleetProcess
+
+        self.cfg, self.nodes, self.dsn, self.base, self.progress = cfg, nodes, dsn, base, progress
+        others = sorted(set(os.sched_getaffinity(0)) - {cfg.gateway_cpu}) or [0]
+        self.others = ",".join(map(str, others))
+        self.fleet = FleetProcess(nodes, _NODE_CAPACITY, cpus=set(others))
+        self.admin = secrets.token_urlsafe(24)
+        self.token = secrets.token_urlsafe(24)
+        (base / "jobs.json").write_text(json.dumps({"admin_token": self.admin, "jobs": {
+            "bench": {"token": self.token}}}))
+        self.url = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start_gateway(self, timeout: float = 1800.0) -> float:
+        """Start the gateway pinned to its core; seconds until every node is alive in its metrics."""
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        args = ["taskset", "-c", str(self.cfg.gateway_cpu), sys.executable, "-m", "dsec.cluster", "gateway",
+                "--listen", f"127.0.0.1:{port}", "--db", self.dsn, "--jobs", str(self.base / "jobs.json"),
+                "--nodes-from", self.fleet.control + "/fleet/membership", "--admission-wait", "600",
+                "--log-level", "WARNING"]
+        with (self.base / "gateway.log").open("ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if self.metric("dsec_cluster_nodes_alive") >= self.alive_nodes():
+                    return time.perf_counter() - start
+            time.sleep(0.2)
+        raise RuntimeError(f"the gateway did not take its {self.nodes} nodes in {timeout:g} s:\n{self.log_tail()}")
+
+    def alive_nodes(self) -> int:
+        return sum(1 for n in self.fleet.membership() if n["alive"])
+
+    def kill_gateway(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join((self.base / "gateway.log").read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {self.admin}"}, timeout=60).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise ValueError(f"no metric {name}")
+
+    def gateway_cpu(self) -> float:
+        assert self.proc is not None
+        return tree_cpu(self.proc.pid)[0]
+
+    def load(self, kind: str, **kw: Any) -> dict[str, Any]:
+        """Run a :mod:`dsec.bench.sim_load` client process on the other cores; its JSON answer."""
+        argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, "--url", self.url, "--token",
+                kw.pop("token", self.token), "--spec", json.dumps(SPEC), "--cpus", self.others]
+        for key, value in kw.items():
+            argv += [f"--{key}", str(value)]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the bench client failed: {done.stderr[-2000:]}")
+        return dict(json.loads(done.stdout))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _environment(cfg: ClusterSimBench, nodes: int, progress: Callable[[str], None]) -> Iterator[_Env]:
+    from dsec.testing.postgres import postgres_server
+
+    base = Path(tempfile.mkdtemp(prefix="dsec-sim-"))
+    with postgres_server() as pg:
+        env = _Env(cfg, nodes, pg.dsn, base, progress)
+        env.fleet.start()
+        try:
+            yield env
+        finally:
+            env.kill_gateway()
+            env.fleet.stop()
+            import shutil
+
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _idle(env: _Env) -> dict[str, Any]:
+    before, start = env.gateway_cpu(), time.perf_counter()
+    time.sleep(env.cfg.idle_seconds)
+    return {"cpu_share": (env.gateway_cpu() - before) / (time.perf_counter() - start)}
+
+
+def _batch(env: _Env) -> dict[str, Any]:
+    got = env.load("batch", count=env.cfg.batch)
+    out: dict[str, Any] = {"seconds": got["seconds"], "error": got["error"], "created": len(got["ids"])}
+    if got["ids"]:
+        ids = env.base / "ids"
+        ids.write_text("\n".join(got["ids"]))
+        out["destroy"] = env.load("destroy", ids=ids, concurrency=64)
+    return out
+
+
+def _single(env: _Env) -> dict[str, Any]:
+    from dsec.bench.sim_load import cpu_by_part, record
+
+    assert env.proc is not None
+    seconds = env.cfg.single_seconds
+    raw = env.base / "spy.txt"
+    spy = record(env.proc.pid, seconds, raw)
+    gw0, fleet0 = env.gateway_cpu(), env.fleet.cpu_seconds()
+    got = env.load("cycles", seconds=seconds, concurrency=env.cfg.concurrency)
+    gw, fleet = env.gateway_cpu() - gw0, env.fleet.cpu_seconds() - fleet0
+    if spy is not None:
+        spy.wait(60)
+    made = len(got["creates"])
+    return {**got, "rate": made / got["wall"], "gateway_cpu_per_create_ms": gw / max(made, 1) * 1000,
+            "fleet_cpu_per_create_ms": fleet / max(made, 1) * 1000,
+            "parts": cpu_by_part(raw) if raw.exists() else {}}
+
+
+def _fill(env: _Env) -> dict[str, Any]:
+    assert env.proc is not None
+    rss0 = _rss_kib(env.proc.pid)
+    made, seconds, errors = 0, 0.0, []
+    while made < env.cfg.live:
+        n = min(env.cfg.fill_batch, env.cfg.live - made)
+        got = env.load("batch", count=n)
+        if got["error"]:
+            errors.append(got["error"])
+            break
+        made += len(got["ids"])
+        seconds += got["seconds"]
+        env.progress(f"{made} live ({got['seconds']:.1f} s for the last {n})")
+    rss = _rss_kib(env.proc.pid)
+    probe = env.load("probe", seconds=env.cfg.probe_seconds)
+    start = time.perf_counter()
+    listing = httpx.get(env.url + "/v1/sandboxes", headers={"Authorization": f"Bearer {env.admin}"}, timeout=600)
+    return {"live": made, "seconds": seconds, "errors": errors, "rss_kib": [rss0, rss],
+            "bytes_per_live": (rss - rss0) * 1024 / max(made, 1), "probe": probe["samples"],
+            "list_s": time.perf_counter() - start, "list_status": listing.status_code}
+
+
+def _death(env: _Env) -> dict[str, Any]:
+    """A node joins with room for far more than the others, takes one batch, and dies."""
+    cap = dict(_NODE_CAPACITY, slots={"function": 400_000})
+    name = env.fleet.add(1, cap)[0]
+    deadline = time.monotonic() + 120
+    while env.metric("dsec_cluster_nodes_alive") < env.alive_nodes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    got = env.load("batch", count=env.cfg.dead_node)
+    on_it = len(env.fleet.sandboxes().get(name, {}))
+    live0 = env.metric("dsec_cluster_sandboxes_live")
+    start = time.perf_counter()
+    env.fleet.fault("die", name)
+    deadline = time.monotonic() + 300
+    while env.metric("dsec_cluster_sandboxes_live") > live0 - on_it and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {"on_node": on_it, "batch_error": got["error"], "seconds": time.perf_counter() - start}
+
+
+def _restart(env: _Env) -> dict[str, Any]:
+    env.kill_gateway()
+    started = time.perf_counter()
+    env.start_gateway()
+    first = None
+    while first is None:
+        got = env.load("batch", count=1)
+        if not got["error"]:
+            first = time.perf_counter() - started
+    return {"first_create_s": first}
+
+
+def _one_size(cfg: ClusterSimBench, nodes: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"nodes": nodes}
+    if cfg.wants("decide"):
+        progress(f"{nodes} nodes: placement decisions in-process")
+        out["decide"] = _decide(nodes, cfg.batch)
+    if not [p for p in PHASES[1:] if cfg.wants(p)]:
+        return out
+    with _environment(cfg, nodes, progress) as env:
+        progress(f"{nodes} nodes: fleet up, starting the gateway")
+        out["start_s"] = env.start_gateway()
+        progress(f"gateway took its nodes in {out['start_s']:.1f} s")
+        for phase, work in (("idle", _idle), ("batch", _batch), ("single", _single), ("fill", _fill),
+                            ("death", _death), ("restart", _restart)):
+            if cfg.wants(phase):
+                progress(f"{nodes} nodes: {phase}")
+                try:
+                    out[phase] = work(env)
+                except Exception as exc:  # keep the other phases' figures
+                    out[phase] = {"error": f"{type(exc).__name__}: {exc}", "log": env.log_tail()}
+        out["fleet"] = env.fleet.statistics()
+    return out
+
+
+def _rows(runs: list[dict[str, Any]]) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    latencies: dict[str, Any] = {}
+    for r in runs:
+        n = r["nodes"]
+        if "decide" in r:
+            s = summarize(r["decide"]["single"])
+            latencies[f"decision_{n}"] = s
+            rows.append(Row(f"{n} nodes: placement decision, one sandbox (p50)", "ms", s.p50 * 1000,
+                            target="≤ 0.05 ms at 2,000" if n == 2000 else None,
+                            passed=s.p50 <= 50e-6 if n == 2000 else None))
+            rows.append(Row(f"{n} nodes: 32,000 batch decided", "s", r["decide"]["batch_s"],
+                            target="≤ 0.5 s at 2,000" if n == 2000 else None,
+                            passed=r["decide"]["batch_s"] <= 0.5 if n == 2000 else None))
+        if "start_s" in r:
+            rows.append(Row(f"{n} nodes: gateway start until every node is used", "s", r["start_s"]))
+        rows += _env_rows(n, r, latencies)
+    return rows, latencies
+
+
+def _env_rows(n: int, r: dict[str, Any], latencies: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    at2k = n == 2000
+    if "error" not in r.get("idle", {"error": 1}):
+        share = r["idle"]["cpu_share"] * 100
+        rows.append(Row(f"{n} nodes: idle gateway CPU", "% core", share, target="≤ 5%" if at2k else None,
+                        passed=share <= 5 if at2k else None))
+    b = r.get("batch", {})
+    if "seconds" in b:
+        ok = not b["error"]
+        rows.append(Row(f"{n} nodes: batch end to end", "s", b["seconds"] if ok else None,
+                        target="≤ 5 s at 2,000" if at2k else None, passed=(ok and b["seconds"] <= 5) if at2k else None,
+                        note=None if ok else f"refused: {b['error']}"))
+    s = r.get("single", {})
+    if s.get("creates"):
+        lat = summarize(s["creates"])
+        latencies[f"single_create_{n}"] = lat
+        rows.append(Row(f"{n} nodes: creates + destroys, one gateway core", "/s", s["rate"], better="higher",
+                        target="≥ 2,500/s, p99 ≤ 50 ms", passed=s["rate"] >= 2500 and lat.p99 <= 0.05,
+                        note=f"p99 {lat.p99 * 1000:.1f} ms, {s['failed']} failed"))
+        rows.append(Row(f"{n} nodes: gateway CPU per create+destroy", "ms", s["gateway_cpu_per_create_ms"],
+                        note=", ".join(f"{k} {v * 100:.0f}%" for k, v in s["parts"].items())))
+    f = r.get("fill", {})
+    if f.get("live"):
+        rows.append(Row(f"{n} nodes: gateway memory per live sandbox ({f['live']} live)", "KiB",
+                        f["bytes_per_live"] / 1024, target="≤ 1 KiB", passed=f["bytes_per_live"] <= 1024))
+        if f["probe"]:
+            worst = max(f["probe"]) * 1000
+            rows.append(Row(f"{n} nodes: longest health answer at {f['live']} live", "ms", worst,
+                            target="≤ 50 ms", passed=worst <= 50))
+        rows.append(Row(f"{n} nodes: list of every sandbox at {f['live']} live", "s", f["list_s"]))
+    d = r.get("death", {})
+    if "seconds" in d:
+        rows.append(Row(f"{n} nodes: node with {d['on_node']} dies, all reported lost", "s", d["seconds"],
+                        target="≤ 2 s", passed=d["seconds"] <= 2))
+    rs = r.get("restart", {})
+    if "first_create_s" in rs:
+        rows.append(Row(f"{n} nodes: restart, first create served", "s", rs["first_create_s"],
+                        target="≤ 10 s", passed=rs["first_create_s"] <= 10))
+    return rows
+
+
+def run(cfg: ClusterSimBench, progress: Callable[[str], None] = lambda _m: None) -> Suite:
+    """Every fleet size of ``cfg``, one after the other; the suite of rows."""
+    from dsec.testing.postgres import pg_bin
+
+    if pg_bin() is None:
+        raise BenchUnavailable("PostgreSQL is not installed: apt-get install postgresql (./scripts/setup)")
+    unknown = [p for p in cfg.phases if p not in PHASES]
+    if unknown:
+        raise BenchUnavailable(f"unknown cluster-sim phase {unknown[0]!r}; known: {', '.join(PHASES)}")
+    runs = []
+    for nodes in cfg.nodes:
+        runs.append(_one_size(cfg, nodes, progress))
+    suite = Suite(name="cluster-sim")
+    suite.rows, suite.latencies = _rows(runs)
+    for r in runs:  # raw samples are summarised above; keep the JSON readable
+        for key in ("decide", "single", "fill"):
+            for field in ("single", "creates", "destroys", "probe"):
+                if isinstance(r.get(key), dict) and field in r[key]:
+                    samples = r[key].pop(field)
+                    r[key][field + "_summary"] = asdict(summarize(samples)) if samples else None
+    suite.extra = {"config": asdict(cfg), "runs": runs, "load_average": list(os.getloadavg()),
+                   "cores": len(os.sched_getaffinity(0))}
+    return suite
