@@ -53,10 +53,13 @@ def write(tmp_path: Path, content: object) -> Path:
 
 def test_jobs_file_loads_tokens_and_quotas(tmp_path: Path) -> None:
     jobs = Jobs.load(write(tmp_path, {"admin_token": "a" * 20, "jobs": {
-        "j1": {"token": "t" * 20, "max_live": 5, "max_rate": 2.5}, "j2": {"token": "u" * 20}}}))
-    assert jobs.by_token == {"a" * 20: "admin", "t" * 20: "j1", "u" * 20: "j2"}
+        "j1": {"token": "t" * 20, "max_live": 5, "max_rate": 2.5}, "j2": {"token": "u" * 20},
+        "j3": {"token": "v" * 20, "max_rate": 10, "burst": 40}}}))
+    assert jobs.by_token == {"a" * 20: "admin", "t" * 20: "j1", "u" * 20: "j2", "v" * 20: "j3"}
     assert jobs.quotas["j1"].max_live == 5 and jobs.quotas["j1"].max_rate == 2.5
+    assert jobs.quotas["j1"].bucket == 5  # by default a job may create its whole quota at once
     assert jobs.quotas["j2"].max_live is None
+    assert jobs.quotas["j3"].bucket == 40
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -65,6 +68,9 @@ def test_jobs_file_loads_tokens_and_quotas(tmp_path: Path) -> None:
     ({"jobs": {"j": {"token": "short"}}}, "at least 16 characters"),
     ({"jobs": {"j": {"token": "t" * 20}, "k": {"token": "t" * 20}}}, "reuses another job's token"),
     ({"jobs": {}}, "names no token"),
+    ({"jobs": {"j": {"token": "t" * 20, "burst": 0}}}, "'burst' must be a positive whole number"),
+    ({"jobs": {"j": {"token": "t" * 20, "max_live": 2.5}}}, "'max_live' must be a positive whole number"),
+    ({"jobs": {"j": {"token": "t" * 20, "max_rate": "fast"}}}, "'max_rate' must be a positive number"),
 ])
 def test_bad_jobs_files_are_refused_with_the_reason(tmp_path: Path, content: object, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):

@@ -215,8 +215,8 @@ class GatewayEngine:
             self.rows[row.id] = row
             if row.info.state in _LIVE:
                 self.placer.adopt(row.job, row.node, row.info.spec)
-                if row.info.image and row.node in self.placer.nodes:
-                    self.placer.nodes[row.node].images.add(row.info.image)
+                if row.info.image:
+                    self.placer.add_image(row.node, row.info.image)
         # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
         # first request (membership, which may take a poll or two to answer, then only confirms them).
         await asyncio.gather(*(self._rejoin(node) for node in builtins.list(self.node_rows.values()) if node.alive))
@@ -265,7 +265,7 @@ class GatewayEngine:
                 return
             node = self.placer.nodes.get(name)
             if node is not None and node.alive:
-                node.images = set(info.images)
+                self.placer.set_images(name, info.images)
 
         await asyncio.gather(*(one(n.name) for n in builtins.list(self.placer.nodes.values())
                                if n.alive and n.name in self.node_rows))
@@ -493,8 +493,8 @@ class GatewayEngine:
         rows = [SandboxRow(self._with_endpoint(info, node), node, job) for info in infos]
         for row in rows:
             self.rows[row.id] = row
-        if infos and infos[0].image and node in self.placer.nodes:
-            self.placer.nodes[node].images.add(infos[0].image)
+        if infos and infos[0].image:
+            self.placer.add_image(node, infos[0].image)
         if durable:
             await self.state.writer.put_sandboxes(rows)
         else:

@@ -6,7 +6,8 @@ token into its job for the engine; the routes are the node daemon's own (``daemo
 Jobs file (JSON)::
 
     {"admin_token": "...",                      # sees and manages every job's sandboxes
-     "jobs": {"rl-job-1": {"token": "...", "max_live": 32000, "max_rate": 2000}}}
+     "jobs": {"rl-job-1": {"token": "...", "max_live": 32000, "max_rate": 2000,
+                           "burst": 32000}}}              # creations at once (default: max_live)
 """
 
 from __future__ import annotations
@@ -65,7 +66,14 @@ class Jobs:
             if job["token"] in by_token:
                 raise InvalidRequest(f"jobs file {path}: job {name!r} reuses another job's token")
             by_token[job["token"]] = str(name)
-            quotas[str(name)] = JobQuota(max_live=job.get("max_live"), max_rate=job.get("max_rate"))
+            for key in ("max_live", "max_rate", "burst"):
+                value = job.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+                                          or (key != "max_rate" and not isinstance(value, int))):
+                    kind = "a positive number" if key == "max_rate" else "a positive whole number"
+                    raise InvalidRequest(f"jobs file {path}: job {name!r}: {key!r} must be {kind}, got {value!r}")
+            quotas[str(name)] = JobQuota(max_live=job.get("max_live"), max_rate=job.get("max_rate"),
+                                         burst=job.get("burst"))
         if not by_token:
             raise InvalidRequest(f"jobs file {path} names no token: the gateway would refuse every request")
         return cls(by_token, quotas)
