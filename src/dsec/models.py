@@ -7,9 +7,10 @@ This module does no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -57,6 +58,8 @@ __all__ = [
     "TimeoutRequest",
     "TrajectoryForkRequest",
     "TrajectoryStatus",
+    "id_hash",
+    "ids_digest",
     "parse_network",
     "parse_pairs",
     "parse_size",
@@ -779,6 +782,25 @@ class NodeInfo(Model):
     """The worst state of its components."""
     components: list[ComponentHealth] = Field(default_factory=list)
     """Each component the node's sandboxes depend on, with its state and last error."""
+    placed: int | None = None
+    """Live sandboxes that carry a job label (made through a cluster gateway); None from a node that does
+    not count them."""
+    digest: str | None = None
+    """:func:`ids_digest` of those sandboxes' ids: a gateway whose records of the node have the same count
+    and digest needs no listing to reconcile them."""
+
+
+def id_hash(sandbox_id: str) -> int:
+    """A sandbox id's 64-bit hash; :func:`ids_digest` XORs them, so a digest is kept up to date one id at a time."""
+    return int.from_bytes(hashlib.blake2b(sandbox_id.encode(), digest_size=8).digest(), "big")
+
+
+def ids_digest(sandbox_ids: Iterable[str]) -> str:
+    """The order-free digest of a set of sandbox ids, as :attr:`NodeInfo.digest` reports it (16 hex digits)."""
+    value = 0
+    for sandbox_id in sandbox_ids:
+        value ^= id_hash(sandbox_id)
+    return f"{value:016x}"
 
 
 class PoolConfig(Model):

@@ -22,7 +22,7 @@ import dsec
 from dsec.cluster.gateway import GatewayEngine, current_job
 from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
-from dsec.cluster.state import NodeRow, SandboxRow
+from dsec.cluster.state import NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.errors import BackendUnavailable, DaemonStopping, Forbidden, SandboxNotFound
 
@@ -78,7 +78,7 @@ async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_p
         assert {e.sandbox_id for e in failed} >= {m[1] for m in made}
         # A sandbox's history comes from its own node.
         node, sandbox_id, info = made[1]
-        g.rows[sandbox_id] = SandboxRow(info, "node-1", "job-a")
+        g.records.put(sandbox_id, g._new_row(info, "node-1", "job-a"))
         history = await g.sandbox_logs(sandbox_id)
         assert [e.command for e in history] == ["exit 2", "echo node 1"]
         with pytest.raises(SandboxNotFound):

@@ -24,8 +24,9 @@ import dsec
 from dsec.backends.base import ImageRef
 from dsec.cluster.gateway import GatewayEngine, NodeFacts, current_job
 from dsec.cluster.placement import Capacity
+from dsec.cluster.records import Row
 from dsec.cluster.server import Jobs, gateway_app
-from dsec.cluster.state import NodeRow, SandboxRow
+from dsec.cluster.state import NodeRow
 from dsec.daemon.auth import JOB_LABEL
 from dsec.errors import BackendUnavailable, ImageNotFound, SandboxNotFound, SandboxTimeout
 from dsec.models import BatchCreateRequest, SandboxRecord, SandboxSpec
@@ -39,17 +40,17 @@ class _Writer:
         self.waited: list[tuple[str, Any]] = []
         self.submitted: list[tuple[str, Any]] = []
 
-    async def put_sandboxes(self, rows: list[SandboxRow]) -> None:
-        self.waited += [("put", r.id) for r in rows]
+    async def put_rows(self, rows: list[tuple[str, Row]]) -> None:
+        self.waited += [("put", sid) for sid, _row in rows]
 
     async def put_node(self, row: NodeRow) -> None:
         self.waited.append(("node", row.name))
 
-    def submit_sandboxes(self, rows: list[SandboxRow]) -> None:
-        self.submitted += [("put", (r.id, r.job, r.info.state)) for r in rows]
+    def submit_rows(self, rows: list[tuple[str, Row]]) -> None:
+        self.submitted += [("put", (sid, r.job, r.state)) for sid, r in rows]
 
-    def submit_delete(self, sandbox_id: str) -> None:
-        self.submitted.append(("delete", sandbox_id))
+    def submit_delete(self, ids: list[str]) -> None:
+        self.submitted += [("delete", sid) for sid in ids]
 
 
 class _State:
@@ -122,14 +123,14 @@ async def test_reconcile_adopts_what_the_node_holds_and_forgets_what_it_does_not
         foreign = await dsec.AsyncSandbox.create(image="tiny", client=node)  # made on the node, not by a gateway
         gone = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j2"}, client=node)
         g, writer = gateway(nodes)
-        g.rows[gone.id] = SandboxRow(gone._info, "node-0", "j2")
+        g.records.put(gone.id, g._new_row(gone._info, "node-0", "j2"))
         g.placer.adopt("j2", "node-0", gone._info.spec)
         await gone.close()  # destroyed behind the gateway's back (while it was down)
         try:
             await g.reconcile("node-0")
-            assert set(g.rows) == {labelled.id}
-            row = g.rows[labelled.id]
-            assert row.job == "j2" and row.node == "node-0" and row.info.endpoint is not None
+            assert set(g.records.rows) == {labelled.id}
+            row = g.records.rows[labelled.id]
+            assert row.job == "j2" and row.node == "node-0"
             assert ("put", labelled.id) in writer.waited  # rare, and the only record: waited for
             assert ("delete", gone.id) in writer.submitted
             assert g.placer.job("j2").live == 1
@@ -166,7 +167,7 @@ async def test_an_expired_sandbox_is_a_timeout_with_its_reason_through_the_gatew
             assert (r.status_code, r.json()["error"]["type"]) == (408, "SandboxTimeout"), r.text
             assert "timeout of 0.3 s" in r.json()["error"]["message"]
             # The gateway remembers: its room is given back, later calls are told the same without the node.
-            assert g.placer.job("j3").live == 0 and g.rows[sid].info.state == "expired"
+            assert g.placer.job("j3").live == 0 and g.records.rows[sid].state == "expired"
             assert ("put", (sid, "j3", "expired")) in writer.submitted
             r = await c.post(f"/v1/sandboxes/{sid}/pause", headers=job)
             assert (r.status_code, r.json()["error"]["type"]) == (408, "SandboxTimeout"), r.text
@@ -174,7 +175,7 @@ async def test_an_expired_sandbox_is_a_timeout_with_its_reason_through_the_gatew
             r = await c.get(f"/v1/sandboxes/{sid}", headers=other)  # another job: an unknown id
             assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound")
             assert (await c.delete(f"/v1/sandboxes/{sid}", headers=job)).status_code == 204
-            assert sid not in g.rows and g.placer.job("j3").live == 0
+            assert sid not in g.records.rows and g.placer.job("j3").live == 0
     finally:
         await g.aclose()
 
@@ -185,11 +186,11 @@ async def test_a_sandbox_destroyed_on_its_node_is_forgotten_on_first_contact(nod
     try:
         info = await g.create(SandboxSpec(image="tiny"))
         assert writer.submitted == [("put", (info.id, "j5", "running"))]
-        async with node_client(nodes[int(g.rows[info.id].node == "node-1")]) as node:
+        async with node_client(nodes[int(g.records.rows[info.id].node == "node-1")]) as node:
             await (await dsec.AsyncSandbox.connect(info.id, client=node)).close()
         with pytest.raises(SandboxNotFound, match="was destroyed"):
             await g.get(info.id)
-        assert info.id not in g.rows and g.placer.job("j5").live == 0
+        assert info.id not in g.records.rows and g.placer.job("j5").live == 0
         assert writer.submitted[-1] == ("delete", info.id)
         with pytest.raises(SandboxNotFound):
             await g.get(info.id)
@@ -209,14 +210,15 @@ async def test_the_nodes_events_keep_the_records_true_without_a_client_call(node
         short = await g.create(SandboxSpec(image="tiny", timeout=0.3))
         other = await g.create(SandboxSpec(image="tiny"))
         assert g.placer.job("j6").live == 2
-        async with node_client(nodes[int(g.rows[other.id].node == "node-1")]) as node:
+        async with node_client(nodes[int(g.records.rows[other.id].node == "node-1")]) as node:
             await (await dsec.AsyncSandbox.connect(other.id, client=node)).close()  # behind the gateway's back
         deadline = time.monotonic() + 20
         while g.placer.job("j6").live:
             assert time.monotonic() < deadline, "the gateway did not learn of the expiry and the destroy"
             await asyncio.sleep(0.05)
-        assert g.rows[short.id].info.state == "expired" and "timeout of 0.3 s" in (g.rows[short.id].info.reason or "")
-        assert other.id not in g.rows and ("delete", other.id) in writer.submitted
+        short_row = g.records.rows[short.id]
+        assert short_row.state == "expired" and "timeout of 0.3 s" in (short_row.reason or "")
+        assert other.id not in g.records.rows and ("delete", other.id) in writer.submitted
         with pytest.raises(SandboxTimeout, match=r"timeout of 0\.3 s"):
             await g.get(short.id)
     finally:
@@ -239,7 +241,7 @@ def drain(node: Daemon) -> None:
 def where(g: GatewayEngine, infos: list[dsec.SandboxInfo]) -> dict[str, int]:
     placed: dict[str, int] = {}
     for info in infos:
-        placed[g.rows[info.id].node] = placed.get(g.rows[info.id].node, 0) + 1
+        placed[g.records.rows[info.id].node] = placed.get(g.records.rows[info.id].node, 0) + 1
     return placed
 
 

@@ -137,7 +137,7 @@ def _greedy(p: Placer, spec: SandboxSpec, count: int) -> dict[str, int] | None:
         fitting = [n for n in nodes.values() if n.fits(spec)]
         if not fitting:
             return None
-        best = min(fitting, key=lambda n: (n.score(spec.image), n.name))
+        best = min(fitting, key=lambda n: n.rank(spec.image))
         best.cpu += spec.cpu
         best.memory += spec.memory
         best.live[spec.backend] = best.live.get(spec.backend, 0) + 1

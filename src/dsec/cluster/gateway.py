@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 import contextvars
 import errno
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -28,7 +30,8 @@ from pydantic import TypeAdapter
 from dsec._sdk.lean import LeanError, LeanPool
 from dsec._sdk.transport import STREAM_TIMEOUT, Transport, build_request_parts, read_chunks
 from dsec.cluster.placement import Capacity, JobQuota, Placer
-from dsec.cluster.state import ClusterState, NodeRow, SandboxRow
+from dsec.cluster.records import LIVE, Records, Row, shape_of
+from dsec.cluster.state import ClusterState, NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
 from dsec.daemon.engine import dsec_version
@@ -109,7 +112,6 @@ _PLACE_ROUNDS = 4
 """A create whose node took none of it is placed again at most this many times (nodes going down one
 after another; each round places nothing on the nodes that failed before)."""
 _INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
-_LIVE = ("running", "paused", "creating")
 
 
 _NODE_DOWN = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
@@ -157,7 +159,7 @@ class _Metrics:
     def render(self) -> bytes:
         g = self._gateway
         self.nodes.set(sum(1 for n in g.placer.nodes.values() if n.alive))
-        self.live.set(sum(1 for r in g.rows.values() if r.info.state in ("running", "paused")))
+        self.live.set(g.records.live)
         stats = g.placer.statistics()
         self.unready.set(len(g.unready))
         self.waiting.set(int(str(stats["waiting"])))
@@ -189,7 +191,10 @@ class GatewayEngine:
         self.admission_wait = admission_wait
         self.poll_interval = poll_interval
         self.image_interval = image_interval
-        self.rows: dict[str, SandboxRow] = {}
+        self.records = Records()
+        """Every sandbox placed and not forgotten: narrow rows with their indexes and counters."""
+        self.reconciled_by_digest = 0
+        """Nodes whose records were found true by their count and digest alone (a counter)."""
         self.node_rows: dict[str, NodeRow] = {}
         self.metrics = _Metrics(self)
         self._transports: dict[str, tuple[Transport, httpx.AsyncClient, LeanPool]] = {}
@@ -211,12 +216,18 @@ class GatewayEngine:
             self.node_rows[node.name] = node
             # Known, but nothing is placed there until membership confirms it and it is reconciled.
             self.placer.set_node(node.name, _capacity(node.capacity), usable=False)
-        for row in await asyncio.to_thread(self.state.sandboxes):
-            self.rows[row.id] = row
-            if row.info.state in _LIVE:
-                self.placer.adopt(row.job, row.node, row.info.spec)
-                if row.info.image:
-                    self.placer.add_image(row.node, row.info.image)
+        loaded = await asyncio.to_thread(lambda: self.records.load(self.state.rows()))
+        held: collections.Counter[tuple[str, str, Any]] = collections.Counter(
+            (row.job, row.node, row.shape) for row in self.records.rows.values() if row.state in LIVE)
+        for (job, node_name, shape), count in held.items():
+            self.placer.adopt(job, node_name, shape, count)
+            if shape.image:
+                self.placer.add_image(node_name, shape.image)
+        # The rows stay for the gateway's life: out of the collector's way, so a full collection does not
+        # walk 380,000 of them.
+        gc.collect()
+        gc.freeze()
+        log.info("reloaded %d sandbox row(s), %d live", loaded, self.records.live)
         # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
         # first request (membership, which may take a poll or two to answer, then only confirms them).
         await asyncio.gather(*(self._rejoin(node) for node in builtins.list(self.node_rows.values()) if node.alive))
@@ -343,14 +354,17 @@ class GatewayEngine:
         self.placer.mark_dead(node.name)
         await self._unfollow(node.name)
         await self.state.writer.put_node(node)
-        lost: list[SandboxRow] = []
-        for row in self.rows.values():
-            if row.node == node.name and row.info.state in ("running", "paused", "creating"):
-                self.placer.release(row.job, row.node, row.info.spec)
-                row.info = row.info.model_copy(update={"state": "lost", "reason": f"node {node.name} died: {reason}",
-                                                       "endpoint": None})
-                lost.append(row)
-        await self.state.writer.put_sandboxes(lost)
+        why = f"node {node.name} died: {reason}"
+        lost: list[tuple[str, Row]] = []
+        freed: collections.Counter[tuple[str, Any]] = collections.Counter()
+        for sid in self.records.on_node(node.name):
+            row = self.records.rows[sid]
+            if row.state in LIVE:
+                freed[row.job, row.shape] += 1
+                lost.append((sid, self.records.set_state(sid, "lost", why) or row))
+        for (job, shape), count in freed.items():
+            self.placer.release(job, node.name, shape, count)
+        await self.state.writer.put_rows(lost)
         log.warning("node %s died (%s): %d sandbox(es) lost", node.name, reason, len(lost))
 
     async def _rejoin(self, node: NodeRow) -> None:
@@ -371,40 +385,53 @@ class GatewayEngine:
         gateway stamps on every spec), so it is adopted here, with its quota and capacity. A record whose
         sandbox the node no longer holds ended while the gateway was away: an expired one keeps its
         reason (the job is told ``SandboxTimeout``), a destroyed one is forgotten."""
+        health = NodeInfo.model_validate_json(
+            (await self._node_request(node, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT)).content)
+        if health.placed is not None and (health.placed, health.digest) == self.records.digest(node):
+            self.reconciled_by_digest += 1
+            return  # the node holds exactly what the records say: no listing
         response = await self._node_request(node, "GET", "/v1/sandboxes", timeout=_HEALTH_TIMEOUT)
         held = {info.id: info for info in _INFO_LIST.validate_json(response.content)}
         adopted = []
         for info in held.values():
             job = info.labels.get(JOB_LABEL)
-            if info.id in self.rows or job is None:  # known, or not created through the gateway
+            if info.id in self.records.rows or job is None:  # known, or not created through the gateway
                 continue
-            row = SandboxRow(self._with_endpoint(info, node), node, job)
-            self.rows[row.id] = row
             self.placer.adopt(job, node, info.spec)
-            adopted.append(row)
+            adopted.append((info.id, self._new_row(info, node, job)))
         if adopted:
             log.warning("node %s: adopted %d sandbox(es) the gateway had no record of", node, len(adopted))
-            await self.state.writer.put_sandboxes(adopted)
-        for row in builtins.list(self.rows.values()):
-            if row.node == node and row.info.state in _LIVE and row.id not in held:
-                try:
-                    await self._node_request(node, "GET", f"/v1/sandboxes/{row.id}", timeout=_HEALTH_TIMEOUT)
-                except SandboxTimeout as exc:
-                    self._ended(row, exc.message)
-                except SandboxNotFound:
-                    self._ended(row, None)
+            for sid, row in adopted:
+                self.records.put(sid, row)
+            await self.state.writer.put_rows(adopted)
+        gone = [sid for sid in self.records.on_node(node)
+                if self.records.rows[sid].state in LIVE and sid not in held]
+        asking = asyncio.Semaphore(32)
 
-    def _ended(self, row: SandboxRow, expired: str | None) -> None:
+        async def why_gone(sid: str) -> None:
+            async with asking:
+                try:
+                    await self._node_request(node, "GET", f"/v1/sandboxes/{sid}", timeout=_HEALTH_TIMEOUT)
+                except SandboxTimeout as exc:
+                    self._ended(sid, exc.message)
+                except SandboxNotFound:
+                    self._ended(sid, None)
+
+        await asyncio.gather(*(why_gone(sid) for sid in gone))
+
+    def _ended(self, sid: str, expired: str | None) -> None:
         """The node says the sandbox is gone: free its room; keep an expired one (with the reason) so its job
         is told why, forget a destroyed one."""
-        if row.info.state in _LIVE:
-            self.placer.release(row.job, row.node, row.info.spec)
-        if expired is None:
-            self.rows.pop(row.id, None)
-            self.state.writer.submit_delete(row.id)
+        row = self.records.rows.get(sid)
+        if row is None:
             return
-        row.info = row.info.model_copy(update={"state": "expired", "reason": expired, "endpoint": None})
-        self.state.writer.submit_sandboxes([row])
+        if row.state in LIVE:
+            self.placer.release(row.job, row.node, row.shape)
+        if expired is None:
+            self.records.remove(sid)
+            self.state.writer.submit_delete([sid])
+            return
+        self.state.writer.submit_rows([(sid, self.records.set_state(sid, "expired", expired) or row)])
 
     # -- node plumbing ------------------------------------------------------------------------------------
 
@@ -457,28 +484,33 @@ class GatewayEngine:
             raise BackendUnavailable("no live node in the cluster")
         return alive[0]
 
-    def _row(self, sandbox_id: str) -> SandboxRow:
-        row = self.rows.get(sandbox_id)
-        job = current_job.get()
-        if row is None or (row.job != job and job != "admin"):
+    def _row(self, sandbox_id: str) -> Row:
+        row = self._mine(sandbox_id)
+        if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
-        if row.info.state == "lost":
-            raise SandboxLost(row.info.reason or "its node died", sandbox_id=sandbox_id, node=row.node)
-        if row.info.state == "expired":
-            raise SandboxTimeout(row.info.reason or f"sandbox {sandbox_id} passed its timeout and was destroyed",
+        if row.state == "lost":
+            raise SandboxLost(row.reason or "its node died", sandbox_id=sandbox_id, node=row.node)
+        if row.state == "expired":
+            raise SandboxTimeout(row.reason or f"sandbox {sandbox_id} passed its timeout and was destroyed",
                                  sandbox_id=sandbox_id)
         return row
 
+    def _mine(self, sandbox_id: str) -> Row | None:
+        """The row of ``sandbox_id`` if the request's job may see it (admin sees all)."""
+        row = self.records.rows.get(sandbox_id)
+        job = current_job.get()
+        return row if row is not None and (row.job == job or job == "admin") else None
+
     @contextlib.contextmanager
-    def _on_node(self, row: SandboxRow) -> Iterator[None]:
+    def _on_node(self, sandbox_id: str) -> Iterator[None]:
         """Around a call to the row's node: its answer that the sandbox expired or is gone updates the row."""
         try:
             yield
         except SandboxTimeout as exc:
-            self._ended(row, exc.message)
+            self._ended(sandbox_id, exc.message)
             raise
         except SandboxNotFound:
-            self._ended(row, None)
+            self._ended(sandbox_id, None)
             raise
 
     def _with_endpoint(self, info: SandboxInfo, node: str) -> SandboxInfo:
@@ -486,20 +518,28 @@ class GatewayEngine:
         token = scoped_token(self.node_rows[node].token, info.id)
         return info.model_copy(update={"endpoint": NodeEndpoint(url=url, token=token)})
 
+    def _new_row(self, info: SandboxInfo, node: str, job: str, spec: bytes | None = None) -> Row:
+        """The row of a sandbox a node made (``spec``: the JSON the node was sent, when the caller has it)."""
+        raw = self.records.intern(spec if spec is not None else info.spec.model_dump_json().encode())
+        detail = info.model_dump_json(exclude={"endpoint"}).encode() if info.trajectory is not None else None
+        return Row(node, job, info.state, shape_of(info.spec), raw, info.created_at,
+                   info.trajectory.name if info.trajectory is not None else None, info.reason, detail)
+
     async def _remember(self, infos: builtins.list[SandboxInfo], node: str, job: str, *,
-                        durable: bool = True) -> builtins.list[SandboxInfo]:
-        """Record sandboxes a node made; ``durable=False`` answers before the commit (the node's own record
-        carries the job label, from which :meth:`reconcile` rebuilds a row a gateway crash lost)."""
-        rows = [SandboxRow(self._with_endpoint(info, node), node, job) for info in infos]
-        for row in rows:
-            self.rows[row.id] = row
+                        durable: bool = True, spec: bytes | None = None) -> builtins.list[SandboxInfo]:
+        """Record sandboxes a node made (``spec``: the JSON it was sent); ``durable=False`` answers before the
+        commit (the node's own record carries the job label, from which :meth:`reconcile` rebuilds a row a
+        gateway crash lost)."""
+        rows = [(info.id, self._new_row(info, node, job, spec)) for info in infos]
+        for sid, row in rows:
+            self.records.put(sid, row)
         if infos and infos[0].image:
             self.placer.add_image(node, infos[0].image)
         if durable:
-            await self.state.writer.put_sandboxes(rows)
+            await self.state.writer.put_rows(rows)
         else:
-            self.state.writer.submit_sandboxes(rows)
-        return [row.info for row in rows]
+            self.state.writer.submit_rows(rows)
+        return [self._with_endpoint(info, node) for info in infos]
 
     # -- control plane ------------------------------------------------------------------------------------
 
@@ -510,20 +550,19 @@ class GatewayEngine:
             for name, slots in node.capacity.slots.items():
                 if node.alive and slots > 0:
                     backends[name] = "ok"
-        live = sum(1 for r in self.rows.values() if r.info.state in ("running", "paused"))
-        return NodeInfo(node="gateway", version=dsec_version(), backends=backends, sandboxes=live)
+        return NodeInfo(node="gateway", version=dsec_version(), backends=backends, sandboxes=self.records.live)
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Place one sandbox (a trajectory re-attaches on its live node, else is rebuilt anywhere)."""
         job = current_job.get()
         spec = _stamped(spec, job)
         if spec.trajectory is not None:
-            for row in self.rows.values():
-                if (row.info.trajectory is not None and row.info.trajectory.name == spec.trajectory
-                        and row.info.state in ("running", "paused") and row.job == job):
-                    response = await self._node_request(row.node, "POST", "/v1/sandboxes",
-                                                        json_body=spec.model_dump(mode="json"))
-                    return (await self._remember([SandboxInfo.model_validate(response.json())], row.node, job))[0]
+            sid = self.records.trajectory(spec.trajectory)
+            row = self.records.rows.get(sid or "")
+            if row is not None and row.state in ("running", "paused") and row.job == job:
+                response = await self._node_request(row.node, "POST", "/v1/sandboxes",
+                                                    json_body=spec.model_dump(mode="json"))
+                return (await self._remember([SandboxInfo.model_validate(response.json())], row.node, job))[0]
         return (await self._create_placed(spec, 1, job))[0]
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
@@ -550,10 +589,9 @@ class GatewayEngine:
             except BaseException as exc:
                 if _took_none(exc):  # held before its room is given back: that room must not draw waiters
                     self._hold(node, str(exc))
-                for _ in range(n):
-                    self.placer.release(job, node, spec)
+                self.placer.release(job, node, spec, n)
                 raise
-            return await self._remember(infos, node, job, durable=False)
+            return await self._remember(infos, node, job, durable=False, spec=body)
 
         created: builtins.list[SandboxInfo] = []
         errors: builtins.list[BaseException] = []
@@ -591,54 +629,69 @@ class GatewayEngine:
         return created
 
     async def list(
-        self, labels: dict[str, str], backend: str | None = None, state: str | None = None
+        self, labels: dict[str, str], backend: str | None = None, state: str | None = None, *,
+        after: str | None = None, limit: int | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """The job's sandboxes as last seen (lost ones included, with their reason)."""
+        """The job's sandboxes as last seen (lost ones included, with their reason), in id order: at most
+        ``limit`` of them after the id ``after`` (a page; the next starts after its last id)."""
         job = current_job.get()
-        return [r.info for r in self.rows.values()
-                if (r.job == job or job == "admin") and r.info.state != "expired"
-                and all(r.info.labels.get(k) == v for k, v in labels.items())
-                and (backend is None or r.info.backend == backend) and (state is None or r.info.state == state)]
+        found: builtins.list[SandboxInfo] = []
+        for sid in self.records.page(None if job == "admin" else job, after, limit or 0):
+            row = self.records.rows[sid]
+            if (row.state == "expired" or (backend is not None and row.shape.backend != backend)
+                    or (state is not None and row.state != state)):
+                continue
+            if labels and any(self.records.spec(row).labels.get(k) != v for k, v in labels.items()):
+                continue
+            info = self.records.info(sid, row)
+            found.append(self._with_endpoint(info, row.node) if row.state in LIVE else info)
+            if limit is not None and len(found) >= limit:
+                break
+        return found
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """Fresh info from the owning node (a lost sandbox answers its last info and the reason)."""
-        row = self.rows.get(sandbox_id)
-        if row is not None and row.info.state == "lost" and (row.job == current_job.get()
-                                                            or current_job.get() == "admin"):
-            return row.info
+        row = self._mine(sandbox_id)
+        if row is not None and row.state == "lost":
+            return self.records.info(sandbox_id, row)
         row = self._row(sandbox_id)
-        with self._on_node(row):
+        with self._on_node(sandbox_id):
             response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
-        return self._refresh(row, SandboxInfo.model_validate(response.json()))
+        return self._refresh(sandbox_id, SandboxInfo.model_validate(response.json()))
 
-    def _refresh(self, row: SandboxRow, info: SandboxInfo) -> SandboxInfo:
+    def _refresh(self, sandbox_id: str, info: SandboxInfo) -> SandboxInfo:
         """The node's fresh info into the row; one the node is expiring right now ends the row (room given back)."""
+        row = self.records.rows.get(sandbox_id)
+        if row is None:
+            return info
         if info.state == "expired":
-            if row.info.state in _LIVE:
-                self._ended(row, info.reason or f"sandbox {row.id} passed its timeout and was destroyed")
-            return row.info
-        row.info = self._with_endpoint(info, row.node)
-        return row.info
+            if row.state in LIVE:
+                self._ended(sandbox_id, info.reason or f"sandbox {sandbox_id} passed its timeout and was destroyed")
+            return self.records.info(sandbox_id, self.records.rows.get(sandbox_id, row))
+        if info.state != row.state and info.state in LIVE:  # paused, resumed
+            self.state.writer.submit_rows([(sandbox_id, self.records.set_state(sandbox_id, info.state) or row)])
+        return self._with_endpoint(info, row.node)
 
     async def destroy(self, sandbox_id: str) -> None:
         """Destroy on the owning node, free its capacity, forget it (a lost one is just forgotten)."""
-        row = self.rows.get(sandbox_id)
-        if row is None or (row.job != current_job.get() and current_job.get() != "admin"):
+        row = self._mine(sandbox_id)
+        if row is None:
             return
-        if row.info.state in _LIVE:
+        if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._node_request(row.node, "DELETE", f"/v1/sandboxes/{sandbox_id}")
-            if self.rows.get(sandbox_id) is row and row.info.state in _LIVE:  # not ended meanwhile
-                self.placer.release(row.job, row.node, row.info.spec)
-        if self.rows.pop(sandbox_id, None) is not None:
+            now = self.records.rows.get(sandbox_id)
+            if now is not None and now.state in LIVE:  # not ended meanwhile (an event, a reconcile)
+                self.placer.release(row.job, row.node, row.shape)
+        if self.records.remove(sandbox_id) is not None:
             # Not waited for: a restarted gateway forgets a row whose sandbox its node no longer holds.
-            self.state.writer.submit_delete(sandbox_id)
+            self.state.writer.submit_delete([sandbox_id])
 
     # -- forwarded data plane (for clients that do not follow the endpoint) ------------------------------
 
     async def _json(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> Any:
         row = self._row(sandbox_id)
-        with self._on_node(row):
+        with self._on_node(sandbox_id):
             response = await self._node_request(row.node, method, f"/v1/sandboxes/{sandbox_id}{suffix}", **kw)
         return response.json() if response.content else None
 
@@ -689,8 +742,7 @@ class GatewayEngine:
         return SandboxStats.model_validate(await self._json(sandbox_id, "GET", "/stats"))
 
     async def _info_call(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> SandboxInfo:
-        row = self._row(sandbox_id)
-        return self._refresh(row, SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)))
+        return self._refresh(sandbox_id, SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)))
 
     async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
         """Forward pause."""
@@ -740,8 +792,8 @@ class GatewayEngine:
 
     async def owner_labels(self, sandbox_id: str) -> dict[str, str] | None:
         """The labels of a sandbox the gateway knows (jobs are scoped by the gateway's own middleware)."""
-        row = self.rows.get(sandbox_id)
-        return None if row is None else dict(row.info.spec.labels)
+        row = self.records.rows.get(sandbox_id)
+        return None if row is None else dict(self.records.spec(row).labels)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Forward resume."""
@@ -848,7 +900,7 @@ class GatewayEngine:
         for _, items in await self._each_node("/v1/audit", params):
             for item in items:
                 entry = AuditEntry.model_validate(item)
-                row = self.rows.get(entry.sandbox_id)
+                row = self.records.rows.get(entry.sandbox_id)
                 if row is not None:
                     entry.job = entry.job or row.job
                     if entry.who == "sandbox-token":
@@ -860,9 +912,8 @@ class GatewayEngine:
     async def sandbox_logs(self, sandbox_id: str, limit: int = 100, before: int | None = None
                            ) -> builtins.list[AuditEntry]:
         """The command history kept by the sandbox's node (also after the sandbox is gone)."""
-        row = self.rows.get(sandbox_id)
-        job = current_job.get()
-        if row is None or (row.job != job and job != "admin"):
+        row = self._mine(sandbox_id)
+        if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
         params: dict[str, Any] = {"limit": limit} if before is None else {"limit": limit, "before": before}
         response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/logs", params=params)
@@ -920,13 +971,14 @@ class GatewayEngine:
             await asyncio.sleep(1.0)
 
     def _apply(self, node: str, event: LifecycleEvent) -> None:
-        row = self.rows.get(event.sandbox_id or "")
-        if row is None or row.node != node or row.info.state not in _LIVE:
+        sid = event.sandbox_id or ""
+        row = self.records.rows.get(sid)
+        if row is None or row.node != node or row.state not in LIVE:
             return
         if event.kind == "expired":
-            self._ended(row, event.reason or f"sandbox {row.id} passed its timeout and was destroyed")
+            self._ended(sid, event.reason or f"sandbox {sid} passed its timeout and was destroyed")
         elif event.kind == "destroyed":
-            self._ended(row, None)
+            self._ended(sid, None)
 
     async def overview(self) -> NodeOverview:
         """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""
@@ -936,7 +988,7 @@ class GatewayEngine:
         for name, node in sorted(self.placer.nodes.items()):
             got = answers.get(name)
             if got is None or not got.nodes:
-                live = sum(1 for r in self.rows.values() if r.node == name and r.info.state in ("running", "paused"))
+                live = self.records.live_on(name)
                 total.nodes.append(NodeLoad(node=name, alive=node.alive and got is not None, sandboxes=live))
                 continue
             total.nodes.append(got.nodes[0].model_copy(update={"node": name, "alive": node.alive}))

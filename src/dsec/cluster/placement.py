@@ -23,6 +23,7 @@ import collections
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -30,13 +31,26 @@ from dsec.cluster.spread import LoadIndex, water_fill
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, QuotaExceeded
 from dsec.models import SandboxSpec
 
-__all__ = ["LOCALITY_BONUS", "Capacity", "JobQuota", "NodeSlot", "Placement", "Placer"]
+__all__ = ["LOCALITY_BONUS", "Capacity", "JobQuota", "NodeSlot", "Placement", "Placer", "Shaped"]
 
 LOCALITY_BONUS = 0.25
 """A node whose cache holds the image wins over one up to this much less loaded (load is 0..1)."""
 
 _ONE_BY_ONE = 8
 """Batches up to this size are taken from the load index one sandbox at a time (cheaper than a fill)."""
+
+
+class Shaped(Protocol):
+    """What placement reads of a spec: a :class:`~dsec.models.SandboxSpec`, or the gateway's narrow shape."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def cpu(self) -> float: ...
+    @property
+    def memory(self) -> int: ...
+    @property
+    def image(self) -> str | None: ...
 
 
 @dataclass
@@ -88,6 +102,12 @@ class NodeSlot:
     def score(self, image: str | None) -> float:
         """Its load, less the locality bonus when its cache holds ``image``: the lowest wins."""
         return self.load() - (LOCALITY_BONUS if image is not None and image in self.images else 0.0)
+
+    def rank(self, image: str | None) -> tuple[float, float, str]:
+        """The order of nodes for a sandbox of ``image``: score, then load (two loads a rounding apart can
+        share a score), then name."""
+        load = self.load()
+        return load - (LOCALITY_BONUS if image is not None and image in self.images else 0.0), load, self.name
 
 
 @dataclass(frozen=True)
@@ -237,7 +257,7 @@ class Placer:
             self._index.add("i:" + image, load, node.name, node.version)
 
     @staticmethod
-    def _apply(node: NodeSlot, spec: SandboxSpec, count: int) -> None:
+    def _apply(node: NodeSlot, spec: Shaped, count: int) -> None:
         """``count`` more (or, negative, fewer) sandboxes of ``spec`` on ``node``: its numbers only."""
         node.cpu = max(0.0, node.cpu + spec.cpu * count)
         node.memory = max(0, node.memory + spec.memory * count)
@@ -252,9 +272,9 @@ class Placer:
         self._apply(node, spec, count)
         node.version += 1
 
-    def _give_back(self, node: NodeSlot, spec: SandboxSpec) -> None:
+    def _give_back(self, node: NodeSlot, spec: Shaped, count: int = 1) -> None:
         self._leave(node)
-        self._apply(node, spec, -1)
+        self._apply(node, spec, -count)
         self._enter(node)
 
     def job(self, name: str) -> _Job:
@@ -264,21 +284,22 @@ class Placer:
             entry = self._jobs[name] = _Job(quota, tokens=quota.bucket if quota.max_rate is not None else 0.0)
         return entry
 
-    def adopt(self, job: str, node: str, spec: SandboxSpec) -> None:
-        """Account an existing sandbox (gateway restart: rebuilt from the state database)."""
-        self.job(job).live += 1
+    def adopt(self, job: str, node: str, spec: Shaped, count: int = 1) -> None:
+        """Account ``count`` existing sandboxes (a gateway restart rebuilds them from the state database)."""
+        self.job(job).live += count
         slot = self.nodes.get(node)
         if slot is not None:
             self._leave(slot)
-            self._apply(slot, spec, 1)
+            self._apply(slot, spec, count)
             self._enter(slot)
 
-    def release(self, job: str, node: str | None, spec: SandboxSpec) -> None:
-        """A sandbox was destroyed or lost: free its capacity and its job's live count, serve waiters."""
+    def release(self, job: str, node: str | None, spec: Shaped, count: int = 1) -> None:
+        """``count`` sandboxes were destroyed or lost: free their capacity and their job's live count, and
+        serve waiters."""
         entry = self.job(job)
-        entry.live = max(0, entry.live - 1)
+        entry.live = max(0, entry.live - count)
         if node is not None and node in self.nodes:
-            self._give_back(self.nodes[node], spec)
+            self._give_back(self.nodes[node], spec, count)
         self._wake_soon()
 
     def refund(self, job: str, count: int) -> None:
@@ -325,7 +346,7 @@ class Placer:
         return current
 
     def best(self, spec: SandboxSpec) -> NodeSlot | None:
-        """The node the next sandbox of ``spec`` goes to: the fitting node of the lowest (score, name)."""
+        """The node the next sandbox of ``spec`` goes to: the fitting node of the lowest :meth:`NodeSlot.rank`."""
         def fits(name: str) -> bool:
             return self.nodes[name].fits(spec) > 0
 
@@ -335,7 +356,7 @@ class Placer:
             key = "i:" + spec.image
             found.append(self._index.best(key, self._current(key), fits))
         nodes = [self.nodes[name] for name in found if name is not None]
-        return min(nodes, key=lambda n: (n.score(spec.image), n.name)) if nodes else None
+        return min(nodes, key=lambda n: n.rank(spec.image)) if nodes else None
 
     def try_place(self, spec: SandboxSpec, count: int, job: str) -> Placement | None:
         """Place ``count`` sandboxes now, all or none; None when the cluster has no room for all of them.

@@ -1,33 +1,38 @@
 """The gateway's durable state: which node owns each sandbox, for which job, and which nodes exist.
 
 A gateway restart (crash, upgrade, rescheduling by Ray) rebuilds placement from these tables and loses
-nothing. PostgreSQL through psycopg 3; every write is an upsert keyed by id, so replaying one is
-harmless. Owns no placement logic.
+nothing. PostgreSQL through psycopg 3. Owns no placement logic.
 
-Reads (:meth:`ClusterState.nodes`, :meth:`ClusterState.sandboxes`, at gateway start) block. Writes are
-on the create path, so they go through :class:`ClusterState.writer`, an asyncio group commit on the
-gateway's event loop: every write submitted while a commit is in flight joins the next one (one
-transaction, psycopg's pipeline mode: one round trip for the lot), and each caller resumes when its
-transaction has committed. Commits are not waited for on disk by default (``synchronous_commit=off``):
-a gateway crash loses nothing (the server has the rows), a crash of the PostgreSQL server itself may
-lose the last ~0.6 s (3 x ``wal_writer_delay``) of committed rows. ``sync_commit=True`` waits for the
-disk flush on every commit.
+Tables: ``dsec_cluster_nodes`` (one row a node), ``dsec_cluster_rows`` (one narrow row a sandbox: its
+node, job, state, shape, creation time, the digest of its spec, its trajectory and why it ended) and
+``dsec_cluster_specs`` (each spec's JSON once, by digest: a batch of 32,000 writes its spec one time).
+
+Reads (:meth:`ClusterState.nodes`, :meth:`ClusterState.rows`, at gateway start) block. Writes go through
+:attr:`ClusterState.writer`, an asyncio group commit on the gateway's event loop: every change submitted
+while a commit is in flight joins the next one, which is one transaction of at most four statements
+whatever its size (each takes arrays: ``unnest`` for the upserts, ``= ANY`` for the deletes), sent in
+pipeline mode: one round trip. A sandbox changed twice before a commit is written once, as it ended up.
+Each caller that waits resumes when its transaction has committed. Commits are not waited for on disk
+by default (``synchronous_commit=off``): a gateway crash loses nothing (the server has the rows), a crash
+of the PostgreSQL server itself may lose the last ~0.6 s of committed rows, which a restarted gateway
+rebuilds from the nodes. ``sync_commit=True`` waits for the disk flush on every commit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from dsec.cluster.records import Row, Shape
 from dsec.errors import BackendUnavailable
-from dsec.models import SandboxInfo
 
-__all__ = ["ClusterState", "NodeRow", "SandboxRow", "StateWriter"]
+__all__ = ["ClusterState", "NodeRow", "StateWriter", "spec_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +40,16 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS dsec_cluster_nodes (
         name TEXT PRIMARY KEY, url TEXT NOT NULL, token TEXT NOT NULL, alive BOOLEAN NOT NULL,
         capacity JSONB NOT NULL, reason TEXT)""",
-    """CREATE TABLE IF NOT EXISTS dsec_cluster_sandboxes (
-        id TEXT PRIMARY KEY, node TEXT NOT NULL, job TEXT NOT NULL, trajectory TEXT,
-        info JSONB NOT NULL, updated DOUBLE PRECISION NOT NULL DEFAULT extract(epoch from now()))""",
-    "CREATE INDEX IF NOT EXISTS dsec_cluster_sandboxes_traj ON dsec_cluster_sandboxes (trajectory)",
+    """CREATE TABLE IF NOT EXISTS dsec_cluster_specs (digest TEXT PRIMARY KEY, spec TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS dsec_cluster_rows (
+        id TEXT PRIMARY KEY, node TEXT NOT NULL, job TEXT NOT NULL, state TEXT NOT NULL, backend TEXT NOT NULL,
+        cpu DOUBLE PRECISION NOT NULL, memory BIGINT NOT NULL, image TEXT, spec TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL, trajectory TEXT, reason TEXT, detail TEXT)""",
+    "CREATE INDEX IF NOT EXISTS dsec_cluster_rows_node ON dsec_cluster_rows (node)",
 ]
+_ROW_COLUMNS = "id, node, job, state, backend, cpu, memory, image, spec, created, trajectory, reason, detail"
+_ROW_TYPES = ("text[], text[], text[], text[], text[], float8[], int8[], text[], text[], float8[], text[], text[], "
+              "text[]")
 
 
 @dataclass
@@ -54,35 +64,25 @@ class NodeRow:
     reason: str | None = None
 
 
-@dataclass
-class SandboxRow:
-    """One sandbox placed by the gateway: owning node, job, and its last known info."""
-
-    info: SandboxInfo
-    node: str
-    job: str
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-
 _PUT_NODE = """INSERT INTO dsec_cluster_nodes (name, url, token, alive, capacity, reason) VALUES (%s,%s,%s,%s,%s,%s)
     ON CONFLICT (name) DO UPDATE SET url=EXCLUDED.url, token=EXCLUDED.token, alive=EXCLUDED.alive,
     capacity=EXCLUDED.capacity, reason=EXCLUDED.reason"""
-_PUT_SANDBOX = """INSERT INTO dsec_cluster_sandboxes (id, node, job, trajectory, info) VALUES (%s,%s,%s,%s,%s)
-    ON CONFLICT (id) DO UPDATE SET node=EXCLUDED.node, job=EXCLUDED.job,
-    trajectory=EXCLUDED.trajectory, info=EXCLUDED.info, updated=extract(epoch from now())"""
-_DELETE_SANDBOX = "DELETE FROM dsec_cluster_sandboxes WHERE id = %s"
+_PUT_SPECS = """INSERT INTO dsec_cluster_specs (digest, spec) SELECT * FROM unnest(%s::text[], %s::text[])
+    ON CONFLICT (digest) DO NOTHING"""
+_PUT_ROWS = f"""INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS})
+    SELECT * FROM unnest({", ".join("%s::" + t for t in _ROW_TYPES.split(", "))})
+    ON CONFLICT (id) DO UPDATE SET node=EXCLUDED.node, job=EXCLUDED.job, state=EXCLUDED.state,
+    reason=EXCLUDED.reason, detail=EXCLUDED.detail"""
+_DELETE_ROWS = "DELETE FROM dsec_cluster_rows WHERE id = ANY(%s::text[])"
+
+
+def spec_digest(spec: bytes) -> str:
+    """The key of a spec's JSON in ``dsec_cluster_specs``."""
+    return hashlib.blake2b(spec, digest_size=16).hexdigest()
 
 
 def _node_params(row: NodeRow) -> tuple[Any, ...]:
     return (row.name, row.url, row.token, row.alive, json.dumps(row.capacity), row.reason)
-
-
-def _sandbox_params(row: SandboxRow) -> tuple[Any, ...]:
-    return (row.id, row.node, row.job, row.info.trajectory.name if row.info.trajectory else None,
-            row.info.model_dump_json())
 
 
 def _log_failure(done: asyncio.Future[None]) -> None:
@@ -91,18 +91,11 @@ def _log_failure(done: asyncio.Future[None]) -> None:
                   done.exception())
 
 
-@dataclass
-class _Write:
-    sql: str
-    params: list[tuple[Any, ...]]
-    done: asyncio.Future[None] = field(repr=False)
-
-
 class StateWriter:
     """Group commit of the gateway's writes on its event loop (see the module docstring).
 
-    Writes commit in submission order; a failed transaction fails every write in it (each caller sees
-    the error) and the next batch starts on a fresh transaction.
+    A failed transaction fails every write in it (each waiting caller sees the error) and the next batch
+    starts on a fresh transaction.
     """
 
     def __init__(self, dsn: str, sync_commit: bool = False) -> None:
@@ -110,9 +103,16 @@ class StateWriter:
         self.sync_commit = sync_commit
         self.commits = 0
         """Transactions committed (a counter: fewer than writes when commits were grouped)."""
+        self.written = 0
+        """Sandbox rows upserted or deleted (a counter)."""
         self._conn: Any = None
-        self._pending: list[_Write] = []
+        self._rows: dict[str, Row | None] = {}
+        """Sandbox id -> its row as it ended up, or None: delete it."""
+        self._nodes: list[NodeRow] = []
+        self._waiters: list[asyncio.Future[None]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._digests: dict[bytes, str] = {}
+        """Specs written (or being written) by this gateway -> digest; bounded."""
 
     async def _connection(self) -> Any:
         if self._conn is None or self._conn.closed:
@@ -126,85 +126,118 @@ class StateWriter:
                 await self._conn.execute("SET synchronous_commit TO off")
         return self._conn
 
-    def _enqueue(self, sql: str, params: Sequence[tuple[Any, ...]]) -> asyncio.Future[None]:
-        item = _Write(sql, list(params), asyncio.get_running_loop().create_future())
-        self._pending.append(item)
+    def _kick(self) -> asyncio.Future[None]:
+        done = asyncio.get_running_loop().create_future()
+        self._waiters.append(done)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        return item.done
+        return done
 
-    async def write(self, sql: str, params: Sequence[tuple[Any, ...]]) -> None:
-        """Run ``sql`` once per params tuple, in the next group commit; returns once committed."""
-        if params:
-            await asyncio.shield(self._enqueue(sql, params))
+    def submit_rows(self, rows: Sequence[tuple[str, Row]]) -> None:
+        """Insert or update sandbox rows in the next group commit, without waiting (the nodes' own records
+        are the truth a restarted gateway reconciles these from); a failure is logged."""
+        if rows:
+            for sid, row in rows:
+                self._rows[sid] = row
+            self._kick().add_done_callback(_log_failure)
 
-    def submit(self, sql: str, params: Sequence[tuple[Any, ...]]) -> None:
-        """Like :meth:`write`, without waiting: the next group commit carries it, in submission order; a
-        failure is logged (for writes whose truth is kept elsewhere too: the gateway's sandbox rows, which
-        a restarted gateway reconciles from the nodes' own records)."""
-        if params:
-            self._enqueue(sql, params).add_done_callback(_log_failure)
+    def submit_delete(self, ids: Sequence[str]) -> None:
+        """Forget destroyed sandboxes in the next group commit, without waiting."""
+        if ids:
+            for sid in ids:
+                self._rows[sid] = None
+            self._kick().add_done_callback(_log_failure)
+
+    async def put_rows(self, rows: Sequence[tuple[str, Row]]) -> None:
+        """Insert or update sandbox rows; returns once committed."""
+        for sid, row in rows:
+            self._rows[sid] = row
+        await asyncio.shield(self._kick())
+
+    async def put_node(self, row: NodeRow) -> None:
+        """Insert or update a node; returns once committed."""
+        self._nodes.append(row)
+        await asyncio.shield(self._kick())
+
+    async def flush(self) -> None:
+        """Returns once everything submitted so far has committed (or failed)."""
+        if self._rows or self._nodes or (self._flusher is not None and not self._flusher.done()):
+            await asyncio.gather(asyncio.shield(self._kick()), return_exceptions=True)
 
     async def _flush(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
+        while self._waiters:
+            rows, self._rows = self._rows, {}
+            nodes, self._nodes = self._nodes, []
+            waiters, self._waiters = self._waiters, []
             try:
-                await self._commit(batch)
+                await self._commit(rows, nodes)
             except Exception as exc:
                 error = exc if isinstance(exc, BackendUnavailable) else BackendUnavailable(
                     f"the gateway could not record its state in PostgreSQL: {exc}")
-                for item in batch:
-                    if not item.done.done():
-                        item.done.set_exception(error)
+                for done in waiters:
+                    if not done.done():
+                        done.set_exception(error)
                 continue
-            for item in batch:
-                if not item.done.done():
-                    item.done.set_result(None)
+            self.written += len(rows)
+            for done in waiters:
+                if not done.done():
+                    done.set_result(None)
 
-    async def _commit(self, batch: list[_Write]) -> None:
+    def _statements(self, rows: dict[str, Row | None], nodes: list[NodeRow]) -> list[tuple[str, Any]]:
+        statements: list[tuple[str, Any]] = [(_PUT_NODE, [_node_params(n) for n in nodes])] if nodes else []
+        puts = [(sid, row) for sid, row in rows.items() if row is not None]
+        if puts:
+            new_specs: dict[str, str] = {}
+            columns: list[list[Any]] = [[] for _ in range(13)]
+            for sid, row in puts:
+                digest = self._digests.get(row.spec)
+                if digest is None:
+                    digest = self._remember(row.spec)
+                    new_specs[digest] = row.spec.decode()
+                shape = row.shape
+                for column, value in zip(columns, (
+                        sid, row.node, row.job, row.state, shape.backend, shape.cpu, shape.memory, shape.image,
+                        digest, row.created, row.trajectory, row.reason,
+                        None if row.detail is None else row.detail.decode()), strict=True):
+                    column.append(value)
+            if new_specs:
+                statements.append((_PUT_SPECS, [(list(new_specs), list(new_specs.values()))]))
+            statements.append((_PUT_ROWS, [tuple(columns)]))
+        gone = [sid for sid, row in rows.items() if row is None]
+        if gone:
+            statements.append((_DELETE_ROWS, [(gone,)]))
+        return statements
+
+    def _remember(self, spec: bytes) -> str:
+        if len(self._digests) >= 8192:
+            del self._digests[next(iter(self._digests))]
+        digest = self._digests[spec] = spec_digest(spec)
+        return digest
+
+    async def _commit(self, rows: dict[str, Row | None], nodes: list[NodeRow]) -> None:
         import psycopg
 
+        statements = self._statements(rows, nodes)
+        if not statements:
+            return
         for attempt in (1, 2):  # a server restart broke the connection: reconnect and replay (upserts)
             conn = await self._connection()
             try:
                 # Pipeline mode: BEGIN, the statements and COMMIT go out together, one round trip.
                 async with conn.pipeline(), conn.transaction(), conn.cursor() as cur:
-                    i = 0
-                    while i < len(batch):  # consecutive writes of one statement: one executemany
-                        j = i
-                        params: list[tuple[Any, ...]] = []
-                        while j < len(batch) and batch[j].sql == batch[i].sql:
-                            params += batch[j].params
-                            j += 1
-                        await cur.executemany(batch[i].sql, params)
-                        i = j
+                    for sql, params in statements:
+                        await cur.executemany(sql, params)
                 self.commits += 1
                 return
             except psycopg.OperationalError:
                 await conn.close()
                 self._conn = None
                 if attempt == 2:
+                    self._digests.clear()  # what this failed transaction wrote may be missing
                     raise
-
-    async def put_node(self, row: NodeRow) -> None:
-        """Insert or update a node."""
-        await self.write(_PUT_NODE, [_node_params(row)])
-
-    async def put_sandboxes(self, rows: Sequence[SandboxRow]) -> None:
-        """Insert or update sandboxes."""
-        await self.write(_PUT_SANDBOX, [_sandbox_params(r) for r in rows])
-
-    async def delete_sandbox(self, sandbox_id: str) -> None:
-        """Forget a destroyed sandbox."""
-        await self.write(_DELETE_SANDBOX, [(sandbox_id,)])
-
-    def submit_sandboxes(self, rows: Sequence[SandboxRow]) -> None:
-        """Insert or update sandboxes in the next group commit, without waiting for it."""
-        self.submit(_PUT_SANDBOX, [_sandbox_params(r) for r in rows])
-
-    def submit_delete(self, sandbox_id: str) -> None:
-        """Forget a destroyed sandbox in the next group commit, without waiting for it."""
-        self.submit(_DELETE_SANDBOX, [(sandbox_id,)])
+            except Exception:
+                self._digests.clear()
+                raise
 
     async def aclose(self) -> None:
         """Wait for the writes in flight, close the connection."""
@@ -231,6 +264,7 @@ class ClusterState:
             cur.execute("SELECT pg_advisory_xact_lock(7310)")
             for statement in _SCHEMA:
                 cur.execute(statement)
+            _migrate_v1(cur)
         self.writer = StateWriter(dsn, sync_commit)
 
     def close(self) -> None:
@@ -252,7 +286,39 @@ class ClusterState:
         return [NodeRow(n, u, t, a, c, r) for n, u, t, a, c, r in
                 self._run("SELECT name, url, token, alive, capacity, reason FROM dsec_cluster_nodes")]
 
-    def sandboxes(self) -> list[SandboxRow]:
-        """Every sandbox the gateway placed and has not seen destroyed (lost ones included)."""
-        return [SandboxRow(SandboxInfo.model_validate(info), node, job) for node, job, info in
-                self._run("SELECT node, job, info FROM dsec_cluster_sandboxes ORDER BY updated")]
+    def rows(self) -> Iterator[tuple[str, Row]]:
+        """Every sandbox the gateway placed and has not seen destroyed (lost and expired ones included),
+        with each distinct spec and shape read once and shared by its rows."""
+        specs = {digest: spec.encode() for digest, spec in self._run("SELECT digest, spec FROM dsec_cluster_specs")}
+        shapes: dict[tuple[Any, ...], Shape] = {}
+        with self._lock, self._conn.cursor() as cur:
+            cur.execute(f"SELECT {_ROW_COLUMNS} FROM dsec_cluster_rows")
+            for sid, node, job, state, backend, cpu, memory, image, digest, created, traj, reason, detail in cur:
+                key = (backend, cpu, memory, image)
+                shape = shapes.get(key)
+                if shape is None:
+                    shape = shapes[key] = Shape(*key)
+                yield sid, Row(node, job, state, shape, specs.get(digest, b"{}"), created, traj, reason,
+                               None if detail is None else detail.encode())
+
+
+def _migrate_v1(cur: Any) -> None:
+    """Rows of the first schema (one JSONB ``info`` a sandbox in ``dsec_cluster_sandboxes``) into the
+    narrow tables, once; the old table is kept, renamed, for an operator to drop."""
+    cur.execute("SELECT to_regclass('dsec_cluster_sandboxes') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return
+    cur.execute("""SELECT id, node, job, trajectory, info FROM dsec_cluster_sandboxes""")
+    old = cur.fetchall()
+    for sid, node, job, trajectory, info in old:
+        spec = json.dumps(info["spec"], separators=(",", ":")).encode()
+        cur.execute(_PUT_SPECS, ([spec_digest(spec)], [spec.decode()]))
+        detail = json.dumps(info) if trajectory else None
+        cur.execute(f"INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS}) VALUES ({', '.join(['%s'] * 13)}) "
+                    "ON CONFLICT (id) DO NOTHING",
+                    (sid, node, job, info["state"], info["backend"], float(info["spec"]["cpu"]),
+                     int(info["spec"]["memory"]), info.get("image"), spec_digest(spec), float(info["created_at"]),
+                     trajectory, info.get("reason"), detail))
+    cur.execute("ALTER TABLE dsec_cluster_sandboxes RENAME TO dsec_cluster_sandboxes_v1")
+    log.warning("moved %d sandbox row(s) of the first schema to dsec_cluster_rows "
+                "(dsec_cluster_sandboxes_v1 may be dropped)", len(old))

@@ -40,6 +40,7 @@ import httpx
 
 from dsec.bench.cpu import tree_cpu
 from dsec.daemon.server import loop_factory
+from dsec.models import id_hash
 from dsec.testing.fleet_http import Answer, HttpConnection, Request, Stream, close_all, serve_http
 
 __all__ = ["Fleet", "FleetProcess", "SimNode", "main", "node_address"]
@@ -110,6 +111,10 @@ class SimNode:
     """Events still to drop for every subscriber (the lag fault); then one ``lagged`` event."""
     lag_dropped: int = 0
     lag_from: int = 0
+    placed: int = 0
+    """Sandboxes with a job label (made through a gateway), and the XOR of their ids' hashes: what
+    ``/v1/health`` reports as ``placed`` and ``digest``."""
+    digest: int = 0
     images: dict[str, int] = field(default_factory=dict)
     """Images this node has created sandboxes of (its cache, as ``/v1/health`` reports it)."""
     server: asyncio.Server | None = None
@@ -134,6 +139,9 @@ class SimNode:
         self.cpu += sb.cpu
         self.memory += sb.memory
         self.peak = max(self.peak, len(self.sandboxes))
+        if sb.job is not None:
+            self.placed += 1
+            self.digest ^= id_hash(sid)
         self._publish(b"created", sid, sb)
 
     def _remove(self, sid: str) -> _Sandbox | None:
@@ -143,6 +151,9 @@ class SimNode:
             self.live[backend] -= 1
             self.cpu = max(0.0, self.cpu - sb.cpu)
             self.memory = max(0, self.memory - sb.memory)
+            if sb.job is not None:
+                self.placed -= 1
+                self.digest ^= id_hash(sid)
             self._publish(b"destroyed", sid, sb)
         return sb
 
@@ -222,6 +233,7 @@ class SimNode:
             "node": self.name, "version": "sim", "backends": {b: "ok" for b, n in slots.items() if n},
             "sandboxes": len(self.sandboxes), "images": self.images,
             "stopping": "the simulated node drains" if self.draining else None,
+            "placed": self.placed, "digest": f"{self.digest:016x}",
         }).encode()
 
     def _info(self, sid: str, sb: _Sandbox) -> bytes:
@@ -274,7 +286,7 @@ class SimNode:
         lost = len(self.sandboxes)
         self.sandboxes.clear()
         self.live.clear()
-        self.cpu, self.memory = 0.0, 0
+        self.cpu, self.memory, self.placed, self.digest = 0.0, 0, 0, 0
         return lost
 
 
