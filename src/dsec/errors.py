@@ -14,6 +14,7 @@ classes defined here, never an arbitrary import path).
     │   ├── SandboxNotFound
     │   └── ImageNotFound
     ├── SandboxStateError                   409  e.g. exec on a paused sandbox
+    │   └── Fenced                          409  cluster mode: a create under a cell lease a newer one replaced
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
     ├── QuotaExceeded                       429
     │   └── RateLimited                     429  the token's rate limit (``retry_after`` seconds)
@@ -43,6 +44,7 @@ __all__ = [
     "ConnectionFailed",
     "DSecError",
     "DaemonStopping",
+    "Fenced",
     "Forbidden",
     "ImageCorrupt",
     "ImageNotFound",
@@ -119,6 +121,12 @@ class SandboxStateError(DSecError):
     """The sandbox is not in a state that allows the operation (paused, stopped...)."""
 
     status_code = 409
+
+
+class Fenced(SandboxStateError):
+    """Cluster mode: a node refused a create sent under a cell lease (``X-DSec-Fence: cell:epoch``) older than
+    one it has already seen for that cell: another gateway replica took the cell over, and the sender must
+    not place there any more. Nothing was created."""
 
 
 class SandboxTimeout(DSecError, TimeoutError):

@@ -18,6 +18,7 @@ import contextvars
 import errno
 import gc
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -29,8 +30,11 @@ from pydantic import TypeAdapter
 
 from dsec._sdk.lean import LeanError, LeanPool
 from dsec._sdk.transport import STREAM_TIMEOUT, Transport, build_request_parts, read_chunks
+from dsec.cluster.authority import Authority
+from dsec.cluster.cells import CellLeases, cell_of
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.records import LIVE, Records, Row, shape_of
+from dsec.cluster.replica import CellKeeper, adopt_rows
 from dsec.cluster.state import ClusterState, NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
@@ -79,12 +83,16 @@ from dsec.models import (
     TrajectoryForkRequest,
 )
 
-__all__ = ["GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
+__all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
 
 log = logging.getLogger(__name__)
 
 current_job: contextvars.ContextVar[str] = contextvars.ContextVar("dsec_job", default="default")
 """The job of the request being served (set from its token by the gateway's auth middleware)."""
+
+BATCH_LABEL = "dsec.batch"
+"""The label the gateway stamps on every member of a batch (its id): a replica that takes a cell over
+destroys the members of batches their replica left unfinished."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,7 @@ class GatewayEngine:
         admission_wait: float = 60.0,
         poll_interval: float = 0.5,
         image_interval: float = 5.0,
+        leases: CellLeases | None = None,
     ) -> None:
         self.state = state
         self.source = nodes
@@ -191,8 +200,14 @@ class GatewayEngine:
         self.admission_wait = admission_wait
         self.poll_interval = poll_interval
         self.image_interval = image_interval
-        self.records = Records()
-        """Every sandbox placed and not forgotten: narrow rows with their indexes and counters."""
+        cells = leases.cells if leases is not None else 1
+        self.records = Records(cell_of=lambda node: cell_of(node, cells))
+        """The sandboxes of this replica's cells: narrow rows with their indexes and counters."""
+        self.authority = Authority(leases, self.records, self.placer)
+        self.keeper = CellKeeper(self, leases) if leases is not None else None
+        """The lease loop when gateway replicas share the nodes in cells (None: this gateway places on all)."""
+        self._creating: collections.Counter[int] = collections.Counter()
+        """Cell -> creates in flight on its nodes (a cell is handed back only when none are)."""
         self.reconciled_by_digest = 0
         """Nodes whose records were found true by their count and digest alone (a counter)."""
         self.node_rows: dict[str, NodeRow] = {}
@@ -203,10 +218,12 @@ class GatewayEngine:
         """Nodes Ray sees alive whose daemon took no create (stopping, or no connection opened) -> why;
         nothing is placed there until its ``/v1/health`` answers that it serves again (each poll asks)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._resyncs: dict[str, asyncio.Task[None]] = {}
         self.events = EventBus("gateway", history=10_000)
         """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
         self._poller: asyncio.Task[None] | None = None
         self._image_poller: asyncio.Task[None] | None = None
+        self._lease_loop: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -214,31 +231,98 @@ class GatewayEngine:
         """Reload nodes and sandboxes from the database, then follow membership."""
         for node in await asyncio.to_thread(self.state.nodes):
             self.node_rows[node.name] = node
-            # Known, but nothing is placed there until membership confirms it and it is reconciled.
-            self.placer.set_node(node.name, _capacity(node.capacity), usable=False)
-        loaded = await asyncio.to_thread(lambda: self.records.load(self.state.rows()))
-        held: collections.Counter[tuple[str, str, Any]] = collections.Counter(
-            (row.job, row.node, row.shape) for row in self.records.rows.values() if row.state in LIVE)
-        for (job, node_name, shape), count in held.items():
-            self.placer.adopt(job, node_name, shape, count)
-            if shape.image:
-                self.placer.add_image(node_name, shape.image)
-        # The rows stay for the gateway's life: out of the collector's way, so a full collection does not
-        # walk 380,000 of them.
-        gc.collect()
-        gc.freeze()
-        log.info("reloaded %d sandbox row(s), %d live", loaded, self.records.live)
-        # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
-        # first request (membership, which may take a poll or two to answer, then only confirms them).
-        await asyncio.gather(*(self._rejoin(node) for node in builtins.list(self.node_rows.values()) if node.alive))
+        if self.keeper is not None:
+            await self.keeper.leases.setup()
+            await self.keeper.tick()  # takes this replica's share of the cells over, rows and nodes included
+            self._lease_loop = asyncio.create_task(self.keeper.forever())  # renewing while the rest starts
+        else:
+            for node in self.node_rows.values():
+                self.know(node)
+            loaded = adopt_rows(self, await asyncio.to_thread(lambda: builtins.list(self.state.rows())))
+            # The rows stay for the gateway's life: out of the collector's way, so a full collection does not
+            # walk 380,000 of them.
+            gc.collect()
+            gc.freeze()
+            log.info("reloaded %d sandbox row(s), %d live", loaded, self.records.live)
+            # The node daemons outlive a gateway restart at the addresses recorded: reconcile them before the
+            # first request (membership, which may take a poll or two to answer, then only confirms them).
+            await asyncio.gather(*(self.rejoin(node) for node in builtins.list(self.node_rows.values())
+                                   if node.alive))
         await self.poll()
         await self.refresh_images()
         self._poller = asyncio.create_task(self._poll_forever())
         self._image_poller = asyncio.create_task(self._refresh_images_forever())
 
+    def know(self, node: NodeRow) -> None:
+        """Account ``node`` in placement, usable only once reconciled (its rows may be adopted into it)."""
+        if node.name not in self.placer.nodes:
+            self.placer.set_node(node.name, _capacity(node.capacity), usable=False)
+
+    async def release_node(self, node: str) -> None:
+        """This replica no longer places on ``node`` (its cell went to another replica)."""
+        await self._unfollow(node)
+        self._reconciled.discard(node)
+        self.unready.pop(node, None)
+
+    async def lose_dead(self, node: NodeRow) -> None:
+        """A node of a cell just taken over is dead: its sandboxes still live in the records are lost."""
+        self.know(node)
+        if any(self.records.rows[sid].state in LIVE for sid in self.records.on_node(node.name)):
+            await self._node_died(node, node.reason or "it died while no replica held its cell")
+
+    async def destroy_rows(self, ids: builtins.list[str]) -> None:
+        """Destroy sandboxes of this replica's records on their nodes, whatever their job."""
+        asking = asyncio.Semaphore(64)
+
+        async def one(sid: str) -> None:
+            async with asking:
+                row = self.records.rows.get(sid)
+                if row is not None:
+                    with contextlib.suppress(DSecError):
+                        await self._destroy(sid, row)
+
+        await asyncio.gather(*(one(sid) for sid in ids))
+
+    # -- routing between replicas (dsec.cluster.router) ------------------------------------------------------
+
+    def holds(self, sandbox_id: str) -> bool:
+        """Whether this replica has a record of the sandbox."""
+        return self.keeper is None or sandbox_id in self.records.rows
+
+    async def owners_of(self, sandbox_id: str) -> builtins.list[str]:
+        """The replicas that may hold ``sandbox_id``: the owner of its node's cell, or (its row not committed
+        yet, or the owner unknown) every other live replica."""
+        if self.keeper is None:
+            return []
+        leases = self.keeper.leases
+        node = await asyncio.to_thread(self.state.locate, sandbox_id)
+        if node is not None:
+            owner = leases.owners.get(self.authority.cell(node))
+            if owner is not None and owner[0] == leases.instance:
+                return []
+            url = leases.owner_url(self.authority.cell(node))
+            if url is not None:
+                return [url]
+        return self.other_replicas()
+
+    def other_replicas(self) -> builtins.list[str]:
+        """URLs of the other live replicas."""
+        if self.keeper is None:
+            return []
+        leases = self.keeper.leases
+        return [url for instance, url in sorted(leases.peers.items()) if instance != leases.instance]
+
+    def places(self) -> bool:
+        """Whether this replica places on any node now."""
+        return any(node.alive for node in self.placer.nodes.values())
+
+    def creating_in(self, cell: int) -> int:
+        """Creates in flight on the nodes of ``cell``."""
+        return self._creating.get(cell, 0)
+
     async def aclose(self) -> None:
         """Stop following membership and close node connections (sandboxes are left running)."""
-        for task in (self._poller, self._image_poller):
+        for task in (self._poller, self._image_poller, self._lease_loop):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -246,6 +330,10 @@ class GatewayEngine:
             await self._unfollow(name)
         for name in builtins.list(self._transports):
             await self._drop_client(name)
+        if self.keeper is not None:
+            with contextlib.suppress(DSecError):
+                await self.keeper.leases.leave()
+            await self.keeper.leases.aclose()
         await self.state.aclose()
 
     async def _poll_forever(self) -> None:
@@ -297,6 +385,9 @@ class GatewayEngine:
                     self.unready.pop(facts.name, None)
                     log.info("node %s joined at %s", facts.name, facts.url)
                 self.node_rows[facts.name] = row
+                if not self.authority.mine(facts.name):
+                    continue  # another replica's cell (or one this replica still takes over)
+                self.know(row)
                 if facts.name in self.unready:
                     if facts.name not in back:
                         continue
@@ -317,7 +408,10 @@ class GatewayEngine:
                     self._follow(facts.name)
                 self.placer.set_node(facts.name, _capacity(row.capacity))
             elif not facts.alive and known is not None and known.alive:
-                await self._node_died(known, facts.reason or "Ray reports the node dead")
+                if self.authority.mine(facts.name) or self.keeper is None:
+                    await self._node_died(known, facts.reason or "Ray reports the node dead")
+                else:
+                    known.alive, known.reason = False, facts.reason
 
     async def _serving_again(self) -> set[str]:
         """The unready nodes whose ``/v1/health`` answers that their daemon serves (not stopping)."""
@@ -367,7 +461,9 @@ class GatewayEngine:
         await self.state.writer.put_rows(lost)
         log.warning("node %s died (%s): %d sandbox(es) lost", node.name, reason, len(lost))
 
-    async def _rejoin(self, node: NodeRow) -> None:
+    async def rejoin(self, node: NodeRow) -> None:
+        """Reconcile ``node`` (under this replica's fence), follow it, and place on it from now on."""
+        self.know(node)
         try:
             await self.reconcile(node.name)
         except DSecError as exc:
@@ -385,8 +481,10 @@ class GatewayEngine:
         gateway stamps on every spec), so it is adopted here, with its quota and capacity. A record whose
         sandbox the node no longer holds ended while the gateway was away: an expired one keeps its
         reason (the job is told ``SandboxTimeout``), a destroyed one is forgotten."""
-        health = NodeInfo.model_validate_json(
-            (await self._node_request(node, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT)).content)
+        # Under this replica's fence: the node refuses creates a previous owner of its cell still sends, so
+        # what it says now stays the truth the records follow.
+        health = NodeInfo.model_validate_json((await self._node_request(
+            node, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT, headers=self.authority.fence(node))).content)
         if health.placed is not None and (health.placed, health.digest) == self.records.digest(node):
             self.reconciled_by_digest += 1
             return  # the node holds exactly what the records say: no listing
@@ -472,11 +570,11 @@ class GatewayEngine:
         with self._reaching(node):
             return await transport.request(http, method, path, **kw)
 
-    async def _node_post(self, node: str, path: str, body: bytes) -> bytes:
+    async def _node_post(self, node: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
         """POST serialised JSON to a node on its lean pool (the create hot path); the answer's body."""
         transport, _http, lean = self._entry(node)
         with self._reaching(node):
-            return await transport.post_json(lean, path, body, timeout=STREAM_TIMEOUT)
+            return await transport.post_json(lean, path, body, timeout=STREAM_TIMEOUT, headers=headers)
 
     def _any_node(self) -> str:
         alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
@@ -523,7 +621,8 @@ class GatewayEngine:
         raw = self.records.intern(spec if spec is not None else info.spec.model_dump_json().encode())
         detail = info.model_dump_json(exclude={"endpoint"}).encode() if info.trajectory is not None else None
         return Row(node, job, info.state, shape_of(info.spec), raw, info.created_at,
-                   info.trajectory.name if info.trajectory is not None else None, info.reason, detail)
+                   info.trajectory.name if info.trajectory is not None else None, info.reason, detail,
+                   info.spec.labels.get(BATCH_LABEL))
 
     async def _remember(self, infos: builtins.list[SandboxInfo], node: str, job: str, *,
                         durable: bool = True, spec: bytes | None = None) -> builtins.list[SandboxInfo]:
@@ -573,60 +672,113 @@ class GatewayEngine:
     async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
         """Place, create each node's share, and place again the shares of nodes that took none of theirs
         (their daemon stopping, or no connection opened): a rolling restart of node daemons costs a job
-        nothing. Any other failure undoes the whole batch."""
+        nothing. Any other failure undoes the whole batch. With replicas, a batch is recorded open before
+        its first create and done before it is answered (see :mod:`dsec.cluster.cells`)."""
         deadline = time.monotonic() + self.admission_wait
-        placement = await self.placer.place(spec, count, job, self.admission_wait)
+        batch = None
+        if count > 1 and self.keeper is not None:
+            batch = "bt-" + secrets.token_hex(8)
+            spec = spec.model_copy(update={"labels": {**spec.labels, BATCH_LABEL: batch}})
         body = spec.model_dump_json().encode()
+        created: builtins.list[SandboxInfo] = []
+        try:
+            counts = await self._place(spec, count, job, deadline)
+            if batch is not None:
+                try:
+                    await self.authority.open_batch(batch, job, count, builtins.list(counts))
+                except BaseException:
+                    self._give_back(job, spec, counts)
+                    raise
+            await self._create_rounds(spec, body, job, counts, deadline, created)
+            if batch is not None and not await self.authority.close_batch(batch, done=True):
+                raise BackendUnavailable("another gateway replica took over a cell of this batch before it was "
+                                         "answered: it was undone, nothing of it is kept")
+        except BaseException:  # a share failed, or the client left while placing again: undo every round
+            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
+            if batch is not None:
+                with contextlib.suppress(DSecError):
+                    await self.authority.close_batch(batch, done=False)
+            raise
+        return created
+
+    async def _place(self, spec: SandboxSpec, count: int, job: str, deadline: float) -> dict[str, int]:
+        """A placement within the job's quota (rate tokens drawn, allowances reserved): node -> count."""
+        await self.authority.draw_tokens(job, count)
+        placement = await self.placer.place(spec, count, job, max(0.0, deadline - time.monotonic()))
+        try:
+            await self.authority.admit(job, placement.counts)  # settled share by share (_share_done)
+        except BaseException:
+            for node, n in placement.counts.items():
+                self.placer.release(job, node, spec, n)
+            raise
+        for node, n in placement.counts.items():
+            self._creating[self.authority.cell(node)] += n
+        return placement.counts
+
+    def _give_back(self, job: str, spec: SandboxSpec, counts: dict[str, int]) -> None:
+        """A placement none of which was sent: its room, reservations and in-flight counts go back."""
+        for node, n in counts.items():
+            self.placer.release(job, node, spec, n)
+            self._share_done(job, node, n)
+
+    def _share_done(self, job: str, node: str, n: int) -> None:
+        cell = self.authority.cell(node)
+        self._creating[cell] -= n
+        if self._creating[cell] <= 0:
+            del self._creating[cell]
+        self.authority.settle(job, {cell: n})
+
+    async def _create_rounds(self, spec: SandboxSpec, body: bytes, job: str, counts: dict[str, int],
+                             deadline: float, created: builtins.list[SandboxInfo]) -> None:
+        """Each node's share in one request, placed again (at most a few rounds) where a node took none."""
 
         async def on(node: str, n: int) -> builtins.list[SandboxInfo]:
             try:
+                headers = self.authority.fence(node)
                 # Serialized once by pydantic's Rust core and parsed the same way: no dict round trip.
                 if n == 1:
-                    infos = [SandboxInfo.model_validate_json(await self._node_post(node, "/v1/sandboxes", body))]
+                    infos = [SandboxInfo.model_validate_json(await self._node_post(node, "/v1/sandboxes", body,
+                                                                                   headers))]
                 else:
                     batch = BatchCreateRequest(count=n, spec=spec).model_dump_json().encode()
-                    infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch))
+                    infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch,
+                                                                           headers))
             except BaseException as exc:
                 if _took_none(exc):  # held before its room is given back: that room must not draw waiters
                     self._hold(node, str(exc))
                 self.placer.release(job, node, spec, n)
+                self._share_done(job, node, n)
                 raise
-            return await self._remember(infos, node, job, durable=False, spec=body)
+            try:
+                return await self._remember(infos, node, job, durable=False, spec=body)
+            finally:
+                self._share_done(job, node, n)
 
-        created: builtins.list[SandboxInfo] = []
-        errors: builtins.list[BaseException] = []
-        counts = placement.counts
-        try:
-            for round_ in range(1, _PLACE_ROUNDS + 1):
-                results = await asyncio.gather(*(on(node, n) for node, n in counts.items()),
-                                               return_exceptions=True)
-                created += [info for r in results if not isinstance(r, BaseException) for info in r]
-                errors = [r for r in results if isinstance(r, BaseException)]
-                missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)
-                          if isinstance(r, BackendUnavailable) and _took_none(r)]
-                if not errors or len(missed) < len(errors) or round_ == _PLACE_ROUNDS:
-                    break
-                again = sum(n for _node, n, _err in missed)
-                self.placer.refund(job, again)
-                try:
-                    counts = (await self.placer.place(spec, again, job,
-                                                      max(0.0, deadline - time.monotonic()))).counts
-                except DSecError as exc:
-                    first = missed[0][2]
-                    errors = [BackendUnavailable(f"{first.message}; no other node could take its {again} "
-                                                 f"sandbox(es): {exc.message}", **first.detail)]
-                    errors[0].__cause__ = exc
-                    break
-                self.metrics.replaced.inc(again)
-                log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
-                         "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
-            if errors:
-                hard = [e for e in errors if not _took_none(e)]
-                raise (hard or errors)[0]
-        except BaseException:  # a share failed, or the client left while placing again: undo every round
-            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
-            raise
-        return created
+        for round_ in range(1, _PLACE_ROUNDS + 1):
+            results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
+            created += [info for r in results if not isinstance(r, BaseException) for info in r]
+            errors = [r for r in results if isinstance(r, BaseException)]
+            missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)
+                      if isinstance(r, BackendUnavailable) and _took_none(r)]
+            if not errors:
+                return
+            if len(missed) < len(errors) or round_ == _PLACE_ROUNDS:
+                break
+            again = sum(n for _node, n, _err in missed)
+            self.placer.refund(job, again)
+            try:
+                counts = await self._place(spec, again, job, deadline)
+            except DSecError as exc:
+                first = missed[0][2]
+                errors = [BackendUnavailable(f"{first.message}; no other node could take its {again} "
+                                             f"sandbox(es): {exc.message}", **first.detail)]
+                errors[0].__cause__ = exc
+                break
+            self.metrics.replaced.inc(again)
+            log.info("%d sandbox(es) placed again on %s: %s", again, ", ".join(counts),
+                     "; ".join(f"{node} took none ({err.message})" for node, _n, err in missed))
+        hard = [e for e in errors if not _took_none(e)]
+        raise (hard or errors)[0]
 
     async def list(
         self, labels: dict[str, str], backend: str | None = None, state: str | None = None, *,
@@ -675,8 +827,10 @@ class GatewayEngine:
     async def destroy(self, sandbox_id: str) -> None:
         """Destroy on the owning node, free its capacity, forget it (a lost one is just forgotten)."""
         row = self._mine(sandbox_id)
-        if row is None:
-            return
+        if row is not None:
+            await self._destroy(sandbox_id, row)
+
+    async def _destroy(self, sandbox_id: str, row: Row) -> None:
         if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._node_request(row.node, "DELETE", f"/v1/sandboxes/{sandbox_id}")
@@ -951,15 +1105,21 @@ class GatewayEngine:
         when a client next asks). A dropped stream is re-opened from the node's kept history, skipping what
         was already seen (by time: a restarted node daemon numbers from 1 again)."""
         seen = (0.0, 0)
+        opened = 0
         while True:
             try:
                 transport, http = self._client(node)
                 async with transport.stream(http, "GET", "/v1/events?since=0") as response:
+                    opened += 1
+                    if opened > 1:  # events may have passed beyond the node's kept history meanwhile
+                        self._resync(node, "its event stream was re-opened")
                     async for line in response.aiter_lines():
                         if not line:
                             continue
                         event = LifecycleEvent.model_validate_json(line)
-                        if (event.at, event.seq) <= seen and event.kind != "lagged":
+                        if event.kind == "lagged":
+                            self._resync(node, f"its event stream skipped {event.detail.get('dropped', '?')} event(s)")
+                        elif (event.at, event.seq) <= seen:
                             continue
                         seen = (event.at, event.seq)
                         self._apply(node, event)
@@ -969,6 +1129,21 @@ class GatewayEngine:
             except Exception as exc:  # a node that dies: membership stops this follower
                 log.info("event stream of node %s ended (%s); re-opening", node, exc)
             await asyncio.sleep(1.0)
+
+    def _resync(self, node: str, why: str) -> None:
+        """Reconcile ``node`` soon (once, however many times asked meanwhile): events about it were missed."""
+        task = self._resyncs.get(node)
+        if task is not None and not task.done():
+            return
+
+        async def again() -> None:
+            try:
+                await self.reconcile(node)
+                log.info("node %s reconciled: %s", node, why)
+            except DSecError as exc:
+                log.warning("node %s could not be reconciled after %s: %s", node, why, exc)
+
+        self._resyncs[node] = asyncio.create_task(again(), name=f"dsec-resync-{node}")
 
     def _apply(self, node: str, event: LifecycleEvent) -> None:
         sid = event.sandbox_id or ""

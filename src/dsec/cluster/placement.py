@@ -180,6 +180,9 @@ class Placer:
         self._runs: dict[str, set[str]] = collections.defaultdict(set)
         """Backend -> usable nodes that run it."""
         self._wake_due = False
+        self.local_rate = True
+        """Rate buckets refill by themselves; False: only what is added to them (a replica draws its tokens
+        from the jobs' buckets shared in the database)."""
 
     # -- facts ------------------------------------------------------------------------------------------
 
@@ -210,6 +213,16 @@ class Placer:
             self._leave(node)
             node.alive = False
             self._enter(node)
+
+    def forget(self, name: str) -> None:
+        """Drop node ``name`` altogether (its cell went to another gateway replica): its room leaves the
+        counters, its entries the index. Its sandboxes' job counts are the caller's to release."""
+        node = self.nodes.pop(name, None)
+        if node is not None:
+            self._leave(node)
+            node.alive = False
+            for key in ["b:" + b for b in node.capacity.slots] + ["i:" + i for i in node.images]:
+                self._index.discard(key, name)
 
     def set_images(self, name: str, images: Iterable[str]) -> None:
         """The images ``name``'s cache holds now (what its ``/v1/health`` or events say)."""
@@ -281,7 +294,8 @@ class Placer:
         entry = self._jobs.get(name)
         if entry is None:
             quota = self.quotas.get(name, self.default_quota)
-            entry = self._jobs[name] = _Job(quota, tokens=quota.bucket if quota.max_rate is not None else 0.0)
+            full = quota.bucket if quota.max_rate is not None and self.local_rate else 0.0
+            entry = self._jobs[name] = _Job(quota, tokens=full)
         return entry
 
     def adopt(self, job: str, node: str, spec: Shaped, count: int = 1) -> None:
@@ -324,7 +338,8 @@ class Placer:
                     f"job {job!r} asked for {count} sandboxes at once; its burst is {quota.bucket:g} (creations "
                     f"the rate bucket holds): split the batch or raise 'burst' in the jobs file",
                     job=job, burst=quota.bucket, requested=count)
-            entry.refill(time.monotonic())
+            if self.local_rate:
+                entry.refill(time.monotonic())
             if count > entry.tokens:
                 raise QuotaExceeded(
                     f"job {job!r} may create {quota.max_rate:g} sandboxes per second; asked for {count} "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from sortedcontainers import SortedList
@@ -56,6 +56,8 @@ class Row(NamedTuple):
     """Why it is lost or expired."""
     detail: bytes | None = None
     """The node's whole answer as JSON, kept only where a row cannot rebuild it (trajectory status)."""
+    batch: str | None = None
+    """The batch it was created in (its ``dsec.batch`` label), until that batch is known done."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,7 +78,9 @@ def shape_of(spec: SandboxSpec) -> Shape:
 class Records:
     """Every sandbox the gateway placed and has not forgotten, with its indexes and counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell_of: Callable[[str], int] = lambda _node: 0) -> None:
+        self.cell_of = cell_of
+        """Node name -> its cell (live counts are kept per cell and job)."""
         self.rows: dict[str, Row] = {}
         self.live = 0
         """Rows in a live state."""
@@ -86,6 +90,7 @@ class Records:
         self._by_trajectory: dict[str, str] = {}
         self._live_on: collections.Counter[str] = collections.Counter()
         self._digest: collections.Counter[str] = collections.Counter()
+        self._per_cell: collections.Counter[tuple[int, str]] = collections.Counter()
         self._recent: dict[bytes, bytes] = {}
 
     # -- changes --------------------------------------------------------------------------------------------
@@ -111,11 +116,18 @@ class Records:
         self.rows[sid] = row
         self._by_node[row.node].add(sid)
         if row.state in LIVE:
-            self.live += 1
-            self._live_on[row.node] += 1
-            self._digest[row.node] ^= id_hash(sid)
-            if row.trajectory is not None:
+            self._count(sid, row, 1)
+
+    def _count(self, sid: str, row: Row, sign: int) -> None:
+        self.live += sign
+        self._live_on[row.node] += sign
+        self._per_cell[self.cell_of(row.node), row.job] += sign
+        self._digest[row.node] ^= id_hash(sid)
+        if row.trajectory is not None:
+            if sign > 0:
                 self._by_trajectory[row.trajectory] = sid
+            elif self._by_trajectory.get(row.trajectory) == sid:
+                del self._by_trajectory[row.trajectory]
 
     def set_state(self, sid: str, state: str, reason: str | None = None) -> Row | None:
         """The row with its state (and reason) changed; None when there is no such row."""
@@ -147,17 +159,17 @@ class Records:
             if not ids:
                 del self._by_node[row.node]
         if row.state in LIVE:
-            self.live -= 1
-            self._live_on[row.node] -= 1
-            self._digest[row.node] ^= id_hash(sid)
-            if row.trajectory is not None and self._by_trajectory.get(row.trajectory) == sid:
-                del self._by_trajectory[row.trajectory]
+            self._count(sid, row, -1)
 
     # -- reads ----------------------------------------------------------------------------------------------
 
     def on_node(self, node: str) -> list[str]:
         """The ids of every row on ``node``."""
         return list(self._by_node.get(node, ()))
+
+    def live_in(self, cell: int, job: str) -> int:
+        """Live rows of ``job`` on the nodes of ``cell``."""
+        return self._per_cell.get((cell, job), 0)
 
     def live_on(self, node: str) -> int:
         """Live rows on ``node``."""
@@ -199,19 +211,27 @@ class Records:
                            spec=spec, node=row.node, reason=row.reason)
 
     def load(self, rows: Iterable[tuple[str, Row]]) -> int:
-        """Fill empty records with rows read back from the database (a restart); how many. The ordered
-        indexes are built once, sorted, rather than row by row."""
+        """Add rows read back from the database (a restart, a cell taken over) that are not here yet; how
+        many. The ordered indexes take them in one sorted update rather than row by row."""
         by_job: dict[str, list[str]] = collections.defaultdict(list)
+        added: list[str] = []
         for sid, row in rows:
+            if sid in self.rows:
+                continue
             self.rows[sid] = row
+            added.append(sid)
             by_job[row.job].append(sid)
             self._by_node[row.node].add(sid)
             if row.state in LIVE:
-                self.live += 1
-                self._live_on[row.node] += 1
-                self._digest[row.node] ^= id_hash(sid)
-                if row.trajectory is not None:
-                    self._by_trajectory[row.trajectory] = sid
-        self._all = SortedList(self.rows)
-        self._by_job = {job: SortedList(ids) for job, ids in by_job.items()}
-        return len(self.rows)
+                self._count(sid, row, 1)
+        self._all.update(added)
+        for job, ids in by_job.items():
+            self._by_job.setdefault(job, SortedList()).update(ids)
+        return len(added)
+
+    def forget_node(self, node: str) -> list[tuple[str, Row]]:
+        """Drop every row of ``node`` from memory only (its cell went to another replica); them."""
+        gone = [(sid, self.rows[sid]) for sid in self.on_node(node)]
+        for sid, _row in gone:
+            self.remove(sid)
+        return gone

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import secrets
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsec.cluster.cells import CellLeases
 from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job
 from dsec.cluster.placement import JobQuota
+from dsec.cluster.router import ReplicaRouter
 from dsec.cluster.state import ClusterState
 from dsec.daemon.app import create_app
 from dsec.daemon.auth import open_path
@@ -110,18 +113,24 @@ class _JobGuard:
 
 
 def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
-    """The node API served over the gateway engine, behind job authentication."""
+    """The node API served over the gateway engine, behind job authentication (and, with replicas, the
+    router that passes calls for another replica's sandboxes on to it)."""
     app = create_app(engine, guarded_outside=True)
     app.title = "DSec cluster gateway API"
+    if engine.keeper is not None:
+        app.add_middleware(ReplicaRouter, routing=engine)
     app.add_middleware(_JobGuard, jobs=jobs)
     return app
 
 
 async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> None:
     state = await asyncio.to_thread(ClusterState, args.db, args.sync_commit)
-    engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait)
-    await engine.start()
     host, _, port = args.listen.rpartition(":")
+    name = args.name or f"{socket.gethostname()}:{port}"
+    leases = CellLeases(args.db, name=name, instance=f"{name}/{secrets.token_hex(4)}",
+                        url=args.advertise or f"http://{host}:{port}", cells=args.cells, ttl=args.lease_ttl)
+    engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait, leases=leases)
+    await engine.start()
     config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
                             timeout_keep_alive=30, backlog=4096)
     servers = [uvicorn.Server(config)]
@@ -167,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                         "/fleet/membership, or an inventory service) instead of running node daemons on Ray")
     p.add_argument("--node-config", type=Path, default=None, help="JSON of NodeConfig fields for node daemons")
     p.add_argument("--admission-wait", type=float, default=60.0, help="seconds a create may wait for room")
+    p.add_argument("--name", default=None, help="this replica's name (default HOSTNAME:PORT)")
+    p.add_argument("--advertise", default=None, metavar="URL",
+                   help="the URL other replicas reach this one at (default http://LISTEN)")
+    p.add_argument("--cells", type=int, default=8,
+                   help="cells the nodes are split into, shared out between the replicas (the same on every replica)")
+    p.add_argument("--lease-ttl", type=float, default=4.0,
+                   help="seconds a replica's lease on a cell lasts unless renewed (a dead replica's cells are "
+                        "taken over after about this long)")
     p.add_argument("--sync-commit", action="store_true",
                    help="wait for PostgreSQL to flush every state commit to disk (default: a PostgreSQL crash "
                         "may lose the last ~0.6 s of state; a gateway crash loses nothing either way)")
@@ -179,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2b-secret-file", type=Path, default=None,
                    help="key of the envd access tokens (created 0600; default: a fresh key per start)")
     args = parser.parse_args(argv)
+    if args.cells < 1 or args.lease_ttl <= 0:
+        parser.error("--cells must be at least 1 and --lease-ttl more than 0")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request otherwise

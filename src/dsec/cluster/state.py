@@ -44,12 +44,12 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS dsec_cluster_rows (
         id TEXT PRIMARY KEY, node TEXT NOT NULL, job TEXT NOT NULL, state TEXT NOT NULL, backend TEXT NOT NULL,
         cpu DOUBLE PRECISION NOT NULL, memory BIGINT NOT NULL, image TEXT, spec TEXT NOT NULL,
-        created DOUBLE PRECISION NOT NULL, trajectory TEXT, reason TEXT, detail TEXT)""",
+        created DOUBLE PRECISION NOT NULL, trajectory TEXT, reason TEXT, detail TEXT, batch TEXT)""",
     "CREATE INDEX IF NOT EXISTS dsec_cluster_rows_node ON dsec_cluster_rows (node)",
 ]
-_ROW_COLUMNS = "id, node, job, state, backend, cpu, memory, image, spec, created, trajectory, reason, detail"
+_ROW_COLUMNS = "id, node, job, state, backend, cpu, memory, image, spec, created, trajectory, reason, detail, batch"
 _ROW_TYPES = ("text[], text[], text[], text[], text[], float8[], int8[], text[], text[], float8[], text[], text[], "
-              "text[]")
+              "text[], text[]")
 
 
 @dataclass
@@ -72,7 +72,7 @@ _PUT_SPECS = """INSERT INTO dsec_cluster_specs (digest, spec) SELECT * FROM unne
 _PUT_ROWS = f"""INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS})
     SELECT * FROM unnest({", ".join("%s::" + t for t in _ROW_TYPES.split(", "))})
     ON CONFLICT (id) DO UPDATE SET node=EXCLUDED.node, job=EXCLUDED.job, state=EXCLUDED.state,
-    reason=EXCLUDED.reason, detail=EXCLUDED.detail"""
+    reason=EXCLUDED.reason, detail=EXCLUDED.detail, batch=EXCLUDED.batch"""
 _DELETE_ROWS = "DELETE FROM dsec_cluster_rows WHERE id = ANY(%s::text[])"
 
 
@@ -188,7 +188,7 @@ class StateWriter:
         puts = [(sid, row) for sid, row in rows.items() if row is not None]
         if puts:
             new_specs: dict[str, str] = {}
-            columns: list[list[Any]] = [[] for _ in range(13)]
+            columns: list[list[Any]] = [[] for _ in range(14)]
             for sid, row in puts:
                 digest = self._digests.get(row.spec)
                 if digest is None:
@@ -198,7 +198,7 @@ class StateWriter:
                 for column, value in zip(columns, (
                         sid, row.node, row.job, row.state, shape.backend, shape.cpu, shape.memory, shape.image,
                         digest, row.created, row.trajectory, row.reason,
-                        None if row.detail is None else row.detail.decode()), strict=True):
+                        None if row.detail is None else row.detail.decode(), row.batch), strict=True):
                     column.append(value)
             if new_specs:
                 statements.append((_PUT_SPECS, [(list(new_specs), list(new_specs.values()))]))
@@ -286,20 +286,28 @@ class ClusterState:
         return [NodeRow(n, u, t, a, c, r) for n, u, t, a, c, r in
                 self._run("SELECT name, url, token, alive, capacity, reason FROM dsec_cluster_nodes")]
 
-    def rows(self) -> Iterator[tuple[str, Row]]:
-        """Every sandbox the gateway placed and has not seen destroyed (lost and expired ones included),
-        with each distinct spec and shape read once and shared by its rows."""
-        specs = {digest: spec.encode() for digest, spec in self._run("SELECT digest, spec FROM dsec_cluster_specs")}
+    def rows(self, nodes: Sequence[str] | None = None) -> Iterator[tuple[str, Row]]:
+        """Every sandbox the gateway placed and has not seen destroyed (lost and expired ones included), or
+        those on ``nodes``; each distinct spec and shape is read once and shared by its rows."""
+        where, params = ("WHERE node = ANY(%s)", ([*nodes],)) if nodes is not None else ("", ())
+        specs = {digest: spec.encode() for digest, spec in self._run(
+            f"SELECT digest, spec FROM dsec_cluster_specs WHERE digest IN (SELECT spec FROM dsec_cluster_rows {where})",
+            params)}
         shapes: dict[tuple[Any, ...], Shape] = {}
         with self._lock, self._conn.cursor() as cur:
-            cur.execute(f"SELECT {_ROW_COLUMNS} FROM dsec_cluster_rows")
-            for sid, node, job, state, backend, cpu, memory, image, digest, created, traj, reason, detail in cur:
+            cur.execute(f"SELECT {_ROW_COLUMNS} FROM dsec_cluster_rows {where}", params)
+            for sid, node, job, state, backend, cpu, memory, image, digest, created, traj, reason, detail, batch in cur:
                 key = (backend, cpu, memory, image)
                 shape = shapes.get(key)
                 if shape is None:
                     shape = shapes[key] = Shape(*key)
                 yield sid, Row(node, job, state, shape, specs.get(digest, b"{}"), created, traj, reason,
-                               None if detail is None else detail.encode())
+                               None if detail is None else detail.encode(), batch)
+
+    def locate(self, sandbox_id: str) -> str | None:
+        """The node a sandbox's row names (another replica's sandbox, if it committed), or None."""
+        found = self._run("SELECT node FROM dsec_cluster_rows WHERE id = %s", (sandbox_id,))
+        return str(found[0][0]) if found else None
 
 
 def _migrate_v1(cur: Any) -> None:
@@ -314,11 +322,11 @@ def _migrate_v1(cur: Any) -> None:
         spec = json.dumps(info["spec"], separators=(",", ":")).encode()
         cur.execute(_PUT_SPECS, ([spec_digest(spec)], [spec.decode()]))
         detail = json.dumps(info) if trajectory else None
-        cur.execute(f"INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS}) VALUES ({', '.join(['%s'] * 13)}) "
+        cur.execute(f"INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS}) VALUES ({', '.join(['%s'] * 14)}) "
                     "ON CONFLICT (id) DO NOTHING",
                     (sid, node, job, info["state"], info["backend"], float(info["spec"]["cpu"]),
                      int(info["spec"]["memory"]), info.get("image"), spec_digest(spec), float(info["created_at"]),
-                     trajectory, info.get("reason"), detail))
+                     trajectory, info.get("reason"), detail, None))
     cur.execute("ALTER TABLE dsec_cluster_sandboxes RENAME TO dsec_cluster_sandboxes_v1")
     log.warning("moved %d sandbox row(s) of the first schema to dsec_cluster_rows "
                 "(dsec_cluster_sandboxes_v1 may be dropped)", len(old))

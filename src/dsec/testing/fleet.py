@@ -46,6 +46,7 @@ from dsec.testing.fleet_http import Answer, HttpConnection, Request, Stream, clo
 __all__ = ["Fleet", "FleetProcess", "SimNode", "main", "node_address"]
 
 JOB_LABEL = "dsec.job"
+BATCH_LABEL = "dsec.batch"
 
 _NOT_FOUND = b'{"error":{"type":"SandboxNotFound","message":"no sandbox %s","detail":{"sandbox_id":"%s"}}}'
 _UNAUTHORIZED = b'{"error":{"type":"Unauthorized","message":"missing or wrong token","detail":{}}}'
@@ -74,6 +75,7 @@ class _Sandbox:
     cpu: float
     memory: int
     job: str | None
+    batch: str | None
     created: float
     expires: float
 
@@ -115,6 +117,10 @@ class SimNode:
     """Sandboxes with a job label (made through a gateway), and the XOR of their ids' hashes: what
     ``/v1/health`` reports as ``placed`` and ``digest``."""
     digest: int = 0
+    fences: dict[str, int] = field(default_factory=dict)
+    """Cell -> the newest lease epoch a request named (``X-DSec-Fence``); older creates are refused."""
+    fenced: int = 0
+    """Creates refused for an old fence (a count)."""
     images: dict[str, int] = field(default_factory=dict)
     """Images this node has created sandboxes of (its cache, as ``/v1/health`` reports it)."""
     server: asyncio.Server | None = None
@@ -144,7 +150,7 @@ class SimNode:
             self.digest ^= id_hash(sid)
         self._publish(b"created", sid, sb)
 
-    def _remove(self, sid: str) -> _Sandbox | None:
+    def _remove(self, sid: str, kind: bytes = b"destroyed") -> _Sandbox | None:
         sb = self.sandboxes.pop(sid, None)
         if sb is not None:
             backend = sb.backend.decode()
@@ -154,8 +160,15 @@ class SimNode:
             if sb.job is not None:
                 self.placed -= 1
                 self.digest ^= id_hash(sid)
-            self._publish(b"destroyed", sid, sb)
+            self._publish(kind, sid, sb)
         return sb
+
+    def expire(self, count: int) -> int:
+        """The oldest ``count`` sandboxes pass their timeout: destroyed by the node, an ``expired`` event each."""
+        ids = list(self.sandboxes)[:count]
+        for sid in ids:
+            self._remove(sid, b"expired")
+        return len(ids)
 
     # -- events --------------------------------------------------------------------------------------------
 
@@ -205,6 +218,11 @@ class SimNode:
         if path == "/v1/events":
             return self._events(request)
         method = request.method
+        fence = request.headers.get(b"x-dsec-fence")
+        if fence is not None and not self._fence_ok(fence.decode()):
+            self.fenced += 1
+            return Answer(409, _error("Fenced", f"node {self.name} has seen a newer lease on cell {fence.decode()}: "
+                                                "this gateway replica no longer owns it"), delay)
         try:
             if path == "/v1/sandboxes":
                 if method == "POST":
@@ -226,6 +244,14 @@ class SimNode:
         except (ValueError, KeyError, TypeError) as exc:
             return Answer(400, _error("InvalidRequest", f"the simulated node could not read the body: {exc}"), delay)
         return Answer(404, _error("NotFound", f"the simulated node has no route {method} {path}"), delay)
+
+    def _fence_ok(self, fence: str) -> bool:
+        cell, _, raw = fence.partition(":")
+        epoch = int(raw or 0)
+        if epoch < self.fences.get(cell, 0):
+            return False
+        self.fences[cell] = epoch
+        return True
 
     def _health(self) -> bytes:
         slots = self.capacity.get("slots", {})
@@ -266,7 +292,7 @@ class SimNode:
         now = time.time()
         template = _Sandbox(spec_json, backend.encode(), json.dumps(spec.get("image")).encode(),
                             json.dumps(labels, separators=(",", ":")).encode(), cpu, memory,
-                            labels.get(JOB_LABEL), now, now + float(spec.get("timeout", 3600)))
+                            labels.get(JOB_LABEL), labels.get(BATCH_LABEL), now, now + float(spec.get("timeout", 3600)))
         made = []
         for _ in range(count):
             sid = "sb-" + secrets.token_hex(6)
@@ -340,13 +366,15 @@ class Fleet:
         return {"cpu_user": usage.ru_utime, "cpu_system": usage.ru_stime, "nodes": len(self.nodes),
                 "alive": len(alive), "live": sum(len(n.sandboxes) for n in alive),
                 "over_capacity": sum(n.over_capacity for n in self.nodes.values()),
+                "fenced": sum(n.fenced for n in self.nodes.values()),
                 "requests": sum(n.requests for n in self.nodes.values()),
                 "peak": max((n.peak for n in self.nodes.values()), default=0),
                 "max_rss_kib": usage.ru_maxrss}
 
-    def sandboxes(self) -> dict[str, dict[str, str | None]]:
-        """Every live node's sandboxes: node -> sandbox id -> job label."""
-        return {n.name: {sid: sb.job for sid, sb in n.sandboxes.items()} for n in self.nodes.values() if n.alive}
+    def sandboxes(self) -> dict[str, dict[str, list[str | None]]]:
+        """Every live node's sandboxes: node -> sandbox id -> [job label, batch label]."""
+        return {n.name: {sid: [sb.job, sb.batch] for sid, sb in n.sandboxes.items()}
+                for n in self.nodes.values() if n.alive}
 
     def fault(self, kind: str, node: str | None, value: float) -> dict[str, Any]:
         """Inject one fault (see the module docstring); what it did."""
@@ -364,8 +392,10 @@ class Fleet:
             target.delay = value
         elif kind == "lag":
             target.lag_next = int(value)
+        elif kind == "expire":
+            return {"node": target.name, "expired": target.expire(int(value))}
         else:
-            raise KeyError(f"unknown fault {kind!r}: die, drain, slow, latency or lag")
+            raise KeyError(f"unknown fault {kind!r}: die, drain, slow, latency, lag or expire")
         return {"node": target.name, kind: value}
 
     def _control_handle(self, request: Request, _conn: HttpConnection) -> Answer | Awaitable[Answer]:
@@ -494,13 +524,13 @@ class FleetProcess:
         """CPU and counts (see :meth:`Fleet.statistics`)."""
         return dict(self._get("/fleet/stats"))
 
-    def sandboxes(self) -> dict[str, dict[str, str | None]]:
-        """node -> sandbox id -> job, for every live node."""
+    def sandboxes(self) -> dict[str, dict[str, list[str | None]]]:
+        """node -> sandbox id -> [job, batch], for every live node."""
         return dict(self._get("/fleet/sandboxes"))
 
     def fault(self, kind: str, node: str | None = None, value: float = 1.0) -> dict[str, Any]:
         """Inject a fault: ``die``, ``drain`` (value 0 ends it), ``slow`` (seconds), ``latency`` (seconds,
-        fleet-wide) or ``lag`` (events to drop)."""
+        fleet-wide), ``lag`` (events to drop) or ``expire`` (sandboxes the node times out)."""
         assert self._http is not None, "start the fleet first"
         response = self._http.post("/fleet/fault", json={"kind": kind, "node": node, "value": value})
         response.raise_for_status()

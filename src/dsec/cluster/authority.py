@@ -1,0 +1,183 @@
+"""One gateway replica's placement authority: the nodes it may place on, its fences, allowances and batches.
+
+Owns the replica's side of :mod:`dsec.cluster.cells`: which cells (hence nodes) it holds now, the fence
+header of a create sent to a node, the per-cell allowances of each job's live quota with the sandboxes
+placed but not yet recorded (so two decisions in flight cannot both spend the same allowance), the rate
+tokens drawn from each job's shared bucket, and the open/done/aborted record of each batch. Without
+leases (one gateway over a fixed node list, as in unit tests) it allows every node and keeps quotas in
+the placer alone.
+
+It must never call a node: the gateway does, and tells it what happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Mapping
+
+from dsec.cluster.cells import CellLeases, cell_of
+from dsec.cluster.placement import JobQuota, Placer
+from dsec.cluster.records import Records
+from dsec.errors import BackendUnavailable, QuotaExceeded
+
+__all__ = ["FENCE_HEADER", "Authority"]
+
+log = logging.getLogger(__name__)
+
+FENCE_HEADER = "X-DSec-Fence"
+"""The header of a create that names the cell lease (``cell:epoch``) it was placed under."""
+
+_TOKEN_CHUNK = 0.1
+"""Rate tokens are drawn from a job's shared bucket this many seconds' worth at a time (at least what a
+decision needs), so single creates draw rarely."""
+
+
+class Authority:
+    """What this replica may place, and under which fences and allowances."""
+
+    def __init__(self, leases: CellLeases | None, records: Records, placer: Placer) -> None:
+        self.leases = leases
+        self.records = records
+        self.placer = placer
+        self.allowed: dict[tuple[int, str], int] = {}
+        """(cell, job) -> the allowance this replica holds in that cell."""
+        self.pending: collections.Counter[tuple[int, str]] = collections.Counter()
+        """(cell, job) -> sandboxes placed there and not yet recorded or given back."""
+        if leases is not None:
+            placer.local_rate = False
+
+    @property
+    def cells(self) -> int:
+        return self.leases.cells if self.leases is not None else 1
+
+    def cell(self, node: str) -> int:
+        """The cell of ``node``."""
+        return cell_of(node, self.leases.cells) if self.leases is not None else 0
+
+    def mine(self, node: str) -> bool:
+        """Whether this replica may place on ``node`` now."""
+        if self.leases is None:
+            return True
+        cell = self.cell(node)
+        return self.leases.lease(cell) is not None and cell not in self.leases.draining
+
+    def fence(self, node: str) -> dict[str, str] | None:
+        """The headers of a create or reconcile on ``node`` (None without leases); BackendUnavailable when
+        this replica no longer holds the node's cell."""
+        if self.leases is None:
+            return None
+        lease = self.leases.lease(self.cell(node))
+        if lease is None:
+            raise BackendUnavailable(f"this gateway replica no longer holds the cell of node {node} (its lease "
+                                     "ran out or moved to another replica); nothing was created there", node=node)
+        return {FENCE_HEADER: lease.fence}
+
+    # -- quotas -----------------------------------------------------------------------------------------------
+
+    def _quota(self, job: str) -> JobQuota:
+        return self.placer.job(job).quota
+
+    async def draw_tokens(self, job: str, count: int) -> None:
+        """Before placing ``count`` of ``job``: enough creation-rate tokens in the placer's bucket, drawn
+        from the job's shared bucket when short. QuotaExceeded when the bucket has too few."""
+        quota = self._quota(job)
+        if self.leases is None or quota.max_rate is None:
+            return
+        entry = self.placer.job(job)
+        if count > quota.bucket or entry.tokens >= count:
+            return  # the placer refuses a batch over the burst, with the reason
+        need = count - entry.tokens
+        got = await self.leases.take(job, need, max(need, quota.max_rate * _TOKEN_CHUNK), quota.max_rate,
+                                     quota.bucket)
+        if got <= 0:
+            raise QuotaExceeded(f"job {job!r} may create {quota.max_rate:g} sandboxes per second; asked for {count} "
+                                f"with {int(entry.tokens)} left now", job=job, max_rate=quota.max_rate,
+                                requested=count)
+        entry.tokens += got
+
+    async def admit(self, job: str, counts: Mapping[str, int]) -> dict[int, int]:
+        """Reserve a placement's sandboxes against ``job``'s allowances in their cells, asking the database
+        for more where short; cell -> count reserved (hand it to :meth:`settle` when they are recorded or
+        given back). QuotaExceeded (or BackendUnavailable for a cell no longer held) reserves nothing."""
+        per_cell: collections.Counter[int] = collections.Counter()
+        for node, n in counts.items():
+            per_cell[self.cell(node)] += n
+        quota = self._quota(job)
+        if self.leases is None or quota.max_live is None:
+            return dict(per_cell)
+        reserved: dict[int, int] = {}
+        try:
+            for cell, n in per_cell.items():
+                key = (cell, job)
+                self.pending[key] += n
+                reserved[cell] = n
+                await self._cover(cell, job, quota.max_live)
+        except BaseException:
+            self.settle(job, reserved)
+            raise
+        return reserved
+
+    async def _cover(self, cell: int, job: str, max_live: int) -> None:
+        assert self.leases is not None
+        key = (cell, job)
+        while (short := self.records.live_in(cell, job) + self.pending[key] - self.allowed.get(key, 0)) > 0:
+            headroom = max(16, min(short, 4096))
+            got = await self.leases.grant(cell, job, short, short + headroom, max_live)
+            if got < 0:
+                raise BackendUnavailable(f"this gateway replica no longer holds cell {cell}; nothing was created")
+            if got == 0:
+                raise QuotaExceeded(f"job {job!r} would have more than its quota of {max_live} live sandboxes "
+                                    "across the cluster", job=job, max_live=max_live)
+            self.allowed[key] = self.allowed.get(key, 0) + got
+
+    def settle(self, job: str, reserved: Mapping[int, int]) -> None:
+        """Reserved sandboxes were recorded (they count as live now) or given back."""
+        for cell, n in reserved.items():
+            key = (cell, job)
+            self.pending[key] -= n
+            if self.pending[key] <= 0:
+                del self.pending[key]
+
+    async def load_cell(self, cell: int) -> None:
+        """This replica took ``cell`` over: its allowances come with it."""
+        if self.leases is not None:
+            for job, allowance in (await self.leases.allowances(cell)).items():
+                self.allowed[cell, job] = allowance
+
+    def drop_cell(self, cell: int) -> None:
+        """``cell`` went to another replica: its allowances went with it."""
+        for key in [k for k in self.allowed if k[0] == cell]:
+            del self.allowed[key]
+
+    async def shrink(self) -> None:
+        """Give back the allowances this replica holds beyond what its cells use, keeping some headroom, so
+        a job's quota can flow to the replicas that need it."""
+        if self.leases is None:
+            return
+        for (cell, job), allowed in list(self.allowed.items()):
+            used = self.records.live_in(cell, job) + self.pending.get((cell, job), 0)
+            keep = used + max(16, used // 8)
+            if allowed > 2 * keep and await self.leases.shrink(cell, job, allowed - keep):
+                self.allowed[cell, job] = self.allowed.get((cell, job), 0) - (allowed - keep)
+
+    # -- batches ----------------------------------------------------------------------------------------------
+
+    async def open_batch(self, batch: str, job: str, count: int, nodes: list[str]) -> None:
+        """Record a batch placed on ``nodes`` before its first create."""
+        if self.leases is None:
+            return
+        cells = {}
+        for node in nodes:
+            lease = self.leases.lease(self.cell(node))
+            if lease is None:
+                raise BackendUnavailable(f"this gateway replica no longer holds the cell of node {node}")
+            cells[lease.cell] = lease.epoch
+        await self.leases.open_batch(batch, job, count, cells)
+
+    async def close_batch(self, batch: str, done: bool) -> bool:
+        """Mark the batch done (False when it could not be: another replica took one of its cells and
+        aborted it) or aborted."""
+        if self.leases is None:
+            return True
+        return await self.leases.close_batch(batch, done)
