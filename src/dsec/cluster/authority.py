@@ -12,6 +12,7 @@ It must never call a node: the gateway does, and tells it what happened.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import Mapping
@@ -33,6 +34,12 @@ _TOKEN_CHUNK = 0.1
 decision needs), so single creates draw rarely."""
 
 
+def _headroom(used: int) -> int:
+    """Quota a cell holds beyond what it uses: enough that single creates rarely ask the database, little
+    enough that another replica is not kept waiting for it."""
+    return max(16, used // 16)
+
+
 class Authority:
     """What this replica may place, and under which fences and allowances."""
 
@@ -44,6 +51,12 @@ class Authority:
         """(cell, job) -> the allowance this replica holds in that cell."""
         self.pending: collections.Counter[tuple[int, str]] = collections.Counter()
         """(cell, job) -> sandboxes placed there and not yet recorded or given back."""
+        self._granting: dict[tuple[int, str], asyncio.Lock] = {}
+        self._shrinking = asyncio.Lock()
+        self._settling: set[int] = set()
+        self.aborted: set[str] = set()
+        """Batches other replicas left unfinished, as found when taking cells over: their members are destroyed
+        wherever this replica finds them."""
         if leases is not None:
             placer.local_rate = False
 
@@ -70,7 +83,8 @@ class Authority:
         lease = self.leases.lease(self.cell(node))
         if lease is None:
             raise BackendUnavailable(f"this gateway replica no longer holds the cell of node {node} (its lease "
-                                     "ran out or moved to another replica); nothing was created there", node=node)
+                                     "ran out or moved to another replica); nothing was created there", node=node,
+                                     lease="lost")
         return {FENCE_HEADER: lease.fence}
 
     # -- quotas -----------------------------------------------------------------------------------------------
@@ -121,15 +135,26 @@ class Authority:
     async def _cover(self, cell: int, job: str, max_live: int) -> None:
         assert self.leases is not None
         key = (cell, job)
-        while (short := self.records.live_in(cell, job) + self.pending[key] - self.allowed.get(key, 0)) > 0:
-            headroom = max(16, min(short, 4096))
-            got = await self.leases.grant(cell, job, short, short + headroom, max_live)
-            if got < 0:
-                raise BackendUnavailable(f"this gateway replica no longer holds cell {cell}; nothing was created")
-            if got == 0:
-                raise QuotaExceeded(f"job {job!r} would have more than its quota of {max_live} live sandboxes "
-                                    "across the cluster", job=job, max_live=max_live)
-            self.allowed[key] = self.allowed.get(key, 0) + got
+        retried = False
+        # One request to the database per (cell, job) at a time: decisions in flight together wait for it and
+        # see what it granted, rather than each asking for the whole shortfall.
+        async with self._granting.setdefault(key, asyncio.Lock()):
+            while (short := self._used(cell, job) - self.allowed.get(key, 0)) > 0:
+                got = await self.leases.grant(cell, job, short, short + _headroom(self._used(cell, job)), max_live)
+                if got < 0:
+                    raise BackendUnavailable(f"this gateway replica no longer holds cell {cell}; nothing was created",
+                                             lease="lost", cell=cell)
+                if got == 0 and not retried:
+                    retried = True  # this replica's other cells may hold some of the job's quota unused
+                    await self.shrink()
+                    continue
+                if got == 0:
+                    raise QuotaExceeded(f"job {job!r} would have more than its quota of {max_live} live sandboxes "
+                                        "across the cluster", job=job, max_live=max_live)
+                self.allowed[key] = self.allowed.get(key, 0) + got
+
+    def _used(self, cell: int, job: str) -> int:
+        return self.records.live_in(cell, job) + self.pending.get((cell, job), 0)
 
     def settle(self, job: str, reserved: Mapping[int, int]) -> None:
         """Reserved sandboxes were recorded (they count as live now) or given back."""
@@ -140,26 +165,39 @@ class Authority:
                 del self.pending[key]
 
     async def load_cell(self, cell: int) -> None:
-        """This replica took ``cell`` over: its allowances come with it."""
+        """This replica is taking ``cell`` over: its allowances come with it. None is given back until
+        :meth:`settled` (the cell's nodes are being reconciled: what they hold may count more than its rows)."""
         if self.leases is not None:
+            self._settling.add(cell)
             for job, allowance in (await self.leases.allowances(cell)).items():
                 self.allowed[cell, job] = allowance
+
+    def settled(self, cell: int) -> None:
+        """``cell``'s nodes are reconciled: its records count what it holds."""
+        self._settling.discard(cell)
 
     def drop_cell(self, cell: int) -> None:
         """``cell`` went to another replica: its allowances went with it."""
         for key in [k for k in self.allowed if k[0] == cell]:
             del self.allowed[key]
+        self._settling.discard(cell)
 
     async def shrink(self) -> None:
         """Give back the allowances this replica holds beyond what its cells use, keeping some headroom, so
         a job's quota can flow to the replicas that need it."""
-        if self.leases is None:
+        if self.leases is None or self._shrinking.locked():
             return
-        for (cell, job), allowed in list(self.allowed.items()):
-            used = self.records.live_in(cell, job) + self.pending.get((cell, job), 0)
-            keep = used + max(16, used // 8)
-            if allowed > 2 * keep and await self.leases.shrink(cell, job, allowed - keep):
-                self.allowed[cell, job] = self.allowed.get((cell, job), 0) - (allowed - keep)
+        async with self._shrinking:
+            for (cell, job), allowed in list(self.allowed.items()):
+                if cell in self._settling:
+                    continue
+                spare = allowed - self._used(cell, job) - _headroom(self._used(cell, job))
+                if spare <= 16:
+                    continue
+                # Taken out here first: a decision made while the database is asked sees the smaller allowance.
+                self.allowed[cell, job] = self.allowed.get((cell, job), 0) - spare
+                if not await self.leases.shrink(cell, job, spare):
+                    self.allowed[cell, job] = self.allowed.get((cell, job), 0) + spare
 
     # -- batches ----------------------------------------------------------------------------------------------
 

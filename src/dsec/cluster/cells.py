@@ -131,37 +131,40 @@ class CellLeases:
         """Live replica instance -> URL, as last read (this one included)."""
         self.draining: set[int] = set()
         """Cells this replica is handing back (no new placements; released once their creates finished)."""
-        self._conn: Any = None
-        self._lock = asyncio.Lock()
+        # Two connections: renewals never wait behind a burst of grants and batch records.
+        self._conns: dict[str, Any] = {}
+        self._locks = {"beat": asyncio.Lock(), "work": asyncio.Lock()}
 
-    async def _db(self) -> Any:
-        if self._conn is None or self._conn.closed:
+    async def _db(self, which: str = "work") -> Any:
+        conn = self._conns.get(which)
+        if conn is None or conn.closed:
             import psycopg
 
             try:
-                self._conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, connect_timeout=5)
+                conn = self._conns[which] = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True,
+                                                                                  connect_timeout=5)
             except psycopg.OperationalError as exc:
                 raise BackendUnavailable(f"the gateway's PostgreSQL does not answer: {exc}") from exc
-        return self._conn
+        return conn
 
-    async def _run(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    async def _run(self, sql: str, params: tuple[Any, ...] = (), which: str = "work") -> list[tuple[Any, ...]]:
         import psycopg
 
-        async with self._lock:
-            conn = await self._db()
+        async with self._locks[which]:
+            conn = await self._db(which)
             try:
                 cur = await conn.execute(sql, params)
                 return list(await cur.fetchall()) if cur.description else []
             except psycopg.OperationalError as exc:
                 await conn.close()
-                self._conn = None
+                self._conns.pop(which, None)
                 raise BackendUnavailable(f"the gateway's PostgreSQL does not answer: {exc}") from exc
 
     async def setup(self) -> None:
         """Create the tables and every cell's row (idempotent, serialised between replicas)."""
         import psycopg
 
-        async with self._lock:
+        async with self._locks["work"]:
             conn = await self._db()
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock(7312)")
@@ -197,12 +200,12 @@ class CellLeases:
                              ON CONFLICT (instance) DO UPDATE SET heartbeat = dsec_now(), url = EXCLUDED.url)
                UPDATE dsec_cluster_cells SET expires = dsec_now() + %s
                WHERE owner = %s AND cell = ANY(%s) RETURNING cell, epoch""",
-            (self.instance, self.name, self.url, self.ttl, self.instance, list(self.leases)))
+            (self.instance, self.name, self.url, self.ttl, self.instance, list(self.leases)), "beat")
         kept = {int(cell): Lease(int(cell), int(epoch), sent + self.ttl - self.margin) for cell, epoch in rows}
         lost = set(self.leases) - set(kept)
         self.draining &= set(kept)
         peers = await self._run("SELECT instance, url FROM dsec_cluster_replicas WHERE heartbeat > dsec_now() - %s",
-                                (self.ttl,))
+                                (self.ttl,), "beat")
         self.peers = {str(i): str(u) for i, u in peers}
         share = math.ceil(self.cells / max(1, len(self.peers)))
         gained: set[int] = set()
@@ -212,7 +215,7 @@ class CellLeases:
                 """UPDATE dsec_cluster_cells SET owner = %s, epoch = epoch + 1, expires = dsec_now() + %s
                    WHERE cell IN (SELECT cell FROM dsec_cluster_cells WHERE owner IS NULL OR expires < dsec_now()
                                   ORDER BY cell LIMIT %s FOR UPDATE SKIP LOCKED)
-                   RETURNING cell, epoch""", (self.instance, self.ttl, share - len(kept)))
+                   RETURNING cell, epoch""", (self.instance, self.ttl, share - len(kept)), "beat")
             for cell, epoch in rows:
                 kept[int(cell)] = Lease(int(cell), int(epoch), sent + self.ttl - self.margin)
                 gained.add(int(cell))
@@ -221,7 +224,8 @@ class CellLeases:
             log.info("%d replica(s) share %d cells: handing cell %d back (this replica holds %d)", len(self.peers),
                      self.cells, max(kept), len(kept))
         self.leases = kept
-        owners = await self._run("SELECT cell, owner, epoch FROM dsec_cluster_cells WHERE expires > dsec_now()")
+        owners = await self._run("SELECT cell, owner, epoch FROM dsec_cluster_cells WHERE expires > dsec_now()",
+                                 which="beat")
         self.owners = {int(c): (str(o), int(e)) for c, o, e in owners if o is not None}
         return gained, lost
 
@@ -316,5 +320,5 @@ class CellLeases:
         return str(rows[0][0]) if rows else None
 
     async def aclose(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
+        for conn in self._conns.values():
+            await conn.close()

@@ -135,6 +135,8 @@ def _took_none(exc: BaseException) -> bool:
     node: not these."""
     if not isinstance(exc, BackendUnavailable):
         return False
+    if exc.detail.get("lease") == "lost":  # this replica found its lease gone before sending anything
+        return True
     cause = exc.__cause__
     if isinstance(cause, DaemonStopping):
         return cause.detail.get("kept") == 0
@@ -235,6 +237,7 @@ class GatewayEngine:
             await self.keeper.leases.setup()
             await self.keeper.tick()  # takes this replica's share of the cells over, rows and nodes included
             self._lease_loop = asyncio.create_task(self.keeper.forever())  # renewing while the rest starts
+            await self.keeper.settle()
         else:
             for node in self.node_rows.values():
                 self.know(node)
@@ -502,6 +505,9 @@ class GatewayEngine:
             for sid, row in adopted:
                 self.records.put(sid, row)
             await self.state.writer.put_rows(adopted)
+            doomed = [sid for sid, row in adopted if row.batch is not None and row.batch in self.authority.aborted]
+            if doomed:  # members of a batch another replica left unfinished
+                await self.destroy_rows(doomed)
         gone = [sid for sid in self.records.on_node(node)
                 if self.records.rows[sid].state in LIVE and sid not in held]
         asking = asyncio.Semaphore(32)
@@ -702,17 +708,34 @@ class GatewayEngine:
         return created
 
     async def _place(self, spec: SandboxSpec, count: int, job: str, deadline: float) -> dict[str, int]:
-        """A placement within the job's quota (rate tokens drawn, allowances reserved): node -> count."""
+        """A placement within the job's quota (rate tokens drawn, allowances reserved): node -> count. One that
+        lands in a cell whose lease this replica just lost is made again without that cell."""
         await self.authority.draw_tokens(job, count)
+        for attempt in range(3):
+            try:
+                return await self._place_once(spec, count, job, deadline)
+            except BackendUnavailable as exc:
+                if exc.detail.get("lease") != "lost" or attempt == 2 or self.keeper is None:
+                    raise
+                for node in self.keeper.nodes_in(int(exc.detail["cell"])):
+                    self.placer.mark_dead(node)  # the lease loop settles the cell at its next round
+                self.placer.refund(job, count)
+        raise AssertionError("unreachable")
+
+    async def _place_once(self, spec: SandboxSpec, count: int, job: str, deadline: float) -> dict[str, int]:
         placement = await self.placer.place(spec, count, job, max(0.0, deadline - time.monotonic()))
+        for node, n in placement.counts.items():  # from here on, its cells are not handed back under it
+            self._creating[self.authority.cell(node)] += n
         try:
             await self.authority.admit(job, placement.counts)  # settled share by share (_share_done)
         except BaseException:
             for node, n in placement.counts.items():
                 self.placer.release(job, node, spec, n)
+                cell = self.authority.cell(node)
+                self._creating[cell] -= n
+                if self._creating[cell] <= 0:
+                    del self._creating[cell]
             raise
-        for node, n in placement.counts.items():
-            self._creating[self.authority.cell(node)] += n
         return placement.counts
 
     def _give_back(self, job: str, spec: SandboxSpec, counts: dict[str, int]) -> None:
@@ -744,7 +767,10 @@ class GatewayEngine:
                     infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch,
                                                                            headers))
             except BaseException as exc:
-                if _took_none(exc):  # held before its room is given back: that room must not draw waiters
+                if isinstance(exc, BackendUnavailable) and exc.detail.get("lease") == "lost":
+                    for other in self.keeper.nodes_in(self.authority.cell(node)) if self.keeper else ():
+                        self.placer.mark_dead(other)  # the lease loop drops the cell at its next round
+                elif _took_none(exc):  # held before its room is given back: that room must not draw waiters
                     self._hold(node, str(exc))
                 self.placer.release(job, node, spec, n)
                 self._share_done(job, node, n)

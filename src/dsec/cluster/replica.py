@@ -81,32 +81,49 @@ class CellKeeper:
         self.takeovers = 0
         """Cells taken over (a counter)."""
         self._ticks = 0
+        self._taking: dict[int, asyncio.Task[None]] = {}
+        self._chores: asyncio.Task[None] | None = None
 
     def nodes_in(self, cell: int) -> list[str]:
         """The known nodes of ``cell``."""
         return [n for n in self.host.node_rows if self.host.authority.cell(n) == cell]
 
     async def tick(self) -> None:
-        """One round: renew, take over what was gained, drop what was lost, hand back drained cells, give
-        back unused allowances."""
+        """One round: renew (never held up by anything else), start taking over what was gained, drop what
+        was lost, hand back drained cells, give back unused allowances."""
         gained, lost = await self.leases.tick()
         for cell in sorted(lost):
             log.warning("cell %d: this replica's lease ran out or moved; its nodes leave placement here", cell)
+            task = self._taking.pop(cell, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             await self._drop(cell)
         for cell in sorted(gained):
-            await self.take_over(cell)
+            self._taking[cell] = asyncio.create_task(self.take_over(cell), name=f"dsec-cell-{cell}")
         for cell in list(self.leases.draining):
             for node in self.nodes_in(cell):
                 self.host.placer.mark_dead(node)  # nothing new is placed in a cell being handed back
-            if not self.host.creating_in(cell):
+            if not self.host.creating_in(cell) and cell not in self._taking:
                 await self._drop(cell)
                 await self.leases.release(cell)
                 log.info("cell %d handed back to share the cells with a new replica", cell)
         self._ticks += 1
-        if self._ticks % 4 == 0:
+        if self._chores is None or self._chores.done():  # beside the renewals, never in their way
+            self._chores = asyncio.create_task(self._tidy())
+
+    async def _tidy(self) -> None:
+        try:
             await self.host.authority.shrink()
-        if self._ticks % 600 == 0:
-            await self.leases.forget_batches()
+            if self._ticks % 600 == 1:
+                await self.leases.forget_batches()
+        except Exception:
+            log.exception("giving back unused quota failed")
+
+    async def settle(self) -> None:
+        """Until the takeovers under way are done."""
+        while self._taking:
+            await asyncio.gather(*self._taking.values(), return_exceptions=True)
 
     async def forever(self) -> None:
         """Tick every quarter of the lease's life until cancelled."""
@@ -128,10 +145,12 @@ class CellKeeper:
         loaded = adopt_rows(host, rows)
         await host.authority.load_cell(cell)
         aborted = await self.leases.abort_foreign(cell)
+        host.authority.aborted |= aborted  # members a later reconcile adopts are destroyed too
         await asyncio.gather(*(host.rejoin(host.node_rows[n]) if host.node_rows[n].alive
                                else host.lose_dead(host.node_rows[n]) for n in nodes))
         doomed = [sid for n in nodes for sid in host.records.on_node(n)
                   if host.records.rows[sid].batch in aborted and host.records.rows[sid].state in LIVE]
+        host.authority.settled(cell)
         if doomed:
             log.warning("cell %d: destroying %d member(s) of %d batch(es) another replica left unfinished", cell,
                         len(doomed), len(aborted))
@@ -139,6 +158,7 @@ class CellKeeper:
         self.takeovers += 1
         gc.collect()
         gc.freeze()
+        self._taking.pop(cell, None)
         log.info("cell %d taken over: %d node(s), %d row(s) read back, in %.2f s", cell, len(nodes), loaded,
                  time.monotonic() - started)
 

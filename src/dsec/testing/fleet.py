@@ -180,18 +180,21 @@ class SimNode:
         if self.lag_next > 0:
             if not self.lag_dropped:
                 self.lag_from = self.seq
+                # As a node's event bus does: the notice follows the burst, once the subscriber catches up.
+                asyncio.get_running_loop().call_soon(self._lagged)
             self.lag_next -= 1
             self.lag_dropped += 1
-            if self.lag_next == 0:
-                lagged = json.dumps({"seq": self.lag_from, "at": time.time(), "kind": "lagged", "node": self.name,
-                                     "reason": "this subscriber read too slowly",
-                                     "detail": {"dropped": self.lag_dropped}}).encode() + b"\n"
-                self.lag_dropped = 0
-                for sub in self.subscribers:
-                    sub.queue.put_nowait(lagged)
             return
         for sub in self.subscribers:
             sub.queue.put_nowait(line)
+
+    def _lagged(self) -> None:
+        lagged = json.dumps({"seq": self.lag_from, "at": time.time(), "kind": "lagged", "node": self.name,
+                             "reason": "this subscriber read too slowly",
+                             "detail": {"dropped": self.lag_dropped}}).encode() + b"\n"
+        self.lag_dropped = self.lag_next = 0
+        for sub in self.subscribers:
+            sub.queue.put_nowait(lagged)
 
     def _events(self, request: Request) -> Stream:
         since = int(request.query.get("since", "0") or 0)
@@ -502,6 +505,8 @@ class FleetProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def __enter__(self) -> FleetProcess:
         self.start()

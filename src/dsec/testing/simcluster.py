@@ -152,7 +152,7 @@ def sim_cluster(dsn: str, nodes: int, jobs: dict[str, dict[str, Any]], *, replic
                     "--db", dsn, "--jobs", str(base / "jobs.json"), "--nodes-from",
                     fleet.control + "/fleet/membership", "--admission-wait", str(admission_wait),
                     "--name", f"r{i}", "--cells", str(cells), "--lease-ttl", str(lease_ttl),
-                    "--log-level", "INFO"]
+                    "--log-level", os.environ.get("DSEC_SIM_LOG_LEVEL", "INFO")]
             replica = Replica(f"r{i}", port, argv, base / f"r{i}.log")
             replica.start()
             cluster.replicas.append(replica)
