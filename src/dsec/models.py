@@ -275,8 +275,8 @@ class SandboxSpec(Model):
 class BatchCreateRequest(Model):
     """Create ``count`` sandboxes from one spec."""
 
-    count: int = Field(ge=1, le=10_000)
-    """How many sandboxes."""
+    count: int = Field(ge=1, le=100_000)
+    """How many sandboxes (one RL job's batch: a cluster gateway places them in one decision)."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
 
