@@ -204,3 +204,15 @@ def test_the_burst_lets_a_job_create_its_quota_in_one_batch() -> None:
     with pytest.raises(QuotaExceeded, match="burst is 50"):
         p.try_place(SPEC, 51, "small")
     assert p.try_place(SPEC, 50, "small") is not None
+
+
+def test_the_load_index_stays_small_under_churn() -> None:
+    p = placer(nodes=10, slots=1000)
+    p.add_image("n3", "img")
+    for _ in range(2000):  # membership polls that change nothing, and sandboxes coming and going
+        p.set_node("n0", Capacity(cpu=100.0, memory=100 * 1024**3, slots={"function": 1000, "container": 1000}))
+        placed = p.try_place(SPEC, 1, "j")
+        assert placed is not None
+        p.release("j", placed.nodes()[0], SPEC)
+    heaps = p._index._heaps
+    assert all(len(heap) <= 2 * 10 + 65 for heap in heaps.values()), {k: len(h) for k, h in heaps.items()}

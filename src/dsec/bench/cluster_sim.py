@@ -183,7 +183,7 @@ class _Env:
     def load(self, kind: str, **kw: Any) -> dict[str, Any]:
         """Run a :mod:`dsec.bench.sim_load` client process on the other cores; its JSON answer."""
         argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, "--url", self.url, "--token",
-                kw.pop("token", self.token), "--spec", json.dumps(SPEC), "--cpus", self.others]
+                kw.pop("token", self.token), "--spec", kw.pop("spec", json.dumps(SPEC)), "--cpus", self.others]
         for key, value in kw.items():
             argv += [f"--{key}", str(value)]
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -275,13 +275,14 @@ def _fill(env: _Env) -> dict[str, Any]:
 
 
 def _death(env: _Env) -> dict[str, Any]:
-    """A node joins with room for far more than the others, takes one batch, and dies."""
-    cap = dict(_NODE_CAPACITY, slots={"function": 400_000})
+    """A node joins with a thousand times the others' room, takes one batch of an image no node caches (so
+    only its load counts: it is the emptiest by far), and dies."""
+    cap = {"cpu": 4096.0 * 1000, "memory": 2**54, "slots": {"function": 4_000_000}}
     name = env.fleet.add(1, cap)[0]
     deadline = time.monotonic() + 120
     while env.metric("dsec_cluster_nodes_alive") < env.alive_nodes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    got = env.load("batch", count=env.cfg.dead_node)
+    got = env.load("batch", count=env.cfg.dead_node, spec=json.dumps(dict(SPEC, image="death-probe")))
     on_it = len(env.fleet.sandboxes().get(name, {}))
     live0 = env.metric("dsec_cluster_sandboxes_live")
     start = time.perf_counter()

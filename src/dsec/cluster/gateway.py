@@ -226,6 +226,7 @@ class GatewayEngine:
         self._poller: asyncio.Task[None] | None = None
         self._image_poller: asyncio.Task[None] | None = None
         self._lease_loop: asyncio.Task[None] | None = None
+        self._last_report: builtins.list[NodeFacts] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -349,7 +350,9 @@ class GatewayEngine:
 
     async def _refresh_images_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.image_interval)
+            # Each round asks every node this replica places on; at most ~100 asks a second on big fleets (the
+            # cache a create lands on is noted at once; only evictions wait for a round).
+            await asyncio.sleep(max(self.image_interval, len(self._reconciled) / 100))
             try:
                 await self.refresh_images()
             except Exception:
@@ -376,6 +379,9 @@ class GatewayEngine:
         """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost; an
         unready node is used again once its daemon says it serves (its records reconciled first)."""
         back, report = await asyncio.gather(self._serving_again(), self.source())
+        if report is self._last_report and not back and not self._unsettled():
+            return  # the same report as last time (the source said nothing changed), and nothing to redo
+        self._last_report = report
         for facts in report:
             known = self.node_rows.get(facts.name)
             if facts.alive and facts.url and facts.token:
@@ -415,6 +421,11 @@ class GatewayEngine:
                     await self._node_died(known, facts.reason or "Ray reports the node dead")
                 else:
                     known.alive, known.reason = False, facts.reason
+
+    def _unsettled(self) -> bool:
+        """Whether some node this replica should place on is not placed on yet (reconcile to retry)."""
+        return any(self.authority.mine(name) and row.alive and name not in self._reconciled
+                   for name, row in self.node_rows.items())
 
     async def _serving_again(self) -> set[str]:
         """The unready nodes whose ``/v1/health`` answers that their daemon serves (not stopping)."""

@@ -193,6 +193,8 @@ class Placer:
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = NodeSlot(name, capacity, alive=False)
+        elif node.alive == usable and node.capacity == capacity and (images is None or set(images) == node.images):
+            return node  # a membership poll that changes nothing costs nothing
         grew = usable and (not node.alive or capacity.cpu > node.capacity.cpu
                            or capacity.memory > node.capacity.memory
                            or any(n > node.capacity.slots.get(b, 0) for b, n in capacity.slots.items()))

@@ -33,34 +33,35 @@ class LoadIndex:
 
     def __init__(self) -> None:
         self._heaps: dict[str, list[tuple[float, str, int]]] = {}
-        self._members: dict[str, set[str]] = {}
+        self._members: dict[str, dict[str, tuple[float, str, int]]] = {}
+        """Key -> member -> the entry last pushed for it (a lower bound of its load: it only rose since)."""
 
     def add(self, key: str, load: float, name: str, version: int) -> None:
         """``name`` belongs under ``key`` with this load now (a new member, or its load fell)."""
         heap = self._heaps.setdefault(key, [])
-        members = self._members.setdefault(key, set())
-        members.add(name)
-        heapq.heappush(heap, (load, name, version))
-        if len(heap) > 4 * len(members) + 64:
-            self._heaps[key] = [e for e in heap if e[1] in members]
-            heapq.heapify(self._heaps[key])
+        members = self._members.setdefault(key, {})
+        entry = members[name] = (load, name, version)
+        heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(members) + 64:  # stale entries piled up: one entry a member again
+            heap[:] = members.values()
+            heapq.heapify(heap)
 
     def discard(self, key: str, name: str) -> None:
         """``name`` no longer belongs under ``key`` (its entries are dropped when they surface)."""
         members = self._members.get(key)
         if members is not None:
-            members.discard(name)
+            members.pop(name, None)
 
     def members(self, key: str) -> set[str]:
         """The names under ``key``."""
-        return self._members.get(key, set())
+        return set(self._members.get(key, {}))
 
     def best(self, key: str, current: Callable[[str], tuple[float, int] | None],
              acceptable: Callable[[str], bool]) -> str | None:
         """The member of lowest (load, name) that ``acceptable`` takes. ``current(name)`` gives a member's
         (load, version) now, or None once it should leave the index."""
         heap = self._heaps.get(key)
-        members = self._members.get(key, set())
+        members = self._members.get(key, {})
         if not heap:
             return None
         passed: list[tuple[float, str, int]] = []
@@ -70,12 +71,13 @@ class LoadIndex:
             now = current(name) if name in members else None
             if now is None:
                 heapq.heappop(heap)
-                members.discard(name)
+                members.pop(name, None)
                 continue
             if version != now[1]:
                 heapq.heappop(heap)
                 if load < now[0]:  # its load rose since: re-enter at the right place
-                    heapq.heappush(heap, (now[0], name, now[1]))
+                    entry = members[name] = (now[0], name, now[1])
+                    heapq.heappush(heap, entry)
                 continue  # else a fresher entry (pushed when its load fell) is already in the heap
             if acceptable(name):
                 found = name

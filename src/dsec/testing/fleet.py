@@ -332,6 +332,8 @@ class Fleet:
         self._next = first
         self._want = nodes
         self.control_url = ""
+        self.version = 0
+        """Bumped whenever membership changes (its ETag)."""
         self._control: asyncio.Server | None = None
 
     async def start(self, control_host: str = "127.0.0.1") -> None:
@@ -354,6 +356,7 @@ class Fleet:
             node.port = int(node.server.sockets[0].getsockname()[1])
             self.nodes[node.name] = node
             names.append(node.name)
+        self.version += 1
         return names
 
     def membership(self) -> list[dict[str, Any]]:
@@ -388,6 +391,7 @@ class Fleet:
         if target is None:
             raise KeyError(f"no simulated node {node!r}")
         if kind == "die":
+            self.version += 1
             return {"lost": target.die(f"node {target.name} was killed by the fleet simulator")}
         if kind == "drain":
             target.draining = bool(value)
@@ -402,6 +406,11 @@ class Fleet:
         return {"node": target.name, kind: value}
 
     def _control_handle(self, request: Request, _conn: HttpConnection) -> Answer | Awaitable[Answer]:
+        if request.path == "/fleet/membership":
+            version = f"{self.version}"
+            if request.headers.get(b"if-none-match") == f'"{version}"'.encode():
+                return Answer(304)
+            return Answer(200, json.dumps(self.membership()).encode(), etag=version)
         if request.path == "/fleet/add" and request.method == "POST":
             raw = json.loads(request.body or b"{}")
             return self._add_answer(int(raw.get("count", 1)), raw.get("capacity"))

@@ -19,7 +19,7 @@ import httptools
 
 __all__ = ["Answer", "HttpConnection", "Request", "Stream", "close_all", "serve_http"]
 
-_REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
+_REASONS = {200: "OK", 201: "Created", 204: "No Content", 304: "Not Modified", 400: "Bad Request", 401: "Unauthorized",
             404: "Not Found", 408: "Request Timeout", 409: "Conflict", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -43,6 +43,8 @@ class Answer:
     body: bytes | None = None
     delay: float = 0.0
     """Seconds to wait before writing it (the simulated node is slow)."""
+    etag: str | None = None
+    """An ``ETag`` header (the membership document's version)."""
 
 
 @dataclass
@@ -116,17 +118,19 @@ class HttpConnection(asyncio.Protocol):
         elif answer.delay > 0:
             asyncio.get_running_loop().call_later(answer.delay, self._write, answer.status, answer.body, keep)
         else:
-            self._write(answer.status, answer.body, keep)
+            self._write(answer.status, answer.body, keep, answer.etag)
 
     # -- answers --
     async def _later(self, pending: Awaitable[Answer], keep: bool) -> None:
         answer = await pending
         self._write(answer.status, answer.body, keep)
 
-    def _write(self, status: int, body: bytes | None, keep: bool) -> None:
+    def _write(self, status: int, body: bytes | None, keep: bool, etag: str | None = None) -> None:
         if self.transport is None or self.transport.is_closing():
             return
         head = f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n"
+        if etag is not None:
+            head += f'ETag: "{etag}"\r\n'
         if body is None:
             head += "Content-Length: 0\r\n"
             body = b""
