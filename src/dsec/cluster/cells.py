@@ -117,7 +117,7 @@ class Lease:
 class CellLeases:
     """This replica's leases, heartbeat, allowances, token draws and batch records (see the module docstring)."""
 
-    def __init__(self, dsn: str, *, name: str, instance: str, url: str, cells: int, ttl: float = 4.0) -> None:
+    def __init__(self, dsn: str, *, name: str, instance: str, url: str, cells: int, ttl: float = 8.0) -> None:
         if cells < 1:
             raise ValueError(f"cells must be at least 1, got {cells}")
         self.dsn, self.name, self.instance, self.url = dsn, name, instance, url

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the URL other replicas reach this one at (default http://LISTEN)")
     p.add_argument("--cells", type=int, default=8,
                    help="cells the nodes are split into, shared out between the replicas (the same on every replica)")
-    p.add_argument("--lease-ttl", type=float, default=4.0,
+    p.add_argument("--lease-ttl", type=float, default=8.0,
                    help="seconds a replica's lease on a cell lasts unless renewed (a dead replica's cells are "
                         "taken over after about this long)")
     p.add_argument("--sync-commit", action="store_true",
