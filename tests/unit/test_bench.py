@@ -222,7 +222,7 @@ def test_images_rows_apply_the_issue_targets() -> None:
 
 
 def test_selection_and_skip() -> None:
-    assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster", "e2b"]) == (
+    assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster", "e2b", "cluster-sim"]) == (
         "startup", "container", "function", "pools", "trajectory")
     assert bench._selected(["pools"], []) == ("pools",)
     with pytest.raises(BenchUnavailable, match="'nope'"):
@@ -372,7 +372,10 @@ def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert all(PoolBench().wants(p) for p in PHASES)
     [option] = [o for o in cli.bench.params if o.name == "phases"]
-    assert tuple(option.type.choices) == PHASES  # type: ignore[attr-defined]  # the CLI lists every phase
+    from dsec.bench.cluster_sim import PHASES as SIM_PHASES
+
+    # the CLI lists every phase of both suites that have phases
+    assert tuple(option.type.choices) == PHASES + SIM_PHASES  # type: ignore[attr-defined]
     only = PoolBench(phases=("burst",))
     assert only.wants("burst") and not only.wants("create") and not only.wants("podman")
     seen: list[object] = []
