@@ -34,10 +34,11 @@ _TOKEN_CHUNK = 0.1
 decision needs), so single creates draw rarely."""
 
 
-def _headroom(used: int) -> int:
+def _headroom(used: int, max_live: int) -> int:
     """Quota a cell holds beyond what it uses: enough that single creates rarely ask the database, little
-    enough that another replica is not kept waiting for it."""
-    return max(16, used // 16)
+    enough that another replica is not kept waiting for it. Capped at an eighth of the job's quota: a
+    small quota held as one cell's headroom would leave nothing for the job's other cells."""
+    return min(max(16, used // 16), max_live // 8)
 
 
 class Authority:
@@ -140,13 +141,14 @@ class Authority:
         # see what it granted, rather than each asking for the whole shortfall.
         async with self._granting.setdefault(key, asyncio.Lock()):
             while (short := self._used(cell, job) - self.allowed.get(key, 0)) > 0:
-                got = await self.leases.grant(cell, job, short, short + _headroom(self._used(cell, job)), max_live)
+                want = short + _headroom(self._used(cell, job), max_live)
+                got = await self.leases.grant(cell, job, short, want, max_live)
                 if got < 0:
                     raise BackendUnavailable(f"this gateway replica no longer holds cell {cell}; nothing was created",
                                              lease="lost", cell=cell)
                 if got == 0 and not retried:
                     retried = True  # this replica's other cells may hold some of the job's quota unused
-                    await self.shrink()
+                    await self.shrink(job)
                     continue
                 if got == 0:
                     raise QuotaExceeded(f"job {job!r} would have more than its quota of {max_live} live sandboxes "
@@ -182,18 +184,22 @@ class Authority:
             del self.allowed[key]
         self._settling.discard(cell)
 
-    async def shrink(self) -> None:
+    async def shrink(self, short: str | None = None) -> None:
         """Give back the allowances this replica holds beyond what its cells use, keeping some headroom, so
-        a job's quota can flow to the replicas that need it."""
-        if self.leases is None or self._shrinking.locked():
+        a job's quota can flow to the replicas that need it. ``short``: a job one of this replica's cells
+        could not be granted more of; all of its unused allowance in the other cells is given back (waiting
+        for a round in progress, which may not have)."""
+        if self.leases is None or (short is None and self._shrinking.locked()):
             return
         async with self._shrinking:
             for (cell, job), allowed in list(self.allowed.items()):
                 if cell in self._settling:
                     continue
-                spare = allowed - self._used(cell, job) - _headroom(self._used(cell, job))
-                if spare <= 16:
-                    continue
+                used = self._used(cell, job)
+                head = 0 if job == short else _headroom(used, self._quota(job).max_live or 0)
+                spare = allowed - used - head
+                if spare <= 0 or (job != short and spare < min(16, max(head, 1))):
+                    continue  # a little spare is not worth a round trip, unless it is what a cell is short of
                 # Taken out here first: a decision made while the database is asked sees the smaller allowance.
                 self.allowed[cell, job] = self.allowed.get((cell, job), 0) - spare
                 if not await self.leases.shrink(cell, job, spare):

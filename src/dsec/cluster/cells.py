@@ -8,7 +8,8 @@ Owns the replicas' shared bookkeeping in PostgreSQL and nothing else:
   margin after the renewal was *sent*, by its own monotonic clock, so it stops before the server would
   let another replica take the cell. Live replicas (``dsec_cluster_replicas``, heartbeats) share the cells
   evenly: one short of its share takes a free or expired cell (its epoch goes up by one), one over its
-  share hands a cell back.
+  share hands a cell back. A replica started again under the same name frees its previous instance's
+  cells at once (that instance is gone: the name is its listen address unless set otherwise).
 - **Fencing.** A cell's epoch is its fencing token: every create a replica sends carries
   ``X-DSec-Fence: <cell>:<epoch>``, and a node refuses one older than the newest it has seen for that cell;
   a replica that took a cell over presents the new epoch before it trusts its count of the node.
@@ -174,6 +175,14 @@ class CellLeases:
                                    "ON CONFLICT (cell) DO NOTHING", (self.cells,))
                 cur = await conn.execute("SELECT count(*) FROM dsec_cluster_cells")
                 row = await cur.fetchone()
+                # An earlier instance of this replica (same name) is gone: its listen address is ours now.
+                # Its cells are freed at once rather than after its leases run out, during which this
+                # instance would hold no cell and answer for none of the sandboxes it served before.
+                await conn.execute(
+                    """WITH old AS (DELETE FROM dsec_cluster_replicas WHERE name = %s AND instance <> %s
+                                    RETURNING instance)
+                       UPDATE dsec_cluster_cells SET owner = NULL, expires = 0
+                       WHERE owner IN (SELECT instance FROM old)""", (self.name, self.instance))
             if row is not None and int(row[0]) != self.cells:
                 raise psycopg.errors.DataException(
                     f"the database has {row[0]} cells and this gateway was started with --cells {self.cells}: every "

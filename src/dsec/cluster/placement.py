@@ -337,9 +337,10 @@ class Placer:
         if quota.max_rate is not None:
             if count > quota.bucket:
                 raise QuotaExceeded(
-                    f"job {job!r} asked for {count} sandboxes at once; its burst is {quota.bucket:g} (creations "
-                    f"the rate bucket holds): split the batch or raise 'burst' in the jobs file",
-                    job=job, burst=quota.bucket, requested=count)
+                    f"job {job!r} may create {quota.max_rate:g} sandboxes per second and asked for {count} at "
+                    f"once; its burst is {quota.bucket:g} (creations the rate bucket holds): split the batch or "
+                    f"raise 'burst' in the jobs file", job=job, max_rate=quota.max_rate, burst=quota.bucket,
+                    requested=count)
             if self.local_rate:
                 entry.refill(time.monotonic())
             if count > entry.tokens:

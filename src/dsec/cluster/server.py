@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         "/fleet/membership, or an inventory service) instead of running node daemons on Ray")
     p.add_argument("--node-config", type=Path, default=None, help="JSON of NodeConfig fields for node daemons")
     p.add_argument("--admission-wait", type=float, default=60.0, help="seconds a create may wait for room")
-    p.add_argument("--name", default=None, help="this replica's name (default HOSTNAME:PORT)")
+    p.add_argument("--name", default=None,
+                   help="this replica's name (default HOSTNAME:PORT), unique among live replicas: one starting "
+                        "under a name takes the cells of the name's previous instance at once")
     p.add_argument("--advertise", default=None, metavar="URL",
                    help="the URL other replicas reach this one at (default http://LISTEN)")
     p.add_argument("--cells", type=int, default=8,
