@@ -226,6 +226,12 @@ class Connections:
                     raise _error(response.status_code, response.content)
                 yield response
 
+    def statistics(self) -> dict[str, int]:
+        """What is open: event loops with connections, origins with a pool, streaming clients."""
+        entries = list(self._loops.values())
+        return {"loops": len(entries), "origins": sum(len(e.pools) for e in entries),
+                "stream_clients": sum(len(e.streams) for e in entries)}
+
     def forget(self, origin: Origin) -> None:
         """Close this loop's idle connections to ``origin`` (a node that left or moved)."""
         pool = self._here().pools.pop(origin.key, None)
