@@ -48,6 +48,8 @@ RunOn = Callable[[asyncio.AbstractEventLoop, Coroutine[Any, Any, None]], bool]
 _UNIX_HOST = "dsec"
 _HINT = "is the daemon running? start it with `dsec up`"
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_JOINED = 64 * 1024
+"""A body up to this size goes out in one write with its head; a larger one after it, not copied."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,10 +198,14 @@ class Connections:
         elif method in _BODY_METHODS:
             head += "Content-Length: 0\r\n"
         data = (head + headers + "\r\n").encode("latin-1")
+        tail = b""
         if body:
-            data += body
+            if len(body) <= _JOINED:
+                data += body
+            else:
+                tail = body
         try:
-            status, content = await self._pool(origin).request(data, connect_timeout=timeout.connect,
+            status, content = await self._pool(origin).request(data, body=tail, connect_timeout=timeout.connect,
                                                                read_timeout=timeout.read)
         except Http11Error as exc:
             if exc.kind == "connect":

@@ -85,12 +85,14 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def exchange(self, request: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
-        """Write ``request`` (head and body) in one go and wait for the whole answer."""
+    async def exchange(self, request: bytes, body: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
+        """Write ``request`` (and ``body``, when it came apart) and wait for the whole answer."""
         assert self.transport is not None
         self.body = []
         self.answer = self.loop.create_future()
         self.transport.write(request)
+        if body:
+            self.transport.write(body)
         if read_timeout is None:
             return await self.answer
         try:
@@ -138,16 +140,17 @@ class Http11Pool:
             conn.close()
         return None
 
-    async def request(self, request: bytes, *, connect_timeout: float | None,
+    async def request(self, request: bytes, *, body: bytes = b"", connect_timeout: float | None,
                       read_timeout: float | None) -> tuple[int, bytes]:
-        """Send one whole HTTP/1.1 request; the answer's status and body. A caller cancelled mid-call
-        closes the connection, which tells the daemon to stop (a cancelled exec kills its command)."""
+        """Send one whole HTTP/1.1 request (``body``: a large body sent after it rather than copied into it); the
+        answer's status and body. A caller cancelled mid-call closes the connection, which tells the daemon to
+        stop (a cancelled exec kills its command)."""
         if self._closed:
             raise Http11Error("connect", "the client is closed")
         async with self._slots:
             conn = self._reuse() or await self._connect(connect_timeout)
             try:
-                status, body, keep = await conn.exchange(request, read_timeout)
+                status, answer, keep = await conn.exchange(request, body, read_timeout)
             except BaseException:
                 conn.close()
                 raise
@@ -156,7 +159,7 @@ class Http11Pool:
                 self._idle.append(conn)
             else:
                 conn.close()
-            return status, body
+            return status, answer
 
     def close(self) -> None:
         """Close every idle connection; requests in flight close theirs when they end."""

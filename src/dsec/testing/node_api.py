@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import io
+import os
 import re
 import tarfile
 import uuid
@@ -156,6 +157,9 @@ async def check_files(api: NodeAPI, image: str) -> None:
         assert (entry.name, entry.type, entry.size, entry.mode) == ("blob", "file", 256, 0o750), entry
         await api.write_file(sb.id, "/workspace/c/blob", b"")
         assert await api.read_file(sb.id, "/workspace/c/blob") == b""
+        big = os.urandom(3 * 1024 * 1024 + 1)  # larger than any one read or write of the transports
+        await api.write_file(sb.id, "/workspace/c/big", big)
+        assert await api.read_file(sb.id, "/workspace/c/big") == big
         with _raises(NotFound):
             await api.read_file(sb.id, "/workspace/c/missing")
         with _raises(InvalidRequest):
