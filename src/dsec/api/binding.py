@@ -115,15 +115,17 @@ async def _command(work: Coroutine[Any, Any, T]) -> T:
         raise SandboxError(f"exec failed: {type(exc).__name__}: {exc}") from exc
 
 
-async def _spool(request: Request, name: str, limit: int) -> IO[bytes]:
-    """An uploaded body in a temporary file (in memory up to 64 MiB), rewound; InvalidRequest past ``limit``."""
+async def _spool(request: Request, slot: Slot, limit: int) -> IO[bytes]:
+    """An uploaded body in a temporary file (in memory up to 64 MiB), rewound; InvalidRequest past ``limit``
+    (the parameter's description, if any, says what to do about it)."""
     spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=_IN_MEMORY)  # noqa: SIM115 (returned open)
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise InvalidRequest(f"the {name.replace('_', ' ')} sent is larger than {limit} bytes")
+                hint = f": {slot.param.description}" if slot.param.description else ""
+                raise InvalidRequest(f"the {slot.name.replace('_', ' ')} sent is larger than {limit} bytes{hint}")
             if size > _IN_MEMORY:
                 await asyncio.to_thread(spool.write, chunk)
             else:
@@ -198,7 +200,7 @@ def _bind(app: FastAPI, api: NodeAPI, op: Operation[Any, Any], max_body: int) ->
         spooled = None
         if upload is not None:
             assert http is not None
-            spooled = args[upload.name] = await _spool(http, upload.name, int(upload.param.le or max_body))
+            spooled = args[upload.name] = await _spool(http, upload, int(upload.param.le or max_body))
         if op.streams:
             try:
                 items = call(**args)

@@ -66,8 +66,8 @@ UnixTime = Annotated[float | None, Param(description="Unix seconds")]
 Since = Annotated[int | None, Param(ge=0, description="first replay the kept events after this `seq`")]
 BuildRequest = Annotated[ImageBuildRequest, Param(codec=BUILD_REQUEST,
                                                   description="the `ImageBuildRequest` as JSON (no password)")]
-BuildContext = Annotated[IO[bytes], Param(le=8 * 1024**3)]
-"""A build context: a tar of at most 8 GiB (a larger one wants a ``.dockerignore``)."""
+BuildContext = Annotated[IO[bytes], Param(le=8 * 1024**3, description="add a .dockerignore to leave files out")]
+"""A build context: a tar of at most 8 GiB."""
 
 
 def _prometheus_text() -> str:
