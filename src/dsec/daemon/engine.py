@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar, assert_never, get_args
 
+import pydantic
+
 from dsec._version import __version__
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
@@ -85,6 +87,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TimeoutRequest,
     TrajectoryForkRequest,
     parse_network,
 )
@@ -1366,6 +1369,10 @@ class Engine:
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
         """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later;
         ``info().expires_at`` says when)."""
+        try:
+            TimeoutRequest(timeout=timeout)  # its bounds, as the HTTP route's model checks them
+        except pydantic.ValidationError as exc:
+            raise InvalidRequest(f"invalid timeout: {exc.errors()[0]['msg']}") from None
         record = self._live(sandbox_id, allow_paused=True)
         record.expires_at = time.time() + timeout
         self._store.save(record)

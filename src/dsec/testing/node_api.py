@@ -18,6 +18,7 @@ import io
 import os
 import re
 import tarfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -111,6 +112,10 @@ async def check_lifecycle(api: NodeAPI, image: str) -> None:
         assert [s.id for s in await api.list({"conformance": tag}, state="running")] == [info.id]
         assert await api.list({"conformance": tag}, state="paused") == []
         assert await api.list({"conformance": "no-" + tag}) == []
+        moved = await api.set_timeout(info.id, 600)
+        assert moved.id == info.id and abs(moved.expires_at - (time.time() + 600)) < 60, moved
+        with _raises(InvalidRequest):
+            await api.set_timeout(info.id, 0)
     finally:
         await api.destroy(info.id)
     with _raises(SandboxNotFound):
