@@ -40,7 +40,9 @@ class Client:
 
     ``url`` is ``unix:///path.sock`` or ``http(s)://host:port`` (default: ``$DSEC_URL``, else the local
     daemon's socket); ``token`` is the bearer token for TCP (default: ``$DSEC_TOKEN``). Usable as
-    ``async with`` (closes with :meth:`aclose`) and as ``with`` (closes with :meth:`close`).
+    ``async with`` (closes with :meth:`aclose`) and as ``with`` (closes with :meth:`close`). ``client.api`` is
+    every operation of the daemon's API, typed and async (:class:`dsec.api.NodeClient`, over this client's
+    connections; see the node API page).
     """
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
