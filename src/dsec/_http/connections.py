@@ -159,7 +159,9 @@ class Connections:
         return self._tls
 
     def _pool(self, origin: Origin) -> Http11Pool:
-        pools = self._here().pools
+        loop = asyncio.get_running_loop()
+        entry = self._loops.get(id(loop))
+        pools = entry.pools if entry is not None and entry.loop is loop else self._here().pools
         pool = pools.get(origin.key)
         if pool is None:
             if origin.uds is not None:

@@ -24,6 +24,7 @@ never do I/O.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -166,7 +167,11 @@ class Operation(Generic[P, T]):
         hook = self._hook
         if hook is None:
             hook = self._hook = "perform_stream" if self.streams else "perform"
-        return functools.partial(getattr(obj, hook), self)
+        bound = functools.partial(getattr(obj, hook), self)
+        # Kept on the instance: the next lookup finds it there (this is not a data descriptor) with no call.
+        with contextlib.suppress(TypeError):  # an instance without a __dict__ binds on each lookup
+            vars(obj)[self.name] = bound
+        return bound
 
     # -- the signature, read once -------------------------------------------------------------------------
 
@@ -276,6 +281,7 @@ class Plan:
     empty: bool
     """The answer has no body."""
     names: tuple[str, ...]
+    arity: int
     head: str
     """The path up to its first parameter."""
     segments: tuple[tuple[str, str], ...]
@@ -305,7 +311,7 @@ class Plan:
                 validate, label = TypeAdapter(kind).validate_json, f"a {_describe(kind)}"
         return cls(
             name=op.name, empty=op.answer == "empty",
-            names=tuple(s.name for s in slots), head=head,
+            names=tuple(s.name for s in slots), arity=len(slots), head=head,
             segments=tuple(zip(rest[0::2], rest[1::2], strict=True)),
             query=tuple((s.name, s.wire_name, s.default, s.required, s.param.codec) for s in slots
                         if s.where == "query"),
@@ -328,7 +334,7 @@ class Plan:
 
     def encode(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Request:
         """A call as a request: its target (path and query), body, body content type and headers."""
-        if kwargs or len(args) > len(self.names):
+        if kwargs or len(args) > self.arity:
             values = self.bind(args, kwargs)
         else:
             values = dict(zip(self.names, args, strict=False))
