@@ -137,16 +137,16 @@ def running_daemon(home: Path, token: str | None = None, backends: dict[str, Bac
 class _Writes:
     """The gateway's state writes, accepted and dropped (its database is tested on PostgreSQL elsewhere)."""
 
-    async def put_sandboxes(self, rows: builtins.list[object]) -> None:
+    async def put_rows(self, rows: builtins.list[object]) -> None:
         pass
 
     async def put_node(self, row: object) -> None:
         pass
 
-    def submit_sandboxes(self, rows: builtins.list[object]) -> None:
+    def submit_rows(self, rows: builtins.list[object]) -> None:
         pass
 
-    def submit_delete(self, sandbox_id: str) -> None:
+    def submit_delete(self, ids: builtins.list[str]) -> None:
         pass
 
 
@@ -159,7 +159,7 @@ class _NoRecords:
     def nodes(self) -> builtins.list[object]:
         return []
 
-    def sandboxes(self) -> builtins.list[object]:
+    def rows(self) -> builtins.list[object]:
         return []
 
     async def aclose(self) -> None:
