@@ -8,6 +8,7 @@ daemon packages, which users never need to import.
 from dsec._sdk.client import Client
 from dsec._sdk.sandbox import AsyncSandbox
 from dsec._sdk.sync import Sandbox
+from dsec._version import __version__
 from dsec.errors import (
     BackendUnavailable,
     BuildFailed,
@@ -48,8 +49,6 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",

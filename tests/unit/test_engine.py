@@ -148,7 +148,7 @@ async def test_unknown_ids_raise_not_found(engine: Engine) -> None:
     for call in (
         engine.get("sb-000000000000"),
         engine.destroy("sb-000000000000"),
-        engine.read_file("sb-000000000000", "/a", 10),
+        engine.read_file("sb-000000000000", "/a", max_bytes=10),
         engine.stats("sb-000000000000"),
     ):
         with pytest.raises(SandboxNotFound, match="sb-000000000000"):

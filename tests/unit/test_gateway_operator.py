@@ -23,7 +23,6 @@ from dsec.cluster.gateway import GatewayEngine, current_job
 from dsec.cluster.placement import Capacity
 from dsec.cluster.server import Jobs, gateway_app
 from dsec.cluster.state import NodeRow
-from dsec.daemon.audit import AuditQuery
 from dsec.errors import BackendUnavailable, DaemonStopping, Forbidden, SandboxNotFound
 
 
@@ -70,11 +69,11 @@ async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_p
     g = gateway(nodes)
     token = current_job.set("admin")
     try:
-        merged = await g.audit_log(AuditQuery(limit=100))
+        merged = await g.audit_log(limit=100)
         ours = [e for e in merged if e.sandbox_id in {m[1] for m in made}]
         assert len(ours) == 4 and [e.at for e in merged] == sorted((e.at for e in merged), reverse=True)
-        assert len(await g.audit_log(AuditQuery(limit=1))) == 1
-        failed = await g.audit_log(AuditQuery(outcome="nonzero", limit=100))
+        assert len(await g.audit_log(limit=1)) == 1
+        failed = await g.audit_log(outcome="nonzero", limit=100)
         assert {e.sandbox_id for e in failed} >= {m[1] for m in made}
         # A sandbox's history comes from its own node.
         node, sandbox_id, info = made[1]
@@ -87,16 +86,16 @@ async def test_gateway_merges_audit_and_sums_overview(nodes: list[Daemon], tmp_p
         assert [n.node for n in overview.nodes] == ["node-0", "node-1"] and all(n.alive for n in overview.nodes)
         assert overview.exec_count >= 4 and overview.created >= 2 and sum(n.sandboxes for n in overview.nodes) >= 2
         # Nodes do not know the gateway's jobs: the gateway fills them in, and filters on them.
-        merged = await g.audit_log(AuditQuery(limit=100))
+        merged = await g.audit_log(limit=100)
         assert {e.job for e in merged if e.sandbox_id == sandbox_id} == {"job-a"}
-        assert {e.sandbox_id for e in await g.audit_log(AuditQuery(job="job-a", limit=100))} == {sandbox_id}
+        assert {e.sandbox_id for e in await g.audit_log(job="job-a", limit=100)} == {sandbox_id}
         assert {e.job for e in history} == {"job-a"}
         # Another job cannot read the history of a sandbox that is not its own, nor the node-wide views.
         current_job.set("job-b")
         with pytest.raises(SandboxNotFound):
             await g.sandbox_logs(sandbox_id)
         with pytest.raises(Forbidden, match="admin token"):
-            await g.audit_log(AuditQuery())
+            await g.audit_log()
         with pytest.raises(Forbidden, match="admin token"):
             await g.overview()
     finally:
@@ -208,7 +207,7 @@ def test_only_a_create_the_node_kept_nothing_of_is_placed_again() -> None:
     mid-call, or a connect that failed on the gateway's own side (out of descriptors) fail the create."""
     import errno
 
-    from dsec._sdk.lean import LeanError
+    from dsec._http.http11 import Http11Error
     from dsec.cluster.gateway import _took_none
 
     g = GatewayEngine(_NoDatabase(), _NoDatabase())  # type: ignore[arg-type]
@@ -219,7 +218,7 @@ def test_only_a_create_the_node_kept_nothing_of_is_placed_again() -> None:
         return caught.value
 
     def lean(kind: str, why: BaseException | None) -> dsec.ConnectionFailed:
-        inner = LeanError(kind, str(why))
+        inner = Http11Error(kind, str(why))
         inner.__cause__ = why
         outer = dsec.ConnectionFailed(f"cannot reach: {inner}")
         outer.__cause__ = inner

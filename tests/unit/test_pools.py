@@ -62,7 +62,7 @@ def test_pool_config_parse_rejects(text: str, needle: str) -> None:
 async def test_claim_applies_labels_env_timeout(engine: Engine) -> None:
     engine.pools.declare(POOL)
     await engine.pools.wait_filled(10)
-    [stats] = engine.statistics().pools
+    [stats] = (await engine.statistics()).pools
     assert stats.ready == 2 and stats.target == 2 and stats.created == 2
     assert await engine.list() == []  # members are invisible until claimed
     spec = SHAPE.model_copy(update={"labels": {"job": "j"}, "env": {"X": "42"}, "timeout": 60.0})
@@ -73,13 +73,13 @@ async def test_claim_applies_labels_env_timeout(engine: Engine) -> None:
     assert [i.id for i in await engine.list(labels={"job": "j"})] == [info.id]
     result = await engine.exec(info.id, ExecRequest(command="echo $X"))
     assert result.stdout == b"42\n"
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.hits == 1 and stats.misses == 0
     [key] = engine.pools._pools
     assert engine.metrics.value("dsec_pool_claims_total", pool=key, outcome="hit") == 1
     assert b'dsec_pool_ready{pool="base:container:' in engine.metrics.render()
     await engine.pools.wait_filled(10)  # refilled in the background
-    assert engine.statistics().pools[0].ready >= 2
+    assert (await engine.statistics()).pools[0].ready >= 2
 
 
 async def test_other_shapes_are_not_pooled(engine: Engine) -> None:
@@ -90,25 +90,25 @@ async def test_other_shapes_are_not_pooled(engine: Engine) -> None:
     # A network policy the fake backend cannot apply after creation makes the spec not poolable.
     allow = await engine.create(SHAPE.model_copy(update={"network": "allow"}))
     assert not allow.pooled
-    assert engine.statistics().pools[0].hits == 0
+    assert (await engine.statistics()).pools[0].hits == 0
 
 
 async def test_demand_raises_target_within_ceiling(engine: Engine) -> None:
     engine.pools.declare(POOL)
     await engine.pools.wait_filled(10)
     made = [await engine.create(SHAPE) for _ in range(7)]
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.hits >= 2 and stats.hits + stats.misses == 7
     assert stats.target == 4  # 7 claims in the window, capped at max
     await engine.pools.wait_filled(10)
-    assert engine.statistics().pools[0].ready == 4
+    assert (await engine.statistics()).pools[0].ready == 4
     for info in made:
         await engine.destroy(info.id)
     # Demand gone: the pool shrinks back to its floor once the claims leave the window.
     pool = next(iter(engine.pools._pools.values()))
     pool.claims = type(pool.claims)(t - DEMAND_WINDOW - 1 for t in pool.claims)
     await engine.pools.refill()
-    assert engine.statistics().pools[0].ready == 2
+    assert (await engine.statistics()).pools[0].ready == 2
 
 
 async def test_refill_task_sleeps_while_nothing_changes(engine: Engine) -> None:
@@ -140,13 +140,13 @@ async def test_refill_failure_backs_off_and_is_reported(engine: Engine) -> None:
     fake_of(engine).create_error = RuntimeError("disk on fire")
     engine.pools.declare(PoolConfig(image="base", min=1, max=1))
     for _ in range(200):
-        if engine.statistics().pools[0].failures:
+        if (await engine.statistics()).pools[0].failures:
             break
         await asyncio.sleep(0.01)
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.failures == 1 and "disk on fire" in (stats.last_error or "")
     await engine.pools.wait_filled(10)  # retried after the back-off, and it works now
-    assert engine.statistics().pools[0].ready == 1
+    assert (await engine.statistics()).pools[0].ready == 1
 
 
 async def test_pool_of_unknown_backend_refused(engine: Engine) -> None:
@@ -222,7 +222,7 @@ async def test_pooled_destroy_answers_before_its_teardown(tmp_path: Path) -> Non
         plain = await eng.create(SandboxSpec(image="base", memory="1Gi"))  # not pooled: destroyed in-line
         fake.release.clear()
         await asyncio.wait_for(eng.destroy(sid), 1)  # answered while the teardown waits
-        assert eng.statistics().teardowns == 1 and fake.destroying == 1
+        assert (await eng.statistics()).teardowns == 1 and fake.destroying == 1
         with pytest.raises(SandboxNotFound, match="destroyed"):
             await eng.exec(sid, ExecRequest(command="true"))
         assert sid not in [i.id for i in await eng.list()]
@@ -235,7 +235,7 @@ async def test_pooled_destroy_answers_before_its_teardown(tmp_path: Path) -> Non
         fake.release.set()
         await plain_done
         await eng.wait_teardowns()
-        assert eng.statistics().teardowns == 0 and not (fake.root / sid).exists()
+        assert (await eng.statistics()).teardowns == 0 and not (fake.root / sid).exists()
         assert sid not in record_ids(eng)
     finally:
         fake.release.set()
@@ -256,7 +256,7 @@ async def test_failed_background_teardown_keeps_the_record(tmp_path: Path) -> No
         await eng.wait_teardowns()
         record = eng._store.load(sid)
         assert record is not None and record.state == "failed" and "target is busy" in (record.reason or "")
-        assert eng.statistics().teardowns == 0
+        assert (await eng.statistics()).teardowns == 0
         assert eng.metrics.value("dsec_teardown_failures_total", backend="container") == 1
     finally:
         fake.destroy_error = None
@@ -312,7 +312,7 @@ async def test_background_teardowns_are_bounded(tmp_path: Path, monkeypatch: pyt
         await eng.destroy(ids[1])
         third = asyncio.create_task(eng.destroy(ids[2]))
         await asyncio.sleep(0.05)
-        assert not third.done() and eng.statistics().teardowns == 2  # the third waits for its own teardown
+        assert not third.done() and (await eng.statistics()).teardowns == 2  # the third waits for its own teardown
         fake.release.set()
         await third
         await eng.wait_teardowns()
@@ -343,18 +343,18 @@ async def test_aclose_waits_for_background_teardowns(tmp_path: Path) -> None:
 async def test_refill_waits_for_claims_to_pause(engine: Engine) -> None:
     engine.pools.declare(PoolConfig(image="base", min=4, max=4, memory="512Mi"))
     await engine.pools.wait_filled(10)
-    created = engine.statistics().pools[0].created
+    created = (await engine.statistics()).pools[0].created
     await engine.create(SHAPE)  # 3 of 4 left: above half, the refill waits for a pause in claims
     await engine.pools.refill()  # a pass right after the claim starts nothing
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.created == created and stats.filling == 0
     await engine.pools.wait_filled(10)  # ...and the pool is refilled once the claims pause
-    assert engine.statistics().pools[0].created == created + 1
+    assert (await engine.statistics()).pools[0].created == created + 1
     # At half the target or below, the pass right after a claim refills at once.
     await engine.create(SHAPE)
     await engine.create(SHAPE)
     await engine.pools.refill()
-    assert engine.statistics().pools[0].filling == 2
+    assert (await engine.statistics()).pools[0].filling == 2
 
 
 async def test_bad_pool_setting_fails_engine_construction(tmp_path: Path) -> None:
@@ -556,7 +556,7 @@ async def test_refills_defer_to_users_and_stop_with_the_daemon_without_counting_
     short["now"] = None  # type: ignore[assignment]
     assert (await asyncio.wait_for(user, 20)).state == "running"
     await engine.pools.wait_filled(20)
-    [stats] = engine.statistics().pools
+    [stats] = (await engine.statistics()).pools
     assert (stats.failures, stats.last_error, stats.created) == (0, None, 2)
     assert engine.metrics.failures() == {}, "a deferred refill counted as a failed create"
     short["now"] = "memory: full again"
@@ -640,7 +640,7 @@ async def test_a_pool_larger_than_one_fill_wave_fills_completely(engine: Engine)
     "filling" started no replacement, and a 16-member pool stalled at 15 with nothing filling."""
     engine.pools.declare(PoolConfig(image="base", min=16, max=32))
     await engine.pools.wait_filled(20)
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.ready == 16 and stats.filling == 0, stats
 
 
@@ -740,7 +740,7 @@ async def test_a_claim_hands_out_only_live_members_of_the_image_version_the_tag_
         assert not fresh.pooled, "a member of the old image version was handed out"
         assert await await_until(lambda: set(old) <= set(backend.destroyed), 10)
         assert eng._image_refs[fresh.id].digest == "v2"
-        assert await await_until(lambda: eng.statistics().pools[0].ready >= 1, 10)
+        assert await await_until(lambda: eng.pools.statistics()[0].ready >= 1, 10)
         again = await eng.create(SHAPE)
         assert again.pooled and eng._image_refs[again.id].digest == "v2"
 
@@ -792,7 +792,7 @@ async def test_landlock_off_and_a_different_cpu_are_other_shapes(engine: Engine)
     assert not unconfined.pooled
     near = await engine.create(SHAPE.model_copy(update={"cpu": 1.0000001}))  # a microVM would get 2 vCPUs
     assert not near.pooled
-    assert engine.statistics().pools[0].hits == 0
+    assert (await engine.statistics()).pools[0].hits == 0
     assert pool_key("i", "container", 1.0, 1, 1, 8, None) == \
         "i:container:cpu=1,memory=1,disk=1,pids=8,workdir=,net=none"
     assert pool_key("i", "container", 0.5, 1, 1, 8, None).startswith("i:container:cpu=0.5,")
@@ -894,7 +894,7 @@ async def test_a_slow_trim_does_not_hold_up_other_pools_and_close_waits_for_it(t
         await eng.pools.wait_filled(10)
         trimmed = [r.id for p in eng.pools._pools.values() for r in p.ready]
         eng.pools.declare(POOL.model_copy(update={"min": 0, "max": 0}))  # empties A: a trim that hangs
-        assert await await_until(lambda: eng.statistics().pools[0].ready == 0, 10)
+        assert await await_until(lambda: eng.pools.statistics()[0].ready == 0, 10)
         eng.pools.declare(PoolConfig(image="base", min=2, max=2, memory="256Mi"))  # B
         await eng.pools.wait_filled(10)  # filled while A's trim still hangs
         assert not set(trimmed) & set(backend.destroyed)

@@ -12,8 +12,8 @@ import pytest
 from sdk_daemon import Daemon, running_daemon
 
 import dsec
+from dsec._http.connections import parse_url
 from dsec._sdk.client import default_client
-from dsec._sdk.transport import parse_url
 
 BINARY = bytes(range(256)) * 3 + b"\xff\xfe\x00not utf-8\x80"
 
@@ -263,6 +263,7 @@ async def test_default_client_is_used_when_none_is_passed(
 def test_url_parsing() -> None:
     assert parse_url("unix:///run/d.sock").uds == "/run/d.sock"
     assert parse_url("http://h:1/").base_url == "http://h:1"
+    assert parse_url("https://h/prefix/").base_url == "https://h/prefix" and parse_url("https://h").port == 443
     for bad in ("unix://relative.sock", "ftp://h", "localhost:80"):
         with pytest.raises(dsec.InvalidRequest):
             parse_url(bad)
@@ -324,9 +325,10 @@ async def test_exec_answer_that_is_not_a_result_is_connection_failed(
             await cut.exec("echo hi")
 
 
-async def test_exec_on_the_lean_pool_maps_failures_like_every_call(tmp_path: Path, sb: dsec.AsyncSandbox) -> None:
-    """sb.exec goes on its lean connections (dsec._sdk.lean): a dead daemon, a hang-up and an error answer
-    still come back typed."""
+async def test_exec_on_the_keep_alive_connections_maps_failures_like_every_call(
+        tmp_path: Path, sb: dsec.AsyncSandbox) -> None:
+    """sb.exec goes on the keep-alive connections of dsec._http.http11: a dead daemon, a hang-up and an error
+    answer come back typed."""
     async with dsec.Client(url=f"unix://{tmp_path}/absent.sock") as nowhere:
         with pytest.raises(dsec.ConnectionFailed, match="dsec up"):
             await dsec.AsyncSandbox(sb._info, nowhere).exec("true")
@@ -341,7 +343,7 @@ async def test_exec_on_the_lean_pool_maps_failures_like_every_call(tmp_path: Pat
     async with server, dsec.Client(url=f"unix://{tmp_path}/t.sock") as c:
         with pytest.raises(dsec.SandboxTimeout, match="too slow"):
             await dsec.AsyncSandbox(sb._info, c).exec("true")
-    # the lean pool reuses one connection across execs, and closes with the client
+    # the pool reuses one connection across execs, and closes with the client
     assert [(await sb.exec(f"echo {i}")).stdout for i in range(3)] == [b"0\n", b"1\n", b"2\n"]
 
 
@@ -364,7 +366,8 @@ async def test_pools_declared_and_claimed_through_the_api(client: dsec.Client) -
     assert (await client.statistics()).pools[0].hits == 1
     await client.declare_pool(shape.model_copy(update={"min": 0, "max": 0}))  # empty it for the other tests
     with pytest.raises(dsec.InvalidRequest, match="max"):
-        await client._request("POST", "/v1/pools", json={"image": "tiny", "min": 3, "max": 1})
+        # Unchecked here, so the daemon's own validation answers.
+        await client.api.declare_pool(dsec.PoolConfig.model_construct(image="tiny", min=3, max=1))
 
 
 async def test_pause_releasing_memory_is_refused_where_the_backend_cannot(sb: dsec.AsyncSandbox) -> None:

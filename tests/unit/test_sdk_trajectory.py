@@ -12,6 +12,7 @@ import pytest
 from sdk_daemon import Daemon, running_daemon
 
 import dsec
+from dsec.models import ExecRequest
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +132,8 @@ async def test_a_diverging_pristine_stream_keeps_pristine_on_the_branch(client: 
         assert events[-1].type == "exit" and other.id != sb.id
         info = await other.info()
         assert info.trajectory is not None
-        page = await client._request("GET", "/v1/trajectories/log",
-                                     params={"name": info.trajectory.name, "start": 0, "limit": 10})
-        calls = [json.loads(c["request"]) for c in page.json()]
+        page = await client.api.trajectory_log(info.trajectory.name, 0, 10)
+        calls = [json.loads(c.request) for c in page]
         assert calls[-1]["args"]["command"] == ["cat", "state"], calls
         assert calls[-1]["args"].get("pristine") is True, calls[-1]
         await other.close()
@@ -193,9 +193,9 @@ async def test_heartbeat_renews_an_idle_handles_lease_until_the_handle_is_droppe
 async def test_lease_renewal_of_a_sandbox_without_trajectory_is_refused(client: dsec.Client) -> None:
     async with await dsec.AsyncSandbox.create(image="tiny", client=client) as sb:
         with pytest.raises(dsec.InvalidRequest, match="not bound to a trajectory"):
-            await client._request("POST", f"/v1/sandboxes/{sb.id}/lease")
+            await client.api.renew_lease(sb.id)
     with pytest.raises(dsec.SandboxNotFound):
-        await client._request("POST", "/v1/sandboxes/sb-000000000000/lease")
+        await client.api.renew_lease("sb-000000000000")
 
 
 def test_heartbeat_interval_is_a_third_of_the_lease_within_bounds() -> None:
@@ -219,8 +219,7 @@ async def test_a_call_that_never_reached_the_log_does_not_wedge_the_handle(clien
         assert info.trajectory is not None and info.trajectory.calls == 4, info.trajectory
         assert (await sb.exec("cat ran")).stdout == b"one\ntwo\nthree\n"
         with pytest.raises(dsec.InvalidRequest, match="in order"):  # a raw call past the end is still refused
-            await client._request("POST", f"/v1/sandboxes/{sb.id}/exec/result", params={"seq": 99},
-                                  json={"command": "true"})
+            await client.api.exec(sb.id, ExecRequest(command="true"), seq=99)
     finally:
         await sb.close()
 

@@ -1,9 +1,9 @@
 """Building images from the SDK: a Dockerfile and its context sent to the node, its output streamed back.
 
-Owns the client side of ``POST /v1/images/build`` and ``/v1/images/pull``: packing the context directory
+Owns what the SDK adds to the node API's ``build_image`` and ``pull_image``: packing the context directory
 as a tar (in a worker thread, into a temporary file), deciding whether the Dockerfile travels inside the
 context or beside it, and reading the event stream into output lines and the stored image. It must
-never interpret a Dockerfile: the node's builder does (``.dockerignore`` included).
+never interpret a Dockerfile (the node's builder does, ``.dockerignore`` included) nor spell a route.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-import httpx
-
-from dsec.errors import DSecError, InvalidRequest, error_from_payload
-from dsec.models import ImageBuildEvent, ImageBuildRequest, ImageInfo, ImagePullRequest
+from dsec.api.operations import close_stream
+from dsec.errors import DSecError, InvalidRequest
+from dsec.models import ImageBuildRequest, ImageInfo, ImagePullRequest
 
 from .client import Client
-from .transport import CONTROL_TIMEOUT, build_request_parts, read_chunks
 
 __all__ = ["build_image", "pull_image"]
 
@@ -75,21 +73,17 @@ async def build_image(
     request = _request(root, dockerfile, {
         "name": name, "build_args": dict(build_args or {}), "target": target, "network": network,
         "no_cache": no_cache, "insecure": insecure, "username": username, "password": password, "replace": replace})
-    params, headers = build_request_parts(request)
     tar = await asyncio.to_thread(_pack, root)
     try:
-        async with client._stream("POST", "/v1/images/build", params=params, headers=headers,
-                                  content=read_chunks(tar)) as response:
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                event = ImageBuildEvent.model_validate_json(line)
+        events = client.api.build_image(request, tar)
+        try:
+            async for event in events:  # an ``error`` event is raised by the client
                 if event.type == "output" and output is not None and event.line is not None:
                     output(event.line)
                 elif event.type == "done" and event.image is not None:
                     return event.image
-                elif event.type == "error":
-                    raise error_from_payload({"error": event.error})
+        finally:
+            await close_stream(events)
     finally:
         tar.close()
     raise DSecError(f"the node's build stream for {name!r} ended without a result")
@@ -101,6 +95,4 @@ async def pull_image(client: Client, reference: str, *, name: str | None = None,
     """Pull ``reference`` into the client's node's store (see :meth:`dsec.AsyncSandbox.pull_image`)."""
     request = ImagePullRequest(reference=reference, name=name, insecure=insecure, username=username,
                                password=password, replace=replace)
-    response = await client._request("POST", "/v1/images/pull", json=request.model_dump(mode="json"),
-                                     timeout=httpx.Timeout(CONTROL_TIMEOUT.connect, read=None))
-    return ImageInfo.model_validate(response.json())
+    return await client.api.pull_image(request)

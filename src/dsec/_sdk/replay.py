@@ -65,9 +65,4 @@ class Cursor:
         return True, decode_response(op, entry.response)
 
     async def _fetch(self, start: int) -> None:
-        response = await self._client._request(
-            "GET", "/v1/trajectories/log", params={"name": self.name, "start": start, "limit": _PAGE})
-        self._page = {}
-        for item in response.json():
-            call = LoggedCall.model_validate(item)
-            self._page[call.seq] = call
+        self._page = {call.seq: call for call in await self._client.api.trajectory_log(self.name, start, _PAGE)}

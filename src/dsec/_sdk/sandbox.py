@@ -2,8 +2,9 @@
 
 Every sandbox operation is written here once, as a coroutine (or an async generator for streams); the
 blocking ``dsec.Sandbox`` is generated from this class by ``_sdk/sync.py``. Requests are validated locally
-with the shared wire models, so a bad argument raises :class:`dsec.InvalidRequest` before any HTTP call.
-This module must never block the event loop, hold a connection of its own, or retry a call (a retried exec
+with the shared wire models, so a bad argument raises :class:`dsec.InvalidRequest` before any HTTP call,
+and sent through the node API (``Client.api``, :class:`dsec.api.NodeClient`): this module never spells a
+route. It must never block the event loop, hold a connection of its own, or retry a call (a retried exec
 could run a command twice).
 """
 
@@ -15,15 +16,15 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 import pydantic
 
+from dsec.api.client import NodeClient
+from dsec.api.operations import close_stream
 from dsec.errors import (
     ConnectionFailed,
     DSecError,
@@ -32,12 +33,10 @@ from dsec.errors import (
     ReplayDivergence,
     SandboxNotFound,
     SandboxTimeout,
-    error_from_payload,
 )
 from dsec.models import (
     BatchCreateRequest,
     CallRequest,
-    CallResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -50,6 +49,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    SnapshotRef,
     TimeoutRequest,
     TrajectoryForkRequest,
 )
@@ -58,9 +58,10 @@ from dsec.trajectory.digest import exec_args
 from .calls import client_python, decode_reply, encode_call
 from .client import Client, default_client
 from .replay import Cursor
-from .transport import STREAM_TIMEOUT
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
@@ -108,23 +109,23 @@ class AsyncFiles:
     async def write(self, path: str, data: bytes | str, mode: int | None = None) -> None:
         """Create or replace ``path`` (parents created); ``str`` data is written as UTF-8."""
         body = data.encode() if isinstance(data, str) else bytes(data)
-        params: dict[str, Any] = {"path": path}
-        if mode is not None:
-            params["mode"] = format(mode, "o")  # the API takes octal text, like chmod
-        await self._sandbox._logged_call("write", {"path": path, "mode": mode, "data": body},
-                                         "PUT", "/files", params, content=body)
+        sb = self._sandbox
+        await sb._logged_call("write", {"path": path, "mode": mode, "data": body},
+                              lambda seq: sb._api.write_file(sb.id, path, body, mode, seq))
 
     async def read(self, path: str) -> bytes:
         """The whole content of the regular file ``path``."""
-        hit, answer = await self._sandbox._logged_call("read", {"path": path}, "GET", "/files", {"path": path})
-        return bytes(answer) if hit else answer.content
+        sb = self._sandbox
+        return bytes(await sb._logged_call("read", {"path": path}, lambda seq: sb._api.read_file(sb.id, path, seq)))
 
     async def list(self, path: str | None = None) -> builtins.list[FileEntry]:
         """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
-        where = path if path is not None else self._sandbox._info.spec.workdir
-        hit, answer = await self._sandbox._logged_call("list", {"path": where}, "GET", "/files/list",
-                                                       {"path": where})
-        return builtins.list(answer) if hit else [FileEntry.model_validate(item) for item in answer.json()]
+        sb = self._sandbox
+        where = path if path is not None else sb._info.spec.workdir
+        if where is None:
+            raise InvalidRequest("files.list() needs a path: this sandbox has no working directory")
+        return builtins.list(await sb._logged_call("list", {"path": where},
+                                                   lambda seq: sb._api.list_files(sb.id, where, seq)))
 
     async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
         """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
@@ -181,6 +182,7 @@ class AsyncSandbox:
     def __init__(self, info: SandboxInfo, client: Client) -> None:
         self._info = info
         self._client = client
+        self._api = _data_plane(info, client)
         self.files = AsyncFiles(self)
         """The sandbox's files."""
         # Set by create(trajectory=...): this handle numbers its calls and fast-forwards through the log.
@@ -196,19 +198,19 @@ class AsyncSandbox:
             return False
         at = int(exc.detail["seq"])
         request = TrajectoryForkRequest(name=self._cursor.name, at=at, rerun_missing=self._rerun_missing)
-        response = await self._client._request("POST", "/v1/trajectories/fork", json=request.model_dump(mode="json"))
-        self._info = SandboxInfo.model_validate(response.json())
+        self._info = await self._client.api.branch_trajectory(request)
+        self._api = _data_plane(self._info, self._client)
         assert self._info.trajectory is not None
         self._cursor = Cursor(self._client, self._info.trajectory.name, at)
         self._cursor.next_seq = at
         return True
 
-    def _resync(self, exc: InvalidRequest, params: dict[str, Any]) -> bool:
-        """The daemon refused call ``params["seq"]`` as past the end of the log: calls numbered before it never
-        reached the log (refused at connect while the daemon restarted, or a read answered just before it was
-        killed), so every later call would be refused too. Number this one at the log's end, where the daemon
-        is; False for any other refusal."""
-        logged, seq = exc.detail.get("logged"), params.get("seq")
+    def _resync(self, exc: InvalidRequest, seq: int | None) -> bool:
+        """The daemon refused call ``seq`` as past the end of the log: calls numbered before it never reached the
+        log (refused at connect while the daemon restarted, or a read answered just before it was killed), so
+        every later call would be refused too. Number this one at the log's end, where the daemon is; False for
+        any other refusal."""
+        logged = exc.detail.get("logged")
         if (self._cursor is None or exc.detail.get("trajectory") != self._cursor.name or not isinstance(logged, int)
                 or not isinstance(seq, int) or not 0 <= logged < seq):
             return False
@@ -216,52 +218,34 @@ class AsyncSandbox:
         return True
 
     async def _logged(
-        self, params: dict[str, Any], op: str, args: dict[str, Any] | Callable[[], dict[str, Any]]
-    ) -> tuple[bool, Any]:
-        """On a trajectory handle: number the call (into ``params``) and answer it from the log if it can."""
+        self, op: str, args: dict[str, Any] | Callable[[], dict[str, Any]]
+    ) -> tuple[int | None, bool, Any]:
+        """On a trajectory handle: number the call and answer it from the log if it can: ``(seq, hit, answer)``."""
         if self._cursor is None:
-            return False, None
+            return None, False, None
         seq = self._cursor.take()
-        params["seq"] = seq
         if seq >= self._cursor.logged:
-            return False, None
-        return await self._cursor.cached(seq, op, args() if callable(args) else args)
+            return seq, False, None
+        hit, answer = await self._cursor.cached(seq, op, args() if callable(args) else args)
+        return seq, hit, answer
 
-    async def _logged_call(
-        self, op: str, args: dict[str, Any], method: str, route: str, params: dict[str, Any] | None = None,
-        **kw: Any,
-    ) -> tuple[bool, Any]:
-        """A logged data-plane call: ``(True, the logged answer)`` when the log answers it, else ``(False, the
-        node's response)``; ``route`` is the path below the sandbox's. A divergence moves the handle onto a
-        branch (``on_divergence="fork"``, a sandbox of its own), where the call is numbered and sent again."""
+    async def _logged_call(self, op: str, args: dict[str, Any], send: Callable[[int | None], Awaitable[T]]) -> T:
+        """A logged data-plane call: the logged answer when the log answers it, else ``send(seq)``'s. A divergence
+        moves the handle onto a branch (``on_divergence="fork"``, a sandbox of its own), where the call is
+        numbered and sent again."""
         while True:
-            numbered = dict(params or {})
-            hit, cached = await self._logged(numbered, op, args)
+            seq, hit, cached = await self._logged(op, args)
             if hit:
-                return True, cached
+                answer: T = cached
+                return answer
             try:
-                return False, await self._node_request(method, f"/v1/sandboxes/{self.id}{route}", params=numbered, **kw)
+                return await send(seq)
             except ReplayDivergence as exc:
                 if not await self._branch(exc):
                     raise
             except InvalidRequest as exc:
-                if not self._resync(exc, numbered):
+                if not self._resync(exc, seq):
                     raise
-
-    def _auth(self) -> tuple[Client, dict[str, str] | None]:
-        endpoint = self._info.endpoint
-        if endpoint is None:
-            return self._client, None
-        return self._client._node(endpoint.url), {"Authorization": f"Bearer {endpoint.token}"}
-
-    async def _node_request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """A data-plane call: to the owning node when a cluster gateway named one, else to our daemon."""
-        client, headers = self._auth()
-        return await client._request(method, path, headers=headers, **kw)
-
-    def _node_stream(self, method: str, path: str, *, json: Any = None) -> AbstractAsyncContextManager[httpx.Response]:
-        client, headers = self._auth()
-        return client._stream(method, path, json=json, headers=headers)
 
     def _keep_endpoint(self, info: SandboxInfo) -> SandboxInfo:
         """A node answers without the endpoint the gateway gave us: keep ours."""
@@ -324,11 +308,7 @@ class AsyncSandbox:
             landlock=landlock,
         )
         client = client or default_client()
-        # no read timeout: a create may take minutes (a vm template's first boot under TCG, an image pull);
-        # the spec's own limits bound it on the daemon
-        # On the lean pool, as exec: the create is the other call an RL loop makes thousands of times.
-        content = await client._post_json("/v1/sandboxes", spec.model_dump_json().encode(), timeout=STREAM_TIMEOUT)
-        sandbox = cls(SandboxInfo.model_validate_json(content), client)
+        sandbox = cls(await client.api.create(spec), client)
         status = sandbox._info.trajectory
         if status is not None:
             sandbox._cursor = Cursor(client, status.name, status.calls)
@@ -421,15 +401,13 @@ class AsyncSandbox:
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "batch request") from None
         client = client or default_client()
-        response = await client._request("POST", "/v1/sandboxes/batch", json=batch.model_dump(mode="json"))
-        return [cls(SandboxInfo.model_validate(item), client) for item in response.json()]
+        return [cls(info, client) for info in await client.api.create_many(batch)]
 
     @classmethod
     async def connect(cls, sandbox_id: str, client: Client | None = None) -> AsyncSandbox:
         """Attach to an existing sandbox by id (raises SandboxNotFound)."""
         client = client or default_client()
-        response = await client._request("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
-        return cls(SandboxInfo.model_validate(response.json()), client)
+        return cls(await client.api.get(sandbox_id), client)
 
     @classmethod
     async def list(
@@ -444,24 +422,25 @@ class AsyncSandbox:
 
     async def info(self) -> SandboxInfo:
         """Fresh state of the sandbox (state, expiry, spec, node)."""
-        response = await self._client._request("GET", f"/v1/sandboxes/{self.id}")
-        self._info = SandboxInfo.model_validate(response.json())
+        self._info = await self._client.api.get(self.id)
+        self._api = _data_plane(self._info, self._client)
         return self._info
 
     async def stats(self) -> SandboxStats:
         """Resource usage now (memory, cpu, pids, disk)."""
-        response = await self._node_request("GET", f"/v1/sandboxes/{self.id}/stats")
-        return SandboxStats.model_validate(response.json())
+        return await self._api.stats(self.id)
 
     async def pause(self, release_memory: bool = False) -> SandboxInfo:
         """Freeze every process of the sandbox (execs are refused until resume). ``release_memory=True``
         also saves it to disk and gives its memory back to the host (microvm; resume restores it with the
         same processes and files); backends that cannot raise :class:`~dsec.NotSupported`."""
-        return await self._transition("pause", {"release_memory": "true"} if release_memory else None)
+        self._info = self._keep_endpoint(await self._api.pause(self.id, release_memory))
+        return self._info
 
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox."""
-        return await self._transition("resume")
+        self._info = self._keep_endpoint(await self._api.resume(self.id))
+        return self._info
 
     async def set_timeout(self, timeout: float) -> SandboxInfo:
         """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later)."""
@@ -469,18 +448,16 @@ class AsyncSandbox:
             request = TimeoutRequest(timeout=timeout)
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "timeout") from None
-        response = await self._client._request("POST", f"/v1/sandboxes/{self.id}/timeout",
-                                               json=request.model_dump(mode="json"))
-        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
+        self._info = self._keep_endpoint(await self._client.api.set_timeout(self.id, request.timeout))
         return self._info
 
     async def reveal(self) -> SandboxInfo:
         """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
         grading phase begins (container, function and microvm backends). On a trajectory it is a logged
         call (replayed from the log when fast-forwarding, re-run on a rebuilt sandbox)."""
-        hit, answer = await self._logged_call("reveal", {}, "POST", "/reveal")
-        if not hit:
-            self._info = self._keep_endpoint(SandboxInfo.model_validate(answer.json()))
+        answer = await self._logged_call("reveal", {}, lambda seq: self._api.reveal(self.id, seq))
+        if isinstance(answer, SandboxInfo):
+            self._info = self._keep_endpoint(answer)
         return self._info
 
     async def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
@@ -491,16 +468,13 @@ class AsyncSandbox:
             request = NetworkRequest.model_validate({"network": network if isinstance(network, str) else list(network)})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "network policy") from None
-        response = await self._node_request("PUT", f"/v1/sandboxes/{self.id}/network",
-                                               json=request.model_dump(mode="json"))
-        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
+        self._info = self._keep_endpoint(await self._api.set_network(self.id, request.network))
         return self._info
 
     async def screenshot(self) -> bytes:
         """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported). On a trajectory it
         is a logged call (replayed from the log when fast-forwarding)."""
-        hit, answer = await self._logged_call("screenshot", {}, "GET", "/screenshot")
-        return bytes(answer) if hit else answer.content
+        return bytes(await self._logged_call("screenshot", {}, lambda seq: self._api.screenshot(self.id, seq)))
 
     async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> None:
         """Move the pointer to pixel (``x``, ``y``) of the display, then act: ``"click"``, ``"double_click"``,
@@ -510,7 +484,8 @@ class AsyncSandbox:
             request = MouseRequest.model_validate({"x": x, "y": y, "button": button, "action": action})
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "mouse action") from None
-        await self._input("mouse", request.model_dump(mode="json"))
+        await self._logged_call("mouse", request.model_dump(mode="json"),
+                                lambda seq: self._api.mouse(self.id, request, seq))
 
     async def keyboard(self, text: str | None = None, keys: Sequence[str] | None = None) -> None:
         """Type ``text`` (US layout; ``\n`` is Enter) or press ``keys`` in order, each a key or a combo:
@@ -519,30 +494,20 @@ class AsyncSandbox:
             request = KeyboardRequest(text=text, keys=None if keys is None else list(keys))
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "keyboard input") from None
-        await self._input("keyboard", request.model_dump(mode="json", exclude_none=True))
-
-    async def _input(self, op: str, body: dict[str, Any]) -> None:
-        await self._logged_call(op, body, "POST", f"/{op}", json=body)
-
-    async def _transition(self, action: str, params: dict[str, str] | None = None) -> SandboxInfo:
-        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/{action}", params=params)
-        self._info = self._keep_endpoint(SandboxInfo.model_validate(response.json()))
-        return self._info
+        await self._logged_call("keyboard", request.model_dump(mode="json", exclude_none=True),
+                                lambda seq: self._api.keyboard(self.id, request, seq))
 
     async def snapshot(self) -> str:
         """Save the sandbox's writable state; the id restores it with ``create(snapshot=...)``, on this
         node or on another sharing the snapshot store. On a trajectory it is also the latest checkpoint."""
         try:
-            hit, answer = await self._logged_call("snapshot", {}, "POST", "/snapshot")
+            answer = await self._logged_call("snapshot", {}, lambda seq: self._api.snapshot(self.id, seq))
         except DSecError as exc:
             if type(exc) is DSecError:
                 # A daemon without the route answers a bare 404/405, not a DSec error payload.
                 raise NotSupported("this daemon cannot snapshot sandboxes yet") from exc
             raise
-        if hit:
-            return str(answer)
-        body = answer.json()
-        return str(body["snapshot"] if isinstance(body, dict) else body)
+        return answer.snapshot if isinstance(answer, SnapshotRef) else str(answer)
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
         """``n`` independent sandboxes with this one's current state (taken while it is frozen).
@@ -553,9 +518,7 @@ class AsyncSandbox:
             request = ForkRequest(count=n)
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "fork request") from None
-        response = await self._client._request(
-            "POST", f"/v1/sandboxes/{self.id}/fork", json=request.model_dump(mode="json"))
-        return [type(self)(SandboxInfo.model_validate(item), self._client) for item in response.json()]
+        return [type(self)(info, self._client) for info in await self._client.api.fork(self.id, request.count)]
 
     async def close(self) -> None:
         """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
@@ -563,7 +526,7 @@ class AsyncSandbox:
             self._heartbeat.cancel()
             self._heartbeat = None
         with contextlib.suppress(SandboxNotFound):
-            await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
+            await self._client.api.destroy(self.id)
 
     async def aclose(self) -> None:
         """Same as :meth:`close`; lets ``contextlib.aclosing(sandbox)`` work."""
@@ -606,9 +569,7 @@ class AsyncSandbox:
                                   env=dict(env) if env is not None else None)
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "call") from None
-        response = await self._node_request("POST", f"/v1/sandboxes/{self.id}/call",
-                                               json=request.model_dump(mode="json"))
-        return decode_reply(CallResult.model_validate(response.json()), trusted=trusted)
+        return decode_reply(await self._api.call(self.id, request), trusted=trusted)
 
     async def map(
         self,
@@ -649,31 +610,21 @@ class AsyncSandbox:
         ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
         (for graders: the agent cannot have replaced the binaries it uses)."""
         request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
-        params: dict[str, Any] = {}
-        hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
+        seq, hit, cached = await self._logged("exec", lambda: exec_args(request))
         if hit:
             result: ExecResult = cached
             return result
-        client, headers = self._auth()
         try:
-            # One request, one answer (no stream): the output arrives with the exit status anyway. It goes
-            # on the client's lean connections (dsec._sdk.lean): the SDK's share of an exec's round trip.
-            content = await client._post_json(f"/v1/sandboxes/{self.id}/exec/result",
-                                              request.model_dump_json().encode(), params=params or None,
-                                              headers=headers, timeout=STREAM_TIMEOUT)
+            # One request, one answer (no stream): the output arrives with the exit status anyway.
+            return await self._api.exec(self.id, request, seq)
         except (ReplayDivergence, InvalidRequest) as exc:
             # The daemon answers a divergence before running anything: the call can move to a branch. A call
             # numbered past the log's end is numbered again.
-            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, params)
+            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, seq)
             if not moved:
                 raise
             return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
                                    pristine=pristine)
-        try:
-            return ExecResult.model_validate_json(content)
-        except pydantic.ValidationError as exc:
-            raise ConnectionFailed(f"the daemon's answer to an exec is not an ExecResult (daemon stopped mid-call, "
-                                   f"or not a DSec daemon?): {exc.errors()[0]['msg']}") from None
 
     async def exec_stream(
         self,
@@ -690,8 +641,7 @@ class AsyncSandbox:
         Leaving the loop early closes the stream, and the daemon kills the command.
         """
         request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
-        params: dict[str, Any] = {}
-        hit, cached = await self._logged(params, "exec", lambda: exec_args(request))
+        seq, hit, cached = await self._logged("exec", lambda: exec_args(request))
         if hit:
             for kind, data in (("stdout", cached.stdout), ("stderr", cached.stderr)):
                 if data:
@@ -699,7 +649,7 @@ class AsyncSandbox:
             yield ExecEvent(type="exit", result=cached)
             return
         started = False
-        events = self._exec_events(request, params)
+        events = self._exec_events(request, seq)
         try:
             async for event in events:
                 started = True
@@ -709,7 +659,7 @@ class AsyncSandbox:
             # can move to a branch (or its number) whole.
             if started:
                 raise
-            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, params)
+            moved = await self._branch(exc) if isinstance(exc, ReplayDivergence) else self._resync(exc, seq)
             if not moved:
                 raise
             retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
@@ -722,31 +672,26 @@ class AsyncSandbox:
         finally:
             await events.aclose()  # leaving early closes the HTTP stream now, and the daemon kills the command
 
-    async def _exec_events(self, request: ExecRequest, params: dict[str, Any]) -> AsyncGenerator[ExecEvent, None]:
-        path = f"/v1/sandboxes/{self.id}/exec"
-        if params:
-            path += f"?seq={params['seq']}"
+    async def _exec_events(self, request: ExecRequest, seq: int | None) -> AsyncGenerator[ExecEvent, None]:
         exited = False
-        async with self._node_stream("POST", path, json=request.model_dump(mode="json")) as response:
-            pending = b""
-            async for chunk in response.aiter_bytes():
-                # NDJSON split by hand on bytes: httpx's text line iterator costs a visible share of
-                # a millisecond exec round trip.
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    event = ExecEvent.model_validate_json(line)
-                    if event.type == "error":
-                        raise error_from_payload({"error": event.error or {}}, 500)
-                    exited = exited or event.type == "exit"
-                    yield event
-            # Read on to the end of the body after the exit event (the server closes it right
-            # away): a response left unread costs its keep-alive connection, and the next call
-            # would pay a new connect.
+        events = self._api.exec_stream(self.id, request, seq)
+        try:
+            # Read on to the end after the exit event (the server closes the stream right away): a stream left
+            # unread costs its keep-alive connection, and the next call would pay a new connect.
+            async for event in events:
+                exited = exited or event.type == "exit"
+                yield event
+        finally:
+            await close_stream(events)
         if not exited:
             raise ConnectionFailed("the exec stream ended without an exit event (daemon stopped mid-call?)")
+
+
+def _data_plane(info: SandboxInfo, client: Client) -> NodeClient:
+    """Where a sandbox's data calls go: the owning node when a cluster gateway named one (with the token it
+    gave, scoped to the sandbox), else the client's daemon."""
+    endpoint = info.endpoint
+    return client.api if endpoint is None else client.api.at(endpoint.url, endpoint.token)
 
 
 async def list_infos(
@@ -754,20 +699,7 @@ async def list_infos(
     state: str | None = None,
 ) -> list[SandboxInfo]:
     """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``)."""
-    params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-    if backend is not None:
-        params.append(("backend", backend))
-    if state is not None:
-        params.append(("state", state))
-    response = await (client or default_client())._request("GET", "/v1/sandboxes", params=params)
-    return [SandboxInfo.model_validate(item) for item in response.json()]
-
-
-def _segment(sandbox_id: str) -> str:
-    # An id is one URL path segment; refuse anything that would route elsewhere on the daemon.
-    if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
-        raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}")
-    return sandbox_id
+    return await (client or default_client()).api.list(labels, backend, state)
 
 
 def heartbeat_interval(lease: float) -> float:
@@ -782,11 +714,11 @@ async def _renew_lease(ref: weakref.ref[AsyncSandbox], interval: float) -> None:
         sandbox = ref()
         if sandbox is None:
             return
-        client, path = sandbox._client, f"/v1/sandboxes/{sandbox.id}/lease"
+        api, sandbox_id = sandbox._client.api, sandbox.id
         del sandbox  # not held across the request: a dropped handle must be collectable
         try:
-            await client._request("POST", path)
+            await api.renew_lease(sandbox_id)
         except (SandboxNotFound, SandboxTimeout, InvalidRequest):
             return  # gone, expired, or a daemon that has no lease for it: nothing left to renew
         except DSecError as exc:  # daemon restarting, network blip: try again next beat
-            log.debug("lease renewal %s failed: %s", path, exc)
+            log.debug("lease renewal of %s failed: %s", sandbox_id, exc)

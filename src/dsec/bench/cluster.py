@@ -102,7 +102,7 @@ async def _measure(cfg: ClusterBench, url: str, token: str, node_url: str, node_
         start = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(cfg.burst)))
         burst_s = time.perf_counter() - start
-        metrics = (await gw._request("GET", "/metrics")).text
+        metrics = (await gw.api.metrics_text()).decode()
     queued = next((float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("dsec_cluster_admission_queued ")), 0.0)
     return {"via": via, "direct": direct, "burst_s": burst_s, "failures": failures, "per_node": per_node,

@@ -1,7 +1,7 @@
 """The load side of ``dsec bench cluster-sim``: creates, destroys and probes sent to a gateway, cheaply.
 
-Owns the bench's client: raw HTTP/1.1 requests on the SDK's lean keep-alive connections
-(:mod:`dsec._sdk.lean`), bodies serialised once, answers read with ``json.loads``, so that one client
+Owns the bench's client: raw HTTP/1.1 requests on the keep-alive connections of the node API's client
+(:mod:`dsec._http.http11`), bodies serialised once, answers read with ``json.loads``, so that one client
 process on the shared core can keep a gateway busy; and the gateway's CPU split by part from py-spy's
 samples. It runs in its own process (``python -m dsec.bench.sim_load``, one JSON document on stdout),
 pinned away from the gateway. It measures; it must never decide whether a target is met.
@@ -22,18 +22,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dsec._sdk.lean import LeanError, LeanPool
+from dsec._http.http11 import Http11Error, Http11Pool
 
 __all__ = ["Client", "cpu_by_part", "main"]
 
 
 class Client:
-    """Raw requests to one gateway with a job token, on a lean pool of ``connections``."""
+    """Raw requests to one gateway with a job token, on a keep-alive pool of ``connections``."""
 
     def __init__(self, url: str, token: str, connections: int = 256) -> None:
         parts = urlsplit(url)
         self.host = parts.netloc
-        self.pool = LeanPool(host=parts.hostname or "", port=parts.port or 80, max_connections=connections,
+        self.pool = Http11Pool(host=parts.hostname or "", port=parts.port or 80, max_connections=connections,
                              keepalive_expiry=20.0)
         self.auth = f"Authorization: Bearer {token}\r\n"
 
@@ -69,7 +69,7 @@ async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency:
             start = time.perf_counter()
             try:
                 status, body = await client.call("POST", "/v1/sandboxes", spec, timeout=120.0)
-            except LeanError as exc:
+            except Http11Error as exc:
                 failures[f"create: {exc.kind}: {exc}"[:200]] += 1
                 continue
             made = time.perf_counter()
@@ -81,7 +81,7 @@ async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency:
             sid = json.loads(body)["id"]
             try:
                 status, body = await client.call("DELETE", f"/v1/sandboxes/{sid}", timeout=120.0)
-            except LeanError as exc:
+            except Http11Error as exc:
                 failures[f"destroy: {exc.kind}: {exc}"[:200]] += 1
                 continue
             if status != 204:
@@ -103,7 +103,7 @@ async def batch(url: str, token: str, spec: dict[str, Any], count: int, stream: 
     start = time.perf_counter()
     try:
         status, answer = await client.call("POST", "/v1/sandboxes/batch", body, timeout=900.0)
-    except LeanError as exc:
+    except Http11Error as exc:
         return {"seconds": time.perf_counter() - start, "error": f"{exc.kind}: {exc}", "ids": []}
     finally:
         await client.aclose()
@@ -126,7 +126,7 @@ async def destroy_all(url: str, token: str, ids: list[str], concurrency: int = 6
             sid = todo.pop()
             try:
                 status, _ = await client.call("DELETE", f"/v1/sandboxes/{sid}", timeout=120.0)
-            except LeanError:
+            except Http11Error:
                 failed += 1
                 continue
             failed += status != 204
@@ -144,7 +144,7 @@ async def probe(url: str, token: str, seconds: float, interval: float = 0.01) ->
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         start = time.perf_counter()
-        with contextlib.suppress(LeanError):
+        with contextlib.suppress(Http11Error):
             await client.call("GET", "/v1/health", timeout=60.0)
             samples.append(time.perf_counter() - start)
         await asyncio.sleep(interval)
@@ -158,9 +158,10 @@ def cpu_by_part(raw: Path) -> dict[str, float]:
     event loop and libraries under none of these."""
     parts: Counter[str] = Counter()
     rules = (("postgresql", ("psycopg", "cluster/state.py")), ("placement", ("cluster/placement.py",)),
-             ("forward", ("_sdk/lean.py", "_sdk/transport.py", "httpx", "httpcore")),
+             ("forward", ("_http/", "api/client.py", "api/operations.py", "httpx", "httpcore")),
              ("events", ("_follow_node", "daemon/events.py")),
-             ("http", ("uvicorn", "starlette", "fastapi", "daemon/app.py", "cluster/server.py", "h11")),
+             ("http", ("uvicorn", "starlette", "fastapi", "daemon/app.py", "api/binding.py", "cluster/server.py",
+                       "h11")),
              ("gateway", ("cluster/",)))
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")

@@ -5,7 +5,9 @@ Owns: which node each sandbox lives on (placement through :class:`~dsec.cluster.
 its sandboxes marked ``lost`` with the reason) and the durable record of all of it
 (:class:`~dsec.cluster.state.ClusterState`). Create answers carry the owning node's URL and a token scoped
 to the sandbox, so the SDK sends exec and file calls straight to the node: the gateway forwards them only
-for clients that do not follow the endpoint (curl). It must never run sandboxes itself.
+for clients that do not follow the endpoint (curl). It implements :class:`~dsec.api.protocol.NodeAPI` and
+calls its nodes through one :class:`~dsec.api.client.NodeClient` each, over one set of connections. It must
+never run sandboxes itself.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import TypeAdapter
 
-from dsec._sdk.lean import LeanError, LeanPool
-from dsec._sdk.transport import STREAM_TIMEOUT, Transport, build_request_parts, read_chunks
+from dsec._http.connections import Connections
+from dsec._http.http11 import Http11Error
+from dsec._version import __version__
+from dsec.api.client import NodeClient
+from dsec.api.operations import Operation, close_stream
+from dsec.api.protocol import NodeAPI
 from dsec.cluster.authority import Authority
 from dsec.cluster.cells import CellLeases, cell_of
 from dsec.cluster.placement import Capacity, JobQuota, Placer
@@ -38,7 +43,6 @@ from dsec.cluster.replica import CellKeeper, adopt_rows
 from dsec.cluster.state import ClusterState, NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
-from dsec.daemon.engine import dsec_version
 from dsec.daemon.events import EventBus
 from dsec.errors import (
     BackendUnavailable,
@@ -53,21 +57,9 @@ from dsec.errors import (
 )
 from dsec.models import (
     AuditEntry,
+    AuditOutcome,
     BatchCreateRequest,
-    CallRequest,
-    CallResult,
-    ExecEvent,
-    ExecRequest,
-    ExecResult,
-    FileEntry,
-    ImageBuildEvent,
-    ImageBuildRequest,
-    ImageInfo,
-    ImagePullRequest,
-    KeyboardRequest,
     LifecycleEvent,
-    LoggedCall,
-    MouseRequest,
     NodeEndpoint,
     NodeInfo,
     NodeLoad,
@@ -77,15 +69,14 @@ from dsec.models import (
     PoolStatistics,
     SandboxInfo,
     SandboxSpec,
-    SandboxStats,
-    SnapshotRef,
-    TimeoutRequest,
     TrajectoryForkRequest,
 )
 
 __all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 current_job: contextvars.ContextVar[str] = contextvars.ContextVar("dsec_job", default="default")
 """The job of the request being served (set from its token by the gateway's auth middleware)."""
@@ -111,15 +102,11 @@ NodeSource = Callable[[], Awaitable[builtins.list[NodeFacts]]]
 """Polled by the gateway: every node membership knows of (Ray in production, a list in unit tests)."""
 
 
-# Drop idle connections to a node before its uvicorn does (5 s keep-alive): reusing one the server is
-# closing at that instant fails the request ("Server disconnected without sending a response").
-_NODE_LIMITS = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=2.0)
 _HEALTH_TIMEOUT = httpx.Timeout(5.0)
 _PROBE_TIMEOUT = httpx.Timeout(2.0)
 _PLACE_ROUNDS = 4
 """A create whose node took none of it is placed again at most this many times (nodes going down one
 after another; each round places nothing on the nodes that failed before)."""
-_INFO_LIST = TypeAdapter(builtins.list[SandboxInfo])
 
 
 _NODE_DOWN = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
@@ -140,7 +127,7 @@ def _took_none(exc: BaseException) -> bool:
     cause = exc.__cause__
     if isinstance(cause, DaemonStopping):
         return cause.detail.get("kept") == 0
-    if isinstance(cause, ConnectionFailed) and isinstance(cause.__cause__, LeanError):
+    if isinstance(cause, ConnectionFailed) and isinstance(cause.__cause__, Http11Error):
         inner = cause.__cause__
         why = inner.__cause__
         return inner.kind == "connect" and (isinstance(why, TimeoutError)
@@ -181,8 +168,9 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
-class GatewayEngine:
-    """Engine-shaped (the daemon's ``create_app`` serves it): every method places or forwards."""
+class GatewayEngine(NodeAPI):
+    """The node API over a cluster (the daemon's ``create_app`` serves it): the operations it defines place,
+    merge or check jobs; every other operation goes to the sandbox's node (:meth:`perform`)."""
 
     def __init__(
         self,
@@ -214,7 +202,12 @@ class GatewayEngine:
         """Nodes whose records were found true by their count and digest alone (a counter)."""
         self.node_rows: dict[str, NodeRow] = {}
         self.metrics = _Metrics(self)
-        self._transports: dict[str, tuple[Transport, httpx.AsyncClient, LeanPool]] = {}
+        # One set of connections for every node; idle ones are dropped before a node's uvicorn does (5 s
+        # keep-alive): reusing one the server is closing at that instant fails the request. Every node's event
+        # stream stays open, so streams are not bounded.
+        self.connections = Connections(max_per_origin=200, keepalive_expiry=2.0, stream_limit=None,
+                                       user_agent="dsec-gateway")
+        self._nodes: dict[str, NodeClient] = {}
         self._reconciled: set[str] = set()
         self.unready: dict[str, str] = {}
         """Nodes Ray sees alive whose daemon took no create (stopping, or no connection opened) -> why;
@@ -332,8 +325,8 @@ class GatewayEngine:
                 await asyncio.gather(task, return_exceptions=True)
         for name in builtins.list(self._followers):
             await self._unfollow(name)
-        for name in builtins.list(self._transports):
-            await self._drop_client(name)
+        self._nodes.clear()
+        await self.connections.aclose()
         if self.keeper is not None:
             with contextlib.suppress(DSecError):
                 await self.keeper.leases.leave()
@@ -363,9 +356,8 @@ class GatewayEngine:
         chunk cache holds, which replaces what placement believed (a node that evicted an image loses it)."""
         async def one(name: str) -> None:
             try:
-                response = await self._node_request(name, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT)
-                info = NodeInfo.model_validate_json(response.content)
-            except (DSecError, ValueError) as exc:  # a dying node: membership deals with it
+                info = await self._ask(name, lambda node: node.with_timeout(_HEALTH_TIMEOUT).health())
+            except DSecError as exc:  # a dying node: membership deals with it
                 log.debug("image cache of %s unknown: %s", name, exc)
                 return
             node = self.placer.nodes.get(name)
@@ -431,9 +423,8 @@ class GatewayEngine:
         """The unready nodes whose ``/v1/health`` answers that their daemon serves (not stopping)."""
         async def serves(name: str) -> bool:
             try:
-                response = await self._node_request(name, "GET", "/v1/health", timeout=_PROBE_TIMEOUT)
-                info = NodeInfo.model_validate_json(response.content)
-            except (DSecError, ValueError) as exc:
+                info = await self._ask(name, lambda node: node.with_timeout(_PROBE_TIMEOUT).health())
+            except DSecError as exc:
                 log.debug("node %s is not back yet: %s", name, exc)
                 return False
             if info.stopping is not None:
@@ -497,13 +488,12 @@ class GatewayEngine:
         reason (the job is told ``SandboxTimeout``), a destroyed one is forgotten."""
         # Under this replica's fence: the node refuses creates a previous owner of its cell still sends, so
         # what it says now stays the truth the records follow.
-        health = NodeInfo.model_validate_json((await self._node_request(
-            node, "GET", "/v1/health", timeout=_HEALTH_TIMEOUT, headers=self.authority.fence(node))).content)
+        fence = self.authority.fence(node)
+        health = await self._ask(node, lambda api: api.with_timeout(_HEALTH_TIMEOUT).with_headers(fence).health())
         if health.placed is not None and (health.placed, health.digest) == self.records.digest(node):
             self.reconciled_by_digest += 1
             return  # the node holds exactly what the records say: no listing
-        response = await self._node_request(node, "GET", "/v1/sandboxes", timeout=_HEALTH_TIMEOUT)
-        held = {info.id: info for info in _INFO_LIST.validate_json(response.content)}
+        held = {info.id: info for info in await self._ask(node, lambda api: api.with_timeout(_HEALTH_TIMEOUT).list())}
         adopted = []
         for info in held.values():
             job = info.labels.get(JOB_LABEL)
@@ -526,7 +516,7 @@ class GatewayEngine:
         async def why_gone(sid: str) -> None:
             async with asking:
                 try:
-                    await self._node_request(node, "GET", f"/v1/sandboxes/{sid}", timeout=_HEALTH_TIMEOUT)
+                    await self._ask(node, lambda api: api.with_timeout(_HEALTH_TIMEOUT).get(sid))
                 except SandboxTimeout as exc:
                     self._ended(sid, exc.message)
                 except SandboxNotFound:
@@ -550,24 +540,18 @@ class GatewayEngine:
 
     # -- node plumbing ------------------------------------------------------------------------------------
 
-    def _entry(self, node: str) -> tuple[Transport, httpx.AsyncClient, LeanPool]:
-        entry = self._transports.get(node)
-        if entry is None:
+    def _node(self, node: str) -> NodeClient:
+        """The node API of ``node`` (its daemon's URL and admin token), over the gateway's connections."""
+        client = self._nodes.get(node)
+        if client is None:
             row = self.node_rows[node]
-            transport = Transport(row.url, row.token)
-            entry = self._transports[node] = (transport, transport.build(_NODE_LIMITS),
-                                              transport.build_lean(max_connections=200, keepalive_expiry=2.0))
-        return entry
-
-    def _client(self, node: str) -> tuple[Transport, httpx.AsyncClient]:
-        transport, http, _lean = self._entry(node)
-        return transport, http
+            client = self._nodes[node] = NodeClient(row.url, row.token, connections=self.connections)
+        return client
 
     async def _drop_client(self, node: str) -> None:
-        entry = self._transports.pop(node, None)
-        if entry is not None:
-            await entry[1].aclose()
-            await entry[2].aclose()
+        client = self._nodes.pop(node, None)
+        if client is not None:
+            self.connections.forget(client.origin)
 
     @contextlib.contextmanager
     def _reaching(self, node: str) -> Iterator[None]:
@@ -582,16 +566,10 @@ class GatewayEngine:
                 f"node {node} does not answer ({exc.message}); if it died, Ray reports it and its sandboxes "
                 "are marked lost within seconds", node=node) from exc
 
-    async def _node_request(self, node: str, method: str, path: str, **kw: Any) -> httpx.Response:
-        transport, http = self._client(node)
+    async def _ask(self, node: str, call: Callable[[NodeClient], Awaitable[T]]) -> T:
+        """``call`` on ``node``'s API; its failure to answer is the node's (:class:`BackendUnavailable`)."""
         with self._reaching(node):
-            return await transport.request(http, method, path, **kw)
-
-    async def _node_post(self, node: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
-        """POST serialised JSON to a node on its lean pool (the create hot path); the answer's body."""
-        transport, _http, lean = self._entry(node)
-        with self._reaching(node):
-            return await transport.post_json(lean, path, body, timeout=STREAM_TIMEOUT, headers=headers)
+            return await call(self._node(node))
 
     def _any_node(self) -> str:
         alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
@@ -666,7 +644,7 @@ class GatewayEngine:
             for name, slots in node.capacity.slots.items():
                 if node.alive and slots > 0:
                     backends[name] = "ok"
-        return NodeInfo(node="gateway", version=dsec_version(), backends=backends, sandboxes=self.records.live)
+        return NodeInfo(node="gateway", version=__version__, backends=backends, sandboxes=self.records.live)
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Place one sandbox (a trajectory re-attaches on its live node, else is rebuilt anywhere)."""
@@ -676,9 +654,8 @@ class GatewayEngine:
             sid = self.records.trajectory(spec.trajectory)
             row = self.records.rows.get(sid or "")
             if row is not None and row.state in ("running", "paused") and row.job == job:
-                response = await self._node_request(row.node, "POST", "/v1/sandboxes",
-                                                    json_body=spec.model_dump(mode="json"))
-                return (await self._remember([SandboxInfo.model_validate(response.json())], row.node, job))[0]
+                info = await self._ask(row.node, lambda node: node.create(spec))
+                return (await self._remember([info], row.node, job))[0]
         return (await self._create_placed(spec, 1, job))[0]
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
@@ -768,15 +745,12 @@ class GatewayEngine:
 
         async def on(node: str, n: int) -> builtins.list[SandboxInfo]:
             try:
-                headers = self.authority.fence(node)
-                # Serialized once by pydantic's Rust core and parsed the same way: no dict round trip.
+                fence = self.authority.fence(node)
                 if n == 1:
-                    infos = [SandboxInfo.model_validate_json(await self._node_post(node, "/v1/sandboxes", body,
-                                                                                   headers))]
+                    infos = [await self._ask(node, lambda api: api.with_headers(fence).create(spec))]
                 else:
-                    batch = BatchCreateRequest(count=n, spec=spec).model_dump_json().encode()
-                    infos = _INFO_LIST.validate_json(await self._node_post(node, "/v1/sandboxes/batch", batch,
-                                                                           headers))
+                    share = BatchCreateRequest(count=n, spec=spec)
+                    infos = await self._ask(node, lambda api: api.with_headers(fence).create_many(share))
             except BaseException as exc:
                 if isinstance(exc, BackendUnavailable) and exc.detail.get("lease") == "lost":
                     for other in self.keeper.nodes_in(self.authority.cell(node)) if self.keeper else ():
@@ -818,7 +792,7 @@ class GatewayEngine:
         raise (hard or errors)[0]
 
     async def list(
-        self, labels: dict[str, str], backend: str | None = None, state: str | None = None, *,
+        self, labels: Mapping[str, str] | None = None, backend: str | None = None, state: str | None = None, *,
         after: str | None = None, limit: int | None = None,
     ) -> builtins.list[SandboxInfo]:
         """The job's sandboxes as last seen (lost ones included, with their reason), in id order: at most
@@ -845,8 +819,8 @@ class GatewayEngine:
             return self.records.info(sandbox_id, row)
         row = self._row(sandbox_id)
         with self._on_node(sandbox_id):
-            response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}")
-        return self._refresh(sandbox_id, SandboxInfo.model_validate(response.json()))
+            info = await self._ask(row.node, lambda node: node.get(sandbox_id))
+        return self._refresh(sandbox_id, info)
 
     def _refresh(self, sandbox_id: str, info: SandboxInfo) -> SandboxInfo:
         """The node's fresh info into the row; one the node is expiring right now ends the row (room given back)."""
@@ -870,7 +844,7 @@ class GatewayEngine:
     async def _destroy(self, sandbox_id: str, row: Row) -> None:
         if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
-                await self._node_request(row.node, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+                await self._ask(row.node, lambda node: node.destroy(sandbox_id))
             now = self.records.rows.get(sandbox_id)
             if now is not None and now.state in LIVE:  # not ended meanwhile (an event, a reconcile)
                 self.placer.release(row.job, row.node, row.shape)
@@ -878,101 +852,40 @@ class GatewayEngine:
             # Not waited for: a restarted gateway forgets a row whose sandbox its node no longer holds.
             self.state.writer.submit_delete([sandbox_id])
 
-    # -- forwarded data plane (for clients that do not follow the endpoint) ------------------------------
+    # -- forwarded (for clients that do not follow the endpoint, and every operation not defined here) --------
 
-    async def _json(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> Any:
-        row = self._row(sandbox_id)
-        with self._on_node(sandbox_id):
-            response = await self._node_request(row.node, method, f"/v1/sandboxes/{sandbox_id}{suffix}", **kw)
-        return response.json() if response.content else None
+    async def perform(self, op: Operation[Any, Any], /, *args: Any, **kwargs: Any) -> Any:
+        """An operation the gateway does not answer itself: a sandbox's goes to the sandbox's node (its answer
+        that the sandbox expired or is gone updates the records), one on a store every node shares to any live
+        node; any other is per node."""
+        if op.sandbox_scoped:
+            sandbox_id = op.arguments(args, kwargs)["sandbox_id"]
+            row = self._row(sandbox_id)
+            with self._on_node(sandbox_id):
+                answer = await self._ask(row.node, lambda node: node.perform(op, *args, **kwargs))
+            return self._refresh(sandbox_id, answer) if isinstance(answer, SandboxInfo) else answer
+        if op.shared:
+            return await self._ask(self._any_node(), lambda node: node.perform(op, *args, **kwargs))
+        raise NotSupported(f"{op.name} is answered by each node daemon, not through the gateway")
 
-    def exec_stream(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> AsyncIterator[ExecEvent]:
-        """Relay the owning node's exec stream."""
-        return self._exec(sandbox_id, request, seq)
+    async def perform_stream(self, op: Operation[Any, Any], /, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """A streamed operation, relayed from the sandbox's node (or, on a shared store, from any live node: an
+        image build into the shared store)."""
+        if op.sandbox_scoped:
+            sandbox_id = op.arguments(args, kwargs)["sandbox_id"]
+            node = self._row(sandbox_id).node
+            with self._on_node(sandbox_id), self._reaching(node):
+                async for item in self._node(node).perform_stream(op, *args, **kwargs):
+                    yield item
+            return
+        if not op.shared:
+            raise NotSupported(f"{op.name} is answered by each node daemon, not through the gateway")
+        node = self._any_node()
+        with self._reaching(node):
+            async for item in self._node(node).perform_stream(op, *args, **kwargs):
+                yield item
 
-    async def _exec(self, sandbox_id: str, request: ExecRequest, seq: int | None) -> AsyncIterator[ExecEvent]:
-        row = self._row(sandbox_id)
-        transport, http = self._client(row.node)
-        path = f"/v1/sandboxes/{sandbox_id}/exec" + (f"?seq={seq}" if seq is not None else "")
-        async with transport.stream(http, "POST", path, json_body=request.model_dump(mode="json")) as response:
-            async for line in response.aiter_lines():
-                if line.strip():
-                    yield ExecEvent.model_validate_json(line)
-
-    async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
-        """Forward ``sb.call``."""
-        return CallResult.model_validate(await self._json(sandbox_id, "POST", "/call",
-                                                          json_body=request.model_dump(mode="json")))
-
-    async def read_file(self, sandbox_id: str, path: str, limit: int, seq: int | None = None) -> bytes:
-        """Forward a file read."""
-        row = self._row(sandbox_id)
-        params: dict[str, Any] = {"path": path} | ({"seq": seq} if seq is not None else {})
-        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/files",
-                                         params=params)).content
-
-    async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, mode: int | None = None, seq: int | None = None
-    ) -> None:
-        """Forward a file write."""
-        params: dict[str, Any] = {"path": path}
-        if mode is not None:
-            params["mode"] = format(mode, "o")
-        if seq is not None:
-            params["seq"] = seq
-        await self._json(sandbox_id, "PUT", "/files", params=params, content=data)
-
-    async def list_files(self, sandbox_id: str, path: str, seq: int | None = None) -> builtins.list[FileEntry]:
-        """Forward a directory listing."""
-        params: dict[str, Any] = {"path": path} | ({"seq": seq} if seq is not None else {})
-        return [FileEntry.model_validate(e) for e in await self._json(sandbox_id, "GET", "/files/list",
-                                                                      params=params)]
-
-    async def stats(self, sandbox_id: str) -> SandboxStats:
-        """Forward stats."""
-        return SandboxStats.model_validate(await self._json(sandbox_id, "GET", "/stats"))
-
-    async def _info_call(self, sandbox_id: str, method: str, suffix: str, **kw: Any) -> SandboxInfo:
-        return self._refresh(sandbox_id, SandboxInfo.model_validate(await self._json(sandbox_id, method, suffix, **kw)))
-
-    async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
-        """Forward pause."""
-        params = {"release_memory": "true"} if release_memory else None
-        return await self._info_call(sandbox_id, "POST", "/pause", params=params)
-
-    async def exec(self, sandbox_id: str, request: ExecRequest, seq: int | None = None) -> ExecResult:
-        """Forward a one-response exec."""
-        params = {"seq": seq} if seq is not None else None
-        return ExecResult.model_validate(await self._json(sandbox_id, "POST", "/exec/result", params=params,
-                                                          json_body=request.model_dump(mode="json")))
-
-    async def screenshot(self, sandbox_id: str, seq: int | None = None) -> bytes:
-        """Forward a screenshot (vm backend)."""
-        row = self._row(sandbox_id)
-        params = {"seq": seq} if seq is not None else None
-        return (await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/screenshot",
-                                         params=params)).content
-
-    async def mouse(self, sandbox_id: str, request: MouseRequest, seq: int | None = None) -> None:
-        """Forward a pointer action (vm backend)."""
-        await self._json(sandbox_id, "POST", "/mouse" + (f"?seq={seq}" if seq is not None else ""),
-                         json_body=request.model_dump(mode="json"))
-
-    async def keyboard(self, sandbox_id: str, request: KeyboardRequest, seq: int | None = None) -> None:
-        """Forward keyboard input (vm backend)."""
-        await self._json(sandbox_id, "POST", "/keyboard" + (f"?seq={seq}" if seq is not None else ""),
-                         json_body=request.model_dump(mode="json", exclude_none=True))
-
-    async def reveal(self, sandbox_id: str, seq: int | None = None) -> SandboxInfo:
-        """Forward reveal (hidden paths; a logged call on a trajectory)."""
-        params = {"seq": seq} if seq is not None else None
-        return await self._info_call(sandbox_id, "POST", "/reveal", params=params)
-
-    async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
-        """Forward a lease renewal."""
-        return await self._info_call(sandbox_id, "POST", "/lease")
-
-    def statistics(self) -> NodeStatistics:
+    async def statistics(self) -> NodeStatistics:
         """Warm pools and admission are per node; the gateway has its own queue (see ``/metrics``)."""
         raise NotSupported("warm pools and the admission queue are per node: ask a node daemon for its statistics")
 
@@ -986,29 +899,11 @@ class GatewayEngine:
         row = self.records.rows.get(sandbox_id)
         return None if row is None else dict(self.records.spec(row).labels)
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        """Forward resume."""
-        return await self._info_call(sandbox_id, "POST", "/resume")
-
-    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
-        """Forward a new deadline."""
-        body = TimeoutRequest(timeout=timeout).model_dump()
-        return await self._info_call(sandbox_id, "POST", "/timeout", json_body=body)
-
-    async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
-        """Forward a network policy change."""
-        return await self._info_call(sandbox_id, "PUT", "/network", json_body={"network": network})
-
-    async def snapshot(self, sandbox_id: str, seq: int | None = None) -> SnapshotRef:
-        """Forward snapshot (the snapshot store is shared, so any node can restore it)."""
-        params = {"seq": seq} if seq is not None else None
-        return SnapshotRef.model_validate(await self._json(sandbox_id, "POST", "/snapshot", params=params))
-
     async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
         """Fork on the owning node; the copies are the job's and count against its quota."""
         row = self._row(sandbox_id)
-        items = await self._json(sandbox_id, "POST", "/fork", json_body={"count": count})
-        infos = [SandboxInfo.model_validate(item) for item in items]
+        with self._on_node(sandbox_id):
+            infos = await self._ask(row.node, lambda node: node.fork(sandbox_id, count))
         for info in infos:
             self.placer.adopt(row.job, row.node, info.spec)
         return await self._remember(infos, row.node, row.job)
@@ -1016,61 +911,28 @@ class GatewayEngine:
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
         """Branch on a live node (the trajectory log is shared in PostgreSQL)."""
         node = self._any_node()
-        response = await self._node_request(node, "POST", "/v1/trajectories/fork",
-                                            json_body=request.model_dump(mode="json"))
-        info = SandboxInfo.model_validate(response.json())
+        info = await self._ask(node, lambda api: api.branch_trajectory(request))
         self.placer.adopt(current_job.get(), node, info.spec)
         return (await self._remember([info], node, current_job.get()))[0]
 
-    async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
-        """Read the shared trajectory log through any live node."""
-        response = await self._node_request(self._any_node(), "GET", "/v1/trajectories/log",
-                                            params={"name": name, "start": start, "limit": limit})
-        return [LoggedCall.model_validate(item) for item in response.json()]
-
-    async def list_images(self) -> builtins.list[ImageInfo]:
-        """Images of the shared store, as a live node sees them."""
-        response = await self._node_request(self._any_node(), "GET", "/v1/images")
-        return [ImageInfo.model_validate(item) for item in response.json()]
-
-    async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
-        """Pull into the shared store through a live node."""
-        response = await self._node_request(self._any_node(), "POST", "/v1/images/pull",
-                                            json_body=request.model_dump(mode="json"))
-        return ImageInfo.model_validate(response.json())
-
-    async def build_image(self, request: ImageBuildRequest, context: IO[bytes]) -> AsyncIterator[ImageBuildEvent]:
-        """Build on a live node into the shared store, passing its output on; closing the stream cancels it."""
-        node = self._any_node()
-        transport, http = self._client(node)
-        params, headers = build_request_parts(request)
-        with self._reaching(node):
-            async with transport.stream(http, "POST", "/v1/images/build", params=params, headers=headers,
-                                        content=read_chunks(context)) as response:
-                async for line in response.aiter_lines():
-                    if line:
-                        yield ImageBuildEvent.model_validate_json(line)
-
-    async def get_image(self, name: str) -> ImageInfo:
-        """One image of the shared store."""
-        response = await self._node_request(self._any_node(), "GET", f"/v1/images/{name}")
-        return ImageInfo.model_validate(response.json())
-
+    async def metrics_text(self) -> bytes:
+        """The gateway's own metrics (nodes, live sandboxes, admission, image locality)."""
+        return self.metrics.render()
 
     # -- operator views (dashboard, CLI) --------------------------------------------------------------------
 
-    async def _each_node(self, path: str, params: dict[str, Any] | None = None) -> builtins.list[tuple[str, Any]]:
-        """``GET path`` on every live node; nodes that fail are logged and left out."""
+    async def _each_node(self, what: str, call: Callable[[NodeClient], Awaitable[T]]) -> builtins.list[tuple[str, T]]:
+        """``call`` on every live node; nodes that fail are logged and left out."""
         alive = sorted(n.name for n in self.placer.nodes.values() if n.alive)
 
-        async def one(node: str) -> tuple[str, Any]:
-            return node, (await self._node_request(node, "GET", path, params=params)).json()
+        async def one(node: str) -> tuple[str, T]:
+            return node, await self._ask(node, call)
 
         results = await asyncio.gather(*(one(n) for n in alive), return_exceptions=True)
         found = []
         for result in results:
             if isinstance(result, BaseException):
-                log.warning("GET %s on a node failed: %s", path, result)
+                log.warning("%s of a node failed: %s", what, result)
             else:
                 found.append(result)
         return found
@@ -1079,18 +941,22 @@ class GatewayEngine:
         if current_job.get() != "admin":
             raise Forbidden(f"{what} spans every job's sandboxes: it needs the gateway's admin token")
 
-    async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
-        """Every live node's audit trail for ``query``, merged newest first (admin only).
+    async def audit_log(self, *, sandbox_id: str | None = None, who: str | None = None, job: str | None = None,
+                        outcome: AuditOutcome | None = None, since: float | None = None, until: float | None = None,
+                        before: int | None = None, limit: int = 100) -> builtins.list[AuditEntry]:
+        """Every live node's audit trail for these filters, merged newest first (admin only).
 
         Nodes do not know the gateway's jobs: the job (and, for calls sent straight to the node with a
         sandbox-scoped token, the caller) is filled in from the gateway's own records, and a ``job`` filter is
         applied here, after the merge (so it may return fewer than ``limit`` entries per page)."""
         self._admin_only("the audit trail")
-        params = {k: v for k, v in vars(query).items() if v is not None and k != "job"}
+        query = AuditQuery(sandbox_id=sandbox_id, who=who, job=job, outcome=outcome, since=since, until=until,
+                           before=before, limit=limit)  # refused here, as a node would, rather than on each node
         merged = []
-        for _, items in await self._each_node("/v1/audit", params):
-            for item in items:
-                entry = AuditEntry.model_validate(item)
+        answers = await self._each_node("the audit trail", lambda node: node.audit_log(
+            sandbox_id=sandbox_id, who=who, outcome=outcome, since=since, until=until, before=before, limit=limit))
+        for _, entries in answers:
+            for entry in entries:
                 row = self.records.rows.get(entry.sandbox_id)
                 if row is not None:
                     entry.job = entry.job or row.job
@@ -1106,9 +972,7 @@ class GatewayEngine:
         row = self._mine(sandbox_id)
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
-        params: dict[str, Any] = {"limit": limit} if before is None else {"limit": limit, "before": before}
-        response = await self._node_request(row.node, "GET", f"/v1/sandboxes/{sandbox_id}/logs", params=params)
-        entries = [AuditEntry.model_validate(item) for item in response.json()]
+        entries = await self._ask(row.node, lambda node: node.sandbox_logs(sandbox_id, limit, before))
         for entry in entries:
             entry.job = entry.job or row.job
             if entry.who == "sandbox-token":
@@ -1145,15 +1009,14 @@ class GatewayEngine:
         opened = 0
         while True:
             try:
-                transport, http = self._client(node)
-                async with transport.stream(http, "GET", "/v1/events?since=0") as response:
-                    opened += 1
-                    if opened > 1:  # events may have passed beyond the node's kept history meanwhile
-                        self._resync(node, "its event stream was re-opened")
-                    async for line in response.aiter_lines():
-                        if not line:
-                            continue
-                        event = LifecycleEvent.model_validate_json(line)
+                events = self._node(node).subscribe(0)
+                first = True
+                try:
+                    async for event in events:
+                        if first:
+                            first, opened = False, opened + 1
+                            if opened > 1:  # events may have passed beyond the node's kept history meanwhile
+                                self._resync(node, "its event stream was re-opened")
                         if event.kind == "lagged":
                             self._resync(node, f"its event stream skipped {event.detail.get('dropped', '?')} event(s)")
                         elif (event.at, event.seq) <= seen:
@@ -1161,6 +1024,8 @@ class GatewayEngine:
                         seen = (event.at, event.seq)
                         self._apply(node, event)
                         self.events.forward(event)
+                finally:
+                    await close_stream(events)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a node that dies: membership stops this follower
@@ -1195,7 +1060,7 @@ class GatewayEngine:
     async def overview(self) -> NodeOverview:
         """Every node's overview summed; the node list from placement (dead nodes included, marked). Admin only."""
         self._admin_only("the overview")
-        answers = {node: NodeOverview.model_validate(doc) for node, doc in await self._each_node("/v1/overview")}
+        answers = dict(await self._each_node("the overview", lambda node: node.overview()))
         total = NodeOverview(at=time.time(), nodes=[])
         for name, node in sorted(self.placer.nodes.items()):
             got = answers.get(name)

@@ -14,7 +14,6 @@ import builtins
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import logging
 import secrets
 import time
@@ -22,8 +21,11 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar, get_args
+from typing import IO, Any, Protocol, TypeVar, assert_never, get_args
 
+import pydantic
+
+from dsec._version import __version__
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec
 from dsec.config import Settings
 from dsec.daemon.admission import Admission, Deferred
@@ -85,13 +87,15 @@ from dsec.models import (
     SandboxSpec,
     SandboxStats,
     SnapshotRef,
+    TimeoutRequest,
     TrajectoryForkRequest,
+    parse_network,
 )
 from dsec.trajectory.replay import Trajectories
 from dsec.trajectory.snapshots import SnapshotStore
 from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
-__all__ = ["BACKENDS", "IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "dsec_version"]
+__all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "backend_class"]
 
 IMAGE_IDLE_SECONDS = 600.0
 """How long an image mount stays warm after its last sandbox is destroyed."""
@@ -104,13 +108,6 @@ IMAGE_CACHE_REPORT_AGE = 5.0
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
 _RECOVERY_PARALLELISM = 32
-BACKENDS = {
-    "container": ("dsec.backends.container", "ContainerBackend"),
-    "microvm": ("dsec.backends.microvm", "MicroVMBackend"),
-    "vm": ("dsec.backends.vm", "VMBackend"),
-    "function": ("dsec.backends.function", "FunctionBackend"),
-}
-"""The backends a node loads (module, class); one that fails to import or construct is reported unavailable."""
 SAMPLE_SECONDS = 5.0
 """How often the engine samples its counters for the overview's history."""
 HISTORY_SECONDS = 1800.0
@@ -139,12 +136,20 @@ async def _pinning(fn: Callable[[], _T], undo: Callable[[_T], None]) -> _T:
         raise
 
 
-def dsec_version() -> str:
-    """The installed DSec version (``0.1.0`` when running from a source tree)."""
-    try:
-        return importlib.metadata.version("dsec")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
+def backend_class(name: BackendName) -> tuple[str, str]:
+    """The module and class of backend ``name`` (the names are :data:`dsec.models.BackendName`'s: a node loads
+    each, and one that fails to import or construct is reported unavailable)."""
+    match name:
+        case "container":
+            return "dsec.backends.container", "ContainerBackend"
+        case "microvm":
+            return "dsec.backends.microvm", "MicroVMBackend"
+        case "vm":
+            return "dsec.backends.vm", "VMBackend"
+        case "function":
+            return "dsec.backends.function", "FunctionBackend"
+        case _:
+            assert_never(name)
 
 
 class ImageResolver(Protocol):
@@ -283,7 +288,8 @@ class Engine:
         images = cls.default_images(settings)
         backends: dict[str, Backend] = {}
         unavailable: dict[str, str] = {}
-        for name, (module, cls_name) in BACKENDS.items():
+        for name in get_args(BackendName):
+            module, cls_name = backend_class(name)
             try:
                 backend_cls = getattr(importlib.import_module(module), cls_name)
                 backends[name] = backend_cls(settings)
@@ -735,7 +741,7 @@ class Engine:
         self._check_pool(config, self._backend(config.backend))
         return self.pools.declare(config)
 
-    def statistics(self) -> NodeStatistics:
+    async def statistics(self) -> NodeStatistics:
         """Warm pools and the create admission queue now."""
         return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics(),
                               teardowns=len(self._teardowns))
@@ -1229,10 +1235,9 @@ class Engine:
                                result.stderr[:OUTPUT_HEAD_BYTES], len(result.stdout) + len(result.stderr),
                                spec.trajectory, error))
 
-    async def read_file(
-        self, sandbox_id: str, path: str, max_bytes: int = MAX_FILE_BYTES, seq: int | None = None
-    ) -> bytes:
-        """A file's bytes."""
+    async def read_file(self, sandbox_id: str, path: str, seq: int | None = None, *,
+                        max_bytes: int = MAX_FILE_BYTES) -> bytes:
+        """A file's bytes (a file larger than ``max_bytes`` is refused)."""
         record = self._live(sandbox_id, allow_paused=True)
         backend = self._backend(record.spec.backend)
         _check_path(path)
@@ -1364,6 +1369,10 @@ class Engine:
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
         """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later;
         ``info().expires_at`` says when)."""
+        try:
+            TimeoutRequest(timeout=timeout)  # its bounds, as the HTTP route's model checks them
+        except pydantic.ValidationError as exc:
+            raise InvalidRequest(f"invalid timeout: {exc.errors()[0]['msg']}") from None
         record = self._live(sandbox_id, allow_paused=True)
         record.expires_at = time.time() + timeout
         self._store.save(record)
@@ -1419,6 +1428,10 @@ class Engine:
 
     async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
         """Replace a live sandbox's network policy; the record keeps the new one."""
+        try:
+            parse_network(network)  # as the HTTP route's model does: in process too, a bad entry is refused here
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid network policy: {exc}") from None
         record = self._live(sandbox_id, allow_paused=True)
         await self._backend(record.spec.backend).set_network(record, network)
         record.spec = record.spec.model_copy(update={"network": network})
@@ -1450,7 +1463,7 @@ class Engine:
         self.rollouts.renew(record)
         return self._info(record)
 
-    async def trajectory_log(self, name: str, start: int, limit: int) -> builtins.list[LoggedCall]:
+    async def trajectory_log(self, name: str, start: int = 0, limit: int = 1000) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""
         return await self.rollouts.log.logged(name, start, limit)
 
@@ -1488,9 +1501,12 @@ class Engine:
 
         return build_events(self.images, self.settings, request, context)
 
-    async def audit_log(self, query: AuditQuery) -> builtins.list[AuditEntry]:
-        """Commands of the node's audit trail matching ``query``, newest first."""
-        return await self.audit.query(query)
+    async def audit_log(self, *, sandbox_id: str | None = None, who: str | None = None, job: str | None = None,
+                        outcome: AuditOutcome | None = None, since: float | None = None, until: float | None = None,
+                        before: int | None = None, limit: int = 100) -> builtins.list[AuditEntry]:
+        """Commands of the node's audit trail matching every filter given, newest first."""
+        return await self.audit.query(AuditQuery(sandbox_id=sandbox_id, who=who, job=job, outcome=outcome,
+                                                 since=since, until=until, before=before, limit=limit))
 
     async def sandbox_logs(self, sandbox_id: str, limit: int = 100, before: int | None = None
                            ) -> builtins.list[AuditEntry]:
@@ -1504,6 +1520,10 @@ class Engine:
     def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
         """Lifecycle events after ``since`` (still in the bus's history), then live ones."""
         return self.events.subscribe(since)
+
+    async def metrics_text(self) -> bytes:
+        """This node's metrics in Prometheus' text format."""
+        return self.metrics.render()
 
     async def overview(self) -> NodeOverview:
         """The node's counters, load, failures, image cache, pools and audit trail, for the dashboard."""
@@ -1608,6 +1628,6 @@ class Engine:
                                       faults=c.faults, last_error=c.last_error)
                       for c in self.components.components()]
         return NodeInfo(
-            node=self.settings.node, version=dsec_version(), backends=backends, sandboxes=len(self._records),
+            node=self.settings.node, version=__version__, backends=backends, sandboxes=len(self._records),
             images=images, stopping=self._stopping, status=self.components.status(), components=components,
         )

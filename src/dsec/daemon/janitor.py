@@ -29,10 +29,12 @@ import os
 import subprocess
 import sys
 import time
+from typing import get_args
 
 from dsec.config import Settings
 from dsec.daemon.startup import lock_holder, write_lock_owner
 from dsec.isolation.procs import start_time
+from dsec.models import BackendName
 
 __all__ = ["CLEAN", "Janitor", "clean_up", "main"]
 
@@ -103,13 +105,14 @@ def _lock(settings: Settings) -> int | None:
 def clean_up(settings: Settings) -> list[str]:
     """For a daemon that died: end what nobody will re-adopt (the unfinished creates' QEMUs), and with no sandbox
     record left, what its own close releases; returns what was done. Call with the home's lock held."""
-    from dsec.daemon.engine import BACKENDS
+    from dsec.daemon.engine import backend_class
     from dsec.daemon.state import StateStore
 
     records = StateStore.peek(settings.state_db) if settings.state_db.exists() else {}
     live = {r.id for r in records.values() if r.state in ("running", "paused")}
     done = []
-    for name, (module, cls_name) in BACKENDS.items():
+    for name in get_args(BackendName):
+        module, cls_name = backend_class(name)
         try:
             backend = getattr(importlib.import_module(module), cls_name)(settings)
             done += [f"{name}: {what}" for what in backend.release_host(live)]

@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
+from dsec.api.protocol import NodeAPI
 from dsec.daemon.audit import caller
 from dsec.e2b.control import ControlPlane
 from dsec.e2b.filesystem import FilesystemService, download, upload
 from dsec.e2b.keys import EnvdTokens, Keys, Principal
-from dsec.e2b.node import NodeAPI
 from dsec.e2b.options import E2BOptions
 from dsec.e2b.process import ProcessService, Target, current_target
 from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
+from dsec.api.protocol import NodeAPI
 from dsec.daemon.audit import caller
 from dsec.e2b import translate
 from dsec.e2b.keys import JOB_LABEL, EnvdTokens, Keys, Principal
-from dsec.e2b.node import NodeAPI
 from dsec.e2b.options import E2BOptions
 from dsec.errors import DSecError, InvalidRequest, NotSupported, SandboxNotFound, SandboxStateError, Unauthorized
 from dsec.models import SandboxInfo

@@ -20,9 +20,9 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
 from dsec.e2b.keys import EnvdTokens
-from dsec.e2b.node import NodeAPI
 from dsec.e2b.process import current_target, resolve_path
 from dsec.e2b.wire import Code, ConnectError, RequestContext, filesystem_pb
 from dsec.errors import DSecError, InvalidRequest, NotFound, NotSupported, Unauthorized
@@ -166,7 +166,7 @@ async def download(request: Request, api: NodeAPI, tokens: EnvdTokens, info: San
         _user(request)
         path = resolve_path(info, raw)
         try:
-            data = await api.read_file(info.id, path, MAX_FILE_BYTES)
+            data = await api.read_file(info.id, path)
         except NotFound as exc:
             if isinstance(exc, translate.GONE):
                 raise

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import pydantic
 
+from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
-from dsec.e2b.node import NodeAPI
 from dsec.e2b.wire import Code, ConnectError, Oneof, RequestContext, process_pb
 from dsec.errors import DSecError, NotFound, SandboxTimeout
 from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxInfo

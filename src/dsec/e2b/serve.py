@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsec.api.protocol import NodeAPI
 from dsec.daemon.auth import TokenFile
 from dsec.e2b.app import E2BApp
 from dsec.e2b.keys import EnvdTokens, GatewayKeys, NodeKeys, load_secret
-from dsec.e2b.node import NodeAPI
 from dsec.e2b.options import E2BOptions
 
 __all__ = ["gateway_app", "node_app", "uvicorn_tls"]

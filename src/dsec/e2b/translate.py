@@ -9,7 +9,7 @@ errors. Pure functions: no I/O, no calls to DSec.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, get_args
 
 import pydantic
 
@@ -33,7 +33,7 @@ from dsec.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from dsec.models import SandboxInfo, SandboxSpec, SandboxStats
+from dsec.models import BackendName, SandboxInfo, SandboxSpec, SandboxStats
 
 __all__ = [
     "GONE",
@@ -54,7 +54,6 @@ __all__ = [
 TEMPLATE_LABEL = "dsec.e2b.template"
 """The label that keeps the E2B template a sandbox was created from (DSec's own labels are not metadata)."""
 
-_BACKENDS = ("container", "microvm", "vm", "function")
 
 GONE = (SandboxNotFound, SandboxTimeout, SandboxLost)
 """The errors that mean the sandbox itself is gone (not a file or process in it)."""
@@ -66,7 +65,7 @@ def template_image(template: str, options: E2BOptions) -> tuple[str, str]:
     name = template.rsplit(":", 1)[0] if ":" in template.rsplit("/", 1)[-1] else template
     backend: str = options.backend
     head, sep, rest = name.partition("/")
-    if sep and head in _BACKENDS:
+    if sep and head in get_args(BackendName):
         backend, name = head, rest
     if name in options.extra_images:
         name = options.extra_images[name]

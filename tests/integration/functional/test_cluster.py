@@ -107,7 +107,7 @@ def node_endpoints(cluster: LocalCluster) -> dict[str, tuple[str, str]]:
 
 async def cached_on(c: dsec.Client, image: str) -> set[str]:
     """The nodes whose cache holds ``image``, as the gateway last read them (its /metrics)."""
-    text = (await c._request("GET", "/metrics")).text
+    text = (await c.api.metrics_text()).decode()
     return {line.split('node="')[1].split('"')[0] for line in text.splitlines()
             if line.startswith("dsec_cluster_node_image_cached{") and f'image="{image}"' in line}
 
@@ -189,7 +189,7 @@ async def test_burst_of_500_queues_and_completes(cluster: LocalCluster) -> None:
         assert not failures, f"{len(failures)} of 500 creates failed, e.g. {failures[:3]}"
         nodes = [r for r in results if isinstance(r, str)]
         assert len(nodes) == 500 and len(set(nodes)) == 3
-        metrics = (await c._request("GET", "/metrics")).text
+        metrics = (await c.api.metrics_text()).decode()
         queued = next(float(line.split()[1]) for line in metrics.splitlines()
                       if line.startswith("dsec_cluster_admission_queued "))
         assert queued > 0, "no create had to wait: the burst did not exceed the cluster's room"
@@ -225,7 +225,7 @@ async def test_a_node_daemon_restart_costs_the_job_no_create(cluster: LocalClust
             victim = made[0]._info.node
             pid = daemon_pid(next(h for h in cluster.node_homes() if h.name == victim))
             actor = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its supervisor
-            replaced = metric((await c._request("GET", "/metrics")).text, "dsec_cluster_creates_replaced_total")
+            replaced = metric((await c.api.metrics_text()).decode(), "dsec_cluster_creates_replaced_total")
             # The actor is held while its daemon stops, so that no restarted daemon can listen before the
             # next create (one bound but not started yet would take the connection and make the sandbox).
             os.kill(actor, signal.SIGSTOP)
@@ -243,7 +243,7 @@ async def test_a_node_daemon_restart_costs_the_job_no_create(cluster: LocalClust
                 os.kill(actor, signal.SIGCONT)
             made += during
             assert victim not in {s._info.node for s in during}
-            text = (await c._request("GET", "/metrics")).text
+            text = (await c.api.metrics_text()).decode()
             assert metric(text, "dsec_cluster_creates_replaced_total") > replaced
             back_by = time.monotonic() + 90
             while True:
@@ -289,7 +289,7 @@ async def test_node_killed_then_gateway_restarted(cluster: LocalCluster) -> None
         for sb in doomed:
             assert (await sb.info()).state == "lost"
         with pytest.raises(dsec.SandboxLost):
-            await c._request("POST", f"/v1/sandboxes/{doomed[0].id}/pause")
+            await c.api.pause(doomed[0].id)
         for sb in survivors:
             assert (await sb.exec("true")).exit_code == 0
 

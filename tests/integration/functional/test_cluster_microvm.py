@@ -7,7 +7,6 @@ covered by test_cluster.py; this checks that nothing in the cluster path is cont
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +16,7 @@ from cluster_support import LocalCluster, checked_cluster, cluster_services
 from conftest import missing
 from dsec.errors import DSecError
 from dsec.guest.kernel import default_guest_dir, find_kernel
+from dsec.models import ExecRequest
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -45,9 +45,8 @@ async def test_microvm_placed_through_the_gateway(cluster: LocalCluster) -> None
             await sb.files.write("/workspace/vm.txt", b"in a VM\n")
             assert await sb.files.read("/workspace/vm.txt") == b"in a VM\n"
             # Through the gateway (a client that does not follow the endpoint, e.g. curl).
-            forwarded = await c._request("POST", f"/v1/sandboxes/{sb.id}/exec/result",
-                                         json={"command": "cat /workspace/vm.txt"})
-            assert base64.b64decode(forwarded.json()["stdout"]) == b"in a VM\n"
+            forwarded = await c.api.exec(sb.id, ExecRequest(command="cat /workspace/vm.txt"))
+            assert forwarded.stdout == b"in a VM\n"
             assert [s.id for s in await dsec.AsyncSandbox.list(client=c)] == [sb.id]
         finally:
             await sb.close()

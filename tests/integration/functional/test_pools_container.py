@@ -75,7 +75,7 @@ async def test_claimed_sandbox_gets_its_spec(engine: Engine) -> None:
     for sandbox in (info, fresh, offline):
         await engine.destroy(sandbox.id)
     await engine.pools.wait_filled(60)
-    stats = engine.statistics().pools[0]
+    stats = (await engine.statistics()).pools[0]
     assert stats.hits == 1 and stats.ready >= 2 and stats.failures == 0
 
 
@@ -92,7 +92,7 @@ async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engi
     await engine.destroy(info.id)  # answered; the teardown may still run
     assert info.id not in [i.id for i in await engine.list()]
     await engine.wait_teardowns()
-    assert engine.statistics().teardowns == 0
+    assert (await engine.statistics()).teardowns == 0
     assert not any(Path(d).exists() for d in cgroups.dirs.values())
     assert not sandbox_mounts(engine.settings.home, rootfs)
     assert not Path(f"/proc/{pid}").exists()

@@ -1,4 +1,4 @@
-"""dsec._sdk.lean: the keep-alive HTTP/1.1 connections of ``sb.exec``, against a real unix-socket server."""
+"""dsec._http.http11: the keep-alive HTTP/1.1 connections of every unary API call, against a real unix-socket server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec._sdk.lean import LeanError, LeanPool
+from dsec._http.http11 import Http11Error, Http11Pool
 
 Reply = Callable[[bytes], bytes | None]
 """What the server answers to one request (None: say nothing)."""
@@ -51,11 +51,11 @@ class _Server:
 
 
 @contextlib.asynccontextmanager
-async def _serving(tmp_path: Path, reply: Reply) -> AsyncIterator[tuple[_Server, LeanPool]]:
+async def _serving(tmp_path: Path, reply: Reply) -> AsyncIterator[tuple[_Server, Http11Pool]]:
     server = _Server(reply)
-    sock = str(tmp_path / "lean.sock")
+    sock = str(tmp_path / "h11.sock")
     listener = await asyncio.start_unix_server(server.handle, sock)
-    pool = LeanPool(uds=sock)
+    pool = Http11Pool(uds=sock)
     try:
         yield server, pool
     finally:
@@ -125,27 +125,27 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(tmp_path:
 
 
 async def test_failures_name_their_kind(tmp_path: Path) -> None:
-    with pytest.raises(LeanError, match="No such file") as info:
-        await LeanPool(uds=str(tmp_path / "absent.sock")).request(_post(b""), connect_timeout=5, read_timeout=None)
+    with pytest.raises(Http11Error, match="No such file") as info:
+        await Http11Pool(uds=str(tmp_path / "absent.sock")).request(_post(b""), connect_timeout=5, read_timeout=None)
     assert info.value.kind == "connect"
     async with _serving(tmp_path, lambda _: None) as (server, pool):
-        with pytest.raises(LeanError, match="no answer within") as info:
+        with pytest.raises(Http11Error, match="no answer within") as info:
             await pool.request(_post(b""), connect_timeout=5, read_timeout=0.1)
         assert info.value.kind == "timeout"
         await asyncio.wait_for(server.hangups.wait(), 5)  # the timed-out connection was closed, not kept
         assert not pool._idle
     async with _serving(tmp_path, lambda _: b"SSH-2.0-OpenSSH\r\n\r\n") as (server, pool):
-        with pytest.raises(LeanError, match="not HTTP") as info:
+        with pytest.raises(Http11Error, match="not HTTP") as info:
             await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
         assert info.value.kind == "lost"
     async with _serving(tmp_path, lambda _: b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\npartial") as (server, pool):
         server.close_after = True  # the daemon dies mid-answer
-        with pytest.raises(LeanError, match="closed before a complete answer") as info:
+        with pytest.raises(Http11Error, match="closed before a complete answer") as info:
             await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
         assert info.value.kind == "lost"
-    pool = LeanPool(uds=str(tmp_path / "lean.sock"))
+    pool = Http11Pool(uds=str(tmp_path / "h11.sock"))
     await pool.aclose()
-    with pytest.raises(LeanError, match="closed"):
+    with pytest.raises(Http11Error, match="closed"):
         await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
 
 

@@ -1,17 +1,17 @@
-"""The connections of ``sb.exec``: HTTP/1.1 keep-alive on bare asyncio protocols, answers parsed by httptools.
+"""A small HTTP/1.1 client: keep-alive connections on bare asyncio protocols, answers parsed by httptools.
 
-``sb.exec`` is the call an RL rollout makes thousands of times, and the client shares the node's CPU
-with the daemon in every local benchmark. On httpcore, one exec cost the client ~1 ms of CPU (anyio
-streams and locks, h11's pure-Python parser, the pool's bookkeeping), as much as the daemon spent
-serving it. Here a request is one ``write`` of head and body, and the answer is parsed by httptools
+Every unary call of the node API goes here (the SDK's and the gateway's: :mod:`dsec._http.connections`
+builds the request bytes). ``sb.exec`` is the call an RL rollout makes thousands of times, and the client
+shares the node's CPU with the daemon in every local benchmark: on httpcore, one exec cost the client ~1 ms
+of CPU (anyio streams and locks, h11's pure-Python parser, the pool's bookkeeping), as much as the daemon
+spent serving it. Here a request is one ``write`` of head and body, and the answer is parsed by httptools
 (the C parser uvicorn serves with) in the protocol's ``data_received``: one wake-up of the caller per
-answer. Only what the exec call needs: POST with a body, a ``Content-Length`` or chunked answer read
-whole, keep-alive, a connect timeout and an optional read timeout; everything else of the SDK stays
-on httpx.
+answer. Only what unary calls need: a whole request in, a ``Content-Length``, chunked or empty answer read
+whole, keep-alive, a connect timeout and an optional read timeout; streamed answers stay on httpx.
 
-Failures are raised as :class:`LeanError` naming their kind (connect, timeout, lost); the transport
-maps them to :class:`dsec.ConnectionFailed` as it maps httpx's. Nothing here retries: a request
-written to a connection that then drops may have run.
+Failures are raised as :class:`Http11Error` naming their kind (connect, timeout, lost); the connections
+map them to :class:`dsec.ConnectionFailed`. Nothing here retries: a request written to a connection that
+then drops may have run.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Literal, cast
 
 import httptools
 
-__all__ = ["LeanError", "LeanPool"]
+__all__ = ["Http11Error", "Http11Pool"]
 
 Kind = Literal["connect", "timeout", "lost"]
 
 
-class LeanError(Exception):
+class Http11Error(Exception):
     """A request that got no complete answer: ``kind`` says whether it never connected, ran out of time
     or lost its connection mid-call."""
 
@@ -60,11 +60,11 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(LeanError("lost", f"the answer is not HTTP/1.1: {exc}"))
+            self._fail(Http11Error("lost", f"the answer is not HTTP/1.1: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(LeanError("lost", f"the connection closed before a complete answer ({exc or 'EOF'})"))
+        self._fail(Http11Error("lost", f"the connection closed before a complete answer ({exc or 'EOF'})"))
 
     # -- httptools callbacks --
     def on_body(self, body: bytes) -> None:
@@ -75,7 +75,7 @@ class _Connection(asyncio.Protocol):
             self.answer.set_result((self.parser.get_status_code(), b"".join(self.body),
                                     self.parser.should_keep_alive()))
 
-    def _fail(self, error: LeanError) -> None:
+    def _fail(self, error: Http11Error) -> None:
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(error)
         self.close()
@@ -85,23 +85,25 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def exchange(self, request: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
-        """Write ``request`` (head and body) in one go and wait for the whole answer."""
+    async def exchange(self, request: bytes, body: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
+        """Write ``request`` (and ``body``, when it came apart) and wait for the whole answer."""
         assert self.transport is not None
         self.body = []
         self.answer = self.loop.create_future()
         self.transport.write(request)
+        if body:
+            self.transport.write(body)
         if read_timeout is None:
             return await self.answer
         try:
             return await asyncio.wait_for(asyncio.shield(self.answer), read_timeout)
         except TimeoutError:
             self.answer.cancel()  # nobody will read it: the connection closing later must not set an error on it
-            raise LeanError("timeout", f"no answer within {read_timeout:g} s") from None
+            raise Http11Error("timeout", f"no answer within {read_timeout:g} s") from None
 
 
-class LeanPool:
-    """Keep-alive connections to one daemon (a unix socket, or a TCP host and port, optionally TLS) for one
+class Http11Pool:
+    """Keep-alive connections to one origin (a unix socket, or a TCP host and port, optionally TLS) for one
     event loop; at most ``max_connections`` requests in flight, the rest wait for a free one."""
 
     def __init__(self, *, uds: str | None = None, host: str = "", port: int = 0,
@@ -124,9 +126,9 @@ class LeanPool:
                 opening = loop.create_connection(lambda: _Connection(loop), self.host, self.port, ssl=self.tls)
             _, conn = await asyncio.wait_for(opening, timeout)
         except TimeoutError as exc:  # kept as the cause: the peer did not answer, unlike a local OSError
-            raise LeanError("connect", f"no connection within {timeout:g} s") from exc
+            raise Http11Error("connect", f"no connection within {timeout:g} s") from exc
         except OSError as exc:
-            raise LeanError("connect", str(exc) or type(exc).__name__) from exc
+            raise Http11Error("connect", str(exc) or type(exc).__name__) from exc
         return conn
 
     def _reuse(self) -> _Connection | None:
@@ -138,16 +140,17 @@ class LeanPool:
             conn.close()
         return None
 
-    async def request(self, request: bytes, *, connect_timeout: float | None,
+    async def request(self, request: bytes, *, body: bytes = b"", connect_timeout: float | None,
                       read_timeout: float | None) -> tuple[int, bytes]:
-        """Send one whole HTTP/1.1 request; the answer's status and body. A caller cancelled mid-call
-        closes the connection, which tells the daemon to stop (a cancelled exec kills its command)."""
+        """Send one whole HTTP/1.1 request (``body``: a large body sent after it rather than copied into it); the
+        answer's status and body. A caller cancelled mid-call closes the connection, which tells the daemon to
+        stop (a cancelled exec kills its command)."""
         if self._closed:
-            raise LeanError("connect", "the client is closed")
+            raise Http11Error("connect", "the client is closed")
         async with self._slots:
             conn = self._reuse() or await self._connect(connect_timeout)
             try:
-                status, body, keep = await conn.exchange(request, read_timeout)
+                status, answer, keep = await conn.exchange(request, body, read_timeout)
             except BaseException:
                 conn.close()
                 raise
@@ -156,11 +159,15 @@ class LeanPool:
                 self._idle.append(conn)
             else:
                 conn.close()
-            return status, body
+            return status, answer
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Close every idle connection; requests in flight close theirs when they end."""
         self._closed = True
         while self._idle:
             with contextlib.suppress(Exception):
                 self._idle.pop().close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, awaitable."""
+        self.close()

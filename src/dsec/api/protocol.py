@@ -1,0 +1,311 @@
+"""The node API: every operation a DSec node offers, with its types, its meaning and its HTTP route.
+
+:class:`NodeAPI` is implemented by the node's engine (in process), by :class:`~dsec.api.client.NodeClient`
+(over HTTP, for the SDK and the gateway) and by the cluster gateway; the daemon's routes are bound from it
+(:mod:`dsec.api.binding`) and one conformance suite (:mod:`dsec.testing.node_api`) checks all three. A
+method's docstring is its documentation in the OpenAPI document. Owns the contract; must never hold logic
+(bodies never run: see :class:`~dsec.api.operations.Declared`).
+
+To add an operation, declare it here (signature, docstring, ``@operation`` route), implement it in the engine,
+and add it to the conformance suite: the client, the server route, the OpenAPI document (``scripts/gen-openapi``)
+and the gateway's forwarding of a sandbox's calls follow. ``docs/api.md`` says more.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Mapping
+from typing import IO, Annotated, Protocol
+
+from dsec.models import (
+    AuditEntry,
+    AuditOutcome,
+    BatchCreateRequest,
+    CallRequest,
+    CallResult,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ForkRequest,
+    ImageBuildEvent,
+    ImageBuildRequest,
+    ImageInfo,
+    ImagePullRequest,
+    KeyboardRequest,
+    LifecycleEvent,
+    LoggedCall,
+    MouseRequest,
+    NetworkRequest,
+    NodeInfo,
+    NodeOverview,
+    NodeStatistics,
+    PoolConfig,
+    PoolStatistics,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStats,
+    SnapshotRef,
+    TimeoutRequest,
+    TrajectoryForkRequest,
+)
+
+from .codecs import BUILD_REQUEST, OCTAL, pairs
+from .operations import NDJSON, OCTET, Declared, Param, operation
+
+__all__ = ["Labels", "Mode", "NodeAPI", "Seq"]
+
+Seq = Annotated[int | None, Param(
+    ge=0, description="Call number on a trajectory-bound sandbox (the SDK sends it; default: next)")]
+"""A call's number on a trajectory-bound sandbox: the SDK numbers its calls so the daemon can match them to the log."""
+Mode = Annotated[int | None, Param(codec=OCTAL, description="octal permission bits, e.g. `644`")]
+Labels = Annotated[Mapping[str, str] | None, Param(
+    alias="label", codec=pairs("label filter"), description="`key=value`; repeat to require several")]
+Limit = Annotated[int, Param(ge=1, le=10_000)]
+UnixTime = Annotated[float | None, Param(description="Unix seconds")]
+Since = Annotated[int | None, Param(ge=0, description="first replay the kept events after this `seq`")]
+BuildRequest = Annotated[ImageBuildRequest, Param(codec=BUILD_REQUEST,
+                                                  description="the `ImageBuildRequest` as JSON (no password)")]
+BuildContext = Annotated[IO[bytes], Param(le=8 * 1024**3, description="add a .dockerignore to leave files out")]
+"""A build context: a tar of at most 8 GiB."""
+
+
+def _prometheus_text() -> str:
+    """Prometheus' text exposition format, as the installed client library writes it (imported when served)."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return str(CONTENT_TYPE_LATEST)
+
+
+class NodeAPI(Protocol):
+    """The operations of one DSec node (or of a cluster gateway, which answers as one big node).
+
+    Errors are :class:`dsec.DSecError` subclasses, the same in process and over HTTP. A gateway answers
+    ``statistics`` and ``declare_pool`` with :class:`~dsec.NotSupported` (warm pools and admission are per
+    node), and ``overview``, ``audit_log`` and ``subscribe`` only to its admin token."""
+
+    # -- node -----------------------------------------------------------------------------------------------
+
+    @operation("GET", "/v1/health", tags=["node"])
+    async def health(self) -> NodeInfo:
+        """Identity, version and backend availability (no token needed)."""
+        raise Declared
+
+    @operation("GET", "/v1/statistics", tags=["node"])
+    async def statistics(self) -> NodeStatistics:
+        """Warm pools (ready, target, hits, misses) and the create admission queue."""
+        raise Declared
+
+    @operation("POST", "/v1/pools", tags=["node"])
+    async def declare_pool(self, config: PoolConfig) -> PoolStatistics:
+        """Declare a warm pool, or change the bounds of the pool of that shape."""
+        raise Declared
+
+    # -- sandboxes ------------------------------------------------------------------------------------------
+
+    @operation("POST", "/v1/sandboxes", tags=["sandboxes"], status=201, fast=True, no_read_timeout=True)
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Create a sandbox."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/batch", tags=["sandboxes"], status=201, no_read_timeout=True)
+    async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
+        """Create many sandboxes from one spec; all or nothing."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes", tags=["sandboxes"], name="list_sandboxes")
+    async def list(self, labels: Labels = None, backend: str | None = None,
+                   state: str | None = None) -> builtins.list[SandboxInfo]:
+        """Sandboxes matching every label filter."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox."""
+        raise Declared
+
+    @operation("DELETE", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"], fast=True)
+    async def destroy(self, sandbox_id: str) -> None:
+        """Destroy a sandbox (idempotent)."""
+        raise Declared
+
+    # -- commands -------------------------------------------------------------------------------------------
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/exec", tags=["commands"], name="exec_", runs_command=True,
+               media_type=NDJSON,
+               description="One JSON `ExecEvent` per line: output chunks, then one `exit` or `error`.")
+    def exec_stream(self, sandbox_id: str, request: ExecRequest, seq: Seq = None) -> AsyncIterator[ExecEvent]:
+        """Run a command, streaming its output; hanging up kills it (not on a trajectory: it is logged)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/exec/result", tags=["commands"], name="exec_result", fast=True,
+               runs_command=True, no_read_timeout=True)
+    async def exec(self, sandbox_id: str, request: ExecRequest, seq: Seq = None) -> ExecResult:
+        """Run a command to completion and answer its result in one response: the cheap round trip for short
+        commands (what ``sb.exec`` uses); hanging up kills it (not on a trajectory: it is logged)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/call", tags=["commands"])
+    async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
+        """Run a pickled Python callable (function backend); the reply is decoded by the client."""
+        raise Declared
+
+    # -- files ----------------------------------------------------------------------------------------------
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/files", tags=["files"], media_type=OCTET,
+               description="The file's bytes")
+    async def read_file(self, sandbox_id: str, path: str, seq: Seq = None) -> bytes:
+        """Read a file."""
+        raise Declared
+
+    @operation("PUT", "/v1/sandboxes/{sandbox_id}/files", tags=["files"])
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: Mode = None, seq: Seq = None) -> None:
+        """Create or replace a file (parents created)."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/files/list", tags=["files"])
+    async def list_files(self, sandbox_id: str, path: str, seq: Seq = None) -> builtins.list[FileEntry]:
+        """List a directory."""
+        raise Declared
+
+    # -- one sandbox ----------------------------------------------------------------------------------------
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/stats", tags=["sandboxes"])
+    async def stats(self, sandbox_id: str) -> SandboxStats:
+        """Resource usage now."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
+    async def pause(self, sandbox_id: str, release_memory: bool = False) -> SandboxInfo:
+        """Freeze every process of the sandbox; `release_memory`: also save it to disk and release its RAM."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/timeout", tags=["sandboxes"], body=TimeoutRequest)
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        """Destroy the sandbox `timeout` seconds from now instead of at its current deadline."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/screenshot", tags=["computer use"], media_type="image/png",
+               description="the display as PNG")
+    async def screenshot(self, sandbox_id: str, seq: Seq = None) -> bytes:
+        """The sandbox's display as a PNG (``vm`` backend; others answer 501 NotSupported)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/mouse", tags=["computer use"])
+    async def mouse(self, sandbox_id: str, request: MouseRequest, seq: Seq = None) -> None:
+        """Move the pointer to a pixel of the display and click, press, release or scroll there."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/keyboard", tags=["computer use"])
+    async def keyboard(self, sandbox_id: str, request: KeyboardRequest, seq: Seq = None) -> None:
+        """Type text (US layout) or press key combos on the display."""
+        raise Declared
+
+    @operation("PUT", "/v1/sandboxes/{sandbox_id}/network", tags=["sandboxes"], body=NetworkRequest)
+    async def set_network(self, sandbox_id: str, network: str | builtins.list[str]) -> SandboxInfo:
+        """Replace the sandbox's network policy (enforced outside the sandbox, effective at once)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/reveal", tags=["sandboxes"])
+    async def reveal(self, sandbox_id: str, seq: Seq = None) -> SandboxInfo:
+        """Make the sandbox's hidden paths visible, read-only (for grading; a logged call on a trajectory)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/snapshot", tags=["sandboxes"])
+    async def snapshot(self, sandbox_id: str, seq: Seq = None) -> SnapshotRef:
+        """Save the sandbox's writable state (a checkpoint of its trajectory, if bound to one)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/lease", tags=["trajectories"])
+    async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
+        """Renew the lease of a trajectory-bound sandbox (the SDK's heartbeat while its client is idle)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/fork", tags=["sandboxes"], status=201, body=ForkRequest)
+    async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
+        """Make independent copies of a live sandbox's state; all or nothing."""
+        raise Declared
+
+    # -- trajectories ---------------------------------------------------------------------------------------
+
+    @operation("POST", "/v1/trajectories/fork", tags=["trajectories"], status=201, shared=True)
+    async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
+        """Branch a trajectory at a call: a new trajectory sharing the calls before it, on a rebuilt sandbox."""
+        raise Declared
+
+    @operation("GET", "/v1/trajectories/log", tags=["trajectories"], shared=True)
+    async def trajectory_log(self, name: str, start: Annotated[int, Param(ge=0)] = 0,
+                             limit: Limit = 1000) -> builtins.list[LoggedCall]:
+        """Logged calls of a trajectory from `start` (the SDK fast-forwards through them)."""
+        raise Declared
+
+    # -- images ---------------------------------------------------------------------------------------------
+
+    @operation("GET", "/v1/images", tags=["images"], shared=True)
+    async def list_images(self) -> builtins.list[ImageInfo]:
+        """Images in the node's store."""
+        raise Declared
+
+    @operation("POST", "/v1/images/pull", tags=["images"], shared=True, no_read_timeout=True)
+    async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
+        """Pull an image from an OCI registry into the node's store (returns when it is ready)."""
+        raise Declared
+
+    @operation("POST", "/v1/images/build", tags=["images"], shared=True, media_type=NDJSON,
+               description="One JSON `ImageBuildEvent` per line: the builder's output, then one `done` or `error`.")
+    def build_image(self, request: BuildRequest, context: BuildContext) -> AsyncIterator[ImageBuildEvent]:
+        """Build an image from a Dockerfile; the body is the build context as a tar. Hanging up cancels it."""
+        raise Declared
+
+    @operation("GET", "/v1/images/{name}", tags=["images"], shared=True)
+    async def get_image(self, name: str) -> ImageInfo:
+        """One image."""
+        raise Declared
+
+    # -- operator views -------------------------------------------------------------------------------------
+
+    @operation("GET", "/v1/overview", tags=["node"])
+    async def overview(self) -> NodeOverview:
+        """Counters, load, failures by reason, image cache, pools and audit trail in one answer (the dashboard
+        polls it; rates are differences between two polls)."""
+        raise Declared
+
+    @operation("GET", "/v1/audit", tags=["audit"], name="audit")
+    async def audit_log(
+        self,
+        *,
+        sandbox_id: str | None = None,
+        who: Annotated[str | None, Param(description="token name (`local` on the unix socket)")] = None,
+        job: str | None = None,
+        outcome: AuditOutcome | None = None,
+        since: UnixTime = None,
+        until: UnixTime = None,
+        before: Annotated[int | None, Param(ge=1, description="only entries with a smaller `id` (paging)")] = None,
+        limit: Limit = 100,
+    ) -> builtins.list[AuditEntry]:
+        """Commands run in this node's sandboxes, newest first, matching every filter given."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/logs", tags=["audit"])
+    async def sandbox_logs(self, sandbox_id: str, limit: Limit = 100,
+                           before: Annotated[int | None, Param(ge=1)] = None) -> builtins.list[AuditEntry]:
+        """A sandbox's command history with the head of each command's output, newest first (kept outside the
+        sandbox; still there after it is destroyed)."""
+        raise Declared
+
+    @operation("GET", "/v1/events", tags=["node"], name="events", media_type=NDJSON,
+               description="One JSON `LifecycleEvent` per line, as they happen; the stream does not end.")
+    def subscribe(self, since: Since = None) -> AsyncIterator[LifecycleEvent]:
+        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed)."""
+        raise Declared
+
+    @operation("GET", "/metrics", tags=["node"], name="metrics", media_type=_prometheus_text,
+               description="Prometheus text format")
+    async def metrics_text(self) -> bytes:
+        """Prometheus metrics of this node."""
+        raise Declared

@@ -1,0 +1,71 @@
+"""dsec.api.NodeClient over dsec._http.Connections: many nodes on one set of connections, per-call timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sdk_daemon import Daemon, running_daemon
+
+import dsec
+from dsec._http.connections import Connections, parse_url
+from dsec.api import NodeClient
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+    with (running_daemon(tmp_path_factory.mktemp("a"), token="node-a-token-0123456789") as a,
+          running_daemon(tmp_path_factory.mktemp("b"), token="node-b-token-0123456789") as b):
+        yield [a, b]
+
+
+async def test_one_set_of_connections_serves_every_node(nodes: list[Daemon]) -> None:
+    connections = Connections()
+    try:
+        first = NodeClient(nodes[0].tcp_url or "", nodes[0].token, connections=connections)
+        second = first.at(nodes[1].tcp_url or "", nodes[1].token)
+        assert second.connections is connections
+        infos = await asyncio.gather(*(api.health() for api in (first, second) for _ in range(5)))
+        assert {i.node for i in infos} == {nodes[0].engine.settings.node, nodes[1].engine.settings.node}
+        # Another token for a node already known (a sandbox-scoped one) shares that node's connections.
+        sandbox = await first.create(dsec.SandboxSpec(image="tiny"))
+        again = first.at(nodes[0].tcp_url or "", "not-the-token")
+        with pytest.raises(dsec.Unauthorized):
+            await again.get(sandbox.id)
+        await first.destroy(sandbox.id)
+        assert connections.statistics() == {"loops": 1, "origins": 2, "stream_clients": 0}
+        events = first.subscribe(0)
+        assert (await anext(events)).kind in ("created", "destroyed")
+        await events.aclose()  # type: ignore[attr-defined]
+        assert connections.statistics()["stream_clients"] == 1
+    finally:
+        await connections.aclose()
+    assert connections.statistics() == {"loops": 0, "origins": 0, "stream_clients": 0}
+
+
+async def test_a_timeout_bounds_each_call_of_its_view(tmp_path: Path) -> None:
+    done = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        await done.wait()
+        writer.close()
+
+    server = await asyncio.start_unix_server(silent, path=str(tmp_path / "silent.sock"))
+    async with server, NodeClient(f"unix://{tmp_path}/silent.sock") as api:
+        with pytest.raises(dsec.ConnectionFailed, match="did not answer in time"):
+            await api.with_timeout(httpx.Timeout(0.2)).health()
+        done.set()
+        await asyncio.sleep(0.05)
+
+
+def test_urls_name_their_origin() -> None:
+    assert parse_url("http://h:80/x/").netloc == "h" and parse_url("http://h:80/x/").prefix == "/x"
+    assert parse_url("http://h:81").key == parse_url("http://h:81/other").key != parse_url("https://h:81").key
+    assert parse_url("http://[::1]:7070").netloc == "[::1]:7070"
+    assert parse_url("unix:///run/d.sock").key == "unix:/run/d.sock"
+    with pytest.raises(dsec.InvalidRequest, match="bad port"):
+        parse_url("http://h:99999")
