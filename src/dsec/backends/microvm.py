@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, Check, ImageRef, apply_image_defaults, collect_exec, workdir_of
+from dsec.accounts import Identity
+from dsec.backends.base import (
+    Backend,
+    Check,
+    ImageRef,
+    apply_image_defaults,
+    collect_exec,
+    default_identity,
+    workdir_of,
+)
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.accel import QEMU, Accelerator
@@ -490,7 +499,7 @@ class MicroVMBackend(Backend):
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs),
-                                **await self._image_user(image)}
+                                **await self._image_user(image, record.spec.user)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -527,10 +536,12 @@ class MicroVMBackend(Backend):
         await self._prepare(record)
 
     @staticmethod
-    async def _image_user(image: ImageRef) -> dict[str, Any]:
-        """The image's ``User`` (resolved in its own /etc/passwd): execs run as it, as in a container."""
-        user = await asyncio.to_thread(resolve_user, image.rootfs, image.config.user)
-        return {"user": [user.uid, user.gid], "home": user.home}
+    async def _image_user(image: ImageRef, user: str | None) -> dict[str, Any]:
+        """The sandbox's default user (``user``, else the image's ``User``), resolved in the image's own
+        /etc/passwd: execs run as it, as in a container."""
+        identity = await asyncio.to_thread(resolve_user, image.rootfs, user or image.config.user)
+        return {"user": [identity.uid, identity.gid], "home": identity.home, "user_groups": list(identity.groups),
+                "user_name": identity.name, "user_spec": user}
 
     def _chown(self, path: Path) -> None:
         if self.qemu_user:
@@ -811,8 +822,9 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"sandbox {record.id}: guest agent unreachable ({reason})")
         return vm.client
 
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._exec_stream(record, request)
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                    ) -> AsyncIterator[ExecEvent]:
+        return self._exec_stream(record, request, user=user)
 
     async def _system_exec(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
         """Run the backend's own upkeep command in the guest: as root, never confined (a vm's clock, its disk's
@@ -826,8 +838,8 @@ class MicroVMBackend(Backend):
         return (f"pristine execs are not available on the {self.name} backend (its root disk is the sandbox's "
                 f"own, with no untouched copy of the image): use backend='microvm' or 'container'")
 
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, system: bool = False
-                           ) -> AsyncIterator[ExecEvent]:
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, system: bool = False,
+                           user: Identity | None = None) -> AsyncIterator[ExecEvent]:
         refusal = self._pristine_refusal(record) if request.pristine else None
         if refusal:
             raise NotSupported(refusal)
@@ -837,9 +849,10 @@ class MicroVMBackend(Backend):
             # planted binary in the workdir), so neither the spec's nor the image's environment nor its user.
             env, cwd, (uid, gid) = {"PATH": _DEFAULT_PATH, "HOME": "/root", **(request.env or {})}, "/", (0, 0)
         else:
-            env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
+            identity = user or default_identity(record)
+            env = {"PATH": _DEFAULT_PATH, "HOME": identity.home if user else record.backend_state.get("home", "/root"),
                    **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
-            cwd, (uid, gid) = request.cwd or workdir_of(record), record.backend_state.get("user", [0, 0])
+            cwd, (uid, gid) = request.cwd or workdir_of(record), (identity.uid, identity.gid)
         start = time.monotonic()
         channel = await client.start_exec(request.argv(), env, cwd, uid, gid, pristine=request.pristine,
                                           system=system)
@@ -903,13 +916,15 @@ class MicroVMBackend(Backend):
                 return vm.dead
         return str(exc)
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
         try:
             return await self._client(record).read(_normalise(path), max_bytes)
         except AgentGone as e:
             raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
         path = _normalise(path)
         if path == "/":
             raise InvalidRequest("cannot write to '/'", path=path)
@@ -918,7 +933,7 @@ class MicroVMBackend(Backend):
         except AgentGone as e:
             raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
         try:
             return await self._client(record).list(_normalise(path))
         except AgentGone as e:
@@ -1023,7 +1038,7 @@ class MicroVMBackend(Backend):
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",
-                                "erofs": str(erofs), **await self._image_user(image)}
+                                "erofs": str(erofs), **await self._image_user(image, record.spec.user)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)

@@ -22,8 +22,9 @@
  * every call is done once in the zygote and inherited: the empty bounding and ambient sets and the
  * locked securebits. The zygote runs SCHED_BATCH (it never preempts the daemon or a running call at
  * a wake-up); each clone returns to SCHED_OTHER before its command. A request
- * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four fds: stdin, stdout,
- * stderr, status) is forwarded to the ready clone, which sets the request's rlimits and working
+ * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV... [UID GID[,GROUP...] FLAGS]" with four fds:
+ * stdin, stdout, stderr, status; the user, and FLAGS bit 0: fd 0 is a terminal to make the command's
+ * controlling terminal, are optional: root and no terminal) is forwarded to the ready clone, which sets the request's rlimits and working
  * directory, vforks the command and waits for it. When the command exits it reports
  * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
  * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
@@ -49,6 +50,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -61,7 +64,8 @@
 
 #define CTL_FD 100
 #define STATUS_FD 3
-#define MAX_MSG (1 << 20)
+#define MAX_MSG ((2 << 20) + (64 << 10)) /* exec_client.MAX_MESSAGE: a command at the kernel's exec limit */
+#define MAX_GROUPS 256
 #define MAX_CALLS 4096
 #define MAX_FIELDS 65536
 #ifndef CALL_NS
@@ -293,9 +297,11 @@ static void drop_bounding_set(void) {
         die("clear ambient capabilities", errno);
 }
 
+/* Every capability but the two that become the request's user (dropped right after, see become_user). */
 static int drop_privileges(void) {
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
-    struct __user_cap_data_struct data[2] = {{0, 0, 0}, {0, 0, 0}};
+    const __u32 keep = (1U << CAP_SETUID) | (1U << CAP_SETGID);
+    struct __user_cap_data_struct data[2] = {{keep, keep, 0}, {0, 0, 0}};
     if (syscall(SYS_capset, &header, data) != 0)
         return prep_fail("drop capabilities");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
@@ -341,6 +347,34 @@ static int prepare_call(void) {
     if (batched && sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
         return prep_fail("set scheduling policy");
     return drop_privileges();
+}
+
+/* The request's user ("UID" "GID[,GROUP...]"; absent: the namespace's root), then no capability at all: with
+   SECBIT_NO_SETUID_FIXUP the kernel would leave them across setresuid. */
+static void become_user(const char *uid_text, char *gid_text) {
+    uid_t uid = 0;
+    gid_t gid = 0, groups[MAX_GROUPS];
+    size_t ngroups = 0;
+    if (uid_text != NULL) {
+        uid = (uid_t)strtoul(uid_text, NULL, 10);
+        char *rest = strchr(gid_text, ',');
+        if (rest)
+            *rest++ = '\0';
+        gid = (gid_t)strtoul(gid_text, NULL, 10);
+        for (char *g = rest; g && *g && ngroups < MAX_GROUPS;) {
+            char *next = strchr(g, ',');
+            if (next)
+                *next++ = '\0';
+            groups[ngroups++] = (gid_t)strtoul(g, NULL, 10);
+            g = next;
+        }
+    }
+    if (setgroups(ngroups, groups) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
+        call_fail("become the sandbox user", errno, 127);
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct none[2] = {{0, 0, 0}, {0, 0, 0}};
+    if (syscall(SYS_capset, &header, none) != 0)
+        call_fail("drop capabilities", errno, 127);
 }
 
 static void set_limit(int resource, rlim_t soft, rlim_t hard) {
@@ -445,11 +479,18 @@ static void run_call(int sock) {
     if (envc < 0 || 6 + argc + envc > nfields)
         call_fail("request env", EINVAL, 127);
     char **cenv = &fields[6 + argc];
+    int tail = 6 + argc + envc; /* the optional user and flags */
+    if (nfields != tail && nfields != tail + 3)
+        call_fail("request user", EINVAL, 127);
+    int with_user = nfields == tail + 3;
+    if (with_user && (atoi(fields[tail + 2]) & 1) && ioctl(0, TIOCSCTTY, 0) != 0)
+        call_fail("make the terminal the controlling terminal", errno, 127);
     char **argv = calloc((size_t)argc + 1, sizeof *argv), **envp = calloc((size_t)envc + 1, sizeof *envp);
     if (!argv || !envp)
         call_fail("request", ENOMEM, 127);
     memcpy(argv, cargv, (size_t)argc * sizeof *argv);
     memcpy(envp, cenv, (size_t)envc * sizeof *envp);
+    become_user(with_user ? fields[tail] : NULL, with_user ? fields[tail + 1] : NULL);
     if (chdir(cwd) != 0) {
         char what[300];
         snprintf(what, sizeof what, "working directory '%s'", cwd);

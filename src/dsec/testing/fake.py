@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
+from dsec.accounts import Identity
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
-from dsec.errors import ImageNotFound, InvalidRequest, NotFound, SandboxError
+from dsec.errors import ImageNotFound, InvalidRequest, NotFound, NotSupported, SandboxError
 from dsec.models import (
     ExecEvent,
     ExecRequest,
@@ -121,7 +122,9 @@ class FakeBackend(Backend):
             raise InvalidRequest(f"path {path!r} resolves outside the sandbox", path=path)
         return host
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
+        _only_root(user)
         host = self._host(record, path)
         if not host.exists():
             raise NotFound(f"no such file in sandbox {record.id}: {path}", path=path)
@@ -133,7 +136,9 @@ class FakeBackend(Backend):
             raise InvalidRequest(f"file {path} is larger than {max_bytes} bytes", path=path)
         return data
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
+        _only_root(user)
         host = self._host(record, path)
         if host.is_dir():
             raise InvalidRequest(f"path is a directory: {path}", path=path)
@@ -141,7 +146,8 @@ class FakeBackend(Backend):
         host.write_bytes(data)
         host.chmod(0o644 if mode is None else mode)
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
+        _only_root(user)
         host = self._host(record, path)
         if not host.is_dir():
             raise NotFound(f"no such directory in sandbox {record.id}: {path}", path=path)
@@ -162,7 +168,9 @@ class FakeBackend(Backend):
 
     # -- exec ----------------------------------------------------------------------------------------
 
-    async def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                          ) -> AsyncIterator[ExecEvent]:
+        _only_root(user)
         cwd = self._host(record, request.cwd or workdir_of(record))
         cwd.mkdir(parents=True, exist_ok=True)
         env = {"PATH": DEFAULT_PATH, **record.spec.env, **(request.env or {})}
@@ -258,6 +266,12 @@ class FakeImages:
 
     def list(self) -> list[ImageInfo]:
         return [self.get(n) for n in self.names]
+
+
+def _only_root(user: Identity | None) -> None:
+    """The fake runs everything as the test's own user: it can stand for root, not for anyone else."""
+    if user is not None and not user.is_root:
+        raise NotSupported(f"the fake backend runs everything as one host user; it cannot act as uid {user.uid}")
 
 
 def _killpg(pgid: int, sig: int) -> None:
