@@ -13,6 +13,7 @@ import pytest
 from openapi_spec_validator import validate
 from test_engine import started
 
+from dsec.accounts import Identity
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -26,7 +27,8 @@ OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 class BrokenStreamBackend(FakeBackend):
     """Sends one chunk, then fails mid-stream."""
 
-    async def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                          ) -> AsyncIterator[ExecEvent]:
         yield ExecEvent(type="stdout", data=b"partial")
         raise SandboxError("init died")
 

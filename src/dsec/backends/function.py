@@ -85,6 +85,8 @@ class FunctionBackend(Backend):
     name = "function"
     root_writable: ClassVar[bool] = False
     processes_persist: ClassVar[bool] = False
+    ports: ClassVar[bool] = False
+    """Every call has its own network namespace with a loopback that is down, and Landlock refuses TCP."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
@@ -396,7 +398,9 @@ class FunctionBackend(Backend):
             if rel is not None:
                 return SandboxFS(workspace, shift, shift, actor=actor), rel
             return SandboxFS(str(state["image_rootfs"]), shift, shift, actor=actor), norm
-        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace,), actor=actor), path
+        # The root is an overlay whose files report the device of the layer they come from: the image's too.
+        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace, str(state["image_rootfs"])),
+                         actor=actor), path
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
                         ) -> bytes:

@@ -40,8 +40,28 @@ _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_IN_ROOT = 0x10
 
 
+_OVERLAYFS_MAGIC = 0x794C7630
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _fs_type(fd: int) -> int:
+    """``f_type`` of the filesystem ``fd`` is on (the first field of struct statfs)."""
+    buf = ctypes.create_string_buffer(128)
+    if _libc.fstatfs(fd, buf) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buf).value
+
+
+@dataclass(frozen=True)
+class _Root:
+    """A sandbox root opened for one operation: its fd, the devices served, and whether it is an overlay."""
+
+    fd: int
+    devices: frozenset[int]
+    overlay: bool
 
 
 @dataclass(frozen=True)
@@ -96,7 +116,7 @@ class SandboxFS:
     # -- plumbing ------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _session(self, path: str, what: str) -> Iterator[tuple[int, frozenset[int]]]:
+    def _session(self, path: str, what: str) -> Iterator[_Root]:
         """The root fd and served devices, with the actor's credentials; OSErrors become file errors."""
         try:
             fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -110,7 +130,7 @@ class SandboxFS:
             actor = self.actor
             with acting_as(actor.uid, actor.gid, actor.groups) if actor is not None else contextlib.nullcontext():
                 try:
-                    yield fd, frozenset(devices)
+                    yield _Root(fd, frozenset(devices), _fs_type(fd) == _OVERLAYFS_MAGIC)
                 except OSError as e:
                     raise self._error(e, path, what) from None
         finally:
@@ -131,12 +151,14 @@ class SandboxFS:
             raise OSError(err, os.strerror(err), path)
         return fd
 
-    def _resolve(self, root: tuple[int, frozenset[int]], path: str, directory: bool = False,
+    def _resolve(self, root: _Root, path: str, directory: bool = False,
                  follow: bool = True) -> int:
         """An ``O_PATH`` fd of ``path`` on the sandbox's root filesystem (raises for anything else)."""
         flags = os.O_PATH | (os.O_DIRECTORY if directory else 0) | (0 if follow else os.O_NOFOLLOW)
-        fd = self._open(root[0], path, flags)
-        if os.fstat(fd).st_dev not in root[1]:
+        fd = self._open(root.fd, path, flags)
+        # An overlay root reports, for a file of a lower layer on another filesystem, a device of its own for
+        # that layer: anything of the overlay is the sandbox's root filesystem.
+        if os.fstat(fd).st_dev not in root.devices and not (root.overlay and _fs_type(fd) == _OVERLAYFS_MAGIC):
             os.close(fd)
             raise InvalidRequest(f"{path} is not on the sandbox's filesystem: the files API serves the root "
                                  f"filesystem, not /proc, /sys or /dev (read those with exec)", path=path)
@@ -208,7 +230,7 @@ class SandboxFS:
         """What ``lstat`` says of ``path`` (intermediate symlinks resolved in the root, the last one not)."""
         path = normalise(path)
         with self._session(path, "stat") as root:
-            fd = self._open(root[0], path, os.O_PATH | os.O_NOFOLLOW)
+            fd = self._open(root.fd, path, os.O_PATH | os.O_NOFOLLOW)
             try:
                 st = os.fstat(fd)
                 target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
@@ -226,7 +248,7 @@ class SandboxFS:
 
     # -- writing -------------------------------------------------------------------------------------
 
-    def _mkdirs(self, root: tuple[int, frozenset[int]], directory: str, mode: int = 0o755) -> None:
+    def _mkdirs(self, root: _Root, directory: str, mode: int = 0o755) -> None:
         current = ""
         for part in (p for p in directory.split("/") if p):
             current += "/" + part
@@ -324,22 +346,22 @@ class SandboxFS:
                 if not stat.S_ISDIR(st.st_mode):
                     os.unlink(name, dir_fd=parent)
                 elif recursive:
-                    self._remove_tree(parent, name, root[1], path)
+                    self._remove_tree(parent, name, root, path)
                 else:
                     os.rmdir(name, dir_fd=parent)
             finally:
                 os.close(parent)
 
-    def _remove_tree(self, parent: int, name: str, devices: frozenset[int], path: str) -> None:
+    def _remove_tree(self, parent: int, name: str, root: _Root, path: str) -> None:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
         try:
-            if os.fstat(fd).st_dev not in devices:
+            if os.fstat(fd).st_dev not in root.devices and not (root.overlay and _fs_type(fd) == _OVERLAYFS_MAGIC):
                 raise InvalidRequest(f"{path} is another filesystem mounted in the sandbox (/proc, /dev, a "
                                      f"protected path): not removed", path=path)
             for entry in os.scandir(fd):
                 child = posixpath.join(path, entry.name)
                 if entry.is_dir(follow_symlinks=False):
-                    self._remove_tree(fd, entry.name, devices, child)
+                    self._remove_tree(fd, entry.name, root, child)
                 else:
                     os.unlink(entry.name, dir_fd=fd)
         finally:

@@ -52,6 +52,7 @@
 #include <string.h>
 #include <grp.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -383,7 +384,8 @@ static void set_limit(int resource, rlim_t soft, rlim_t hard) {
         call_fail("set rlimits", errno, 127);
 }
 
-/* Take up to four fds out of a received message; -1 unless exactly four came whole. */
+/* Take the fds out of a received message: four (stdin, stdout, stderr, status), and a fifth when the
+   request itself came in a memfd (see dispatch). Returns how many, -1 unless four or five came whole. */
 static int take_fds(struct msghdr *mh, int *fds) {
     int nfds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c))
@@ -392,18 +394,18 @@ static int take_fds(struct msghdr *mh, int *fds) {
             for (int i = 0; i < count; i++) {
                 int fd;
                 memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                if (nfds < 4)
+                if (nfds < 5)
                     fds[nfds++] = fd;
                 else
                     close(fd);
             }
         }
-    if (nfds != 4 || (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (nfds < 4 || (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
         return -1;
     }
-    return 0;
+    return nfds;
 }
 
 static char msg[MAX_MSG + 1];
@@ -411,17 +413,24 @@ static char *fields[MAX_FIELDS];
 
 /* Wait for the request on ``sock``; returns its number of fields, 0 at end of file, -1 if malformed. */
 static int receive(int sock, int *fds) {
-    char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    char cbuf[CMSG_SPACE(5 * sizeof(int))];
     struct iovec iov = {msg, MAX_MSG};
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
     ssize_t len;
     do
         len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
     while (len < 0 && errno == EINTR);
-    if (len <= 0)
+    if (len < 0 || (len == 0 && mh.msg_controllen == 0))
         return 0;
-    if (take_fds(&mh, fds) != 0)
+    int nfds = take_fds(&mh, fds);
+    if (nfds < 0)
         return -1;
+    if (nfds == 5) { /* a request larger than a datagram between us and the zygote carries: in a memfd */
+        len = pread(fds[4], msg, MAX_MSG, 0);
+        close(fds[4]);
+        if (len <= 0)
+            return -1;
+    }
     msg[len] = 0;
     int n = 0;
     for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
@@ -450,7 +459,7 @@ static void run_call(int sock) {
     sock = CTL_FD;
     syscall(SYS_close_range, 3, CTL_FD - 1, 0);
     syscall(SYS_close_range, CTL_FD + 1, ~0U, 0);
-    int fds[4];
+    int fds[5];
     int nfields = receive(sock, fds);
     if (nfields <= 0)
         _exit(nfields == 0 ? 0 : 127); /* 0: the zygote is going away */
@@ -592,6 +601,18 @@ static void refresh(void) {
     clone_ahead();
 }
 
+/* A request past what a datagram to the clone carries (its send buffer: the zygote, in its own user namespace,
+   cannot raise it past net.core.wmem_max): the request in a memfd, sent as a fifth fd of an empty message. */
+#define DATAGRAM_MAX (128 << 10)
+static int request_memfd(const char *request, ssize_t len) {
+    int fd = (int)syscall(SYS_memfd_create, "dsec-request", MFD_CLOEXEC);
+    if (fd >= 0 && write(fd, request, (size_t)len) != len) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 static void dispatch(char *request, ssize_t len, int *fds) {
     int slot = -1;
     for (int i = 0; i < MAX_CALLS && slot < 0; i++)
@@ -601,17 +622,25 @@ static void dispatch(char *request, ssize_t len, int *fds) {
         clone_ahead();
     int err = slot < 0 ? EAGAIN : ready.err;
     if (slot >= 0 && ready.pid > 0) {
-        char cbuf[CMSG_SPACE(4 * sizeof(int))];
+        int big = len > DATAGRAM_MAX ? request_memfd(request, len) : -1, nfds = big >= 0 ? 5 : 4;
+        int all[5] = {fds[0], fds[1], fds[2], fds[3], big};
+        char cbuf[CMSG_SPACE(5 * sizeof(int))];
         memset(cbuf, 0, sizeof cbuf);
-        struct iovec iov = {request, (size_t)len};
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+        struct iovec iov = {request, big >= 0 ? 0 : (size_t)len};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                            .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
         struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(4 * sizeof(int));
-        memcpy(CMSG_DATA(c), fds, 4 * sizeof(int));
+        c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+        memcpy(CMSG_DATA(c), all, nfds * sizeof(int));
         ssize_t sent = sendmsg(ready.sock, &mh, MSG_NOSIGNAL);
         err = errno;
+        if (big >= 0) {
+            close(big);
+            if (sent == 0)
+                sent = len;
+        }
         close(ready.sock);
         pid_t pid = ready.pid;
         ready.pid = 0;
@@ -742,9 +771,13 @@ int main(int argc, char **argv) {
             refresh();
             continue;
         }
-        int fds[4];
-        if (take_fds(&mh, fds) == 0)
+        int fds[5];
+        int nfds = take_fds(&mh, fds);
+        if (nfds == 4)
             dispatch(request, len, fds);
+        else if (nfds == 5) /* never sent by the daemon: refused whole */
+            for (int i = 0; i < 5; i++)
+                close(fds[i]);
     }
     if (ready.pid > 0)
         kill(ready.pid, SIGKILL);
