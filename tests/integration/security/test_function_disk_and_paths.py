@@ -119,7 +119,7 @@ async def test_hidden_then_revealed_tests_in_the_workspace(backend: FunctionBack
         assert out["etc_write"] in (errno.EROFS, errno.EACCES), out
         # the files API serves hidden paths of the image read-only, and never writes into the shared image
         assert [e.name for e in await backend.list_files(sb, "/usr/share/doc")]
-        with pytest.raises(InvalidRequest, match="read-only"):
+        with pytest.raises(PermissionDenied, match="read-only"):
             await backend.write_file(sb, "/usr/share/doc/planted", b"x", None)
 
         await backend.reveal(sb)
