@@ -608,7 +608,10 @@ class LoggedCall(Model):
 
     seq: int
     """Sequence number."""
-    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal"]
+    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal", "stat",
+                "exists", "mkdir", "remove", "rename", "chmod", "chown", "process", "process.stdin",
+                "process.close_stdin", "process.signal", "process.resize", "process.wait", "shell", "shell.run",
+                "shell.close"]
     """Operation."""
     digest: str
     """sha256 identity of the call (``dsec.trajectory.digest``)."""

@@ -34,8 +34,8 @@ MAX_PROCESSES = 1024
 class OutputBuffer:
     """The newest :data:`BUFFER_BYTES` of one stream, addressed by offset since the process started."""
 
-    def __init__(self, limit: int = BUFFER_BYTES) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit or BUFFER_BYTES
         self._chunks: deque[tuple[int, bytes]] = deque()
         self.start = 0
         """Offset of the oldest byte kept."""
