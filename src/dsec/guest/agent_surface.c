@@ -250,7 +250,8 @@ static void do_fs(uint32_t id, unsigned char *p, size_t len) {
     case FS_REMOVE:
         if (lstat(path, &st) != 0) rc = -1;
         else if (!S_ISDIR(st.st_mode)) rc = unlink(path);
-        else if (p[0]) rc = nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+        else if (p[0]) rc = nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);  /* (an overlay's files report
+                                                                                their layer's device: no FTW_MOUNT) */
         else rc = rmdir(path);
         if (rc == 0) send_frame(T_END, id, NULL, 0);
         break;

@@ -42,6 +42,8 @@ __all__ = ["EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID", "AgentF
 
 EXT_PRISTINE, EXT_SYSTEM, EXT_PTY, EXT_PTY_STDIN, EXT_REPORT_PID = 1, 2, 4, 8, 16
 _CHUNK = 256 * 1024
+_PAIR_WITHIN_S = 0.05
+"""How long the first half of a rename waits for its second before it counts as a move out of the tree."""
 
 
 def creds_of(user: Identity) -> bytes:
@@ -208,12 +210,18 @@ async def agent_watch(client: AgentClient, path: str, recursive: bool, user: Ide
 
 async def _watch_events(client: AgentClient, channel: int, root: str) -> AsyncIterator[FileEvent]:
     dropped = 0
+    moves: dict[int, tuple[str, bool]] = {}
     try:
         while True:
-            frame = await client.next_frame(channel)
+            try:  # a rename's second half may come in the next batch: wait a moment for it
+                frame = await client.next_frame(channel, _PAIR_WITHIN_S if moves else None)
+            except TimeoutError:
+                for path, is_dir in moves.values():
+                    yield FileEvent(type="move", path=path, is_dir=is_dir)
+                moves.clear()
+                continue
             if frame.type != T.DATA:
                 return
-            moves: dict[int, tuple[str, bool]] = {}
             events: list[FileEvent] = []
             for kind, is_dir, cookie, path in parse_watch(frame.payload):
                 if kind == "o":
@@ -226,7 +234,6 @@ async def _watch_events(client: AgentClient, channel: int, root: str) -> AsyncIt
                 else:
                     kinds = {"c": "create", "t": "create", "m": "modify", "d": "delete", "a": "chmod", "x": "delete"}
                     events.append(FileEvent(type=kinds[kind], path=path, is_dir=is_dir or kind == "x"))
-            events += [FileEvent(type="move", path=p, is_dir=d) for p, d in moves.values()]
             for event in events:
                 if dropped:
                     event = event.model_copy(update={"dropped": dropped})

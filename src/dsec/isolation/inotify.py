@@ -3,10 +3,11 @@
 Owns :class:`DirectoryWatch`: one inotify instance per watch, read on the event loop; directories are added
 by fds their caller resolved inside the sandbox's root (``/proc/self/fd/N``, never a host path), so a
 symlink planted by the sandbox cannot point a watch at a host directory. A recursive watch adds each new
-directory as it appears (and reports what was already in it). The two halves of a rename arrive in one
-read with the same cookie and become one ``move``; a half without its pair is a move out of the tree (or a
-``create`` for a move in). Written on ctypes rather than an inotify package: moves are paired by the read
-they arrive in, which the packages' one-event-at-a-time interfaces hide.
+directory as it appears (and reports what was already in it). The two halves of a rename come with the same
+cookie, in one read or the next, and become one ``move``; a first half whose second does not follow within
+50 ms is a move out of the tree (a second half alone, a ``create``: a move in). Written on ctypes rather than
+an inotify package: pairing needs the reads' boundaries, which the packages' one-event-at-a-time interfaces
+hide.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | 
          | _IN_ONLYDIR)
 _HEADER = struct.Struct("iIII")
 _NONBLOCK, _CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_PAIR_WITHIN_S = 0.05
+"""How long the first half of a rename waits for its second (it may come in the next read)."""
 MAX_QUEUED = 10_000
 """Events kept for a slow reader; past it they are dropped and the next event says how many."""
 
@@ -70,6 +73,8 @@ class DirectoryWatch:
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._moves: dict[int, tuple[str, bool]] = {}
+        self._pairing: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -122,16 +127,23 @@ class DirectoryWatch:
         if not data:
             self.close()
             return
-        moves: dict[int, tuple[str, bool]] = {}
+        moves = self._moves
         pos = 0
         while pos + _HEADER.size <= len(data):
             wd, mask, cookie, size = _HEADER.unpack_from(data, pos)
             raw = data[pos + _HEADER.size:pos + _HEADER.size + size].split(b"\0", 1)[0]
             pos += _HEADER.size + size
             self._one(wd, mask, cookie, raw.decode(errors="surrogateescape"), moves)
-        for source, is_dir in moves.values():  # moved out of the watched tree
+        if moves and self._pairing is None and self._loop is not None:  # a rename's second half may come next
+            self._pairing = self._loop.call_later(_PAIR_WITHIN_S, self._moved_out)
+
+    def _moved_out(self) -> None:
+        """First halves of renames whose second never came: moved out of the watched tree."""
+        self._pairing = None
+        for source, is_dir in self._moves.values():
             self._forget(source)
             self._push(FileEvent(type="move", path=source, is_dir=is_dir))
+        self._moves.clear()
 
     def _one(self, wd: int, mask: int, cookie: int, name: str, moves: dict[int, tuple[str, bool]]) -> None:
         if mask & _IN_Q_OVERFLOW:
@@ -215,6 +227,8 @@ class DirectoryWatch:
         if self._closed:
             return
         self._closed = True
+        if self._pairing is not None:
+            self._pairing.cancel()
         if self._fd >= 0:
             if self._loop is not None:
                 with contextlib.suppress(ValueError, OSError, RuntimeError):
