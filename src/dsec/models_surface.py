@@ -129,6 +129,8 @@ class ProcessInfo(Model):
     """The user it runs as (as asked; None: the sandbox's)."""
     cwd: str
     """Its working directory."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """The environment it was given on top of the sandbox's."""
     pty: PtySize | None = None
     """Its terminal's size, if it runs in one."""
     started_at: float

@@ -128,11 +128,12 @@ class ProcessTable:
         return _Starting(("pty",) if pty else ("stdout", "stderr"))
 
     def add(self, sandbox_id: str, io: ProcessIO, sink: _Starting, command: list[str], cwd: str, user: str | None,
-            tag: str | None, pty: PtySize | None, stdin_open: bool) -> ProcessInfo:
+            tag: str | None, pty: PtySize | None, stdin_open: bool, env: dict[str, str] | None = None
+            ) -> ProcessInfo:
         """Record a started process (pids are unique among a sandbox's live processes: an ended record with
         the same pid is dropped)."""
         table = self._sandboxes.setdefault(sandbox_id, {})
-        info = ProcessInfo(pid=io.pid, command=command, tag=tag, user=user, cwd=cwd, pty=pty,
+        info = ProcessInfo(pid=io.pid, command=command, tag=tag, user=user, cwd=cwd, env=env or {}, pty=pty,
                            started_at=time.time(), running=True, stdin_open=stdin_open)
         entry = ProcessEntry(info=info, io=io, buffers=sink.buffers)
         sink.entry = entry

@@ -250,7 +250,7 @@ class Surface:
             if not request.keep_stdin:
                 await io.close_stdin()
             return self.processes.add(sandbox_id, io, sink, argv, cwd, request.user, request.tag, request.pty,
-                                      request.keep_stdin)
+                                      request.keep_stdin, request.env)
 
         args = request.model_dump(mode="python", exclude_none=True)
         info: ProcessInfo = await self.host.logged(record, seq, "process", args, request.stdin, run)
