@@ -58,7 +58,7 @@ from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.disk import disk_full, umount
 from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
-from dsec.isolation.files import SandboxFS
+from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
@@ -496,8 +496,9 @@ class ContainerBackend(Backend):
                 root = f"/proc/self/fd/{root_fd}"
                 # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image
                 # format works): execs run as that user, with its home as HOME unless the image's Env sets one.
-                store_identity(record, resolve_user(Path(root), record.spec.user or image.config.user))
-                SandboxFS(root, shift, shift).makedirs(workdir_of(record))
+                user = resolve_user(Path(root), record.spec.user or image.config.user)
+                store_identity(record, user)
+                make_workdir(SandboxFS(root, shift, shift), workdir_of(record), user)
                 # The image's untouched root for pristine execs, read-only inside the sandbox's root (from the
                 # sandbox's user namespace a locked mount it cannot undo). A restored upper already has the dir.
                 _plain_dir(f"{root}{PRISTINE_DIR}")

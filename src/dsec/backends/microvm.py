@@ -614,7 +614,7 @@ class MicroVMBackend(Backend):
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
-        await client.mkdir(workdir_of(record))
+        await self.guest.make_workdir(record, workdir_of(record))
         if self._confines(record):
             try:
                 hidden = await client.confine(record.spec.protected, record.spec.hidden,

@@ -18,7 +18,7 @@ import signal
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from dsec.accounts import Identity
+from dsec.accounts import ROOT, Identity
 from dsec.backends.base import default_identity
 from dsec.backends.surface import ProcessIO, ProcessSink, Stream
 from dsec.errors import SandboxError, file_error
@@ -333,6 +333,18 @@ class GuestSurface:
             process = AgentProcess(client, channel, sink, pty is not None and not pty_stdin, timeout)
             await process.wait_started()
             return process
+
+    async def make_workdir(self, record: SandboxRecord, workdir: str) -> None:
+        """The working directory, created if the image lacks it, as the default user's when that is not root."""
+        user = default_identity(record)
+        async with self._agent(record) as client:
+            files = AgentFiles(client, ROOT)
+            try:
+                await files.stat(workdir)
+            except FileNotFoundError:
+                await files.mkdir(workdir, True, 0o755)
+                if not user.is_root:
+                    await files.chown(workdir, user)
 
     async def open_port(self, record: SandboxRecord, port: int) -> AgentPort:
         async with self._agent(record) as client:

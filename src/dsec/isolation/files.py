@@ -25,12 +25,13 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dsec.accounts import Identity
 from dsec.errors import DSecError, InvalidRequest, SandboxError, file_error
 from dsec.isolation.fscreds import acting_as
 from dsec.models import FileEntry
 from dsec.models_surface import FileKind, FileStat
 
-__all__ = ["Actor", "SandboxFS", "file_kind", "normalise"]
+__all__ = ["Actor", "SandboxFS", "file_kind", "make_workdir", "normalise"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_OPENAT2 = 437
@@ -443,3 +444,12 @@ class SandboxFS:
                 return False
             raise
         return True
+
+
+def make_workdir(fs: SandboxFS, workdir: str, user: Identity) -> None:
+    """Create the sandbox's working directory if the image lacks it, as its default user's when that is not
+    root (the user works there: ``SandboxSpec.user``, an image's ``User``)."""
+    fresh = not fs.exists(workdir)
+    fs.makedirs(workdir)
+    if fresh and not user.is_root:
+        fs.chown(workdir, user.uid, user.gid)
