@@ -21,6 +21,8 @@
 | ``DSEC_SNAPSHOT_STORE`` | the image store | where snapshots' chunks and records go (a path or ``s3://...``) |
 | ``DSEC_AUDIT_DB`` | ``$DSEC_HOME/audit.db`` | the audit trail (SQLite): every command run in every sandbox |
 | ``DSEC_AUDIT_MAX_ROWS`` | ``200000`` | commands the audit trail keeps (oldest evicted first) |
+| ``DSEC_PORTS_BIND`` | ``127.0.0.1`` | the address exposed sandbox ports (``sb.expose``) listen on |
+| ``DSEC_PORTS_ADVERTISE`` | ``DSEC_PORTS_BIND`` | the host name clients are given for them (the node's address) |
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class Settings:
     node: str = field(default_factory=lambda: os.environ.get("DSEC_NODE") or socket.gethostname())
     uid_shift: int = field(default_factory=lambda: int(os.environ.get("DSEC_UID_SHIFT", "100000")))
     uid_count: int = 65536
+    ports_bind: str = field(default_factory=lambda: os.environ.get("DSEC_PORTS_BIND", "127.0.0.1"))
+    """Where exposed sandbox ports listen (``sb.expose``): loopback unless the node serves other machines."""
+    ports_advertise: str | None = field(default_factory=lambda: os.environ.get("DSEC_PORTS_ADVERTISE") or None)
+    """The host name clients are given for exposed ports (default: ``ports_bind``)."""
     trajectory_db: str | None = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_DB") or None)
     trajectory_sync: str = field(default_factory=lambda: os.environ.get("DSEC_TRAJECTORY_SYNC", "normal"))
     pools: tuple[str, ...] = field(

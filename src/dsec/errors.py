@@ -7,12 +7,20 @@ classes defined here, never an arbitrary import path).
 
     DSecError
     ├── InvalidRequest (ValueError)        400  malformed body, bad path, bad limit
-    │   └── BuildFailed                     400  a Dockerfile build failed at a step (``detail["step"]``)
+    │   ├── BuildFailed                     400  a Dockerfile build failed at a step (``detail["step"]``)
+    │   ├── IsADirectory (IsADirectoryError)     a file operation's errno in the sandbox (SandboxFileError)
+    │   └── NotADirectory (NotADirectoryError)
     ├── Unauthorized (PermissionError)      401  missing or wrong token on TCP
     ├── Forbidden (PermissionError)         403  the token's scope does not cover the route
     ├── NotFound (LookupError)              404
     │   ├── SandboxNotFound
-    │   └── ImageNotFound
+    │   ├── ImageNotFound
+    │   ├── UserNotFound                         ``user=`` names no user (or group) of the sandbox
+    │   ├── ProcessNotFound                      no such process handle, shell session or file watch
+    │   └── FileNotFound (FileNotFoundError)     (SandboxFileError)
+    ├── FileExists (FileExistsError)        409  (SandboxFileError)
+    ├── DirectoryNotEmpty                   409  (SandboxFileError)
+    ├── PermissionDenied (PermissionError)  403  the sandbox's permission bits refused a file operation
     ├── SandboxStateError                   409  e.g. exec on a paused sandbox
     │   └── Fenced                          409  cluster mode: a create under a cell lease a newer one replaced
     ├── SandboxTimeout (TimeoutError)       408  the sandbox outlived its ``timeout``
@@ -23,6 +31,7 @@ classes defined here, never an arbitrary import path).
     ├── BackendUnavailable                  503  backend not usable on this host
     ├── NotSupported (NotImplementedError)  501  operation not offered by this backend
     ├── SandboxError                        500  the sandbox failed (init died, mount failed...)
+    ├── SandboxFileError (OSError)          400  base of the file errors: ``errno``, ``filename``, ``reason``
     ├── RemoteError                              ``sb.call``: the callable raised (or could not be loaded)
     ├── CallFailed                               ``sb.call``: no result (killed at a limit, result refused)
     ├── ImageCorrupt                        502  image bytes did not match their digest (twice)
@@ -34,6 +43,8 @@ classes defined here, never an arbitrary import path).
 
 from __future__ import annotations
 
+import errno as _errno
+import os
 from typing import Any, ClassVar
 
 __all__ = [
@@ -44,24 +55,34 @@ __all__ = [
     "ConnectionFailed",
     "DSecError",
     "DaemonStopping",
+    "DirectoryNotEmpty",
     "Fenced",
+    "FileExists",
+    "FileNotFound",
     "Forbidden",
     "ImageCorrupt",
     "ImageNotFound",
     "InvalidRequest",
+    "IsADirectory",
+    "NotADirectory",
     "NotFound",
     "NotSupported",
+    "PermissionDenied",
+    "ProcessNotFound",
     "QuotaExceeded",
     "RateLimited",
     "RemoteError",
     "ReplayDivergence",
     "SandboxError",
+    "SandboxFileError",
     "SandboxNotFound",
     "SandboxStateError",
     "SandboxTimeout",
     "StoreUnavailable",
     "Unauthorized",
+    "UserNotFound",
     "error_from_payload",
+    "file_error",
 ]
 
 
@@ -115,6 +136,97 @@ class SandboxNotFound(NotFound):
 
 class ImageNotFound(NotFound):
     """No image with this name in the image store."""
+
+
+class UserNotFound(NotFound):
+    """``user=`` names a user or group that the sandbox's ``/etc/passwd`` or ``/etc/group`` does not have."""
+
+
+class ProcessNotFound(NotFound):
+    """No process handle with this pid (or shell session, or file watch with this id) in the sandbox: it was
+    never started through DSec, or it ended and its record was dropped."""
+
+
+class SandboxFileError(DSecError, OSError):
+    """A file operation in the sandbox failed with ``errno`` (``detail["errno"]``, its name in
+    ``detail["reason"]``, the path in ``detail["path"]``); the subclasses are the builtin ``OSError`` subclasses
+    Python raises for the same errno, so ``except FileNotFoundError`` works on sandbox files as on local ones."""
+
+    status_code = 400
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message, **detail)
+        code = detail.get("errno")
+        self.errno = code if isinstance(code, int) else None
+        self.strerror = message
+        self.filename = detail.get("path")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class FileNotFound(SandboxFileError, NotFound, FileNotFoundError):
+    """No such file or directory in the sandbox (ENOENT)."""
+
+    status_code = 404
+
+
+class IsADirectory(SandboxFileError, InvalidRequest, IsADirectoryError):
+    """A file operation met a directory where it needs a file (EISDIR)."""
+
+    status_code = 400
+
+
+class NotADirectory(SandboxFileError, InvalidRequest, NotADirectoryError):
+    """A path component, or the target of a directory operation, is not a directory (ENOTDIR)."""
+
+    status_code = 400
+
+
+class FileExists(SandboxFileError, FileExistsError):
+    """The target already exists (EEXIST)."""
+
+    status_code = 409
+
+
+class DirectoryNotEmpty(SandboxFileError):
+    """A directory removed without ``recursive=True`` (or renamed over) has entries (ENOTEMPTY)."""
+
+    status_code = 409
+
+
+class PermissionDenied(SandboxFileError, PermissionError):
+    """The user the operation ran as may not do it (EACCES, EPERM), or the path is read-only (EROFS: a
+    protected path, a function sandbox's image)."""
+
+    status_code = 403
+
+
+_FILE_ERRORS: dict[int, type[SandboxFileError]] = {
+    _errno.ENOENT: FileNotFound, _errno.EISDIR: IsADirectory, _errno.ENOTDIR: NotADirectory,
+    _errno.EEXIST: FileExists, _errno.ENOTEMPTY: DirectoryNotEmpty, _errno.EACCES: PermissionDenied,
+    _errno.EPERM: PermissionDenied, _errno.EROFS: PermissionDenied,
+}
+_FILE_WORDS: dict[int, str] = {
+    _errno.ENOENT: "no such file or directory", _errno.EISDIR: "is a directory", _errno.ENOTDIR: "not a directory",
+    _errno.EEXIST: "already exists", _errno.ENOTEMPTY: "directory not empty", _errno.EACCES: "permission denied",
+    _errno.EPERM: "operation not permitted", _errno.EROFS: "read-only path",
+}
+
+
+def file_error(code: int, path: str, what: str = "", **detail: Any) -> SandboxFileError:
+    """The error for errno ``code`` from a file operation on ``path`` in the sandbox (``what``: the operation,
+    for the message): one class per errno Python maps, :class:`SandboxFileError` for any other."""
+    reason = _errno.errorcode.get(code, str(code))
+    words = _FILE_WORDS.get(code) or _strerror(code)
+    message = f"{what + ' ' if what else ''}{path}: {words}"
+    return _FILE_ERRORS.get(code, SandboxFileError)(message, errno=code, reason=reason, path=path, **detail)
+
+
+def _strerror(code: int) -> str:
+    """``strerror(code)`` in lower case, as file messages word it."""
+    text = os.strerror(code)
+    return text[:1].lower() + text[1:]
 
 
 class SandboxStateError(DSecError):
@@ -263,6 +375,9 @@ def error_from_payload(payload: Any, status_code: int = 500) -> DSecError:
     cls = _registry().get(str(body.get("type")), DSecError)
     raw_detail = body.get("detail")
     detail: dict[str, Any] = raw_detail if isinstance(raw_detail, dict) else {}
-    err = cls(str(body.get("message", "")))
+    try:
+        err = cls(str(body.get("message", "")), **detail)
+    except TypeError:  # a class whose own arguments the detail does not fit
+        err = cls(str(body.get("message", "")))
     err.detail = detail
     return err

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from dsec.accounts import parse_user
 from dsec.errors import InvalidRequest
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "TimeoutRequest",
     "TrajectoryForkRequest",
     "TrajectoryStatus",
+    "check_mapping",
     "id_hash",
     "ids_digest",
     "parse_network",
@@ -169,7 +171,7 @@ def parse_pairs(items: Sequence[str], what: str) -> dict[str, str]:
     return out
 
 
-def _check_mapping(v: dict[str, str]) -> dict[str, str]:
+def check_mapping(v: dict[str, str]) -> dict[str, str]:
     """Environment-style keys: non-empty, no '=' or NUL; values without NUL (execve cannot carry them)."""
     for key, val in v.items():
         if not key or "\0" in key or "=" in key or "\0" in val:
@@ -222,6 +224,9 @@ class SandboxSpec(Model):
     workdir: str | None = None
     """Default working directory of execs; created if missing (default: the image's ``WorkingDir``, else
     ``/workspace``)."""
+    user: str | None = None
+    """Default user of execs, processes and file calls (``name``, ``uid``, ``name:group``, ``uid:gid``, looked
+    up in the image; default: the image's ``User``, else root). A call's own ``user=`` overrides it."""
     trajectory: str | None = None
     """Trajectory log to bind this sandbox to (``"job/rollout"``)."""
     snapshot: str | None = None
@@ -259,6 +264,13 @@ class SandboxSpec(Model):
                 raise ValueError(f"protected and hidden paths must be absolute, normalised and not '/', got {path!r}")
         return [p.rstrip("/") for p in v]
 
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_user(v)
+        return v
+
     @field_validator("workdir")
     @classmethod
     def _absolute(cls, v: str | None) -> str | None:
@@ -269,7 +281,7 @@ class SandboxSpec(Model):
     @field_validator("env", "labels")
     @classmethod
     def _no_nul(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_mapping(v)
+        return check_mapping(v)
 
 
 class BatchCreateRequest(Model):
@@ -332,13 +344,16 @@ class ExecRequest(Model):
     timeout: float | None = Field(60.0, gt=0)
     """Seconds before the command's process group is killed (``None``: no limit)."""
     cwd: str | None = None
-    """Working directory (default: the sandbox's ``workdir``)."""
+    """Working directory, absolute or relative to the sandbox's ``workdir`` (default: ``workdir``)."""
     env: dict[str, str] | None = None
     """Extra environment, merged over the sandbox's."""
     stdin: bytes | None = None
     """Bytes fed to the command's standard input (closed afterwards)."""
     max_output: int = Field(16 * 1024 * 1024, ge=0)
     """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
+    user: str | None = None
+    """Run as this user: ``name``, ``uid``, ``name:group`` or ``uid:gid``, resolved in the sandbox's own
+    ``/etc/passwd`` and ``/etc/group`` (default: the sandbox's user, ``SandboxSpec.user`` or the image's)."""
     pristine: bool = False
     """Run with the image's original, untouched root (a fresh mount namespace over the read-only image, the
     working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
@@ -357,13 +372,21 @@ class ExecRequest(Model):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return None if v is None else _check_mapping(v)
+        return None if v is None else check_mapping(v)
 
     @field_validator("cwd")
     @classmethod
     def _cwd(cls, v: str | None) -> str | None:
-        if v is not None and (not v.startswith("/") or "\0" in v):
-            raise ValueError(f"cwd must be an absolute path without NUL bytes, got {v!r}")
+        if v is not None and (not v or "\0" in v):
+            raise ValueError(f"cwd must be a non-empty path without NUL bytes (absolute, or relative to the "
+                             f"sandbox's working directory), got {v!r}")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_user(v)
         return v
 
     def argv(self) -> list[str]:
@@ -430,7 +453,7 @@ class CallRequest(Model):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return None if v is None else _check_mapping(v)
+        return None if v is None else check_mapping(v)
 
     @field_validator("python")
     @classmethod
@@ -585,7 +608,10 @@ class LoggedCall(Model):
 
     seq: int
     """Sequence number."""
-    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal"]
+    op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal", "stat",
+                "exists", "mkdir", "remove", "rename", "chmod", "chown", "process", "process.stdin",
+                "process.close_stdin", "process.signal", "process.resize", "process.wait", "shell", "shell.run",
+                "shell.close"]
     """Operation."""
     digest: str
     """sha256 identity of the call (``dsec.trajectory.digest``)."""

@@ -49,15 +49,15 @@ def test_checks_are_named_and_unique() -> None:
 
 
 class _ModeIgnoringFake(FakeBackend):
-    async def write_file(self, record, path, data, mode):  # type: ignore[no-untyped-def]
-        await super().write_file(record, path, data, None)
+    async def write_file(self, record, path, data, mode, user=None):  # type: ignore[no-untyped-def]
+        await super().write_file(record, path, data, None, user)
 
 
 class _MergingFake(FakeBackend):
     """Reports stderr as stdout, like a backend that forgot to separate the streams."""
 
-    async def exec_stream(self, record, request):  # type: ignore[no-untyped-def]
-        async for event in super().exec_stream(record, request):
+    async def exec_stream(self, record, request, user=None):  # type: ignore[no-untyped-def]
+        async for event in super().exec_stream(record, request, user):
             if event.type == "stderr":
                 event = event.model_copy(update={"type": "stdout"})
             elif event.result is not None:

@@ -17,7 +17,7 @@ from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidRequest, SandboxError
+from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
@@ -423,7 +423,7 @@ async def test_protected_and_hidden_paths(backend: MicroVMBackend, debian_python
         codes = r.stdout.decode().split()
         assert len(codes) == 3 and "0" not in codes, r  # nothing listed, and every change refused
         assert b"Read-only file system" in r.stderr and b"busy" in r.stderr, r.stderr
-        with pytest.raises(SandboxError):
+        with pytest.raises(PermissionDenied, match="read-only"):  # EROFS: the protected path's bind
             await backend.write_file(sb, "/usr/bin/evil", b"x", None)
         await backend.reveal(sb)
         assert sb.backend_state["hidden"] == []

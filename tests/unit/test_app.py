@@ -13,6 +13,7 @@ import pytest
 from openapi_spec_validator import validate
 from test_engine import started
 
+from dsec.accounts import Identity
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
@@ -26,7 +27,8 @@ OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 class BrokenStreamBackend(FakeBackend):
     """Sends one chunk, then fails mid-stream."""
 
-    async def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                          ) -> AsyncIterator[ExecEvent]:
         yield ExecEvent(type="stdout", data=b"partial")
         raise SandboxError("init died")
 
@@ -180,7 +182,7 @@ async def test_exec_result_answers_in_one_response(client: httpx.AsyncClient, en
     assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
     r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": []})
     assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
-    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true", "cwd": "../etc"})
+    r = await client.post(f"/v1/sandboxes/{sid}/exec/result", json={"command": "true", "cwd": ""})
     assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
     r = await client.post("/v1/sandboxes/sb-000000000000/exec/result", json={"command": "true"})
     assert (r.status_code, r.json()["error"]["type"]) == (404, "SandboxNotFound")
@@ -282,8 +284,11 @@ async def test_file_round_trip_with_binary_data(client: httpx.AsyncClient) -> No
     assert (entry["name"], entry["mode"], entry["size"]) == ("blob", 0o755, len(data))
     r = await client.put(url, params={"path": "/workspace/y", "mode": "rwx"}, content=b"")
     assert r.status_code == 400 and "octal" in r.json()["error"]["message"]
-    r = await client.get(url, params={"path": "workspace/x/blob"})
-    assert r.status_code == 400 and "'workspace/x/blob'" in r.json()["error"]["message"]
+    r = await client.get(url, params={"path": "x/blob"})  # relative to the sandbox's working directory
+    assert r.status_code == 200 and r.content == data
+    r = await client.get(url, params={"path": "x/none"})
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["detail"]["errno"]) == (
+        404, "FileNotFound", 2)
     r = await client.get(url)
     assert r.status_code == 400 and "query.path" in r.json()["error"]["message"]
 

@@ -322,12 +322,14 @@ async def test_files_round_trip_and_path_checks(engine: Engine) -> None:
     [entry] = await engine.list_files(info.id, "/workspace/d")
     assert (entry.name, entry.path, entry.type, entry.mode, entry.size) == (
         "a.bin", "/workspace/d/a.bin", "file", 0o755, 3)
-    with pytest.raises(InvalidRequest, match="'relative/path'"):
+    assert await engine.read_file(info.id, "d/a.bin") == b"\x00\xff\xfe"  # relative to the workdir
+    with pytest.raises(FileNotFoundError, match="relative/path"):
         await engine.read_file(info.id, "relative/path")
-    with pytest.raises(InvalidRequest, match="absolute"):
+    with pytest.raises(InvalidRequest, match="NUL"):
         await engine.write_file(info.id, "/a\0b", b"")
-    with pytest.raises(pydantic.ValidationError, match="'tmp'"):  # refused by the model, before the engine
-        ExecRequest(command="true", cwd="tmp")
+    with pytest.raises(pydantic.ValidationError, match="cwd"):  # refused by the model, before the engine
+        ExecRequest(command="true", cwd="")
+    assert (await engine.exec(info.id, ExecRequest(command="pwd", cwd="d"))).stdout.endswith(b"/workspace/d\n")
     # The fake runs commands on the host with cwd = the sandbox's /workspace: relative paths only.
     assert (await engine.exec(info.id, ExecRequest(command="ln -s /etc up && ln -s ../.. rel"))).ok
     with pytest.raises(InvalidRequest, match="outside the sandbox"):

@@ -31,7 +31,7 @@ def test_exec_env_that_execve_cannot_carry_is_refused(env: dict[str, str]) -> No
 def test_exec_request_shapes() -> None:
     assert ExecRequest(command="echo hi").argv() == ["/bin/sh", "-c", "echo hi"]
     assert ExecRequest(command=["ls", "-l"]).argv() == ["ls", "-l"]
-    for bad in ({"command": ""}, {"command": []}, {"command": "a\0b"}, {"command": "x", "cwd": "rel"},
+    for bad in ({"command": ""}, {"command": []}, {"command": "a\0b"}, {"command": "x", "cwd": ""},
                 {"command": "x", "timeout": 0}, {"command": "x", "unknown": 1}):
         with pytest.raises(pydantic.ValidationError):
             ExecRequest(**bad)  # type: ignore[arg-type]

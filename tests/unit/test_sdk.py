@@ -118,8 +118,11 @@ async def test_upload_and_download_files_and_trees(sb: dsec.AsyncSandbox, tmp_pa
 async def test_file_errors_come_back_typed(sb: dsec.AsyncSandbox) -> None:
     with pytest.raises(dsec.NotFound):
         await sb.files.read("/workspace/absent")
-    with pytest.raises(dsec.InvalidRequest):
-        await sb.files.read("relative/path")
+    with pytest.raises(FileNotFoundError) as found:
+        await sb.files.read("relative/path")  # relative to the sandbox's working directory
+    assert found.value.errno == 2 and found.value.filename == "/workspace/relative/path"
+    with pytest.raises(IsADirectoryError):
+        await sb.files.read("/workspace")
 
 
 async def test_connect_list_by_labels_and_close_idempotent(client: dsec.Client) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
+from dsec.accounts import ROOT, Identity, resolve_identity
+from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.errors import NotSupported, SandboxError, error_from_payload
 from dsec.models import (
     CallRequest,
@@ -27,10 +29,12 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
+from dsec.models_surface import FileEvent, FileStat
 
-__all__ = ["DEFAULT_WORKDIR", "Backend", "Check", "ImageRef", "apply_image_defaults", "collect_exec", "signal_of",
-           "workdir_of"]
+__all__ = ["DEFAULT_WORKDIR", "Backend", "Check", "ImageRef", "apply_image_defaults", "collect_exec",
+           "default_identity", "resolve_user_in", "signal_of", "store_identity", "workdir_of"]
 
+_ACCOUNT_FILE_MAX = 4 << 20
 DEFAULT_WORKDIR = "/workspace"
 """Working directory of sandboxes whose spec and image name none."""
 
@@ -79,6 +83,34 @@ def workdir_of(record: SandboxRecord) -> str:
     return record.spec.workdir or DEFAULT_WORKDIR
 
 
+def store_identity(record: SandboxRecord, user: Identity) -> None:
+    """Keep the sandbox's default user (resolved at create from ``spec.user`` or the image's) in its record;
+    ``user_spec`` says ``spec.user`` is in it (the engine resolves it per call where a backend could not)."""
+    record.backend_state.update(user=[user.uid, user.gid], home=user.home, user_groups=list(user.groups),
+                                user_name=user.name, user_spec=record.spec.user)
+
+
+async def resolve_user_in(backend: Backend, record: SandboxRecord, user: str) -> Identity:
+    """The identity ``user`` names in the sandbox's own ``/etc/passwd`` and ``/etc/group`` (read as root;
+    either may be missing). :class:`~dsec.errors.UserNotFound` when it names nobody there."""
+    texts = []
+    for path in ("/etc/passwd", "/etc/group"):
+        try:
+            texts.append((await backend.read_file(record, path, _ACCOUNT_FILE_MAX, ROOT)).decode(errors="replace"))
+        except (FileNotFoundError, NotADirectoryError):
+            texts.append("")
+    return resolve_identity(texts[0], texts[1], user)
+
+
+def default_identity(record: SandboxRecord) -> Identity:
+    """The sandbox's default user, as :func:`store_identity` kept it (root for a record from before users)."""
+    state = record.backend_state
+    uid, gid = state.get("user", [0, 0])
+    name = state.get("user_name", "root" if uid == 0 else None)
+    return Identity(uid=int(uid), gid=int(gid), groups=tuple(int(g) for g in state.get("user_groups", [])),
+                    home=str(state.get("home", "/root")), name=name)
+
+
 class Backend(abc.ABC):
     """One isolation substrate. All methods are safe to call concurrently for different sandboxes."""
 
@@ -92,6 +124,10 @@ class Backend(abc.ABC):
     reads_image: ClassVar[bool] = True
     """A running sandbox reads its image mount (False: the image was copied at create, as a VM's disk, and
     the death of the node's lazy image server does not touch it)."""
+    users: ClassVar[bool] = True
+    """Commands and file operations can run as any user of the sandbox (False: only as root)."""
+    ports: ClassVar[bool] = True
+    """A server listening in the sandbox can be reached through :meth:`open_port`."""
 
     async def start(self) -> None:
         """Prepare host-side machinery (helpers, pools). Called once by the engine."""
@@ -120,24 +156,79 @@ class Backend(abc.ABC):
         """Create and start the sandbox; fill ``record.backend_state``. Clean up fully on failure."""
 
     @abc.abstractmethod
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        """Run a command; yield output chunks and finally one ``exit`` event. Closing the iterator kills it."""
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                    ) -> AsyncIterator[ExecEvent]:
+        """Run a command (as ``user``; None: the sandbox's default user); yield output chunks and finally one
+        ``exit`` event. Closing the iterator kills it."""
 
-    async def exec(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
+    async def exec(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None) -> ExecResult:
         """Run a command to completion."""
-        return await collect_exec(self.exec_stream(record, request))
+        return await collect_exec(self.exec_stream(record, request, user))
+
+    # Files. Paths are absolute (the engine resolves relative ones); ``user`` is whose permissions are checked
+    # (None: the sandbox's default user; :data:`dsec.accounts.ROOT`: none). Errors are dsec.errors.file_error's.
 
     @abc.abstractmethod
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
         """Read a regular file, resolved inside the sandbox root."""
 
     @abc.abstractmethod
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
-        """Create or replace a file (parents created), owned by the sandbox's root user."""
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
+        """Create or replace a file (parents created), owned by ``user`` (root: the sandbox's root user)."""
 
     @abc.abstractmethod
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
         """List a directory, resolved inside the sandbox root."""
+
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        """What ``lstat`` says of ``path`` (owner and group as ids; the engine adds their names)."""
+        raise NotSupported(f"backend {self.name!r} cannot stat files")
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        """Create a directory (``parents``: ``mkdir -p``)."""
+        raise NotSupported(f"backend {self.name!r} cannot create directories")
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        """Remove a file, symlink or empty directory (``recursive``: a whole tree)."""
+        raise NotSupported(f"backend {self.name!r} cannot remove files")
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        """Move ``source`` to ``destination``."""
+        raise NotSupported(f"backend {self.name!r} cannot rename files")
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        """Set ``path``'s permission bits."""
+        raise NotSupported(f"backend {self.name!r} cannot change permissions")
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        """Give ``path`` to ``owner``'s uid and gid."""
+        raise NotSupported(f"backend {self.name!r} cannot change owners")
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        """Start watching directory ``path``; returns (once the watch is in place) its changes as they happen,
+        until the iterator is closed (``aclose``)."""
+        raise NotSupported(f"backend {self.name!r} cannot watch files")
+
+    # Processes and ports.
+
+    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
+                            user: Identity | None = None) -> ProcessIO:
+        """Start a process that outlives this call (and the client), reporting to ``sink``; it dies with the
+        sandbox."""
+        raise NotSupported(f"backend {self.name!r} cannot keep processes running")
+
+    async def open_port(self, record: SandboxRecord, port: int) -> PortStream:
+        """A TCP connection to ``port`` on the sandbox's loopback (whatever its network policy: this is the
+        node's own way in, never the sandbox's way out). ConnectionRefusedError when nothing listens."""
+        raise NotSupported(f"backend {self.name!r} cannot reach ports inside its sandboxes")
 
     @abc.abstractmethod
     async def destroy(self, record: SandboxRecord) -> None:

@@ -38,23 +38,38 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, Check, ImageRef, apply_image_defaults, signal_of, workdir_of
+from dsec.accounts import ROOT, Identity
+from dsec.backends.base import (
+    Backend,
+    Check,
+    ImageRef,
+    apply_image_defaults,
+    default_identity,
+    signal_of,
+    store_identity,
+    workdir_of,
+)
+from dsec.backends.hostside import HostFiles, actor_of
+from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
 from dsec.isolation.disk import disk_full, umount
-from dsec.isolation.exec_client import ExecHelper, stream_exec
-from dsec.isolation.files import SandboxFS
+from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
+from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
+from dsec.isolation.ports import connect_in_netns
+from dsec.isolation.process_io import PipeProcess, raw_mode, sandbox_pty
 from dsec.isolation.procs import ended, reap, sealed_executable, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
+from dsec.models_surface import FileEvent, FileStat
 
 __all__ = ["ContainerBackend"]
 
@@ -123,6 +138,7 @@ class ContainerBackend(Backend):
         self._holder: MountHolder | None = None
         self._mask_v2 = False
         self.networks = SandboxNetworks(tag)
+        self.files = HostFiles(self._fs)
         # Sandbox id -> execs running now; a sandbox with none (for CPU_IDLE_AFTER_S) is in the best-effort
         # CPU class. _busy_class: the sandboxes in the normal class now; _idle_timers: their pending demotions.
         self._busy: dict[str, int] = {}
@@ -480,9 +496,9 @@ class ContainerBackend(Backend):
                 root = f"/proc/self/fd/{root_fd}"
                 # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image
                 # format works): execs run as that user, with its home as HOME unless the image's Env sets one.
-                user = resolve_user(Path(root), image.config.user)
-                record.backend_state.update(user=[user.uid, user.gid], home=user.home)
-                SandboxFS(root, shift, shift).makedirs(workdir_of(record))
+                user = resolve_user(Path(root), record.spec.user or image.config.user)
+                store_identity(record, user)
+                make_workdir(SandboxFS(root, shift, shift), workdir_of(record), user)
                 # The image's untouched root for pristine execs, read-only inside the sandbox's root (from the
                 # sandbox's user namespace a locked mount it cannot undo). A restored upper already has the dir.
                 _plain_dir(f"{root}{PRISTINE_DIR}")
@@ -528,7 +544,8 @@ class ContainerBackend(Backend):
     async def _connect(self, record: SandboxRecord, policy: Policy) -> None:
         """Give a running sandbox its veth pair, DNS and ``policy`` (see :mod:`dsec.isolation.network`)."""
         host = await self.networks.connect(record.backend_state, self._pid(record), policy)
-        await asyncio.to_thread(self._fs(record).write, "/etc/resolv.conf", f"nameserver {host}\n".encode(), 0o644)
+        fs = self._fs(record, "/", ROOT)[0]
+        await asyncio.to_thread(fs.write, "/etc/resolv.conf", f"nameserver {host}\n".encode(), 0o644)
 
     async def set_network(self, record: SandboxRecord, network: str | list[str]) -> None:
         policy = Policy.parse(network)
@@ -569,22 +586,36 @@ class ContainerBackend(Backend):
     def _cgroups(self, record: SandboxRecord) -> CgroupSet:
         return self._cgroup_set(record.id, record.backend_state)
 
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._exec_stream(record, request)
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                    ) -> AsyncIterator[ExecEvent]:
+        return self._exec_stream(record, request, user)
 
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        if self._helper is None:
-            raise BackendUnavailable("container backend is not started")
-        pid = self._pid(record)
+    def _exec_cgroups_of(self, record: SandboxRecord) -> tuple[CgroupSet, list[str], LimitCounters]:
         cached = self._exec_cgroups.get(record.id)
         if cached is None:
             cgroups = self._cgroups(record)
             cached = self._exec_cgroups[record.id] = (cgroups, cgroups.procs_files(), cgroups.limit_counters())
-        cgroups, procs_files, counters = cached
-        uid, gid = record.backend_state.get("user", [0, 0])
-        env = {"PATH": DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
-               **record.backend_state.get("image_env", {}),
-               **record.spec.env, **(request.env or {})}
+        return cached
+
+    def _helper_request(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
+                        user: Identity | None, **flags: bool) -> dict[str, Any]:
+        """The exec helper's request for a command of ``record`` as ``user`` (None: the sandbox's default)."""
+        if self._helper is None:
+            raise BackendUnavailable("container backend is not started")
+        identity = user or default_identity(record)
+        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home if user else record.backend_state.get("home", "/root"),
+                    **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
+        check_exec_size(argv, full_env)
+        return {"init_pid": self._pid(record), "cgroup_procs": self._exec_cgroups_of(record)[1], "argv": argv,
+                "env": full_env, "cwd": cwd or workdir_of(record), "uid": identity.uid, "gid": identity.gid,
+                "groups": identity.groups, "capmask": _CAPMASK, "nofile": self._nofile,
+                "landlock": record.spec.landlock, **flags}
+
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None
+                           ) -> AsyncIterator[ExecEvent]:
+        helper_request = self._helper_request(record, request.argv(), request.env, request.cwd, user,
+                                              pristine=request.pristine)
+        cgroups, _, counters = self._exec_cgroups_of(record)
         before = (counters.oom_kills(), counters.pids_limit_hits())
         disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
 
@@ -597,19 +628,8 @@ class ContainerBackend(Backend):
                 return "disk"
             return None
 
-        spawned = await self._helper.spawn({
-            "init_pid": pid,
-            "cgroup_procs": procs_files,
-            "argv": request.argv(),
-            "env": env,
-            "cwd": request.cwd or workdir_of(record),
-            "uid": int(uid),
-            "gid": int(gid),
-            "capmask": _CAPMASK,
-            "nofile": self._nofile,
-            "landlock": record.spec.landlock,
-            "pristine": request.pristine,
-        })
+        assert self._helper is not None
+        spawned = await self._helper.spawn(helper_request)
         events = stream_exec(spawned, request, verdict)
         self._cpu_busy(record, cgroups, +1)
         try:
@@ -659,24 +679,84 @@ class ContainerBackend(Backend):
             timer.cancel()
         self._busy_class.discard(sandbox_id)
 
-    def _fs(self, record: SandboxRecord, path: str = "/") -> SandboxFS:
-        """The files API's view: the sandbox's own root, or for a path beneath a hidden (not yet revealed)
-        directory the host's view of the same overlay, where no cover hides it."""
+    def _fs(self, record: SandboxRecord, path: str = "/", user: Identity | None = None) -> tuple[SandboxFS, str]:
+        """The files API's view as ``user``: the sandbox's own root, or for a path beneath a hidden (not yet
+        revealed) directory the host's view of the same overlay, where no cover hides it."""
         shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
         root = f"/proc/{self._pid(record)}/root"
         norm = posixpath.normpath("/" + path.lstrip("/"))
         if any(norm == h or norm.startswith(h + "/") for h in record.backend_state.get("hidden", [])):
             root = self.mount_view(record, "rootfs")
-        return SandboxFS(root, shift, shift)
+        return SandboxFS(root, shift, shift, actor=actor_of(user or default_identity(record), shift)), path
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        return await asyncio.to_thread(self._fs(record, path).read, path, max_bytes)
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
+        return await asyncio.to_thread(self._fs(record, path, user)[0].read, path, max_bytes)
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
-        await asyncio.to_thread(self._fs(record, path).write, path, data, mode)
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
+        await asyncio.to_thread(self._fs(record, path, user)[0].write, path, data, mode)
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(record, path).list, path)
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
+        return await asyncio.to_thread(self._fs(record, path, user)[0].list, path)
+
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        return await self.files.stat(record, path, user)
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        return await self.files.mkdir(record, path, parents, mode, user)
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        await self.files.remove(record, path, recursive, user)
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        return await self.files.rename(record, source, destination, overwrite, user)
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chmod(record, path, mode, user)
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chown(record, path, owner, user)
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        return await self.files.watch(record, path, recursive, user)
+
+    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
+                            user: Identity | None = None) -> ProcessIO:
+        identity = user or default_identity(record)
+        env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
+        request = self._helper_request(record, spec.argv, env, spec.cwd, user, tty=spec.pty is not None)
+        master = slave = None
+        if spec.pty is not None:
+            shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
+            master, slave = sandbox_pty(f"/proc/{request['init_pid']}/root", (identity.uid + shift, 5 + shift),
+                                        spec.pty)
+            if spec.pty_stdin:
+                raw_mode(slave)
+        stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
+        assert self._helper is not None
+        try:
+            spawned = await self._helper.spawn(request, stdio)
+        except BaseException:
+            if master is not None:
+                os.close(master)
+            raise
+        finally:
+            if slave is not None:
+                os.close(slave)
+        process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
+                              timeout=spec.timeout)
+        await process.wait_started()
+        return process
+
+    async def open_port(self, record: SandboxRecord, port: int) -> PortStream:
+        return await connect_in_netns(f"/proc/{self._pid(record)}/ns/net", port)
 
     async def reveal(self, record: SandboxRecord) -> None:
         hidden = list(record.backend_state.get("hidden", []))

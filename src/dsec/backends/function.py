@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import math
 import os
@@ -29,18 +30,32 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dsec.backends.base import Backend, ImageRef, apply_image_defaults, collect_exec, signal_of, workdir_of
+from dsec.accounts import ROOT, Identity
+from dsec.backends.base import (
+    Backend,
+    ImageRef,
+    apply_image_defaults,
+    collect_exec,
+    default_identity,
+    signal_of,
+    store_identity,
+    workdir_of,
+)
+from dsec.backends.hostside import HostFiles, actor_of
+from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
-from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, SandboxError
+from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, PermissionDenied, SandboxError
+from dsec.images.users import resolve_user
 from dsec.isolation import call_loader
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, Limits, background_group, cgroup_mode
 from dsec.isolation.disk import disk_full, mount_disk, umount
-from dsec.isolation.exec_client import stream_exec
+from dsec.isolation.exec_client import check_exec_size, stream_exec
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
+from dsec.isolation.process_io import PipeProcess, host_pty, raw_mode
 from dsec.isolation.procs import ended, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.isolation.zygote import Zygote, ZygoteConfig
@@ -54,6 +69,7 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
+from dsec.models_surface import FileEvent, FileStat
 
 __all__ = ["FunctionBackend"]
 
@@ -69,6 +85,8 @@ class FunctionBackend(Backend):
     name = "function"
     root_writable: ClassVar[bool] = False
     processes_persist: ClassVar[bool] = False
+    ports: ClassVar[bool] = False
+    """Every call has its own network namespace with a loopback that is down, and Landlock refuses TCP."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
@@ -79,6 +97,7 @@ class FunctionBackend(Backend):
         self._zygotes: dict[str, Zygote] = {}
         # Sandbox id -> its cgroups' limit counters (read around every call), resolved at its first call.
         self._counters: dict[str, LimitCounters] = {}
+        self.files = HostFiles(self._fs)
         self._binary: Path | None = None
         self._bpf = b""
         self._support: Path | None = None
@@ -135,7 +154,12 @@ class FunctionBackend(Backend):
             "base": str(base), "uid_shift": shift, "image_rootfs": str(image.rootfs),
             "cgroup": f"/{self.cgroup_parent}/{record.id}", "image_env": dict(image.config.env),
         }
-        await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift, record.spec.disk)
+        # Calls run as the sandbox's root unless the spec names a user (the image's User is not used: the
+        # workspace, the only writable place, starts as root's; a named user gets it).
+        user = await asyncio.to_thread(resolve_user, image.rootfs, record.spec.user) if record.spec.user else ROOT
+        store_identity(record, user)
+        await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift, record.spec.disk,
+                                (user.uid + shift, user.gid + shift))
         state = record.backend_state
         state["disk"] = str(base / "workspace")  # the workspace is the sandbox's disk (a tmpfs of spec.disk)
         state["hidden"] = list(record.spec.hidden)  # until reveal()
@@ -148,12 +172,14 @@ class FunctionBackend(Backend):
         await self._start_zygote(record)
 
     @staticmethod
-    def _make_dirs(base: Path, workdir: str, shift: int, disk: int) -> None:
+    def _make_dirs(base: Path, workdir: str, shift: int, disk: int, owner: tuple[int, int]) -> None:
         base.mkdir(mode=0o700)
         for sub in ("workspace", "scaffold", "root"):
             (base / sub).mkdir()
         # The workspace (every file that outlives a call) is a tmpfs of `disk` bytes and inodes to match.
         mount_disk(base / "workspace", disk, mode=0o755, uid=shift)
+        if owner != (shift, shift):
+            os.chown(base / "workspace", *owner)
         scaffold = base / "scaffold"
         for rel in (*_SCAFFOLD_DIRS, workdir.strip("/")):
             current = scaffold
@@ -257,26 +283,39 @@ class FunctionBackend(Backend):
 
     # -- exec -----------------------------------------------------------------------------
 
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._exec_stream(record, request)
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                    ) -> AsyncIterator[ExecEvent]:
+        return self._exec_stream(record, request, user)
 
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def _fields(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
+                timeout: float | None, user: Identity | None, tty: bool = False) -> list[str]:
+        """The zygote's request for a command of ``record`` (see ``zygote.c``)."""
+        identity = user or default_identity(record)
+        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home if user else "/tmp",
+                    **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
+        check_exec_size(argv, full_env)
+        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL. It counts every
+        # thread, so it allows the CPU time the sandbox's quota gives in that time (a 4-thread call on cpu=4 got
+        # SIGXCPU after a quarter of its timeout).
+        cpu = math.ceil(timeout * math.ceil(record.spec.cpu)) + 1 if timeout else 0
+        # No RLIMIT_FSIZE (0) where the workspace is a tmpfs of `disk` bytes: the quota answers ENOSPC (and the
+        # verdict limit="disk") instead of a SIGXFSZ; a sandbox created before quotas keeps the per-file limit.
+        fsize = 0 if record.backend_state.get("disk") else record.spec.disk
+        fields = [str(cpu), str(fsize), str(_NOFILE), cwd or workdir_of(record),
+                  str(len(argv)), *argv, str(len(full_env)), *(f"{k}={v}" for k, v in full_env.items())]
+        if not identity.is_root or identity.gid or identity.groups or tty:
+            groups = ",".join(str(g) for g in (identity.gid, *identity.groups))
+            fields += [str(identity.uid), groups, str(int(tty))]
+        return fields
+
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None
+                           ) -> AsyncIterator[ExecEvent]:
         zygote = self._zygote(record)
         counters = self._counters.get(record.id)
         if counters is None:
             counters = self._counters[record.id] = self._cgroups(record).limit_counters()
-        env = {"PATH": DEFAULT_PATH, "HOME": "/tmp", **record.backend_state.get("image_env", {}),
-               **record.spec.env, **(request.env or {})}
-        argv = request.argv()
-        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL. It counts every
-        # thread, so it allows the CPU time the sandbox's quota gives in that time (a 4-thread call on cpu=4 got
-        # SIGXCPU after a quarter of its timeout).
-        cpu = math.ceil(request.timeout * math.ceil(record.spec.cpu)) + 1 if request.timeout else 0
-        # No RLIMIT_FSIZE (0) where the workspace is a tmpfs of `disk` bytes: the quota answers ENOSPC (and the
-        # verdict limit="disk") instead of a SIGXFSZ; a sandbox created before quotas keeps the per-file limit.
-        fsize = 0 if record.backend_state.get("disk") else record.spec.disk
-        fields = [str(cpu), str(fsize), str(_NOFILE), request.cwd or workdir_of(record),
-                  str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user)
+        cpu = int(fields[0])
         before = (counters.oom_kills(), counters.pids_limit_hits())
         disk = record.backend_state.get("disk")
 
@@ -315,43 +354,107 @@ class FunctionBackend(Backend):
 
     # -- files ----------------------------------------------------------------------------
 
-    def _fs(self, record: SandboxRecord, path: str = "/") -> tuple[SandboxFS, str]:
-        """The files API's view and the path in it: the zygote's root, or for a path beneath a hidden (not
-        yet revealed) directory the host's view without the cover: the workspace's tmpfs, or the image."""
+    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
+                            user: Identity | None = None) -> ProcessIO:
+        zygote = self._zygote(record)
+        identity = user or default_identity(record)
+        env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
+        fields = self._fields(record, spec.argv, env, spec.cwd, spec.timeout, user, tty=spec.pty is not None)
+        master = slave = None
+        if spec.pty is not None:
+            # A call has no devpts of its own (its /dev is a few read-only nodes): the terminal is the host's.
+            shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
+            master, slave = host_pty((identity.uid + shift, identity.gid + shift), spec.pty)
+            if spec.pty_stdin:
+                raw_mode(slave)
+        stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
+        try:
+            spawned = await zygote.spawn(fields, stdio)
+        except BaseException:
+            if master is not None:
+                os.close(master)
+            raise
+        finally:
+            if slave is not None:
+                os.close(slave)
+        # The zygote reports its call's pid 1 (every call has a pid namespace of its own): its host pid names it.
+        process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
+                              timeout=spec.timeout, pid_of=lambda host_pid: host_pid)
+        await process.wait_started()
+        return process
+
+    def _fs(self, record: SandboxRecord, path: str = "/", user: Identity | None = None) -> tuple[SandboxFS, str]:
+        """The files API's view as ``user`` and the path in it: the zygote's root, or for a path beneath a
+        hidden (not yet revealed) directory the host's view without the cover: the workspace's tmpfs, or the
+        image."""
         zygote = self._zygote(record)
         state = record.backend_state
         shift = int(state.get("uid_shift", self.settings.uid_shift))
+        actor = actor_of(user or default_identity(record), shift)
         workspace = str(Path(state["base"]) / "workspace")
         norm = posixpath.normpath("/" + path.lstrip("/"))
         if any(norm == h or norm.startswith(h.rstrip("/") + "/") for h in state.get("hidden", [])):
             rel = self._in_workspace(record, norm)
             if rel is not None:
-                return SandboxFS(workspace, shift, shift), rel
-            return SandboxFS(str(state["image_rootfs"]), shift, shift), norm
-        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace,)), path
+                return SandboxFS(workspace, shift, shift, actor=actor), rel
+            return SandboxFS(str(state["image_rootfs"]), shift, shift, actor=actor), norm
+        # The root is an overlay whose files report the device of the layer they come from: the image's too.
+        return SandboxFS(f"/proc/{zygote.pid}/root", shift, shift, also_serve=(workspace, str(state["image_rootfs"])),
+                         actor=actor), path
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        fs, rel = self._fs(record, path)
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
+        fs, rel = self._fs(record, path, user)
         return await asyncio.to_thread(fs.read, rel, max_bytes)
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        return await self.files.stat(record, path, user)
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        return await self.files.mkdir(record, path, parents, mode, user)
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        await self.files.remove(record, path, recursive, user)
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        return await self.files.rename(record, source, destination, overwrite, user)
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chmod(record, path, mode, user)
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chown(record, path, owner, user)
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        return await self.files.watch(record, path, recursive, user)
+
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
         if self._in_workspace(record, path) is not None:
-            read_only = InvalidRequest(f"{path} is read-only: a protected or revealed path", path=path)
+            read_only = PermissionDenied(f"{path} is read-only: a protected or revealed path", path=path,
+                                         errno=errno.EROFS, reason="EROFS")
         else:
-            read_only = InvalidRequest(f"{path}: only {workdir_of(record)} is writable in a function sandbox (the "
-                                       f"image root is read-only and /tmp lasts one call)", path=path)
-        fs, rel = self._fs(record, path)
+            read_only = PermissionDenied(f"{path}: only {workdir_of(record)} is writable in a function sandbox "
+                                         f"(the image root is read-only and /tmp lasts one call)", path=path,
+                                         errno=errno.EROFS, reason="EROFS")
+        fs, rel = self._fs(record, path, user)
         if fs.root == str(record.backend_state.get("image_rootfs")):
             raise read_only  # beneath a hidden directory of the image: never write into the shared image
         try:
             await asyncio.to_thread(fs.write, rel, data, mode)
-        except SandboxError as e:
-            if "Read-only file system" in e.message:
+        except PermissionDenied as e:
+            if e.errno == errno.EROFS:
                 raise read_only from None
             raise
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        fs, rel = self._fs(record, path)
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
+        fs, rel = self._fs(record, path, user)
         entries = await asyncio.to_thread(fs.list, rel)
         if rel != path:  # listed through the host's view of the workspace: name entries by sandbox paths
             entries = [e.model_copy(update={"path": posixpath.join(path, posixpath.basename(e.path))})

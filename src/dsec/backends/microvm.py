@@ -37,20 +37,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, Check, ImageRef, apply_image_defaults, collect_exec, workdir_of
+from dsec.accounts import ROOT, Identity
+from dsec.backends.base import (
+    Backend,
+    Check,
+    ImageRef,
+    apply_image_defaults,
+    collect_exec,
+    default_identity,
+    workdir_of,
+)
+from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.accel import QEMU, Accelerator
 from dsec.guest.initramfs import build_initramfs
 from dsec.guest.kernel import GuestKernel, default_guest_dir, find_kernel
 from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
+from dsec.guest.surface import EXT_PRISTINE, GuestSurface, creds_of
 from dsec.images.users import resolve_user
 from dsec.isolation.affinity import sandbox_cpus
 from dsec.isolation.cgroups import CgroupSet, background_group, cgroup_mode, v2_make
+from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.idmap import unshifted_view
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY, GUEST_MAC, Policy, SandboxNetworks, TapNamespace
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, ExecResult, FileEntry, SandboxRecord, SandboxSpec, SandboxStats
+from dsec.models_surface import FileEvent, FileStat
 
 __all__ = ["MicroVMBackend"]
 
@@ -163,6 +176,7 @@ class MicroVMBackend(Backend):
         self._kernel: GuestKernel | None = None
         self._initramfs: Path | None = None
         self._vms: dict[str, _VM] = {}
+        self.guest = GuestSurface(self._client, self._why_gone)
         self._started = False
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._erofs_lock = asyncio.Lock()
@@ -490,7 +504,7 @@ class MicroVMBackend(Backend):
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "erofs": str(erofs),
-                                **await self._image_user(image)}
+                                **await self._image_user(image, record.spec.user)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -527,10 +541,12 @@ class MicroVMBackend(Backend):
         await self._prepare(record)
 
     @staticmethod
-    async def _image_user(image: ImageRef) -> dict[str, Any]:
-        """The image's ``User`` (resolved in its own /etc/passwd): execs run as it, as in a container."""
-        user = await asyncio.to_thread(resolve_user, image.rootfs, image.config.user)
-        return {"user": [user.uid, user.gid], "home": user.home}
+    async def _image_user(image: ImageRef, user: str | None) -> dict[str, Any]:
+        """The sandbox's default user (``user``, else the image's ``User``), resolved in the image's own
+        /etc/passwd: execs run as it, as in a container."""
+        identity = await asyncio.to_thread(resolve_user, image.rootfs, user or image.config.user)
+        return {"user": [identity.uid, identity.gid], "home": identity.home, "user_groups": list(identity.groups),
+                "user_name": identity.name, "user_spec": user}
 
     def _chown(self, path: Path) -> None:
         if self.qemu_user:
@@ -598,7 +614,7 @@ class MicroVMBackend(Backend):
     async def _prepare(self, record: SandboxRecord) -> None:
         client = self._client(record)
         await client.identity(record.id[:63], uuid.uuid4().hex, os.urandom(64))
-        await client.mkdir(workdir_of(record))
+        await self.guest.make_workdir(record, workdir_of(record))
         if self._confines(record):
             try:
                 hidden = await client.confine(record.spec.protected, record.spec.hidden,
@@ -811,8 +827,9 @@ class MicroVMBackend(Backend):
             raise SandboxError(f"sandbox {record.id}: guest agent unreachable ({reason})")
         return vm.client
 
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._exec_stream(record, request)
+    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                    ) -> AsyncIterator[ExecEvent]:
+        return self._exec_stream(record, request, user=user)
 
     async def _system_exec(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
         """Run the backend's own upkeep command in the guest: as root, never confined (a vm's clock, its disk's
@@ -826,8 +843,8 @@ class MicroVMBackend(Backend):
         return (f"pristine execs are not available on the {self.name} backend (its root disk is the sandbox's "
                 f"own, with no untouched copy of the image): use backend='microvm' or 'container'")
 
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, system: bool = False
-                           ) -> AsyncIterator[ExecEvent]:
+    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, system: bool = False,
+                           user: Identity | None = None) -> AsyncIterator[ExecEvent]:
         refusal = self._pristine_refusal(record) if request.pristine else None
         if refusal:
             raise NotSupported(refusal)
@@ -835,14 +852,20 @@ class MicroVMBackend(Backend):
         if system:
             # Unconfined root: nothing of the sandbox's may steer it (a PATH or LD_* of the spec's env, a
             # planted binary in the workdir), so neither the spec's nor the image's environment nor its user.
-            env, cwd, (uid, gid) = {"PATH": _DEFAULT_PATH, "HOME": "/root", **(request.env or {})}, "/", (0, 0)
+            env, cwd, identity = {"PATH": _DEFAULT_PATH, "HOME": "/root", **(request.env or {})}, "/", ROOT
         else:
-            env = {"PATH": _DEFAULT_PATH, "HOME": record.backend_state.get("home", "/root"),
+            identity = user or default_identity(record)
+            env = {"PATH": _DEFAULT_PATH, "HOME": identity.home if user else record.backend_state.get("home", "/root"),
                    **record.backend_state.get("image_env", {}), **record.spec.env, **(request.env or {})}
-            cwd, (uid, gid) = request.cwd or workdir_of(record), record.backend_state.get("user", [0, 0])
+            cwd = request.cwd or workdir_of(record)
+        check_exec_size(request.argv(), env)
         start = time.monotonic()
-        channel = await client.start_exec(request.argv(), env, cwd, uid, gid, pristine=request.pristine,
-                                          system=system)
+        if identity.groups:  # supplementary groups: the extended request
+            channel = await client.start_ext(request.argv(), env, cwd, creds_of(identity),
+                                             EXT_PRISTINE if request.pristine else 0)
+        else:
+            channel = await client.start_exec(request.argv(), env, cwd, identity.uid, identity.gid,
+                                              pristine=request.pristine, system=system)
         finished = False
         try:
             if request.stdin:
@@ -903,26 +926,78 @@ class MicroVMBackend(Backend):
                 return vm.dead
         return str(exc)
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
-        try:
-            return await self._client(record).read(_normalise(path), max_bytes)
-        except AgentGone as e:
-            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
+    # Files as root keep the agent's own READ/WRITE/LIST (a write is atomic: temp file + rename); as another
+    # user, and every other file operation, go through FS requests (guest/surface.py, agent_surface.c).
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
+        async with self.guest.files(record, user) as files:
+            if not _as_root(record, user):
+                return await files.read(_normalise(path), max_bytes)
+            return await self._client(record).read(_normalise(path), max_bytes)
+
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
         path = _normalise(path)
         if path == "/":
             raise InvalidRequest("cannot write to '/'", path=path)
-        try:
+        async with self.guest.files(record, user) as files:
+            if not _as_root(record, user):
+                await files.write(path, data, mode)
+                return
             await self._client(record).write(path, data, mode)
-        except AgentGone as e:
-            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
-        try:
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
+        async with self.guest.files(record, user) as files:
+            if not _as_root(record, user):
+                return await files.list(_normalise(path))
             return await self._client(record).list(_normalise(path))
-        except AgentGone as e:
-            raise SandboxError(f"sandbox {record.id}: {await self._why_gone(record.id, e)}") from None
+
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        async with self.guest.files(record, user) as files:
+            return await files.stat(_normalise(path))
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        async with self.guest.files(record, user) as files:
+            return await files.mkdir(_normalise(path), parents, mode)
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        async with self.guest.files(record, user) as files:
+            await files.remove(_normalise(path), recursive)
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        async with self.guest.files(record, user) as files:
+            return await files.rename(_normalise(source), _normalise(destination), overwrite)
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        async with self.guest.files(record, user) as files:
+            return await files.chmod(_normalise(path), mode)
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        async with self.guest.files(record, user) as files:
+            return await files.chown(_normalise(path), owner)
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        return await self.guest.watch(record, _normalise(path), recursive, user)
+
+    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
+                            user: Identity | None = None) -> ProcessIO:
+        identity = user or default_identity(record)
+        env = {"PATH": _DEFAULT_PATH, "HOME": identity.home if user else record.backend_state.get("home", "/root"),
+               **({"TERM": "xterm-256color"} if spec.pty else {}), **record.backend_state.get("image_env", {}),
+               **record.spec.env, **spec.env}
+        check_exec_size(spec.argv, env)
+        return await self.guest.start(record, spec.argv, env, spec.cwd or workdir_of(record), identity, sink,
+                                      spec.pty, spec.pty_stdin, spec.timeout)
+
+    async def open_port(self, record: SandboxRecord, port: int) -> PortStream:
+        return await self.guest.open_port(record, port)
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record.id)
@@ -1023,7 +1098,7 @@ class MicroVMBackend(Backend):
         erofs = await self._erofs(image)
         apply_image_defaults(record, image)
         record.backend_state = {"image_env": dict(image.config.env), "accel": self.accel, "start": "snapshot",
-                                "erofs": str(erofs), **await self._image_user(image)}
+                                "erofs": str(erofs), **await self._image_user(image, record.spec.user)}
         rundir = self.run_root / record.id
         rundir.mkdir(mode=0o711)
         self._chown(rundir)
@@ -1136,6 +1211,12 @@ class MicroVMBackend(Backend):
 
 def record_spec(image: ImageRef, vcpus: int, mem_mib: int, disk_bytes: int) -> SandboxSpec:
     return SandboxSpec(image=image.name, backend="microvm", cpu=vcpus, memory=mem_mib * MiB, disk=disk_bytes)
+
+
+def _as_root(record: SandboxRecord, user: Identity | None) -> bool:
+    """Whether a file call acts as the guest's root (the agent's own credentials)."""
+    identity = user or default_identity(record)
+    return identity.is_root and identity.gid == 0 and not identity.groups
 
 
 def _normalise(path: str) -> str:

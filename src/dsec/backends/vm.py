@@ -233,7 +233,8 @@ class VMBackend(MicroVMBackend):
         return derived.disk
 
     @staticmethod
-    async def _image_user(image: ImageRef) -> dict[str, Any]:
+    async def _image_user(image: ImageRef, user: str | None) -> dict[str, Any]:
+        # The image is a disk: SandboxSpec.user is resolved in the guest's own files when a call needs it.
         return {"user": [0, 0], "home": "/root"}
 
     def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:

@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar, assert_never, get_args
@@ -36,8 +36,10 @@ from dsec.daemon.health import Health
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics, host_load
 from dsec.daemon.pools import POOL_LABEL, Pools
+from dsec.daemon.ports import PortForwarder
 from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
+from dsec.daemon.surface import Surface
 from dsec.daemon.watchdog import Watchdog
 from dsec.errors import (
     BackendUnavailable,
@@ -214,12 +216,6 @@ class _NoImages:
         raise ImageNotFound(f"image {name!r} not found: {self.reason}")
 
 
-def _check_path(path: str) -> str:
-    if not path.startswith("/") or "\0" in path:
-        raise InvalidRequest(f"path must be absolute and free of NUL bytes, got {path!r}", path=path)
-    return path
-
-
 class Engine:
     """All sandboxes of one node. Every public method is safe to call concurrently."""
 
@@ -281,6 +277,8 @@ class Engine:
         """Told each start-up phase as it begins (the daemon logs them and shows them to ``dsec up``)."""
         self.components = Health()
         self.watchdog = Watchdog(self, interval=reaper_interval)
+        self.surface = Surface(self, PortForwarder(settings.ports_bind, settings.ports_advertise))
+        """Users, file operations, processes, terminals, shell sessions and exposed ports (daemon/surface.py)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, *, reaper_interval: float = 1.0) -> Engine:
@@ -471,6 +469,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        await self.surface.aclose()
         for name, backend in self._backends.items():
             try:
                 await backend.aclose()
@@ -1028,6 +1027,7 @@ class Engine:
 
     async def _teardown(self, record: SandboxRecord) -> None:
         try:
+            await self.surface.forget(record.id)
             await self._backend(record.spec.backend).destroy(record)
         except Exception as exc:
             record.state = "failed"
@@ -1045,6 +1045,7 @@ class Engine:
     async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
         backend = self._backend(record.spec.backend)
         try:
+            await self.surface.forget(record.id)
             await backend.destroy(record)
         except Exception as exc:
             record.state = "failed"
@@ -1139,8 +1140,6 @@ class Engine:
         """
         record = self._live(sandbox_id, allow_paused=False)
         backend = self._backend(record.spec.backend)
-        if request.cwd is not None:
-            _check_path(request.cwd)
         if record.spec.trajectory is not None:
             return self.rollouts.exec_stream(record, backend, request, seq)
         return self._exec_events(backend, record, request)
@@ -1157,7 +1156,12 @@ class Engine:
         outcome: AuditOutcome = "cancelled"
         result: ExecResult | None = None
         error: str | None = None
-        stream = backend.exec_stream(record, request)
+        user = None
+        if request.user is not None or record.spec.user is not None:
+            user = await self.surface.identity(record, backend, request.user)
+        if request.cwd is not None and not request.cwd.startswith("/"):
+            request = request.model_copy(update={"cwd": self.surface.path(record, request.cwd)})
+        stream = backend.exec_stream(record, request, user)
         try:
             async for event in stream:
                 if event.type == "exit" and event.result is not None:
@@ -1187,8 +1191,6 @@ class Engine:
         record = self._live(sandbox_id, allow_paused=False)
         if record.spec.trajectory is None:
             return await collect_exec(self.exec_stream(sandbox_id, request, seq))
-        if request.cwd is not None:
-            _check_path(request.cwd)
         return await self.rollouts.exec(record, self._backend(record.spec.backend), request, seq)
 
     async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
@@ -1236,42 +1238,77 @@ class Engine:
                                spec.trajectory, error))
 
     async def read_file(self, sandbox_id: str, path: str, seq: int | None = None, *,
-                        max_bytes: int = MAX_FILE_BYTES) -> bytes:
-        """A file's bytes (a file larger than ``max_bytes`` is refused)."""
+                        max_bytes: int = MAX_FILE_BYTES, user: str | None = None) -> bytes:
+        """A file's bytes (``path`` absolute or relative to the sandbox's workdir; as ``user``; a file larger
+        than ``max_bytes`` is refused)."""
         record = self._live(sandbox_id, allow_paused=True)
         backend = self._backend(record.spec.backend)
-        _check_path(path)
+        path = self.surface.path(record, path)
+
+        async def run() -> bytes:
+            return await backend.read_file(record, path, max_bytes, await self.surface.identity(record, backend, user))
+
         if record.spec.trajectory is None:
-            return await backend.read_file(record, path, max_bytes)
-        data: bytes = await self.rollouts.call(
-            record, seq, "read", {"path": path}, None, lambda _: backend.read_file(record, path, max_bytes))
+            return await run()
+        args: dict[str, Any] = {"path": path} if user is None else {"path": path, "user": user}
+        data: bytes = await self.rollouts.call(record, seq, "read", args, None, lambda _: run())
         return data
 
     async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, mode: int | None = None, seq: int | None = None
+        self, sandbox_id: str, path: str, data: bytes, mode: int | None = None, seq: int | None = None,
+        user: str | None = None,
     ) -> None:
-        """Create or replace a file (parents created)."""
+        """Create or replace a file (parents created; as ``user``)."""
         if mode is not None and not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"file mode must be between 0 and 0o7777, got {mode:o}")
         record = self._live(sandbox_id, allow_paused=True)
         backend = self._backend(record.spec.backend)
-        _check_path(path)
-        if record.spec.trajectory is None:
-            await backend.write_file(record, path, data, mode)
-            return
-        await self.rollouts.call(record, seq, "write", {"path": path, "mode": mode, "data": data}, data,
-                                 lambda _: backend.write_file(record, path, data, mode))
+        path = self.surface.path(record, path)
 
-    async def list_files(self, sandbox_id: str, path: str, seq: int | None = None) -> builtins.list[FileEntry]:
-        """A directory's entries."""
+        async def run() -> None:
+            await backend.write_file(record, path, data, mode, await self.surface.identity(record, backend, user))
+
+        if record.spec.trajectory is None:
+            await run()
+            return
+        args: dict[str, Any] = {"path": path, "mode": mode, "data": data}
+        if user is not None:
+            args["user"] = user
+        await self.rollouts.call(record, seq, "write", args, data, lambda _: run())
+
+    async def list_files(self, sandbox_id: str, path: str, seq: int | None = None, user: str | None = None
+                         ) -> builtins.list[FileEntry]:
+        """A directory's entries (as ``user``)."""
         record = self._live(sandbox_id, allow_paused=True)
         backend = self._backend(record.spec.backend)
-        _check_path(path)
+        path = self.surface.path(record, path)
+
+        async def run() -> builtins.list[FileEntry]:
+            return await backend.list_files(record, path, await self.surface.identity(record, backend, user))
+
         if record.spec.trajectory is None:
-            return await backend.list_files(record, path)
-        entries: builtins.list[FileEntry] = await self.rollouts.call(
-            record, seq, "list", {"path": path}, None, lambda _: backend.list_files(record, path))
+            return await run()
+        args: dict[str, Any] = {"path": path} if user is None else {"path": path, "user": user}
+        entries: builtins.list[FileEntry] = await self.rollouts.call(record, seq, "list", args, None,
+                                                                     lambda _: run())
         return entries
+
+    # -- the surface's host (daemon/surface.py) --------------------------------------------------------
+
+    def live_record(self, sandbox_id: str, *, allow_paused: bool) -> SandboxRecord:
+        """The record of a running (or, if allowed, paused) sandbox."""
+        return self._live(sandbox_id, allow_paused=allow_paused)
+
+    def backend_for(self, record: SandboxRecord) -> Backend:
+        """The backend that runs ``record``."""
+        return self._backend(record.spec.backend)
+
+    async def logged(self, record: SandboxRecord, seq: int | None, op: str, args: dict[str, Any],
+                     body: bytes | None, run: Callable[[], Awaitable[Any]]) -> Any:
+        """``run()`` as a logged call of ``record``'s trajectory, or directly for a sandbox bound to none."""
+        if record.spec.trajectory is None:
+            return await run()
+        return await self.rollouts.call(record, seq, op, args, body, lambda _: run())
 
     # -- snapshots and forks -------------------------------------------------------------------------
 

@@ -37,9 +37,12 @@ __all__ = ["Rollouts"]
 log = logging.getLogger(__name__)
 
 _MAX_NAME = 512
-_EFFECTS = frozenset({"exec", "write", "mouse", "keyboard", "reveal"})
+_FILE_OPS = frozenset({"mkdir", "remove", "rename", "chmod", "chown"})
+_EFFECTS = frozenset({"exec", "write", "mouse", "keyboard", "reveal", "process", "process.stdin",
+                      "process.close_stdin", "process.signal", "shell", "shell.run", *_FILE_OPS})
 """Logged calls that changed the sandbox: after the latest checkpoint, a rebuilt sandbox lacks their effects
-unless they are re-run (exec, write and reveal can be; input actions cannot, and are reported missing)."""
+unless they are re-run (exec, write, reveal and the file operations can be; input actions, processes and shell
+sessions cannot, and are reported missing)."""
 
 
 def _stored(readable: str, body: bytes | None, cap: int) -> str:
@@ -253,6 +256,9 @@ class Rollouts:
                 await self.engine._backend(record.spec.backend).reveal(record)
                 self.engine._store.save(record)
                 return True
+            if op in _FILE_OPS:
+                return await self.engine.surface.rerun(self.engine.live_record(sandbox_id, allow_paused=True), op,
+                                                       args)
             if op == "write" and body is not None:
                 record = self.engine._live(sandbox_id, allow_paused=True)
                 backend = self.engine._backend(record.spec.backend)

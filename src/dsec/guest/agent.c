@@ -39,12 +39,14 @@
 enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
     T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11, T_EXEC_SYSTEM = 12,
-    T_CONFINE = 16, T_REVEAL = 17,
+    T_CONFINE = 16, T_REVEAL = 17, T_EXEC_EXT = 18, T_RESIZE = 19, T_FS = 20, T_WATCH = 21, T_CANCEL = 22,
+    T_CONNECT = 23,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
-    T_READY = 0x87,
+    T_READY = 0x87, T_STARTED = 0x88,
 };
 
-#define MAX_IN (1u << 20)      /* largest frame the host may send */
+#define MAX_IN ((2u << 20) + (64u << 10)) /* largest frame the host may send: a command at the kernel's limit */
+#define MAX_GROUPS 64
 #define OUT_CHUNK 65536        /* largest payload we send (the host rejects more) */
 #define MAX_CHANS 512
 #define STDIN_BUF_MAX (8u << 20)
@@ -62,7 +64,10 @@ struct chan {
     int exited, status;
     long long exit_ms;
     long oom_before;      /* exec: the guest's oom_kill count when it started */
-    int wfd;              /* write: temp file */
+    int wfd;              /* write: temp file (or the file itself, written as a user: agent_surface.c) */
+    int tty;              /* exec on a terminal: its master side (RESIZE, the foreground group) */
+    int sfd;              /* watch: its inotify fd; connect: its socket (agent_surface.c) */
+    void *extra;          /* watch: its directories (agent_surface.c) */
     char *wpath, *wtmp;
     mode_t wmode;
     int werr;
@@ -70,6 +75,14 @@ struct chan {
 
 static int port = -1;
 static struct chan chans[MAX_CHANS];
+struct exec_opts;
+static void start_command(uint32_t id, const struct exec_opts *o, int argc, int envc, char *p, size_t len);
+/* agent_surface.c */
+static void surface_free(struct chan *c);
+static int open_terminal(const struct exec_opts *o, int *master, int *slave);
+static void close_pair(int *fds);
+static pid_t pid_in_commands(pid_t pid);
+static int connect_input(struct chan *c, unsigned char *p, size_t len);
 
 static long long now_ms(void) {
     struct timespec ts;
@@ -129,7 +142,7 @@ static struct chan *new_chan(uint32_t id) {
             memset(&chans[i], 0, sizeof chans[i]);
             chans[i].used = 1;
             chans[i].id = id;
-            chans[i].in_fd = chans[i].out_fd = chans[i].err_fd = chans[i].wfd = -1;
+            chans[i].in_fd = chans[i].out_fd = chans[i].err_fd = chans[i].wfd = chans[i].tty = chans[i].sfd = -1;
             return &chans[i];
         }
     return NULL;
@@ -165,7 +178,8 @@ static void close_fd(int *fd) {
 }
 
 static void free_chan(struct chan *c) {
-    close_fd(&c->in_fd); close_fd(&c->out_fd); close_fd(&c->err_fd); close_fd(&c->wfd);
+    close_fd(&c->in_fd); close_fd(&c->out_fd); close_fd(&c->err_fd); close_fd(&c->wfd); close_fd(&c->tty);
+    surface_free(c);
     free(c->inbuf); free(c->wpath);
     if (c->wtmp) { unlink(c->wtmp); free(c->wtmp); }
     c->used = 0;
@@ -758,52 +772,83 @@ static void do_reveal(uint32_t id) {
     send_frame(T_END, id, NULL, 0);
 }
 
+/* How one command starts (EXEC, EXEC_PRISTINE and EXEC_SYSTEM fill it from their payload; EXEC_EXT, in
+   agent_surface.c, from its own). */
+struct exec_opts {
+    uid_t uid;
+    gid_t gid;
+    int ngroups;
+    gid_t groups[MAX_GROUPS];
+    int pristine, system;
+    int pty;            /* 1: stdin, stdout and stderr on a new terminal; 2: only stdin (raw mode), pipes for the rest */
+    unsigned short cols, rows;
+    int report_pid;     /* send STARTED with its pid in the commands' pid namespace */
+};
+
 /* EXEC payload: u16 argc | u16 envc | u32 uid | u32 gid | cwd\0 argv[0]\0 ... env[0]\0 ...
    (EXEC_PRISTINE: the same, run on the image's untouched root, see enter_pristine; EXEC_SYSTEM: the host's
    own upkeep (a vm's clock, its disk's growth), never confined, whatever CONFINE did) */
 static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int system) {
     if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
+    struct exec_opts o = {.uid = get32(p + 4), .gid = get32(p + 8), .pristine = pristine, .system = system};
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
-    uid_t uid = get32(p + 4);
-    gid_t gid = get32(p + 8);
-    p += 8; len -= 8;
+    start_command(id, &o, argc, envc, (char *)p + 12, len - 12);
+}
+
+/* Starts one command on channel `id` from `strs` (cwd, argv..., env..., NUL-terminated). */
+static void start_command(uint32_t id, const struct exec_opts *o, int argc, int envc, char *p, size_t len) {
     int total = 1 + argc + envc;
     char **strs = calloc((size_t)total + 2, sizeof *strs);
     if (!strs) { send_error(id, ENOMEM, "exec"); return; }
-    if (argc < 1 || split_strings((char *)p + 4, len - 4, strs, total) != total) {
+    if (argc < 1 || split_strings(p, len, strs, total) != total) {
         free(strs); send_error(id, EINVAL, "malformed exec"); return;
     }
     struct chan *c = new_chan(id);
     if (!c) { free(strs); send_error(id, EBUSY, "exec channel"); return; }
-    int in[2], out[2], err[2];
-    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
-        free(strs); free_chan(c); send_error(id, errno, "pipe"); return;
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, master = -1, slave = -1;
+    if (o->pty && open_terminal(o, &master, &slave) != 0) {
+        free(strs); free_chan(c); send_error(id, errno, "terminal"); return;
     }
-    int in_pidns = confined && !system;
+    if ((!o->pty && pipe2(in, O_CLOEXEC)) || (o->pty != 1 && (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)))) {
+        int e = errno;
+        close_pair(in); close_pair(out); close_pair(err); close_fd(&master); close_fd(&slave);
+        free(strs); free_chan(c); send_error(id, e, "pipe"); return;
+    }
+    int in_pidns = confined && !o->system;
     if (in_pidns && setns(sandbox_pidns, CLONE_NEWPID) != 0) {
         int e = errno;
-        close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
+        close_pair(in); close_pair(out); close_pair(err); close_fd(&master); close_fd(&slave);
         free(strs); free_chan(c); send_error(id, e, "enter the sandbox's pid namespace"); return;
     }
     pid_t pid = fork();
     if (pid == 0) {
         setsid();
-        dup2(in[0], 0); dup2(out[1], 1); dup2(err[1], 2);
+        if (slave >= 0) {
+            dup2(slave, 0);
+            if (o->pty == 1) { dup2(slave, 1); dup2(slave, 2); }
+            if (ioctl(0, TIOCSCTTY, 0) != 0) {
+                dprintf(2, "dsec-agent: cannot take the terminal: %s\n", strerror(errno));
+                _exit(126);
+            }
+        } else {
+            dup2(in[0], 0);
+        }
+        if (o->pty != 1) { dup2(out[1], 1); dup2(err[1], 2); }
         sigset_t all;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
         enter_command_cgroup();  /* before the sandbox's namespace, where /sys is read-only */
-        if (confined && !system && setns(sandbox_ns, CLONE_NEWNS) != 0) {
+        if (confined && !o->system && setns(sandbox_ns, CLONE_NEWNS) != 0) {
             dprintf(2, "dsec-agent: cannot enter the sandbox's mount namespace: %s\n", strerror(errno));
             _exit(126);
         }
-        if (pristine)
+        if (o->pristine)
             enter_pristine(strs[0]);
-        if (confined && !system)
+        if (confined && !o->system)
             drop_privileges();
-        if (gid != 0 || uid != 0) {
-            if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
-                dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", uid, gid, strerror(errno));
+        if (o->gid != 0 || o->uid != 0 || o->ngroups) {
+            if (setgroups((size_t)o->ngroups, o->groups) != 0 || setgid(o->gid) != 0 || setuid(o->uid) != 0) {
+                dprintf(2, "dsec-agent: cannot become %u:%u: %s\n", o->uid, o->gid, strerror(errno));
                 _exit(126);
             }
         }
@@ -826,15 +871,23 @@ static void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int
         reboot(RB_POWER_OFF);
     }
     free(strs);
-    close(in[0]); close(out[1]); close(err[1]);
+    close_fd(&in[0]); close_fd(&out[1]); close_fd(&err[1]); close_fd(&slave);
     c->kind = T_EXEC;
-    c->in_fd = in[1]; c->out_fd = out[0]; c->err_fd = err[0];
+    c->in_fd = master >= 0 ? master : in[1];
+    c->out_fd = o->pty == 1 ? dup(master) : out[0];
+    c->err_fd = err[0];
+    c->tty = master >= 0 ? dup(master) : -1;  /* for RESIZE and the foreground group, after stdin closes */
     if (pid < 0) { send_error(id, fork_errno, "fork"); free_chan(c); return; }
     c->pid = pid;
     c->oom_before = oom_kills();
     fcntl(c->in_fd, F_SETFL, O_NONBLOCK);
-    fcntl(c->out_fd, F_SETFL, O_NONBLOCK);
-    fcntl(c->err_fd, F_SETFL, O_NONBLOCK);
+    if (c->out_fd >= 0) fcntl(c->out_fd, F_SETFL, O_NONBLOCK);
+    if (c->err_fd >= 0) fcntl(c->err_fd, F_SETFL, O_NONBLOCK);
+    if (o->report_pid) {
+        unsigned char r[4];
+        put32(r, (uint32_t)pid_in_commands(pid));
+        send_frame(T_STARTED, id, r, 4);
+    }
 }
 
 static void flush_stdin(struct chan *c) {
@@ -856,7 +909,7 @@ static void finish_write(struct chan *c) {
         c->wfd = -1; send_error(c->id, errno, c->wpath); free_chan(c); return;
     }
     c->wfd = -1;
-    if (rename(c->wtmp, c->wpath) != 0) { send_error(c->id, errno, c->wpath); free_chan(c); return; }
+    if (c->wtmp && rename(c->wtmp, c->wpath) != 0) { send_error(c->id, errno, c->wpath); free_chan(c); return; }
     free(c->wtmp); c->wtmp = NULL;
     send_frame(T_END, c->id, NULL, 0);
     free_chan(c);
@@ -865,6 +918,7 @@ static void finish_write(struct chan *c) {
 static void do_stdin(uint32_t id, unsigned char *p, size_t len) {
     struct chan *c = find_chan(id);
     if (!c) return; /* the command already ended: its input is moot */
+    if (connect_input(c, p, len)) return;
     if (c->kind == T_WRITE) {
         if (len == 0) { finish_write(c); return; }
         const unsigned char *q = p;
@@ -875,6 +929,9 @@ static void do_stdin(uint32_t id, unsigned char *p, size_t len) {
             q += n; left -= (size_t)n;
         }
         return;
+    }
+    if (len == 0 && c->in_fd >= 0 && c->tty >= 0) {  /* a terminal's end of input is Ctrl-D */
+        (void)!write(c->in_fd, "\x04", 1); return;
     }
     if (len == 0) { c->in_eof = 1; flush_stdin(c); return; }
     if (c->in_fd < 0) return;
@@ -997,6 +1054,8 @@ static void do_identity(uint32_t id, unsigned char *p, size_t len) {
     send_frame(T_END, id, NULL, 0);
 }
 
+#include "agent_surface.c"
+
 static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     switch (type) {
     case T_EXEC: do_exec(id, p, len, 0, 0); break;
@@ -1006,6 +1065,17 @@ static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     case T_SIGNAL: {
         struct chan *c = find_chan(id);
         if (c && c->kind == T_EXEC && c->pid > 0 && len == 1) kill(-c->pid, p[0]);
+        if (c && c->kind == T_EXEC && c->pid > 0 && len == 2) signal_command(c, p[0], p[1]);
+        break;
+    }
+    case T_EXEC_EXT: do_exec_ext(id, p, len); break;
+    case T_RESIZE: do_resize(id, p, len); break;
+    case T_FS: do_fs(id, p, len); break;
+    case T_WATCH: do_watch(id, p, len); break;
+    case T_CONNECT: do_connect(id, p, len); break;
+    case T_CANCEL: {
+        struct chan *c = find_chan(id);
+        if (c && c->kind != T_EXEC && c->kind != T_WRITE) free_chan(c);
         break;
     }
     case T_READ: do_read(id, p, len); break;
@@ -1142,7 +1212,12 @@ int main(int argc, char **argv) {
         pfd[n].fd = sfd; pfd[n].events = POLLIN; n++;
         for (int i = 0; i < MAX_CHANS; i++) {
             struct chan *c = &chans[i];
-            if (!c->used || c->kind != T_EXEC) continue;
+            if (!c->used) continue;
+            if (c->kind != T_EXEC) {
+                short events = surface_events(c);
+                if (events) { pfd[n] = (struct pollfd){c->sfd, events, 0}; map[n].c = c; map[n].which = 3; n++; }
+                continue;
+            }
             if (c->exited && ((c->out_fd < 0 && c->err_fd < 0) || t - c->exit_ms >= DRAIN_MS)) {
                 finish_exec(c);
                 continue;
@@ -1166,7 +1241,8 @@ int main(int argc, char **argv) {
         for (int i = 2; i < n; i++) {
             if (!pfd[i].revents || !map[i].c->used) continue;
             struct chan *c = map[i].c;
-            if (map[i].which == 0) flush_stdin(c);
+            if (map[i].which == 3) surface_ready(c, pfd[i].revents);
+            else if (map[i].which == 0) flush_stdin(c);
             else pump(c, map[i].which == 1 ? &c->out_fd : &c->err_fd, map[i].which == 1 ? T_STDOUT : T_STDERR);
         }
         if (pfd[0].revents & POLLIN) read_port();

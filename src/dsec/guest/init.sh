@@ -26,7 +26,6 @@ fail() { echo "dsec-init: $*" >&2; echo o > /proc/sysrq-trigger; sleep 5; }
 setup_net() {
     n=0
     while [ ! -e /sys/class/net/eth0 ] && [ $n -lt 200 ]; do sleep 0.01; n=$((n + 1)); done
-    ip link set lo up
     ip addr add "$1" dev eth0 && ip link set eth0 up && ip route add default via "$2" \
         || fail "cannot configure eth0 ($1 via $2)"
     mkdir -p /newroot/etc && rm -f /newroot/etc/resolv.conf
@@ -74,6 +73,11 @@ mkdir -p /sys/kernel/security
 mount -t securityfs securityfs /sys/kernel/security 2>/dev/null
 echo integrity > /sys/kernel/security/lockdown 2>/dev/null || echo "dsec-init: no lockdown LSM" >&2
 umount /sys/kernel/security 2>/dev/null
+# Loopback up in every guest (a sandbox's servers listen there, and the host's exposed ports reach them
+# through the agent), and terminals: a devpts of the guest's own for commands run on a pty.
+ip link set lo up || fail "cannot bring the loopback up"
+mkdir -p /dev/pts
+mount -t devpts -o newinstance,ptmxmode=0666,mode=0620,gid=5 devpts /dev/pts || fail "cannot mount devpts"
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys

@@ -22,6 +22,8 @@ from dsec.isolation.init import ensure_binary
 __all__ = ["AGENT_SOURCE", "GUEST_MODULES", "build_initramfs", "ensure_agent", "module_order"]
 
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
+AGENT_INCLUDES = (Path(__file__).with_name("agent_surface.c"),)
+"""What ``agent.c`` includes: part of the binary's identity (its name's digest)."""
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 
@@ -33,7 +35,7 @@ automatically."""
 
 def ensure_agent(directory: Path) -> Path:
     """The static guest agent, built if needed."""
-    return ensure_binary(AGENT_SOURCE, "dsec-agent", directory)
+    return ensure_binary(AGENT_SOURCE, "dsec-agent", directory, includes=AGENT_INCLUDES)
 
 
 def _modinfo(ko: Path) -> dict[str, str]:

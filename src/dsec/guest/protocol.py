@@ -19,16 +19,16 @@ import struct
 from dataclasses import dataclass
 from typing import Literal
 
-from dsec.errors import InvalidRequest, NotFound, SandboxError
+from dsec.errors import InvalidRequest, SandboxError, file_error
 from dsec.models import FileEntry
 
-__all__ = ["MAX_GUEST_PAYLOAD", "AgentClient", "AgentGone", "Frame", "FrameParser", "ProtocolError", "T",
-           "parse_exit", "parse_list"]
+__all__ = ["FS", "MAX_GUEST_PAYLOAD", "AgentClient", "AgentGone", "Frame", "FrameParser", "ProtocolError", "T",
+           "creds", "parse_exit", "parse_list", "parse_stat", "parse_watch"]
 
 MAX_GUEST_PAYLOAD = 65536
 """Largest payload the guest may send (its output chunks are 64 KiB)."""
-MAX_HOST_PAYLOAD = 1 << 20
-"""Largest payload the agent accepts from us."""
+MAX_HOST_PAYLOAD = (2 << 20) + (64 << 10) - 5
+"""Largest payload the agent accepts from us (``MAX_IN`` in ``agent.c``, less the frame's type and channel)."""
 _WRITE_CHUNK = 256 * 1024
 _HDR = struct.Struct(">IBI")
 
@@ -37,11 +37,11 @@ class T:
     """Frame types (host -> guest below 0x80, guest -> host above)."""
 
     EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE, EXEC_SYSTEM = range(1, 13)
-    CONFINE, REVEAL = 16, 17
-    STDOUT, STDERR, EXIT, DATA, END, ERROR, READY = range(0x81, 0x88)
+    CONFINE, REVEAL, EXEC_EXT, RESIZE, FS, WATCH, CANCEL, CONNECT = range(16, 24)
+    STDOUT, STDERR, EXIT, DATA, END, ERROR, READY, STARTED = range(0x81, 0x89)
 
 
-_GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY})
+_GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY, T.STARTED})
 
 
 class ProtocolError(SandboxError):
@@ -99,6 +99,8 @@ def parse_exit(payload: bytes) -> tuple[int, int | None, bool]:
     return code, (sig or None), bool(flags)
 
 
+_FILE_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY, errno.EACCES,
+                          errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENAMETOOLONG, errno.EXDEV, errno.EBUSY})
 _LIST_REC = struct.Struct(">BIQQH")
 _KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {
     ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
@@ -122,18 +124,14 @@ def parse_list(directory: str, payload: bytes) -> list[FileEntry]:
     return out
 
 
-def guest_error(payload: bytes, path: str) -> Exception:
+def guest_error(payload: bytes, path: str, what: str = "") -> Exception:
     """The DSec error for an ERROR frame (errno + message), mapped like the container's file API."""
     if len(payload) < 4:
         return ProtocolError("malformed error frame")
     err = int.from_bytes(payload[:4], "big")
     message = payload[4:512].decode(errors="replace")
-    if err == errno.ENOENT:
-        return NotFound(f"no such file or directory in the sandbox: {path}", path=path)
-    if err == errno.EISDIR:
-        return InvalidRequest(f"is a directory: {path}", path=path)
-    if err == errno.ENOTDIR:
-        return InvalidRequest(f"not a directory: {path}", path=path)
+    if err in _FILE_ERRNOS:
+        return file_error(err, path, what)
     if err == errno.EFBIG:
         return InvalidRequest(f"{path} is over the read limit", path=path)
     if err in (errno.EINVAL, errno.ENOSYS):
@@ -246,7 +244,8 @@ class AgentClient:
         finally:
             self.close_channel(channel)
 
-    async def _collect(self, channel: int, path: str, timeout: float, limit: int | None = None) -> list[bytes]:
+    async def _collect(self, channel: int, path: str, timeout: float, limit: int | None = None, what: str = ""
+                       ) -> list[bytes]:
         chunks: list[bytes] = []
         total = 0
         while True:
@@ -254,7 +253,7 @@ class AgentClient:
             if frame.type == T.END:
                 return chunks
             if frame.type == T.ERROR:
-                raise guest_error(frame.payload, path)
+                raise guest_error(frame.payload, path, what)
             if frame.type != T.DATA:
                 raise ProtocolError(f"unexpected frame {frame.type:#x} in a file reply")
             total += len(frame.payload)
@@ -335,9 +334,105 @@ class AgentClient:
         for i in range(0, len(data), _WRITE_CHUNK):
             await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
 
-    async def signal(self, channel: int, signo: int) -> None:
+    async def signal(self, channel: int, signo: int, how: int = 0) -> None:
+        """``signo`` to the command's process group (``how`` 1: its terminal's foreground group; 2: the same
+        unless that is the command's own)."""
         with contextlib.suppress(AgentGone):
-            await self.send(T.SIGNAL, channel, bytes([signo]))
+            await self.send(T.SIGNAL, channel, bytes([signo]) if how == 0 else bytes([signo, how]))
+
+    # -- the surface (agent_surface.c) --------------------------------------------------------------
+
+    async def start_ext(self, argv: builtins.list[str], env: dict[str, str], cwd: str, creds: bytes, flags: int,
+                        size: tuple[int, int] = (0, 0)) -> int:
+        """EXEC_EXT (see ``agent_surface.c``): ``creds`` from :func:`creds`; returns its channel."""
+        if len(argv) > 0xFFFF or len(env) > 0xFFFF:
+            raise InvalidRequest("too many arguments or environment entries")
+        strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
+        payload = (struct.pack(">HHIHH", len(argv), len(env), flags, *size) + creds
+                   + b"".join(text.encode() + b"\0" for text in strings))
+        channel = self.open_channel()
+        try:
+            await self.send(T.EXEC_EXT, channel, payload)
+        except BaseException:
+            self.close_channel(channel)
+            raise
+        return channel
+
+    async def fs(self, op: int, creds: bytes, args: bytes, path: str, what: str, timeout: float = 120.0
+                 ) -> builtins.list[bytes]:
+        """One FS request as a user: its DATA payloads (raises the guest's error as a file error)."""
+        channel = self.open_channel()
+        try:
+            await self.send(T.FS, channel, bytes([op]) + creds + args)
+            return await self._collect(channel, path, timeout, what=what)
+        finally:
+            self.close_channel(channel)
+
+    async def write_as(self, creds: bytes, path: str, data: bytes, mode: int | None) -> None:
+        """Write ``path`` in place as a user (FS WRITE): the user's permissions on the file itself count."""
+        channel = self.open_channel()
+        try:
+            await self.send(T.FS, channel, bytes([FS.WRITE]) + creds
+                            + (0xFFFFFFFF if mode is None else mode).to_bytes(4, "big") + _path(path))
+            for i in range(0, len(data), _WRITE_CHUNK):
+                await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
+            await self.send(T.STDIN, channel, b"")
+            await self._collect(channel, path, 120.0, limit=0)
+        finally:
+            self.close_channel(channel)
+
+    async def cancel(self, channel: int) -> None:
+        """End a watch or a connection."""
+        with contextlib.suppress(AgentGone):
+            await self.send(T.CANCEL, channel, b"")
+        self.close_channel(channel)
+
+
+class FS:
+    """Operations of an FS frame."""
+
+    STAT, MKDIR, REMOVE, RENAME, CHMOD, CHOWN, READ, LIST, WRITE = range(1, 10)
+
+
+def creds(uid: int, gid: int, groups: tuple[int, ...]) -> bytes:
+    """The CREDS block of a request made as a user."""
+    if len(groups) > 64:
+        raise InvalidRequest(f"a user of at most 64 supplementary groups can act in a microVM, not {len(groups)}")
+    return struct.pack(f">IIH{len(groups)}I", uid, gid, len(groups), *groups)
+
+
+_STAT_REC = struct.Struct(">BIQQIIH")
+
+
+def parse_stat(payload: bytes) -> tuple[str, int, int, float, int, int, str | None]:
+    """``(kind, mode, size, mtime, uid, gid, symlink target)`` of a STAT reply."""
+    if len(payload) < _STAT_REC.size:
+        raise ProtocolError("truncated stat reply")
+    kind, mode, size, mtime_ns, uid, gid, tlen = _STAT_REC.unpack_from(payload)
+    target = payload[_STAT_REC.size:_STAT_REC.size + tlen]
+    if kind not in _KINDS or len(target) != tlen:
+        raise ProtocolError("malformed stat reply")
+    return (_KINDS[kind], mode, size, mtime_ns / 1e9, uid, gid,
+            target.decode(errors="surrogateescape") if kind == ord("l") else None)
+
+
+_WATCH_REC = struct.Struct(">BBIH")
+
+
+def parse_watch(payload: bytes) -> builtins.list[tuple[str, bool, int, str]]:
+    """``(kind, is_dir, cookie, path)`` records of one WATCH data frame (kind: ``c m d a f t x o``)."""
+    out, pos = [], 0
+    while pos < len(payload):
+        if len(payload) - pos < _WATCH_REC.size:
+            raise ProtocolError("truncated watch record")
+        kind, is_dir, cookie, plen = _WATCH_REC.unpack_from(payload, pos)
+        pos += _WATCH_REC.size
+        raw = payload[pos:pos + plen]
+        pos += plen
+        if len(raw) != plen or chr(kind) not in "cmdaftxo" or is_dir > 1 or b"\0" in raw:
+            raise ProtocolError("malformed watch record")
+        out.append((chr(kind), bool(is_dir), cookie, raw.decode(errors="surrogateescape")))
+    return out
 
 
 def _path(path: str) -> bytes:

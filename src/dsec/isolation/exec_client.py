@@ -28,10 +28,17 @@ from dsec.isolation.affinity import hex_mask, sandbox_cpus
 from dsec.isolation.procs import reap
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
-__all__ = ["MAX_MESSAGE", "ExecHelper", "Spawned", "encode_request", "send_with_pipes", "stream_exec"]
+__all__ = ["ARG_MAX", "MAX_ARG_STRLEN", "MAX_MESSAGE", "ExecHelper", "Spawned", "check_exec_size", "encode_request",
+           "send_with_pipes", "stream_exec"]
 
-MAX_MESSAGE = 1 << 20
-"""The largest request a peer (the exec helper, a zygote) reads per command (``MAX_MESSAGE`` in ``nsexec.c``)."""
+ARG_MAX = 2 << 20
+"""What Linux's execve takes of arguments and environment together (a quarter of the usual 8 MiB stack),
+counting each string with its NUL and a pointer for each."""
+MAX_ARG_STRLEN = 32 * 4096
+"""What execve takes per argument or environment string, its NUL included."""
+MAX_MESSAGE = ARG_MAX + (64 << 10)
+"""The largest request a peer (the exec helper, a zygote, a guest agent) reads per command (``MAX_MESSAGE`` in
+``nsexec.c``): a command at the kernel's limit plus the request's own fields."""
 
 _CHUNK = 64 * 1024
 # After the command exits, output still in the pipes is read for this long; a background job that
@@ -72,20 +79,43 @@ class Spawned:
         if not self.closed:
             self.closed = True
             for fd in (self.stdin, self.stdout, self.stderr, self.status):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+
+def check_exec_size(argv: list[str], env: dict[str, str]) -> None:
+    """Refuse, naming the limit, a command whose arguments and environment the kernel's execve would refuse
+    (E2BIG): a string over :data:`MAX_ARG_STRLEN`, or all of them over :data:`ARG_MAX`."""
+    strings = [*argv, *(f"{k}={v}" for k, v in env.items())]
+    sizes = [len(os.fsencode(text)) + 1 for text in strings]
+    for index, size in enumerate(sizes):
+        if size > MAX_ARG_STRLEN:
+            name = strings[index].split("=")[0]
+            what = f"argument {index}" if index < len(argv) else f"environment variable {name!r}"
+            raise InvalidRequest(f"{what} of the command is {size - 1} bytes: Linux's exec takes at most "
+                                 f"{MAX_ARG_STRLEN - 1} per string (MAX_ARG_STRLEN); pass larger data as stdin "
+                                 "or in a file", size=size - 1, limit=MAX_ARG_STRLEN - 1)
+    total = sum(sizes) + 8 * (len(strings) + 2)
+    if total > ARG_MAX:
+        raise InvalidRequest(f"the command's arguments and environment take {total} bytes: Linux's exec takes at "
+                             f"most {ARG_MAX} (ARG_MAX); pass larger data as stdin or in a file", size=total,
+                             limit=ARG_MAX)
 
 
 def encode_request(request: dict[str, Any]) -> bytes:
     """The exec helper's request for one command: NUL-terminated fields (see ``nsexec.c``)::
 
-        INIT_PID UID GID CAPMASK(hex) NOFILE FLAGS CWD NCGROUPS CGROUP_PROCS... ARGC ARGV... ENVC KEY=VALUE...
+        INIT_PID UID GID[,GROUP...] CAPMASK(hex) NOFILE FLAGS CWD NCGROUPS CGROUP_PROCS... ARGC ARGV... ENVC ENV...
 
-    FLAGS: bit 0 Landlock, bit 1 pristine (``nsenter.c``). A NUL inside a field would shift every field after
-    it: such a request is refused here, naming the field (the API's models refuse them earlier)."""
-    flags = int(request.get("landlock", True)) | int(request.get("pristine", False)) << 1
+    FLAGS: bit 0 Landlock, bit 1 pristine, bit 2 fd 0 is the controlling terminal (``nsenter.c``). A NUL inside a
+    field would shift every field after it: such a request is refused here, naming the field (the API's
+    models refuse them earlier)."""
+    flags = (int(request.get("landlock", True)) | int(request.get("pristine", False)) << 1
+             | int(request.get("tty", False)) << 2)
     cgroups, argv, env = list(request["cgroup_procs"]), list(request["argv"]), request["env"]
-    fields = [str(int(request["init_pid"])), str(int(request["uid"])), str(int(request["gid"])),
+    groups = ",".join(str(int(g)) for g in [request["gid"], *request.get("groups", ())])
+    fields = [str(int(request["init_pid"])), str(int(request["uid"])), groups,
               f"{int(request['capmask']):x}", str(int(request["nofile"])), str(flags), request["cwd"],
               str(len(cgroups)), *cgroups, str(len(argv)), *argv, str(len(env)),
               *(f"{key}={value}" for key, value in env.items())]
@@ -155,34 +185,38 @@ class ExecHelper:
         self.close()
         self.start()
 
-    async def spawn(self, request: dict[str, Any]) -> Spawned:
-        """Ask the helper to run ``request`` (fields: :func:`encode_request`); returns our pipe ends."""
+    async def spawn(self, request: dict[str, Any],
+                    stdio: tuple[int | None, int | None, int | None] = (None, None, None)) -> Spawned:
+        """Ask the helper to run ``request`` (fields: :func:`encode_request`); returns our pipe ends (``stdio``:
+        see :func:`send_with_pipes`)."""
         message = encode_request(request)
         if self._proc is None or self._proc.poll() is not None:
             # The helper died (or was never started): one restart, then give up loudly.
             self.close()
             self.start()
         assert self._sock is not None
-        return await send_with_pipes(self._sock, message, "exec helper")
+        return await send_with_pipes(self._sock, message, "exec helper", stdio=stdio)
 
 
 async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
-                          within: float = _SEND_WITHIN_S) -> Spawned:
+                          within: float = _SEND_WITHIN_S, stdio: tuple[int | None, int | None, int | None] = (
+                              None, None, None)) -> Spawned:
     """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
-    (stdin, stdout, stderr, status) attached; returns our ends, non-blocking."""
+    (stdin, stdout, stderr, status) attached; returns our ends, non-blocking. ``stdio`` replaces the far ends
+    of stdin, stdout and stderr (a terminal's side); the caller keeps its own copies of those."""
     if len(message) > MAX_MESSAGE:
-        # A peer reads at most this much per command; the kernel's exec takes at most 2 MiB of arguments
-        # and environment (ARG_MAX with the usual 8 MiB stack) and 128 KiB per string anyway.
+        # A peer reads at most this much per command (callers check the kernel's exec limit first).
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
                              f"bytes; at most {MAX_MESSAGE} are accepted", size=len(message))
     if len(message) > _SMALL_MESSAGE and len(message) > _widen_send_buffer(sock):
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
                              f"bytes; this host's socket buffers carry at most {_widen_send_buffer(sock)} "
                              f"(net.core.wmem_max)", size=len(message))
-    pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+    pipes = [os.pipe2(os.O_CLOEXEC) if i == 3 or stdio[i] is None else (-1, -1) for i in range(4)]
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
-    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs).tobytes())]
+    sent = [fd if given is None else given for fd, given in zip(theirs, (*stdio, None), strict=True)]
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent).tobytes())]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     pause = 0.001
@@ -209,9 +243,11 @@ async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
         raise
     finally:
         for fd in theirs:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
     for fd in (ours.stdin, ours.stdout, ours.stderr, ours.status):
-        os.set_blocking(fd, False)
+        if fd >= 0:
+            os.set_blocking(fd, False)
     return ours
 
 

@@ -39,11 +39,14 @@ RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 
 
-def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
-    """Where :func:`ensure_binary` keeps ``name`` built from the current ``source`` (built or not)."""
+def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False,
+                includes: tuple[Path, ...] = ()) -> Path:
+    """Where :func:`ensure_binary` keeps ``name`` built from the current ``source`` (and the files it
+    ``#include``s, ``includes``), built or not."""
     musl_cc = shutil.which("musl-gcc") if musl else None
     # The libc is part of the key: installing musl-tools later rebuilds the binary instead of keeping glibc's.
-    digest = hashlib.sha256(source.read_bytes() + (b"\0musl" if musl_cc else b"")).hexdigest()[:16]
+    text = b"".join(path.read_bytes() + b"\0" for path in (source, *includes))
+    digest = hashlib.sha256(text + (b"\0musl" if musl_cc else b"")).hexdigest()[:16]
     return directory / f"{name}-{digest}"
 
 
@@ -74,11 +77,12 @@ def _share(target: Path) -> None:
         pass
 
 
-def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False) -> Path:
-    """Path of ``name`` built statically from the current ``source``; builds it if needed (``musl``: with
-    ``musl-gcc`` when installed, else with gcc and glibc as every other binary), or copies the node's build of
-    the same source."""
-    target = binary_path(source, name, directory, musl=musl)
+def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False,
+                  includes: tuple[Path, ...] = ()) -> Path:
+    """Path of ``name`` built statically from the current ``source`` (which ``#include``s ``includes``); builds it
+    if needed (``musl``: with ``musl-gcc`` when installed, else with gcc and glibc as every other binary), or
+    copies the node's build of the same sources."""
+    target = binary_path(source, name, directory, musl=musl, includes=includes)
     if target.exists():
         return target
     shared = node_cache() / target.name

@@ -7,8 +7,10 @@
  *   fd 3        the status pipe (close-on-exec: it closes when the command starts)
  *   fd 4        a pidfd of the sandbox's init
  *   fd 5        the seccomp program (raw struct sock_filter array), or -1 / absent for none
- *   argv        dsec-nsenter UID GID CAPMASK NOFILE FLAGS CPUS CWD CGROUP_PROCS... -- COMMAND ARGS...
- *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine)
+ *   argv        dsec-nsenter UID GID[,GROUP...] CAPMASK NOFILE FLAGS CPUS CWD CGROUP_PROCS... -- COMMAND ARGS...
+ *               GROUP: the user's supplementary groups
+ *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine), bit 2 fd 0 is a
+ *               terminal to make the command's controlling terminal (the helper made us a session leader)
  *               CPUS: "-", or the hexadecimal mask of the CPUs the command gets (isolation/affinity.py: the
  *               daemon and its helper are pinned to housekeeping CPUs, the command has the node's back)
  *   envp        the command's environment
@@ -34,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -47,6 +50,8 @@
 #define CAP_LAST 63
 #define FLAG_LANDLOCK 1
 #define FLAG_PRISTINE 2
+#define FLAG_TTY 4
+#define MAX_GROUPS 256
 #define PRISTINE_ROOT "/.dsec-pristine" /* the image's root, bind-mounted read-only by the backend */
 #define ACCESS_FS_TRUNCATE (1ULL << 14) /* Landlock ABI 3; newer than some build hosts' headers */
 
@@ -214,11 +219,32 @@ static void enter_pristine(const char *cwd) {
         fail("pristine: enter the image's root", errno, 127);
 }
 
+/* "GID[,GROUP...]": the primary group and the supplementary ones. */
+static gid_t parse_groups(char *text, gid_t *groups, size_t *ngroups) {
+    char *rest = strchr(text, ',');
+    if (rest)
+        *rest++ = '\0';
+    gid_t gid = (gid_t)parse_u64(text, 10, "gid");
+    *ngroups = 0;
+    while (rest && *rest) {
+        char *next = strchr(rest, ',');
+        if (next)
+            *next++ = '\0';
+        if (*ngroups == MAX_GROUPS)
+            fail("supplementary groups", E2BIG, 127);
+        groups[(*ngroups)++] = (gid_t)parse_u64(rest, 10, "supplementary group");
+        rest = next;
+    }
+    return gid;
+}
+
 int main(int argc, char **argv, char **envp) {
     if (argc < 10)
         fail("usage", EINVAL, 127);
     uid_t uid = (uid_t)parse_u64(argv[1], 10, "uid");
-    gid_t gid = (gid_t)parse_u64(argv[2], 10, "gid");
+    gid_t groups[MAX_GROUPS];
+    size_t ngroups;
+    gid_t gid = parse_groups(argv[2], groups, &ngroups);
     unsigned long long caps = parse_u64(argv[3], 16, "capability mask");
     rlim_t nofile = (rlim_t)parse_u64(argv[4], 10, "nofile");
     int flags = (int)parse_u64(argv[5], 10, "flags");
@@ -234,6 +260,10 @@ int main(int argc, char **argv, char **envp) {
        capabilities there and have no seccomp filter yet). execve resets this for the command. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
         fail("set non-dumpable", errno, 127);
+    /* A terminal of the sandbox's own devpts on fd 0 (the daemon opened it there): the command's controlling
+       terminal, so a shell gets job control and Ctrl-C reaches its foreground job. */
+    if ((flags & FLAG_TTY) && ioctl(0, TIOCSCTTY, 0) != 0)
+        fail("make the terminal the controlling terminal", errno, 127);
     /* Commands are the host OOM killer's first choice, like the sandbox's init (oomScoreAdj 500). */
     int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (oom < 0 || write(oom, "500", 3) != 3)
@@ -255,7 +285,7 @@ int main(int argc, char **argv, char **envp) {
     for (int cap = 0; cap <= CAP_LAST; cap++)
         if (!(caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
             fail("drop bounding capability", errno, 127);
-    if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
+    if (setgroups(ngroups, groups) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
         fail("become the sandbox user", errno, 127);
     /* A non-root user lost every capability in setresuid; it gets none back (as under docker). */
     if (uid != 0)

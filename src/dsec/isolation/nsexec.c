@@ -39,7 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_MESSAGE (1 << 20) /* exec_client.MAX_MESSAGE */
+#define MAX_MESSAGE ((2 << 20) + (64 << 10)) /* exec_client.MAX_MESSAGE */
 #define HIGH_FD 100           /* sources are parked above the fds dsec-nsenter expects (0-5) */
 #define REAP_GRACE_MS 2000    /* a helper whose daemon hung up waits this long for its commands to exit */
 

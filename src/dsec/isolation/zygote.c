@@ -22,8 +22,9 @@
  * every call is done once in the zygote and inherited: the empty bounding and ambient sets and the
  * locked securebits. The zygote runs SCHED_BATCH (it never preempts the daemon or a running call at
  * a wake-up); each clone returns to SCHED_OTHER before its command. A request
- * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV..." with four fds: stdin, stdout,
- * stderr, status) is forwarded to the ready clone, which sets the request's rlimits and working
+ * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV... [UID GID[,GROUP...] FLAGS]" with four fds:
+ * stdin, stdout, stderr, status; the user, and FLAGS bit 0: fd 0 is a terminal to make the command's
+ * controlling terminal, are optional: root and no terminal) is forwarded to the ready clone, which sets the request's rlimits and working
  * directory, vforks the command and waits for it. When the command exits it reports
  * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
  * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
@@ -49,6 +50,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -61,7 +65,8 @@
 
 #define CTL_FD 100
 #define STATUS_FD 3
-#define MAX_MSG (1 << 20)
+#define MAX_MSG ((2 << 20) + (64 << 10)) /* exec_client.MAX_MESSAGE: a command at the kernel's exec limit */
+#define MAX_GROUPS 256
 #define MAX_CALLS 4096
 #define MAX_FIELDS 65536
 #ifndef CALL_NS
@@ -293,9 +298,11 @@ static void drop_bounding_set(void) {
         die("clear ambient capabilities", errno);
 }
 
+/* Every capability but the two that become the request's user (dropped right after, see become_user). */
 static int drop_privileges(void) {
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
-    struct __user_cap_data_struct data[2] = {{0, 0, 0}, {0, 0, 0}};
+    const __u32 keep = (1U << CAP_SETUID) | (1U << CAP_SETGID);
+    struct __user_cap_data_struct data[2] = {{keep, keep, 0}, {0, 0, 0}};
     if (syscall(SYS_capset, &header, data) != 0)
         return prep_fail("drop capabilities");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
@@ -343,13 +350,42 @@ static int prepare_call(void) {
     return drop_privileges();
 }
 
+/* The request's user ("UID" "GID[,GROUP...]"; absent: the namespace's root), then no capability at all: with
+   SECBIT_NO_SETUID_FIXUP the kernel would leave them across setresuid. */
+static void become_user(const char *uid_text, char *gid_text) {
+    uid_t uid = 0;
+    gid_t gid = 0, groups[MAX_GROUPS];
+    size_t ngroups = 0;
+    if (uid_text != NULL) {
+        uid = (uid_t)strtoul(uid_text, NULL, 10);
+        char *rest = strchr(gid_text, ',');
+        if (rest)
+            *rest++ = '\0';
+        gid = (gid_t)strtoul(gid_text, NULL, 10);
+        for (char *g = rest; g && *g && ngroups < MAX_GROUPS;) {
+            char *next = strchr(g, ',');
+            if (next)
+                *next++ = '\0';
+            groups[ngroups++] = (gid_t)strtoul(g, NULL, 10);
+            g = next;
+        }
+    }
+    if (setgroups(ngroups, groups) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
+        call_fail("become the sandbox user", errno, 127);
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct none[2] = {{0, 0, 0}, {0, 0, 0}};
+    if (syscall(SYS_capset, &header, none) != 0)
+        call_fail("drop capabilities", errno, 127);
+}
+
 static void set_limit(int resource, rlim_t soft, rlim_t hard) {
     struct rlimit rl = {soft, hard};
     if (setrlimit(resource, &rl) != 0)
         call_fail("set rlimits", errno, 127);
 }
 
-/* Take up to four fds out of a received message; -1 unless exactly four came whole. */
+/* Take the fds out of a received message: four (stdin, stdout, stderr, status), and a fifth when the
+   request itself came in a memfd (see dispatch). Returns how many, -1 unless four or five came whole. */
 static int take_fds(struct msghdr *mh, int *fds) {
     int nfds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c))
@@ -358,18 +394,18 @@ static int take_fds(struct msghdr *mh, int *fds) {
             for (int i = 0; i < count; i++) {
                 int fd;
                 memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                if (nfds < 4)
+                if (nfds < 5)
                     fds[nfds++] = fd;
                 else
                     close(fd);
             }
         }
-    if (nfds != 4 || (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (nfds < 4 || (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
         return -1;
     }
-    return 0;
+    return nfds;
 }
 
 static char msg[MAX_MSG + 1];
@@ -377,17 +413,24 @@ static char *fields[MAX_FIELDS];
 
 /* Wait for the request on ``sock``; returns its number of fields, 0 at end of file, -1 if malformed. */
 static int receive(int sock, int *fds) {
-    char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    char cbuf[CMSG_SPACE(5 * sizeof(int))];
     struct iovec iov = {msg, MAX_MSG};
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
     ssize_t len;
     do
         len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
     while (len < 0 && errno == EINTR);
-    if (len <= 0)
+    if (len < 0 || (len == 0 && mh.msg_controllen == 0))
         return 0;
-    if (take_fds(&mh, fds) != 0)
+    int nfds = take_fds(&mh, fds);
+    if (nfds < 0)
         return -1;
+    if (nfds == 5) { /* a request larger than a datagram between us and the zygote carries: in a memfd */
+        len = pread(fds[4], msg, MAX_MSG, 0);
+        close(fds[4]);
+        if (len <= 0)
+            return -1;
+    }
     msg[len] = 0;
     int n = 0;
     for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
@@ -416,7 +459,7 @@ static void run_call(int sock) {
     sock = CTL_FD;
     syscall(SYS_close_range, 3, CTL_FD - 1, 0);
     syscall(SYS_close_range, CTL_FD + 1, ~0U, 0);
-    int fds[4];
+    int fds[5];
     int nfields = receive(sock, fds);
     if (nfields <= 0)
         _exit(nfields == 0 ? 0 : 127); /* 0: the zygote is going away */
@@ -445,11 +488,18 @@ static void run_call(int sock) {
     if (envc < 0 || 6 + argc + envc > nfields)
         call_fail("request env", EINVAL, 127);
     char **cenv = &fields[6 + argc];
+    int tail = 6 + argc + envc; /* the optional user and flags */
+    if (nfields != tail && nfields != tail + 3)
+        call_fail("request user", EINVAL, 127);
+    int with_user = nfields == tail + 3;
+    if (with_user && (atoi(fields[tail + 2]) & 1) && ioctl(0, TIOCSCTTY, 0) != 0)
+        call_fail("make the terminal the controlling terminal", errno, 127);
     char **argv = calloc((size_t)argc + 1, sizeof *argv), **envp = calloc((size_t)envc + 1, sizeof *envp);
     if (!argv || !envp)
         call_fail("request", ENOMEM, 127);
     memcpy(argv, cargv, (size_t)argc * sizeof *argv);
     memcpy(envp, cenv, (size_t)envc * sizeof *envp);
+    become_user(with_user ? fields[tail] : NULL, with_user ? fields[tail + 1] : NULL);
     if (chdir(cwd) != 0) {
         char what[300];
         snprintf(what, sizeof what, "working directory '%s'", cwd);
@@ -551,6 +601,18 @@ static void refresh(void) {
     clone_ahead();
 }
 
+/* A request past what a datagram to the clone carries (its send buffer: the zygote, in its own user namespace,
+   cannot raise it past net.core.wmem_max): the request in a memfd, sent as a fifth fd of an empty message. */
+#define DATAGRAM_MAX (128 << 10)
+static int request_memfd(const char *request, ssize_t len) {
+    int fd = (int)syscall(SYS_memfd_create, "dsec-request", MFD_CLOEXEC);
+    if (fd >= 0 && write(fd, request, (size_t)len) != len) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 static void dispatch(char *request, ssize_t len, int *fds) {
     int slot = -1;
     for (int i = 0; i < MAX_CALLS && slot < 0; i++)
@@ -560,17 +622,25 @@ static void dispatch(char *request, ssize_t len, int *fds) {
         clone_ahead();
     int err = slot < 0 ? EAGAIN : ready.err;
     if (slot >= 0 && ready.pid > 0) {
-        char cbuf[CMSG_SPACE(4 * sizeof(int))];
+        int big = len > DATAGRAM_MAX ? request_memfd(request, len) : -1, nfds = big >= 0 ? 5 : 4;
+        int all[5] = {fds[0], fds[1], fds[2], fds[3], big};
+        char cbuf[CMSG_SPACE(5 * sizeof(int))];
         memset(cbuf, 0, sizeof cbuf);
-        struct iovec iov = {request, (size_t)len};
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+        struct iovec iov = {request, big >= 0 ? 0 : (size_t)len};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                            .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
         struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(4 * sizeof(int));
-        memcpy(CMSG_DATA(c), fds, 4 * sizeof(int));
+        c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+        memcpy(CMSG_DATA(c), all, nfds * sizeof(int));
         ssize_t sent = sendmsg(ready.sock, &mh, MSG_NOSIGNAL);
         err = errno;
+        if (big >= 0) {
+            close(big);
+            if (sent == 0)
+                sent = len;
+        }
         close(ready.sock);
         pid_t pid = ready.pid;
         ready.pid = 0;
@@ -701,9 +771,13 @@ int main(int argc, char **argv) {
             refresh();
             continue;
         }
-        int fds[4];
-        if (take_fds(&mh, fds) == 0)
+        int fds[5];
+        int nfds = take_fds(&mh, fds);
+        if (nfds == 4)
             dispatch(request, len, fds);
+        else if (nfds == 5) /* never sent by the daemon: refused whole */
+            for (int i = 0; i < 5; i++)
+                close(fds[i]);
     }
     if (ready.pid > 0)
         kill(ready.pid, SIGKILL);

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.isolation.affinity import hex_mask, sandbox_cpus
-from dsec.isolation.exec_client import Spawned, send_with_pipes
+from dsec.isolation.exec_client import MAX_MESSAGE, Spawned, send_with_pipes
 from dsec.isolation.procs import reap
 
 __all__ = ["MAX_REQUEST", "Zygote", "ZygoteConfig"]
@@ -30,8 +30,8 @@ _MFD_CLOEXEC = 1
 _START_TIMEOUT_S = 30.0
 # How long a zygote told to stop (its socket closed) has to kill and reap its calls before it is killed.
 _EXIT_GRACE_S = 2.0
-MAX_REQUEST = 192 * 1024
-"""Largest argv + environment of one call: a unix datagram must fit the socket's send buffer."""
+MAX_REQUEST = MAX_MESSAGE
+"""Largest request of one call (``MAX_MSG`` in ``zygote.c``): a command at the kernel's exec limit."""
 
 
 @dataclass(frozen=True)
@@ -126,15 +126,16 @@ class Zygote:
     def alive(self) -> bool:
         return self.pid is not None and self._sock is not None
 
-    async def spawn(self, fields: list[str]) -> Spawned:
-        """Send one call (see ``zygote.c``); returns our ends of its pipes."""
+    async def spawn(self, fields: list[str],
+                    stdio: tuple[int | None, int | None, int | None] = (None, None, None)) -> Spawned:
+        """Send one call (see ``zygote.c``); returns our ends of its pipes (``stdio``: see ``send_with_pipes``)."""
         if self._sock is None:
             raise SandboxError("the sandbox's zygote is gone (destroyed)")
         message = b"\0".join(f.encode() for f in fields)
         if len(message) > MAX_REQUEST:
             raise InvalidRequest(f"command and environment take {len(message)} bytes, over the function backend's "
                                  f"limit of {MAX_REQUEST}: pass large inputs as stdin or through a file")
-        return await send_with_pipes(self._sock, message, "the sandbox's zygote")
+        return await send_with_pipes(self._sock, message, "the sandbox's zygote", stdio=stdio)
 
     def refresh(self) -> None:
         """Make the next call see the zygote's mount namespace as it is now (after the daemon mounted over a

@@ -26,7 +26,7 @@ from dsec.backends.base import Backend, ImageRef
 from dsec.errors import DSecError, NotFound
 from dsec.models import BackendName, ExecEvent, ExecRequest, ExecResult, SandboxRecord, SandboxSpec
 
-__all__ = ["CHECKS", "BackendFactory", "Check", "check_backend", "new_record", "sandbox"]
+__all__ = ["CHECKS", "BackendFactory", "Check", "check_backend", "expect_error", "new_record", "run", "sandbox"]
 
 BackendFactory = Callable[[], AbstractAsyncContextManager[tuple[Backend, ImageRef]]]
 """Makes a ready backend (``start()`` done) and an image to create sandboxes from; cleans up on exit."""
@@ -255,7 +255,7 @@ async def check_list_files(backend: Backend, image: ImageRef) -> None:
         assert entries["d"].type == "dir" and entries["link"].type == "symlink"
         assert entries["f.txt"].path == "/workspace/f.txt", entries["f.txt"].path
         assert entries["f.txt"].mtime > 0
-        with _raises(NotFound, "listing a missing directory"):
+        with expect_error(NotFound, "listing a missing directory"):
             await backend.list_files(sb, "/workspace/no-such-dir")
 
 
@@ -269,14 +269,14 @@ async def check_files_and_exec_agree(backend: Backend, image: ImageRef) -> None:
 
 async def check_file_errors(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
-        with _raises(NotFound, "reading a missing file"):
+        with expect_error(NotFound, "reading a missing file"):
             await backend.read_file(sb, "/workspace/missing.txt", MiB)
         await backend.write_file(sb, "/workspace/dir/file", b"x", None)
-        with _raises(DSecError, "reading a directory"):
+        with expect_error(DSecError, "reading a directory"):
             await backend.read_file(sb, "/workspace/dir", MiB)
-        with _raises(DSecError, "writing over a directory"):
+        with expect_error(DSecError, "writing over a directory"):
             await backend.write_file(sb, "/workspace/dir", b"x", None)
-        with _raises(DSecError, "listing a regular file"):
+        with expect_error(DSecError, "listing a regular file"):
             await backend.list_files(sb, "/workspace/dir/file")
         assert await backend.read_file(sb, "/workspace/dir/file", MiB) == b"x"
 
@@ -298,7 +298,7 @@ async def check_path_containment(backend: Backend, image: ImageRef) -> None:
                 listed = {e.name for e in await backend.list_files(sb, "/workspace/../..")}
                 assert name in listed, "listing '/workspace/../..' is not the sandbox root"
             else:
-                with _raises(DSecError, "writing outside the workdir of a read-only root"):
+                with expect_error(DSecError, "writing outside the workdir of a read-only root"):
                     await backend.write_file(sb, f"/workspace/../../../{name}", b"inside", None)
                 assert not host_probe.exists(), "write through '..' landed on the host"
                 await backend.write_file(sb, f"/workspace/../../workspace/{name}", b"inside", None)
@@ -366,21 +366,21 @@ async def check_destroy(backend: Backend, image: ImageRef) -> None:
         pass
     else:
         raise AssertionError(f"exec on a destroyed sandbox returned {r!r}")
-    with _raises((DSecError, OSError), "reading a file of a destroyed sandbox"):
+    with expect_error((DSecError, OSError), "reading a file of a destroyed sandbox"):
         await backend.read_file(record, "/workspace/x", MiB)
 
 
 async def check_sandboxes_isolated_files(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as a, sandbox(backend, image) as b:
         await backend.write_file(a, "/workspace/only-a", b"a", None)
-        with _raises(NotFound, "one sandbox's file visible in another"):
+        with expect_error(NotFound, "one sandbox's file visible in another"):
             await backend.read_file(b, "/workspace/only-a", MiB)
         r = await run(backend, b, "ls")
         assert b"only-a" not in r.stdout, r
 
 
 @contextlib.contextmanager
-def _raises(exc: type[BaseException] | tuple[type[BaseException], ...], what: str) -> Any:
+def expect_error(exc: type[BaseException] | tuple[type[BaseException], ...], what: str) -> Any:
     try:
         yield
     except exc:
@@ -399,6 +399,10 @@ CHECKS: list[Check] = [
     check_sandboxes_isolated_files,
 ]
 """Every conformance check, in a stable order (pytest ids: their ``__name__``)."""
+
+from dsec.testing.conformance_surface import SURFACE_CHECKS  # noqa: E402 (built on the helpers above)
+
+CHECKS += SURFACE_CHECKS
 
 
 async def check_backend(factory: BackendFactory, checks: list[Check] | None = None) -> None:

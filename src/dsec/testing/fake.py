@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import posixpath
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 import time
@@ -21,8 +23,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
+from dsec.accounts import Identity
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
-from dsec.errors import ImageNotFound, InvalidRequest, NotFound, SandboxError
+from dsec.backends.hostside import HostFiles
+from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
+from dsec.errors import ImageNotFound, InvalidRequest, NotSupported, SandboxError, file_error
+from dsec.isolation.exec_client import check_exec_size
+from dsec.isolation.files import SandboxFS
+from dsec.isolation.ports import SocketStream
 from dsec.models import (
     ExecEvent,
     ExecRequest,
@@ -33,6 +41,8 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
+from dsec.models_surface import FileEvent, FileStat
+from dsec.testing.fake_surface import FakeProcess
 
 __all__ = ["FakeBackend", "FakeImages"]
 
@@ -45,6 +55,7 @@ class FakeBackend(Backend):
     """Sandboxes as plain directories and host processes. ``create_error`` makes the next create fail."""
 
     name = "container"
+    users = False
 
     def __init__(self, name: str = "container", root: Path | None = None) -> None:
         self.name = name  # type: ignore[misc]  # one fake class stands in for every backend name
@@ -54,6 +65,7 @@ class FakeBackend(Backend):
             weakref.finalize(self, shutil.rmtree, self.root, True)  # one fake may outlive an engine restart
         self.create_error: BaseException | None = None
         self._groups: dict[str, set[int]] = {}
+        self.files = HostFiles(self._view)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -121,10 +133,14 @@ class FakeBackend(Backend):
             raise InvalidRequest(f"path {path!r} resolves outside the sandbox", path=path)
         return host
 
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int) -> bytes:
+    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
+                        ) -> bytes:
+        _only_root(user)
         host = self._host(record, path)
         if not host.exists():
-            raise NotFound(f"no such file in sandbox {record.id}: {path}", path=path)
+            raise file_error(errno.ENOENT, path, "read")
+        if host.is_dir():
+            raise file_error(errno.EISDIR, path, "read")
         if not host.is_file():
             raise InvalidRequest(f"not a regular file: {path}", path=path)
         with host.open("rb") as f:
@@ -133,18 +149,21 @@ class FakeBackend(Backend):
             raise InvalidRequest(f"file {path} is larger than {max_bytes} bytes", path=path)
         return data
 
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None) -> None:
+    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
+                         user: Identity | None = None) -> None:
+        _only_root(user)
         host = self._host(record, path)
         if host.is_dir():
-            raise InvalidRequest(f"path is a directory: {path}", path=path)
+            raise file_error(errno.EISDIR, path, "write")
         host.parent.mkdir(parents=True, exist_ok=True)
         host.write_bytes(data)
         host.chmod(0o644 if mode is None else mode)
 
-    async def list_files(self, record: SandboxRecord, path: str) -> list[FileEntry]:
+    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
+        _only_root(user)
         host = self._host(record, path)
         if not host.is_dir():
-            raise NotFound(f"no such directory in sandbox {record.id}: {path}", path=path)
+            raise file_error(errno.ENOTDIR if host.exists() else errno.ENOENT, path, "list")
         entries = []
         for entry in sorted(os.scandir(host), key=lambda e: e.name):
             st = entry.stat(follow_symlinks=False)
@@ -160,12 +179,70 @@ class FakeBackend(Backend):
             ))
         return entries
 
+    # -- the surface: files through SandboxFS on the root directory, host processes, host loopback ports -------
+
+    def _view(self, record: SandboxRecord, path: str, user: Identity | None) -> tuple[SandboxFS, str]:
+        _only_root(user)
+        return SandboxFS(str(self._root(record)), os.getuid(), os.getgid()), path
+
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        return await self.files.stat(record, path, user)
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        return await self.files.mkdir(record, path, parents, mode, user)
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        await self.files.remove(record, path, recursive, user)
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        return await self.files.rename(record, source, destination, overwrite, user)
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chmod(record, path, mode, user)
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        _only_root(owner)
+        return await self.files.chown(record, path, owner, user)
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        return await self.files.watch(record, path, recursive, user)
+
+    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
+                            user: Identity | None = None) -> ProcessIO:
+        _only_root(user)
+        cwd = self._host(record, spec.cwd or workdir_of(record))
+        env = {"PATH": DEFAULT_PATH, "HOME": str(self._root(record)), **record.spec.env, **spec.env}
+        process = FakeProcess(spec, str(cwd), env, sink)
+        self._groups.setdefault(record.id, set()).add(process.pid)
+        return process
+
+    async def open_port(self, record: SandboxRecord, port: int) -> PortStream:
+        self._root(record)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+        except BaseException:
+            sock.close()
+            raise
+        return SocketStream(sock)
+
     # -- exec ----------------------------------------------------------------------------------------
 
-    async def exec_stream(self, record: SandboxRecord, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
+                          ) -> AsyncIterator[ExecEvent]:
+        _only_root(user)
         cwd = self._host(record, request.cwd or workdir_of(record))
         cwd.mkdir(parents=True, exist_ok=True)
         env = {"PATH": DEFAULT_PATH, **record.spec.env, **(request.env or {})}
+        check_exec_size(request.argv(), env)
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -258,6 +335,12 @@ class FakeImages:
 
     def list(self) -> list[ImageInfo]:
         return [self.get(n) for n in self.names]
+
+
+def _only_root(user: Identity | None) -> None:
+    """The fake runs everything as the test's own user: it can stand for root, not for anyone else."""
+    if user is not None and not user.is_root:
+        raise NotSupported(f"the fake backend runs everything as one host user; it cannot act as uid {user.uid}")
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -34,9 +34,11 @@ def call_identity(op: str, args: dict[str, Any]) -> tuple[str, str]:
 
 
 def exec_args(request: ExecRequest) -> dict[str, Any]:
-    """The arguments of an exec as they enter its identity (every field of the request; ``pristine`` only
-    when set, so the calls of logs written before it existed keep their identity)."""
+    """The arguments of an exec as they enter its identity (every field of the request; ``pristine`` and
+    ``user`` only when set, so the calls of logs written before they existed keep their identity)."""
     args = request.model_dump(mode="python")
     if not args["pristine"]:
         del args["pristine"]
+    if args["user"] is None:
+        del args["user"]
     return args

@@ -28,17 +28,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from dsec.errors import DSecError, InvalidRequest, ReplayDivergence, SandboxError, error_from_payload
 from dsec.models import ExecResult, FileEntry, LoggedCall, TrajectoryStatus
+from dsec.models_surface import FileStat, ProcessInfo, ShellInfo, ShellResult
 from dsec.trajectory.store import Binding, Entry, TrajectoryStore
 
 __all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajectories", "decode_response"]
 
 DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
-STATE_CHANGING = frozenset({"exec", "write", "snapshot", "mouse", "keyboard", "reveal"})
+STATE_CHANGING = frozenset({
+    "exec", "write", "snapshot", "mouse", "keyboard", "reveal", "mkdir", "remove", "rename", "chmod", "chown",
+    "process", "process.stdin", "process.close_stdin", "process.signal", "process.resize", "shell", "shell.run",
+    "shell.close",
+})
 """Operations whose log entry must be durable before they run (their response is logged in the next batch)."""
-NOT_RERUN = frozenset({"exec", "mouse", "keyboard"})
+NOT_RERUN = frozenset({"exec", "mouse", "keyboard", "process", "process.stdin", "process.signal", "shell.run"})
 """Operations that are never run twice: one interrupted by a daemon's death answers with "outcome unknown"
 (a command may have half-run; input events may have reached the guest)."""
 ORPHAN_AFTER = 60.0
@@ -136,7 +143,17 @@ def decode_response(op: str, response: str) -> Any:
         return base64.urlsafe_b64decode(data)
     if op == "list":
         return [FileEntry.model_validate(item) for item in data]
+    model = _MODELS.get(op)
+    if model is not None and isinstance(data, dict):
+        return model.model_validate(data)
     return data
+
+
+_MODELS: dict[str, type[BaseModel]] = {
+    "stat": FileStat, "mkdir": FileStat, "rename": FileStat, "chmod": FileStat, "chown": FileStat,
+    "process": ProcessInfo, "process.wait": ProcessInfo, "shell": ShellInfo, "shell.run": ShellResult,
+}
+"""The response model of each logged surface call (its JSON is what the log keeps)."""
 
 
 class Trajectories:
@@ -372,6 +389,15 @@ class Trajectories:
             text = json.dumps([e.model_dump(mode="json") for e in response])
             if len(text) > cap:
                 return None, True, len(text)
+            return text, False, len(text)
+        if isinstance(response, ShellResult):
+            original = len(response.stdout) + len(response.stderr)
+            cut = len(response.stdout) > cap or len(response.stderr) > cap
+            kept = response.model_copy(update={"stdout": response.stdout[:cap], "stderr": response.stderr[:cap],
+                                               "truncated": response.truncated or cut})
+            return kept.model_dump_json(), cut, original
+        if isinstance(response, BaseModel):
+            text = response.model_dump_json()
             return text, False, len(text)
         return json.dumps(response), False, 0
 

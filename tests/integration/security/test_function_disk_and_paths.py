@@ -20,7 +20,7 @@ from container_support import INODE_BOMB, images_dir
 from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidRequest
+from dsec.errors import DSecError, InvalidRequest, PermissionDenied
 from dsec.models import SandboxRecord
 from dsec.testing import sandbox
 from function_support import fn_leftovers, function_backend_fixtures, py, run
@@ -119,7 +119,7 @@ async def test_hidden_then_revealed_tests_in_the_workspace(backend: FunctionBack
         assert out["etc_write"] in (errno.EROFS, errno.EACCES), out
         # the files API serves hidden paths of the image read-only, and never writes into the shared image
         assert [e.name for e in await backend.list_files(sb, "/usr/share/doc")]
-        with pytest.raises(InvalidRequest, match="read-only"):
+        with pytest.raises(PermissionDenied, match="read-only"):
             await backend.write_file(sb, "/usr/share/doc/planted", b"x", None)
 
         await backend.reveal(sb)
@@ -129,7 +129,7 @@ async def test_hidden_then_revealed_tests_in_the_workspace(backend: FunctionBack
             assert out[name] == errno.EROFS, (name, out)
         assert out["rename_dir"] == errno.EBUSY and out["rename_into"] in (errno.EXDEV, errno.EBUSY), out
         assert out["docs"] > 0, out
-        with pytest.raises(InvalidRequest, match="is read-only: a protected or revealed path"):
+        with pytest.raises(PermissionDenied, match="is read-only: a protected or revealed path"):
             await backend.write_file(sb, "/workspace/tests/test_secret.py", b"tampered", None)
         assert await backend.read_file(sb, "/workspace/tests/test_secret.py", 1 << 20) == secret
         # pristine: every call already runs on the untouched read-only image (the workspace as it is)
