@@ -139,8 +139,10 @@ async def check_exec(api: NodeAPI, image: str) -> None:
         assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n"), result
         fed = await _run(api, sb.id, ["sh", "-c", "cat; printf %s \"$X\""], stdin=b"in\xff", env={"X": "y"})
         assert fed.exit_code == 0 and fed.stdout == b"in\xffy", fed
-        with _raises(InvalidRequest, "absolute"):  # not checked here (model_construct): the target refuses it
-            await api.exec(sb.id, ExecRequest.model_construct(command="true", cwd="relative"))
+        # A relative cwd resolves against the sandbox's working directory.
+        await _run(api, sb.id, "mkdir -p rel-cwd")
+        here = await _run(api, sb.id, "pwd", cwd="rel-cwd")
+        assert here.exit_code == 0 and here.stdout.strip().endswith(b"/rel-cwd"), here
 
 
 async def check_exec_stream(api: NodeAPI, image: str) -> None:
@@ -168,8 +170,10 @@ async def check_files(api: NodeAPI, image: str) -> None:
         assert await api.read_file(sb.id, "/workspace/c/big") == big
         with _raises(NotFound):
             await api.read_file(sb.id, "/workspace/c/missing")
+        await api.write_file(sb.id, "relative", b"rel")  # relative paths resolve against the working directory
+        assert await api.read_file(sb.id, "relative") == b"rel"
         with _raises(InvalidRequest):
-            await api.read_file(sb.id, "workspace/relative")
+            await api.read_file(sb.id, "")
 
 
 async def check_pause_and_resume(api: NodeAPI, image: str) -> None:
