@@ -315,7 +315,7 @@ async def test_node_killed_then_gateway_restarted(cluster: LocalCluster) -> None
             # Made so here (the row deleted while the gateway is dead): the restarted gateway rebuilds it
             # from the node's own record, job and room included.
             with psycopg.connect(cluster.dsn) as conn:
-                assert conn.execute("DELETE FROM dsec_cluster_sandboxes WHERE id = %s",
+                assert conn.execute("DELETE FROM dsec_cluster_rows WHERE id = %s",
                                     (survivors[1].id,)).rowcount == 1
             # The data plane does not need the gateway.
             assert (await survivors[0].exec("echo still")).stdout == b"still\n"
@@ -323,7 +323,7 @@ async def test_node_killed_then_gateway_restarted(cluster: LocalCluster) -> None
             after = sorted((s.id, s._info.state) for s in await dsec.AsyncSandbox.list(client=c))
             assert after == before
             with psycopg.connect(cluster.dsn) as conn:
-                job = conn.execute("SELECT job FROM dsec_cluster_sandboxes WHERE id = %s", (survivors[1].id,))
+                job = conn.execute("SELECT job FROM dsec_cluster_rows WHERE id = %s", (survivors[1].id,))
                 assert job.fetchone() == ("alpha",)
             assert (await survivors[1].info()).state == "running"
             assert (await doomed[0].info()).state == "lost"
