@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from dsec.accounts import ROOT, Identity, resolve_identity
+from dsec.errors import InvalidRequest, UserNotFound
 from dsec.images.layers import open_in_root
 
 __all__ = ["image_file", "resolve_user"]
@@ -33,7 +34,12 @@ def image_file(root: Path, rel: str) -> str:
 
 
 def resolve_user(root: Path, user: str | None) -> Identity:
-    """The identity ``user`` names in the image whose root directory is ``root`` (root when None)."""
+    """The identity ``user`` names in the image whose root directory is ``root`` (root when None). A name the
+    image lacks is the create's bad input (:class:`~dsec.errors.InvalidRequest` naming the image's files)."""
     if not user:
         return ROOT
-    return resolve_identity(image_file(root, "etc/passwd"), image_file(root, "etc/group"), user)
+    try:
+        return resolve_identity(image_file(root, "etc/passwd"), image_file(root, "etc/group"), user)
+    except UserNotFound as e:
+        raise InvalidRequest(f"user {user!r} is not in the image's /etc/passwd or /etc/group ({e}): "
+                             "set SandboxSpec.user or the image's USER to one it has", user=user) from e

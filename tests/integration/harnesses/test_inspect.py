@@ -22,10 +22,10 @@ from dsec.integrations.inspect import DSecSandboxConfig, DSecSandboxEnvironment,
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-# Checks that need DSec's per-call users, permission checks as that user, and the 2 MiB argv limit (issue 33).
+# Checks that need per-call users and permission checks as that user in the SDK (issue 33).
 # strict: once that surface lands they pass, and the XPASS fails until this set is emptied.
 NEEDS_SANDBOX_SURFACE = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",
-                         "test_write_binary_file_without_permissions", "test_exec_as_user", "test_exec_large_command"}
+                         "test_write_binary_file_without_permissions", "test_exec_as_user"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def daemon_url() -> Iterator[str]:
 @pytest.fixture(params=["container"])
 async def sandbox_env(request: pytest.FixtureRequest, daemon_url: str) -> AsyncIterator[DSecSandboxEnvironment]:
     if request.node.originalname in NEEDS_SANDBOX_SURFACE:
-        request.applymarker(pytest.mark.xfail(reason="needs per-call users and 2 MiB args (issue 33)", strict=True))
+        request.applymarker(pytest.mark.xfail(reason="needs per-call users in the SDK (issue 33)", strict=True))
     config = DSecSandboxConfig(backend=request.param, url=daemon_url,
                                services={"default": DSecService(image="debian-python")})
     envs = await DSecSandboxEnvironment.sample_init("self-check", config, {})
