@@ -343,6 +343,8 @@ class FileEvent(Model):
     is_dir: bool = False
     dropped: int = 0
     """Events lost just before this one (the watch's buffer overflowed, or the kernel's queue did)."""
+    number: int = 0
+    """Its number in the watch (read on from ``number + 1``)."""
 
 
 class ExposeRequest(Model):

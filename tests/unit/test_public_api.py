@@ -17,6 +17,11 @@ EXPECTED = {
     "Forbidden", "RateLimited",
     "AuditEntry", "LifecycleEvent", "NodeOverview",
     "BuildFailed", "ImageInfo",
+    # the sandbox surface: process handles, shell sessions, file operations and their errors, ports
+    "AsyncFiles", "AsyncProcess", "AsyncProcesses", "AsyncShell", "Files", "Process", "Processes", "Shell",
+    "FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellInfo", "ShellResult",
+    "SandboxFileError", "FileNotFound", "IsADirectory", "NotADirectory", "FileExists", "DirectoryNotEmpty",
+    "PermissionDenied", "UserNotFound", "ProcessNotFound",
 }
 
 
@@ -41,6 +46,6 @@ def test_nothing_private_leaks() -> None:
 def test_errors_share_one_root_and_version_is_a_string() -> None:
     objects = [getattr(dsec, n) for n in dsec.__all__]
     errors = [o for o in objects if isinstance(o, type) and issubclass(o, Exception)]
-    assert len(errors) == 24
+    assert len(errors) == 33
     assert all(issubclass(e, dsec.DSecError) for e in errors)
     assert isinstance(dsec.__version__, str) and dsec.__version__.count(".") == 2

@@ -15,11 +15,11 @@ import builtins
 import contextlib
 import logging
 import os
+import socket
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import pydantic
 
@@ -29,6 +29,7 @@ from dsec.errors import (
     ConnectionFailed,
     DSecError,
     InvalidRequest,
+    NotFound,
     NotSupported,
     ReplayDivergence,
     SandboxNotFound,
@@ -40,7 +41,6 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     ExecResult,
-    FileEntry,
     ForkRequest,
     ImageInfo,
     KeyboardRequest,
@@ -53,10 +53,13 @@ from dsec.models import (
     TimeoutRequest,
     TrajectoryForkRequest,
 )
+from dsec.models_surface import ExposeRequest, PortInfo, ShellInfo
 from dsec.trajectory.digest import exec_args
 
 from .calls import client_python, decode_reply, encode_call
 from .client import Client, default_client
+from .files import AsyncFiles
+from .processes import AsyncProcess, AsyncProcesses, AsyncShell, process_request, shell_request
 from .replay import Cursor
 
 log = logging.getLogger(__name__)
@@ -80,14 +83,14 @@ def _invalid(exc: pydantic.ValidationError, what: str) -> InvalidRequest:
 
 def _exec_request(
     command: str | Sequence[str], timeout: float | None, cwd: str | None, env: Mapping[str, str] | None,
-    stdin: str | bytes | None, max_output: int, pristine: bool = False,
+    stdin: str | bytes | None, max_output: int, pristine: bool = False, user: str | None = None,
 ) -> ExecRequest:
     try:
         return ExecRequest(
             command=command if isinstance(command, str) else builtins.list(command),
             timeout=timeout, cwd=cwd, env=dict(env) if env is not None else None,
             stdin=stdin.encode() if isinstance(stdin, str) else stdin, max_output=max_output,
-            pristine=pristine,
+            pristine=pristine, user=user,
         )
     except pydantic.ValidationError as exc:
         raise _invalid(exc, "exec request") from None
@@ -98,78 +101,6 @@ def _spec(**fields: Any) -> SandboxSpec:
         return SandboxSpec(**fields)
     except pydantic.ValidationError as exc:
         raise _invalid(exc, "sandbox spec") from None
-
-
-class AsyncFiles:
-    """Files of one sandbox: raw bytes in and out, paths resolved inside the sandbox by the daemon."""
-
-    def __init__(self, sandbox: AsyncSandbox) -> None:
-        self._sandbox = sandbox
-
-    async def write(self, path: str, data: bytes | str, mode: int | None = None) -> None:
-        """Create or replace ``path`` (parents created); ``str`` data is written as UTF-8."""
-        body = data.encode() if isinstance(data, str) else bytes(data)
-        sb = self._sandbox
-        await sb._logged_call("write", {"path": path, "mode": mode, "data": body},
-                              lambda seq: sb._api.write_file(sb.id, path, body, mode, seq))
-
-    async def read(self, path: str) -> bytes:
-        """The whole content of the regular file ``path``."""
-        sb = self._sandbox
-        return bytes(await sb._logged_call("read", {"path": path}, lambda seq: sb._api.read_file(sb.id, path, seq)))
-
-    async def list(self, path: str | None = None) -> builtins.list[FileEntry]:
-        """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
-        sb = self._sandbox
-        where = path if path is not None else sb._info.spec.workdir
-        if where is None:
-            raise InvalidRequest("files.list() needs a path: this sandbox has no working directory")
-        return builtins.list(await sb._logged_call("list", {"path": where},
-                                                   lambda seq: sb._api.list_files(sb.id, where, seq)))
-
-    async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
-        """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
-        source = Path(local)
-        if source.is_dir():
-            for root, _dirs, names in os.walk(source):
-                for name in sorted(names):
-                    item = Path(root) / name
-                    rel = item.relative_to(source).as_posix()
-                    await self._upload_file(item, f"{remote.rstrip('/')}/{rel}")
-        elif source.is_file():
-            await self._upload_file(source, remote)
-        else:
-            raise InvalidRequest(f"nothing to upload at {str(source)!r} (not a file or directory)")
-
-    async def _upload_file(self, local: Path, remote: str) -> None:
-        data, mode = await asyncio.to_thread(lambda: (local.read_bytes(), local.stat().st_mode & 0o7777))
-        await self.write(remote, data, mode=mode)
-
-    async def download(self, remote: str, local: str | os.PathLike[str]) -> None:
-        """Copy a sandbox file, or a directory tree, to ``local`` (parents created)."""
-        target = Path(local)
-        entries = await self._entries_if_dir(remote)
-        if entries is None:
-            data = await self.read(remote)
-            await asyncio.to_thread(_write_local, target, data)
-            return
-        await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
-        for entry in entries:
-            if entry.type in ("file", "dir"):
-                await self.download(entry.path, target / entry.name)
-
-    async def _entries_if_dir(self, remote: str) -> builtins.list[FileEntry] | None:
-        # Ask the parent what ``remote`` is: error codes for "is a directory" differ between backends.
-        parent, _, name = remote.rstrip("/").rpartition("/")
-        if not name:
-            return await self.list("/")
-        kinds = {entry.name: entry.type for entry in await self.list(parent or "/")}
-        return await self.list(remote) if kinds.get(name) == "dir" else None
-
-
-def _write_local(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(data)
 
 
 class AsyncSandbox:
@@ -185,6 +116,8 @@ class AsyncSandbox:
         self._api = _data_plane(info, client)
         self.files = AsyncFiles(self)
         """The sandbox's files."""
+        self.processes = AsyncProcesses(self)
+        """The processes the node keeps for this sandbox (``exec(..., background=True)``, ``pty()``)."""
         # Set by create(trajectory=...): this handle numbers its calls and fast-forwards through the log.
         self._cursor: Cursor | None = None
         self._on_divergence = "raise"
@@ -287,6 +220,7 @@ class AsyncSandbox:
         protected: Sequence[str] = (),
         hidden: Sequence[str] = (),
         landlock: bool = True,
+        user: str | None = None,
     ) -> AsyncSandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -305,7 +239,7 @@ class AsyncSandbox:
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
             lease=lease, rerun_missing=rerun_missing, protected=list(protected), hidden=list(hidden),
-            landlock=landlock,
+            landlock=landlock, user=user,
         )
         client = client or default_client()
         sandbox = cls(await client.api.create(spec), client)
@@ -388,13 +322,14 @@ class AsyncSandbox:
         protected: Sequence[str] = (),
         hidden: Sequence[str] = (),
         landlock: bool = True,
+        user: str | None = None,
     ) -> builtins.list[AsyncSandbox]:
         """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
         spec = _spec(
             image=image, backend=backend, cpu=cpu, memory=memory, disk=disk, timeout=timeout,
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
-            protected=list(protected), hidden=list(hidden), landlock=landlock,
+            protected=list(protected), hidden=list(hidden), landlock=landlock, user=user,
         )
         try:
             batch = BatchCreateRequest(count=n, spec=spec)
@@ -595,6 +530,20 @@ class AsyncSandbox:
 
     # ----- commands --------------------------------------------------------------------------------
 
+    @overload
+    async def exec(
+        self, command: str | Sequence[str], timeout: float | None = 60, cwd: str | None = None,
+        env: Mapping[str, str] | None = None, stdin: str | bytes | None = None, max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False, user: str | None = None, background: Literal[False] = False,
+    ) -> ExecResult: ...
+
+    @overload
+    async def exec(
+        self, command: str | Sequence[str], timeout: float | None = 60, cwd: str | None = None,
+        env: Mapping[str, str] | None = None, stdin: str | bytes | None = None, max_output: int = _DEFAULT_MAX_OUTPUT,
+        pristine: bool = False, user: str | None = None, *, background: Literal[True],
+    ) -> AsyncProcess: ...
+
     async def exec(
         self,
         command: str | Sequence[str],
@@ -604,12 +553,21 @@ class AsyncSandbox:
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
         pristine: bool = False,
-    ) -> ExecResult:
-        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list.
+        user: str | None = None,
+        background: bool = False,
+    ) -> ExecResult | AsyncProcess:
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list, as ``user`` (``name``,
+        ``uid``, ``name:group``, ``uid:gid`` of the sandbox; default: the sandbox's user); ``cwd`` absolute or
+        relative to the sandbox's working directory.
 
         ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
-        (for graders: the agent cannot have replaced the binaries it uses)."""
-        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
+        (for graders: the agent cannot have replaced the binaries it uses). ``background=True`` does not wait:
+        it returns an :class:`AsyncProcess` (its stdin stays open, ``timeout`` is None unless given) that
+        outlives this call and this client."""
+        if background:
+            return await self.processes.start(command, cwd=cwd, env=env, user=user, stdin=stdin,
+                                              timeout=None if timeout == 60 else timeout)
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine, user)
         seq, hit, cached = await self._logged("exec", lambda: exec_args(request))
         if hit:
             result: ExecResult = cached
@@ -624,7 +582,7 @@ class AsyncSandbox:
             if not moved:
                 raise
             return await self.exec(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
-                                   pristine=pristine)
+                                   pristine=pristine, user=user)
 
     async def exec_stream(
         self,
@@ -635,12 +593,14 @@ class AsyncSandbox:
         stdin: str | bytes | None = None,
         max_output: int = _DEFAULT_MAX_OUTPUT,
         pristine: bool = False,
+        user: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """Run a command and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit`` event.
+        """Run a command (as ``user``) and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit``
+        event.
 
         Leaving the loop early closes the stream, and the daemon kills the command.
         """
-        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine)
+        request = _exec_request(command, timeout, cwd, env, stdin, max_output, pristine, user)
         seq, hit, cached = await self._logged("exec", lambda: exec_args(request))
         if hit:
             for kind, data in (("stdout", cached.stdout), ("stderr", cached.stderr)):
@@ -663,7 +623,7 @@ class AsyncSandbox:
             if not moved:
                 raise
             retry = self.exec_stream(command, timeout=timeout, cwd=cwd, env=env, stdin=stdin, max_output=max_output,
-                                     pristine=pristine)
+                                     pristine=pristine, user=user)
             try:
                 async for event in retry:
                     yield event
@@ -671,6 +631,71 @@ class AsyncSandbox:
                 await retry.aclose()
         finally:
             await events.aclose()  # leaving early closes the HTTP stream now, and the daemon kills the command
+
+    # ----- terminals, shell sessions, ports ----------------------------------------------------------
+
+    async def pty(self, cols: int = 80, rows: int = 24, user: str | None = None, cwd: str | None = None,
+                  env: Mapping[str, str] | None = None, command: str | Sequence[str] | None = None) -> AsyncProcess:
+        """A terminal of ``cols`` x ``rows`` running ``command`` (default: the user's login shell) as ``user``:
+        ``send_stdin`` is what is typed, ``stdout()`` what the terminal shows, ``resize`` changes its size.
+        ``tmux`` and other full-screen programs run there."""
+        request = process_request(command=command if command is None or isinstance(command, str)
+                                  else builtins.list(command), cwd=cwd, env=dict(env) if env is not None else None,
+                                  user=user, pty={"cols": cols, "rows": rows})
+        return await self.processes._start(request)
+
+    async def shell(self, user: str | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None
+                    ) -> AsyncShell:
+        """A new persistent ``bash`` session (several per sandbox): ``run(command)`` one command at a time;
+        ``cd``, exported variables and functions persist. Close it when done (``async with`` does)."""
+        request = shell_request(user, cwd, env)
+        info: ShellInfo = await self._logged_call("shell", request.model_dump(exclude_none=True),
+                                                  lambda seq: self._api.start_shell(self.id, request, seq))
+        return AsyncShell(self, info)
+
+    async def expose(self, port: int, protocol: str = "http") -> PortInfo:
+        """Make ``port`` inside the sandbox reachable from here: the node listens and forwards. ``http``: a
+        ``url`` (plain HTTP and WebSocket; send ``headers``, or open ``authenticated_url`` once in a browser);
+        ``tcp``: ``host:host_port`` for any TCP stream whose first line is ``DSEC <token>`` (:meth:`connect_port`
+        sends it). Works with ``network="none"``; ends with :meth:`unexpose` or the sandbox. Never logged."""
+        try:
+            request = ExposeRequest(port=port, protocol=protocol)
+        except pydantic.ValidationError as exc:
+            raise _invalid(exc, "port") from None
+        return await self._api.expose_port(self.id, request)
+
+    async def get_url(self, port: int) -> str:
+        """The URL of an exposed ``http`` port (exposing it first if it is not); send :attr:`PortInfo.headers`
+        with each request, or the token as ``?dsec_token=`` once."""
+        try:
+            info = await self._api.get_port(self.id, port)
+        except NotFound:
+            info = await self.expose(port)
+        if info.url is None:
+            raise InvalidRequest(f"port {port} is exposed as raw tcp ({info.address}), not http: it has no URL")
+        return info.url
+
+    async def ports(self) -> builtins.list[PortInfo]:
+        """The sandbox's exposed ports."""
+        return await self._api.list_ports(self.id)
+
+    async def unexpose(self, port: int) -> None:
+        """Stop forwarding ``port`` (its open connections end)."""
+        await self._api.unexpose_port(self.id, port)
+
+    async def connect_port(self, port: int) -> socket.socket:
+        """A connected (blocking) socket to ``port`` inside the sandbox, through its exposure (made ``tcp`` if it
+        is not), its ``DSEC <token>`` line already sent: read and write the server's bytes."""
+        current = {p.port: p for p in await self.ports()}.get(port)
+        info = current if current is not None and current.protocol == "tcp" else await self.expose(port, "tcp")
+
+        def connect() -> socket.socket:
+            sock = socket.create_connection((info.host, info.host_port), timeout=30)
+            sock.sendall(f"DSEC {info.token}\n".encode())
+            sock.settimeout(None)
+            return sock
+
+        return await asyncio.to_thread(connect)
 
     async def _exec_events(self, request: ExecRequest, seq: int | None) -> AsyncGenerator[ExecEvent, None]:
         exited = False

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 from . import sync
-from .sandbox import AsyncFiles, AsyncSandbox
+from .files import AsyncFiles
+from .processes import AsyncProcess, AsyncProcesses, AsyncShell
+from .sandbox import AsyncSandbox
 
 __all__ = ["STUB_PATH", "render"]
 
@@ -30,12 +33,18 @@ _IMPORTS = {
     "Sequence": "from collections.abc import Sequence",
     "TracebackType": "from types import TracebackType",
     "Any": "from typing import Any",
+    "Literal": "from typing import Literal",
     "TypeVar": "from typing import TypeVar",
+    "overload": "from typing import overload",
     "Client": "from dsec._sdk.client import Client",
-    "AsyncFiles": "from dsec._sdk.sandbox import AsyncFiles",
+    "AsyncFiles": "from dsec._sdk.files import AsyncFiles",
     "AsyncSandbox": "from dsec._sdk.sandbox import AsyncSandbox",
+    **{n: f"from dsec._sdk.processes import {n}" for n in ("AsyncProcess", "AsyncProcesses", "AsyncShell")},
     **{n: f"from dsec.models import {n}" for n in
        ("ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "SandboxInfo", "SandboxSpec", "SandboxStats")},
+    **{n: f"from dsec.models_surface import {n}" for n in
+       ("FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellResult")},
+    "socket": "import socket",
 }
 
 _HEADER = '''\
@@ -49,6 +58,7 @@ C = TypeVar("C", bound=type)
 
 def derive(async_cls: type) -> Callable[[C], C]: ...
 def public_members(async_cls: type) -> dict[str, Any]: ...
+def rename_annotation(annotation: Any) -> Any: ...
 '''
 
 
@@ -96,8 +106,13 @@ def _class(name: str, sync_cls: type, async_cls: type, extra: list[str]) -> list
             sig = inspect.signature(twin.__func__)
             lines += ["    @classmethod", *_def(member, _params(sig), sig.return_annotation)]
             continue
-        sig = inspect.signature(twin)
-        lines += _def(member, _params(sig), sig.return_annotation)
+        variants = typing.get_overloads(getattr(async_cls, member))
+        for variant in variants:  # a stub has the overloads only, not the implementation's signature
+            sig = inspect.signature(variant)
+            lines += ["    @overload", *_def(member, _params(sig), sync.rename_annotation(sig.return_annotation))]
+        if not variants:
+            sig = inspect.signature(twin)
+            lines += _def(member, _params(sig), sig.return_annotation)
     return lines
 
 
@@ -106,8 +121,20 @@ def render() -> str:
     body: list[str] = []
     body += _class("Files", sync.Files, AsyncFiles, [])
     body.append("")
+    body += _class("Process", sync.Process, AsyncProcess, [])
+    body.append("")
+    body += _class("Processes", sync.Processes, AsyncProcesses, [])
+    body.append("")
+    body += _class("Shell", sync.Shell, AsyncShell, [
+        "def __enter__(self) -> Shell: ...",
+        "def __exit__(",
+        "    self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None",
+        ") -> None: ...",
+    ])
+    body.append("")
     body += _class("Sandbox", sync.Sandbox, AsyncSandbox, [
         "files: Files",
+        "processes: Processes",
         "def __enter__(self) -> Sandbox: ...",
         "def __exit__(",
         "    self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None",

@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .files import AsyncFiles
 from .portal import portal
-from .sandbox import AsyncFiles, AsyncSandbox
+from .processes import AsyncProcess, AsyncProcesses, AsyncShell
+from .sandbox import AsyncSandbox
 
-__all__ = ["Files", "Sandbox", "derive"]
+__all__ = ["Files", "Process", "Processes", "Sandbox", "Shell", "derive", "rename_annotation"]
 
 C = TypeVar("C", bound=type)
 
@@ -50,7 +52,8 @@ def _unwrap_arg(value: Any) -> Any:
     return inner if isinstance(value, _SyncBase) and inner is not None else value
 
 
-def _rename(annotation: Any) -> Any:
+def rename_annotation(annotation: Any) -> Any:
+    """An async annotation (text) as its blocking twin reads it (``AsyncSandbox`` -> ``Sandbox``...)."""
     if not isinstance(annotation, str):
         return annotation
     twins = {a.__name__: getattr(s, "__name__", "") for a, s in _TWINS.items()}
@@ -61,7 +64,7 @@ def _rename(annotation: Any) -> Any:
 
 def _signature(func: Callable[..., Any]) -> inspect.Signature:
     sig = inspect.signature(func)
-    return sig.replace(return_annotation=_rename(sig.return_annotation))
+    return sig.replace(return_annotation=rename_annotation(sig.return_annotation))
 
 
 def _unwrap_all(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -187,6 +190,29 @@ class Files(_SyncBase):
     """Files of one sandbox (blocking): raw bytes in and out, paths resolved inside the sandbox."""
 
 
+@derive(AsyncProcess)
+class Process(_SyncBase):
+    """A process the node keeps for a sandbox (blocking API of :class:`dsec.AsyncProcess`)."""
+
+
+@derive(AsyncProcesses)
+class Processes(_SyncBase):
+    """A sandbox's processes (blocking API of ``AsyncSandbox.processes``)."""
+
+
+@derive(AsyncShell)
+class Shell(_SyncBase):
+    """A persistent shell session (blocking API of :class:`dsec.AsyncShell`); ``with`` closes it."""
+
+    def __enter__(self) -> Shell:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
 @derive(AsyncSandbox)
 class Sandbox(_SyncBase):
     """One isolated sandbox on a DSec node (blocking API).
@@ -202,6 +228,8 @@ class Sandbox(_SyncBase):
         super().__init__(inner)
         self.files = Files(inner.files)
         """The sandbox's files."""
+        self.processes = Processes(inner.processes)
+        """The processes the node keeps for the sandbox."""
 
     def __enter__(self) -> Sandbox:
         return self

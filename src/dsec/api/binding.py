@@ -249,8 +249,8 @@ def _signature(op: Operation[Any, Any]) -> inspect.Signature:
     params = []
     kw = inspect.Parameter.KEYWORD_ONLY
     for slot in op.slots:
-        if slot.where == "path":
-            params.append(inspect.Parameter(slot.name, kw, annotation=str))
+        if slot.where == "path":  # a string, or a number (a pid, a port) that FastAPI checks as one
+            params.append(inspect.Parameter(slot.name, kw, annotation=int if slot.annotation is int else str))
         elif slot.where == "query":
             meta, codec = slot.param, slot.param.codec
             annotation = codec.wire if codec is not None else slot.annotation

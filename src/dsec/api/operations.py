@@ -411,6 +411,8 @@ _plain_segment = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9_.~-]*").fullmatch
 
 def _segment(name: str, value: Any) -> str:
     """One path segment, quoted; an argument that would route elsewhere on the server is refused."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:  # a pid, a port
+        return str(value)
     if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
         raise InvalidRequest(f"not a {name.replace('_', ' ')}: {value!r}")
     return quote(value, safe="")

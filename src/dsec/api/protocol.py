@@ -49,16 +49,40 @@ from dsec.models import (
     TimeoutRequest,
     TrajectoryForkRequest,
 )
+from dsec.models_surface import (
+    ExposeRequest,
+    FileEvent,
+    FileStat,
+    MkdirRequest,
+    PortInfo,
+    ProcessEvent,
+    ProcessInfo,
+    ProcessRequest,
+    PtySize,
+    RenameRequest,
+    ShellInfo,
+    ShellRequest,
+    ShellResult,
+    ShellRunRequest,
+    SignalRequest,
+    WatchInfo,
+    WatchRequest,
+)
 
 from .codecs import BUILD_REQUEST, OCTAL, pairs
 from .operations import NDJSON, OCTET, Declared, Param, operation
 
-__all__ = ["Labels", "Mode", "NodeAPI", "Seq"]
+__all__ = ["Labels", "Mode", "NodeAPI", "Seq", "User"]
 
 Seq = Annotated[int | None, Param(
     ge=0, description="Call number on a trajectory-bound sandbox (the SDK sends it; default: next)")]
 """A call's number on a trajectory-bound sandbox: the SDK numbers its calls so the daemon can match them to the log."""
 Mode = Annotated[int | None, Param(codec=OCTAL, description="octal permission bits, e.g. `644`")]
+User = Annotated[str | None, Param(description="act as this user of the sandbox (`name`, `uid`, `name:group`, "
+                                               "`uid:gid`; default: the sandbox's user)")]
+"""Who a call acts as: permissions are checked as that user, and what it creates is the user's."""
+Path = Annotated[str, Param(description="absolute, or relative to the sandbox's working directory")]
+Offset = Annotated[int, Param(ge=0, description="bytes of that stream already read")]
 Labels = Annotated[Mapping[str, str] | None, Param(
     alias="label", codec=pairs("label filter"), description="`key=value`; repeat to require several")]
 Limit = Annotated[int, Param(ge=1, le=10_000)]
@@ -154,18 +178,179 @@ class NodeAPI(Protocol):
 
     @operation("GET", "/v1/sandboxes/{sandbox_id}/files", tags=["files"], media_type=OCTET,
                description="The file's bytes")
-    async def read_file(self, sandbox_id: str, path: str, seq: Seq = None) -> bytes:
-        """Read a file."""
+    async def read_file(self, sandbox_id: str, path: Path, seq: Seq = None, *, user: User = None) -> bytes:
+        """Read a file (checked as ``user``, default the sandbox's)."""
         raise Declared
 
     @operation("PUT", "/v1/sandboxes/{sandbox_id}/files", tags=["files"])
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: Mode = None, seq: Seq = None) -> None:
-        """Create or replace a file (parents created)."""
+    async def write_file(self, sandbox_id: str, path: Path, data: bytes, mode: Mode = None, seq: Seq = None,
+                         user: User = None) -> None:
+        """Create or replace a file (parents created; as ``user``, default the sandbox's)."""
         raise Declared
 
     @operation("GET", "/v1/sandboxes/{sandbox_id}/files/list", tags=["files"])
-    async def list_files(self, sandbox_id: str, path: str, seq: Seq = None) -> builtins.list[FileEntry]:
+    async def list_files(self, sandbox_id: str, path: Path, seq: Seq = None, user: User = None
+                         ) -> builtins.list[FileEntry]:
         """List a directory."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/files/stat", tags=["files"])
+    async def stat_file(self, sandbox_id: str, path: Path, user: User = None, seq: Seq = None) -> FileStat:
+        """What ``lstat`` says of a path: kind, size, mode, owner (with names), mtime, a symlink's target."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/mkdir", tags=["files"], status=201)
+    async def make_dir(self, sandbox_id: str, request: MkdirRequest, user: User = None, seq: Seq = None
+                       ) -> FileStat:
+        """Create a directory (``parents``: its missing parents too, and an existing one is fine)."""
+        raise Declared
+
+    @operation("DELETE", "/v1/sandboxes/{sandbox_id}/files", tags=["files"])
+    async def remove_file(self, sandbox_id: str, path: Path, recursive: bool = False, user: User = None,
+                          seq: Seq = None) -> None:
+        """Remove a file, a symlink or an empty directory (``recursive``: a directory and all below it)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/rename", tags=["files"])
+    async def rename_file(self, sandbox_id: str, request: RenameRequest, user: User = None, seq: Seq = None
+                          ) -> FileStat:
+        """Move a file or directory within the sandbox's filesystem."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/chmod", tags=["files"])
+    async def chmod_file(self, sandbox_id: str, path: Path, mode: Annotated[int, Param(codec=OCTAL,
+                         description="octal permission bits, e.g. `755`")], user: User = None,
+                         seq: Seq = None) -> FileStat:
+        """Set a path's permission bits (a symlink's target's)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/chown", tags=["files"])
+    async def chown_file(self, sandbox_id: str, path: Path, owner: Annotated[str, Param(
+                         description="`user`, `uid`, `user:group` or `uid:gid` of the sandbox")],
+                         user: User = None, seq: Seq = None) -> FileStat:
+        """Give a path (a symlink's target) to another user of the sandbox (root may; others may not)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/watches", tags=["files"], status=201)
+    async def watch_files(self, sandbox_id: str, request: WatchRequest, user: User = None) -> WatchInfo:
+        """Start watching a directory; read its events with ``watch_events`` (any client, any number of times)."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/files/watches", tags=["files"])
+    async def list_watches(self, sandbox_id: str) -> builtins.list[WatchInfo]:
+        """The sandbox's file watches."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/files/watches/{watch_id}/events", tags=["files"],
+               media_type=NDJSON, description="One JSON `FileEvent` per line (create, modify, delete, move, chmod).")
+    def watch_events(self, sandbox_id: str, watch_id: str, since: Annotated[int, Param(
+                     ge=0, description="the first event's number (`FileEvent.number`)")] = 0,
+                     follow: bool = True) -> AsyncIterator[FileEvent]:
+        """A watch's events from a number on; ``follow``: then as they come, until the watch is stopped."""
+        raise Declared
+
+    @operation("DELETE", "/v1/sandboxes/{sandbox_id}/files/watches/{watch_id}", tags=["files"])
+    async def unwatch(self, sandbox_id: str, watch_id: str) -> None:
+        """Stop a file watch."""
+        raise Declared
+
+    # -- processes, terminals, shell sessions ----------------------------------------------------------------
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes", tags=["processes"], status=201)
+    async def start_process(self, sandbox_id: str, request: ProcessRequest, seq: Seq = None) -> ProcessInfo:
+        """Start a process the node keeps (a background command, or one on a terminal): it outlives the request
+        and the client, and dies with the sandbox."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/processes", tags=["processes"])
+    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
+        """The sandbox's processes started through DSec (running, and the most recently ended)."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/processes/{pid}", tags=["processes"])
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        """One process."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/processes/{pid}/output", tags=["processes"], media_type=NDJSON,
+               description="One JSON `ProcessEvent` per line: output (with its offset), `dropped`, then `exit`.")
+    def process_output(self, sandbox_id: str, pid: int, stdout: Offset = 0, stderr: Offset = 0, pty: Offset = 0,
+                       follow: bool = True) -> AsyncIterator[ProcessEvent]:
+        """A process's output from the given offsets (bytes since it started); ``follow``: then as it comes, and
+        its exit. A reader behind the kept buffer first gets a ``dropped`` event saying how much it missed."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin", tags=["processes"])
+    async def send_stdin(self, sandbox_id: str, pid: int, data: bytes, seq: Seq = None) -> None:
+        """Write to a process's standard input (its terminal's input when it has one)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin/close", tags=["processes"])
+    async def close_stdin(self, sandbox_id: str, pid: int, seq: Seq = None) -> None:
+        """End a process's standard input (EOF; Ctrl-D on a terminal)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", tags=["processes"], body=SignalRequest)
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int = 15, group: bool = True,
+                             seq: Seq = None) -> None:
+        """Send a signal to a process's group (or the process alone)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes/{pid}/resize", tags=["processes"])
+    async def resize_process(self, sandbox_id: str, pid: int, size: PtySize, seq: Seq = None) -> None:
+        """Set a process's terminal size."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/processes/{pid}/wait", tags=["processes"], no_read_timeout=True)
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: Annotated[float | None, Param(
+                           ge=0, description="seconds to wait at most (default: until it ends)")] = None,
+                           seq: Seq = None) -> ProcessInfo:
+        """A process's info once it ended, or when ``timeout`` passed (``running`` says which)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/shells", tags=["processes"], status=201)
+    async def start_shell(self, sandbox_id: str, request: ShellRequest, seq: Seq = None) -> ShellInfo:
+        """Start a persistent ``bash`` session: cwd, variables and functions persist from command to command."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/shells", tags=["processes"])
+    async def list_shells(self, sandbox_id: str) -> builtins.list[ShellInfo]:
+        """The sandbox's shell sessions."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/shells/{session_id}/run", tags=["processes"],
+               no_read_timeout=True)
+    async def run_shell(self, sandbox_id: str, session_id: str, request: ShellRunRequest, seq: Seq = None
+                        ) -> ShellResult:
+        """Run one command in a shell session; past its timeout it is interrupted and the session stays usable."""
+        raise Declared
+
+    @operation("DELETE", "/v1/sandboxes/{sandbox_id}/shells/{session_id}", tags=["processes"])
+    async def close_shell(self, sandbox_id: str, session_id: str, seq: Seq = None) -> None:
+        """End a shell session and its jobs."""
+        raise Declared
+
+    # -- ports ------------------------------------------------------------------------------------------------
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/ports", tags=["ports"], status=201)
+    async def expose_port(self, sandbox_id: str, request: ExposeRequest) -> PortInfo:
+        """Make a port inside the sandbox reachable from the client's side: the node listens and forwards each
+        connection carrying the sandbox's port token (works with ``network="none"``: inbound only)."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/ports", tags=["ports"])
+    async def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
+        """The sandbox's exposed ports."""
+        raise Declared
+
+    @operation("GET", "/v1/sandboxes/{sandbox_id}/ports/{port}", tags=["ports"])
+    async def get_port(self, sandbox_id: str, port: int) -> PortInfo:
+        """How to reach one exposed port."""
+        raise Declared
+
+    @operation("DELETE", "/v1/sandboxes/{sandbox_id}/ports/{port}", tags=["ports"])
+    async def unexpose_port(self, sandbox_id: str, port: int) -> None:
+        """Stop forwarding a port (its open connections end)."""
         raise Declared
 
     # -- one sandbox ----------------------------------------------------------------------------------------

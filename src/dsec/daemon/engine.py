@@ -40,6 +40,7 @@ from dsec.daemon.ports import PortForwarder
 from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
 from dsec.daemon.surface import Surface
+from dsec.daemon.surface_ops import SurfaceOperations
 from dsec.daemon.watchdog import Watchdog
 from dsec.errors import (
     BackendUnavailable,
@@ -216,7 +217,7 @@ class _NoImages:
         raise ImageNotFound(f"image {name!r} not found: {self.reason}")
 
 
-class Engine:
+class Engine(SurfaceOperations):
     """All sandboxes of one node. Every public method is safe to call concurrently."""
 
     def __init__(

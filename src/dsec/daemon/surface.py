@@ -128,20 +128,6 @@ class Surface:
                                if row.count(":") >= 2 and row.split(":")[2] == str(ident)), None)
         return found.model_copy(update=names)
 
-    async def exists(self, sandbox_id: str, path: str, user: str | None = None, seq: int | None = None) -> bool:
-        record, backend = self._target(sandbox_id)
-        path = self.path(record, path)
-
-        async def run() -> bool:
-            try:
-                await backend.stat_file(record, path, await self.identity(record, backend, user))
-            except (FileNotFoundError, NotADirectoryError):
-                return False
-            return True
-
-        found: bool = await self.host.logged(record, seq, "exists", {"path": path, "user": user}, None, run)
-        return found
-
     async def mkdir(self, sandbox_id: str, path: str, parents: bool = False, mode: int = 0o755,
                     user: str | None = None, seq: int | None = None) -> FileStat:
         record, backend = self._target(sandbox_id)

@@ -109,9 +109,9 @@ class FakeProcess(ProcessIO):
         self._close_input()
 
     def _close_input(self) -> None:
-        if self._input >= 0 and self._input != self._master:
+        if self._input >= 0 and self._input != self._master and self._proc.stdin is not None:
             with contextlib.suppress(OSError):
-                os.close(self._input)
+                self._proc.stdin.close()  # (its file object owns the fd: closed once, here)
         self._input = -1
 
     def signal(self, signo: int, group: bool = True) -> None:
@@ -143,6 +143,6 @@ class FakeProcess(ProcessIO):
                 os.close(self._master)
             self._master = None
         for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
-            if stream is not None:
+            if stream is not None and not stream.closed:
                 with contextlib.suppress(OSError):
                     stream.close()
