@@ -28,6 +28,7 @@ from dsec._term import Column, console
 from dsec._term import table as fit_table
 from dsec.cli_ops import age as _age
 from dsec.cli_ops import register as _register_ops
+from dsec.cli_surface import register as _register_surface
 from dsec.errors import DSecError, InvalidRequest
 from dsec.models import parse_pairs
 
@@ -199,6 +200,7 @@ def doctor(as_json: bool) -> None:
 
 
 _register_ops(main)
+_register_surface(main)
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})
@@ -206,26 +208,35 @@ _register_ops(main)
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds before it is killed.")
 @click.option("--cwd", help="Working directory (default: the sandbox's workdir).")
 @click.option("-e", "--env", "env", multiple=True, metavar="K=V", help="Extra environment variable.")
+@click.option("-u", "--user", help="Run as this user: name, uid, name:group or uid:gid (default: the sandbox's).")
+@click.option("-t", "--tty", "tty_", is_flag=True,
+              help="On a terminal wired to this one (interactive: bash, vim, tmux); no time limit.")
 @click.option("-n", "--no-stdin", is_flag=True,
               help="Do not forward standard input (it is forwarded when it is a pipe or a file, not a terminal).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(
-    sandbox_id: str, timeout: float, cwd: str | None, env: tuple[str, ...], no_stdin: bool, command: tuple[str, ...]
+    sandbox_id: str, timeout: float, cwd: str | None, env: tuple[str, ...], user: str | None, tty_: bool,
+    no_stdin: bool, command: tuple[str, ...]
 ) -> None:
     """Run a command in a sandbox: dsec exec ID -- CMD [ARGS]...
 
     Output is streamed as it arrives; the exit code is the command's. Standard input, when it is a pipe or a
-    file (echo hello | dsec exec ID -- cat), is read to its end and given to the command.
+    file (echo hello | dsec exec ID -- cat), is read to its end and given to the command. With -t the command
+    gets a terminal instead: what is typed goes to it, and its window follows this one's size.
     """
     from dsec import Sandbox
+    from dsec.cli_surface import terminal_session
 
-    stdin = None if no_stdin or sys.stdin is None or sys.stdin.isatty() else _read_stdin()
-    sb = Sandbox.connect(sandbox_id)
     # One argument is a shell line (``dsec exec ID -- 'make && make test'``); several are an argv.
     argv: str | list[str] = command[0] if len(command) == 1 else list(command)
+    if tty_:
+        sys.exit(terminal_session(sandbox_id, argv, user, cwd, parse_pairs(env, "-e") or None))
+    stdin = None if no_stdin or sys.stdin is None or sys.stdin.isatty() else _read_stdin()
+    sb = Sandbox.connect(sandbox_id)
     out, err = sys.stdout.buffer, sys.stderr.buffer
     code = 1
-    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=parse_pairs(env, "-e") or None, stdin=stdin):
+    for event in sb.exec_stream(argv, timeout=timeout, cwd=cwd, env=parse_pairs(env, "-e") or None, stdin=stdin,
+                                user=user):
         if event.type in ("stdout", "stderr") and event.data:
             stream = out if event.type == "stdout" else err
             stream.write(event.data)

@@ -27,13 +27,12 @@ from inspect_ai.util import (
     SandboxEnvironment,
     SandboxEnvironmentConfigType,
     SandboxEnvironmentLimits,
-    SandboxUserUnsupportedError,
     sandboxenv,
 )
 from pydantic import BaseModel, Field
 
 import dsec
-from dsec.errors import DSecError, InvalidRequest, NotFound
+from dsec.errors import DSecError, InvalidRequest, NotFound, UserNotFound
 
 __all__ = ["DSecSandboxConfig", "DSecSandboxEnvironment", "DSecService"]
 
@@ -52,6 +51,9 @@ class DSecService(BaseModel, extra="forbid"):
     build_args: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
+    user: str | None = None
+    """The user commands and file calls run as when inspect names none (compose's ``user:``): ``name``, ``uid``,
+    ``name:group`` or ``uid:gid``; default: the image's user."""
 
 
 class DSecSandboxConfig(BaseModel, extra="forbid"):
@@ -106,7 +108,8 @@ def _from_compose(path: Path) -> DSecSandboxConfig:
             build=str((path.parent / build.get("context", ".")).resolve()) if build else None,
             dockerfile=build.get("dockerfile") if build else None,
             build_args={str(k): str(v) for k, v in (build.get("args") or {}).items()} if build else {},
-            env={str(k): str(v) for k, v in env.items()}, workdir=spec.get("working_dir"))
+            env={str(k): str(v) for k, v in env.items()}, workdir=spec.get("working_dir"),
+            user=str(spec["user"]) if spec.get("user") is not None else None)
     if not services:
         raise InvalidRequest(f"compose file {path} has no services")
     network = "none" if all(s.get("network_mode") == "none" for s in doc["services"].values()) else "internet"
@@ -171,10 +174,10 @@ class DSecSandboxEnvironment(SandboxEnvironment):
                 sb = await dsec.AsyncSandbox.create(
                     image=_image_name(service) if service.build else _store_name(service.image or "debian-python"),
                     backend=cfg.backend, cpu=cfg.cpu, memory=cfg.memory, disk=cfg.disk, timeout=cfg.timeout,
-                    network=cfg.network, env=service.env, workdir=service.workdir, client=client,
-                    labels={_LABEL: "inspect", "inspect.task": _label(task_name), "inspect.service": _label(name)})
+                    network=cfg.network, env=service.env, workdir=service.workdir, user=service.user,
+                    client=client, labels={_LABEL: "inspect", "inspect.task": _label(task_name), "inspect.service": _label(name)})
                 info = await sb.info()
-                made[name] = cls(sb, info.spec.workdir or "/workspace", None, client)
+                made[name] = cls(sb, info.spec.workdir or "/workspace", service.user, client)
         except BaseException:
             await cls.sample_cleanup(task_name, cfg, made, interrupted=True)
             await client.aclose()
@@ -218,22 +221,17 @@ class DSecSandboxEnvironment(SandboxEnvironment):
     def _path(self, file: str) -> str:
         return posixpath.normpath(posixpath.join(self.workdir, file))
 
-    def _check_user(self, user: str | None) -> None:
-        if user is not None and user != "root":
-            raise SandboxUserUnsupportedError(
-                f"the dsec sandbox runs commands as the image's user; running as {user!r} needs DSec's per-call "
-                "users (issue 33)")
-
     async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
-        self._check_user(user)
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         try:
             result = await self.sandbox.exec(
                 list(cmd), timeout=timeout if timeout is not None else 86400.0,
                 cwd=self._path(cwd) if cwd is not None else self.workdir, env=env or None,
-                stdin=input.encode() if isinstance(input, str) else input, max_output=limit + 1)
+                stdin=input.encode() if isinstance(input, str) else input, max_output=limit + 1, user=user)
+        except UserNotFound as exc:
+            return ExecResult(False, 126, "", exc.message)  # what `docker exec --user ghost` says, and fails
         except InvalidRequest as exc:
             if "not found" in exc.message or "No such file" in exc.message:
                 return ExecResult(False, 127, "", exc.message)
@@ -275,9 +273,9 @@ class DSecSandboxEnvironment(SandboxEnvironment):
         return data.decode("utf-8") if text else data
 
     async def connection(self, *, user: str | None = None) -> SandboxConnection:
-        """A shell in the sandbox for a human: ``dsec exec ID -- bash``."""
-        self._check_user(user)
-        return SandboxConnection(type="dsec", command=f"dsec exec {self.sandbox.id} -- bash -l",
+        """A shell in the sandbox for a human: ``dsec exec -t [--user USER] ID -- bash -l``."""
+        as_user = f"--user {shlex.quote(user)} " if user is not None else ""
+        return SandboxConnection(type="dsec", command=f"dsec exec -t {as_user}{self.sandbox.id} -- bash -l",
                                  container=self.sandbox.id)
 
 
