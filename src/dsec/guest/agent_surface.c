@@ -198,6 +198,8 @@ static void fs_write(uint32_t id, uint32_t mode, const char *path) {
     c->kind = T_WRITE;
     c->wpath = strdup(path);
     c->wfd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (c->wfd < 0 && errno == ENOENT && make_parents(path) == 0)  /* missing parents made, as the user */
+        c->wfd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     struct stat st;
     if (c->wfd < 0 && errno == EEXIST) {  /* written in place, as the user may: a read-only file stays refused */
         if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode)) { c->werr = EISDIR; return; }

@@ -125,6 +125,10 @@ async def check_files_as_user(backend: Backend, image: ImageRef) -> None:
         await backend.write_file(sb, f"{home}/mine", b"m", None, user)
         st = await backend.stat_file(sb, f"{home}/mine", ROOT)
         assert (st.uid, st.gid, st.mode) == (4242, 4242, 0o644), st
+        await backend.write_file(sb, f"{home}/made/by/user", b"u", None, user)  # missing parents made as the user
+        st = await backend.stat_file(sb, f"{home}/made", ROOT)
+        assert (st.type, st.uid) == ("dir", 4242), st
+        assert await backend.read_file(sb, f"{home}/made/by/user", MiB, user) == b"u"
         await backend.chmod_file(sb, f"{home}/mine", 0o444, user)
         with expect_error(PermissionDenied, "a user writing its own read-only file"):
             await backend.write_file(sb, f"{home}/mine", b"x", None, user)
