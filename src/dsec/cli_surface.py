@@ -168,9 +168,13 @@ def terminal_session(sandbox_id: str, command: str | list[str] | None, user: str
                 await proc.send_stdin(data)
             await proc.close_stdin()
 
+        resizes: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
+
         def resized() -> None:
             now = shutil.get_terminal_size()
-            loop.create_task(proc.resize(now.columns, now.lines))
+            task = loop.create_task(proc.resize(now.columns, now.lines))
+            resizes.add(task)
+            task.add_done_callback(resizes.discard)
 
         saved = termios.tcgetattr(fd) if fd is not None else None
         sender = loop.create_task(send())
@@ -184,7 +188,7 @@ def terminal_session(sandbox_id: str, command: str | list[str] | None, user: str
                 out.write(data)
                 out.flush()
         finally:
-            if fd is not None:
+            if fd is not None and saved is not None:
                 loop.remove_reader(fd)
                 loop.remove_signal_handler(signal.SIGWINCH)
                 termios.tcsetattr(fd, termios.TCSADRAIN, saved)

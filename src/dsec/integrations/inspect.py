@@ -175,7 +175,8 @@ class DSecSandboxEnvironment(SandboxEnvironment):
                     image=_image_name(service) if service.build else _store_name(service.image or "debian-python"),
                     backend=cfg.backend, cpu=cfg.cpu, memory=cfg.memory, disk=cfg.disk, timeout=cfg.timeout,
                     network=cfg.network, env=service.env, workdir=service.workdir, user=service.user,
-                    client=client, labels={_LABEL: "inspect", "inspect.task": _label(task_name), "inspect.service": _label(name)})
+                    client=client,
+                    labels={_LABEL: "inspect", "inspect.task": _label(task_name), "inspect.service": _label(name)})
                 info = await sb.info()
                 made[name] = cls(sb, info.spec.workdir or "/workspace", service.user, client)
         except BaseException:
