@@ -73,10 +73,14 @@ class SurfaceOperations:
         self.surface.host.live_record(sandbox_id, allow_paused=True)
         return self.surface.watches.list(sandbox_id)
 
-    async def watch_events(self, sandbox_id: str, watch_id: str, since: int = 0, follow: bool = True
-                           ) -> AsyncIterator[FileEvent]:
-        async for number, event in self.surface.watch_events(sandbox_id, watch_id, since, follow):
-            yield event.model_copy(update={"number": number})
+    def watch_events(self, sandbox_id: str, watch_id: str, since: int = 0, follow: bool = True
+                     ) -> AsyncIterator[FileEvent]:
+        events = self.surface.watch_events(sandbox_id, watch_id, since, follow)  # refuses an unknown watch now
+
+        async def numbered() -> AsyncIterator[FileEvent]:
+            async for number, event in events:
+                yield event.model_copy(update={"number": number})
+        return numbered()
 
     async def unwatch(self, sandbox_id: str, watch_id: str) -> None:
         self.surface.unwatch(sandbox_id, watch_id)

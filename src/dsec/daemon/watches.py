@@ -90,11 +90,14 @@ class WatchTable:
     def list(self, sandbox_id: str) -> list[WatchInfo]:
         return [w.info for w in self._sandboxes.get(sandbox_id, {}).values()]
 
-    async def events(self, sandbox_id: str, watch_id: str, since: int = 0, follow: bool = True
-                     ) -> AsyncIterator[tuple[int, FileEvent]]:
+    def events(self, sandbox_id: str, watch_id: str, since: int = 0, follow: bool = True
+               ) -> AsyncIterator[tuple[int, FileEvent]]:
         """``(number, event)`` from event number ``since`` on; with ``follow`` as they come, until the watch is
-        stopped. Events no longer kept are reported in the ``dropped`` of the first one given."""
-        watch = self._get(sandbox_id, watch_id)
+        stopped. Events no longer kept are reported in the ``dropped`` of the first one given. An unknown watch
+        is refused here, before a stream of its events begins."""
+        return self._events(self._get(sandbox_id, watch_id), since, follow)
+
+    async def _events(self, watch: _Watch, since: int, follow: bool) -> AsyncIterator[tuple[int, FileEvent]]:
         at = since
         while True:
             changed = watch.changed
