@@ -223,7 +223,7 @@ def test_images_rows_apply_the_issue_targets() -> None:
 
 def test_selection_and_skip() -> None:
     assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster", "e2b", "cluster-sim"]) == (
-        "startup", "container", "function", "pools", "trajectory")
+        "startup", "container", "function", "pools", "trajectory", "surface")
     assert bench._selected(["pools"], []) == ("pools",)
     with pytest.raises(BenchUnavailable, match="'nope'"):
         bench._selected(None, ["nope"])
@@ -572,3 +572,40 @@ def test_tiny_real_startup_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         assert 0 < lat[f"{host}: start → health"]["p50"] < lat[f"{host}: start → first container exec"]["p50"]
     # on the hanging host the verdict comes only when the probe gives up, long after the first exec
     assert got["latencies_s"]["KVM hangs: start → microvm and vm decided"]["min"] >= 6
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_tiny_real_surface_run(tmp_path: Path, debian_python_image: object) -> None:
+    """The surface suite tiny on a real daemon: shell vs exec, GET through an exposed port vs direct in the
+    sandbox's netns, file ops vs their commands; every figure there, nothing left behind."""
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        pytest.skip("needs root and runc")
+    from dsec.bench.surface import SurfaceBench
+
+    cfg = SurfaceBench(warmup=1, commands=3, gets=5, connections=3, files=3)
+    out = tmp_path / "s.json"
+    code = bench.main("surface", out, config=cfg, console=Console(width=200, file=io.StringIO()))
+    document = json.loads(out.read_text())
+    assert code == 0, document["failed"]
+    got = document["suites"]["surface"]
+    assert got["leaks"] == [] and not Path(got["home"]).exists()
+    lat = got["latencies_s"]
+    assert lat["shell_true"]["n"] == lat["exec_true"]["n"] == 3 and lat["get_proxied"]["n"] == 5
+    assert all(lat[f"file_{op}"]["n"] == 3 for op in ("stat", "mkdir", "remove"))
+    assert len(got["rows"]) == 7 and all(r["dsec"] and r["peer"] for r in got["rows"])
+
+
+def test_surface_rows_apply_the_targets() -> None:
+    from dsec.bench.surface import _rows as surface_rows
+
+    ms = 1e-3
+    suite = Suite(name="surface")
+    for key, value in (("exec_true", 2), ("shell_true", 1), ("shell_bin_true", 5), ("get_proxied", 1.5),
+                       ("get_direct", 0.2), ("connect_get_proxied", 3), ("connect_get_direct", 1),
+                       ("file_stat", 1), ("exec_stat", 3), ("file_mkdir", 1), ("exec_mkdir", 3),
+                       ("file_remove", 1), ("exec_remove", 3)):
+        suite.latencies[key] = summarize([value * ms])
+    rows = surface_rows(suite)
+    assert [r.passed for r in rows[:3]] == [True, False, False]  # 0.5x, 2.5x exec; +1.3 ms over direct
+    assert rows[3].passed is None and rows[4].peer_name == "exec of `stat`"

@@ -39,19 +39,20 @@ from dsec.bench.report import (
     to_json,
     write_json,
 )
+from dsec.bench.surface import SurfaceBench
 from dsec.bench.trajectory import TrajectoryBench
 from dsec.bench.trajectory import run as run_trajectory
 
 __all__ = ["QUICK_SCALE", "SUITES", "main"]
 
-SUITES = ("startup", "container", "function", "pools", "trajectory", "microvm", "vm", "images", "builds", "cluster",
-          "e2b", "cluster-sim")
+SUITES = ("startup", "container", "function", "pools", "trajectory", "surface", "microvm", "vm", "images", "builds",
+          "cluster", "e2b", "cluster-sim")
 """Every suite ``dsec bench`` knows, in the order a full run measures them."""
 
 QUICK_SCALE = 0.1
 """``--quick``: every sample count and duration times this (on top of ``DSEC_BENCH_SCALE``)."""
 
-Config = ContainerBench | FunctionBench | PoolBench | ClusterBench | ClusterSimBench
+Config = ContainerBench | FunctionBench | PoolBench | ClusterBench | ClusterSimBench | SurfaceBench
 
 
 def _scale() -> float:
@@ -92,6 +93,11 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
         from dsec.bench.e2b import run as run_e2b
 
         return run_e2b(E2BBench().scaled(scale), progress=progress)
+    if name == "surface":
+        from dsec.bench.surface import run as run_surface
+
+        scfg = config if isinstance(config, SurfaceBench) else SurfaceBench().scaled(scale)
+        return _run_lean(run_surface(scfg, progress=progress))
     if name == "trajectory":
         return asyncio.run(run_trajectory(TrajectoryBench().scaled(scale), progress=progress))
     if name == "microvm":
