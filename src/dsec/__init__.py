@@ -6,10 +6,10 @@ daemon packages, which users never need to import.
 """
 
 from dsec._sdk.client import Client
-from dsec._sdk.files import AsyncFiles
+from dsec._sdk.files import AsyncFiles, AsyncWatch
 from dsec._sdk.processes import AsyncProcess, AsyncProcesses, AsyncShell
 from dsec._sdk.sandbox import AsyncSandbox
-from dsec._sdk.sync import Files, Process, Processes, Sandbox, Shell
+from dsec._sdk.sync import Files, Process, Processes, Sandbox, Shell, Watch
 from dsec._version import __version__
 from dsec.errors import (
     BackendUnavailable,
@@ -76,6 +76,7 @@ __all__ = [
     "AsyncProcesses",
     "AsyncSandbox",
     "AsyncShell",
+    "AsyncWatch",
     "AuditEntry",
     "BackendUnavailable",
     "BuildFailed",
@@ -134,5 +135,6 @@ __all__ = [
     "StoreUnavailable",
     "Unauthorized",
     "UserNotFound",
+    "Watch",
     "__version__",
 ]

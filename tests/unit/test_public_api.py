@@ -19,6 +19,7 @@ EXPECTED = {
     "BuildFailed", "ImageInfo",
     # the sandbox surface: process handles, shell sessions, file operations and their errors, ports
     "AsyncFiles", "AsyncProcess", "AsyncProcesses", "AsyncShell", "Files", "Process", "Processes", "Shell",
+    "AsyncWatch", "Watch",
     "FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellInfo", "ShellResult",
     "SandboxFileError", "FileNotFound", "IsADirectory", "NotADirectory", "FileExists", "DirectoryNotEmpty",
     "PermissionDenied", "UserNotFound", "ProcessNotFound",

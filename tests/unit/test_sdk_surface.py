@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -114,20 +113,22 @@ async def test_files_surface_and_structured_errors(sb: dsec.AsyncSandbox) -> Non
 
 async def test_watch_streams_events_in_order(sb: dsec.AsyncSandbox) -> None:
     seen: list[tuple[str, str]] = []
+    async with await sb.files.watch("/workspace", recursive=True) as watch:  # recording from here on
+        await sb.files.write("w.txt", "1")
+        await sb.files.rename("w.txt", "v.txt")
+        await sb.files.remove("v.txt")
 
-    async def watch() -> None:
-        async for event in sb.files.watch("/workspace", recursive=True):
-            seen.append((event.type, event.path.rsplit("/", 1)[-1]))
-            if event.type == "delete":
-                return
+        async def read() -> None:
+            async for event in watch:
+                seen.append((event.type, event.path.rsplit("/", 1)[-1]))
+                if event.type == "delete":
+                    return
 
-    task = asyncio.create_task(watch())
-    await asyncio.sleep(0.5)  # the watch is in place
-    await sb.files.write("w.txt", "1")
-    await sb.files.rename("w.txt", "v.txt")
-    await sb.files.remove("v.txt")
-    await asyncio.wait_for(task, 20)
-    assert seen[0] == ("create", "w.txt") and ("move", "w.txt") in seen and seen[-1] == ("delete", "v.txt"), seen
+        await asyncio.wait_for(read(), 20)
+        assert seen[0] == ("create", "w.txt") and ("move", "w.txt") in seen and seen[-1] == ("delete", "v.txt"), seen
+        again = [e.type async for e in watch.events(since=0, follow=False)]  # read again from the start
+        assert again[0] == "create" and again[-1] == "delete", again
+        assert [e.type async for e in watch.events(follow=False)] == []  # nothing new since the last read
 
 
 async def test_expose_get_url_and_tcp(sb: dsec.AsyncSandbox) -> None:
@@ -165,9 +166,7 @@ def test_the_blocking_api(daemon: Daemon) -> None:
             assert shell.run("echo $((1+2))").stdout == b"3\n"
         box.files.mkdir("x")
         assert box.files.stat("x").type == "dir"
-        events = box.files.watch("x")
-        writer = threading.Timer(0.5, lambda: box.files.write("x/y", "1"))
-        writer.start()
-        assert next(events).type == "create"
-        events.close()
-        writer.join()
+        with box.files.watch("x") as watch:
+            assert isinstance(watch, dsec.Watch)
+            box.files.write("x/y", "1")  # before the first read: recorded all the same
+            assert next(iter(watch)).type == "create"

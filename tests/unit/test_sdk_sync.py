@@ -34,14 +34,15 @@ def client(daemon: Daemon) -> Iterator[dsec.Client]:
 
 @pytest.mark.parametrize(("async_cls", "sync_cls"), [
     (dsec.AsyncSandbox, dsec.Sandbox), (AsyncFiles, Files), (dsec.AsyncProcess, dsec.Process),
-    (dsec.AsyncProcesses, dsec.Processes), (dsec.AsyncShell, dsec.Shell)])
+    (dsec.AsyncProcesses, dsec.Processes), (dsec.AsyncShell, dsec.Shell), (dsec.AsyncWatch, dsec.Watch)])
 def test_every_public_async_member_has_a_sync_twin_with_the_same_signature(
     async_cls: type, sync_cls: type
 ) -> None:
     members = public_members(async_cls)
     assert members, "nothing to derive"
     renames = {"AsyncSandbox": "Sandbox", "AsyncGenerator": "Generator", "AsyncFiles": "Files",
-               "AsyncProcesses": "Processes", "AsyncProcess": "Process", "AsyncShell": "Shell"}
+               "AsyncProcesses": "Processes", "AsyncProcess": "Process", "AsyncShell": "Shell",
+               "AsyncWatch": "Watch"}
     for name, attr in members.items():
         twin = inspect.getattr_static(sync_cls, name)
         assert type(twin) is type(attr) or (inspect.isfunction(twin) and inspect.isfunction(attr)), name

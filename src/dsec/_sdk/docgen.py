@@ -116,8 +116,9 @@ def _model_section(model: type[BaseModel], level: str = "###") -> list[str]:
 
 _SPEC_INTRO = ("What a sandbox is made of: every keyword of `Sandbox.create` (and of `create_many`, `PoolConfig`) "
                "is one of these fields. Sizes take `\"512Mi\"`, `\"4Gi\"` or bytes.")
-_MODELS = ("ExecResult", "ExecEvent", "FileEntry", "SandboxInfo", "SandboxStats", "PoolConfig", "NodeStatistics",
-           "AuditEntry", "LifecycleEvent", "NodeOverview")
+_MODELS = ("ExecResult", "ExecEvent", "FileEntry", "FileStat", "FileEvent", "ProcessInfo", "ProcessEvent",
+           "ShellResult", "PortInfo", "SandboxInfo", "SandboxStats", "PoolConfig", "NodeStatistics", "AuditEntry",
+           "LifecycleEvent", "NodeOverview")
 
 
 def _errors_section() -> list[str]:
@@ -138,6 +139,10 @@ def render() -> str:
     sections = [
         ("Sandbox", dsec.AsyncSandbox, "AsyncSandbox", ""),
         ("Files: sb.files", AsyncFiles, "sb.files", ""),
+        ("Watch: sb.files.watch", dsec.AsyncWatch, "watch", ""),
+        ("Processes: sb.processes", dsec.AsyncProcesses, "sb.processes", ""),
+        ("Process: exec(background=True), sb.pty", dsec.AsyncProcess, "process", ""),
+        ("Shell: sb.shell", dsec.AsyncShell, "shell", ""),
         ("Client", dsec.Client, "Client", ""),
     ]
     toc = [f"- [{title}](#{_anchor(title)})" for title, *_ in sections]

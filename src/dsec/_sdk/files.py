@@ -11,23 +11,33 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import os
 import posixpath
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pydantic
 
 from dsec.api.operations import close_stream
-from dsec.errors import InvalidRequest
+from dsec.errors import InvalidRequest, NotFound
 from dsec.models import FileEntry
-from dsec.models_surface import FileEvent, FileStat, MkdirRequest, RenameRequest, WatchRequest, check_user
+from dsec.models_surface import (
+    FileEvent,
+    FileStat,
+    MkdirRequest,
+    RenameRequest,
+    WatchInfo,
+    WatchRequest,
+    check_user,
+)
 
 if TYPE_CHECKING:
     from .sandbox import AsyncSandbox
 
-__all__ = ["AsyncFiles"]
+__all__ = ["AsyncFiles", "AsyncWatch"]
 
 
 def _args(**fields: Any) -> dict[str, Any]:
@@ -144,24 +154,17 @@ class AsyncFiles:
         return changed
 
     async def watch(self, path: str | None = None, recursive: bool = False, user: str | None = None
-                    ) -> AsyncGenerator[FileEvent, None]:
-        """Changes below directory ``path`` (default: the workdir) as they happen: ``create``, ``modify``,
-        ``delete``, ``move`` (``dest``: where it went) and ``chmod`` events, until the loop is left (the watch
-        then stops). ``recursive``: every directory below it too, including ones created later. An
-        observation: never logged on a trajectory."""
+                    ) -> AsyncWatch:
+        """Start watching directory ``path`` (default: the workdir): changes are recorded from now on, and
+        iterating the watch gives them as they happen: ``create``, ``modify``, ``delete``, ``move`` (``dest``:
+        where it went) and ``chmod`` events. ``recursive``: every directory below it too, including ones
+        created later. Close it when done (``async with`` does). An observation: never logged on a trajectory."""
         sb, user = self._sandbox, self._user(user)
         try:
             request = WatchRequest(path=self._path(path or sb._info.spec.workdir or "/workspace"), recursive=recursive)
         except pydantic.ValidationError as exc:
             raise InvalidRequest(f"invalid watch: {exc.errors()[0]['msg']}") from None
-        watch = await sb._api.watch_files(sb.id, request, user)
-        events = sb._api.watch_events(sb.id, watch.id)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await close_stream(events)
-            await sb._api.unwatch(sb.id, watch.id)
+        return AsyncWatch(sb, await sb._api.watch_files(sb.id, request, user))
 
     async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
         """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
@@ -197,3 +200,53 @@ class AsyncFiles:
 def _write_local(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(data)
+
+
+class AsyncWatch:
+    """A started watch of a sandbox directory (``files.watch``): the node records its events from the start,
+    numbered, so nothing is missed between starting it and reading it; any client may read them (``events``)."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: WatchInfo) -> None:
+        self._sandbox = sandbox
+        self._info = info
+        self._next = 0
+
+    def __repr__(self) -> str:
+        return f"<AsyncWatch {self._info.id} of {self._info.path}>"
+
+    @property
+    def id(self) -> str:
+        """The watch's id on the node."""
+        return self._info.id
+
+    @property
+    def path(self) -> str:
+        """The watched directory."""
+        return self._info.path
+
+    async def events(self, since: int | None = None, follow: bool = True) -> AsyncGenerator[FileEvent, None]:
+        """Its events from number ``since`` (default: the first not yet read through this handle) and, with
+        ``follow``, as they happen, until the watch is closed or the loop is left."""
+        sb = self._sandbox
+        stream = sb._api.watch_events(sb.id, self.id, self._next if since is None else since, follow)
+        try:
+            async for event in stream:
+                self._next = max(self._next, event.number + 1)
+                yield event
+        finally:
+            await close_stream(stream)
+
+    def __aiter__(self) -> AsyncGenerator[FileEvent, None]:
+        return self.events()
+
+    async def close(self) -> None:
+        """Stop the watch (its event stream ends)."""
+        with contextlib.suppress(NotFound):
+            await self._sandbox._api.unwatch(self._sandbox.id, self.id)
+
+    async def __aenter__(self) -> AsyncWatch:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import sync
-from .files import AsyncFiles
+from .files import AsyncFiles, AsyncWatch
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell
 from .sandbox import AsyncSandbox
 
@@ -29,6 +29,7 @@ _IMPORTS = {
     "Callable": "from collections.abc import Callable",
     "Generator": "from collections.abc import Generator",
     "Iterable": "from collections.abc import Iterable",
+    "Iterator": "from collections.abc import Iterator",
     "Mapping": "from collections.abc import Mapping",
     "Sequence": "from collections.abc import Sequence",
     "TracebackType": "from types import TracebackType",
@@ -38,6 +39,7 @@ _IMPORTS = {
     "overload": "from typing import overload",
     "Client": "from dsec._sdk.client import Client",
     "AsyncFiles": "from dsec._sdk.files import AsyncFiles",
+    "AsyncWatch": "from dsec._sdk.files import AsyncWatch",
     "AsyncSandbox": "from dsec._sdk.sandbox import AsyncSandbox",
     **{n: f"from dsec._sdk.processes import {n}" for n in ("AsyncProcess", "AsyncProcesses", "AsyncShell")},
     **{n: f"from dsec.models import {n}" for n in
@@ -119,6 +121,14 @@ def _class(name: str, sync_cls: type, async_cls: type, extra: list[str]) -> list
 def render() -> str:
     """The stub text for the current AsyncSandbox / AsyncFiles."""
     body: list[str] = []
+    body += _class("Watch", sync.Watch, AsyncWatch, [
+        "def __iter__(self) -> Iterator[FileEvent]: ...",
+        "def __enter__(self) -> Watch: ...",
+        "def __exit__(",
+        "    self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None",
+        ") -> None: ...",
+    ])
+    body.append("")
     body += _class("Files", sync.Files, AsyncFiles, [])
     body.append("")
     body += _class("Process", sync.Process, AsyncProcess, [])

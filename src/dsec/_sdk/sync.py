@@ -9,7 +9,8 @@ checkers cannot see runtime-made methods, so ``sync.pyi`` (rendered by ``stubgen
 signatures, and checked by a test) gives them static types.
 
 This module must never contain sandbox logic: a behaviour change belongs in ``sandbox.py`` and reaches
-the blocking API by itself. The only hand-written members here are the context-manager dunders.
+the blocking API by itself. The only hand-written members here are the context-manager and iteration
+dunders.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .files import AsyncFiles
+from dsec.models_surface import FileEvent
+
+from .files import AsyncFiles, AsyncWatch
 from .portal import portal
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell
 from .sandbox import AsyncSandbox
 
-__all__ = ["Files", "Process", "Processes", "Sandbox", "Shell", "derive", "rename_annotation"]
+__all__ = ["Files", "Process", "Processes", "Sandbox", "Shell", "Watch", "derive", "rename_annotation"]
 
 C = TypeVar("C", bound=type)
 
@@ -183,6 +186,24 @@ class _SyncBase(metaclass=_TwinMeta):
         # The twins are generated at import time, invisible to a type checker; say so instead of
         # letting it report every call as an error.
         def __getattr__(self, name: str) -> Any: ...
+
+
+@derive(AsyncWatch)
+class Watch(_SyncBase):
+    """A started watch of a sandbox directory (blocking API of :class:`dsec.AsyncWatch`): iterate it for its
+    events as they happen; ``with`` closes it."""
+
+    def __iter__(self) -> Iterator[FileEvent]:
+        events: Iterator[FileEvent] = self.events()
+        return events
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 @derive(AsyncFiles)
