@@ -219,7 +219,7 @@ while True:
         data = bytes(b ^ mask[i % 4] for i, b in enumerate(frame[6:6 + n]))
         c.sendall(bytes([0x81, len(data)]) + data); c.close(); continue
     body = ("you said " + lines[0] + " cookie=" + headers.get("cookie", "-") + " token=" +
-            headers.get("x-dsec-token", "-")).encode()
+            headers.get("x-dsec-token", "-") + " connection=" + headers.get("connection", "-")).encode()
     c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body); c.close()
 """
 
@@ -256,7 +256,14 @@ async def test_exposed_http_port_needs_the_token_and_hides_it(engine: Engine) ->
         cookie = r.headers["set-cookie"].split(";")[0]
         assert "HttpOnly" in r.headers["set-cookie"]
         r = await client.get(exposed.url + "/x?b=2", headers={"Cookie": f"{cookie}; app=1"})
-        assert r.status_code == 200 and "cookie=app=1" in r.text, r.text  # the app never sees the token
+        assert r.status_code == 200 and "cookie=app=1 " in r.text, r.text  # the app never sees the token
+        # A browser sends every port's cookies of the host: another sandbox's token never reaches this server,
+        # and each request of a client sending token cookies comes on a connection of its own (read here).
+        r = await client.get(exposed.url + "/y", headers={"Cookie": f"dsec_token_1=other; {cookie}; app=2",
+                                                           "Connection": "keep-alive"})
+        assert "cookie=app=2 " in r.text and "other" not in r.text and "connection=close" in r.text, r.text
+        r = await client.get(exposed.url + "/z", headers={"Cookie": f"dsec_token_1=other; {cookie}"})
+        assert r.status_code == 200 and "cookie=- " in r.text, r.text
     await engine.surface.unexpose(info.id, port)
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient() as client:

@@ -3,9 +3,11 @@ the sandbox through its backend's :meth:`~dsec.backends.base.Backend.open_port`.
 
 Owns the listeners, the per-sandbox token and the relays. An ``http`` exposure reads the first request's
 head: the token comes as an ``X-DSec-Token`` header, a ``dsec_token`` query parameter (answered with a
-redirect that sets it as a cookie, for browsers) or that cookie; it is removed before the request goes on,
-and the connection is then relayed byte for byte in both directions, so keep-alive, chunked bodies and
-WebSocket upgrades pass as they are. A ``tcp`` exposure takes one line ``DSEC <token>`` first and then relays.
+redirect that sets it as a cookie, for browsers) or that cookie; it is removed before the request goes on
+(with every other exposure's token cookie: a browser sends them all), and the connection is then relayed
+byte for byte in both directions, so keep-alive, chunked bodies and WebSocket upgrades pass as they are; a
+request that carried token cookies is sent on with ``Connection: close``, so each of that client's requests
+is read here. A ``tcp`` exposure takes one line ``DSEC <token>`` first and then relays.
 Anything else is refused before the sandbox sees a byte. Nothing is opened to the sandbox: it gains no
 route out; the node connects in. Listeners are the daemon's: they end with the exposure, the sandbox, or
 the daemon.
@@ -39,8 +41,11 @@ _HEAD_WITHIN_S = 30.0
 """How long a client has to send its first request head (or preamble) before it is cut off."""
 
 
+_COOKIE_PREFIX = "dsec_token_"
+
+
 def _cookie_name(host_port: int) -> str:
-    return f"dsec_token_{host_port}"
+    return f"{_COOKIE_PREFIX}{host_port}"
 
 
 def _answer(status: str, text: str, extra: str = "") -> bytes:
@@ -284,22 +289,34 @@ class PortForwarder:
         given: str | None = None
         kept: list[bytes] = []
         cookie = _cookie_name(exposure.info.host_port)
+        carries_tokens = upgrade = False
         for line in lines:
             name, _, value = line.partition(b":")
             key = name.strip().lower()
             if key == _HEADER:
                 given = value.strip().decode(errors="replace")
                 continue
+            if key == b"upgrade":
+                upgrade = True
             if key == b"cookie":
+                # Browsers send a host's cookies to all its ports: every exposure's token cookie (this sandbox's
+                # and others') is taken out, so that no sandbox's server ever sees a port token.
                 jar = [c.strip() for c in value.decode(errors="replace").split(";") if c.strip()]
-                mine = [c for c in jar if c.startswith(cookie + "=")]
-                if mine:
-                    given = given or mine[0].split("=", 1)[1]
-                    rest = [c for c in jar if not c.startswith(cookie + "=")]
+                ours = [c for c in jar if c.startswith(_COOKIE_PREFIX)]
+                if ours:
+                    carries_tokens = True
+                    mine = [c for c in ours if c.startswith(cookie + "=")]
+                    given = given or (mine[0].split("=", 1)[1] if mine else None)
+                    rest = [c for c in jar if not c.startswith(_COOKIE_PREFIX)]
                     if not rest:
                         continue
                     line = b"Cookie: " + "; ".join(rest).encode()
             kept.append(line)
+        if carries_tokens and not upgrade:
+            # Only this first head is read: later requests on the connection would reach the server with their
+            # cookies as sent. A client that sends token cookies gets one request per connection instead.
+            kept = [line for line in kept if line.partition(b":")[0].strip().lower() != b"connection"]
+            kept.append(b"Connection: close")
         url = urllib.parse.urlsplit(target.decode(errors="replace"))
         query = urllib.parse.parse_qsl(url.query, keep_blank_values=True)
         in_query = [v for k, v in query if k == _PARAM]
