@@ -367,8 +367,8 @@ class PortInfo(Model):
     """Where the node listens for it."""
     host_port: int
     token: str
-    """The sandbox's port token: ``X-DSec-Token`` header (http), ``?dsec_token=`` (http, once: it sets a
-    cookie), or the first line ``DSEC <token>`` of a tcp stream."""
+    """The sandbox's port token: ``X-DSec-Token`` header (http), basic auth's password (http), ``?dsec_token=``
+    (http, once: it sets a cookie), or the first line ``DSEC <token>`` of a tcp stream."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -379,6 +379,12 @@ class PortInfo(Model):
     def address(self) -> str:
         """``host:port`` of the node's listener."""
         return f"{self.host}:{self.host_port}"
+
+    @property
+    def credentials_url(self) -> str | None:
+        """``url`` with the token as basic-auth credentials (``http://dsec:<token>@host:port``): for clients that
+        take a URL but no headers (SWE-ReX's ``RemoteRuntime(host=...)``, ``curl``)."""
+        return None if self.url is None else self.url.replace("://", f"://dsec:{self.token}@", 1)
 
     @property
     def authenticated_url(self) -> str | None:

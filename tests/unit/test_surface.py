@@ -251,6 +251,11 @@ async def test_exposed_http_port_needs_the_token_and_hides_it(engine: Engine) ->
         assert r.status_code == 401
         r = await client.get(exposed.url + "/x?a=1", headers=exposed.headers)
         assert r.status_code == 200 and r.text.startswith("you said GET /x?a=1 ") and "token=-" in r.text, r.text
+        r = await client.get(exposed.url + "/b", auth=("dsec", exposed.token))  # a URL's credentials
+        assert r.status_code == 200 and "token=-" in r.text, r.text
+        r = await client.get(exposed.url + "/b", auth=("dsec", "wrong"))
+        assert r.status_code == 401
+        assert exposed.credentials_url == exposed.url.replace("http://", f"http://dsec:{exposed.token}@")
         r = await client.get(f"{exposed.url}/x?dsec_token={exposed.token}&b=2")
         assert r.status_code == 302 and r.headers["location"] == "/x?b=2", r.headers
         cookie = r.headers["set-cookie"].split(";")[0]

@@ -2,8 +2,9 @@
 the sandbox through its backend's :meth:`~dsec.backends.base.Backend.open_port`.
 
 Owns the listeners, the per-sandbox token and the relays. An ``http`` exposure reads the first request's
-head: the token comes as an ``X-DSec-Token`` header, a ``dsec_token`` query parameter (answered with a
-redirect that sets it as a cookie, for browsers) or that cookie; it is removed before the request goes on
+head: the token comes as an ``X-DSec-Token`` header, basic auth's password (a URL ``http://dsec:<token>@...``),
+a ``dsec_token`` query parameter (answered with a redirect that sets it as a cookie, for browsers) or that
+cookie; it is removed before the request goes on
 (with every other exposure's token cookie: a browser sends them all), and the connection is then relayed
 byte for byte in both directions, so keep-alive, chunked bodies and WebSocket upgrades pass as they are; a
 request that carried token cookies is sent on with ``Connection: close``, so each of that client's requests
@@ -16,6 +17,7 @@ the daemon.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import secrets
@@ -42,6 +44,18 @@ _HEAD_WITHIN_S = 30.0
 
 
 _COOKIE_PREFIX = "dsec_token_"
+
+
+def _basic_password(value: bytes) -> str | None:
+    """The password of a ``Basic`` authorization header value, or None."""
+    scheme, _, encoded = value.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return decoded.partition(":")[2] or None
 
 
 def _cookie_name(host_port: int) -> str:
@@ -296,6 +310,13 @@ class PortForwarder:
             if key == _HEADER:
                 given = value.strip().decode(errors="replace")
                 continue
+            if key == b"authorization" and given is None:
+                # ``http://dsec:<token>@host:port``: clients that take a URL but no headers (SWE-ReX's remote
+                # runtime, curl -u) send the token as basic auth. Any other credentials go on to the server.
+                basic = _basic_password(value)
+                if basic is not None and hmac.compare_digest(basic, exposure.info.token):
+                    given = basic
+                    continue
             if key == b"upgrade":
                 upgrade = True
             if key == b"cookie":
