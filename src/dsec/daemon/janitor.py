@@ -62,7 +62,8 @@ class Janitor:
         try:
             # Its own session: a terminal's ^C to the daemon's process group must not end it with the daemon.
             # Its output goes where the daemon's does (the log file under `dsec up`).
-            proc = subprocess.Popen([sys.executable, "-m", "dsec.daemon.janitor", "--fd", str(read)],
+            proc = subprocess.Popen([sys.executable, "-m", "dsec.daemon.janitor", "--fd", str(read),
+                                     "--daemon", str(os.getpid())],
                                     stdin=subprocess.DEVNULL, pass_fds=(read,), env=env, start_new_session=True,
                                     cwd="/")
         except BaseException:
@@ -85,8 +86,11 @@ class Janitor:
             log.warning("the janitor (pid %d) did not exit within %g s", self.pid, timeout)
 
 
-def _lock(settings: Settings) -> int | None:
-    """The home's lock, once the dead daemon's is released; None if a new daemon took it first."""
+def _lock(settings: Settings, dead: int) -> int | None:
+    """The home's lock, once the dead daemon (pid ``dead``) released it; None if a new daemon took it first.
+
+    The pipe's end-of-file can come before the dying daemon's lock is released (its files close one by one), so
+    the lock file naming the dead daemon means "wait", not "a new daemon runs here"."""
     fd = os.open(settings.run_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + LOCK_WAIT_SECONDS
     while True:
@@ -96,7 +100,7 @@ def _lock(settings: Settings) -> int | None:
             return fd
         except BlockingIOError:
             holder = lock_holder(settings)
-            if (holder is not None and holder[0] == "daemon") or time.monotonic() > deadline:
+            if (holder is not None and holder[0] == "daemon" and holder[1] != dead) or time.monotonic() > deadline:
                 os.close(fd)
                 return None
             time.sleep(0.05)
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m dsec.daemon.janitor --fd N``: wait for the daemon that started it, clean up if it died."""
     parser = argparse.ArgumentParser(prog="python -m dsec.daemon.janitor")
     parser.add_argument("--fd", type=int, required=True, help="read end of the daemon's pipe")
+    parser.add_argument("--daemon", type=int, required=True, help="the pid of the daemon that started it")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     said = b""
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if said == CLEAN:
         return 0
     settings = Settings()
-    lock = _lock(settings)
+    lock = _lock(settings, args.daemon)
     if lock is None:
         log.info("the daemon of %s died; a new daemon runs there, nothing to clean up", settings.home)
         return 0
