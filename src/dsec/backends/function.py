@@ -42,7 +42,7 @@ from dsec.backends.base import (
     store_identity,
     workdir_of,
 )
-from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_reaped
+from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_exited
 from dsec.backends.hostside import HostFiles, actor_of
 from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
@@ -386,11 +386,15 @@ class FunctionBackend(Backend):
         finally:
             if slave is not None:
                 os.close(slave)
-        release_when_reaped(slots, slot, os.dup(spawned.status))
         # The zygote reports its call's pid 1 (every call has a pid namespace of its own): its host pid names it.
         process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
                               timeout=spec.timeout, pid_of=lambda host_pid: host_pid)
-        await process.wait_started()
+        try:
+            await process.wait_started()
+        except BaseException:
+            slots.release(slot)
+            raise
+        release_when_exited(slots, slot, process.host_pid)
         return process
 
     def _fs(self, record: SandboxRecord, path: str = "/", user: Identity | None = None) -> tuple[SandboxFS, str]:

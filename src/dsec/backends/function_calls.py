@@ -37,7 +37,7 @@ from dsec.isolation.exec_client import Spawned, stream_exec
 from dsec.isolation.zygote import PyZygote, Zygote
 from dsec.models import ExecEvent, ExecRequest, LimitHit, SandboxRecord
 
-__all__ = ["Calls", "cpu_rlimit", "default_tmp", "release_when_reaped"]
+__all__ = ["Calls", "cpu_rlimit", "default_tmp", "release_when_exited", "release_when_reaped"]
 
 _MIN_TMP = 1024 * 1024
 # A call's pid namespace normally ends within milliseconds of its report; a sandbox starved of CPU (its class
@@ -211,6 +211,26 @@ def release_when_reaped(slots: CallSlots, slot: Slot, status: int) -> None:
 
     loop.add_reader(status, readable)
     timer = loop.call_later(_REAPED_WITHIN_S, finish, False)
+
+
+def release_when_exited(slots: CallSlots, slot: Slot, host_pid: int | None) -> None:
+    """Give ``slot`` back once the process ``host_pid`` (a call's pid 1, which ends its pid namespace) exits: for a
+    process of the surface API, whose status pipe its own reader consumes."""
+    try:
+        pidfd = os.pidfd_open(host_pid) if host_pid else -1
+    except ProcessLookupError:
+        pidfd = -1
+    if pidfd < 0:
+        slots.release(slot)
+        return
+    loop = asyncio.get_running_loop()
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        slots.release(slot)
+
+    loop.add_reader(pidfd, exited)
 
 
 def _cpu_backstop(event: ExecEvent, cpu: int) -> ExecEvent:
