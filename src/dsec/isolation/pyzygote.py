@@ -9,21 +9,22 @@ launcher and fd 5 every call's seccomp program. It keeps the capabilities of the
 calls' namespaces need; its bounding set keeps only CAP_SYS_ADMIN, which it passes (ambient) to each call's
 init, and its securebits are locked as ``zygote.c`` locks them, once for all calls.
 
-Each call is made ready one ahead, as in ``zygote.c``, but without copying the interpreter for it: the
-zygote gives its next child a new pid namespace and spawns ``dsec-callinit`` there (``callinit.c``: a
-vfork and an exec), which makes the call's mount, ipc and uts namespaces, mounts its ``/proc`` and
-``/tmp``, drops its capability and waits as the namespace's pid 1, reaping orphans. A request
-(NUL-separated ``CPU_S FSIZE NOFILE TMP_BYTES CWD MAX_RESULT CLIENT_PYTHON ENVC ENV...`` with the call's
-four pipes and the ``cgroup.procs`` files of its own cgroup) moves that init into the call's cgroup, and
-the zygote forks the call itself into its pid namespace (the only copy of the interpreter per call). The
-call moves itself into its cgroup, joins the init's other namespaces, becomes the image's user, drops
-every capability, sets no_new_privs, restricts itself with Landlock and the seccomp program, and runs the
-loader (:mod:`loader`): the pickled call on stdin, the reply on stdout, its prints on stderr. When it
-exits the zygote reports ``usage``, ``tmpfull`` and ``exit`` on the status pipe as ``zygote.c`` does, kills
-the init (ending the pid namespace and whatever the call left) and closes the pipe once both are reaped.
-It reports ``pid HOSTPID`` of the init when it dispatched (the launcher translates the number: killing
-the init kills the call). ``drain`` makes it stop taking calls and exit when the last one ended (the
-daemon starts a new zygote after a mount change); end of file kills every call at once.
+Each call is made ready one ahead, as in ``zygote.c``, with a single copy of the interpreter: the zygote gives
+its next child a new pid namespace and spawns ``dsec-callinit`` there (``callinit.c``: a vfork and an exec),
+which makes the call's mount, ipc and uts namespaces, mounts its ``/proc`` and ``/tmp``, drops its capability
+and waits as the namespace's pid 1, reaping orphans; then it forks the call process into that pid namespace
+(pid 2), which waits for the init to be ready, joins its namespaces, becomes the image's user, drops every
+capability, sets no_new_privs, restricts itself with Landlock and the seccomp program and waits for its
+request. A request (NUL-separated ``CPU_S FSIZE NOFILE TMP_BYTES CWD MAX_RESULT CLIENT_PYTHON ENVC ENV...``
+with the call's four pipes and the ``cgroup.procs`` files of its own cgroup) moves both into the call's
+cgroup and goes to the call process, which takes its pipes, rlimits and working directory, reports
+``start`` with what it has waited for a CPU so far, and runs the loader (:mod:`loader`): the pickled call on
+stdin, the reply on stdout, its prints on stderr. When it exits the zygote reports ``usage``, ``tmpfull``
+and ``exit`` on the status pipe as ``zygote.c`` does, kills the init (ending the pid namespace and whatever
+the call left) and closes the pipe once both are reaped. It reports ``pid HOSTPID`` of the init when it
+dispatched (the launcher translates the number: killing the init kills the call). ``drain`` makes it stop
+taking calls and exit when the last one ended (the daemon starts a new zygote after a mount change); end
+of file kills every call at once.
 
 This file is copied into every function sandbox's ``/.dsec``. It must import nothing but the standard
 library, cloudpickle and the loader, and never unpickle or run anything of the caller's: only the calls
@@ -197,19 +198,21 @@ def confine_zygote() -> None:
 
 @dataclass
 class Ready:
-    """The next call's init, spawned ahead in a new pid namespace."""
+    """The next call, made ahead: its init in a new pid namespace, and the call process already confined there,
+    waiting on ``sock`` for its request."""
 
     init: int
     pidfd: int
     host: int
     """The init's pid on the host (the launcher's answer), which the daemon kills the call by."""
-    told: int
-    """The read end of the init's pipe: "ok" once its namespaces and mounts are ready."""
+    call: int = 0
+    sock: socket.socket | None = None
 
     def close(self) -> None:
-        for fd in (self.pidfd, self.told):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(self.pidfd)
+        if self.sock is not None:
+            self.sock.close()
 
 
 @dataclass
@@ -243,24 +246,48 @@ class Request:
                    limit=int(fields[5]), client=fields[6].decode(), env=env)
 
 
-def run_call(request: Request, fds: list[int], cgroups: list[int], pidfd: int, confinement: Confinement,
-             cpus: set[int] | None) -> NoReturn:
-    """The call process (pid 2 of its namespace), just forked: confine, then run the loader."""
+def call_process(sock: socket.socket, pidfd: int, told: int, confinement: Confinement, cpus: set[int] | None
+                 ) -> NoReturn:
+    """The call process (pid 2 of its namespace), forked ahead of its request: it confines itself, waits for the
+    request, then runs the loader. A set-up that failed is reported once the request brings a status pipe."""
     code = 127
-    status = [fds[3]]  # emptied once closed: an error after that must not be written to whatever reuses the fd
     try:
-        code = _confine_and_serve(request, fds, cgroups, pidfd, confinement, cpus, status)
-    except Failed as e:
-        if status:
-            _report_error(status[0], str(e))
-    except OSError as e:
-        if status:
-            _report_error(status[0], f"start call: {os.strerror(e.errno or 5)}")
+        code = _call(sock, pidfd, told, confinement, cpus)
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _call(sock: socket.socket, pidfd: int, told: int, confinement: Confinement, cpus: set[int] | None) -> int:
+    failure: str | None = None
+    try:
+        said = os.read(told, 600)  # the init's namespaces and mounts are ready
+        os.close(told)
+        if said != b"ok":
+            raise Failed(said.decode(errors="replace").removeprefix("error ") or "the call's init exited", None)
+        _confine(sock, pidfd, confinement, cpus)
+    except Failed as e:
+        failure = str(e)
+    except OSError as e:
+        failure = f"prepare the call: {os.strerror(e.errno or 5)}"
+    msg, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    if not msg and not fds:
+        return 0  # the zygote is going away, or drained
+    if len(fds) != 4 or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        return 127
+    sock.close()
+    status = fds[3]
+    if failure is not None:
+        _report_error(status, failure)
+        return 127
+    try:
+        request = Request.parse(msg)
+    except (ValueError, IndexError):
+        _report_error(status, "request: malformed")
+        return 127
+    return _serve(request, fds)
 
 
 def _report_error(status: int, text: str) -> None:
@@ -283,19 +310,15 @@ def _join(pidfd: int) -> None:
             time.sleep(0.01)
 
 
-def _confine_and_serve(request: Request, fds: list[int], cgroups: list[int], pidfd: int,
-                       confinement: Confinement, cpus: set[int] | None, open_status: list[int]) -> int:
+def _confine(sock: socket.socket, pidfd: int, confinement: Confinement, cpus: set[int] | None) -> None:
+    """Everything that does not depend on the request: the init's namespaces, a session, no fd of the zygote's,
+    the OOM killer's first choice, the image's user, no capability, no_new_privs, Landlock, seccomp."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    for fd in cgroups:  # into its own cgroup before anything of the call is allocated
-        os.write(fd, b"0")
     _join(pidfd)
     os.setsid()
-    status = fds[3]
-    for target, fd in enumerate(fds[:3]):
-        os.dup2(fd, target)
-    keep = sorted({status, confinement.workdir_fd, confinement.dev_fd})
+    keep = sorted({sock.fileno(), confinement.workdir_fd, confinement.dev_fd})
     low = 3
     for fd in keep:  # the zygote's other fds (other calls' pipes, its sockets) are not this call's
         os.closerange(low, fd)
@@ -305,6 +328,35 @@ def _confine_and_serve(request: Request, fds: list[int], cgroups: list[int], pid
         f.write("500")  # the OOM killer's first choice, as in zygote.c (best effort)
     os.umask(0o022)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if os.sched_getscheduler(0) == os.SCHED_BATCH:  # the zygote's class ends here, as in zygote.c
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    confinement.apply()
+
+
+def _serve(request: Request, fds: list[int]) -> int:
+    """The request: its pipes, rlimits and working directory, then the loader; the exit code."""
+    status = fds[3]
+    try:
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+            os.close(fd)
+        if not _set_up(request, status):
+            return 127
+    except OSError as e:  # before the caller's code: a failure of the sandbox
+        _report_error(status, f"start call: {e}")
+        return 127
+    os.close(status)  # the caller's code must not be able to write status lines
+    os.environ.clear()
+    os.environ.update(request.env)
+    sys.argv = ["-c"]
+    import loader
+
+    return int(loader.serve(request.limit, request.client))
+
+
+def _set_up(request: Request, status: int) -> bool:
     resource.setrlimit(resource.RLIMIT_NOFILE, (request.nofile, request.nofile))
     if request.fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, (request.fsize, request.fsize))
@@ -313,25 +365,14 @@ def _confine_and_serve(request: Request, fds: list[int], cgroups: list[int], pid
     try:
         os.chdir(request.cwd)
     except OSError as e:
-        raise Failed(f"working directory '{request.cwd}'", e.errno or 2) from None
-    if os.sched_getscheduler(0) == os.SCHED_BATCH:  # the zygote's class ends here, as in zygote.c
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    confinement.apply()
-    # What it waited for until now (its cgroup move, which can block for seconds on a busy node, and a CPU) is
-    # the sandbox's time, not the caller's: the daemon's clock for the call's timeout starts here.
+        _report_error(status, f"working directory '{request.cwd}': {os.strerror(e.errno or 2)}")
+        return False
+    # What it waited for until now (a CPU, on a busy node) is the sandbox's time, not the caller's: the daemon's
+    # clock for the call's timeout starts here.
     with open("/proc/self/schedstat", "rb") as f:
         delay = f.read().split()[1].decode()
     os.write(status, f"start {delay}\n".encode())
-    os.close(status)  # the caller's code must not be able to write status lines
-    open_status.clear()
-    os.environ.clear()
-    os.environ.update(request.env)
-    sys.argv = ["-c"]
-    import loader
-
-    return int(loader.serve(request.limit, request.client))
+    return True
 
 
 # ------------------------------------------------------------------------------------------ the zygote
@@ -351,8 +392,9 @@ class Zygote:
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
-    def spawn_init(self, tmp_bytes: str) -> Ready:
-        """The init of a call's pid namespace, made for our next child and spawned into it."""
+    def prepare(self, tmp_bytes: str) -> Ready:
+        """The next call: its init, spawned into a new pid namespace made for our next child, and the call process
+        forked there, which confines itself and waits for its request."""
         told, tell = os.pipe2(os.O_CLOEXEC)
         try:
             _check(int(_libc.unshare(ctypes.c_int(CLONE_NEWPID))), "new pid namespace")
@@ -362,25 +404,39 @@ class Zygote:
                                                     (os.POSIX_SPAWN_DUP2, SECCOMP_FD, 4)])
             finally:
                 _setns(self.own_pidns, CLONE_NEWPID, "return to the zygote's pid namespace")
-        except BaseException:
-            os.close(told)
-            raise
         finally:
             os.close(tell)
+        ready: Ready | None = None
         try:
-            pidfd = os.pidfd_open(init)
+            ready = Ready(init=init, pidfd=os.pidfd_open(init), host=self._host_pid(init))
+            self._fork_ahead(ready, told)  # the call waits for its init's "ok"; the zygote never does
+            return ready
         except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGKILL)  # reaped as an unknown child
+            if ready is not None:
+                if ready.call:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(ready.call, signal.SIGKILL)
+                ready.close()
+            raise
+        finally:
             os.close(told)
-            os.kill(init, signal.SIGKILL)
-            raise
-        ready = Ready(init=init, pidfd=pidfd, host=0, told=told)
+
+    def _fork_ahead(self, ready: Ready, told: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _setns(ready.pidfd, CLONE_NEWPID, "enter the call's pid namespace")
+        child = -1
         try:
-            ready.host = self._host_pid(init)
-        except BaseException:
-            os.kill(init, signal.SIGKILL)
-            ready.close()
-            raise
-        return ready
+            child = os.fork()
+            if child == 0:
+                ours.close()
+                call_process(theirs, ready.pidfd, told, self.confinement, self.cpus)
+        finally:
+            if child != 0:
+                theirs.close()
+                _setns(self.own_pidns, CLONE_NEWPID, "return to the zygote's pid namespace")
+        ready.call, ready.sock = child, ours
 
     def _host_pid(self, pid: int) -> int:
         """The host's number for our child ``pid`` (which the daemon kills a call by), from the launcher."""
@@ -391,10 +447,10 @@ class Zygote:
             raise Failed("learn the call's host pid", 3)
         return host
 
-    def spawn_ahead(self) -> None:
+    def prepare_ahead(self) -> None:
         if self.ready is None and not self.draining:
             try:
-                self.ready = self.spawn_init(self.tmp_bytes)
+                self.ready = self.prepare(self.tmp_bytes)
             except (Failed, OSError):
                 self.ready = None  # the next request tries again, and reports why if it fails then
 
@@ -407,22 +463,29 @@ class Zygote:
             tmp = fields[3].decode() if len(fields) > 4 else ""
             if not tmp.isdigit():
                 raise Failed("request", 22)
-            request = Request.parse(msg)
             if tmp == self.tmp_bytes:
-                self.spawn_ahead()
+                self.prepare_ahead()
                 ready, self.ready = self.ready, None
-            if ready is None:  # another size of /tmp, or spawning ahead failed: an init of its own, now
-                ready = self.spawn_init(tmp)
-            told = os.read(ready.told, 600)
-            if told != b"ok":
-                raise Failed(told.decode(errors="replace").removeprefix("error ") or "the call's init exited", None)
-            for fd in cgroups:
+            if ready is None:  # another size of /tmp, or preparing ahead failed: a call of its own, now
+                ready = self.prepare(tmp)
+            for fd in cgroups:  # the init and the call into the call's own cgroup
                 os.write(fd, str(ready.init).encode())
-            self._fork_call(ready, request, pipes, cgroups)
+                os.write(fd, str(ready.call).encode())
+            assert ready.sock is not None
+            socket.send_fds(ready.sock, [msg], pipes[:4])
+            running = Running(init=ready.init, status=status)
+            self.by_call[ready.call] = running
+            self.by_init[ready.init] = running
+            try:
+                os.write(status, f"pid {ready.host}\n".encode())
+            except OSError:
+                os.kill(ready.init, signal.SIGKILL)  # the daemon hung up before it learnt the pid
         except (Failed, OSError, ValueError, IndexError) as e:
             if ready is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(ready.init, signal.SIGKILL)  # reaped as an unknown child
+                for pid in (ready.init, ready.call):
+                    with contextlib.suppress(ProcessLookupError):
+                        if pid:
+                            os.kill(pid, signal.SIGKILL)  # reaped as unknown children
             text = str(e) if isinstance(e, Failed) else f"start call: {e}"
             _report_error(status, text)
             os.close(status)
@@ -431,25 +494,7 @@ class Zygote:
                 ready.close()
             for fd in (*pipes[:3], *cgroups):
                 os.close(fd)
-        self.spawn_ahead()  # the next call's, while this one runs
-
-    def _fork_call(self, ready: Ready, request: Request, pipes: list[int], cgroups: list[int]) -> None:
-        _setns(ready.pidfd, CLONE_NEWPID, "enter the call's pid namespace")
-        child = -1
-        try:
-            child = os.fork()
-            if child == 0:
-                run_call(request, pipes, cgroups, ready.pidfd, self.confinement, self.cpus)
-        finally:
-            if child != 0:
-                _setns(self.own_pidns, CLONE_NEWPID, "return to the zygote's pid namespace")
-        running = Running(init=ready.init, status=pipes[3])
-        self.by_call[child] = running
-        self.by_init[ready.init] = running
-        try:
-            os.write(pipes[3], f"pid {ready.host}\n".encode())
-        except OSError:
-            os.kill(ready.init, signal.SIGKILL)  # the daemon hung up before it learnt the pid
+        self.prepare_ahead()  # the next call's, while this one runs
 
     def reap(self) -> None:
         while True:
@@ -459,7 +504,9 @@ class Zygote:
                 return
             if pid == 0:
                 return
-            if self.ready is not None and pid == self.ready.init:
+            if self.ready is not None and pid in (self.ready.init, self.ready.call):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ready.init, signal.SIGKILL)  # the next request prepares another call
                 self.ready.close()
                 self.ready = None
             elif pid in self.by_call:
@@ -492,7 +539,7 @@ class Zygote:
         self.draining = True
         if self.ready is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.ready.init, signal.SIGKILL)
+                os.kill(self.ready.init, signal.SIGKILL)  # its pid namespace, the call made ahead with it
             self.ready.close()
             self.ready = None
 
@@ -502,7 +549,7 @@ class Zygote:
         poller = select.poll()
         poller.register(self.ctl.fileno(), select.POLLIN)
         poller.register(self.wakeup_r, select.POLLIN)
-        self.spawn_ahead()
+        self.prepare_ahead()
         while not (self.draining and not self.by_call and not self.by_init):
             for fd, _ in poller.poll():
                 if fd == self.wakeup_r:
