@@ -3,8 +3,9 @@
 Start the daemon (`dsec up`), then `python examples/grade_solutions.py --n 1000`. The candidates are
 generated here to cover what a judge meets: correct, wrong, slow (infinite loop), memory hogs and crashing
 solutions to one problem (sum of the squares of a list). Every candidate runs against every test case in a
-fresh process tree of the sandbox with a time limit; the sandbox's memory limit stops the hogs. Verdicts:
-AC (accepted), WA (wrong answer), TLE (time limit), MLE (memory limit), RE (runtime error).
+fresh process tree of the sandbox with a time limit, and a memory limit of its own (the sandbox's, per
+call: another candidate's hog never counts against it). Verdicts: AC (accepted), WA (wrong answer), TLE (time
+limit), MLE (memory limit), RE (runtime error).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="candidates to generate and grade")
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight at once")
     parser.add_argument("--time-limit", type=float, default=5.0,
-                        help="seconds per candidate (the memory limit can take a second or two to bite under load)")
+                        help="seconds per candidate (time it waits for a CPU on a busy node is not counted)")
     parser.add_argument("--url", default=None, help="daemon URL (default: DSEC_URL or the local daemon)")
     args = parser.parse_args()
     grade(args.n, args.concurrency, args.time_limit, args.url)

@@ -6,14 +6,17 @@ Every such test uses its own ``DSEC_HOME``; the backend keeps its host resources
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import shutil
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from container_support import CGROUP_ROOT, home_tag, images_dir, mounts_under, py, run
+from container_support import CGROUP_ROOT, home_tag, images_dir, mounts_under, py, run, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
@@ -76,4 +79,37 @@ def function_backend_fixtures(prefix: str) -> tuple[Any, Any]:
     return home, backend
 
 
-__all__ = ["checked_fn_backend", "fn_leftovers", "function_backend_fixtures", "py", "run"]
+class ServedFunctionDaemon:
+    """A real daemon (uvicorn on a unix socket, in a thread) serving only the function backend."""
+
+    def __init__(self, home: Path) -> None:
+        from dsec.daemon.engine import Engine
+        from dsec.daemon.server import Daemon
+        from dsec.images.node import NodeImages
+
+        settings = Settings(home=home, images_dir=images_dir())
+        self.engine = Engine(settings, {"function": FunctionBackend(settings)}, NodeImages(settings))
+        self.daemon = Daemon(settings, engine=self.engine)
+        self.url = f"unix://{settings.socket_path}"
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.daemon.run()), daemon=True)
+
+
+@contextlib.contextmanager
+def served_function_daemon(prefix: str) -> Iterator[ServedFunctionDaemon]:
+    """Start a :class:`ServedFunctionDaemon` in a home of its own; afterwards no zygote of it may be left."""
+    home = short_home(prefix)
+    served = ServedFunctionDaemon(home)
+    served.thread.start()
+    try:
+        assert served.daemon.started.wait(60), "daemon did not start"
+        yield served
+    finally:
+        served.daemon.stop()
+        served.thread.join(60)
+        left = fn_leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
+    assert not left["zygotes"], left
+
+
+__all__ = ["ServedFunctionDaemon", "checked_fn_backend", "fn_leftovers", "function_backend_fixtures", "py", "run",
+           "served_function_daemon"]

@@ -316,8 +316,10 @@ class RemoteError(DSecError):
 
 
 class CallFailed(DSecError):
-    """``sb.call`` produced no value: the call was killed at a limit (``detail["limit"]``: time, memory,
-    output, pids), crashed, or returned something the client refuses to unpickle."""
+    """``sb.call`` produced no value: the call ended at one of its own limits (``detail["limit"]``: time,
+    memory, output, pids, disk), crashed (no ``limit``), or returned something the client refuses to unpickle.
+    ``detail["stderr"]`` is a bounded excerpt of what it printed. A failure of the sandbox itself is never
+    this error."""
 
     status_code = 500
 

@@ -449,6 +449,17 @@ class CallRequest(Model):
     """The image's interpreter (name on ``PATH`` or absolute path)."""
     env: dict[str, str] | None = None
     """Extra environment for the call."""
+    memory: Size | None = Field(None, ge=16 * 1024**2)
+    """This call's memory limit (its processes and the files it writes), at most the sandbox's; default the
+    sandbox's. Every call has its own: another call's use never counts against it."""
+    pids: int | None = Field(None, ge=2, le=1_000_000)
+    """This call's process limit, at most the sandbox's; default the sandbox's."""
+    disk: Size | None = Field(None, ge=1024**2)
+    """Size of this call's ``/tmp``, at most the sandbox's ``disk``; default the sandbox's, at most half of the
+    call's memory (the files live in memory)."""
+    max_output: int = Field(1024 * 1024, ge=1, le=1024**3)
+    """Largest output the callable may print (its stdout and stderr, both sent to stderr); past it the call is
+    killed (verdict ``output``)."""
 
     @field_validator("env")
     @classmethod

@@ -44,16 +44,22 @@ async def test_function_conforms(check: Check, backend: FunctionBackend, debian_
 
 async def test_each_call_has_fresh_namespaces_and_no_privileges(backend: FunctionBackend,
                                                                 debian_python_image: ImageRef) -> None:
-    async with sandbox(backend, debian_python_image) as sb:
+    async with sandbox(backend, debian_python_image) as sb, sandbox(backend, debian_python_image) as other:
         probe = ("readlink /proc/self/ns/pid /proc/self/ns/net /proc/self/ns/ipc /proc/self/ns/uts "
                  "/proc/self/ns/mnt /proc/self/ns/user; echo $$; grep -E '^(Cap|NoNewPrivs|Seccomp:)' "
-                 "/proc/self/status; cat /proc/self/uid_map; ls /proc | grep -c '^[0-9]'; sleep 1")
+                 "/proc/self/status; cat /proc/self/uid_map; ls /proc | grep -c '^[0-9]'; "
+                 "grep -E ':(memory|pids):|^0::' /proc/self/cgroup | sort | tr '\\n' ' '; echo; sleep 1")
         # both alive at once: a freed namespace's inode number may be reused by the next one
         a, b = await asyncio.gather(run(backend, sb, probe), run(backend, sb, probe))
         assert a.exit_code == 0 and b.exit_code == 0, (a, b)
         la, lb = a.stdout.decode().splitlines(), b.stdout.decode().splitlines()
-        for i, kind in enumerate(("pid", "net", "ipc", "uts", "mnt")):
-            assert la[i] != lb[i], f"two calls shared a {kind} namespace: {la[i]}"
+        for kind in ("pid", "ipc", "uts", "mnt"):
+            index = ("pid", "net", "ipc", "uts", "mnt").index(kind)
+            assert la[index] != lb[index], f"two calls shared a {kind} namespace: {la[index]}"
+        # The sandbox's one network namespace (loopback only, down) is every call's; another sandbox has its own.
+        assert la[1] == lb[1], "calls of one sandbox are in different network namespaces"
+        c = await run(backend, other, probe)
+        assert c.stdout.decode().splitlines()[1] != la[1], "two sandboxes share a network namespace"
         assert la[5] == lb[5], "calls of one sandbox share its user namespace"
         host_ns = {Path(f"/proc/self/ns/{k}").readlink().as_posix() for k in ("pid", "net", "user", "mnt")}
         assert not host_ns & set(la[:6]), "a call runs in a host namespace"
@@ -61,10 +67,12 @@ async def test_each_call_has_fresh_namespaces_and_no_privileges(backend: Functio
         for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
             assert int(status[cap], 16) == 0, f"{cap} = {status[cap]}"
         assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2", status
-        uid_map = la[-2].split()
-        assert uid_map[0] == "0" and int(uid_map[1]) == backend.settings.uid_shift, la[-2]
-        assert int(la[-1]) <= 4, f"a call sees other processes (pid 1, sh, ls, grep): {a.stdout!r}"
+        uid_map = la[-3].split()
+        assert uid_map[0] == "0" and int(uid_map[1]) == backend.settings.uid_shift, la[-3]
+        assert int(la[-2]) <= 4, f"a call sees other processes (pid 1, sh, ls, grep): {a.stdout!r}"
         assert la[6] == "2", "the command is not the second process of its own pid namespace"
+        # each call in a cgroup of its own (memory and pids), below the sandbox's
+        assert la[-1] != lb[-1] and sb.id in la[-1], (la[-1], lb[-1])
 
 
 async def test_call_is_normally_scheduled_with_locked_securebits(backend: FunctionBackend,
@@ -212,19 +220,22 @@ async def test_memory_bomb_run_by_a_shell_gets_memory_verdict(backend: FunctionB
 
 async def test_fork_bomb_gets_pids_verdict(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
     async with sandbox(backend, debian_python_image, pids=64) as sb:
+        # at rest the sandbox holds only the zygote, its launcher and the call cloned ahead (a finished call
+        # counts until the zygote reaps it, and the first clone ahead may still be under way at start)
+        at_rest = 3
         bomb = "import os\nwhile True:\n    os.fork()\n"
         r = await run(backend, sb, ["python3", "-c", bomb], timeout=20)
         assert r.exit_code != 0 and r.limit in ("pids", "time"), r
-        # the zygote and the call cloned ahead remain; the bomb's processes die with its pid namespace
-        # (the kernel reaps them right after the call's pid 1 reported)
+        # the bomb's processes die with its pid namespace (the kernel reaps them right after the call's pid 1
+        # reported)
         async def settled() -> bool:
-            return (await backend.stats(sb)).pids <= 2
+            return (await backend.stats(sb)).pids <= at_rest
 
         deadline = asyncio.get_running_loop().time() + 10
         while not await settled() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         stats = await backend.stats(sb)
-        assert stats.pids <= 2, f"the fork bomb outlived its call: {stats}"
+        assert stats.pids <= at_rest, f"the fork bomb outlived its call: {stats}"
         r = await run(backend, sb, "echo alive")
         assert r.stdout == b"alive\n"
         r = await run(backend, sb, "for i in $(seq 80); do sleep 5 & done; wait", timeout=20)

@@ -186,8 +186,10 @@ def test_function_rows_apply_the_targets() -> None:
     suite = Suite(name="function")
     suite.latencies = {"sdk_exec_true": summarize([2.5 * ms]), "backend_exec_true": summarize([1.5 * ms]),
                        "bare_true": summarize([1 * ms]), "bwrap": summarize([6 * ms]),
-                       "sdk_call": summarize([40 * ms])}
+                       "sdk_call": summarize([4 * ms])}
     suite.extra = {"skipped": {},
+                   "sdk_map": {"calls": 100, "seconds": 0.5, "rate": 200.0, "concurrency": 4},
+                   "neighbour": {"alone": {"p50": 2 * ms}, "loaded": {"p50": 2.2 * ms}, "rise": 0.1},
                    "sdk_sustained": {"rate": 400.0, "failures": 0, "concurrency": 4},
                    "backend_sustained": {"rate": 900.0, "failures": 0, "concurrency": 4},
                    "bare_sustained": {"rate": 1600.0, "failures": 0, "concurrency": 4},
@@ -200,6 +202,10 @@ def test_function_rows_apply_the_targets() -> None:
     assert [r.passed for r in sdk] == [False, False, False]  # 400/s < 500/s; 0.25x bare; 1.33x bwrap < 2x
     backend = [r for r in rows if r.metric.startswith("calls/s (backend")]
     assert [r.passed for r in backend] == [True, True, True]  # 900/s; 0.56x bare; 3x bwrap
+    passed = {r.metric.split(" (")[0]: r.passed for r in rows}
+    assert passed["sb.call(lambda x: x * x, i) p50"] is True  # 4 ms ≤ 5 ms
+    assert passed["sb.map throughput"] is False  # 200/s < 300/s
+    assert passed["neighbour's exec p50 rise while a grader's sb.map runs"] is True  # 10% ≤ 20%
     assert FunctionBench().scaled(0.1).exec_n == 30
 
 
@@ -519,7 +525,9 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
         pytest.skip("needs root")
     from dsec.bench.function import FunctionBench
 
-    cfg = FunctionBench(warmup=2, exec_n=5, call_n=2, sustained_seconds=0.5, concurrency=2, peer_n=3)
+    # map_n: enough calls that the daemon's CPU spans more than one clock tick (10 ms) even on a quiet host
+    cfg = FunctionBench(warmup=2, exec_n=5, call_n=2, map_n=40, neighbour_n=3, sustained_seconds=0.5, concurrency=2,
+                        peer_n=3)
     out = tmp_path / "f.json"
     code = bench.main("function", out, config=cfg, console=Console(width=200, file=io.StringIO()))
     document = json.loads(out.read_text())
@@ -530,6 +538,8 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
     assert got["leaks"] == []
     assert got["latencies_s"]["sdk_exec_true"]["n"] == 5 and got["latencies_s"]["sdk_call"]["n"] == 2
     assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
+    assert got["sdk_map"]["calls"] == 40 and got["sdk_map"]["rate"] > 0 and got["sdk_map"]["cpu_ms_daemon"] > 0
+    assert got["neighbour"]["alone"]["n"] == 3 and got["neighbour"]["loaded"]["n"] == 3
     assert [r["metric"] for r in got["rows"]], "no row in the table"
 
 

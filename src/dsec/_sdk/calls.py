@@ -20,7 +20,8 @@ from typing import Any
 from dsec.errors import CallFailed, InvalidRequest, RemoteError
 from dsec.models import CallResult
 
-__all__ = ["SAFE_GLOBALS", "SafeUnpickler", "decode_reply", "encode_call"]
+__all__ = ["EXCERPT_BYTES", "SAFE_GLOBALS", "SafeUnpickler", "decode_reply", "encode_arguments", "encode_call",
+           "encode_function", "excerpt"]
 
 SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("builtins", name) for name in (
@@ -69,6 +70,21 @@ def _user_module(func: Any) -> types.ModuleType | None:
 
 def encode_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """``cloudpickle.dumps((func, args, kwargs))``; an unpicklable argument is the caller's InvalidRequest."""
+    return _dumps(func, (func, args, kwargs))
+
+
+def encode_function(func: Any) -> bytes:
+    """The first half of a call's payload, pickled once for many calls (``sb.map``); the loader reads the function,
+    then :func:`encode_arguments`."""
+    return _dumps(func, func)
+
+
+def encode_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """The second half of a call's payload: ``cloudpickle.dumps((args, kwargs))``."""
+    return _dumps(func, (args, kwargs))
+
+
+def _dumps(func: Any, value: Any) -> bytes:
     import cloudpickle
 
     if not callable(func):
@@ -77,7 +93,7 @@ def encode_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byt
     if module is not None:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return bytes(cloudpickle.dumps((func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+        return bytes(cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:
         raise InvalidRequest(f"cannot pickle the call to {getattr(func, '__qualname__', func)!r}: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -91,21 +107,41 @@ def client_python() -> str:
     return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
+_LIMITS = {
+    "time": "was killed at its time limit",
+    "memory": "was killed at its memory limit",
+    "output": "was killed at its output limit (it printed more than max_output)",
+    "pids": "failed at its process limit (a fork was refused: pids)",
+    "disk": "failed at its disk limit (no room left in its /tmp or the workspace)",
+}
+EXCERPT_BYTES = 4096
+"""At most this much of a call's stderr travels in an error (its head and tail)."""
+
+
 def decode_reply(out: CallResult, trusted: bool = False) -> Any:
     """The callable's return value, or the matching error (RemoteError, CallFailed)."""
     result = out.result
+    kind, body = None, None
+    if out.reply:
+        try:
+            kind, body = _safe_loads(out.reply)
+        except Exception as exc:
+            if result.limit is None:
+                raise CallFailed(f"the sandbox's reply is malformed ({type(exc).__name__}: {exc}); "
+                                 f"stderr: {excerpt(result.stderr)}") from None
+    if result.limit is not None:
+        detail: dict[str, Any] = {"limit": result.limit, "exit_code": result.exit_code,
+                                  "stderr": excerpt(result.stderr)}
+        raised = ""
+        if kind == "error" and isinstance(body, dict):
+            detail.update(remote_type=str(body.get("type", "")), remote_message=str(body.get("message", ""))[:500])
+            raised = f", raising {detail['remote_type']}: {detail['remote_message'][:200]}"
+        raise CallFailed(f"the call {_LIMITS.get(result.limit, f'hit its {result.limit} limit')} "
+                         f"(exit {result.exit_code}, {result.duration_s:.2f} s{raised})", **detail)
     if not out.reply:
-        if result.limit is not None:
-            raise CallFailed(f"the call was killed at its {result.limit} limit "
-                             f"(exit {result.exit_code}, {result.duration_s:.2f} s)",
-                             limit=result.limit, exit_code=result.exit_code, stderr=_tail(result.stderr))
-        raise CallFailed(f"the call ended without a result (exit {result.exit_code}): {_tail(result.stderr)}",
-                         exit_code=result.exit_code, stderr=_tail(result.stderr))
-    try:
-        kind, body = _safe_loads(out.reply)
-    except Exception as exc:
-        raise CallFailed(f"the sandbox's reply is malformed ({type(exc).__name__}: {exc}); "
-                         f"stderr: {_tail(result.stderr)}") from None
+        killed = f", signal {result.signal}" if result.signal else ""
+        raise CallFailed(f"the call crashed without a result (exit {result.exit_code}{killed}): "
+                         f"{excerpt(result.stderr)}", exit_code=result.exit_code, stderr=excerpt(result.stderr))
     if kind == "error" and isinstance(body, dict):
         raise RemoteError(f"{body.get('type')}: {body.get('message')}", type=str(body.get("type", "")),
                           traceback=str(body.get("traceback", "")), stage=str(body.get("stage", "")))
@@ -122,5 +158,10 @@ def decode_reply(out: CallResult, trusted: bool = False) -> Any:
                          f"(e.g. .tolist()), or pass trusted=True if you trust the code that ran") from None
 
 
-def _tail(data: bytes, limit: int = 2000) -> str:
-    return data[-limit:].decode(errors="replace").strip()
+def excerpt(data: bytes, limit: int = EXCERPT_BYTES) -> str:
+    """``data`` as text, whole when short, else its head and tail with how much was left out between them."""
+    if len(data) <= limit:
+        return data.decode(errors="replace").strip()
+    head, tail = data[: limit // 4], data[-(limit - limit // 4):]
+    return (f"{head.decode(errors='replace')}\n... [{len(data) - limit} bytes left out] ...\n"
+            f"{tail.decode(errors='replace')}").strip()

@@ -56,7 +56,7 @@ from dsec.models import (
 from dsec.models_surface import ExposeRequest, PortInfo, ShellInfo
 from dsec.trajectory.digest import exec_args
 
-from .calls import client_python, decode_reply, encode_call
+from .calls import client_python, decode_reply, encode_arguments, encode_call, encode_function
 from .client import Client, default_client
 from .files import AsyncFiles
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell, process_request, shell_request
@@ -69,6 +69,7 @@ T = TypeVar("T")
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
 _DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+_CALL_MAX_OUTPUT = 1024 * 1024
 
 
 def _invalid(exc: pydantic.ValidationError, what: str) -> InvalidRequest:
@@ -492,16 +493,33 @@ class AsyncSandbox:
         trusted: bool = False,
         python: str = "python3",
         env: Mapping[str, str] | None = None,
+        memory: int | str | None = None,
+        pids: int | None = None,
+        disk: int | str | None = None,
+        max_output: int = _CALL_MAX_OUTPUT,
     ) -> Any:
-        """Run ``func(*args, **kwargs)`` in a fresh process of the sandbox (cloudpickled; the image's Python
-        must have this interpreter's minor version). Raises :class:`dsec.RemoteError` with the remote type
-        and traceback when it raises, :class:`dsec.CallFailed` when it is killed at a limit or returns
-        more than ``max_result_bytes``. The value is rebuilt as plain data only unless ``trusted``."""
-        payload = encode_call(func, tuple(args), dict(kwargs or {}))
+        """Run ``func(*args, **kwargs)`` in a fresh process of the sandbox, forked from an interpreter of the image
+        that has cloudpickle already imported (the image's Python must have this interpreter's minor version).
+
+        Each call has its own ``memory``, ``pids`` and ``disk`` (its ``/tmp``) limits: the sandbox's unless
+        lower ones are given here; another call's use never counts against them. Raises :class:`dsec.RemoteError`
+        with the remote type and traceback when it raises, :class:`dsec.CallFailed` when it ends at a limit
+        (``detail["limit"]``: time, memory, pids, disk or output; prints past ``max_output`` bytes are the
+        output limit), crashes, or returns more than ``max_result_bytes``; errors of the sandbox itself
+        (:class:`dsec.SandboxError`, :class:`dsec.InvalidRequest` for an image without Python) are never a
+        call's verdict. The value is rebuilt as plain data only unless ``trusted``."""
+        return await self._call(encode_call(func, tuple(args), dict(kwargs or {})), timeout=timeout,
+                                max_result_bytes=max_result_bytes, trusted=trusted, python=python, env=env,
+                                memory=memory, pids=pids, disk=disk, max_output=max_output)
+
+    async def _call(self, payload: bytes, *, timeout: float | None, max_result_bytes: int, trusted: bool, python: str,
+                    env: Mapping[str, str] | None, memory: int | str | None, pids: int | None, disk: int | str | None,
+                    max_output: int) -> Any:
         try:
             request = CallRequest(payload=payload, client_python=client_python(), timeout=timeout,
                                   max_result_bytes=max_result_bytes, python=python,
-                                  env=dict(env) if env is not None else None)
+                                  env=dict(env) if env is not None else None, memory=memory, pids=pids, disk=disk,
+                                  max_output=max_output)
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "call") from None
         return decode_reply(await self._api.call(self.id, request), trusted=trusted)
@@ -515,16 +533,24 @@ class AsyncSandbox:
         timeout: float | None = 60,
         trusted: bool = False,
         return_exceptions: bool = False,
+        memory: int | str | None = None,
+        pids: int | None = None,
+        disk: int | str | None = None,
+        max_output: int = _CALL_MAX_OUTPUT,
     ) -> builtins.list[Any]:
-        """``[func(x) for x in inputs]``, each in its own call, ``concurrency`` at a time; results in input
-        order. With ``return_exceptions`` a failed call's error takes its place instead of being raised."""
+        """``[func(x) for x in inputs]``, each in its own call (with its own limits, as :meth:`call_with`),
+        ``concurrency`` at a time; results in input order. With ``return_exceptions`` a failed call's error takes
+        its place instead of being raised."""
         if concurrency < 1:
             raise InvalidRequest(f"concurrency must be at least 1, got {concurrency}")
         gate = asyncio.Semaphore(concurrency)
+        pickled = encode_function(func)  # once for every call
 
         async def one(item: Any) -> Any:
             async with gate:
-                return await self.call_with(func, (item,), timeout=timeout, trusted=trusted)
+                return await self._call(pickled + encode_arguments(func, (item,), {}), timeout=timeout,
+                                        max_result_bytes=_DEFAULT_MAX_OUTPUT, trusted=trusted, python="python3",
+                                        env=None, memory=memory, pids=pids, disk=disk, max_output=max_output)
 
         return await asyncio.gather(*(one(x) for x in inputs), return_exceptions=return_exceptions)
 

@@ -222,6 +222,10 @@ class Sandbox:
         trusted: bool = ...,
         python: str = ...,
         env: Mapping[str, str] | None = ...,
+        memory: int | str | None = ...,
+        pids: int | None = ...,
+        disk: int | str | None = ...,
+        max_output: int = ...,
     ) -> Any: ...
     def map(
         self,
@@ -232,6 +236,10 @@ class Sandbox:
         timeout: float | None = ...,
         trusted: bool = ...,
         return_exceptions: bool = ...,
+        memory: int | str | None = ...,
+        pids: int | None = ...,
+        disk: int | str | None = ...,
+        max_output: int = ...,
     ) -> builtins.list[Any]: ...
     @overload
     def exec(

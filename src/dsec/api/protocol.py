@@ -169,9 +169,12 @@ class NodeAPI(Protocol):
         commands (what ``sb.exec`` uses); hanging up kills it (not on a trajectory: it is logged)."""
         raise Declared
 
-    @operation("POST", "/v1/sandboxes/{sandbox_id}/call", tags=["commands"])
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/call", tags=["commands"], fast=True, runs_command=True,
+               no_read_timeout=True)
     async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
-        """Run a pickled Python callable (function backend); the reply is decoded by the client."""
+        """Run a pickled Python callable (function backend); the reply is decoded by the client. A grader makes
+        thousands (the fast path); hanging up kills it; it takes as long as its timeout, stretched while the
+        node gives it no CPU."""
         raise Declared
 
     # -- files ----------------------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """The ``function`` backend: every exec a fresh, isolated process tree forked from a pre-warmed zygote.
 
-Create: a workspace directory, a scaffold of mount points, a cgroup with the sandbox's limits,
-and one ``dsec-zygote`` (:mod:`dsec.isolation.zygote`, ``zygote.c``) that has already mounted
-the image read-only (an overlay of the scaffold over ``ImageRef.rootfs``), bound the workspace
-writable, prepared the Landlock ruleset and the seccomp program, and entered its user namespace.
-Exec: one ``clone`` of the zygote into new pid, mount, network, ipc and uts namespaces, with a
-fresh ``/proc`` and ``/tmp``, no capabilities, no_new_privs, rlimits, Landlock and seccomp; the
-command's exit ends the pid namespace, so nothing it started outlives the call. Only the
-workspace persists between calls. Files: confined ``openat2`` through the zygote's root.
-Call: :meth:`FunctionBackend.call` runs a pickled callable with the loader in ``/.dsec``.
+Create: a workspace directory, a scaffold of mount points, a cgroup with the sandbox's limits and its
+layout for per-call cgroups, and one ``dsec-zygote`` (:mod:`dsec.isolation.zygote`, ``zygote.c``) that
+has already mounted the image read-only (an overlay of the scaffold over ``ImageRef.rootfs``), bound the
+workspace writable, prepared the Landlock ruleset and the seccomp program, entered its user namespace and
+made the sandbox's one network namespace (loopback only, down). Exec: one ``clone`` of the zygote into new
+pid, mount, ipc and uts namespaces and a cgroup of its own, with a fresh ``/proc`` and ``/tmp``, the
+sandbox's user (``spec.user``, else the image's), no capabilities, no_new_privs, rlimits, Landlock and
+seccomp; the command's exit ends the pid namespace, so nothing it started outlives the call. Only the
+workspace persists between calls. Files: confined ``openat2`` through the zygote's root. Call:
+:meth:`FunctionBackend.call` forks a pickled callable from the sandbox's Python zygote (``pyzygote.py``: the
+image's interpreter, cloudpickle and the loader imported once). Limits, verdicts and Python zygotes:
+:mod:`dsec.backends.function_calls`.
 
 This module owns the sandbox's host resources (directory, cgroups, zygote) and must leave none
 of them behind, including after a daemon crash (:meth:`recover`, :meth:`cleanup_orphans`).
@@ -20,7 +23,6 @@ import asyncio
 import contextlib
 import errno
 import hashlib
-import math
 import os
 import posixpath
 import shutil
@@ -37,27 +39,28 @@ from dsec.backends.base import (
     apply_image_defaults,
     collect_exec,
     default_identity,
-    signal_of,
     store_identity,
     workdir_of,
 )
+from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_exited
 from dsec.backends.hostside import HostFiles, actor_of
 from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.images.users import resolve_user
-from dsec.isolation import call_loader
-from dsec.isolation.cgroups import CgroupSet, LimitCounters, Limits, background_group, cgroup_mode
+from dsec.isolation import call_loader, pyzygote
+from dsec.isolation.callslots import lay_out, zygote_procs
+from dsec.isolation.cgroups import CgroupSet, Limits, background_group, cgroup_mode
 from dsec.isolation.disk import disk_full, mount_disk, umount
-from dsec.isolation.exec_client import check_exec_size, stream_exec
+from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.files import SandboxFS
-from dsec.isolation.init import ensure_zygote
+from dsec.isolation.init import ensure_callinit, ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.process_io import PipeProcess, host_pty, raw_mode
 from dsec.isolation.procs import ended, start_time
-from dsec.isolation.seccomp import DEFAULT_PROFILE
+from dsec.isolation.seccomp import DEFAULT_PROFILE, ZYGOTE_PROFILE
 from dsec.isolation.zygote import Zygote, ZygoteConfig
 from dsec.models import (
     CallRequest,
@@ -65,7 +68,6 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     FileEntry,
-    LimitHit,
     SandboxRecord,
     SandboxStats,
 )
@@ -86,7 +88,7 @@ class FunctionBackend(Backend):
     root_writable: ClassVar[bool] = False
     processes_persist: ClassVar[bool] = False
     ports: ClassVar[bool] = False
-    """Every call has its own network namespace with a loopback that is down, and Landlock refuses TCP."""
+    """The calls share a network namespace with a loopback that is down, and Landlock refuses TCP."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
@@ -95,11 +97,11 @@ class FunctionBackend(Backend):
         # Not the container backend's parent: each backend's orphan sweep must see only its own sandboxes.
         self.cgroup_parent = f"dsec-{tag}-fn"
         self._zygotes: dict[str, Zygote] = {}
-        # Sandbox id -> its cgroups' limit counters (read around every call), resolved at its first call.
-        self._counters: dict[str, LimitCounters] = {}
+        self._calls = Calls()
         self.files = HostFiles(self._fs)
         self._binary: Path | None = None
         self._bpf = b""
+        self._zygote_bpf = b""
         self._support: Path | None = None
 
     def available(self) -> str:
@@ -117,12 +119,15 @@ class FunctionBackend(Backend):
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._binary = await asyncio.to_thread(ensure_zygote, self.settings.home / "bin")
         self._bpf = await asyncio.to_thread(DEFAULT_PROFILE.compile_bpf)
-        self._support = await asyncio.to_thread(_ensure_support, self.root)
+        self._zygote_bpf = await asyncio.to_thread(ZYGOTE_PROFILE.compile_bpf)
+        callinit = await asyncio.to_thread(ensure_callinit, self.settings.home / "bin")
+        self._support = await asyncio.to_thread(_ensure_support, self.root, callinit)
         # The sandboxes' group gets its CPU class when a create makes it (see container.start).
         await asyncio.to_thread(background_group, self.cgroup_parent, self.settings.sandbox_cpu_idle, make=False)
 
     async def aclose(self) -> None:
         # Zygotes die with their sockets; workspaces and cgroups stay for a restarted daemon's recover().
+        self._calls.close()
         for zygote in self._zygotes.values():
             await asyncio.to_thread(zygote.close)
         self._zygotes.clear()
@@ -144,7 +149,7 @@ class FunctionBackend(Backend):
             raise BackendUnavailable("function backend is not started")
         if record.spec.network != "none":
             raise InvalidRequest(f"network={record.spec.network!r} is not available on the function backend: "
-                                 f"every call runs in its own empty network namespace")
+                                 f"its calls share a network namespace with nothing but a loopback device, down")
         if not record.spec.landlock:
             raise InvalidRequest("landlock=False is not available on the function backend: every call is confined")
         apply_image_defaults(record, image)
@@ -154,9 +159,10 @@ class FunctionBackend(Backend):
             "base": str(base), "uid_shift": shift, "image_rootfs": str(image.rootfs),
             "cgroup": f"/{self.cgroup_parent}/{record.id}", "image_env": dict(image.config.env),
         }
-        # Calls run as the sandbox's root unless the spec names a user (the image's User is not used: the
-        # workspace, the only writable place, starts as root's; a named user gets it).
-        user = await asyncio.to_thread(resolve_user, image.rootfs, record.spec.user) if record.spec.user else ROOT
+        # Calls run as the spec's user, else the image's User (as the container backend's commands do), else the
+        # sandbox's root; the workspace, the only writable place, is that user's.
+        named = record.spec.user or image.config.user
+        user = await asyncio.to_thread(resolve_user, image.rootfs, named) if named else ROOT
         store_identity(record, user)
         await asyncio.to_thread(self._make_dirs, base, workdir_of(record), shift, record.spec.disk,
                                 (user.uid + shift, user.gid + shift))
@@ -233,17 +239,20 @@ class FunctionBackend(Backend):
                                  path=e.detail.get("path")) from None
         cover_paths(zygote.pid, hidden, user_ns=False)
         zygote.refresh()
+        self._calls.drain_pythons(record.id)
 
     async def _start_zygote(self, record: SandboxRecord) -> None:
         assert self._binary is not None and self._support is not None
         state = record.backend_state
         base = Path(state["base"])
         cgroups = self._cgroups(record)
+        spec = record.spec
+        await asyncio.to_thread(lay_out, cgroups, spec.memory, spec.pids)
         config = ZygoteConfig(
             binary=self._binary, newroot=base / "root", lowerdirs=(base / "scaffold", Path(state["image_rootfs"])),
             workspace=base / "workspace", workdir=workdir_of(record), support=self._support,
-            tmpfs_bytes=record.spec.disk, seccomp_bpf=self._bpf, uid_shift=int(state["uid_shift"]),
-            uid_count=self.settings.uid_count, cgroup_procs=tuple(cgroups.procs_files()),
+            tmpfs_bytes=default_tmp(spec.memory, spec.disk), seccomp_bpf=self._bpf, uid_shift=int(state["uid_shift"]),
+            uid_count=self.settings.uid_count, cgroup_procs=tuple(zygote_procs(cgroups)), zygote_bpf=self._zygote_bpf,
         )
         zygote = Zygote(config)
         pid = await asyncio.to_thread(zygote.start)
@@ -260,6 +269,7 @@ class FunctionBackend(Backend):
         """A zygote holds nothing a call needs but what it was started with: a new one over the same workspace
         (and ``image``, which may be mounted afresh) serves the sandbox as before."""
         zygote = self._zygotes.pop(record.id, None)
+        self._calls.forget(record.id)
         if zygote is not None:
             await asyncio.to_thread(zygote.close)
         record.backend_state["image_rootfs"] = str(image.rootfs)
@@ -287,21 +297,25 @@ class FunctionBackend(Backend):
                     ) -> AsyncIterator[ExecEvent]:
         return self._exec_stream(record, request, user)
 
-    def _fields(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
-                timeout: float | None, user: Identity | None, tty: bool = False) -> list[str]:
-        """The zygote's request for a command of ``record`` (see ``zygote.c``)."""
+    def _env(self, record: SandboxRecord, env: dict[str, str] | None, user: Identity | None) -> dict[str, str]:
         identity = user or default_identity(record)
-        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home if user else "/tmp",
-                    **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
-        check_exec_size(argv, full_env)
-        # RLIMIT_CPU backs the wall-clock timeout: a CPU-bound call gets SIGXCPU, then SIGKILL. It counts every
-        # thread, so it allows the CPU time the sandbox's quota gives in that time (a 4-thread call on cpu=4 got
-        # SIGXCPU after a quarter of its timeout).
-        cpu = math.ceil(timeout * math.ceil(record.spec.cpu)) + 1 if timeout else 0
+        return {"PATH": DEFAULT_PATH, "HOME": identity.home if user else "/tmp",
+                **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
+
+    def _head(self, record: SandboxRecord, timeout: float | None, tmp: int) -> list[str]:
+        """The fields every request starts with: ``CPU_S FSIZE NOFILE TMP_BYTES``."""
         # No RLIMIT_FSIZE (0) where the workspace is a tmpfs of `disk` bytes: the quota answers ENOSPC (and the
         # verdict limit="disk") instead of a SIGXFSZ; a sandbox created before quotas keeps the per-file limit.
         fsize = 0 if record.backend_state.get("disk") else record.spec.disk
-        fields = [str(cpu), str(fsize), str(_NOFILE), cwd or workdir_of(record),
+        return [str(cpu_rlimit(timeout, record.spec.cpu)), str(fsize), str(_NOFILE), str(tmp)]
+
+    def _fields(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
+                timeout: float | None, user: Identity | None, tmp: int, tty: bool = False) -> list[str]:
+        """The zygote's request for a command of ``record`` (see ``zygote.c``)."""
+        identity = user or default_identity(record)
+        full_env = self._env(record, env, user)
+        check_exec_size(argv, full_env)
+        fields = [*self._head(record, timeout, tmp), cwd or workdir_of(record),
                   str(len(argv)), *argv, str(len(full_env)), *(f"{k}={v}" for k, v in full_env.items())]
         if not identity.is_root or identity.gid or identity.groups or tty:
             groups = ",".join(str(g) for g in (identity.gid, *identity.groups))
@@ -311,44 +325,34 @@ class FunctionBackend(Backend):
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None
                            ) -> AsyncIterator[ExecEvent]:
         zygote = self._zygote(record)
-        counters = self._counters.get(record.id)
-        if counters is None:
-            counters = self._counters[record.id] = self._cgroups(record).limit_counters()
-        fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user)
-        cpu = int(fields[0])
-        before = (counters.oom_kills(), counters.pids_limit_hits())
-        disk = record.backend_state.get("disk")
-
-        def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if signal_of(exit_code, sig) == signal.SIGKILL and counters.oom_kills() > before[0]:
-                return "memory"
-            if sig == signal.SIGXCPU:
-                return "time"
-            if exit_code != 0 and counters.pids_limit_hits() > before[1]:
-                return "pids"
-            if exit_code != 0 and disk and disk_full(disk):
-                return "disk"
-            return None
-
-        events = stream_exec(await zygote.spawn(fields), request, verdict,
-                             peer="the sandbox's zygote (the sandbox was destroyed, or the zygote killed)")
+        limits, tmp = self._calls.limits(record)
+        fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user, tmp)
+        peer = "the sandbox's zygote (the sandbox was destroyed, or the zygote killed)"
+        events = self._calls.run(record, self._cgroups(record), request, fields, zygote.spawn, limits, peer,
+                                 cpu=int(fields[0]))
         try:
             async for event in events:
-                if event.type == "exit" and event.result is not None and event.result.limit is None:
-                    r = event.result
-                    killed = signal_of(r.exit_code, r.signal) in (signal.SIGKILL, signal.SIGXCPU)
-                    if killed and cpu and r.cpu_s is not None and r.cpu_s >= cpu - 1:
-                        event = ExecEvent(type="exit", result=r.model_copy(update={"limit": "time"}))
                 yield event
         finally:
             await events.aclose()
 
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
-        self._zygote(record)
-        argv = [request.python, "-I", "/.dsec/loader.py", str(request.max_result_bytes), request.client_python]
-        exec_request = ExecRequest(command=argv, timeout=request.timeout, stdin=request.payload,
-                                   max_output=request.max_result_bytes + _REPLY_OVERHEAD, env=request.env)
-        result = await collect_exec(self.exec_stream(record, exec_request))
+        zygote = self._zygote(record)
+        limits, tmp = self._calls.limits(record, request.memory, request.pids, request.disk)
+        identity = default_identity(record)
+        default = default_tmp(record.spec.memory, record.spec.disk)
+        argv = [request.python, "-I", "/.dsec/pyzygote.py", workdir_of(record), str(default), zygote.config.cpus,
+                str(identity.uid), ",".join(str(g) for g in (identity.gid, *identity.groups))]
+        python = await self._calls.python(record, zygote, request.python, argv)
+        env = self._env(record, request.env, None)
+        fields = [*self._head(record, request.timeout, tmp), workdir_of(record), str(request.max_result_bytes),
+                  request.client_python, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        exec_request = ExecRequest(command=[f"{request.python} (sb.call)"], timeout=request.timeout,
+                                   stdin=request.payload, max_output=request.max_result_bytes + _REPLY_OVERHEAD)
+        caps = {"stderr": request.max_output}
+        result = await collect_exec(self._calls.run(record, self._cgroups(record), exec_request, fields, python.spawn,
+                                                    limits, "the sandbox's Python zygote", caps=caps,
+                                                    cpu=int(fields[0])))
         reply, result = result.stdout, result.model_copy(update={"stdout": b""})
         return CallResult(reply=reply, result=result)
 
@@ -359,7 +363,8 @@ class FunctionBackend(Backend):
         zygote = self._zygote(record)
         identity = user or default_identity(record)
         env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
-        fields = self._fields(record, spec.argv, env, spec.cwd, spec.timeout, user, tty=spec.pty is not None)
+        limits, tmp = self._calls.limits(record)
+        fields = self._fields(record, spec.argv, env, spec.cwd, spec.timeout, user, tmp, tty=spec.pty is not None)
         master = slave = None
         if spec.pty is not None:
             # A call has no devpts of its own (its /dev is a few read-only nodes): the terminal is the host's.
@@ -368,9 +373,13 @@ class FunctionBackend(Backend):
             if spec.pty_stdin:
                 raw_mode(slave)
         stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
+        # A cgroup of its own, as every call has, held for as long as the process runs.
+        slots = self._calls.slots(record, self._cgroups(record))
+        slot = await slots.acquire(limits)
         try:
-            spawned = await zygote.spawn(fields, stdio)
+            spawned = await zygote.spawn(fields, slot.procs_fds, stdio)
         except BaseException:
+            slots.release(slot)
             if master is not None:
                 os.close(master)
             raise
@@ -380,7 +389,12 @@ class FunctionBackend(Backend):
         # The zygote reports its call's pid 1 (every call has a pid namespace of its own): its host pid names it.
         process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
                               timeout=spec.timeout, pid_of=lambda host_pid: host_pid)
-        await process.wait_started()
+        try:
+            await process.wait_started()
+        except BaseException:
+            slots.release(slot)
+            raise
+        release_when_exited(slots, slot, process.host_pid)
         return process
 
     def _fs(self, record: SandboxRecord, path: str = "/", user: Identity | None = None) -> tuple[SandboxFS, str]:
@@ -470,6 +484,7 @@ class FunctionBackend(Backend):
         await asyncio.to_thread(reveal_paths, zygote.pid, hidden, False)
         record.backend_state["hidden"] = []
         await asyncio.to_thread(zygote.refresh)
+        self._calls.drain_pythons(record.id)
 
     async def stats(self, record: SandboxRecord) -> SandboxStats:
         cg = self._cgroups(record)
@@ -488,7 +503,7 @@ class FunctionBackend(Backend):
 
     async def destroy(self, record: SandboxRecord) -> None:
         zygote = self._zygotes.pop(record.id, None)
-        self._counters.pop(record.id, None)
+        self._calls.forget(record.id)
         if zygote is not None:
             await asyncio.to_thread(zygote.close)
         # A zygote of ours is reaped by close(): its pid is free for reuse, so only a previous daemon's is killed.
@@ -500,10 +515,11 @@ class FunctionBackend(Backend):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)  # a zygote of a previous daemon (not our child)
         cgroups = CgroupSet.at(state.get("cgroup") or f"/{self.cgroup_parent}/{sandbox_id}")
-        # Calls die with their zygote (PDEATHSIG); sweep the cgroup for any straggler, then remove it.
+        # Calls die with their zygote (PDEATHSIG); sweep the cgroups (the calls' own too) for any straggler, then
+        # remove them.
         for _ in range(200):
-            cgroups.kill_all()
-            if not cgroups.pids():
+            cgroups.kill_all(recursive=True)
+            if not cgroups.pids(recursive=True):
                 break
             time.sleep(0.01)
         cgroups.remove()
@@ -534,8 +550,8 @@ class FunctionBackend(Backend):
                 os.kill(int(pid), signal.SIGKILL)
         cgroups = self._cgroups(record)
         for _ in range(200):
-            cgroups.kill_all()
-            if not cgroups.pids():
+            cgroups.kill_all(recursive=True)
+            if not cgroups.pids(recursive=True):
                 break
             time.sleep(0.01)
 
@@ -561,13 +577,17 @@ def _du(path: Path) -> int:
     return total
 
 
-def _ensure_support(root: Path) -> Path:
-    """``/.dsec`` of every call: the loader and a copy of the client's pure-Python cloudpickle, by digest."""
+def _ensure_support(root: Path, callinit: Path) -> Path:
+    """``/.dsec`` of every call: the Python zygote, the init of its calls, the loader and a copy of the client's
+    pure-Python cloudpickle, by digest."""
     import cloudpickle
 
     package = Path(cloudpickle.__file__).parent
-    loader = Path(call_loader.__file__).read_text()
-    digest = hashlib.sha256(loader.encode())
+    programs = {"loader.py": Path(call_loader.__file__).read_bytes(),
+                "pyzygote.py": Path(pyzygote.__file__).read_bytes(), "dsec-callinit": callinit.read_bytes()}
+    digest = hashlib.sha256()
+    for name, data in sorted(programs.items()):
+        digest.update(name.encode() + data)
     sources = sorted(package.glob("*.py"))
     for src in sources:
         digest.update(src.name.encode() + src.read_bytes())
@@ -579,8 +599,9 @@ def _ensure_support(root: Path) -> Path:
     (tmp / "cloudpickle").mkdir(parents=True)
     for src in sources:
         shutil.copy2(src, tmp / "cloudpickle" / src.name)
-    (tmp / "loader.py").write_text(loader)
+    for name, data in programs.items():
+        (tmp / name).write_bytes(data)
     for path in [tmp, *tmp.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.chmod(path, 0o755 if path.is_dir() or path.name == "dsec-callinit" else 0o644)
     os.replace(tmp, target)
     return target

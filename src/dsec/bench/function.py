@@ -6,7 +6,9 @@ process, reached over its unix socket with the public SDK, so HTTP and JSON are 
 floor the daemon adds to). The peers run the same ``true`` in the same run: ``subprocess.run`` of
 ``/bin/true`` on the host (no isolation at all) and ``bwrap --unshare-all`` over the same image root
 (a fresh sandbox per call, what a user would otherwise script). Throughputs use the same number of
-concurrent workers for every contender. Everything the suite creates lives in a private
+concurrent workers for every contender. ``sb.call`` and ``sb.map`` (forked from the sandbox's Python
+zygote) are measured through the SDK, with the CPU each call costs by side, and so is a neighbour's
+exec latency while a grader's ``sb.map`` keeps the node busy. Everything the suite creates lives in a private
 ``DSEC_HOME`` and is removed in ``finally``; what could not be removed is reported under ``leaks``.
 """
 
@@ -26,7 +28,8 @@ from typing import Any
 
 from dsec import AsyncSandbox, Client
 from dsec.backends.function import FunctionBackend
-from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer
+from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer, cpu_per_cycle
+from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.models import ExecRequest
@@ -43,7 +46,11 @@ class FunctionBench:
 
     warmup: int = 20
     exec_n: int = 300
-    call_n: int = 20
+    call_n: int = 100
+    map_n: int = 1500
+    """Calls of the ``sb.map`` throughput phase."""
+    neighbour_n: int = 100
+    """Execs of a neighbour sandbox per condition (alone; while a grader's map runs)."""
     sustained_seconds: float = 8.0
     concurrency: int = 4
     peer_n: int = 100
@@ -55,7 +62,8 @@ class FunctionBench:
         def n(v: int) -> int:
             return max(1, round(v * factor))
         return replace(self, warmup=n(self.warmup), exec_n=n(self.exec_n), call_n=n(self.call_n),
-                       peer_n=n(self.peer_n), sustained_seconds=max(0.5, self.sustained_seconds * factor))
+                       map_n=n(self.map_n), neighbour_n=n(self.neighbour_n), peer_n=n(self.peer_n),
+                       sustained_seconds=max(0.5, self.sustained_seconds * factor))
 
 
 def preflight(settings: Settings) -> Path | None:
@@ -116,7 +124,7 @@ def _timed(argv: list[str], n: int, warmup: int) -> list[float]:
     return samples
 
 
-async def _sdk(cfg: FunctionBench, client: Client, results: dict[str, Any]) -> None:
+async def _sdk(cfg: FunctionBench, client: Client, results: dict[str, Any], daemon: int | None) -> None:
     lat = results["latencies"]
     sandbox = await AsyncSandbox.create(image=IMAGE, backend="function", client=client)
     try:
@@ -135,18 +143,61 @@ async def _sdk(cfg: FunctionBench, client: Client, results: dict[str, Any]) -> N
             if r.exit_code != 0:
                 raise RuntimeError(f"exec true exited {r.exit_code}")
 
-        results["sdk_sustained"] = await _sustain(one, cfg.concurrency, cfg.sustained_seconds)
-        calls = []
-        for i in range(2 + cfg.call_n):
-            t0 = time.perf_counter()
-            # a lambda travels by value: the image has no dsec to import a module-level function from
-            if await sandbox.call(lambda x: x * x, i) != i * i:
-                raise RuntimeError("sb.call returned a wrong value")
-            if i >= 2:
-                calls.append(time.perf_counter() - t0)
-        lat["sdk_call"] = summarize(calls)
+        results["sdk_sustained"] = await _sustain(one, cfg.concurrency, cfg.sustained_seconds, daemon)
+        await _calls(cfg, sandbox, client, results, daemon)
     finally:
         await sandbox.close()
+
+
+async def _calls(cfg: FunctionBench, sandbox: AsyncSandbox, client: Client, results: dict[str, Any],
+                 daemon: int | None) -> None:
+    """sb.call latency, sb.map throughput (with its CPU per call by side), and a neighbour's exec latency alone
+    and while the map keeps the node busy."""
+    calls = []
+    for i in range(2 + cfg.call_n):
+        t0 = time.perf_counter()
+        # a lambda travels by value: the image has no dsec to import a module-level function from
+        if await sandbox.call(lambda x: x * x, i) != i * i:
+            raise RuntimeError("sb.call returned a wrong value")
+        if i >= 2:
+            calls.append(time.perf_counter() - t0)
+    results["latencies"]["sdk_call"] = summarize(calls)
+    cpu = CpuWindow(daemon)
+    cpu.start()
+    t0 = time.perf_counter()
+    got = await sandbox.map(lambda x: x * x, range(cfg.map_n), concurrency=cfg.concurrency)
+    elapsed = time.perf_counter() - t0
+    if got != [i * i for i in range(cfg.map_n)]:
+        raise RuntimeError("sb.map returned wrong values")
+    results["sdk_map"] = {"calls": cfg.map_n, "seconds": elapsed, "rate": cfg.map_n / elapsed,
+                          "concurrency": cfg.concurrency, **(cpu.stop(cfg.map_n) if daemon else {}),
+                          "load": os.getloadavg()[0]}
+    neighbour = await AsyncSandbox.create(image=IMAGE, backend="function", client=client)
+    try:
+        await neighbour.exec(["true"])
+
+        async def sample(into: list[float]) -> None:
+            for _ in range(cfg.neighbour_n):
+                t0 = time.perf_counter()
+                await neighbour.exec(["true"])
+                into.append(time.perf_counter() - t0)
+
+        alone: list[float] = []
+        loaded: list[float] = []
+        await sample(alone)
+        grader = asyncio.create_task(sandbox.map(lambda x: sum(i * i for i in range(200_000)) + x,
+                                                 range(10 * cfg.map_n), concurrency=cfg.concurrency))
+        try:
+            await asyncio.sleep(1.0)
+            await sample(loaded)
+        finally:
+            grader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await grader
+        a, b = summarize(alone), summarize(loaded)
+        results["neighbour"] = {"alone": asdict(a), "loaded": asdict(b), "rise": b.p50 / a.p50 - 1}
+    finally:
+        await neighbour.close()
 
 
 async def _backend(cfg: FunctionBench, settings: Settings, results: dict[str, Any]) -> None:
@@ -211,9 +262,10 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
             client = Client(url=f"unix://{settings.socket_path}")
             try:
                 progress(f"SDK: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s "
-                         f"(C={cfg.concurrency}), sb.call x{cfg.call_n}")
+                         f"(C={cfg.concurrency}), sb.call x{cfg.call_n}, sb.map x{cfg.map_n}, a neighbour's exec "
+                         f"x{cfg.neighbour_n} alone and beside a map")
                 with timer.phase("sdk"):
-                    await _sdk(cfg, client, results)
+                    await _sdk(cfg, client, results, daemon_pid(settings) if cfg.daemon == "process" else None)
             finally:
                 await client.aclose()
         progress(f"backend: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s")
@@ -278,6 +330,8 @@ def _rows(suite: Suite) -> list[Row]:
         label = f"calls/s ({where}, C={s['concurrency']}, {s['failures']} failed)"
         rows.append(Row(label, "/s", s["rate"], target="≥ 500/s", better="higher",
                         passed=s["rate"] >= 500 and not s["failures"]))
+        if "cpu_ms_daemon" in s:
+            rows.append(cpu_per_cycle(f"CPU per exec ({where})", s))
         bare = ex.get("bare_sustained")
         if bare:
             row = Row(label, "/s", s["rate"], bare["rate"], "subprocess.run(true)", better="higher",
@@ -290,6 +344,19 @@ def _rows(suite: Suite) -> list[Row]:
         row.passed = row.ratio is not None and row.ratio >= 2
         rows.append(row)
     if "sdk_call" in lat:
-        rows.append(Row("sb.call(square) p50 (SDK+daemon)", "ms", lat["sdk_call"].p50 * 1000,
-                        note="starts the image's python3 and cloudpickle each call"))
+        p50 = lat["sdk_call"].p50 * 1000
+        rows.append(Row("sb.call(lambda x: x * x, i) p50 (SDK+daemon)", "ms", p50, target="≤ 5 ms", passed=p50 <= 5,
+                        note="forked from the sandbox's Python zygote"))
+    if "sdk_map" in ex:
+        m = ex["sdk_map"]
+        rows.append(Row(f"sb.map throughput (C={m['concurrency']}, {m['calls']} calls)", "/s", m["rate"],
+                        target="≥ 300/s", better="higher", passed=m["rate"] >= 300))
+        if "cpu_ms_daemon" in m:
+            rows.append(cpu_per_cycle("CPU per sb.map call", m))
+    if "neighbour" in ex:
+        nb = ex["neighbour"]
+        rows.append(Row("neighbour's exec p50 rise while a grader's sb.map runs", "%", nb["rise"] * 100,
+                        target="≤ 20%", passed=nb["rise"] <= 0.2,
+                        note=f"alone {nb['alone']['p50'] * 1000:.2f} ms, beside the map "
+                             f"{nb['loaded']['p50'] * 1000:.2f} ms"))
     return rows

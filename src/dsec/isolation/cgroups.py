@@ -259,9 +259,10 @@ class CgroupSet:
         else:
             _write(d / "cpu.shares", str(CPU_SHARES_BUSY if busy else CPU_SHARES_IDLE))
 
-    def kill_all(self) -> None:
-        """SIGKILL every process in the set (the function backend's calls after their zygote died)."""
-        for pid in self.pids():
+    def kill_all(self, recursive: bool = False) -> None:
+        """SIGKILL every process in the set (the function backend's calls after their zygote died); ``recursive``:
+        in its child cgroups too."""
+        for pid in self.pids(recursive):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
 
@@ -325,12 +326,18 @@ class CgroupSet:
         oom = None if memory is None else str(memory / ("memory.events" if self.mode == "v2" else "memory.oom_control"))
         return LimitCounters(oom_file=oom, pids_file=None if pids is None else str(pids / "pids.events"))
 
-    def pids(self) -> list[int]:
-        """Every process in the set."""
+    def pids(self, recursive: bool = False) -> list[int]:
+        """Every process in the set (``recursive``: and in its child cgroups, e.g. a function sandbox's calls)."""
         found: set[int] = set()
         for procs in self.procs_files():
             with contextlib.suppress(OSError):
                 found.update(int(x) for x in Path(procs).read_text().split())
+            if recursive:
+                with contextlib.suppress(OSError):
+                    for child in Path(procs).parent.iterdir():
+                        if child.is_dir():
+                            with contextlib.suppress(OSError):
+                                found.update(int(x) for x in (child / "cgroup.procs").read_text().split())
         return sorted(found)
 
     def freeze(self, timeout: float = 5.0) -> None:

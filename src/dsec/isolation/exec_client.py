@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,12 @@ _DRAIN_MAX_S = 2.0
 # How long a command killed at its timeout has to show its exit before the call ends without it: a process
 # of a paused (frozen) sandbox keeps a SIGKILL pending until the sandbox is resumed.
 _KILLED_GRACE_S = 5.0
+# A timeout given back for the time a command waited for a CPU (``stream_exec``'s ``starved``): at most this many
+# times the timeout and this many seconds in all, and only in steps worth a timer.
+_STARVED_FACTOR = 10.0
+_STARVED_MAX_S = 300.0
+_STARVED_MIN_S = 0.02
+_PRESSING_STEP_S = 0.5
 # Output waiting for a slow consumer; past it the pipes are paused (the command blocks on write).
 _MAX_QUEUED = 4 * 1024 * 1024
 # Messages to a helper or zygote up to this size fit any default socket send buffer.
@@ -68,6 +74,8 @@ class Spawned:
     status: int
     pid: int | None = None
     closed: bool = field(default=False)
+    reports: dict[str, str] = field(default_factory=dict)
+    """Status lines the stream does not act on itself, by kind (a function call's ``tmpfull``), for verdicts."""
 
     def kill(self) -> None:
         """SIGKILL the command's process group (it is a session leader)."""
@@ -200,10 +208,11 @@ class ExecHelper:
 
 async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
                           within: float = _SEND_WITHIN_S, stdio: tuple[int | None, int | None, int | None] = (
-                              None, None, None)) -> Spawned:
+                              None, None, None), extra_fds: Sequence[int] = ()) -> Spawned:
     """Send ``message`` to ``peer`` (the exec helper, a zygote) with the far ends of four new pipes
-    (stdin, stdout, stderr, status) attached; returns our ends, non-blocking. ``stdio`` replaces the far ends
-    of stdin, stdout and stderr (a terminal's side); the caller keeps its own copies of those."""
+    (stdin, stdout, stderr, status) attached, then ``extra_fds`` (a function call's cgroup files, which stay
+    ours); returns our ends, non-blocking. ``stdio`` replaces the far ends of stdin, stdout and stderr (a
+    terminal's side); the caller keeps its own copies of those."""
     if len(message) > MAX_MESSAGE:
         # A peer reads at most this much per command (callers check the kernel's exec limit first).
         raise InvalidRequest(f"the command's arguments, environment and working directory take {len(message)} "
@@ -216,7 +225,7 @@ async def send_with_pipes(sock: socket.socket, message: bytes, peer: str,
     theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
     ours = Spawned(stdin=pipes[0][1], stdout=pipes[1][0], stderr=pipes[2][0], status=pipes[3][0])
     sent = [fd if given is None else given for fd, given in zip(theirs, (*stdio, None), strict=True)]
-    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent).tobytes())]
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [*sent, *extra_fds]).tobytes())]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     pause = 0.001
@@ -367,10 +376,12 @@ class _Watch:
     pauses the pipes, never grows the daemon's memory); the timeout is a loop timer. A stalled HTTP
     client therefore cannot keep a command alive past its timeout or make the daemon buffer ``yes``."""
 
-    def __init__(self, spawned: Spawned, request: ExecRequest) -> None:
+    def __init__(self, spawned: Spawned, request: ExecRequest, caps: Mapping[str, int] | None = None,
+                 starved: Callable[[], float] | None = None, pressing: Callable[[], bool] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.spawned = spawned
         self.request = request
+        self.caps = {"stdout": request.max_output, "stderr": request.max_output, **(caps or {})}
         # What the consumer has not taken yet, and the future it waits on while there is nothing (a deque and a
         # bare future: an asyncio.Queue costs a few objects and a lock-step of its own per exec).
         self.items: deque[tuple[str, bytes]] = deque()
@@ -389,11 +400,34 @@ class _Watch:
         self.timer: asyncio.TimerHandle | None = None
         self.unseen_exit = False
         """Killed at the timeout, and its exit not seen within ``_KILLED_GRACE_S``: the call ends without it."""
+        self.starved = starved
+        self.pressing = pressing
+        self.credited = 0.0
+        self.sent_at = self.loop.time()
+        self.started_at: float | None = None
+        self.delay_at_start = 0.0
+        """A function call's ``start DELAY_NS`` line: when its setup ended, and what it had waited for a CPU then."""
         if request.timeout:
             self.timer = self.loop.call_later(request.timeout, self._timed_out)
 
     def _timed_out(self) -> None:
         self.timer = None
+        if self.wstatus is None and self.starved is not None and self.request.timeout:
+            # The time the command waited for a CPU (the node overloaded) is given back, within a bound: the
+            # timeout measures the command, not the node.
+            # ...and so is the time before it started at all (its zygote waiting for a CPU, its cgroup move)
+            waited = (self.started_at or self.loop.time()) - self.sent_at
+            since = max(self.starved() - self.delay_at_start, 0.0) if self.started_at is not None else 0.0
+            room = min(_STARVED_FACTOR * self.request.timeout, _STARVED_MAX_S) - self.credited
+            extra = min(max(waited + since - self.credited, 0.0), room)
+            if extra < _STARVED_MIN_S and self.pressing is not None and self.pressing():
+                # At its memory limit when its time ran out: the kernel is reclaiming, or waiting to OOM-kill it
+                # (the node's OOM killer takes one cgroup at a time). The memory verdict is the one it earned.
+                extra = min(_PRESSING_STEP_S, room)
+            if extra >= _STARVED_MIN_S:
+                self.credited += extra
+                self.timer = self.loop.call_later(extra, self._timed_out)
+                return
         if self.wstatus is None:
             self.limit = self.limit or "time"
             self.spawned.kill()  # no-op until the pid is known; the "pid" line kills then
@@ -436,6 +470,11 @@ class _Watch:
             kind, _, value = line.decode(errors="replace").partition(" ")
             if kind == "pid":
                 self.spawned.pid = int(value)
+                if self.started_at is None:
+                    self.started_at = self.loop.time()
+            elif kind == "start":  # a function call's own: its setup is over (it comes after "pid")
+                self.started_at = self.loop.time()
+                self.delay_at_start = int(value or 0) / 1e9
                 if self.limit is not None:
                     self.spawned.kill()
             elif kind == "exit":
@@ -446,13 +485,15 @@ class _Watch:
                 self.usage = (int(cpu_us) / 1e6, int(rss_kb) * 1024)
             elif kind == "error":
                 self.setup_error = value
+            elif kind:
+                self.spawned.reports[kind] = value
         if not data:
             self.status_closed = True
         if self.wstatus is not None or self.status_closed:
             self._push("status", b"")
 
     def _output(self, name: str, data: bytes) -> None:
-        room = self.request.max_output - self.counts[name]
+        room = self.caps[name] - self.counts[name]
         if len(data) > room:
             data = data[: max(room, 0)]
             if not self.truncated:
@@ -510,10 +551,17 @@ async def stream_exec(
     request: ExecRequest,
     verdict: Callable[[int, int | None], LimitHit | None] | None = None,
     peer: str = "the exec helper",
+    caps: Mapping[str, int] | None = None,
+    starved: Callable[[], float] | None = None,
+    pressing: Callable[[], bool] | None = None,
 ) -> AsyncGenerator[ExecEvent, None]:
     """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit; ``peer``
-    is what started it (named when it goes away mid-command)."""
-    watch = _Watch(spawned, request)
+    is what started it (named when it goes away mid-command); ``caps`` overrides ``request.max_output`` per
+    stream (a function call's reply on stdout and its prints on stderr have caps of their own); ``starved()``
+    says how many seconds the command has waited for a CPU so far, which its timeout then does not count
+    (up to ``_STARVED_FACTOR`` times the timeout), nor, within that bound, the time while ``pressing()`` says
+    it is at its memory limit (the OOM killer on its way)."""
+    watch = _Watch(spawned, request, caps, starved, pressing)
     captured = {"stdout": bytearray(), "stderr": bytearray()}
     start = time.monotonic()
     exited_at: float | None = None

@@ -4,7 +4,9 @@
 - ``dsec-nsexec`` (``nsexec.c``): the exec helper, one per daemon; starts each command through ``dsec-nsenter``.
 - ``dsec-nsenter`` (``nsenter.c``): the last step of an exec into a running sandbox.
 - ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
-- ``dsec-zygote`` (``zygote.c``): the pre-warmed parent of a function sandbox's calls.
+- ``dsec-zygote`` (``zygote.c``, which includes ``zygote_py.c``): the pre-warmed parent of a function sandbox's
+  calls, and the launcher of its Python zygotes.
+- ``dsec-callinit`` (``callinit.c``): pid 1 of each ``sb.call``'s pid namespace, spawned by the Python zygote.
 
 Binaries are cached in the node's state directory, keyed by the source's digest, so an upgrade rebuilds them;
 a node-wide copy (``DSEC_HELPERS``, default ``/var/lib/dsec/helpers``, root's) spares every new home the
@@ -28,15 +30,17 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 
-__all__ = ["HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "NSEXEC_SOURCE", "RTSHIM_SOURCE", "ZYGOTE_SOURCE",
-           "binary_path", "ensure_binary", "ensure_init", "ensure_nsenter", "ensure_nsexec", "ensure_rtshim",
-           "ensure_zygote", "node_cache"]
+__all__ = ["CALLINIT_SOURCE", "HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "NSEXEC_SOURCE", "RTSHIM_SOURCE",
+           "ZYGOTE_INCLUDES", "ZYGOTE_SOURCE", "binary_path", "ensure_binary", "ensure_callinit", "ensure_init",
+           "ensure_nsenter", "ensure_nsexec", "ensure_rtshim", "ensure_zygote", "node_cache"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
 NSENTER_SOURCE = Path(__file__).with_name("nsenter.c")
 NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
+CALLINIT_SOURCE = Path(__file__).with_name("callinit.c")
+ZYGOTE_INCLUDES = (Path(__file__).with_name("zygote_py.c"),)
 
 
 def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False,
@@ -145,6 +149,11 @@ def ensure_rtshim(directory: Path) -> Path:
     return ensure_binary(RTSHIM_SOURCE, "dsec-rtshim", directory, musl=True)
 
 
+def ensure_callinit(directory: Path) -> Path:
+    """The init of a function call's pid namespace, built if needed (static: it runs inside any image)."""
+    return ensure_binary(CALLINIT_SOURCE, "dsec-callinit", directory, musl=True)
+
+
 def ensure_zygote(directory: Path) -> Path:
     """The function backend's zygote, built if needed."""
-    return ensure_binary(ZYGOTE_SOURCE, "dsec-zygote", directory)
+    return ensure_binary(ZYGOTE_SOURCE, "dsec-zygote", directory, includes=ZYGOTE_INCLUDES)

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_PROFILE", "ArgRule", "Profile", "Rule"]
+__all__ = ["DEFAULT_PROFILE", "ZYGOTE_PROFILE", "ArgRule", "Profile", "Rule"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ class Profile:
     """A default-allow filter with denied syscalls."""
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def allowing(self, *names: str) -> Profile:
+        """This profile with ``names`` no longer denied."""
+        kept = []
+        for rule in self.rules:
+            left = tuple(n for n in rule.names if n not in names)
+            if left:
+                kept.append(Rule(names=left, errno_ret=rule.errno_ret, args=rule.args))
+        return Profile(rules=tuple(kept))
 
     def to_oci(self) -> dict[str, Any]:
         """The ``linux.seccomp`` section of an OCI runtime config."""
@@ -148,3 +157,8 @@ DEFAULT_PROFILE = Profile(
         _deny("io_uring_setup", "io_uring_enter", "io_uring_register"),
     )
 )
+
+ZYGOTE_PROFILE = DEFAULT_PROFILE.allowing("mount", "setns")
+"""A function sandbox's Python zygote (the image's interpreter, with the capabilities of the sandbox's root over
+its own namespaces): each call's init mounts its ``/proc`` and ``/tmp``, and the call joins the init's
+namespaces, before it loads :data:`DEFAULT_PROFILE` on top of this one; everything else stays denied."""

@@ -3,7 +3,8 @@
  *
  * The daemon starts it as host root with
  *   fd 0        the control socket (SOCK_SEQPACKET)
- *   fd 3        the seccomp program (raw struct sock_filter array; absent for none)
+ *   fd 3        every call's seccomp program (raw struct sock_filter array; absent for none)
+ *   fd 4        the Python zygote's seccomp program (absent: the Python zygote runs unfiltered)
  *   argv        dsec-zygote NEWROOT LOWERDIRS WORKSPACE WORKDIR SUPPORT TMPFS_BYTES CPUS
  *               CPUS: "-", or the hexadecimal mask of the CPUs each command gets (isolation/affinity.py: the
  *               zygote runs on the daemon's housekeeping CPUs, the commands on the node's)
@@ -11,27 +12,33 @@
  * overlay of LOWERDIRS (the scaffold of mount points over the image root) on NEWROOT, the
  * host directory WORKSPACE bound writable on WORKDIR, SUPPORT bound read-only on /.dsec, a
  * read-only /dev of a few device nodes, and pivots into it. It prepares a Landlock ruleset
- * (writes only beneath WORKDIR, /tmp and /dev; no TCP) and reads the seccomp program, then
+ * (writes only beneath WORKDIR, /tmp and /dev; no TCP) and reads the seccomp programs, then
  * enters a new user namespace, says "userns" on the socket and waits for "go" while the
- * daemon writes its uid/gid maps and moves it into the sandbox's cgroups.
+ * daemon writes its uid/gid maps and moves it into the sandbox's cgroups. There it makes the
+ * sandbox's one network namespace (loopback only, left down), which every call shares, and forks
+ * the launcher of Python zygotes (zygote_py.c) while it still has a full bounding set.
  *
- * Each call is one clone() into new pid, mount, network, ipc and uts namespaces, made one call
- * ahead: while a call runs, the next one is cloned and prepares itself (pid 1 there) by mounting a
- * fresh /proc and /tmp, dropping every capability, setting no_new_privs, and restricting itself
- * with Landlock and the seccomp program; then it waits on its own socketpair. What is the same for
- * every call is done once in the zygote and inherited: the empty bounding and ambient sets and the
- * locked securebits. The zygote runs SCHED_BATCH (it never preempts the daemon or a running call at
- * a wake-up); each clone returns to SCHED_OTHER before its command. A request
- * (NUL-separated "CPU_S FSIZE NOFILE CWD ARGC ARGV... ENVC ENV... [UID GID[,GROUP...] FLAGS]" with four fds:
- * stdin, stdout, stderr, status; the user, and FLAGS bit 0: fd 0 is a terminal to make the command's
- * controlling terminal, are optional: root and no terminal) is forwarded to the ready clone, which sets the request's rlimits and working
- * directory, vforks the command and waits for it. When the command exits it reports
- * "usage CPU_US MAXRSS_KB" and "exit WSTATUS" on the status fd and exits, which kills whatever the
- * command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID" when it
- * dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
+ * Each call is one clone() into new pid, mount, ipc and uts namespaces, made one call ahead: while a
+ * call runs, the next one is cloned and prepares itself (pid 1 there) by mounting a fresh /proc and
+ * /tmp, dropping every capability, setting no_new_privs, and restricting itself with Landlock and the
+ * seccomp program; then it waits on its own socketpair. What is the same for every call is done once in
+ * the zygote and inherited: the empty bounding and ambient sets and the locked securebits. The zygote
+ * runs SCHED_BATCH (it never preempts the daemon or a running call at a wake-up); each clone returns to
+ * SCHED_OTHER before its command. A request (NUL-separated "CPU_S FSIZE NOFILE TMP_BYTES CWD ARGC ARGV...
+ * ENVC ENV... [UID GID[,GROUP...] FLAGS]" with four fds: stdin, stdout, stderr, status, then up to four
+ * cgroup.procs files of the call's own cgroup, opened by the daemon; the user, and FLAGS bit 0: fd 0 is a
+ * terminal to make the command's controlling terminal, are optional: root and no terminal) is forwarded to
+ * the ready clone (a clone made for it when TMP_BYTES is not the sandbox's /tmp size) once the zygote wrote
+ * the clone's pid into those cgroup files. The clone sets the request's rlimits, user and working directory,
+ * vforks the command and waits for it. When the command exits it reports "usage CPU_US MAXRSS_KB",
+ * "tmpfull 0|1" (its /tmp had no room left) and "exit WSTATUS" on the status fd and exits, which kills
+ * whatever the command left behind (the end of a pid namespace's init). The zygote reports "pid HOSTPID"
+ * when it dispatched, and "exit WSTATUS" of the clone when it did not report itself (killed at a limit).
  * Setup failures are "error <what>: <why>" lines. A "refresh" message (no fds) replaces the clone made
  * ahead, after the daemon changed the sandbox's mounts (protected and hidden paths) in our mount namespace.
- * The zygote exits, killing and reaping every call, when the control socket closes.
+ * A "python\0ARGV..." message with one fd is passed to the launcher, which starts a Python zygote on it.
+ * The zygote exits, killing and reaping every call (and the launcher, which kills its Python zygotes),
+ * when the control socket closes.
  */
 #define _GNU_SOURCE
 /* Paths are checked to be short by the daemon; a truncated one could only fail to mount. */
@@ -59,24 +66,36 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #define CTL_FD 100
+#define LAUNCH_FD 101 /* the zygote's end of the launcher's socket */
 #define STATUS_FD 3
+#define ZYGOTE_PROG_FD 4
+#define MAX_CGROUP_FDS 4
+/* The default path of every command and of the Python zygote (isolation/oci.py: DEFAULT_PATH). */
+#define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define MAX_MSG ((2 << 20) + (64 << 10)) /* exec_client.MAX_MESSAGE: a command at the kernel's exec limit */
 #define MAX_GROUPS 256
 #define MAX_CALLS 4096
 #define MAX_FIELDS 65536
+/* No CLONE_NEWNET: the calls share the sandbox's network namespace (loopback only, down), made once; creating
+   and tearing one down was a third of each call's CPU. */
 #ifndef CALL_NS
-#define CALL_NS (CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+#define CALL_NS (CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
 #endif
 #define CAP_LAST 63
 
-static struct sock_fprog seccomp_prog;
+static struct sock_fprog seccomp_prog; /* every call's filter (the container's DEFAULT_PROFILE) */
+static struct sock_fprog zygote_prog;  /* the Python zygote's own, looser filter (its calls' inits mount) */
 static int batched; /* the zygote switched itself from SCHED_OTHER to SCHED_BATCH; calls switch back */
-static const char *tmpfs_opts;
+static const char *tmpfs_bytes; /* TMPFS_BYTES: the size of each call's /tmp unless its request says another */
+static const char *tmpfs_opts;  /* the mount options of the /tmp of the next clone */
+static pid_t launcher;
+static pid_t start_launcher(void); /* zygote_py.c */
 static cpu_set_t *call_cpus; /* CPUS, or NULL: the commands keep the mask they inherit */
 static size_t call_cpus_size;
 static struct {
@@ -218,18 +237,18 @@ static int add_rule(int fd, int parent, __u64 access) {
     return (int)syscall(SYS_landlock_add_rule, fd, LANDLOCK_RULE_PATH_BENEATH, &rule, 0);
 }
 
-static void read_seccomp(void) {
+static void read_program(int fd, struct sock_fprog *prog) {
     struct stat st;
-    if (fstat(STATUS_FD, &st) != 0)
+    if (fstat(fd, &st) != 0)
         return; /* no program passed */
     if (st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) || st.st_size > (1 << 20))
         die("seccomp program size", EINVAL);
     struct sock_filter *filter = malloc((size_t)st.st_size);
-    if (!filter || pread(STATUS_FD, filter, (size_t)st.st_size, 0) != st.st_size)
+    if (!filter || pread(fd, filter, (size_t)st.st_size, 0) != st.st_size)
         die("read seccomp program", errno);
-    close(STATUS_FD);
-    seccomp_prog.len = (unsigned short)(st.st_size / sizeof(struct sock_filter));
-    seccomp_prog.filter = filter;
+    close(fd);
+    prog->len = (unsigned short)(st.st_size / sizeof(struct sock_filter));
+    prog->filter = filter;
 }
 
 static void setup(char **argv) {
@@ -260,7 +279,8 @@ static void setup(char **argv) {
     if (chdir("/") != 0)
         die("chdir /", errno);
     prepare_landlock(workdir);
-    read_seccomp();
+    read_program(STATUS_FD, &seccomp_prog);
+    read_program(ZYGOTE_PROG_FD, &zygote_prog);
 }
 
 /* -- one call: runs in the clone, pid 1 of the call's namespaces ----------------------------------- */
@@ -384,9 +404,10 @@ static void set_limit(int resource, rlim_t soft, rlim_t hard) {
         call_fail("set rlimits", errno, 127);
 }
 
-/* Take the fds out of a received message: four (stdin, stdout, stderr, status), and a fifth when the
-   request itself came in a memfd (see dispatch). Returns how many, -1 unless four or five came whole. */
-static int take_fds(struct msghdr *mh, int *fds) {
+/* Take the fds out of a received message: four (stdin, stdout, stderr, status), then up to ``max`` - 4 more
+   (the clone's: a fifth when the request itself came in a memfd, see dispatch; the zygote's: the cgroup.procs
+   files of the call's own cgroup). Returns how many, -1 unless 4 to ``max`` came whole. */
+static int take_fds(struct msghdr *mh, int *fds, int max) {
     int nfds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c))
         if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
@@ -394,7 +415,7 @@ static int take_fds(struct msghdr *mh, int *fds) {
             for (int i = 0; i < count; i++) {
                 int fd;
                 memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                if (nfds < 5)
+                if (nfds < max)
                     fds[nfds++] = fd;
                 else
                     close(fd);
@@ -422,7 +443,7 @@ static int receive(int sock, int *fds) {
     while (len < 0 && errno == EINTR);
     if (len < 0 || (len == 0 && mh.msg_controllen == 0))
         return 0;
-    int nfds = take_fds(&mh, fds);
+    int nfds = take_fds(&mh, fds, 5);
     if (nfds < 0)
         return -1;
     if (nfds == 5) { /* a request larger than a datagram between us and the zygote carries: in a memfd */
@@ -436,6 +457,14 @@ static int receive(int sock, int *fds) {
     for (char *p = msg; p < msg + len && n < MAX_FIELDS; p += strlen(p) + 1)
         fields[n++] = p;
     return n;
+}
+
+/* The call's /tmp has no room left (under 64 KiB or no inode): what its disk verdict is read from. */
+static int tmp_full(void) {
+    struct statvfs st;
+    if (statvfs("/tmp", &st) != 0)
+        return 0;
+    return (unsigned long long)st.f_bavail * st.f_frsize < 64 * 1024 || st.f_favail == 0;
 }
 
 /* The clone, pid 1 of a call's namespaces: prepares, waits for its request, runs it. */
@@ -475,20 +504,20 @@ static void run_call(int sock) {
         _exit(127);
     if (prepared != 0)
         call_fail(prep_what, prep_errno, 127);
-    if (nfields < 6)
+    if (nfields < 7)
         call_fail("request", EINVAL, 127);
     rlim_t cpu = strtoull(fields[0], NULL, 10), fsize = strtoull(fields[1], NULL, 10),
            nofile = strtoull(fields[2], NULL, 10);
-    const char *cwd = fields[3];
-    int argc = atoi(fields[4]);
-    if (argc < 1 || 5 + argc >= nfields)
+    const char *cwd = fields[4]; /* fields[3], the size of /tmp, was the zygote's to read */
+    int argc = atoi(fields[5]);
+    if (argc < 1 || 6 + argc >= nfields)
         call_fail("request argv", EINVAL, 127);
-    char **cargv = &fields[5];
-    int envc = atoi(fields[5 + argc]);
-    if (envc < 0 || 6 + argc + envc > nfields)
+    char **cargv = &fields[6];
+    int envc = atoi(fields[6 + argc]);
+    if (envc < 0 || 7 + argc + envc > nfields)
         call_fail("request env", EINVAL, 127);
-    char **cenv = &fields[6 + argc];
-    int tail = 6 + argc + envc; /* the optional user and flags */
+    char **cenv = &fields[7 + argc];
+    int tail = 7 + argc + envc; /* the optional user and flags */
     if (nfields != tail && nfields != tail + 3)
         call_fail("request user", EINVAL, 127);
     int with_user = nfields == tail + 3;
@@ -546,8 +575,9 @@ static void run_call(int sock) {
     getrusage(RUSAGE_CHILDREN, &ru);
     long long cpu_us = (long long)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000LL + ru.ru_utime.tv_usec +
                        ru.ru_stime.tv_usec;
-    char buf[128];
-    int n = snprintf(buf, sizeof buf, "usage %lld %ld\nexit %d\n", cpu_us, ru.ru_maxrss, wstatus);
+    char buf[160];
+    int n = snprintf(buf, sizeof buf, "usage %lld %ld\ntmpfull %d\nexit %d\n", cpu_us, ru.ru_maxrss, tmp_full(),
+                     wstatus);
     (void)!write(STATUS_FD, buf, (size_t)n);
     _exit(0); /* the kernel now kills whatever the command left in this pid namespace */
 }
@@ -567,26 +597,33 @@ static struct {
     int sock;
     int err;
 } ready = {0, -1, 0};
+static char default_opts[128];
 
-static void clone_ahead(void) {
+/* Clone one call, whose /tmp is mounted with ``opts``; 0, or the errno of what failed. */
+static int clone_call(const char *opts, pid_t *pid_out, int *sock_out) {
     int sp[2];
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) != 0) {
-        ready.err = errno;
-        return;
-    }
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) != 0)
+        return errno;
+    tmpfs_opts = opts; /* read by the clone, which has its own copy of our memory */
     pid_t pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, 0, 0, 0, 0);
     if (pid == 0) {
         close(sp[0]);
         run_call(sp[1]);
     }
-    ready.err = errno;
+    int err = errno;
+    tmpfs_opts = default_opts;
     close(sp[1]);
     if (pid < 0) {
         close(sp[0]);
-        return;
+        return err;
     }
-    ready.pid = pid;
-    ready.sock = sp[0];
+    *pid_out = pid;
+    *sock_out = sp[0];
+    return 0;
+}
+
+static void clone_ahead(void) {
+    ready.err = clone_call(default_opts, &ready.pid, &ready.sock);
 }
 
 /* The sandbox's mounts changed (protected or hidden paths, a reveal): the call cloned ahead holds a copy of
@@ -613,52 +650,98 @@ static int request_memfd(const char *request, ssize_t len) {
     return fd;
 }
 
-static void dispatch(char *request, ssize_t len, int *fds) {
+/* The request's fourth field (the size of the call's /tmp), or NULL. */
+static const char *tmp_field(char *request, ssize_t len) {
+    char *p = request;
+    for (int i = 0; i < 3; i++) {
+        char *end = memchr(p, 0, (size_t)(request + len - p));
+        if (!end)
+            return NULL;
+        p = end + 1;
+    }
+    return p < request + len && memchr(p, 0, (size_t)(request + len - p)) ? p : NULL;
+}
+
+/* Move the call into its own cgroup: its pid into each cgroup.procs the daemon opened. */
+static int join_cgroups(pid_t pid, const int *cgfds, int n) {
+    char buf[32];
+    int len = snprintf(buf, sizeof buf, "%d", pid);
+    for (int i = 0; i < n; i++)
+        if (write(cgfds[i], buf, (size_t)len) != len)
+            return errno ? errno : EIO;
+    return 0;
+}
+
+/* Hand the request to the clone ``sock`` (in a memfd when it is bigger than a datagram); 0 or an errno. */
+static int forward(int sock, char *request, ssize_t len, const int *fds) {
+    int big = len > DATAGRAM_MAX ? request_memfd(request, len) : -1, nfds = big >= 0 ? 5 : 4;
+    int all[5] = {fds[0], fds[1], fds[2], fds[3], big};
+    char cbuf[CMSG_SPACE(5 * sizeof(int))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {request, big >= 0 ? 0 : (size_t)len};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    memcpy(CMSG_DATA(c), all, nfds * sizeof(int));
+    ssize_t sent = sendmsg(sock, &mh, MSG_NOSIGNAL);
+    int err = errno;
+    if (big >= 0) {
+        close(big);
+        if (sent == 0)
+            sent = len;
+    }
+    return sent == len ? 0 : err ? err : EIO;
+}
+
+static void dispatch(char *request, ssize_t len, int *fds, int nfds) {
     int slot = -1;
     for (int i = 0; i < MAX_CALLS && slot < 0; i++)
         if (calls[i].pid == 0)
             slot = i;
-    if (slot >= 0 && ready.pid == 0)
-        clone_ahead();
-    int err = slot < 0 ? EAGAIN : ready.err;
-    if (slot >= 0 && ready.pid > 0) {
-        int big = len > DATAGRAM_MAX ? request_memfd(request, len) : -1, nfds = big >= 0 ? 5 : 4;
-        int all[5] = {fds[0], fds[1], fds[2], fds[3], big};
-        char cbuf[CMSG_SPACE(5 * sizeof(int))];
-        memset(cbuf, 0, sizeof cbuf);
-        struct iovec iov = {request, big >= 0 ? 0 : (size_t)len};
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
-                            .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
-        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
-        memcpy(CMSG_DATA(c), all, nfds * sizeof(int));
-        ssize_t sent = sendmsg(ready.sock, &mh, MSG_NOSIGNAL);
-        err = errno;
-        if (big >= 0) {
-            close(big);
-            if (sent == 0)
-                sent = len;
-        }
-        close(ready.sock);
-        pid_t pid = ready.pid;
+    const char *what = "start call";
+    const char *tmp = tmp_field(request, len);
+    pid_t pid = 0;
+    int sock = -1, err = slot < 0 ? EAGAIN : tmp ? 0 : EINVAL;
+    if (!err && strcmp(tmp, tmpfs_bytes) != 0) {
+        /* Another size of /tmp than the call cloned ahead has: a clone of its own, made now. */
+        char opts[128];
+        snprintf(opts, sizeof opts, "mode=1777,size=%s", tmp);
+        err = clone_call(opts, &pid, &sock);
+    } else if (!err) {
+        if (ready.pid == 0)
+            clone_ahead();
+        err = ready.err;
+        pid = ready.pid;
+        sock = ready.sock;
         ready.pid = 0;
         ready.sock = -1;
-        if (sent == len) {
-            calls[slot].pid = pid;
-            calls[slot].status_fd = fds[3];
-            if (report(fds[3], "pid %ld\n", pid) != 0)
-                kill(pid, SIGKILL); /* the daemon hung up before it learnt the pid: nobody else could kill it */
-            for (int i = 0; i < 3; i++)
-                close(fds[i]);
-            clone_ahead(); /* the next call's, while this one runs */
-            return;
-        }
-        kill(pid, SIGKILL); /* reaped later as an unknown child */
     }
+    if (!err && pid > 0 && (err = join_cgroups(pid, fds + 4, nfds - 4)) != 0)
+        what = "start call: join the call's cgroup";
+    if (!err && pid > 0)
+        err = forward(sock, request, len, fds);
+    if (sock >= 0)
+        close(sock);
+    for (int i = 4; i < nfds; i++)
+        close(fds[i]);
+    if (!err && pid > 0) {
+        calls[slot].pid = pid;
+        calls[slot].status_fd = fds[3];
+        if (report(fds[3], "pid %ld\n", pid) != 0)
+            kill(pid, SIGKILL); /* the daemon hung up before it learnt the pid: nobody else could kill it */
+        for (int i = 0; i < 3; i++)
+            close(fds[i]);
+        if (ready.pid == 0)
+            clone_ahead(); /* the next call's, while this one runs */
+        return;
+    }
+    if (pid > 0)
+        kill(pid, SIGKILL); /* reaped later as an unknown child */
     char buf[200];
-    int m = snprintf(buf, sizeof buf, "error start call: %s\n", slot < 0 ? "too many calls at once" : strerror(err));
+    int m = snprintf(buf, sizeof buf, "error %s: %s\n", what, slot < 0 ? "too many calls at once" : strerror(err));
     (void)!write(fds[3], buf, (size_t)m);
     for (int i = 0; i < 4; i++)
         close(fds[i]);
@@ -674,6 +757,10 @@ static void reap(void) {
             ready.sock = -1;
             continue;
         }
+        if (pid == launcher) {
+            launcher = 0; /* Python zygotes cannot be started any more: the daemon is told at its next try */
+            continue;
+        }
         for (int i = 0; i < MAX_CALLS; i++) {
             if (calls[i].pid != pid)
                 continue;
@@ -687,6 +774,32 @@ static void reap(void) {
     }
 }
 
+/* "python\0ARGV..." with one fd, the Python zygote's control socket: for the launcher. */
+static void forward_python(char *request, ssize_t len, struct msghdr *in) {
+    int fd = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(in); c; c = CMSG_NXTHDR(in, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+            memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    if (fd < 0)
+        return;
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {request, (size_t)len};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    if (launcher == 0 || sendmsg(LAUNCH_FD, &mh, MSG_NOSIGNAL) != len) {
+        char buf[200];
+        int m = snprintf(buf, sizeof buf, "error start the Python zygote: %s",
+                         launcher ? strerror(errno) : "the sandbox's launcher is gone");
+        (void)!send(fd, buf, (size_t)m, MSG_NOSIGNAL);
+    }
+    close(fd);
+}
+
 int main(int argc, char **argv) {
     if (argc != 8)
         return 2;
@@ -695,9 +808,9 @@ int main(int argc, char **argv) {
     int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
     dup2(null, 0);
     close(null);
-    char opts[128];
-    snprintf(opts, sizeof opts, "mode=1777,size=%s", argv[6]);
-    tmpfs_opts = opts;
+    tmpfs_bytes = argv[6];
+    snprintf(default_opts, sizeof default_opts, "mode=1777,size=%s", tmpfs_bytes);
+    tmpfs_opts = default_opts;
     parse_cpus(argv[7]);
     /* A memory bomb in a call must never take the zygote (and so the sandbox) with it. Best effort:
        lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from root; the calls raise
@@ -720,6 +833,11 @@ int main(int argc, char **argv) {
         return 1;
     if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0)
         die("become the sandbox's root", errno);
+    /* The sandbox's network namespace, owned by its user namespace: only a loopback device, which stays
+       down (nothing in a call can raise it: no CAP_NET_ADMIN), and Landlock refuses TCP besides. */
+    if (unshare(CLONE_NEWNET) != 0)
+        die("new network namespace", errno);
+    launcher = start_launcher();
     drop_bounding_set();
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
         die("set non-dumpable", errno);
@@ -743,7 +861,7 @@ int main(int argc, char **argv) {
     if (sfd < 0)
         return 1;
     static char request[MAX_MSG + 1];
-    char cbuf[CMSG_SPACE(4 * sizeof(int))];
+    char cbuf[CMSG_SPACE((4 + MAX_CGROUP_FDS) * sizeof(int))];
     clone_ahead();
     for (;;) {
         struct pollfd pfd[2] = {{CTL_FD, POLLIN, 0}, {sfd, POLLIN, 0}};
@@ -771,14 +889,16 @@ int main(int argc, char **argv) {
             refresh();
             continue;
         }
-        int fds[5];
-        int nfds = take_fds(&mh, fds);
-        if (nfds == 4)
-            dispatch(request, len, fds);
-        else if (nfds == 5) /* never sent by the daemon: refused whole */
-            for (int i = 0; i < 5; i++)
-                close(fds[i]);
+        if (len > 7 && memcmp(request, "python", 7) == 0) {
+            forward_python(request, len, &mh);
+            continue;
+        }
+        int fds[4 + MAX_CGROUP_FDS];
+        int nfds = take_fds(&mh, fds, 4 + MAX_CGROUP_FDS);
+        if (nfds >= 4)
+            dispatch(request, len, fds, nfds);
     }
+    close(LAUNCH_FD); /* the launcher kills and reaps its Python zygotes, then exits */
     if (ready.pid > 0)
         kill(ready.pid, SIGKILL);
     for (int i = 0; i < MAX_CALLS; i++)
@@ -793,3 +913,6 @@ int main(int argc, char **argv) {
     }
     return 0;
 }
+
+/* The launcher of Python zygotes: one translation unit with the zygote (a file of its own to read). */
+#include "zygote_py.c"

@@ -47,7 +47,7 @@ BACKENDS: tuple[str, ...] = ("container", "function", "microvm", "vm")
 """Every backend the suite knows; one that is not built yet shows as not applicable in the table."""
 
 ATTACK_MODULES = ("attacks_incidents", "attacks_escape", "attacks_files", "attacks_resources", "attacks_network",
-                  "attacks_layers")
+                  "attacks_layers", "attacks_calls")
 
 MiB = 1024 * 1024
 
