@@ -16,6 +16,7 @@ from conftest import missing
 from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
+from dsec.backends.qemu.qmp import qmp
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
@@ -135,7 +136,7 @@ async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian
         again = tmp_path / "again"
         again.mkdir()
         await backend.snapshot(sb, again)
-        status = (await backend._qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
+        status = (await qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
         assert status in ("paused", "postmigrate"), status  # stopped either way: vCPUs do not run
         await backend.resume(sb)
     with pytest.raises(SandboxError, match="not a readable microvm snapshot"):
@@ -274,7 +275,7 @@ async def test_console_flood_is_bounded_and_the_panic_still_named(backend: Micro
         r = await backend.exec(sb, ExecRequest(command="head -c 300000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo done",
                                                timeout=120))
         assert r.stdout == b"done\n", r
-        vm = backend._vms[sb.id]
+        vm = backend.machines.machines[sb.id]
         await asyncio.sleep(0.5)
         assert 0 < len(vm.console) <= 64 * 1024
         assert not list(Path(sb.backend_state["rundir"]).glob("*.log*")) or \

@@ -5,7 +5,7 @@ Frame (both directions): ``u32 length`` (big-endian, counts the bytes after it) 
 rejects unknown types and malformed payloads, and any violation ends the connection (the sandbox is
 then reported dead with the reason); it never allocates more than one frame's worth of bytes.
 
-This module does no QEMU management; :mod:`dsec.backends.microvm` owns the VM.
+This module does no QEMU management; :mod:`dsec.backends.qemu` owns the VM.
 """
 
 from __future__ import annotations
