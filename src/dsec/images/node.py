@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
 from dsec.images.cache import ChunkCache, free_reserve
 from dsec.images.format import Manifest, sha256
 from dsec.images.lazyserver import LazyServer, fs_types, umount
+from dsec.images.ref import ImageRef
 from dsec.images.store import ImageStore
 from dsec.models import ImageInfo
 
