@@ -56,7 +56,7 @@ from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
-from dsec.isolation.disk import disk_full, umount
+from dsec.isolation.disk import disk_full, disk_used, umount
 from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
 from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
@@ -771,7 +771,7 @@ class ContainerBackend(Backend):
             st = await asyncio.to_thread(os.statvfs, disk)
             used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
         else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
-            used = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+            used = await asyncio.to_thread(disk_used, Path(upper)) if upper else 0
             limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
@@ -1035,15 +1035,6 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
                 raise
         time.sleep(0.002)
     cgroups.remove()
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
 
 
 def _last_runtime_error(log: Path) -> str | None:
