@@ -384,7 +384,7 @@ def _daemon_env(settings: Settings, token: str | None) -> dict[str, str]:
 
 
 def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0,
-       args: Sequence[str] = ()) -> int:
+       args: Sequence[str] = (), module: str = "dsec.daemon") -> int:
     """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
 
     It waits as long as the daemon's start makes progress: ``timeout`` is how long one start-up phase may last
@@ -392,7 +392,8 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     waited for (nothing is left behind), and the ServeError names the phase and ends with the log's tail.
     The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token travels in the
     environment, never on the command line (where ``ps`` would show it). ``args`` are more options of
-    ``python -m dsec.daemon serve`` (``--e2b HOST:PORT`` ...).
+    ``python -m dsec.daemon serve`` (``--e2b HOST:PORT`` ...). ``module``: the entry point run instead of
+    ``dsec.daemon`` (the tests' :mod:`dsec.testing.fake_daemon`).
     """
     _check_tcp_auth(settings, tcp, token)
     if daemon_answers(settings):
@@ -401,7 +402,7 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     settings.log_file.parent.mkdir(parents=True, exist_ok=True)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.run_dir, 0o700)
-    argv = [sys.executable, "-m", "dsec.daemon", "serve"] + (["--tcp", tcp] if tcp else []) + list(args)
+    argv = [sys.executable, "-m", module, "serve"] + (["--tcp", tcp] if tcp else []) + list(args)
     with settings.log_file.open("ab") as logf:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 env=_daemon_env(settings, token), start_new_session=True, cwd="/")
