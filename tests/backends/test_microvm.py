@@ -387,7 +387,7 @@ out["chown"] = attempt(lambda: os.chown("/workspace/owned", 1000, 1000))
 """ + CONFINED_VIEW + "print(json.dumps(out))\n"
 _KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 10, 11, 13, 14, 15, 18, 23, 28, 29, 31}
 """CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID, NET_BIND_SERVICE, NET_BROADCAST, NET_RAW, IPC_LOCK,
-IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP (docs/design.md, "microvm: confined commands")."""
+IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP (docs/design/microvm.md, "microvm: confined commands")."""
 
 
 async def test_commands_run_without_the_capabilities_that_undo_protections(

@@ -300,7 +300,7 @@ class AgentClient:
         ``protected`` read-only and ``hidden`` covered; returns the paths still hidden (a guest restored from a
         snapshot of a confined one keeps its own setup and reports it). ``extra``: ``(kind, path)`` entries of
         the full-VM setup (``C`` covered, ``T`` own tmpfs, ``W`` writable in a read-only root, ``B`` block
-        devices covered; see docs/design.md)."""
+        devices covered; see docs/design/vm.md)."""
         payload = b"".join(b"P" + _path(p) for p in protected) + b"".join(b"H" + _path(h) for h in hidden)
         payload += b"".join(kind.encode() + _path(p) for kind, p in extra or [])
         chunks = await self._simple(T.CONFINE, payload, "", 60.0)
