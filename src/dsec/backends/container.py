@@ -110,7 +110,7 @@ class ContainerBackend(Backend):
         self.cgroup_parent = f"dsec-{tag}"
         self._tag = tag
         # Per-sandbox bundles (config.json, init.pid, the runtime's log, the disk's mount point) and crun's state
-        # directory live on a tmpfs: on an ext4 DSEC_HOME their ~10 creates, writes and unlinks per sandbox were
+        # directory live on a tmpfs: on an ext4 DSEC_HOME their ~10 creates, writes and unlinks per sandbox would be
         # journal commits (jbd2 and kworker CPU charged to nobody, and waits on a busy journal). A tmpfs keeps
         # them across a daemon crash (recover() reads them), not across a reboot, which no sandbox survives.
         self.state_root = self.STATE_BASE / f"dsec-{tag}"
@@ -792,7 +792,7 @@ class ContainerBackend(Backend):
         self._forget_cpu_class(sandbox_id)
         self.networks.forget(state)
         # Every blocking step in one worker-thread hop: each hop is a thread hand-off and a wake-up of the
-        # loop, and six of them were a visible share of a create -> exec -> destroy cycle.
+        # loop, and six of them are a visible share of a create -> exec -> destroy cycle.
         await asyncio.to_thread(self._teardown, sandbox_id, state)
 
     def _teardown(self, sandbox_id: str, state: dict[str, Any]) -> None:

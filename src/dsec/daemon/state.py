@@ -34,7 +34,7 @@ __all__ = ["StateStore"]
 
 log = logging.getLogger(__name__)
 
-# Ids were file names once, and still name things on the host (cgroups, mounts): anything else is refused.
+# Ids name things on the host (cgroups, mounts, files): anything else is refused.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 _SCHEMA = """

@@ -351,7 +351,7 @@ class NodeImages:
     # ------------------------------------------------------------------ mounts
     def _mount(self, manifest: Manifest) -> _Mount:
         # The digest it was fetched under; hashing the manifest (a dump of its JSON, ~1 MB for a big image) is
-        # the fallback only: as next()'s default it was computed on every create.
+        # the fallback only, outside next(): as its default it would be computed on every create.
         known = next((d for d, m in builtins.list(self._manifests.items()) if m is manifest), None)
         hexdigest = (known or manifest.digest)[7:]
         mount = self._mounts.get(hexdigest)
