@@ -16,6 +16,7 @@ from conftest import missing
 from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
+from dsec.backends.qemu.qmp import qmp
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
@@ -135,7 +136,7 @@ async def test_pause_resume_and_snapshot_restore(backend: MicroVMBackend, debian
         again = tmp_path / "again"
         again.mkdir()
         await backend.snapshot(sb, again)
-        status = (await backend._qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
+        status = (await qmp(Path(sb.backend_state["rundir"]), [("query-status", {})]))[-1]["status"]
         assert status in ("paused", "postmigrate"), status  # stopped either way: vCPUs do not run
         await backend.resume(sb)
     with pytest.raises(SandboxError, match="not a readable microvm snapshot"):
@@ -274,7 +275,7 @@ async def test_console_flood_is_bounded_and_the_panic_still_named(backend: Micro
         r = await backend.exec(sb, ExecRequest(command="head -c 300000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo done",
                                                timeout=120))
         assert r.stdout == b"done\n", r
-        vm = backend._vms[sb.id]
+        vm = backend.machines.machines[sb.id]
         await asyncio.sleep(0.5)
         assert 0 < len(vm.console) <= 64 * 1024
         assert not list(Path(sb.backend_state["rundir"]).glob("*.log*")) or \
@@ -386,7 +387,7 @@ out["chown"] = attempt(lambda: os.chown("/workspace/owned", 1000, 1000))
 """ + CONFINED_VIEW + "print(json.dumps(out))\n"
 _KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 10, 11, 13, 14, 15, 18, 23, 28, 29, 31}
 """CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID, NET_BIND_SERVICE, NET_BROADCAST, NET_RAW, IPC_LOCK,
-IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP (docs/design.md, "microvm: confined commands")."""
+IPC_OWNER, SYS_CHROOT, SYS_NICE, LEASE, AUDIT_WRITE, SETFCAP (docs/design/microvm.md, "microvm: confined commands")."""
 
 
 async def test_commands_run_without_the_capabilities_that_undo_protections(

@@ -48,7 +48,7 @@ def vm_qemu_pids(backend: VMBackend) -> list[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"qemu-system" in cmdline and f"{backend.run_root}/".encode() in cmdline:
+            if b"qemu-system" in cmdline and f"{backend.machines.run_root}/".encode() in cmdline:
                 found.append(int(proc.name))
     return found
 
@@ -302,7 +302,7 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
         assert r.exit_code != 0, r
         r = await backend.exec(sb, ExecRequest(command="kill -9 -1; pkill -9 Xorg; pidof dsec-agent; echo tried"))
         assert r.stdout == b"tried\n", r
-        r = await backend._system_exec(sb, ExecRequest(command="systemctl is-active dsec-agent dsec-desktop"))
+        r = await backend.agent.system_exec(sb, ExecRequest(command="systemctl is-active dsec-agent dsec-desktop"))
         assert r.stdout.split() == [b"active", b"active"], r
         # pristine: the image's own binaries, whatever the sandbox's disk holds (the files API, as guest root,
         # can replace them: commands cannot)
@@ -338,7 +338,7 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
         # it, and the new agent ends the guest instead of serving unconfined (the killing call itself fails,
         # its agent gone; the next calls see the guest power off)
         with pytest.raises(SandboxError):
-            await backend._system_exec(sb, ExecRequest(command="kill -9 $(pidof dsec-agent)", timeout=30))
+            await backend.agent.system_exec(sb, ExecRequest(command="kill -9 $(pidof dsec-agent)", timeout=30))
         with pytest.raises(SandboxError, match="the guest powered off"):
             for _ in range(60):
                 await backend.exec(sb, ExecRequest(command="true", timeout=30))

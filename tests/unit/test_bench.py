@@ -432,7 +432,7 @@ async def test_burst_stops_at_the_memory_floor_and_still_pings_and_destroys(monk
     available = iter([8 << 30, 5 << 30, 2 << 30, 1 << 30])
     monkeypatch.setattr(pools.AsyncSandbox, "create_many", staticmethod(create_many))
     monkeypatch.setattr(pools, "meminfo", lambda *keys: {"MemAvailable": next(available), "SUnreclaim": 1 << 30})
-    monkeypatch.setattr(pools, "_mem_available", lambda: 10 << 30)
+    monkeypatch.setattr(pools, "mem_available", lambda: 10 << 30)
     monkeypatch.setattr(pools.asyncio, "sleep", lambda s: asyncio_sleep0())
     run = pools._Run(pools.PoolBench(burst_n=2000), client=None)  # type: ignore[arg-type]
     lines: list[str] = []

@@ -229,8 +229,8 @@ async def test_system_exec_and_vm_confine_frames() -> None:
     plain = SandboxRecord(id="sb-x", spec=SandboxSpec(image="x"), state="running", created_at=0, expires_at=0)
     graded = SandboxRecord(id="sb-y", spec=SandboxSpec(image="x", hidden=["/workspace/tests"]), state="running",
                            created_at=0, expires_at=0)
-    assert not backend._confines(plain) and backend._confines(graded)
-    extra = backend._confine_extra(graded)
+    assert not backend.profile.confines(plain) and backend.profile.confines(graded)
+    extra = backend.profile.confine_extra(graded)
     assert ("T", "/run") in extra and ("B", "/dev") in extra and ("W", "/workspace") in extra
     assert len([p for kind, p in extra if kind == "W"]) == len({p for kind, p in extra if kind == "W"})
 

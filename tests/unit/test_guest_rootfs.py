@@ -29,11 +29,11 @@ async def test_a_chunked_image_is_built_once_for_every_home(tmp_path: Path) -> N
     # The same image content mounted at two places (each home mounts its images under its own path).
     a = ImageRef(name="img", rootfs=tree(tmp_path / "mnt1"), digest="ab" * 32)
     b = ImageRef(name="img", rootfs=tree(tmp_path / "mnt2"), digest="ab" * 32)
-    first = await one._erofs(a)
+    first = await one.profile.base_disk(a)
     inode = first.stat().st_ino
-    assert await two._erofs(b) == first and first.stat().st_ino == inode  # not built again
+    assert await two.profile.base_disk(b) == first and first.stat().st_ino == inode  # not built again
     # Other content, or a directory image (named by its path), gets a file of its own.
-    other = await two._erofs(ImageRef(name="img", rootfs=a.rootfs, digest="cd" * 32))
-    plain = await two._erofs(ImageRef(name="img", rootfs=b.rootfs))
+    other = await two.profile.base_disk(ImageRef(name="img", rootfs=a.rootfs, digest="cd" * 32))
+    plain = await two.profile.base_disk(ImageRef(name="img", rootfs=b.rootfs))
     assert len({first, other, plain}) == 3
     assert sorted(p.name for p in (guest / "rootfs").iterdir()) == sorted(p.name for p in (first, other, plain))

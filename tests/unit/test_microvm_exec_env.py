@@ -30,14 +30,14 @@ class _Agent:
 async def test_upkeep_commands_ignore_the_sandboxs_environment_user_and_workdir(tmp_path: Path) -> None:
     backend = MicroVMBackend(Settings(home=tmp_path / "home"), guest_dir=tmp_path / "guest")
     agent = _Agent()
-    backend._client = lambda record: agent  # type: ignore[method-assign,assignment,return-value]
+    backend.agent.client = lambda record: agent  # type: ignore[method-assign,assignment,return-value]
     spec = SandboxSpec(image="img", backend="microvm", env={"PATH": "/workspace/bin:/usr/bin",
                                                              "LD_PRELOAD": "/workspace/evil.so"})
     record = SandboxRecord(id="sb-1", spec=spec, state="running", created_at=0.0, expires_at=1.0)
     record.backend_state = {"image_env": {"LD_LIBRARY_PATH": "/workspace/lib"}, "user": [1000, 1000],
                             "home": "/home/agent"}
     with pytest.raises(_Stop):
-        await backend._system_exec(record, ExecRequest(command=["date"]))
+        await backend.agent.system_exec(record, ExecRequest(command=["date"]))
     with pytest.raises(_Stop):
         await backend.exec(record, ExecRequest(command=["date"]))
     (_, system_env, system_cwd, *system_ids, system_kw), (_, env, cwd, *ids, kw) = agent.started
@@ -52,13 +52,13 @@ async def test_a_vm_directory_removed_after_close_takes_the_empty_run_directory_
     """A template boot or destroy that finishes after the backend closed removes the run directory its
     close had to leave (one VM was still in it); while the backend runs, the directory stays."""
     backend = MicroVMBackend(Settings(home=tmp_path / "home"), guest_dir=tmp_path / "guest")
-    backend.run_root = tmp_path / "run" / "dsec-vm" / "tag"
+    backend.machines.run_root = tmp_path / "run" / "dsec-vm" / "tag"
     for sandbox_id in ("sb-a", "tpl-b"):
-        (backend.run_root / sandbox_id).mkdir(parents=True)
-    backend._started = True  # what start() leaves (it needs QEMU and a guest kernel)
-    await backend._destroy_id("sb-a", {})
-    assert sorted(p.name for p in backend.run_root.iterdir()) == ["tpl-b"]
+        (backend.machines.run_root / sandbox_id).mkdir(parents=True)
+    backend.started = True  # what start() leaves (it needs QEMU and a guest kernel)
+    await backend.destroy_id("sb-a", {})
+    assert sorted(p.name for p in backend.machines.run_root.iterdir()) == ["tpl-b"]
     await backend.aclose()  # the template is still booting: the close leaves its directory
-    assert (backend.run_root / "tpl-b").is_dir()
-    await backend._destroy_id("tpl-b", {})  # the boot's own cleanup, after the close
+    assert (backend.machines.run_root / "tpl-b").is_dir()
+    await backend.destroy_id("tpl-b", {})  # the boot's own cleanup, after the close
     assert not (tmp_path / "run" / "dsec-vm").exists() and (tmp_path / "run").is_dir()

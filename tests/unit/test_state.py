@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.daemon.state import StateStore, private_database
+from dsec._sqlite import private_database
+from dsec.daemon.state import StateStore
 from dsec.models import SandboxRecord, SandboxSpec, SandboxState
 
 
@@ -183,7 +184,8 @@ def test_ids_that_are_not_names_are_refused(tmp_path: Path, bad: str) -> None:
 
 _WRITER = """
 import sys
-from dsec.daemon.state import StateStore, private_database
+from dsec._sqlite import private_database
+from dsec.daemon.state import StateStore
 from dsec.models import SandboxRecord, SandboxSpec
 store = StateStore(__import__("pathlib").Path(sys.argv[1]))
 spec = SandboxSpec(image="base", env={"PAD": "x" * 3000})

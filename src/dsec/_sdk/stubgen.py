@@ -87,34 +87,52 @@ def _params(sig: inspect.Signature) -> list[str]:
     return out
 
 
-def _def(name: str, params: list[str], returns: str) -> list[str]:
-    one_line = f"    def {name}({', '.join(params)}) -> {returns}: ..."
+def _docstring(doc: str | None, indent: str) -> list[str]:
+    """``doc`` as docstring lines at ``indent`` (empty without one): what an IDE shows on hover."""
+    if not doc:
+        return []
+    text = inspect.cleandoc(doc).replace('"""', "'''")
+    prefix = "r" if "\\" in text else ""
+    lines = text.splitlines()
+    if len(lines) == 1 and len(indent) + len(prefix) + len(text) + 6 <= 120 and not text.endswith('"'):
+        return [f'{indent}{prefix}"""{text}"""']
+    body = [f"{indent}{line}" if line else "" for line in lines[1:]]
+    return [f'{indent}{prefix}"""{lines[0]}', *body, f'{indent}"""']
+
+
+def _def(name: str, params: list[str], returns: str, doc: str | None = None) -> list[str]:
+    docstring = _docstring(doc, "        ")
+    end = "" if docstring else " ..."
+    one_line = f"    def {name}({', '.join(params)}) -> {returns}:{end}"
     if len(one_line) <= 110:
-        return [one_line]
-    return [f"    def {name}(", *(f"        {p}," for p in params), f"    ) -> {returns}: ..."]
+        return [one_line, *docstring]
+    return [f"    def {name}(", *(f"        {p}," for p in params), f"    ) -> {returns}:{end}", *docstring]
 
 
 def _class(name: str, sync_cls: type, async_cls: type, extra: list[str]) -> list[str]:
-    lines = [f"class {name}:", f"    def __init__(self, inner: {async_cls.__name__}) -> None: ..."]
+    lines = [f"class {name}:", *_docstring(sync_cls.__doc__ or async_cls.__doc__, "    "),
+             f"    def __init__(self, inner: {async_cls.__name__}) -> None: ..."]
     lines += [f"    {line}" for line in extra]
     for member in sync.public_members(async_cls):
         twin = inspect.getattr_static(sync_cls, member)
         if isinstance(twin, property):
             assert twin.fget is not None
             ret = inspect.signature(twin.fget).return_annotation
-            lines += ["    @property", f"    def {member}(self) -> {ret}: ..."]
+            doc = _docstring(twin.fget.__doc__, "        ")
+            lines += ["    @property", f"    def {member}(self) -> {ret}:{'' if doc else ' ...'}", *doc]
             continue
         if isinstance(twin, classmethod):
             sig = inspect.signature(twin.__func__)
-            lines += ["    @classmethod", *_def(member, _params(sig), sig.return_annotation)]
+            lines += ["    @classmethod", *_def(member, _params(sig), sig.return_annotation, twin.__func__.__doc__)]
             continue
         variants = typing.get_overloads(getattr(async_cls, member))
         for variant in variants:  # a stub has the overloads only, not the implementation's signature
             sig = inspect.signature(variant)
-            lines += ["    @overload", *_def(member, _params(sig), sync.rename_annotation(sig.return_annotation))]
+            lines += ["    @overload", *_def(member, _params(sig), sync.rename_annotation(sig.return_annotation),
+                                          twin.__doc__)]
         if not variants:
             sig = inspect.signature(twin)
-            lines += _def(member, _params(sig), sig.return_annotation)
+            lines += _def(member, _params(sig), sig.return_annotation, twin.__doc__)
     return lines
 
 
@@ -153,7 +171,8 @@ def render() -> str:
     text = "\n".join(body) + "\n" + _MODULE_TAIL
     # Stubs may use the short form (send/return types default to None), and linters insist on it.
     text = re.sub(r"\bGenerator\[([^\[\]]+), None\]", r"Generator[\1]", text)
-    used = set(re.findall(r"\b[A-Za-z_]\w*\b", text))
+    code = re.sub(r'r?"""[\s\S]*?"""', "", text)  # names in docstrings need no import
+    used = set(re.findall(r"\b[A-Za-z_]\w*\b", code))
     plain = sorted({line for name, line in _IMPORTS.items() if name in used and line.startswith("import ")})
     grouped: dict[str, list[str]] = {}
     for name, line in _IMPORTS.items():

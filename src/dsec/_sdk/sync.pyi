@@ -17,6 +17,9 @@ from dsec.models import ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo
 from dsec.models_surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
 
 class Watch:
+    """A started watch of a sandbox directory (blocking API of :class:`dsec.AsyncWatch`): iterate it for its
+    events as they happen; ``with`` closes it.
+    """
     def __init__(self, inner: AsyncWatch) -> None: ...
     def __iter__(self) -> Iterator[FileEvent]: ...
     def __enter__(self) -> Watch: ...
@@ -24,54 +27,106 @@ class Watch:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
     @property
-    def id(self) -> str: ...
+    def id(self) -> str:
+        """The watch's id on the node."""
     @property
-    def path(self) -> str: ...
-    def events(self, since: int | None = ..., follow: bool = ...) -> Generator[FileEvent]: ...
-    def close(self) -> None: ...
+    def path(self) -> str:
+        """The watched directory."""
+    def events(self, since: int | None = ..., follow: bool = ...) -> Generator[FileEvent]:
+        """Its events from number ``since`` (default: the first not yet read through this handle) and, with
+        ``follow``, as they happen, until the watch is closed or the loop is left.
+        """
+    def close(self) -> None:
+        """Stop the watch (its event stream ends)."""
 
 class Files:
+    """Files of one sandbox (blocking): raw bytes in and out, paths resolved inside the sandbox."""
     def __init__(self, inner: AsyncFiles) -> None: ...
-    def write(self, path: str, data: bytes | str, mode: int | None = ..., user: str | None = ...) -> None: ...
-    def read(self, path: str, user: str | None = ...) -> bytes: ...
-    def list(self, path: str | None = ..., user: str | None = ...) -> builtins.list[FileEntry]: ...
-    def stat(self, path: str, user: str | None = ...) -> FileStat: ...
-    def exists(self, path: str, user: str | None = ...) -> bool: ...
-    def mkdir(self, path: str, parents: bool = ..., mode: int = ..., user: str | None = ...) -> FileStat: ...
-    def remove(self, path: str, recursive: bool = ..., user: str | None = ...) -> None: ...
+    def write(self, path: str, data: bytes | str, mode: int | None = ..., user: str | None = ...) -> None:
+        """Create or replace ``path`` (parents created) as ``user``; ``str`` data is written as UTF-8."""
+    def read(self, path: str, user: str | None = ...) -> bytes:
+        """The whole content of the regular file ``path``, read as ``user``."""
+    def list(self, path: str | None = ..., user: str | None = ...) -> builtins.list[FileEntry]:
+        """Entries of directory ``path`` (default: the sandbox's workdir); symlinks are not followed."""
+    def stat(self, path: str, user: str | None = ...) -> FileStat:
+        """What ``lstat`` says of ``path``: type, size, mode, owner and group (ids and names), mtime, and a
+        symlink's target. :class:`dsec.FileNotFound` (a ``FileNotFoundError``) when there is nothing.
+        """
+    def exists(self, path: str, user: str | None = ...) -> bool:
+        """Whether ``path`` names anything (a dangling symlink does)."""
+    def mkdir(self, path: str, parents: bool = ..., mode: int = ..., user: str | None = ...) -> FileStat:
+        """Create directory ``path`` with exactly ``mode``; ``parents``: its missing parents too, and an
+        existing directory is fine (``mkdir -p``). :class:`dsec.FileExists` otherwise.
+        """
+    def remove(self, path: str, recursive: bool = ..., user: str | None = ...) -> None:
+        """Remove a file, a symlink (not its target) or an empty directory; ``recursive``: a directory with
+        everything below it. :class:`dsec.DirectoryNotEmpty` for a non-empty one without it.
+        """
     def rename(
         self,
         source: str,
         destination: str,
         overwrite: bool = ...,
         user: str | None = ...,
-    ) -> FileStat: ...
-    def chmod(self, path: str, mode: int, user: str | None = ...) -> FileStat: ...
-    def chown(self, path: str, owner: str, user: str | None = ...) -> FileStat: ...
-    def watch(self, path: str | None = ..., recursive: bool = ..., user: str | None = ...) -> Watch: ...
-    def upload(self, local: str | os.PathLike[str], remote: str) -> None: ...
-    def download(self, remote: str, local: str | os.PathLike[str]) -> None: ...
+    ) -> FileStat:
+        """Move ``source`` to ``destination`` (as ``mv``: replacing what is there unless ``overwrite=False``,
+        then :class:`dsec.FileExists`).
+        """
+    def chmod(self, path: str, mode: int, user: str | None = ...) -> FileStat:
+        """Set ``path``'s permission bits (``0o755``); a symlink's target's."""
+    def chown(self, path: str, owner: str, user: str | None = ...) -> FileStat:
+        """Give ``path`` (a symlink's target) to ``owner`` (``user``, ``uid``, ``user:group``, ``uid:gid`` of the
+        sandbox); only root may give files away.
+        """
+    def watch(self, path: str | None = ..., recursive: bool = ..., user: str | None = ...) -> Watch:
+        """Start watching directory ``path`` (default: the workdir): changes are recorded from now on, and
+        iterating the watch gives them as they happen: ``create``, ``modify``, ``delete``, ``move`` (``dest``:
+        where it went) and ``chmod`` events. ``recursive``: every directory below it too, including ones
+        created later. Close it when done (``async with`` does). An observation: never logged on a trajectory.
+        """
+    def upload(self, local: str | os.PathLike[str], remote: str) -> None:
+        """Copy a local file, or a directory tree, to ``remote`` (permission bits kept)."""
+    def download(self, remote: str, local: str | os.PathLike[str]) -> None:
+        """Copy a sandbox file, or a directory tree, to ``local`` (parents created)."""
 
 class Process:
+    """A process the node keeps for a sandbox (blocking API of :class:`dsec.AsyncProcess`)."""
     def __init__(self, inner: AsyncProcess) -> None: ...
     @property
-    def pid(self) -> int: ...
-    def info(self) -> ProcessInfo: ...
-    def wait(self, timeout: float | None = ...) -> ProcessInfo: ...
-    def result(self, timeout: float | None = ...) -> ExecResult: ...
+    def pid(self) -> int:
+        """Its pid inside the sandbox."""
+    def info(self) -> ProcessInfo:
+        """Its state now (running, exit status, bytes written and dropped per stream)."""
+    def wait(self, timeout: float | None = ...) -> ProcessInfo:
+        """Its info once it has ended (or after ``timeout`` seconds: ``running`` says which)."""
+    def result(self, timeout: float | None = ...) -> ExecResult:
+        """Wait for it, then its exit status and all the output kept, as an exec's result (``truncated``: the
+        start of a stream was no longer kept).
+        """
     def events(
         self,
         offsets: Mapping[str, int] | None = ...,
         follow: bool = ...,
-    ) -> Generator[ProcessEvent]: ...
-    def stdout(self) -> Generator[bytes]: ...
-    def stderr(self) -> Generator[bytes]: ...
-    def send_stdin(self, data: bytes | str) -> None: ...
-    def close_stdin(self) -> None: ...
-    def kill(self, signal: int = ..., group: bool = ...) -> None: ...
-    def resize(self, cols: int, rows: int) -> None: ...
+    ) -> Generator[ProcessEvent]:
+        """Its output from ``offsets`` (bytes per stream already read; default: all that is kept) and, with
+        ``follow``, as it comes, then its ``exit``. A ``dropped`` event says how much output before the kept
+        buffer a late reader missed.
+        """
+    def stdout(self) -> Generator[bytes]:
+        """Its standard output (its terminal's output, on one) from the start, as it comes, until it ends."""
+    def stderr(self) -> Generator[bytes]:
+        """Its standard error from the start, as it comes, until it ends."""
+    def send_stdin(self, data: bytes | str) -> None:
+        """Write to its standard input (its terminal's input, on one: what a user types)."""
+    def close_stdin(self) -> None:
+        """End its standard input (EOF; Ctrl-D on a terminal)."""
+    def kill(self, signal: int = ..., group: bool = ...) -> None:
+        """Send ``signal`` (default SIGKILL) to its process group (``group=False``: to it alone)."""
+    def resize(self, cols: int, rows: int) -> None:
+        """Set its terminal's size (SIGWINCH to its foreground job)."""
 
 class Processes:
+    """A sandbox's processes (blocking API of ``AsyncSandbox.processes``)."""
     def __init__(self, inner: AsyncProcesses) -> None: ...
     def start(
         self,
@@ -83,24 +138,42 @@ class Processes:
         keep_stdin: bool = ...,
         tag: str | None = ...,
         timeout: float | None = ...,
-    ) -> Process: ...
-    def list(self) -> builtins.list[ProcessInfo]: ...
-    def connect(self, pid: int) -> Process: ...
+    ) -> Process:
+        """Start ``command`` in the background (what ``exec(..., background=True)`` does)."""
+    def list(self) -> builtins.list[ProcessInfo]:
+        """The sandbox's processes started through DSec, running and recently ended, by any client."""
+    def connect(self, pid: int) -> Process:
+        """A handle on a process started earlier (by this client or another); :class:`dsec.ProcessNotFound`
+        when the sandbox has none with that pid.
+        """
 
 class Shell:
+    """A persistent shell session (blocking API of :class:`dsec.AsyncShell`); ``with`` closes it."""
     def __init__(self, inner: AsyncShell) -> None: ...
     def __enter__(self) -> Shell: ...
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
     @property
-    def id(self) -> str: ...
+    def id(self) -> str:
+        """The session's id."""
     @property
-    def pid(self) -> int: ...
-    def run(self, command: str, timeout: float | None = ..., max_output: int = ...) -> ShellResult: ...
-    def close(self) -> None: ...
+    def pid(self) -> int:
+        """Its ``bash``'s pid inside the sandbox."""
+    def run(self, command: str, timeout: float | None = ..., max_output: int = ...) -> ShellResult:
+        """Run ``command`` as typed at the session's prompt: its exit status, stdout and stderr. Past ``timeout``
+        seconds it is interrupted (Ctrl-C, then SIGKILL of its job: ``timed_out``) and the session goes on.
+        """
+    def close(self) -> None:
+        """End the session (its bash and its jobs)."""
 
 class Sandbox:
+    """One isolated sandbox on a DSec node (blocking API).
+
+    Make one with :meth:`create`, :meth:`create_many` or :meth:`connect`; ``with`` closes (destroys) it on
+    exit. ``files`` reads and writes its files. Every method is the blocking twin of the
+    :class:`dsec.AsyncSandbox` method of the same name.
+    """
     def __init__(self, inner: AsyncSandbox) -> None: ...
     files: Files
     processes: Processes
@@ -109,7 +182,8 @@ class Sandbox:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
     @property
-    def id(self) -> str: ...
+    def id(self) -> str:
+        """The sandbox id."""
     @classmethod
     def create(
         cls,
@@ -134,7 +208,17 @@ class Sandbox:
         hidden: Sequence[str] = ...,
         landlock: bool = ...,
         user: str | None = ...,
-    ) -> Sandbox: ...
+    ) -> Sandbox:
+        """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
+
+        With ``trajectory``, a new trajectory creates and binds a sandbox; an existing one re-attaches its
+        live sandbox (or rebuilds a lost one from its latest checkpoint), and this handle's calls are
+        matched in order against the log: logged calls return their logged response without running,
+        the first call past the log runs live, a different call raises :class:`dsec.ReplayDivergence`
+        (with ``on_divergence="fork"``, the handle instead moves to a new branch of the trajectory, whose
+        sandbox is rebuilt to the last matching call, and the call runs there; ``info().trajectory`` names
+        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order.
+        """
     @classmethod
     def build_image(
         cls,
@@ -152,7 +236,15 @@ class Sandbox:
         replace: bool = ...,
         output: Callable[[str], None] | None = ...,
         client: Client | None = ...,
-    ) -> ImageInfo: ...
+    ) -> ImageInfo:
+        """Build image ``name`` from a Dockerfile on the node, as ``docker build`` would, and store it there.
+
+        ``context`` is the build context directory (sent to the node; its ``.dockerignore`` is honoured by
+        the builder); ``dockerfile`` defaults to ``CONTEXT/Dockerfile`` (a path, like ``docker build -f``).
+        ``FROM`` may name an image of the node's store or of a registry the node is configured for
+        (``insecure``: plain HTTP; ``username``/``password``: its credentials). ``output`` gets each line the
+        builder prints. Raises :class:`dsec.BuildFailed` naming the failing step; nothing is stored then.
+        """
     @classmethod
     def pull_image(
         cls,
@@ -164,7 +256,10 @@ class Sandbox:
         password: str | None = ...,
         replace: bool = ...,
         client: Client | None = ...,
-    ) -> ImageInfo: ...
+    ) -> ImageInfo:
+        """Pull ``reference`` (``[host[:port]/]repo[:tag][@sha256:...]``) from an OCI registry into the node's
+        store as ``name`` (default: the repository's last part, plus ``-TAG``); returns when it is ready.
+        """
     @classmethod
     def create_many(
         cls,
@@ -187,30 +282,69 @@ class Sandbox:
         hidden: Sequence[str] = ...,
         landlock: bool = ...,
         user: str | None = ...,
-    ) -> builtins.list[Sandbox]: ...
+    ) -> builtins.list[Sandbox]:
+        """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
     @classmethod
-    def connect(cls, sandbox_id: str, client: Client | None = ...) -> Sandbox: ...
+    def connect(cls, sandbox_id: str, client: Client | None = ...) -> Sandbox:
+        """Attach to an existing sandbox by id (raises SandboxNotFound)."""
     @classmethod
     def list(
         cls,
         labels: Mapping[str, str] | None = ...,
         backend: str | None = ...,
         client: Client | None = ...,
-    ) -> builtins.list[Sandbox]: ...
-    def info(self) -> SandboxInfo: ...
-    def stats(self) -> SandboxStats: ...
-    def pause(self, release_memory: bool = ...) -> SandboxInfo: ...
-    def resume(self) -> SandboxInfo: ...
-    def set_timeout(self, timeout: float) -> SandboxInfo: ...
-    def reveal(self) -> SandboxInfo: ...
-    def set_network(self, network: str | Sequence[str]) -> SandboxInfo: ...
-    def screenshot(self) -> bytes: ...
-    def mouse(self, x: int, y: int, button: str = ..., action: str = ...) -> None: ...
-    def keyboard(self, text: str | None = ..., keys: Sequence[str] | None = ...) -> None: ...
-    def snapshot(self) -> str: ...
-    def fork(self, n: int) -> builtins.list[Sandbox]: ...
-    def close(self) -> None: ...
-    def call(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
+    ) -> builtins.list[Sandbox]:
+        """Live sandboxes on the daemon, filtered by every given label and by backend."""
+    def info(self) -> SandboxInfo:
+        """Fresh state of the sandbox (state, expiry, spec, node)."""
+    def stats(self) -> SandboxStats:
+        """Resource usage now (memory, cpu, pids, disk)."""
+    def pause(self, release_memory: bool = ...) -> SandboxInfo:
+        """Freeze every process of the sandbox (execs are refused until resume). ``release_memory=True``
+        also saves it to disk and gives its memory back to the host (microvm; resume restores it with the
+        same processes and files); backends that cannot raise :class:`~dsec.NotSupported`.
+        """
+    def resume(self) -> SandboxInfo:
+        """Thaw a paused sandbox."""
+    def set_timeout(self, timeout: float) -> SandboxInfo:
+        """Destroy the sandbox ``timeout`` seconds from now instead of at its current deadline (sooner or later)."""
+    def reveal(self) -> SandboxInfo:
+        """Make the paths hidden at creation (``hidden=[...]``) visible to the sandbox, read-only: the
+        grading phase begins (container, function and microvm backends). On a trajectory it is a logged
+        call (replayed from the log when fast-forwarding, re-run on a rebuilt sandbox).
+        """
+    def set_network(self, network: str | Sequence[str]) -> SandboxInfo:
+        """Replace the network policy: ``"none"``, ``"allow"`` or an allowlist of ``CIDR[:port]`` and
+        domain names (``"pypi.org"``, ``"*.pythonhosted.org:443"``). Takes effect at once, e.g. to cut
+        the network after set-up and before the graded phase.
+        """
+    def screenshot(self) -> bytes:
+        """The display as PNG bytes (``backend="vm"``; other backends raise NotSupported). On a trajectory it
+        is a logged call (replayed from the log when fast-forwarding).
+        """
+    def mouse(self, x: int, y: int, button: str = ..., action: str = ...) -> None:
+        """Move the pointer to pixel (``x``, ``y``) of the display, then act: ``"click"``, ``"double_click"``,
+        ``"down"``, ``"up"``, ``"move"``, ``"scroll_up"`` or ``"scroll_down"``, with ``button`` ``"left"``,
+        ``"middle"`` or ``"right"`` (``backend="vm"``; a logged call on a trajectory).
+        """
+    def keyboard(self, text: str | None = ..., keys: Sequence[str] | None = ...) -> None:
+        """Type ``text`` (US layout; ``
+        `` is Enter) or press ``keys`` in order, each a key or a combo:
+                ``["ctrl+c", "enter"]`` (``backend="vm"``; a logged call on a trajectory).
+        """
+    def snapshot(self) -> str:
+        """Save the sandbox's writable state; the id restores it with ``create(snapshot=...)``, on this
+        node or on another sharing the snapshot store. On a trajectory it is also the latest checkpoint.
+        """
+    def fork(self, n: int) -> builtins.list[Sandbox]:
+        """``n`` independent sandboxes with this one's current state (taken while it is frozen).
+
+        The copies are plain sandboxes: not bound to this one's trajectory. Close each when done.
+        """
+    def close(self) -> None:
+        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
+    def call(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` inside the sandbox and return its value (see :meth:`call_with`)."""
     def call_with(
         self,
         func: Callable[..., Any],
@@ -226,7 +360,18 @@ class Sandbox:
         pids: int | None = ...,
         disk: int | str | None = ...,
         max_output: int = ...,
-    ) -> Any: ...
+    ) -> Any:
+        """Run ``func(*args, **kwargs)`` in a fresh process of the sandbox, forked from an interpreter of the image
+        that has cloudpickle already imported (the image's Python must have this interpreter's minor version).
+
+        Each call has its own ``memory``, ``pids`` and ``disk`` (its ``/tmp``) limits: the sandbox's unless
+        lower ones are given here; another call's use never counts against them. Raises :class:`dsec.RemoteError`
+        with the remote type and traceback when it raises, :class:`dsec.CallFailed` when it ends at a limit
+        (``detail["limit"]``: time, memory, pids, disk or output; prints past ``max_output`` bytes are the
+        output limit), crashes, or returns more than ``max_result_bytes``; errors of the sandbox itself
+        (:class:`dsec.SandboxError`, :class:`dsec.InvalidRequest` for an image without Python) are never a
+        call's verdict. The value is rebuilt as plain data only unless ``trusted``.
+        """
     def map(
         self,
         func: Callable[[Any], Any],
@@ -240,7 +385,11 @@ class Sandbox:
         pids: int | None = ...,
         disk: int | str | None = ...,
         max_output: int = ...,
-    ) -> builtins.list[Any]: ...
+    ) -> builtins.list[Any]:
+        """``[func(x) for x in inputs]``, each in its own call (with its own limits, as :meth:`call_with`),
+        ``concurrency`` at a time; results in input order. With ``return_exceptions`` a failed call's error takes
+        its place instead of being raised.
+        """
     @overload
     def exec(
         self,
@@ -253,7 +402,16 @@ class Sandbox:
         pristine: bool = ...,
         user: str | None = ...,
         background: Literal[False] = ...,
-    ) -> ExecResult: ...
+    ) -> ExecResult:
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list, as ``user`` (``name``,
+        ``uid``, ``name:group``, ``uid:gid`` of the sandbox; default: the sandbox's user); ``cwd`` absolute or
+        relative to the sandbox's working directory.
+
+        ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
+        (for graders: the agent cannot have replaced the binaries it uses). ``background=True`` does not wait:
+        it returns an :class:`AsyncProcess` (its stdin stays open, ``timeout`` is None unless given) that
+        outlives this call and this client.
+        """
     @overload
     def exec(
         self,
@@ -267,7 +425,16 @@ class Sandbox:
         user: str | None = ...,
         *,
         background: Literal[True],
-    ) -> Process: ...
+    ) -> Process:
+        """Run a command to completion: a shell string (``/bin/sh -c``) or an argv list, as ``user`` (``name``,
+        ``uid``, ``name:group``, ``uid:gid`` of the sandbox; default: the sandbox's user); ``cwd`` absolute or
+        relative to the sandbox's working directory.
+
+        ``pristine=True`` runs it on the image's untouched root with the working directory mounted in
+        (for graders: the agent cannot have replaced the binaries it uses). ``background=True`` does not wait:
+        it returns an :class:`AsyncProcess` (its stdin stays open, ``timeout`` is None unless given) that
+        outlives this call and this client.
+        """
     def exec_stream(
         self,
         command: str | Sequence[str],
@@ -278,7 +445,12 @@ class Sandbox:
         max_output: int = ...,
         pristine: bool = ...,
         user: str | None = ...,
-    ) -> Generator[ExecEvent]: ...
+    ) -> Generator[ExecEvent]:
+        """Run a command (as ``user``) and yield ``stdout``/``stderr`` chunks as they arrive, then one ``exit``
+        event.
+
+        Leaving the loop early closes the stream, and the daemon kills the command.
+        """
     def pty(
         self,
         cols: int = ...,
@@ -287,18 +459,38 @@ class Sandbox:
         cwd: str | None = ...,
         env: Mapping[str, str] | None = ...,
         command: str | Sequence[str] | None = ...,
-    ) -> Process: ...
+    ) -> Process:
+        """A terminal of ``cols`` x ``rows`` running ``command`` (default: the user's login shell) as ``user``:
+        ``send_stdin`` is what is typed, ``stdout()`` what the terminal shows, ``resize`` changes its size.
+        ``tmux`` and other full-screen programs run there.
+        """
     def shell(
         self,
         user: str | None = ...,
         cwd: str | None = ...,
         env: Mapping[str, str] | None = ...,
-    ) -> Shell: ...
-    def expose(self, port: int, protocol: str = ...) -> PortInfo: ...
-    def get_url(self, port: int) -> str: ...
-    def ports(self) -> builtins.list[PortInfo]: ...
-    def unexpose(self, port: int) -> None: ...
-    def connect_port(self, port: int) -> socket.socket: ...
+    ) -> Shell:
+        """A new persistent ``bash`` session (several per sandbox): ``run(command)`` one command at a time;
+        ``cd``, exported variables and functions persist. Close it when done (``async with`` does).
+        """
+    def expose(self, port: int, protocol: str = ...) -> PortInfo:
+        """Make ``port`` inside the sandbox reachable from here: the node listens and forwards. ``http``: a
+        ``url`` (plain HTTP and WebSocket; send ``headers``, or open ``authenticated_url`` once in a browser);
+        ``tcp``: ``host:host_port`` for any TCP stream whose first line is ``DSEC <token>`` (:meth:`connect_port`
+        sends it). Works with ``network="none"``; ends with :meth:`unexpose` or the sandbox. Never logged.
+        """
+    def get_url(self, port: int) -> str:
+        """The URL of an exposed ``http`` port (exposing it first if it is not); send :attr:`PortInfo.headers`
+        with each request, or the token as ``?dsec_token=`` once.
+        """
+    def ports(self) -> builtins.list[PortInfo]:
+        """The sandbox's exposed ports."""
+    def unexpose(self, port: int) -> None:
+        """Stop forwarding ``port`` (its open connections end)."""
+    def connect_port(self, port: int) -> socket.socket:
+        """A connected (blocking) socket to ``port`` inside the sandbox, through its exposure (made ``tcp`` if it
+        is not), its ``DSEC <token>`` line already sent: read and write the server's bytes.
+        """
 
 C = TypeVar("C", bound=type)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from dsec.accounts import ROOT, Identity, resolve_identity
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.errors import NotSupported, SandboxError, error_from_payload
+from dsec.images.ref import ImageRef
 from dsec.models import (
     CallRequest,
     CallResult,
@@ -25,7 +25,6 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
-    ImageConfig,
     SandboxRecord,
     SandboxStats,
 )
@@ -37,21 +36,6 @@ __all__ = ["DEFAULT_WORKDIR", "Backend", "Check", "ImageRef", "apply_image_defau
 _ACCOUNT_FILE_MAX = 4 << 20
 DEFAULT_WORKDIR = "/workspace"
 """Working directory of sandboxes whose spec and image name none."""
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """A resolved image: where its root filesystem is and the defaults it gives sandboxes."""
-
-    name: str
-    rootfs: Path
-    """Read-only root directory (ownership already shifted by ``uid_shift``)."""
-    uid_shift: int = 0
-    """Host uid of the image's uid 0."""
-    config: ImageConfig = field(default_factory=ImageConfig)
-    digest: str | None = None
-    """The image's content identity (a chunked image's manifest digest), the same on every node and home;
-    None when only its ``rootfs`` path names it (a directory image)."""
 
 
 class Check(NamedTuple):

@@ -56,7 +56,7 @@ from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
-from dsec.isolation.disk import disk_full, umount
+from dsec.isolation.disk import disk_full, disk_used, umount
 from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
 from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
@@ -110,7 +110,7 @@ class ContainerBackend(Backend):
         self.cgroup_parent = f"dsec-{tag}"
         self._tag = tag
         # Per-sandbox bundles (config.json, init.pid, the runtime's log, the disk's mount point) and crun's state
-        # directory live on a tmpfs: on an ext4 DSEC_HOME their ~10 creates, writes and unlinks per sandbox were
+        # directory live on a tmpfs: on an ext4 DSEC_HOME their ~10 creates, writes and unlinks per sandbox would be
         # journal commits (jbd2 and kworker CPU charged to nobody, and waits on a busy journal). A tmpfs keeps
         # them across a daemon crash (recover() reads them), not across a reboot, which no sandbox survives.
         self.state_root = self.STATE_BASE / f"dsec-{tag}"
@@ -771,7 +771,7 @@ class ContainerBackend(Backend):
             st = await asyncio.to_thread(os.statvfs, disk)
             used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
         else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
-            used = await asyncio.to_thread(_du, Path(upper)) if upper else 0
+            used = await asyncio.to_thread(disk_used, Path(upper)) if upper else 0
             limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
@@ -792,7 +792,7 @@ class ContainerBackend(Backend):
         self._forget_cpu_class(sandbox_id)
         self.networks.forget(state)
         # Every blocking step in one worker-thread hop: each hop is a thread hand-off and a wake-up of the
-        # loop, and six of them were a visible share of a create -> exec -> destroy cycle.
+        # loop, and six of them are a visible share of a create -> exec -> destroy cycle.
         await asyncio.to_thread(self._teardown, sandbox_id, state)
 
     def _teardown(self, sandbox_id: str, state: dict[str, Any]) -> None:
@@ -1035,15 +1035,6 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
                 raise
         time.sleep(0.002)
     cgroups.remove()
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
 
 
 def _last_runtime_error(log: Path) -> str | None:

@@ -51,7 +51,7 @@ from dsec.images.users import resolve_user
 from dsec.isolation import call_loader, pyzygote
 from dsec.isolation.callslots import lay_out, zygote_procs
 from dsec.isolation.cgroups import CgroupSet, Limits, background_group, cgroup_mode
-from dsec.isolation.disk import disk_full, mount_disk, umount
+from dsec.isolation.disk import disk_full, disk_used, mount_disk, umount
 from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_callinit, ensure_zygote
@@ -493,7 +493,7 @@ class FunctionBackend(Backend):
             st = await asyncio.to_thread(os.statvfs, disk)
             used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
         else:  # a sandbox created before workspace quotas: a plain directory on DSEC_HOME's filesystem
-            used = await asyncio.to_thread(_du, Path(record.backend_state["base"]) / "workspace")
+            used = await asyncio.to_thread(disk_used, Path(record.backend_state["base"]) / "workspace")
             limit, full = None, False
         return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
                             cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
@@ -566,15 +566,6 @@ class FunctionBackend(Backend):
         for sandbox_id in orphans:
             await asyncio.to_thread(self._release, sandbox_id, {})
         return orphans
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
 
 
 def _ensure_support(root: Path, callinit: Path) -> Path:

@@ -2,9 +2,9 @@
 init, kernel modules, and optionally an X desktop that agents see as screenshots and drive with the mouse and
 keyboard.
 
-It is the microvm backend with another machine (:class:`~dsec.backends.microvm.MicroVMBackend` is its base:
-the same QEMU process handling, cgroups, QMP client, guest agent protocol, templates, snapshots, hibernation
-and recovery). What differs:
+It is the shared QEMU backend (:mod:`dsec.backends.qemu`: the same QEMU process handling, cgroups, QMP client,
+guest agent protocol, templates, snapshots and recovery, no hibernation on pause) with another machine profile,
+:class:`Q35Profile`. What differs from microvm:
 
 * the disk: a VM image (:mod:`dsec.guest.vmimage`, ``dsec image build-vm``) is an ext4 root filesystem in a
   read-only qcow2 file; each sandbox writes to its own qcow2 overlay (``qemu-img create -b``) in
@@ -38,17 +38,22 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import ImageRef, workdir_of
-from dsec.backends.microvm import _VM, MiB, MicroVMBackend, accel_arg
+from dsec.backends.qemu.accel import accel_arg
+from dsec.backends.qemu.agent import GuestAgent
+from dsec.backends.qemu.backend import QemuBackend, home_tag
+from dsec.backends.qemu.machine import chown_to
+from dsec.backends.qemu.profile import MiB, Shape
+from dsec.backends.qemu.qmp import qmp
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, ImageNotFound, InvalidRequest, SandboxError
-from dsec.guest.accel import QEMU, Accelerator
+from dsec.guest.accel import QEMU
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.guest.vmderive import derive_in_helper
 from dsec.guest.vmimage import AGENT_PORT, default_vm_dir, find_vm_image
 from dsec.isolation.network import GUEST_ADDRESS, GUEST_GATEWAY
 from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
-__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "VMBackend", "key_chunks", "keys_for_text"]
+__all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "Q35Profile", "VMBackend", "key_chunks", "keys_for_text"]
 
 _CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
             "net.ifnames=0 mitigations=off")
@@ -142,34 +147,25 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int(width), int(height)
 
 
-class VMBackend(MicroVMBackend):
-    """Full QEMU q35 VMs booting a VM image's own kernel and systemd; computer use through QMP."""
+class Q35Profile:
+    """``-M q35`` booting a VM image's own kernel and systemd from a qcow2 overlay per sandbox."""
 
     name = "vm"
-    boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 900)
-    """Seconds for a cold boot to reach the agent, and again for systemd and the desktop to settle: TCG on a
-    loaded 2-core host has needed more than 300 s for each."""
-    restore_timeout = float(os.environ.get("DSEC_VM_RESTORE_TIMEOUT") or 180)
-    """A restored desktop guest under TCG on a loaded host has needed more than the microvm's 20 s to answer."""
-    min_memory = 256 * MiB
-    pristine_execs = True
-    """The image's base disk is attached read-only (``/dev/vdb``); pristine execs need a confined sandbox
-    (:meth:`_pristine_refusal`)."""
     nic_device = "virtio-net-pci"
-    confines_commands = True
-    """Only sandboxes created with ``protected=`` or ``hidden=`` (:meth:`_confines`): otherwise a full VM's root
-    keeps every capability (kernel modules, mounts, systemd) and the VM is the boundary."""
+    min_memory = 256 * MiB
 
-    def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
-                 fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
-        super().__init__(settings, accel=accel or os.environ.get("DSEC_VM_ACCEL"), fast_start=fast_start,
-                         qemu_user=qemu_user, hibernate_on_pause=False)
-        self.vm_dir = vm_dir or default_vm_dir()
+    def __init__(self, vm_dir: Path, tag: str, qemu_user: str | None) -> None:
+        self.vm_dir = vm_dir
+        self.qemu_user = qemu_user
         # QEMU reopens a sandbox's disk as its unprivileged user when it resumes after a migration (restore,
         # snapshot): the overlay must sit where that user can reach it, which DSEC_HOME (often 0700) is not.
-        self.sandbox_files = self.vm_dir / "sandboxes" / self.tag
-        self._screens: dict[str, tuple[int, int]] = {}
-        """Last known display size per sandbox (pointer coordinates are scaled by it)."""
+        self.sandbox_files = vm_dir / "sandboxes" / tag
+        self.boot_timeout = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT") or 900)
+        """Seconds for a cold boot to reach the agent, and again for systemd and the desktop to settle: TCG on a
+        loaded 2-core host has needed more than 300 s for each."""
+        self.restore_timeout = float(os.environ.get("DSEC_VM_RESTORE_TIMEOUT") or 180)
+        """A restored desktop guest under TCG on a loaded host has needed more than the microvm's 20 s to
+        answer."""
 
     def available(self) -> str:
         if os.geteuid() != 0:
@@ -179,38 +175,30 @@ class VMBackend(MicroVMBackend):
                 return f"{tool} not found: apt-get install {pkg}"
         return "ok"
 
-    async def start(self) -> None:
-        reason = self.available()
-        if reason != "ok":
-            raise BackendUnavailable(f"vm backend: {reason}")
-        if self.accel is None:
-            try:  # the microvm guest kernel is the probe (any kernel will do); without it, no KVM probe
-                kernel = find_kernel(default_guest_dir()).vmlinuz
-            except BackendUnavailable:
-                self.accel, self.accel_reason = "tcg", "no guest kernel to probe KVM with"
-            else:  # the decision microvm waits for too, made once in the background
-                self.accelerator = Accelerator.shared(kernel)
-        for d in (self.root / "templates", self.root / "snapshots"):
-            d.mkdir(parents=True, exist_ok=True)
+    async def start(self) -> Path | None:
         self.sandbox_files.mkdir(parents=True, exist_ok=True)
         for d in (self.sandbox_files, self.sandbox_files.parent):
             os.chmod(d, 0o711)
-        self.run_root.mkdir(parents=True, exist_ok=True, mode=0o711)
-        self._started = True
+        try:  # the microvm guest kernel is the KVM probe (any kernel will do); without it, no probe
+            return find_kernel(default_guest_dir()).vmlinuz
+        except BackendUnavailable:
+            return None
 
-    def _shape(self, record: SandboxRecord) -> tuple[int, int, int]:
-        """As microvm's, and a ``disk`` the host can hold: the overlay is sparse, but a guest may fill it."""
-        vcpus, mem_mib, disk_bytes = super()._shape(record)
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sandbox_files.rmdir()  # only when no sandbox is left
+
+    def check_shape(self, record: SandboxRecord, shape: Shape) -> None:
+        """A ``disk`` the host can hold: the overlay is sparse, but a guest may fill it."""
         free = shutil.disk_usage(self.sandbox_files if self.sandbox_files.is_dir() else self.vm_dir).free
-        if disk_bytes > free:
-            raise InvalidRequest(f"disk={disk_bytes} is more than the {free // MiB} MiB free on the host's "
+        if shape.disk_bytes > free:
+            raise InvalidRequest(f"disk={shape.disk_bytes} is more than the {free // MiB} MiB free on the host's "
                                  f"filesystem for vm disks ({self.sandbox_files})")
-        return vcpus, mem_mib, disk_bytes
 
     def resolve_image(self, name: str) -> ImageRef | None:
         """A VM image (``dsec image build-vm``): ``rootfs`` is its directory. One built with another guest agent or
         recipe is refused: the backend and the agent inside must speak the same protocol. None when there is no
-        VM image of that name: the engine resolves the DSec image of the store, whose disk :meth:`_erofs`
+        VM image of that name: the engine resolves the DSec image of the store, whose disk :meth:`base_disk`
         derives on first use."""
         try:
             image = find_vm_image(name, self.vm_dir)
@@ -222,9 +210,7 @@ class VMBackend(MicroVMBackend):
                                      f"{' --desktop' if image.desktop else ''} --replace` (scripts/setup does)")
         return ImageRef(name=name, rootfs=image.dir, config=ImageConfig(workdir="/workspace"))
 
-    # -- disks, templates ---------------------------------------------------------------------------------
-
-    async def _erofs(self, image: ImageRef) -> Path:
+    async def base_disk(self, image: ImageRef) -> Path:
         """The disk the sandbox boots: the VM image's, or the one derived from a DSec image (built on its first
         vm create, about a minute; kept per image content for every later one)."""
         if image.rootfs.parent == self.vm_dir / "images":
@@ -232,139 +218,21 @@ class VMBackend(MicroVMBackend):
         derived = await asyncio.to_thread(derive_in_helper, image, self.vm_dir)
         return derived.disk
 
-    @staticmethod
-    async def _image_user(image: ImageRef, user: str | None) -> dict[str, Any]:
+    async def image_user(self, image: ImageRef, user: str | None) -> dict[str, Any]:
         # The image is a disk: SandboxSpec.user is resolved in the guest's own files when a call needs it.
         return {"user": [0, 0], "home": "/root"}
 
-    def _template_key(self, erofs: Path, vcpus: int, mem_mib: int, disk_bytes: int) -> str:
-        st = erofs.stat()
-        # "vm3": templates saved before the terminal's shell was ready (vm2) or without the pristine disk are not
-        # reused
-        return hashlib.sha256(f"vm3:{erofs}:{st.st_mtime_ns}:{st.st_ino}:{vcpus}:{mem_mib}:{self.accel}".encode()
-                              ).hexdigest()[:16]
+    def template_key(self, disk: Path, shape: Shape, accel: str | None) -> str:
+        st = disk.stat()
+        # "vm3": the version of what a template holds (the terminal's shell ready, the pristine disk attached)
+        return hashlib.sha256(f"vm3:{disk}:{st.st_mtime_ns}:{st.st_ino}:{shape.vcpus}:{shape.mem_mib}:{accel}"
+                              .encode()).hexdigest()[:16]
 
-    async def _cold_boot(self, record: SandboxRecord, rundir: Path, erofs: Path, vcpus: int, mem_mib: int,
-                         disk_bytes: int, ram_file: Path | None = None) -> _VM:
-        """Boot, then wait until systemd has started everything (and the desktop shows its windows): a
-        template saved earlier would make every clone finish booting on its own time."""
-        vm = await super()._cold_boot(record, rundir, erofs, vcpus, mem_mib, disk_bytes, ram_file)
-        result = await self.exec(record, ExecRequest(command=_SETTLE, timeout=self.boot_timeout))
-        if result.limit == "time":
-            raise SandboxError(f"the guest did not settle within {self.boot_timeout:.0f}s (systemd: "
-                               f"{result.stdout.decode(errors='replace').strip() or 'starting'}; a desktop image "
-                               "also waits for twm and for its terminal's shell at the prompt)")
-        if record.backend_state.get("netns"):
-            await self._guest_network(record)
-        return vm
-
-    async def _guest_network(self, record: SandboxRecord) -> None:
-        """Configure a freshly booted guest's NIC (``eth0``: the image boots with ``net.ifnames=0``) as every
-        networked guest's: :data:`GUEST_ADDRESS` on the tap's link, the tap as default route and resolver.
-        Done once per cold boot: templates and snapshots carry it to their clones. The guest's root may change
-        it; the policy is enforced outside the guest, so that only cuts the guest off."""
-        script = (f"for i in $(seq 600); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done; "
-                  f"[ -e /sys/class/net/eth0 ] || {{ echo 'no eth0 (virtio_net not loaded?)'; exit 1; }}; "
-                  "sysctl -qw net.ipv6.conf.eth0.disable_ipv6=1; ip link set lo up && ip addr flush dev eth0 && "
-                  f"ip addr add {GUEST_ADDRESS}/30 dev eth0 && ip link set eth0 up && "
-                  f"ip route replace default via {GUEST_GATEWAY} && rm -f /etc/resolv.conf && "
-                  f"echo 'nameserver {GUEST_GATEWAY}' > /etc/resolv.conf 2>&1")
-        r = await self.exec(record, ExecRequest(command=script, timeout=120))
-        if r.exit_code != 0:
-            raise SandboxError(f"configuring the guest's network failed: "
-                               f"{(r.stdout + r.stderr).decode(errors='replace').strip()[-300:]}")
-
-    async def _prepare(self, record: SandboxRecord) -> None:
-        """Fresh identity (as microvm), and the host's time: a clone's clock is its template's, which may be
-        days old (the image masks timesyncd, and there is no network to sync with)."""
-        await super()._prepare(record)
-        r = await self._system_exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"],
-                                                        timeout=30))
-        if r.exit_code != 0:
-            raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
-        await self._grow_disk(record)
-
-    # -- confined commands (protected and hidden paths, pristine execs) ----------------------------------
-
-    def _confines(self, record: SandboxRecord) -> bool:
-        """Commands of a vm run confined only when the sandbox has grading paths: confinement takes root's
-        capabilities to mount, load modules or set the clock, and makes the system read-only to commands."""
-        return bool(record.spec.protected or record.spec.hidden)
-
-    def _confine_extra(self, record: SandboxRecord) -> list[tuple[str, str]]:
-        """What confinement needs besides the paths in a full VM, where systemd, udev, the kernel's modprobe and
-        the desktop run as unconfined root: a read-only root but for the work directories (nothing a command
-        writes is ever run by them), the commands' own ``/run`` (units, udev rules, modprobe.d, the control
-        sockets of systemd and udev live there), and the block devices covered (raw writes to the root disk
-        would go around every mount)."""
-        writable = dict.fromkeys(("/workspace", workdir_of(record), "/tmp", "/var/tmp", "/home", "/dev/shm"))
-        return [("T", "/run"), *(("W", d) for d in writable), ("B", "/dev")]
-
-    def _pristine_refusal(self, record: SandboxRecord) -> str | None:
-        if not self._confines(record):
-            return ("pristine execs on the vm backend need a confined sandbox (create it with protected= or "
-                    "hidden=): in an unconfined VM, guest root could replace the agent that runs them")
-        return None
-
-    async def _grow_disk(self, record: SandboxRecord) -> None:
-        """Give the guest a disk of ``spec.disk`` bytes: QMP ``block_resize`` of the sandbox's overlay (the
-        guest's virtio-blk sees the new capacity at once), then an online ``resize2fs`` of its root
-        filesystem. A disk is never shrunk: a ``spec.disk`` below the image's (or snapshot's) size leaves that
-        size, which ``backend_state["disk_bytes"]`` reports."""
-        vm = self._vm(record)
-        blocks = (await self._qmp(vm.rundir, [("query-block", {})]))[0]
-        size = next(int(b["inserted"]["image"]["virtual-size"]) for b in blocks if b.get("device") == "root")
-        want = record.spec.disk // 512 * 512
-        if want > size:
-            await self._qmp(vm.rundir, [("block_resize", {"device": "root", "size": want})])
-            # the capacity change reaches the guest's driver through a config interrupt: wait for it
-            r = await self._system_exec(record, ExecRequest(command=(
-                f"for i in $(seq 300); do [ $(blockdev --getsize64 /dev/vda) -ge {want} ] && break; sleep 0.1; done; "
-                "resize2fs /dev/vda 2>&1"), timeout=300))
-            if r.exit_code != 0:
-                raise SandboxError(f"growing the guest's root filesystem to {want} bytes failed: "
-                                   f"{r.stdout.decode(errors='replace')[-300:]}")
-            size = want
-        record.backend_state["disk_bytes"] = size
-
-    async def _sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
-        """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
-        with links to the image's kernel and initramfs beside it."""
-        d = self.sandbox_files / sandbox_id
-        await asyncio.to_thread(shutil.rmtree, d, True)
-        d.mkdir(parents=True)
-        backing = saved / "disk.qcow2" if saved is not None else base
-        if not backing.is_file():
-            raise SandboxError(f"{saved.name if saved else base}: its disk {backing} is missing")
-        proc = await asyncio.to_thread(
-            subprocess.run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing),
-                             str(d / "disk.qcow2")], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SandboxError(f"qemu-img create of the sandbox's disk failed: {proc.stderr.strip()[-300:]}")
-        for name in ("vmlinuz", "initrd.img"):
-            (d / name).symlink_to(base.parent / name)
-        (d / "pristine.qcow2").symlink_to(base)
-        self._chown(d / "disk.qcow2")
-        self._chown(d)
-        return d / "disk.qcow2"
-
-    async def _saved(self, record: SandboxRecord, target: Path) -> None:
-        """Copy the stopped VM's overlay beside its saved state: templates, snapshots and hibernation keep
-        the disk that goes with the RAM."""
-        disk = Path(record.backend_state.get("erofs") or self.sandbox_files / record.id / "disk.qcow2")
-        copy = target.with_name("disk.qcow2")
-        tmp = copy.with_name(".disk.qcow2.tmp")
-        await asyncio.to_thread(shutil.copyfile, disk, tmp)
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, copy)
-
-    def _qemu_cmd(self, rundir: Path, disk: Path, vcpus: int, mem_mib: int, disk_bytes: int,
-                  memory: list[str], extra: list[str]) -> list[str]:
-        accel = self.accel or "tcg"
-        cmd = [
+    def command(self, rundir: Path, disk: Path, shape: Shape, memory: list[str], accel: str) -> list[str]:
+        return [
             QEMU, "-M", "q35,memory-backend=mem",
             "-accel", accel_arg(accel), "-cpu", "host" if accel == "kvm" else "max",
-            "-smp", str(vcpus), "-m", f"{mem_mib}M", "-object", ",".join(memory),
+            "-smp", str(shape.vcpus), "-m", f"{shape.mem_mib}M", "-object", ",".join(memory),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
             "-kernel", str(disk.parent / "vmlinuz"), "-initrd", str(disk.parent / "initrd.img"),
@@ -382,14 +250,135 @@ class VMBackend(MicroVMBackend):
             "-qmp", f"unix:{rundir / 'qmp.sock'},server=on,wait=off",
             "-pidfile", str(rundir / "qemu.pid"),
         ]
-        if self.qemu_user:
-            cmd += ["-runas", self.qemu_user]
-        return cmd + extra
 
-    async def aclose(self) -> None:
-        await super().aclose()
-        with contextlib.suppress(OSError):
-            self.sandbox_files.rmdir()  # only when no sandbox is left
+    async def sandbox_disk(self, sandbox_id: str, base: Path, saved: Path | None) -> Path:
+        """A fresh qcow2 overlay over the saved disk of ``saved`` (template or snapshot) or the image's base,
+        with links to the image's kernel and initramfs beside it."""
+        d = self.sandbox_files / sandbox_id
+        await asyncio.to_thread(shutil.rmtree, d, True)
+        d.mkdir(parents=True)
+        backing = saved / "disk.qcow2" if saved is not None else base
+        if not backing.is_file():
+            raise SandboxError(f"{saved.name if saved else base}: its disk {backing} is missing")
+        proc = await asyncio.to_thread(
+            subprocess.run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing),
+                             str(d / "disk.qcow2")], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SandboxError(f"qemu-img create of the sandbox's disk failed: {proc.stderr.strip()[-300:]}")
+        for name in ("vmlinuz", "initrd.img"):
+            (d / name).symlink_to(base.parent / name)
+        (d / "pristine.qcow2").symlink_to(base)
+        chown_to(d / "disk.qcow2", self.qemu_user)
+        chown_to(d, self.qemu_user)
+        return d / "disk.qcow2"
+
+    async def saved(self, record: SandboxRecord, target: Path) -> None:
+        """Copy the stopped VM's overlay beside its saved state: templates, snapshots and hibernation keep
+        the disk that goes with the RAM."""
+        disk = Path(record.backend_state.get("erofs") or self.sandbox_files / record.id / "disk.qcow2")
+        copy = target.with_name("disk.qcow2")
+        tmp = copy.with_name(".disk.qcow2.tmp")
+        await asyncio.to_thread(shutil.copyfile, disk, tmp)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, copy)
+
+    async def booted(self, record: SandboxRecord, agent: GuestAgent) -> None:
+        """Wait until systemd has started everything (and the desktop shows its windows): a template saved
+        earlier would make every clone finish booting on its own time."""
+        result = await agent.exec(record, ExecRequest(command=_SETTLE, timeout=self.boot_timeout))
+        if result.limit == "time":
+            raise SandboxError(f"the guest did not settle within {self.boot_timeout:.0f}s (systemd: "
+                               f"{result.stdout.decode(errors='replace').strip() or 'starting'}; a desktop image "
+                               "also waits for twm and for its terminal's shell at the prompt)")
+        if record.backend_state.get("netns"):
+            await _guest_network(record, agent)
+
+    async def prepared(self, record: SandboxRecord, agent: GuestAgent) -> None:
+        """The host's time: a clone's clock is its template's, which may be days old (the image masks
+        timesyncd, and there is no network to sync with); then the disk ``spec.disk`` asks for."""
+        r = await agent.system_exec(record, ExecRequest(command=["date", "-u", "-s", f"@{time.time():.3f}"],
+                                                        timeout=30))
+        if r.exit_code != 0:
+            raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
+        await _grow_disk(record, agent)
+
+    def confines(self, record: SandboxRecord) -> bool:
+        """Commands of a vm run confined only when the sandbox has grading paths: confinement takes root's
+        capabilities to mount, load modules or set the clock, and makes the system read-only to commands.
+        Otherwise a full VM's root keeps every capability and the VM is the boundary."""
+        return bool(record.spec.protected or record.spec.hidden)
+
+    def confine_extra(self, record: SandboxRecord) -> list[tuple[str, str]]:
+        """What confinement needs besides the paths in a full VM, where systemd, udev, the kernel's modprobe and
+        the desktop run as unconfined root: a read-only root but for the work directories (nothing a command
+        writes is ever run by them), the commands' own ``/run`` (units, udev rules, modprobe.d, the control
+        sockets of systemd and udev live there), and the block devices covered (raw writes to the root disk
+        would go around every mount)."""
+        writable = dict.fromkeys(("/workspace", workdir_of(record), "/tmp", "/var/tmp", "/home", "/dev/shm"))
+        return [("T", "/run"), *(("W", d) for d in writable), ("B", "/dev")]
+
+    def pristine_refusal(self, record: SandboxRecord) -> str | None:
+        """The image's base disk is attached read-only (``/dev/vdb``); pristine execs need a confined sandbox."""
+        if not self.confines(record):
+            return ("pristine execs on the vm backend need a confined sandbox (create it with protected= or "
+                    "hidden=): in an unconfined VM, guest root could replace the agent that runs them")
+        return None
+
+
+async def _guest_network(record: SandboxRecord, agent: GuestAgent) -> None:
+    """Configure a freshly booted guest's NIC (``eth0``: the image boots with ``net.ifnames=0``) as every
+    networked guest's: :data:`GUEST_ADDRESS` on the tap's link, the tap as default route and resolver.
+    Done once per cold boot: templates and snapshots carry it to their clones. The guest's root may change
+    it; the policy is enforced outside the guest, so that only cuts the guest off."""
+    script = (f"for i in $(seq 600); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done; "
+              f"[ -e /sys/class/net/eth0 ] || {{ echo 'no eth0 (virtio_net not loaded?)'; exit 1; }}; "
+              "sysctl -qw net.ipv6.conf.eth0.disable_ipv6=1; ip link set lo up && ip addr flush dev eth0 && "
+              f"ip addr add {GUEST_ADDRESS}/30 dev eth0 && ip link set eth0 up && "
+              f"ip route replace default via {GUEST_GATEWAY} && rm -f /etc/resolv.conf && "
+              f"echo 'nameserver {GUEST_GATEWAY}' > /etc/resolv.conf 2>&1")
+    r = await agent.exec(record, ExecRequest(command=script, timeout=120))
+    if r.exit_code != 0:
+        raise SandboxError(f"configuring the guest's network failed: "
+                           f"{(r.stdout + r.stderr).decode(errors='replace').strip()[-300:]}")
+
+
+async def _grow_disk(record: SandboxRecord, agent: GuestAgent) -> None:
+    """Give the guest a disk of ``spec.disk`` bytes: QMP ``block_resize`` of the sandbox's overlay (the
+    guest's virtio-blk sees the new capacity at once), then an online ``resize2fs`` of its root
+    filesystem. A disk is never shrunk: a ``spec.disk`` below the image's (or snapshot's) size leaves that
+    size, which ``backend_state["disk_bytes"]`` reports."""
+    vm = agent.machines.get(record)
+    blocks = (await qmp(vm.rundir, [("query-block", {})]))[0]
+    size = next(int(b["inserted"]["image"]["virtual-size"]) for b in blocks if b.get("device") == "root")
+    want = record.spec.disk // 512 * 512
+    if want > size:
+        await qmp(vm.rundir, [("block_resize", {"device": "root", "size": want})])
+        # the capacity change reaches the guest's driver through a config interrupt: wait for it
+        r = await agent.system_exec(record, ExecRequest(command=(
+            f"for i in $(seq 300); do [ $(blockdev --getsize64 /dev/vda) -ge {want} ] && break; sleep 0.1; done; "
+            "resize2fs /dev/vda 2>&1"), timeout=300))
+        if r.exit_code != 0:
+            raise SandboxError(f"growing the guest's root filesystem to {want} bytes failed: "
+                               f"{r.stdout.decode(errors='replace')[-300:]}")
+        size = want
+    record.backend_state["disk_bytes"] = size
+
+
+class VMBackend(QemuBackend):
+    """Full QEMU q35 VMs booting a VM image's own kernel and systemd; computer use through QMP."""
+
+    name = "vm"
+
+    def __init__(self, settings: Settings | None = None, vm_dir: Path | None = None, accel: str | None = None,
+                 fast_start: bool = True, qemu_user: str | None = "nobody") -> None:
+        settings = settings or Settings()
+        self.vm_dir = vm_dir or default_vm_dir()
+        self.profile: Q35Profile = Q35Profile(self.vm_dir, home_tag(settings), qemu_user)
+        super().__init__(settings, self.profile, accel=accel or os.environ.get("DSEC_VM_ACCEL"),
+                         fast_start=fast_start, qemu_user=qemu_user, hibernate_on_pause=False)
+        self.sandbox_files = self.profile.sandbox_files
+        self._screens: dict[str, tuple[int, int]] = {}
+        """Last known display size per sandbox (pointer coordinates are scaled by it)."""
 
     async def destroy(self, record: SandboxRecord) -> None:
         self._screens.pop(record.id, None)
@@ -399,11 +388,11 @@ class VMBackend(MicroVMBackend):
 
     async def screenshot(self, record: SandboxRecord) -> bytes:
         """The display as PNG bytes (QMP ``screendump``)."""
-        vm = self._vm(record)
+        vm = self.machines.get(record)
         path = vm.rundir / "screen.png"
         path.unlink(missing_ok=True)
         try:
-            await self._qmp(vm.rundir, [("screendump", {"filename": str(path), "format": "png"})])
+            await qmp(vm.rundir, [("screendump", {"filename": str(path), "format": "png"})])
             data = await asyncio.to_thread(path.read_bytes)
         finally:
             with contextlib.suppress(OSError):
@@ -423,7 +412,7 @@ class VMBackend(MicroVMBackend):
             raise InvalidRequest(f"button={button!r}: must be one of {', '.join(MOUSE_BUTTONS)}")
         if action not in MOUSE_ACTIONS:
             raise InvalidRequest(f"action={action!r}: must be one of {', '.join(MOUSE_ACTIONS)}")
-        vm = self._vm(record)
+        vm = self.machines.get(record)
         width, height = await self._screen(record)
         if not (0 <= x < width and 0 <= y < height):
             raise InvalidRequest(f"({x}, {y}) is outside the {width}x{height} display")
@@ -444,7 +433,7 @@ class VMBackend(MicroVMBackend):
                 commands += [press(button, True), press(button, False)]
         # one QMP command per event: each is its own report to the guest, so a press is never merged with
         # its release
-        await self._qmp(vm.rundir, commands)
+        await qmp(vm.rundir, commands)
 
     async def keyboard(self, record: SandboxRecord, text: str | None = None, keys: list[str] | None = None
                        ) -> None:
@@ -456,13 +445,13 @@ class VMBackend(MicroVMBackend):
         combos = keys_for_text(text) if text is not None else [_combo(k) for k in keys or []]
         if not combos:
             return
-        vm = self._vm(record)
+        vm = self.machines.get(record)
         # QEMU's PS/2 keyboard holds 16 bytes for the guest and drops what comes after; a vCPU starved by a
         # loaded host drains it late. Send at most a queue's worth (4 bytes per key of a combo, make and
         # break, extended keys included), let QEMU release it, then make sure the guest has run (an agent
         # round trip: its keyboard interrupt comes first) before the next.
         for chunk in key_chunks(combos):
-            await self._qmp(vm.rundir, [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo],
+            await qmp(vm.rundir, [("send-key", {"keys": [{"type": "qcode", "data": k} for k in combo],
                                                       "hold-time": _HOLD_MS}) for combo in chunk])
             await asyncio.sleep(len(chunk) * 2 * _HOLD_MS / 1000 + 0.02)
-            await self._client(record).ping(timeout=60)
+            await self.agent.client(record).ping(timeout=60)

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from dsec._ports import free_port
 from dsec.bench.container import BenchUnavailable
 from dsec.bench.cpu import tree_cpu
 from dsec.bench.report import Row, Suite, summarize
@@ -138,7 +139,7 @@ class _Env:
 
     def start_gateway(self, timeout: float = 1800.0) -> float:
         """Start the gateway pinned to its core; seconds until every node is alive in its metrics."""
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         args = ["taskset", "-c", str(self.cfg.gateway_cpu), sys.executable, "-m", "dsec.cluster", "gateway",
                 "--listen", f"127.0.0.1:{port}", "--db", self.dsn, "--jobs", str(self.base / "jobs.json"),
@@ -193,14 +194,6 @@ class _Env:
         if done.returncode != 0:
             raise RuntimeError(f"the bench client failed: {done.stderr[-2000:]}")
         return dict(json.loads(done.stdout))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from dsec.bench.peers import RuncPeer, mount_overlay, podman_argv, time_command,
 from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
 from dsec.isolation.init import HELPERS, binary_path, ensure_init
-from dsec.isolation.procs import meminfo
+from dsec.isolation.procs import mem_available
 
 __all__ = ["BenchUnavailable", "ContainerBench", "run"]
 
@@ -80,10 +80,6 @@ class ContainerBench:
 
 def _ms(seconds: float) -> float:
     return seconds * 1000
-
-
-def _mem_available() -> int:
-    return meminfo("MemAvailable")["MemAvailable"]
 
 
 def preflight(settings: Settings) -> tuple[str, Path | None]:
@@ -236,7 +232,7 @@ class _Run:
     async def idle_memory(self) -> dict[str, Any]:
         k = self.cfg.idle_k
         await asyncio.sleep(0.5)
-        before = _mem_available()
+        before = mem_available()
         sandboxes: list[AsyncSandbox] = []
         try:
             for start in range(0, k, 10):
@@ -244,7 +240,7 @@ class _Run:
                 sandboxes += batch
                 self.live.update((s.id, s) for s in batch)
             await asyncio.sleep(1.0)  # let the inits settle and the page cache account
-            after = _mem_available()
+            after = mem_available()
             charged = sum([(await s.stats()).memory_bytes for s in sandboxes])
         finally:
             for sandbox in sandboxes:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsec._ports import free_port
 from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
@@ -46,12 +46,6 @@ class E2BBench:
         """Every count times ``factor`` (a few samples at least)."""
         return E2BBench(cycles=max(6, int(self.cycles * factor)), execs=max(20, int(self.execs * factor)),
                         files=max(3, int(self.files * factor)), file_mib=self.file_mib)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _timed(action: Callable[[], Any]) -> float:
@@ -157,7 +151,7 @@ def run(cfg: E2BBench, node: Settings | None = None, progress: Callable[[str], N
     preflight(node)
     settings = _private_settings(node)
     key = "e2b_" + secrets.token_hex(20)
-    port = _free_port()
+    port = free_port()
     progress("starting a daemon with --e2b")
     server.up(settings, token=key, timeout=60, args=["--e2b", f"127.0.0.1:{port}"])
     try:

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.microvm import MicroVMBackend
-from dsec.bench.container import BenchUnavailable, _mem_available
+from dsec.bench.container import BenchUnavailable
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
 from dsec.guest.accel import QEMU
+from dsec.isolation.procs import mem_available
 from dsec.models import ExecRequest
 from dsec.testing import new_record
 
@@ -100,12 +101,13 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
                 await backend.destroy(rec)
                 return took
 
-            assert fast._kernel is not None
+            kernel = fast.profile.kernel
+            assert kernel is not None
             plain, boots, restores, networked = [], [], [], []
             for i in range(samples):
                 progress(f"sample {i + 1}/{samples}: plain QEMU boot, DSec cold boot, DSec restore (no network, "
                          f"network='allow')")
-                plain.append(await asyncio.to_thread(_plain_boot, fast._kernel.vmlinuz, fast.accel or "tcg"))
+                plain.append(await asyncio.to_thread(_plain_boot, kernel.vmlinuz, fast.accel or "tcg"))
                 boots.append(await first_exec(cold))
                 restores.append(await first_exec(fast))
                 networked.append(await first_exec(fast, network="allow"))
@@ -121,7 +123,7 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
             await fast.destroy(rec)
             progress(f"host memory of {idle_vms} idle VMs")
             await asyncio.sleep(1)
-            before = _mem_available()
+            before = mem_available()
             recs = []
             for _ in range(idle_vms):
                 rec = new_record("microvm", image, **spec)
@@ -133,7 +135,7 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
             for rec in recs:  # all alive at once: each must still answer
                 answered += (await fast.exec(rec, ExecRequest(command=["true"]))).exit_code == 0
             await asyncio.sleep(3)
-            per_vm = max(before - _mem_available(), 0) / idle_vms
+            per_vm = max(before - mem_available(), 0) / idle_vms
             cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
             for rec in recs:
                 await fast.destroy(rec)
@@ -149,7 +151,7 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
     suite.latencies.update({"plain_qemu_boot": s_plain, "cold_boot_first_exec": s_boot,
                             "restore_first_exec": s_restore, "restore_first_exec_networked": s_net,
                             "exec_round_trip": s_rtt})
-    fits = int(_mem_available() / per_vm) if per_vm > 0 else None
+    fits = int(mem_available() / per_vm) if per_vm > 0 else None
     suite.rows = [
         Row("restore → first exec", "ms", s_restore.p50 * 1e3, s_boot.p50 * 1e3, "DSec cold boot → first exec",
             target="≥ 5x faster", passed=s_boot.p50 / s_restore.p50 >= 5),

@@ -25,7 +25,6 @@ from dsec.bench.container import (
     _cleanup_backend,
     _daemon,
     _leaks,
-    _mem_available,
     _podman_cycle,
     _private_settings,
     _sustain,
@@ -38,7 +37,7 @@ from dsec.bench.peers import mount_overlay, podman_argv, umount
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.isolation import affinity
-from dsec.isolation.procs import meminfo
+from dsec.isolation.procs import mem_available, meminfo
 from dsec.models import PoolConfig
 
 __all__ = ["PHASES", "PoolBench", "run"]
@@ -222,7 +221,7 @@ class _Run:
         sandbox answers an exec while all are alive; memory per idle sandbox from MemAvailable."""
         n = self.cfg.burst_n
         await asyncio.sleep(1.0)
-        before = _mem_available()
+        before = mem_available()
         made: list[AsyncSandbox] = []
         t0 = time.perf_counter()
         error = None
@@ -274,7 +273,7 @@ class _Run:
             await asyncio.gather(*(ping(s) for s in made))
             ping_s = round(time.perf_counter() - p0, 2)
             await asyncio.sleep(1.0)
-            after = _mem_available()
+            after = mem_available()
         finally:
             d0 = time.perf_counter()
             await self.destroy(*made)

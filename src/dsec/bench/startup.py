@@ -80,7 +80,6 @@ async def _sample(images: Path, path_prefix: Path | None) -> _Start:
     verdicts = Path(tempfile.mkdtemp(prefix="dsec-bench-accel-"))
     settings = Settings(home=home, images_dir=images)
     env = dict(os.environ, DSEC_HOME=str(home), DSEC_IMAGES=str(images), DSEC_ACCEL_CACHE=str(verdicts))
-    env.pop("DSEC_DAEMON_FAKE", None)
     if path_prefix is not None:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
     log = (home / "daemon.log").open("wb")

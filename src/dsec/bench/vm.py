@@ -21,12 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsec.backends.base import ImageRef
+from dsec.backends.qemu.profile import Shape
 from dsec.backends.vm import VMBackend
-from dsec.bench.container import BenchUnavailable, _mem_available
+from dsec.bench.container import BenchUnavailable
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
 from dsec.guest.vmimage import find_vm_image
+from dsec.isolation.procs import mem_available
 from dsec.models import ExecRequest, SandboxRecord, parse_size
 from dsec.testing import new_record
 
@@ -54,10 +56,8 @@ def _plain_vm(backend: VMBackend, image: ImageRef, mem_mib: int, workdir: Path, 
     for name in ("vmlinuz", "initrd.img"):
         (d / name).symlink_to(vm.dir / name)
     memory = ["memory-backend-ram", "id=mem", f"size={mem_mib}M"]
-    cmd = backend._qemu_cmd(d, d / "disk.qcow2", 1, mem_mib, vm.disk_bytes, memory, [])
-    if "-runas" in cmd:
-        i = cmd.index("-runas")
-        del cmd[i:i + 2]
+    cmd = backend.profile.command(d, d / "disk.qcow2", Shape(1, mem_mib, vm.disk_bytes), memory,
+                                  backend.accel or "tcg")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -126,7 +126,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             for i in range(boots):
                 progress(f"plain QEMU boot {i + 1}/{boots} to the agent's first frame, then idle")
                 booted, mem = await asyncio.to_thread(_plain_vm, fast, image, int(parse_size(memory) // MiB),
-                                                      Path(home), 5.0, 3 * fast.boot_timeout)
+                                                      Path(home), 5.0, 3 * fast.profile.boot_timeout)
                 plain_s.append(booted)
                 plain_pss.append(mem)
                 progress(f"cold boot {i + 1}/{boots} (kernel, systemd, desktop) to first exec")
@@ -153,7 +153,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
             await fast.destroy(rec)
             progress(f"host memory of {idle_vms} idle VMs")
             await asyncio.sleep(1)
-            before = _mem_available()
+            before = mem_available()
             recs = []
             for _ in range(idle_vms):
                 rec = new_record("vm", image, memory=memory)
@@ -161,9 +161,9 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
                 await fast.create(rec, image)
                 recs.append(rec)
             await asyncio.sleep(5)
-            per_vm = max(before - _mem_available(), 0) / idle_vms
+            per_vm = max(before - mem_available(), 0) / idle_vms
             cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
-            pss = sum(_pss(fast._vm(r).pid) for r in recs) / idle_vms
+            pss = sum(_pss(fast.machines.get(r).pid) for r in recs) / idle_vms
             for rec in recs:
                 await fast.destroy(rec)
         finally:

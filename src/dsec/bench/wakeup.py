@@ -2,8 +2,8 @@
 
 An exec crosses several processes (client, daemon, exec helper, the command, and back); each wakeup that
 the scheduler places on another CPU needs that CPU to preempt what it runs. On hardware, and on most
-virtual machines, the rescheduling interrupt arrives within microseconds. On some (the paravirtual KVM of
-the development VMs, stop 25) a vCPU that is running a task acts on it only at its next tick, up to 4 ms
+virtual machines, the rescheduling interrupt arrives within microseconds. On some (a paravirtual KVM)
+a vCPU that is running a task acts on it only at its next tick, up to 4 ms
 later, whatever the running task's class, SCHED_IDLE included; no priority inside the guest can fix that.
 The pools suite runs this probe beside its busy-neighbour phase so the two figures are read together.
 

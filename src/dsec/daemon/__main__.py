@@ -7,20 +7,22 @@ It only parses options and calls :func:`dsec.daemon.server.serve`.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec.config import Settings
 from dsec.daemon import logs
+from dsec.daemon.engine import Engine
 from dsec.daemon.server import ServeError, serve
 from dsec.e2b.options import E2BOptions
 from dsec.errors import InvalidRequest
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse options and serve; returns the process exit status."""
+def main(argv: list[str] | None = None, engine: Callable[[Settings], Engine] | None = None) -> int:
+    """Parse options and serve; returns the process exit status. ``engine`` makes the engine served instead of
+    the node's (the tests' fake daemon)."""
     parser = argparse.ArgumentParser(prog="python -m dsec.daemon", description="DSec node daemon")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the node daemon in the foreground")
@@ -38,20 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings(home=args.home) if args.home else Settings()
     logs.setup(settings.log_file, args.log_level)
-    engine = None
-    if os.environ.get("DSEC_DAEMON_FAKE") == "1":
-        # Test-only: lets process-level tests (up/down, signals) run without touching the host's
-        # isolation machinery. The fake isolates nothing, so say so loudly.
-        from dsec.daemon.engine import Engine
-        from dsec.testing.fake import FakeBackend
-
-        logging.getLogger("dsec").warning("DSEC_DAEMON_FAKE=1: fake backend, NO ISOLATION (tests only)")
-        fake = FakeBackend(root=settings.home / "fake")
-        engine = Engine(settings, {"container": fake}, Engine.default_images(settings))
     try:
         e2b = _e2b_options(args)
-        serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None, engine=engine,
-              e2b=e2b)
+        serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None,
+              engine=engine(settings) if engine is not None else None, e2b=e2b)
     except (ServeError, InvalidRequest) as exc:
         print(f"dsec daemon: {exc}", file=sys.stderr)
         return 1

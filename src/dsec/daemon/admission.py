@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import DaemonStopping, QuotaExceeded
-from dsec.isolation.procs import meminfo
+from dsec.isolation.procs import mem_available
 from dsec.models import AdmissionStatistics
 
 __all__ = ["Admission", "Deferred", "host_shortage"]
@@ -29,10 +29,6 @@ class Deferred(Exception):
     come first. Not an error of the create: the pool tries again shortly."""
 
 _MIB = 1024**2
-
-
-def _mem_available() -> int:
-    return meminfo("MemAvailable")["MemAvailable"]
 
 
 _LIMIT_TTL = 5.0
@@ -55,7 +51,7 @@ def _tasks_and_limit(proc: Path = Path("/proc")) -> tuple[int, int]:
 
 def host_shortage(min_free_memory: int, min_free_pids: int) -> str | None:
     """What the host is short of for one more sandbox (``None`` when it has headroom)."""
-    available = _mem_available()
+    available = mem_available()
     if available < min_free_memory:
         return (f"memory: {available // _MIB} MiB available, the node keeps {min_free_memory // _MIB} MiB free "
                 "before starting another sandbox")

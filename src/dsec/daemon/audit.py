@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsec.daemon.state import private_database
+from dsec._sqlite import private_database
 from dsec.errors import InvalidRequest
 from dsec.models import AuditEntry
 

@@ -611,7 +611,7 @@ class Engine(SurfaceOperations):
             claimed = await self._claim(spec)
             if claimed is not None:
                 return claimed
-        return await self._create(spec, spec.snapshot)
+        return await self.create_unpooled(spec, spec.snapshot)
 
     def _poolable(self, spec: SandboxSpec) -> bool:
         """Whether everything ``spec`` asks beyond its pool shape can be applied to a running sandbox (a network
@@ -746,7 +746,7 @@ class Engine(SurfaceOperations):
         return NodeStatistics(pools=self.pools.statistics(), admission=self.admission.statistics(),
                               teardowns=len(self._teardowns))
 
-    async def _create(self, spec: SandboxSpec, snapshot: str | None) -> SandboxInfo:
+    async def create_unpooled(self, spec: SandboxSpec, snapshot: str | None) -> SandboxInfo:
         """Create one sandbox, from its image or restored from snapshot ``snapshot`` of the snapshot store."""
         record, queued = await self._make(spec, snapshot, visible=True)
         return self._info(record).model_copy(update={"queue_seconds": queued})
@@ -1143,13 +1143,13 @@ class Engine(SurfaceOperations):
         backend = self._backend(record.spec.backend)
         if record.spec.trajectory is not None:
             return self.rollouts.exec_stream(record, backend, request, seq)
-        return self._exec_events(backend, record, request)
+        return self.exec_events(backend, record, request)
 
     async def exec_unlogged(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
         """Run a command on a sandbox without its trajectory log (recovery re-runs logged calls this way)."""
-        return await collect_exec(self._exec_events(self._backend(record.spec.backend), record, request))
+        return await collect_exec(self.exec_events(self._backend(record.spec.backend), record, request))
 
-    async def _exec_events(
+    async def exec_events(
         self, backend: Backend, record: SandboxRecord, request: ExecRequest
     ) -> AsyncIterator[ExecEvent]:
         name = record.spec.backend
@@ -1296,6 +1296,18 @@ class Engine(SurfaceOperations):
 
     # -- the surface's host (daemon/surface.py) --------------------------------------------------------
 
+    def find_record(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record of ``sandbox_id`` if this node has one (in any state)."""
+        return self._records.get(sandbox_id)
+
+    def info_of(self, record: SandboxRecord) -> SandboxInfo:
+        """What a client is told of ``record``."""
+        return self._info(record)
+
+    def save_record(self, record: SandboxRecord) -> None:
+        """Persist ``record`` (its backend state changed)."""
+        self._store.save(record)
+
     def live_record(self, sandbox_id: str, *, allow_paused: bool) -> SandboxRecord:
         """The record of a running (or, if allowed, paused) sandbox."""
         return self._live(sandbox_id, allow_paused=allow_paused)
@@ -1355,7 +1367,8 @@ class Engine(SurfaceOperations):
         self._refuse_if_stopping()
         snap_id = await self.take_snapshot(record, ephemeral=True)
         spec = record.spec.model_copy(update={"trajectory": None, "snapshot": None})
-        results = await asyncio.gather(*(self._create(spec, snap_id) for _ in range(count)), return_exceptions=True)
+        results = await asyncio.gather(*(self.create_unpooled(spec, snap_id) for _ in range(count)),
+                                       return_exceptions=True)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

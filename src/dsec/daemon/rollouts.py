@@ -30,7 +30,7 @@ from dsec.trajectory.replay import Join, OpenTrajectory, Replay, Trajectories, d
 from dsec.trajectory.store import Binding
 
 if TYPE_CHECKING:
-    from dsec.daemon.engine import Engine
+    from dsec.daemon.rollout_host import RolloutHost
 
 __all__ = ["Rollouts"]
 
@@ -65,7 +65,7 @@ def _events(result: ExecResult) -> list[ExecEvent]:
 class Rollouts:
     """Trajectory-bound sandboxes of one engine."""
 
-    def __init__(self, engine: Engine, trajectories: Trajectories) -> None:
+    def __init__(self, engine: RolloutHost, trajectories: Trajectories) -> None:
         self.engine = engine
         self.log = trajectories
         self._opening: dict[str, asyncio.Lock] = {}
@@ -139,7 +139,7 @@ class Rollouts:
             kept = self.log.by_name(name) is not None  # a copy loaded earlier, rather than read just now
             t = await self.log.load(name)
             if t is None:
-                info = await self.engine._create(spec, None)
+                info = await self.engine.create_unpooled(spec, None)
                 try:
                     t = await self.log.create(Binding(name=name, spec=spec.model_dump_json(), sandbox_id=info.id))
                 except BaseException:
@@ -147,11 +147,11 @@ class Rollouts:
                     raise
                 t.lease = spec.lease
                 return await self.engine.get(info.id)
-            record = self.engine._records.get(t.binding.sandbox_id or "")
+            record = self.engine.find_record(t.binding.sandbox_id or "")
             if record is not None and record.state in ("running", "paused"):
                 t.lease = spec.lease
                 t.touch()
-                return self.engine._info(record)
+                return self.engine.info_of(record)
             if kept and not t.flights:
                 # Rebuilt here: from the log as the store has it now. A copy loaded earlier (this node owned
                 # the trajectory once; in cluster mode another node may have logged on since) is stale.
@@ -184,7 +184,7 @@ class Rollouts:
     async def _rebuild(self, t: OpenTrajectory, spec: SandboxSpec, upto: int) -> SandboxInfo:
         """A sandbox with the state of ``t``'s latest checkpoint, plus (opt-in) calls up to ``upto`` re-run."""
         checkpoint = t.binding.checkpoint
-        info = await self.engine._create(spec, checkpoint or None)
+        info = await self.engine.create_unpooled(spec, checkpoint or None)
         after = range(t.binding.checkpoint_seq, upto)
         missing = [seq for seq in after if t.ops[seq] in _EFFECTS and t.statuses[seq] != "running"]
         rerun: list[int] = []
@@ -248,20 +248,20 @@ class Rollouts:
                 if isinstance(args.get("stdin"), dict) and body is None:
                     return False  # stdin was over the log's cap: it cannot be re-run
                 request = ExecRequest.model_validate({**args, "stdin": body})
-                record = self.engine._live(sandbox_id, allow_paused=False)
+                record = self.engine.live_record(sandbox_id, allow_paused=False)
                 await self.engine.exec_unlogged(record, request)
                 return True
             if op == "reveal":
-                record = self.engine._live(sandbox_id, allow_paused=False)
-                await self.engine._backend(record.spec.backend).reveal(record)
-                self.engine._store.save(record)
+                record = self.engine.live_record(sandbox_id, allow_paused=False)
+                await self.engine.backend_for(record).reveal(record)
+                self.engine.save_record(record)
                 return True
             if op in _FILE_OPS:
                 return await self.engine.surface.rerun(self.engine.live_record(sandbox_id, allow_paused=True), op,
                                                        args)
             if op == "write" and body is not None:
-                record = self.engine._live(sandbox_id, allow_paused=True)
-                backend = self.engine._backend(record.spec.backend)
+                record = self.engine.live_record(sandbox_id, allow_paused=True)
+                backend = self.engine.backend_for(record)
                 await backend.write_file(record, args["path"], body, args.get("mode"))
                 return True
         except DSecError:
@@ -380,7 +380,7 @@ class Rollouts:
         started = time.time()
         result: ExecResult | None = None
         try:
-            async for event in self.engine._exec_events(backend, record, request):
+            async for event in self.engine.exec_events(backend, record, request):
                 if event.type == "exit":
                     result = event.result
                 elif sink:

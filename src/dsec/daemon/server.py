@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from dsec.api.client import NodeClient
 from dsec.config import Settings
 from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
@@ -40,6 +41,7 @@ from dsec.daemon.engine import Engine
 from dsec.daemon.janitor import Janitor
 from dsec.daemon.startup import SERVING, Phases, find_daemon, is_dsec, lock_holder, read_status, write_lock_owner
 from dsec.e2b.options import E2BOptions
+from dsec.errors import DSecError, NotFound
 from dsec.isolation import affinity
 from dsec.isolation.procs import start_time
 
@@ -382,7 +384,7 @@ def _daemon_env(settings: Settings, token: str | None) -> dict[str, str]:
 
 
 def up(settings: Settings, tcp: str | None = None, token: str | None = None, timeout: float = 15.0,
-       args: Sequence[str] = ()) -> int:
+       args: Sequence[str] = (), module: str = "dsec.daemon") -> int:
     """Start a background daemon (``python -m dsec.daemon serve``) and wait until it answers; returns its pid.
 
     It waits as long as the daemon's start makes progress: ``timeout`` is how long one start-up phase may last
@@ -390,7 +392,8 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     waited for (nothing is left behind), and the ServeError names the phase and ends with the log's tail.
     The daemon logs to ``settings.log_file`` and its pid goes to ``settings.pid_file``. The token travels in the
     environment, never on the command line (where ``ps`` would show it). ``args`` are more options of
-    ``python -m dsec.daemon serve`` (``--e2b HOST:PORT`` ...).
+    ``python -m dsec.daemon serve`` (``--e2b HOST:PORT`` ...). ``module``: the entry point run instead of
+    ``dsec.daemon`` (the tests' :mod:`dsec.testing.fake_daemon`).
     """
     _check_tcp_auth(settings, tcp, token)
     if daemon_answers(settings):
@@ -399,7 +402,7 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     settings.log_file.parent.mkdir(parents=True, exist_ok=True)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.run_dir, 0o700)
-    argv = [sys.executable, "-m", "dsec.daemon", "serve"] + (["--tcp", tcp] if tcp else []) + list(args)
+    argv = [sys.executable, "-m", module, "serve"] + (["--tcp", tcp] if tcp else []) + list(args)
     with settings.log_file.open("ab") as logf:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 env=_daemon_env(settings, token), start_new_session=True, cwd="/")
@@ -511,34 +514,41 @@ def restart(settings: Settings, tcp: str | None = None, token: str | None = None
 def destroy_every(base_url: str, *, uds: str | None = None, token: str | None = None, timeout: float = 60.0,
                   parallel: int = 16) -> int:
     """Destroy every sandbox the daemon at ``base_url`` (or on the unix socket ``uds``) holds, ``parallel``
-    at a time; how many. Threads, not asyncio: the benchmarks call this from inside their event loop.
-    Raises ServeError naming those that could not be destroyed (one already gone counts as destroyed)."""
-    if uds is not None and not os.path.exists(uds):  # (httpx leaks its socket when a unix connect fails)
+    at a time, through the node API's client; how many. It runs on an event loop of its own in a helper
+    thread: the benchmarks call this from inside their event loop. Raises ServeError naming those that could
+    not be destroyed (one already gone counts as destroyed)."""
+    if uds is not None and not os.path.exists(uds):  # a clear error rather than a failed connect
         raise ServeError(f"cannot list the sandboxes to destroy: no daemon socket at {uds}")
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    transport = httpx.HTTPTransport(uds=uds, limits=httpx.Limits(max_connections=parallel)) if uds else \
-        httpx.HTTPTransport(limits=httpx.Limits(max_connections=parallel))
-    with httpx.Client(base_url=base_url, headers=headers, transport=transport, timeout=timeout) as client:
-        try:
-            ids = [info["id"] for info in client.get("/v1/sandboxes").raise_for_status().json()]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # not a DSec daemon's answer
-            raise ServeError(f"cannot list the sandboxes to destroy at {uds or base_url}: {exc!r}") from exc
-
-        def one(sandbox_id: str) -> str | None:
-            try:
-                answer = client.delete(f"/v1/sandboxes/{sandbox_id}")
-            except httpx.HTTPError as exc:
-                return f"{sandbox_id} ({exc!r})"
-            if answer.status_code in (204, 404):
-                return None
-            return f"{sandbox_id} (HTTP {answer.status_code}: {answer.text[:300]})"
-
-        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dsec-destroy") as pool:
-            failures = [f for f in pool.map(one, ids) if f is not None]
+    url = f"unix://{uds}" if uds is not None else base_url
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsec-destroy") as pool:
+        ids, failures = pool.submit(asyncio.run, _destroy_all(url, token, timeout, parallel)).result()
     if failures:
         raise ServeError(f"{len(failures)} of {len(ids)} sandbox(es) could not be destroyed: "
                          + "; ".join(failures[:5]) + (" ..." if len(failures) > 5 else ""))
     return len(ids)
+
+
+async def _destroy_all(url: str, token: str | None, timeout: float, parallel: int) -> tuple[list[str], list[str]]:
+    """The ids of the daemon's sandboxes, and a line for each whose destroy failed."""
+    async with NodeClient(url, token, timeout=httpx.Timeout(timeout)) as node:
+        try:
+            ids = [info.id for info in await node.list()]
+        except (DSecError, ValueError) as exc:  # not a DSec daemon's answer
+            raise ServeError(f"cannot list the sandboxes to destroy at {url}: {exc!r}") from exc
+        gate = asyncio.Semaphore(parallel)
+
+        async def one(sandbox_id: str) -> str | None:
+            async with gate:
+                try:
+                    await node.destroy(sandbox_id)
+                except NotFound:
+                    return None
+                except DSecError as exc:
+                    return f"{sandbox_id} (HTTP {exc.status_code}: {str(exc)[:300]})"
+            return None
+
+        failures = [f for f in await asyncio.gather(*(one(i) for i in ids)) if f is not None]
+    return ids, failures
 
 
 def _unmount_images(settings: Settings) -> None:

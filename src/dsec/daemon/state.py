@@ -27,41 +27,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dsec._sqlite import private_database
 from dsec.models import SandboxRecord
 
-__all__ = ["StateStore", "private_database"]
+__all__ = ["StateStore"]
 
 log = logging.getLogger(__name__)
 
-# Ids were file names once, and still name things on the host (cgroups, mounts): anything else is refused.
+# Ids name things on the host (cgroups, mounts, files): anything else is refused.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 _SCHEMA = """
 create table if not exists records (id text primary key, data text not null) without rowid;
 create table if not exists corrupt (id text not null, data text not null, error text not null, at real not null);
 """
-
-
-def private_database(path: Path) -> None:
-    """Create the SQLite file ``path`` 0600 before SQLite opens it (the -wal and -shm files it makes take its
-    mode); one that was there keeps its contents and gets the mode, and so do its -wal, -shm and -journal
-    files if a daemon that died left them (SQLite reuses them as they are). For the daemon's databases that
-    hold what sandboxes were given or ran (records, the audit trail, the home's trajectory log), in a home
-    others can usually list."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    for suffix in ("-wal", "-shm", "-journal"):
-        try:
-            fd = os.open(f"{path}{suffix}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
 
 
 def _check_id(sandbox_id: str) -> str:

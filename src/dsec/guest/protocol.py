@@ -5,7 +5,7 @@ Frame (both directions): ``u32 length`` (big-endian, counts the bytes after it) 
 rejects unknown types and malformed payloads, and any violation ends the connection (the sandbox is
 then reported dead with the reason); it never allocates more than one frame's worth of bytes.
 
-This module does no QEMU management; :mod:`dsec.backends.microvm` owns the VM.
+This module does no QEMU management; :mod:`dsec.backends.qemu` owns the VM.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class AgentClient:
         ``protected`` read-only and ``hidden`` covered; returns the paths still hidden (a guest restored from a
         snapshot of a confined one keeps its own setup and reports it). ``extra``: ``(kind, path)`` entries of
         the full-VM setup (``C`` covered, ``T`` own tmpfs, ``W`` writable in a read-only root, ``B`` block
-        devices covered; see docs/design.md)."""
+        devices covered; see docs/design/vm.md)."""
         payload = b"".join(b"P" + _path(p) for p in protected) + b"".join(b"H" + _path(h) for h in hidden)
         payload += b"".join(kind.encode() + _path(p) for kind, p in extra or [])
         chunks = await self._simple(T.CONFINE, payload, "", 60.0)

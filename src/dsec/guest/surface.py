@@ -5,7 +5,7 @@ Owns :class:`AgentProcess` (a :class:`~dsec.backends.surface.ProcessIO` fed by a
 :class:`AgentPort` (a :class:`~dsec.backends.surface.PortStream`), :func:`agent_watch` (WATCH records as
 :class:`~dsec.models_surface.FileEvent`\\ s, the two halves of a rename paired by cookie) and
 :class:`AgentFiles` (FS requests as :class:`~dsec.models_surface.FileStat`\\ s). It never manages the VM:
-:mod:`dsec.backends.microvm` does, and hands these a connected :class:`~dsec.guest.protocol.AgentClient`.
+:mod:`dsec.backends.qemu` does, and hands these a connected :class:`~dsec.guest.protocol.AgentClient`.
 """
 
 from __future__ import annotations

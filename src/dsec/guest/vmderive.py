@@ -27,7 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsec.backends.base import ImageRef
 from dsec.errors import DSecError, InvalidRequest
 from dsec.guest.vmimage import (
     BASE_PACKAGES,
@@ -38,6 +37,7 @@ from dsec.guest.vmimage import (
     default_vm_dir,
     load_vm_image,
 )
+from dsec.images.ref import ImageRef
 from dsec.images.store import ImageStore
 from dsec.isolation.procs import die_with_parent
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import ImageRef
 from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidRequest, NotSupported
 from dsec.guest.initramfs import ensure_agent
 from dsec.guest.kernel import default_guest_dir
 from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
+from dsec.images.ref import ImageRef
 from dsec.images.store import validate_name
 from dsec.isolation.idmap import unshifted_view
 

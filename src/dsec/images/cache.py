@@ -258,7 +258,7 @@ class ChunkCache:
     # ---------------------------------------------------------------- pins and LRU
     def pin(self, hexdigest: str) -> None:
         """Mark image ``hexdigest`` mounted: its chunks are not evicted. On a disk out of inodes, evicts to make
-        one (:class:`CacheFull` if none can be freed; it was a raw OSError)."""
+        one (:class:`CacheFull` if none can be freed)."""
         self._with_room((self.root / "pins" / hexdigest).touch, 0)
 
     def unpin(self, hexdigest: str) -> None:

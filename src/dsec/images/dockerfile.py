@@ -27,12 +27,12 @@ from typing import IO, Protocol
 
 import dockerfile
 
-from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import DSecError, ImageNotFound, InvalidRequest
 from dsec.images.builder import Builder, BuildOutput
 from dsec.images.export import export_layout
 from dsec.images.oci import Progress, import_image, open_source
+from dsec.images.ref import ImageRef
 from dsec.images.store import ImageStore, validate_name
 from dsec.models import ImageBuildRequest, ImageInfo
 

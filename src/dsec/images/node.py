@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
 from dsec.images.cache import ChunkCache, free_reserve
 from dsec.images.format import Manifest, sha256
 from dsec.images.lazyserver import LazyServer, fs_types, umount
+from dsec.images.ref import ImageRef
 from dsec.images.store import ImageStore
 from dsec.models import ImageInfo
 
@@ -351,7 +351,7 @@ class NodeImages:
     # ------------------------------------------------------------------ mounts
     def _mount(self, manifest: Manifest) -> _Mount:
         # The digest it was fetched under; hashing the manifest (a dump of its JSON, ~1 MB for a big image) is
-        # the fallback only: as next()'s default it was computed on every create.
+        # the fallback only, outside next(): as its default it would be computed on every create.
         known = next((d for d, m in builtins.list(self._manifests.items()) if m is manifest), None)
         hexdigest = (known or manifest.digest)[7:]
         mount = self._mounts.get(hexdigest)

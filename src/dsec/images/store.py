@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import ImageRef
 from dsec.errors import DSecError, ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
 from dsec.images.cache import chunk_key
 from dsec.images.format import ChunkRef, Manifest, build_erofs, cut_blob, sha256
+from dsec.images.ref import ImageRef
 from dsec.images.stores import BlobStore, DirStore, open_store
 from dsec.models import ImageConfig, ImageInfo
 
@@ -561,19 +561,3 @@ def _get_caps(path: str) -> bytes | None:
             return None
         raise
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,7 +4,7 @@ With ``DSEC_CONTROL_CPUS`` set (a CPU list such as ``0`` or ``0-1,8``) the daemo
 process to those CPUs when it starts (:func:`pin_control`). Whatever it spawns inherits that mask: the exec
 helper, the zygotes and crun stay on the housekeeping CPUs, which is the point (an exec's hops between the
 client, the daemon, the helper and the command then wake each other on one CPU instead of waiting for a
-busy one to notice, see design.md "Busy vCPUs wake late"). What runs a sandbox's own work gets the node's
+busy one to notice, see docs/design/pools.md, "Busy vCPUs wake late"). What runs a sandbox's own work gets the node's
 CPUs back as it starts, i.e. the mask the daemon had before it pinned itself (an operator's ``taskset`` of
 the daemon is kept): ``dsec-nsenter`` and the zygote's call child set it just before they exec the command,
 and QEMU sets it before it execs (its vCPU threads inherit it). A command still starts on the housekeeping

@@ -141,28 +141,6 @@ class CgroupSet:
     """Controller name (``"unified"`` on v2) -> absolute directory."""
 
     @classmethod
-    def of_pid(cls, pid: int, root: Path = _ROOT) -> CgroupSet:
-        """The cgroups that process ``pid`` is in."""
-        mode = cgroup_mode(root)
-        dirs: dict[str, str] = {}
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if mode == "v2":
-                if controllers == "":
-                    dirs["unified"] = str(root / path.lstrip("/"))
-                continue
-            name = controllers.removeprefix("name=") if controllers.startswith("name=") else controllers
-            if controllers == "":
-                name = "unified"
-            if (root / name).is_dir() and not (root / name).is_symlink():
-                dirs[name] = str(root / name / path.lstrip("/"))
-            else:
-                for ctrl in controllers.split(","):
-                    if (root / ctrl).is_dir():
-                        dirs[ctrl] = str(root / ctrl / path.lstrip("/"))
-        return cls(mode=mode, dirs=dirs)
-
-    @classmethod
     def at(cls, relpath: str, root: Path = _ROOT) -> CgroupSet:
         """The cgroups at ``relpath`` (as in runc's ``cgroupsPath``), whether they exist or not."""
         mode = cgroup_mode(root)

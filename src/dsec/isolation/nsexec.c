@@ -18,7 +18,7 @@
  *
  * Nothing of this runs inside the sandbox before the command itself: the helper's socket lives in the
  * host's mount namespace only, so sandboxed code cannot reach it; every fd the helper opens or receives is
- * close-on-exec, and the child replaces 0-2 (the daemon's) with the command's own. It was a Python program (nsexec.py) until stop 27; in C its CPU per exec is a fraction.
+ * close-on-exec, and the child replaces 0-2 (the daemon's) with the command's own. It is C, not Python: its CPU per exec is a fraction of a Python helper's.
  */
 #define _GNU_SOURCE
 #include <errno.h>

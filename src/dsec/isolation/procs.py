@@ -48,6 +48,11 @@ def meminfo(*keys: str, path: str = "/proc/meminfo") -> dict[str, int]:
     return found
 
 
+def mem_available() -> int:
+    """The host's ``MemAvailable``, in bytes."""
+    return meminfo("MemAvailable")["MemAvailable"]
+
+
 def read_small(path: str, limit: int) -> bytes | None:
     """Up to ``limit`` bytes of a small kernel file with a bare open/read/close, or None if it cannot be read.
 

@@ -96,7 +96,7 @@ class Profile:
         than a chain: the kernel runs the program once per syscall number of each architecture when it
         attaches a filter (``seccomp_cache_prepare``, to find the always-allowed ones), with interrupts off,
         and the exec helper's ``dsec-nsenter`` attaches it at every exec. A chain of one comparison per denied
-        syscall cost 78 us per attach on the 2-vCPU VM of stop 27, the tree 39 us (design.md, the container
+        syscall cost 78 us per attach on a 2-vCPU VM, the tree 39 us (docs/design/container.md, the container
         backend's "Exec")."""
         import pyseccomp
 

@@ -11,12 +11,13 @@ import contextlib
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dsec._ports import free_port
 
 __all__ = ["PgServer", "pg_bin", "postgres_server"]
 
@@ -28,12 +29,6 @@ def pg_bin() -> Path | None:
         return Path(found).resolve().parent
     versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
     return versions[-1].parent if versions else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -78,7 +73,7 @@ def postgres_server() -> Iterator[PgServer]:
         user = "postgres"
         entry = pwd.getpwnam(user)
         os.chown(base, entry.pw_uid, entry.pw_gid)
-    server = PgServer(bindir, base, _free_port(), user)
+    server = PgServer(bindir, base, free_port(), user)
     try:
         subprocess.run([str(bindir / "initdb"), "-D", str(base / "data"), "-U", "dsec", "--auth=trust",
                         "-E", "UTF8", "--no-sync"], user=user, capture_output=True, check=True, timeout=120)

@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,10 @@ from typing import Any
 
 import httpx
 
+from dsec._ports import free_port
 from dsec.testing.fleet import FleetProcess
 
 __all__ = ["Replica", "SimCluster", "sim_cluster"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -146,7 +140,7 @@ def sim_cluster(dsn: str, nodes: int, jobs: dict[str, dict[str, Any]], *, replic
     cluster = SimCluster(fleet, [], admin, tokens, base)
     try:
         for i in range(replicas):
-            port = _free_port()
+            port = free_port()
             pin = ["taskset", "-c", str(cpus[i % len(cpus)])] if cpus else []
             argv = [*pin, sys.executable, "-m", "dsec.cluster", "gateway", "--listen", f"127.0.0.1:{port}",
                     "--db", dsn, "--jobs", str(base / "jobs.json"), "--nodes-from",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.daemon.state import private_database
+from dsec._sqlite import private_database
 from dsec.errors import DSecError, SandboxError
 
 __all__ = ["Binding", "Entry", "SQLiteStore", "TrajectoryStore"]

@@ -59,7 +59,6 @@ class DaemonProcess:
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
         env = dict(os.environ, DSEC_IMAGES=str(images_dir()), DSEC_HOME=str(self.home))
-        env.pop("DSEC_DAEMON_FAKE", None)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(self.home)],

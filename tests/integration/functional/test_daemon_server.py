@@ -167,9 +167,8 @@ def test_tcp_needs_the_token(home: Path) -> None:
 
 @pytest.mark.slow
 def test_up_and_down(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DSEC_DAEMON_FAKE", "1")
     settings = Settings(home=home)
-    pid = up(settings, timeout=60)
+    pid = up(settings, timeout=60, module="dsec.testing.fake_daemon")
     try:
         assert settings.pid_file.read_text().strip() == str(pid)
         assert daemon_answers(settings)
@@ -217,10 +216,9 @@ def test_destroy_every_names_what_it_could_not_destroy(home: Path, monkeypatch: 
 
 @pytest.mark.slow
 def test_up_reports_early_death_with_the_log(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DSEC_DAEMON_FAKE", "1")
     settings = Settings(home=home)
     with pytest.raises(ServeError, match="cannot listen on TCP") as err:
-        up(settings, tcp="256.0.0.1:1", token="x", timeout=60)
+        up(settings, tcp="256.0.0.1:1", token="x", timeout=60, module="dsec.testing.fake_daemon")
     assert "exited with status 1" in str(err.value)
     assert not settings.pid_file.exists()
     assert not os.path.exists(settings.socket_path)

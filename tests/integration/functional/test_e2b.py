@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from container_support import daemon_process
+from dsec._ports import free_port
 
 e2b = pytest.importorskip("e2b", reason="the E2B endpoint's tests need the e2b SDK: pip install 'dsec[e2b]'")
 trustme = pytest.importorskip("trustme")
@@ -36,12 +36,6 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 ADMIN = "e2b_" + "5" * 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A daemon serving E2B on HTTPS (a local CA's certificate for ``*.e2b.localhost`` and 127.0.0.1)."""
@@ -50,7 +44,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     ca.cert_pem.write_to_path(str(certs / "ca.pem"))
     ca.issue_cert("*.e2b.localhost", "api.e2b.localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
         str(certs / "server.pem"))
-    port = _free_port()
+    port = free_port()
     args = ["--e2b", f"127.0.0.1:{port}", "--e2b-domain", f"e2b.localhost:{port}",
             "--e2b-tls-cert", str(certs / "server.pem")]
     with pytest.MonkeyPatch.context() as mp:

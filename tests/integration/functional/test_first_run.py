@@ -90,7 +90,6 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Sett
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("DSEC_ACCEL_CACHE", str(tmp_path / "accel"))
     monkeypatch.setenv("DSEC_IMAGES", str(images_dir()))
-    monkeypatch.delenv("DSEC_DAEMON_FAKE", raising=False)
     settings = Settings(home=home, images_dir=images_dir())
     try:
         yield settings, bin_dir

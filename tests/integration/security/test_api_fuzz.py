@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import not_a_server_error
 
 from container_support import images_dir, short_home, sweep
+from dsec._ports import free_port
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers, down, up
 
@@ -41,18 +41,11 @@ class Live:
     base_url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Live]:
     home = short_home("dsec-fz-")
     conf = Settings(home=home, images_dir=images_dir())
-    port = _free_port()
+    port = free_port()
     try:
         pid = up(conf, tcp=f"127.0.0.1:{port}", token=TOKEN, timeout=90)
         try:

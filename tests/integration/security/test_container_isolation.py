@@ -274,7 +274,7 @@ print(json.dumps({"dev": os.stat("/sys").st_dev, "net": sorted(os.listdir("/sys/
 
 async def test_a_sandbox_makes_five_superblocks_and_dev_lives_on_its_disk(backend: ContainerBackend,
                                                                         sb: SandboxRecord) -> None:
-    """Each superblock costs kernel memory in every memory cgroup of the node (design.md, "The shrinker
+    """Each superblock costs kernel memory in every memory cgroup of the node (docs/design/container.md, "The shrinker
     wall"): a sandbox makes only its overlay, its disk tmpfs (which also holds /dev and /dev/shm), proc,
     devpts and its ipc namespace's mqueue; its sysfs is the node's. /dev is read-only, /dev/shm writable,
     no-exec and as big as the disk."""

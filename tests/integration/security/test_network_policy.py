@@ -358,7 +358,7 @@ def microvm_home() -> Iterator[Path]:
 
 def _vm_network_leftovers(vm: MicroVMBackend) -> list[str]:
     left = [f"netns {n}" for n in TapNamespace.names(vm.net_tag)]
-    left += [f"chain n{i}" for i in vm.networks.network.indexes()]
+    left += [f"chain n{i}" for i in vm.network.networks.network.indexes()]
     return left
 
 
@@ -377,7 +377,7 @@ async def vm(microvm_home: Path, peer: _Upstream, debian_python_image: ImageRef)
         removed = await b.cleanup_orphans(set())
         await b.aclose()
     assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
-    assert b.networks.network.table not in dsec_tables(), "the microvm table outlived its last sandbox"
+    assert b.network.networks.network.table not in dsec_tables(), "the microvm table outlived its last sandbox"
 
 
 async def test_microvm_allowlist_dns_and_live_cut(vm: MicroVMBackend, debian_python_image: ImageRef,
@@ -448,7 +448,7 @@ async def test_microvm_network_survives_a_daemon_restart_and_orphans_are_swept(
             assert await again.recover(kept)
             assert sorted(await again.cleanup_orphans({kept.id})) == [orphan.id]
             assert not Path(f"/run/netns/{orphan.backend_state['netns']}").exists()
-            assert again.networks.network.indexes() == [kept.backend_state["net_index"]]
+            assert again.network.networks.network.indexes() == [kept.backend_state["net_index"]]
             assert await resolve(again, kept, "allowed.test") == PEER_IP
             assert await probe(again, kept, PEER_IP, 8080) == "hello from 8080"
             await again.set_network(kept, "none")
@@ -524,7 +524,7 @@ async def fullvm(vm_home: Path, peer: _Upstream) -> AsyncIterator[tuple[VMBacken
         removed = await b.cleanup_orphans(set())
         await b.aclose()
     assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
-    assert b.networks.network.table not in dsec_tables(), "the vm table outlived its last sandbox"
+    assert b.network.networks.network.table not in dsec_tables(), "the vm table outlived its last sandbox"
     assert not any(TapNamespace.names(b.net_tag)), "a vm network namespace outlived its sandbox"
 
 

@@ -1,0 +1,34 @@
+"""SQLite files that hold what sandboxes were given or ran: created private to the daemon's user.
+
+Owns the file modes of those databases (records, the audit trail, the trajectory log); must never open a
+connection: each store opens its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["private_database"]
+
+
+def private_database(path: Path) -> None:
+    """Create the SQLite file ``path`` 0600 before SQLite opens it (the -wal and -shm files it makes take its
+    mode); one that was there keeps its contents and gets the mode, and so do its -wal, -shm and -journal
+    files if a daemon that died left them (SQLite reuses them as they are). For the daemon's databases that
+    hold what sandboxes were given or ran (records, the audit trail, the home's trajectory log), in a home
+    others can usually list."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm", "-journal"):
+        try:
+            fd = os.open(f"{path}{suffix}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
