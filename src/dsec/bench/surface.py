@@ -178,11 +178,13 @@ async def _measure(cfg: SurfaceBench, client: Client, progress: Callable[[str], 
         server = await sb.exec(["python3", "-c", _SERVER, str(_PORT), marker], background=True)
         netns = await _netns_of(marker)
         info = await sb.expose(_PORT)
-        for _ in range(100):  # the server is up once a direct connection is accepted
+        for _ in range(1200):  # up once a direct connection is accepted (a loaded host starts python3 slowly)
             with contextlib.suppress(OSError):
                 await (await _direct(netns, info.token)).aclose()
                 break
             await asyncio.sleep(0.05)
+        else:
+            raise BenchUnavailable(f"the sandbox's HTTP server did not accept a connection on port {_PORT} in 60 s")
         progress(f"GET through the exposed port vs direct, kept alive x{cfg.gets}")
         proxied, direct = await _proxied(info.host, info.host_port, info.token), await _direct(netns, info.token)
         try:
