@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("e2b", reason="the E2B endpoint needs the e2b SDK: pip install 'dsec[e2b]'")
 
-from e2b import CommandExitException, Sandbox, SandboxException, SandboxNotFoundException
+from e2b import CommandExitException, Sandbox, SandboxNotFoundException
 
 from container_support import short_home
 from dsec.config import Settings
@@ -61,8 +61,12 @@ def test_a_sandbox_through_the_sdk(opts: dict[str, Any]) -> None:
     sb.files.write("/tmp/f.txt", "data")
     assert sb.files.read("/tmp/f.txt") == "data"
     assert sb.get_info().metadata == {"t": "unit"}
-    with pytest.raises(SandboxException, match="process handles"):
-        sb.commands.list()
+    handle = sb.commands.run("sleep 30", background=True)
+    assert handle.pid in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(handle.pid) is True
+    assert sb.commands.kill(handle.pid) is False  # ended: envd forgets it
+    assert sb.files.make_dir("/tmp/d/e") is True and sb.files.make_dir("/tmp/d/e") is False
+    assert sorted(e.name for e in sb.files.list("/tmp/d")) == ["e"]
     assert sb.kill() is True
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(sb.sandbox_id, **opts)

@@ -2,7 +2,8 @@
 
 Owns the routing of a request by what the SDK sends: ``api.<domain>`` (or no sandbox named) is the
 control plane; ``<port>-<id>.<domain>``, or the ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers of the
-``E2B_SANDBOX_URL`` form, is a sandbox's port, envd when the port is 49983. It checks envd's access token,
+``E2B_SANDBOX_URL`` form, is a sandbox's port: envd when the port is 49983, else relayed through DSec's port
+exposure (:mod:`dsec.e2b.ports`). It checks envd's access token,
 answers ``/health`` and a dead sandbox as E2B's proxy does (502), and cuts the connection of a stream
 whose sandbox went away mid-call. It must never translate a call itself (control.py, process.py and
 filesystem.py do).
@@ -20,12 +21,14 @@ from starlette.types import Message, Receive, Scope, Send
 from dsec.api.protocol import NodeAPI
 from dsec.daemon.audit import caller
 from dsec.e2b.control import ControlPlane
-from dsec.e2b.filesystem import FilesystemService, download, upload
+from dsec.e2b.files import download, upload
+from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.keys import EnvdTokens, Keys, Principal
 from dsec.e2b.options import E2BOptions
+from dsec.e2b.ports import PortForwarder
 from dsec.e2b.process import ProcessService, Target, current_target
 from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect
-from dsec.errors import DSecError, NotSupported
+from dsec.errors import DSecError
 
 __all__ = ["E2BApp"]
 
@@ -51,7 +54,8 @@ class E2BApp:
         self.tokens = tokens
         self.control = ControlPlane(api, options, keys, tokens).router()
         self.process = process_connect.ProcessASGIApplication(ProcessService(api))
-        self.filesystem = filesystem_connect.FilesystemASGIApplication(FilesystemService(api))  # type: ignore[arg-type]
+        self.filesystem = filesystem_connect.FilesystemASGIApplication(FilesystemService(api))
+        self.ports = PortForwarder(api)
         domain = options.bare_domain
         self._api_host = None if domain is None else f"api.{domain}"
         self._port_host = None if domain is None else re.compile(rf"^(\d{{1,5}})-({_ID})\.{re.escape(domain)}$")
@@ -96,14 +100,12 @@ class E2BApp:
         if info is None or info.state not in ("running", "paused"):
             await _json_error(502, f"The sandbox {sandbox_id} was not found")(scope, receive, send)
             return
-        if port != ENVD_PORT:
-            error = NotSupported(f"port {port} of sandbox {sandbox_id} cannot be reached: forwarding sandbox ports is "
-                                 "not supported by this DSec version (it needs DSec's port exposure)")
-            await _json_error(502, error.message)(scope, receive, send)
-            return
         if info.state == "paused":
             await _json_error(502, f"The sandbox {sandbox_id} is paused: connect to it to resume it")(
                 scope, receive, send)
+            return
+        if port != ENVD_PORT:
+            await self.ports(scope, receive, send, sandbox_id, port)
             return
         await self._envd(scope, receive, send, Target(info))
 

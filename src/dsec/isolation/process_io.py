@@ -316,8 +316,9 @@ class PipeProcess(ProcessIO):
         self._release()
 
     def _release(self) -> None:
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._spawned.status)
+        if not self._spawned.closed:  # once closed, its fd number may already be another connection's
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._spawned.status)
         self._input = -1
         self._spawned.close()
         if self._master is not None:
