@@ -20,12 +20,13 @@ from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
 from dsec.e2b.keys import EnvdTokens
 from dsec.e2b.process import resolve_path
-from dsec.errors import DSecError, FileNotFound, InvalidRequest, Unauthorized
+from dsec.errors import DSecError, FileNotFound, InvalidRequest, NotSupported, Unauthorized
 from dsec.models import SandboxInfo
 
 __all__ = ["download", "upload"]
 
 MAX_FILE_BYTES = 1024**3
+_METADATA = "x-metadata-"
 
 
 def envd_error(exc: DSecError) -> JSONResponse:
@@ -107,6 +108,9 @@ async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: Sandb
     try:
         _authorize(request, tokens, info, request.query_params.get("path", ""), "write")
         user = _user(request)
+        if any(name.lower().startswith(_METADATA) for name in request.headers):
+            raise NotSupported("file metadata (X-Metadata-* headers, envd's xattrs) is not supported by DSec: "
+                               "write the file without metadata")
         written: list[dict[str, str]] = []
         for raw, data in await _parts(request):
             path = resolve_path(info, raw)

@@ -4,7 +4,8 @@ Owns the translation of envd's file calls onto the node API, as the user the cal
 ``ListDir`` (with its depth), ``MakeDir`` (``mkdir -p``; an existing directory is ``already_exists``),
 ``Move``, ``Remove`` (recursive; a missing path is fine, as ``os.RemoveAll``), ``WatchDir`` (a stream) and
 the polled watchers (``CreateWatcher``/``GetWatcherEvents``/``RemoveWatcher``) onto a DSec watch, whose
-events become envd's (create, write, remove, rename, chmod; names relative to the watched directory).
+events become envd's (create, write, remove, rename, chmod; names relative to the watched directory; with
+``include_entry``, the entry's info). ``Stat`` of a symlink describes what it resolves to, as envd's.
 Paths are resolved as envd does (relative ones below the sandbox's working directory). It keeps, per
 polled watcher, only the number of the next event to hand out; it must never touch a file by itself.
 """
@@ -17,6 +18,7 @@ import datetime
 import posixpath
 import stat
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dsec.api.protocol import NodeAPI
@@ -39,6 +41,8 @@ _SETTLE_S = 0.05
 _POLL_WAIT_S = 0.25
 """How long a poll that found nothing yet waits for a first event (inotify reports a moment after the call)."""
 _MAX_WATCHERS = 1024
+_MAX_HOPS = 40
+"""Symlinks followed at most, as Linux's path resolution (ELOOP past it)."""
 
 
 def _timestamp(mtime: float) -> Any:
@@ -83,13 +87,24 @@ def _watch_event(event: FileEvent, root: str) -> list[filesystem_pb.FilesystemEv
     return out
 
 
+@dataclass
+class _Cursor:
+    """A polled watcher between polls."""
+
+    root: str
+    next: int
+    """The number of the next event to hand out."""
+    include_entry: bool
+    user: str | None
+
+
 class FilesystemService:
     """The Filesystem service of one node API (the sandbox comes from the app's current target)."""
 
     def __init__(self, api: NodeAPI) -> None:
         self.api = api
-        self._cursors: dict[tuple[str, str], tuple[str, int]] = {}
-        """(sandbox, watch) -> (watched path, next event number) of each polled watcher."""
+        self._cursors: dict[tuple[str, str], _Cursor] = {}
+        """What each polled watcher needs between polls, by (sandbox, watch)."""
 
     @staticmethod
     def _where(path: str) -> tuple[str, str]:
@@ -101,10 +116,27 @@ class FilesystemService:
         """One entry (a symlink itself, with its target)."""
         sandbox_id, path = self._where(request.path)
         try:
-            return filesystem_pb.StatResponse(entry=entry_info(
-                await self.api.stat_file(sandbox_id, path, user=user_of(ctx))))
+            return filesystem_pb.StatResponse(entry=await self._entry(sandbox_id, path, user_of(ctx)))
         except DSecError as exc:
             raise rpc_error(exc, path) from None
+
+    async def _entry(self, sandbox_id: str, path: str, user: str | None) -> filesystem_pb.EntryInfo:
+        """envd's entry of a path: a symlink is described by what it resolves to, with that absolute target."""
+        found = await self.api.stat_file(sandbox_id, path, user=user)
+        if found.type != "symlink":
+            return entry_info(found)
+        target, hops = found, 0
+        resolved = path
+        while target.type == "symlink" and target.symlink_target is not None and hops < _MAX_HOPS:
+            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(resolved), target.symlink_target))
+            try:
+                target = await self.api.stat_file(sandbox_id, resolved, user=user)
+            except FileNotFound:
+                return entry_info(found)  # dangling: the link itself
+            hops += 1
+        info = entry_info(target.model_copy(update={"name": found.name, "path": found.path}))
+        info.symlink_target = resolved
+        return info
 
     async def list_dir(self, request: filesystem_pb.ListDirRequest, ctx: RequestContext[Any, Any]
                        ) -> filesystem_pb.ListDirResponse:
@@ -194,7 +226,8 @@ class FilesystemService:
                         "keepalive", filesystem_pb.WatchDirResponse.KeepAlive())
                     yield filesystem_pb.WatchDirResponse(event=keepalive)
                     continue
-                for one in _watch_event(event, root):
+                for one in await self._described(sandbox_id, _watch_event(event, root), root, request.include_entry,
+                                                 user_of(ctx)):
                     changed: Oneof[Literal["filesystem"], filesystem_pb.FilesystemEvent] = Oneof("filesystem", one)
                     yield filesystem_pb.WatchDirResponse(event=changed)
         except DSecError as exc:
@@ -203,13 +236,23 @@ class FilesystemService:
             with contextlib.suppress(DSecError):
                 await self.api.unwatch(sandbox_id, watch_id)
 
+    async def _described(self, sandbox_id: str, events: list[filesystem_pb.FilesystemEvent], root: str,
+                          include: bool, user: str | None) -> list[filesystem_pb.FilesystemEvent]:
+        """``include_entry``: each event with the entry's info where the path still exists (best effort, as envd)."""
+        if include:
+            for event in events:
+                if event.type not in (filesystem_pb.EventType.REMOVE, filesystem_pb.EventType.RENAME):
+                    with contextlib.suppress(DSecError):
+                        event.entry = await self._entry(sandbox_id, posixpath.join(root, event.name), user)
+        return events
+
     async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]
                              ) -> filesystem_pb.CreateWatcherResponse:
         """Start a watch read by polling (``GetWatcherEvents``)."""
         sandbox_id, watch_id, root = await self._watch(request.path, request.recursive, ctx)
         if len(self._cursors) >= _MAX_WATCHERS:
             self._cursors.pop(next(iter(self._cursors)))  # the oldest: DSec stops it once nobody reads it
-        self._cursors[(sandbox_id, watch_id)] = (root, 0)
+        self._cursors[(sandbox_id, watch_id)] = _Cursor(root, 0, request.include_entry, user_of(ctx))
         return filesystem_pb.CreateWatcherResponse(watcher_id=watch_id)
 
     async def get_watcher_events(self, request: filesystem_pb.GetWatcherEventsRequest,
@@ -219,7 +262,8 @@ class FilesystemService:
         key = (sandbox_id, request.watcher_id)
         if key not in self._cursors:
             raise ConnectError(Code.NOT_FOUND, f"watcher '{request.watcher_id}' not found")
-        root, since = self._cursors[key]
+        cursor = self._cursors[key]
+        root, since = cursor.root, cursor.next
         found: list[FileEvent] = []
         try:
             wait = _POLL_WAIT_S
@@ -233,8 +277,10 @@ class FilesystemService:
             self._cursors.pop(key, None)
             raise rpc_error(exc, root) from None
         if found:
-            self._cursors[key] = (root, found[-1].number + 1)
-        return filesystem_pb.GetWatcherEventsResponse(events=[e for f in found for e in _watch_event(f, root)])
+            cursor.next = found[-1].number + 1
+        events = [e for f in found for e in _watch_event(f, root)]
+        return filesystem_pb.GetWatcherEventsResponse(
+            events=await self._described(sandbox_id, events, root, cursor.include_entry, cursor.user))
 
     async def _poll(self, sandbox_id: str, watch_id: str, since: int, wait: float) -> list[FileEvent]:
         """The events from ``since`` on, waiting up to ``wait`` seconds for a first one."""
