@@ -36,13 +36,16 @@ _KINDS = {"file": filesystem_pb.FileType.FILE, "dir": filesystem_pb.FileType.DIR
 _EVENTS = {"create": filesystem_pb.EventType.CREATE, "modify": filesystem_pb.EventType.WRITE,
            "delete": filesystem_pb.EventType.REMOVE, "move": filesystem_pb.EventType.RENAME,
            "chmod": filesystem_pb.EventType.CHMOD}
-_SETTLE_S = 0.05
-"""A polled watcher waits this long for more events after the last one (a write's events come as a burst)."""
+_SETTLE_S = 0.2
+"""A polled watcher waits this long for more events after the last one: a write's events come as a burst, which a
+loaded daemon may read in parts."""
 _POLL_WAIT_S = 0.25
 """How long a poll that found nothing yet waits for a first event (inotify reports a moment after the call)."""
 _MAX_WATCHERS = 1024
 _MAX_HOPS = 40
 """Symlinks followed at most, as Linux's path resolution (ELOOP past it)."""
+_STAT_AT_ONCE = 16
+"""Entries of a listing described at once (a listing has no owners: each entry is a stat)."""
 
 
 def _timestamp(mtime: float) -> Any:
@@ -140,22 +143,32 @@ class FilesystemService:
 
     async def list_dir(self, request: filesystem_pb.ListDirRequest, ctx: RequestContext[Any, Any]
                        ) -> filesystem_pb.ListDirResponse:
-        """A directory's entries, ``depth`` levels down (default 1)."""
+        """A directory's entries, ``depth`` levels down (default 1), in envd's walk order (by name, each
+        directory followed by what is below it), each with its owner and group."""
         sandbox_id, root = self._where(request.path)
-        user = user_of(ctx)
         found: list[filesystem_pb.EntryInfo] = []
-        level = [root]
-        for _ in range(request.depth or 1):
-            below: list[str] = []
-            for directory in level:
-                try:
-                    entries = await self.api.list_files(sandbox_id, directory, user=user)
-                except DSecError as exc:
-                    raise rpc_error(exc, directory) from None
-                found.extend(entry_info(e) for e in entries)
-                below.extend(e.path for e in entries if e.type == "dir")
-            level = below
+        await self._walk(sandbox_id, root, request.depth or 1, user_of(ctx), found)
         return filesystem_pb.ListDirResponse(entries=found)
+
+    async def _walk(self, sandbox_id: str, directory: str, depth: int, user: str | None,
+                    found: list[filesystem_pb.EntryInfo]) -> None:
+        try:
+            entries = sorted(await self.api.list_files(sandbox_id, directory, user=user), key=lambda e: e.name)
+        except DSecError as exc:
+            raise rpc_error(exc, directory) from None
+        limit = asyncio.Semaphore(_STAT_AT_ONCE)
+
+        async def described(entry: FileEntry) -> filesystem_pb.EntryInfo:
+            async with limit:
+                try:
+                    return await self._entry(sandbox_id, entry.path, user)
+                except DSecError:  # gone or unreadable since the listing: what the listing said
+                    return entry_info(entry)
+
+        for entry, info in zip(entries, await asyncio.gather(*map(described, entries)), strict=True):
+            found.append(info)
+            if entry.type == "dir" and depth > 1:
+                await self._walk(sandbox_id, entry.path, depth - 1, user, found)
 
     async def make_dir(self, request: filesystem_pb.MakeDirRequest, ctx: RequestContext[Any, Any]
                        ) -> filesystem_pb.MakeDirResponse:
