@@ -184,6 +184,9 @@ class PipeProcess(ProcessIO):
                 self._report_error(value)
         if not data:
             self._loop.remove_reader(fd)
+        if self._wstatus is not None and not self._reading:  # its output already ended: nothing to drain
+            self._finish()
+            return
         if (self._wstatus is not None or not data) and self._drain is None:
             self._drain = self._loop.call_later(_DRAIN_AFTER_EXIT_S, self._finish)
 
