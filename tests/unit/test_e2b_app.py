@@ -68,6 +68,8 @@ def test_a_sandbox_through_the_sdk(opts: dict[str, Any]) -> None:
     handle = sb.commands.run("sleep 30", background=True)
     assert handle.pid in [p.pid for p in sb.commands.list()]
     assert sb.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException):
+        handle.wait()
     assert sb.commands.kill(handle.pid) is False  # ended: envd forgets it
     assert sb.files.make_dir("/tmp/d/e") is True and sb.files.make_dir("/tmp/d/e") is False
     assert sorted(e.name for e in sb.files.list("/tmp/d")) == ["e"]

@@ -230,10 +230,10 @@ def test_background_commands_list_connect_stdin_and_kill(endpoint: dict[str, Any
         assert sb.commands.kill(sleeper.pid) is True
         with pytest.raises(CommandExitException):
             sb.commands.run(f"kill -0 {sleeper.pid}")
-        assert sb.commands.kill(sleeper.pid) is False and sleeper.pid not in [p.pid for p in sb.commands.list()]
         with pytest.raises(CommandExitException) as killed:
             sleeper.wait()
         assert killed.value.exit_code == -1  # envd's "signal: killed"
+        assert sb.commands.kill(sleeper.pid) is False and sleeper.pid not in [p.pid for p in sb.commands.list()]
         with pytest.raises(NotFoundException):
             sb.commands.connect(999999)
         with pytest.raises(NotFoundException):
@@ -256,6 +256,8 @@ def test_a_terminal_takes_input_resizes_and_dies(endpoint: dict[str, Any]) -> No
         assert sb.pty.kill(other.pid) is True
         with pytest.raises(CommandExitException):
             sb.commands.run(f"kill -0 {other.pid}")
+        with pytest.raises(CommandExitException):
+            other.wait()
         assert sb.pty.kill(other.pid) is False
 
 
