@@ -234,6 +234,27 @@ def test_background_commands_list_connect_stdin_and_kill(endpoint: dict[str, Any
             sleeper.wait()
         assert killed.value.exit_code == -1  # envd's "signal: killed"
         assert sb.commands.kill(sleeper.pid) is False and sleeper.pid not in [p.pid for p in sb.commands.list()]
+        # StreamInput (the SDK itself sends SendInput): envd's generated client, in order, then EOF
+        import pyqwest
+        from e2b.envd.process import process_connect, process_pb
+        from protobuf import Oneof
+
+        streamed = sb.commands.run("cat", background=True, stdin=True)
+        client = process_connect.ProcessClientSync(
+            f"https://49983-{sb.sandbox_id}.{endpoint['domain']['domain']}",
+            http_client=pyqwest.SyncClient(pyqwest.SyncHTTPTransport(tls_include_system_certs=True)))
+        chosen = process_pb.ProcessSelector(selector=Oneof("pid", streamed.pid))
+
+        def inputs() -> Iterator[Any]:
+            yield process_pb.StreamInputRequest(event=Oneof("start", process_pb.StreamInputRequest.StartEvent(
+                process=chosen)))
+            for part in (b"a", b"b\n"):
+                yield process_pb.StreamInputRequest(event=Oneof("data", process_pb.StreamInputRequest.DataEvent(
+                    input=process_pb.ProcessInput(input=Oneof("stdin", part)))))
+
+        client.stream_input(inputs(), headers={"X-Access-Token": sb._envd_access_token or ""})
+        streamed.close_stdin()
+        assert streamed.wait().stdout == "ab\n"
         with pytest.raises(NotFoundException):
             sb.commands.connect(999999)
         with pytest.raises(NotFoundException):
