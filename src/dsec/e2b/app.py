@@ -11,6 +11,7 @@ filesystem.py do).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -77,20 +78,31 @@ class E2BApp:
         return sandbox_id.decode("latin-1"), int(port) if port.isdigit() else -1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                return
-            await _json_error(400, "websockets are not served here")(scope, receive, send)
+        if scope["type"] == "lifespan":
             return
         routed = self.route(scope)
-        if routed is None:
+        if routed is None and scope["type"] == "http":
             await self.control(scope, receive, send)
             return
-        sandbox_id, port = routed
         caller.set("e2b-envd")
         # envd calls carry the sandbox's access token, not an API key: they act on that one sandbox as admin.
         with self.keys.acting(_ENVD):
-            await self._sandbox_call(scope, receive, send, sandbox_id, port)
+            if scope["type"] == "websocket":
+                await self._websocket(scope, receive, send, routed)
+            elif routed is not None:
+                await self._sandbox_call(scope, receive, send, *routed)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, routed: tuple[str, int] | None) -> None:
+        """A WebSocket to a running sandbox's port (not envd's, not the control plane's: they have none)."""
+        info = None
+        if routed is not None and routed[1] != ENVD_PORT:
+            with contextlib.suppress(DSecError):
+                info = await self.api.get(routed[0])
+        if routed is None or info is None or info.state != "running":
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.ports.websocket(scope, receive, send, routed[0], routed[1])
 
     async def _sandbox_call(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         try:

@@ -340,6 +340,54 @@ def test_get_host_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> N
         server.kill()
 
 
+_WS_ECHO = r"""
+import base64, hashlib, socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); head = b""
+while b"\r\n\r\n" not in head:
+    head += c.recv(4096)
+key = [l.split(":", 1)[1].strip() for l in head.decode().split("\r\n") if l.lower().startswith("sec-websocket-key")][0]
+accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+          + f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode())
+def exactly(n):
+    out = b""
+    while len(out) < n:
+        out += c.recv(n - len(out))
+    return out
+while True:
+    b0, b1 = exactly(2); n = b1 & 127; mask = exactly(4)
+    data = bytes(b ^ mask[i % 4] for i, b in enumerate(exactly(n)))
+    c.sendall(bytes([b0, len(data)]) + data)  # an echo; a close frame echoed is the close handshake
+    if b0 & 15 == 8:
+        break
+"""
+
+
+async def test_a_websocket_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> None:
+    import ssl
+
+    import websockets
+
+    sb = await AsyncSandbox.create(**endpoint["domain"])
+    try:
+        server = await sb.commands.run(f"python3 -c '{_WS_ECHO}' 8765", background=True, timeout=0)
+        deadline = time.monotonic() + 30
+        while "ready" not in server.stdout:
+            assert time.monotonic() < deadline, server.stderr
+            await asyncio.sleep(0.1)
+        tls = ssl.create_default_context(cafile=str(endpoint["ca"]))
+        url = f"wss://{sb.get_host(8765)}/echo"
+        async with websockets.connect(url, ssl=tls, host="127.0.0.1", port=endpoint["port"]) as ws:
+            await ws.send("over the E2B listener")
+            assert await asyncio.wait_for(ws.recv(), 10) == "over the E2B listener"
+            await ws.send(b"\x00\xffbytes")
+            assert await asyncio.wait_for(ws.recv(), 10) == b"\x00\xffbytes"
+    finally:
+        await sb.kill()
+
+
 async def test_async_sdk_processes_terminals_and_watches(endpoint: dict[str, Any]) -> None:
     from e2b import FilesystemEvent, FilesystemEventType
     from e2b.sandbox.commands.command_handle import PtySize
