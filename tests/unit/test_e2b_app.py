@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("e2b", reason="the E2B endpoint needs the e2b SDK: pip install 'dsec[e2b]'")
 
-from e2b import CommandExitException, Sandbox, SandboxException, SandboxNotFoundException
+from e2b import CommandExitException, Sandbox, SandboxNotFoundException, SandboxQuery
 
 from container_support import short_home
 from dsec.config import Settings
@@ -60,9 +60,19 @@ def test_a_sandbox_through_the_sdk(opts: dict[str, Any]) -> None:
     assert failed.value.exit_code == 4
     sb.files.write("/tmp/f.txt", "data")
     assert sb.files.read("/tmp/f.txt") == "data"
-    assert sb.get_info().metadata == {"t": "unit"}
-    with pytest.raises(SandboxException, match="process handles"):
-        sb.commands.list()
+    info = sb.get_info()
+    assert info.metadata == {"t": "unit"}
+    # its own startedAt (rounded to the microsecond on the way out) given back as startedAfter still lists it
+    after = Sandbox.list(query=SandboxQuery(started_after=info.started_at), **opts).next_items()
+    assert [s.sandbox_id for s in after] == [sb.sandbox_id]
+    handle = sb.commands.run("sleep 30", background=True)
+    assert handle.pid in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException):
+        handle.wait()
+    assert sb.commands.kill(handle.pid) is False  # ended: envd forgets it
+    assert sb.files.make_dir("/tmp/d/e") is True and sb.files.make_dir("/tmp/d/e") is False
+    assert sorted(e.name for e in sb.files.list("/tmp/d")) == ["e"]
     assert sb.kill() is True
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(sb.sandbox_id, **opts)

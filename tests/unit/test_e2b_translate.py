@@ -14,12 +14,17 @@ from dsec.e2b import translate
 from dsec.e2b.keys import JOB_LABEL, EnvdTokens, GatewayKeys, NodeKeys, Principal, load_secret
 from dsec.e2b.options import E2BOptions
 from dsec.errors import (
+    DirectoryNotEmpty,
+    FileExists,
     ImageNotFound,
     InvalidRequest,
     NotSupported,
+    PermissionDenied,
+    ProcessNotFound,
     SandboxNotFound,
     SandboxTimeout,
     Unauthorized,
+    UserNotFound,
 )
 
 OPTS = E2BOptions(listen="127.0.0.1:3000", default_image="debian-python", network="allow")
@@ -69,6 +74,14 @@ def test_errors_map_onto_e2b_statuses_and_codes() -> None:
     assert translate.envd_status(SandboxNotFound("gone"))[0] == 502
     assert translate.connect_error(SandboxTimeout("expired")).code.name == "UNAVAILABLE"
     assert translate.connect_error(InvalidRequest("bad")).code.name == "INVALID_ARGUMENT"
+    # The surface's errors: a missing user is a bad argument (not a missing file), the file errors keep their kind.
+    assert translate.connect_error(UserNotFound("unable to find user x")).code.name == "INVALID_ARGUMENT"
+    assert translate.envd_status(UserNotFound("unable to find user x"))[0] == 400
+    assert translate.connect_error(ProcessNotFound("no process 9")).code.name == "NOT_FOUND"
+    assert translate.connect_error(FileExists("exists")).code.name == "ALREADY_EXISTS"
+    assert translate.connect_error(PermissionDenied("denied")).code.name == "PERMISSION_DENIED"
+    assert translate.envd_status(PermissionDenied("denied"))[0] == 403
+    assert translate.connect_error(DirectoryNotEmpty("not empty")).code.name == "FAILED_PRECONDITION"
 
 
 def test_keys_resolve_principals_and_scope_by_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -120,3 +133,21 @@ def test_options_refuse_bad_values() -> None:
     with pytest.raises(InvalidRequest, match="--e2b-network"):
         E2BOptions(listen="127.0.0.1:3000", network="sometimes")
     assert E2BOptions(listen="127.0.0.1:3000", domain="e2b.localhost:3443").bare_domain == "e2b.localhost"
+
+
+def test_watch_events_map_onto_envd_events() -> None:
+    from dsec.e2b.filesystem import _watch_event
+    from dsec.e2b.wire import filesystem_pb
+    from dsec.models_surface import FileEvent
+
+    kinds = filesystem_pb.EventType
+
+    def mapped(event: FileEvent) -> list[tuple[str, object]]:
+        return [(e.name, e.type) for e in _watch_event(event, "/w")]
+
+    assert mapped(FileEvent(type="modify", path="/w/a/b.txt")) == [("a/b.txt", kinds.WRITE)]
+    assert mapped(FileEvent(type="chmod", path="/w/x")) == [("x", kinds.CHMOD)]
+    # fsnotify's view of a rename: the old name renamed, the new one created (a move out of the tree: only the first)
+    assert mapped(FileEvent(type="move", path="/w/a", dest="/w/d/b")) == [("a", kinds.RENAME), ("d/b", kinds.CREATE)]
+    assert mapped(FileEvent(type="move", path="/w/a")) == [("a", kinds.RENAME)]
+    assert mapped(FileEvent(type="delete", path="/w/a", is_dir=True)) == [("a", kinds.REMOVE)]

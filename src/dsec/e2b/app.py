@@ -2,7 +2,8 @@
 
 Owns the routing of a request by what the SDK sends: ``api.<domain>`` (or no sandbox named) is the
 control plane; ``<port>-<id>.<domain>``, or the ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers of the
-``E2B_SANDBOX_URL`` form, is a sandbox's port, envd when the port is 49983. It checks envd's access token,
+``E2B_SANDBOX_URL`` form, is a sandbox's port: envd when the port is 49983, else relayed through DSec's port
+exposure (:mod:`dsec.e2b.ports`). It checks envd's access token,
 answers ``/health`` and a dead sandbox as E2B's proxy does (502), and cuts the connection of a stream
 whose sandbox went away mid-call. It must never translate a call itself (control.py, process.py and
 filesystem.py do).
@@ -10,6 +11,7 @@ filesystem.py do).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -20,12 +22,14 @@ from starlette.types import Message, Receive, Scope, Send
 from dsec.api.protocol import NodeAPI
 from dsec.daemon.audit import caller
 from dsec.e2b.control import ControlPlane
-from dsec.e2b.filesystem import FilesystemService, download, upload
+from dsec.e2b.files import download, upload
+from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.keys import EnvdTokens, Keys, Principal
 from dsec.e2b.options import E2BOptions
+from dsec.e2b.ports import PortForwarder
 from dsec.e2b.process import ProcessService, Target, current_target
 from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect
-from dsec.errors import DSecError, NotSupported
+from dsec.errors import DSecError
 
 __all__ = ["E2BApp"]
 
@@ -51,7 +55,8 @@ class E2BApp:
         self.tokens = tokens
         self.control = ControlPlane(api, options, keys, tokens).router()
         self.process = process_connect.ProcessASGIApplication(ProcessService(api))
-        self.filesystem = filesystem_connect.FilesystemASGIApplication(FilesystemService(api))  # type: ignore[arg-type]
+        self.filesystem = filesystem_connect.FilesystemASGIApplication(FilesystemService(api))
+        self.ports = PortForwarder(api)
         domain = options.bare_domain
         self._api_host = None if domain is None else f"api.{domain}"
         self._port_host = None if domain is None else re.compile(rf"^(\d{{1,5}})-({_ID})\.{re.escape(domain)}$")
@@ -73,20 +78,31 @@ class E2BApp:
         return sandbox_id.decode("latin-1"), int(port) if port.isdigit() else -1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                return
-            await _json_error(400, "websockets are not served here")(scope, receive, send)
+        if scope["type"] == "lifespan":
             return
         routed = self.route(scope)
-        if routed is None:
+        if routed is None and scope["type"] == "http":
             await self.control(scope, receive, send)
             return
-        sandbox_id, port = routed
         caller.set("e2b-envd")
         # envd calls carry the sandbox's access token, not an API key: they act on that one sandbox as admin.
         with self.keys.acting(_ENVD):
-            await self._sandbox_call(scope, receive, send, sandbox_id, port)
+            if scope["type"] == "websocket":
+                await self._websocket(scope, receive, send, routed)
+            elif routed is not None:
+                await self._sandbox_call(scope, receive, send, *routed)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, routed: tuple[str, int] | None) -> None:
+        """A WebSocket to a running sandbox's port (not envd's, not the control plane's: they have none)."""
+        info = None
+        if routed is not None and routed[1] != ENVD_PORT:
+            with contextlib.suppress(DSecError):
+                info = await self.api.get(routed[0])
+        if routed is None or info is None or info.state != "running":
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.ports.websocket(scope, receive, send, routed[0], routed[1])
 
     async def _sandbox_call(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         try:
@@ -96,14 +112,12 @@ class E2BApp:
         if info is None or info.state not in ("running", "paused"):
             await _json_error(502, f"The sandbox {sandbox_id} was not found")(scope, receive, send)
             return
-        if port != ENVD_PORT:
-            error = NotSupported(f"port {port} of sandbox {sandbox_id} cannot be reached: forwarding sandbox ports is "
-                                 "not supported by this DSec version (it needs DSec's port exposure)")
-            await _json_error(502, error.message)(scope, receive, send)
-            return
         if info.state == "paused":
             await _json_error(502, f"The sandbox {sandbox_id} is paused: connect to it to resume it")(
                 scope, receive, send)
+            return
+        if port != ENVD_PORT:
+            await self.ports(scope, receive, send, sandbox_id, port)
             return
         await self._envd(scope, receive, send, Target(info))
 

@@ -192,7 +192,10 @@ class ControlPlane:
             raise InvalidRequest(f"state must be running and/or paused, got {sorted(states)}")
         template = request.query_params.get("template")
         after = _started_after(request.query_params.get("startedAfter"))
-        infos = [i for i in await self._mine(request, who) if (i.state in states) and i.created_at >= after
+        # startedAt went out rounded to the microsecond: compare at that resolution, so a sandbox's own
+        # startedAt given back as startedAfter still lists it.
+        infos = [i for i in await self._mine(request, who) if (i.state in states)
+                 and round(i.created_at * 1e6) >= round(after * 1e6)
                  and (template is None or translate.listed(i)["templateID"] == template)]
         infos.sort(key=lambda i: (i.created_at, i.id), reverse=request.query_params.get("order", "desc") != "asc")
         limit = int(request.query_params.get("limit") or 100)

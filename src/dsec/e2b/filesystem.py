@@ -1,50 +1,104 @@
-"""envd's files: the Filesystem service (``spec/envd/filesystem/filesystem.proto``) and plain HTTP ``/files``.
+"""envd's Filesystem service (``spec/envd/filesystem/filesystem.proto``) over DSec's file operations and watches.
 
-Owns the translation of envd's file calls onto DSec's files API: ``GET /files`` (download), ``POST /files``
-(multipart or octet-stream upload, gzip accepted), ``ListDir`` (with its depth) and ``Stat`` (an entry of
-its parent's listing). Paths are resolved as envd does (relative ones below the sandbox's working
-directory). The calls that need DSec's file operations and watches (MakeDir, Move, Remove, WatchDir and
-the watchers) answer ``unimplemented`` naming what is missing. It must never touch a file by itself.
+Owns the translation of envd's file calls onto the node API, as the user the call names: ``Stat``,
+``ListDir`` (with its depth), ``MakeDir`` (``mkdir -p``; an existing directory is ``already_exists``),
+``Move``, ``Remove`` (recursive; a missing path is fine, as ``os.RemoveAll``), ``WatchDir`` (a stream) and
+the polled watchers (``CreateWatcher``/``GetWatcherEvents``/``RemoveWatcher``) onto a DSec watch, whose
+events become envd's (create, write, remove, rename, chmod; names relative to the watched directory; with
+``include_entry``, the entry's info). ``Stat`` of a symlink describes what it resolves to, as envd's.
+Paths are resolved as envd does (relative ones below the sandbox's working directory). It keeps, per
+polled watcher, only the number of the next event to hand out; it must never touch a file by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
-import gzip
 import posixpath
 import stat
-import zlib
-from typing import Any
-
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
-from dsec.e2b.keys import EnvdTokens
-from dsec.e2b.process import current_target, resolve_path
-from dsec.e2b.wire import Code, ConnectError, RequestContext, filesystem_pb
-from dsec.errors import DSecError, InvalidRequest, NotFound, NotSupported, Unauthorized
-from dsec.models import FileEntry, SandboxInfo
+from dsec.e2b.process import current_target, keepalive_interval, resolve_path, user_of, with_keepalive
+from dsec.e2b.wire import Code, ConnectError, Oneof, RequestContext, filesystem_pb
+from dsec.errors import DSecError, FileExists, FileNotFound, NotADirectory
+from dsec.models import FileEntry
+from dsec.models_surface import FileEvent, FileStat, MkdirRequest, RenameRequest, WatchRequest
 
-__all__ = ["FilesystemService", "download", "upload"]
+__all__ = ["FilesystemService", "entry_info"]
 
-MAX_FILE_BYTES = 1024**3
-_NO_OPS = "is not supported by this DSec version: it needs DSec's file operations and watches"
 _KINDS = {"file": filesystem_pb.FileType.FILE, "dir": filesystem_pb.FileType.DIRECTORY,
           "symlink": filesystem_pb.FileType.SYMLINK}
+_EVENTS = {"create": filesystem_pb.EventType.CREATE, "modify": filesystem_pb.EventType.WRITE,
+           "delete": filesystem_pb.EventType.REMOVE, "move": filesystem_pb.EventType.RENAME,
+           "chmod": filesystem_pb.EventType.CHMOD}
+_SETTLE_S = 0.2
+"""A polled watcher waits this long for more events after the last one: a write's events come as a burst, which a
+loaded daemon may read in parts."""
+_POLL_WAIT_S = 0.25
+"""How long a poll that found nothing yet waits for a first event (inotify reports a moment after the call)."""
+_MAX_WATCHERS = 1024
+_MAX_HOPS = 40
+"""Symlinks followed at most, as Linux's path resolution (ELOOP past it)."""
+_STAT_AT_ONCE = 16
+"""Entries of a listing described at once (a listing has no owners: each entry is a stat)."""
 
 
-def entry_info(entry: FileEntry) -> filesystem_pb.EntryInfo:
-    """envd's ``EntryInfo`` of a DSec file entry (owner and group are not in DSec's listing yet)."""
+def _timestamp(mtime: float) -> Any:
     from protobuf.wkt import Timestamp
 
-    kind = {"file": "-", "dir": "d", "symlink": "l"}.get(entry.type, "?")
-    return filesystem_pb.EntryInfo(
+    return Timestamp.from_datetime(datetime.datetime.fromtimestamp(mtime, datetime.UTC))
+
+
+def _permissions(kind: str, mode: int) -> str:
+    return {"file": "-", "dir": "d", "symlink": "l"}.get(kind, "?") + stat.filemode(mode)[1:]
+
+
+def entry_info(entry: FileEntry | FileStat) -> filesystem_pb.EntryInfo:
+    """envd's ``EntryInfo`` of a DSec listing entry or stat (a listing has no owner or group)."""
+    info = filesystem_pb.EntryInfo(
         name=entry.name, type=_KINDS.get(entry.type, filesystem_pb.FileType.UNSPECIFIED), path=entry.path,
-        size=entry.size, mode=stat.S_IMODE(entry.mode), permissions=kind + stat.filemode(entry.mode)[1:],
-        modified_time=Timestamp.from_datetime(datetime.datetime.fromtimestamp(entry.mtime, datetime.UTC)))
+        size=entry.size, mode=stat.S_IMODE(entry.mode), permissions=_permissions(entry.type, entry.mode),
+        modified_time=_timestamp(entry.mtime))
+    if isinstance(entry, FileStat):
+        info.owner = entry.owner or str(entry.uid)
+        info.group = entry.group or str(entry.gid)
+        if entry.symlink_target is not None:
+            info.symlink_target = entry.symlink_target
+    return info
+
+
+def rpc_error(exc: DSecError, path: str) -> ConnectError:
+    """The Connect error of a file call (envd's wording for a missing path)."""
+    if isinstance(exc, FileNotFound):
+        return ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
+    return translate.connect_error(exc)
+
+
+def _watch_event(event: FileEvent, root: str) -> list[filesystem_pb.FilesystemEvent]:
+    """envd's events for one DSec event: a move in the tree is a rename of the old name and a create of the new."""
+    def named(path: str, kind: filesystem_pb.EventType) -> filesystem_pb.FilesystemEvent:
+        return filesystem_pb.FilesystemEvent(name=posixpath.relpath(path, root), type=kind)
+
+    out = [named(event.path, _EVENTS[event.type])]
+    if event.type == "move" and event.dest is not None:
+        out.append(named(event.dest, filesystem_pb.EventType.CREATE))
+    return out
+
+
+@dataclass
+class _Cursor:
+    """A polled watcher between polls."""
+
+    root: str
+    next: int
+    """The number of the next event to hand out."""
+    include_entry: bool
+    user: str | None
 
 
 class FilesystemService:
@@ -52,185 +106,220 @@ class FilesystemService:
 
     def __init__(self, api: NodeAPI) -> None:
         self.api = api
+        self._cursors: dict[tuple[str, str], _Cursor] = {}
+        """What each polled watcher needs between polls, by (sandbox, watch)."""
 
-    async def _entries(self, path: str) -> list[FileEntry]:
-        try:
-            return await self.api.list_files(current_target.get().info.id, path)
-        except DSecError as exc:
-            raise _rpc_error(exc, path) from None
+    @staticmethod
+    def _where(path: str) -> tuple[str, str]:
+        info = current_target.get().info
+        return info.id, posixpath.normpath(resolve_path(info, path))
 
     async def stat(self, request: filesystem_pb.StatRequest, ctx: RequestContext[Any, Any]
                    ) -> filesystem_pb.StatResponse:
-        """One entry: found in its parent's listing."""
-        path = posixpath.normpath(resolve_path(current_target.get().info, request.path))
-        if path == "/":
-            return filesystem_pb.StatResponse(entry=filesystem_pb.EntryInfo(
-                name="/", path="/", type=filesystem_pb.FileType.DIRECTORY, mode=0o755, permissions="drwxr-xr-x"))
-        parent, name = posixpath.split(path)
-        for entry in await self._entries(parent):
-            if entry.name == name:
-                return filesystem_pb.StatResponse(entry=entry_info(entry))
-        raise ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
+        """One entry (a symlink itself, with its target)."""
+        sandbox_id, path = self._where(request.path)
+        try:
+            return filesystem_pb.StatResponse(entry=await self._entry(sandbox_id, path, user_of(ctx)))
+        except DSecError as exc:
+            raise rpc_error(exc, path) from None
+
+    async def _entry(self, sandbox_id: str, path: str, user: str | None) -> filesystem_pb.EntryInfo:
+        """envd's entry of a path: a symlink is described by what it resolves to, with that absolute target."""
+        found = await self.api.stat_file(sandbox_id, path, user=user)
+        if found.type != "symlink":
+            return entry_info(found)
+        target, hops = found, 0
+        resolved = path
+        while target.type == "symlink" and target.symlink_target is not None and hops < _MAX_HOPS:
+            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(resolved), target.symlink_target))
+            try:
+                target = await self.api.stat_file(sandbox_id, resolved, user=user)
+            except FileNotFound:
+                return entry_info(found)  # dangling: the link itself
+            hops += 1
+        info = entry_info(target.model_copy(update={"name": found.name, "path": found.path}))
+        info.symlink_target = resolved
+        return info
 
     async def list_dir(self, request: filesystem_pb.ListDirRequest, ctx: RequestContext[Any, Any]
                        ) -> filesystem_pb.ListDirResponse:
-        """A directory's entries, ``depth`` levels down (default 1)."""
-        root = resolve_path(current_target.get().info, request.path)
-        depth = request.depth or 1
+        """A directory's entries, ``depth`` levels down (default 1), in envd's walk order (by name, each
+        directory followed by what is below it), each with its owner and group."""
+        sandbox_id, root = self._where(request.path)
         found: list[filesystem_pb.EntryInfo] = []
-        level = [root]
-        for _ in range(depth):
-            below: list[str] = []
-            for directory in level:
-                for entry in await self._entries(directory):
-                    found.append(entry_info(entry))
-                    if entry.type == "dir":
-                        below.append(entry.path)
-            level = below
+        await self._walk(sandbox_id, root, request.depth or 1, user_of(ctx), found)
         return filesystem_pb.ListDirResponse(entries=found)
 
-    async def _unsupported(self, what: str) -> None:
-        raise ConnectError(Code.UNIMPLEMENTED, f"{what} {_NO_OPS}")
+    async def _walk(self, sandbox_id: str, directory: str, depth: int, user: str | None,
+                    found: list[filesystem_pb.EntryInfo]) -> None:
+        try:
+            entries = sorted(await self.api.list_files(sandbox_id, directory, user=user), key=lambda e: e.name)
+        except DSecError as exc:
+            raise rpc_error(exc, directory) from None
+        limit = asyncio.Semaphore(_STAT_AT_ONCE)
+
+        async def described(entry: FileEntry) -> filesystem_pb.EntryInfo:
+            async with limit:
+                try:
+                    return await self._entry(sandbox_id, entry.path, user)
+                except DSecError:  # gone or unreadable since the listing: what the listing said
+                    return entry_info(entry)
+
+        for entry, info in zip(entries, await asyncio.gather(*map(described, entries)), strict=True):
+            found.append(info)
+            if entry.type == "dir" and depth > 1:
+                await self._walk(sandbox_id, entry.path, depth - 1, user, found)
 
     async def make_dir(self, request: filesystem_pb.MakeDirRequest, ctx: RequestContext[Any, Any]
                        ) -> filesystem_pb.MakeDirResponse:
-        """Needs DSec's mkdir."""
-        await self._unsupported("files.make_dir")
-        raise AssertionError  # unreachable
+        """``mkdir -p``, but an existing directory is ``already_exists`` (the SDK answers False)."""
+        sandbox_id, path = self._where(request.path)
+        user = user_of(ctx)
+        try:
+            try:
+                made = await self.api.make_dir(sandbox_id, MkdirRequest(path=path), user=user)
+            except FileNotFound:  # a missing parent: make them all
+                made = await self.api.make_dir(sandbox_id, MkdirRequest(path=path, parents=True), user=user)
+        except FileExists:
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists") from None
+        except DSecError as exc:
+            raise rpc_error(exc, path) from None
+        return filesystem_pb.MakeDirResponse(entry=entry_info(made))
 
     async def move(self, request: filesystem_pb.MoveRequest, ctx: RequestContext[Any, Any]
                    ) -> filesystem_pb.MoveResponse:
-        """Needs DSec's rename."""
-        await self._unsupported("files.rename")
-        raise AssertionError
+        """Rename (replacing an existing destination, as ``mv``)."""
+        sandbox_id, source = self._where(request.source)
+        destination = self._where(request.destination)[1]
+        try:
+            moved = await self.api.rename_file(sandbox_id, RenameRequest(source=source, destination=destination),
+                                               user=user_of(ctx))
+        except DSecError as exc:
+            raise rpc_error(exc, source) from None
+        return filesystem_pb.MoveResponse(entry=entry_info(moved))
 
     async def remove(self, request: filesystem_pb.RemoveRequest, ctx: RequestContext[Any, Any]
                      ) -> filesystem_pb.RemoveResponse:
-        """Needs DSec's remove."""
-        await self._unsupported("files.remove")
-        raise AssertionError
+        """Remove a path and all below it; a missing one is fine."""
+        sandbox_id, path = self._where(request.path)
+        try:
+            await self.api.remove_file(sandbox_id, path, recursive=True, user=user_of(ctx))
+        except FileNotFound:
+            pass
+        except DSecError as exc:
+            raise rpc_error(exc, path) from None
+        return filesystem_pb.RemoveResponse()
 
-    def watch_dir(self, request: filesystem_pb.WatchDirRequest, ctx: RequestContext[Any, Any]
-                  ) -> filesystem_pb.WatchDirResponse:
-        """Needs DSec's watch."""
-        raise ConnectError(Code.UNIMPLEMENTED, f"files.watch_dir {_NO_OPS}")
+    # -- watches ------------------------------------------------------------------------------------------
+
+    async def _watch(self, path: str, recursive: bool, ctx: RequestContext[Any, Any]) -> tuple[str, str, str]:
+        """Start a DSec watch: ``(sandbox, watch id, watched path)``."""
+        sandbox_id, path = self._where(path)
+        try:
+            watch = await self.api.watch_files(sandbox_id, WatchRequest(path=path, recursive=recursive),
+                                               user=user_of(ctx))
+        except NotADirectory:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory") from None
+        except DSecError as exc:
+            raise rpc_error(exc, path) from None
+        return sandbox_id, watch.id, watch.path
+
+    async def watch_dir(self, request: filesystem_pb.WatchDirRequest, ctx: RequestContext[Any, Any]
+                        ) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
+        """A directory's events as they come, until the client hangs up (then the watch is stopped)."""
+        sandbox_id, watch_id, root = await self._watch(request.path, request.recursive, ctx)
+        try:
+            start: Oneof[Literal["start"], filesystem_pb.WatchDirResponse.StartEvent] = Oneof(
+                "start", filesystem_pb.WatchDirResponse.StartEvent())
+            yield filesystem_pb.WatchDirResponse(event=start)
+            events = self.api.watch_events(sandbox_id, watch_id, follow=True)
+            async for event in with_keepalive(events, keepalive_interval(ctx)):
+                if event is None:
+                    keepalive: Oneof[Literal["keepalive"], filesystem_pb.WatchDirResponse.KeepAlive] = Oneof(
+                        "keepalive", filesystem_pb.WatchDirResponse.KeepAlive())
+                    yield filesystem_pb.WatchDirResponse(event=keepalive)
+                    continue
+                for one in await self._described(sandbox_id, _watch_event(event, root), root, request.include_entry,
+                                                 user_of(ctx)):
+                    changed: Oneof[Literal["filesystem"], filesystem_pb.FilesystemEvent] = Oneof("filesystem", one)
+                    yield filesystem_pb.WatchDirResponse(event=changed)
+        except DSecError as exc:
+            raise rpc_error(exc, root) from None
+        finally:
+            with contextlib.suppress(DSecError):
+                await self.api.unwatch(sandbox_id, watch_id)
+
+    async def _described(self, sandbox_id: str, events: list[filesystem_pb.FilesystemEvent], root: str,
+                          include: bool, user: str | None) -> list[filesystem_pb.FilesystemEvent]:
+        """``include_entry``: each event with the entry's info where the path still exists (best effort, as envd)."""
+        if include:
+            for event in events:
+                if event.type not in (filesystem_pb.EventType.REMOVE, filesystem_pb.EventType.RENAME):
+                    with contextlib.suppress(DSecError):
+                        event.entry = await self._entry(sandbox_id, posixpath.join(root, event.name), user)
+        return events
 
     async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]
                              ) -> filesystem_pb.CreateWatcherResponse:
-        """Needs DSec's watch."""
-        await self._unsupported("a directory watcher")
-        raise AssertionError
+        """Start a watch read by polling (``GetWatcherEvents``)."""
+        sandbox_id, watch_id, root = await self._watch(request.path, request.recursive, ctx)
+        if len(self._cursors) >= _MAX_WATCHERS:
+            self._cursors.pop(next(iter(self._cursors)))  # the oldest: DSec stops it once nobody reads it
+        self._cursors[(sandbox_id, watch_id)] = _Cursor(root, 0, request.include_entry, user_of(ctx))
+        return filesystem_pb.CreateWatcherResponse(watcher_id=watch_id)
 
     async def get_watcher_events(self, request: filesystem_pb.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> filesystem_pb.GetWatcherEventsResponse:
-        """Needs DSec's watch."""
-        await self._unsupported("a directory watcher")
-        raise AssertionError
+        """The events since the last poll (waiting a moment for a burst to finish)."""
+        sandbox_id = current_target.get().info.id
+        key = (sandbox_id, request.watcher_id)
+        if key not in self._cursors:
+            raise ConnectError(Code.NOT_FOUND, f"watcher '{request.watcher_id}' not found")
+        cursor = self._cursors[key]
+        root, since = cursor.root, cursor.next
+        found: list[FileEvent] = []
+        try:
+            wait = _POLL_WAIT_S
+            while True:
+                batch = await self._poll(sandbox_id, request.watcher_id, since + len(found), wait)
+                if not batch:
+                    break
+                found.extend(batch)
+                wait = _SETTLE_S
+        except DSecError as exc:
+            self._cursors.pop(key, None)
+            raise rpc_error(exc, root) from None
+        if found:
+            cursor.next = found[-1].number + 1
+        events = [e for f in found for e in _watch_event(f, root)]
+        return filesystem_pb.GetWatcherEventsResponse(
+            events=await self._described(sandbox_id, events, root, cursor.include_entry, cursor.user))
+
+    async def _poll(self, sandbox_id: str, watch_id: str, since: int, wait: float) -> list[FileEvent]:
+        """The events from ``since`` on, waiting up to ``wait`` seconds for a first one."""
+        found: list[FileEvent] = []
+        events = self.api.watch_events(sandbox_id, watch_id, since=since, follow=True)
+        try:
+            async with asyncio.timeout(wait):
+                async for event in events:
+                    found.append(event)
+                    break
+        except TimeoutError:
+            return found
+        finally:
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]
+        async for event in self.api.watch_events(sandbox_id, watch_id, since=found[-1].number + 1, follow=False):
+            found.append(event)
+        return found
 
     async def remove_watcher(self, request: filesystem_pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
                              ) -> filesystem_pb.RemoveWatcherResponse:
-        """Needs DSec's watch."""
-        await self._unsupported("a directory watcher")
-        raise AssertionError
-
-
-def _rpc_error(exc: DSecError, path: str) -> ConnectError:
-    if isinstance(exc, NotFound) and not isinstance(exc, translate.GONE):
-        return ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
-    return translate.connect_error(exc)
-
-
-def envd_error(exc: DSecError) -> JSONResponse:
-    """envd's HTTP error body for a DSec error."""
-    status, body = translate.envd_status(exc)
-    return JSONResponse(body, status_code=status)
-
-
-def _authorize(request: Request, tokens: EnvdTokens, info: SandboxInfo, path: str, operation: str) -> None:
-    """``/files`` takes the envd access token, or an unexpired signature of this path and operation."""
-    given = request.headers.get("x-access-token")
-    if given is not None:
-        if not tokens.check(info.id, given):
-            raise Unauthorized("access token present in header but does not match")
-        return
-    query = request.query_params
-    tokens.check_signature(info.id, path, operation, query.get("username"), query.get("signature"),
-                           query.get("signature_expiration"))
-
-
-async def download(request: Request, api: NodeAPI, tokens: EnvdTokens, info: SandboxInfo) -> Response:
-    """``GET /files?path=``: a file's bytes."""
-    try:
-        raw = request.query_params.get("path", "")
-        _authorize(request, tokens, info, raw, "read")
-        _user(request)
-        path = resolve_path(info, raw)
+        """Stop a polled watch."""
+        sandbox_id = current_target.get().info.id
+        self._cursors.pop((sandbox_id, request.watcher_id), None)
         try:
-            data = await api.read_file(info.id, path)
-        except NotFound as exc:
-            if isinstance(exc, translate.GONE):
-                raise
-            return JSONResponse({"code": 404, "message": f"path '{path}' does not exist"}, status_code=404)
-    except DSecError as exc:
-        return envd_error(exc)
-    name = posixpath.basename(path)
-    return Response(data, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'inline; filename="{name}"'})
-
-
-def _user(request: Request) -> None:
-    user = request.query_params.get("username")
-    if user:
-        raise NotSupported(f"username={user!r} is not supported by this DSec version: it needs DSec's users")
-
-
-def _decode(data: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding == "identity":
-        return data
-    if encoding != "gzip":
-        raise InvalidRequest(f"unsupported Content-Encoding {encoding!r} (identity or gzip)")
-    try:
-        return gzip.decompress(data)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise InvalidRequest(f"the gzip body does not decompress: {exc}") from None
-
-
-async def _parts(request: Request) -> list[tuple[str, bytes]]:
-    """``(path, bytes)`` of each upload, from a multipart form or an octet-stream body."""
-    content_type = request.headers.get("content-type", "")
-    query_path = request.query_params.get("path")
-    if content_type.startswith("application/octet-stream"):
-        if not query_path:
-            raise InvalidRequest("path query parameter is required for raw body upload")
-        return [(query_path, _decode(await request.body(), request.headers.get("content-encoding")))]
-    if not content_type.startswith("multipart/"):
-        raise InvalidRequest(f"unsupported content type: {content_type}, expected multipart/form-data or "
-                             "application/octet-stream")
-    parts: list[tuple[str, bytes]] = []
-    async with request.form(max_part_size=MAX_FILE_BYTES) as form:
-        for name, value in form.multi_items():
-            if name != "file" or not isinstance(value, UploadFile):
-                continue
-            path = query_path or value.filename
-            if not path:
-                raise InvalidRequest("a multipart file part needs a filename (its path) or the path query parameter")
-            parts.append((path, await value.read()))
-    return parts
-
-
-async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: SandboxInfo) -> Response:
-    """``POST /files``: write each uploaded file (parents created); answers their ``EntryInfo``."""
-    try:
-        _authorize(request, tokens, info, request.query_params.get("path", ""), "write")
-        _user(request)
-        written: list[dict[str, str]] = []
-        for raw, data in await _parts(request):
-            path = resolve_path(info, raw)
-            if any(w["path"] == path for w in written):
-                raise InvalidRequest(f"you cannot upload multiple files to the same path '{path}' in one upload "
-                                     "request")
-            await api.write_file(info.id, path, data)
-            written.append({"path": path, "name": posixpath.basename(path), "type": "file"})
-    except DSecError as exc:
-        return envd_error(exc)
-    return JSONResponse(written)
+            await self.api.unwatch(sandbox_id, request.watcher_id)
+        except DSecError as exc:
+            raise rpc_error(exc, request.watcher_id) from None
+        return filesystem_pb.RemoveWatcherResponse()

@@ -18,12 +18,15 @@ from dsec.e2b.options import E2BOptions
 from dsec.e2b.wire import ENVD_VERSION, Code, ConnectError
 from dsec.errors import (
     BackendUnavailable,
+    DirectoryNotEmpty,
     DSecError,
+    FileExists,
     Forbidden,
     ImageNotFound,
     InvalidRequest,
     NotFound,
     NotSupported,
+    PermissionDenied,
     QuotaExceeded,
     SandboxError,
     SandboxLost,
@@ -32,6 +35,7 @@ from dsec.errors import (
     SandboxTimeout,
     StoreUnavailable,
     Unauthorized,
+    UserNotFound,
 )
 from dsec.models import BackendName, SandboxInfo, SandboxSpec, SandboxStats
 
@@ -182,7 +186,8 @@ def metric(stats: SandboxStats, info: SandboxInfo, now: float) -> dict[str, Any]
 
 
 _REST: tuple[tuple[type[DSecError], int], ...] = (
-    (SandboxTimeout, 404), (SandboxLost, 404), (NotFound, 404), (InvalidRequest, 400), (Unauthorized, 401),
+    (UserNotFound, 400), (PermissionDenied, 403), (FileExists, 409), (DirectoryNotEmpty, 409), (SandboxTimeout, 404),
+    (SandboxLost, 404), (NotFound, 404), (InvalidRequest, 400), (Unauthorized, 401),
     (Forbidden, 403), (SandboxStateError, 409), (QuotaExceeded, 429), (NotSupported, 501),
     (BackendUnavailable, 503), (StoreUnavailable, 503),
 )
@@ -212,7 +217,9 @@ def connect_error(exc: DSecError) -> ConnectError:
     """The Connect error an envd call answers for a DSec error."""
     if isinstance(exc, GONE):
         return ConnectError(Code.UNAVAILABLE, exc.message)  # the SDK reads it as the sandbox being gone
-    for kind, code in ((NotFound, Code.NOT_FOUND), (InvalidRequest, Code.INVALID_ARGUMENT),
+    for kind, code in ((UserNotFound, Code.INVALID_ARGUMENT), (NotFound, Code.NOT_FOUND),
+                       (FileExists, Code.ALREADY_EXISTS), (PermissionDenied, Code.PERMISSION_DENIED),
+                       (DirectoryNotEmpty, Code.FAILED_PRECONDITION), (InvalidRequest, Code.INVALID_ARGUMENT),
                        (Unauthorized, Code.UNAUTHENTICATED), (Forbidden, Code.PERMISSION_DENIED),
                        (SandboxStateError, Code.FAILED_PRECONDITION), (QuotaExceeded, Code.RESOURCE_EXHAUSTED),
                        (NotSupported, Code.UNIMPLEMENTED), (BackendUnavailable, Code.UNAVAILABLE)):

@@ -27,10 +27,11 @@ __all__ = [
 ENVD_PORT = 49983
 """The port envd listens on inside an E2B sandbox; the SDK names it in ``E2b-Sandbox-Port``."""
 
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
 """The envd version the facade reports. It decides which protocol features the SDK uses: default user
-(0.4.0), stdin control (0.3.0, 0.5.2), octet-stream uploads (0.5.7); not the file metadata of 0.6.2 (no
-xattrs in DSec's files API)."""
+(0.4.0), stdin control (0.3.0, 0.5.2), octet-stream uploads (0.5.7), watch events with entries (0.6.3) and
+on network mounts (0.6.4). File metadata (0.6.2, xattrs) comes with it: DSec's files API has no xattrs,
+so an upload carrying metadata is refused (``/files``) rather than silently losing it."""
 
 try:
     from connectrpc.code import Code

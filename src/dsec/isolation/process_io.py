@@ -184,6 +184,9 @@ class PipeProcess(ProcessIO):
                 self._report_error(value)
         if not data:
             self._loop.remove_reader(fd)
+        if self._wstatus is not None and not self._reading:  # its output already ended: nothing to drain
+            self._finish()
+            return
         if (self._wstatus is not None or not data) and self._drain is None:
             self._drain = self._loop.call_later(_DRAIN_AFTER_EXIT_S, self._finish)
 
@@ -316,8 +319,9 @@ class PipeProcess(ProcessIO):
         self._release()
 
     def _release(self) -> None:
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._spawned.status)
+        if not self._spawned.closed:  # once closed, its fd number may already be another connection's
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._spawned.status)
         self._input = -1
         self._spawned.close()
         if self._master is not None:

@@ -99,8 +99,9 @@ def test_commands_stream_fail_time_out_and_take_envs_and_cwd(opts: dict[str, str
         r = sb.commands.run("echo $FOO $FROM_SANDBOX; pwd", envs={"FOO": "bar"}, cwd="/tmp")
         assert r.stdout == "bar yes\n/tmp\n"
         assert sb.commands.run("pwd").stdout == "/workspace\n"  # debian-python's working directory
-        with pytest.raises(SandboxException, match="not supported by this DSec version"):
-            sb.commands.run("whoami", user="root")
+        assert sb.commands.run("whoami", user="nobody").stdout == "nobody\n"
+        with pytest.raises(SandboxException, match="unable to find user nosuchuser"):
+            sb.commands.run("true", user="nosuchuser")
 
 
 def test_files_round_trip_list_stat_and_signed_urls(opts: dict[str, str], endpoint: dict[str, Any]) -> None:
@@ -118,8 +119,6 @@ def test_files_round_trip_list_stat_and_signed_urls(opts: dict[str, str], endpoi
         assert (stat.type.value, stat.permissions) == ("file", "-rw-r--r--")
         with pytest.raises(FileNotFoundException):
             sb.files.read("/nope.txt")
-        with pytest.raises(SandboxException, match="not supported by this DSec version"):
-            sb.files.remove("notes/a.txt")
         if "domain" not in opts:
             return  # a signed URL names its sandbox in the host: only the E2B_DOMAIN form has one
         # A signed URL works without the access token header; an expired one is refused as envd refuses it.
@@ -176,8 +175,8 @@ def test_keys_scope_sandboxes_and_bad_calls_get_clear_errors(endpoint: dict[str,
         assert answer.status == 501 and "not supported by DSec" in json.loads(answer.content)["message"]
         answer = client.post(f"{api}/volumes", headers={"X-API-Key": keys[0]}, content=b"{}")
         assert answer.status == 501 and "volumes" in json.loads(answer.content)["message"]
-        port = client.get(f"https://{mine.get_host(8000)}/")
-        assert port.status == 502 and "port exposure" in json.loads(port.content)["message"]
+        port = client.get(f"https://{mine.get_host(8000)}/")  # nothing listens there: the node answers 502
+        assert port.status == 502
         with pytest.raises(SandboxException, match="image 'no-such-image'"):
             Sandbox.create("no-such-image", **opts)
     finally:
@@ -201,3 +200,222 @@ async def test_async_sdk(opts: dict[str, str]) -> None:
     finally:
         await sb.kill()
 
+
+
+def test_background_commands_list_connect_stdin_and_kill(endpoint: dict[str, Any]) -> None:
+    from e2b import NotFoundException
+
+    with Sandbox.create(**endpoint["domain"]) as sb:
+        sleeper = sb.commands.run("sleep 30", background=True)
+        cat = sb.commands.run("cat", background=True, stdin=True, user="nobody", cwd="/tmp", envs={"K": "v"})
+        listed = {p.pid: p for p in sb.commands.list()}
+        assert {sleeper.pid, cat.pid} <= set(listed)
+        assert (listed[cat.pid].cmd, listed[cat.pid].args, listed[cat.pid].cwd) == ("/bin/bash", ["-l", "-c", "cat"],
+                                                                                  "/tmp")
+        assert listed[cat.pid].envs == {"K": "v"}
+        sb.commands.send_stdin(cat.pid, "one\n")
+        again = sb.commands.connect(cat.pid)  # a second handle, from now on
+        assert again.pid == cat.pid
+        again.send_stdin(b"two\n")
+        again.close_stdin()
+        result = again.wait()
+        assert result.exit_code == 0 and result.stdout.endswith("two\n")
+        assert cat.wait().stdout == "one\ntwo\n"  # the first handle saw everything from the start
+        assert sb.commands.kill(sleeper.pid) is True
+        with pytest.raises(CommandExitException):
+            sb.commands.run(f"kill -0 {sleeper.pid}")
+        with pytest.raises(CommandExitException) as killed:
+            sleeper.wait()
+        assert killed.value.exit_code == -1  # envd's "signal: killed"
+        assert sb.commands.kill(sleeper.pid) is False and sleeper.pid not in [p.pid for p in sb.commands.list()]
+        # StreamInput (the SDK itself sends SendInput): envd's generated client, in order, then EOF
+        import pyqwest
+        from e2b.envd.process import process_connect, process_pb
+        from protobuf import Oneof
+
+        streamed = sb.commands.run("cat", background=True, stdin=True)
+        client = process_connect.ProcessClientSync(
+            f"https://49983-{sb.sandbox_id}.{endpoint['domain']['domain']}",
+            http_client=pyqwest.SyncClient(pyqwest.SyncHTTPTransport(tls_include_system_certs=True)))
+        chosen = process_pb.ProcessSelector(selector=Oneof("pid", streamed.pid))
+
+        def inputs() -> Iterator[Any]:
+            yield process_pb.StreamInputRequest(event=Oneof("start", process_pb.StreamInputRequest.StartEvent(
+                process=chosen)))
+            for part in (b"a", b"b\n"):
+                yield process_pb.StreamInputRequest(event=Oneof("data", process_pb.StreamInputRequest.DataEvent(
+                    input=process_pb.ProcessInput(input=Oneof("stdin", part)))))
+
+        client.stream_input(inputs(), headers={"X-Access-Token": sb._envd_access_token or ""})
+        streamed.close_stdin()
+        assert streamed.wait().stdout == "ab\n"
+        with pytest.raises(NotFoundException):
+            sb.commands.connect(999999)
+        with pytest.raises(NotFoundException):
+            sb.commands.send_stdin(999999, "x")
+
+
+def test_a_terminal_takes_input_resizes_and_dies(endpoint: dict[str, Any]) -> None:
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    with Sandbox.create(**endpoint["domain"]) as sb:
+        term = sb.pty.create(PtySize(cols=80, rows=24), envs={"ABC": "123"}, cwd="/")
+        sb.pty.send_stdin(term.pid, b"echo $ABC; tput cols\n")
+        sb.pty.resize(term.pid, PtySize(cols=100, rows=30))
+        sb.pty.send_stdin(term.pid, b"tput cols; pwd; exit\n")
+        out: list[bytes] = []
+        assert term.wait(on_pty=out.append).exit_code == 0
+        text = b"".join(out).decode()
+        assert "123" in text and "100" in text and "\r\n/\r\n" in text
+        other = sb.pty.create(PtySize(cols=80, rows=24), user="nobody")
+        assert sb.pty.kill(other.pid) is True
+        with pytest.raises(CommandExitException):
+            sb.commands.run(f"kill -0 {other.pid}")
+        with pytest.raises(CommandExitException):
+            other.wait()
+        assert sb.pty.kill(other.pid) is False
+
+
+def test_file_operations_users_and_watches(endpoint: dict[str, Any]) -> None:
+    from e2b import FilesystemEventType, FileType, NotFoundException
+
+    with Sandbox.create(**endpoint["domain"]) as sb:
+        assert sb.files.make_dir("w/deep/er") is True and sb.files.make_dir("w/deep/er") is False
+        watch = sb.files.watch_dir("w", recursive=True)
+        sb.files.write("w/a.txt", "x")
+        events = [(e.type, e.name) for e in watch.get_new_events()]
+        assert events[0] == (FilesystemEventType.CREATE, "a.txt") and (FilesystemEventType.WRITE, "a.txt") in events
+        moved = sb.files.rename("w/a.txt", "w/deep/b.txt")
+        assert (moved.path, moved.type) == ("/workspace/w/deep/b.txt", FileType.FILE)
+        assert {(e.type, e.name) for e in watch.get_new_events()} >= {(FilesystemEventType.RENAME, "a.txt"),
+                                                                      (FilesystemEventType.CREATE, "deep/b.txt")}
+        sb.files.remove("w/deep")
+        assert (FilesystemEventType.REMOVE, "deep/b.txt") in {(e.type, e.name) for e in watch.get_new_events()}
+        watch.stop()
+        sb.files.remove("w/deep")  # already gone: fine, as envd's RemoveAll
+        assert not sb.files.exists("w/deep") and sb.files.exists("w")
+        assert [e.name for e in sb.files.list("w", depth=2)] == []
+        with pytest.raises(NotFoundException):
+            sb.files.rename("w/missing", "w/x")
+        with pytest.raises(NotFoundException):
+            sb.files.watch_dir("nowhere")
+        with pytest.raises(SandboxException, match="not a directory"):
+            sb.files.watch_dir("/etc/hostname")
+        # user=: files are written and read as that user, and checked as that user.
+        sb.files.write("/tmp/mine.txt", "n", user="nobody")
+        info = sb.files.get_info("/tmp/mine.txt")
+        assert (info.owner, info.group, info.size) == ("nobody", "nogroup", 1)
+        assert sb.files.read("/tmp/mine.txt", user="nobody") == "n"
+        with pytest.raises(SandboxException, match=r"[Pp]ermission denied"):
+            sb.files.write("/root/nope.txt", "x", user="nobody")
+        with pytest.raises(SandboxException, match=r"[Pp]ermission denied"):
+            sb.files.make_dir("/root/nope", user="nobody")
+        link = sb.commands.run("ln -s /tmp/mine.txt /tmp/link && echo ok").stdout
+        assert link == "ok\n" and sb.files.get_info("/tmp/link").symlink_target == "/tmp/mine.txt"
+
+
+def test_get_host_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> None:
+    import pyqwest
+
+    with Sandbox.create(allow_internet_access=False, **endpoint["domain"]) as sb:  # inbound works without egress
+        sb.files.write("/tmp/site/hello.txt", "hi from the sandbox")
+        server = sb.commands.run("python3 -m http.server 8000", background=True, cwd="/tmp/site", timeout=0)
+        client = pyqwest.SyncClient(pyqwest.SyncHTTPTransport(tls_include_system_certs=True))
+        url = f"https://{sb.get_host(8000)}/hello.txt"
+        deadline = time.monotonic() + 30
+        while True:
+            got = client.get(url)
+            if got.status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (got.status, got.content) == (200, b"hi from the sandbox")
+        posted = client.post(f"https://{sb.get_host(8000)}/hello.txt", content=b"body")
+        assert posted.status == 501  # http.server has no POST: its own answer, relayed
+        server.kill()
+
+
+_WS_ECHO = r"""
+import base64, hashlib, socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); head = b""
+while b"\r\n\r\n" not in head:
+    head += c.recv(4096)
+key = [l.split(":", 1)[1].strip() for l in head.decode().split("\r\n") if l.lower().startswith("sec-websocket-key")][0]
+accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+          + f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode())
+def exactly(n):
+    out = b""
+    while len(out) < n:
+        out += c.recv(n - len(out))
+    return out
+while True:
+    b0, b1 = exactly(2); n = b1 & 127; mask = exactly(4)
+    data = bytes(b ^ mask[i % 4] for i, b in enumerate(exactly(n)))
+    c.sendall(bytes([b0, len(data)]) + data)  # an echo; a close frame echoed is the close handshake
+    if b0 & 15 == 8:
+        break
+"""
+
+
+async def test_a_websocket_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> None:
+    import ssl
+
+    import websockets
+
+    sb = await AsyncSandbox.create(**endpoint["domain"])
+    try:
+        server = await sb.commands.run(f"python3 -c '{_WS_ECHO}' 8765", background=True, timeout=0)
+        deadline = time.monotonic() + 30
+        while "ready" not in server.stdout:
+            assert time.monotonic() < deadline, server.stderr
+            await asyncio.sleep(0.1)
+        tls = ssl.create_default_context(cafile=str(endpoint["ca"]))
+        url = f"wss://{sb.get_host(8765)}/echo"
+        async with websockets.connect(url, ssl=tls, host="127.0.0.1", port=endpoint["port"]) as ws:
+            await ws.send("over the E2B listener")
+            assert await asyncio.wait_for(ws.recv(), 10) == "over the E2B listener"
+            await ws.send(b"\x00\xffbytes")
+            assert await asyncio.wait_for(ws.recv(), 10) == b"\x00\xffbytes"
+    finally:
+        await sb.kill()
+
+
+async def test_async_sdk_processes_terminals_and_watches(endpoint: dict[str, Any]) -> None:
+    from e2b import FilesystemEvent, FilesystemEventType
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    sb = await AsyncSandbox.create(**endpoint["domain"])
+    try:
+        cat = await sb.commands.run("cat", background=True, stdin=True)
+        assert cat.pid in [p.pid for p in await sb.commands.list()]
+        await sb.commands.send_stdin(cat.pid, "async\n")
+        await cat.close_stdin()
+        assert (await cat.wait()).stdout == "async\n"
+        sleeper = await sb.commands.run("sleep 30", background=True, user="nobody")
+        seen = await sb.commands.connect(sleeper.pid)
+        assert await seen.kill() is True
+        with pytest.raises(CommandExitException):
+            await seen.wait()
+        out: list[bytes] = []
+        term = await sb.pty.create(PtySize(cols=90, rows=20), on_data=out.append)
+        await sb.pty.resize(term.pid, PtySize(cols=120, rows=20))
+        await sb.pty.send_stdin(term.pid, b"tput cols; exit\n")
+        assert (await term.wait()).exit_code == 0 and "120" in b"".join(out).decode()
+        await sb.files.make_dir("/tmp/aw")
+        events: list[FilesystemEvent] = []
+        watch = await sb.files.watch_dir("/tmp/aw", on_event=events.append)  # the streamed WatchDir
+        await sb.files.write("/tmp/aw/f.txt", "1")
+        await sb.files.rename("/tmp/aw/f.txt", "/tmp/aw/g.txt")
+        deadline = time.monotonic() + 10
+        while (FilesystemEventType.RENAME, "f.txt") not in {(e.type, e.name) for e in events}:
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.05)
+        await watch.stop()
+        assert (FilesystemEventType.CREATE, "f.txt") in {(e.type, e.name) for e in events}
+        assert await sb.files.exists("/tmp/aw/g.txt") and (await sb.files.get_info("/tmp/aw")).type.value == "dir"
+        await sb.files.remove("/tmp/aw")
+        assert not await sb.files.exists("/tmp/aw")
+    finally:
+        await sb.kill()
