@@ -149,9 +149,11 @@ class Builder:
         return env
 
     def run_args(self) -> list[str]:
-        """How ``RUN`` steps run: OCI isolation with runc (crun refuses hybrid cgroups), cgroupfs."""
+        """How ``RUN`` steps run: with runc (crun refuses hybrid cgroups), cgroupfs; as the build user, rootless
+        isolation, whose private network is slirp4netns (OCI isolation would reach for a CNI bridge, which a user
+        without privileges cannot create)."""
         runc = shutil.which("runc")
-        args = ["--isolation", "oci"]
+        args = ["--isolation", "rootless" if self.user is not None else "oci"]
         if runc is not None:
             args += ["--runtime", runc]
         return args
