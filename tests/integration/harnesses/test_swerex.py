@@ -127,9 +127,7 @@ def image(daemon_url: str) -> str:
 @pytest.fixture(scope="module")
 def deployment(daemon_url: str, image: str) -> Iterator[DSecDeployment]:
     loop = _Loop()
-    # Upstream runs its server inside the test process, under the developer's terminal: TERM is set there
-    # (its pager check relies on less driving a terminal that ignores ^C).
-    dep = DSecDeployment(image=image, url=daemon_url, env={"TERM": "xterm"})
+    dep = DSecDeployment(image=image, url=daemon_url)
     try:
         loop.run(dep.start())
         yield dep
