@@ -235,10 +235,13 @@ class _Build:
         layout = self.dir / f"base-{name}"
         advance = self.progress.task(f"export {name}", None) if self.progress else (lambda n: None)
         labels = {"dsec.image": name, **({"dsec.image.digest": ref.digest} if ref.digest else {})}
-        export_layout(ref.rootfs, ref.uid_shift, ref.config, layout, f"localhost/{name}:latest", labels, advance)
+        ref_name = f"localhost/{name}:latest"
+        export_layout(ref.rootfs, ref.uid_shift, ref.config, layout, ref_name, labels, advance)
         self.builder.give(layout)
         try:
-            out = self.builder.run(self.builder.argv("pull", "--quiet", f"oci:{layout}"), self.tmp,
+            # Named by the layout's reference: without one, buildah names the image after the layout's path, which
+            # is no valid reference when a random part of it ends in "_".
+            out = self.builder.run(self.builder.argv("pull", "--quiet", f"oci:{layout}:{ref_name}"), self.tmp,
                                    f"loading base image {name}")
         finally:
             shutil.rmtree(layout, ignore_errors=True)
