@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import tarfile
-import tempfile
 import threading
 import tomllib
 from collections.abc import Callable, Iterator
@@ -176,7 +176,10 @@ class _Build:
         self.output, self.progress, self.cancel = output, progress, cancel
         self.builder = Builder(settings)
         self.builder.prepare()
-        self.dir = Path(tempfile.mkdtemp(prefix="build-", dir=self.builder.work))
+        # Not mkdtemp's name: buildah names a base export after its path, and a random part ending in "_" is no
+        # valid reference.
+        self.dir = self.builder.work / f"build-{secrets.token_hex(8)}"
+        self.dir.mkdir(mode=0o700)
         self.tmp = self.dir / "tmp"
         self.tmp.mkdir()
         self.builder.give(self.dir)
@@ -239,8 +242,6 @@ class _Build:
         export_layout(ref.rootfs, ref.uid_shift, ref.config, layout, ref_name, labels, advance)
         self.builder.give(layout)
         try:
-            # Named by the layout's reference: without one, buildah names the image after the layout's path, which
-            # is no valid reference when a random part of it ends in "_".
             out = self.builder.run(self.builder.argv("pull", "--quiet", f"oci:{layout}:{ref_name}"), self.tmp,
                                    f"loading base image {name}")
         finally:

@@ -61,8 +61,10 @@ class _Command(Command):
 
 @pytest.fixture
 async def runtime_with_default_session(remote_runtime: RemoteRuntime) -> AsyncIterator[RemoteRuntime]:
-    """Upstream's fixture of the same name: the runtime with its default session open."""
-    await remote_runtime.create_session(CreateBashSessionRequest())
+    """Upstream's fixture of the same name: the runtime with its default session open. Its bash gets 10 s to
+    start, not SWE-ReX's default 1 s: on a loaded 2-core machine a slow start leaves the session half made, and
+    every later test of the module would find it "already exists"."""
+    await remote_runtime.create_session(CreateBashSessionRequest(startup_timeout=10))
     try:
         yield remote_runtime
     finally:
