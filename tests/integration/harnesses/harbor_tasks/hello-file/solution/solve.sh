@@ -1,2 +1,3 @@
 #!/bin/bash
-echo "Hello, world!" > /app/hello.txt
+# Relative: the image's WORKDIR (/app) is where commands start, as with harbor's docker environment.
+echo "Hello, world!" > hello.txt
