@@ -176,7 +176,7 @@ async def test_interrupt_pager_in_sandbox(runtime_with_default_session: RemoteRu
     rt = runtime_with_default_session
     with pytest.raises(CommandTimeoutError):
         await rt.run_in_session(_Action(command="echo 'blargh'|less -+F", timeout=0.1))
-    interrupted = await rt.run_in_session(BashInterruptAction())
+    interrupted = await rt.run_in_session(BashInterruptAction(timeout=2))  # each step's wait (default 0.2 s)
     assert "Stopped" in interrupted.output
     r = await rt.run_in_session(_Action(command="echo 'asdf'; cat /proc/[0-9]*/comm 2>/dev/null | grep -cx less",
                                         check="silent"))
