@@ -680,11 +680,29 @@ def image_copy(names: tuple[str, ...], target: str) -> None:
 @image.command(name="gc")
 @click.option("--grace", type=float, default=3600.0, show_default=True,
               help="Keep objects younger than this many seconds (imports in flight elsewhere).")
-def image_gc(grace: float) -> None:
-    """Delete chunks and manifests of the store that no image references."""
-    result = _store().gc(grace=grace)
+@click.option("--builder/--no-builder", default=True, show_default=True,
+              help="Also prune the Dockerfile builder's storage (DSEC_BUILD_ROOT) to the cache of stored images.")
+def image_gc(grace: float, builder: bool) -> None:
+    """Delete chunks and manifests of the store that no image references, and the builder's layers and
+    images of images the store no longer has."""
+    store = _store()
+    result = store.gc(grace=grace)
     click.echo(f"removed {result.chunks} chunks and {result.manifests} manifests, "
                f"{result.bytes / 1024**2:.1f} MiB freed")
+    if builder:
+        from dsec.config import Settings
+        from dsec.errors import BackendUnavailable
+        from dsec.images.builder import Builder
+
+        try:
+            pruned = Builder(Settings()).prune(set(store.names()), grace=grace)
+        except BackendUnavailable:
+            return  # no buildah: no builder storage to prune
+        if pruned.skipped:
+            click.echo(f"builder: not pruned: {pruned.skipped}")
+        else:
+            click.echo(f"builder: removed {pruned.images} images and layers, {pruned.work_dirs} work directories, "
+                       f"{pruned.bytes / 1024**2:.1f} MiB freed")
 
 
 # ----- snapshots ----------------------------------------------------------------------------------

@@ -171,8 +171,17 @@ def test_harbor_interpreter_is_found_or_named_missing(tmp_path: Path, monkeypatc
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("DSEC_HARBOR_PYTHON", str(old))
     monkeypatch.setattr("dsec.integrations.interpreters._PREFIXES", ())
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "no-pyenv"))
     check = doctor._harbor_python()
     assert not check.ok and not check.required and "DSEC_HARBOR_PYTHON" in (check.fix or "")
     monkeypatch.setenv("DSEC_HARBOR_PYTHON", str(new))
     check = doctor._harbor_python()
     assert check.ok and str(new) in check.detail and "3.13" in check.detail
+    monkeypatch.delenv("DSEC_HARBOR_PYTHON")
+    pyenv = tmp_path / "pyenv" / "versions" / "3.12.1" / "bin"
+    pyenv.mkdir(parents=True)
+    (pyenv / "python3.12").write_text("#!/bin/sh\necho 3 12\n")
+    (pyenv / "python3.12").chmod(0o755)
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "pyenv"))
+    check = doctor._harbor_python()
+    assert check.ok and str(pyenv / "python3.12") in check.detail

@@ -14,21 +14,25 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import json
 import os
 import pwd
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, BuildFailed, DSecError
 
-__all__ = ["BUILD_USER", "BuildOutput", "Builder"]
+__all__ = ["BUILD_USER", "BuildOutput", "Builder", "PruneResult"]
 
 BUILD_USER = "dsec-build"
 """The unprivileged user builds run as (``DSEC_BUILD_USER``); ``scripts/setup`` creates it with subordinate ids."""
@@ -57,6 +61,26 @@ def build_user(name: str | None = None) -> pwd.struct_passwd | None:
     if entry.pw_uid == 0 or not (_subordinate(name, Path("/etc/subuid")) and _subordinate(name, Path("/etc/subgid"))):
         return None
     return entry
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :meth:`Builder.prune` removed: images and cache layers, leftover work directories, bytes freed."""
+
+    images: int
+    work_dirs: int
+    bytes: int
+    skipped: str | None = None
+    """Why nothing was pruned (the storage caches builds for another store)."""
+
+
+def _disk_usage(path: Path) -> int:
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
 
 
 @dataclass
@@ -109,6 +133,7 @@ class Builder:
         self.runtime_dir = Path("/run/dsec-build") / f"{'user' if self.user else 'root'}-{key}"
         self.storage = self.root / ("storage" if self.user else "storage-root")
         self.work = self.root / "work"
+        self.store_url = settings.image_store
 
     @property
     def rootless(self) -> bool:
@@ -116,12 +141,16 @@ class Builder:
         return self.user is not None
 
     def prepare(self) -> None:
-        """Create the storage, work and runtime directories, owned by the build user."""
+        """Create the storage, work and runtime directories, owned by the build user; record which store the
+        builds go to (pruning keeps what that store has)."""
         for path in (self.root, self.storage, self.work, self.root / "digests", self.runtime_dir.parent,
                      self.runtime_dir):
             path.mkdir(mode=0o700 if path != self.runtime_dir.parent else 0o755, parents=True, exist_ok=True)
             if self.user is not None and path not in (self.runtime_dir.parent, self.root / "digests"):
                 os.chown(path, self.user.pw_uid, self.user.pw_gid)
+        marker = self.root / "store"
+        if not marker.is_file() or marker.read_text().strip() != self.store_url:
+            marker.write_text(self.store_url + "\n")
         if self.user is not None and not _reachable(self.root, self.user):
             raise BackendUnavailable(f"the build user {self.user.pw_name!r} cannot reach the build root "
                                      f"{self.root}: every directory above it must be searchable by others "
@@ -149,9 +178,11 @@ class Builder:
         return env
 
     def run_args(self) -> list[str]:
-        """How ``RUN`` steps run: OCI isolation with runc (crun refuses hybrid cgroups), cgroupfs."""
+        """How ``RUN`` steps run: with runc (crun refuses hybrid cgroups), cgroupfs; as the build user, rootless
+        isolation, whose private network is slirp4netns (OCI isolation would reach for a CNI bridge, which a user
+        without privileges cannot create)."""
         runc = shutil.which("runc")
-        args = ["--isolation", "oci"]
+        args = ["--isolation", "rootless" if self.user is not None else "oci"]
         if runc is not None:
             args += ["--runtime", runc]
         return args
@@ -207,6 +238,82 @@ class Builder:
                 _stop(proc)
             if proc.stdout is not None:
                 proc.stdout.close()
+
+    def prune(self, keep: Collection[str], grace: float = 3600.0) -> PruneResult:
+        """Shrink the builder's storage to the layer cache of images the store still has (``keep``: their
+        names): remove the built and base images of any other name, older than ``grace`` seconds; drop the
+        names buildah gave base exports after their paths; remove the cache layers nothing leads to any more;
+        remove work directories of builds that ended without cleaning up. Never touches DSec's store."""
+        if not self.storage.is_dir():
+            return PruneResult(0, 0, 0)
+        marker = self.root / "store"
+        if not marker.is_file():
+            return PruneResult(0, 0, 0, skipped=f"no build has recorded its store in {self.root} yet")
+        serves = marker.read_text().strip()
+        if serves != self.store_url:
+            return PruneResult(0, 0, 0, skipped=f"{self.root} caches the builds of store {serves}, not "
+                               f"{self.store_url} (set DSEC_IMAGES/DSEC_IMAGE_STORE to it)")
+        before = _disk_usage(self.storage)
+        self.prepare()
+        tmp = Path(tempfile.mkdtemp(prefix="prune-", dir=self.work))
+        self.give(tmp)
+        removed = 0
+        try:
+            cutoff = time.time() - grace
+            for image in json.loads(self.run(self.argv("images", "--json"), tmp, "listing images") or "[]"):
+                removed += self._prune_names(image, set(keep), cutoff, tmp)
+            for _ in range(64):  # each pass frees the layers the previous one orphaned
+                gone = self._prune_layers(cutoff, tmp)
+                removed += gone
+                if not gone:
+                    break
+            self._forget_bases(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        work = 0
+        for entry in self.work.iterdir():
+            if entry.is_dir() and entry.stat().st_mtime < time.time() - grace:
+                shutil.rmtree(entry, ignore_errors=True)
+                work += 1
+        return PruneResult(removed, work, max(before - _disk_usage(self.storage), 0))
+
+    def _prune_names(self, image: dict[str, Any], keep: set[str], cutoff: float, tmp: Path) -> int:
+        names: list[str] = image.get("names") or []
+        path_name = "localhost" + str(self.work.resolve())
+        stale = [n for n in names if n.startswith(path_name)]
+        old = float(image.get("created") or 0) < cutoff
+        for name in names:
+            short = name.removeprefix("localhost/").removeprefix("dsec-build/").removesuffix(":latest")
+            if name.startswith("localhost/") and name not in stale and short not in keep and old:
+                stale.append(name)
+        ok = False
+        for name in stale:
+            # By name: only the name goes while the image has others; refused while a layer or container uses it.
+            proc = self._popen(self.argv("rmi", name), tmp)
+            proc.communicate()
+            ok = proc.returncode == 0
+        return int(ok and len(stale) == len(names))  # the image itself went with its last name
+
+    def _prune_layers(self, cutoff: float, tmp: Path) -> int:
+        """Remove unnamed images older than ``cutoff``: buildah refuses those a layer or a container (a build
+        in flight) still uses, so only the cache layers nothing leads to go."""
+        out = self.run(self.argv("images", "--all", "--json", "--filter", "dangling=true"), tmp, "listing layers")
+        removed = 0
+        for image in json.loads(out or "[]"):
+            if image.get("names") or float(image.get("created") or 0) >= cutoff:
+                continue
+            proc = self._popen(self.argv("rmi", str(image["id"])), tmp)
+            proc.communicate()
+            removed += proc.returncode == 0
+        return removed
+
+    def _forget_bases(self, tmp: Path) -> None:
+        """Drop the base-export records (digest -> image id) whose image is gone."""
+        digests = self.root / "digests"
+        for record in digests.iterdir() if digests.is_dir() else ():
+            image_id = record.read_text().strip()
+            if not image_id or not self.image_exists(image_id, tmp):
+                record.unlink(missing_ok=True)
 
     def image_exists(self, image_id: str, tmp: Path) -> bool:
         """True when the builder's storage holds image ``image_id``."""

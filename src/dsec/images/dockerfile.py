@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import tarfile
-import tempfile
 import threading
 import tomllib
 from collections.abc import Callable, Iterator
@@ -176,7 +176,10 @@ class _Build:
         self.output, self.progress, self.cancel = output, progress, cancel
         self.builder = Builder(settings)
         self.builder.prepare()
-        self.dir = Path(tempfile.mkdtemp(prefix="build-", dir=self.builder.work))
+        # Not mkdtemp's name: buildah names a base export after its path, and a random part ending in "_" is no
+        # valid reference.
+        self.dir = self.builder.work / f"build-{secrets.token_hex(8)}"
+        self.dir.mkdir(mode=0o700)
         self.tmp = self.dir / "tmp"
         self.tmp.mkdir()
         self.builder.give(self.dir)
@@ -235,10 +238,11 @@ class _Build:
         layout = self.dir / f"base-{name}"
         advance = self.progress.task(f"export {name}", None) if self.progress else (lambda n: None)
         labels = {"dsec.image": name, **({"dsec.image.digest": ref.digest} if ref.digest else {})}
-        export_layout(ref.rootfs, ref.uid_shift, ref.config, layout, f"localhost/{name}:latest", labels, advance)
+        ref_name = f"localhost/{name}:latest"
+        export_layout(ref.rootfs, ref.uid_shift, ref.config, layout, ref_name, labels, advance)
         self.builder.give(layout)
         try:
-            out = self.builder.run(self.builder.argv("pull", "--quiet", f"oci:{layout}"), self.tmp,
+            out = self.builder.run(self.builder.argv("pull", "--quiet", f"oci:{layout}:{ref_name}"), self.tmp,
                                    f"loading base image {name}")
         finally:
             shutil.rmtree(layout, ignore_errors=True)

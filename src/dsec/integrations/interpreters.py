@@ -1,8 +1,8 @@
 """Finding a Python interpreter new enough for a harness that needs a newer one than DSec's own.
 
-Owns the search (``DSEC_HARBOR_PYTHON`` first, then ``python3.N`` names on ``PATH`` and in the usual prefixes,
-newest first) and the version probe. harbor needs Python >= 3.12 and runs from its own venv made with the
-interpreter found here; ``dsec doctor`` reports the search. It never installs or downloads an interpreter.
+Owns the search (``DSEC_HARBOR_PYTHON`` first, then ``python3.N`` names on ``PATH``, in the usual prefixes and
+in pyenv's versions, newest first) and the version probe. harbor needs Python >= 3.12 and runs from its own venv
+made with the interpreter found here; ``dsec doctor`` reports the search. It never installs or downloads an interpreter.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def python_version(exe: str | Path) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+def _pyenv_versions() -> Path:
+    return Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+
+
 def _candidates() -> list[str]:
     found: list[str] = []
     if env := os.environ.get("DSEC_HARBOR_PYTHON"):
@@ -39,6 +43,7 @@ def _candidates() -> list[str]:
         if path := shutil.which(name):
             found.append(path)
         found += [str(p / name) for p in _PREFIXES if (p / name).is_file()]
+        found += [str(p) for p in sorted(_pyenv_versions().glob(f"3.{minor}.*/bin/{name}"), reverse=True)]
     if path := shutil.which("python3"):
         found.append(path)
     return list(dict.fromkeys(found))

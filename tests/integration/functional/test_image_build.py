@@ -5,7 +5,9 @@ HTTP route and the SDK, and a container sandbox started from a built image."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -55,7 +57,8 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Imag
     if shutil.which("buildah") is None or build_user() is None:
         missing("Dockerfile builds need buildah and the dsec-build user: run ./scripts/setup")
     base = Path("/var/lib/dsec-build")
-    build_root = Path(tempfile.mkdtemp(prefix="test-", dir=base))
+    build_root = base / f"test-{secrets.token_hex(6)}"  # no "_": buildah names base exports after their path
+    build_root.mkdir()
     monkeypatch.setenv("DSEC_BUILD_ROOT", str(build_root))
     home = short_home("dsec-bld-")
     settings = Settings(home=home, images_dir=tmp_path / "images")
@@ -141,6 +144,43 @@ def test_multi_stage_build_from_the_store_with_args_and_dockerignore(
         assert (ref.rootfs / "greeting").read_text() == "bye\n"
     finally:
         images.release(ref)
+
+
+def builder_images(builder: Builder) -> tuple[set[str], int]:
+    """The names in the builder's storage, and how many images (cache layers included) it holds."""
+    tmp = Path(tempfile.mkdtemp(dir=builder.work))
+    builder.give(tmp)
+    try:
+        images = json.loads(builder.run(builder.argv("images", "--all", "--json"), tmp, "listing images") or "[]")
+    finally:
+        shutil.rmtree(tmp)
+    return {n for image in images for n in image.get("names") or []}, len(images)
+
+
+def test_prune_keeps_the_cache_of_stored_images_only(node: tuple[ImageStore, NodeImages, Settings],
+                                                     tmp_path: Path) -> None:
+    """``dsec image gc``'s builder half: an image the store dropped loses its builder image and cache layers, a
+    crashed build's work directory goes, a stored image keeps its cache; a builder serving another store is
+    left alone."""
+    store, _, settings = node
+    build(node, context(tmp_path / "a", "FROM bb\nRUN echo a > /a\n"), name="keep")
+    build(node, context(tmp_path / "b", "FROM bb\nRUN echo b > /b\nRUN echo c > /c\n"), name="drop")
+    store.remove("drop")
+    builder = Builder(settings)
+    (builder.work / "build-crashed").mkdir()
+    elsewhere = Builder(Settings(home=settings.home, images_dir=tmp_path / "other-images"))
+    assert elsewhere.prune(set(), grace=0).skipped
+    names, before = builder_images(builder)
+    assert "localhost/dsec-build/drop:latest" in names
+    pruned = builder.prune(set(store.names()), grace=0)
+    assert pruned.skipped is None and pruned.images >= 1 and pruned.work_dirs == 1 and pruned.bytes > 0, pruned
+    names, after = builder_images(builder)
+    assert "localhost/dsec-build/keep:latest" in names and "localhost/bb:latest" in names, names
+    assert "localhost/dsec-build/drop:latest" not in names
+    assert before - after >= 2  # drop's two RUN layers (its image is the last), not keep's
+    again: list[str] = []
+    build(node, context(tmp_path / "a", "FROM bb\nRUN echo a > /a\n"), again, name="keep", replace=True)
+    assert any("Using cache" in line for line in again) and any("is unchanged" in line for line in again), again
 
 
 def test_failing_run_names_the_step_and_stores_nothing(node: tuple[ImageStore, NodeImages, Settings],

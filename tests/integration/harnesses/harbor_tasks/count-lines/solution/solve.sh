@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c ERROR /data/log.txt > /app/errors.txt
