@@ -23,6 +23,8 @@ __all__ = [
     "AuditEntry",
     "BackendName",
     "BatchCreateRequest",
+    "BatchDestroyRequest",
+    "BatchDestroyResult",
     "CallRequest",
     "CallResult",
     "ComponentHealth",
@@ -291,6 +293,34 @@ class BatchCreateRequest(Model):
     """How many sandboxes (one RL job's batch: a cluster gateway places them in one decision)."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
+
+
+class BatchDestroyRequest(Model):
+    """Destroy these sandboxes in one request (a job's batch at its end): each on its own, so one that fails
+    does not keep the others alive."""
+
+    ids: list[str] = Field(min_length=1, max_length=100_000)
+    """The sandboxes' ids (each at most once)."""
+    job: str | None = None
+    """Only sandboxes of this job (``dsec.job`` label); the others count as ``missing``. A job's token always
+    sends its own job (the node's token guard sets it)."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> BatchDestroyRequest:
+        if len(set(self.ids)) != len(self.ids):
+            raise ValueError("ids must be distinct: name each sandbox once")
+        return self
+
+
+class BatchDestroyResult(Model):
+    """What a batch destroy did, sandbox by sandbox."""
+
+    destroyed: list[str] = Field(default_factory=list)
+    """Destroyed now."""
+    missing: list[str] = Field(default_factory=list)
+    """Not there (never made, already destroyed or expired, or another job's): nothing to do."""
+    failed: dict[str, str] = Field(default_factory=dict)
+    """Id -> why it could not be destroyed (still there; destroying it again may succeed)."""
 
 
 class MouseRequest(Model):

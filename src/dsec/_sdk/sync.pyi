@@ -13,7 +13,7 @@ from dsec._sdk.client import Client
 from dsec._sdk.files import AsyncFiles, AsyncWatch
 from dsec._sdk.processes import AsyncProcess, AsyncProcesses, AsyncShell
 from dsec._sdk.sandbox import AsyncSandbox
-from dsec.models import ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
+from dsec.models import BatchDestroyResult, ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
 from dsec.models_surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
 
 class Watch:
@@ -188,6 +188,12 @@ class Sandbox:
         landlock: bool = ...,
         user: str | None = ...,
     ) -> builtins.list[Sandbox]: ...
+    @classmethod
+    def close_many(
+        cls,
+        sandboxes: Sequence[Sandbox | str],
+        client: Client | None = ...,
+    ) -> BatchDestroyResult: ...
     @classmethod
     def connect(cls, sandbox_id: str, client: Client | None = ...) -> Sandbox: ...
     @classmethod

@@ -21,6 +21,8 @@ from dsec.models import (
     AuditEntry,
     AuditOutcome,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     CallRequest,
     CallResult,
     ExecEvent,
@@ -151,6 +153,12 @@ class NodeAPI(Protocol):
     @operation("DELETE", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"], fast=True)
     async def destroy(self, sandbox_id: str) -> None:
         """Destroy a sandbox (idempotent)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/destroy", tags=["sandboxes"], no_read_timeout=True)
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """Destroy many sandboxes in one request, each on its own (idempotent: one already gone is ``missing``,
+        one that fails is in ``failed`` and the others are destroyed all the same)."""
         raise Declared
 
     # -- commands -------------------------------------------------------------------------------------------

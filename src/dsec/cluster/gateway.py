@@ -22,7 +22,7 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -59,6 +59,8 @@ from dsec.models import (
     AuditEntry,
     AuditOutcome,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     LifecycleEvent,
     NodeEndpoint,
     NodeInfo,
@@ -107,6 +109,8 @@ _PROBE_TIMEOUT = httpx.Timeout(2.0)
 _PLACE_ROUNDS = 4
 """A create whose node took none of it is placed again at most this many times (nodes going down one
 after another; each round places nothing on the nodes that failed before)."""
+_NODES_AT_ONCE = 64
+"""Nodes a batch destroy asks at once."""
 
 
 _NODE_DOWN = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
@@ -268,17 +272,13 @@ class GatewayEngine(NodeAPI):
             await self._node_died(node, node.reason or "it died while no replica held its cell")
 
     async def destroy_rows(self, ids: builtins.list[str]) -> None:
-        """Destroy sandboxes of this replica's records on their nodes, whatever their job."""
-        asking = asyncio.Semaphore(64)
-
-        async def one(sid: str) -> None:
-            async with asking:
-                row = self.records.rows.get(sid)
-                if row is not None:
-                    with contextlib.suppress(DSecError):
-                        await self._destroy(sid, row)
-
-        await asyncio.gather(*(one(sid) for sid in ids))
+        """Destroy sandboxes of this replica's records on their nodes, whatever their job (one batch destroy
+        per node); one a node could not destroy stays in the records, and its next reconcile decides."""
+        rows = [(sid, row) for sid in ids if (row := self.records.rows.get(sid)) is not None]
+        result = await self._destroy_held(rows)
+        if result.failed:
+            log.warning("%d sandbox(es) could not be destroyed: %s", len(result.failed),
+                        "; ".join(f"{sid}: {why}" for sid, why in builtins.list(result.failed.items())[:3]))
 
     # -- routing between replicas (dsec.cluster.router) ------------------------------------------------------
 
@@ -688,7 +688,7 @@ class GatewayEngine(NodeAPI):
                 raise BackendUnavailable("another gateway replica took over a cell of this batch before it was "
                                          "answered: it was undone, nothing of it is kept")
         except BaseException:  # a share failed, or the client left while placing again: undo every round
-            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
+            await self.destroy_rows([info.id for info in created])
             if batch is not None:
                 with contextlib.suppress(DSecError):
                     await self.authority.close_batch(batch, done=False)
@@ -845,12 +845,62 @@ class GatewayEngine(NodeAPI):
         if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._ask(row.node, lambda node: node.destroy(sandbox_id))
-            now = self.records.rows.get(sandbox_id)
-            if now is not None and now.state in LIVE:  # not ended meanwhile (an event, a reconcile)
+        self._forget([sandbox_id])
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        """Drop the rows of sandboxes no node holds any more, giving back the room of those still live here."""
+        removed = []
+        for sid in ids:
+            row = self.records.rows.get(sid)
+            if row is not None and row.state in LIVE:  # not ended meanwhile (an event, a reconcile)
                 self.placer.release(row.job, row.node, row.shape)
-        if self.records.remove(sandbox_id) is not None:
+            if self.records.remove(sid) is not None:
+                removed.append(sid)
+        if removed:
             # Not waited for: a restarted gateway forgets a row whose sandbox its node no longer holds.
-            self.state.writer.submit_delete([sandbox_id])
+            self.state.writer.submit_delete(removed)
+
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """One batch destroy per node holding some of them; ids this job has no row of are ``missing``."""
+        job = request.job
+        rows, missing = [], []
+        for sid in request.ids:
+            row = self._mine(sid)
+            if row is None or (job is not None and row.job != job):
+                missing.append(sid)
+            else:
+                rows.append((sid, row))
+        result = await self._destroy_held(rows)
+        result.missing += missing
+        return result
+
+    async def _destroy_held(self, rows: builtins.list[tuple[str, Row]]) -> BatchDestroyResult:
+        """Destroy sandboxes this replica has rows of: a lost or expired one is only forgotten (``missing``), a
+        live one is destroyed by its node, in one request per node (:data:`_NODES_AT_ONCE` nodes at once)."""
+        result = BatchDestroyResult()
+        by_node: dict[str, builtins.list[str]] = {}
+        for sid, row in rows:
+            if row.state in LIVE:
+                by_node.setdefault(row.node, []).append(sid)
+            else:
+                result.missing.append(sid)
+        self._forget(result.missing)
+        asking = asyncio.Semaphore(_NODES_AT_ONCE)
+
+        async def on(node: str, ids: builtins.list[str]) -> None:
+            async with asking:
+                try:
+                    done = await self._ask(node, lambda api: api.destroy_many(BatchDestroyRequest(ids=ids)))
+                except DSecError as exc:
+                    result.failed.update((sid, f"{type(exc).__name__}: {exc.message}") for sid in ids)
+                    return
+            result.destroyed += done.destroyed
+            result.missing += done.missing
+            result.failed.update(done.failed)
+            self._forget([*done.destroyed, *done.missing])
+
+        await asyncio.gather(*(on(node, ids) for node, ids in by_node.items()))
+        return result
 
     # -- forwarded (for clients that do not follow the endpoint, and every operation not defined here) --------
 

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 FORWARDED_HEADER = "X-DSec-Forwarded"
 _SANDBOX = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
 _CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch"}
+_NOT_IDS = {"batch", "destroy"}
+"""Path segments after ``/v1/sandboxes/`` that name a route on many sandboxes, not a sandbox."""
 _KEEP = {b"content-type", b"retry-after"}
 """Answer headers passed back (the rest are the hop's own: length, encoding, connection)."""
 
@@ -76,7 +78,7 @@ class ReplicaRouter:
         if path in _CREATES and method == "POST":
             return [] if self.routing.places() else self.routing.other_replicas()[:1]
         found = _SANDBOX.match(path)
-        if found is None or found.group(1) == "batch" or self.routing.holds(found.group(1)):
+        if found is None or found.group(1) in _NOT_IDS or self.routing.holds(found.group(1)):
             return []
         return await self.routing.owners_of(found.group(1))
 

@@ -62,6 +62,8 @@ from dsec.models import (
     AuditOutcome,
     BackendName,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     CallRequest,
     CallResult,
     ComponentHealth,
@@ -92,6 +94,7 @@ from dsec.models import (
     SnapshotRef,
     TimeoutRequest,
     TrajectoryForkRequest,
+    ids_digest,
     parse_network,
 )
 from dsec.trajectory.replay import Trajectories
@@ -119,6 +122,8 @@ _BACKGROUND_TEARDOWNS = 64
 """Pooled sandboxes torn down behind their destroy's answer at once; past it a destroy waits for its own
 teardown (back-pressure: a client destroying faster than the node tears down must not pile up dead
 sandboxes that still hold memory and mounts)."""
+_DESTROY_MANY_AT_ONCE = 32
+"""Sandboxes one batch destroy tears down at once (each is a few syscalls and an unmount or two)."""
 
 
 _T = TypeVar("_T")
@@ -1003,6 +1008,29 @@ class Engine(SurfaceOperations):
             else:
                 task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
 
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """Destroy each of ``request.ids`` on its own, at most :data:`_DESTROY_MANY_AT_ONCE` at a time."""
+        result = BatchDestroyResult()
+        at_once = asyncio.Semaphore(_DESTROY_MANY_AT_ONCE)
+
+        async def one(sandbox_id: str) -> None:
+            record = self._records.get(sandbox_id)
+            if record is None or (request.job is not None and record.spec.labels.get(JOB_LABEL) != request.job):
+                result.missing.append(sandbox_id)
+                return
+            async with at_once:
+                try:
+                    await self.destroy(sandbox_id)
+                except SandboxNotFound:
+                    result.missing.append(sandbox_id)
+                except DSecError as exc:
+                    result.failed[sandbox_id] = f"{type(exc).__name__}: {exc.message}"
+                else:
+                    result.destroyed.append(sandbox_id)
+
+        await asyncio.gather(*(one(i) for i in request.ids))
+        return result
+
     def _retire(self, record: SandboxRecord) -> None:
         """Destroy a pooled sandbox (or one of a batch failed by the daemon stopping) as the client sees it
         now, and tear it down in the background (:meth:`aclose` waits for it).
@@ -1665,7 +1693,11 @@ class Engine(SurfaceOperations):
         components = [ComponentHealth(name=c.name, state=c.state, error=c.error, since=c.since, detail=c.detail,
                                       faults=c.faults, last_error=c.last_error)
                       for c in self.components.components()]
+        # What a cluster gateway reconciles against (the sandboxes it placed): its count and digest agreeing
+        # with the gateway's records spares it a listing.
+        placed = [sid for sid, record in self._records.items() if JOB_LABEL in record.spec.labels]
         return NodeInfo(
             node=self.settings.node, version=__version__, backends=backends, sandboxes=len(self._records),
             images=images, stopping=self._stopping, status=self.components.status(), components=components,
+            placed=len(placed), digest=ids_digest(placed),
         )

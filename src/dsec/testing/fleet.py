@@ -235,6 +235,8 @@ class SimNode:
                 raw = json.loads(request.body)
                 return Answer(*self._create(json.dumps(raw["spec"], separators=(",", ":")).encode(),
                                             int(raw["count"]), single=False), delay)
+            if path == "/v1/sandboxes/destroy" and method == "POST":
+                return Answer(200, self._destroy_many(json.loads(request.body)), delay)
             if path.startswith("/v1/sandboxes/"):
                 sid = path[len("/v1/sandboxes/"):]
                 if method == "DELETE":
@@ -247,6 +249,19 @@ class SimNode:
         except (ValueError, KeyError, TypeError) as exc:
             return Answer(400, _error("InvalidRequest", f"the simulated node could not read the body: {exc}"), delay)
         return Answer(404, _error("NotFound", f"the simulated node has no route {method} {path}"), delay)
+
+    def _destroy_many(self, raw: dict[str, Any]) -> bytes:
+        job = raw.get("job")
+        destroyed: list[str] = []
+        missing: list[str] = []
+        for sid in raw["ids"]:
+            sb = self.sandboxes.get(sid)
+            if sb is None or (job is not None and sb.job != job):
+                missing.append(sid)
+            else:
+                self._remove(sid)
+                destroyed.append(sid)
+        return json.dumps({"destroyed": destroyed, "missing": missing, "failed": {}}).encode()
 
     def _fence_ok(self, fence: str) -> bool:
         cell, _, raw = fence.partition(":")

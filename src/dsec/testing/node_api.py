@@ -38,6 +38,7 @@ from dsec.errors import (
 )
 from dsec.models import (
     BatchCreateRequest,
+    BatchDestroyRequest,
     CallRequest,
     ExecRequest,
     ImageBuildRequest,
@@ -208,6 +209,23 @@ async def check_batch_and_fork(api: NodeAPI, image: str) -> None:
         await asyncio.gather(*(api.destroy(s.id) for s in made))
 
 
+async def check_destroy_many(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    made = await api.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image=image, labels={"batch": tag})))
+    never = f"sb-never-{uuid.uuid4().hex[:12]}"
+    try:
+        doomed = [s.id for s in made[:2]]
+        result = await api.destroy_many(BatchDestroyRequest(ids=[*doomed, never]))
+        assert sorted(result.destroyed) == sorted(doomed) and result.missing == [never] and not result.failed
+        assert [s.id for s in await api.list({"batch": tag})] == [made[2].id]
+        again = await api.destroy_many(BatchDestroyRequest(ids=doomed))  # idempotent: already gone is missing
+        assert not again.destroyed and sorted(again.missing) == sorted(doomed) and not again.failed
+        other = await api.destroy_many(BatchDestroyRequest(ids=[made[2].id], job=f"not-{tag}"))
+        assert other.missing == [made[2].id] and (await api.get(made[2].id)).state == "running"
+    finally:
+        await asyncio.gather(*(api.destroy(s.id) for s in made))
+
+
 async def check_snapshot(api: NodeAPI, image: str) -> None:
     async with _sandbox(api, image) as sb:
         await api.write_file(sb.id, "/workspace/saved", b"snap")
@@ -336,7 +354,8 @@ async def check_events(api: NodeAPI, image: str) -> None:
 
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
-    check_pause_and_resume, check_batch_and_fork, check_snapshot, check_policies, check_trajectory, check_images,
+    check_pause_and_resume, check_batch_and_fork, check_destroy_many, check_snapshot, check_policies,
+    check_trajectory, check_images,
     check_image_build, check_operator_views, check_events, *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
