@@ -12,18 +12,22 @@ beyond what the operations say.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from dsec._http.connections import CONTROL_TIMEOUT, STREAM_TIMEOUT, Connections, Origin, parse_url
+from dsec.errors import DSecError
 
 from .operations import Operation
 from .protocol import NodeAPI
 
-__all__ = ["NodeClient"]
+__all__ = ["NodeClient", "call_blocking", "serves"]
+
+T = TypeVar("T")
 
 
 class NodeClient(NodeAPI):
@@ -119,3 +123,29 @@ async def _chunks(upload: IO[bytes], size: int = 1024 * 1024) -> AsyncIterator[b
     """A file's bytes as a streamed request body, read in a worker thread."""
     while chunk := await asyncio.to_thread(upload.read, size):
         yield chunk
+
+
+def call_blocking(url: str, token: str | None, call: Callable[[NodeClient], Awaitable[T]], *,
+                  timeout: float = 60.0) -> T:
+    """``call`` on the node at ``url`` from blocking code (a harness, a CLI, a Ray actor's method), on a client
+    of its own, closed after; in a worker thread when the caller's thread already runs an event loop."""
+
+    async def run() -> T:
+        async with NodeClient(url, token, timeout=httpx.Timeout(timeout)) as api:
+            return await call(api)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with ThreadPoolExecutor(1, thread_name_prefix="dsec-node-call") as worker:
+        return worker.submit(asyncio.run, run()).result()
+
+
+def serves(url: str, timeout: float = 2.0) -> bool:
+    """Whether the node (or gateway) at ``url`` answers ``health`` within ``timeout`` seconds."""
+    try:
+        call_blocking(url, None, lambda api: api.health(), timeout=timeout)
+    except (DSecError, OSError):
+        return False
+    return True

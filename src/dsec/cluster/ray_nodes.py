@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.api.client import serves
 from dsec.cluster.gateway import NodeFacts
 from dsec.isolation.procs import meminfo
 
@@ -159,14 +160,11 @@ class NodeDaemon(_Supervisor):
 
     def endpoint(self, wait: float = 30.0) -> dict[str, Any]:
         """URL, token and capacity of the daemon once it answers (raises TimeoutError otherwise)."""
-        import httpx
-
         url = f"http://{self.host}:{self.port}"
         deadline = time.monotonic() + wait
         while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/health", timeout=2.0).status_code == 200:
-                    break
+            if serves(url):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dsec serve on {self.name} did not answer at {url} within {wait:g} s "
                                    f"(see {self.home / 'daemon.log'})")
