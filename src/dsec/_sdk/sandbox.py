@@ -70,6 +70,8 @@ T = TypeVar("T")
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
+_LIST_PAGE = 5_000
+"""Sandboxes per page of ``list``."""
 _CLOSE_CHUNK = 10_000
 """Sandboxes one batch destroy request of ``close_many`` names at most (a request of a few hundred KiB)."""
 _DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
@@ -779,8 +781,15 @@ async def list_infos(
     labels: Mapping[str, str] | None = None, backend: str | None = None, client: Client | None = None,
     state: str | None = None,
 ) -> list[SandboxInfo]:
-    """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``)."""
-    return await (client or default_client()).api.list(labels, backend, state)
+    """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``), read a page at a
+    time (a gateway holding hundreds of thousands answers each page quickly)."""
+    api = (client or default_client()).api
+    found: list[SandboxInfo] = []
+    while True:
+        page = await api.list(labels, backend, state, after=found[-1].id if found else None, limit=_LIST_PAGE)
+        found += page
+        if len(page) < _LIST_PAGE:
+            return found
 
 
 def heartbeat_interval(lease: float) -> float:

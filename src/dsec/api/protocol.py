@@ -88,6 +88,9 @@ Offset = Annotated[int, Param(ge=0, description="bytes of that stream already re
 Labels = Annotated[Mapping[str, str] | None, Param(
     alias="label", codec=pairs("label filter"), description="`key=value`; repeat to require several")]
 Limit = Annotated[int, Param(ge=1, le=10_000)]
+After = Annotated[str | None, Param(description="only sandboxes whose id sorts after this one (the cursor of "
+                                                "the next page: the last id of the previous)")]
+PageLimit = Annotated[int | None, Param(ge=1, le=100_000, description="at most this many, in id order")]
 UnixTime = Annotated[float | None, Param(description="Unix seconds")]
 Since = Annotated[int | None, Param(ge=0, description="first replay the kept events after this `seq`")]
 BuildRequest = Annotated[ImageBuildRequest, Param(codec=BUILD_REQUEST,
@@ -140,9 +143,10 @@ class NodeAPI(Protocol):
         raise Declared
 
     @operation("GET", "/v1/sandboxes", tags=["sandboxes"], name="list_sandboxes")
-    async def list(self, labels: Labels = None, backend: str | None = None,
-                   state: str | None = None) -> builtins.list[SandboxInfo]:
-        """Sandboxes matching every label filter."""
+    async def list(self, labels: Labels = None, backend: str | None = None, state: str | None = None, *,
+                   after: After = None, limit: PageLimit = None) -> builtins.list[SandboxInfo]:
+        """Sandboxes matching every filter; with ``after`` or ``limit``, a page of them in id order (fewer than
+        ``limit``: the last page; the next starts after the last id of this one)."""
         raise Declared
 
     @operation("GET", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])

@@ -968,16 +968,25 @@ class Engine(SurfaceOperations):
         labels: Mapping[str, str] | None = None,
         backend: str | None = None,
         state: str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """Sandboxes whose labels include ``labels`` (and of that backend / state, if given)."""
+        """Sandboxes whose labels include ``labels`` (and of that backend / state, if given); with ``after`` or
+        ``limit``, the page of them in id order after the id ``after``, at most ``limit`` long."""
         wanted = dict(labels or {})
-        return [
-            self._info(r)
+        found = [
+            r
             for r in self._records.values()
             if (backend is None or r.spec.backend == backend)
             and (state is None or r.state == state)
             and all(r.spec.labels.get(k) == v for k, v in wanted.items())
+            and (after is None or r.id > after)
         ]
+        if after is not None or limit is not None:
+            found.sort(key=lambda r: r.id)
+            found = found[:limit]
+        return [self._info(r) for r in found]
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox."""

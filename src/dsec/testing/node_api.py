@@ -226,6 +226,21 @@ async def check_destroy_many(api: NodeAPI, image: str) -> None:
         await asyncio.gather(*(api.destroy(s.id) for s in made))
 
 
+async def check_list_pages(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    made = await api.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image=image, labels={"page": tag})))
+    try:
+        ids = sorted(s.id for s in made)
+        first = await api.list({"page": tag}, limit=2)
+        assert [s.id for s in first] == ids[:2]
+        rest = await api.list({"page": tag}, after=first[-1].id, limit=2)
+        assert [s.id for s in rest] == ids[2:]  # shorter than the limit: the last page
+        assert [s.id for s in await api.list({"page": tag}, after=ids[-1])] == []
+        assert sorted(s.id for s in await api.list({"page": tag})) == ids
+    finally:
+        await api.destroy_many(BatchDestroyRequest(ids=[s.id for s in made]))
+
+
 async def check_snapshot(api: NodeAPI, image: str) -> None:
     async with _sandbox(api, image) as sb:
         await api.write_file(sb.id, "/workspace/saved", b"snap")
@@ -354,9 +369,9 @@ async def check_events(api: NodeAPI, image: str) -> None:
 
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
-    check_pause_and_resume, check_batch_and_fork, check_destroy_many, check_snapshot, check_policies,
-    check_trajectory, check_images,
-    check_image_build, check_operator_views, check_events, *node_api_surface.SURFACE_NODE_CHECKS,
+    check_pause_and_resume, check_batch_and_fork, check_destroy_many, check_list_pages, check_snapshot,
+    check_policies, check_trajectory, check_images, check_image_build, check_operator_views, check_events,
+    *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
 
