@@ -1030,7 +1030,8 @@ class AuditEntry(Model):
     """Why it failed to run (outcome ``error``)."""
 
 
-LifecycleKind = Literal["created", "destroyed", "expired", "lost", "paused", "resumed", "create_failed", "lagged"]
+LifecycleKind = Literal["created", "destroyed", "expired", "lost", "paused", "resumed", "create_failed", "lagged",
+                        "node"]
 
 
 class LifecycleEvent(Model):
@@ -1041,7 +1042,9 @@ class LifecycleEvent(Model):
     at: float
     """When it happened (Unix seconds)."""
     kind: LifecycleKind
-    """What happened; ``lagged``: this subscriber was too slow and ``detail.dropped`` events were skipped."""
+    """What happened; ``lagged``: this subscriber was too slow and ``detail.dropped`` events were skipped;
+    ``node``: the node's own state changed (``detail.images``: its image cache as ``health`` reports it,
+    ``detail.stopping``: why it stops, or None)."""
     sandbox_id: str | None = None
     """The sandbox, if the event is about one."""
     backend: str | None = None

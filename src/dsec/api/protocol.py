@@ -500,8 +500,12 @@ class NodeAPI(Protocol):
 
     @operation("GET", "/v1/events", tags=["node"], name="events", media_type=NDJSON,
                description="One JSON `LifecycleEvent` per line, as they happen; the stream does not end.")
-    def subscribe(self, since: Since = None) -> AsyncIterator[LifecycleEvent]:
-        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed)."""
+    def subscribe(self, since: Since = None, node_state: Annotated[bool, Param(
+                  description="first the node's state now, as a `node` event")] = False
+                  ) -> AsyncIterator[LifecycleEvent]:
+        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed) and
+        ``node`` events when the node's image cache or drain changes (a gateway follows them instead of polling
+        ``health``)."""
         raise Declared
 
     @operation("GET", "/metrics", tags=["node"], name="metrics", media_type=_prometheus_text,

@@ -217,6 +217,8 @@ class GatewayEngine(NodeAPI):
         """Nodes Ray sees alive whose daemon took no create (stopping, or no connection opened) -> why;
         nothing is placed there until its ``/v1/health`` answers that it serves again (each poll asks)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._pushing: set[str] = set()
+        """Nodes whose event stream says their state (image cache, drain): their health is not polled."""
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self.events = EventBus("gateway", history=10_000)
         """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
@@ -353,7 +355,8 @@ class GatewayEngine(NodeAPI):
 
     async def refresh_images(self) -> None:
         """Image locality from the nodes' own caches: each live node's ``/v1/health`` lists the images its
-        chunk cache holds, which replaces what placement believed (a node that evicted an image loses it)."""
+        chunk cache holds, which replaces what placement believed (a node that evicted an image loses it).
+        A node whose event stream says its state (``node`` events) is not asked."""
         async def one(name: str) -> None:
             try:
                 info = await self._ask(name, lambda node: node.with_timeout(_HEALTH_TIMEOUT).health())
@@ -365,7 +368,7 @@ class GatewayEngine(NodeAPI):
                 self.placer.set_images(name, info.images)
 
         await asyncio.gather(*(one(n.name) for n in builtins.list(self.placer.nodes.values())
-                               if n.alive and n.name in self.node_rows))
+                               if n.alive and n.name in self.node_rows and n.name not in self._pushing))
 
     async def poll(self) -> None:
         """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost; an
@@ -1029,7 +1032,7 @@ class GatewayEngine(NodeAPI):
                 entry.who = f"job:{row.job}"
         return entries
 
-    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
+    def subscribe(self, since: int | None = None, node_state: bool = False) -> AsyncIterator[LifecycleEvent]:
         """Every node's lifecycle events, merged and numbered by the gateway (admin only); ``since`` replays the
         gateway's kept history after that number first, as a node daemon does.
 
@@ -1037,6 +1040,8 @@ class GatewayEngine(NodeAPI):
         gateway restart, from the node's own kept history), so the history holds the nodes' recent events
         in the order the gateway received them; a node's ``seq`` is replaced by the gateway's."""
         self._admin_only("the event stream")
+        if node_state:
+            raise NotSupported("a gateway has no node state of its own: its nodes' `node` events say theirs")
         return self.events.subscribe(since)
 
     def _follow(self, node: str) -> None:
@@ -1056,10 +1061,10 @@ class GatewayEngine(NodeAPI):
         when a client next asks). A dropped stream is re-opened from the node's kept history, skipping what
         was already seen (by time: a restarted node daemon numbers from 1 again)."""
         seen = (0.0, 0)
-        opened = 0
+        opened, state_at = 0, 0.0
         while True:
             try:
-                events = self._node(node).subscribe(0)
+                events = self._node(node).subscribe(0, node_state=True)
                 first = True
                 try:
                     async for event in events:
@@ -1067,6 +1072,11 @@ class GatewayEngine(NodeAPI):
                             first, opened = False, opened + 1
                             if opened > 1:  # events may have passed beyond the node's kept history meanwhile
                                 self._resync(node, "its event stream was re-opened")
+                        if event.kind == "node":  # the state now comes first, then older ones from the history
+                            if event.at >= state_at:
+                                state_at = event.at
+                                self._node_state(node, event)
+                            continue
                         if event.kind == "lagged":
                             self._resync(node, f"its event stream skipped {event.detail.get('dropped', '?')} event(s)")
                         elif (event.at, event.seq) <= seen:
@@ -1075,6 +1085,7 @@ class GatewayEngine(NodeAPI):
                         self._apply(node, event)
                         self.events.forward(event)
                 finally:
+                    self._pushing.discard(node)  # polled again until the re-opened stream says its state
                     await close_stream(events)
             except asyncio.CancelledError:
                 raise
@@ -1096,6 +1107,17 @@ class GatewayEngine(NodeAPI):
                 log.warning("node %s could not be reconciled after %s: %s", node, why, exc)
 
         self._resyncs[node] = asyncio.create_task(again(), name=f"dsec-resync-{node}")
+
+    def _node_state(self, node: str, event: LifecycleEvent) -> None:
+        """A node said its state on its stream: its image cache (which placement's locality uses), and whether
+        it stops (nothing more is placed there until it serves again)."""
+        self._pushing.add(node)
+        images, stopping = event.detail.get("images"), event.detail.get("stopping")
+        slot = self.placer.nodes.get(node)
+        if isinstance(images, dict) and slot is not None and slot.alive:
+            self.placer.set_images(node, {str(k): int(v) for k, v in images.items()})
+        if stopping:
+            self._hold(node, f"its daemon is stopping ({stopping})")
 
     def _apply(self, node: str, event: LifecycleEvent) -> None:
         sid = event.sandbox_id or ""

@@ -35,6 +35,7 @@ from dsec.daemon.events import EventBus
 from dsec.daemon.health import Health
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics, host_load
+from dsec.daemon.node_state import NodeState
 from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.ports import PortForwarder
 from dsec.daemon.rollouts import Rollouts
@@ -276,6 +277,8 @@ class Engine(SurfaceOperations):
         self._layer_roots: dict[str, builtins.list[Path]] = {}
         self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
         self.events = EventBus(settings.node)
+        self.node_state = NodeState(self.events, self._cached_images, lambda: self._stopping)
+        self._announcer: asyncio.Task[None] | None = None
         # The counters every SAMPLE_SECONDS (by the reaper), so a dashboard opened now can chart the past.
         self._samples: deque[CounterSample] = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
         self._sampled_at = 0.0
@@ -387,6 +390,7 @@ class Engine(SurfaceOperations):
         self.on_phase("sweeping snapshot layers")
         await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+        self._announcer = asyncio.create_task(self.node_state.run_forever(), name="dsec-node-state")
         self.watchdog.start()
         for config in self._declared:
             self.pools.declare(config)
@@ -446,6 +450,7 @@ class Engine(SurfaceOperations):
             log.info("draining: %s; new and queued creates are refused", reason)
             self.admission.close(reason)
             self.pools.drain()
+            self.node_state.stopped()
 
     @property
     def stopping(self) -> str | None:
@@ -470,11 +475,13 @@ class Engine(SurfaceOperations):
         await self.wait_teardowns()
         for task in list(self._tag_refreshes.values()):  # (the store lookup's thread ends on its own)
             task.cancel()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        for background in (self._reaper, self._announcer):
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
+        self._reaper = None
+        self._announcer = None
         await self.surface.aclose()
         for name, backend in self._backends.items():
             try:
@@ -1592,9 +1599,10 @@ class Engine(SurfaceOperations):
                                   "in its audit trail", sandbox_id=sandbox_id)
         return entries
 
-    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Lifecycle events after ``since`` (still in the bus's history), then live ones."""
-        return self.events.subscribe(since)
+    def subscribe(self, since: int | None = None, node_state: bool = False) -> AsyncIterator[LifecycleEvent]:
+        """Lifecycle events after ``since`` (still in the bus's history), then live ones; ``node_state``: the
+        node's state first."""
+        return self.events.subscribe(since, self.node_state.current if node_state else None)
 
     async def metrics_text(self) -> bytes:
         """This node's metrics in Prometheus' text format."""
@@ -1680,6 +1688,17 @@ class Engine(SurfaceOperations):
         """None if the trajectory store takes a durable write now."""
         return await self.rollouts.log.store.probe(self.settings.node)
 
+    async def _cached_images(self) -> dict[str, int]:
+        """The images this node's chunk cache holds (name -> bytes), as ``health`` and ``node`` events say."""
+        cached = getattr(self.images, "cached", None)
+        if cached is None:
+            return {}
+        try:
+            return dict(await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE))
+        except OSError as exc:  # a cache being swept under us: report none rather than fail health
+            log.warning("cannot list the image cache: %s", exc)
+            return {}
+
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability (``ok``, ``pending: <what it waits for>`` or why it cannot be
         used), the live sandbox count, the images cached and whether the daemon is stopping."""
@@ -1692,13 +1711,7 @@ class Engine(SurfaceOperations):
                 backends[name] = "ok" if pending is None else f"pending: {pending}"
             else:
                 backends[name] = "not implemented on this node yet"
-        cached = getattr(self.images, "cached", None)
-        images: dict[str, int] = {}
-        if cached is not None:
-            try:
-                images = await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE)
-            except OSError as exc:  # a cache being swept under us: report none rather than fail health
-                log.warning("cannot list the image cache: %s", exc)
+        images = await self._cached_images()
         components = [ComponentHealth(name=c.name, state=c.state, error=c.error, since=c.since, detail=c.detail,
                                       faults=c.faults, last_error=c.last_error)
                       for c in self.components.components()]

@@ -367,11 +367,22 @@ async def check_events(api: NodeAPI, image: str) -> None:
         await close_stream(events)
 
 
+async def check_node_state(api: NodeAPI, image: str) -> None:
+    events = api.subscribe(node_state=True)  # a gateway has no state of its own: NotSupported
+    try:
+        first = await _supported(anext(events))
+        if first is not None:
+            assert first.kind == "node" and first.sandbox_id is None, first
+            assert isinstance(first.detail["images"], dict) and first.detail["stopping"] is None, first.detail
+    finally:
+        await close_stream(events)
+
+
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
     check_pause_and_resume, check_batch_and_fork, check_destroy_many, check_list_pages, check_snapshot,
     check_policies, check_trajectory, check_images, check_image_build, check_operator_views, check_events,
-    *node_api_surface.SURFACE_NODE_CHECKS,
+    check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
 
