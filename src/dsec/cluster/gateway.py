@@ -40,6 +40,7 @@ from dsec.cluster.cells import CellLeases, cell_of
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.records import LIVE, Records, Row, shape_of
 from dsec.cluster.replica import CellKeeper, adopt_rows
+from dsec.cluster.router import FORWARDED_HEADER, was_forwarded
 from dsec.cluster.state import ClusterState, NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
@@ -74,7 +75,7 @@ from dsec.models import (
     TrajectoryForkRequest,
 )
 
-__all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
+__all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job", "current_token"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ T = TypeVar("T")
 
 current_job: contextvars.ContextVar[str] = contextvars.ContextVar("dsec_job", default="default")
 """The job of the request being served (set from its token by the gateway's auth middleware)."""
+current_token: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_token", default=None)
+"""The caller's token (what a call passed on to another replica is sent with)."""
 
 BATCH_LABEL = "dsec.batch"
 """The label the gateway stamps on every member of a batch (its id): a replica that takes a cell over
@@ -874,8 +877,29 @@ class GatewayEngine(NodeAPI):
             else:
                 rows.append((sid, row))
         result = await self._destroy_held(rows)
+        if missing and not was_forwarded.get():
+            missing = await self._destroy_elsewhere(job, missing, result)
         result.missing += missing
         return result
+
+    async def _destroy_elsewhere(self, job: str | None, ids: builtins.list[str], result: BatchDestroyResult
+                                 ) -> builtins.list[str]:
+        """Sandboxes this replica has no row of, destroyed by the other replicas that have (one request to
+        each in turn, with the caller's token, passed on no further); the ids none of them has."""
+        for url in self.other_replicas():
+            if not ids:
+                break
+            api = NodeClient(url, current_token.get(), connections=self.connections)
+            try:
+                done = await api.with_headers({FORWARDED_HEADER: "1"}).destroy_many(
+                    BatchDestroyRequest(ids=ids, job=job))
+            except DSecError as exc:
+                log.warning("replica %s did not take a batch destroy of %d sandbox(es): %s", url, len(ids), exc)
+                continue
+            result.destroyed += done.destroyed
+            result.failed.update(done.failed)
+            ids = done.missing
+        return ids
 
     async def _destroy_held(self, rows: builtins.list[tuple[str, Row]]) -> BatchDestroyResult:
         """Destroy sandboxes this replica has rows of: a lost or expired one is only forgotten (``missing``), a
