@@ -257,3 +257,31 @@ def test_only_a_create_the_node_kept_nothing_of_is_placed_again() -> None:
     assert not _took_none(passed_on(lean("connect", OSError(errno.EMFILE, "Too many open files"))))
     assert not _took_none(passed_on(lean("lost", ConnectionResetError(errno.ECONNRESET, "reset"))))
     assert not _took_none(dsec.ImageNotFound("no image 'x'"))
+
+
+async def test_membership_is_read_slowly_when_settled_and_at_once_when_a_stream_breaks() -> None:
+    async def source() -> list[Any]:
+        return []
+
+    g = GatewayEngine(_NoDatabase(), source, poll_interval=0.01, idle_poll_interval=30.0)  # type: ignore[arg-type]
+    polls = 0
+
+    async def poll() -> None:
+        nonlocal polls
+        polls += 1
+
+    g.poll = poll  # type: ignore[method-assign]
+    task = asyncio.create_task(g._poll_forever())
+    try:
+        await asyncio.sleep(0.3)
+        assert polls == 0  # nothing settles: the next read is 30 s away
+        g._membership_due.set()  # what a node's broken event stream does
+        await asyncio.sleep(0.1)
+        assert polls == 1
+        g.unready["node-0"] = "its daemon is stopping"  # held: read often until it serves again
+        g._membership_due.set()
+        await asyncio.sleep(0.3)
+        assert polls >= 5
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

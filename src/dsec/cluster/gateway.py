@@ -187,6 +187,7 @@ class GatewayEngine(NodeAPI):
         quotas: dict[str, JobQuota] | None = None,
         admission_wait: float = 60.0,
         poll_interval: float = 0.5,
+        idle_poll_interval: float = 5.0,
         image_interval: float = 5.0,
         leases: CellLeases | None = None,
     ) -> None:
@@ -196,7 +197,10 @@ class GatewayEngine(NodeAPI):
         self.placer.quotas.update(quotas or {})
         self.admission_wait = admission_wait
         self.poll_interval = poll_interval
+        self.idle_poll_interval = idle_poll_interval
         self.image_interval = image_interval
+        self._membership_due = asyncio.Event()
+        """Set when a node's event stream broke: membership is read at once (the node or its daemon died)."""
         cells = leases.cells if leases is not None else 1
         self.records = Records(cell_of=lambda node: cell_of(node, cells))
         """The sandboxes of this replica's cells: narrow rows with their indexes and counters."""
@@ -339,8 +343,15 @@ class GatewayEngine(NodeAPI):
         await self.state.aclose()
 
     async def _poll_forever(self) -> None:
+        """Membership every ``poll_interval`` while something settles (nodes joining, held, not reconciled
+        yet), every ``idle_poll_interval`` otherwise, and at once when a node's event stream breaks: a node
+        that dies is noticed by its stream, so a big cluster's membership is not read twice a second."""
         while True:
-            await asyncio.sleep(self.poll_interval)
+            settling = bool(self.unready) or self._unsettled() or bool(getattr(self.source, "settling", False))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._membership_due.wait(),
+                                       self.poll_interval if settling else self.idle_poll_interval)
+            self._membership_due.clear()
             try:
                 await self.poll()
             except Exception:
@@ -1110,6 +1121,7 @@ class GatewayEngine(NodeAPI):
                         self.events.forward(event)
                 finally:
                     self._pushing.discard(node)  # polled again until the re-opened stream says its state
+                    self._membership_due.set()
                     await close_stream(events)
             except asyncio.CancelledError:
                 raise
