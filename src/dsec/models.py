@@ -22,6 +22,7 @@ __all__ = [
     "AdmissionStatistics",
     "AuditEntry",
     "BackendName",
+    "BatchCreateEvent",
     "BatchCreateRequest",
     "BatchDestroyRequest",
     "BatchDestroyResult",
@@ -293,6 +294,18 @@ class BatchCreateRequest(Model):
     """How many sandboxes (one RL job's batch: a cluster gateway places them in one decision)."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
+
+
+class BatchCreateEvent(Model):
+    """One item of a streamed batch create: each sandbox as its node answers, then exactly one ``done`` (or
+    ``error``: the batch failed and was undone, the sandboxes sent before included)."""
+
+    type: Literal["sandbox", "done", "error"]
+    """Kind of event."""
+    sandbox: SandboxInfo | None = None
+    """A sandbox of the batch (``sandbox``)."""
+    error: dict[str, Any] | None = None
+    """Error payload (as in HTTP errors) for ``error``."""
 
 
 class BatchDestroyRequest(Model):

@@ -173,3 +173,18 @@ async def test_job_token_destroys_only_its_own_in_a_batch_destroy(engine: Engine
         assert "distinct" in r.json()["error"]["message"]
         r = await c.post("/v1/sandboxes/destroy", json={"ids": []}, headers=other)
         assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+
+
+async def test_a_streamed_batch_is_labelled_and_counted_for_the_tokens_job(engine: Engine, tmp_path: Path) -> None:
+    tokens = TokenFile(tmp_path / "tokens.json")
+    mine = tokens.create("trainer-1", job="j1", creates_per_s=2)
+    async with client_for(engine, NODE_TOKEN, tokens=tokens) as c:  # type: ignore[arg-type]
+        job = {"Authorization": f"Bearer {mine}"}
+        body = {"count": 2, "spec": {"image": "base", "labels": {"dsec.job": "j2"}}}
+        r = await c.post("/v1/sandboxes/batch/stream", json=body, headers=job)
+        assert r.status_code == 200, r.text
+        items = [json.loads(line) for line in r.text.splitlines()]
+        assert [i["type"] for i in items] == ["sandbox", "sandbox", "done"]
+        assert {i["sandbox"]["labels"]["dsec.job"] for i in items[:2]} == {"j1"}  # the token's job, not the body's
+        r = await c.post("/v1/sandboxes/batch/stream", json=body, headers=job)  # over its 2 creates/s
+        assert (r.status_code, r.json()["error"]["type"]) == (429, "RateLimited")

@@ -343,7 +343,13 @@ class AsyncSandbox:
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "batch request") from None
         client = client or default_client()
-        return [cls(info, client) for info in await client.api.create_many(batch)]
+        # Streamed: each node's share comes as it is made, so a job's batch of thousands keeps the answer
+        # moving (no time-out while it lasts); an error item raises, and the batch was undone.
+        events = client.api.create_many_stream(batch)
+        try:
+            return [cls(event.sandbox, client) async for event in events if event.sandbox is not None]
+        finally:
+            await close_stream(events)  # a caller that left mid-batch: the server undoes it
 
     @classmethod
     async def close_many(cls, sandboxes: Sequence[AsyncSandbox | str], client: Client | None = None

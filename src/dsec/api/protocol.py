@@ -20,6 +20,7 @@ from typing import IO, Annotated, Protocol
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
+    BatchCreateEvent,
     BatchCreateRequest,
     BatchDestroyRequest,
     BatchDestroyResult,
@@ -140,6 +141,15 @@ class NodeAPI(Protocol):
     @operation("POST", "/v1/sandboxes/batch", tags=["sandboxes"], status=201, no_read_timeout=True)
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Create many sandboxes from one spec; all or nothing."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/batch/stream", tags=["sandboxes"], media_type=NDJSON,
+               description="One JSON `BatchCreateEvent` per line: each sandbox as its node answers, then one "
+                           "`done` (or `error`: the batch was undone).")
+    def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """Create many sandboxes from one spec, each sent as its node answers (a job's batch of thousands:
+        progress all along, and no time-out while it lasts); all or nothing: on failure the sandboxes sent
+        are destroyed and an ``error`` ends the stream."""
         raise Declared
 
     @operation("GET", "/v1/sandboxes", tags=["sandboxes"], name="list_sandboxes")

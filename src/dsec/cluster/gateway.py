@@ -59,6 +59,7 @@ from dsec.errors import (
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
+    BatchCreateEvent,
     BatchCreateRequest,
     BatchDestroyRequest,
     BatchDestroyResult,
@@ -680,7 +681,36 @@ class GatewayEngine(NodeAPI):
         job = current_job.get()
         return await self._create_placed(_stamped(request.spec, job), request.count, job)
 
-    async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
+    async def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """:meth:`create_many`, each node's share sent as soon as that node answered; a client that leaves
+        undoes the batch, as one that leaves a plain batch create does."""
+        job = current_job.get()
+        shares: asyncio.Queue[builtins.list[SandboxInfo]] = asyncio.Queue()
+        work = asyncio.create_task(self._create_placed(_stamped(request.spec, job), request.count, job,
+                                                       shares.put_nowait))
+        try:
+            while not work.done() or not shares.empty():
+                if shares.empty():
+                    waiting = asyncio.ensure_future(shares.get())
+                    await asyncio.wait({waiting, work}, return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done():
+                        waiting.cancel()
+                        continue
+                    share = waiting.result()
+                else:
+                    share = shares.get_nowait()
+                for info in share:
+                    yield BatchCreateEvent(type="sandbox", sandbox=info)
+            work.result()  # the batch's failure (it was undone): the stream's error item
+            yield BatchCreateEvent(type="done")
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+
+    async def _create_placed(self, spec: SandboxSpec, count: int, job: str,
+                             on_share: Callable[[builtins.list[SandboxInfo]], None] | None = None
+                             ) -> builtins.list[SandboxInfo]:
         """Place, create each node's share, and place again the shares of nodes that took none of theirs
         (their daemon stopping, or no connection opened): a rolling restart of node daemons costs a job
         nothing. Any other failure undoes the whole batch. With replicas, a batch is recorded open before
@@ -700,7 +730,7 @@ class GatewayEngine(NodeAPI):
                 except BaseException:
                     self._give_back(job, spec, counts)
                     raise
-            await self._create_rounds(spec, body, job, counts, deadline, created)
+            await self._create_rounds(spec, body, job, counts, deadline, created, on_share)
             if batch is not None and not await self.authority.close_batch(batch, done=True):
                 raise BackendUnavailable("another gateway replica took over a cell of this batch before it was "
                                          "answered: it was undone, nothing of it is kept")
@@ -757,7 +787,8 @@ class GatewayEngine(NodeAPI):
         self.authority.settle(job, {cell: n})
 
     async def _create_rounds(self, spec: SandboxSpec, body: bytes, job: str, counts: dict[str, int],
-                             deadline: float, created: builtins.list[SandboxInfo]) -> None:
+                             deadline: float, created: builtins.list[SandboxInfo],
+                             on_share: Callable[[builtins.list[SandboxInfo]], None] | None = None) -> None:
         """Each node's share in one request, placed again (at most a few rounds) where a node took none."""
 
         async def on(node: str, n: int) -> builtins.list[SandboxInfo]:
@@ -778,9 +809,12 @@ class GatewayEngine(NodeAPI):
                 self._share_done(job, node, n)
                 raise
             try:
-                return await self._remember(infos, node, job, durable=False, spec=body)
+                made = await self._remember(infos, node, job, durable=False, spec=body)
             finally:
                 self._share_done(job, node, n)
+            if on_share is not None:
+                on_share(made)
+            return made
 
         for round_ in range(1, _PLACE_ROUNDS + 1):
             results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)

@@ -28,7 +28,7 @@ FORWARDED_HEADER = "X-DSec-Forwarded"
 was_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("dsec_forwarded", default=False)
 """Whether the request being served was passed on by another replica (it is passed on no further)."""
 _SANDBOX = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
-_CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch"}
+_CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch", "/v1/sandboxes/batch/stream"}
 _NOT_IDS = {"batch", "destroy"}
 """Path segments after ``/v1/sandboxes/`` that name a route on many sandboxes, not a sandbox."""
 _KEEP = {b"content-type", b"retry-after"}

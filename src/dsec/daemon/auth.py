@@ -49,6 +49,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
 _DESTROY_MANY = NodeAPI.destroy_many.path
 _FENCE = FENCE_HEADER.lower().encode()
+_BATCH_STREAM = NodeAPI.create_many_stream.path
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,7 @@ def _create_route(scope: Scope) -> str | None:
     path = scope["path"]
     if path == "/v1/sandboxes":
         return "create"
-    if path == "/v1/sandboxes/batch":
+    if path in ("/v1/sandboxes/batch", _BATCH_STREAM):
         return "batch"
     match = _SANDBOX_ROUTE.match(path)
     if match is not None and match.group(2) == "/fork":

@@ -62,6 +62,7 @@ from dsec.models import (
     AuditEntry,
     AuditOutcome,
     BackendName,
+    BatchCreateEvent,
     BatchCreateRequest,
     BatchDestroyRequest,
     BatchDestroyResult,
@@ -907,6 +908,12 @@ class Engine(SurfaceOperations):
         release = getattr(self.images, "release", None)
         if release is not None:
             release(ref)
+
+    async def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """:meth:`create_many`, answered as a stream (one node creates its share at once: all come together)."""
+        for info in await self.create_many(request):
+            yield BatchCreateEvent(type="sandbox", sandbox=info)
+        yield BatchCreateEvent(type="done")
 
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""

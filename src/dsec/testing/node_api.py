@@ -209,6 +209,24 @@ async def check_batch_and_fork(api: NodeAPI, image: str) -> None:
         await asyncio.gather(*(api.destroy(s.id) for s in made))
 
 
+async def check_batch_stream(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    events = api.create_many_stream(BatchCreateRequest(count=3, spec=SandboxSpec(image=image,
+                                                                                 labels={"stream": tag})))
+    got = [event async for event in events]
+    ids = [e.sandbox.id for e in got if e.sandbox is not None]
+    try:
+        assert [e.type for e in got] == ["sandbox"] * 3 + ["done"] and len(set(ids)) == 3, got
+        assert sorted(s.id for s in await api.list({"stream": tag})) == sorted(ids)
+    finally:
+        await api.destroy_many(BatchDestroyRequest(ids=ids))
+    with _raises(ImageNotFound):  # the stream's error item, raised; nothing is kept
+        async for _ in api.create_many_stream(BatchCreateRequest(count=2, spec=SandboxSpec(
+                image="no-such-image-" + tag, labels={"stream": tag}))):
+            pass
+    assert await api.list({"stream": tag}) == []
+
+
 async def check_destroy_many(api: NodeAPI, image: str) -> None:
     tag = _tag()
     made = await api.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image=image, labels={"batch": tag})))
@@ -380,9 +398,9 @@ async def check_node_state(api: NodeAPI, image: str) -> None:
 
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
-    check_pause_and_resume, check_batch_and_fork, check_destroy_many, check_list_pages, check_snapshot,
-    check_policies, check_trajectory, check_images, check_image_build, check_operator_views, check_events,
-    check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
+    check_pause_and_resume, check_batch_and_fork, check_batch_stream, check_destroy_many, check_list_pages,
+    check_snapshot, check_policies, check_trajectory, check_images, check_image_build, check_operator_views,
+    check_events, check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
 
