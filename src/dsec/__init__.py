@@ -48,6 +48,7 @@ from dsec.errors import (
 )
 from dsec.models import (
     AuditEntry,
+    BatchDestroyResult,
     ExecEvent,
     ExecResult,
     FileEntry,
@@ -79,6 +80,7 @@ __all__ = [
     "AsyncWatch",
     "AuditEntry",
     "BackendUnavailable",
+    "BatchDestroyResult",
     "BuildFailed",
     "CacheFull",
     "CallFailed",

@@ -832,9 +832,13 @@ def cluster() -> None:
               help="Gateway log file (on the node that runs it).")
 @click.option("--wait", "wait", type=float, default=120.0, show_default=True,
               help="Seconds to wait for the gateway to answer (0: return at once).")
+@click.option("--replicas", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Gateway replicas, spread over the Ray nodes (replica i listens on PORT+i); clients take "
+                   "every address (DSEC_URL=URL1,URL2,...) and fail over.")
 def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, ray_address: str,
-               log_path: str, wait: float) -> None:
-    """Start the gateway as a detached Ray actor on this node; it starts a node daemon on every Ray node."""
+               log_path: str, wait: float, replicas: int) -> None:
+    """Start the gateway as a detached Ray actor on this node (or ``--replicas N`` of them on any nodes,
+    sharing the nodes in cells); it starts a node daemon on every Ray node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -842,47 +846,66 @@ def cluster_up(db: str, jobs_file: Path, listen: str, node_config: Path | None, 
     from dsec.cluster.server import Jobs
 
     Jobs.load(jobs_file)  # refuse a bad jobs file here, not in a log on another machine
-    args = ["--listen", listen, "--db", db, "--jobs", str(jobs_file.resolve()), "--ray-address", ray_address]
-    if node_config is not None:
-        args += ["--node-config", str(node_config.resolve())]
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) + replicas > 65536:
+        raise InvalidRequest(f"--listen must be HOST:PORT with room for {replicas} port(s) from PORT, got {listen!r}")
+    args = ["--db", db, "--ray-address", ray_address]
+    files: dict[str, str] | None = None
+    if replicas == 1:
+        args += ["--listen", listen, "--jobs", str(jobs_file.resolve())]
+        if node_config is not None:
+            args += ["--node-config", str(node_config.resolve())]
+    else:  # a replica may run on any node: its files go with it
+        files = {"--jobs": jobs_file.read_text()}
+        if node_config is not None:
+            files["--node-config"] = node_config.read_text()
+    logs = [Path(log_path)] + [Path(log_path).with_stem(f"{Path(log_path).stem}-{i}") for i in range(1, replicas)]
     ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        try:
-            ray.get_actor(GATEWAY_ACTOR, namespace=NAMESPACE)
-        except ValueError:
-            pass  # none yet (InvalidRequest is a ValueError too: raised outside this try)
-        else:
+        if _gateway_actors(ray):
             raise InvalidRequest("a DSec gateway already runs on this Ray cluster: `dsec cluster down` first")
         here = ray.get_runtime_context().get_node_id()
-        ray.remote(GatewayProcess).options(
-            name=GATEWAY_ACTOR, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-        ).remote(args, log_path)
+        strategy: Any = NodeAffinitySchedulingStrategy(node_id=here, soft=False) if replicas == 1 else "SPREAD"
+        actors = [ray.remote(GatewayProcess).options(
+            name=GATEWAY_ACTOR if i == 0 else f"{GATEWAY_ACTOR}-{i}", namespace=NAMESPACE, lifetime="detached",
+            num_cpus=0, scheduling_strategy=strategy,
+        ).remote(args, str(logs[i]), files, None if replicas == 1 else f"{host}:{int(port) + i}")
+            for i in range(replicas)]
+        urls = [f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"] if replicas == 1 else \
+            ray.get([actor.address.remote() for actor in actors], timeout=max(wait, 60))  # type: ignore[attr-defined]
     finally:
         ray.shutdown()
+    where = ",".join(urls)
     if wait > 0:
-        _wait_for_gateway(listen, wait, Path(log_path))
-        click.echo(f"gateway up on {listen} (log: {log_path}); point DSEC_URL at it")
+        for url, log in zip(urls, logs, strict=True):
+            _wait_for_gateway(url, wait, log)
+        click.echo(f"gateway up on {where} (log: {log_path}); point DSEC_URL at it")
     else:
-        click.echo(f"gateway starting on {listen} (log: {log_path}); point DSEC_URL at it")
+        click.echo(f"gateway starting on {where} (log: {log_path}); point DSEC_URL at it")
 
 
-def _wait_for_gateway(listen: str, wait: float, log_path: Path) -> None:
-    """Until the gateway started by ``cluster up`` (on this node) answers; else fail with its log's tail."""
-    import httpx
+def _gateway_actors(ray: Any) -> list[str]:
+    """The names of the gateway replicas' actors on the Ray cluster."""
+    from dsec.cluster.ray_nodes import GATEWAY_ACTOR
 
-    host, _, port = listen.rpartition(":")
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v1/health"
+    return [name for name in ray.util.list_named_actors()
+            if name == GATEWAY_ACTOR or name.startswith(f"{GATEWAY_ACTOR}-")]
+
+
+def _wait_for_gateway(url: str, wait: float, log_path: Path) -> None:
+    """Until the gateway (replica) started by ``cluster up`` at ``url`` answers; else fail with its log's tail
+    (when it runs on this node)."""
+    from dsec.api.client import serves
+
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
+        if serves(url):
+            return
         time.sleep(0.3)
     try:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
     except OSError as exc:
-        tail = f"(cannot read {log_path}: {exc})"
+        tail = f"(cannot read {log_path} here: {exc}; it is on the node the replica runs on)"
     _fail(f"the gateway did not answer at {url} within {wait:g} s; its log ({log_path}):\n{tail}")
 
 
@@ -893,15 +916,16 @@ def cluster_down(destroy: bool, ray_address: str) -> None:
     """Stop the gateway and every node daemon (sandboxes stay unless --destroy)."""
     import ray
 
-    from dsec.cluster.ray_nodes import GATEWAY_ACTOR, NAMESPACE, NodeConfig, RayNodes
+    from dsec.cluster.ray_nodes import NAMESPACE, NodeConfig, RayNodes
 
     ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        with contextlib.suppress(ValueError):
-            actor = ray.get_actor(GATEWAY_ACTOR, namespace=NAMESPACE)
-            with contextlib.suppress(Exception):
-                ray.get(actor.stop.remote(), timeout=60)
-            ray.kill(actor)
+        for name in _gateway_actors(ray):  # every replica
+            with contextlib.suppress(ValueError):
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                with contextlib.suppress(Exception):
+                    ray.get(actor.stop.remote(), timeout=60)
+                ray.kill(actor)
         RayNodes(NodeConfig()).stop_all(destroy=destroy)
     finally:
         ray.shutdown()

@@ -22,7 +22,10 @@ __all__ = [
     "AdmissionStatistics",
     "AuditEntry",
     "BackendName",
+    "BatchCreateEvent",
     "BatchCreateRequest",
+    "BatchDestroyRequest",
+    "BatchDestroyResult",
     "CallRequest",
     "CallResult",
     "ComponentHealth",
@@ -291,6 +294,46 @@ class BatchCreateRequest(Model):
     """How many sandboxes (one RL job's batch: a cluster gateway places them in one decision)."""
     spec: SandboxSpec
     """The spec every sandbox is created from."""
+
+
+class BatchCreateEvent(Model):
+    """One item of a streamed batch create: each sandbox as its node answers, then exactly one ``done`` (or
+    ``error``: the batch failed and was undone, the sandboxes sent before included)."""
+
+    type: Literal["sandbox", "done", "error"]
+    """Kind of event."""
+    sandbox: SandboxInfo | None = None
+    """A sandbox of the batch (``sandbox``)."""
+    error: dict[str, Any] | None = None
+    """Error payload (as in HTTP errors) for ``error``."""
+
+
+class BatchDestroyRequest(Model):
+    """Destroy these sandboxes in one request (a job's batch at its end): each on its own, so one that fails
+    does not keep the others alive."""
+
+    ids: list[str] = Field(min_length=1, max_length=100_000)
+    """The sandboxes' ids (each at most once)."""
+    job: str | None = None
+    """Only sandboxes of this job (``dsec.job`` label); the others count as ``missing``. A job's token always
+    sends its own job (the node's token guard sets it)."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> BatchDestroyRequest:
+        if len(set(self.ids)) != len(self.ids):
+            raise ValueError("ids must be distinct: name each sandbox once")
+        return self
+
+
+class BatchDestroyResult(Model):
+    """What a batch destroy did, sandbox by sandbox."""
+
+    destroyed: list[str] = Field(default_factory=list)
+    """Destroyed now."""
+    missing: list[str] = Field(default_factory=list)
+    """Not there (never made, already destroyed or expired, or another job's): nothing to do."""
+    failed: dict[str, str] = Field(default_factory=dict)
+    """Id -> why it could not be destroyed (still there; destroying it again may succeed)."""
 
 
 class MouseRequest(Model):
@@ -1000,7 +1043,8 @@ class AuditEntry(Model):
     """Why it failed to run (outcome ``error``)."""
 
 
-LifecycleKind = Literal["created", "destroyed", "expired", "lost", "paused", "resumed", "create_failed", "lagged"]
+LifecycleKind = Literal["created", "destroyed", "expired", "lost", "paused", "resumed", "create_failed", "lagged",
+                        "node"]
 
 
 class LifecycleEvent(Model):
@@ -1011,7 +1055,9 @@ class LifecycleEvent(Model):
     at: float
     """When it happened (Unix seconds)."""
     kind: LifecycleKind
-    """What happened; ``lagged``: this subscriber was too slow and ``detail.dropped`` events were skipped."""
+    """What happened; ``lagged``: this subscriber was too slow and ``detail.dropped`` events were skipped;
+    ``node``: the node's own state changed (``detail.images``: its image cache as ``health`` reports it,
+    ``detail.stopping``: why it stops, or None)."""
     sandbox_id: str | None = None
     """The sandbox, if the event is about one."""
     backend: str | None = None

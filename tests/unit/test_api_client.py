@@ -13,6 +13,7 @@ from sdk_daemon import Daemon, running_daemon
 import dsec
 from dsec._http.connections import Connections, parse_url
 from dsec.api import NodeClient
+from dsec.api.client import FailoverClient
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,44 @@ def test_urls_name_their_origin() -> None:
     assert parse_url("unix:///run/d.sock").key == "unix:/run/d.sock"
     with pytest.raises(dsec.InvalidRequest, match="bad port"):
         parse_url("http://h:99999")
+
+
+def _free_address() -> str:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"  # nobody listens there once closed
+
+
+async def test_a_client_given_several_gateways_fails_over_only_what_was_never_sent(nodes: list[Daemon]) -> None:
+    """An address that refuses the connection passes the call on; one that took the request and hung up does
+    not (the call may have acted there): its ConnectionFailed is raised and the next address sees nothing."""
+    live = nodes[0].tcp_url or ""
+    async with dsec.Client([_free_address(), live], nodes[0].token) as client:
+        assert isinstance(client.api, FailoverClient)
+        sb = await dsec.AsyncSandbox.create(image="tiny", client=client)
+        assert client.api.url == live.rstrip("/")
+        await dsec.AsyncSandbox.close_many([sb], client=client)
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    taker = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with FailoverClient([taker, live], nodes[0].token) as api:
+            before = len(await api.replicas[1].list())
+            with pytest.raises(dsec.ConnectionFailed, match="lost mid-call"):
+                await api.create(dsec.SandboxSpec(image="tiny"))
+            assert api.url == taker and len(await api.replicas[1].list()) == before
+    finally:
+        server.close()
+        await server.wait_closed()
+    with pytest.raises(ValueError, match="at least one"):
+        FailoverClient([])
+    every_dead = FailoverClient([_free_address(), _free_address()])
+    with pytest.raises(dsec.ConnectionFailed, match="cannot reach"):
+        await every_dead.health()
+    await every_dead.aclose()

@@ -120,3 +120,71 @@ async def test_job_token_is_told_its_sandbox_expired(engine: Engine, tmp_path: P
             r = await c.get(f"/v1/sandboxes/{sid}", headers=other)
             assert (r.status_code, r.json()["error"]["message"]) == (404, f"no sandbox {sid!r}")
         assert (await c.delete(f"/v1/sandboxes/{short}", headers=job)).status_code == 204
+
+
+async def test_node_refuses_a_stale_fence(engine: Engine, tmp_path: Path) -> None:
+    """A create under an older lease epoch of a cell than the node has seen is refused (409 Fenced), and makes
+    nothing; the fenced health of a takeover raises the floor; only the admin token may send a fence."""
+    tokens = TokenFile(tmp_path / "tokens.json")
+    job_token = tokens.create("trainer-1", job="j1")
+    async with client_for(engine, NODE_TOKEN, tokens=tokens) as c:  # type: ignore[arg-type]
+        c.headers["Authorization"] = f"Bearer {NODE_TOKEN}"
+        assert (await c.post("/v1/sandboxes", json={"image": "base"}, headers={"X-DSec-Fence": "3:1"})).status_code \
+            == 201
+        assert (await c.get("/v1/health", headers={"X-DSec-Fence": "3:2"})).status_code == 200  # the new owner
+        before = len(await engine.list())
+        for path, body in (("/v1/sandboxes", {"image": "base"}),
+                           ("/v1/sandboxes/batch", {"count": 2, "spec": {"image": "base"}})):
+            r = await c.post(path, json=body, headers={"X-DSec-Fence": "3:1"})
+            assert (r.status_code, r.json()["error"]["type"]) == (409, "Fenced"), r.text
+            assert "epoch 2 on cell 3" in r.json()["error"]["message"]
+        assert len(await engine.list()) == before
+        # Another cell's epochs are its own; the current epoch still passes.
+        for fence in ("4:1", "3:2"):
+            assert (await c.post("/v1/sandboxes", json={"image": "base"},
+                                 headers={"X-DSec-Fence": fence})).status_code == 201
+        r = await c.post("/v1/sandboxes", json={"image": "base"}, headers={"X-DSec-Fence": "3"})
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+        assert "'<cell>:<epoch>'" in r.json()["error"]["message"]
+        r = await c.post("/v1/sandboxes", json={"image": "base"},
+                         headers={"X-DSec-Fence": "3:99", "Authorization": f"Bearer {job_token}"})
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "Forbidden")
+        del c.headers["Authorization"]
+        assert (await c.get("/v1/health", headers={"X-DSec-Fence": "3:99"})).status_code == 401  # a fence needs it
+        c.headers["Authorization"] = f"Bearer {NODE_TOKEN}"
+        assert (await c.post("/v1/sandboxes", json={"image": "base"},
+                             headers={"X-DSec-Fence": "3:2"})).status_code == 201  # nobody raised the floor
+
+
+async def test_job_token_destroys_only_its_own_in_a_batch_destroy(engine: Engine, tmp_path: Path) -> None:
+    tokens = TokenFile(tmp_path / "tokens.json")
+    mine, theirs = tokens.create("trainer-1", job="j1"), tokens.create("trainer-2", job="j2")
+    async with client_for(engine, NODE_TOKEN, tokens=tokens) as c:  # type: ignore[arg-type]
+        job, other = {"Authorization": f"Bearer {mine}"}, {"Authorization": f"Bearer {theirs}"}
+        a = (await c.post("/v1/sandboxes", json={"image": "base"}, headers=job)).json()["id"]
+        b = (await c.post("/v1/sandboxes", json={"image": "base"}, headers=other)).json()["id"]
+        # The token's job replaces any job the body names: j2's sandbox is "missing" to j1.
+        r = await c.post("/v1/sandboxes/destroy", json={"ids": [a, b], "job": "j2"}, headers=job)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"destroyed": [a], "missing": [b], "failed": {}}
+        assert (await c.get(f"/v1/sandboxes/{b}", headers=other)).status_code == 200
+        r = await c.post("/v1/sandboxes/destroy", json={"ids": [b, b]}, headers=other)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+        assert "distinct" in r.json()["error"]["message"]
+        r = await c.post("/v1/sandboxes/destroy", json={"ids": []}, headers=other)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidRequest")
+
+
+async def test_a_streamed_batch_is_labelled_and_counted_for_the_tokens_job(engine: Engine, tmp_path: Path) -> None:
+    tokens = TokenFile(tmp_path / "tokens.json")
+    mine = tokens.create("trainer-1", job="j1", creates_per_s=2)
+    async with client_for(engine, NODE_TOKEN, tokens=tokens) as c:  # type: ignore[arg-type]
+        job = {"Authorization": f"Bearer {mine}"}
+        body = {"count": 2, "spec": {"image": "base", "labels": {"dsec.job": "j2"}}}
+        r = await c.post("/v1/sandboxes/batch/stream", json=body, headers=job)
+        assert r.status_code == 200, r.text
+        items = [json.loads(line) for line in r.text.splitlines()]
+        assert [i["type"] for i in items] == ["sandbox", "sandbox", "done"]
+        assert {i["sandbox"]["labels"]["dsec.job"] for i in items[:2]} == {"j1"}  # the token's job, not the body's
+        r = await c.post("/v1/sandboxes/batch/stream", json=body, headers=job)  # over its 2 creates/s
+        assert (r.status_code, r.json()["error"]["type"]) == (429, "RateLimited")

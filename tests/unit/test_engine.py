@@ -346,3 +346,30 @@ async def test_health_lists_every_backend(engine: Engine) -> None:
     assert health.backends["container"] == "ok"
     assert set(health.backends) == {"function", "container", "microvm", "vm"}
     assert health.node == engine.settings.node
+
+
+async def test_node_state_is_published_when_it_changes_and_when_the_daemon_stops(engine: Engine) -> None:
+    """``node`` events: the image cache when it changed (not every round), at once when the daemon begins to
+    stop; a subscriber asking for the state gets it first."""
+    images: dict[str, int] = {}
+
+    async def cached() -> dict[str, int]:
+        return dict(images)
+
+    engine.node_state.images = cached
+    await engine.node_state.check()
+    await engine.node_state.check()  # unchanged: nothing more
+    images["debian-python"] = 4096
+    await engine.node_state.check()
+    states = [e.detail for e in engine.events.recent() if e.kind == "node"]
+    assert states == [{"images": {}, "stopping": None}, {"images": {"debian-python": 4096}, "stopping": None}]
+    stream = engine.subscribe(node_state=True)
+    try:
+        first = await anext(stream)
+        assert (first.kind, first.detail) == ("node", {"images": {"debian-python": 4096}, "stopping": None})
+        engine.drain("the test stops it")
+        stopping = await asyncio.wait_for(anext(stream), 5)
+        assert (stopping.kind, stopping.detail) == (
+            "node", {"images": {"debian-python": 4096}, "stopping": "the test stops it"})
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -189,6 +189,32 @@ async def test_gateway_merges_the_nodes_events_and_replays_them(nodes: list[Daem
         await asyncio.sleep(0.05)
 
 
+async def test_the_gateway_learns_a_nodes_cache_and_drain_from_its_stream(nodes: list[Daemon]) -> None:
+    """A node's ``node`` events set its image cache in placement and hold it when it stops; a node that says
+    its state is no longer polled for images (what it said is not overwritten by a health round)."""
+    g = gateway(nodes)
+    try:
+        g._follow("node-0")
+        deadline = time.monotonic() + 20
+        while "node-0" not in g._pushing:  # its stream opens with its state now
+            assert time.monotonic() < deadline, "the node's state never came"
+            await asyncio.sleep(0.05)
+        nodes[0].engine.events.publish("node", images={"debian-python": 1 << 20}, stopping=None)
+        while g.placer.nodes["node-0"].images != {"debian-python"}:
+            assert time.monotonic() < deadline, "the node's image cache was not taken"
+            await asyncio.sleep(0.05)
+        await g.refresh_images()  # node-0 is not asked (its health would say: no image)
+        assert g.placer.nodes["node-0"].images == {"debian-python"}
+        nodes[0].engine.events.publish("node", images={}, stopping="the test stops it")
+        while "node-0" not in g.unready:
+            assert time.monotonic() < deadline, "the node's drain was not taken"
+            await asyncio.sleep(0.05)
+        assert "stopping (the test stops it)" in g.unready["node-0"] and not g.placer.nodes["node-0"].alive
+    finally:
+        await g.aclose()
+    assert "node-0" not in g._pushing  # a closed stream: polled again, should it come back
+
+
 def test_a_stopping_node_reads_as_a_node_that_is_stopping_not_a_gateway_going_away() -> None:
     """A node's DaemonStopping (a ConnectionFailed) reaches the gateway's client as BackendUnavailable naming
     the node: passed on as it is, it would read as the gateway itself stopping."""
@@ -231,3 +257,31 @@ def test_only_a_create_the_node_kept_nothing_of_is_placed_again() -> None:
     assert not _took_none(passed_on(lean("connect", OSError(errno.EMFILE, "Too many open files"))))
     assert not _took_none(passed_on(lean("lost", ConnectionResetError(errno.ECONNRESET, "reset"))))
     assert not _took_none(dsec.ImageNotFound("no image 'x'"))
+
+
+async def test_membership_is_read_slowly_when_settled_and_at_once_when_a_stream_breaks() -> None:
+    async def source() -> list[Any]:
+        return []
+
+    g = GatewayEngine(_NoDatabase(), source, poll_interval=0.01, idle_poll_interval=30.0)  # type: ignore[arg-type]
+    polls = 0
+
+    async def poll() -> None:
+        nonlocal polls
+        polls += 1
+
+    g.poll = poll  # type: ignore[method-assign]
+    task = asyncio.create_task(g._poll_forever())
+    try:
+        await asyncio.sleep(0.3)
+        assert polls == 0  # nothing settles: the next read is 30 s away
+        g._membership_due.set()  # what a node's broken event stream does
+        await asyncio.sleep(0.1)
+        assert polls == 1
+        g.unready["node-0"] = "its daemon is stopping"  # held: read often until it serves again
+        g._membership_due.set()
+        await asyncio.sleep(0.3)
+        assert polls >= 5
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -17,6 +17,7 @@ EXPECTED = {
     "Forbidden", "RateLimited",
     "AuditEntry", "LifecycleEvent", "NodeOverview",
     "BuildFailed", "ImageInfo",
+    "BatchDestroyResult",  # what close_many answers
     # the sandbox surface: process handles, shell sessions, file operations and their errors, ports
     "AsyncFiles", "AsyncProcess", "AsyncProcesses", "AsyncShell", "Files", "Process", "Processes", "Shell",
     "AsyncWatch", "Watch",

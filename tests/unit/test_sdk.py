@@ -166,6 +166,20 @@ async def test_create_many(client: dsec.Client) -> None:
         await dsec.AsyncSandbox.create_many(0, image="tiny", client=client)
 
 
+async def test_close_many_destroys_each_in_one_request(client: dsec.Client) -> None:
+    boxes = await dsec.AsyncSandbox.create_many(3, image="tiny", labels={"batch": "close-many"}, client=client)
+    never = "sb-never-made-0000"
+    result = await dsec.AsyncSandbox.close_many([boxes[0], boxes[1].id, never], client=client)
+    assert sorted(result.destroyed) == sorted([boxes[0].id, boxes[1].id])
+    assert (result.missing, result.failed) == ([never], {})
+    assert [b.id for b in await dsec.AsyncSandbox.list({"batch": "close-many"}, client=client)] == [boxes[2].id]
+    again = await dsec.AsyncSandbox.close_many(boxes)  # the client of the sandboxes; closed twice is fine
+    assert (again.destroyed, sorted(again.missing)) == ([boxes[2].id], sorted([boxes[0].id, boxes[1].id]))
+    assert (await dsec.AsyncSandbox.close_many([], client=client)).destroyed == []
+    with pytest.raises(dsec.InvalidRequest, match="distinct"):
+        await dsec.AsyncSandbox.close_many([boxes[0], boxes[0].id], client=client)
+
+
 async def test_server_errors_are_reraised_as_their_class(client: dsec.Client) -> None:
     with pytest.raises(dsec.ImageNotFound, match="nope"):
         await dsec.AsyncSandbox.create(image="nope", client=client)

@@ -211,7 +211,8 @@ class Connections:
                                                                read_timeout=timeout.read)
         except Http11Error as exc:
             if exc.kind == "connect":
-                raise ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}") from exc
+                raise ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}",
+                                       sent=False) from exc
             if exc.kind == "timeout":
                 raise ConnectionFailed(f"the DSec daemon at {origin.url} did not answer in time: {exc}") from exc
             raise ConnectionFailed(f"connection to the DSec daemon at {origin.url} was lost mid-call: {exc}") from exc
@@ -303,7 +304,7 @@ def _mapped(origin: Origin) -> Iterator[None]:
     try:
         yield
     except httpx.ConnectError as exc:
-        raise ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}") from exc
+        raise ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}", sent=False) from exc
     except httpx.TimeoutException as exc:
         raise ConnectionFailed(f"the DSec daemon at {origin.url} did not answer in time: {exc!r}") from exc
     except httpx.TransportError as exc:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, cast
 
 from dsec._http.connections import Connections
-from dsec.api.client import NodeClient
+from dsec.api.client import FailoverClient, NodeClient
 from dsec.api.operations import close_stream
 from dsec.config import Settings
 from dsec.models import (
@@ -39,17 +39,24 @@ class Client:
     """Connection to one DSec daemon.
 
     ``url`` is ``unix:///path.sock`` or ``http(s)://host:port`` (default: ``$DSEC_URL``, else the local
-    daemon's socket); ``token`` is the bearer token for TCP (default: ``$DSEC_TOKEN``). Usable as
-    ``async with`` (closes with :meth:`aclose`) and as ``with`` (closes with :meth:`close`). ``client.api`` is
-    every operation of the daemon's API, typed and async (:class:`dsec.api.NodeClient`, over this client's
-    connections; see the node API page).
+    daemon's socket), or several addresses of a cluster's gateway replicas, comma-separated or as a list: a
+    call goes to another when the one in use cannot be reached (:class:`dsec.api.client.FailoverClient`: a
+    call a replica received is never sent twice). ``token`` is the bearer token for TCP (default:
+    ``$DSEC_TOKEN``). Usable as ``async with`` (closes with :meth:`aclose`) and as ``with`` (closes with
+    :meth:`close`). ``client.api`` is every operation of the daemon's API, typed and async
+    (:class:`dsec.api.NodeClient`, over this client's connections; see the node API page).
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None) -> None:
-        self.url: str = url or os.environ.get("DSEC_URL") or Settings().default_url
+    def __init__(self, url: str | Sequence[str] | None = None, token: str | None = None) -> None:
+        given = url if isinstance(url, str) or url is None else ",".join(url)
+        self.url: str = given or os.environ.get("DSEC_URL") or Settings().default_url
         self.token: str | None = token if token is not None else (os.environ.get("DSEC_TOKEN") or None)
         self._connections = Connections()
-        self.api: NodeClient = NodeClient(self.url, self.token, connections=self._connections)
+        urls = [u.strip() for u in self.url.split(",") if u.strip()]
+        if len(urls) > 1:
+            self.api: NodeClient = FailoverClient(urls, self.token, connections=self._connections)
+        else:
+            self.api = NodeClient(self.url.strip().rstrip(","), self.token, connections=self._connections)
         """Every operation of the daemon's API (:class:`dsec.api.NodeAPI`), typed, over this client's
         connections; a cluster node's is ``client.api.at(url, token)``."""
 

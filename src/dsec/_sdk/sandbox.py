@@ -37,6 +37,8 @@ from dsec.errors import (
 )
 from dsec.models import (
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     CallRequest,
     ExecEvent,
     ExecRequest,
@@ -68,6 +70,10 @@ T = TypeVar("T")
 
 __all__ = ["AsyncFiles", "AsyncSandbox", "list_infos"]
 
+_LIST_PAGE = 5_000
+"""Sandboxes per page of ``list``."""
+_CLOSE_CHUNK = 10_000
+"""Sandboxes one batch destroy request of ``close_many`` names at most (a request of a few hundred KiB)."""
 _DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
 _CALL_MAX_OUTPUT = 1024 * 1024
 
@@ -337,7 +343,39 @@ class AsyncSandbox:
         except pydantic.ValidationError as exc:
             raise _invalid(exc, "batch request") from None
         client = client or default_client()
-        return [cls(info, client) for info in await client.api.create_many(batch)]
+        # Streamed: each node's share comes as it is made, so a job's batch of thousands keeps the answer
+        # moving (no time-out while it lasts); an error item raises, and the batch was undone.
+        events = client.api.create_many_stream(batch)
+        try:
+            return [cls(event.sandbox, client) async for event in events if event.sandbox is not None]
+        finally:
+            await close_stream(events)  # a caller that left mid-batch: the server undoes it
+
+    @classmethod
+    async def close_many(cls, sandboxes: Sequence[AsyncSandbox | str], client: Client | None = None
+                         ) -> BatchDestroyResult:
+        """Destroy many sandboxes (or ids) in as few requests as their number allows (a job's batch at its end):
+        each on its own, so one that fails keeps nobody else alive. Returns which were destroyed, which were
+        already gone (``missing``: closing twice is fine) and which failed, with why (destroying those again
+        may succeed); nothing is raised for a sandbox that failed."""
+        ids = [s if isinstance(s, str) else s.id for s in sandboxes]
+        for sandbox in sandboxes:
+            if isinstance(sandbox, AsyncSandbox) and sandbox._heartbeat is not None:
+                sandbox._heartbeat.cancel()
+                sandbox._heartbeat = None
+        client = client or (next((s._client for s in sandboxes if isinstance(s, AsyncSandbox)), None)
+                            or default_client())
+        result = BatchDestroyResult()
+        for start in range(0, len(ids), _CLOSE_CHUNK):
+            try:
+                request = BatchDestroyRequest(ids=ids[start:start + _CLOSE_CHUNK])
+            except pydantic.ValidationError as exc:
+                raise _invalid(exc, "batch destroy") from None
+            done = await client.api.destroy_many(request)
+            result.destroyed += done.destroyed
+            result.missing += done.missing
+            result.failed.update(done.failed)
+        return result
 
     @classmethod
     async def connect(cls, sandbox_id: str, client: Client | None = None) -> AsyncSandbox:
@@ -749,8 +787,15 @@ async def list_infos(
     labels: Mapping[str, str] | None = None, backend: str | None = None, client: Client | None = None,
     state: str | None = None,
 ) -> list[SandboxInfo]:
-    """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``)."""
-    return await (client or default_client()).api.list(labels, backend, state)
+    """What ``AsyncSandbox.list`` returns, as plain records (for tools such as ``dsec ps``), read a page at a
+    time (a gateway holding hundreds of thousands answers each page quickly)."""
+    api = (client or default_client()).api
+    found: list[SandboxInfo] = []
+    while True:
+        page = await api.list(labels, backend, state, after=found[-1].id if found else None, limit=_LIST_PAGE)
+        found += page
+        if len(page) < _LIST_PAGE:
+            return found
 
 
 def heartbeat_interval(lease: float) -> float:

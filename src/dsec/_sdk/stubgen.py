@@ -43,7 +43,8 @@ _IMPORTS = {
     "AsyncSandbox": "from dsec._sdk.sandbox import AsyncSandbox",
     **{n: f"from dsec._sdk.processes import {n}" for n in ("AsyncProcess", "AsyncProcesses", "AsyncShell")},
     **{n: f"from dsec.models import {n}" for n in
-       ("ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "SandboxInfo", "SandboxSpec", "SandboxStats")},
+       ("BatchDestroyResult", "ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "SandboxInfo", "SandboxSpec",
+        "SandboxStats")},
     **{n: f"from dsec.models_surface import {n}" for n in
        ("FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellResult")},
     "socket": "import socket",
@@ -70,7 +71,8 @@ def _params(sig: inspect.Signature) -> list[str]:
     params = list(sig.parameters.values())
     star_done = False
     for i, p in enumerate(params):
-        text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+        annotation = sync.rename_annotation(p.annotation)  # a sync twin is passed where the async one is taken
+        text = p.name if annotation is inspect.Parameter.empty else f"{p.name}: {annotation}"
         if p.default is not inspect.Parameter.empty:
             text += " = ..."
         if p.kind is p.VAR_POSITIONAL:

@@ -50,7 +50,9 @@ def _sync_result(value: Any) -> Any:
 
 
 def _unwrap_arg(value: Any) -> Any:
-    # A sync twin passed back in (e.g. a future ``fork(parent=sb)``) must reach the async code as async.
+    # A sync twin passed back in (``Sandbox.close_many([sb, ...])``) must reach the async code as async.
+    if isinstance(value, list | tuple):
+        return type(value)(_unwrap_arg(v) for v in value)
     inner = getattr(value, "_async", None)
     return inner if isinstance(value, _SyncBase) and inner is not None else value
 
@@ -67,7 +69,8 @@ def rename_annotation(annotation: Any) -> Any:
 
 def _signature(func: Callable[..., Any]) -> inspect.Signature:
     sig = inspect.signature(func)
-    return sig.replace(return_annotation=rename_annotation(sig.return_annotation))
+    params = [p.replace(annotation=rename_annotation(p.annotation)) for p in sig.parameters.values()]
+    return sig.replace(parameters=params, return_annotation=rename_annotation(sig.return_annotation))
 
 
 def _unwrap_all(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -13,7 +13,7 @@ from dsec._sdk.client import Client
 from dsec._sdk.files import AsyncFiles, AsyncWatch
 from dsec._sdk.processes import AsyncProcess, AsyncProcesses, AsyncShell
 from dsec._sdk.sandbox import AsyncSandbox
-from dsec.models import ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
+from dsec.models import BatchDestroyResult, ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
 from dsec.models_surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
 
 class Watch:
@@ -284,6 +284,17 @@ class Sandbox:
         user: str | None = ...,
     ) -> builtins.list[Sandbox]:
         """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
+    @classmethod
+    def close_many(
+        cls,
+        sandboxes: Sequence[Sandbox | str],
+        client: Client | None = ...,
+    ) -> BatchDestroyResult:
+        """Destroy many sandboxes (or ids) in as few requests as their number allows (a job's batch at its end):
+        each on its own, so one that fails keeps nobody else alive. Returns which were destroyed, which were
+        already gone (``missing``: closing twice is fine) and which failed, with why (destroying those again
+        may succeed); nothing is raised for a sandbox that failed.
+        """
     @classmethod
     def connect(cls, sandbox_id: str, client: Client | None = ...) -> Sandbox:
         """Attach to an existing sandbox by id (raises SandboxNotFound)."""

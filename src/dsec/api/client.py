@@ -12,18 +12,22 @@ beyond what the operations say.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from dsec._http.connections import CONTROL_TIMEOUT, STREAM_TIMEOUT, Connections, Origin, parse_url
+from dsec.errors import ConnectionFailed, DaemonStopping, DSecError
 
 from .operations import Operation
 from .protocol import NodeAPI
 
-__all__ = ["NodeClient"]
+__all__ = ["FailoverClient", "NodeClient", "call_blocking", "serves"]
+
+T = TypeVar("T")
 
 
 class NodeClient(NodeAPI):
@@ -115,7 +119,81 @@ class NodeClient(NodeAPI):
         await self.aclose()
 
 
+class FailoverClient(NodeClient):
+    """The node API of a gateway tier of several replicas at ``urls`` (any of which answers for the whole
+    cluster): each call goes to the replica that answered last; when that one cannot be reached (nothing was
+    sent: its address refuses or does not answer the connect) or is stopping and kept nothing of the call, the
+    call goes to the next, each at most once. A call a replica received is never sent again (it may have
+    acted), and neither are uploads and streams (they fail as on one address)."""
+
+    def __init__(self, urls: Sequence[str], token: str | None = None, *, connections: Connections | None = None,
+                 timeout: httpx.Timeout | None = None) -> None:
+        if not urls:
+            raise ValueError("FailoverClient needs at least one address")
+        super().__init__(urls[0], token, connections=connections, timeout=timeout)
+        self.replicas = [NodeClient(url, token, connections=self.connections, timeout=timeout) for url in urls]
+        self._current = 0
+
+    def __repr__(self) -> str:
+        return f"FailoverClient({[r.url for r in self.replicas]!r})"
+
+    @property
+    def url(self) -> str:
+        """The replica calls go to now."""
+        return self.replicas[self._current].url
+
+    async def perform(self, op: Operation[Any, Any], /, *args: Any, **kwargs: Any) -> Any:
+        if op.plan.body is not None and op.plan.body.where == "upload":
+            return await self.replicas[self._current].perform(op, *args, **kwargs)
+        first = self._current
+        for attempt in range(len(self.replicas)):
+            i = (first + attempt) % len(self.replicas)
+            try:
+                answer = await self.replicas[i].perform(op, *args, **kwargs)
+            except ConnectionFailed as exc:
+                if attempt == len(self.replicas) - 1 or not _not_acted(exc):
+                    raise
+                continue
+            self._current = i
+            return answer
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def perform_stream(self, op: Operation[Any, Any], /, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        return self.replicas[self._current].perform_stream(op, *args, **kwargs)
+
+
+def _not_acted(exc: ConnectionFailed) -> bool:
+    """Whether the replica that raised ``exc`` did nothing with the call (safe to send it to another)."""
+    return exc.detail.get("sent") is False or (isinstance(exc, DaemonStopping) and exc.detail.get("kept") == 0)
+
+
 async def _chunks(upload: IO[bytes], size: int = 1024 * 1024) -> AsyncIterator[bytes]:
     """A file's bytes as a streamed request body, read in a worker thread."""
     while chunk := await asyncio.to_thread(upload.read, size):
         yield chunk
+
+
+def call_blocking(url: str, token: str | None, call: Callable[[NodeClient], Awaitable[T]], *,
+                  timeout: float = 60.0) -> T:
+    """``call`` on the node at ``url`` from blocking code (a harness, a CLI, a Ray actor's method), on a client
+    of its own, closed after; in a worker thread when the caller's thread already runs an event loop."""
+
+    async def run() -> T:
+        async with NodeClient(url, token, timeout=httpx.Timeout(timeout)) as api:
+            return await call(api)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with ThreadPoolExecutor(1, thread_name_prefix="dsec-node-call") as worker:
+        return worker.submit(asyncio.run, run()).result()
+
+
+def serves(url: str, timeout: float = 2.0) -> bool:
+    """Whether the node (or gateway) at ``url`` answers ``health`` within ``timeout`` seconds."""
+    try:
+        call_blocking(url, None, lambda api: api.health(), timeout=timeout)
+    except (DSecError, OSError):
+        return False
+    return True

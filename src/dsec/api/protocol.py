@@ -20,7 +20,10 @@ from typing import IO, Annotated, Protocol
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
+    BatchCreateEvent,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     CallRequest,
     CallResult,
     ExecEvent,
@@ -86,6 +89,9 @@ Offset = Annotated[int, Param(ge=0, description="bytes of that stream already re
 Labels = Annotated[Mapping[str, str] | None, Param(
     alias="label", codec=pairs("label filter"), description="`key=value`; repeat to require several")]
 Limit = Annotated[int, Param(ge=1, le=10_000)]
+After = Annotated[str | None, Param(description="only sandboxes whose id sorts after this one (the cursor of "
+                                                "the next page: the last id of the previous)")]
+PageLimit = Annotated[int | None, Param(ge=1, le=100_000, description="at most this many, in id order")]
 UnixTime = Annotated[float | None, Param(description="Unix seconds")]
 Since = Annotated[int | None, Param(ge=0, description="first replay the kept events after this `seq`")]
 BuildRequest = Annotated[ImageBuildRequest, Param(codec=BUILD_REQUEST,
@@ -137,10 +143,20 @@ class NodeAPI(Protocol):
         """Create many sandboxes from one spec; all or nothing."""
         raise Declared
 
+    @operation("POST", "/v1/sandboxes/batch/stream", tags=["sandboxes"], media_type=NDJSON,
+               description="One JSON `BatchCreateEvent` per line: each sandbox as its node answers, then one "
+                           "`done` (or `error`: the batch was undone).")
+    def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """Create many sandboxes from one spec, each sent as its node answers (a job's batch of thousands:
+        progress all along, and no time-out while it lasts); all or nothing: on failure the sandboxes sent
+        are destroyed and an ``error`` ends the stream."""
+        raise Declared
+
     @operation("GET", "/v1/sandboxes", tags=["sandboxes"], name="list_sandboxes")
-    async def list(self, labels: Labels = None, backend: str | None = None,
-                   state: str | None = None) -> builtins.list[SandboxInfo]:
-        """Sandboxes matching every label filter."""
+    async def list(self, labels: Labels = None, backend: str | None = None, state: str | None = None, *,
+                   after: After = None, limit: PageLimit = None) -> builtins.list[SandboxInfo]:
+        """Sandboxes matching every filter; with ``after`` or ``limit``, a page of them in id order (fewer than
+        ``limit``: the last page; the next starts after the last id of this one)."""
         raise Declared
 
     @operation("GET", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
@@ -151,6 +167,12 @@ class NodeAPI(Protocol):
     @operation("DELETE", "/v1/sandboxes/{sandbox_id}", tags=["sandboxes"], fast=True)
     async def destroy(self, sandbox_id: str) -> None:
         """Destroy a sandbox (idempotent)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/destroy", tags=["sandboxes"], no_read_timeout=True)
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """Destroy many sandboxes in one request, each on its own (idempotent: one already gone is ``missing``,
+        one that fails is in ``failed`` and the others are destroyed all the same)."""
         raise Declared
 
     # -- commands -------------------------------------------------------------------------------------------
@@ -488,8 +510,12 @@ class NodeAPI(Protocol):
 
     @operation("GET", "/v1/events", tags=["node"], name="events", media_type=NDJSON,
                description="One JSON `LifecycleEvent` per line, as they happen; the stream does not end.")
-    def subscribe(self, since: Since = None) -> AsyncIterator[LifecycleEvent]:
-        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed)."""
+    def subscribe(self, since: Since = None, node_state: Annotated[bool, Param(
+                  description="first the node's state now, as a `node` event")] = False
+                  ) -> AsyncIterator[LifecycleEvent]:
+        """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed) and
+        ``node`` events when the node's image cache or drain changes (a gateway follows them instead of polling
+        ``health``)."""
         raise Declared
 
     @operation("GET", "/metrics", tags=["node"], name="metrics", media_type=_prometheus_text,

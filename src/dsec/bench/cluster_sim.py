@@ -186,10 +186,11 @@ class _Env:
 
     def load(self, kind: str, **kw: Any) -> dict[str, Any]:
         """Run a :mod:`dsec.bench.sim_load` client process on the other cores; its JSON answer."""
-        argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, "--url", self.url, "--token",
-                kw.pop("token", self.token), "--spec", kw.pop("spec", json.dumps(SPEC)), "--cpus", self.others]
-        for key, value in kw.items():
-            argv += [f"--{key}", str(value)]
+        # "--name=value": a token may begin with "-", which argparse would take for an option.
+        argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, f"--url={self.url}",
+                f"--token={kw.pop('token', self.token)}", f"--spec={kw.pop('spec', json.dumps(SPEC))}",
+                f"--cpus={self.others}"]
+        argv += [f"--{key}={value}" for key, value in kw.items()]
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"the bench client failed: {done.stderr[-2000:]}")

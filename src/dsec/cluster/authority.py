@@ -20,14 +20,12 @@ from collections.abc import Mapping
 from dsec.cluster.cells import CellLeases, cell_of
 from dsec.cluster.placement import JobQuota, Placer
 from dsec.cluster.records import Records
+from dsec.daemon.fence import FENCE_HEADER
 from dsec.errors import BackendUnavailable, QuotaExceeded
 
 __all__ = ["FENCE_HEADER", "Authority"]
 
 log = logging.getLogger(__name__)
-
-FENCE_HEADER = "X-DSec-Fence"
-"""The header of a create that names the cell lease (``cell:epoch``) it was placed under."""
 
 _TOKEN_CHUNK = 0.1
 """Rate tokens are drawn from a job's shared bucket this many seconds' worth at a time (at least what a

@@ -22,7 +22,7 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from dsec.cluster.cells import CellLeases, cell_of
 from dsec.cluster.placement import Capacity, JobQuota, Placer
 from dsec.cluster.records import LIVE, Records, Row, shape_of
 from dsec.cluster.replica import CellKeeper, adopt_rows
+from dsec.cluster.router import FORWARDED_HEADER, was_forwarded
 from dsec.cluster.state import ClusterState, NodeRow
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
@@ -58,7 +59,10 @@ from dsec.errors import (
 from dsec.models import (
     AuditEntry,
     AuditOutcome,
+    BatchCreateEvent,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     LifecycleEvent,
     NodeEndpoint,
     NodeInfo,
@@ -72,7 +76,7 @@ from dsec.models import (
     TrajectoryForkRequest,
 )
 
-__all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job"]
+__all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job", "current_token"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,8 @@ T = TypeVar("T")
 
 current_job: contextvars.ContextVar[str] = contextvars.ContextVar("dsec_job", default="default")
 """The job of the request being served (set from its token by the gateway's auth middleware)."""
+current_token: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_token", default=None)
+"""The caller's token (what a call passed on to another replica is sent with)."""
 
 BATCH_LABEL = "dsec.batch"
 """The label the gateway stamps on every member of a batch (its id): a replica that takes a cell over
@@ -107,6 +113,8 @@ _PROBE_TIMEOUT = httpx.Timeout(2.0)
 _PLACE_ROUNDS = 4
 """A create whose node took none of it is placed again at most this many times (nodes going down one
 after another; each round places nothing on the nodes that failed before)."""
+_NODES_AT_ONCE = 64
+"""Nodes a batch destroy asks at once."""
 
 
 _NODE_DOWN = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT})
@@ -180,6 +188,7 @@ class GatewayEngine(NodeAPI):
         quotas: dict[str, JobQuota] | None = None,
         admission_wait: float = 60.0,
         poll_interval: float = 0.5,
+        idle_poll_interval: float = 5.0,
         image_interval: float = 5.0,
         leases: CellLeases | None = None,
     ) -> None:
@@ -189,7 +198,10 @@ class GatewayEngine(NodeAPI):
         self.placer.quotas.update(quotas or {})
         self.admission_wait = admission_wait
         self.poll_interval = poll_interval
+        self.idle_poll_interval = idle_poll_interval
         self.image_interval = image_interval
+        self._membership_due = asyncio.Event()
+        """Set when a node's event stream broke: membership is read at once (the node or its daemon died)."""
         cells = leases.cells if leases is not None else 1
         self.records = Records(cell_of=lambda node: cell_of(node, cells))
         """The sandboxes of this replica's cells: narrow rows with their indexes and counters."""
@@ -213,6 +225,8 @@ class GatewayEngine(NodeAPI):
         """Nodes Ray sees alive whose daemon took no create (stopping, or no connection opened) -> why;
         nothing is placed there until its ``/v1/health`` answers that it serves again (each poll asks)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._pushing: set[str] = set()
+        """Nodes whose event stream says their state (image cache, drain): their health is not polled."""
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self.events = EventBus("gateway", history=10_000)
         """The nodes' lifecycle events merged, with a history of its own (``/v1/events?since=``)."""
@@ -268,17 +282,13 @@ class GatewayEngine(NodeAPI):
             await self._node_died(node, node.reason or "it died while no replica held its cell")
 
     async def destroy_rows(self, ids: builtins.list[str]) -> None:
-        """Destroy sandboxes of this replica's records on their nodes, whatever their job."""
-        asking = asyncio.Semaphore(64)
-
-        async def one(sid: str) -> None:
-            async with asking:
-                row = self.records.rows.get(sid)
-                if row is not None:
-                    with contextlib.suppress(DSecError):
-                        await self._destroy(sid, row)
-
-        await asyncio.gather(*(one(sid) for sid in ids))
+        """Destroy sandboxes of this replica's records on their nodes, whatever their job (one batch destroy
+        per node); one a node could not destroy stays in the records, and its next reconcile decides."""
+        rows = [(sid, row) for sid in ids if (row := self.records.rows.get(sid)) is not None]
+        result = await self._destroy_held(rows)
+        if result.failed:
+            log.warning("%d sandbox(es) could not be destroyed: %s", len(result.failed),
+                        "; ".join(f"{sid}: {why}" for sid, why in builtins.list(result.failed.items())[:3]))
 
     # -- routing between replicas (dsec.cluster.router) ------------------------------------------------------
 
@@ -334,8 +344,15 @@ class GatewayEngine(NodeAPI):
         await self.state.aclose()
 
     async def _poll_forever(self) -> None:
+        """Membership every ``poll_interval`` while something settles (nodes joining, held, not reconciled
+        yet), every ``idle_poll_interval`` otherwise, and at once when a node's event stream breaks: a node
+        that dies is noticed by its stream, so a big cluster's membership is not read twice a second."""
         while True:
-            await asyncio.sleep(self.poll_interval)
+            settling = bool(self.unready) or self._unsettled() or bool(getattr(self.source, "settling", False))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._membership_due.wait(),
+                                       self.poll_interval if settling else self.idle_poll_interval)
+            self._membership_due.clear()
             try:
                 await self.poll()
             except Exception:
@@ -353,7 +370,8 @@ class GatewayEngine(NodeAPI):
 
     async def refresh_images(self) -> None:
         """Image locality from the nodes' own caches: each live node's ``/v1/health`` lists the images its
-        chunk cache holds, which replaces what placement believed (a node that evicted an image loses it)."""
+        chunk cache holds, which replaces what placement believed (a node that evicted an image loses it).
+        A node whose event stream says its state (``node`` events) is not asked."""
         async def one(name: str) -> None:
             try:
                 info = await self._ask(name, lambda node: node.with_timeout(_HEALTH_TIMEOUT).health())
@@ -365,7 +383,7 @@ class GatewayEngine(NodeAPI):
                 self.placer.set_images(name, info.images)
 
         await asyncio.gather(*(one(n.name) for n in builtins.list(self.placer.nodes.values())
-                               if n.alive and n.name in self.node_rows))
+                               if n.alive and n.name in self.node_rows and n.name not in self._pushing))
 
     async def poll(self) -> None:
         """Apply one membership report: new nodes are used at once; dead nodes' sandboxes become lost; an
@@ -663,7 +681,36 @@ class GatewayEngine(NodeAPI):
         job = current_job.get()
         return await self._create_placed(_stamped(request.spec, job), request.count, job)
 
-    async def _create_placed(self, spec: SandboxSpec, count: int, job: str) -> builtins.list[SandboxInfo]:
+    async def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """:meth:`create_many`, each node's share sent as soon as that node answered; a client that leaves
+        undoes the batch, as one that leaves a plain batch create does."""
+        job = current_job.get()
+        shares: asyncio.Queue[builtins.list[SandboxInfo]] = asyncio.Queue()
+        work = asyncio.create_task(self._create_placed(_stamped(request.spec, job), request.count, job,
+                                                       shares.put_nowait))
+        try:
+            while not work.done() or not shares.empty():
+                if shares.empty():
+                    waiting = asyncio.ensure_future(shares.get())
+                    await asyncio.wait({waiting, work}, return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done():
+                        waiting.cancel()
+                        continue
+                    share = waiting.result()
+                else:
+                    share = shares.get_nowait()
+                for info in share:
+                    yield BatchCreateEvent(type="sandbox", sandbox=info)
+            work.result()  # the batch's failure (it was undone): the stream's error item
+            yield BatchCreateEvent(type="done")
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+
+    async def _create_placed(self, spec: SandboxSpec, count: int, job: str,
+                             on_share: Callable[[builtins.list[SandboxInfo]], None] | None = None
+                             ) -> builtins.list[SandboxInfo]:
         """Place, create each node's share, and place again the shares of nodes that took none of theirs
         (their daemon stopping, or no connection opened): a rolling restart of node daemons costs a job
         nothing. Any other failure undoes the whole batch. With replicas, a batch is recorded open before
@@ -683,12 +730,12 @@ class GatewayEngine(NodeAPI):
                 except BaseException:
                     self._give_back(job, spec, counts)
                     raise
-            await self._create_rounds(spec, body, job, counts, deadline, created)
+            await self._create_rounds(spec, body, job, counts, deadline, created, on_share)
             if batch is not None and not await self.authority.close_batch(batch, done=True):
                 raise BackendUnavailable("another gateway replica took over a cell of this batch before it was "
                                          "answered: it was undone, nothing of it is kept")
         except BaseException:  # a share failed, or the client left while placing again: undo every round
-            await asyncio.gather(*(self.destroy(info.id) for info in created), return_exceptions=True)
+            await self.destroy_rows([info.id for info in created])
             if batch is not None:
                 with contextlib.suppress(DSecError):
                     await self.authority.close_batch(batch, done=False)
@@ -740,7 +787,8 @@ class GatewayEngine(NodeAPI):
         self.authority.settle(job, {cell: n})
 
     async def _create_rounds(self, spec: SandboxSpec, body: bytes, job: str, counts: dict[str, int],
-                             deadline: float, created: builtins.list[SandboxInfo]) -> None:
+                             deadline: float, created: builtins.list[SandboxInfo],
+                             on_share: Callable[[builtins.list[SandboxInfo]], None] | None = None) -> None:
         """Each node's share in one request, placed again (at most a few rounds) where a node took none."""
 
         async def on(node: str, n: int) -> builtins.list[SandboxInfo]:
@@ -761,9 +809,12 @@ class GatewayEngine(NodeAPI):
                 self._share_done(job, node, n)
                 raise
             try:
-                return await self._remember(infos, node, job, durable=False, spec=body)
+                made = await self._remember(infos, node, job, durable=False, spec=body)
             finally:
                 self._share_done(job, node, n)
+            if on_share is not None:
+                on_share(made)
+            return made
 
         for round_ in range(1, _PLACE_ROUNDS + 1):
             results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
@@ -845,12 +896,83 @@ class GatewayEngine(NodeAPI):
         if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._ask(row.node, lambda node: node.destroy(sandbox_id))
-            now = self.records.rows.get(sandbox_id)
-            if now is not None and now.state in LIVE:  # not ended meanwhile (an event, a reconcile)
+        self._forget([sandbox_id])
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        """Drop the rows of sandboxes no node holds any more, giving back the room of those still live here."""
+        removed = []
+        for sid in ids:
+            row = self.records.rows.get(sid)
+            if row is not None and row.state in LIVE:  # not ended meanwhile (an event, a reconcile)
                 self.placer.release(row.job, row.node, row.shape)
-        if self.records.remove(sandbox_id) is not None:
+            if self.records.remove(sid) is not None:
+                removed.append(sid)
+        if removed:
             # Not waited for: a restarted gateway forgets a row whose sandbox its node no longer holds.
-            self.state.writer.submit_delete([sandbox_id])
+            self.state.writer.submit_delete(removed)
+
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """One batch destroy per node holding some of them; ids this job has no row of are ``missing``."""
+        job = request.job
+        rows, missing = [], []
+        for sid in request.ids:
+            row = self._mine(sid)
+            if row is None or (job is not None and row.job != job):
+                missing.append(sid)
+            else:
+                rows.append((sid, row))
+        result = await self._destroy_held(rows)
+        if missing and not was_forwarded.get():
+            missing = await self._destroy_elsewhere(job, missing, result)
+        result.missing += missing
+        return result
+
+    async def _destroy_elsewhere(self, job: str | None, ids: builtins.list[str], result: BatchDestroyResult
+                                 ) -> builtins.list[str]:
+        """Sandboxes this replica has no row of, destroyed by the other replicas that have (one request to
+        each in turn, with the caller's token, passed on no further); the ids none of them has."""
+        for url in self.other_replicas():
+            if not ids:
+                break
+            api = NodeClient(url, current_token.get(), connections=self.connections)
+            try:
+                done = await api.with_headers({FORWARDED_HEADER: "1"}).destroy_many(
+                    BatchDestroyRequest(ids=ids, job=job))
+            except DSecError as exc:
+                log.warning("replica %s did not take a batch destroy of %d sandbox(es): %s", url, len(ids), exc)
+                continue
+            result.destroyed += done.destroyed
+            result.failed.update(done.failed)
+            ids = done.missing
+        return ids
+
+    async def _destroy_held(self, rows: builtins.list[tuple[str, Row]]) -> BatchDestroyResult:
+        """Destroy sandboxes this replica has rows of: a lost or expired one is only forgotten (``missing``), a
+        live one is destroyed by its node, in one request per node (:data:`_NODES_AT_ONCE` nodes at once)."""
+        result = BatchDestroyResult()
+        by_node: dict[str, builtins.list[str]] = {}
+        for sid, row in rows:
+            if row.state in LIVE:
+                by_node.setdefault(row.node, []).append(sid)
+            else:
+                result.missing.append(sid)
+        self._forget(result.missing)
+        asking = asyncio.Semaphore(_NODES_AT_ONCE)
+
+        async def on(node: str, ids: builtins.list[str]) -> None:
+            async with asking:
+                try:
+                    done = await self._ask(node, lambda api: api.destroy_many(BatchDestroyRequest(ids=ids)))
+                except DSecError as exc:
+                    result.failed.update((sid, f"{type(exc).__name__}: {exc.message}") for sid in ids)
+                    return
+            result.destroyed += done.destroyed
+            result.missing += done.missing
+            result.failed.update(done.failed)
+            self._forget([*done.destroyed, *done.missing])
+
+        await asyncio.gather(*(on(node, ids) for node, ids in by_node.items()))
+        return result
 
     # -- forwarded (for clients that do not follow the endpoint, and every operation not defined here) --------
 
@@ -979,7 +1101,7 @@ class GatewayEngine(NodeAPI):
                 entry.who = f"job:{row.job}"
         return entries
 
-    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
+    def subscribe(self, since: int | None = None, node_state: bool = False) -> AsyncIterator[LifecycleEvent]:
         """Every node's lifecycle events, merged and numbered by the gateway (admin only); ``since`` replays the
         gateway's kept history after that number first, as a node daemon does.
 
@@ -987,6 +1109,8 @@ class GatewayEngine(NodeAPI):
         gateway restart, from the node's own kept history), so the history holds the nodes' recent events
         in the order the gateway received them; a node's ``seq`` is replaced by the gateway's."""
         self._admin_only("the event stream")
+        if node_state:
+            raise NotSupported("a gateway has no node state of its own: its nodes' `node` events say theirs")
         return self.events.subscribe(since)
 
     def _follow(self, node: str) -> None:
@@ -1006,10 +1130,10 @@ class GatewayEngine(NodeAPI):
         when a client next asks). A dropped stream is re-opened from the node's kept history, skipping what
         was already seen (by time: a restarted node daemon numbers from 1 again)."""
         seen = (0.0, 0)
-        opened = 0
+        opened, state_at = 0, 0.0
         while True:
             try:
-                events = self._node(node).subscribe(0)
+                events = self._node(node).subscribe(0, node_state=True)
                 first = True
                 try:
                     async for event in events:
@@ -1017,6 +1141,11 @@ class GatewayEngine(NodeAPI):
                             first, opened = False, opened + 1
                             if opened > 1:  # events may have passed beyond the node's kept history meanwhile
                                 self._resync(node, "its event stream was re-opened")
+                        if event.kind == "node":  # the state now comes first, then older ones from the history
+                            if event.at >= state_at:
+                                state_at = event.at
+                                self._node_state(node, event)
+                            continue
                         if event.kind == "lagged":
                             self._resync(node, f"its event stream skipped {event.detail.get('dropped', '?')} event(s)")
                         elif (event.at, event.seq) <= seen:
@@ -1025,6 +1154,8 @@ class GatewayEngine(NodeAPI):
                         self._apply(node, event)
                         self.events.forward(event)
                 finally:
+                    self._pushing.discard(node)  # polled again until the re-opened stream says its state
+                    self._membership_due.set()
                     await close_stream(events)
             except asyncio.CancelledError:
                 raise
@@ -1046,6 +1177,17 @@ class GatewayEngine(NodeAPI):
                 log.warning("node %s could not be reconciled after %s: %s", node, why, exc)
 
         self._resyncs[node] = asyncio.create_task(again(), name=f"dsec-resync-{node}")
+
+    def _node_state(self, node: str, event: LifecycleEvent) -> None:
+        """A node said its state on its stream: its image cache (which placement's locality uses), and whether
+        it stops (nothing more is placed there until it serves again)."""
+        self._pushing.add(node)
+        images, stopping = event.detail.get("images"), event.detail.get("stopping")
+        slot = self.placer.nodes.get(node)
+        if isinstance(images, dict) and slot is not None and slot.alive:
+            self.placer.set_images(node, {str(k): int(v) for k, v in images.items()})
+        if stopping:
+            self._hold(node, f"its daemon is stopping ({stopping})")
 
     def _apply(self, node: str, event: LifecycleEvent) -> None:
         sid = event.sandbox_id or ""

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+from dsec.api.client import NodeClient, call_blocking, serves
+from dsec.models import BatchDestroyRequest
 
 __all__ = ["Gateway", "LocalCluster", "local_cluster", "own_netns"]
 
@@ -101,9 +102,8 @@ class Gateway:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/v1/health", timeout=2).status_code == 200:
-                    return
+            if serves(self.url):
+                return
             time.sleep(0.2)
         raise RuntimeError(f"gateway did not answer in {timeout} s:\n{self.log.read_text()[-3000:]}")
 
@@ -135,9 +135,8 @@ class LocalCluster:
         """Until ``count`` node daemons have joined the gateway (their actors start lazily)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            metrics = httpx.get(self.gateway.url + "/metrics", timeout=10,
-                                headers={"Authorization": f"Bearer {self.admin}"}).text
-            for line in metrics.splitlines():
+            metrics = call_blocking(self.gateway.url, self.admin, lambda api: api.metrics_text(), timeout=10)
+            for line in metrics.decode().splitlines():
                 if line.startswith("dsec_cluster_nodes_alive ") and float(line.split()[1]) >= count:
                     return
             time.sleep(0.3)
@@ -205,13 +204,17 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
         _teardown(base, cluster, gateway, admin, images)
 
 
+async def _destroy_every(api: NodeClient) -> None:
+    ids = [info.id for info in await api.list()]
+    if ids:
+        await api.destroy_many(BatchDestroyRequest(ids=ids))
+
+
 def _teardown(base: Path, cluster: Any, gateway: Gateway | None, admin: str, images: Path) -> None:
     homes = sorted((base / "homes").iterdir()) if (base / "homes").is_dir() else []
     if gateway is not None:
-        with contextlib.suppress(Exception), httpx.Client(
-                base_url=gateway.url, headers={"Authorization": f"Bearer {admin}"}, timeout=60) as http:
-            for info in http.get("/v1/sandboxes").json():
-                http.delete(f"/v1/sandboxes/{info['id']}")
+        with contextlib.suppress(Exception):
+            call_blocking(gateway.url, admin, _destroy_every)
         gateway.kill()
     if cluster is not None:
         cluster.shutdown()

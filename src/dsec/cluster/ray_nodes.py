@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.api.client import serves
 from dsec.cluster.gateway import NodeFacts
 from dsec.isolation.procs import meminfo
 
@@ -159,14 +160,11 @@ class NodeDaemon(_Supervisor):
 
     def endpoint(self, wait: float = 30.0) -> dict[str, Any]:
         """URL, token and capacity of the daemon once it answers (raises TimeoutError otherwise)."""
-        import httpx
-
         url = f"http://{self.host}:{self.port}"
         deadline = time.monotonic() + wait
         while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/health", timeout=2.0).status_code == 200:
-                    break
+            if serves(url):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dsec serve on {self.name} did not answer at {url} within {wait:g} s "
                                    f"(see {self.home / 'daemon.log'})")
@@ -190,16 +188,46 @@ class NodeDaemon(_Supervisor):
 
 
 class GatewayProcess(_Supervisor):
-    """Supervises the gateway process (``python -m dsec.cluster gateway``) as a detached Ray actor."""
+    """Supervises the gateway process (``python -m dsec.cluster gateway``) as a detached Ray actor.
 
-    def __init__(self, args: list[str], log_path: str) -> None:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._start_supervised([sys.executable, "-m", "dsec.cluster", "gateway", *args], dict(os.environ),
-                               Path(log_path))
+    A replica of several (``replica_listen`` given) may run on any node: the files it needs come along as
+    text (``files``: option -> content, written next to its log, readable by its owner only), and it
+    advertises its node's address to the other replicas when it listens on every interface."""
+
+    def __init__(self, args: list[str], log_path: str, files: dict[str, str] | None = None,
+                 replica_listen: str | None = None) -> None:
+        log = Path(log_path)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = list(args)
+        for option, text in (files or {}).items():
+            path = log.with_name(f"{log.stem}{option.replace('--', '-')}.json")
+            path.touch(mode=0o600)
+            path.write_text(text)
+            args += [option, str(path)]
+        self.url: str | None = None
+        if replica_listen is not None:
+            self.url = _advertised(replica_listen)
+            args += ["--listen", replica_listen, "--advertise", self.url]
+        self._start_supervised([sys.executable, "-m", "dsec.cluster", "gateway", *args], dict(os.environ), log)
+
+    def address(self) -> str | None:
+        """The URL this replica is reached at (None: a single gateway, at the address it was told)."""
+        return self.url
 
     def stop(self) -> None:
         """Stop the gateway (sandboxes and node daemons keep running)."""
         self._halt()
+
+
+def _advertised(listen: str) -> str:
+    """The URL of a gateway listening on ``listen`` as other nodes reach it (its node's address for
+    ``0.0.0.0``)."""
+    import ray
+
+    host, _, port = listen.rpartition(":")
+    if host.strip("[]") in ("", "0.0.0.0", "::"):
+        host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return f"http://{host}:{port}"
 
 
 class RayNodes:
@@ -210,6 +238,11 @@ class RayNodes:
         self.start_timeout = start_timeout
         self._endpoints: dict[str, NodeFacts] = {}
         self._starting: dict[str, Any] = {}
+
+    @property
+    def settling(self) -> bool:
+        """Whether node daemons are still starting (the gateway then reads membership often)."""
+        return bool(self._starting)
 
     def _actor_for(self, ray_node_id: str) -> Any:
         import ray

@@ -11,6 +11,7 @@ NDJSON included). Pure ASGI; it must never interpret an answer.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 from collections.abc import Sequence
@@ -19,13 +20,17 @@ from typing import Any, Protocol
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["FORWARDED_HEADER", "ReplicaRouter", "Routing"]
+__all__ = ["FORWARDED_HEADER", "ReplicaRouter", "Routing", "was_forwarded"]
 
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADER = "X-DSec-Forwarded"
+was_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("dsec_forwarded", default=False)
+"""Whether the request being served was passed on by another replica (it is passed on no further)."""
 _SANDBOX = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
-_CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch"}
+_CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch", "/v1/sandboxes/batch/stream"}
+_NOT_IDS = {"batch", "destroy"}
+"""Path segments after ``/v1/sandboxes/`` that name a route on many sandboxes, not a sandbox."""
 _KEEP = {b"content-type", b"retry-after"}
 """Answer headers passed back (the rest are the hop's own: length, encoding, connection)."""
 
@@ -57,8 +62,15 @@ class ReplicaRouter:
         self._http: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or FORWARDED_HEADER.lower().encode() in dict(scope["headers"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if FORWARDED_HEADER.lower().encode() in dict(scope["headers"]):
+            reset = was_forwarded.set(True)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                was_forwarded.reset(reset)
             return
         targets = await self._targets(scope)
         if not targets:
@@ -76,7 +88,7 @@ class ReplicaRouter:
         if path in _CREATES and method == "POST":
             return [] if self.routing.places() else self.routing.other_replicas()[:1]
         found = _SANDBOX.match(path)
-        if found is None or found.group(1) == "batch" or self.routing.holds(found.group(1)):
+        if found is None or found.group(1) in _NOT_IDS or self.routing.holds(found.group(1)):
             return []
         return await self.routing.owners_of(found.group(1))
 

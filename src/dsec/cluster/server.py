@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsec.cluster.cells import CellLeases
-from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job
+from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job, current_token
 from dsec.cluster.placement import JobQuota
 from dsec.cluster.router import ReplicaRouter
 from dsec.cluster.state import ClusterState
@@ -105,11 +105,12 @@ class _JobGuard:
 
             await JSONResponse(err.to_payload(), status_code=err.status_code)(scope, receive, send)
             return
-        reset = current_job.set(job)
+        reset, reset_token = current_job.set(job), current_token.set(token)
         try:
             await self.app(scope, receive, send)
         finally:
             current_job.reset(reset)
+            current_token.reset(reset_token)
 
 
 def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:

@@ -35,6 +35,7 @@ from dsec.daemon.events import EventBus
 from dsec.daemon.health import Health
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.metrics import Metrics, host_load
+from dsec.daemon.node_state import NodeState
 from dsec.daemon.pools import POOL_LABEL, Pools
 from dsec.daemon.ports import PortForwarder
 from dsec.daemon.rollouts import Rollouts
@@ -61,7 +62,10 @@ from dsec.models import (
     AuditEntry,
     AuditOutcome,
     BackendName,
+    BatchCreateEvent,
     BatchCreateRequest,
+    BatchDestroyRequest,
+    BatchDestroyResult,
     CallRequest,
     CallResult,
     ComponentHealth,
@@ -92,6 +96,7 @@ from dsec.models import (
     SnapshotRef,
     TimeoutRequest,
     TrajectoryForkRequest,
+    ids_digest,
     parse_network,
 )
 from dsec.trajectory.replay import Trajectories
@@ -119,6 +124,8 @@ _BACKGROUND_TEARDOWNS = 64
 """Pooled sandboxes torn down behind their destroy's answer at once; past it a destroy waits for its own
 teardown (back-pressure: a client destroying faster than the node tears down must not pile up dead
 sandboxes that still hold memory and mounts)."""
+_DESTROY_MANY_AT_ONCE = 32
+"""Sandboxes one batch destroy tears down at once (each is a few syscalls and an unmount or two)."""
 
 
 _T = TypeVar("_T")
@@ -271,6 +278,8 @@ class Engine(SurfaceOperations):
         self._layer_roots: dict[str, builtins.list[Path]] = {}
         self.audit = AuditLog(settings.audit_path, max_rows=settings.audit_max_rows)
         self.events = EventBus(settings.node)
+        self.node_state = NodeState(self.events, self._cached_images, lambda: self._stopping)
+        self._announcer: asyncio.Task[None] | None = None
         # The counters every SAMPLE_SECONDS (by the reaper), so a dashboard opened now can chart the past.
         self._samples: deque[CounterSample] = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
         self._sampled_at = 0.0
@@ -382,6 +391,7 @@ class Engine(SurfaceOperations):
         self.on_phase("sweeping snapshot layers")
         await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
+        self._announcer = asyncio.create_task(self.node_state.run_forever(), name="dsec-node-state")
         self.watchdog.start()
         for config in self._declared:
             self.pools.declare(config)
@@ -441,6 +451,7 @@ class Engine(SurfaceOperations):
             log.info("draining: %s; new and queued creates are refused", reason)
             self.admission.close(reason)
             self.pools.drain()
+            self.node_state.stopped()
 
     @property
     def stopping(self) -> str | None:
@@ -465,11 +476,13 @@ class Engine(SurfaceOperations):
         await self.wait_teardowns()
         for task in list(self._tag_refreshes.values()):  # (the store lookup's thread ends on its own)
             task.cancel()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        for background in (self._reaper, self._announcer):
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
+        self._reaper = None
+        self._announcer = None
         await self.surface.aclose()
         for name, backend in self._backends.items():
             try:
@@ -896,6 +909,12 @@ class Engine(SurfaceOperations):
         if release is not None:
             release(ref)
 
+    async def create_many_stream(self, request: BatchCreateRequest) -> AsyncIterator[BatchCreateEvent]:
+        """:meth:`create_many`, answered as a stream (one node creates its share at once: all come together)."""
+        for info in await self.create_many(request):
+            yield BatchCreateEvent(type="sandbox", sandbox=info)
+        yield BatchCreateEvent(type="done")
+
     async def create_many(self, request: BatchCreateRequest) -> builtins.list[SandboxInfo]:
         """Create ``count`` sandboxes concurrently; all or nothing (the first error is raised)."""
         if request.spec.trajectory is not None:
@@ -963,16 +982,25 @@ class Engine(SurfaceOperations):
         labels: Mapping[str, str] | None = None,
         backend: str | None = None,
         state: str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """Sandboxes whose labels include ``labels`` (and of that backend / state, if given)."""
+        """Sandboxes whose labels include ``labels`` (and of that backend / state, if given); with ``after`` or
+        ``limit``, the page of them in id order after the id ``after``, at most ``limit`` long."""
         wanted = dict(labels or {})
-        return [
-            self._info(r)
+        found = [
+            r
             for r in self._records.values()
             if (backend is None or r.spec.backend == backend)
             and (state is None or r.state == state)
             and all(r.spec.labels.get(k) == v for k, v in wanted.items())
+            and (after is None or r.id > after)
         ]
+        if after is not None or limit is not None:
+            found.sort(key=lambda r: r.id)
+            found = found[:limit]
+        return [self._info(r) for r in found]
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox."""
@@ -1002,6 +1030,29 @@ class Engine(SurfaceOperations):
                 self._destroying.pop(sandbox_id, None)
             else:
                 task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
+
+    async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
+        """Destroy each of ``request.ids`` on its own, at most :data:`_DESTROY_MANY_AT_ONCE` at a time."""
+        result = BatchDestroyResult()
+        at_once = asyncio.Semaphore(_DESTROY_MANY_AT_ONCE)
+
+        async def one(sandbox_id: str) -> None:
+            record = self._records.get(sandbox_id)
+            if record is None or (request.job is not None and record.spec.labels.get(JOB_LABEL) != request.job):
+                result.missing.append(sandbox_id)
+                return
+            async with at_once:
+                try:
+                    await self.destroy(sandbox_id)
+                except SandboxNotFound:
+                    result.missing.append(sandbox_id)
+                except DSecError as exc:
+                    result.failed[sandbox_id] = f"{type(exc).__name__}: {exc.message}"
+                else:
+                    result.destroyed.append(sandbox_id)
+
+        await asyncio.gather(*(one(i) for i in request.ids))
+        return result
 
     def _retire(self, record: SandboxRecord) -> None:
         """Destroy a pooled sandbox (or one of a batch failed by the daemon stopping) as the client sees it
@@ -1568,9 +1619,10 @@ class Engine(SurfaceOperations):
                                   "in its audit trail", sandbox_id=sandbox_id)
         return entries
 
-    def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Lifecycle events after ``since`` (still in the bus's history), then live ones."""
-        return self.events.subscribe(since)
+    def subscribe(self, since: int | None = None, node_state: bool = False) -> AsyncIterator[LifecycleEvent]:
+        """Lifecycle events after ``since`` (still in the bus's history), then live ones; ``node_state``: the
+        node's state first."""
+        return self.events.subscribe(since, self.node_state.current if node_state else None)
 
     async def metrics_text(self) -> bytes:
         """This node's metrics in Prometheus' text format."""
@@ -1656,6 +1708,17 @@ class Engine(SurfaceOperations):
         """None if the trajectory store takes a durable write now."""
         return await self.rollouts.log.store.probe(self.settings.node)
 
+    async def _cached_images(self) -> dict[str, int]:
+        """The images this node's chunk cache holds (name -> bytes), as ``health`` and ``node`` events say."""
+        cached = getattr(self.images, "cached", None)
+        if cached is None:
+            return {}
+        try:
+            return dict(await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE))
+        except OSError as exc:  # a cache being swept under us: report none rather than fail health
+            log.warning("cannot list the image cache: %s", exc)
+            return {}
+
     async def health(self) -> NodeInfo:
         """Identity, version, backend availability (``ok``, ``pending: <what it waits for>`` or why it cannot be
         used), the live sandbox count, the images cached and whether the daemon is stopping."""
@@ -1668,17 +1731,15 @@ class Engine(SurfaceOperations):
                 backends[name] = "ok" if pending is None else f"pending: {pending}"
             else:
                 backends[name] = "not implemented on this node yet"
-        cached = getattr(self.images, "cached", None)
-        images: dict[str, int] = {}
-        if cached is not None:
-            try:
-                images = await asyncio.to_thread(cached, IMAGE_CACHE_REPORT_AGE)
-            except OSError as exc:  # a cache being swept under us: report none rather than fail health
-                log.warning("cannot list the image cache: %s", exc)
+        images = await self._cached_images()
         components = [ComponentHealth(name=c.name, state=c.state, error=c.error, since=c.since, detail=c.detail,
                                       faults=c.faults, last_error=c.last_error)
                       for c in self.components.components()]
+        # What a cluster gateway reconciles against (the sandboxes it placed): its count and digest agreeing
+        # with the gateway's records spares it a listing.
+        placed = [sid for sid, record in self._records.items() if JOB_LABEL in record.spec.labels]
         return NodeInfo(
             node=self.settings.node, version=__version__, backends=backends, sandboxes=len(self._records),
             images=images, stopping=self._stopping, status=self.components.status(), components=components,
+            placed=len(placed), digest=ids_digest(placed),
         )

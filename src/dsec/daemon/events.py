@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from dsec.models import LifecycleEvent, LifecycleKind, SandboxInfo, SandboxSpec
@@ -78,11 +78,15 @@ class EventBus:
         """Events of the history after sequence number ``since``."""
         return [e for e in self._history if e.seq > since]
 
-    async def subscribe(self, since: int | None = None) -> AsyncIterator[LifecycleEvent]:
-        """Events after ``since`` still in the history (none when ``None``), then every new one, forever."""
+    async def subscribe(self, since: int | None = None,
+                        first: Callable[[], Awaitable[LifecycleEvent]] | None = None) -> AsyncIterator[LifecycleEvent]:
+        """Events after ``since`` still in the history (none when ``None``), then every new one, forever;
+        ``first``: an event made once subscribed, yielded before all of them (the node's state now)."""
         sub = _Subscriber(self.queue_size)
         self._subscribers.add(sub)  # before replaying: nothing published meanwhile is missed
         try:
+            if first is not None:
+                yield await first()
             last = 0
             if since is not None:
                 for event in self.recent(since):

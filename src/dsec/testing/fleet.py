@@ -2,7 +2,8 @@
 
 Owns the simulated nodes of ``dsec bench cluster-sim`` and of the cluster invariant tests: each node
 listens on its own loopback address (``127.1.x.y``, any free port) and answers the node API a gateway
-calls -- health, create and batch create, destroy, info, list, the lifecycle event stream -- at once,
+calls -- health, create and batch create, destroy and batch destroy, info, list, the lifecycle event
+stream with its ``node`` events (image cache, drain) -- at once,
 from byte templates (no pydantic, no FastAPI, no sandbox), so that thousands of them fit in one process
 and a gateway in front of them is the only thing doing real work. Each node keeps its own count of what
 it holds against the capacity it reported: a create that would put it over is refused and counted
@@ -188,6 +189,20 @@ class SimNode:
         for sub in self.subscribers:
             sub.queue.put_nowait(line)
 
+    def _state(self) -> bytes:
+        """The node's state as a ``node`` event (its image cache, whether it drains)."""
+        return json.dumps({"seq": self.seq, "at": time.time(), "kind": "node", "node": self.name, "detail": {
+            "images": self.images, "stopping": "the simulated node drains" if self.draining else None,
+        }}).encode() + b"\n"
+
+    def publish_state(self) -> None:
+        """Say the node's state on its stream (its image cache or drain changed), as a node daemon does."""
+        self.seq += 1
+        line = self._state()
+        self.history.append((self.seq, line))
+        for sub in self.subscribers:
+            sub.queue.put_nowait(line)
+
     def _lagged(self) -> None:
         lagged = json.dumps({"seq": self.lag_from, "at": time.time(), "kind": "lagged", "node": self.name,
                              "reason": "this subscriber read too slowly",
@@ -205,7 +220,8 @@ class SimNode:
             with contextlib.suppress(ValueError):
                 self.subscribers.remove(sub)
 
-        return Stream([line for seq, line in self.history if seq > since], sub.queue, closed)
+        first = [self._state()] if request.query.get("node_state") == "true" else []
+        return Stream(first + [line for seq, line in self.history if seq > since], sub.queue, closed)
 
     # -- the node API --------------------------------------------------------------------------------------
 
@@ -235,6 +251,8 @@ class SimNode:
                 raw = json.loads(request.body)
                 return Answer(*self._create(json.dumps(raw["spec"], separators=(",", ":")).encode(),
                                             int(raw["count"]), single=False), delay)
+            if path == "/v1/sandboxes/destroy" and method == "POST":
+                return Answer(200, self._destroy_many(json.loads(request.body)), delay)
             if path.startswith("/v1/sandboxes/"):
                 sid = path[len("/v1/sandboxes/"):]
                 if method == "DELETE":
@@ -247,6 +265,19 @@ class SimNode:
         except (ValueError, KeyError, TypeError) as exc:
             return Answer(400, _error("InvalidRequest", f"the simulated node could not read the body: {exc}"), delay)
         return Answer(404, _error("NotFound", f"the simulated node has no route {method} {path}"), delay)
+
+    def _destroy_many(self, raw: dict[str, Any]) -> bytes:
+        job = raw.get("job")
+        destroyed: list[str] = []
+        missing: list[str] = []
+        for sid in raw["ids"]:
+            sb = self.sandboxes.get(sid)
+            if sb is None or (job is not None and sb.job != job):
+                missing.append(sid)
+            else:
+                self._remove(sid)
+                destroyed.append(sid)
+        return json.dumps({"destroyed": destroyed, "missing": missing, "failed": {}}).encode()
 
     def _fence_ok(self, fence: str) -> bool:
         cell, _, raw = fence.partition(":")
@@ -290,8 +321,9 @@ class SimNode:
             return 429, _error("QuotaExceeded", f"node {self.name} would be over its capacity with {count} more "
                                                 f"{backend} sandbox(es)", node=self.name)
         labels = spec.get("labels") or {}
-        if spec.get("image"):
-            self.images.setdefault(str(spec["image"]), 1 << 20)
+        if spec.get("image") and str(spec["image"]) not in self.images:
+            self.images[str(spec["image"])] = 1 << 20
+            self.publish_state()
         now = time.time()
         template = _Sandbox(spec_json, backend.encode(), json.dumps(spec.get("image")).encode(),
                             json.dumps(labels, separators=(",", ":")).encode(), cpu, memory,
@@ -395,6 +427,7 @@ class Fleet:
             return {"lost": target.die(f"node {target.name} was killed by the fleet simulator")}
         if kind == "drain":
             target.draining = bool(value)
+            target.publish_state()
         elif kind == "slow":
             target.delay = value
         elif kind == "lag":

@@ -38,6 +38,7 @@ from dsec.errors import (
 )
 from dsec.models import (
     BatchCreateRequest,
+    BatchDestroyRequest,
     CallRequest,
     ExecRequest,
     ImageBuildRequest,
@@ -208,6 +209,56 @@ async def check_batch_and_fork(api: NodeAPI, image: str) -> None:
         await asyncio.gather(*(api.destroy(s.id) for s in made))
 
 
+async def check_batch_stream(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    events = api.create_many_stream(BatchCreateRequest(count=3, spec=SandboxSpec(image=image,
+                                                                                 labels={"stream": tag})))
+    got = [event async for event in events]
+    ids = [e.sandbox.id for e in got if e.sandbox is not None]
+    try:
+        assert [e.type for e in got] == ["sandbox"] * 3 + ["done"] and len(set(ids)) == 3, got
+        assert sorted(s.id for s in await api.list({"stream": tag})) == sorted(ids)
+    finally:
+        await api.destroy_many(BatchDestroyRequest(ids=ids))
+    with _raises(ImageNotFound):  # the stream's error item, raised; nothing is kept
+        async for _ in api.create_many_stream(BatchCreateRequest(count=2, spec=SandboxSpec(
+                image="no-such-image-" + tag, labels={"stream": tag}))):
+            pass
+    assert await api.list({"stream": tag}) == []
+
+
+async def check_destroy_many(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    made = await api.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image=image, labels={"batch": tag})))
+    never = f"sb-never-{uuid.uuid4().hex[:12]}"
+    try:
+        doomed = [s.id for s in made[:2]]
+        result = await api.destroy_many(BatchDestroyRequest(ids=[*doomed, never]))
+        assert sorted(result.destroyed) == sorted(doomed) and result.missing == [never] and not result.failed
+        assert [s.id for s in await api.list({"batch": tag})] == [made[2].id]
+        again = await api.destroy_many(BatchDestroyRequest(ids=doomed))  # idempotent: already gone is missing
+        assert not again.destroyed and sorted(again.missing) == sorted(doomed) and not again.failed
+        other = await api.destroy_many(BatchDestroyRequest(ids=[made[2].id], job=f"not-{tag}"))
+        assert other.missing == [made[2].id] and (await api.get(made[2].id)).state == "running"
+    finally:
+        await asyncio.gather(*(api.destroy(s.id) for s in made))
+
+
+async def check_list_pages(api: NodeAPI, image: str) -> None:
+    tag = _tag()
+    made = await api.create_many(BatchCreateRequest(count=3, spec=SandboxSpec(image=image, labels={"page": tag})))
+    try:
+        ids = sorted(s.id for s in made)
+        first = await api.list({"page": tag}, limit=2)
+        assert [s.id for s in first] == ids[:2]
+        rest = await api.list({"page": tag}, after=first[-1].id, limit=2)
+        assert [s.id for s in rest] == ids[2:]  # shorter than the limit: the last page
+        assert [s.id for s in await api.list({"page": tag}, after=ids[-1])] == []
+        assert sorted(s.id for s in await api.list({"page": tag})) == ids
+    finally:
+        await api.destroy_many(BatchDestroyRequest(ids=[s.id for s in made]))
+
+
 async def check_snapshot(api: NodeAPI, image: str) -> None:
     async with _sandbox(api, image) as sb:
         await api.write_file(sb.id, "/workspace/saved", b"snap")
@@ -334,10 +385,22 @@ async def check_events(api: NodeAPI, image: str) -> None:
         await close_stream(events)
 
 
+async def check_node_state(api: NodeAPI, image: str) -> None:
+    events = api.subscribe(node_state=True)  # a gateway has no state of its own: NotSupported
+    try:
+        first = await _supported(anext(events))
+        if first is not None:
+            assert first.kind == "node" and first.sandbox_id is None, first
+            assert isinstance(first.detail["images"], dict) and first.detail["stopping"] is None, first.detail
+    finally:
+        await close_stream(events)
+
+
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
-    check_pause_and_resume, check_batch_and_fork, check_snapshot, check_policies, check_trajectory, check_images,
-    check_image_build, check_operator_views, check_events, *node_api_surface.SURFACE_NODE_CHECKS,
+    check_pause_and_resume, check_batch_and_fork, check_batch_stream, check_destroy_many, check_list_pages,
+    check_snapshot, check_policies, check_trajectory, check_images, check_image_build, check_operator_views,
+    check_events, check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from dsec._ports import free_port
+from dsec.api.client import call_blocking, serves
+from dsec.errors import DSecError
 from dsec.testing.fleet import FleetProcess
 
 __all__ = ["Replica", "SimCluster", "sim_cluster"]
@@ -88,7 +88,7 @@ class SimCluster:
 
     def metric(self, replica: Replica, name: str) -> float:
         """One gauge or counter of a replica's ``/metrics``."""
-        text = httpx.get(replica.url + "/metrics", headers={"Authorization": f"Bearer {self.admin}"}, timeout=60).text
+        text = call_blocking(replica.url, self.admin, lambda api: api.metrics_text()).decode()
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -100,9 +100,8 @@ class SimCluster:
         while time.monotonic() < deadline:
             if not replica.alive():
                 raise RuntimeError(f"replica {replica.name} exited:\n{replica.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(replica.url + "/v1/health", timeout=5).status_code == 200:
-                    return
+            if serves(replica.url, timeout=5):
+                return
             time.sleep(0.2)
         raise RuntimeError(f"replica {replica.name} did not answer in {timeout:g} s:\n{replica.tail()}")
 
@@ -115,7 +114,7 @@ class SimCluster:
         deadline = time.monotonic() + timeout
         got = 0
         while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
+            with contextlib.suppress(DSecError, ValueError):
                 got = self.placing()
                 if got >= nodes:
                     return

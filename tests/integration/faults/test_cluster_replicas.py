@@ -97,6 +97,10 @@ async def scenario(c: SimCluster) -> dict[str, Any]:
             r = await http.delete((r1, r0)[i % 2].url + f"/v1/sandboxes/{sid}",
                                   headers={"Authorization": f"Bearer {b}"})
             assert r.status_code == 204, r.text
+        # One batch destroy through one replica of sandboxes both hold: the other destroys those it has.
+        r = await http.post(r0.url + "/v1/sandboxes/destroy", json={"ids": singles[80:120]},
+                            headers={"Authorization": f"Bearer {b}"}, timeout=60)
+        assert r.status_code == 200 and sorted(r.json()["destroyed"]) == sorted(singles[80:120]), r.text
 
         # A replica killed in the middle of a batch: the nodes answer slowly so that the kill lands mid-way.
         c.fleet.fault("latency", value=0.4)

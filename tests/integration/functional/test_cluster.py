@@ -236,15 +236,17 @@ async def test_a_node_daemon_restart_costs_the_job_no_create(cluster: LocalClust
                         Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     assert time.monotonic() < await_gone, "the node daemon did not stop on SIGTERM"
                     await asyncio.sleep(0.02)
-                # Down until its actor restarts it: the gateway still places on it, finds no connection,
-                # and places that share again.
+                # Down until its actor restarts it. Either the gateway already holds it (the daemon said it
+                # stops on its event stream, or the stream broke), or it still places there, finds no
+                # connection and places that share again: no create fails either way.
                 during = await dsec.AsyncSandbox.create_many(3, client=c, **FN)
+                text = (await c.api.metrics_text()).decode()
             finally:
                 os.kill(actor, signal.SIGCONT)
             made += during
             assert victim not in {s._info.node for s in during}
-            text = (await c.api.metrics_text()).decode()
-            assert metric(text, "dsec_cluster_creates_replaced_total") > replaced
+            assert metric(text, "dsec_cluster_creates_replaced_total") > replaced or \
+                metric(text, "dsec_cluster_nodes_unready") >= 1, text
             back_by = time.monotonic() + 90
             while True:
                 batch = await dsec.AsyncSandbox.create_many(3, client=c, **FN)  # none may fail

@@ -81,6 +81,52 @@ def test_cluster_up_then_down(ray_cluster: tuple[LocalCluster, PgServer]) -> Non
         time.sleep(0.3)
 
 
+def test_cluster_up_with_replicas_then_down(ray_cluster: tuple[LocalCluster, PgServer]) -> None:
+    """``--replicas 2``: two gateway actors (ports PORT and PORT+1) sharing the nodes in cells; a client given
+    both addresses works through them, and ``down`` stops both."""
+    cluster, pg = ray_cluster
+    base, address = cluster.base, cluster.ray.address
+    host, _, port = cluster.gateway.url.removeprefix("http://").rpartition(":")
+    listen = f"{host}:{int(port) + 10}"
+    up = dsec_cli("cluster", "up", "--replicas", "2", "--db", pg.dsn, "--jobs", str(base / "jobs.json"),
+                  "--node-config", str(base / "node.json"), "--ray-address", address, "--listen", listen,
+                  "--log", str(base / "replicas.log"))
+    urls = [f"http://{host}:{int(port) + 10}", f"http://{host}:{int(port) + 11}"]
+    try:
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{_tail(base / 'replicas.log')}"
+        assert f"gateway up on {','.join(urls)}" in up.stdout, up.stdout
+        again = dsec_cli("cluster", "up", "--db", pg.dsn, "--jobs", str(base / "jobs.json"),
+                         "--ray-address", address, "--listen", cluster.gateway.url.removeprefix("http://"),
+                         "--log", str(base / "up3.log"))
+        assert again.returncode != 0 and "already runs" in again.stderr, again
+        asyncio.run(_use_replicas(urls, cluster.tokens["job"]))
+    finally:
+        down = dsec_cli("cluster", "down", "--destroy", "--ray-address", address)
+    assert down.returncode == 0 and "cluster stopped" in down.stdout, down
+    deadline = time.monotonic() + 60
+    while any(_answers(url) for url in urls):
+        assert time.monotonic() < deadline, "a replica still answers after `dsec cluster down`"
+        time.sleep(0.3)
+
+
+async def _use_replicas(urls: list[str], token: str) -> None:
+    async with dsec.Client(urls, token) as c:
+        deadline = time.monotonic() + 120
+        while True:  # until the replicas hold the cells of both nodes between them
+            try:
+                sandboxes = await dsec.AsyncSandbox.create_many(4, client=c, **FN)
+                break
+            except dsec.BackendUnavailable:
+                assert time.monotonic() < deadline, "the replicas never placed"
+                await asyncio.sleep(1)
+        try:
+            result = await sandboxes[0].exec(["python3", "-c", "print(6 * 7)"])
+            assert result.exit_code == 0 and result.stdout == b"42\n"
+        finally:
+            closed = await dsec.AsyncSandbox.close_many(sandboxes, client=c)
+        assert sorted(closed.destroyed) == sorted(sb.id for sb in sandboxes), closed
+
+
 async def _use(cluster: LocalCluster) -> None:
     async with dsec.Client(cluster.gateway.url, cluster.tokens["job"]) as c:
         sandboxes = await dsec.AsyncSandbox.create_many(4, client=c, **FN)
