@@ -12,7 +12,6 @@ sandbox's endpoint to the node).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -29,9 +28,10 @@ from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
 from dsec.models import SandboxSpec
-from dsec.models_surface import ExposeRequest, ProcessRequest
+from dsec.models_surface import ExposeRequest
 from dsec.testing.fake import FakeBackend
 from dsec.testing.node_api import NODE_CHECKS, NodeCheck, covered
+from dsec.testing.node_api_surface import ECHO_SERVER, echo_server
 
 IMAGE = "tiny"
 
@@ -124,31 +124,10 @@ def test_a_path_argument_that_would_route_elsewhere_is_refused(bad: str) -> None
 
 # -- the surface through the gateway ------------------------------------------------------------------------
 
-_SERVER = """
-import http.server
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"hi")
-    def log_message(self, *args): pass
-s = http.server.HTTPServer(("127.0.0.1", 0), H); print(s.server_port, flush=True); s.serve_forever()
-"""
-
-
 @pytest.fixture
 async def apis(node: Daemon, gateway: Gateway) -> AsyncIterator[tuple[NodeClient, NodeClient]]:
     async with NodeClient(gateway.url, gateway.admin_token) as through, NodeClient(node.unix_url) as direct:
         yield through, direct
-
-
-async def _server_port(api: NodeClient, sandbox_id: str) -> int:
-    proc = await api.start_process(sandbox_id, ProcessRequest(command=["python3", "-c", _SERVER]))
-    for _ in range(400):
-        out = b"".join([e.data or b"" async for e in api.process_output(sandbox_id, proc.pid, follow=False)
-                        if e.type == "stdout"])
-        if out.endswith(b"\n"):
-            return int(out)
-        await asyncio.sleep(0.05)
-    raise AssertionError("the server did not start")
 
 
 async def _get(url: str, headers: dict[str, str]) -> int | None:
@@ -164,7 +143,7 @@ async def test_the_gateway_answers_its_own_listener_and_ends_it(apis: tuple[Node
     through, direct = apis
     sb = await through.create(SandboxSpec(image="tiny"))
     try:
-        port = await _server_port(through, sb.id)
+        port, _ = await echo_server(through, sb.id)
         seen = await through.expose_port(sb.id, ExposeRequest(port=port))
         on_node = await direct.get_port(sb.id, port)
         assert seen.host_port != on_node.host_port and seen.token == on_node.token, (seen, on_node)
@@ -187,8 +166,8 @@ async def test_the_gateway_answers_its_own_listener_and_ends_it(apis: tuple[Node
 async def test_the_sdk_pointed_at_the_gateway_drives_the_surface(gateway: Gateway) -> None:
     async with dsec.Client(url=gateway.url, token=gateway.admin_token) as client, \
             await dsec.AsyncSandbox.create(image="tiny", client=client) as sb:
-        server = await sb.exec(["python3", "-c", _SERVER], background=True)
-        port = int(await anext(server.stdout()))
+        server = await sb.exec(["python3", "-c", ECHO_SERVER], background=True)
+        port = int((await anext(server.stdout())).split()[1])
         url = await sb.get_url(port)
         [info] = await sb.ports()
         assert await _get(url, info.headers) == 200

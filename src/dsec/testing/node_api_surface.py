@@ -48,7 +48,7 @@ from dsec.models_surface import (
     WatchRequest,
 )
 
-__all__ = ["SURFACE_NODE_CHECKS"]
+__all__ = ["ECHO_SERVER", "SURFACE_NODE_CHECKS", "echo_server"]
 
 _WAIT = 20.0
 _NOBODY = "no-such-user-dsec"
@@ -248,7 +248,7 @@ async def check_shell_sessions(api: NodeAPI, image: str) -> None:
             await api.run_shell(sb.id, shell.id, ShellRunRequest(command="true"))
 
 
-_SERVER = """
+ECHO_SERVER = """
 import http.server, socket
 closed = socket.socket(); closed.bind(("127.0.0.1", 0))  # held, never listening: a port nothing listens on
 class Echo(http.server.BaseHTTPRequestHandler):
@@ -261,11 +261,13 @@ server = http.server.HTTPServer(("127.0.0.1", 0), Echo)
 print("ports", server.server_port, closed.getsockname()[1], flush=True)
 server.serve_forever()
 """
+"""A Python HTTP server answering ``you said <path> token=<X-DSec-Token it got>``; it prints ``ports <its port>
+<a port held bound that nothing listens on>``."""
 
 
-async def _server(api: NodeAPI, sandbox_id: str) -> tuple[int, int]:
-    """Start an HTTP echo server in the sandbox: its port, and a port nothing listens on."""
-    proc = await api.start_process(sandbox_id, ProcessRequest(command=["python3", "-c", _SERVER]))
+async def echo_server(api: NodeAPI, sandbox_id: str) -> tuple[int, int]:
+    """Start :data:`ECHO_SERVER` in the sandbox: its port, and a port nothing listens on."""
+    proc = await api.start_process(sandbox_id, ProcessRequest(command=["python3", "-c", ECHO_SERVER]))
     deadline = time.monotonic() + _WAIT
     while time.monotonic() < deadline:
         out = b"".join([e.data or b"" async for e in api.process_output(sandbox_id, proc.pid, follow=False)
@@ -279,7 +281,7 @@ async def _server(api: NodeAPI, sandbox_id: str) -> tuple[int, int]:
 
 async def check_ports(api: NodeAPI, image: str) -> None:
     async with _sandbox(api, image) as sb:
-        port, closed = await _server(api, sb.id)
+        port, closed = await echo_server(api, sb.id)
         exposed = await api.expose_port(sb.id, ExposeRequest(port=port))
         assert exposed.protocol == "http" and exposed.url and exposed.token, exposed
         assert await api.list_ports(sb.id) == [exposed] and await api.get_port(sb.id, port) == exposed
