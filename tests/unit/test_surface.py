@@ -338,3 +338,36 @@ async def test_logged_surface_calls_replay_without_running(engine: Engine) -> No
     log = await engine.trajectory_log("surface/one", 0, 10)
     assert [c.op for c in log] == ["mkdir", "process", "shell", "shell.run", "read"], log
 
+
+
+def test_the_gateways_port_relay_loses_no_byte_sent_before_it_reached_the_node() -> None:
+    """uvloop (what uvicorn serves the gateway on) reads a first chunk from a new connection even when the
+    protocol paused reading as it was made: the request a client sends at once must still reach the node."""
+    import uvloop
+
+    from dsec.cluster.surface import PortFronts
+    from dsec.models_surface import PortInfo
+
+    async def scenario() -> None:
+        async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+            await writer.drain()
+            writer.close()
+
+        listener = await asyncio.start_server(node, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        fronts = PortFronts()
+        seen = await fronts.front("sb-1", PortInfo(port=80, protocol="http", host="127.0.0.1", host_port=port,
+                                                   token="t"))
+        try:
+            for _ in range(20):
+                reader, writer = await asyncio.open_connection(seen.host, seen.host_port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await asyncio.wait_for(reader.read(), 10)).endswith(b"\r\n\r\nhi")
+                writer.close()
+        finally:
+            await fronts.aclose()
+            listener.close()
+
+    uvloop.run(scenario())

@@ -59,6 +59,22 @@ class _Client(Relay):
     def __init__(self, front: _Front) -> None:
         super().__init__()
         self.front = front
+        self.early = bytearray()
+        """What came before the node's side was there (reading is paused then, but an event loop may already
+        have read a first chunk)."""
+        self.early_eof = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.early += data
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> bool:
+        if self.peer is None:
+            self.early_eof = True
+            return True
+        return super().eof_received()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -93,6 +109,11 @@ class _Client(Relay):
             assert node.transport is not None
             node.transport.close()
             return
+        assert node.transport is not None
+        if self.early:
+            node.transport.write(bytes(self.early))
+        if self.early_eof:
+            node.transport.write_eof()
         self.peer, node.peer = node, self
         transport.resume_reading()
 

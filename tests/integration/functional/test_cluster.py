@@ -169,7 +169,7 @@ async def test_the_surface_for_the_sdk_and_for_a_client_of_the_gateway_only(clus
                 await gateway.run_shell(sb.id, shell.id, run(command="cd /tmp && export X=1"))
                 assert (await gateway.run_shell(sb.id, shell.id, run(command="echo $PWD $X"))).stdout == b"/tmp 1\n"
                 output = [e async for e in gateway.process_output(sb.id, server.pid, follow=False)]
-                assert b"".join(e.data or b"" for e in output) == f"{port}\n".encode(), output
+                assert b"".join(e.data or b"" for e in output) == said, output
                 await gateway.unexpose_port(sb.id, port)
                 with pytest.raises(httpx.TransportError):
                     await web.get(seen.url or "", headers=seen.headers)
