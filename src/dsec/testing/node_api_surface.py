@@ -130,6 +130,8 @@ async def check_file_operations(api: NodeAPI, image: str) -> None:
             await api.chown_file(sb.id, "g", _NOBODY)
         with _raises(InvalidRequest, "NUL"):
             await api.stat_file(sb.id, "a\0b")
+        made = await api.make_dir(sb.id, MkdirRequest(path="../../../../../top-level"))  # '..' stops at the root
+        assert made.path == "/top-level" and (await api.stat_file(sb.id, "/top-level")).type == "dir", made
         await api.remove_file(sb.id, "d", recursive=True)
         with _raises(FileNotFound, reason="ENOENT"):
             await api.remove_file(sb.id, "d")
