@@ -386,7 +386,7 @@ async def check_port(backend: Backend, image: ImageRef) -> None:
         sink = _Sink()
         proc = await backend.start_process(sb, ProcessSpec(argv=["python3", "-c", _SERVER]), sink)
         try:
-            await sink.wait_for("stdout", b"\n")
+            await sink.wait_for("stdout", b"\n", timeout=90)  # python starts slowly in a TCG guest on a busy host
             _, port, closed = sink.data["stdout"].split()
             with expect_error(ConnectionRefusedError, "a port nothing listens on"):
                 await backend.open_port(sb, int(closed))
