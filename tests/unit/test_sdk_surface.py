@@ -13,6 +13,7 @@ import pytest
 from sdk_daemon import Daemon, running_daemon
 
 import dsec
+from conftest import missing
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ async def _screen_until(term: dsec.AsyncProcess, wanted: list[bytes], seen: byte
 
 async def test_a_terminal_runs_tmux_and_shows_its_screen(sb: dsec.AsyncSandbox) -> None:
     if shutil.which("tmux") is None:  # the fake backend's sandboxes run the host's programs
-        pytest.fail("tmux is not installed (scripts/setup installs it)")
+        missing("tmux is not installed (./scripts/setup installs it)")
     socket_path = f"/tmp/dsec-tmux-{sb.id}"  # the server forks away from the terminal: ended by name below
     tmux = ["tmux", "-f", "/dev/null", "-S", socket_path]
     term = await sb.pty(cols=100, rows=30, command=[*tmux, "new-session", "-s", "main"], env={"TERM": "xterm"})
