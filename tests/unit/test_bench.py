@@ -603,7 +603,8 @@ def test_tiny_real_surface_run(tmp_path: Path, debian_python_image: object) -> N
     lat = got["latencies_s"]
     assert lat["shell_true"]["n"] == lat["exec_true"]["n"] == 3 and lat["get_proxied"]["n"] == 5
     assert all(lat[f"file_{op}"]["n"] == 3 for op in ("stat", "mkdir", "remove"))
-    assert len(got["rows"]) == 7 and all(r["dsec"] and r["peer"] for r in got["rows"])
+    assert lat["get_gateway"]["n"] == lat["get_node"]["n"] == 5
+    assert len(got["rows"]) == 8 and all(r["dsec"] and r["peer"] for r in got["rows"])
 
 
 def test_surface_rows_apply_the_targets() -> None:

@@ -4,7 +4,10 @@ The checks (``dsec.testing.node_api``) reach each target only through :class:`ds
 HTTP targets are real uvicorn servers (the daemon on its unix socket, where the fast path sits in front of
 the app; the gateway on TCP with a job token, over a node daemon on TCP with its token). Beside them, the
 contract itself: every operation is checked by the suite, bound as a route, and sent by the client as its
-declaration says.
+declaration says; and what of the sandbox surface is the gateway's own: the exposed port it answers is its
+listener (relaying to the node's), which ends with ``unexpose``, with the sandbox, and when the node
+unexposed it behind its back; and the SDK, pointed at the gateway, drives the whole surface (it follows the
+sandbox's endpoint to the node).
 """
 
 from __future__ import annotations
@@ -15,15 +18,20 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sdk_daemon import Daemon, Gateway, TinyImages, running_daemon, running_gateway
 
+import dsec
 from dsec.api import NODE_OPERATIONS, NodeAPI, NodeClient
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
+from dsec.models import SandboxSpec
+from dsec.models_surface import ExposeRequest
 from dsec.testing.fake import FakeBackend
 from dsec.testing.node_api import NODE_CHECKS, NodeCheck, covered
+from dsec.testing.node_api_surface import ECHO_SERVER, echo_server
 
 IMAGE = "tiny"
 
@@ -112,3 +120,68 @@ def test_a_path_argument_that_would_route_elsewhere_is_refused(bad: str) -> None
 
     with pytest.raises(dsec.InvalidRequest, match="not a sandbox id"):
         NodeAPI.get.encode((bad,), {})
+
+
+# -- the surface through the gateway ------------------------------------------------------------------------
+
+@pytest.fixture
+async def apis(node: Daemon, gateway: Gateway) -> AsyncIterator[tuple[NodeClient, NodeClient]]:
+    async with NodeClient(gateway.url, gateway.admin_token) as through, NodeClient(node.unix_url) as direct:
+        yield through, direct
+
+
+async def _get(url: str, headers: dict[str, str]) -> int | None:
+    """The status a GET answers, None when nothing takes the connection."""
+    async with httpx.AsyncClient(timeout=20) as client:
+        try:
+            return (await client.get(url, headers=headers)).status_code
+        except httpx.TransportError:
+            return None
+
+
+async def test_the_gateway_answers_its_own_listener_and_ends_it(apis: tuple[NodeClient, NodeClient]) -> None:
+    through, direct = apis
+    sb = await through.create(SandboxSpec(image="tiny"))
+    try:
+        port, _ = await echo_server(through, sb.id)
+        seen = await through.expose_port(sb.id, ExposeRequest(port=port))
+        on_node = await direct.get_port(sb.id, port)
+        assert seen.host_port != on_node.host_port and seen.token == on_node.token, (seen, on_node)
+        assert seen.url is not None and on_node.url is not None
+        assert await _get(seen.url, seen.headers) == await _get(on_node.url, on_node.headers) == 200
+        assert await _get(seen.url, {}) == 401  # the node checks the token: the gateway relays bytes
+        assert await through.list_ports(sb.id) == [seen] and await through.get_port(sb.id, port) == seen
+        # Unexposed on the node directly (the SDK talks to it): the gateway's listener ends when it learns so.
+        await direct.unexpose_port(sb.id, port)
+        assert await _get(seen.url, seen.headers) == 502
+        assert await through.list_ports(sb.id) == []
+        assert await _get(seen.url, seen.headers) is None
+        again = await through.expose_port(sb.id, ExposeRequest(port=port))
+        assert await _get(again.url or "", again.headers) == 200
+    finally:
+        await through.destroy(sb.id)
+    assert await _get(again.url or "", again.headers) is None  # the sandbox's end closes the gateway's listener
+
+
+async def test_the_sdk_pointed_at_the_gateway_drives_the_surface(gateway: Gateway) -> None:
+    async with dsec.Client(url=gateway.url, token=gateway.admin_token) as client, \
+            await dsec.AsyncSandbox.create(image="tiny", client=client) as sb:
+        server = await sb.exec(["python3", "-c", ECHO_SERVER], background=True)
+        port = int((await anext(server.stdout())).split()[1])
+        url = await sb.get_url(port)
+        [info] = await sb.ports()
+        assert await _get(url, info.headers) == 200
+        async with dsec.Client(url=gateway.url, token=gateway.admin_token) as other:
+            again = await (await dsec.AsyncSandbox.connect(sb.id, client=other)).processes.connect(server.pid)
+            await again.kill(9)
+        assert (await server.wait(timeout=20)).signal == 9
+        async with await sb.shell() as shell:
+            await shell.run("cd /tmp && export X=1")
+            assert (await shell.run("echo $PWD $X")).stdout == b"/tmp 1\n"
+        term = await sb.pty(cols=100, rows=40, command="stty size")
+        assert b"40 100" in b"".join([c async for c in term.stdout()])
+        await sb.files.mkdir("a/b", parents=True)
+        with pytest.raises(dsec.FileExists):
+            await sb.files.mkdir("a/b")
+        await sb.unexpose(port)
+        assert await sb.ports() == []

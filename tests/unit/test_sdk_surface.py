@@ -4,7 +4,8 @@ real daemon app (engine + FakeBackend over a unix socket), async and blocking.""
 from __future__ import annotations
 
 import asyncio
-import socket
+import re
+import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from sdk_daemon import Daemon, running_daemon
 
 import dsec
+from conftest import missing
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,33 @@ async def test_terminal(sb: dsec.AsyncSandbox) -> None:
     assert b"40 120" in out and b"<typed>" in out, out
 
 
+async def _screen_until(term: dsec.AsyncProcess, wanted: list[bytes], seen: bytes = b"") -> bytes:
+    async with asyncio.timeout(20):
+        async for chunk in term.stdout():
+            seen += chunk
+            if all(w in seen for w in wanted):
+                return seen
+    raise AssertionError(f"the terminal never showed {wanted}: {seen[-2000:]!r}")
+
+
+async def test_a_terminal_runs_tmux_and_shows_its_screen(sb: dsec.AsyncSandbox) -> None:
+    if shutil.which("tmux") is None:  # the fake backend's sandboxes run the host's programs
+        missing("tmux is not installed (./scripts/setup installs it)")
+    socket_path = f"/tmp/dsec-tmux-{sb.id}"  # the server forks away from the terminal: ended by name below
+    tmux = ["tmux", "-f", "/dev/null", "-S", socket_path]
+    term = await sb.pty(cols=100, rows=30, command=[*tmux, "new-session", "-s", "main"], env={"TERM": "xterm"})
+    try:
+        screen = await _screen_until(term, [b"[main]"])  # the status line: tmux drew its screen
+        await term.send_stdin("echo $((6*7))-done\r")
+        await _screen_until(term, [b"42-done"], screen)
+        await term.resize(120, 40)
+        await term.send_stdin("tmux display -p '#{window_width}x#{window_height}'\r")
+        await _screen_until(term, [b"120x39"])  # the window: the terminal less tmux's status line
+    finally:
+        await sb.exec([*tmux, "kill-server"])
+    assert (await term.wait(timeout=20)).running is False
+
+
 async def test_shell_session(sb: dsec.AsyncSandbox) -> None:
     async with await sb.shell() as shell:
         await shell.run("cd /tmp; f() { echo f$1; }; export V=9")
@@ -132,17 +161,19 @@ async def test_watch_streams_events_in_order(sb: dsec.AsyncSandbox) -> None:
 
 
 async def test_expose_get_url_and_tcp(sb: dsec.AsyncSandbox) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = await sb.exec(["python3", "-m", "http.server", str(port), "--bind", "127.0.0.1"], background=True)
+    # The kernel picks the server's port (one picked here and let go could be taken meanwhile, by the exposure's
+    # own listener among others: the fake backend's sandboxes share the host's loopback); the server says it.
+    server = await sb.exec(["python3", "-u", "-m", "http.server", "0", "--bind", "127.0.0.1"], background=True)
+    said = b""
+    async for chunk in server.stdout():
+        said += chunk
+        if found := re.search(rb"port (\d+)", said):
+            break
+    assert found, said
+    port = int(found[1])
     url = await sb.get_url(port)
     async with httpx.AsyncClient() as http:
-        for _ in range(100):
-            r = await http.get(url + "/", headers=(await sb.ports())[0].headers)
-            if r.status_code == 200:
-                break
-            await asyncio.sleep(0.1)
+        r = await http.get(url + "/", headers=(await sb.ports())[0].headers)
         assert r.status_code == 200 and "Directory listing" in r.text, r.text
         assert (await http.get(url + "/")).status_code == 401
     sock = await sb.connect_port(port)

@@ -201,9 +201,9 @@ async def test_watch_is_a_resource_read_by_number(engine: Engine) -> None:
 
 
 _ECHO = r"""
-import base64, hashlib, socket, sys
+import base64, hashlib, socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); print("ready", flush=True)
+s.bind(("127.0.0.1", 0)); s.listen(); print("ready", s.getsockname()[1], flush=True)
 while True:
     c, _ = s.accept(); head = b""
     while b"\r\n\r\n" not in head:
@@ -225,13 +225,15 @@ while True:
 
 
 async def _server(engine: Engine, sid: str) -> int:
-    port = 20000 + int.from_bytes(os.urandom(2), "big") % 30000
-    proc = await engine.surface.start_process(sid, ProcessRequest(command=["python3", "-c", _ECHO, str(port)]))
-    for _ in range(100):
-        if b"ready" in (await _collect_now(engine, sid, proc.pid)):
-            return port
+    """Start the echo server in the sandbox on a port the kernel picks (a port chosen here could be taken: the
+    fake backend's sandboxes share the host's loopback with everything else on the machine)."""
+    proc = await engine.surface.start_process(sid, ProcessRequest(command=["python3", "-c", _ECHO]))
+    for _ in range(400):
+        out = await _collect_now(engine, sid, proc.pid)
+        if out.startswith(b"ready ") and out.endswith(b"\n"):
+            return int(out.split()[1])
         await asyncio.sleep(0.05)
-    raise AssertionError("the test server did not start")
+    raise AssertionError(f"the test server did not start: {out!r}")
 
 
 async def _collect_now(engine: Engine, sid: str, pid: int) -> bytes:
@@ -302,13 +304,13 @@ async def test_exposed_port_carries_websocket_and_raw_tcp(engine: Engine) -> Non
 
 async def test_a_port_nothing_listens_on_answers_502_and_the_sandbox_going_closes_it(engine: Engine) -> None:
     info = await engine.create(SPEC)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
-    exposed = await engine.surface.expose(info.id, free, "http")
-    async with httpx.AsyncClient() as client:
-        r = await client.get(exposed.url or "", headers=exposed.headers)
-        assert r.status_code == 502 and f"nothing listens on port {free}" in r.text, r.text
+    with socket.socket() as held:  # bound, never listening, kept until the end: nothing else can take it
+        held.bind(("127.0.0.1", 0))
+        free = held.getsockname()[1]
+        exposed = await engine.surface.expose(info.id, free, "http")
+        async with httpx.AsyncClient() as client:
+            r = await client.get(exposed.url or "", headers=exposed.headers)
+            assert r.status_code == 502 and f"nothing listens on port {free}" in r.text, r.text
     await engine.destroy(info.id)
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient() as client:
@@ -336,3 +338,36 @@ async def test_logged_surface_calls_replay_without_running(engine: Engine) -> No
     log = await engine.trajectory_log("surface/one", 0, 10)
     assert [c.op for c in log] == ["mkdir", "process", "shell", "shell.run", "read"], log
 
+
+
+def test_the_gateways_port_relay_loses_no_byte_sent_before_it_reached_the_node() -> None:
+    """uvloop (what uvicorn serves the gateway on) reads a first chunk from a new connection even when the
+    protocol paused reading as it was made: the request a client sends at once must still reach the node."""
+    import uvloop
+
+    from dsec.cluster.surface import PortFronts
+    from dsec.models_surface import PortInfo
+
+    async def scenario() -> None:
+        async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+            await writer.drain()
+            writer.close()
+
+        listener = await asyncio.start_server(node, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        fronts = PortFronts()
+        seen = await fronts.front("sb-1", PortInfo(port=80, protocol="http", host="127.0.0.1", host_port=port,
+                                                   token="t"))
+        try:
+            for _ in range(20):
+                reader, writer = await asyncio.open_connection(seen.host, seen.host_port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await asyncio.wait_for(reader.read(), 10)).endswith(b"\r\n\r\nhi")
+                writer.close()
+        finally:
+            await fronts.aclose()
+            listener.close()
+
+    uvloop.run(scenario())

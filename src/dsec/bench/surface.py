@@ -9,7 +9,9 @@ that drift hits both sides alike:
 - an HTTP GET through an exposed port (the node's listener, its token, the relay into the sandbox) against the
   same GET sent to the same server directly, on a socket made in the sandbox's network namespace (the
   loopback the server listens on): kept-alive connections (one connect, then GETs) and a new connection per
-  GET. Target: the kept-alive p50 ≤ 1 ms over the direct one;
+  GET. Target: the kept-alive p50 ≤ 1 ms over the direct one; and the kept-alive GET through a cluster
+  gateway's relay of the port (``dsec.cluster.surface``, run in the bench's process: one more hop) against
+  the same GET through the node's listener: reported;
 - ``files.stat``, ``files.mkdir`` and ``files.remove`` against the command a harness ran for each before
   (``exec`` of ``stat``, ``mkdir``, ``rm -r``): reported.
 """
@@ -37,8 +39,9 @@ from dsec.bench.container import (
     _private_settings,
     preflight,
 )
-from dsec.bench.report import Row, Suite, summarize
+from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
+from dsec.models_surface import PortInfo
 
 __all__ = ["SHELL_TARGET", "SurfaceBench", "run"]
 
@@ -149,6 +152,24 @@ async def _direct(netns: str, token: str) -> _Http:
     return _Http(reader, writer, token)
 
 
+async def _through_a_gateway(cfg: SurfaceBench, info: PortInfo) -> tuple[Summary, Summary]:
+    """Kept-alive GETs through a cluster gateway's relay for the port (in this process: one more hop, bytes
+    only) against the same GETs through the node's listener."""
+    from dsec.cluster.surface import PortFronts
+
+    fronts = PortFronts()
+    seen = await fronts.front("bench", info)
+    relayed, on_node = await _proxied(seen.host, seen.host_port, info.token), await _proxied(
+        info.host, info.host_port, info.token)
+    try:
+        gateway_s, node_s = await _pairs(cfg.gets, cfg.warmup, relayed.get, on_node.get)
+    finally:
+        await relayed.aclose()
+        await on_node.aclose()
+        await fronts.aclose()
+    return summarize(gateway_s), summarize(node_s)
+
+
 async def _measure(cfg: SurfaceBench, client: Client, progress: Callable[[str], None]) -> Suite:
     suite = Suite("surface")
     lat = suite.latencies
@@ -193,6 +214,7 @@ async def _measure(cfg: SurfaceBench, client: Client, progress: Callable[[str], 
         finally:
             await proxied.aclose()
             await direct.aclose()
+        lat["get_gateway"], lat["get_node"] = await _through_a_gateway(cfg, info)
 
         progress(f"GET on a new connection each, x{cfg.connections}")
 
@@ -250,6 +272,10 @@ def _rows(suite: Suite) -> list[Row]:
                         target=f"≤ direct + {PROXY_TARGET_MS:g} ms" if key == "get" else None,
                         passed=proxied - direct <= PROXY_TARGET_MS if key == "get" else None,
                         note=f"+{proxied - direct:.3f} ms"))
+    if "get_gateway" in lat:
+        relayed, on_node = lat["get_gateway"].p50 * ms, lat["get_node"].p50 * ms
+        rows.append(Row("GET through a cluster gateway's relay of the port, kept-alive, p50", "ms", relayed, on_node,
+                        "the same GET through the node's listener", note=f"+{relayed - on_node:.3f} ms"))
     for name, command in (("stat", "stat"), ("mkdir", "mkdir"), ("remove", "rm -r")):
         rows.append(Row(f"files.{name} round trip p50", "ms", lat[f"file_{name}"].p50 * ms,
                         lat[f"exec_{name}"].p50 * ms, f"exec of `{command}`"))

@@ -42,6 +42,7 @@ from dsec.cluster.records import LIVE, Records, Row, shape_of
 from dsec.cluster.replica import CellKeeper, adopt_rows
 from dsec.cluster.router import FORWARDED_HEADER, was_forwarded
 from dsec.cluster.state import ClusterState, NodeRow
+from dsec.cluster.surface import GatewaySurface, PortFronts
 from dsec.daemon.audit import AuditQuery
 from dsec.daemon.auth import JOB_LABEL, scoped_token
 from dsec.daemon.events import EventBus
@@ -176,7 +177,7 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
-class GatewayEngine(NodeAPI):
+class GatewayEngine(GatewaySurface, NodeAPI):
     """The node API over a cluster (the daemon's ``create_app`` serves it): the operations it defines place,
     merge or check jobs; every other operation goes to the sandbox's node (:meth:`perform`)."""
 
@@ -234,6 +235,8 @@ class GatewayEngine(NodeAPI):
         self._image_poller: asyncio.Task[None] | None = None
         self._lease_loop: asyncio.Task[None] | None = None
         self._last_report: builtins.list[NodeFacts] | None = None
+        self.port_fronts = PortFronts()
+        """The gateway's listeners for exposed ports (:mod:`dsec.cluster.surface`; the server sets where)."""
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -336,6 +339,7 @@ class GatewayEngine(NodeAPI):
         for name in builtins.list(self._followers):
             await self._unfollow(name)
         self._nodes.clear()
+        await self.port_fronts.aclose()
         await self.connections.aclose()
         if self.keeper is not None:
             with contextlib.suppress(DSecError):
@@ -479,6 +483,7 @@ class GatewayEngine(NodeAPI):
             if row.state in LIVE:
                 freed[row.job, row.shape] += 1
                 lost.append((sid, self.records.set_state(sid, "lost", why) or row))
+                self.port_fronts.forget(sid)
         for (job, shape), count in freed.items():
             self.placer.release(job, node.name, shape, count)
         await self.state.writer.put_rows(lost)
@@ -548,6 +553,7 @@ class GatewayEngine(NodeAPI):
         row = self.records.rows.get(sid)
         if row is None:
             return
+        self.port_fronts.forget(sid)
         if row.state in LIVE:
             self.placer.release(row.job, row.node, row.shape)
         if expired is None:
@@ -893,6 +899,7 @@ class GatewayEngine(NodeAPI):
             await self._destroy(sandbox_id, row)
 
     async def _destroy(self, sandbox_id: str, row: Row) -> None:
+        await self.port_fronts.drop(sandbox_id)
         if row.state in LIVE:
             with contextlib.suppress(SandboxNotFound):
                 await self._ask(row.node, lambda node: node.destroy(sandbox_id))

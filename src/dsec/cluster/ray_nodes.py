@@ -156,6 +156,9 @@ class NodeDaemon(_Supervisor):
                            ("DSEC_TRAJECTORY_DB", c.trajectory_db), ("DSEC_SNAPSHOT_STORE", c.snapshots)):
             if value:
                 env[key] = value
+        # Exposed ports listen where the daemon does (not on loopback): the gateway relays to them, and the SDK,
+        # which follows the sandbox's endpoint to this address, reaches them directly.
+        env.setdefault("DSEC_PORTS_BIND", self.host)
         return env
 
     def endpoint(self, wait: float = 30.0) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job, current
 from dsec.cluster.placement import JobQuota
 from dsec.cluster.router import ReplicaRouter
 from dsec.cluster.state import ClusterState
+from dsec.cluster.surface import PortFronts, ports_address
 from dsec.daemon.app import create_app
 from dsec.daemon.auth import open_path
 from dsec.daemon.server import loop_factory
@@ -131,6 +132,7 @@ async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> No
     leases = CellLeases(args.db, name=name, instance=f"{name}/{secrets.token_hex(4)}",
                         url=args.advertise or f"http://{host}:{port}", cells=args.cells, ttl=args.lease_ttl)
     engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait, leases=leases)
+    engine.port_fronts = PortFronts(*ports_address(host, args.advertise))
     await engine.start()
     config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
                             timeout_keep_alive=30, backlog=4096)

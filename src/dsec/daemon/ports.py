@@ -30,7 +30,7 @@ from dsec.errors import InvalidRequest, NotFound, QuotaExceeded
 from dsec.isolation.ports import SocketStream
 from dsec.models_surface import PortInfo
 
-__all__ = ["MAX_EXPOSED", "PortForwarder"]
+__all__ = ["MAX_EXPOSED", "PortForwarder", "Relay"]
 
 Opener = Callable[[], Awaitable[PortStream]]
 MAX_EXPOSED = 64
@@ -76,12 +76,12 @@ class _Exposure:
     connections: set[asyncio.Task[None]] = field(default_factory=set)
 
 
-class _Relay(asyncio.Protocol):
+class Relay(asyncio.Protocol):
     """One side of a relay between two transports, with flow control both ways."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.peer: _Relay | None = None
+        self.peer: Relay | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -112,7 +112,7 @@ class _Relay(asyncio.Protocol):
             self.peer.transport.close()
 
 
-class _Front(_Relay):
+class _Front(Relay):
     """The client's side of one connection: its first request head (or preamble) is read and checked here,
     then it becomes one side of a relay to the sandbox."""
 
@@ -195,6 +195,10 @@ class PortForwarder:
 
     async def expose(self, sandbox_id: str, port: int, protocol: str, opener: Opener) -> PortInfo:
         """Listen for ``port`` of the sandbox (again: the same exposure, or a new one if the protocol changed)."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidRequest(f"port must be a TCP port number from 1 to 65535, got {port!r}", port=port)
+        if protocol not in ("http", "tcp"):
+            raise InvalidRequest(f"protocol must be 'http' or 'tcp', got {protocol!r}", protocol=protocol)
         table = self._exposed.setdefault(sandbox_id, {})
         current = table.get(port)
         if current is not None:
@@ -359,7 +363,7 @@ class PortForwarder:
     async def _splice(front: _Front, upstream: SocketStream, pending: bytes) -> None:
         """Socket to socket: both sides protocols of the loop (no task per direction)."""
         loop = asyncio.get_running_loop()
-        up_transport, up = await loop.create_connection(_Relay, sock=upstream.socket)
+        up_transport, up = await loop.create_connection(Relay, sock=upstream.socket)
         front.peer, up.peer = up, front
         if pending:
             up_transport.write(pending)

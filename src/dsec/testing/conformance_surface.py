@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import os
+import shutil
 import signal
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from dsec.accounts import ROOT, Identity
 from dsec.backends.base import Backend, ImageRef, resolve_user_in
@@ -23,6 +26,7 @@ from dsec.backends.surface import ProcessSpec, Stream
 from dsec.daemon.shells import ShellSession
 from dsec.errors import (
     DirectoryNotEmpty,
+    DSecError,
     FileExists,
     FileNotFound,
     InvalidRequest,
@@ -185,6 +189,46 @@ async def check_file_operations(backend: Backend, image: ImageRef) -> None:
         assert r.stdout == b"", f"left after removing: {r.stdout!r}"
 
 
+def _file_calls(backend: Backend, sb: SandboxRecord, file: str, directory: str
+                ) -> list[Callable[[], Awaitable[object]]]:
+    """Every file operation that changes or reads an entry, on ``file`` or ``directory``."""
+    return [
+        lambda: backend.stat_file(sb, file), lambda: backend.chmod_file(sb, file, 0o777),
+        lambda: backend.chown_file(sb, file, _USER), lambda: backend.rename_file(sb, file, "/workspace/taken", True),
+        lambda: backend.remove_file(sb, file, False), lambda: backend.remove_file(sb, directory, True),
+        lambda: backend.make_dir(sb, f"{directory}/made", False, 0o755),
+    ]
+
+
+async def check_file_operations_contained(backend: Backend, image: ImageRef) -> None:
+    """stat, mkdir, remove, rename, chmod, chown and watch resolve ``..`` and symlinks the sandbox planted
+    inside the sandbox, never on the host: a host file and directory beside the sandbox stay untouched (a
+    refusal is fine too; where the sandbox's root is read-only, so are refusals of the writes)."""
+    host = Path(tempfile.mkdtemp(prefix="dsec-contained-"))  # a host directory the sandbox has no twin of
+    victim, victim_dir = host / "f", host / "d"
+    victim.write_bytes(b"host")
+    victim.chmod(0o644)
+    victim_dir.mkdir()
+    try:
+        async with sandbox(backend, image) as sb:
+            r = await run(backend, sb, "ln -s / escape")
+            assert r.exit_code == 0, r
+            for via in ("/workspace/escape", "/workspace/../../.."):
+                attempts = _file_calls(backend, sb, f"{via}{victim}", f"{via}{victim_dir}")
+                for attempt in attempts:
+                    with contextlib.suppress(DSecError):  # the sandbox has no such file: not found, or refused
+                        found = await attempt()
+                        raise AssertionError(f"a file operation through {via} reached the host: {found}")
+                with contextlib.suppress(DSecError):
+                    events = await backend.watch_files(sb, f"{via}{victim_dir}", False)
+                    await events.aclose()  # type: ignore[attr-defined]
+                    raise AssertionError(f"a watch through {via} watched the host's {victim_dir}")
+        assert victim.read_bytes() == b"host" and victim.stat().st_mode & 0o777 == 0o644
+        assert victim.stat().st_uid == os.getuid() and victim_dir.is_dir() and not any(victim_dir.iterdir())
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
 def _squeeze(events: list[FileEvent]) -> list[tuple[str, str, str | None]]:
     out: list[tuple[str, str, str | None]] = []
     for e in events:
@@ -322,9 +366,10 @@ async def check_shell_session(backend: Backend, image: ImageRef) -> None:
 
 # -------------------------------------------------------------------------------------------- ports
 _SERVER = """
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); print("listening", flush=True)
+import socket
+closed = socket.socket(); closed.bind(("127.0.0.1", 0))  # held, never listening: a port nothing listens on
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print("listening", s.getsockname()[1], closed.getsockname()[1], flush=True)
 while True:
     c, _ = s.accept(); data = c.recv(100); c.sendall(b"pong:" + data); c.close()
 """
@@ -332,19 +377,21 @@ while True:
 
 async def check_port(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
-        port = random.randint(20000, 60000)
         if not backend.ports:
             with expect_error(NotSupported, "a backend without ports, asked for one"):
-                await backend.open_port(sb, port)
+                await backend.open_port(sb, 8000)
             return
-        with expect_error(ConnectionRefusedError, "a port nothing listens on"):
-            await backend.open_port(sb, port)
+        # The server's ports are the kernel's pick, said by the server: a port chosen here could be taken
+        # where the sandbox shares a loopback (the fake backend shares the host's).
         sink = _Sink()
-        proc = await backend.start_process(sb, ProcessSpec(argv=["python3", "-c", _SERVER, str(port)]), sink)
+        proc = await backend.start_process(sb, ProcessSpec(argv=["python3", "-c", _SERVER]), sink)
         try:
-            await sink.wait_for("stdout", b"listening")
+            await sink.wait_for("stdout", b"\n", timeout=90)  # python starts slowly in a TCG guest on a busy host
+            _, port, closed = sink.data["stdout"].split()
+            with expect_error(ConnectionRefusedError, "a port nothing listens on"):
+                await backend.open_port(sb, int(closed))
             for _ in range(2):
-                stream = await backend.open_port(sb, port)
+                stream = await backend.open_port(sb, int(port))
                 try:
                     await stream.write(b"ping")
                     reply = b""
@@ -372,7 +419,8 @@ async def check_large_command(backend: Backend, image: ImageRef) -> None:
 
 
 SURFACE_CHECKS = [
-    check_exec_as_user, check_files_as_user, check_file_operations, check_file_watch, check_process_handle,
-    check_process_dies_with_sandbox, check_pty, check_shell_session, check_port, check_large_command,
+    check_exec_as_user, check_files_as_user, check_file_operations, check_file_operations_contained,
+    check_file_watch, check_process_handle, check_process_dies_with_sandbox, check_pty, check_shell_session,
+    check_port, check_large_command,
 ]
 """The surface's checks (part of :data:`dsec.testing.CHECKS`)."""

@@ -30,7 +30,10 @@ import pytest
 import dsec
 from cluster_support import LocalCluster, checked_cluster, cluster_services
 from container_support import images_dir
+from dsec.api import NodeClient
 from dsec.images.store import ImageStore
+from dsec.models_surface import ShellRequest, ShellRunRequest
+from dsec.testing.node_api_surface import ECHO_SERVER
 from image_support import seaweedfs
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -143,6 +146,33 @@ async def test_placement_prefers_a_node_whose_cache_holds_the_image(cluster: Loc
             assert [sb._info.node for sb in sandboxes] == [warm] * 3
         finally:
             await asyncio.gather(*(s.close() for s in sandboxes))
+
+
+async def test_the_surface_for_the_sdk_and_for_a_client_of_the_gateway_only(cluster: LocalCluster) -> None:
+    async with client(cluster, "alpha") as c, await dsec.AsyncSandbox.create(
+            image="debian-python", backend="container", network="none", cpu=0.2, memory="256Mi", client=c) as sb:
+        server = await sb.exec(["python3", "-c", ECHO_SERVER], background=True)
+        said = await anext(server.stdout())
+        port = int(said.split()[1])
+        url = await sb.get_url(port)  # the SDK follows the endpoint: the node's listener, on the node's address
+        [on_node] = await sb.ports()
+        async with httpx.AsyncClient(timeout=30) as web:
+            assert (await web.get(url, headers=on_node.headers)).text == "you said / token=None"
+            # A client of the gateway only: every call through it, the port through the gateway's listener.
+            async with NodeClient(cluster.gateway.url, cluster.tokens["alpha"]) as gateway:
+                seen = await gateway.get_port(sb.id, port)
+                assert seen.host_port != on_node.host_port and seen.token == on_node.token, (seen, on_node)
+                assert (await web.get(seen.url or "", headers=seen.headers)).text == "you said / token=None"
+                assert (await web.get(seen.url or "")).status_code == 401
+                shell = await gateway.start_shell(sb.id, ShellRequest())
+                run = ShellRunRequest
+                await gateway.run_shell(sb.id, shell.id, run(command="cd /tmp && export X=1"))
+                assert (await gateway.run_shell(sb.id, shell.id, run(command="echo $PWD $X"))).stdout == b"/tmp 1\n"
+                output = [e async for e in gateway.process_output(sb.id, server.pid, follow=False)]
+                assert b"".join(e.data or b"" for e in output) == said, output
+                await gateway.unexpose_port(sb.id, port)
+                with pytest.raises(httpx.TransportError):
+                    await web.get(seen.url or "", headers=seen.headers)
 
 
 async def test_quota_and_bad_tokens(cluster: LocalCluster) -> None:
