@@ -1233,7 +1233,7 @@ class Engine(SurfaceOperations):
             elapsed = time.monotonic() - started
             self.metrics.execs.labels(name, outcome).inc()
             self.metrics.exec_seconds.labels(name).observe(elapsed)
-            self._audit(record, "exec", request.command, request.cwd, at, elapsed, outcome, result, error)
+            self.audit_command(record, "exec", request.command, request.cwd, at, elapsed, outcome, result, error)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -1271,11 +1271,12 @@ class Engine(SurfaceOperations):
             elapsed = time.monotonic() - started
             self.metrics.execs.labels(name, outcome).inc()
             self.metrics.exec_seconds.labels(name).observe(elapsed)
-            self._audit(record, "call", [request.python, "<pickled callable>"], None, at, elapsed, outcome, result,
-                        error)
+            self.audit_command(record, "call", [request.python, "<pickled callable>"], None, at, elapsed, outcome,
+                               result, error)
 
-    def _audit(self, record: SandboxRecord, op: str, command: str | builtins.list[str], cwd: str | None, at: float,
-               elapsed: float, outcome: AuditOutcome, result: ExecResult | None, error: str | None) -> None:
+    def audit_command(self, record: SandboxRecord, op: str, command: str | builtins.list[str], cwd: str | None,
+                      at: float, elapsed: float, outcome: AuditOutcome, result: ExecResult | None,
+                      error: str | None) -> None:
         """Queue the audit record of one command (in memory; the audit log's flusher writes it)."""
         spec = record.spec
         # A plain tuple in audit.COLUMNS order: the flusher decodes and serialises it off the event loop.

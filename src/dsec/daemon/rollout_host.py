@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from dsec.backends.base import Backend
-from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxInfo, SandboxRecord, SandboxSpec
+from dsec.models import AuditOutcome, ExecEvent, ExecRequest, ExecResult, SandboxInfo, SandboxRecord, SandboxSpec
 
 if TYPE_CHECKING:
     from dsec.daemon.surface import Surface
@@ -57,6 +57,11 @@ class RolloutHost(Protocol):
     def exec_events(self, backend: Backend, record: SandboxRecord, request: ExecRequest
                     ) -> AsyncIterator[ExecEvent]:
         """Run a command, audited and counted, without the trajectory log."""
+        ...
+
+    def audit_command(self, record: SandboxRecord, op: str, command: str | list[str], cwd: str | None, at: float,
+                      elapsed: float, outcome: AuditOutcome, result: ExecResult | None, error: str | None) -> None:
+        """Queue the audit record of one command (a call answered from the log is audited too)."""
         ...
 
     async def exec_unlogged(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
