@@ -540,6 +540,9 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
     assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
     assert got["sdk_map"]["calls"] == 40 and got["sdk_map"]["rate"] > 0 and got["sdk_map"]["cpu_ms_daemon"] > 0
     assert got["neighbour"]["alone"]["n"] == 3 and got["neighbour"]["loaded"]["n"] == 3
+    assert got["latencies_s"]["run_code"]["n"] == 2 and got["latencies_s"]["bare_python"]["n"] == 2
+    assert got["fusion"]["p50_failures"] == 0 and got["fusion"]["sustained"]["ok"] > 0, got["fusion"]
+    assert got["fusion"]["sustained"]["failures"] == 0 and got["fusion"]["bare_sustained"]["rate"] > 0
     assert [r["metric"] for r in got["rows"]], "no row in the table"
 
 
