@@ -301,7 +301,8 @@ class Daemon:
         if self.fusion is not None:
             from dsec.fusion.serve import node_app as fusion_app
 
-            fusion = fusion_app(engine, self.fusion, self.token, TokenFile(self.settings.tokens_file))
+            fusion = fusion_app(engine, self.fusion, self.token, TokenFile(self.settings.tokens_file),
+                                self.settings.node)
             # lifespan: the app declares its warm pool at start and waits for its sandboxes' destruction at stop
             self._servers.append(_Server(uvicorn.Config(
                 AnswerCutOffCalls(fusion, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="on",

@@ -19,7 +19,7 @@ import posixpath
 import secrets
 
 from dsec.api.protocol import NodeAPI
-from dsec.errors import DSecError, FileNotFound, InvalidRequest
+from dsec.errors import DSecError, FileNotFound, InvalidRequest, NotSupported
 from dsec.models import ExecRequest, ExecResult, PoolConfig
 
 from .languages import LANGUAGES, Toolchain, probe_command
@@ -48,8 +48,11 @@ class FusionRunner:
     async def start(self) -> None:
         """Declare the warm pool the requests of the default memory claim from."""
         s = self.settings
-        await self.api.declare_pool(PoolConfig(image=s.image, backend="function", memory=s.memory, workdir=s.workdir,
-                                               min=s.pool_min, max=s.pool_max))
+        try:
+            await self.api.declare_pool(PoolConfig(image=s.image, backend="function", memory=s.memory,
+                                                   workdir=s.workdir, min=s.pool_min, max=s.pool_max))
+        except NotSupported as exc:  # the gateway: pools are the nodes' own (their --pool)
+            log.info("run_code: no warm pool declared: %s", exc)
 
     async def aclose(self) -> None:
         """Destroy the sandboxes kept for the next requests."""

@@ -6,6 +6,7 @@ gateway's jobs). It must never serve requests itself (:mod:`dsec.fusion.app`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -20,9 +21,12 @@ from .runner import FusionRunner
 
 __all__ = ["gateway_app", "node_app"]
 
-def node_app(api: NodeAPI, options: FusionOptions, admin_token: str | None, tokens: TokenFile) -> FastAPI:
-    """The SandboxFusion app of a node daemon: its tokens are the keys."""
-    return create_fusion_app(FusionRunner(api, options.runner), NodeKeys(admin_token, tokens))
+def node_app(api: NodeAPI, options: FusionOptions, admin_token: str | None, tokens: TokenFile,
+             node: str | None = None) -> FastAPI:
+    """The SandboxFusion app of a node daemon: its tokens are the keys; ``node`` is its answers'
+    ``executor_pod_name``."""
+    settings = options.runner if node is None else dataclasses.replace(options.runner, node=node)
+    return create_fusion_app(FusionRunner(api, settings), NodeKeys(admin_token, tokens))
 
 
 def gateway_app(api: NodeAPI, options: FusionOptions, by_token: dict[str, str],

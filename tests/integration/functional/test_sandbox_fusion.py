@@ -57,6 +57,7 @@ def test_python_bash_and_cpp_with_the_client(endpoint: str) -> None:
     assert (r.run_result.status.value, r.run_result.return_code) == ("Finished", 0), r
     assert (r.run_result.stdout, r.run_result.stderr) == ("hi 3\n", "e\n"), r
     assert r.run_result.execution_time is not None and r.run_result.execution_time > 0
+    assert r.executor_pod_name, "the node that ran it"
     r = _run(endpoint, code="echo $((6 * 7)); pwd; exit 3", language="bash")
     assert r.status == RunStatus.Failed and r.run_result.return_code == 3, r
     assert r.run_result.stdout == "42\n/workspace\n", r
