@@ -779,9 +779,10 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
                    "`dsec bench cluster-sim --burst N`: sandboxes of the one-job batch (default 32000).")
 @click.option("--phase", "phases", multiple=True,
               type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman",
-                                 "decide", "idle", "batch", "single", "fill", "death", "restart"]),
+                                 "decide", "idle", "batch", "single", "fill", "death", "restart", "run-code"]),
               help="pools suite: create, sustained, exec, neighbours, burst, podman; cluster-sim suite: decide, "
-                   "idle, batch, single, fill, death, restart. Run only this phase (repeatable; default: all).")
+                   "idle, batch, single, fill, death, restart; function suite: run-code. Run only this phase "
+                   "(repeatable; default: all).")
 @click.option("--idle-vms", type=click.IntRange(1, 10_000), metavar="N",
               help="microvm suite: idle VMs alive at once, each answering an exec (default 8; 100 for the target).")
 @click.option("--nodes", "fleet_sizes", metavar="N[,N...]",
@@ -810,6 +811,11 @@ def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...]
     elif burst is not None and suites == ("cluster",):
         cluster_bench = importlib.import_module("dsec.bench.cluster")
         config = dataclasses.replace(cluster_bench.ClusterBench().scaled(0.1 if quick else 1.0), burst=burst)
+    elif suites == ("function",) and phases:
+        if set(phases) != {"run-code"}:
+            raise click.BadParameter("the function suite has one phase to run alone: run-code", param_hint="--phase")
+        function_bench = importlib.import_module("dsec.bench.function")
+        config = dataclasses.replace(function_bench.FunctionBench().scaled(0.1 if quick else 1.0), phases=("run-code",))
     elif burst is not None or phases:
         pools = importlib.import_module("dsec.bench.pools")
         config = pools.PoolBench().scaled(0.1 if quick else 1.0)

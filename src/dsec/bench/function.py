@@ -37,9 +37,11 @@ from dsec.config import Settings
 from dsec.models import ExecRequest
 from dsec.testing.conformance import new_record
 
-__all__ = ["FunctionBench", "run", "threads_rate"]
+__all__ = ["PHASES", "FunctionBench", "run", "threads_rate"]
 
 IMAGE = "debian-python"
+PHASES = ("run-code",)
+"""The phase ``--phase`` can run alone."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class FunctionBench:
     peer_n: int = 100
     daemon: str = "process"
     """``"process"``: ``dsec up`` as users run it; ``"thread"``: in this process (shares its GIL)."""
+    phases: tuple[str, ...] = ()
+    """Run only these (``run-code``: SandboxFusion's ``/run_code`` and its peer); empty: everything."""
 
     def scaled(self, factor: float) -> FunctionBench:
         """Every count and duration times ``factor`` (at least 1 sample; ``DSEC_BENCH_SCALE``)."""
@@ -264,6 +268,9 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "skipped": {},
                                "latencies": suite.latencies}
     try:
+        if cfg.phases == ("run-code",):
+            await _run_code(cfg, settings, results, timer, progress)
+            return _finish(suite, results, timer)
         progress(f"starting a private daemon ({cfg.daemon}) in {settings.home}")
         with contextlib.ExitStack() as daemon:
             with timer.phase("daemon start"):
@@ -277,10 +284,7 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
                     await _sdk(cfg, client, results, daemon_pid(settings) if cfg.daemon == "process" else None)
             finally:
                 await client.aclose()
-        progress(f"run_code (SandboxFusion's API): print(1) x{cfg.call_n}, sustained {cfg.sustained_seconds:g} s "
-                 f"(C={cfg.concurrency}), and the bare python3 -c peer")
-        with timer.phase("run_code"):
-            await fusion.measure(settings, cfg.call_n, cfg.warmup, cfg.concurrency, cfg.sustained_seconds, results)
+        await _run_code(cfg, settings, results, timer, progress)
         progress(f"backend: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s")
         with timer.phase("backend"):
             await _backend(cfg, settings, results)
@@ -310,8 +314,20 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
                 await NodeImages(settings).aclose(unmount=True)
             results["leaks"] = _leaks(settings)
             shutil.rmtree(settings.home, ignore_errors=True)
+    return _finish(suite, results, timer)
+
+
+async def _run_code(cfg: FunctionBench, settings: Settings, results: dict[str, Any], timer: _Timer,
+                    progress: Callable[[str], None]) -> None:
+    progress(f"run_code (SandboxFusion's API): print(1) x{cfg.call_n}, sustained {cfg.sustained_seconds:g} s "
+             f"(C={cfg.concurrency}), and the bare python3 -c peer")
+    with timer.phase("run_code"):
+        await fusion.measure(settings, cfg.call_n, cfg.warmup, cfg.concurrency, cfg.sustained_seconds, results)
+
+
+def _finish(suite: Suite, results: dict[str, Any], timer: _Timer) -> Suite:
     results["phases_s"] = timer.phases
-    results.pop("latencies")
+    results.pop("latencies", None)
     suite.extra = results
     suite.rows = _rows(suite)
     return suite
