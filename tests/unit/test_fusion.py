@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from dsec.errors import FileNotFound, SandboxNotFound
+from dsec.errors import FileNotFound, PermissionDenied, SandboxNotFound
 from dsec.fusion.options import RunnerSettings
 from dsec.fusion.runner import FusionRunner
 from dsec.fusion.wire import CommandRunStatus, RunCodeRequest, RunStatus
-from dsec.models import ExecRequest, ExecResult, PoolConfig, SandboxInfo, SandboxSpec
+from dsec.models import ExecRequest, ExecResult, FileEntry, PoolConfig, SandboxInfo, SandboxSpec
 
 
 class ScriptedNode:
@@ -25,6 +25,7 @@ class ScriptedNode:
         self.execs: list[tuple[str, list[str]]] = []
         self.files: dict[tuple[str, str], bytes] = {}
         self.wipe_ok = True
+        self.removed = 0
         self.missing: set[str] = set()  # programs the "image" lacks
         self.run_result = ExecResult(exit_code=0, stdout=b"out\n", duration_s=0.01)
 
@@ -46,6 +47,16 @@ class ScriptedNode:
         if (sandbox_id, path) not in self.files:
             raise FileNotFound(path)
         return self.files[sandbox_id, path]
+
+    async def list_files(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        return [FileEntry(name=p.rsplit("/", 1)[1], path=p, type="file", size=len(data), mode=0o644, mtime=0.0)
+                for (sid, p), data in self.files.items() if sid == sandbox_id]
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        if not self.wipe_ok:  # a directory the code made unreadable: the runner falls back to a shell
+            raise PermissionDenied(f"{path}: permission denied")
+        self.removed += 1
+        del self.files[sandbox_id, path]
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         argv = request.argv()
@@ -161,6 +172,7 @@ async def test_sandboxes_are_reused_only_once_wiped_and_never_across_jobs_or_mem
     await _settle(runner)
     await runner.run_code(_request(), job="a")
     assert len(node.created) == 1, "a wiped sandbox serves the next request of its shape"
+    assert node.removed >= 1 and not any("find" in " ".join(argv) for _, argv in node.execs), "no shell to wipe"
     await _settle(runner)
     await runner.run_code(_request(), job="b")
     await runner.run_code(_request(memory_limit_MB=512), job="a")

@@ -4,9 +4,10 @@ request is done and the sandbox's working directory is wiped, kept for the next 
 Owns which sandbox a request gets and whether a used one may serve again. A function sandbox keeps nothing of
 a call but the files of its working directory (each call has its own pid, mount, IPC and UTS namespaces, its
 own ``/tmp`` and cgroup, and every process of a call dies with it), so a sandbox whose working directory was
-emptied is as fresh as a new one; one whose wipe failed, or that served ``MAX_USES`` requests, or comes near its
-expiry, is destroyed instead. Sandboxes of different memory or of different jobs are never mixed. It must never
-run a request's code (:mod:`dsec.fusion.runner`).
+emptied (through the files API, or a shell for what that cannot remove) is as fresh as a new one; one whose
+wipe failed, or that served ``MAX_USES`` requests, or comes near its expiry, is destroyed instead. Sandboxes
+of different memory or of different jobs are never mixed. It must never run a request's code
+(:mod:`dsec.fusion.runner`).
 """
 
 from __future__ import annotations
@@ -97,9 +98,17 @@ class Recycler:
         idle.append(lease)
 
     async def _wipe(self, sandbox_id: str) -> bool:
-        """Empty the working directory (directories the code made unwritable included); True when empty."""
-        script = ('chmod -R u+rwX "$0" 2>/dev/null; find "$0" -mindepth 1 -delete && '
-                  '[ -z "$(ls -A "$0")" ]')
+        """Empty the working directory; True when it is empty. Through the files API first (no process to
+        start), then, for what that could not remove (a directory the code made unreadable), a shell."""
+        try:
+            entries = await self.api.list_files(sandbox_id, self.workdir)
+            await asyncio.gather(*(self.api.remove_file(sandbox_id, e.path, recursive=e.type == "dir")
+                                   for e in entries))
+            if not await self.api.list_files(sandbox_id, self.workdir):
+                return True
+        except DSecError:
+            pass
+        script = 'chmod -R u+rwX "$0" 2>/dev/null; find "$0" -mindepth 1 -delete && [ -z "$(ls -A "$0")" ]'
         try:
             done = await self.api.exec(sandbox_id, ExecRequest(command=["/bin/sh", "-c", script, self.workdir],
                                                                timeout=60))
