@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsec.errors import FileNotFound, PermissionDenied, SandboxNotFound
-from dsec.fusion.options import RunnerSettings
+from dsec.config import Settings
+from dsec.daemon.server import Daemon, ServeError
+from dsec.errors import FileNotFound, InvalidRequest, PermissionDenied, SandboxNotFound
+from dsec.fusion.options import FusionOptions, RunnerSettings
 from dsec.fusion.runner import FusionRunner
 from dsec.fusion.wire import CommandRunStatus, RunCodeRequest, RunStatus
 from dsec.models import ExecRequest, ExecResult, FileEntry, PoolConfig, SandboxInfo, SandboxSpec
@@ -186,3 +189,11 @@ async def test_sandboxes_are_reused_only_once_wiped_and_never_across_jobs_or_mem
     assert len(node.created) == 4
     await runner.aclose()
     assert set(node.destroyed) == {"sb1", "sb2", "sb3", "sb4"}
+
+
+def test_the_listener_needs_an_address_and_a_token(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="--sandbox-fusion must look like HOST:PORT"):
+        FusionOptions("nonsense")
+    assert FusionOptions("127.0.0.1:0").address == ("127.0.0.1", 0)
+    with pytest.raises(ServeError, match="refusing to serve --sandbox-fusion without a token"):
+        Daemon(Settings(home=tmp_path), fusion=FusionOptions("127.0.0.1:0"))
