@@ -39,8 +39,9 @@ from image_support import seaweedfs
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FN = {"image": "debian-python", "backend": "function", "cpu": 0.1, "memory": "64Mi", "timeout": 600}
-FUSION_PORT = 47931
-"""The gateway's SandboxFusion listener (in the cluster's own network namespace: no other listener there)."""
+FUSION_PORT = 24731
+"""The gateway's SandboxFusion listener, in the cluster's own network namespace: below the ephemeral range
+(which the cluster's other servers bind at random) and outside Ray's worker ports (10002-19999)."""
 ALIAS = "debian-python-cl"
 """A second name of the image in the S3 store, which no node has resolved before the locality test."""
 
