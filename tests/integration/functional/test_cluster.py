@@ -58,7 +58,7 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
                 s3 = ImageStore(scratch / "seed", url)
                 manifest = s3.copy_image(ImageStore(images_dir()), "debian-python")
                 s3.blobs.put(f"tags/{ALIAS}", manifest.digest.encode() + b"\n")
-                jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}}
+                jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}, "fusion": {}}
                 creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
                 fusion = ["--sandbox-fusion", f"127.0.0.1:{FUSION_PORT}"]
                 with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}, images=scratch / "nodes",
@@ -120,11 +120,12 @@ async def cached_on(c: dsec.Client, image: str) -> set[str]:
 
 
 def test_run_code_through_the_gateway(cluster: LocalCluster) -> None:
-    """SandboxFusion's /run_code on the gateway: a job's token, the request placed on a node, the job's label."""
+    """SandboxFusion's /run_code on the gateway: a job's token, the request placed on a node, the job's label.
+    A job of its own: the listener keeps the sandbox for the job's next request, which other tests would list."""
     url = f"http://127.0.0.1:{FUSION_PORT}/run_code"
     body = {"code": "import os\nprint(input()[::-1], os.getcwd())", "stdin": "abc", "language": "python",
             "memory_limit_MB": 64}
-    r = httpx.post(url, json=body, auth=("dsec", cluster.tokens["alpha"]), timeout=120)
+    r = httpx.post(url, json=body, auth=("dsec", cluster.tokens["fusion"]), timeout=120)
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["status"] == "Success" and got["run_result"]["stdout"] == "cba /workspace\n", got
