@@ -99,9 +99,15 @@ def _daemon_errors() -> tuple[type[Exception], ...]:
               help="The backend of a template that names none (BACKEND/IMAGE names one).")
 @click.option("--e2b-network", default="none", show_default=True,
               help="Network policy of a sandbox created without allow_internet_access (none or allow).")
+@click.option("--sandbox-fusion", "fusion_listen", metavar="HOST:PORT",
+              help="Also serve SandboxFusion's POST /run_code here (verl's sandbox_fusion_url: "
+                   "http://dsec:TOKEN@HOST:PORT/run_code); each request runs on the function backend.")
+@click.option("--sandbox-fusion-image", default="debian-python", show_default=True,
+              help="The image /run_code requests run on (its toolchains decide the languages).")
 def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cpus: str | None,
           e2b_listen: str | None, e2b_domain: str | None, e2b_tls_cert: Path | None, e2b_tls_key: Path | None,
-          e2b_default_image: str, e2b_backend: str, e2b_network: str) -> None:
+          e2b_default_image: str, e2b_backend: str, e2b_network: str, fusion_listen: str | None,
+          sandbox_fusion_image: str) -> None:
     """Run the node daemon in the foreground (its log, start-up phases included, on stderr and in its log file)."""
     from click.core import ParameterSource
 
@@ -140,8 +146,16 @@ def serve(tcp: str | None, token: str | None, pools: tuple[str, ...], control_cp
                              network=e2b_network)
         except InvalidRequest as exc:
             _fail(str(exc))
+    fusion = None
+    if fusion_listen is not None:
+        from dsec.fusion import FusionOptions, RunnerSettings
+
+        try:
+            fusion = FusionOptions(fusion_listen, RunnerSettings(image=sandbox_fusion_image))
+        except InvalidRequest as exc:
+            _fail(str(exc))
     try:
-        server.serve(settings, tcp=tcp, token=token or None, e2b=e2b)
+        server.serve(settings, tcp=tcp, token=token or None, e2b=e2b, fusion=fusion)
     except _daemon_errors() as exc:
         _fail(str(exc))
 
@@ -765,9 +779,10 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
                    "`dsec bench cluster-sim --burst N`: sandboxes of the one-job batch (default 32000).")
 @click.option("--phase", "phases", multiple=True,
               type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman",
-                                 "decide", "idle", "batch", "single", "fill", "death", "restart"]),
+                                 "decide", "idle", "batch", "single", "fill", "death", "restart", "run-code"]),
               help="pools suite: create, sustained, exec, neighbours, burst, podman; cluster-sim suite: decide, "
-                   "idle, batch, single, fill, death, restart. Run only this phase (repeatable; default: all).")
+                   "idle, batch, single, fill, death, restart; function suite: run-code. Run only this phase "
+                   "(repeatable; default: all).")
 @click.option("--idle-vms", type=click.IntRange(1, 10_000), metavar="N",
               help="microvm suite: idle VMs alive at once, each answering an exec (default 8; 100 for the target).")
 @click.option("--nodes", "fleet_sizes", metavar="N[,N...]",
@@ -796,6 +811,11 @@ def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...]
     elif burst is not None and suites == ("cluster",):
         cluster_bench = importlib.import_module("dsec.bench.cluster")
         config = dataclasses.replace(cluster_bench.ClusterBench().scaled(0.1 if quick else 1.0), burst=burst)
+    elif suites == ("function",) and phases:
+        if set(phases) != {"run-code"}:
+            raise click.BadParameter("the function suite has one phase to run alone: run-code", param_hint="--phase")
+        function_bench = importlib.import_module("dsec.bench.function")
+        config = dataclasses.replace(function_bench.FunctionBench().scaled(0.1 if quick else 1.0), phases=("run-code",))
     elif burst is not None or phases:
         pools = importlib.import_module("dsec.bench.pools")
         config = pools.PoolBench().scaled(0.1 if quick else 1.0)

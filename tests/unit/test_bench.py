@@ -370,6 +370,22 @@ def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
     assert "needs two CPUs" in json.loads(told_one)["skipped"]
 
 
+def test_the_function_suite_runs_run_code_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from dsec import cli
+    from dsec.bench.function import FunctionBench
+
+    seen: list[object] = []
+    monkeypatch.setattr("dsec.bench.main", lambda suites, path, config, **kw: seen.append(config) or 0)
+    result = CliRunner().invoke(cli.main, ["bench", "function", "--phase", "run-code", "--quick"])
+    assert result.exit_code == 0, result.output
+    [config] = seen
+    assert isinstance(config, FunctionBench) and config.phases == ("run-code",) and config.call_n == 10
+    result = CliRunner().invoke(cli.main, ["bench", "function", "--phase", "exec"])
+    assert result.exit_code != 0 and "one phase to run alone: run-code" in result.output
+
+
 def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
@@ -379,9 +395,10 @@ def test_pools_phases_select_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(PoolBench().wants(p) for p in PHASES)
     [option] = [o for o in cli.bench.params if o.name == "phases"]
     from dsec.bench.cluster_sim import PHASES as SIM_PHASES
+    from dsec.bench.function import PHASES as FUNCTION_PHASES
 
-    # the CLI lists every phase of both suites that have phases
-    assert tuple(option.type.choices) == PHASES + SIM_PHASES  # type: ignore[attr-defined]
+    # the CLI lists every phase of the suites that have phases
+    assert tuple(option.type.choices) == PHASES + SIM_PHASES + FUNCTION_PHASES  # type: ignore[attr-defined]
     only = PoolBench(phases=("burst",))
     assert only.wants("burst") and not only.wants("create") and not only.wants("podman")
     seen: list[object] = []
@@ -540,6 +557,9 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
     assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
     assert got["sdk_map"]["calls"] == 40 and got["sdk_map"]["rate"] > 0 and got["sdk_map"]["cpu_ms_daemon"] > 0
     assert got["neighbour"]["alone"]["n"] == 3 and got["neighbour"]["loaded"]["n"] == 3
+    assert got["latencies_s"]["run_code"]["n"] == 2 and got["latencies_s"]["bare_python"]["n"] == 2
+    assert got["fusion"]["p50_failures"] == 0 and got["fusion"]["sustained"]["ok"] > 0, got["fusion"]
+    assert got["fusion"]["sustained"]["failures"] == 0 and got["fusion"]["bare_sustained"]["rate"] > 0
     assert [r["metric"] for r in got["rows"]], "no row in the table"
 
 

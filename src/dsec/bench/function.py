@@ -8,7 +8,8 @@ floor the daemon adds to). The peers run the same ``true`` in the same run: ``su
 (a fresh sandbox per call, what a user would otherwise script). Throughputs use the same number of
 concurrent workers for every contender. ``sb.call`` and ``sb.map`` (forked from the sandbox's Python
 zygote) are measured through the SDK, with the CPU each call costs by side, and so is a neighbour's
-exec latency while a grader's ``sb.map`` keeps the node busy. Everything the suite creates lives in a private
+exec latency while a grader's ``sb.map`` keeps the node busy. SandboxFusion's ``/run_code`` is measured against
+a bare ``python3 -c`` (:mod:`dsec.bench.fusion`). Everything the suite creates lives in a private
 ``DSEC_HOME`` and is removed in ``finally``; what could not be removed is reported under ``leaks``.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from dsec import AsyncSandbox, Client
 from dsec.backends.function import FunctionBackend
+from dsec.bench import fusion
 from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer, cpu_per_cycle
 from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.report import Row, Suite, summarize
@@ -35,9 +37,11 @@ from dsec.config import Settings
 from dsec.models import ExecRequest
 from dsec.testing.conformance import new_record
 
-__all__ = ["FunctionBench", "run"]
+__all__ = ["PHASES", "FunctionBench", "run", "threads_rate"]
 
 IMAGE = "debian-python"
+PHASES = ("run-code",)
+"""The phase ``--phase`` can run alone."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class FunctionBench:
     peer_n: int = 100
     daemon: str = "process"
     """``"process"``: ``dsec up`` as users run it; ``"thread"``: in this process (shares its GIL)."""
+    phases: tuple[str, ...] = ()
+    """Run only these (``run-code``: SandboxFusion's ``/run_code`` and its peer); empty: everything."""
 
     def scaled(self, factor: float) -> FunctionBench:
         """Every count and duration times ``factor`` (at least 1 sample; ``DSEC_BENCH_SCALE``)."""
@@ -85,8 +91,9 @@ def preflight(settings: Settings) -> Path | None:
     return None
 
 
-def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
-    """``subprocess.run(argv)`` back to back in ``concurrency`` threads for ``seconds``; runs per second."""
+def threads_rate(one: Callable[[], bool], concurrency: int, seconds: float) -> dict[str, Any]:
+    """``one()`` back to back in ``concurrency`` threads for ``seconds`` (it returns whether it succeeded); runs
+    per second."""
     ok = 0
     failures = 0
     lock = threading.Lock()
@@ -95,13 +102,10 @@ def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str
     def worker() -> None:
         nonlocal ok, failures
         while time.perf_counter() < deadline:
-            code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, check=False).returncode
+            good = one()
             with lock:
-                if code == 0:
-                    ok += 1
-                else:
-                    failures += 1
+                ok += good
+                failures += not good
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -111,6 +115,15 @@ def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str
         t.join()
     elapsed = time.perf_counter() - t0
     return {"ok": ok, "failures": failures, "seconds": elapsed, "rate": ok / elapsed, "concurrency": concurrency}
+
+
+def _threads_rate(argv: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
+    """``subprocess.run(argv)`` back to back in ``concurrency`` threads for ``seconds``; runs per second."""
+    def one() -> bool:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              check=False).returncode == 0
+
+    return threads_rate(one, concurrency, seconds)
 
 
 def _timed(argv: list[str], n: int, warmup: int) -> list[float]:
@@ -255,6 +268,9 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "skipped": {},
                                "latencies": suite.latencies}
     try:
+        if cfg.phases == ("run-code",):
+            await _run_code(cfg, settings, results, timer, progress)
+            return _finish(suite, results, timer)
         progress(f"starting a private daemon ({cfg.daemon}) in {settings.home}")
         with contextlib.ExitStack() as daemon:
             with timer.phase("daemon start"):
@@ -268,6 +284,7 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
                     await _sdk(cfg, client, results, daemon_pid(settings) if cfg.daemon == "process" else None)
             finally:
                 await client.aclose()
+        await _run_code(cfg, settings, results, timer, progress)
         progress(f"backend: exec true x{cfg.exec_n}, sustained {cfg.sustained_seconds:g} s")
         with timer.phase("backend"):
             await _backend(cfg, settings, results)
@@ -297,8 +314,20 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
                 await NodeImages(settings).aclose(unmount=True)
             results["leaks"] = _leaks(settings)
             shutil.rmtree(settings.home, ignore_errors=True)
+    return _finish(suite, results, timer)
+
+
+async def _run_code(cfg: FunctionBench, settings: Settings, results: dict[str, Any], timer: _Timer,
+                    progress: Callable[[str], None]) -> None:
+    progress(f"run_code (SandboxFusion's API): print(1) x{cfg.call_n}, sustained {cfg.sustained_seconds:g} s "
+             f"(C={cfg.concurrency}), and the bare python3 -c peer")
+    with timer.phase("run_code"):
+        await fusion.measure(settings, cfg.call_n, cfg.warmup, cfg.concurrency, cfg.sustained_seconds, results)
+
+
+def _finish(suite: Suite, results: dict[str, Any], timer: _Timer) -> Suite:
     results["phases_s"] = timer.phases
-    results.pop("latencies")
+    results.pop("latencies", None)
     suite.extra = results
     suite.rows = _rows(suite)
     return suite
@@ -359,4 +388,4 @@ def _rows(suite: Suite) -> list[Row]:
                         target="≤ 20%", passed=nb["rise"] <= 0.2,
                         note=f"alone {nb['alone']['p50'] * 1000:.2f} ms, beside the map "
                              f"{nb['loaded']['p50'] * 1000:.2f} ms"))
-    return rows
+    return rows + fusion.fusion_rows(lat, ex)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,7 +146,8 @@ class LocalCluster:
 @contextlib.contextmanager
 def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots: dict[str, int],
                   images: Path, *, admission_wait: float = 120.0, image_store: str | None = None,
-                  node_env: dict[str, str] | None = None, start_gateway: bool = True) -> Iterator[LocalCluster]:
+                  node_env: dict[str, str] | None = None, start_gateway: bool = True,
+                  gateway_args: Sequence[str] = ()) -> Iterator[LocalCluster]:
     """A head (no sandboxes) plus ``workers`` Ray nodes with a node daemon each, and the gateway.
 
     Call inside :func:`own_netns`; ``dsn`` is a PostgreSQL server reachable there (gateway state and
@@ -155,7 +156,7 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
     and snapshots then live in that store. ``node_env``: more environment for the node daemons (S3
     credentials). ``start_gateway=False``: Ray and the files only (``base/jobs.json``, ``base/node.json``)
     for a caller that starts the gateway itself (``dsec cluster up``), listening on ``gateway.url``'s
-    port so that teardown still finds it.
+    port so that teardown still finds it. ``gateway_args``: more options of the gateway (its listeners).
     """
     base = Path(tempfile.mkdtemp(prefix="dsec-cl-", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(base / "ray")
@@ -190,7 +191,7 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
         gateway = Gateway(
             [sys.executable, "-m", "dsec.cluster", "gateway", "--listen", f"127.0.0.1:{port}", "--db", dsn,
              "--jobs", str(base / "jobs.json"), "--ray-address", cluster.address,
-             "--node-config", str(base / "node.json"), "--admission-wait", str(admission_wait)],
+             "--node-config", str(base / "node.json"), "--admission-wait", str(admission_wait), *gateway_args],
             dict(os.environ), base / "gateway.log", f"http://127.0.0.1:{port}")
         handle = LocalCluster(base, cluster, gateway, admin, tokens, dsn)
         for _ in range(workers):

@@ -139,6 +139,8 @@ async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> No
     servers = [uvicorn.Server(config)]
     if args.e2b is not None:
         servers.append(uvicorn.Server(_e2b_config(args, engine, jobs)))
+    if args.sandbox_fusion is not None:
+        servers.append(uvicorn.Server(_fusion_config(args, engine, jobs)))
     try:
         await asyncio.gather(*(server.serve() for server in servers))
     finally:
@@ -155,14 +157,27 @@ def _e2b_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) -> 
                          tls_key=args.e2b_tls_key, default_image=args.e2b_default_image,
                          secret_file=args.e2b_secret_file)
 
-    def set_job(job: str) -> Callable[[], None]:
-        token = current_job.set(job)
-        return lambda: current_job.reset(token)
-
-    app = e2b_gateway_app(engine, options, jobs.by_token, set_job)
+    app = e2b_gateway_app(engine, options, jobs.by_token, _set_job)
     host, port = options.address
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30,
                           **uvicorn_tls(options))
+
+
+def _set_job(job: str) -> Callable[[], None]:
+    token = current_job.set(job)
+    return lambda: current_job.reset(token)
+
+
+def _fusion_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) -> uvicorn.Config:
+    """The gateway's SandboxFusion listener: keys are the jobs' tokens, each request runs on a node the gateway
+    places it on (warm pools are the nodes': ``--pool debian-python:function:workdir=/workspace``)."""
+    from dsec.fusion.options import FusionOptions, RunnerSettings
+    from dsec.fusion.serve import gateway_app as fusion_gateway_app
+
+    options = FusionOptions(args.sandbox_fusion, RunnerSettings(image=args.sandbox_fusion_image))
+    host, port = options.address
+    return uvicorn.Config(fusion_gateway_app(engine, options, jobs.by_token, _set_job), host=host, port=port,
+                          log_level="warning", timeout_keep_alive=30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2b-default-image", default="debian-python", help="image of the 'base' template")
     p.add_argument("--e2b-secret-file", type=Path, default=None,
                    help="key of the envd access tokens (created 0600; default: a fresh key per start)")
+    p.add_argument("--sandbox-fusion", default=None, metavar="HOST:PORT",
+                   help="also serve SandboxFusion's /run_code (keys: the jobs' tokens)")
+    p.add_argument("--sandbox-fusion-image", default="debian-python", help="the image /run_code runs on")
     args = parser.parse_args(argv)
     if args.cells < 1 or args.lease_ttl <= 0:
         parser.error("--cells must be at least 1 and --lease-ttl more than 0")

@@ -18,6 +18,7 @@ from dsec.daemon.engine import Engine
 from dsec.daemon.server import ServeError, serve
 from dsec.e2b.options import E2BOptions
 from dsec.errors import InvalidRequest
+from dsec.fusion.options import FusionOptions, RunnerSettings
 
 
 def main(argv: list[str] | None = None, engine: Callable[[Settings], Engine] | None = None) -> int:
@@ -37,13 +38,19 @@ def main(argv: list[str] | None = None, engine: Callable[[Settings], Engine] | N
     p.add_argument("--e2b-default-image", default="debian-python", help="image of the 'base' template")
     p.add_argument("--e2b-backend", default="container", help="backend of a template that names none")
     p.add_argument("--e2b-network", default="none", help="network of a sandbox that asks for none")
+    p.add_argument("--sandbox-fusion", default=None, metavar="HOST:PORT",
+                   help="also serve SandboxFusion's /run_code (needs a token)")
+    p.add_argument("--sandbox-fusion-image", default="debian-python", help="the image /run_code runs on")
     args = parser.parse_args(argv)
     settings = Settings(home=args.home) if args.home else Settings()
     logs.setup(settings.log_file, args.log_level)
     try:
         e2b = _e2b_options(args)
+        fusion = None
+        if args.sandbox_fusion is not None:
+            fusion = FusionOptions(args.sandbox_fusion, RunnerSettings(image=args.sandbox_fusion_image))
         serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None,
-              engine=engine(settings) if engine is not None else None, e2b=e2b)
+              engine=engine(settings) if engine is not None else None, e2b=e2b, fusion=fusion)
     except (ServeError, InvalidRequest) as exc:
         print(f"dsec daemon: {exc}", file=sys.stderr)
         return 1

@@ -42,6 +42,7 @@ from dsec.daemon.janitor import Janitor
 from dsec.daemon.startup import SERVING, Phases, find_daemon, is_dsec, lock_holder, read_status, write_lock_owner
 from dsec.e2b.options import E2BOptions
 from dsec.errors import DSecError, NotFound
+from dsec.fusion.options import FusionOptions
 from dsec.isolation import affinity
 from dsec.isolation.procs import start_time
 
@@ -129,12 +130,16 @@ class Daemon:
         token: str | None = None,
         engine: Engine | None = None,
         e2b: E2BOptions | None = None,
+        fusion: FusionOptions | None = None,
     ) -> None:
         _check_tcp_auth(settings, tcp, token)
         if e2b is not None:
             _check_tcp_auth(settings, e2b.listen, token, "--e2b")
+        if fusion is not None:
+            _check_tcp_auth(settings, fusion.listen, token, "--sandbox-fusion")
         self.settings = settings
         self.e2b = e2b
+        self.fusion = fusion
         self.tcp = _parse_tcp(tcp) if tcp is not None else None
         self.token = token
         self.engine = engine
@@ -143,6 +148,8 @@ class Daemon:
         """The bound TCP address once serving (useful with port 0)."""
         self.e2b_address: tuple[str, int] | None = None
         """The bound address of the E2B listener once serving."""
+        self.fusion_address: tuple[str, int] | None = None
+        """The bound address of the SandboxFusion listener once serving."""
         self._servers: list[_Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -245,6 +252,9 @@ class Daemon:
             if self.e2b is not None:
                 sockets.append(_bind_tcp(*self.e2b.address))
                 self.e2b_address = sockets[-1].getsockname()[:2]
+            if self.fusion is not None:
+                sockets.append(_bind_tcp(*self.fusion.address))
+                self.fusion_address = sockets[-1].getsockname()[:2]
             self._phase("loading the backends")
             engine = self._serving = self.engine or Engine.from_settings(s)
             engine.on_phase = self._phase
@@ -288,12 +298,22 @@ class Daemon:
             self._servers.append(_Server(uvicorn.Config(
                 AnswerCutOffCalls(e2b, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
                 timeout_graceful_shutdown=5, **uvicorn_tls(self.e2b))))
+        if self.fusion is not None:
+            from dsec.fusion.serve import node_app as fusion_app
+
+            fusion = fusion_app(engine, self.fusion, self.token, TokenFile(self.settings.tokens_file),
+                                self.settings.node)
+            # lifespan: the app declares its warm pool at start and waits for its sandboxes' destruction at stop
+            self._servers.append(_Server(uvicorn.Config(
+                AnswerCutOffCalls(fusion, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="on",
+                timeout_graceful_shutdown=5)))
         if self._stopping:
             self._stop_servers()
         self.started.set()
-        log.info("dsec daemon serving on %s%s%s", self.settings.socket_path,
+        log.info("dsec daemon serving on %s%s%s%s", self.settings.socket_path,
                  f" and tcp {self.tcp[0]}:{self.tcp[1]}" if self.tcp else "",
-                 f" and E2B on {self.e2b.scheme}://{self.e2b.listen}" if self.e2b else "")
+                 f" and E2B on {self.e2b.scheme}://{self.e2b.listen}" if self.e2b else "",
+                 f" and SandboxFusion on http://{self.fusion.listen}" if self.fusion else "")
         pairs = zip(self._servers, sockets, strict=True)
         await asyncio.gather(*(server.serve([sock]) for server, sock in pairs))
 
@@ -312,18 +332,20 @@ def serve(
     token: str | None = None,
     engine: Engine | None = None,
     e2b: E2BOptions | None = None,
+    fusion: FusionOptions | None = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT; raises :class:`ServeError` if it cannot start.
 
     ``tcp`` is ``"HOST:PORT"`` for a second listener that requires ``token`` (refused without one).
-    ``engine`` defaults to :meth:`Engine.from_settings`. ``e2b``: also serve E2B's API (:mod:`dsec.e2b`).
+    ``engine`` defaults to :meth:`Engine.from_settings`. ``e2b``: also serve E2B's API (:mod:`dsec.e2b`);
+    ``fusion``: SandboxFusion's ``/run_code`` (:mod:`dsec.fusion`).
     """
     try:
         affinity.control_cpus(settings.control_cpus)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b).run())
+        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b, fusion=fusion).run())
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -39,6 +39,9 @@ from image_support import seaweedfs
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FN = {"image": "debian-python", "backend": "function", "cpu": 0.1, "memory": "64Mi", "timeout": 600}
+FUSION_PORT = 24731
+"""The gateway's SandboxFusion listener, in the cluster's own network namespace: below the ephemeral range
+(which the cluster's other servers bind at random) and outside Ray's worker ports (10002-19999)."""
 ALIAS = "debian-python-cl"
 """A second name of the image in the S3 store, which no node has resolved before the locality test."""
 
@@ -55,10 +58,11 @@ def cluster(debian_python_image: object) -> Iterator[LocalCluster]:
                 s3 = ImageStore(scratch / "seed", url)
                 manifest = s3.copy_image(ImageStore(images_dir()), "debian-python")
                 s3.blobs.put(f"tags/{ALIAS}", manifest.digest.encode() + b"\n")
-                jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}}
+                jobs = {"alpha": {}, "small": {"max_live": 3}, "burst": {}, "rate": {"max_rate": 2}, "fusion": {}}
                 creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+                fusion = ["--sandbox-fusion", f"127.0.0.1:{FUSION_PORT}"]
                 with checked_cluster(pg, 3, jobs, {"function": 10, "container": 4}, images=scratch / "nodes",
-                                     image_store=url, node_env=creds) as handle:
+                                     image_store=url, node_env=creds, gateway_args=fusion) as handle:
                     yield handle
                     local = scratch / "nodes" / "store"
                     used = [str(f) for f in local.rglob("*") if f.is_file()] if local.exists() else []
@@ -113,6 +117,19 @@ async def cached_on(c: dsec.Client, image: str) -> set[str]:
     text = (await c.api.metrics_text()).decode()
     return {line.split('node="')[1].split('"')[0] for line in text.splitlines()
             if line.startswith("dsec_cluster_node_image_cached{") and f'image="{image}"' in line}
+
+
+def test_run_code_through_the_gateway(cluster: LocalCluster) -> None:
+    """SandboxFusion's /run_code on the gateway: a job's token, the request placed on a node, the job's label.
+    A job of its own: the listener keeps the sandbox for the job's next request, which other tests would list."""
+    url = f"http://127.0.0.1:{FUSION_PORT}/run_code"
+    body = {"code": "import os\nprint(input()[::-1], os.getcwd())", "stdin": "abc", "language": "python",
+            "memory_limit_MB": 64}
+    r = httpx.post(url, json=body, auth=("dsec", cluster.tokens["fusion"]), timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["status"] == "Success" and got["run_result"]["stdout"] == "cba /workspace\n", got
+    assert httpx.post(url, json=body, auth=("dsec", "not-a-job-token"), timeout=60).status_code == 401
 
 
 async def test_placement_prefers_a_node_whose_cache_holds_the_image(cluster: LocalCluster) -> None:
