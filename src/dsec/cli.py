@@ -29,6 +29,7 @@ from dsec._term import table as fit_table
 from dsec.cli_ops import age as _age
 from dsec.cli_ops import register as _register_ops
 from dsec.cli_surface import register as _register_surface
+from dsec.cli_trajectory import register as _register_trajectory
 from dsec.errors import DSecError, InvalidRequest
 from dsec.models import parse_pairs
 
@@ -215,6 +216,7 @@ def doctor(as_json: bool) -> None:
 
 _register_ops(main)
 _register_surface(main)
+_register_trajectory(main)
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})

@@ -535,3 +535,15 @@ async def test_a_branch_counts_a_call_copied_while_running_as_missing(engine: En
     store = engine.rollouts.log.store
     assert (await store.entry(branch.trajectory.name, 1)).status == "interrupted"
     assert (await store.entry("job-17/rollout-3", 1)).status == "running"
+
+
+async def test_sqlite_store_lists_ends_and_deletes(tmp_path: Path) -> None:
+    from trajectory_support import check_list_end_and_delete
+
+    for sync in ("normal", "full"):  # inline commits and the writer thread
+        store = SQLiteStore(tmp_path / f"{sync}.db", sync=sync)
+        await store.start()
+        try:
+            await check_list_end_and_delete(store)
+        finally:
+            await store.aclose()
