@@ -12,7 +12,7 @@ import abc
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 from dsec.accounts import ROOT, Identity, resolve_identity
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
@@ -45,6 +45,9 @@ class Check(NamedTuple):
     """What is wrong; None while it works."""
     detail: str | None = None
     """What it is or runs as (a pid, ``kvm``/``tcg``), whatever its state."""
+    state: Literal["degraded", "down"] = "down"
+    """How bad ``error`` is: ``down`` (it does not work: the watchdog restarts it) or ``degraded`` (it works in
+    part, or will by itself: reported, not restarted)."""
 
 
 def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:

@@ -154,7 +154,9 @@ class Watchdog:
                 if check.error is None:
                     self.health.set(name, None, detail=check.detail)
                     continue
-                self.health.set(name, check.error, state="down", detail=check.detail)
+                self.health.set(name, check.error, state=check.state, detail=check.detail)
+                if check.state == "degraded":
+                    continue  # it works in part, or will by itself: nothing to restart
                 try:
                     await backend.repair(name)
                 except Exception as exc:
