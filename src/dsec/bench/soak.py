@@ -1,8 +1,8 @@
 """``dsec bench soak``: mixed load on one node for N minutes while its parts are SIGKILLed in turn.
 
 Against a private daemon (a process of its own, so it can be killed and started again), ``workers`` clients
-loop over episodes -- create, exec, write and read, snapshot and fork, and every third episode a trajectory
-rollout that is cut off mid-call and re-run -- on the container and function backends. Every
+loop over episodes -- create, exec, write and read, snapshot and restore, fork, and every third episode a
+trajectory rollout that is cut off mid-call and re-run -- on the container and function backends. Every
 ``fault_every_s`` seconds one component of the chaos list is SIGKILLed, in turn: the exec helper, the mount
 holder, the lazy image server, a function sandbox's zygote, a container sandbox's init, the daemon itself.
 After each fault the soak measures the time until the node recovered (the component counted the fault
@@ -49,6 +49,7 @@ from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_setti
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.daemon import server
+from dsec.images.store import ImageStore
 
 __all__ = ["COMPONENTS", "SoakBench", "run"]
 
@@ -188,6 +189,8 @@ async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.
                 sb.exec, f"echo {i} >> /workspace/n; python3 -c 'import json'", timeout=60))
         await _guard(tally, "write", mine, lambda: sb.files.write("/workspace/f", os.urandom(4096)))
         await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
+        if backend == "container" and rng.random() < 0.2:
+            await _restore(node, tally, sb, mine)
         if backend == "container" and rng.random() < 0.3:
             kids = await _guard(tally, "fork", mine, lambda: sb.fork(1)) or []
             for kid in kids:
@@ -195,6 +198,24 @@ async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.
                 await _close(tally, kid, mine)
     finally:
         await _close(tally, sb, mine)
+
+
+async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
+    """Snapshot ``sb``, restore it into a new sandbox that must hold its files, then purge the snapshot (the
+    store may be shared: its chunks are this run's alone)."""
+    snap = await _guard(tally, "snapshot", mine, sb.snapshot)
+    if snap is None:
+        return
+    try:
+        copy = await _guard(tally, "restore", mine, lambda: AsyncSandbox.create(snapshot=snap, client=node.client))
+        if copy is not None:
+            mine.add(copy.id)
+            await _guard(tally, "exec", mine, lambda: copy.exec("cat /workspace/n"))
+            await _close(tally, copy, mine)
+    finally:
+        store = ImageStore(node.settings.images, node.settings.snapshot_store)
+        with contextlib.suppress(DSecError, OSError):
+            await asyncio.to_thread(store.remove_snapshot, snap, True)
 
 
 async def _rollout(node: _Node, tally: _Tally, name: str) -> None:
