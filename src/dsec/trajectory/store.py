@@ -55,6 +55,8 @@ _SCHEMA = (
     # A table of its own rather than a column: logs made before ending existed need no migration.
     """CREATE TABLE IF NOT EXISTS dsec_ended (name TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL)""",
 )
+_MAX_KEPT = 100_000
+"""Deferred inline writes kept for a store that takes no write (an outage), at most."""
 _ENTRY_COLUMNS = "seq, op, digest, request, status, response, truncated, original_bytes, started_at, duration_s"
 _UPSERT_CALL = (
     f"INSERT INTO dsec_calls (name, {_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -283,7 +285,12 @@ class TrajectoryStore(abc.ABC):
                 if len(self._pending) == 1:
                     asyncio.get_running_loop().call_later(self.defer_s, self._flush_pending)
                 return
-            self._commit_inline([*self._take_pending(), op])
+            deferred = self._take_pending()
+            try:
+                self._commit_inline([*deferred, op])
+            except DSecError:
+                self._keep(deferred)
+                raise
             return
         if durable:
             await self._writer.submit(op, True)  # type: ignore[misc]  # wait=True: a future
@@ -300,6 +307,17 @@ class TrajectoryStore(abc.ABC):
     def _take_pending(self) -> list[_Op]:
         ops, self._pending = self._pending, []
         return ops
+
+    def _keep(self, ops: list[_Op]) -> None:
+        """Deferred writes whose commit failed go back before the ones queued since, for the next commit (the
+        watchdog's probe makes one every few seconds): a call's answer is not lost to an outage of the store.
+        Past :data:`_MAX_KEPT` the oldest are dropped; those calls read as interrupted after a restart."""
+        self._pending[:0] = ops
+        if len(self._pending) > _MAX_KEPT:
+            dropped = len(self._pending) - _MAX_KEPT
+            del self._pending[:dropped]
+            log.error("trajectory log: %d deferred writes dropped while %s takes no write; those calls read as "
+                      "interrupted after a restart", dropped, self.where)
 
     def _commit_inline(self, ops: list[_Op]) -> None:
         try:
@@ -319,8 +337,8 @@ class TrajectoryStore(abc.ABC):
             try:
                 self._commit_inline(ops)
             except DSecError as exc:
-                log.error("trajectory log: %d deferred writes failed (%s); those calls read as interrupted after "
-                          "a restart", len(ops), exc)
+                self._keep(ops)
+                log.error("trajectory log: %d deferred writes wait for the store (%s)", len(ops), exc)
 
     async def barrier(self) -> None:
         """Return once every write issued so far is committed (deferred ones included)."""

@@ -1,5 +1,5 @@
-"""Chaos on the node's stores: a real daemon whose trajectory database turns read-only (PostgreSQL), and whose
-image store (S3 on SeaweedFS) stops answering.
+"""Chaos on the node's stores: a real daemon whose trajectory database turns read-only (PostgreSQL, and the
+local SQLite file made immutable), and whose image store (S3 on SeaweedFS) stops answering.
 
 For each: the calls that need the store fail with an error naming it (and nothing half-happens: a logged
 command refused before it ran never runs), the rest of the node keeps working, ``/v1/health`` shows the
@@ -9,16 +9,20 @@ store degraded while it is and ``ok`` again after, and nothing of the home is le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from test_chaos import component, node_on, wait_ok
 
 import dsec
 from container_support import images_dir, short_home
+from dsec.config import Settings
 from dsec.images.store import ImageStore
 from image_support import seaweedfs
 from postgres_support import PgServer, postgres_or_missing
@@ -55,26 +59,45 @@ def test_trajectory_db_turns_read_only(pg: PgServer, debian_python_image: object
     home = short_home("dsec-chaosro-")
     try:
         with node_on(home, DSEC_TRAJECTORY_DB=pg.dsn) as node:
-            asyncio.run(_read_only_db(node.url, pg))
+            asyncio.run(_read_only_db(node.url, lambda on: read_only(pg, on), "read-only"))
     finally:
         read_only(pg, False)
         shutil.rmtree(home, ignore_errors=True)
 
 
-async def _read_only_db(url: str, pg: PgServer) -> None:
+def immutable(paths: list[Path], on: bool) -> None:
+    """``chattr +i`` (or ``-i``): root itself cannot write the files then, through descriptors already open too.
+    The ``-shm`` file SQLite maps stays writable: a write to that mapping would be a SIGBUS, not an error."""
+    subprocess.run(["chattr", "+i" if on else "-i", *map(str, paths)], check=True)
+
+
+def test_sqlite_trajectory_db_turns_read_only(debian_python_image: object) -> None:
+    home = short_home("dsec-chaosrol-")
+    db = Settings(home=home).home_trajectory_db
+    files = [db, db.with_name(db.name + "-wal")]
+    try:
+        with node_on(home) as node:
+            asyncio.run(_read_only_db(node.url, lambda on: immutable(files, on), "trajectories.db"))
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            immutable([f for f in files if f.exists()], False)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def _read_only_db(url: str, set_read_only: Callable[[bool], None], cause: str) -> None:
     async with dsec.Client(url) as client:
         sb = await dsec.AsyncSandbox.create(image="debian-python", trajectory="chaos/ro", client=client)
         try:
             await sb.exec("echo a >> ran")
-            read_only(pg, True)
-            with pytest.raises(dsec.SandboxError, match="read-only"):
+            set_read_only(True)
+            with pytest.raises(dsec.SandboxError, match="trajectory log"):
                 await sb.exec("echo b >> ran")  # refused: its log entry could not be written, so it did not run
             part = await wait_not_ok(client, "trajectory-store")
-            assert "read-only" in str(part.error), part
+            assert cause in str(part.error) or cause in str(part.detail), part
             plain = await dsec.AsyncSandbox.create(image="debian-python", client=client)  # the node works on
             assert (await plain.exec("echo ok")).stdout == b"ok\n"
             await plain.close()
-            read_only(pg, False)
+            set_read_only(False)
             await wait_ok(client, "trajectory-store", part.faults)
             assert (await sb.exec("echo b >> ran")).exit_code == 0  # the same call again: now logged and run
             assert (await sb.exec("cat ran")).stdout == b"a\nb\n"  # b ran once
