@@ -248,6 +248,11 @@ class Backend(abc.ABC):
     async def repair(self, component: str) -> None:
         """Start helper ``component`` again after :meth:`components` reported it broken."""
 
+    def take_healed(self) -> list[tuple[str, str, float, float]]:
+        """Helper faults this backend met and repaired on its own since the last call, before the watchdog saw
+        them (an exec restarting a dead exec helper): (component, what was wrong, when found, when repaired)."""
+        return []
+
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
         """Run a pickled Python callable (``sb.call``); the reply is decoded by the SDK, never here."""
         raise NotSupported(f"backend {self.name!r} cannot run Python callables: use backend='function'")

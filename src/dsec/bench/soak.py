@@ -2,7 +2,8 @@
 
 Against a private daemon (a process of its own, so it can be killed and started again), ``workers`` clients
 loop over episodes -- create, exec, write and read, snapshot and restore, fork, and every third episode a
-trajectory rollout that is cut off mid-call and re-run -- on the container and function backends. Every
+trajectory rollout that is cut off mid-call and re-run -- on the container and function backends, while
+another imports a small image into the node's store and removes it again, every second. Every
 ``fault_every_s`` seconds one component of the chaos list is SIGKILLed, in turn: the exec helper, the mount
 holder, the lazy image server, a function sandbox's zygote, a container sandbox's init, the daemon itself.
 After each fault the soak measures the time until the node recovered (the component counted the fault
@@ -264,6 +265,26 @@ async def _gone(name: str, client: Client) -> None:
         await AsyncTrajectory(name, client).delete()
 
 
+async def _images(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
+    """Import a small image into the node's store and remove it again, over and over (what ``dsec image import``
+    and ``rm`` do from another shell): the node must keep serving the images in use meanwhile."""
+    settings = node.settings
+    store = ImageStore(settings.images, settings.image_store)
+    tree = settings.home / "soak-image"
+    (tree / "etc").mkdir(parents=True, exist_ok=True)
+    n = 0
+    while not done.is_set():
+        name = f"soak-{os.getpid()}-{n}"
+        (tree / "etc" / "generation").write_text(f"{n}\n")
+        made = await _guard(tally, "image-import", set(), functools.partial(
+            asyncio.to_thread, store.import_dir, name, tree, settings.uid_shift))
+        if made is not None:
+            await _guard(tally, "image-get", set(), functools.partial(node.client.api.get_image, name))
+            await _guard(tally, "image-remove", set(), functools.partial(asyncio.to_thread, store.remove, name))
+        n += 1
+        await asyncio.sleep(1.0)
+
+
 async def _worker(node: _Node, tally: _Tally, worker: int, done: asyncio.Event, rng: random.Random) -> None:
     n = 0
     while not done.is_set():
@@ -360,7 +381,10 @@ async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress
     took = await _inject(node, name, tally)
     if took is None:
         tally.unrecovered.append(name)
-        progress(f"{name}: not recovered within {_RECOVERY_BOUND:g} s")
+        now = None
+        with contextlib.suppress(DSecError):
+            now = await node.component(name)
+        progress(f"{name}: not recovered within {_RECOVERY_BOUND:g} s (health: {now})")
     else:
         tally.recoveries.setdefault(name, []).append(took)
         progress(f"{name}: recovered in {took:.1f} s")
@@ -376,7 +400,7 @@ async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tal
         results["rss_start_mib"] = node.rss_mib()
         deadline, done = time.monotonic() + cfg.minutes * 60, asyncio.Event()
         progress(f"{cfg.workers} workers for {cfg.minutes:g} min, a SIGKILL every {cfg.fault_every_s:g} s")
-        await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress),
+        await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress), _images(node, tally, done),
                              *(_worker(node, tally, w, done, random.Random(rng.random()))
                                for w in range(cfg.workers)))
         results["rss_end_mib"] = node.rss_mib()

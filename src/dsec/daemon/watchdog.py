@@ -147,6 +147,8 @@ class Watchdog:
         """Each backend's helpers; a broken one is restarted."""
         seen: set[str] = set()
         for backend in self.node.watched_backends().values():
+            for name, why, began, ended in backend.take_healed():
+                self.health.healed(name, why, began, ended)
             for name, check in backend.components().items():
                 if name in seen:
                     continue
