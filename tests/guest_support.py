@@ -1,8 +1,23 @@
-"""Shared pieces of the probes that microvm and vm tests run inside a guest."""
+"""Shared pieces of the probes that microvm and vm tests run inside a guest, and of finding a guest's QEMU."""
 
 from __future__ import annotations
 
-__all__ = ["CONFINED_VIEW"]
+from pathlib import Path
+
+__all__ = ["CONFINED_VIEW", "qemu_of"]
+
+
+def qemu_of(sandbox_id: str) -> list[int]:
+    """Pids of QEMU processes whose command line names the sandbox (what an operator would look for)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu" in argv and sandbox_id.encode() in argv:
+            found.append(int(proc.name))
+    return found
 
 CONFINED_VIEW = r'''
 def _comm(pid):

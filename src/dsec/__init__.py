@@ -9,7 +9,8 @@ from dsec._sdk.client import Client
 from dsec._sdk.files import AsyncFiles, AsyncWatch
 from dsec._sdk.processes import AsyncProcess, AsyncProcesses, AsyncShell
 from dsec._sdk.sandbox import AsyncSandbox
-from dsec._sdk.sync import Files, Process, Processes, Sandbox, Shell, Watch
+from dsec._sdk.sync import Files, Process, Processes, Sandbox, Shell, Trajectory, Watch
+from dsec._sdk.trajectory import AsyncTrajectory
 from dsec._version import __version__
 from dsec.errors import (
     BackendUnavailable,
@@ -60,6 +61,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
     SandboxStats,
+    TrajectoryInfo,
 )
 from dsec.models_surface import (
     FileEvent,
@@ -77,6 +79,7 @@ __all__ = [
     "AsyncProcesses",
     "AsyncSandbox",
     "AsyncShell",
+    "AsyncTrajectory",
     "AsyncWatch",
     "AuditEntry",
     "BackendUnavailable",
@@ -135,6 +138,8 @@ __all__ = [
     "ShellInfo",
     "ShellResult",
     "StoreUnavailable",
+    "Trajectory",
+    "TrajectoryInfo",
     "Unauthorized",
     "UserNotFound",
     "Watch",

@@ -29,6 +29,7 @@ from dsec._term import table as fit_table
 from dsec.cli_ops import age as _age
 from dsec.cli_ops import register as _register_ops
 from dsec.cli_surface import register as _register_surface
+from dsec.cli_trajectory import register as _register_trajectory
 from dsec.errors import DSecError, InvalidRequest
 from dsec.models import parse_pairs
 
@@ -215,6 +216,7 @@ def doctor(as_json: bool) -> None:
 
 _register_ops(main)
 _register_surface(main)
+_register_trajectory(main)
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})
@@ -789,14 +791,25 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
               help="cluster-sim suite: simulated fleet sizes, one run each (default 160,1000,2000,4000).")
 @click.option("--live", type=click.IntRange(1, 10_000_000), metavar="N",
               help="cluster-sim suite: live sandboxes the gateway holds in the fill phase (default 380000).")
+@click.option("--minutes", type=click.FloatRange(0.1, 24 * 60), metavar="N",
+              help="soak suite: how long the mixed load runs (default 60).")
+@click.option("--fault-every", type=click.FloatRange(5, 3600), metavar="SECONDS",
+              help="soak suite: seconds between two SIGKILLs of the chaos list (default 30).")
 def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
           burst: int | None, phases: tuple[str, ...], idle_vms: int | None, fleet_sizes: str | None,
-          live: int | None) -> None:
-    """Run benchmarks against the peers measured in the same run (no SUITE: every suite)."""
+          live: int | None, minutes: float | None, fault_every: float | None) -> None:
+    """Run benchmarks against the peers measured in the same run (no SUITE: every suite but soak)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
     config = None
-    if suites == ("cluster-sim",):
+    if (minutes or fault_every) and suites != ("soak",):
+        raise click.UsageError("--minutes and --fault-every are options of `dsec bench soak`")
+    if suites == ("soak",):
+        soak = importlib.import_module("dsec.bench.soak")
+        config = soak.SoakBench()
+        config = dataclasses.replace(config, minutes=minutes or (config.minutes * (0.1 if quick else 1.0)),
+                                     fault_every_s=fault_every or config.fault_every_s)
+    elif suites == ("cluster-sim",):
         sim = importlib.import_module("dsec.bench.cluster_sim")
         config = sim.ClusterSimBench().scaled(0.1 if quick else 1.0)
         try:

@@ -112,6 +112,8 @@ _FIXES = {
     "image-store": "check DSEC_IMAGE_STORE and that its server answers (creates of uncached images fail meanwhile)",
     "trajectory-store": "make DSEC_TRAJECTORY_DB writable (trajectory-bound calls fail meanwhile)",
     "node-disk": "free space on the disk of {home} (creates are refused meanwhile)",
+    "accelerator": "a KVM probe runs once per boot (microvm and vm creates wait for it); if /dev/kvm went away, "
+                   "`dsec up --restart` decides again",
 }
 
 

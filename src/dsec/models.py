@@ -61,6 +61,7 @@ __all__ = [
     "SnapshotRef",
     "TimeoutRequest",
     "TrajectoryForkRequest",
+    "TrajectoryInfo",
     "TrajectoryStatus",
     "check_mapping",
     "id_hash",
@@ -239,6 +240,9 @@ class SandboxSpec(Model):
     rerun_missing: bool = False
     """Recovering a lost trajectory sandbox: re-run the logged calls made after its latest checkpoint
     (default: only report them as ``missing_effects``)."""
+    keep_logged_spec: bool = False
+    """Re-opening a trajectory whose logged spec differs from this one: go on with the logged spec (default:
+    raise :class:`~dsec.errors.ReplayDivergence` showing both)."""
 
     landlock: bool = True
     """Confine every command with Landlock (container: one rule on the root, no device nodes, no access to the
@@ -644,6 +648,29 @@ class TrajectoryStatus(Model):
     """Trajectory this one branched from (``on_divergence="fork"``); its log shares calls ``< fork_point``."""
     fork_point: int | None = None
     """Sequence number of the first call after the branch point."""
+    outside_log: int = 0
+    """State-changing calls made on this sandbox outside the log (an operator's ``dsec exec``, ``dsec files``,
+    the dashboard: calls without a call number), recorded in the audit trail: its state may differ from what
+    the logged calls made."""
+
+
+class TrajectoryInfo(Model):
+    """A trajectory in the log store (``dsec trajectory ls``)."""
+
+    name: str
+    """Trajectory name."""
+    calls: int
+    """Calls in its log."""
+    sandbox_id: str | None = None
+    """The sandbox last bound to it (it may be gone: re-opening the trajectory rebuilds it)."""
+    checkpoint: str | None = None
+    """Snapshot id of its latest checkpoint."""
+    created_at: float
+    """When it was first opened (Unix seconds)."""
+    updated_at: float
+    """When its binding last changed (a rebuild, a checkpoint)."""
+    ended_at: float | None = None
+    """When it was ended (``close(end=True)``); re-opening its name then starts a new trajectory."""
 
 
 class TrajectoryForkRequest(Model):
@@ -715,6 +742,8 @@ class SandboxRecord(Model):
     image_digest: str | None = None
     """The image version (manifest digest, hex) the sandbox was made of, which a restarted daemon pins again
     (its tag may name another version by then); None for a directory image or a backend's own."""
+    outside_log: int = 0
+    """On a trajectory: state-changing calls made outside its log (``TrajectoryStatus.outside_log``)."""
 
 
 class ImageConfig(Model):
@@ -1016,8 +1045,11 @@ class AuditEntry(Model):
     ``sandbox-token`` for a gateway's sandbox-scoped token)."""
     job: str | None = None
     """The job that owns the sandbox (its ``dsec.job`` label), if any."""
-    op: Literal["exec", "call"] = "exec"
-    """``exec`` (a command) or ``call`` (a Python callable on the function backend)."""
+    op: Literal["exec", "call", "file", "process", "shell", "input", "reveal"] = "exec"
+    """``exec`` (a command), ``call`` (a Python callable on the function backend), or a state-changing call
+    made outside a trajectory's log on a trajectory-bound sandbox: ``file`` (a write, mkdir, remove, rename,
+    chmod or chown), ``process``, ``shell``, ``input`` (mouse, keyboard) or ``reveal``; its ``command`` is then
+    ``[operation, arguments as JSON]``."""
     command: str | list[str]
     """The shell string or argv as asked."""
     cwd: str | None = None

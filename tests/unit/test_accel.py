@@ -160,3 +160,39 @@ async def test_the_shared_decision_is_pending_then_waited_for_with_a_bound(host:
     verdict = await decision.wait_decided()
     assert verdict.accel == "tcg" and decision.pending() is None
     assert decision.verdict == verdict
+
+
+async def test_health_tells_pending_decided_failed_and_a_kvm_gone(host: tuple[Path, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir, kernel = host
+    assert accel.health(None, "", None)[:2] == ("not decided: microvm and vm creates wait for it", "degraded")
+    stand_in(bin_dir, HANG)
+    hanging = accel.Accelerator(kernel, timeout=1.5)
+    hanging.start()
+    error, state, _ = accel.health(None, "", hanging)
+    assert state == "degraded" and error is not None and "deciding KVM or TCG" in error
+    await hanging.wait_decided()
+    error, _, detail = accel.health(None, "", hanging)  # decided, not yet applied by a create: told as decided
+    assert error is None and detail is not None and detail.startswith("tcg (TCG: ")
+
+    stand_in(bin_dir, BOOTS)
+    (tmp_path / "kvm-cache").mkdir()
+    monkeypatch.setenv("DSEC_ACCEL_CACHE", str(tmp_path / "kvm-cache"))
+    booting = accel.Accelerator(kernel, timeout=5)
+    booting.start()
+    verdict = await booting.wait_decided()
+    assert verdict.accel == "kvm" and accel.health("kvm", verdict.describe(), booting)[0] is None
+    monkeypatch.setattr(accel, "kvm_usable", lambda: False)  # /dev/kvm went away after the verdict
+    error, state, _ = accel.health("kvm", verdict.describe(), booting)
+    assert state == "down" and error is not None and "/dev/kvm is not usable now" in error
+    assert accel.health("tcg", "forced", None)[0] is None
+
+    def broken(*args: object) -> accel.Verdict:
+        raise OSError("no room for the probe")
+
+    monkeypatch.setattr(accel, "decide", broken)
+    failing = accel.Accelerator(kernel, timeout=1.5)
+    failing.start()
+    assert (await failing.wait_decided()).how == "failed"
+    error, state, _ = accel.health("tcg", "", failing)
+    assert state == "degraded" and error is not None and "the KVM probe could not run" in error

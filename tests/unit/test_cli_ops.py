@@ -168,3 +168,24 @@ def test_operator_commands_are_listed_in_help() -> None:
     assert code == 0
     for name in ("ps", "top", "inspect", "logs", "audit", "events"):
         assert f"  {name} " in out
+
+
+def test_trajectory_ls_log_end_and_rm_with_confirmation(env: dsec.Client) -> None:
+    sb = dsec.Sandbox.create(image="tiny", trajectory="cli/[bold]t1", client=env)
+    sb.exec("echo hi")
+    code, out, _ = invoke("trajectory", "ls", "--prefix", "cli/")
+    assert code == 0 and "cli/[bold]t1" in out and sb.id in out and "open" in out  # markup shown, not obeyed
+    assert [t["calls"] for t in json.loads(invoke("trajectory", "ls", "--prefix", "cli/", "--json")[1])] == [1]
+    code, out, _ = invoke("trajectory", "log", "cli/[bold]t1")
+    assert code == 0 and "exec" in out and "echo hi" in out
+    code, out, _ = invoke("trajectory", "end", "cli/[bold]t1")
+    assert code == 0 and "ended cli/[bold]t1" in out
+    assert "ended" in invoke("trajectory", "ls", "--prefix", "cli/")[1]
+    result = CliRunner().invoke(main, ["trajectory", "rm", "cli/[bold]t1"], input="n\n")
+    assert result.exit_code != 0 and "delete trajectory" in result.stderr
+    assert dsec.Trajectory("cli/[bold]t1", env).info().calls == 1  # refused: nothing deleted
+    code, out, _ = invoke("trajectory", "rm", "--yes", "cli/[bold]t1")
+    assert code == 0 and out.strip() == "cli/[bold]t1"
+    assert dsec.Trajectory.list(prefix="cli/", client=env) == []
+    result = CliRunner().invoke(main, ["trajectory", "rm", "-y", "cli/none"])
+    assert result.exit_code != 0 and "no trajectory 'cli/none'" in result.stderr

@@ -24,6 +24,8 @@ EXPECTED = {
     "FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellInfo", "ShellResult",
     "SandboxFileError", "FileNotFound", "IsADirectory", "NotADirectory", "FileExists", "DirectoryNotEmpty",
     "PermissionDenied", "UserNotFound", "ProcessNotFound",
+    # trajectories by name: listed, ended, deleted
+    "AsyncTrajectory", "Trajectory", "TrajectoryInfo",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -227,3 +228,96 @@ async def test_a_call_that_never_reached_the_log_does_not_wedge_the_handle(clien
 async def _drain(events: AsyncIterator[dsec.ExecEvent]) -> None:
     async for _ in events:
         pass
+
+
+async def test_close_end_ends_the_trajectory_and_its_name_starts_over(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/end", client=client)
+    try:
+        assert (await sb.exec("echo x >> ran; wc -l < ran")).stdout.strip() == b"1"
+        await sb.close(end=True)
+        with pytest.raises(dsec.SandboxNotFound):
+            await client.api.get(sb.id)
+        ended = await dsec.AsyncTrajectory("sdk/end", client).info()
+        assert ended.ended_at is not None and ended.calls == 1  # the log stays readable until the name is reused
+        assert [c.op for c in await dsec.AsyncTrajectory("sdk/end", client).log()] == ["exec"]
+        again = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/end", client=client)
+        assert again.id != sb.id and again._info.trajectory is not None and again._info.trajectory.calls == 0
+        assert (await again.exec("echo x >> ran; wc -l < ran")).stdout.strip() == b"1"  # a new sandbox, run live
+        assert (await dsec.AsyncTrajectory("sdk/end", client).info()).ended_at is None
+        plain = await dsec.AsyncSandbox.create(image="tiny", client=client)
+        with pytest.raises(dsec.InvalidRequest, match="not bound to a trajectory"):
+            await plain.close(end=True)
+        await plain.close()
+    finally:
+        await dsec.AsyncTrajectory("sdk/end", client).delete()
+
+
+async def test_delete_takes_the_sandbox_log_and_checkpoints_a_branch_does_not_share(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/del", client=client)
+    await sb.exec("echo a > f")
+    shared = await sb.snapshot()  # call 1: before the branch point, so the branch shares it
+    await sb.exec("echo b > f")
+    own = await sb.snapshot()  # call 3: the original's alone
+    branch = await client.api.branch_trajectory(dsec.models.TrajectoryForkRequest(name="sdk/del", at=3))
+    assert branch.trajectory is not None
+    names = [t.name for t in await dsec.AsyncTrajectory.list(prefix="sdk/del", client=client)]
+    assert names == ["sdk/del", branch.trajectory.name]
+    await dsec.AsyncTrajectory("sdk/del", client).delete()
+    with pytest.raises(dsec.SandboxNotFound):
+        await client.api.get(sb.id)
+    assert [t.name for t in await dsec.AsyncTrajectory.list(prefix="sdk/del", client=client)] == [
+        branch.trajectory.name]
+    with pytest.raises(dsec.NotFound):
+        await dsec.AsyncTrajectory("sdk/del", client).info()
+    with pytest.raises(dsec.NotFound):  # its own checkpoint went with it
+        await dsec.AsyncSandbox.create(snapshot=own, client=client)
+    kept = await dsec.AsyncSandbox.create(snapshot=shared, client=client)  # the branch's stays
+    assert await kept.files.read("f") == b"a\n"
+    await kept.close()
+    await dsec.AsyncTrajectory(branch.trajectory.name, client).delete()
+    with pytest.raises(dsec.NotFound):
+        await dsec.AsyncSandbox.create(snapshot=shared, client=client)
+    with pytest.raises(dsec.NotFound, match="no trajectory"):
+        await dsec.AsyncTrajectory("sdk/del", client).delete()
+
+
+async def test_operator_calls_stay_out_of_the_log_and_the_agent_is_told(client: dsec.Client) -> None:
+    agent = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/operator", client=client)
+    try:
+        await agent.exec("echo agent >> ran")
+        operator = await dsec.AsyncSandbox.connect(agent.id, client=client)  # what `dsec exec` and the dashboard use
+        await operator.exec("echo operator >> ran")
+        await operator.files.write("/workspace/poked", b"x")
+        assert await operator.files.read("ran") == b"agent\noperator\n"
+        assert [c.op for c in await dsec.AsyncTrajectory("sdk/operator", client).log()] == ["exec"]
+        audited = await client.audit(sandbox_id=agent.id)
+        assert [(e.op, e.command if e.op == "exec" else e.command[0]) for e in reversed(audited)] == [
+            ("exec", "echo agent >> ran"), ("exec", "echo operator >> ran"), ("file", "write")]
+        with pytest.warns(UserWarning, match="2 state-changing call.* outside the log"):
+            info = await agent.info()
+        assert info.trajectory is not None and info.trajectory.outside_log == 2
+        again = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/operator", client=client)
+        assert (await again.exec("echo agent >> ran")).replayed  # the re-run does not diverge
+        assert not (await again.exec("true")).replayed
+        assert [c.op for c in await dsec.AsyncTrajectory("sdk/operator", client).log()] == ["exec", "exec"]
+    finally:
+        await dsec.AsyncTrajectory("sdk/operator", client).delete()
+
+
+async def test_reopening_with_another_spec_names_both_unless_the_logged_one_is_kept(client: dsec.Client) -> None:
+    sb = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/spec", labels={"team": "a"}, client=client)
+    try:
+        shown = re.escape("labels: logged {'team': 'a'}, given {'team': 'b'}")
+        with pytest.raises(dsec.ReplayDivergence, match=shown) as err:
+            await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/spec", labels={"team": "b"}, client=client)
+        assert err.value.detail["fields"] == ["labels"]
+        assert err.value.detail["logged"]["labels"] == {"team": "a"}
+        assert err.value.detail["given"]["labels"] == {"team": "b"}
+        kept = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/spec", labels={"team": "b"},
+                                              keep_logged_spec=True, client=client)
+        assert kept.id == sb.id and kept._info.spec.labels == {"team": "a"}
+        same = await dsec.AsyncSandbox.create(image="tiny", trajectory="sdk/spec", labels={"team": "a"}, lease=60,
+                                              client=client)  # a lease is the open's own: not a divergence
+        assert same.id == sb.id
+    finally:
+        await dsec.AsyncTrajectory("sdk/spec", client).delete()

@@ -535,3 +535,44 @@ async def test_a_branch_counts_a_call_copied_while_running_as_missing(engine: En
     store = engine.rollouts.log.store
     assert (await store.entry(branch.trajectory.name, 1)).status == "interrupted"
     assert (await store.entry("job-17/rollout-3", 1)).status == "running"
+
+
+async def test_sqlite_store_lists_ends_and_deletes(tmp_path: Path) -> None:
+    from trajectory_support import check_list_end_and_delete
+
+    for sync in ("normal", "full"):  # inline commits and the writer thread
+        store = SQLiteStore(tmp_path / f"{sync}.db", sync=sync)
+        await store.start()
+        try:
+            await check_list_end_and_delete(store)
+        finally:
+            await store.aclose()
+
+
+async def test_a_deferred_answer_is_kept_through_a_failed_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """A call's answer is a deferred write, committed with the next durable one; when that commit fails (a store
+    turned read-only, a full disk) the answer must wait for the next commit, not vanish with the failed one (the
+    call then read as running, and as interrupted after a restart, though it had finished)."""
+    import sqlite3
+
+    store = SQLiteStore(tmp_path / "t.db")
+    await store.start()
+    try:
+        await store.put_entry("t", Entry(seq=0, op="exec", digest="d0", request="{}"), durable=True)
+        await store.put_entry("t", Entry(seq=0, op="exec", digest="d0", request="{}", status="done", response="{}"),
+                              durable=False)
+        works = store._apply
+
+        def fails(ops: object) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(store, "_apply", fails)
+        with pytest.raises(SandboxError, match="disk I/O error"):
+            await store.put_entry("t", Entry(seq=1, op="exec", digest="d1", request="{}"), durable=True)
+        assert await store.probe("node") is not None
+        monkeypatch.setattr(store, "_apply", works)
+        assert await store.probe("node") is None
+        assert [(e.seq, e.status) for e in await store.entries("t")] == [(0, "done")]
+    finally:
+        await store.aclose()

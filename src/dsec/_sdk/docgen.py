@@ -118,7 +118,7 @@ _SPEC_INTRO = ("What a sandbox is made of: every keyword of `Sandbox.create` (an
                "is one of these fields. Sizes take `\"512Mi\"`, `\"4Gi\"` or bytes.")
 _MODELS = ("ExecResult", "ExecEvent", "FileEntry", "FileStat", "FileEvent", "ProcessInfo", "ProcessEvent",
            "ShellResult", "PortInfo", "SandboxInfo", "SandboxStats", "PoolConfig", "NodeStatistics", "AuditEntry",
-           "LifecycleEvent", "NodeOverview")
+           "LifecycleEvent", "NodeOverview", "TrajectoryInfo")
 
 
 def _errors_section() -> list[str]:
@@ -143,6 +143,7 @@ def render() -> str:
         ("Processes: sb.processes", dsec.AsyncProcesses, "sb.processes", ""),
         ("Process: exec(background=True), sb.pty", dsec.AsyncProcess, "process", ""),
         ("Shell: sb.shell", dsec.AsyncShell, "shell", ""),
+        ("Trajectory", dsec.AsyncTrajectory, "AsyncTrajectory", ""),
         ("Client", dsec.Client, "Client", ""),
     ]
     toc = [f"- [{title}](#{_anchor(title)})" for title, *_ in sections]

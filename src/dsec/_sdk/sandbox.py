@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import socket
+import warnings
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -228,6 +229,7 @@ class AsyncSandbox:
         hidden: Sequence[str] = (),
         landlock: bool = True,
         user: str | None = None,
+        keep_logged_spec: bool = False,
     ) -> AsyncSandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -237,7 +239,10 @@ class AsyncSandbox:
         the first call past the log runs live, a different call raises :class:`dsec.ReplayDivergence`
         (with ``on_divergence="fork"``, the handle instead moves to a new branch of the trajectory, whose
         sandbox is rebuilt to the last matching call, and the call runs there; ``info().trajectory`` names
-        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order.
+        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order. Re-opening a
+        trajectory with a spec other than its logged one raises :class:`dsec.ReplayDivergence` naming the
+        fields (``keep_logged_spec=True``: go on with the logged spec); ``close(end=True)`` ends a trajectory
+        so that its name starts a new one.
         """
         if on_divergence not in ("raise", "fork"):
             raise InvalidRequest(f"on_divergence must be 'raise' or 'fork', got {on_divergence!r}")
@@ -246,7 +251,7 @@ class AsyncSandbox:
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
             lease=lease, rerun_missing=rerun_missing, protected=list(protected), hidden=list(hidden),
-            landlock=landlock, user=user,
+            landlock=landlock, user=user, keep_logged_spec=keep_logged_spec,
         )
         client = client or default_client()
         sandbox = cls(await client.api.create(spec), client)
@@ -395,9 +400,18 @@ class AsyncSandbox:
         return [cls(info, client) for info in await list_infos(labels, backend, client)]
 
     async def info(self) -> SandboxInfo:
-        """Fresh state of the sandbox (state, expiry, spec, node)."""
+        """Fresh state of the sandbox (state, expiry, spec, node). On a trajectory, warns (``UserWarning``) when
+        state-changing calls were made on the sandbox outside its log since the handle last looked (an
+        operator's ``dsec exec``): its state may differ from what the logged calls made."""
+        before = self._info.trajectory.outside_log if self._info.trajectory is not None else 0
         self._info = await self._client.api.get(self.id)
         self._api = _data_plane(self._info, self._client)
+        status = self._info.trajectory
+        if status is not None and status.outside_log > before:
+            warnings.warn(f"sandbox {self.id} of trajectory {status.name!r}: {status.outside_log - before} "
+                          "state-changing call(s) were made on it outside the log (an operator's exec or file "
+                          "change; see the audit trail): a re-run of the log will not repeat them",
+                          UserWarning, stacklevel=2)
         return self._info
 
     async def stats(self) -> SandboxStats:
@@ -494,11 +508,21 @@ class AsyncSandbox:
             raise _invalid(exc, "fork request") from None
         return [type(self)(info, self._client) for info in await self._client.api.fork(self.id, request.count)]
 
-    async def close(self) -> None:
-        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
+    async def close(self, end: bool = False) -> None:
+        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine.
+
+        A trajectory's sandbox closed this way is rebuilt by the next ``create(trajectory=...)`` of its name,
+        which replays the log; with ``end=True`` the trajectory ends instead: its log stays readable
+        (:class:`dsec.AsyncTrajectory`) until the name is opened again, which starts a new trajectory."""
+        if end and self._info.trajectory is None:
+            raise InvalidRequest(f"close(end=True): sandbox {self.id} is not bound to a trajectory; use close()")
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
+        if end:
+            assert self._info.trajectory is not None
+            await self._client.api.end_trajectory(self._info.trajectory.name)
+            return
         with contextlib.suppress(SandboxNotFound):
             await self._client.api.destroy(self.id)
 

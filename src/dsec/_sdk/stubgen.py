@@ -18,6 +18,7 @@ from . import sync
 from .files import AsyncFiles, AsyncWatch
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell
 from .sandbox import AsyncSandbox
+from .trajectory import AsyncTrajectory
 
 __all__ = ["STUB_PATH", "render"]
 
@@ -41,10 +42,11 @@ _IMPORTS = {
     "AsyncFiles": "from dsec._sdk.files import AsyncFiles",
     "AsyncWatch": "from dsec._sdk.files import AsyncWatch",
     "AsyncSandbox": "from dsec._sdk.sandbox import AsyncSandbox",
+    "AsyncTrajectory": "from dsec._sdk.trajectory import AsyncTrajectory",
     **{n: f"from dsec._sdk.processes import {n}" for n in ("AsyncProcess", "AsyncProcesses", "AsyncShell")},
     **{n: f"from dsec.models import {n}" for n in
-       ("BatchDestroyResult", "ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "SandboxInfo", "SandboxSpec",
-        "SandboxStats")},
+       ("BatchDestroyResult", "ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "LoggedCall", "SandboxInfo",
+        "SandboxSpec", "SandboxStats", "TrajectoryInfo")},
     **{n: f"from dsec.models_surface import {n}" for n in
        ("FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellResult")},
     "socket": "import socket",
@@ -112,8 +114,9 @@ def _def(name: str, params: list[str], returns: str, doc: str | None = None) -> 
 
 
 def _class(name: str, sync_cls: type, async_cls: type, extra: list[str]) -> list[str]:
-    lines = [f"class {name}:", *_docstring(sync_cls.__doc__ or async_cls.__doc__, "    "),
-             f"    def __init__(self, inner: {async_cls.__name__}) -> None: ..."]
+    lines = [f"class {name}:", *_docstring(sync_cls.__doc__ or async_cls.__doc__, "    ")]
+    if not any(line.startswith("def __init__(") for line in extra):
+        lines.append(f"    def __init__(self, inner: {async_cls.__name__}) -> None: ...")
     lines += [f"    {line}" for line in extra]
     for member in sync.public_members(async_cls):
         twin = inspect.getattr_static(sync_cls, member)
@@ -170,6 +173,10 @@ def render() -> str:
         "    self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None",
         ") -> None: ...",
     ])
+    body.append("")
+    body += _class("Trajectory", sync.Trajectory, AsyncTrajectory, [
+        "def __init__(self, name: str | AsyncTrajectory, client: Client | None = None) -> None: ...",
+    ])
     text = "\n".join(body) + "\n" + _MODULE_TAIL
     # Stubs may use the short form (send/return types default to None), and linters insist on it.
     text = re.sub(r"\bGenerator\[([^\[\]]+), None\]", r"Generator[\1]", text)
@@ -180,11 +187,19 @@ def render() -> str:
     for name, line in _IMPORTS.items():
         if name in used and line.startswith("from "):
             grouped.setdefault(line.split()[1], []).append(name)
-    froms = [f"from {mod} import {', '.join(sorted(names))}" for mod, names in sorted(grouped.items())]
+    froms = [_from(mod, sorted(names)) for mod, names in sorted(grouped.items())]
     std = [f for f in froms if not f.startswith("from dsec")]
     local = [f for f in froms if f.startswith("from dsec")]
     head = "\n".join(["from __future__ import annotations", "", *plain, *std, "", *local])
     return _HEADER + head + "\n\n" + text
+
+
+def _from(module: str, names: list[str]) -> str:
+    """One ``from`` import, wrapped one name a line (as the linter's import sorter writes it) when long."""
+    line = f"from {module} import {', '.join(names)}"
+    if len(line) <= 120:
+        return line
+    return f"from {module} import (\n" + "".join(f"    {n},\n" for n in names) + ")"
 
 
 def main(argv: Any = None) -> None:

@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.models_surface import FileEvent
 
+from .client import Client
 from .files import AsyncFiles, AsyncWatch
 from .portal import portal
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell
 from .sandbox import AsyncSandbox
+from .trajectory import AsyncTrajectory
 
-__all__ = ["Files", "Process", "Processes", "Sandbox", "Shell", "Watch", "derive", "rename_annotation"]
+__all__ = ["Files", "Process", "Processes", "Sandbox", "Shell", "Trajectory", "Watch", "derive", "rename_annotation"]
 
 C = TypeVar("C", bound=type)
 
@@ -262,3 +264,14 @@ class Sandbox(_SyncBase):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@derive(AsyncTrajectory)
+class Trajectory(_SyncBase):
+    """A trajectory in the node's log, by name (blocking API of :class:`dsec.AsyncTrajectory`):
+    ``dsec.Trajectory("job-17/rollout-3").delete()``."""
+
+    _async: AsyncTrajectory
+
+    def __init__(self, name: str | AsyncTrajectory, client: Client | None = None) -> None:
+        super().__init__(name if isinstance(name, AsyncTrajectory) else AsyncTrajectory(name, client))

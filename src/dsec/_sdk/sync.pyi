@@ -13,7 +13,18 @@ from dsec._sdk.client import Client
 from dsec._sdk.files import AsyncFiles, AsyncWatch
 from dsec._sdk.processes import AsyncProcess, AsyncProcesses, AsyncShell
 from dsec._sdk.sandbox import AsyncSandbox
-from dsec.models import BatchDestroyResult, ExecEvent, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxStats
+from dsec._sdk.trajectory import AsyncTrajectory
+from dsec.models import (
+    BatchDestroyResult,
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    ImageInfo,
+    LoggedCall,
+    SandboxInfo,
+    SandboxStats,
+    TrajectoryInfo,
+)
 from dsec.models_surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
 
 class Watch:
@@ -208,6 +219,7 @@ class Sandbox:
         hidden: Sequence[str] = ...,
         landlock: bool = ...,
         user: str | None = ...,
+        keep_logged_spec: bool = ...,
     ) -> Sandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -217,7 +229,10 @@ class Sandbox:
         the first call past the log runs live, a different call raises :class:`dsec.ReplayDivergence`
         (with ``on_divergence="fork"``, the handle instead moves to a new branch of the trajectory, whose
         sandbox is rebuilt to the last matching call, and the call runs there; ``info().trajectory`` names
-        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order.
+        the branch). Issue a trajectory handle's calls one at a time, in the rollout's order. Re-opening a
+        trajectory with a spec other than its logged one raises :class:`dsec.ReplayDivergence` naming the
+        fields (``keep_logged_spec=True``: go on with the logged spec); ``close(end=True)`` ends a trajectory
+        so that its name starts a new one.
         """
     @classmethod
     def build_image(
@@ -307,7 +322,10 @@ class Sandbox:
     ) -> builtins.list[Sandbox]:
         """Live sandboxes on the daemon, filtered by every given label and by backend."""
     def info(self) -> SandboxInfo:
-        """Fresh state of the sandbox (state, expiry, spec, node)."""
+        """Fresh state of the sandbox (state, expiry, spec, node). On a trajectory, warns (``UserWarning``) when
+        state-changing calls were made on the sandbox outside its log since the handle last looked (an
+        operator's ``dsec exec``): its state may differ from what the logged calls made.
+        """
     def stats(self) -> SandboxStats:
         """Resource usage now (memory, cpu, pids, disk)."""
     def pause(self, release_memory: bool = ...) -> SandboxInfo:
@@ -352,8 +370,13 @@ class Sandbox:
 
         The copies are plain sandboxes: not bound to this one's trajectory. Close each when done.
         """
-    def close(self) -> None:
-        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine."""
+    def close(self, end: bool = ...) -> None:
+        """Destroy the sandbox and everything in it. Closing twice (or a sandbox already gone) is fine.
+
+        A trajectory's sandbox closed this way is rebuilt by the next ``create(trajectory=...)`` of its name,
+        which replays the log; with ``end=True`` the trajectory ends instead: its log stays readable
+        (:class:`dsec.AsyncTrajectory`) until the name is opened again, which starts a new trajectory.
+        """
     def call(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``func(*args, **kwargs)`` inside the sandbox and return its value (see :meth:`call_with`)."""
     def call_with(
@@ -502,6 +525,33 @@ class Sandbox:
         """A connected (blocking) socket to ``port`` inside the sandbox, through its exposure (made ``tcp`` if it
         is not), its ``DSEC <token>`` line already sent: read and write the server's bytes.
         """
+
+class Trajectory:
+    """A trajectory in the node's log, by name (blocking API of :class:`dsec.AsyncTrajectory`):
+    ``dsec.Trajectory("job-17/rollout-3").delete()``.
+    """
+    def __init__(self, name: str | AsyncTrajectory, client: Client | None = None) -> None: ...
+    @property
+    def name(self) -> str:
+        """The trajectory's name."""
+    @classmethod
+    def list(
+        cls,
+        prefix: str = ...,
+        client: Client | None = ...,
+        limit: int = ...,
+    ) -> builtins.list[TrajectoryInfo]:
+        """Trajectories in the log whose name starts with ``prefix``, by name (at most ``limit``)."""
+    def info(self) -> TrajectoryInfo:
+        """Its calls, sandbox, latest checkpoint and whether it ended (raises :class:`dsec.NotFound`)."""
+    def log(self, start: int = ..., limit: int = ...) -> builtins.list[LoggedCall]:
+        """Its logged calls from ``start`` (what a re-run replays)."""
+    def end(self) -> TrajectoryInfo:
+        """End it on purpose: its sandbox is destroyed; its log stays readable until the name is opened again,
+        which starts a new trajectory (``sb.close(end=True)`` does this for the handle's trajectory).
+        """
+    def delete(self) -> None:
+        """Delete it: its sandbox, its log, and the checkpoints no other trajectory (a branch) shares."""
 
 C = TypeVar("C", bound=type)
 

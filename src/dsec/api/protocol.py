@@ -51,6 +51,7 @@ from dsec.models import (
     SnapshotRef,
     TimeoutRequest,
     TrajectoryForkRequest,
+    TrajectoryInfo,
 )
 from dsec.models_surface import (
     ExposeRequest,
@@ -78,8 +79,10 @@ from .operations import NDJSON, OCTET, Declared, Param, operation
 __all__ = ["Labels", "Mode", "NodeAPI", "Seq", "User"]
 
 Seq = Annotated[int | None, Param(
-    ge=0, description="Call number on a trajectory-bound sandbox (the SDK sends it; default: next)")]
-"""A call's number on a trajectory-bound sandbox: the SDK numbers its calls so the daemon can match them to the log."""
+    ge=0, description="Call number on a trajectory-bound sandbox (the SDK sends it); without it, the call is an "
+                      "operator's: run outside the log and recorded in the audit trail")]
+"""A call's number on a trajectory-bound sandbox: the SDK numbers its calls so the daemon can match them to the log.
+A call without one (``dsec exec``, the dashboard) is not the agent's and never enters its log."""
 Mode = Annotated[int | None, Param(codec=OCTAL, description="octal permission bits, e.g. `644`")]
 User = Annotated[str | None, Param(description="act as this user of the sandbox (`name`, `uid`, `name:group`, "
                                                "`uid:gid`; default: the sandbox's user)")]
@@ -446,6 +449,24 @@ class NodeAPI(Protocol):
     @operation("POST", "/v1/trajectories/fork", tags=["trajectories"], status=201, shared=True)
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
         """Branch a trajectory at a call: a new trajectory sharing the calls before it, on a rebuilt sandbox."""
+        raise Declared
+
+    @operation("GET", "/v1/trajectories", tags=["trajectories"], shared=True)
+    async def list_trajectories(self, prefix: Annotated[str, Param(
+            description="Only trajectories whose name starts with this")] = "", limit: Limit = 1000
+    ) -> builtins.list[TrajectoryInfo]:
+        """Trajectories in the log, by name (`dsec trajectory ls`)."""
+        raise Declared
+
+    @operation("POST", "/v1/trajectories/end", tags=["trajectories"])
+    async def end_trajectory(self, name: str) -> TrajectoryInfo:
+        """End a trajectory: destroy its sandbox; its log stays readable until the name is opened again, which
+        starts a new trajectory (the SDK's `close(end=True)`)."""
+        raise Declared
+
+    @operation("DELETE", "/v1/trajectories", tags=["trajectories"])
+    async def delete_trajectory(self, name: str) -> None:
+        """Delete a trajectory: its sandbox, its log, and the checkpoints no other trajectory shares."""
         raise Declared
 
     @operation("GET", "/v1/trajectories/log", tags=["trajectories"], shared=True)

@@ -12,7 +12,7 @@ import abc
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 from dsec.accounts import ROOT, Identity, resolve_identity
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
@@ -45,6 +45,9 @@ class Check(NamedTuple):
     """What is wrong; None while it works."""
     detail: str | None = None
     """What it is or runs as (a pid, ``kvm``/``tcg``), whatever its state."""
+    state: Literal["degraded", "down"] = "down"
+    """How bad ``error`` is: ``down`` (it does not work: the watchdog restarts it) or ``degraded`` (it works in
+    part, or will by itself: reported, not restarted)."""
 
 
 def apply_image_defaults(record: SandboxRecord, image: ImageRef) -> None:
@@ -244,6 +247,11 @@ class Backend(abc.ABC):
 
     async def repair(self, component: str) -> None:
         """Start helper ``component`` again after :meth:`components` reported it broken."""
+
+    def take_healed(self) -> list[tuple[str, str, float, float]]:
+        """Helper faults this backend met and repaired on its own since the last call, before the watchdog saw
+        them (an exec restarting a dead exec helper): (component, what was wrong, when found, when repaired)."""
+        return []
 
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
         """Run a pickled Python callable (``sb.call``); the reply is decoded by the SDK, never here."""

@@ -571,6 +571,12 @@ class ContainerBackend(Backend):
                                           f"pid {self._holder.pid}")
         return found
 
+    def take_healed(self) -> list[tuple[str, str, float, float]]:
+        if self._helper is None or not self._helper.healed:
+            return []
+        done, self._helper.healed = self._helper.healed, []
+        return [("exec-helper", why, began, ended) for why, began, ended in done]
+
     async def repair(self, component: str) -> None:
         if component == "exec-helper" and self._helper is not None:
             await asyncio.to_thread(self._helper.restart)

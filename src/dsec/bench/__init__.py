@@ -39,20 +39,23 @@ from dsec.bench.report import (
     to_json,
     write_json,
 )
+from dsec.bench.soak import SoakBench
 from dsec.bench.surface import SurfaceBench
 from dsec.bench.trajectory import TrajectoryBench
 from dsec.bench.trajectory import run as run_trajectory
 
-__all__ = ["QUICK_SCALE", "SUITES", "main"]
+__all__ = ["ON_DEMAND", "QUICK_SCALE", "SUITES", "main"]
 
 SUITES = ("startup", "container", "function", "pools", "trajectory", "surface", "microvm", "vm", "images", "builds",
           "cluster", "e2b", "cluster-sim")
-"""Every suite ``dsec bench`` knows, in the order a full run measures them."""
+"""Every suite a full ``dsec bench`` runs, in order."""
+ON_DEMAND = ("soak",)
+"""Suites run only when named (``dsec bench soak --minutes N``): long, and they kill the node's parts."""
 
 QUICK_SCALE = 0.1
 """``--quick``: every sample count and duration times this (on top of ``DSEC_BENCH_SCALE``)."""
 
-Config = ContainerBench | FunctionBench | PoolBench | ClusterBench | ClusterSimBench | SurfaceBench
+Config = ContainerBench | FunctionBench | PoolBench | ClusterBench | ClusterSimBench | SurfaceBench | SoakBench
 
 
 def _scale() -> float:
@@ -82,6 +85,12 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
 
         return run_cluster_sim(config if isinstance(config, ClusterSimBench) else ClusterSimBench().scaled(scale),
                                progress=progress)
+    if name == "soak":
+        from dsec.bench.soak import SoakBench
+        from dsec.bench.soak import run as run_soak
+
+        return asyncio.run(run_soak(config if isinstance(config, SoakBench) else SoakBench().scaled(scale),
+                                    progress=progress))
     if name == "images":
         return asyncio.run(run_images(ImagesBench().scaled(scale), progress=progress))
     if name == "startup":
@@ -131,9 +140,9 @@ def _run_lean(work: Coroutine[Any, Any, Suite]) -> Suite:
 
 def _selected(suite: str | Sequence[str] | None, skip: Sequence[str]) -> tuple[str, ...]:
     wanted = SUITES if not suite else (suite,) if isinstance(suite, str) else tuple(suite)
-    unknown = [n for n in (*wanted, *skip) if n not in SUITES]
+    unknown = [n for n in (*wanted, *skip) if n not in SUITES + ON_DEMAND]
     if unknown:
-        raise BenchUnavailable(f"unknown bench suite {unknown[0]!r}; known: {', '.join(SUITES)}")
+        raise BenchUnavailable(f"unknown bench suite {unknown[0]!r}; known: {', '.join(SUITES + ON_DEMAND)}")
     return tuple(n for n in wanted if n not in skip)
 
 

@@ -75,6 +75,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
     TrajectoryForkRequest,
+    TrajectoryInfo,
 )
 
 __all__ = ["BATCH_LABEL", "GatewayEngine", "NodeFacts", "NodeSource", "current_job", "current_token"]
@@ -1043,6 +1044,24 @@ class GatewayEngine(GatewaySurface, NodeAPI):
         info = await self._ask(node, lambda api: api.branch_trajectory(request))
         self.placer.adopt(current_job.get(), node, info.spec)
         return (await self._remember([info], node, current_job.get()))[0]
+
+    async def end_trajectory(self, name: str) -> TrajectoryInfo:
+        """Destroy the trajectory's sandbox through the records (its capacity freed), then end it on a node."""
+        node = await self._drop_trajectory_sandbox(name)
+        return await self._ask(node, lambda api: api.end_trajectory(name))
+
+    async def delete_trajectory(self, name: str) -> None:
+        """As :meth:`end_trajectory`, then delete it (the log and the snapshot store are shared)."""
+        node = await self._drop_trajectory_sandbox(name)
+        await self._ask(node, lambda api: api.delete_trajectory(name))
+
+    async def _drop_trajectory_sandbox(self, name: str) -> str:
+        """Destroy the live sandbox of trajectory ``name`` the request's job may see; the node to ask next."""
+        for sid, row in builtins.list(self.records.rows.items()):
+            if row.state in LIVE and self.records.spec(row).trajectory == name and self._mine(sid) is row:
+                await self._destroy(sid, row)
+                return row.node
+        return self._any_node()
 
     async def metrics_text(self) -> bytes:
         """The gateway's own metrics (nodes, live sandboxes, admission, image locality)."""

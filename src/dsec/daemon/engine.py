@@ -96,6 +96,7 @@ from dsec.models import (
     SnapshotRef,
     TimeoutRequest,
     TrajectoryForkRequest,
+    TrajectoryInfo,
     ids_digest,
     parse_network,
 )
@@ -1441,6 +1442,10 @@ class Engine(SurfaceOperations):
             return
         await asyncio.to_thread(self._remove_ephemeral, snap_id)
 
+    async def remove_snapshot(self, snap_id: str) -> None:
+        """Delete snapshot ``snap_id``'s record (absent is fine); sandboxes restored from it keep running."""
+        await asyncio.to_thread(self.snapshots.remove, snap_id)
+
     def _remove_ephemeral(self, snap_id: str) -> None:
         try:
             if self.snapshots.meta(snap_id).get("ephemeral"):
@@ -1565,6 +1570,18 @@ class Engine(SurfaceOperations):
         record = self._live(sandbox_id, allow_paused=True)
         self.rollouts.renew(record)
         return self._info(record)
+
+    async def list_trajectories(self, prefix: str = "", limit: int = 1000) -> builtins.list[TrajectoryInfo]:
+        """Trajectories in the log whose name starts with ``prefix``."""
+        return await self.rollouts.listing(prefix, limit)
+
+    async def end_trajectory(self, name: str) -> TrajectoryInfo:
+        """End trajectory ``name`` (its sandbox goes; re-opening the name starts a new one)."""
+        return await self.rollouts.end(name)
+
+    async def delete_trajectory(self, name: str) -> None:
+        """Delete trajectory ``name``: its sandbox, its log and its unshared checkpoints."""
+        await self.rollouts.delete(name)
 
     async def trajectory_log(self, name: str, start: int = 0, limit: int = 1000) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""

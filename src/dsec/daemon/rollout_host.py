@@ -69,3 +69,7 @@ class RolloutHost(Protocol):
 
     async def take_snapshot(self, record: SandboxRecord, ephemeral: bool = False) -> str:
         ...
+
+    async def remove_snapshot(self, snap_id: str) -> None:
+        """Delete a snapshot's record from the store (a deleted trajectory's checkpoint; absent is fine)."""
+        ...

@@ -5,6 +5,10 @@ checkpoint), running a trajectory-bound sandbox's calls through :class:`~dsec.tr
 (matching, logging, flights that outlive their client), checkpoints (a logged ``snapshot`` call) and
 lease expiry. It reaches sandboxes only through the engine's records and backends, and never speaks HTTP.
 
+A call without a call number (``seq``) on a trajectory-bound sandbox is an operator's (``dsec exec``, ``dsec
+files``, the dashboard), not the agent's: it runs outside the log, is recorded in the audit trail, and the
+sandbox counts it (``TrajectoryStatus.outside_log``); the agent's re-run never sees it.
+
 A live exec on a trajectory runs in a task of its own: the client that started it may die, and the
 command still finishes and is logged; the same call re-issued (same ``seq``) waits for that task instead
 of running the command again.
@@ -23,11 +27,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import Backend
-from dsec.errors import DSecError, InvalidRequest, SandboxError
-from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxInfo, SandboxRecord, SandboxSpec, TrajectoryStatus
+from dsec.errors import DSecError, InvalidRequest, NotFound, ReplayDivergence, SandboxError
+from dsec.models import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    SandboxInfo,
+    SandboxRecord,
+    SandboxSpec,
+    TrajectoryInfo,
+    TrajectoryStatus,
+)
 from dsec.trajectory.digest import call_identity, exec_args
-from dsec.trajectory.replay import Join, OpenTrajectory, Replay, Trajectories, decode_response
-from dsec.trajectory.store import Binding
+from dsec.trajectory.replay import STATE_CHANGING, Join, OpenTrajectory, Replay, Trajectories, decode_response
+from dsec.trajectory.store import Binding, Summary
 
 if TYPE_CHECKING:
     from dsec.daemon.rollout_host import RolloutHost
@@ -45,6 +58,23 @@ unless they are re-run (exec, write, reveal and the file operations can be; inpu
 sessions cannot, and are reported missing)."""
 
 
+_PER_OPEN = frozenset({"trajectory", "snapshot", "lease", "rerun_missing", "timeout", "keep_logged_spec"})
+"""Spec fields a re-open may change: the others must match the logged spec (a re-open is the same rollout)."""
+
+
+def _spec_difference(logged: SandboxSpec, given: SandboxSpec) -> dict[str, tuple[Any, Any]]:
+    """Fields (other than :data:`_PER_OPEN`) whose logged value differs from the given one: ``(logged, given)``."""
+    old, new = logged.model_dump(mode="json"), given.model_dump(mode="json")
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k not in _PER_OPEN and old.get(k) != new.get(k)}
+
+
+def _summary_info(summary: Summary) -> TrajectoryInfo:
+    b = summary.binding
+    return TrajectoryInfo(name=b.name, calls=summary.calls, sandbox_id=b.sandbox_id, checkpoint=b.checkpoint,
+                          created_at=b.created_at, updated_at=summary.updated_at, ended_at=summary.ended_at)
+
+
 def _stored(readable: str, body: bytes | None, cap: int) -> str:
     """The logged form of a call: its readable identity plus the body when small enough to re-run it."""
     if body is None or len(body) > cap:
@@ -52,6 +82,14 @@ def _stored(readable: str, body: bytes | None, cap: int) -> str:
     data = json.loads(readable)
     data["body"] = base64.urlsafe_b64encode(body).decode()
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+_AUDIT_KIND: dict[str, Any] = {
+    **{op: "file" for op in ("write", *_FILE_OPS)}, "mouse": "input", "keyboard": "input", "reveal": "reveal",
+    **{op: "process" for op in STATE_CHANGING if op.startswith("process")},
+    **{op: "shell" for op in STATE_CHANGING if op.startswith("shell")},
+}
+"""The audit trail's kind of an operator's state-changing call (an exec is audited as every exec is)."""
 
 
 def _events(result: ExecResult) -> list[ExecEvent]:
@@ -100,7 +138,7 @@ class Rollouts:
     def status(self, record: SandboxRecord) -> TrajectoryStatus | None:
         """``SandboxInfo.trajectory`` of a sandbox (None when not bound to a loaded trajectory)."""
         t = self._bound(record)
-        return t.status() if t is not None else None
+        return t.status().model_copy(update={"outside_log": record.outside_log}) if t is not None else None
 
     def lease_expired(self, record: SandboxRecord, now: float) -> bool:
         """True when ``record`` is bound to a trajectory whose lease ran out."""
@@ -136,8 +174,12 @@ class Rollouts:
         if spec.snapshot is not None:
             raise InvalidRequest("give either trajectory or snapshot: a trajectory restores its own checkpoints")
         async with self._opening.setdefault(name, asyncio.Lock()):
+            if await self.log.store.ended_at(name) is not None:
+                await self._erase(name)  # ended on purpose: the name starts a new trajectory
             kept = self.log.by_name(name) is not None  # a copy loaded earlier, rather than read just now
             t = await self.log.load(name)
+            if t is not None:
+                self._check_spec(t, spec)
             if t is None:
                 info = await self.engine.create_unpooled(spec, None)
                 try:
@@ -162,6 +204,118 @@ class Rollouts:
             t.lease = spec.lease
             t.touch()
             return await self._recover(t, spec)
+
+    @staticmethod
+    def _check_spec(t: OpenTrajectory, spec: SandboxSpec) -> None:
+        """A re-open asking for another spec than the logged one is refused (unless ``keep_logged_spec``): the
+        sandbox it re-attaches or rebuilds has the logged spec, which the caller did not ask for."""
+        logged = SandboxSpec.model_validate_json(t.binding.spec)
+        differ = _spec_difference(logged, spec)
+        if not differ or spec.keep_logged_spec:
+            return
+        shown = "; ".join(f"{k}: logged {a!r}, given {b!r}" for k, (a, b) in differ.items())
+        raise ReplayDivergence(
+            f"trajectory {t.name!r} was opened with another spec ({shown}): re-open it with the logged spec, pass "
+            "keep_logged_spec=True to go on with the logged one, or end it (close(end=True)) to start the name "
+            "over", trajectory=t.name, logged=logged.model_dump(mode="json"), given=spec.model_dump(mode="json"),
+            fields=sorted(differ))
+
+    # -- ending, deleting, listing --------------------------------------------------------------------
+
+    async def listing(self, prefix: str = "", limit: int = 1000) -> builtins.list[TrajectoryInfo]:
+        """Trajectories in the log whose name starts with ``prefix``, by name."""
+        return [_summary_info(s) for s in await self.log.store.summaries(prefix, limit)]
+
+    async def info(self, name: str) -> TrajectoryInfo:
+        """One trajectory; :class:`NotFound` when the log has none of that name."""
+        found = [s for s in await self.log.store.summaries(name, 1) if s.binding.name == name]
+        if not found:
+            raise NotFound(f"no trajectory {name!r} in the log ({self.log.store.where})", trajectory=name)
+        return _summary_info(found[0])
+
+    async def end(self, name: str) -> TrajectoryInfo:
+        """End a trajectory on purpose: its sandbox is destroyed and it is marked ended. Its log stays readable
+        until the name is opened again, which starts a new trajectory in its place."""
+        async with self._opening.setdefault(name, asyncio.Lock()):
+            binding = await self._binding(name)
+            await self._drop_sandbox(binding.sandbox_id, name)
+            await self.log.store.end(name)
+            self.log.forget(name)
+        self._unlock(name)
+        log.info("trajectory %s ended (its sandbox %s destroyed)", name, binding.sandbox_id)
+        return await self.info(name)
+
+    async def delete(self, name: str) -> None:
+        """Delete a trajectory: its sandbox, the checkpoints no other trajectory shares (a branch shares those
+        before its branch point), and its log."""
+        async with self._opening.setdefault(name, asyncio.Lock()):
+            await self._binding(name)
+            await self._erase(name)
+        self._unlock(name)
+
+    async def _erase(self, name: str) -> None:
+        binding = await self._binding(name)
+        await self._drop_sandbox(binding.sandbox_id, name)
+        snaps = [*await self.log.store.checkpoints(name), *([binding.checkpoint] if binding.checkpoint else [])]
+        removed = []
+        for snap in dict.fromkeys(snaps):
+            if not await self.log.store.used_elsewhere(snap, name):
+                await self.engine.remove_snapshot(snap)  # a failure keeps the log: try again
+                removed.append(snap)
+        await self.log.store.delete(name)
+        self.log.forget(name)
+        log.info("trajectory %s deleted (sandbox %s, checkpoints %s)", name, binding.sandbox_id, removed)
+
+    async def _binding(self, name: str) -> Binding:
+        binding = await self.log.store.get_binding(name)
+        if binding is None:
+            raise NotFound(f"no trajectory {name!r} in the log ({self.log.store.where})", trajectory=name)
+        return binding
+
+    async def _drop_sandbox(self, sandbox_id: str | None, name: str) -> None:
+        """Destroy the trajectory's sandbox if it lives on this node, and wait for its calls to be logged."""
+        t = self.log.by_name(name)
+        record = self.engine.find_record(sandbox_id or "")
+        if record is not None and record.spec.trajectory == name:
+            await self.engine.destroy(record.id)
+        if t is not None and t.flights:
+            await asyncio.wait(builtins.list(t.flights.values()), timeout=10)
+
+    def _unlock(self, name: str) -> None:
+        lock = self._opening.get(name)
+        if lock is not None and not lock.locked():
+            del self._opening[name]
+
+    # -- outside the log ------------------------------------------------------------------------------
+
+    def _touched(self, record: SandboxRecord, op: str) -> None:
+        """An operator changed a trajectory-bound sandbox outside its log: the sandbox counts it (kept across a
+        daemon restart with the record), and ``info()`` shows it to the agent."""
+        if op in STATE_CHANGING and op != "snapshot":
+            record.outside_log += 1
+            self.engine.save_record(record)
+            log.warning("trajectory %s: %s on sandbox %s outside the log (an operator's call); the agent's re-run "
+                        "does not see it", record.spec.trajectory, op, record.id)
+
+    async def _outside(self, record: SandboxRecord, op: str, args: dict[str, Any], run: Callable[[], Awaitable[Any]]
+                       ) -> Any:
+        """Run an operator's call outside the log, recorded in the audit trail when it changes the sandbox."""
+        self._touched(record, op)
+        kind = _AUDIT_KIND.get(op)
+        at, started = time.time(), time.monotonic()
+        try:
+            result = await run()
+        except BaseException as exc:
+            self._audit(record, kind, op, args, at, started, f"{type(exc).__name__}: {exc}")
+            raise
+        self._audit(record, kind, op, args, at, started, None)
+        return result
+
+    def _audit(self, record: SandboxRecord, kind: str | None, op: str, args: dict[str, Any], at: float,
+               started: float, error: str | None) -> None:
+        if kind is not None:
+            self.engine.audit_command(record, kind, [op, call_identity(op, args)[1]], None, at,
+                                      time.monotonic() - started, "ok" if error is None else "error", None, error)
 
     async def _recover(self, t: OpenTrajectory, spec: SandboxSpec) -> SandboxInfo:
         """The bound sandbox is gone: rebuild it from the latest checkpoint (or the image)."""
@@ -286,7 +440,10 @@ class Rollouts:
         body: bytes | None,
         run: Callable[[int], Awaitable[Any]],
     ) -> Any:
-        """One logged call other than exec: replayed, joined or run live (and then logged)."""
+        """One logged call other than exec: replayed, joined or run live (and then logged); without ``seq``, an
+        operator's call, run outside the log."""
+        if seq is None:
+            return await self._outside(record, op, args, lambda: run(-1))
         t = await self._open_for(record)
         digest, readable = call_identity(op, args)
         stored = _stored(readable, body, self.log.cap)
@@ -319,6 +476,9 @@ class Rollouts:
     async def exec(self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None) -> ExecResult:
         """A logged exec whose caller wants only the result: as :meth:`exec_stream`, without relaying the
         events (the handler waits for the run's task once instead of once per event)."""
+        if seq is None:
+            self._touched(record, "exec")
+            return await self.engine.exec_unlogged(record, request)
         t = await self._open_for(record)
         digest, readable = call_identity("exec", exec_args(request))
         stored = _stored(readable, request.stdin, self.log.cap)
@@ -342,7 +502,13 @@ class Rollouts:
     async def exec_stream(
         self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None
     ) -> AsyncIterator[ExecEvent]:
-        """A logged exec: replayed, joined, or run in a task that survives the client's disconnect."""
+        """A logged exec: replayed, joined, or run in a task that survives the client's disconnect (without
+        ``seq``: an operator's exec, outside the log, killed if its client goes)."""
+        if seq is None:
+            self._touched(record, "exec")
+            async for event in self.engine.exec_events(backend, record, request):
+                yield event
+            return
         t = await self._open_for(record)
         digest, readable = call_identity("exec", exec_args(request))
         stored = _stored(readable, request.stdin, self.log.cap)
@@ -412,7 +578,10 @@ class Rollouts:
     # -- checkpoints ----------------------------------------------------------------------------------
 
     async def snapshot(self, record: SandboxRecord, seq: int | None) -> str:
-        """A logged checkpoint: the snapshot becomes the trajectory's latest checkpoint."""
+        """A logged checkpoint: the snapshot becomes the trajectory's latest checkpoint (without ``seq``: an
+        operator's snapshot, which is not)."""
+        if seq is None:
+            return await self.engine.take_snapshot(record)
         t = await self._open_for(record)
 
         async def take(at: int) -> str:

@@ -57,6 +57,13 @@ _JANITOR_WAIT = 30.0
 """How long a new daemon, ``dsec up`` or ``dsec down`` wait for a dead daemon's janitor to finish its cleanup."""
 
 
+def _reap_exited() -> None:
+    """Forget (and reap) daemons this process started that have exited since, a killed one included."""
+    for pid, child in list(_children.items()):
+        if child.poll() is not None:
+            del _children[pid]
+
+
 class ServeError(RuntimeError):
     """The daemon cannot start or stop (already running, bad address, died at startup)."""
 
@@ -418,6 +425,7 @@ def up(settings: Settings, tcp: str | None = None, token: str | None = None, tim
     ``dsec.daemon`` (the tests' :mod:`dsec.testing.fake_daemon`).
     """
     _check_tcp_auth(settings, tcp, token)
+    _reap_exited()
     if daemon_answers(settings):
         raise ServeError(f"a DSec daemon already answers on {settings.socket_path} (pid {find_daemon(settings)}): "
                          "`dsec up --restart` replaces it, `dsec down` stops it")
@@ -504,6 +512,7 @@ def down(settings: Settings, destroy: bool = False, timeout: float = 30.0) -> bo
     not be destroyed is named in a ServeError raised after the daemon stopped (its image mounts are left
     for it). A daemon that ignores SIGTERM for ``timeout`` seconds is killed, and its janitor's cleanup waited for.
     """
+    _reap_exited()
     pid = find_daemon(settings)
     failed: ServeError | None = None
     if destroy and daemon_answers(settings):

@@ -147,6 +147,8 @@ class Watchdog:
         """Each backend's helpers; a broken one is restarted."""
         seen: set[str] = set()
         for backend in self.node.watched_backends().values():
+            for name, why, began, ended in backend.take_healed():
+                self.health.healed(name, why, began, ended)
             for name, check in backend.components().items():
                 if name in seen:
                     continue
@@ -154,7 +156,9 @@ class Watchdog:
                 if check.error is None:
                     self.health.set(name, None, detail=check.detail)
                     continue
-                self.health.set(name, check.error, state="down", detail=check.detail)
+                self.health.set(name, check.error, state=check.state, detail=check.detail)
+                if check.state == "degraded":
+                    continue  # it works in part, or will by itself: nothing to restart
                 try:
                     await backend.repair(name)
                 except Exception as exc:

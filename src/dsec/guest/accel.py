@@ -33,13 +33,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from dsec.errors import BackendUnavailable
 from dsec.guest.kernel import default_guest_dir
 from dsec.isolation.procs import die_with_parent
 
-__all__ = ["PROBE_SECONDS", "QEMU", "Accelerator", "Verdict", "boot_key", "cache_dir", "cached", "decide", "kvm_usable",
-           "probe"]
+__all__ = ["PROBE_SECONDS", "QEMU", "Accelerator", "Verdict", "boot_key", "cache_dir", "cached", "decide", "health",
+           "kvm_usable", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -313,3 +314,25 @@ class Accelerator:
             raise BackendUnavailable(f"the accelerator (KVM or TCG) was not decided within {bound:g} s: "
                                      f"{self.pending() or 'decided just now'}; retry") from None
         return self._future.result()
+
+
+def health(accel: str | None, reason: str, accelerator: Accelerator | None
+           ) -> tuple[str | None, Literal["degraded", "down"], str | None]:
+    """The accelerator as a node component: ``(error, how bad, detail)`` for a backend that chose ``accel``
+    (None: not applied yet) for ``reason``, waiting on ``accelerator``. Degraded while undecided (creates wait)
+    or when the probe itself failed (guests fall back to TCG); down when KVM was chosen and ``/dev/kvm`` is no
+    longer usable (every new guest would fail to start). Non-blocking."""
+    verdict = accelerator.verdict if accelerator is not None else None
+    if accel is None and verdict is not None:
+        accel, reason = verdict.accel, verdict.describe()
+    if accel is None:
+        pending = accelerator.pending() if accelerator is not None else None
+        return (f"{pending or 'not decided'}: microvm and vm creates wait for it", "degraded",
+                "deciding KVM or TCG")
+    detail = f"{accel}" + (f" ({reason})" if reason else "")
+    if verdict is not None and verdict.how == "failed":
+        return f"the KVM probe could not run ({verdict.reason}): guests run under TCG", "degraded", detail
+    if accel == "kvm" and not kvm_usable():
+        return ("KVM was chosen but /dev/kvm is not usable now: new guests fail to start (restart the daemon to "
+                "decide again)"), "down", detail
+    return None, "degraded", detail

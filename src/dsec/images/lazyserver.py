@@ -6,9 +6,10 @@ for a dead one). A server is known by its *generation*, ``<pid>-<start time>``: 
 one server reads through it for as long as it lives, so a mount whose server's generation is not the
 running one is dead, whatever the mount table says.
 
-:meth:`LazyServer.alive` is cheap (a poll of a pidfd: no read of the mount table, no request to the server)
-and is what a create checks; :meth:`LazyServer.answers` sends the server one request (a lookup of a name
-that does not exist) from a thread, with a timeout, and is what the daemon's watchdog checks.
+:meth:`LazyServer.alive` is cheap (a poll of a pidfd and a read of its ``/proc`` state: no read of the mount
+table, no request to the server) and is what a create checks; :meth:`LazyServer.answers` sends the server
+one request (a lookup of a name that does not exist) from a thread, with a timeout, and is what the daemon's
+watchdog checks.
 This module owns that process and its mount point; it never mounts images.
 """
 
@@ -73,6 +74,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _zombie_status(pid: int) -> int | None:
+    """The exit status of ``pid``'s exited main thread as ``Popen.returncode`` gives it (``-signal`` when
+    killed), from ``/proc/PID/stat`` (its last field, a wait status); None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z":
+        return None
+    status = int(fields[-1])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
 class LazyServer:
     """This home's lazy blob filesystem server (see the module docstring). Not thread-safe: the caller
     (``NodeImages``) serialises :meth:`ensure` and :meth:`stop` under its lock; :meth:`alive` may be called
@@ -118,12 +133,15 @@ class LazyServer:
         return self._generation if self.alive() else None
 
     def alive(self) -> bool:
-        """Whether the server this instance knows still runs: one poll of its pidfd, no other I/O."""
+        """Whether the server this instance knows still runs: a poll of its pidfd, then its main thread's state.
+        A pidfd turns readable only once every thread has ended, and a killed server's other threads can take a
+        while (under load, seconds) while its main thread is already a zombie and reads through its mount fail:
+        a create in that window was handed the dead mount."""
         if self._pidfd < 0:
             return False
         poller = select.poll()
         poller.register(self._pidfd, select.POLLIN)
-        return not poller.poll(0)
+        return not poller.poll(0) and alive(self._pid)
 
     def _track(self, pid: int) -> None:
         self._forget()
@@ -234,6 +252,8 @@ class LazyServer:
             if self._reaper is not None:
                 self._reaper.join(2)  # it collects the exit status
             code = self._proc.returncode
+            if code is None:  # its main thread ended, the others are still ending: the status is in /proc
+                code = _zombie_status(self._pid)
             if code is not None and code < 0:
                 return f"{what} was killed by {signal.Signals(-code).name}"
             if code is not None:

@@ -146,6 +146,9 @@ class ExecHelper:
         self._binary = binary
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self.healed: list[tuple[str, float, float]] = []
+        """Deaths found and repaired by :meth:`spawn` itself, before the daemon's watchdog saw them: (what was
+        wrong, when found, when repaired), for the health registry to count (:meth:`Backend.take_healed`)."""
 
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -188,6 +191,15 @@ class ExecHelper:
         """Whether the helper process runs (non-blocking)."""
         return self._proc is not None and self._proc.poll() is None
 
+    def _death(self) -> str | None:
+        """How the helper that ran ended (None: none ran)."""
+        if self._proc is None:
+            return None
+        code = self._proc.returncode
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exited with status {code}")
+        return f"the exec helper (dsec-nsexec, pid {self._proc.pid}) {how}"
+
     def restart(self) -> None:
         """Start a new helper after this one died (what :meth:`spawn` also does on its own at the next exec)."""
         self.close()
@@ -200,8 +212,11 @@ class ExecHelper:
         message = encode_request(request)
         if self._proc is None or self._proc.poll() is not None:
             # The helper died (or was never started): one restart, then give up loudly.
+            began, why = time.time(), self._death()
             self.close()
             self.start()
+            if why is not None:
+                self.healed = [*self.healed[-99:], (why, began, time.time())]
         assert self._sock is not None
         return await send_with_pipes(self._sock, message, "exec helper", stdio=stdio)
 

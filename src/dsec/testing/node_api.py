@@ -33,6 +33,7 @@ from dsec.errors import (
     InvalidRequest,
     NotFound,
     NotSupported,
+    ReplayDivergence,
     SandboxNotFound,
     SandboxStateError,
 )
@@ -312,6 +313,30 @@ async def check_trajectory(api: NodeAPI, image: str) -> None:
         await asyncio.gather(*(api.destroy(i) for i in made))
 
 
+async def check_trajectory_end(api: NodeAPI, image: str) -> None:
+    name = f"conformance/{_tag()}"
+    sb = await api.create(SandboxSpec(image=image, trajectory=name, labels={"a": "1"}))
+    try:
+        await api.exec(sb.id, ExecRequest(command="echo a >> log"), seq=0)
+        await api.exec(sb.id, ExecRequest(command="echo operator"))  # no call number: outside the log
+        assert [t.calls for t in await api.list_trajectories(prefix=name)] == [1]
+        with _raises(ReplayDivergence, "labels"):
+            await api.create(SandboxSpec(image=image, trajectory=name, labels={"a": "2"}))
+        ended = await api.end_trajectory(name)
+        assert ended.ended_at is not None and ended.calls == 1, ended
+        with _raises(SandboxNotFound):
+            await api.get(sb.id)
+        again = await api.create(SandboxSpec(image=image, trajectory=name, labels={"a": "2"}))
+        assert again.trajectory is not None and again.trajectory.calls == 0, again
+        await api.delete_trajectory(name)
+        assert await api.list_trajectories(prefix=name) == []
+        with _raises(NotFound):
+            await api.delete_trajectory(name)
+    finally:
+        with contextlib.suppress(DSecError):
+            await api.delete_trajectory(name)
+
+
 async def check_images(api: NodeAPI, image: str) -> None:
     assert image in {i.name for i in await api.list_images()}
     assert (await api.get_image(image)).name == image
@@ -399,8 +424,8 @@ async def check_node_state(api: NodeAPI, image: str) -> None:
 NODE_CHECKS: tuple[NodeCheck, ...] = (
     check_health, check_lifecycle, check_create_errors, check_exec, check_exec_stream, check_files,
     check_pause_and_resume, check_batch_and_fork, check_batch_stream, check_destroy_many, check_list_pages,
-    check_snapshot, check_policies, check_trajectory, check_images, check_image_build, check_operator_views,
-    check_events, check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
+    check_snapshot, check_policies, check_trajectory, check_trajectory_end, check_images, check_image_build,
+    check_operator_views, check_events, check_node_state, *node_api_surface.SURFACE_NODE_CHECKS,
 )
 """Every check, in the order a reader meets the operations in :class:`NodeAPI`."""
 

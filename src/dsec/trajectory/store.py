@@ -21,6 +21,7 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -36,7 +37,7 @@ from typing import Any
 from dsec._sqlite import private_database
 from dsec.errors import DSecError, SandboxError
 
-__all__ = ["Binding", "Entry", "SQLiteStore", "TrajectoryStore"]
+__all__ = ["Binding", "Entry", "SQLiteStore", "Summary", "TrajectoryStore"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,11 @@ _SCHEMA = (
         original_bytes BIGINT NOT NULL DEFAULT 0, started_at DOUBLE PRECISION NOT NULL,
         duration_s DOUBLE PRECISION NOT NULL DEFAULT 0, PRIMARY KEY (name, seq))""",
     """CREATE TABLE IF NOT EXISTS dsec_health (node TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL)""",
+    # A table of its own rather than a column: logs made before ending existed need no migration.
+    """CREATE TABLE IF NOT EXISTS dsec_ended (name TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL)""",
 )
+_MAX_KEPT = 100_000
+"""Deferred inline writes kept for a store that takes no write (an outage), at most."""
 _ENTRY_COLUMNS = "seq, op, digest, request, status, response, truncated, original_bytes, started_at, duration_s"
 _UPSERT_CALL = (
     f"INSERT INTO dsec_calls (name, {_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -114,6 +119,16 @@ class Binding:
     checkpoint_seq: int = 0
     """Number of calls logged when the checkpoint was taken (calls ``>=`` it are after it)."""
     created_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Summary:
+    """One trajectory as a listing shows it."""
+
+    binding: Binding
+    calls: int
+    updated_at: float
+    ended_at: float | None
 
 
 _Op = Callable[[Any], None]
@@ -254,10 +269,15 @@ class TrajectoryStore(abc.ABC):
     # -- writes ---------------------------------------------------------------------------------------
 
     async def _write(self, sql: str, args: tuple[Any, ...], durable: bool) -> None:
-        statement = self._sql(sql)
+        await self._write_all([(sql, args)], durable)
+
+    async def _write_all(self, writes: list[tuple[str, tuple[Any, ...]]], durable: bool) -> None:
+        """``writes`` (statements and their arguments) in one transaction."""
+        statements = [(self._sql(sql), args) for sql, args in writes]
 
         def op(cur: Any) -> None:
-            cur.execute(statement, args)
+            for statement, args in statements:
+                cur.execute(statement, args)
 
         if self.inline:
             if not durable:
@@ -265,7 +285,12 @@ class TrajectoryStore(abc.ABC):
                 if len(self._pending) == 1:
                     asyncio.get_running_loop().call_later(self.defer_s, self._flush_pending)
                 return
-            self._commit_inline([*self._take_pending(), op])
+            deferred = self._take_pending()
+            try:
+                self._commit_inline([*deferred, op])
+            except DSecError:
+                self._keep(deferred)
+                raise
             return
         if durable:
             await self._writer.submit(op, True)  # type: ignore[misc]  # wait=True: a future
@@ -282,6 +307,17 @@ class TrajectoryStore(abc.ABC):
     def _take_pending(self) -> list[_Op]:
         ops, self._pending = self._pending, []
         return ops
+
+    def _keep(self, ops: list[_Op]) -> None:
+        """Deferred writes whose commit failed go back before the ones queued since, for the next commit (the
+        watchdog's probe makes one every few seconds): a call's answer is not lost to an outage of the store.
+        Past :data:`_MAX_KEPT` the oldest are dropped; those calls read as interrupted after a restart."""
+        self._pending[:0] = ops
+        if len(self._pending) > _MAX_KEPT:
+            dropped = len(self._pending) - _MAX_KEPT
+            del self._pending[:dropped]
+            log.error("trajectory log: %d deferred writes dropped while %s takes no write; those calls read as "
+                      "interrupted after a restart", dropped, self.where)
 
     def _commit_inline(self, ops: list[_Op]) -> None:
         try:
@@ -301,8 +337,8 @@ class TrajectoryStore(abc.ABC):
             try:
                 self._commit_inline(ops)
             except DSecError as exc:
-                log.error("trajectory log: %d deferred writes failed (%s); those calls read as interrupted after "
-                          "a restart", len(ops), exc)
+                self._keep(ops)
+                log.error("trajectory log: %d deferred writes wait for the store (%s)", len(ops), exc)
 
     async def barrier(self) -> None:
         """Return once every write issued so far is committed (deferred ones included)."""
@@ -331,6 +367,16 @@ class TrajectoryStore(abc.ABC):
             binding.name, binding.sandbox_id, binding.spec, binding.checkpoint, binding.checkpoint_seq,
             binding.created_at, now), True)
 
+    async def end(self, name: str) -> None:
+        """Mark a trajectory ended (re-opening its name starts a new one), durably."""
+        await self._write("INSERT INTO dsec_ended (name, at) VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET "
+                          "at = excluded.at", (name, time.time()), True)
+
+    async def delete(self, name: str) -> None:
+        """Delete a trajectory: its binding, its calls and its end mark, in one transaction, durably."""
+        await self._write_all([(f"DELETE FROM {table} WHERE name = ?", (name,))
+                               for table in ("dsec_calls", "dsec_ended", "dsec_trajectories")], True)
+
     async def truncate(self, name: str, length: int) -> None:
         """Drop calls ``>= length`` (used when a fork copies a prefix), durably."""
         await self._write("DELETE FROM dsec_calls WHERE name = ? AND seq >= ?", (name, length), True)
@@ -353,6 +399,38 @@ class TrajectoryStore(abc.ABC):
             return None
         n, spec, sandbox_id, checkpoint, checkpoint_seq, created = rows[0]
         return Binding(str(n), str(spec), sandbox_id, checkpoint, int(checkpoint_seq), float(created))
+
+    async def ended_at(self, name: str) -> float | None:
+        """When a trajectory was ended, or None while it goes on."""
+        rows = await self._read("SELECT at FROM dsec_ended WHERE name = ?", (name,))
+        return float(rows[0][0]) if rows else None
+
+    async def summaries(self, prefix: str = "", limit: int = 1000) -> list[Summary]:
+        """Trajectories whose name starts with ``prefix``, by name, at most ``limit``."""
+        rows = await self._read(
+            "SELECT t.name, t.spec, t.sandbox_id, t.checkpoint, t.checkpoint_seq, t.created_at, t.updated_at, e.at, "
+            "(SELECT COUNT(*) FROM dsec_calls c WHERE c.name = t.name) FROM dsec_trajectories t "
+            "LEFT JOIN dsec_ended e ON e.name = t.name WHERE substr(t.name, 1, ?) = ? ORDER BY t.name LIMIT ?",
+            (len(prefix), prefix, limit))
+        return [Summary(Binding(str(n), str(spec), sandbox_id, checkpoint, int(seq), float(created)), int(calls),
+                        float(updated), None if ended is None else float(ended))
+                for n, spec, sandbox_id, checkpoint, seq, created, updated, ended, calls in rows]
+
+    async def checkpoints(self, name: str) -> list[str]:
+        """Snapshot ids a trajectory's log took (its logged ``snapshot`` calls), oldest first."""
+        rows = await self._read("SELECT response FROM dsec_calls WHERE name = ? AND op = 'snapshot' AND "
+                                "status = 'done' ORDER BY seq", (name,))
+        found = [json.loads(r[0]) for r in rows if r[0] is not None]
+        return [snap for snap in found if isinstance(snap, str)]
+
+    async def used_elsewhere(self, snap_id: str, name: str) -> bool:
+        """True when a trajectory other than ``name`` has ``snap_id`` in its log or as its checkpoint (a branch
+        shares the calls, and so the checkpoints, before its branch point)."""
+        rows = await self._read(
+            "SELECT 1 FROM dsec_calls WHERE op = 'snapshot' AND response = ? AND name <> ? UNION ALL "
+            "SELECT 1 FROM dsec_trajectories WHERE checkpoint = ? AND name <> ?",
+            (json.dumps(snap_id), name, snap_id, name))
+        return bool(rows)
 
     async def entries(self, name: str, start: int = 0, limit: int = 1_000_000) -> list[Entry]:
         """Calls ``start .. start+limit-1`` of a trajectory, in order."""

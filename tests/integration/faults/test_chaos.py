@@ -173,6 +173,19 @@ async def test_exec_helper_killed(node: Node, client: dsec.Client) -> None:
     assert "exec-helper" in node.log()
 
 
+async def test_exec_helper_killed_and_restarted_by_the_next_exec_is_counted(client: dsec.Client) -> None:
+    """An exec right after the kill restarts the helper itself, before the watchdog looks: health still counts
+    the fault, with how the helper ended."""
+    box = await dsec.AsyncSandbox.create(image="debian-python", backend="container", client=client)
+    helper = await component(client, "exec-helper")
+    os.kill(pid_of(helper), signal.SIGKILL)
+    assert await await_until(lambda: not pid_alive(pid_of(helper)), timeout=10)
+    assert (await box.exec("echo at once")).stdout == b"at once\n"
+    after = await wait_ok(client, "exec-helper", helper.faults + 1)
+    assert "SIGKILL" in str(after.last_error), after
+    await box.aclose()
+
+
 async def test_mount_holder_killed(node: Node, client: dsec.Client) -> None:
     box, fn = await mix(client)
     holder = await component(client, "mount-holder")

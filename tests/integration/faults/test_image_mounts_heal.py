@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -174,3 +175,34 @@ def test_an_exiting_lazy_server_leaves_its_successors_mount_alone(tmp_path: Path
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
     assert not fs_types().get(str(blobs), "").startswith("fuse")
+
+
+def test_a_server_whose_main_thread_ended_is_dead_before_its_last_thread_ends(tmp_path: Path) -> None:
+    """A SIGKILLed server's main thread ends at once; its other threads may take seconds (under load), and until
+    the last one ends its pidfd is not readable while reads through its mount already fail. A create in that
+    window was handed the dead mount (EIO: the CI flake of the test above). Here the main thread ends on its own
+    while another thread lives on: the same window, held open."""
+    from dsec.images.lazyserver import LazyServer
+
+    code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "ctypes.CDLL(None).pthread_exit(None)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    server = LazyServer(tmp_path, tmp_path / "lazyfs.log", list)
+    try:
+        server._track(proc.pid)  # as ensure() does for the server it starts or adopts
+        assert server.alive()
+
+        def main_thread_ended() -> bool:
+            return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+        assert asyncio.run(await_until(main_thread_ended, timeout=30))
+        pidfd = os.pidfd_open(proc.pid)
+        try:
+            assert not select.select([pidfd], [], [], 0)[0], "the pidfd alone already tells (the window is gone)"
+        finally:
+            os.close(pidfd)
+        assert not server.alive() and server.generation is None
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()

@@ -7,7 +7,6 @@ import asyncio
 import shutil
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import uvicorn
@@ -20,6 +19,7 @@ from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
 from dsec.errors import DSecError
 from dsec.guest.kernel import default_guest_dir, find_kernel
+from guest_support import qemu_of
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
 
@@ -67,19 +67,6 @@ def daemon_url() -> Iterator[str]:
         server.should_exit = True
         thread.join(60)
         shutil.rmtree(home, ignore_errors=True)
-
-
-def qemu_of(sandbox_id: str) -> list[int]:
-    """Pids of QEMU processes whose command line names the sandbox."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"qemu" in argv and sandbox_id.encode() in argv:
-            found.append(int(proc.name))
-    return found
 
 
 async def test_microvm_through_the_sdk(daemon_url: str) -> None:

@@ -146,3 +146,14 @@ def test_libpq_environment_settings_are_not_overridden(monkeypatch: pytest.Monke
     assert "options" not in PostgresStore("postgresql://dsec@db.invalid/log")._timeouts()
     monkeypatch.setenv("PGSERVICE", "dsec")
     assert PostgresStore("postgresql://dsec@db.invalid/log")._timeouts() == {}
+
+
+async def test_lists_ends_and_deletes(pg: PgServer) -> None:
+    from trajectory_support import check_list_end_and_delete
+
+    store = PostgresStore(pg.dsn)
+    await store.start()
+    try:
+        await check_list_end_and_delete(store)
+    finally:
+        await store.aclose()

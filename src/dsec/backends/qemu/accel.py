@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dsec.backends.base import Check
 from dsec.errors import BackendUnavailable
-from dsec.guest.accel import Accelerator
+from dsec.guest.accel import Accelerator, health
 
 __all__ = ["AccelChoice", "accel_arg"]
 
@@ -57,6 +57,6 @@ class AccelChoice:
         return self.accel
 
     def components(self) -> dict[str, Check]:
-        if self.accel is None:
-            return {}
-        return {"accelerator": Check(None, f"{self.accel}" + (f" ({self.reason})" if self.reason else ""))}
+        """The accelerator as a node component, as it is (:func:`dsec.guest.accel.health`)."""
+        error, state, detail = health(self.accel, self.reason, self.decision)
+        return {"accelerator": Check(error, detail, state)}

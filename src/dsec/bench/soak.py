@@ -1,0 +1,467 @@
+"""``dsec bench soak``: mixed load on one node for N minutes while its parts are SIGKILLed in turn.
+
+Against a private daemon (a process of its own, so it can be killed and started again), ``workers`` clients
+loop over episodes -- create, exec, write and read, snapshot and restore, fork, and every third episode a
+trajectory rollout that is cut off mid-call and re-run -- on the container and function backends, while
+another imports a small image into the node's store and removes it again, every second. Every
+``fault_every_s`` seconds one component of the chaos list is SIGKILLed, in turn: the exec helper, the mount
+holder, the lazy image server, a function sandbox's zygote, a container sandbox's init, the daemon itself.
+After each fault the soak measures the time until the node recovered (the component counted the fault
+and is ``ok`` again; the victim sandbox works again or was reported lost; the restarted daemon answers)
+and a create on each backend succeeds.
+
+Invariants, counted throughout and reported (targets in the table): sandboxes lost without a reason (a
+sandbox of ours gone with no ``SandboxLost`` naming why, or an error that is not a DSec error), exactly-once
+violations (a re-run rollout whose commands ran more or fewer times than the log holds), leaks after the
+daemon stopped (mounts, cgroups), and the daemon's RSS at the start and the end.
+
+Owns the load, the fault injection and the report; it never reaches into the daemon's internals (health,
+events and processes it started are all it looks at).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import random
+import shutil
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec import (
+    AsyncSandbox,
+    AsyncTrajectory,
+    Client,
+    ConnectionFailed,
+    DaemonStopping,
+    DSecError,
+    NotFound,
+    SandboxLost,
+    SandboxNotFound,
+)
+from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_settings, preflight
+from dsec.bench.report import Row, Suite, summarize
+from dsec.config import Settings
+from dsec.daemon import server
+from dsec.images.store import ImageStore
+
+__all__ = ["COMPONENTS", "SoakBench", "run"]
+
+COMPONENTS = ("exec-helper", "mount-holder", "lazy-server", "zygote", "sandbox-init", "daemon")
+"""The chaos list, in the order faults are injected (then again from the start)."""
+_BACKENDS = ("container", "function")
+_RECOVERY_BOUND = 90.0
+
+
+@dataclass(frozen=True)
+class SoakBench:
+    """How long and how hard one soak runs."""
+
+    minutes: float = 60.0
+    workers: int = 4
+    fault_every_s: float = 30.0
+    seed: int = 1
+
+    def scaled(self, factor: float) -> SoakBench:
+        """The duration times ``factor`` (a soak always injects one round of faults, however short); the load's
+        shape kept."""
+        minutes = self.minutes * factor
+        return SoakBench(minutes=minutes, workers=self.workers, fault_every_s=self.fault_every_s, seed=self.seed)
+
+
+@dataclass
+class _Tally:
+    ops: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    """Named failures (DSec errors, by class) the load met, mostly while a fault was being repaired."""
+    lost_with_reason: list[str] = field(default_factory=list)
+    lost_without_reason: list[str] = field(default_factory=list)
+    exactly_once_violations: list[str] = field(default_factory=list)
+    recoveries: dict[str, list[float]] = field(default_factory=dict)
+    unrecovered: list[str] = field(default_factory=list)
+    daemon_restarts: int = 0
+
+
+class _Node:
+    """The private daemon: its client, its pid, and a restart after it was killed."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pid = server.up(settings, timeout=120)
+        self.client = Client(url=f"unix://{settings.socket_path}")
+
+    def rss_mib(self) -> float | None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return None
+
+    async def component(self, name: str) -> Any:
+        info = await self.client.health()
+        return next((c for c in info.components if c.name == name), None)
+
+    async def restart(self) -> None:
+        self.pid = await asyncio.to_thread(server.up, self.settings, None, None, 120)
+
+
+def _procs(comm: str, needle: str) -> list[int]:
+    """Pids of processes named ``comm`` whose cgroup mentions ``needle`` (a sandbox id)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "comm").read_text().strip().startswith(comm) and (
+                    needle in (entry / "cgroup").read_text()):
+                found.append(int(entry.name))
+    return found
+
+
+async def _close(tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
+    """Destroy ``sb`` as a client that means it does: again while the daemon is down or restarting (a sandbox
+    whose destroy was lost to the outage lives on, re-adopted by the next daemon)."""
+    await _until_reached(tally, "destroy", sb.close)
+
+
+async def _until_reached(tally: _Tally, what: str, work: Callable[[], Any]) -> None:
+    deadline = time.monotonic() + _RECOVERY_BOUND
+    while True:
+        try:
+            await work()
+        except (ConnectionFailed, DaemonStopping) as exc:
+            tally.errors[type(exc).__name__] += 1
+            if time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                continue
+            return
+        except DSecError as exc:
+            tally.errors[type(exc).__name__] += 1
+            return
+        tally.ops[what] += 1
+        return
+
+
+async def _guard(tally: _Tally, what: str, mine: set[str], work: Callable[[], Any]) -> Any:
+    """Run one operation of the load; classify its failure (the load goes on, after a pause while the daemon
+    cannot be reached)."""
+    try:
+        result = await work()
+    except SandboxLost as exc:
+        tally.lost_with_reason.append(f"{what}: {exc.message}")
+        return None
+    except SandboxNotFound as exc:
+        if exc.detail.get("sandbox_id") in mine or any(sid in exc.message for sid in mine):
+            tally.lost_without_reason.append(f"{what}: {exc.message}")
+        tally.errors[type(exc).__name__] += 1
+        return None
+    except DSecError as exc:
+        tally.errors[type(exc).__name__] += 1
+        if isinstance(exc, (ConnectionFailed, DaemonStopping)):
+            await asyncio.sleep(0.5)  # the daemon is down or restarting: not a busy loop of refused calls
+        return None
+    except Exception as exc:  # not a DSec error: the node answered something no client can act on
+        tally.lost_without_reason.append(f"{what}: {type(exc).__name__}: {exc}")
+        return None
+    tally.ops[what] += 1
+    return result
+
+
+async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.Random) -> None:
+    backend = _BACKENDS[(worker + n) % len(_BACKENDS)]
+    if backend == "container" and n % 3 == 0:
+        await _rollout(node, tally, f"soak/{worker}/{n}-{time.time_ns()}")
+        return
+    client, mine = node.client, set[str]()
+    labels = {"soak": f"episode-{worker}-{n}"}  # a sandbox left at the end names the episode that made it
+    sb = await _guard(tally, "create", mine, lambda: AsyncSandbox.create(image=IMAGE, backend=backend, labels=labels,
+                                                                        client=client))
+    if sb is None:
+        return
+    mine.add(sb.id)
+    try:
+        for i in range(3):
+            await _guard(tally, "exec", mine, functools.partial(
+                sb.exec, f"echo {i} >> /workspace/n; python3 -c 'import json'", timeout=60))
+        await _guard(tally, "write", mine, lambda: sb.files.write("/workspace/f", os.urandom(4096)))
+        await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
+        if backend == "container" and rng.random() < 0.2:
+            await _restore(node, tally, sb, mine)
+        if backend == "container" and rng.random() < 0.3:
+            kids = await _guard(tally, "fork", mine, lambda: sb.fork(1)) or []
+            for kid in kids:
+                await _guard(tally, "exec", mine, functools.partial(kid.exec, "cat /workspace/n"))
+                await _close(tally, kid, mine)
+    finally:
+        await _close(tally, sb, mine)
+
+
+async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
+    """Snapshot ``sb``, restore it into a new sandbox that must hold its files, then purge the snapshot (the
+    store may be shared: its chunks are this run's alone)."""
+    snap = await _guard(tally, "snapshot", mine, sb.snapshot)
+    if snap is None:
+        return
+    try:
+        copy = await _guard(tally, "restore", mine, lambda: AsyncSandbox.create(snapshot=snap, client=node.client))
+        if copy is not None:
+            mine.add(copy.id)
+            await _guard(tally, "exec", mine, lambda: copy.exec("cat /workspace/n"))
+            await _close(tally, copy, mine)
+    finally:
+        store = ImageStore(node.settings.images, node.settings.snapshot_store)
+        with contextlib.suppress(DSecError, OSError):
+            await asyncio.to_thread(store.remove_snapshot, snap, True)
+
+
+async def _rollout(node: _Node, tally: _Tally, name: str) -> None:
+    """A trajectory rollout whose client is cut off mid-call, then re-run: every command runs exactly once."""
+    client, mine = node.client, set[str]()
+    sb = await _guard(tally, "create", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name, client=client))
+    if sb is None:
+        return
+    mine.add(sb.id)
+    steps = ["echo a >> ran", "echo b >> ran", "sleep 0.3; echo c >> ran"]
+    try:
+        for step in steps[:2]:
+            if await _guard(tally, "exec", mine, functools.partial(sb.exec, step)) is None:
+                return
+        cut = asyncio.create_task(sb.exec(steps[2]))
+        await asyncio.sleep(0.1)
+        cut.cancel()  # the client dies mid-call: the daemon finishes and logs the command
+        with contextlib.suppress(BaseException):
+            await cut
+        again = await _guard(tally, "reopen", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
+                                                                                client=client))
+        if again is None:
+            return
+        mine.add(again.id)
+        for step in steps:
+            replayed = await _guard(tally, "replay", mine, functools.partial(again.exec, step))
+            if replayed is None:
+                return
+            if b"outcome is unknown" in replayed.stderr:  # the daemon died while it ran: at most once, not counted
+                tally.ops["rollout-interrupted"] += 1
+                return
+        counted = await _guard(tally, "exec", mine, lambda: again.exec("wc -l < ran"))
+        if counted is not None and counted.exit_code == 0 and counted.stdout.strip() != b"3":
+            tally.exactly_once_violations.append(f"{name}: {counted.stdout.strip().decode()} runs of 3 commands")
+    finally:
+        await _delete(tally, name, client, mine)
+
+
+async def _delete(tally: _Tally, name: str, client: Client, mine: set[str]) -> None:
+    """Delete a rollout's trajectory (its sandbox with it), again while the daemon cannot be reached."""
+    await _until_reached(tally, "delete-trajectory", lambda: _gone(name, client))
+
+
+async def _gone(name: str, client: Client) -> None:
+    with contextlib.suppress(NotFound):
+        await AsyncTrajectory(name, client).delete()
+
+
+async def _images(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
+    """Import a small image into the node's store and remove it again, over and over (what ``dsec image import``
+    and ``rm`` do from another shell): the node must keep serving the images in use meanwhile."""
+    settings = node.settings
+    store = ImageStore(settings.images, settings.image_store)
+    tree = settings.home / "soak-image"
+    (tree / "etc").mkdir(parents=True, exist_ok=True)
+    n = 0
+    while not done.is_set():
+        name = f"soak-{os.getpid()}-{n}"
+        (tree / "etc" / "generation").write_text(f"{n}\n")
+        made = await _guard(tally, "image-import", set(), functools.partial(
+            asyncio.to_thread, store.import_dir, name, tree, settings.uid_shift))
+        if made is not None:
+            await _guard(tally, "image-get", set(), functools.partial(node.client.api.get_image, name))
+            await _guard(tally, "image-remove", set(), functools.partial(asyncio.to_thread, store.remove, name))
+        n += 1
+        await asyncio.sleep(1.0)
+
+
+async def _worker(node: _Node, tally: _Tally, worker: int, done: asyncio.Event, rng: random.Random) -> None:
+    n = 0
+    while not done.is_set():
+        await _episode(node, tally, worker, n, rng)
+        n += 1
+
+
+async def _until(check: Callable[[], Any], bound: float = _RECOVERY_BOUND) -> bool:
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        with contextlib.suppress(DSecError, OSError):
+            if await check():
+                return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def _creates_work(node: _Node) -> bool:
+    for backend in _BACKENDS:
+        sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"}, client=node.client)
+        try:
+            if (await sb.exec("python3 -c 'print(1)'", timeout=60)).exit_code != 0:
+                return False
+        finally:
+            await sb.close()
+    return True
+
+
+async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
+    """SIGKILL ``name``; seconds until the node recovered from it, or None when it did not within the bound."""
+    client = node.client
+    if name in ("exec-helper", "mount-holder", "lazy-server"):
+        before = await node.component(name)
+        if before is None or not (before.detail or "").startswith("pid "):
+            return None
+        started = time.monotonic()
+        os.kill(int(before.detail.split()[1]), signal.SIGKILL)
+
+        async def healed() -> bool:
+            now = await node.component(name)
+            return bool(now is not None and now.faults > before.faults and now.state == "ok")
+
+        ok = await _until(healed) and await _until(lambda: _creates_work(node))
+        return time.monotonic() - started if ok else None
+    if name == "daemon":
+        started = time.monotonic()
+        os.kill(node.pid, signal.SIGKILL)
+        await node.restart()
+        tally.daemon_restarts += 1
+        ok = await _until(lambda: _creates_work(node))
+        return time.monotonic() - started if ok else None
+    backend, comm = ("function", "dsec-zygote") if name == "zygote" else ("container", "dsec-init")
+    victim = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": f"victim-{name}"}, client=client)
+    try:
+        await victim.exec("echo kept > /workspace/state")
+        pids = _procs(comm, victim.id)
+        if not pids:
+            return None
+        started = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+
+        async def settled() -> bool:  # revived with its state, or reported lost with the reason
+            try:
+                return (await victim.exec("cat /workspace/state")).stdout == b"kept\n"
+            except SandboxLost as exc:
+                tally.lost_with_reason.append(f"{name} victim: {exc.message}")
+                return True
+            except DSecError:
+                return False
+
+        ok = await _until(settled) and await _until(lambda: _creates_work(node))
+        return time.monotonic() - started if ok else None
+    finally:
+        with contextlib.suppress(DSecError):
+            await victim.close()
+
+
+async def _faults(node: _Node, tally: _Tally, cfg: SoakBench, deadline: float, done: asyncio.Event,
+                  progress: Callable[[str], None]) -> None:
+    """A fault every ``fault_every_s`` until the deadline, and at least one of each component; then ``done``."""
+    i = 0
+    try:
+        while i < len(COMPONENTS) or time.monotonic() + cfg.fault_every_s < deadline:
+            await _fault(node, tally, cfg, COMPONENTS[i % len(COMPONENTS)], progress)
+            i += 1
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+    finally:
+        done.set()
+
+
+async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress: Callable[[str], None]) -> None:
+    await asyncio.sleep(cfg.fault_every_s)
+    progress(f"SIGKILL {name}")
+    took = await _inject(node, name, tally)
+    if took is None:
+        tally.unrecovered.append(name)
+        now = None
+        with contextlib.suppress(DSecError):
+            now = await node.component(name)
+        progress(f"{name}: not recovered within {_RECOVERY_BOUND:g} s (health: {now})")
+    else:
+        tally.recoveries.setdefault(name, []).append(took)
+        progress(f"{name}: recovered in {took:.1f} s")
+
+
+async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tally: _Tally,
+                progress: Callable[[str], None]) -> None:
+    node = _Node(settings)
+    rng = random.Random(cfg.seed)
+    try:
+        if not await _creates_work(node):  # warm: the image mounted, the helpers started
+            raise RuntimeError("the node could not create a sandbox before the soak")
+        results["rss_start_mib"] = node.rss_mib()
+        deadline, done = time.monotonic() + cfg.minutes * 60, asyncio.Event()
+        progress(f"{cfg.workers} workers for {cfg.minutes:g} min, a SIGKILL every {cfg.fault_every_s:g} s")
+        await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress), _images(node, tally, done),
+                             *(_worker(node, tally, w, done, random.Random(rng.random()))
+                               for w in range(cfg.workers)))
+        results["rss_end_mib"] = node.rss_mib()
+        # every episode closes what it made: one still here is a leak (its labels name the episode)
+        results["sandboxes_left"] = [f"{i.id} {i.state} {i.spec.labels} {i.spec.trajectory or ''}".strip()
+                                     for i in await node.client.api.list()]
+    finally:
+        await node.client.aclose()
+        await asyncio.to_thread(server.down, settings, True)
+
+
+async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[str], None] = lambda _: None
+              ) -> Suite:
+    """Soak a private daemon; ``progress`` is told each fault and its recovery."""
+    node = node or Settings()
+    preflight(node)
+    settings = _private_settings(node)
+    suite = Suite(name="soak")
+    tally = _Tally()
+    results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "load": os.getloadavg()}
+    started = time.monotonic()
+    try:
+        await _soak(cfg, settings, results, tally, progress)
+    finally:
+        await _cleanup_backend(settings)
+        results["leaks"] = _leaks(settings)
+        shutil.rmtree(settings.home, ignore_errors=True)
+    results.update(seconds=time.monotonic() - started, load_end=os.getloadavg(), ops=dict(tally.ops),
+                   errors=dict(tally.errors), lost_with_reason=tally.lost_with_reason,
+                   lost_without_reason=tally.lost_without_reason, unrecovered=tally.unrecovered,
+                   exactly_once_violations=tally.exactly_once_violations, daemon_restarts=tally.daemon_restarts,
+                   recoveries_s=tally.recoveries)
+    for name, took in tally.recoveries.items():
+        suite.latencies[f"recovery_{name}"] = summarize(took)
+    suite.extra = results
+    suite.rows = _rows(results, tally)
+    return suite
+
+
+def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
+    injected = sum(len(v) for v in tally.recoveries.values()) + len(tally.unrecovered)
+    rows = [
+        Row("operations done", "", float(sum(tally.ops.values())), better="higher",
+            note=f"{sum(tally.errors.values())} refused with a named error during repairs"),
+        Row("faults recovered / injected", "", float(injected - len(tally.unrecovered)), float(injected), "injected",
+            better="higher", target="all", passed=not tally.unrecovered),
+    ]
+    for name in COMPONENTS:
+        took = tally.recoveries.get(name)
+        if took:
+            rows.append(Row(f"recovery after SIGKILL {name}, p50", "s", summarize(took).p50,
+                            note=f"max {max(took):.1f} s over {len(took)}"))
+    rows += [
+        Row("sandboxes lost with a reason", "", float(len(tally.lost_with_reason))),
+        Row("sandboxes lost without a reason", "", float(len(tally.lost_without_reason)), target="0",
+            passed=not tally.lost_without_reason),
+        Row("exactly-once violations (rollouts)", "", float(len(tally.exactly_once_violations)), target="0",
+            passed=not tally.exactly_once_violations),
+        Row("leaks after stop", "", float(len(results["leaks"]) + len(results.get("sandboxes_left", []))),
+            target="0", passed=not results["leaks"] and not results.get("sandboxes_left")),
+        Row("daemon RSS, start -> end", "MiB", results.get("rss_end_mib"), results.get("rss_start_mib"), "at start",
+            note=f"{tally.daemon_restarts} daemon restart(s) in between"),
+    ]
+    return rows
