@@ -114,8 +114,8 @@ def test_top_prints_plain_snapshots_when_not_a_terminal(daemon: Daemon, env: dse
                 lines.append(line)
         finally:
             proc.kill()
-            proc.communicate()
-    assert sum(line.startswith("--- ") for line in lines) == 3, lines
+            _, err = proc.communicate()
+    assert sum(line.startswith("--- ") for line in lines) == 3, (lines, err.decode(errors="replace")[-2000:])
     assert any(sb.id in line for line in lines) and any("EXECS/s" in line for line in lines)
     assert not any("\x1b[" in line for line in lines), "terminal escapes in a pipe"
 
