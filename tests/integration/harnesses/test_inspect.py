@@ -1,6 +1,6 @@
 """inspect-ai on DSec, checked by inspect's own tools: its sandbox compliance suite (``self_check.py``, all 44
-checks) against the ``dsec`` sandbox environment on a real daemon, and an ``inspect eval`` of a small task with
-the ``mockllm`` model and ``--sandbox dsec``, end to end."""
+checks) against the ``dsec`` sandbox environment on a real daemon, on the container and the microvm backend
+(marked ``vm``), and an ``inspect eval`` of a small task with the ``mockllm`` model and ``--sandbox dsec``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def daemon_url() -> Iterator[str]:
         yield unix_url
 
 
-@pytest.fixture(params=["container"])
+@pytest.fixture(params=["container", pytest.param("microvm", marks=pytest.mark.vm)])
 async def sandbox_env(request: pytest.FixtureRequest, daemon_url: str) -> AsyncIterator[DSecSandboxEnvironment]:
     config = DSecSandboxConfig(backend=request.param, url=daemon_url,
                                services={"default": DSecService(image="debian-python", user=USER)})
