@@ -228,7 +228,8 @@ def test_images_rows_apply_the_issue_targets() -> None:
 
 
 def test_selection_and_skip() -> None:
-    assert bench._selected(None, ["microvm", "vm", "images", "builds", "cluster", "e2b", "cluster-sim"]) == (
+    assert bench._selected(None, ["microvm", "vm", "images", "builds", "inspect", "cluster", "e2b",
+                                  "cluster-sim"]) == (
         "startup", "container", "function", "pools", "trajectory", "surface")
     assert bench._selected(["pools"], []) == ("pools",)
     with pytest.raises(BenchUnavailable, match="'nope'"):
@@ -640,3 +641,12 @@ def test_surface_rows_apply_the_targets() -> None:
     rows = surface_rows(suite)
     assert [r.passed for r in rows[:3]] == [True, False, False]  # 0.5x, 2.5x exec; +1.3 ms over direct
     assert rows[3].passed is None and rows[4].peer_name == "exec of `stat`"
+
+
+def test_inspect_suite_runs_every_self_check_but_the_host_changing_one() -> None:
+    pytest.importorskip("inspect_ai", reason="inspect-ai is not installed: pip install 'dsec[inspect]'")
+    from dsec.bench.harnesses import SKIPPED, _checks
+
+    checks = _checks()
+    assert len(checks) == 43 and not set(SKIPPED) & set(checks)
+    assert {"test_exec_timeout", "test_read_file_not_allowed", "test_exec_large_command"} <= set(checks)

@@ -47,7 +47,7 @@ from dsec.bench.trajectory import run as run_trajectory
 __all__ = ["ON_DEMAND", "QUICK_SCALE", "SUITES", "main"]
 
 SUITES = ("startup", "container", "function", "pools", "trajectory", "surface", "microvm", "vm", "images", "builds",
-          "cluster", "e2b", "cluster-sim")
+          "inspect", "cluster", "e2b", "cluster-sim")
 """Every suite a full ``dsec bench`` runs, in order."""
 ON_DEMAND = ("soak",)
 """Suites run only when named (``dsec bench soak --minutes N``): long, and they kill the node's parts."""
@@ -80,6 +80,10 @@ def _run_one(name: str, scale: float, config: Config | None, progress: Callable[
         from dsec.bench.builds import run as run_builds
 
         return run_builds(samples=max(2, round(3 * scale)), progress=progress)
+    if name == "inspect":
+        from dsec.bench.harnesses import run as run_inspect
+
+        return run_inspect(rounds=max(1, round(2 * scale)), progress=progress)
     if name == "cluster-sim":
         from dsec.bench.cluster_sim import run as run_cluster_sim
 

@@ -8,13 +8,18 @@ its resources and network policy (no network, public, an allowlist; changed live
 user with harbor's environment overlays, file and directory transfer, and destroying the sandbox. The
 capabilities it declares are only what it enforces. harbor needs Python >= 3.12: this module runs in a venv
 of its own (``scripts/setup`` makes ``.venv-harbor``); it never imports harbor's private modules beyond the
-provider API and its tar helpers. Compose tasks are refused with a clear error.
+provider API and its tar helpers. A task's ``environment/docker-compose.yaml`` of one service is read as
+harbor's docker environment reads it (its ``build:`` or ``image:``, else the task's Dockerfile or
+``docker_image``; its ``environment:``, ``working_dir:`` and ``user:``; harbor's ``${CONTEXT_DIR}``-style
+variables); a compose file of several services is refused, naming them, since a task is one sandbox here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
 import shlex
 import uuid
 from pathlib import Path
@@ -32,9 +37,11 @@ from harbor.environments.tar_transfer import (
     tar_pack_succeeded,
 )
 from harbor.models.task.config import NetworkMode, NetworkPolicy
+from harbor.utils.env import resolve_env_vars
 
 import dsec
 from dsec.errors import DSecError
+from dsec.integrations.compose import ComposeService, load_compose
 
 __all__ = ["DSecEnvironment", "DSecOptions"]
 
@@ -91,13 +98,40 @@ class DSecEnvironment(BaseEnvironment):  # type: ignore[misc]
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
         return EnvironmentResourceCapabilities(cpu_limit=True, memory_limit=True, fractional_cpus=True)
 
+    def _compose_variables(self) -> dict[str, str]:
+        """What ``${VAR}`` means in the task's compose file: this process's environment, the task's
+        ``[environment].env`` and the infrastructure variables harbor's docker environment defines."""
+        task_env = resolve_env_vars(self.task_env_config.env) if self.task_env_config.env else {}
+        infra = {"CONTEXT_DIR": str(self.environment_dir.resolve()), "MAIN_IMAGE_NAME": self._dockerfile_image_name(),
+                 "PREBUILT_IMAGE_NAME": str(self.task_env_config.docker_image or "")}
+        if self.task_env_config.cpus is not None:
+            infra["CPUS"] = str(self.task_env_config.cpus)
+        if self.task_env_config.memory_mb is not None:
+            infra["MEMORY"] = f"{self.task_env_config.memory_mb}M"
+        return {**os.environ, **task_env, **infra}
+
+    def _compose_service(self) -> ComposeService | None:
+        """The task's compose service (there must be only one), or ``None`` when the task has no compose file."""
+        path = self.environment_dir / _COMPOSE
+        if not path.exists():
+            return None
+        try:
+            services = load_compose(path, self._compose_variables())
+        except DSecError as e:
+            raise ValueError(str(e)) from e
+        if len(services) != 1:
+            raise ValueError(f"{path}: {len(services)} services ({', '.join(s.name for s in services)}); the dsec "
+                             "environment runs one sandbox per task, so its compose file may have only one service")
+        return services[0]
+
     def _validate_definition(self) -> None:
-        if (self.environment_dir / _COMPOSE).exists() and not (self.environment_dir / _DOCKERFILE).exists():
-            raise ValueError(f"{self.environment_dir / _COMPOSE}: the dsec environment runs one sandbox per task; "
-                             "give the task an environment/Dockerfile or a docker_image instead of a compose file")
+        service = self._compose_service()
+        if service is not None and (service.build_context is not None or service.image):
+            return
         if not (self.environment_dir / _DOCKERFILE).exists() and not self.task_env_config.docker_image:
-            raise FileNotFoundError(f"{self.environment_dir}: no {_DOCKERFILE} and no [environment].docker_image "
-                                    "in task.toml: the dsec environment needs one of them")
+            raise FileNotFoundError(f"{self.environment_dir}: no {_DOCKERFILE}, no [environment].docker_image in "
+                                    f"task.toml and no build: or image: in a {_COMPOSE}: the dsec environment "
+                                    "needs one of them")
 
     # ------------------------------------------------------------------ life cycle
     def _require(self) -> dsec.AsyncSandbox:
@@ -105,17 +139,31 @@ class DSecEnvironment(BaseEnvironment):  # type: ignore[misc]
             raise RuntimeError("the dsec environment is not started: call start() first")
         return self._sandbox
 
-    async def _image(self, client: dsec.Client, force_build: bool) -> str:
-        """The task's image in DSec's store: built from its Dockerfile, pulled, or named as it is."""
-        if (self.environment_dir / _DOCKERFILE).exists():
-            name = "harbor-" + environment_content_hash(self.environment_dir, truncate=16)
-            timeout = self.task_env_config.build_timeout_sec
-            build = dsec.AsyncSandbox.build_image(
-                name, self.environment_dir, replace=True, no_cache=force_build, client=client,
-                output=lambda line: self.logger.debug(f"build: {line}"))
-            info = await asyncio.wait_for(build, timeout=timeout)
-            return str(info.name)
-        image = str(self.task_env_config.docker_image)
+    def _dockerfile_image_name(self) -> str:
+        return "harbor-" + str(environment_content_hash(self.environment_dir, truncate=16))
+
+    async def _build(self, client: dsec.Client, name: str, context: Path, force_build: bool,
+                     dockerfile: Path | None = None, build_args: dict[str, str] | None = None) -> str:
+        build = dsec.AsyncSandbox.build_image(
+            name, context, dockerfile=dockerfile, build_args=build_args, replace=True, no_cache=force_build,
+            client=client, output=lambda line: self.logger.debug(f"build: {line}"))
+        info = await asyncio.wait_for(build, timeout=self.task_env_config.build_timeout_sec)
+        return str(info.name)
+
+    async def _image(self, client: dsec.Client, service: ComposeService | None, force_build: bool) -> str:
+        """The task's image in DSec's store: built from its compose service's ``build:`` or its Dockerfile,
+        pulled, or named as it is. Built images are named by content hash, so an unchanged one is a cache hit."""
+        if service is not None and service.build_context is not None:
+            key = (f"{environment_content_hash(service.build_context)}|{service.dockerfile}|"
+                   f"{sorted(service.build_args.items())}")
+            name = "harbor-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+            dockerfile = service.build_context / service.dockerfile if service.dockerfile else None
+            return await self._build(client, name, service.build_context, force_build, dockerfile,
+                                     service.build_args)
+        image = service.image if service is not None and service.image else None
+        if image is None and (self.environment_dir / _DOCKERFILE).exists():
+            return await self._build(client, self._dockerfile_image_name(), self.environment_dir, force_build)
+        image = image or str(self.task_env_config.docker_image)
         if "/" not in image.split(":")[0] and "." not in image.split(":")[0]:
             return image  # a name of DSec's store
         info = await dsec.AsyncSandbox.pull_image(image, insecure=self.options.insecure_registry, replace=True,
@@ -126,12 +174,15 @@ class DSecEnvironment(BaseEnvironment):  # type: ignore[misc]
         opts = self.options
         self._client = dsec.Client(opts.url) if opts.url else dsec.Client()
         cpus, memory_mb, storage_mb = self._effective_cpus, self._effective_memory_mb, self._effective_storage_mb
+        service = self._compose_service()
         try:
-            image = await self._image(self._client, force_build)
+            image = await self._image(self._client, service, force_build)
             self._sandbox = await dsec.AsyncSandbox.create(
                 image=image, backend=opts.backend, cpu=float(cpus or 1), memory=f"{memory_mb or 2048}Mi",
                 disk=f"{storage_mb or 10240}Mi", timeout=opts.lifetime_sec, network=dsec_network(self._network_policy),
-                env=self._startup_env(), workdir=self.task_env_config.workdir, client=self._client,
+                env={**(service.environment if service else {}), **self._startup_env()},
+                workdir=self.task_env_config.workdir or (service.working_dir if service else None),
+                user=service.user if service else None, client=self._client,
                 labels={"dsec.integration": "harbor", "harbor.session": self.session_id[:63]})
             await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._upload_environment_dir_after_start()

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import posixpath
 import shlex
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import yaml
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 import dsec
 from dsec.errors import DSecError, InvalidRequest, NotFound, UserNotFound
+from dsec.integrations.compose import load_compose
 
 __all__ = ["DSecSandboxConfig", "DSecSandboxEnvironment", "DSecService"]
 
@@ -94,26 +95,14 @@ def load_config(config: SandboxEnvironmentConfigType | None) -> DSecSandboxConfi
 
 
 def _from_compose(path: Path) -> DSecSandboxConfig:
-    doc = yaml.safe_load(path.read_text()) or {}
-    services: dict[str, DSecService] = {}
-    for name, spec in (doc.get("services") or {}).items():
-        build = spec.get("build")
-        if isinstance(build, str):
-            build = {"context": build}
-        env = spec.get("environment") or {}
-        if isinstance(env, list):
-            env = dict(item.split("=", 1) for item in env if "=" in item)
-        services[name] = DSecService(
-            image=spec.get("image") if not build else None,
-            build=str((path.parent / build.get("context", ".")).resolve()) if build else None,
-            dockerfile=build.get("dockerfile") if build else None,
-            build_args={str(k): str(v) for k, v in (build.get("args") or {}).items()} if build else {},
-            env={str(k): str(v) for k, v in env.items()}, workdir=spec.get("working_dir"),
-            user=str(spec["user"]) if spec.get("user") is not None else None)
-    if not services:
-        raise InvalidRequest(f"compose file {path} has no services")
-    network = "none" if all(s.get("network_mode") == "none" for s in doc["services"].values()) else "internet"
-    return DSecSandboxConfig(services=services, network=network)
+    """A compose file's services (``${VAR}`` from this process's environment, as compose does)."""
+    services = load_compose(path, os.environ)
+    config = {s.name: DSecService(image=s.image if s.build_context is None else None,
+                                  build=str(s.build_context) if s.build_context else None, dockerfile=s.dockerfile,
+                                  build_args=s.build_args, env=s.environment, workdir=s.working_dir, user=s.user)
+              for s in services}
+    network = "none" if all(s.network_mode == "none" for s in services) else "internet"
+    return DSecSandboxConfig(services=config, network=network)
 
 
 def _image_name(service: DSecService) -> str:

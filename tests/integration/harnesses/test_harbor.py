@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,11 +36,17 @@ def daemon_url() -> Iterator[str]:
         yield unix_url
 
 
-def harbor_run(daemon_url: str, jobs: Path, *args: str) -> dict[str, Any]:
-    """``harbor run`` (no telemetry, no model-price download: nothing leaves this machine); its job result."""
-    env = dict(os.environ, DSEC_URL=daemon_url, HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True")
-    proc = subprocess.run([str(HARBOR), "run", "--env", ENV, "-o", str(jobs), "-q", "-n", "2", *args], env=env,
+def harbor(daemon_url: str, jobs: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``harbor run`` (no telemetry, no model-price download: nothing leaves this machine; wide output, unwrapped)."""
+    env = dict(os.environ, DSEC_URL=daemon_url, HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True",
+               COLUMNS="400")
+    return subprocess.run([str(HARBOR), "run", "--env", ENV, "-o", str(jobs), "-q", "-n", "2", *args], env=env,
                           cwd=jobs.parent, capture_output=True, text=True, timeout=1200, check=False)
+
+
+def harbor_run(daemon_url: str, jobs: Path, *args: str) -> dict[str, Any]:
+    """A ``harbor run`` that must succeed; its job result."""
+    proc = harbor(daemon_url, jobs, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = list(jobs.glob("*/result.json"))
     assert len(results) == 1, (results, proc.stdout[-2000:])
@@ -63,3 +70,15 @@ def test_nop_agent_scores_zero(daemon_url: str, tmp_path: Path) -> None:
     (evals,) = result["stats"]["evals"].values()
     assert evals["metrics"] == [{"mean": 0.0}], json.dumps(evals, indent=1)
     assert result["stats"]["n_errored_trials"] == 0
+
+
+def test_multi_service_compose_is_refused_by_count(daemon_url: str, tmp_path: Path) -> None:
+    """A task is one sandbox: a compose file of two services fails the trial with an error naming them."""
+    task = tmp_path / "two-services"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main: {build: {context: .}}\n  db: {image: debian-python}\n")
+    proc = harbor(daemon_url, tmp_path / "jobs", "-p", str(task), "-a", "oracle")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "2 services (main, db)" in output and "only one service" in output, output[-3000:]

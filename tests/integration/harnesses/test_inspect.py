@@ -1,6 +1,6 @@
 """inspect-ai on DSec, checked by inspect's own tools: its sandbox compliance suite (``self_check.py``, all 44
-checks) against the ``dsec`` sandbox environment on a real daemon, and an ``inspect eval`` of a small task with
-the ``mockllm`` model and ``--sandbox dsec``, end to end."""
+checks) against the ``dsec`` sandbox environment on a real daemon, on the container and the microvm backend
+(marked ``vm``), and an ``inspect eval`` of a small task with the ``mockllm`` model and ``--sandbox dsec``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def daemon_url() -> Iterator[str]:
         yield unix_url
 
 
-@pytest.fixture(params=["container"])
+@pytest.fixture(params=["container", pytest.param("microvm", marks=pytest.mark.vm)])
 async def sandbox_env(request: pytest.FixtureRequest, daemon_url: str) -> AsyncIterator[DSecSandboxEnvironment]:
     config = DSecSandboxConfig(backend=request.param, url=daemon_url,
                                services={"default": DSecService(image="debian-python", user=USER)})
@@ -72,3 +72,22 @@ def test_inspect_eval_with_mockllm(daemon_url: str, tmp_path: Path) -> None:
     assert log["eval"]["sandbox"]["type"] == "dsec" and log["eval"]["model"] == "mockllm/model"
     scores = [s["scores"]["answer_file"] for s in log["samples"]]
     assert [s["value"] for s in scores] == ["C", "C"] and {s["answer"] for s in scores} == {"42", "1024"}
+
+
+async def test_single_service_compose_with_build(daemon_url: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compose file whose one service has ``build:`` (a Dockerfile of another name, a build arg), environment
+    and working_dir: ``task_init`` builds it, the sample's sandbox runs it."""
+    (tmp_path / "app.Dockerfile").write_text("FROM debian-python\nARG GREETING\nRUN echo $GREETING > /greeting\n")
+    (tmp_path / "compose.yaml").write_text(
+        "services:\n  default:\n    build: {context: ., dockerfile: app.Dockerfile, args: {GREETING: hi}}\n"
+        "    environment: [MODE=compose]\n    working_dir: /srv\n    network_mode: none\n")
+    monkeypatch.setenv("DSEC_URL", daemon_url)
+    config = str(tmp_path / "compose.yaml")  # as inspect passes a config file
+    await DSecSandboxEnvironment.task_init("compose", config)
+    envs = await DSecSandboxEnvironment.sample_init("compose", config, {})
+    try:
+        result = await envs["default"].exec(["sh", "-c", "cat /greeting; echo $MODE; pwd"])
+        assert result.success and result.stdout.split() == ["hi", "compose", "/srv"], result
+    finally:
+        await DSecSandboxEnvironment.sample_cleanup("compose", config, envs, interrupted=False)
