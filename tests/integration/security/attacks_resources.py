@@ -72,7 +72,7 @@ print(json.dumps({"count": count, "err": err}))
         fresh=True, spec={"memory": "128Mi"})
 async def memory_bomb(t: Target) -> None:
     # The vm's commands cgroup allows 768 MiB, which TCG fills in ~45 s on a quiet host and took over 120 s on a
-    # busy one (CI43, stop 26): its limit is given the time, the attack's own timeout still bounds it.
+    # busy one: its limit is given the time, the attack's own timeout still bounds it.
     r = await t.sh(["python3", "-c", "b = []\nwhile len(b) < 4096: b.append(bytearray(1 << 20))\nprint('survived')"],
                    timeout=240 if t.name == "vm" else 120)
     assert b"survived" not in r.stdout, f"allocated 4 GiB with memory=128Mi: {r}"
