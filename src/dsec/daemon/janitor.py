@@ -140,7 +140,7 @@ def clean_up(settings: Settings) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dsec.daemon.janitor --fd N``: wait for the daemon that started it, clean up if it died."""
+    """``python -m dsec.daemon.janitor --fd N --daemon PID``: wait for its daemon, clean up if it died."""
     parser = argparse.ArgumentParser(prog="python -m dsec.daemon.janitor")
     parser.add_argument("--fd", type=int, required=True, help="read end of the daemon's pipe")
     parser.add_argument("--daemon", type=int, required=True, help="the pid of the daemon that started it")
