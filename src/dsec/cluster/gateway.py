@@ -354,9 +354,11 @@ class GatewayEngine(GatewaySurface, NodeAPI):
         that dies is noticed by its stream, so a big cluster's membership is not read twice a second."""
         while True:
             settling = bool(self.unready) or self._unsettled() or bool(getattr(self.source, "settling", False))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for trades a cancel landing with the event for the
+            # event, and this loop would outlive the gateway's close.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._membership_due.wait(),
-                                       self.poll_interval if settling else self.idle_poll_interval)
+                async with asyncio.timeout(self.poll_interval if settling else self.idle_poll_interval):
+                    await self._membership_due.wait()
             self._membership_due.clear()
             try:
                 await self.poll()

@@ -88,22 +88,27 @@ class Watchdog:
         self._due: dict[str, float] = {}
         self._remounts = 0
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.disk_free: int | None = None
         """Bytes free on the home's disk at the last check."""
 
     def start(self) -> None:
         """Run :meth:`tick` every ``interval`` seconds until :meth:`aclose`."""
+        self._stopping = False
         self._task = asyncio.create_task(self._forever(), name="dsec-watchdog")
 
     async def aclose(self) -> None:
         """Stop checking."""
         if self._task is not None:
+            # The flag as well as the cancel: a cancel can be lost in a wait (asyncio.wait_for on 3.11 returns
+            # an inner result landing in the same loop pass), and the loop must end regardless.
+            self._stopping = True
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
     async def _forever(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
             except Exception:
@@ -225,11 +230,11 @@ class Watchdog:
         """The image store answers a lookup; the trajectory store takes a write."""
         store = getattr(getattr(self.node.images, "store", None), "blobs", None)
         if store is not None:
-            error = await self._guarded(asyncio.wait_for(asyncio.to_thread(_probe_store, store), _STORE_TIMEOUT),
+            error = await self._guarded(_within(asyncio.to_thread(_probe_store, store), _STORE_TIMEOUT),
                                         "probing the image store", f"the image store {store.url} did not answer "
                                         f"a lookup within {_STORE_TIMEOUT:g} s")
             self.health.set("image-store", error, detail=store.url)
-        error = await self._guarded(asyncio.wait_for(self.node.probe_trajectories(), _STORE_TIMEOUT),
+        error = await self._guarded(_within(self.node.probe_trajectories(), _STORE_TIMEOUT),
                                     "probing the trajectory store",
                                     f"the trajectory store did not take a write within {_STORE_TIMEOUT:g} s")
         self.health.set("trajectory-store", error, detail=self._trajectory_detail())
@@ -248,6 +253,13 @@ class Watchdog:
         except Exception:
             log.exception("%s failed", what)
             return fallback
+
+
+async def _within(work: Awaitable[Any], seconds: float) -> Any:
+    """``await work``, TimeoutError after ``seconds``. Unlike ``asyncio.wait_for`` on 3.11, a cancel is never
+    traded for a result that lands with it."""
+    async with asyncio.timeout(seconds):
+        return await work
 
 
 def _probe_store(store: Any) -> str | None:
