@@ -19,3 +19,13 @@ def postgres_or_missing() -> Iterator[PgServer]:
         if "not installed" in str(exc):
             missing(str(exc))
         raise
+
+
+def read_only(pg: PgServer, on: bool) -> None:
+    """Turn the whole server read-only (or back) for every session, the daemon's open ones too (a reload)."""
+    import psycopg
+
+    # This session's own override lets it turn the setting off again once it is on.
+    with psycopg.connect(pg.dsn, autocommit=True, options="-c default_transaction_read_only=off") as conn:
+        conn.execute(f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}")
+        conn.execute("SELECT pg_reload_conf()")

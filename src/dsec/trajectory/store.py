@@ -21,6 +21,7 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS dsec_ended (name TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL)""",
 )
 _MAX_KEPT = 100_000
-"""Deferred inline writes kept for a store that takes no write (an outage), at most."""
+"""Deferred writes kept for a store that takes no write (an outage), at most."""
 _ENTRY_COLUMNS = "seq, op, digest, request, status, response, truncated, original_bytes, started_at, duration_s"
 _UPSERT_CALL = (
     f"INSERT INTO dsec_calls (name, {_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -223,6 +224,9 @@ class TrajectoryStore(abc.ABC):
         self._pending: list[_Op] = []
         self._unsettled = 0
         """Writer mode: writes submitted without waiting that are not committed yet."""
+        self._failed: list[_Op] = []
+        """Writer mode: writes submitted without waiting whose batch failed; applied again ahead of the next
+        durable write or barrier, whose caller gets the error if they fail again."""
 
     # -- what a backend database provides -------------------------------------------------------------
 
@@ -254,6 +258,11 @@ class TrajectoryStore(abc.ABC):
     async def aclose(self) -> None:
         """Commit what is queued and stop the writer."""
         self._flush_pending()
+        if self._failed:
+            try:
+                await self._redo_failed()
+            except DSecError as exc:  # nobody is left to tell: the calls read as interrupted after a restart
+                log.error("trajectory log: %d deferred writes lost at close (%s)", len(self._failed), exc)
         await asyncio.to_thread(self._writer.close)
         await asyncio.to_thread(self._reader.shutdown)
         await asyncio.to_thread(self._close)
@@ -293,16 +302,37 @@ class TrajectoryStore(abc.ABC):
                 raise
             return
         if durable:
-            await self._writer.submit(op, True)  # type: ignore[misc]  # wait=True: a future
+            await self._redo_failed(op)
             return
         self._unsettled += 1
-        self._writer.submit(op, True).add_done_callback(self._settled)  # type: ignore[union-attr]
+        self._writer.submit(op, True).add_done_callback(  # type: ignore[union-attr]  # wait=True: a future
+            functools.partial(self._settled, op))
 
-    def _settled(self, future: asyncio.Future[None]) -> None:
+    def _settled(self, op: _Op, future: asyncio.Future[None]) -> None:
         self._unsettled -= 1
         if not future.cancelled() and future.exception() is not None:
-            log.error("trajectory log: a deferred write failed (%s); that call reads as interrupted after a "
-                      "restart", future.exception())
+            self._failed.append(op)  # its caller has its answer already: the next one to wait gets the error
+            log.warning("trajectory log: a deferred write failed (%s); it is applied again with the next write",
+                        future.exception())
+
+    async def _redo_failed(self, op: _Op | None = None) -> None:
+        """Commit the deferred writes whose batch failed, then ``op``, in one transaction; on failure they are
+        kept (up to :data:`_MAX_KEPT`) and the caller gets the error."""
+        ops, self._failed = self._failed, []
+        if not ops and op is None:
+            return
+        done = [*ops, op] if op is not None else ops
+
+        def again(cur: Any) -> None:
+            for each in done:
+                each(cur)
+
+        try:
+            await self._writer.submit(again if ops else done[0], True)  # type: ignore[misc]  # wait=True: a future
+        except BaseException:
+            self._failed[:0] = ops
+            self._cap(self._failed)
+            raise
 
     def _take_pending(self) -> list[_Op]:
         ops, self._pending = self._pending, []
@@ -313,9 +343,13 @@ class TrajectoryStore(abc.ABC):
         watchdog's probe makes one every few seconds): a call's answer is not lost to an outage of the store.
         Past :data:`_MAX_KEPT` the oldest are dropped; those calls read as interrupted after a restart."""
         self._pending[:0] = ops
-        if len(self._pending) > _MAX_KEPT:
-            dropped = len(self._pending) - _MAX_KEPT
-            del self._pending[:dropped]
+        self._cap(self._pending)
+
+    def _cap(self, kept: list[_Op]) -> None:
+        """Drop the oldest of ``kept`` past :data:`_MAX_KEPT` (those calls read as interrupted after a restart)."""
+        if len(kept) > _MAX_KEPT:
+            dropped = len(kept) - _MAX_KEPT
+            del kept[:dropped]
             log.error("trajectory log: %d deferred writes dropped while %s takes no write; those calls read as "
                       "interrupted after a restart", dropped, self.where)
 
@@ -341,11 +375,14 @@ class TrajectoryStore(abc.ABC):
                 log.error("trajectory log: %d deferred writes wait for the store (%s)", len(ops), exc)
 
     async def barrier(self) -> None:
-        """Return once every write issued so far is committed (deferred ones included)."""
+        """Return once every write issued so far is committed (deferred ones included); writer mode: a deferred
+        write that cannot be committed is this caller's error."""
         if self.inline:
             self._flush_pending()
-        elif self._unsettled:
+            return
+        if self._unsettled:
             await self._writer.submit(lambda cur: None, True)  # type: ignore[misc]  # FIFO: all before it
+        await self._redo_failed()
 
     async def probe(self, node: str) -> str | None:
         """None if a durable write succeeds now, else why not (one small upsert; the daemon's watchdog asks)."""

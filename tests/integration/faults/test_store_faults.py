@@ -25,7 +25,7 @@ from container_support import images_dir, short_home
 from dsec.config import Settings
 from dsec.images.store import ImageStore
 from image_support import seaweedfs
-from postgres_support import PgServer, postgres_or_missing
+from postgres_support import PgServer, postgres_or_missing, read_only
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -33,16 +33,6 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
     yield from postgres_or_missing()
-
-
-def read_only(pg: PgServer, on: bool) -> None:
-    """Turn the whole server read-only (or back) for every session, the daemon's open ones too (a reload)."""
-    import psycopg
-
-    # This session's own override lets it turn the setting off again once it is on.
-    with psycopg.connect(pg.dsn, autocommit=True, options="-c default_transaction_read_only=off") as conn:
-        conn.execute(f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}")
-        conn.execute("SELECT pg_reload_conf()")
 
 
 async def wait_not_ok(client: dsec.Client, name: str, timeout: float = 40) -> dsec.models.ComponentHealth:

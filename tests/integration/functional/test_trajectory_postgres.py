@@ -14,12 +14,12 @@ import pytest
 
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
-from dsec.errors import BackendUnavailable, ReplayDivergence
+from dsec.errors import BackendUnavailable, DSecError, ReplayDivergence
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 from dsec.trajectory.postgres import PostgresStore
 from dsec.trajectory.store import Binding, Entry
-from postgres_support import PgServer, postgres_or_missing
+from postgres_support import PgServer, postgres_or_missing, read_only
 
 pytestmark = [pytest.mark.slow]
 
@@ -47,6 +47,33 @@ async def test_log_survives_a_restart_between_calls(pg: PgServer) -> None:
         binding = await store.get_binding("pg/1")
         assert binding is not None and binding.sandbox_id == "sb-1"
     finally:
+        await store.aclose()
+
+
+async def test_a_deferred_answer_whose_commit_fails_is_the_next_callers_error(pg: PgServer) -> None:
+    """A call's answer is logged without waiting (group commit); when its batch cannot commit, the next caller
+    that waits on the log (a read, a durable write) gets the error, and the answer is committed once the
+    database takes writes again: neither a log line alone nor a silently lost answer."""
+    store = PostgresStore(pg.dsn, retry_for=1)
+    await store.start()
+    answer = Entry(seq=0, op="exec", digest="a", request="{}", status="done", response='{"exit_code": 0}')
+    try:
+        await store.put_entry("pg/deferred", Entry(seq=0, op="exec", digest="a", request="{}"))
+        await asyncio.to_thread(read_only, pg, True)
+        for _ in range(100):  # the reload reaches the writer's session a moment later
+            if await store.probe("test") is not None:
+                break
+            await asyncio.sleep(0.1)
+        await store.put_entry("pg/deferred", answer, durable=False)  # answered before its commit
+        with pytest.raises(DSecError, match="read-only"):
+            await store.barrier()
+        with pytest.raises(DSecError, match="read-only"):  # still failing: the next durable write says so too
+            await store.put_entry("pg/deferred", Entry(seq=1, op="exec", digest="b", request="{}"))
+        await asyncio.to_thread(read_only, pg, False)
+        entries = await store.entries("pg/deferred")
+        assert [(e.seq, e.status, e.response) for e in entries] == [(0, "done", '{"exit_code": 0}')]
+    finally:
+        await asyncio.to_thread(read_only, pg, False)
         await store.aclose()
 
 
