@@ -2,18 +2,22 @@
 
 Against a private daemon (a process of its own, so it can be killed and started again), ``workers`` clients
 loop over episodes -- create, exec, write and read, snapshot and restore, fork, and every third episode a
-trajectory rollout that is cut off mid-call and re-run -- on the container and function backends, while
-another imports a small image into the node's store and removes it again, every second. Every
-``fault_every_s`` seconds one component of the chaos list is SIGKILLed, in turn: the exec helper, the mount
-holder, the lazy image server, a function sandbox's zygote, a container sandbox's init, the daemon itself.
-After each fault the soak measures the time until the node recovered (the component counted the fault
-and is ``ok`` again; the victim sandbox works again or was reported lost; the restarted daemon answers)
-and a create on each backend succeeds.
+trajectory rollout whose client is cut off at a random step and moment, then re-run -- on the container and
+function backends; one more client does the same on the microvm backend, one guest at a time (TCG guests on
+a small host: the load is the cycle, not the count); another imports a small image into the node's store and
+removes it again, every second. Every ``fault_every_s`` seconds one component of the chaos list is SIGKILLed,
+in turn: the exec helper, the mount holder, the lazy image server, a function sandbox's zygote, a container
+sandbox's init, a microvm's QEMU, the daemon itself. After each fault the soak measures the time until the
+node recovered (the component counted the fault and is ``ok`` again; the victim sandbox works again or was
+reported lost; the restarted daemon answers) and a create on each backend succeeds.
 
 Invariants, counted throughout and reported (targets in the table): sandboxes lost without a reason (a
 sandbox of ours gone with no ``SandboxLost`` naming why, or an error that is not a DSec error), exactly-once
-violations (a re-run rollout whose commands ran more or fewer times than the log holds), leaks after the
-daemon stopped (mounts, cgroups), and the daemon's RSS at the start and the end.
+violations (a re-run rollout whose commands ran more or fewer times than the log holds), leaks while it runs
+(every ``census_every_s``, :class:`~dsec.bench.soak_watch.Census`: a sandbox's mounts, cgroups, network
+namespaces or processes outliving it) and after the daemon stopped (anything of its home, before the bench
+cleans up), images wedged (not ``ok`` in health past the recovery bound), and the daemon's RSS: at the start,
+the end, and its growth per hour of life.
 
 Owns the load, the fault injection and the report; it never reaches into the daemon's internals (health,
 events and processes it started are all it looks at).
@@ -48,16 +52,23 @@ from dsec import (
 )
 from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
+from dsec.bench.soak_watch import Census, footprint
 from dsec.config import Settings
 from dsec.daemon import server
 from dsec.images.store import ImageStore
 
 __all__ = ["COMPONENTS", "SoakBench", "run"]
 
-COMPONENTS = ("exec-helper", "mount-holder", "lazy-server", "zygote", "sandbox-init", "daemon")
+COMPONENTS = ("exec-helper", "mount-holder", "lazy-server", "zygote", "sandbox-init", "qemu", "daemon")
 """The chaos list, in the order faults are injected (then again from the start)."""
 _BACKENDS = ("container", "function")
+"""The backends of the workers' episodes (microvm has a client of its own: one guest at a time)."""
 _RECOVERY_BOUND = 90.0
+_VM_MEMORY = "384Mi"
+_RSS_GROWTH_TARGET = 20.0
+"""MiB per hour of a daemon's life past its warm-up: more is a leak, not a cache filling."""
+_RSS_JUDGED_AFTER = 600.0
+"""Seconds of warm daemon life the RSS growth needs before it is judged (a short soak only reports it)."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +79,15 @@ class SoakBench:
     workers: int = 4
     fault_every_s: float = 30.0
     seed: int = 1
+    census_every_s: float = 15.0
+    """Seconds between two looks for leaks, wedged images and the daemon's RSS."""
 
     def scaled(self, factor: float) -> SoakBench:
         """The duration times ``factor`` (a soak always injects one round of faults, however short); the load's
         shape kept."""
         minutes = self.minutes * factor
-        return SoakBench(minutes=minutes, workers=self.workers, fault_every_s=self.fault_every_s, seed=self.seed)
+        return SoakBench(minutes=minutes, workers=self.workers, fault_every_s=self.fault_every_s, seed=self.seed,
+                         census_every_s=self.census_every_s)
 
 
 @dataclass
@@ -87,6 +101,8 @@ class _Tally:
     recoveries: dict[str, list[float]] = field(default_factory=dict)
     unrecovered: list[str] = field(default_factory=list)
     daemon_restarts: int = 0
+    backends: tuple[str, ...] = _BACKENDS
+    """Backends the creates after a fault must work on (and microvm when its guests can boot here)."""
 
 
 class _Node:
@@ -94,6 +110,8 @@ class _Node:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # a TCG boot on a loaded small host can pass the backend's default; the soak is about faults, not boots
+        os.environ.setdefault("DSEC_MICROVM_BOOT_TIMEOUT", "240")
         self.pid = server.up(settings, timeout=120)
         self.client = Client(url=f"unix://{settings.socket_path}")
 
@@ -119,6 +137,17 @@ def _procs(comm: str, needle: str) -> list[int]:
         with contextlib.suppress(OSError):
             if entry.name.isdigit() and (entry / "comm").read_text().strip().startswith(comm) and (
                     needle in (entry / "cgroup").read_text()):
+                found.append(int(entry.name))
+    return found
+
+
+def _qemu(sandbox_id: str) -> list[int]:
+    """Pids of QEMU processes whose command line names the sandbox (what an operator would look for)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+            if b"qemu" in argv.split(b"\0")[0] and sandbox_id.encode() in argv:
                 found.append(int(entry.name))
     return found
 
@@ -175,21 +204,17 @@ async def _guard(tally: _Tally, what: str, mine: set[str], work: Callable[[], An
 async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.Random) -> None:
     backend = _BACKENDS[(worker + n) % len(_BACKENDS)]
     if backend == "container" and n % 3 == 0:
-        await _rollout(node, tally, f"soak/{worker}/{n}-{time.time_ns()}")
+        await _rollout(node, tally, f"soak/{worker}/{n}-{time.time_ns()}", rng)
         return
     client, mine = node.client, set[str]()
     labels = {"soak": f"episode-{worker}-{n}"}  # a sandbox left at the end names the episode that made it
-    sb = await _guard(tally, "create", mine, lambda: AsyncSandbox.create(image=IMAGE, backend=backend, labels=labels,
-                                                                        client=client))
+    sb = await _guard(tally, f"create-{backend}", mine, lambda: AsyncSandbox.create(
+        image=IMAGE, backend=backend, labels=labels, client=client))
     if sb is None:
         return
     mine.add(sb.id)
     try:
-        for i in range(3):
-            await _guard(tally, "exec", mine, functools.partial(
-                sb.exec, f"echo {i} >> /workspace/n; python3 -c 'import json'", timeout=60))
-        await _guard(tally, "write", mine, lambda: sb.files.write("/workspace/f", os.urandom(4096)))
-        await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
+        await _use(tally, sb, mine, 3, 60)
         if backend == "container" and rng.random() < 0.2:
             await _restore(node, tally, sb, mine)
         if backend == "container" and rng.random() < 0.3:
@@ -199,6 +224,17 @@ async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.
                 await _close(tally, kid, mine)
     finally:
         await _close(tally, sb, mine)
+
+
+async def _use(tally: _Tally, sb: AsyncSandbox, mine: set[str], execs: int, timeout: float,
+               then: str = "; python3 -c 'import json'") -> None:
+    """What an episode does with a sandbox: ``execs`` commands (each one appends a line, ``then`` runs), a file
+    written and one read."""
+    for i in range(execs):
+        await _guard(tally, "exec", mine, functools.partial(sb.exec, f"echo {i} >> /workspace/n{then}",
+                                                            timeout=timeout))
+    await _guard(tally, "write", mine, lambda: sb.files.write("/workspace/f", os.urandom(4096)))
+    await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
 
 
 async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
@@ -219,21 +255,24 @@ async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str])
             await asyncio.to_thread(store.remove_snapshot, snap, True)
 
 
-async def _rollout(node: _Node, tally: _Tally, name: str) -> None:
-    """A trajectory rollout whose client is cut off mid-call, then re-run: every command runs exactly once."""
+async def _rollout(node: _Node, tally: _Tally, name: str, rng: random.Random) -> None:
+    """A trajectory rollout whose client is cut off at a random step and moment (before the call reached the
+    daemon, while it runs, or as it answers), then re-run: every command runs exactly once."""
     client, mine = node.client, set[str]()
-    sb = await _guard(tally, "create", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name, client=client))
+    sb = await _guard(tally, "create-rollout", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
+                                                                                  client=client))
     if sb is None:
         return
     mine.add(sb.id)
-    steps = ["echo a >> ran", "echo b >> ran", "sleep 0.3; echo c >> ran"]
+    steps = ["sleep 0.1; echo a >> ran", "sleep 0.2; echo b >> ran", "sleep 0.3; echo c >> ran"]
+    at = rng.randrange(len(steps))
     try:
-        for step in steps[:2]:
+        for step in steps[:at]:
             if await _guard(tally, "exec", mine, functools.partial(sb.exec, step)) is None:
                 return
-        cut = asyncio.create_task(sb.exec(steps[2]))
-        await asyncio.sleep(0.1)
-        cut.cancel()  # the client dies mid-call: the daemon finishes and logs the command
+        cut = asyncio.create_task(sb.exec(steps[at]))
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        cut.cancel()  # the client dies: the daemon finishes and logs what it received
         with contextlib.suppress(BaseException):
             await cut
         again = await _guard(tally, "reopen", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
@@ -285,6 +324,27 @@ async def _images(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _microvm(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
+    """One guest at a time: create, exec, write and read, destroy, over and over."""
+    n = 0
+    while not done.is_set():
+        await _vm_episode(node, tally, n)
+        n += 1
+
+
+async def _vm_episode(node: _Node, tally: _Tally, n: int) -> None:
+    mine, labels = set[str](), {"soak": f"episode-microvm-{n}"}
+    vm = await _guard(tally, "create-microvm", mine, lambda: AsyncSandbox.create(
+        image=IMAGE, backend="microvm", memory=_VM_MEMORY, labels=labels, client=node.client))
+    if vm is None:
+        return
+    mine.add(vm.id)
+    try:
+        await _use(tally, vm, mine, 2, 120, then="")  # shell only: a TCG guest runs Python slowly
+    finally:
+        await _close(tally, vm, mine)
+
+
 async def _worker(node: _Node, tally: _Tally, worker: int, done: asyncio.Event, rng: random.Random) -> None:
     n = 0
     while not done.is_set():
@@ -302,11 +362,13 @@ async def _until(check: Callable[[], Any], bound: float = _RECOVERY_BOUND) -> bo
     return False
 
 
-async def _creates_work(node: _Node) -> bool:
-    for backend in _BACKENDS:
-        sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"}, client=node.client)
+async def _creates_work(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> bool:
+    for backend in backends:
+        sized: dict[str, Any] = {"memory": _VM_MEMORY} if backend == "microvm" else {}
+        sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"}, client=node.client,
+                                       **sized)
         try:
-            if (await sb.exec("python3 -c 'print(1)'", timeout=60)).exit_code != 0:
+            if (await sb.exec("python3 -c 'print(1)'", timeout=120)).exit_code != 0:
                 return False
         finally:
             await sb.close()
@@ -315,7 +377,6 @@ async def _creates_work(node: _Node) -> bool:
 
 async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
     """SIGKILL ``name``; seconds until the node recovered from it, or None when it did not within the bound."""
-    client = node.client
     if name in ("exec-helper", "mount-holder", "lazy-server"):
         before = await node.component(name)
         if before is None or not (before.detail or "").startswith("pid "):
@@ -334,13 +395,21 @@ async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
         os.kill(node.pid, signal.SIGKILL)
         await node.restart()
         tally.daemon_restarts += 1
-        ok = await _until(lambda: _creates_work(node))
+        ok = await _until(lambda: _creates_work(node, tally.backends))
         return time.monotonic() - started if ok else None
-    backend, comm = ("function", "dsec-zygote") if name == "zygote" else ("container", "dsec-init")
-    victim = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": f"victim-{name}"}, client=client)
+    return await _kill_victim(node, name, tally)
+
+
+async def _kill_victim(node: _Node, name: str, tally: _Tally) -> float | None:
+    """SIGKILL one process of a sandbox made for it: a zygote, a container's init or a microvm's QEMU."""
+    backend, comm = {"zygote": ("function", "dsec-zygote"), "qemu": ("microvm", "qemu-system")}.get(
+        name, ("container", "dsec-init"))
+    sized: dict[str, Any] = {"memory": _VM_MEMORY} if backend == "microvm" else {}
+    victim = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": f"victim-{name}"},
+                                       client=node.client, **sized)
     try:
-        await victim.exec("echo kept > /workspace/state")
-        pids = _procs(comm, victim.id)
+        await victim.exec("echo kept > /workspace/state", timeout=120)
+        pids = _qemu(victim.id) if name == "qemu" else _procs(comm, victim.id)
         if not pids:
             return None
         started = time.monotonic()
@@ -355,7 +424,8 @@ async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
             except DSecError:
                 return False
 
-        ok = await _until(settled) and await _until(lambda: _creates_work(node))
+        backends = tally.backends if name == "qemu" else _BACKENDS
+        ok = await _until(settled) and await _until(lambda: _creates_work(node, backends))
         return time.monotonic() - started if ok else None
     finally:
         with contextlib.suppress(DSecError):
@@ -365,10 +435,11 @@ async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
 async def _faults(node: _Node, tally: _Tally, cfg: SoakBench, deadline: float, done: asyncio.Event,
                   progress: Callable[[str], None]) -> None:
     """A fault every ``fault_every_s`` until the deadline, and at least one of each component; then ``done``."""
+    chaos = [c for c in COMPONENTS if c != "qemu" or "microvm" in tally.backends]
     i = 0
     try:
-        while i < len(COMPONENTS) or time.monotonic() + cfg.fault_every_s < deadline:
-            await _fault(node, tally, cfg, COMPONENTS[i % len(COMPONENTS)], progress)
+        while i < len(chaos) or time.monotonic() + cfg.fault_every_s < deadline:
+            await _fault(node, tally, cfg, chaos[i % len(chaos)], progress)
             i += 1
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))
     finally:
@@ -390,17 +461,49 @@ async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress
         progress(f"{name}: recovered in {took:.1f} s")
 
 
-async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tally: _Tally,
+async def _census(node: _Node, census: Census, every: float, done: asyncio.Event) -> None:
+    """Look for leaks, wedged images and the daemon's RSS every ``every`` seconds (not while the daemon is
+    down: what it lists is the census' reference)."""
+    while not done.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), every)
+        try:
+            listed = {info.id for info in await node.client.api.list()}
+            health = await node.client.health()
+        except (ConnectionFailed, DaemonStopping):
+            continue
+        await asyncio.to_thread(census.look, listed, [(c.name, c.state, c.since, c.error) for c in health.components],
+                                node.pid, node.rss_mib())
+
+
+def _microvm_available(tally: _Tally, results: dict[str, Any]) -> None:
+    """microvm joins the load where its guests can boot (a kernel and QEMU); otherwise the report says why."""
+    from dsec.guest.kernel import default_guest_dir, find_kernel
+
+    try:
+        find_kernel(default_guest_dir())
+    except DSecError as exc:
+        results["microvm"] = f"not in the load: {exc.message}"
+        return
+    tally.backends = (*_BACKENDS, "microvm")
+    results["microvm"] = "in the load"
+
+
+async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tally: _Tally, census: Census,
                 progress: Callable[[str], None]) -> None:
     node = _Node(settings)
     rng = random.Random(cfg.seed)
     try:
-        if not await _creates_work(node):  # warm: the image mounted, the helpers started
+        _microvm_available(tally, results)
+        if not await _creates_work(node, tally.backends):  # warm: the image mounted, the helpers started
             raise RuntimeError("the node could not create a sandbox before the soak")
         results["rss_start_mib"] = node.rss_mib()
         deadline, done = time.monotonic() + cfg.minutes * 60, asyncio.Event()
-        progress(f"{cfg.workers} workers for {cfg.minutes:g} min, a SIGKILL every {cfg.fault_every_s:g} s")
+        progress(f"{cfg.workers} workers on {', '.join(tally.backends)} for {cfg.minutes:g} min, "
+                 f"a SIGKILL every {cfg.fault_every_s:g} s")
+        vm = [_microvm(node, tally, done)] if "microvm" in tally.backends else []
         await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress), _images(node, tally, done),
+                             _census(node, census, cfg.census_every_s, done), _load_sampler(results, done), *vm,
                              *(_worker(node, tally, w, done, random.Random(rng.random()))
                                for w in range(cfg.workers)))
         results["rss_end_mib"] = node.rss_mib()
@@ -410,6 +513,15 @@ async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tal
     finally:
         await node.client.aclose()
         await asyncio.to_thread(server.down, settings, True)
+        # nothing the daemon started may outlive it: what is left now is its leak, not the bench's to hide
+        results["left_after_stop"] = sorted(f"{i.kind} {i.name}" for i in footprint(settings))
+
+
+async def _load_sampler(results: dict[str, Any], done: asyncio.Event) -> None:
+    """The host's load average at the run's middle (the machine may be shared: figures are read with it)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(done.wait(), results["config"]["minutes"] * 30)
+    results.setdefault("load_middle", os.getloadavg())
 
 
 async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[str], None] = lambda _: None
@@ -420,14 +532,18 @@ async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[
     settings = _private_settings(node)
     suite = Suite(name="soak")
     tally = _Tally()
+    census = Census(settings, wedged_after=_RECOVERY_BOUND)
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "load": os.getloadavg()}
     started = time.monotonic()
     try:
-        await _soak(cfg, settings, results, tally, progress)
+        await _soak(cfg, settings, results, tally, census, progress)
     finally:
         await _cleanup_backend(settings)
-        results["leaks"] = _leaks(settings)
+        results["leaks"] = sorted({*results.get("left_after_stop", []), *_leaks(settings)})
         shutil.rmtree(settings.home, ignore_errors=True)
+    results.update(leaks_while_running=census.leaks, wedged_images=census.wedged, censuses=census.looks,
+                   rss_growth_mib_per_h=census.growth_mib_per_hour(), rss_judged=_rss_judged(census),
+                   rss_samples=census.rss)
     results.update(seconds=time.monotonic() - started, load_end=os.getloadavg(), ops=dict(tally.ops),
                    errors=dict(tally.errors), lost_with_reason=tally.lost_with_reason,
                    lost_without_reason=tally.lost_without_reason, unrecovered=tally.unrecovered,
@@ -459,9 +575,26 @@ def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
             passed=not tally.lost_without_reason),
         Row("exactly-once violations (rollouts)", "", float(len(tally.exactly_once_violations)), target="0",
             passed=not tally.exactly_once_violations),
+        Row("leaks while running (a sandbox's resources outliving it)", "", float(len(results["leaks_while_running"])),
+            target="0", passed=not results["leaks_while_running"], note=f"{results['censuses']} censuses"),
         Row("leaks after stop", "", float(len(results["leaks"]) + len(results.get("sandboxes_left", []))),
             target="0", passed=not results["leaks"] and not results.get("sandboxes_left")),
+        Row("images wedged (not ok past the recovery bound)", "", float(len(results["wedged_images"])), target="0",
+            passed=not results["wedged_images"]),
         Row("daemon RSS, start -> end", "MiB", results.get("rss_end_mib"), results.get("rss_start_mib"), "at start",
             note=f"{tally.daemon_restarts} daemon restart(s) in between"),
+        Row("daemon RSS growth per hour of warm life", "MiB/h", results["rss_growth_mib_per_h"],
+            target=f"<= {_RSS_GROWTH_TARGET:g}",
+            passed=None if not results["rss_judged"] else results["rss_growth_mib_per_h"] <= _RSS_GROWTH_TARGET,
+            note="judged" if results["rss_judged"] else "too short a life to judge"),
     ]
     return rows
+
+
+def _rss_judged(census: Census) -> bool:
+    """Whether the daemons lived long enough, warm, for their RSS growth to be judged."""
+    lived: dict[int, list[float]] = {}
+    for t, pid, _ in census.rss:
+        lived.setdefault(pid, []).append(t)
+    return census.growth_mib_per_hour() is not None and sum(
+        max(ts) - min(ts) for ts in lived.values()) >= _RSS_JUDGED_AFTER

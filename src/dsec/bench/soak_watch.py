@@ -1,0 +1,133 @@
+"""The soak's invariants while it runs: what one node's home holds on the host, sandbox by sandbox, and the
+census that turns it into leaks, wedged images and the daemon's memory curve.
+
+A node's footprint is read from the host, as an operator would: mounts (``/proc/self/mountinfo``), cgroups
+(``/sys/fs/cgroup/dsec-<tag>*``), container state directories (``/dev/shm/dsec-<tag>``), microvm network
+namespaces (``/run/netns/dsvm-<tag>-*``) and processes (in the home's cgroups, QEMU naming the home's run
+directory, servers naming the home on their command line). Whatever names a sandbox id is that sandbox's; the
+rest is the home's own (the lazy server, the mount holder, image mounts).
+
+Owns reading the host and judging it against what the daemon lists; must never change anything it reads (it
+runs beside the daemon under test) nor look inside the daemon's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.backends.qemu.backend import home_tag
+from dsec.config import Settings
+
+__all__ = ["Census", "Item", "footprint"]
+
+_SANDBOX = re.compile(r"sb-[0-9a-f]{12}")
+_PERSIST = 3
+"""Censuses in a row a sandbox's resource must outlive the sandbox before it counts as a leak (creates and
+destroys in flight hold resources the daemon does not list yet, or any more)."""
+
+
+@dataclass(frozen=True, order=True)
+class Item:
+    """One host resource of the home: ``kind`` (mount, cgroup, state, netns, process), what names it, and the
+    sandbox it belongs to (None: the home's own)."""
+
+    kind: str
+    name: str
+    sandbox: str | None
+
+
+def _owner(text: str) -> str | None:
+    found = _SANDBOX.search(text)
+    return found.group(0) if found else None
+
+
+def footprint(settings: Settings) -> set[Item]:
+    """Every host resource of ``settings``' home now (pid-keyed names: a restarted server is a new item)."""
+    tag, home = home_tag(settings), str(settings.home.resolve())
+    found: set[Item] = set()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point.startswith(f"/run/dsec/{tag}/") or point.startswith(home + "/"):
+            found.add(Item("mount", point, _owner(point)))
+    for parent in Path("/sys/fs/cgroup").glob(f"dsec-{tag}*"):
+        for cg in [parent, *parent.rglob("*")]:
+            if cg.is_dir() and not cg.is_symlink():
+                found.add(Item("cgroup", str(cg), _owner(cg.name)))
+    for state in Path("/dev/shm").glob(f"dsec-{tag}/*/sb-*"):
+        found.add(Item("state", str(state), _owner(state.name)))
+    for netns in Path("/run/netns").glob(f"dsvm-{tag}-*"):
+        found.add(Item("netns", netns.name, _owner(netns.name)))
+    found |= _processes(tag, home)
+    return found
+
+
+def _processes(tag: str, home: str) -> set[Item]:
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie holds nothing: it waits for whichever pid 1 adopted it
+            comm = (proc / "comm").read_text().strip()
+            cgroups = (proc / "cgroup").read_text()
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+            name = f"{comm} pid {proc.name}"
+            if f"/dsec-{tag}/" in cgroups or f"/dsec-{tag}-fn/" in cgroups:
+                found.add(Item("process", name, _owner(cgroups)))
+            elif f"/run/dsec-vm/{tag}/" in argv:  # a microvm's QEMU (its cgroup may be the home's)
+                found.add(Item("process", name, _owner(argv)))
+            elif home in argv or (comm == "dsec-mntns" and f" {tag}" in argv):
+                found.add(Item("process", name, None))  # the home's servers: lazy server, mount holder
+    return found
+
+
+@dataclass
+class Census:
+    """Periodic looks at the node: sandbox resources outliving their sandbox, images not ``ok`` for longer
+    than ``wedged_after`` seconds, and the daemon's RSS (sampled per daemon process)."""
+
+    settings: Settings
+    wedged_after: float
+    leaks: dict[str, str] = field(default_factory=dict)
+    """Leaked resource -> the sandbox it belonged to, seen outliving it for :data:`_PERSIST` censuses."""
+    wedged: dict[str, str] = field(default_factory=dict)
+    """Image component -> its error, for images stuck not ``ok``."""
+    rss: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds since the first sample, daemon pid, MiB)."""
+    looks: int = 0
+    _strikes: dict[Item, int] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.monotonic)
+
+    def look(self, listed: set[str], components: list[tuple[str, str, float, str | None]], pid: int,
+             rss_mib: float | None) -> None:
+        """One census: ``listed`` the sandbox ids the daemon lists now, ``components`` its health (name, state,
+        since, error); ``rss_mib`` the daemon's resident memory."""
+        self.looks += 1
+        orphans = {item for item in footprint(self.settings) if item.sandbox and item.sandbox not in listed}
+        self._strikes = {item: self._strikes.get(item, 0) + 1 for item in orphans}
+        for item, strikes in self._strikes.items():
+            if strikes >= _PERSIST and item.sandbox:
+                self.leaks.setdefault(f"{item.kind} {item.name}", item.sandbox)
+        now = time.time()
+        for name, state, since, error in components:
+            if name.startswith("image:") and state != "ok" and now - since > self.wedged_after:
+                self.wedged.setdefault(name, f"{state} for {now - since:.0f} s: {error}")
+        if rss_mib is not None:
+            self.rss.append((time.monotonic() - self._t0, pid, rss_mib))
+
+    def growth_mib_per_hour(self, warm_s: float = 60.0) -> float | None:
+        """The daemon's RSS growth per hour of its life, over every daemon process that lived past ``warm_s``
+        (its caches filled): the sum of each one's growth after warm-up over the sum of their times."""
+        grown = lived = 0.0
+        for pid in dict.fromkeys(p for _, p, _ in self.rss):
+            mine = [(t, mib) for t, p, mib in self.rss if p == pid]
+            warm = [(t, mib) for t, mib in mine if t - mine[0][0] >= warm_s]
+            if len(warm) >= 2:
+                grown += warm[-1][1] - warm[0][1]
+                lived += warm[-1][0] - warm[0][0]
+        return grown / lived * 3600 if lived > 0 else None

@@ -1,0 +1,58 @@
+"""The soak's census judges the host against what the daemon lists: a sandbox's resource outliving it for a
+few looks is a leak (one in flight is not), an image not ``ok`` past the bound is wedged, and the daemon's
+RSS growth is counted per process after its warm-up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec.bench import soak_watch
+from dsec.bench.soak_watch import Census, Item, footprint
+from dsec.config import Settings
+
+
+def census(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, items: set[Item]) -> Census:
+    monkeypatch.setattr(soak_watch, "footprint", lambda settings: items)
+    return Census(Settings(home=tmp_path), wedged_after=90)
+
+
+def test_a_resource_outliving_its_sandbox_for_three_looks_is_a_leak(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    cg = Item("cgroup", "/sys/fs/cgroup/dsec-x/sb-0123456789ab", "sb-0123456789ab")
+    home = Item("process", "dsec-lazyfs pid 1", None)
+    watch = census(monkeypatch, tmp_path, {cg, home})
+    watch.look({"sb-0123456789ab"}, [], 1, None)  # listed: its own
+    watch.look(set(), [], 1, None)
+    watch.look(set(), [], 1, None)
+    assert watch.leaks == {}  # gone from the list for two looks: a destroy in flight
+    watch.look({"sb-0123456789ab"}, [], 1, None)  # back (a create in flight): the count starts again
+    for _ in range(2):
+        watch.look(set(), [], 1, None)
+    assert watch.leaks == {}
+    watch.look(set(), [], 1, None)
+    assert watch.leaks == {f"cgroup {cg.name}": "sb-0123456789ab"}  # the home's own process is never one
+
+
+def test_an_image_not_ok_past_the_bound_is_wedged(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    watch = census(monkeypatch, tmp_path, set())
+    now = time.time()
+    watch.look(set(), [("image:a", "degraded", now - 10, "remounting"), ("lazy-server", "down", now - 500, "x"),
+                       ("image:b", "ok", now - 500, None)], 1, None)
+    assert watch.wedged == {}
+    watch.look(set(), [("image:a", "down", now - 200, "mount gone")], 1, None)
+    assert list(watch.wedged) == ["image:a"] and "mount gone" in watch.wedged["image:a"]
+
+
+def test_rss_growth_counts_each_daemon_after_its_warm_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    watch = census(monkeypatch, tmp_path, set())
+    assert watch.growth_mib_per_hour() is None
+    # daemon 1: 50 MiB while warming, then +10 MiB over 600 s; daemon 2 (after a restart): flat over 600 s
+    watch.rss = [(0, 1, 50.0), (60, 1, 80.0), (660, 1, 90.0), (700, 2, 60.0), (760, 2, 85.0), (1360, 2, 85.0)]
+    assert watch.growth_mib_per_hour() == pytest.approx(10 / 1200 * 3600)
+
+
+def test_footprint_of_an_unused_home_is_empty(tmp_path: Path) -> None:
+    assert footprint(Settings(home=tmp_path)) == set()
