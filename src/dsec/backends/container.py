@@ -1002,6 +1002,11 @@ def _pidfd_of(pid: int, started: str | None) -> int | None:
     return fd
 
 
+_KILL_BOUND = 30.0
+"""Seconds a sandbox's killed tasks get to leave its cgroups: microseconds on an idle host, but seconds on one
+whose CPUs are oversubscribed (each exit waits its turn; a count of 2 ms retries ran out there)."""
+
+
 def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> None:
     """Kill every task of ``cgroups`` and remove them; ``init``: a pidfd of the sandbox's (killed) init, whose
     exit (the namespaces' teardown, a few ms) is waited for in one poll instead of polling the cgroup."""
@@ -1010,7 +1015,8 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
     if init is not None:
         waiter = select.poll()
         waiter.register(init, select.POLLIN)
-    for attempt in range(1000):  # at most ~4 s: dying tasks leave the cgroup within microseconds
+    deadline = time.monotonic() + _KILL_BOUND
+    while True:
         pids = cgroups.pids()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -1019,14 +1025,14 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
             cgroups.thaw()  # frozen tasks (a paused sandbox) only die once thawed
             thawed = True
         if pids:
-            if waiter is None:
+            if waiter is None and time.monotonic() <= deadline:  # (past it, the removal below names the cgroup)
                 time.sleep(0.002)
                 continue
             # Once, whether the init has exited already or not yet: its pidfd is readable once it has (past
             # leaving its cgroups). It exits after every other process of its pid namespace is gone, so the set
             # is most likely empty then, and is removed without being read again; a task still there fails the
             # rmdir with EBUSY, and only then is the set read again (every 2 ms from here on).
-            if not waiter.poll(0):
+            if waiter is not None and not waiter.poll(0):
                 waiter.poll(2000)
             waiter = None
         # Not the shared dsec-<tag> parent: a create running concurrently needs it; aclose() and
@@ -1037,10 +1043,9 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
         except OSError as err:
             # EBUSY: a task joined after the read (the shim of a create cancelled while it moved itself in, one
             # hierarchy after another), or is still leaving: kill it too, and try again.
-            if err.errno != errno.EBUSY or attempt == 999:
+            if err.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise
         time.sleep(0.002)
-    cgroups.remove()
 
 
 def _last_runtime_error(log: Path) -> str | None:
