@@ -1,10 +1,12 @@
 """The load side of ``dsec bench cluster-sim``: creates, destroys and probes sent to a gateway, cheaply.
 
 Owns the bench's client: raw HTTP/1.1 requests on the keep-alive connections of the node API's client
-(:mod:`dsec._http.http11`), bodies serialised once, answers read with ``json.loads``, so that one client
-process on the shared core can keep a gateway busy; and the gateway's CPU split by part from py-spy's
-samples. It runs in its own process (``python -m dsec.bench.sim_load``, one JSON document on stdout),
-pinned away from the gateway. It measures; it must never decide whether a target is met.
+(:mod:`dsec._http.http11`), each operation's method, route and success status taken from
+:class:`~dsec.api.protocol.NodeAPI` (the contract the SDK and the server share), bodies serialised once,
+answers read with ``json.loads``, so that one client process on the shared core can keep a gateway busy;
+and the gateway's CPU split by part from py-spy's samples. It runs in its own process
+(``python -m dsec.bench.sim_load``, one JSON document on stdout), pinned away from the gateway. It
+measures; it must never decide whether a target is met.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dsec._http.http11 import Http11Error, Http11Pool
+from dsec.api.operations import Operation
+from dsec.api.protocol import NodeAPI
 
 __all__ = ["Client", "cpu_by_part", "main"]
 
@@ -37,9 +41,12 @@ class Client:
                              keepalive_expiry=20.0)
         self.auth = f"Authorization: Bearer {token}\r\n"
 
-    async def call(self, method: str, path: str, body: bytes = b"", timeout: float | None = 600.0
+    async def call(self, op: Operation[Any, Any], *in_path: str, body: bytes = b"", timeout: float | None = 600.0
                    ) -> tuple[int, bytes]:
-        """One request; the answer's status and body."""
+        """One call of ``op`` (``in_path``: its path arguments; ``body``: its JSON, serialised once by the
+        caller); the answer's status and body."""
+        method = op.method
+        path = op.encode(in_path, {})[0] if in_path else op.path
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}"
         if body or method in ("POST", "PUT"):
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -68,23 +75,23 @@ async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency:
         while time.monotonic() < deadline:
             start = time.perf_counter()
             try:
-                status, body = await client.call("POST", "/v1/sandboxes", spec, timeout=120.0)
+                status, body = await client.call(NodeAPI.create, body=spec, timeout=120.0)
             except Http11Error as exc:
                 failures[f"create: {exc.kind}: {exc}"[:200]] += 1
                 continue
             made = time.perf_counter()
-            if status != 201:
+            if status != NodeAPI.create.status:
                 failures[f"create: {_error(status, body)}"] += 1
                 await asyncio.sleep(0.05)
                 continue
             creates.append(made - start)
             sid = json.loads(body)["id"]
             try:
-                status, body = await client.call("DELETE", f"/v1/sandboxes/{sid}", timeout=120.0)
+                status, body = await client.call(NodeAPI.destroy, sid, timeout=120.0)
             except Http11Error as exc:
                 failures[f"destroy: {exc.kind}: {exc}"[:200]] += 1
                 continue
-            if status != 204:
+            if status != NodeAPI.destroy.status:
                 failures[f"destroy: {_error(status, body)}"] += 1
             destroys.append(time.perf_counter() - made)
 
@@ -102,13 +109,13 @@ async def batch(url: str, token: str, spec: dict[str, Any], count: int, stream: 
     body = json.dumps({"count": count, "spec": spec}).encode()
     start = time.perf_counter()
     try:
-        status, answer = await client.call("POST", "/v1/sandboxes/batch", body, timeout=900.0)
+        status, answer = await client.call(NodeAPI.create_many, body=body, timeout=900.0)
     except Http11Error as exc:
         return {"seconds": time.perf_counter() - start, "error": f"{exc.kind}: {exc}", "ids": []}
     finally:
         await client.aclose()
     seconds = time.perf_counter() - start
-    if status != 201:
+    if status != NodeAPI.create_many.status:
         return {"seconds": seconds, "error": _error(status, answer), "ids": []}
     return {"seconds": seconds, "error": None, "ids": [item["id"] for item in json.loads(answer)]}
 
@@ -125,11 +132,11 @@ async def destroy_all(url: str, token: str, ids: list[str], concurrency: int = 6
         while todo:
             sid = todo.pop()
             try:
-                status, _ = await client.call("DELETE", f"/v1/sandboxes/{sid}", timeout=120.0)
+                status, _ = await client.call(NodeAPI.destroy, sid, timeout=120.0)
             except Http11Error:
                 failed += 1
                 continue
-            failed += status != 204
+            failed += status != NodeAPI.destroy.status
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.aclose()
@@ -145,7 +152,7 @@ async def probe(url: str, token: str, seconds: float, interval: float = 0.01) ->
     while time.monotonic() < deadline:
         start = time.perf_counter()
         with contextlib.suppress(Http11Error):
-            await client.call("GET", "/v1/health", timeout=60.0)
+            await client.call(NodeAPI.health, timeout=60.0)
             samples.append(time.perf_counter() - start)
         await asyncio.sleep(interval)
     await client.aclose()
