@@ -151,7 +151,7 @@ def _e2b_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) -> 
     """The gateway's E2B listener: API keys are the jobs' tokens, each job sees its own sandboxes."""
     from dsec.e2b.options import E2BOptions
     from dsec.e2b.serve import gateway_app as e2b_gateway_app
-    from dsec.e2b.serve import uvicorn_tls
+    from dsec.e2b.serve import uvicorn_settings
 
     options = E2BOptions(listen=args.e2b, domain=args.e2b_domain, tls_cert=args.e2b_tls_cert,
                          tls_key=args.e2b_tls_key, default_image=args.e2b_default_image,
@@ -160,7 +160,7 @@ def _e2b_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) -> 
     app = e2b_gateway_app(engine, options, jobs.by_token, _set_job)
     host, port = options.address
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30,
-                          **uvicorn_tls(options))
+                          **uvicorn_settings(options))
 
 
 def _set_job(job: str) -> Callable[[], None]:

@@ -299,12 +299,12 @@ class Daemon:
             )
             self._servers.append(_Server(config))
         if self.e2b is not None:
-            from dsec.e2b.serve import node_app, uvicorn_tls
+            from dsec.e2b.serve import node_app, uvicorn_settings
 
             e2b = node_app(engine, self.e2b, self.token, TokenFile(self.settings.tokens_file), self.settings.home)
             self._servers.append(_Server(uvicorn.Config(
-                AnswerCutOffCalls(e2b, engine), loop="none", http=_HTTP_IMPL, log_level="warning", lifespan="off",
-                timeout_graceful_shutdown=5, **uvicorn_tls(self.e2b))))
+                AnswerCutOffCalls(e2b, engine), loop="none", log_level="warning", lifespan="off",
+                timeout_graceful_shutdown=5, **uvicorn_settings(self.e2b))))
         if self.fusion is not None:
             from dsec.fusion.serve import node_app as fusion_app
 

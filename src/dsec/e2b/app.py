@@ -31,7 +31,11 @@ from dsec.e2b.process import ProcessService, Target, current_target
 from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect
 from dsec.errors import DSecError
 
-__all__ = ["E2BApp"]
+__all__ = ["RESET", "E2BApp"]
+
+RESET = "dsec.connection_reset"
+"""The scope extension (:class:`dsec.e2b.serve.ResettableHttp`) whose ``reset`` drops the request's connection with
+a TCP reset."""
 
 _ID = r"[a-z0-9][a-z0-9-]{0,62}"
 _ENVD = Principal("e2b-envd", None)
@@ -154,6 +158,10 @@ class E2BApp:
         try:
             await app(scope, receive, guarded)
         except _CutOff:
-            pass  # the server closes the connection mid-stream: the SDK then asks /health, which answers 502
+            # the connection is reset mid-stream (a clean close where the server cannot reset): the SDK then
+            # asks /health, which answers 502, and says the sandbox was killed
+            cut = (scope.get("extensions") or {}).get(RESET)
+            if cut is not None:
+                cut["reset"]()
         finally:
             current_target.reset(reset)

@@ -8,6 +8,7 @@ never touch a file by itself.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import posixpath
 import zlib
@@ -20,7 +21,7 @@ from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
 from dsec.e2b.keys import EnvdTokens
 from dsec.e2b.process import resolve_path
-from dsec.errors import DSecError, FileNotFound, InvalidRequest, NotSupported, Unauthorized
+from dsec.errors import DSecError, FileNotFound, InvalidRequest, NotSupported, PermissionDenied, Unauthorized
 from dsec.models import SandboxInfo
 
 __all__ = ["download", "upload"]
@@ -103,6 +104,16 @@ async def _parts(request: Request) -> list[tuple[str, bytes]]:
     return parts
 
 
+async def _give_to_owner(api: NodeAPI, sandbox_id: str, path: str, user: str | None) -> None:
+    """envd writes an upload as root and then gives the file to its user (a chown, which watchers see as a
+    CHMOD after the create and the write). DSec's write as root does the same; a file written by another user
+    is that user's already, and the chown of it to its owner is that event."""
+    found = await api.stat_file(sandbox_id, path, user=user)
+    if found.uid != 0:
+        with contextlib.suppress(PermissionDenied):  # not the writer's file (written through group rights)
+            await api.chown_file(sandbox_id, path, f"{found.uid}:{found.gid}", user=user)
+
+
 async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: SandboxInfo) -> Response:
     """``POST /files``: write each uploaded file (parents created); answers their ``EntryInfo``."""
     try:
@@ -118,6 +129,7 @@ async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: Sandb
                 raise InvalidRequest(f"you cannot upload multiple files to the same path '{path}' in one upload "
                                      "request")
             await api.write_file(info.id, path, data, user=user)
+            await _give_to_owner(api, info.id, path, user)
             written.append({"path": path, "name": posixpath.basename(path), "type": "file"})
     except DSecError as exc:
         return envd_error(exc)

@@ -144,8 +144,8 @@ def test_pause_resume_and_killed_during_a_command(opts: dict[str, str]) -> None:
         handle = sb.commands.run("sleep 60", background=True)
     finally:
         sb.kill()
-    with pytest.raises(TimeoutException):  # the connection is cut, as a dead envd's would be
-        handle.wait()
+    with pytest.raises(TimeoutException, match="killed or reached its end of life"):
+        handle.wait()  # the connection is reset, as E2B's proxy resets a dead envd's stream: the SDK probes health
 
 
 def test_keys_scope_sandboxes_and_bad_calls_get_clear_errors(endpoint: dict[str, Any]) -> None:
@@ -284,7 +284,8 @@ def test_file_operations_users_and_watches(endpoint: dict[str, Any]) -> None:
         watch = sb.files.watch_dir("w", recursive=True)
         sb.files.write("w/a.txt", "x")
         events = [(e.type, e.name) for e in watch.get_new_events()]
-        assert events[0] == (FilesystemEventType.CREATE, "a.txt") and (FilesystemEventType.WRITE, "a.txt") in events
+        assert events == [(FilesystemEventType.CREATE, "a.txt"), (FilesystemEventType.CHMOD, "a.txt"),
+                          (FilesystemEventType.WRITE, "a.txt")]  # envd's upload: create, chown, write
         moved = sb.files.rename("w/a.txt", "w/deep/b.txt")
         assert (moved.path, moved.type) == ("/workspace/w/deep/b.txt", FileType.FILE)
         assert {(e.type, e.name) for e in watch.get_new_events()} >= {(FilesystemEventType.RENAME, "a.txt"),
@@ -301,7 +302,14 @@ def test_file_operations_users_and_watches(endpoint: dict[str, Any]) -> None:
             sb.files.watch_dir("nowhere")
         with pytest.raises(SandboxException, match="not a directory"):
             sb.files.watch_dir("/etc/hostname")
-        # user=: files are written and read as that user, and checked as that user.
+        # user=: files are written and read as that user, and checked as that user; a watcher sees envd's
+        # upload (create, write, and the chown that gives the file to its user), as for root's writes above.
+        sb.files.make_dir("/tmp/seen", user="nobody")
+        seen = sb.files.watch_dir("/tmp/seen")
+        sb.files.write("/tmp/seen/n.txt", "n", user="nobody")
+        assert sorted(e.type.value for e in seen.get_new_events()) == sorted(
+            k.value for k in (FilesystemEventType.CREATE, FilesystemEventType.WRITE, FilesystemEventType.CHMOD))
+        seen.stop()
         sb.files.write("/tmp/mine.txt", "n", user="nobody")
         info = sb.files.get_info("/tmp/mine.txt")
         assert (info.owner, info.group, info.size) == ("nobody", "nogroup", 1)
