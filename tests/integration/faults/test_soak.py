@@ -38,6 +38,7 @@ def test_a_short_soak_keeps_its_invariants(debian_python_image: object) -> None:
     assert sorted(extra["recoveries_s"]) == sorted(expected), extra["recoveries_s"]
     assert extra["lost_without_reason"] == [], extra["lost_without_reason"]
     assert extra["exactly_once_violations"] == [], extra["exactly_once_violations"]
+    assert extra["copies_unlike_source"] == [] and extra["images_unserved"] == [], extra
     assert extra["leaks"] == [] and extra["sandboxes_left"] == [], (extra["leaks"], extra["sandboxes_left"])
     assert sum(extra["ops"].values()) > 0 and extra["daemon_restarts"] == 1
     assert all(row.passed is not False for row in suite.rows), [r for r in suite.rows if r.passed is False]
