@@ -477,7 +477,12 @@ async def _faults(node: _Node, tally: _Tally, cfg: SoakBench, deadline: float, d
 async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress: Callable[[str], None]) -> None:
     await asyncio.sleep(cfg.fault_every_s)
     progress(f"SIGKILL {name}")
-    took = await _inject(node, name, tally)
+    try:
+        took = await _inject(node, name, tally)
+    except (DSecError, server.ServeError) as exc:  # no victim could be made, or the daemon did not start again
+        tally.unrecovered.append(f"{name} ({type(exc).__name__}: {exc})")
+        progress(f"{name}: failed: {exc}")
+        return
     if took is None:
         tally.unrecovered.append(name)
         now = None
@@ -498,7 +503,7 @@ async def _census(node: _Node, census: Census, every: float, done: asyncio.Event
         try:
             listed = {info.id for info in await node.client.api.list()}
             health = await node.client.health()
-        except (ConnectionFailed, DaemonStopping):
+        except DSecError:  # down, restarting, or too busy to answer: no reference to judge against
             continue
         await asyncio.to_thread(census.look, listed, [(c.name, c.state, c.since, c.error) for c in health.components],
                                 node.pid, node.rss_mib())
