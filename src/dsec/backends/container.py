@@ -55,7 +55,14 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.isolation.cgroups import CgroupSet, LimitCounters, background_group, cgroup_mode, v2_controllers_in_hybrid
+from dsec.isolation.cgroups import (
+    TEARDOWN_BOUND,
+    CgroupSet,
+    LimitCounters,
+    background_group,
+    cgroup_mode,
+    v2_controllers_in_hybrid,
+)
 from dsec.isolation.disk import disk_full, disk_used, umount
 from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
 from dsec.isolation.files import SandboxFS, make_workdir
@@ -1002,11 +1009,6 @@ def _pidfd_of(pid: int, started: str | None) -> int | None:
     return fd
 
 
-_KILL_BOUND = 30.0
-"""Seconds a sandbox's killed tasks get to leave its cgroups: microseconds on an idle host, but seconds on one
-whose CPUs are oversubscribed (each exit waits its turn; a count of 2 ms retries ran out there)."""
-
-
 def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> None:
     """Kill every task of ``cgroups`` and remove them; ``init``: a pidfd of the sandbox's (killed) init, whose
     exit (the namespaces' teardown, a few ms) is waited for in one poll instead of polling the cgroup."""
@@ -1015,7 +1017,7 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
     if init is not None:
         waiter = select.poll()
         waiter.register(init, select.POLLIN)
-    deadline = time.monotonic() + _KILL_BOUND
+    deadline = time.monotonic() + TEARDOWN_BOUND
     while True:
         pids = cgroups.pids()
         for pid in pids:

@@ -50,7 +50,7 @@ from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, Permissio
 from dsec.images.users import resolve_user
 from dsec.isolation import call_loader, pyzygote
 from dsec.isolation.callslots import lay_out, zygote_procs
-from dsec.isolation.cgroups import CgroupSet, Limits, background_group, cgroup_mode
+from dsec.isolation.cgroups import TEARDOWN_BOUND, CgroupSet, Limits, background_group, cgroup_mode
 from dsec.isolation.disk import disk_full, disk_used, mount_disk, umount
 from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.files import SandboxFS
@@ -516,13 +516,18 @@ class FunctionBackend(Backend):
                 os.kill(int(pid), signal.SIGKILL)  # a zygote of a previous daemon (not our child)
         cgroups = CgroupSet.at(state.get("cgroup") or f"/{self.cgroup_parent}/{sandbox_id}")
         # Calls die with their zygote (PDEATHSIG); sweep the cgroups (the calls' own too) for any straggler, then
-        # remove them.
-        for _ in range(200):
+        # remove them (a task killed but not yet gone keeps them busy: again until the bound).
+        deadline = time.monotonic() + TEARDOWN_BOUND
+        while True:
             cgroups.kill_all(recursive=True)
-            if not cgroups.pids(recursive=True):
-                break
+            try:
+                if not cgroups.pids(recursive=True) or time.monotonic() > deadline:
+                    cgroups.remove()
+                    break
+            except OSError as err:
+                if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
             time.sleep(0.01)
-        cgroups.remove()
         base = self._base(sandbox_id)
         umount(base / "workspace")  # before rmtree, which would otherwise empty it and fail on the mount point
         if base.exists():

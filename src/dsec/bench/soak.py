@@ -13,7 +13,8 @@ reported lost; the restarted daemon answers) and a create on each backend succee
 
 Invariants, counted throughout and reported (targets in the table): sandboxes lost without a reason (a
 sandbox of ours gone with no ``SandboxLost`` naming why, or an error that is not a DSec error), exactly-once
-violations (a re-run rollout whose commands ran more or fewer times than the log holds), leaks while it runs
+violations (a re-run rollout whose commands ran more or fewer times than the log holds), copies (forks, restored
+snapshots) that do not hold their source's files, images imported and then not served, leaks while it runs
 (every ``census_every_s``, :class:`~dsec.bench.soak_watch.Census`: a sandbox's mounts, cgroups, network
 namespaces or processes outliving it) and after the daemon stopped (anything of its home, before the bench
 cleans up), images wedged (not ``ok`` in health past the recovery bound), and the daemon's RSS: at the start,
@@ -98,6 +99,10 @@ class _Tally:
     lost_with_reason: list[str] = field(default_factory=list)
     lost_without_reason: list[str] = field(default_factory=list)
     exactly_once_violations: list[str] = field(default_factory=list)
+    copies_unlike_source: list[str] = field(default_factory=list)
+    """Restored snapshots and forks that did not hold their source's files."""
+    images_unserved: list[str] = field(default_factory=list)
+    """Images imported into the store that the daemon then did not serve (by name and error)."""
     recoveries: dict[str, list[float]] = field(default_factory=dict)
     unrecovered: list[str] = field(default_factory=list)
     daemon_restarts: int = 0
@@ -111,7 +116,7 @@ class _Node:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         # a TCG boot on a loaded small host can pass the backend's default; the soak is about faults, not boots
-        os.environ.setdefault("DSEC_MICROVM_BOOT_TIMEOUT", "240")
+        os.environ.setdefault("DSEC_MICROVM_BOOT_TIMEOUT", "600")
         self.pid = server.up(settings, timeout=120)
         self.client = Client(url=f"unix://{settings.socket_path}")
 
@@ -218,9 +223,10 @@ async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.
         if backend == "container" and rng.random() < 0.2:
             await _restore(node, tally, sb, mine)
         if backend == "container" and rng.random() < 0.3:
+            want = await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
             kids = await _guard(tally, "fork", mine, lambda: sb.fork(1)) or []
             for kid in kids:
-                await _guard(tally, "exec", mine, functools.partial(kid.exec, "cat /workspace/n"))
+                await _holds(tally, mine, "fork", kid, want)
                 await _close(tally, kid, mine)
     finally:
         await _close(tally, sb, mine)
@@ -240,6 +246,7 @@ async def _use(tally: _Tally, sb: AsyncSandbox, mine: set[str], execs: int, time
 async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
     """Snapshot ``sb``, restore it into a new sandbox that must hold its files, then purge the snapshot (the
     store may be shared: its chunks are this run's alone)."""
+    want = await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
     snap = await _guard(tally, "snapshot", mine, sb.snapshot)
     if snap is None:
         return
@@ -247,12 +254,20 @@ async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str])
         copy = await _guard(tally, "restore", mine, lambda: AsyncSandbox.create(snapshot=snap, client=node.client))
         if copy is not None:
             mine.add(copy.id)
-            await _guard(tally, "exec", mine, lambda: copy.exec("cat /workspace/n"))
+            await _holds(tally, mine, "restored snapshot", copy, want)
             await _close(tally, copy, mine)
     finally:
         store = ImageStore(node.settings.images, node.settings.snapshot_store)
         with contextlib.suppress(DSecError, OSError):
             await asyncio.to_thread(store.remove_snapshot, snap, True)
+
+
+async def _holds(tally: _Tally, mine: set[str], what: str, copy: AsyncSandbox, want: bytes | None) -> None:
+    """A copy (a fork, a restored snapshot) must hold the file its source held when it was copied."""
+    mine.add(copy.id)
+    got = await _guard(tally, "exec", mine, functools.partial(copy.exec, "cat /workspace/n"))
+    if want is not None and got is not None and got.exit_code == 0 and got.stdout != want:
+        tally.copies_unlike_source.append(f"{what} {copy.id}: {got.stdout!r}, its source held {want!r}")
 
 
 async def _rollout(node: _Node, tally: _Tally, name: str, rng: random.Random) -> None:
@@ -318,10 +333,23 @@ async def _images(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
         made = await _guard(tally, "image-import", set(), functools.partial(
             asyncio.to_thread, store.import_dir, name, tree, settings.uid_shift))
         if made is not None:
-            await _guard(tally, "image-get", set(), functools.partial(node.client.api.get_image, name))
+            await _served(node, tally, name)
             await _guard(tally, "image-remove", set(), functools.partial(asyncio.to_thread, store.remove, name))
         n += 1
         await asyncio.sleep(1.0)
+
+
+async def _served(node: _Node, tally: _Tally, name: str) -> None:
+    """The daemon serves an image just imported into its store (while it is up)."""
+    try:
+        await node.client.api.get_image(name)
+    except (ConnectionFailed, DaemonStopping) as exc:
+        tally.errors[type(exc).__name__] += 1
+        return
+    except DSecError as exc:
+        tally.images_unserved.append(f"{name}: {exc.message}")
+        return
+    tally.ops["image-get"] += 1
 
 
 async def _microvm(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
@@ -449,7 +477,12 @@ async def _faults(node: _Node, tally: _Tally, cfg: SoakBench, deadline: float, d
 async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress: Callable[[str], None]) -> None:
     await asyncio.sleep(cfg.fault_every_s)
     progress(f"SIGKILL {name}")
-    took = await _inject(node, name, tally)
+    try:
+        took = await _inject(node, name, tally)
+    except (DSecError, server.ServeError) as exc:  # no victim could be made, or the daemon did not start again
+        tally.unrecovered.append(f"{name} ({type(exc).__name__}: {exc})")
+        progress(f"{name}: failed: {exc}")
+        return
     if took is None:
         tally.unrecovered.append(name)
         now = None
@@ -470,7 +503,7 @@ async def _census(node: _Node, census: Census, every: float, done: asyncio.Event
         try:
             listed = {info.id for info in await node.client.api.list()}
             health = await node.client.health()
-        except (ConnectionFailed, DaemonStopping):
+        except DSecError:  # down, restarting, or too busy to answer: no reference to judge against
             continue
         await asyncio.to_thread(census.look, listed, [(c.name, c.state, c.since, c.error) for c in health.components],
                                 node.pid, node.rss_mib())
@@ -512,7 +545,10 @@ async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tal
                                      for i in await node.client.api.list()]
     finally:
         await node.client.aclose()
-        await asyncio.to_thread(server.down, settings, True)
+        try:
+            await asyncio.to_thread(server.down, settings, True)
+        except server.ServeError as exc:  # sandboxes it could not destroy: counted, the report still made
+            results["stop_error"] = str(exc)
         # nothing the daemon started may outlive it: what is left now is its leak, not the bench's to hide
         results["left_after_stop"] = sorted(f"{i.kind} {i.name}" for i in footprint(settings))
 
@@ -548,6 +584,7 @@ async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[
                    errors=dict(tally.errors), lost_with_reason=tally.lost_with_reason,
                    lost_without_reason=tally.lost_without_reason, unrecovered=tally.unrecovered,
                    exactly_once_violations=tally.exactly_once_violations, daemon_restarts=tally.daemon_restarts,
+                   copies_unlike_source=tally.copies_unlike_source, images_unserved=tally.images_unserved,
                    recoveries_s=tally.recoveries)
     for name, took in tally.recoveries.items():
         suite.latencies[f"recovery_{name}"] = summarize(took)
@@ -578,9 +615,13 @@ def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
         Row("leaks while running (a sandbox's resources outliving it)", "", float(len(results["leaks_while_running"])),
             target="0", passed=not results["leaks_while_running"], note=f"{results['censuses']} censuses"),
         Row("leaks after stop", "", float(len(results["leaks"]) + len(results.get("sandboxes_left", []))),
-            target="0", passed=not results["leaks"] and not results.get("sandboxes_left")),
-        Row("images wedged (not ok past the recovery bound)", "", float(len(results["wedged_images"])), target="0",
-            passed=not results["wedged_images"]),
+            target="0", passed=not results["leaks"] and not results.get("sandboxes_left") and
+            not results.get("stop_error"), note=results.get("stop_error")),
+        Row("images wedged (not ok past the recovery bound, or imported and not served)", "",
+            float(len(results["wedged_images"]) + len(tally.images_unserved)), target="0",
+            passed=not results["wedged_images"] and not tally.images_unserved),
+        Row("copies (forks, restored snapshots) unlike their source", "", float(len(tally.copies_unlike_source)),
+            target="0", passed=not tally.copies_unlike_source),
         Row("daemon RSS, start -> end", "MiB", results.get("rss_end_mib"), results.get("rss_start_mib"), "at start",
             note=f"{tally.daemon_restarts} daemon restart(s) in between"),
         Row("daemon RSS growth per hour of warm life", "MiB/h", results["rss_growth_mib_per_h"],

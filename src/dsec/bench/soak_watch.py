@@ -2,7 +2,7 @@
 census that turns it into leaks, wedged images and the daemon's memory curve.
 
 A node's footprint is read from the host, as an operator would: mounts (``/proc/self/mountinfo``), cgroups
-(``/sys/fs/cgroup/dsec-<tag>*``), container state directories (``/dev/shm/dsec-<tag>``), microvm network
+(``dsec-<tag>*`` in each cgroup tree), container state directories (``/dev/shm/dsec-<tag>``), microvm network
 namespaces (``/run/netns/dsvm-<tag>-*``) and processes (in the home's cgroups, QEMU naming the home's run
 directory, servers naming the home on their command line). Whatever names a sandbox id is that sandbox's; the
 rest is the home's own (the lazy server, the mount holder, image mounts).
@@ -53,14 +53,18 @@ def footprint(settings: Settings) -> set[Item]:
         point = line.split()[4]
         if point.startswith(f"/run/dsec/{tag}/") or point.startswith(home + "/"):
             found.add(Item("mount", point, _owner(point)))
-    for parent in Path("/sys/fs/cgroup").glob(f"dsec-{tag}*"):
-        for cg in [parent, *parent.rglob("*")]:
-            if cg.is_dir() and not cg.is_symlink():
-                found.add(Item("cgroup", str(cg), _owner(cg.name)))
-    for state in Path("/dev/shm").glob(f"dsec-{tag}/*/sb-*"):
-        found.add(Item("state", str(state), _owner(state.name)))
-    for netns in Path("/run/netns").glob(f"dsvm-{tag}-*"):
-        found.add(Item("netns", netns.name, _owner(netns.name)))
+    root = Path("/sys/fs/cgroup")  # v2: the unified tree; v1: one tree per controller
+    for parent in [*root.glob(f"dsec-{tag}*"), *root.glob(f"*/dsec-{tag}*")]:
+        with contextlib.suppress(OSError):  # a cgroup removed while it is walked
+            for cg in [parent, *parent.rglob("*")]:
+                if cg.is_dir() and not cg.is_symlink():
+                    found.add(Item("cgroup", str(cg), _owner(cg.name)))
+    with contextlib.suppress(OSError):
+        for state in Path("/dev/shm").glob(f"dsec-{tag}/*/sb-*"):
+            found.add(Item("state", str(state), _owner(state.name)))
+    with contextlib.suppress(OSError):
+        for netns in Path("/run/netns").glob(f"dsvm-{tag}-*"):
+            found.add(Item("netns", netns.name, _owner(netns.name)))
     found |= _processes(tag, home)
     return found
 

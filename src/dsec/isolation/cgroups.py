@@ -18,8 +18,8 @@ from pathlib import Path
 
 from dsec.isolation.procs import read_small
 
-__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "CgroupSet", "LimitCounters",
-           "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid", "v2_make"]
+__all__ = ["CPU_SHARES_BUSY", "CPU_SHARES_IDLE", "CPU_WEIGHT_BUSY", "CPU_WEIGHT_IDLE", "TEARDOWN_BOUND", "CgroupSet",
+           "LimitCounters", "Limits", "background_group", "cgroup_mode", "v2_controllers_in_hybrid", "v2_make"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _log = logging.getLogger(__name__)
@@ -29,6 +29,9 @@ CPU_SHARES_IDLE, CPU_SHARES_BUSY = 2, 1024
 """v1 ``cpu.shares`` of an idle sandbox and of one running a command (:meth:`CgroupSet.set_cpu_class`)."""
 CPU_WEIGHT_IDLE, CPU_WEIGHT_BUSY = 1, 100
 """The same on v2 (``cpu.weight``)."""
+TEARDOWN_BOUND = 30.0
+"""Seconds a destroyed sandbox's killed tasks get to leave its cgroups: microseconds on an idle host, seconds on
+one whose CPUs are oversubscribed (each exit waits its turn; a count of quick retries ran out there)."""
 V1_JOINED = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer", "devices"})
 """v1 controllers a command joins: its limits (memory, pids, cpu), CPU accounting, pause, device rules."""
 
