@@ -406,6 +406,12 @@ class ExecRequest(Model):
     working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
     ``python3`` gets the image's, whatever the agent replaced. Container and microvm; on the function backend
     every call already runs on the read-only image."""
+    warm_python: bool = False
+    """Function backend: run ``command`` (``[python, script, arg...]``, ``python`` the image's interpreter by
+    name) forked from the sandbox's warm Python interpreter instead of a fresh one, with the same namespaces,
+    cgroup, limits and verdicts but no interpreter start. A command it cannot run as a fresh process would
+    (interpreter options, ``PYTHON*`` variables, another user, a non-UTF-8 locale) runs fresh, as it does on the
+    other backends."""
 
     @field_validator("command")
     @classmethod

@@ -42,7 +42,7 @@ from dsec.backends.base import (
     store_identity,
     workdir_of,
 )
-from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_exited
+from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_exited, warm_program
 from dsec.backends.hostside import HostFiles, actor_of
 from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
@@ -61,7 +61,7 @@ from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.process_io import PipeProcess, host_pty, raw_mode
 from dsec.isolation.procs import ended, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE, ZYGOTE_PROFILE
-from dsec.isolation.zygote import Zygote, ZygoteConfig
+from dsec.isolation.zygote import PyZygote, Zygote, ZygoteConfig
 from dsec.models import (
     CallRequest,
     CallResult,
@@ -326,9 +326,19 @@ class FunctionBackend(Backend):
                            ) -> AsyncIterator[ExecEvent]:
         zygote = self._zygote(record)
         limits, tmp = self._calls.limits(record)
-        fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user, tmp)
-        peer = "the sandbox's zygote (the sandbox was destroyed, or the zygote killed)"
-        events = self._calls.run(record, self._cgroups(record), request, fields, zygote.spawn, limits, peer,
+        env = self._env(record, request.env, user)
+        if user is None and warm_program(request, env):
+            argv = request.argv()
+            python = await self._python(record, zygote, argv[0])
+            cwd = posixpath.join(workdir_of(record), request.cwd or "")
+            check_exec_size(argv, env)
+            fields = [*self._head(record, request.timeout, tmp), cwd, "0", pyzygote.PROGRAM, str(len(env)),
+                      *(f"{k}={v}" for k, v in env.items()), str(len(argv)), *argv]
+            spawn, peer = python.spawn, "the sandbox's Python zygote"
+        else:
+            fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user, tmp)
+            spawn, peer = zygote.spawn, "the sandbox's zygote (the sandbox was destroyed, or the zygote killed)"
+        events = self._calls.run(record, self._cgroups(record), request, fields, spawn, limits, peer,
                                  cpu=int(fields[0]))
         try:
             async for event in events:
@@ -336,14 +346,18 @@ class FunctionBackend(Backend):
         finally:
             await events.aclose()
 
+    async def _python(self, record: SandboxRecord, zygote: Zygote, python: str) -> PyZygote:
+        """The sandbox's Python zygote for the image's interpreter ``python``, started on first use."""
+        identity = default_identity(record)
+        default = default_tmp(record.spec.memory, record.spec.disk)
+        argv = [python, "-I", "/.dsec/pyzygote.py", workdir_of(record), str(default), zygote.config.cpus,
+                str(identity.uid), ",".join(str(g) for g in (identity.gid, *identity.groups))]
+        return await self._calls.python(record, zygote, python, argv)
+
     async def call(self, record: SandboxRecord, request: CallRequest) -> CallResult:
         zygote = self._zygote(record)
         limits, tmp = self._calls.limits(record, request.memory, request.pids, request.disk)
-        identity = default_identity(record)
-        default = default_tmp(record.spec.memory, record.spec.disk)
-        argv = [request.python, "-I", "/.dsec/pyzygote.py", workdir_of(record), str(default), zygote.config.cpus,
-                str(identity.uid), ",".join(str(g) for g in (identity.gid, *identity.groups))]
-        python = await self._calls.python(record, zygote, request.python, argv)
+        python = await self._python(record, zygote, request.python)
         env = self._env(record, request.env, None)
         fields = [*self._head(record, request.timeout, tmp), workdir_of(record), str(request.max_result_bytes),
                   request.client_python, str(len(env)), *(f"{k}={v}" for k, v in env.items())]

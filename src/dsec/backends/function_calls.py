@@ -37,7 +37,7 @@ from dsec.isolation.exec_client import Spawned, stream_exec
 from dsec.isolation.zygote import PyZygote, Zygote
 from dsec.models import ExecEvent, ExecRequest, LimitHit, SandboxRecord
 
-__all__ = ["Calls", "cpu_rlimit", "default_tmp", "release_when_exited", "release_when_reaped"]
+__all__ = ["Calls", "cpu_rlimit", "default_tmp", "release_when_exited", "release_when_reaped", "warm_program"]
 
 _MIN_TMP = 1024 * 1024
 # A call's pid namespace normally ends within milliseconds of its report; a sandbox starved of CPU (its class
@@ -50,6 +50,22 @@ Spawn = Callable[[list[str], Sequence[int]], Awaitable[Spawned]]
 def default_tmp(memory: int, disk: int) -> int:
     """The size of a call's ``/tmp`` unless it asks for another: its disk, at most half of its memory."""
     return max(_MIN_TMP, min(disk, memory // 2))
+
+
+def warm_program(request: ExecRequest, env: Mapping[str, str]) -> bool:
+    """Whether ``request`` may run forked from the sandbox's Python zygote (``warm_python``) and behave as a fresh
+    ``python script arg...``: an argv of an interpreter name and a script (no interpreter option, no program on
+    stdin), no ``PYTHON*`` variable (the zygote's interpreter has read its environment) and a locale the zygote
+    reproduces (C, POSIX or UTF-8). Anything else runs as a fresh process."""
+    argv = request.command
+    if not request.warm_python or isinstance(argv, str) or len(argv) < 2:
+        return False
+    if argv[0].startswith("-") or "/" in argv[0] or argv[1].startswith("-"):
+        return False
+    if any(key.startswith("PYTHON") for key in env):
+        return False
+    locale = env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "C"
+    return locale in ("C", "POSIX") or locale.lower().replace("-", "").endswith(".utf8")
 
 
 def cpu_rlimit(timeout: float | None, cpus: float) -> int:

@@ -21,6 +21,9 @@ class Toolchain:
     run: tuple[str, ...]
     compile: tuple[str, ...] | None = None
     needs: tuple[str, ...] = ()
+    warm: bool = False
+    """The run step is a Python program the function backend forks from its warm interpreter
+    (``ExecRequest.warm_python``) instead of starting ``python3``."""
 
     def compile_argv(self, src: str) -> list[str] | None:
         """The compile command for ``src``, or None for an interpreted language."""
@@ -32,7 +35,7 @@ class Toolchain:
 
 
 LANGUAGES: dict[str, Toolchain] = {
-    "python": Toolchain(".py", ("python3", "{src}"), needs=("python3",)),
+    "python": Toolchain(".py", ("python3", "{src}"), needs=("python3",), warm=True),
     "pytest": Toolchain(".py", ("python3", "-m", "pytest", "{src}"), needs=("python3", "pytest")),
     "bash": Toolchain(".sh", ("/bin/bash", "{src}"), needs=("bash",)),
     "cpp": Toolchain(".cpp", ("./test",), ("g++", "-std=c++17", "{src}", "-o", "test", "-lpthread"), ("g++",)),

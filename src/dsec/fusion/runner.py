@@ -1,5 +1,6 @@
 """One ``/run_code`` request on the function backend: a fresh sandbox (:mod:`dsec.fusion.recycle`), the files
-written, the compile and the run as two calls, the fetched files read back.
+written, the compile and the run as two calls, the fetched files read back. A Python program runs forked from
+the sandbox's warm interpreter (``ExecRequest.warm_python``), every other language as a fresh process.
 
 Owns the request -> node API calls mapping and the verdict -> SandboxFusion status mapping: a time limit is
 ``TimeLimitExceeded``, a non-zero exit ``Failed``, output past the cap is cut with ``message`` saying so, and
@@ -93,14 +94,14 @@ class FusionRunner:
         compile_argv = toolchain.compile_argv(src)
         notes: list[str] = []
         if compile_argv is not None:
-            done = await self._exec(sandbox_id, compile_argv, request.compile_timeout, None)
+            done = await self._exec(sandbox_id, compile_argv, request.compile_timeout, None, warm=False)
             compile_result = _command_result(done)
             notes += self._notes("compile", done, request)
         run_result = None
         if compile_result is None or (compile_result.status is CommandRunStatus.Finished
                                       and compile_result.return_code == 0):
             stdin = None if request.stdin is None else request.stdin.encode()
-            done = await self._exec(sandbox_id, toolchain.run_argv(src), request.run_timeout, stdin)
+            done = await self._exec(sandbox_id, toolchain.run_argv(src), request.run_timeout, stdin, toolchain.warm)
             run_result = _command_result(done)
             notes += self._notes("run", done, request)
         fetched = await self._fetch(sandbox_id, request.fetch_files)
@@ -137,9 +138,10 @@ class FusionRunner:
         except InvalidRequest as exc:
             raise _SandboxSide(f"cannot write files[{name!r}]: {exc}") from None
 
-    async def _exec(self, sandbox_id: str, argv: list[str], timeout: float, stdin: bytes | None) -> ExecResult:
+    async def _exec(self, sandbox_id: str, argv: list[str], timeout: float, stdin: bytes | None, warm: bool
+                    ) -> ExecResult:
         return await self.api.exec(sandbox_id, ExecRequest(command=argv, timeout=timeout, stdin=stdin,
-                                                           max_output=self.settings.max_output))
+                                                           max_output=self.settings.max_output, warm_python=warm))
 
     def _notes(self, step: str, done: ExecResult, request: RunCodeRequest) -> list[str]:
         """What the statuses alone do not say: output cut at the cap, the memory limit hit."""

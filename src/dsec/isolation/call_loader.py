@@ -8,20 +8,26 @@ excerpt. The callable's own prints go to stderr, so they can never corrupt the r
 untrusted code: the client decodes it with a restricted unpickler. The exit code says which it was (0 a value,
 1 an error), so the daemon can tell a call that failed at a limit from one that succeeded.
 
+:func:`run_program` runs a Python program instead (``exec(..., warm_python=True)``): the script as
+``python3 script.py`` would, its stdin, stdout and stderr the call's own.
+
 This file is copied into every function sandbox as ``/.dsec/loader.py`` and must import nothing but the
 standard library and cloudpickle (the daemon never imports it but for its path).
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import io
 import os
 import pickle
+import signal
 import sys
 import traceback
 from typing import Any, BinaryIO
 
-__all__ = ["excerpt", "serve"]
+__all__ = ["excerpt", "run_program", "serve"]
 
 _MESSAGE_CHARS = 2000
 _TRACEBACK_CHARS = 8000
@@ -88,3 +94,116 @@ def serve(limit: int, client: str) -> int:
             f"the result pickles to {len(data)} bytes, over max_result_bytes={limit}: return less, or write it "
             f"to the workspace and read it with sb.files.read")))
     return _reply(out, ("ok", data))
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The exit status the interpreter gives an uncaught SystemExit (``_Py_HandleSystemExit``)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def _uncaught(exc: BaseException) -> int:
+    """Print an uncaught exception as the interpreter does (``sys.excepthook``, without this module's frame)."""
+    if isinstance(exc, SystemExit):
+        return _exit_status(exc)
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    with contextlib.suppress(BaseException):
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    if isinstance(exc, KeyboardInterrupt):  # as CPython: die of SIGINT, so the parent sees the signal
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return 1
+
+
+def _stdio(errors: str) -> None:
+    """Standard streams made as ``create_stdio`` makes them for a process whose stdio are pipes."""
+    def stream(fd: int, name: str, mode: str, errs: str, line: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, mode, closefd=False)
+        raw.name = name
+        buffered: io.BufferedReader | io.BufferedWriter = (
+            io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw))
+        return io.TextIOWrapper(buffered, encoding="utf-8", errors=errs, newline="\n", line_buffering=line)
+
+    sys.stdin = stream(0, "<stdin>", "r", errors, False)
+    sys.stdout = stream(1, "<stdout>", "w", errors, False)
+    sys.stderr = stream(2, "<stderr>", "w", "backslashreplace", True)
+    for name in ("stdin", "stdout", "stderr"):  # what the program may restore them to
+        setattr(sys, f"__{name}__", getattr(sys, name))
+
+
+def _locale() -> str:
+    """The stdio error handler a fresh interpreter would pick for this environment (PEP 538 and 540: in the C
+    locale it coerces ``LC_CTYPE`` to C.UTF-8 and runs in UTF-8 mode); the daemon sends only environments whose
+    locale is C, POSIX, unset or UTF-8."""
+    effective = os.environ.get("LC_ALL") or os.environ.get("LC_CTYPE") or os.environ.get("LANG") or "C"
+    if effective in ("C", "POSIX"):
+        if not os.environ.get("LC_ALL"):
+            os.environ["LC_CTYPE"] = "C.UTF-8"
+        return "surrogateescape"
+    return "strict"
+
+
+def run_program(argv: list[str]) -> int:
+    """Run ``argv`` (``[python, script, arg...]``) as ``python script arg...`` would run in a fresh process:
+    ``sys.argv``, ``sys.path[0]`` the script's directory, a fresh ``__main__`` module, the standard streams,
+    uncaught exceptions, ``SystemExit``, non-daemon threads and ``atexit`` handlers; returns the exit status.
+    What remains of the zygote (its imported standard library modules, its hash seed, ``sys.flags`` of ``-I``)
+    is documented in ``docs/design/function.md``."""
+    import atexit
+    import types
+
+    program, script = argv[0], argv[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in [n for n in sys.modules if n in ("cloudpickle", "loader") or n.startswith("cloudpickle.")]:
+        del sys.modules[name]
+    sys.path[:] = [os.path.dirname(os.path.realpath(script)), *(p for p in sys.path if p != here)]
+    sys.argv = argv[1:]
+    _stdio(_locale())
+    atexit._clear()
+    path = os.path.abspath(script)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = main
+    try:
+        with io.open_code(path) as f:
+            source = f.read()
+    except OSError as e:
+        sys.stderr.write(f"{program}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}\n")
+        return 2
+    import importlib.machinery
+
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    try:
+        exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+        status = 0
+    except BaseException as exc:
+        status = _uncaught(exc)
+    return _finish(status)
+
+
+def _finish(status: int) -> int:
+    """``Py_FinalizeEx``'s part a program can observe: wait for its non-daemon threads, run its ``atexit``
+    handlers, flush the standard streams (a flush that fails exits 120)."""
+    import atexit
+
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        with contextlib.suppress(BaseException):
+            threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            status = 120
+    return status

@@ -19,7 +19,9 @@ request. A request (NUL-separated ``CPU_S FSIZE NOFILE TMP_BYTES CWD MAX_RESULT 
 with the call's four pipes and the ``cgroup.procs`` files of its own cgroup) moves both into the call's
 cgroup and goes to the call process, which takes its pipes, rlimits and working directory, reports
 ``start`` with what it has waited for a CPU so far, and runs the loader (:mod:`loader`): the pickled call on
-stdin, the reply on stdout, its prints on stderr. When it exits the zygote reports ``usage``, ``tmpfull``
+stdin, the reply on stdout, its prints on stderr. A request whose ``CLIENT_PYTHON`` is ``program`` carries
+``ARGC ARGV...`` after the environment and runs that Python program instead (``loader.run_program``), with the
+call's pipes as its standard streams. When it exits the zygote reports ``usage``, ``tmpfull``
 and ``exit`` on the status pipe as ``zygote.c`` does, kills the init (ending the pid namespace and whatever
 the call left) and closes the pipe once both are reaped. It reports ``pid HOSTPID`` of the init when it
 dispatched (the launcher translates the number: killing the init kills the call). ``drain`` makes it stop
@@ -50,6 +52,8 @@ CTL_FD, LAUNCHER_FD, SECCOMP_FD = 3, 4, 5
 MAX_MESSAGE = (2 << 20) + (64 << 10)  # exec_client.MAX_MESSAGE
 MAX_CGROUP_FDS = 4
 INIT = "/.dsec/dsec-callinit"
+PROGRAM = "program"
+"""``CLIENT_PYTHON`` of a request that runs a program (``ARGC ARGV...`` follow the environment), not a call."""
 
 SYS_CAPGET, SYS_CAPSET = 125, 126
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
@@ -236,14 +240,23 @@ class Request:
     limit: int
     client: str
     env: dict[str, str]
+    argv: list[str]
+    """A program's ``[python, script, arg...]`` (``client`` is :data:`PROGRAM`); empty for ``sb.call``."""
 
     @classmethod
     def parse(cls, msg: bytes) -> Request:
         fields = msg.split(b"\0")
         envc = int(fields[7])
         env = dict(f.decode(errors="surrogateescape").partition("=")[::2] for f in fields[8:8 + envc])
+        client = fields[6].decode()
+        argv: list[str] = []
+        if client == PROGRAM:
+            argc = int(fields[8 + envc])
+            argv = [f.decode(errors="surrogateescape") for f in fields[9 + envc:9 + envc + argc]]
+            if argc < 2 or len(argv) != argc:
+                raise ValueError("program: argv")
         return cls(cpu=int(fields[0]), fsize=int(fields[1]), nofile=int(fields[2]), cwd=fields[4].decode(),
-                   limit=int(fields[5]), client=fields[6].decode(), env=env)
+                   limit=int(fields[5]), client=client, env=env, argv=argv)
 
 
 def call_process(sock: socket.socket, pidfd: int, told: int, confinement: Confinement, cpus: set[int] | None
@@ -350,9 +363,11 @@ def _serve(request: Request, fds: list[int]) -> int:
     os.close(status)  # the caller's code must not be able to write status lines
     os.environ.clear()
     os.environ.update(request.env)
-    sys.argv = ["-c"]
     import loader
 
+    if request.client == PROGRAM:
+        return int(loader.run_program(request.argv))
+    sys.argv = ["-c"]
     return int(loader.serve(request.limit, request.client))
 
 

@@ -34,11 +34,13 @@ def call_identity(op: str, args: dict[str, Any]) -> tuple[str, str]:
 
 
 def exec_args(request: ExecRequest) -> dict[str, Any]:
-    """The arguments of an exec as they enter its identity (every field of the request; ``pristine`` and
-    ``user`` only when set, so the calls of logs written before they existed keep their identity)."""
+    """The arguments of an exec as they enter its identity (every field of the request; ``pristine``,
+    ``warm_python`` and ``user`` only when set, so the calls of logs written before they existed keep their
+    identity)."""
     args = request.model_dump(mode="python")
-    if not args["pristine"]:
-        del args["pristine"]
+    for flag in ("pristine", "warm_python"):
+        if not args[flag]:
+            del args[flag]
     if args["user"] is None:
         del args["user"]
     return args

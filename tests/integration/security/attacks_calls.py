@@ -174,3 +174,57 @@ async def fn_call_abstract_socket(t: Target) -> None:
             holder.cancel()
     after = await call(t, _connect_abstract, _NAME)
     assert after == {"connect": errno.ECONNREFUSED, "bind": 0}, f"the ended call's socket lives on: {after}"
+
+
+_TAMPER = r"""
+import builtins, json, os, subprocess, sys, random
+subprocess.Popen(["sleep", "300"], start_new_session=True)
+open("/tmp/warm-trace", "w").write("secret")
+builtins.dsec_secret = "secret"          # the interpreter's state, if it were shared with the next program
+sys.modules["dsec_secret"] = sys
+os.environ["DSEC_SECRET"] = "secret"
+sys.path.insert(0, "/workspace/evil")
+print(json.dumps({"pid": os.getpid(), "random": random.random()}))
+"""
+
+_LOOK = r"""
+import builtins, json, os, sys, random
+print(json.dumps({
+    "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+    "tmp": os.listdir("/tmp"),
+    "builtins": hasattr(builtins, "dsec_secret"), "module": "dsec_secret" in sys.modules,
+    "env": "DSEC_SECRET" in os.environ, "path": "/workspace/evil" in sys.path,
+    "loader": [m for m in ("cloudpickle", "loader") if m in sys.modules], "random": random.random()}))
+"""
+
+
+async def _warm(t: Target, name: str, source: str) -> dict[str, Any]:
+    import json
+
+    from dsec.models import ExecRequest
+
+    await t.backend.write_file(t.sb, f"/workspace/{name}", source.encode(), None)
+    r = await t.backend.exec(t.sb, ExecRequest(command=["python3", name], warm_python=True, timeout=60))
+    assert r.exit_code == 0, r
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+@attack("fn-warm-program-leaves-traces", description="a Python program run from the warm interpreter "
+                                                     "(run_code's path) leaves a process, a file in /tmp and changes "
+                                                     "the interpreter's builtins, modules, environment and path; the "
+                                                     "next program of the same sandbox looks for them",
+        models="cross-request leaks through the shared, pre-initialised interpreter of run_code",
+        defence="function: each program is forked from the Python zygote (which never runs a caller's code) into its "
+                "own pid, mount, ipc and uts namespaces, /tmp and cgroup; what it changes dies with it",
+        not_applicable=_ONLY_FUNCTION, fresh=True)
+async def fn_warm_program_leaves_traces(t: Target) -> None:
+    first = await _warm(t, "tamper.py", _TAMPER)
+    assert first["pid"] == 2, f"the program did not run as the call's process: {first}"
+    seen = await _warm(t, "look.py", _LOOK)
+    assert seen["pids"] == [1, 2], f"a later program sees other processes: {seen}"
+    assert seen["tmp"] == [], f"a later program sees the earlier one's /tmp: {seen}"
+    assert not (seen["builtins"] or seen["module"] or seen["env"] or seen["path"]), \
+        f"a later program sees the earlier one's interpreter state: {seen}"
+    assert seen["loader"] == [], f"the zygote's own modules are visible to the program: {seen}"
+    assert seen["random"] != first["random"], "two programs drew the same random numbers (the zygote's state)"
