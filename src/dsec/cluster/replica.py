@@ -29,6 +29,8 @@ __all__ = ["CellHost", "CellKeeper", "adopt_rows"]
 
 log = logging.getLogger(__name__)
 
+_CHUNK = 5_000
+"""Rows loaded between two turns of the event loop while a cell is taken over."""
 _RECONCILING = 64
 """Nodes reconciled at once while cells are taken over: a few at a time finish (and are placed on) within
 moments, where all 2,000 of a restart at once would each finish only after every one had been asked."""
@@ -88,6 +90,7 @@ class CellKeeper:
         self._taking: dict[int, asyncio.Task[None]] = {}
         self._chores: asyncio.Task[None] | None = None
         self._reconciling = asyncio.Semaphore(_RECONCILING)
+        self._reading = asyncio.Lock()
 
     def nodes_in(self, cell: int) -> list[str]:
         """The known nodes of ``cell``."""
@@ -150,8 +153,7 @@ class CellKeeper:
         nodes = self.nodes_in(cell)
         for node in nodes:
             host.know(host.node_rows[node])
-        rows = await asyncio.to_thread(lambda: list(host.state.rows(nodes)))
-        loaded = adopt_rows(host, rows)
+        loaded = await self._read_back(nodes)
         await host.authority.load_cell(cell)
         aborted = await self.leases.abort_foreign(cell)
         host.authority.aborted |= aborted  # members a later reconcile adopts are destroyed too
@@ -175,6 +177,19 @@ class CellKeeper:
         self._taking.pop(cell, None)
         log.info("cell %d taken over: %d node(s), %d row(s) read back, in %.2f s", cell, len(nodes), loaded,
                  time.monotonic() - started)
+
+    async def _read_back(self, nodes: list[str]) -> int:
+        """The rows of ``nodes`` read back into the records and placement; how many were new. One cell at a
+        time (the first cell's nodes are reconciled while the next one's rows are read), loaded in chunks
+        with a turn for the event loop between them: the lease renewals and requests do not wait for
+        380,000 rows."""
+        async with self._reading:
+            rows = await asyncio.to_thread(lambda: list(self.host.state.rows(nodes)))
+            loaded = 0
+            for start in range(0, len(rows), _CHUNK):
+                loaded += adopt_rows(self.host, rows[start:start + _CHUNK])
+                await asyncio.sleep(0)
+            return loaded
 
     async def _drop(self, cell: int) -> None:
         host = self.host
