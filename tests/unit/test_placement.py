@@ -216,3 +216,32 @@ def test_the_load_index_stays_small_under_churn() -> None:
         p.release("j", placed.nodes()[0], SPEC)
     heaps = p._index._heaps
     assert all(len(heap) <= 2 * 10 + 65 for heap in heaps.values()), {k: len(h) for k, h in heaps.items()}
+
+
+def test_rows_loaded_at_once_count_as_rows_put_one_by_one() -> None:
+    """A restart's bulk load keeps the same counters, digests, pages and trajectories as row-by-row puts."""
+    import itertools
+
+    from dsec.cluster.records import Records, Row, Shape
+    from dsec.models import ids_digest
+
+    shape = Shape("function", 0.5, 2**20, "debian-python")
+    rows = [(f"sb-{i:04d}", Row(f"n{i % 5}", ("a", "b")[i % 2], ("running", "paused", "lost", "expired")[i % 4],
+                                 shape, b"{}", float(i), f"t{i}" if i % 7 == 0 else None)) for i in range(400)]
+    one, bulk = Records(cell_of=lambda n: int(n[1:]) % 3), Records(cell_of=lambda n: int(n[1:]) % 3)
+    for sid, row in rows:
+        one.put(sid, row)
+    assert bulk.load(rows[:250]) == 250 and bulk.load(rows) == 150  # rows already there are not loaded twice
+    live = {sid for sid, row in rows if row.state in ("running", "paused")}
+    assert bulk.live == one.live == len(live)
+    for node in (f"n{i}" for i in range(5)):
+        held = [sid for sid in live if rows[int(sid[3:])][1].node == node]
+        assert bulk.digest(node) == one.digest(node) == (len(held), ids_digest(held))
+        assert sorted(bulk.on_node(node)) == sorted(one.on_node(node))
+    for cell in range(3):
+        for job in ("a", "b"):
+            assert bulk.live_in(cell, job) == one.live_in(cell, job) > 0
+    first = [list(itertools.islice(r.page("a", "sb-0100", 5), 5)) for r in (bulk, one)]
+    assert first[0] == first[1] == ["sb-0102", "sb-0104", "sb-0106", "sb-0108", "sb-0110"]
+    assert bulk.trajectory("t21") == one.trajectory("t21") == "sb-0021"  # paused: bound
+    assert bulk.trajectory("t7") is None and one.trajectory("t7") is None  # i=7 is expired: not bound

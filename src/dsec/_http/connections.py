@@ -2,9 +2,9 @@
 
 One :class:`Connections` serves any number of nodes (the SDK's daemon, the cluster nodes a gateway named,
 every node of a gateway): per event loop it keeps one :class:`~dsec._http.http11.Http11Pool` per origin for
-unary calls and one httpx client for streamed answers (per unix socket, and one for every TCP origin); one
-TLS context serves every https origin. Adding a node costs a dict entry, not a client: no TLS setup, no
-pool of its own until it is first called.
+unary calls and one httpx client for streamed answers (per unix socket, and one for every TCP origin, or one
+per origin when streams are not bounded); one TLS context serves every https origin. Adding a node costs a
+dict entry, not a client: no TLS setup, no pool of its own until it is first called.
 
 It owns the wire details (unix socket vs TCP, bearer token, timeouts) and the translation of every failure
 into a :class:`dsec.DSecError`: a non-2xx answer becomes the error class the server named, and a transport
@@ -112,8 +112,11 @@ class _OnLoop:
     loop: asyncio.AbstractEventLoop
     pools: dict[str, Http11Pool] = field(default_factory=dict)
     streams: dict[str | None, httpx.AsyncClient] = field(default_factory=dict)
+    closing: set[asyncio.Task[None]] = field(default_factory=set)
+    """Stream clients of forgotten origins being closed."""
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self.closing, return_exceptions=True)
         for client in list(self.streams.values()):
             with contextlib.suppress(Exception):
                 await client.aclose()
@@ -174,16 +177,23 @@ class Connections:
             pools[origin.key] = pool
         return pool
 
+    def _stream_key(self, origin: Origin) -> str | None:
+        # Bounded: one client for every TCP origin, whose pool holds the bound. Unbounded (a gateway following
+        # every node's events): one client per origin, since an httpx pool scans all its connections for each
+        # request, and one pool holding 2,000 nodes' streams makes opening them quadratic.
+        return origin.uds if self.stream_limit is not None else origin.key
+
     def _stream_client(self, origin: Origin) -> httpx.AsyncClient:
         streams = self._here().streams
-        client = streams.get(origin.uds)
+        key = self._stream_key(origin)
+        client = streams.get(key)
         if client is None:
             limits = httpx.Limits(max_connections=self.stream_limit, max_keepalive_connections=20,
                                   keepalive_expiry=self.keepalive_expiry)
             # A unix socket has no TLS: no context (loading the CA store is most of an httpx client's cost).
             verify: ssl.SSLContext | bool = False if origin.uds is not None else self._tls_context()
             transport = httpx.AsyncHTTPTransport(uds=origin.uds, limits=limits, verify=verify)
-            client = streams[origin.uds] = httpx.AsyncClient(
+            client = streams[key] = httpx.AsyncClient(
                 transport=transport, headers={"User-Agent": self.user_agent}, timeout=STREAM_TIMEOUT)
         return client
 
@@ -243,9 +253,14 @@ class Connections:
 
     def forget(self, origin: Origin) -> None:
         """Close this loop's idle connections to ``origin`` (a node that left or moved)."""
-        pool = self._here().pools.pop(origin.key, None)
+        here = self._here()
+        pool = here.pools.pop(origin.key, None)
         if pool is not None:
             pool.close()
+        if self.stream_limit is None and (client := here.streams.pop(origin.key, None)) is not None:
+            closing = here.loop.create_task(client.aclose())
+            here.closing.add(closing)
+            closing.add_done_callback(here.closing.discard)
 
     async def aclose(self) -> None:
         """Close this loop's connections (and forget those of loops that have closed)."""

@@ -98,15 +98,20 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
     """The node API over a cluster (the daemon's ``create_app`` serves it): the operations it defines place,
     merge or check jobs; every other operation goes to the sandbox's node (:meth:`perform`)."""
 
-    async def start(self) -> None:
-        """Reload nodes and sandboxes from the database, then follow membership."""
+    async def start(self, *, settle: bool = True) -> None:
+        """Reload nodes and sandboxes from the database, then follow membership. With replicas and ``settle``
+        false, return once the takeover of this replica's cells is under way: each node is placed on as soon
+        as its cell's rows are read and it is reconciled, and a call about a sandbox not in memory yet waits
+        for the takeovers (see :meth:`rows_ready`), so a restarted gateway serves creates before it has read
+        every row."""
         for node in await asyncio.to_thread(self.state.nodes):
             self.node_rows[node.name] = node
         if self.keeper is not None:
             await self.keeper.leases.setup()
             await self.keeper.tick()  # takes this replica's share of the cells over, rows and nodes included
             self._lease_loop = asyncio.create_task(self.keeper.forever())  # renewing while the rest starts
-            await self.keeper.settle()
+            if settle:
+                await self.keeper.settle()
         else:
             for node in self.node_rows.values():
                 self.know(node)
@@ -121,7 +126,8 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
             await asyncio.gather(*(self.rejoin(node) for node in builtins.list(self.node_rows.values())
                                    if node.alive))
         await self.poll()
-        await self.refresh_images()
+        # Image locality is a preference, not a condition of a create: its first round runs while creates are
+        # served (a node that pushes its state says its cache on its stream anyway).
         self._poller = asyncio.create_task(self._poll_forever())
         self._image_poller = asyncio.create_task(self._refresh_images_forever())
 
@@ -129,10 +135,18 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         """Whether this replica has a record of the sandbox."""
         return self.keeper is None or sandbox_id in self.records.rows
 
+    async def rows_ready(self) -> None:
+        """Until the cells being taken over have their rows in memory (at once when none is)."""
+        if self.keeper is not None and self.keeper.taking():
+            await self.keeper.settle()
+
     async def owners_of(self, sandbox_id: str) -> builtins.list[str]:
         """The replicas that may hold ``sandbox_id``: the owner of its node's cell, or (its row not committed
         yet, or the owner unknown) every other live replica."""
         if self.keeper is None:
+            return []
+        await self.rows_ready()
+        if sandbox_id in self.records.rows:
             return []
         leases = self.keeper.leases
         node = await asyncio.to_thread(self.state.locate, sandbox_id)
@@ -182,6 +196,8 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         job = current_job.get()
         spec = _stamped(spec, job)
         if spec.trajectory is not None:
+            if self.records.trajectory(spec.trajectory) is None:
+                await self.rows_ready()
             sid = self.records.trajectory(spec.trajectory)
             row = self.records.rows.get(sid or "")
             if row is not None and row.state in ("running", "paused") and row.job == job:
@@ -259,16 +275,24 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         """A placement within the job's quota (rate tokens drawn, allowances reserved): node -> count. One that
         lands in a cell whose lease this replica just lost is made again without that cell."""
         await self.authority.draw_tokens(job, count)
-        for attempt in range(3):
+        attempt = 0
+        while True:
             try:
                 return await self._place_once(spec, count, job, deadline)
             except BackendUnavailable as exc:
-                if exc.detail.get("lease") != "lost" or attempt == 2 or self.keeper is None:
+                if self.keeper is None:
                     raise
-                for node in self.keeper.nodes_in(int(exc.detail["cell"])):
-                    self.placer.mark_dead(node)  # the lease loop settles the cell at its next round
-                self.placer.refund(job, count)
-        raise AssertionError("unreachable")
+                if exc.detail.get("lease") == "lost" and attempt < 2:
+                    attempt += 1
+                    for node in self.keeper.nodes_in(int(exc.detail["cell"])):
+                        self.placer.mark_dead(node)  # the lease loop settles the cell at its next round
+                    self.placer.refund(job, count)
+                elif "backend" in exc.detail and self.keeper.taking() and time.monotonic() < deadline:
+                    # No node runs the backend yet, but cells are being taken over (a restart): each of their
+                    # nodes is placed on once reconciled, within moments.
+                    await asyncio.sleep(0.05)
+                else:
+                    raise
 
     async def _place_once(self, spec: SandboxSpec, count: int, job: str, deadline: float) -> dict[str, int]:
         placement = await self.placer.place(spec, count, job, max(0.0, deadline - time.monotonic()))
@@ -362,6 +386,7 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         """The job's sandboxes as last seen (lost ones included, with their reason), in id order: at most
         ``limit`` of them after the id ``after`` (a page; the next starts after its last id)."""
         job = current_job.get()
+        await self.rows_ready()
         found: builtins.list[SandboxInfo] = []
         for sid in self.records.page(None if job == "admin" else job, after, limit or 0):
             row = self.records.rows[sid]
@@ -415,6 +440,8 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
     async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
         """One batch destroy per node holding some of them; ids this job has no row of are ``missing``."""
         job = request.job
+        if any(sid not in self.records.rows for sid in request.ids):
+            await self.rows_ready()
         rows, missing = [], []
         for sid in request.ids:
             row = self._mine(sid)

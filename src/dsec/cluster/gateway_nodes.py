@@ -79,13 +79,13 @@ class NodeMembership(GatewayBase):
 
     async def _refresh_images_forever(self) -> None:
         while True:
-            # Each round asks every node this replica places on; at most ~100 asks a second on big fleets (the
-            # cache a create lands on is noted at once; only evictions wait for a round).
-            await asyncio.sleep(max(self.image_interval, len(self._reconciled) / 100))
             try:
                 await self.refresh_images()
             except Exception:
                 log.exception("image cache poll failed")
+            # Each round asks every node this replica places on; at most ~100 asks a second on big fleets (the
+            # cache a create lands on is noted at once; only evictions wait for a round).
+            await asyncio.sleep(max(self.image_interval, len(self._reconciled) / 100))
 
     async def refresh_images(self) -> None:
         """Image locality from the nodes' own caches: each live node's ``/v1/health`` lists the images its
@@ -123,8 +123,8 @@ class NodeMembership(GatewayBase):
                     self.unready.pop(facts.name, None)
                     log.info("node %s joined at %s", facts.name, facts.url)
                 self.node_rows[facts.name] = row
-                if not self.authority.mine(facts.name):
-                    continue  # another replica's cell (or one this replica still takes over)
+                if not self.authority.mine(facts.name) or self._taken_over(facts.name):
+                    continue  # another replica's cell, or one this replica is taking over (which reconciles it)
                 self.know(row)
                 if facts.name in self.unready:
                     if facts.name not in back:
@@ -154,7 +154,11 @@ class NodeMembership(GatewayBase):
     def _unsettled(self) -> bool:
         """Whether some node this replica should place on is not placed on yet (reconcile to retry)."""
         return any(self.authority.mine(name) and row.alive and name not in self._reconciled
-                   for name, row in self.node_rows.items())
+                   and not self._taken_over(name) for name, row in self.node_rows.items())
+
+    def _taken_over(self, node: str) -> bool:
+        """Whether ``node``'s cell is being taken over right now (the takeover reconciles it)."""
+        return self.keeper is not None and self.keeper.taking(self.authority.cell(node))
 
     async def _serving_again(self) -> set[str]:
         """The unready nodes whose ``/v1/health`` answers that their daemon serves (not stopping)."""

@@ -215,15 +215,30 @@ class Records:
         many. The ordered indexes take them in one sorted update rather than row by row."""
         by_job: dict[str, list[str]] = collections.defaultdict(list)
         added: list[str] = []
+        # What :meth:`put` and :meth:`_count` do row by row, with the counters summed per node and job first
+        # and the digest folded per node (a restart reads 380,000 rows before it serves).
+        live: collections.Counter[tuple[str, str]] = collections.Counter()
+        folded: dict[str, int] = {}
+        mine, by_node, trajectories = self.rows, self._by_node, self._by_trajectory
         for sid, row in rows:
-            if sid in self.rows:
+            if sid in mine:
                 continue
-            self.rows[sid] = row
+            mine[sid] = row
             added.append(sid)
+            node = row.node
             by_job[row.job].append(sid)
-            self._by_node[row.node].add(sid)
+            by_node[node].add(sid)
             if row.state in LIVE:
-                self._count(sid, row, 1)
+                live[node, row.job] += 1
+                folded[node] = folded.get(node, 0) ^ id_hash(sid)
+                if row.trajectory is not None:
+                    trajectories[row.trajectory] = sid
+        for (node, job), n in live.items():
+            self.live += n
+            self._live_on[node] += n
+            self._per_cell[self.cell_of(node), job] += n
+        for node, value in folded.items():
+            self._digest[node] ^= value
         self._all.update(added)
         for job, ids in by_job.items():
             self._by_job.setdefault(job, SortedList()).update(ids)

@@ -29,6 +29,12 @@ __all__ = ["CellHost", "CellKeeper", "adopt_rows"]
 
 log = logging.getLogger(__name__)
 
+_CHUNK = 5_000
+"""Rows loaded between two turns of the event loop while a cell is taken over."""
+_RECONCILING = 64
+"""Nodes reconciled at once while cells are taken over: a few at a time finish (and are placed on) within
+moments, where all 2,000 of a restart at once would each finish only after every one had been asked."""
+
 
 class CellHost(Protocol):
     """What the keeper needs of the gateway."""
@@ -83,6 +89,8 @@ class CellKeeper:
         self._ticks = 0
         self._taking: dict[int, asyncio.Task[None]] = {}
         self._chores: asyncio.Task[None] | None = None
+        self._reconciling = asyncio.Semaphore(_RECONCILING)
+        self._reading = asyncio.Lock()
 
     def nodes_in(self, cell: int) -> list[str]:
         """The known nodes of ``cell``."""
@@ -120,6 +128,10 @@ class CellKeeper:
         except Exception:
             log.exception("giving back unused quota failed")
 
+    def taking(self, cell: int | None = None) -> bool:
+        """Whether ``cell`` (None: any cell) is being taken over: its rows may not all be in memory yet."""
+        return bool(self._taking) if cell is None else cell in self._taking
+
     async def settle(self) -> None:
         """Until the takeovers under way are done."""
         while self._taking:
@@ -141,13 +153,16 @@ class CellKeeper:
         nodes = self.nodes_in(cell)
         for node in nodes:
             host.know(host.node_rows[node])
-        rows = await asyncio.to_thread(lambda: list(host.state.rows(nodes)))
-        loaded = adopt_rows(host, rows)
+        loaded = await self._read_back(nodes)
         await host.authority.load_cell(cell)
         aborted = await self.leases.abort_foreign(cell)
         host.authority.aborted |= aborted  # members a later reconcile adopts are destroyed too
-        await asyncio.gather(*(host.rejoin(host.node_rows[n]) if host.node_rows[n].alive
-                               else host.lose_dead(host.node_rows[n]) for n in nodes))
+
+        async def one(node: NodeRow) -> None:
+            async with self._reconciling:
+                await (host.rejoin(node) if node.alive else host.lose_dead(node))
+
+        await asyncio.gather(*(one(host.node_rows[n]) for n in nodes))
         doomed = [sid for n in nodes for sid in host.records.on_node(n)
                   if host.records.rows[sid].batch in aborted and host.records.rows[sid].state in LIVE]
         host.authority.settled(cell)
@@ -156,11 +171,25 @@ class CellKeeper:
                         len(doomed), len(aborted))
             await host.destroy_rows(doomed)
         self.takeovers += 1
-        gc.collect()
-        gc.freeze()
+        if len(self._taking) <= 1:  # the last of the takeovers under way (a start takes every cell at once)
+            gc.collect()
+            gc.freeze()
         self._taking.pop(cell, None)
         log.info("cell %d taken over: %d node(s), %d row(s) read back, in %.2f s", cell, len(nodes), loaded,
                  time.monotonic() - started)
+
+    async def _read_back(self, nodes: list[str]) -> int:
+        """The rows of ``nodes`` read back into the records and placement; how many were new. One cell at a
+        time (the first cell's nodes are reconciled while the next one's rows are read), loaded in chunks
+        with a turn for the event loop between them: the lease renewals and requests do not wait for
+        380,000 rows."""
+        async with self._reading:
+            rows = await asyncio.to_thread(lambda: list(self.host.state.rows(nodes)))
+            loaded = 0
+            for start in range(0, len(rows), _CHUNK):
+                loaded += adopt_rows(self.host, rows[start:start + _CHUNK])
+                await asyncio.sleep(0)
+            return loaded
 
     async def _drop(self, cell: int) -> None:
         host = self.host

@@ -133,7 +133,8 @@ async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> No
                         url=args.advertise or f"http://{host}:{port}", cells=args.cells, ttl=args.lease_ttl)
     engine = GatewayEngine(state, source, quotas=jobs.quotas, admission_wait=args.admission_wait, leases=leases)
     engine.port_fronts = PortFronts(*ports_address(host, args.advertise))
-    await engine.start()
+    # Serving while the cells' rows are read: a restarted gateway takes creates within seconds.
+    await engine.start(settle=False)
     config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
                             timeout_keep_alive=30, backlog=4096)
     servers = [uvicorn.Server(config)]

@@ -296,13 +296,16 @@ class ClusterState:
         shapes: dict[tuple[Any, ...], Shape] = {}
         with self._lock, self._conn.cursor() as cur:
             cur.execute(f"SELECT {_ROW_COLUMNS} FROM dsec_cluster_rows {where}", params)
-            for sid, node, job, state, backend, cpu, memory, image, digest, created, traj, reason, detail, batch in cur:
-                key = (backend, cpu, memory, image)
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = shapes[key] = Shape(*key)
-                yield sid, Row(node, job, state, shape, specs.get(digest, b"{}"), created, traj, reason,
-                               None if detail is None else detail.encode(), batch)
+            # In chunks: iterating the cursor row by row checks its result for each one (a third of the time).
+            while chunk := cur.fetchmany(10_000):
+                for sid, node, job, state, backend, cpu, memory, image, digest, created, traj, reason, detail, batch \
+                        in chunk:
+                    key = (backend, cpu, memory, image)
+                    shape = shapes.get(key)
+                    if shape is None:
+                        shape = shapes[key] = Shape(*key)
+                    yield sid, Row(node, job, state, shape, specs.get(digest, b"{}"), created, traj, reason,
+                                   None if detail is None else detail.encode(), batch)
 
     def locate(self, sandbox_id: str) -> str | None:
         """The node a sandbox's row names (another replica's sandbox, if it committed), or None."""
