@@ -363,6 +363,31 @@ def test_get_host_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> N
         server.kill()
 
 
+def test_private_ports_answer_only_to_the_traffic_token(endpoint: dict[str, Any]) -> None:
+    import pyqwest
+    from e2b import SandboxNetworkOpts
+
+    with Sandbox.create(secure=True, network=SandboxNetworkOpts(allow_public_traffic=False),
+                        **endpoint["domain"]) as sb:
+        token = sb.traffic_access_token
+        assert token is not None and Sandbox.connect(sb.sandbox_id, **endpoint["domain"]).traffic_access_token == token
+        sb.files.write("/tmp/site/hello.txt", "private")
+        sb.commands.run("python3 -m http.server 8000", background=True, cwd="/tmp/site", timeout=0)
+        client = pyqwest.SyncClient(pyqwest.SyncHTTPTransport(tls_include_system_certs=True))
+        url = f"https://{sb.get_host(8000)}/hello.txt"
+        refused = client.get(url)
+        assert refused.status == 403 and b"e2b-traffic-access-token" in refused.content, refused.content
+        assert client.get(url, headers={"e2b-traffic-access-token": "eta1_" + "0" * 64}).status == 403
+        deadline = time.monotonic() + 30
+        while (got := client.get(url, headers={"e2b-traffic-access-token": token})).status != 200:
+            assert time.monotonic() < deadline, got.status
+            time.sleep(0.2)
+        assert got.content == b"private"
+        assert sb.files.read("/tmp/site/hello.txt") == "private"  # envd itself takes its access token, as before
+    with Sandbox.create(**endpoint["domain"]) as public:
+        assert public.traffic_access_token is None
+
+
 _WS_ECHO = r"""
 import base64, hashlib, socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
