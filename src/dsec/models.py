@@ -696,7 +696,7 @@ class LoggedCall(Model):
     seq: int
     """Sequence number."""
     op: Literal["exec", "read", "write", "list", "snapshot", "screenshot", "mouse", "keyboard", "reveal", "stat",
-                "mkdir", "remove", "rename", "chmod", "chown", "process", "process.stdin",
+                "mkdir", "remove", "rename", "chmod", "chown", "xattrs", "process", "process.stdin",
                 "process.close_stdin", "process.signal", "process.resize", "process.wait", "shell", "shell.run",
                 "shell.close"]
     """Operation."""

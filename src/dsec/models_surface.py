@@ -34,7 +34,9 @@ __all__ = [
     "SignalRequest",
     "WatchInfo",
     "WatchRequest",
+    "XattrRequest",
     "check_user",
+    "check_xattr_names",
 ]
 
 FileKind = Literal["file", "dir", "symlink", "other"]
@@ -270,6 +272,10 @@ class FileStat(Model):
     """Modification time (Unix seconds)."""
     symlink_target: str | None = None
     """Where a symlink points (as written in it)."""
+    xattrs: dict[str, str] | None = None
+    """The path's extended attributes of the ``user.`` namespace, by full name (``user.e2b.author``), as text
+    (bytes that are not UTF-8 read as U+FFFD); None where the backend does not read them, or where the user
+    may not read the file."""
 
     @property
     def permissions(self) -> str:
@@ -313,6 +319,42 @@ class OwnerRequest(Model):
     def _one(self) -> OwnerRequest:
         if (self.mode is None) == (self.owner is None):
             raise ValueError("give exactly one of mode or owner")
+        return self
+
+
+XATTR_PREFIX = "user."
+MAX_XATTR_NAME = 255
+"""Linux's limit on an attribute's full name."""
+MAX_XATTR_VALUE = 64 * 1024
+"""Linux's limit on one attribute's value."""
+
+
+def check_xattr_names(names: list[str]) -> None:
+    """ValueError unless every name is ``user.NAME`` (the namespace a sandbox's own users may set)."""
+    for name in names:
+        if (not name.startswith(XATTR_PREFIX) or len(name) == len(XATTR_PREFIX) or "\0" in name
+                or len(name.encode()) > MAX_XATTR_NAME):
+            raise ValueError(f"invalid extended attribute name {name!r}: only the user namespace is served, "
+                             f"as 'user.NAME' of at most {MAX_XATTR_NAME} bytes without NUL")
+
+
+class XattrRequest(Model):
+    """Extended attributes of the ``user.`` namespace to set on a file (and ones to remove), in one call."""
+
+    path: str
+    set: dict[str, str] = Field(default_factory=dict)
+    """Full names (``user.NAME``) and their text values."""
+    remove: list[str] = Field(default_factory=list)
+    """Full names to remove (one that is not there is fine)."""
+
+    @model_validator(mode="after")
+    def _names(self) -> XattrRequest:
+        check_xattr_names([*self.set, *self.remove])
+        for name, value in self.set.items():
+            if len(value.encode()) > MAX_XATTR_VALUE:
+                raise ValueError(f"the value of {name!r} is {len(value.encode())} bytes; at most {MAX_XATTR_VALUE}")
+        if set(self.set) & set(self.remove):
+            raise ValueError(f"{sorted(set(self.set) & set(self.remove))} are both set and removed: give each once")
         return self
 
 

@@ -14,7 +14,7 @@ import builtins
 import contextlib
 import os
 import posixpath
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ from dsec.models_surface import (
     RenameRequest,
     WatchInfo,
     WatchRequest,
+    XattrRequest,
     check_user,
 )
 
@@ -151,6 +152,21 @@ class AsyncFiles:
         sb, path, user, owner = self._sandbox, self._path(path), self._user(user), self._user(owner) or ""
         changed: FileStat = await sb._logged_call("chown", {"path": path, "owner": owner, "user": user},
                                                   lambda seq: sb._api.chown_file(sb.id, path, owner, user, seq))
+        return changed
+
+    async def set_xattrs(self, path: str, values: dict[str, str] | None = None, remove: Sequence[str] = (),
+                         user: str | None = None) -> FileStat:
+        """Set (``values``) and remove extended attributes of ``path`` (a symlink's target), by full name in the
+        ``user.`` namespace (``user.origin``); ``stat(path).xattrs`` reads them. Container and function
+        backends; others raise :class:`dsec.NotSupported`."""
+        sb, user = self._sandbox, self._user(user)
+        try:
+            request = XattrRequest(path=self._path(path), set=values or {}, remove=list(remove))
+        except pydantic.ValidationError as exc:
+            raise InvalidRequest(f"invalid extended attributes: {exc.errors()[0]['msg']}") from None
+        changed: FileStat = await sb._logged_call(
+            "xattrs", {"path": request.path, "set": request.set, "remove": request.remove, "user": user},
+            lambda seq: sb._api.set_xattrs(sb.id, request, user, seq))
         return changed
 
     async def watch(self, path: str | None = None, recursive: bool = False, user: str | None = None

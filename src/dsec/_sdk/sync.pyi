@@ -89,6 +89,17 @@ class Files:
         """Give ``path`` (a symlink's target) to ``owner`` (``user``, ``uid``, ``user:group``, ``uid:gid`` of the
         sandbox); only root may give files away.
         """
+    def set_xattrs(
+        self,
+        path: str,
+        values: dict[str, str] | None = ...,
+        remove: Sequence[str] = ...,
+        user: str | None = ...,
+    ) -> FileStat:
+        """Set (``values``) and remove extended attributes of ``path`` (a symlink's target), by full name in the
+        ``user.`` namespace (``user.origin``); ``stat(path).xattrs`` reads them. Container and function
+        backends; others raise :class:`dsec.NotSupported`.
+        """
     def watch(self, path: str | None = ..., recursive: bool = ..., user: str | None = ...) -> Watch:
         """Start watching directory ``path`` (default: the workdir): changes are recorded from now on, and
         iterating the watch gives them as they happen: ``create``, ``modify``, ``delete``, ``move`` (``dest``:

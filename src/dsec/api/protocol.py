@@ -71,6 +71,7 @@ from dsec.models_surface import (
     SignalRequest,
     WatchInfo,
     WatchRequest,
+    XattrRequest,
 )
 
 from .codecs import BUILD_REQUEST, OCTAL, pairs
@@ -257,6 +258,13 @@ class NodeAPI(Protocol):
                          description="`user`, `uid`, `user:group` or `uid:gid` of the sandbox")],
                          user: User = None, seq: Seq = None) -> FileStat:
         """Give a path (a symlink's target) to another user of the sandbox (root may; others may not)."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/files/xattrs", tags=["files"])
+    async def set_xattrs(self, sandbox_id: str, request: XattrRequest, user: User = None, seq: Seq = None
+                         ) -> FileStat:
+        """Set and remove a path's (a symlink's target's) extended attributes of the ``user.`` namespace, as
+        ``user`` (who needs write permission); ``stat_file`` reads them back. Container and function backends."""
         raise Declared
 
     @operation("POST", "/v1/sandboxes/{sandbox_id}/files/watches", tags=["files"], status=201)

@@ -198,6 +198,12 @@ class Backend(abc.ABC):
         """Give ``path`` to ``owner``'s uid and gid."""
         raise NotSupported(f"backend {self.name!r} cannot change owners")
 
+    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
+                         user: Identity | None = None) -> FileStat:
+        """Set and remove ``user.`` extended attributes of ``path`` (a symlink's target)."""
+        raise NotSupported(f"backend {self.name!r} cannot set extended attributes (its files API does not carry "
+                           "them): set them with a command in the sandbox (setfattr)")
+
     async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
                           ) -> AsyncIterator[FileEvent]:
         """Start watching directory ``path``; returns (once the watch is in place) its changes as they happen,

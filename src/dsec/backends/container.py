@@ -732,6 +732,10 @@ class ContainerBackend(Backend):
                          ) -> FileStat:
         return await self.files.chmod(record, path, mode, user)
 
+    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
+                         user: Identity | None = None) -> FileStat:
+        return await self.files.set_xattrs(record, path, values, remove, user)
+
     async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
                          ) -> FileStat:
         return await self.files.chown(record, path, owner, user)

@@ -33,7 +33,7 @@ def actor_of(user: Identity, shift: int) -> Actor | None:
 
 
 class HostFiles:
-    """stat, mkdir, remove, rename, chmod, chown and watch over a backend's :data:`View`."""
+    """stat, mkdir, remove, rename, chmod, chown, extended attributes and watch over a backend's :data:`View`."""
 
     def __init__(self, view: View) -> None:
         self._view = view
@@ -66,6 +66,12 @@ class HostFiles:
     async def chmod(self, record: SandboxRecord, path: str, mode: int, user: Identity | None) -> FileStat:
         fs, inner = self._view(record, path, user)
         changed = await asyncio.to_thread(fs.chmod, inner, mode)
+        return changed.model_copy(update={"path": path}) if inner != path else changed
+
+    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
+                         user: Identity | None) -> FileStat:
+        fs, inner = self._view(record, path, user)
+        changed = await asyncio.to_thread(fs.set_xattrs, inner, values, remove)
         return changed.model_copy(update={"path": path}) if inner != path else changed
 
     async def chown(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None) -> FileStat:

@@ -50,7 +50,7 @@ __all__ = ["Rollouts"]
 log = logging.getLogger(__name__)
 
 _MAX_NAME = 512
-_FILE_OPS = frozenset({"mkdir", "remove", "rename", "chmod", "chown"})
+_FILE_OPS = frozenset({"mkdir", "remove", "rename", "chmod", "chown", "xattrs"})
 _EFFECTS = frozenset({"exec", "write", "mouse", "keyboard", "reveal", "process", "process.stdin",
                       "process.close_stdin", "process.signal", "shell", "shell.run", *_FILE_OPS})
 """Logged calls that changed the sandbox: after the latest checkpoint, a rebuilt sandbox lacks their effects

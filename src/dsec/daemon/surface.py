@@ -166,32 +166,37 @@ class Surface:
         moved: FileStat = await self.host.logged(record, seq, "rename", args, None, run)
         return moved
 
-    async def chmod(self, sandbox_id: str, path: str, mode: int, user: str | None = None, seq: int | None = None
-                    ) -> FileStat:
+    async def _change(self, sandbox_id: str, path: str, user: str | None, seq: int | None, op: str,
+                      args: dict[str, Any], act: Callable[[SandboxRecord, Backend, str, Identity | None],
+                                                          Awaitable[FileStat]]) -> FileStat:
+        """A logged change of one path (``act`` on the record, its backend, the absolute path and the identity),
+        answered with the path's stat and its owner's names; ``args`` (with the path and user) are what is logged."""
         record, backend = self._target(sandbox_id)
         path = self.path(record, path)
 
         async def run() -> FileStat:
-            changed = await backend.chmod_file(record, path, mode, await self.identity(record, backend, user))
+            changed = await act(record, backend, path, await self.identity(record, backend, user))
             return await self._named(record, backend, changed)
 
-        changed: FileStat = await self.host.logged(record, seq, "chmod", {"path": path, "mode": mode, "user": user},
-                                                   None, run)
+        changed: FileStat = await self.host.logged(record, seq, op, {"path": path, **args, "user": user}, None, run)
         return changed
+
+    async def chmod(self, sandbox_id: str, path: str, mode: int, user: str | None = None, seq: int | None = None
+                    ) -> FileStat:
+        return await self._change(sandbox_id, path, user, seq, "chmod", {"mode": mode},
+                                  lambda record, backend, at, who: backend.chmod_file(record, at, mode, who))
 
     async def chown(self, sandbox_id: str, path: str, owner: str, user: str | None = None, seq: int | None = None
                     ) -> FileStat:
-        record, backend = self._target(sandbox_id)
-        path = self.path(record, path)
+        async def act(record: SandboxRecord, backend: Backend, at: str, who: Identity | None) -> FileStat:
+            return await backend.chown_file(record, at, await resolve_user_in(backend, record, owner), who)
 
-        async def run() -> FileStat:
-            new_owner = await resolve_user_in(backend, record, owner)
-            changed = await backend.chown_file(record, path, new_owner, await self.identity(record, backend, user))
-            return await self._named(record, backend, changed)
+        return await self._change(sandbox_id, path, user, seq, "chown", {"owner": owner}, act)
 
-        args = {"path": path, "owner": owner, "user": user}
-        changed: FileStat = await self.host.logged(record, seq, "chown", args, None, run)
-        return changed
+    async def set_xattrs(self, sandbox_id: str, path: str, values: dict[str, str], remove: list[str],
+                         user: str | None = None, seq: int | None = None) -> FileStat:
+        return await self._change(sandbox_id, path, user, seq, "xattrs", {"set": values, "remove": remove},
+                                  lambda record, backend, at, who: backend.set_xattrs(record, at, values, remove, who))
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool = False, user: str | None = None
                     ) -> WatchInfo:
@@ -389,6 +394,8 @@ class Surface:
         elif op == "chown":
             await backend.chown_file(record, args["path"], await resolve_user_in(backend, record, args["owner"]),
                                      user)
+        elif op == "xattrs":
+            await backend.set_xattrs(record, args["path"], args["set"], args["remove"], user)
         else:
             return False
         return True

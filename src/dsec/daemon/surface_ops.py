@@ -29,6 +29,7 @@ from dsec.models_surface import (
     ShellRunRequest,
     WatchInfo,
     WatchRequest,
+    XattrRequest,
 )
 
 __all__ = ["SurfaceOperations"]
@@ -65,6 +66,10 @@ class SurfaceOperations:
     async def chown_file(self, sandbox_id: str, path: str, owner: str, user: str | None = None,
                          seq: int | None = None) -> FileStat:
         return await self.surface.chown(sandbox_id, path, owner, user, seq)
+
+    async def set_xattrs(self, sandbox_id: str, request: XattrRequest, user: str | None = None,
+                         seq: int | None = None) -> FileStat:
+        return await self.surface.set_xattrs(sandbox_id, request.path, request.set, request.remove, user, seq)
 
     async def watch_files(self, sandbox_id: str, request: WatchRequest, user: str | None = None) -> WatchInfo:
         return await self.surface.watch(sandbox_id, request.path, request.recursive, user)

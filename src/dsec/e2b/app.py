@@ -30,6 +30,7 @@ from dsec.e2b.ports import PortForwarder
 from dsec.e2b.process import ProcessService, Target, current_target
 from dsec.e2b.wire import ENVD_PORT, filesystem_connect, process_connect
 from dsec.errors import DSecError
+from dsec.models import SandboxInfo
 
 __all__ = ["RESET", "E2BApp"]
 
@@ -102,11 +103,16 @@ class E2BApp:
         if routed is not None and routed[1] != ENVD_PORT:
             with contextlib.suppress(DSecError):
                 info = await self.api.get(routed[0])
-        if routed is None or info is None or info.state != "running":
+        if routed is None or info is None or info.state != "running" or not self._traffic_allowed(scope, info):
             await receive()
             await send({"type": "websocket.close", "code": 1008})
             return
         await self.ports.websocket(scope, receive, send, routed[0], routed[1])
+
+    def _traffic_allowed(self, scope: Scope, info: SandboxInfo) -> bool:
+        """A sandbox created with ``allowPublicTraffic: false`` answers on its ports only to its traffic token."""
+        given = dict(scope.get("headers") or ()).get(b"e2b-traffic-access-token")
+        return self.tokens.traffic_allowed(info.id, info.labels, given)
 
     async def _sandbox_call(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         try:
@@ -121,6 +127,10 @@ class E2BApp:
                 scope, receive, send)
             return
         if port != ENVD_PORT:
+            if not self._traffic_allowed(scope, info):
+                await _json_error(403, f"the sandbox {sandbox_id}'s ports are private: send its traffic access token "
+                                       "in the e2b-traffic-access-token header")(scope, receive, send)
+                return
             await self.ports(scope, receive, send, sandbox_id, port)
             return
         await self._envd(scope, receive, send, Target(info))

@@ -154,7 +154,8 @@ class ControlPlane:
         return info
 
     def _sandbox(self, info: SandboxInfo, status: int) -> JSONResponse:
-        body = translate.sandbox(info, self.tokens.token(info.id), self.options.domain)
+        body = translate.sandbox(info, self.tokens.token(info.id), self.tokens.traffic_token(info.id, info.labels),
+                                 self.options.domain)
         return JSONResponse(body, status_code=status)
 
     async def _health(self, request: Request) -> Response:
@@ -277,7 +278,9 @@ class ControlPlane:
         for copy in copies:
             if timeout is not None:
                 copy = await self.api.set_timeout(copy.id, max(_seconds(body, "timeout"), 1))
-            results.append({"sandbox": translate.sandbox(copy, self.tokens.token(copy.id), self.options.domain)})
+            results.append({"sandbox": translate.sandbox(copy, self.tokens.token(copy.id),
+                                                         self.tokens.traffic_token(copy.id, copy.labels),
+                                                         self.options.domain)})
         return JSONResponse(results, status_code=201)
 
     async def _metrics(self, request: Request, who: Principal) -> Response:

@@ -2,8 +2,9 @@
 
 Owns the translation of ``/files`` onto DSec's files API: the access token or a signed URL, ``username``
 (the user the file is read or written as), paths resolved as envd does (relative ones below the sandbox's
-working directory), multipart or octet-stream uploads (gzip accepted) and envd's HTTP errors. It must
-never touch a file by itself.
+working directory), multipart or octet-stream uploads (gzip accepted), what envd does after an upload (the
+file given to its user; its ``X-Metadata-*`` headers as the file's ``user.e2b.`` extended attributes) and
+envd's HTTP errors. It must never touch a file by itself.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import gzip
 import posixpath
+import re
 import zlib
+from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -21,13 +24,20 @@ from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
 from dsec.e2b.keys import EnvdTokens
 from dsec.e2b.process import resolve_path
-from dsec.errors import DSecError, FileNotFound, InvalidRequest, NotSupported, PermissionDenied, Unauthorized
+from dsec.errors import DSecError, FileNotFound, InvalidRequest, PermissionDenied, Unauthorized
 from dsec.models import SandboxInfo
+from dsec.models_surface import FileStat, XattrRequest
 
 __all__ = ["download", "upload"]
 
 MAX_FILE_BYTES = 1024**3
 _METADATA = "x-metadata-"
+METADATA_XATTR = "user.e2b."
+"""envd keeps a file's metadata as extended attributes under this prefix."""
+_MAX_METADATA_BYTES = 4096
+"""envd's cap on a file's metadata (keys with the prefix, and values)."""
+_MAX_METADATA_KEY = 255 - len(METADATA_XATTR)
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")
 
 
 def envd_error(exc: DSecError) -> JSONResponse:
@@ -104,14 +114,48 @@ async def _parts(request: Request) -> list[tuple[str, bytes]]:
     return parts
 
 
-async def _give_to_owner(api: NodeAPI, sandbox_id: str, path: str, user: str | None) -> None:
-    """envd writes an upload as root and then gives the file to its user (a chown, which watchers see as a
-    CHMOD after the create and the write). DSec's write as root does the same; a file written by another user
-    is that user's already, and the chown of it to its owner is that event."""
+def _metadata(request: Request) -> dict[str, str]:
+    """envd's ``X-Metadata-<key>`` headers: keys lowercased, the first value of a repeated one, printable
+    ASCII only, within envd's sizes (InvalidRequest, before anything is written, otherwise)."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in request.headers.raw:
+        name = raw_name.decode("latin-1").lower()
+        if not name.startswith(_METADATA):
+            continue
+        key, value = name[len(_METADATA):], raw_value.decode("latin-1")
+        if not key or not _PRINTABLE.fullmatch(key) or not _PRINTABLE.fullmatch(value):
+            raise InvalidRequest(f"invalid metadata header {raw_name.decode('latin-1')!r}: keys and values must be "
+                                 "printable US-ASCII")
+        if len(key) > _MAX_METADATA_KEY:
+            raise InvalidRequest(f"metadata key {key!r} is longer than {_MAX_METADATA_KEY} bytes")
+        found.setdefault(key, value)
+    if sum(len(METADATA_XATTR) + len(k) + len(v) for k, v in found.items()) > _MAX_METADATA_BYTES:
+        raise InvalidRequest(f"the file's metadata is larger than {_MAX_METADATA_BYTES} bytes")
+    return found
+
+
+async def _settle(api: NodeAPI, sandbox_id: str, path: str, user: str | None, metadata: dict[str, str]
+                  ) -> FileStat:
+    """What envd does after writing an upload: give the file to its user, and replace its metadata.
+
+    envd writes as root and chowns the file to its user (watchers see a CHMOD after the create and the write).
+    DSec's write as root does the same; a file written by another user is that user's already, and the chown
+    of it to its owner is that event. The metadata replaces the file's ``user.e2b.`` attributes: keys not in
+    this upload are removed."""
     found = await api.stat_file(sandbox_id, path, user=user)
     if found.uid != 0:
         with contextlib.suppress(PermissionDenied):  # not the writer's file (written through group rights)
-            await api.chown_file(sandbox_id, path, f"{found.uid}:{found.gid}", user=user)
+            found = await api.chown_file(sandbox_id, path, f"{found.uid}:{found.gid}", user=user)
+    wanted = {METADATA_XATTR + k: v for k, v in metadata.items()}
+    stale = [name for name in found.xattrs or {} if name.startswith(METADATA_XATTR) and name not in wanted]
+    if wanted or stale:
+        found = await api.set_xattrs(sandbox_id, XattrRequest(path=path, set=wanted, remove=stale), user=user)
+    return found
+
+
+def file_metadata(found: FileStat) -> dict[str, str]:
+    """envd's metadata of a file: its ``user.e2b.`` attributes, without the prefix."""
+    return {k[len(METADATA_XATTR):]: v for k, v in (found.xattrs or {}).items() if k.startswith(METADATA_XATTR)}
 
 
 async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: SandboxInfo) -> Response:
@@ -119,18 +163,19 @@ async def upload(request: Request, api: NodeAPI, tokens: EnvdTokens, info: Sandb
     try:
         _authorize(request, tokens, info, request.query_params.get("path", ""), "write")
         user = _user(request)
-        if any(name.lower().startswith(_METADATA) for name in request.headers):
-            raise NotSupported("file metadata (X-Metadata-* headers, envd's xattrs) is not supported by DSec: "
-                               "write the file without metadata")
-        written: list[dict[str, str]] = []
+        metadata = _metadata(request)
+        written: list[dict[str, Any]] = []
         for raw, data in await _parts(request):
             path = resolve_path(info, raw)
             if any(w["path"] == path for w in written):
                 raise InvalidRequest(f"you cannot upload multiple files to the same path '{path}' in one upload "
                                      "request")
             await api.write_file(info.id, path, data, user=user)
-            await _give_to_owner(api, info.id, path, user)
-            written.append({"path": path, "name": posixpath.basename(path), "type": "file"})
+            found = await _settle(api, info.id, path, user, metadata)
+            entry: dict[str, Any] = {"path": path, "name": posixpath.basename(path), "type": "file"}
+            if stored := file_metadata(found):
+                entry["metadata"] = stored
+            written.append(entry)
     except DSecError as exc:
         return envd_error(exc)
     return JSONResponse(written)

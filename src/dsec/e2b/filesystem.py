@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from dsec.api.protocol import NodeAPI
 from dsec.e2b import translate
+from dsec.e2b.files import file_metadata
 from dsec.e2b.process import current_target, keepalive_interval, resolve_path, user_of, with_keepalive
 from dsec.e2b.wire import Code, ConnectError, Oneof, RequestContext, filesystem_pb
 from dsec.errors import DSecError, FileExists, FileNotFound, NotADirectory
@@ -59,7 +60,7 @@ def _permissions(kind: str, mode: int) -> str:
 
 
 def entry_info(entry: FileEntry | FileStat) -> filesystem_pb.EntryInfo:
-    """envd's ``EntryInfo`` of a DSec listing entry or stat (a listing has no owner or group)."""
+    """envd's ``EntryInfo`` of a DSec listing entry or stat (a listing has no owner, group or metadata)."""
     info = filesystem_pb.EntryInfo(
         name=entry.name, type=_KINDS.get(entry.type, filesystem_pb.FileType.UNSPECIFIED), path=entry.path,
         size=entry.size, mode=stat.S_IMODE(entry.mode), permissions=_permissions(entry.type, entry.mode),
@@ -69,6 +70,7 @@ def entry_info(entry: FileEntry | FileStat) -> filesystem_pb.EntryInfo:
         info.group = entry.group or str(entry.gid)
         if entry.symlink_target is not None:
             info.symlink_target = entry.symlink_target
+        info.metadata.update(file_metadata(entry))
     return info
 
 

@@ -23,7 +23,11 @@ from typing import Protocol
 from dsec.daemon.auth import JOB_LABEL, TokenFile
 from dsec.errors import Unauthorized
 
-__all__ = ["JOB_LABEL", "EnvdTokens", "GatewayKeys", "Keys", "NodeKeys", "Principal", "load_secret"]
+__all__ = ["JOB_LABEL", "PRIVATE_TRAFFIC_LABEL", "EnvdTokens", "GatewayKeys", "Keys", "NodeKeys", "Principal",
+           "load_secret"]
+
+PRIVATE_TRAFFIC_LABEL = "dsec.e2b.private-traffic"
+"""The label of a sandbox created with ``allowPublicTraffic: false``: its ports ask for its traffic token."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,18 @@ class EnvdTokens:
     def check(self, sandbox_id: str, given: str) -> bool:
         """Whether ``given`` is that token."""
         return secrets.compare_digest(given.encode(), self.token(sandbox_id).encode())
+
+    def traffic_token(self, sandbox_id: str, labels: dict[str, str]) -> str | None:
+        """The token a private sandbox's ports ask for (E2B's ``trafficAccessToken``, sent as the
+        ``e2b-traffic-access-token`` header); None for a sandbox whose ports are public."""
+        if labels.get(PRIVATE_TRAFFIC_LABEL) != "true":
+            return None
+        return "eta1_" + hmac.new(self._secret, b"traffic:" + sandbox_id.encode(), hashlib.sha256).hexdigest()
+
+    def traffic_allowed(self, sandbox_id: str, labels: dict[str, str], given: bytes | None) -> bool:
+        """Whether a request to one of the sandbox's ports may pass: public, or carrying its traffic token."""
+        token = self.traffic_token(sandbox_id, labels)
+        return token is None or (given is not None and secrets.compare_digest(given, token.encode()))
 
     def check_signature(self, sandbox_id: str, path: str, operation: str, user: str | None, signature: str | None,
                         expiration: str | None) -> None:

@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 import pydantic
 
-from dsec.e2b.keys import JOB_LABEL, Principal
+from dsec.e2b.keys import JOB_LABEL, PRIVATE_TRAFFIC_LABEL, Principal
 from dsec.e2b.options import E2BOptions
 from dsec.e2b.wire import ENVD_VERSION, Code, ConnectError
 from dsec.errors import (
@@ -128,6 +128,9 @@ def spec_from_new(body: Any, options: E2BOptions, principal: Principal) -> Sandb
         raise InvalidRequest(f"metadata keys starting with 'dsec.' are DSec's own labels: {reserved}")
     labels = {str(k): str(v) for k, v in metadata.items()}
     labels[TEMPLATE_LABEL] = template
+    network = body.get("network")
+    if isinstance(network, dict) and network.get("allowPublicTraffic") is False:
+        labels[PRIVATE_TRAFFIC_LABEL] = "true"
     if principal.job is not None:
         labels[JOB_LABEL] = principal.job
     timeout = body.get("timeout", 15)
@@ -154,10 +157,11 @@ def metadata(info: SandboxInfo) -> dict[str, str]:
     return {k: v for k, v in info.labels.items() if not k.startswith("dsec.")}
 
 
-def sandbox(info: SandboxInfo, access_token: str, domain: str | None) -> dict[str, Any]:
+def sandbox(info: SandboxInfo, access_token: str, traffic_token: str | None, domain: str | None
+            ) -> dict[str, Any]:
     """E2B's ``Sandbox`` (what create, connect and resume answer)."""
     return {"templateID": _template(info), "sandboxID": info.id, "alias": _template(info), "clientID": info.node,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": access_token, "trafficAccessToken": None,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": access_token, "trafficAccessToken": traffic_token,
             "domain": domain}
 
 

@@ -29,7 +29,7 @@ from dsec.accounts import Identity
 from dsec.errors import DSecError, InvalidRequest, SandboxError, file_error
 from dsec.isolation.fscreds import acting_as
 from dsec.models import FileEntry
-from dsec.models_surface import FileKind, FileStat
+from dsec.models_surface import FileKind, FileStat, check_xattr_names
 
 __all__ = ["Actor", "SandboxFS", "file_kind", "make_workdir", "normalise"]
 
@@ -93,6 +93,29 @@ def _split(path: str) -> tuple[str, str]:
         raise InvalidRequest(f"{path!r} names the sandbox's root directory, which this operation cannot take",
                              path=path)
     return parent, name
+
+
+def _user_xattrs(fd: int) -> dict[str, str] | None:
+    """The ``user.`` extended attributes of an ``O_PATH`` fd's inode; None where they cannot be read (the
+    caller may not read the file)."""
+    inode = f"/proc/self/fd/{fd}"
+    try:
+        names = [n for n in os.listxattr(inode) if n.startswith("user.")]
+        return {n: os.getxattr(inode, n).decode(errors="replace") for n in names}
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.ENODATA):  # a filesystem without them; one removed meanwhile
+            return {}
+        return None
+
+
+@contextlib.contextmanager
+def _absent_ok() -> Iterator[None]:
+    """Removing an attribute that is not there is no error."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENODATA:
+            raise
 
 
 class SandboxFS:
@@ -235,11 +258,13 @@ class SandboxFS:
             try:
                 st = os.fstat(fd)
                 target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+                xattrs = {} if stat.S_ISLNK(st.st_mode) else _user_xattrs(fd)  # links cannot carry user.*
             finally:
                 os.close(fd)
         return FileStat(name=posixpath.basename(path) or "/", path=path, type=file_kind(st.st_mode),
                         size=st.st_size, mode=stat.S_IMODE(st.st_mode), uid=self._inside(st.st_uid, self.uid),
-                        gid=self._inside(st.st_gid, self.gid), mtime=st.st_mtime, symlink_target=target)
+                        gid=self._inside(st.st_gid, self.gid), mtime=st.st_mtime, symlink_target=target,
+                        xattrs=xattrs)
 
     @staticmethod
     def _inside(host_id: int, shift: int) -> int:
@@ -404,6 +429,27 @@ class SandboxFS:
             fd = self._resolve(root, path)
             try:
                 os.chmod(f"/proc/self/fd/{fd}", mode & 0o7777)  # the inode fd resolved in the root, not a path
+            finally:
+                os.close(fd)
+        return self.stat(path)
+
+    def set_xattrs(self, path: str, values: dict[str, str], remove: builtins.list[str]) -> FileStat:
+        """Set and remove ``user.`` extended attributes of ``path`` (a symlink's target); removing an absent one
+        is fine. Other namespaces are refused here too: the daemon acts as host root, which may set them."""
+        path = normalise(path)
+        try:
+            check_xattr_names([*values, *remove])
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), path=path) from None
+        with self._session(path, "set extended attributes of") as root:
+            fd = self._resolve(root, path)
+            try:
+                inode = f"/proc/self/fd/{fd}"  # the inode resolved in the root, not a path
+                for name in remove:
+                    with _absent_ok():
+                        os.removexattr(inode, name)
+                for name, value in values.items():
+                    os.setxattr(inode, name, value.encode())
             finally:
                 os.close(fd)
         return self.stat(path)

@@ -145,6 +145,19 @@ async def check_files_as_user(backend: Backend, image: ImageRef) -> None:
 
 
 # -------------------------------------------------------------------------------------------- files
+async def _check_xattrs(backend: Backend, sb: SandboxRecord, path: str) -> None:
+    """``user.`` extended attributes: set through the files API, seen by the sandbox's own commands and by stat."""
+    try:
+        tagged = await backend.set_xattrs(sb, f"/workspace/{path}", {"user.origin": "kit"}, [])
+    except NotSupported:  # a files API without them (microvm, vm)
+        return
+    assert tagged.xattrs == {"user.origin": "kit"}, tagged
+    r = await run(backend, sb, f"python3 -c \"import os; print(os.getxattr('{path}', 'user.origin').decode())\"")
+    assert r.stdout == b"kit\n", r
+    await backend.set_xattrs(sb, f"/workspace/{path}", {}, ["user.origin"])
+    assert (await backend.stat_file(sb, f"/workspace/{path}")).xattrs == {}
+
+
 async def check_file_operations(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
         made = await backend.make_dir(sb, "/workspace/a/b/c", True, 0o750)
@@ -170,6 +183,7 @@ async def check_file_operations(backend: Backend, image: ImageRef) -> None:
             await backend.write_file(sb, "/workspace/a/b", b"x", None)
         chmodded = await backend.chmod_file(sb, "/workspace/a/f.txt", 0o600)
         assert chmodded.mode == 0o600, chmodded
+        await _check_xattrs(backend, sb, "a/f.txt")
         moved = await backend.rename_file(sb, "/workspace/a/f.txt", "/workspace/g.txt", True)
         assert (moved.path, moved.size) == ("/workspace/g.txt", 5), moved
         await backend.write_file(sb, "/workspace/h.txt", b"h", None)

@@ -46,6 +46,7 @@ from dsec.models_surface import (
     ShellRequest,
     ShellRunRequest,
     WatchRequest,
+    XattrRequest,
 )
 
 __all__ = ["ECHO_SERVER", "SURFACE_NODE_CHECKS", "echo_server"]
@@ -102,6 +103,20 @@ async def check_users(api: NodeAPI, image: str) -> None:
         assert (await api.exec(sb.id, ExecRequest(command="true", timeout=30))).exit_code == 0  # still usable
 
 
+async def _check_xattrs(api: NodeAPI, sandbox_id: str, path: str) -> None:
+    """Extended attributes set, read back by stat, removed (an absent one too); the backends whose files API has
+    none answer NotSupported."""
+    try:
+        tagged = await api.set_xattrs(sandbox_id, XattrRequest(path=path, set={"user.origin": "check", "user.n": "1"}))
+    except NotSupported:
+        return
+    assert tagged.xattrs == {"user.origin": "check", "user.n": "1"}, tagged
+    await api.set_xattrs(sandbox_id, XattrRequest(path=path, remove=["user.n", "user.absent"]))
+    assert (await api.stat_file(sandbox_id, path)).xattrs == {"user.origin": "check"}
+    with _raises(InvalidRequest, "user namespace"):
+        await api.set_xattrs(sandbox_id, XattrRequest.model_construct(path=path, set={"trusted.x": "1"}, remove=[]))
+
+
 async def check_file_operations(api: NodeAPI, image: str) -> None:
     async with _sandbox(api, image) as sb:
         made = await api.make_dir(sb.id, MkdirRequest(path="d/e", parents=True, mode=0o750))
@@ -113,6 +128,7 @@ async def check_file_operations(api: NodeAPI, image: str) -> None:
         assert moved.path == "/workspace/g", moved
         assert (await api.chmod_file(sb.id, "g", 0o600)).mode == 0o600
         assert (await api.chown_file(sb.id, "g", "0:0")).uid == 0
+        await _check_xattrs(api, sb.id, "g")
         with _raises(FileNotFound, "nope", reason="ENOENT"):
             await api.stat_file(sb.id, "nope")
         with _raises(IsADirectory, reason="EISDIR"):

@@ -41,8 +41,8 @@ DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
 STATE_CHANGING = frozenset({
     "exec", "write", "snapshot", "mouse", "keyboard", "reveal", "mkdir", "remove", "rename", "chmod", "chown",
-    "process", "process.stdin", "process.close_stdin", "process.signal", "process.resize", "shell", "shell.run",
-    "shell.close",
+    "xattrs", "process", "process.stdin", "process.close_stdin", "process.signal", "process.resize", "shell",
+    "shell.run", "shell.close",
 })
 """Operations whose log entry must be durable before they run (their response is logged in the next batch)."""
 NOT_RERUN = frozenset({"exec", "mouse", "keyboard", "process", "process.stdin", "process.signal", "shell.run"})
@@ -150,7 +150,7 @@ def decode_response(op: str, response: str) -> Any:
 
 
 _MODELS: dict[str, type[BaseModel]] = {
-    "stat": FileStat, "mkdir": FileStat, "rename": FileStat, "chmod": FileStat, "chown": FileStat,
+    "stat": FileStat, "mkdir": FileStat, "rename": FileStat, "chmod": FileStat, "chown": FileStat, "xattrs": FileStat,
     "process": ProcessInfo, "process.wait": ProcessInfo, "shell": ShellInfo, "shell.run": ShellResult,
 }
 """The response model of each logged surface call (its JSON is what the log keeps)."""

@@ -130,6 +130,27 @@ def test_files_round_trip_list_stat_and_signed_urls(opts: dict[str, str], endpoi
         expired = client.get(sb.download_url("notes/a.txt", use_signature_expiration=-60))
         assert expired.status == 401
         assert json.loads(expired.content) == {"code": 401, "message": "signature is already expired"}
+        # metadata a client did not check is refused before anything is written, as envd refuses it
+        bad = client.post(sb.upload_url("notes/bad.txt"), headers={"Content-Type": "application/octet-stream",
+                                                                   "X-Metadata-k": "caf\u00e9"}, content=b"x")
+        assert bad.status == 400 and "printable US-ASCII" in json.loads(bad.content)["message"], bad.content
+        assert not sb.files.exists("notes/bad.txt")
+
+
+def test_file_metadata_is_the_files_user_e2b_xattrs(endpoint: dict[str, Any]) -> None:
+    with Sandbox.create(**endpoint["domain"]) as sb:
+        info = sb.files.write("m/a.txt", "m", metadata={"author": "dsec", "Stage": "one"})
+        assert info.metadata == {"author": "dsec", "stage": "one"}  # keys lowercased, as envd's
+        assert sb.files.get_info("m/a.txt").metadata == {"author": "dsec", "stage": "one"}
+        assert [e.metadata for e in sb.files.list("m")] == [{"author": "dsec", "stage": "one"}]
+        assert sb.files.rename("m/a.txt", "m/b.txt").metadata == {"author": "dsec", "stage": "one"}
+        shown = sb.commands.run("python3 -c \"import os; print(os.getxattr('m/b.txt', 'user.e2b.author').decode())\"")
+        assert shown.stdout == "dsec\n"  # real extended attributes, seen inside the sandbox
+        assert sb.files.write("m/b.txt", "again", metadata={"stage": "two"}).metadata == {"stage": "two"}
+        assert sb.files.write("m/b.txt", "plain").metadata is None  # an upload replaces the metadata
+        assert sb.files.get_info("m/b.txt").metadata is None
+        sb.commands.run("python3 -c \"import os; os.setxattr('m/b.txt', 'user.e2b.by', b'hand')\"")
+        assert sb.files.get_info("m/b.txt").metadata == {"by": "hand"}
 
 
 def test_pause_resume_and_killed_during_a_command(opts: dict[str, str]) -> None:
@@ -340,6 +361,31 @@ def test_get_host_reaches_a_server_in_the_sandbox(endpoint: dict[str, Any]) -> N
         posted = client.post(f"https://{sb.get_host(8000)}/hello.txt", content=b"body")
         assert posted.status == 501  # http.server has no POST: its own answer, relayed
         server.kill()
+
+
+def test_private_ports_answer_only_to_the_traffic_token(endpoint: dict[str, Any]) -> None:
+    import pyqwest
+    from e2b import SandboxNetworkOpts
+
+    with Sandbox.create(secure=True, network=SandboxNetworkOpts(allow_public_traffic=False),
+                        **endpoint["domain"]) as sb:
+        token = sb.traffic_access_token
+        assert token is not None and Sandbox.connect(sb.sandbox_id, **endpoint["domain"]).traffic_access_token == token
+        sb.files.write("/tmp/site/hello.txt", "private")
+        sb.commands.run("python3 -m http.server 8000", background=True, cwd="/tmp/site", timeout=0)
+        client = pyqwest.SyncClient(pyqwest.SyncHTTPTransport(tls_include_system_certs=True))
+        url = f"https://{sb.get_host(8000)}/hello.txt"
+        refused = client.get(url)
+        assert refused.status == 403 and b"e2b-traffic-access-token" in refused.content, refused.content
+        assert client.get(url, headers={"e2b-traffic-access-token": "eta1_" + "0" * 64}).status == 403
+        deadline = time.monotonic() + 30
+        while (got := client.get(url, headers={"e2b-traffic-access-token": token})).status != 200:
+            assert time.monotonic() < deadline, got.status
+            time.sleep(0.2)
+        assert got.content == b"private"
+        assert sb.files.read("/tmp/site/hello.txt") == "private"  # envd itself takes its access token, as before
+    with Sandbox.create(**endpoint["domain"]) as public:
+        assert public.traffic_access_token is None
 
 
 _WS_ECHO = r"""
