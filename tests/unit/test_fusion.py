@@ -191,6 +191,27 @@ async def test_sandboxes_are_reused_only_once_wiped_and_never_across_jobs_or_mem
     assert set(node.destroyed) == {"sb1", "sb2", "sb3", "sb4"}
 
 
+async def test_a_request_waits_for_a_wipe_under_way_rather_than_take_a_new_sandbox() -> None:
+    node = ScriptedNode()
+    wiping = asyncio.Event()
+    list_files = node.list_files
+
+    async def slow_list(sandbox_id: str, path: str) -> list[FileEntry]:
+        wiping.set()
+        await asyncio.sleep(0.05)
+        return await list_files(sandbox_id, path)
+
+    node.list_files = slow_list  # type: ignore[method-assign]
+    runner = _runner(node)
+    first = await runner.run_code(_request())
+    await wiping.wait()  # the first request's sandbox is being wiped
+    second = await runner.run_code(_request())
+    assert first.status is second.status is RunStatus.Success
+    assert len(node.created) == 1, "the second request took a new sandbox instead of the one being wiped"
+    assert {sid for sid, _ in node.execs} == {"sb1"}
+    await runner.aclose()
+
+
 def test_the_listener_needs_an_address_and_a_token(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="--sandbox-fusion must look like HOST:PORT"):
         FusionOptions("nonsense")

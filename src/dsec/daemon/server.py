@@ -404,6 +404,7 @@ def _daemon_env(settings: Settings, token: str | None) -> dict[str, str]:
     env["DSEC_TRAJECTORY_SYNC"] = settings.trajectory_sync
     if settings.trajectory_db:
         env["DSEC_TRAJECTORY_DB"] = settings.trajectory_db
+    env["DSEC_SANDBOX_CPU_IDLE"] = "1" if settings.sandbox_cpu_idle else "0"
     if token:
         env["DSEC_TOKEN"] = token
     # Work from a source tree too: the child must import the same dsec as this process.

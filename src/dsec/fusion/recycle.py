@@ -1,5 +1,6 @@
 """The function sandboxes ``/run_code`` requests run in: claimed from the daemon's warm pool, and, once a
-request is done and the sandbox's working directory is wiped, kept for the next request of the same shape.
+request is done and the sandbox's working directory is wiped, kept for the next request of the same shape
+(which waits for a wipe under way rather than take a new sandbox).
 
 Owns which sandbox a request gets and whether a used one may serve again. A function sandbox keeps nothing of
 a call but the files of its working directory (each call has its own pid, mount, IPC and UTS namespaces, its
@@ -56,20 +57,36 @@ class Recycler:
         self.keep = keep
         """Idle sandboxes kept per shape at most."""
         self._idle: dict[tuple[int, str | None], list[Lease]] = {}
+        self._wiping: dict[tuple[int, str | None], int] = {}
+        self._waiters: dict[tuple[int, str | None], list[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def claim(self, memory: int, job: str | None) -> Lease:
-        """An idle sandbox of that shape, or a new one (from the daemon's pool when it has that shape)."""
+        """An idle sandbox of that shape; else one of that shape being wiped, once it is; else a new one (from
+        the daemon's pool when it has that shape). A wipe takes a few ms; a new sandbox costs its creation and
+        its first Python program the start of the sandbox's warm interpreter."""
         key = (memory, job)
+        while True:
+            lease = self._take(key)
+            if lease is not None:
+                return lease
+            if not self._wiping.get(key):
+                break
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(key, []).append(waiter)
+            await waiter
+        spec = SandboxSpec(image=self.image, backend="function", memory=memory, workdir=self.workdir,
+                           timeout=LIFETIME, labels={JOB_LABEL: job} if job is not None else {})
+        return Lease((await self.api.create(spec)).id, key, time.monotonic())
+
+    def _take(self, key: tuple[int, str | None]) -> Lease | None:
         idle = self._idle.get(key, [])
         while idle:
             lease = idle.pop()
             if time.monotonic() - lease.born < LIFETIME - RETIRE_MARGIN:
                 return lease
             self._background(self._destroy(lease.sandbox_id))
-        spec = SandboxSpec(image=self.image, backend="function", memory=memory, workdir=self.workdir,
-                           timeout=LIFETIME, labels={JOB_LABEL: job} if job is not None else {})
-        return Lease((await self.api.create(spec)).id, key, time.monotonic())
+        return None
 
     def release(self, lease: Lease) -> None:
         """Take a sandbox back after its request (its wipe runs in the background)."""
@@ -92,10 +109,21 @@ class Recycler:
 
     async def _recycle(self, lease: Lease) -> None:
         idle = self._idle.setdefault(lease.key, [])
-        if lease.uses >= MAX_USES or len(idle) >= self.keep or not await self._wipe(lease.sandbox_id):
+        if lease.uses >= MAX_USES or len(idle) >= self.keep:
             await self._destroy(lease.sandbox_id)
             return
-        idle.append(lease)
+        self._wiping[lease.key] = self._wiping.get(lease.key, 0) + 1
+        try:
+            wiped = await self._wipe(lease.sandbox_id)
+            if wiped:
+                idle.append(lease)
+        finally:
+            self._wiping[lease.key] -= 1
+            for waiter in self._waiters.pop(lease.key, []):  # they look again: one takes it, or they create
+                if not waiter.done():
+                    waiter.set_result(None)
+        if not wiped:
+            await self._destroy(lease.sandbox_id)
 
     async def _wipe(self, sandbox_id: str) -> bool:
         """Empty the working directory; True when it is empty. Through the files API first (no process to

@@ -114,6 +114,21 @@ def test_a_request_sees_nothing_of_the_ones_before(endpoint: str) -> None:
         assert "locked" not in names and "mark" not in names and names[-1] == "0", r.run_result
 
 
+def test_python_runs_warm_and_sees_nothing_of_the_python_before(endpoint: str) -> None:
+    """Python is forked from the sandbox's warm interpreter (whose flags are those of ``-I``); a later request gets
+    neither the processes, /tmp nor the interpreter state of an earlier one."""
+    leave = ("import builtins, subprocess, sys\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+             "open('/tmp/mark', 'w').write('t')\nbuiltins.left = sys.modules['left'] = 1\nprint('left')")
+    look = ("import builtins, os, sys\nprocs = [open(f'/proc/{p}/cmdline', 'rb').read() for p in os.listdir('/proc') "
+            "if p.isdigit()]\nprint(sys.flags.isolated, os.listdir('/tmp'), hasattr(builtins, 'left'), "
+            "'left' in sys.modules, sum(b'sleep' in p for p in procs))")
+    for _ in range(3):
+        assert _run(endpoint, code=leave, language="python").run_result.stdout == "left\n"
+        time.sleep(0.3)
+        r = _run(endpoint, code=look, language="python")
+        assert r.run_result.stdout == "1 [] False False 0\n", r.run_result
+
+
 def test_bad_base64_is_a_sandbox_error_naming_the_file(endpoint: str) -> None:
     body = _post(endpoint, {"code": "print(1)", "language": "python", "files": {"a.txt": "not base64!"}}).json()
     assert body["status"] == "SandboxError" and "a.txt" in body["message"] and "base64" in body["message"], body
