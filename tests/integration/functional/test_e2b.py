@@ -49,11 +49,25 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             "--e2b-tls-cert", str(certs / "server.pem")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SSL_CERT_FILE", str(certs / "ca.pem"))  # the SDK's TLS (rustls via pyqwest) trusts it
-        with daemon_process("dsec-e2b-", tcp_token=ADMIN, args=args) as (unix_url, _tcp):
-            yield {"port": port, "unix_url": unix_url, "ca": certs / "ca.pem",
-                   "domain": {"api_key": ADMIN, "domain": f"e2b.localhost:{port}"},
-                   "urls": {"api_key": ADMIN, "api_url": f"https://127.0.0.1:{port}",
-                            "sandbox_url": f"https://127.0.0.1:{port}"}}
+        _drop_e2b_pools()
+        try:
+            with daemon_process("dsec-e2b-", tcp_token=ADMIN, args=args) as (unix_url, _tcp):
+                yield {"port": port, "unix_url": unix_url, "ca": certs / "ca.pem",
+                       "domain": {"api_key": ADMIN, "domain": f"e2b.localhost:{port}"},
+                       "urls": {"api_key": ADMIN, "api_url": f"https://127.0.0.1:{port}",
+                                "sandbox_url": f"https://127.0.0.1:{port}"}}
+        finally:
+            _drop_e2b_pools()
+
+
+def _drop_e2b_pools() -> None:
+    """Forget the SDK's process-wide connection pools: each reads the trust store (``SSL_CERT_FILE``) once, when
+    it is made, so a pool made by an earlier test of this process would never trust this module's CA."""
+    from e2b.api import client_async, client_sync
+    for module in (client_sync, client_async):
+        with module._transport_lock:
+            module._transports.clear()
+            module._httpx_transports.clear()
 
 
 @pytest.fixture(params=["domain", "urls"])
