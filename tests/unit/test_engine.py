@@ -70,7 +70,7 @@ async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
 
 
 def fake_of(engine: Engine) -> FakeBackend:
-    backend = engine._backends["container"]
+    backend = engine.backends.loaded["container"]
     assert isinstance(backend, FakeBackend)
     return backend
 

@@ -183,7 +183,7 @@ def test_a_mount_in_progress_does_not_block_the_warm_path(store: ImageStore, tmp
 @pytest.mark.root
 def test_the_digest_a_tag_names_is_known_without_io_within_its_ttl_and_follows_a_reimport(
         store: ImageStore, tmp_path: Path) -> None:
-    """What a warm-pool claim asks (engine._known_digest): known_digest answers from memory with its freshness,
+    """What a warm-pool claim asks (ImagePins.known_digest): known_digest answers from memory with its freshness,
     current_digest asks the store once the answer is older than tag_ttl, so a re-import is seen; a store that
     cannot be reached is not asked again before tag_ttl passes."""
     src = tmp_path / "src"

@@ -255,13 +255,13 @@ async def test_overview_counts_creates_execs_failures_and_host_load(engine: Engi
 
 
 async def test_overview_history_is_sampled_and_bounded(engine: Engine) -> None:
-    engine._sampled_at = 0.0
-    engine._sample()
-    engine._sample()  # within SAMPLE_SECONDS of the first: not taken
-    assert len(engine._samples) == 1
+    engine.observation.sampled_at = 0.0
+    engine.observation.sample()
+    engine.observation.sample()  # within SAMPLE_SECONDS of the first: not taken
+    assert len(engine.observation.samples) == 1
     for _ in range(1000):
-        engine._sampled_at = 0.0
-        engine._sample()
-    assert len(engine._samples) == engine._samples.maxlen
+        engine.observation.sampled_at = 0.0
+        engine.observation.sample()
+    assert len(engine.observation.samples) == engine.observation.samples.maxlen
     history = (await engine.overview()).history
-    assert len(history) == engine._samples.maxlen + 1 and history[-1].at >= history[0].at
+    assert len(history) == engine.observation.samples.maxlen + 1 and history[-1].at >= history[0].at

@@ -17,7 +17,7 @@ from test_engine import fake_of, make_engine, record_ids, started
 from container_support import await_until
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
-from dsec.daemon import engine as engine_module
+from dsec.daemon import removal
 from dsec.daemon.admission import Admission, host_shortage
 from dsec.daemon.engine import Engine
 from dsec.daemon.host_limits import HostLimits
@@ -254,7 +254,7 @@ async def test_failed_background_teardown_keeps_the_record(tmp_path: Path) -> No
         fake.destroy_error = RuntimeError("umount: target is busy")
         await eng.destroy(sid)
         await eng.wait_teardowns()
-        record = eng._store.load(sid)
+        record = eng.records.store.load(sid)
         assert record is not None and record.state == "failed" and "target is busy" in (record.reason or "")
         assert (await eng.statistics()).teardowns == 0
         assert eng.metrics.value("dsec_teardown_failures_total", backend="container") == 1
@@ -282,9 +282,9 @@ async def test_restart_during_background_teardown_destroys_instead_of_adopting(t
     fake.release.clear()
     await eng.destroy(sid)
     # The daemon dies before the teardown ran (SIGKILL: nothing of it runs any more).
-    for task in list(eng._teardowns):
+    for task in list(eng.teardowns):
         task.cancel()
-    await asyncio.gather(*eng._teardowns, return_exceptions=True)
+    await asyncio.gather(*eng.teardowns, return_exceptions=True)
     eng.pools._pools.clear()
     fake.release.set()
     await eng.aclose()
@@ -299,7 +299,7 @@ async def test_restart_during_background_teardown_destroys_instead_of_adopting(t
 
 
 async def test_background_teardowns_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "_BACKGROUND_TEARDOWNS", 2)
+    monkeypatch.setattr(removal, "BACKGROUND_TEARDOWNS", 2)
     fake = _SlowTeardown(tmp_path / "fake")
     fake.release.set()
     eng = make_engine(tmp_path, backend=fake)
@@ -739,10 +739,10 @@ async def test_a_claim_hands_out_only_live_members_of_the_image_version_the_tag_
         fresh = await eng.create(SHAPE)
         assert not fresh.pooled, "a member of the old image version was handed out"
         assert await await_until(lambda: set(old) <= set(backend.destroyed), 10)
-        assert eng._image_refs[fresh.id].digest == "v2"
+        assert eng.pins.image_of(fresh.id).digest == "v2"
         assert await await_until(lambda: eng.pools.statistics()[0].ready >= 1, 10)
         again = await eng.create(SHAPE)
-        assert again.pooled and eng._image_refs[again.id].digest == "v2"
+        assert again.pooled and eng.pins.image_of(again.id).digest == "v2"
 
 
 
@@ -759,7 +759,7 @@ async def test_a_trim_removes_members_of_an_earlier_image_version_first(tmp_path
         eng.pools.declare(POOL.model_copy(update={"min": 4, "max": 4}))
         await eng.pools.wait_filled(10)
         new = [r.id for r in pool.ready if r.id not in old]
-        assert len(new) == 2 and all(eng._image_refs[i].digest == "v2" for i in new)
+        assert len(new) == 2 and all(eng.pins.image_of(i).digest == "v2" for i in new)
         eng.pools.declare(POOL.model_copy(update={"min": 2, "max": 2}))
         assert await await_until(lambda: set(old) <= set(backend.destroyed), 10), backend.destroyed
         assert [r.id for r in pool.ready] == new and not set(new) & set(backend.destroyed)
@@ -778,10 +778,10 @@ async def test_a_claim_never_waits_for_the_store_to_learn_where_a_tag_points(tmp
             for _ in range(3):
                 info = await asyncio.wait_for(eng.create(SHAPE), 5)
                 assert info.pooled
-            assert await await_until(lambda: images.lookups == 1, 5) and list(eng._tag_refreshes) == ["base"]
+            assert await await_until(lambda: images.lookups == 1, 5) and list(eng.pins._tag_refreshes) == ["base"]
         finally:
             images.store_hold.set()
-        assert await await_until(lambda: not eng._tag_refreshes, 10)
+        assert await await_until(lambda: not eng.pins._tag_refreshes, 10)
 
 
 async def test_landlock_off_and_a_different_cpu_are_other_shapes(engine: Engine) -> None:
@@ -834,12 +834,12 @@ async def test_a_claim_cut_off_while_applying_its_network_destroys_the_member(tm
         await eng.pools.wait_filled(10)
         claim = asyncio.create_task(eng.create(SHAPE.model_copy(update={"network": "allow"})))
         await asyncio.wait_for(backend.network_entered.wait(), 10)
-        [taken] = [r for r in eng._image_refs if r not in {m.id for p in eng.pools._pools.values() for m in p.ready}]
+        [taken] = [r for r in eng.pins._refs if r not in {m.id for p in eng.pools._pools.values() for m in p.ready}]
         claim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await claim
         assert await await_until(lambda: taken not in StateStore.peek(eng.settings.state_db), 10)
-        assert taken in backend.destroyed and taken not in eng._image_refs
+        assert taken in backend.destroyed and eng.pins.image_of(taken) is None
 
 
 async def test_a_create_cancelled_while_its_image_resolves_gives_the_pin_back(tmp_path: Path) -> None:
@@ -864,7 +864,7 @@ async def test_a_create_whose_record_cannot_be_saved_gives_the_pin_back(tmp_path
         def full(record: SandboxRecord) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(eng._store, "save", full)
+        monkeypatch.setattr(eng.records.store, "save", full)
         with pytest.raises(OSError, match="No space left"):
             await eng.create(SandboxSpec(image="base"))
         assert images.pinned == 0, "the image stayed pinned for a sandbox that was never made"
@@ -921,7 +921,7 @@ async def test_a_restarted_daemon_pins_the_image_version_a_sandbox_was_made_of(t
     images.digest, images.pinned = "v2", 0
     again = Engine(Settings(home=tmp_path / "home"), {"container": backend}, images)  # type: ignore[arg-type]
     async with started(again):
-        assert again._image_refs[info.id].digest == "v1" and images.repinned == ["sha256:v1"]
+        assert again.pins.image_of(info.id).digest == "v1" and images.repinned == ["sha256:v1"]
         assert images.pinned == 1
         await again.destroy(info.id)
         assert images.pinned == 0

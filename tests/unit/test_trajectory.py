@@ -49,7 +49,7 @@ def spec(name: str = "job-17/rollout-3", **kw: object) -> SandboxSpec:
 
 def ran(engine: Engine, sandbox_id: str) -> int:
     """How many times the counting command really ran (lines in its file, read on the host)."""
-    root = Path(engine._records[sandbox_id].backend_state["root"])
+    root = Path(engine.records[sandbox_id].backend_state["root"])
     path = root / "workspace" / "ran"
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -67,7 +67,7 @@ async def test_new_trajectory_binds_and_reopening_replays_in_order(engine: Engin
     assert again.id == info.id
     assert again.trajectory is not None and again.trajectory.calls == 4
     # Replayed: same answers, nothing runs (the file changed on the host, the replay still says "hello").
-    (Path(engine._records[info.id].backend_state["root"]) / "workspace" / "a.txt").write_bytes(b"changed")
+    (Path(engine.records[info.id].backend_state["root"]) / "workspace" / "a.txt").write_bytes(b"changed")
     replay = await engine.exec(info.id, COUNT, seq=0)
     assert replay.replayed and replay.stdout == first.stdout and ran(engine, info.id) == 1
     await engine.write_file(info.id, "/workspace/a.txt", b"hello", seq=1)
@@ -160,7 +160,7 @@ async def test_lease_expires_without_calls(engine: Engine) -> None:
     await engine.exec(info.id, COUNT, seq=1)  # activity renews the lease
     assert (await engine.get(info.id)).state == "running"
     for _ in range(100):
-        if info.id not in engine._records:
+        if info.id not in engine.records:
             break
         await asyncio.sleep(0.05)
     with pytest.raises(SandboxTimeout, match="lease"):
@@ -233,7 +233,7 @@ async def test_a_fork_the_daemon_stops_under_is_refused_and_keeps_nothing(engine
 
     info = await engine.create(SandboxSpec(image="base"))
     engine.admission = Admission(1, shortage=lambda: None)
-    fake = engine._backends["container"]
+    fake = engine.backends.loaded["container"]
     assert isinstance(fake, FakeBackend)
     original, gate, restores = fake.restore, asyncio.Event(), []
 
@@ -415,7 +415,7 @@ async def test_an_interrupted_write_is_not_run_again_once_later_calls_ran(tmp_pa
     await first.aclose()
     second = make_engine(tmp_path, fake)
     await second.start()
-    workspace = Path(second._records[info.id].backend_state["root"]) / "workspace"
+    workspace = Path(second.records[info.id].backend_state["root"]) / "workspace"
     try:
         with pytest.raises(SandboxError, match="later calls have run since: its outcome is unknown"):
             await second.write_file(info.id, "/workspace/f", b"old", seq=0)
@@ -482,7 +482,7 @@ async def test_a_logged_call_failing_with_a_bug_is_a_named_error(engine: Engine,
     """A backend bug under a logged files call is a SandboxError naming it (as under an exec), not a raw
     exception (an HTTP 500 without the error payload); the call is logged as interrupted."""
     info = await engine.create(spec())
-    fake = engine._backends["container"]
+    fake = engine.backends.loaded["container"]
 
     async def broken(*_args: object, **_kw: object) -> None:
         raise RuntimeError("disk driver bug")

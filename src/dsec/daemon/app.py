@@ -155,10 +155,10 @@ def openapi_document() -> dict[str, Any]:
     from pathlib import Path
 
     from dsec.config import Settings
-    from dsec.daemon.engine import _NoImages
+    from dsec.daemon.image_pins import NoImages
 
     with tempfile.TemporaryDirectory() as home:
         # Routes never touch the engine while the document is built; it only has to exist.
-        engine = Engine(Settings(home=Path(home), node="openapi"), {}, _NoImages("documentation only"))
+        engine = Engine(Settings(home=Path(home), node="openapi"), {}, NoImages("documentation only"))
         return create_app(engine).openapi()
 

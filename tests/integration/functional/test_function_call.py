@@ -144,7 +144,7 @@ async def test_map_runs_inputs_concurrently(sb: dsec.AsyncSandbox) -> None:
 
 
 async def test_call_on_container_backend_is_not_supported(served: ServedFunctionDaemon) -> None:
-    assert "container" not in served.engine._backends  # this daemon serves only the function backend
+    assert "container" not in served.engine.backends.loaded  # this daemon serves only the function backend
     client = dsec.Client(url=served.url)
     try:
         with pytest.raises(dsec.BackendUnavailable):

@@ -143,7 +143,7 @@ async def test_image_symlinks_on_mount_points_stay_in_the_sandbox(engine: tuple[
     sysfs, the disk's /dev and the pristine image on real directories of the sandbox's root, never through the
     links, on the host or in the mount holder."""
     eng, store = engine
-    backend = eng._backends["container"]
+    backend = eng.backends.loaded["container"]
     assert isinstance(backend, ContainerBackend) and backend._holder is not None
     holder_root = Path(f"/proc/{backend._holder.pid}/root")  # /dev is mounted in the holder's namespace
     bait = {name: Path(tempfile.mkdtemp(prefix=f"dsec-bait-{name}-")) for name in ("sys", "pristine", "dev")}

@@ -84,8 +84,8 @@ async def test_destroying_a_claimed_sandbox_tears_it_down_in_the_background(engi
     await engine.pools.wait_filled(60)
     info = await engine.create(SHAPE)
     assert info.pooled
-    record = engine._records[info.id]
-    backend = engine._backends["container"]
+    record = engine.records[info.id]
+    backend = engine.backends.loaded["container"]
     cgroups = backend._cgroups(record)  # type: ignore[attr-defined]
     rootfs = str(record.backend_state["rootfs"])
     pid = int(record.backend_state["init_pid"])
@@ -117,7 +117,7 @@ async def test_burst_is_queued_not_failed(engine: Engine) -> None:
 
 async def test_idle_sandboxes_are_best_effort_until_they_run_a_command(engine: Engine) -> None:
     info = await engine.create(SHAPE)
-    record = engine._records[info.id]
+    record = engine.records[info.id]
     cgroups = CgroupSet(mode=cgroup_mode(), dirs=dict(record.backend_state["cgroups"]))
     d = cgroups._dir("cpu")
     assert d is not None

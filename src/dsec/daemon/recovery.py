@@ -1,0 +1,131 @@
+"""Bringing sandboxes back: re-adoption after a daemon restart, orphan cleanup, and revival on a fresh image mount.
+
+At start every durable record is offered to its backend: a sandbox still alive is adopted again (with its
+image version and snapshot layers pinned again), a dead one or one caught mid-create is destroyed and its
+record dropped, and whatever a backend finds that no record names is removed. Later the watchdog may ask to
+revive a sandbox whose image mount died (:meth:`Recovery.revive`).
+
+Owns that sequence and its progress phases. Must never keep a record it could not settle out of the store
+(the next start retries it) and never reach the engine beyond :class:`~dsec.daemon.engine_parts.EngineParts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from dsec.daemon.engine_parts import EngineParts
+from dsec.daemon.pools import POOL_LABEL
+from dsec.errors import DSecError
+from dsec.models import SandboxRecord
+
+__all__ = ["RECOVERY_PARALLELISM", "Recovery"]
+
+log = logging.getLogger(__name__)
+
+RECOVERY_PARALLELISM = 32
+"""Records offered to their backends at once at start."""
+
+
+class Recovery(EngineParts):
+    """The engine's re-adoption at start and revival for the watchdog."""
+
+    on_phase: Callable[[str], None]
+
+    async def recover_all(self) -> None:
+        """Re-adopt or clean up every recorded sandbox, then remove each backend's orphans."""
+        drop_stale_pins = getattr(self.images, "drop_stale_pins", None)
+        if drop_stale_pins is not None:  # before recovery mounts (and pins) again what the sandboxes use
+            self.on_phase("dropping stale image pins")
+            await asyncio.to_thread(drop_stale_pins)
+        sem = asyncio.Semaphore(RECOVERY_PARALLELISM)
+        records = self.records.store.load_all()
+        done = 0
+
+        async def recover(record: SandboxRecord) -> None:
+            nonlocal done
+            async with sem:
+                await self._recover(record)
+            done += 1
+            if done % 16 == 0:  # progress within a long phase is progress too
+                self.on_phase(f"recovering sandboxes ({done}/{len(records)})")
+
+        self.on_phase(f"recovering sandboxes (0/{len(records)})")
+        await asyncio.gather(*(recover(r) for r in records))
+        for name, backend in self.backends.started().items():
+            self.on_phase(f"removing orphans of the {name} backend")
+            known = {r.id for r in self.records.values() if r.spec.backend == name}
+            try:
+                removed = await backend.cleanup_orphans(known)
+            except Exception:
+                log.exception("backend %s: orphan cleanup failed", name)
+                continue
+            if removed:
+                log.warning("backend %s: removed %d orphaned sandboxes: %s", name, len(removed), removed)
+
+    async def _recover(self, record: SandboxRecord) -> None:
+        name = record.spec.backend
+        backend = self.backends.usable(name)
+        if backend is None:
+            # Keep the file: a daemon that has this backend again can still adopt or clean it up.
+            log.warning("sandbox %s: backend %s unavailable; record kept on disk", record.id, name)
+            return
+        alive = False
+        if POOL_LABEL in record.spec.labels:
+            pass  # an unclaimed pool member of the previous daemon: drained like any dead sandbox
+        elif record.state in ("running", "paused"):
+            try:
+                alive = await backend.recover(record)
+            except Exception:
+                log.exception("sandbox %s: recover failed; destroying it", record.id)
+        if alive:
+            self.records.add(record)
+            if record.spec.image:
+                try:  # re-pin the image mount this sandbox's root sits on
+                    self.pins.hold(record.id, await asyncio.to_thread(self.pins.repin, backend, record))
+                except DSecError as exc:
+                    log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
+            if record.layers:
+                try:  # and the snapshot layers under it
+                    self.pins.hold(record.id, layers=await asyncio.to_thread(self.snapshots.open, record.layers))
+                except DSecError as exc:
+                    log.warning("sandbox %s: its snapshot layers cannot be re-pinned: %s", record.id, exc)
+            self.metrics.live.labels(name).inc()
+            self.records.save(record)  # the backend may have refreshed backend_state
+            log.info("sandbox %s re-adopted (%s)", record.id, record.state)
+            return
+        # Dead, or caught mid-create by the previous daemon's death: release whatever is left.
+        try:
+            await backend.destroy(record)
+        except Exception:
+            # Keep the record: it is what lets the next start find and release this sandbox's resources
+            # with a verified init pid; without it only a cgroup sweep would be left.
+            log.exception("sandbox %s: destroy after failed recovery failed; record kept for the next start",
+                          record.id)
+            return
+        self.records.delete(record.id)
+        log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
+
+    async def revive(self, record: SandboxRecord) -> bool:
+        """Ask the backend to bring the sandbox back, on its image mounted afresh if its own mount died."""
+        backend = self.backends.loaded[record.spec.backend]
+        old = self.pins.image_of(record.id)
+        if old is None or any(self.pins.stale(root) for root in self.pins.layers_of(record.id)):
+            return False  # snapshot layers cannot be swapped under a sandbox
+        fresh = old
+        if self.pins.stale(old.rootfs) is not None:
+            try:
+                fresh = await asyncio.to_thread(self.pins.repin, backend, record)
+            except DSecError as exc:
+                log.warning("sandbox %s: its image cannot be mounted afresh: %s", record.id, exc,
+                            extra={"sandbox": record.id, "error": exc.message})
+                return False
+        revived = record.id in self.records and await backend.revive(record, fresh)
+        if fresh is not old:
+            self.pins.release(old if revived else fresh)
+            if revived:
+                self.pins.hold(record.id, fresh)
+        if revived:
+            self.records.save(record)
+        return revived
