@@ -15,7 +15,7 @@ import pytest
 from container_support import SESSION_TAGS, home_tag, images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.errors import ImageNotFound
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from dsec.isolation.network import dsec_tables
 
 IN_CI = bool(os.environ.get("CI"))

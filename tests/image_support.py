@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 
 ImageRootFn = Callable[[ImageStore, str], Path]
 """The ``image_root`` fixture (conftest): an image's mounted root."""
@@ -91,7 +91,7 @@ def seaweedfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seaweed]:
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     server = Seaweed(proc, f"http://127.0.0.1:{ports[3]}", data)
     try:
-        from dsec.images.stores import S3Store
+        from dsec.images.blob_store import S3Store
 
         store = S3Store("dsec", "images", endpoint_url=server.endpoint, timeout=2, retries=1)
         deadline = time.monotonic() + 60

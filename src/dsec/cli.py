@@ -34,8 +34,8 @@ from dsec.errors import DSecError, InvalidRequest
 from dsec.models import parse_pairs
 
 if TYPE_CHECKING:
+    from dsec.images.image_store import ImageStore
     from dsec.images.layers import FlattenStats
-    from dsec.images.store import ImageStore
     from dsec.models import ImageInfo
     from dsec.trajectory.snapshots import SnapshotStore
 
@@ -306,7 +306,7 @@ def rm(sandbox_ids: tuple[str, ...], all_: bool) -> None:
 
 def _store() -> ImageStore:
     from dsec.config import Settings
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     settings = Settings()
     return ImageStore(settings.images, settings.image_store)
@@ -409,7 +409,7 @@ def image_import(name: str, source: Path, tag: str | None, replace: bool) -> Non
     a tar), detected from its contents. Layers are flattened and their digests verified.
     """
     from dsec.config import Settings
-    from dsec.images.oci import import_image, open_source
+    from dsec.images.oci_import import import_image, open_source
 
     shift = Settings().uid_shift
     archive = open_source(source, tag)
@@ -446,7 +446,7 @@ def image_pull(reference: str, name: str | None, insecure: bool, username: str |
 
 
 class _RichProgress:
-    """``dsec.images.oci.Progress`` drawn as rich progress bars on stderr."""
+    """``dsec.images.oci_import.Progress`` drawn as rich progress bars on stderr."""
 
     def __init__(self, bars: Any) -> None:
         self.bars = bars
@@ -683,7 +683,7 @@ def image_rm(names: tuple[str, ...]) -> None:
 def image_copy(names: tuple[str, ...], target: str) -> None:
     """Copy images of this node's store into another store (chunks it lacks, then the tag)."""
     from dsec.config import Settings
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     into = ImageStore(Settings().images, target)
     source = _store()
@@ -726,7 +726,7 @@ def image_gc(grace: float, builder: bool) -> None:
 
 def _snapshots() -> SnapshotStore:
     from dsec.config import Settings
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
     from dsec.trajectory.snapshots import SnapshotStore
 
     settings = Settings()

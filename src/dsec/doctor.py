@@ -412,7 +412,7 @@ def _libseccomp() -> Check:
 
 def _image_store(settings: Settings) -> Check:
     from dsec.errors import DSecError
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     root = settings.images
     if not root.is_dir():
@@ -431,7 +431,7 @@ def _image_store(settings: Settings) -> Check:
 
 
 def _base_image(settings: Settings) -> Check:
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     store = ImageStore(settings.images, settings.image_store)
     if store.exists("debian-python"):

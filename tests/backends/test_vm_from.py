@@ -30,8 +30,8 @@ from dsec.demo import rollout
 from dsec.errors import DSecError, InvalidRequest
 from dsec.guest.vmderive import derive_vm_image, derived_state, image_backends, source_identity
 from dsec.guest.vmimage import build_vm_image
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.store import ImageStore
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 

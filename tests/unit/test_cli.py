@@ -125,7 +125,7 @@ def test_image_commands_against_a_tmp_store(env: dsec.Client, tmp_path: Path) ->
     assert code == 1 and "already exists" in err
     code, out, err = invoke("image", "copy", "mini", "--to", str(tmp_path / "elsewhere"))
     assert code == 0 and "mini: sha256:" in out, err
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     copied = ImageStore(tmp_path / "x", str(tmp_path / "elsewhere"))
     assert copied.manifest("mini") == ImageStore(tmp_path / "images").manifest("mini")

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from dsec import doctor
 from dsec.config import Settings
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 
 
 def settings(tmp_path: Path) -> Settings:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dsec.errors import ImageCorrupt, InvalidRequest
+from dsec.images.blob_store import BlobStore, DirStore, S3Store, ThrottledStore, open_store
 from dsec.images.cache import ChunkCache, chunk_key, free_reserve
 from dsec.images.format import BLOCK, ChunkIndex, ChunkRef, Manifest, cut_blob, sha256
-from dsec.images.stores import BlobStore, DirStore, S3Store, ThrottledStore, open_store
 from dsec.models import ImageInfo
 
 

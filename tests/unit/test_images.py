@@ -17,10 +17,10 @@ import pytest
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported, StoreUnavailable
-from dsec.images import store as store_mod
+from dsec.images import image_store as store_mod
 from dsec.images.build import RECIPES, apt_options, apt_sources, mmdebstrap_command
+from dsec.images.image_store import DEFAULT_PATH, ImageStore, validate_name
 from dsec.images.node import NodeImages
-from dsec.images.store import DEFAULT_PATH, ImageStore, validate_name
 from dsec.models import ImageConfig, ImageInfo
 
 SHIFT = 100000

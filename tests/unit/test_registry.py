@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from dsec.errors import DSecError, ImageNotFound, InvalidRequest, Unauthorized
-from dsec.images.oci import OCI_MANIFEST
+from dsec.images.oci_import import OCI_MANIFEST
 from dsec.images.registry import RegistryClient, default_name, parse_reference
 
 BLOB = b"layer bytes " * 1000

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dsec.cli import main
 from dsec.errors import InvalidRequest, NotFound
 from dsec.images.cache import chunk_key
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from dsec.trajectory.snapshots import SnapshotStore
 
 pytestmark = pytest.mark.root

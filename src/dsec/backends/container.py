@@ -2,7 +2,7 @@
 
 Create: make the sandbox's cgroups with their limits (:mod:`dsec.isolation.cgroups`), mount
 an overlayfs (image root as the read-only lower, a per-sandbox upper), write the OCI config
-(:mod:`dsec.isolation.oci`) and ``crun run --detach`` a static init from inside those cgroups
+(:mod:`dsec.isolation.oci_runtime`) and ``crun run --detach`` a static init from inside those cgroups
 (through ``dsec-rtshim``; crun runs with its cgroup manager disabled).
 Exec: never ``crun/runc exec``; the node's exec helper (``dsec-nsexec``, ``isolation/nsexec.c``) joins
 the running sandbox in ~1 ms with the same restrictions. Files: confined ``openat2`` from the
@@ -69,7 +69,7 @@ from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
-from dsec.isolation.oci import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
+from dsec.isolation.oci_runtime import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.ports import connect_in_netns
 from dsec.isolation.process_io import PipeProcess, raw_mode, sandbox_pty

@@ -56,7 +56,7 @@ from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.files import SandboxFS
 from dsec.isolation.init import ensure_callinit, ensure_zygote
 from dsec.isolation.landlock import landlock_abi
-from dsec.isolation.oci import DEFAULT_PATH
+from dsec.isolation.oci_runtime import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
 from dsec.isolation.process_io import PipeProcess, host_pty, raw_mode
 from dsec.isolation.procs import ended, start_time

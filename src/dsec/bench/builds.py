@@ -81,7 +81,7 @@ def run(samples: int = 3, progress: Callable[[str], None] = lambda m: None) -> S
     from dsec.images.builder import build_user
     from dsec.images.dockerfile import build_dockerfile, node_bases
     from dsec.images.export import export_layout
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
     from dsec.models import ImageBuildRequest
 
     if os.geteuid() != 0:

@@ -89,7 +89,7 @@ def preflight(settings: Settings) -> tuple[str, Path | None]:
     runc = shutil.which("runc")
     if runc is None:
         raise BenchUnavailable("runc not found: apt-get install runc")
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     root = settings.images / IMAGE / "rootfs"
     if (settings.images / IMAGE / "image.json").is_file() and root.is_dir():

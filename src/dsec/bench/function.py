@@ -75,7 +75,7 @@ class FunctionBench:
 def preflight(settings: Settings) -> Path | None:
     """The image's root directory for the bwrap peer when it is a legacy directory image, None when it is
     stored chunked (mounted for the peer later); :class:`BenchUnavailable` naming what is missing."""
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     if os.geteuid() != 0:
         raise BenchUnavailable("the function suite needs root (namespaces, mounts, cgroups)")

@@ -88,7 +88,7 @@ class _DirImages:
 
 def _ensure_images(node: Settings, cfg: ImagesBench, progress: Callable[[str], None]) -> None:
     from dsec.images.build import mmdebstrap_command
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     store = ImageStore(node.images, node.image_store)
     if store.exists(IMAGE) and store.exists(PLUS):
@@ -174,9 +174,9 @@ async def run(cfg: ImagesBench, node: Settings | None = None,
     """Measure everything; ``progress`` is told each phase as it starts."""
     from dsec.backends.container import ContainerBackend
     from dsec.daemon.engine import Engine
+    from dsec.images.blob_store import DirStore, ThrottledStore
+    from dsec.images.image_store import ImageStore
     from dsec.images.node import NodeImages
-    from dsec.images.store import ImageStore
-    from dsec.images.stores import DirStore, ThrottledStore
 
     node = node or Settings()
     if os.geteuid() != 0 or shutil.which("runc") is None:

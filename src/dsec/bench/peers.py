@@ -1,7 +1,7 @@
 """The peers DSec is measured against: plain runc, bwrap, podman and a bare process.
 
 The runc peer is made fair on purpose: its containers get the *same* runtime config as a DSec
-sandbox (:func:`dsec.isolation.oci.runtime_config`: user namespace, seccomp, cgroup limits, masked
+sandbox (:func:`dsec.isolation.oci_runtime.runtime_config`: user namespace, seccomp, cgroup limits, masked
 paths) on an overlay over the same image root, so the only difference measured is how DSec starts
 sandboxes and runs commands in them. Everything a peer creates (overlay mounts, runc state, cgroups)
 is owned by :class:`RuncPeer` and removed by :meth:`RuncPeer.close`, even after a failure.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dsec.isolation.cgroups import CgroupSet
-from dsec.isolation.oci import runtime_config
+from dsec.isolation.oci_runtime import runtime_config
 from dsec.isolation.seccomp import DEFAULT_PROFILE
 from dsec.models import SandboxSpec
 

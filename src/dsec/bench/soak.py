@@ -56,7 +56,7 @@ from dsec.bench.report import Row, Suite, summarize
 from dsec.bench.soak_watch import Census, footprint
 from dsec.config import Settings
 from dsec.daemon import server
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 
 __all__ = ["COMPONENTS", "SoakBench", "run"]
 

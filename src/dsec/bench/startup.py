@@ -142,7 +142,7 @@ async def run(samples: int = 5, progress: Callable[[str], None] = lambda m: None
     if os.geteuid() != 0:
         raise BenchUnavailable("needs root (the daemon creates namespaces, cgroups and mounts)")
     node = node or Settings()
-    from dsec.images.store import ImageStore
+    from dsec.images.image_store import ImageStore
 
     if not ImageStore(node.images, node.image_store).exists("debian-python"):
         raise BenchUnavailable(f"image 'debian-python' is not in the store at {node.images}: run ./scripts/setup")

@@ -30,7 +30,7 @@ from dsec.backends.container import ContainerBackend
 from dsec.bench.container import IMAGE, _cleanup_backend, _daemon, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 
 __all__ = ["TrajectoryBench", "run"]
 

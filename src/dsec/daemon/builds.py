@@ -18,7 +18,7 @@ from typing import IO, Any
 from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.errors import DSecError, NotSupported
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from dsec.models import ImageBuildEvent, ImageBuildRequest, ImageInfo
 
 __all__ = ["build_events"]

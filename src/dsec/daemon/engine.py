@@ -437,8 +437,8 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
 
     async def pull_image(self, request: ImagePullRequest) -> ImageInfo:
         """Pull an image from a registry into the node's store (in a thread: the loop keeps serving)."""
+        from dsec.images.image_store import ImageStore
         from dsec.images.registry import pull
-        from dsec.images.store import ImageStore
 
         # NodeImages (the daemon's resolver) pulls into the store it mounts from.
         store = getattr(self.images, "store", self.images)

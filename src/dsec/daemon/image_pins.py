@@ -82,8 +82,8 @@ class NoImages:
 def snapshot_store(settings: Settings, images: object) -> SnapshotStore:
     """Snapshots in the node's image store, mounted lazily through its image manager; in another store
     (``DSEC_SNAPSHOT_STORE``), or without the image manager, mounted whole (:class:`EagerLayers`)."""
+    from dsec.images.image_store import ImageStore
     from dsec.images.node import NodeImages
-    from dsec.images.store import ImageStore
 
     scratch = settings.home / "snapshot-work"
     if isinstance(images, NodeImages) and settings.snapshot_store == settings.image_store:

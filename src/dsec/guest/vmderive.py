@@ -37,8 +37,8 @@ from dsec.guest.vmimage import (
     default_vm_dir,
     load_vm_image,
 )
+from dsec.images.image_store import ImageStore
 from dsec.images.ref import ImageRef
-from dsec.images.store import ImageStore
 from dsec.isolation.procs import die_with_parent
 
 __all__ = ["derive_in_helper", "derive_vm_image", "derived_state", "image_backends", "main", "source_identity"]

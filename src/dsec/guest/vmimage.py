@@ -32,8 +32,8 @@ from dsec.errors import BackendUnavailable, DSecError, ImageNotFound, InvalidReq
 from dsec.guest.initramfs import ensure_agent
 from dsec.guest.kernel import default_guest_dir
 from dsec.images.build import apt_options, apt_sources, check_packages, mmdebstrap_command, run_mmdebstrap
+from dsec.images.image_store import validate_name
 from dsec.images.ref import ImageRef
-from dsec.images.store import validate_name
 from dsec.isolation.idmap import unshifted_view
 
 __all__ = ["AGENT_PORT", "BASE_PACKAGES", "DESKTOP_PACKAGES", "DISK_SIZE", "VMImage", "build_into", "build_vm_image",

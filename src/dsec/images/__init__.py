@@ -5,6 +5,6 @@ sandboxes and never mounts anything.
 """
 
 from dsec.images.build import RECIPES, build
-from dsec.images.store import DEFAULT_PATH, ImageStore, validate_name
+from dsec.images.image_store import DEFAULT_PATH, ImageStore, validate_name
 
 __all__ = ["DEFAULT_PATH", "RECIPES", "ImageStore", "build", "validate_name"]

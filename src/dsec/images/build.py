@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest
-from dsec.images.store import ImageStore, validate_name
+from dsec.images.image_store import ImageStore, validate_name
 from dsec.models import ImageConfig, ImageInfo
 
 __all__ = ["RECIPES", "apt_options", "apt_sources", "build", "mmdebstrap_command", "run_mmdebstrap"]

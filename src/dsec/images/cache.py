@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, InvalidRequest
+from dsec.images.blob_store import BlobStore
 from dsec.images.format import Manifest, sha256
-from dsec.images.stores import BlobStore
 
 __all__ = ["ChunkCache", "chunk_key", "free_reserve"]
 

@@ -6,7 +6,7 @@ directory of the build user, find the images the Dockerfile starts from (``FROM`
 to buildah (exported once per image digest, :mod:`dsec.images.export`), refuse early a short name that
 neither the store nor a configured registry can serve, run the build (:mod:`dsec.images.builder`: build
 args, targets, multi-stage, ``.dockerignore``, the layer cache), push the result as an OCI layout and import
-it with the usual digests (:func:`dsec.images.oci.import_image`). A failed build stores nothing: the tag is
+it with the usual digests (:func:`dsec.images.oci_import.import_image`). A failed build stores nothing: the tag is
 written last, by the import. It never edits the Dockerfile and never reads outside the context it is given.
 """
 
@@ -31,9 +31,9 @@ from dsec.config import Settings
 from dsec.errors import DSecError, ImageNotFound, InvalidRequest
 from dsec.images.builder import Builder, BuildOutput
 from dsec.images.export import export_layout
-from dsec.images.oci import Progress, import_image, open_source
+from dsec.images.image_store import ImageStore, validate_name
+from dsec.images.oci_import import Progress, import_image, open_source
 from dsec.images.ref import ImageRef
-from dsec.images.store import ImageStore, validate_name
 from dsec.models import ImageBuildRequest, ImageInfo
 
 __all__ = ["BaseImages", "BaseRef", "base_references", "build_dockerfile", "node_bases", "unqualified_registries"]

@@ -9,7 +9,7 @@ image anyway, and every sandbox gets its own ``/dev`` from the runtime.
 Every path is resolved by the kernel with ``openat2(RESOLVE_IN_ROOT)``: ``..``, absolute symlinks and
 symlinked parents all resolve *inside* the root, as if it were a chroot, so a hostile layer cannot write
 outside it; entry names with ``..`` components are refused outright. This module never reads archives or
-registries (``dsec.images.oci`` does) and never writes anywhere but under the root it was given.
+registries (``dsec.images.oci_import`` does) and never writes anywhere but under the root it was given.
 """
 
 from __future__ import annotations

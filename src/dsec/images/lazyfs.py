@@ -33,9 +33,9 @@ import pyfuse3
 import trio
 
 from dsec.errors import DSecError
+from dsec.images.blob_store import open_store
 from dsec.images.cache import ChunkCache
 from dsec.images.format import ChunkIndex, Manifest
-from dsec.images.stores import open_store
 
 __all__ = ["LazyFS", "main"]
 

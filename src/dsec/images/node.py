@@ -45,9 +45,9 @@ from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
 from dsec.images.cache import ChunkCache, free_reserve
 from dsec.images.format import Manifest, sha256
+from dsec.images.image_store import ImageStore
 from dsec.images.lazyserver import LazyServer, fs_types, umount
 from dsec.images.ref import ImageRef
-from dsec.images.store import ImageStore
 from dsec.models import ImageInfo
 
 __all__ = ["NodeImages"]

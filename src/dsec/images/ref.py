@@ -1,7 +1,7 @@
 """``ImageRef``: a resolved image, as the image store hands it to backends and guest builders.
 
 Owns nothing but the reference (where the root is, its owners' shift, its defaults, its content identity);
-must never resolve or mount an image itself: :mod:`dsec.images.store` and :mod:`dsec.images.node` do.
+must never resolve or mount an image itself: :mod:`dsec.images.image_store` and :mod:`dsec.images.node` do.
 """
 
 from __future__ import annotations

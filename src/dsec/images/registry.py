@@ -6,7 +6,7 @@ retries of transient failures (connection errors, 429, 5xx) with backoff, manife
 fetching (a multi-arch index resolves to linux/amd64), and blob downloads verified against their
 digests. Errors name what failed: an unknown repository or tag is :class:`ImageNotFound`, refused
 credentials :class:`Unauthorized`, a digest mismatch :class:`InvalidRequest`. It also pushes blobs and
-manifests (tests and tooling fill a registry with it). Flattening is :mod:`dsec.images.oci`'s job.
+manifests (tests and tooling fill a registry with it). Flattening is :mod:`dsec.images.oci_import`'s job.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import IO, Any
 import httpx
 
 from dsec.errors import DSecError, ImageNotFound, InvalidRequest, Unauthorized
+from dsec.images.image_store import ImageStore, validate_name
 from dsec.images.layers import FlattenStats
-from dsec.images.oci import (
+from dsec.images.oci_import import (
     INDEX_TYPES,
     MANIFEST_TYPES,
     ImageSource,
@@ -41,7 +42,6 @@ from dsec.images.oci import (
     parse_manifest,
     pick_manifest,
 )
-from dsec.images.store import ImageStore, validate_name
 from dsec.models import ImageInfo
 
 __all__ = ["Reference", "RegistryAuth", "RegistryClient", "RegistrySource", "default_name", "parse_reference", "pull"]

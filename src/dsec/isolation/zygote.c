@@ -76,7 +76,7 @@
 #define STATUS_FD 3
 #define ZYGOTE_PROG_FD 4
 #define MAX_CGROUP_FDS 4
-/* The default path of every command and of the Python zygote (isolation/oci.py: DEFAULT_PATH). */
+/* The default path of every command and of the Python zygote (isolation/oci_runtime.py: DEFAULT_PATH). */
 #define DEFAULT_PATH "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define MAX_MSG ((2 << 20) + (64 << 10)) /* exec_client.MAX_MESSAGE: a command at the kernel's exec limit */
 #define MAX_GROUPS 256

@@ -3,7 +3,7 @@
 A backend's snapshot writes a directory tree (the container backend: a copy of the overlay upper, taken
 frozen, with whiteouts, ``trusted.overlay.*`` xattrs, owners and hard links as they are; the microvm
 backend: its migration state and shape). :meth:`SnapshotStore.publish` stores that tree as an untagged
-image of the image store (:meth:`dsec.images.store.ImageStore.upload_tree`: content-defined chunks, so
+image of the image store (:meth:`dsec.images.image_store.ImageStore.upload_tree`: content-defined chunks, so
 identical content dedups across snapshots and images) and writes the record ``snapshots/<id>``: the
 layers (manifest digests, top first), image, backend, spec. A *layered* backend's snapshot of a sandbox
 that was itself restored lists its own new layer over the layers it runs on, so a snapshot only stores
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from dsec.errors import ImageCorrupt, InvalidRequest, NotFound, SandboxError
 from dsec.images.cache import chunk_key
 from dsec.images.format import sha256
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from dsec.models import ImageInfo
 
 __all__ = ["SnapshotStore"]

@@ -24,11 +24,11 @@ from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import CacheFull, ImageCorrupt, ImageNotFound, StoreUnavailable
+from dsec.images.blob_store import DirStore
 from dsec.images.cache import ChunkCache, chunk_key, free_reserve
 from dsec.images.format import ChunkRef, Manifest, sha256
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.store import ImageStore
-from dsec.images.stores import DirStore
 from dsec.models import ExecRequest, ImageInfo, SandboxSpec
 from dsec.testing.fake import FakeBackend
 from image_support import make_tree, seaweedfs
@@ -292,7 +292,7 @@ def test_a_missing_image_is_reported_by_the_engine(home: Path) -> None:
 def test_two_processes_importing_one_image_at_once(home: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_tree(src, big=8 * MiB)
-    code = ("import sys; from dsec.images.store import ImageStore\n"
+    code = ("import sys; from dsec.images.image_store import ImageStore\n"
             "try:\n    ImageStore(sys.argv[1]).import_dir('img', sys.argv[2], uid_shift=0)\n"
             "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(home / "images"), str(src)],

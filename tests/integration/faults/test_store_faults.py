@@ -23,7 +23,7 @@ from test_chaos import component, node_on, wait_ok
 import dsec
 from container_support import images_dir, short_home
 from dsec.config import Settings
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from image_support import seaweedfs
 from postgres_support import PgServer, postgres_or_missing, read_only
 

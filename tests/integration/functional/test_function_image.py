@@ -17,9 +17,9 @@ from dsec.backends.function import FunctionBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.oci import import_image
-from dsec.images.store import ImageStore
+from dsec.images.oci_import import import_image
 from dsec.models import CallRequest, ExecRequest, SandboxSpec
 from function_support import fn_leftovers
 

@@ -23,10 +23,10 @@ from dsec.config import Settings
 from dsec.errors import BuildFailed, ImageNotFound, InvalidRequest
 from dsec.images.builder import Builder, build_user
 from dsec.images.dockerfile import build_dockerfile
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.oci import import_image, open_source
+from dsec.images.oci_import import import_image, open_source
 from dsec.images.registry import RegistryClient
-from dsec.images.store import ImageStore
 from dsec.models import ImageBuildRequest
 from image_builders import OCI_MANIFEST, Image, d, f, sha, sym
 from registry_support import running_registry

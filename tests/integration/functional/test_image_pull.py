@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from conftest import missing
 from dsec.errors import ImageNotFound, InvalidRequest, Unauthorized
+from dsec.images.image_store import ImageStore
 from dsec.images.registry import RegistryClient, parse_reference, pull
-from dsec.images.store import ImageStore
 from image_builders import OCI_INDEX, OCI_MANIFEST, Image, check_flattened, f, sample_image, sha
 from image_support import ImageRootFn
 from registry_support import PASSWORD, USER, Registry, running_registry

@@ -18,10 +18,10 @@ from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.errors import InvalidRequest
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.oci import ImageSource, import_image, open_source
+from dsec.images.oci_import import ImageSource, import_image, open_source
 from dsec.images.registry import RegistryClient, pull
-from dsec.images.store import ImageStore
 from dsec.models import ExecRequest, ExecResult, SandboxSpec
 from image_builders import OCI_MANIFEST, Entry, Image, d, f, sha, sym
 from registry_support import running_registry

@@ -22,8 +22,8 @@ from container_support import short_home, sweep, wait_until
 from dsec.backends.container import ContainerBackend
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
+from dsec.images.image_store import ImageStore
 from dsec.images.node import NodeImages
-from dsec.images.store import ImageStore
 from dsec.models import ExecRequest, SandboxSpec
 from image_support import make_tree, seaweedfs
 

@@ -35,7 +35,7 @@ from conftest import missing
 from container_support import images_dir, short_home, sweep, wait_until
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers
-from dsec.images.store import ImageStore
+from dsec.images.image_store import ImageStore
 from image_support import make_tree, seaweedfs
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

@@ -31,7 +31,7 @@ from dsec.backends.base import ImageRef
 from dsec.backends.container import PRISTINE_DIR, ContainerBackend
 from dsec.errors import DSecError, InvalidRequest
 from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
-from dsec.isolation.oci import INIT_PATH, masked_dirs
+from dsec.isolation.oci_runtime import INIT_PATH, masked_dirs
 from dsec.models import SandboxRecord
 from dsec.testing import sandbox
 

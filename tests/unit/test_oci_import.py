@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dsec.errors import DSecError, InvalidRequest
+from dsec.images.image_store import ImageStore
 from dsec.images.layers import split_entry_name
-from dsec.images.oci import ImageSource, import_image, open_source
-from dsec.images.store import ImageStore
+from dsec.images.oci_import import ImageSource, import_image, open_source
 from image_builders import Entry, Image, check_flattened, d, f, hard, sample_image, sym, tar_dir, write_tar
 from image_support import ImageRootFn
 

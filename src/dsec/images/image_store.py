@@ -1,4 +1,4 @@
-"""The image store: named images kept as chunked EROFS images in a :class:`~dsec.images.stores.BlobStore`.
+"""The image store: named images kept as chunked EROFS images in a :class:`~dsec.images.blob_store.BlobStore`.
 
 Layout of the blob store (``$DSEC_IMAGE_STORE``, default the directory ``<root>/store``)::
 
@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import DSecError, ImageCorrupt, ImageNotFound, InvalidRequest, NotSupported
+from dsec.images.blob_store import BlobStore, DirStore, open_store
 from dsec.images.cache import chunk_key
 from dsec.images.format import ChunkRef, Manifest, build_erofs, cut_blob, sha256
 from dsec.images.ref import ImageRef
-from dsec.images.stores import BlobStore, DirStore, open_store
 from dsec.models import ImageConfig, ImageInfo
 
 __all__ = ["DEFAULT_PATH", "GcResult", "ImageStats", "ImageStore", "validate_name"]

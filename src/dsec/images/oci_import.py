@@ -34,8 +34,8 @@ from typing import IO, Any, Protocol, cast
 import zstandard
 
 from dsec.errors import InvalidRequest
+from dsec.images.image_store import ImageStore, validate_name
 from dsec.images.layers import Flattener, FlattenStats
-from dsec.images.store import ImageStore, validate_name
 from dsec.models import ImageConfig, ImageInfo
 
 __all__ = [
