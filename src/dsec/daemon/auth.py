@@ -10,6 +10,10 @@ image reads (trajectory forks and logs, image pulls, metrics) need an admin toke
 Per-token rate limits (``requests_per_s``, ``creates_per_s``) are token buckets holding one second of
 burst; a refused request is 429 ``RateLimited`` with a ``Retry-After`` header.
 
+What a job token may do is decided per operation of the node API (:data:`JOB_POLICY`), and a request is
+matched to its operation by the same declarations the server binds (:class:`~dsec.api.protocol.NodeAPI`):
+no path is spelled here, and an operation added to the API without a decision is admin-only.
+
 The token file (``DSEC_HOME/tokens.json``, 0600) stores each token's sha256, never the token; it is
 re-read when it changes, so ``dsec token create`` takes effect on a running daemon. This module owns the
 file and the guard; it never touches a sandbox (ownership is read through ``owner_of``).
@@ -35,21 +39,89 @@ from typing import Any, Literal
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dsec.api.operations import Operation, operations_of
 from dsec.api.protocol import NodeAPI
 from dsec.daemon.audit import caller
 from dsec.daemon.fence import FENCE_HEADER, Fences
 from dsec.errors import DSecError, Forbidden, InvalidRequest, RateLimited, SandboxNotFound, Unauthorized
 
-__all__ = ["JOB_LABEL", "AuthGuard", "TokenEntry", "TokenFile", "open_path"]
+__all__ = ["JOB_LABEL", "JOB_POLICY", "AuthGuard", "JobPolicy", "TokenEntry", "TokenFile", "job_policy", "open_path"]
 
 JOB_LABEL = "dsec.job"
 """The label that records which job's token created a sandbox."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
-_DESTROY_MANY = NodeAPI.destroy_many.path
 _FENCE = FENCE_HEADER.lower().encode()
-_BATCH_STREAM = NodeAPI.create_many_stream.path
+
+JobPolicy = Literal["create", "batch", "fork", "list", "destroy_many", "owner", "read", "admin"]
+"""What the guard does with a job token's call of an operation: ``create``, ``batch`` and ``fork`` count
+against its create limit (``create`` and ``batch`` also get the job's label; ``fork`` needs the sandbox to
+be the job's); ``list`` is narrowed to the job's sandboxes, ``destroy_many`` to its ids; ``owner`` passes
+only for the job's own sandbox (any other is answered as missing); ``read`` passes; ``admin`` is refused."""
+
+JOB_POLICY: dict[str, JobPolicy] = {
+    "create": "create",
+    "create_many": "batch",
+    "create_many_stream": "batch",
+    "fork": "fork",
+    "list": "list",
+    "destroy_many": "destroy_many",
+    "list_images": "read",
+    "get_image": "read",
+}
+"""The operations whose job-token policy is not the default of :func:`job_policy`."""
+
+_SANDBOX_PATH = NodeAPI.get.path  # /v1/sandboxes/{sandbox_id}: one sandbox, and its routes under it
+_SANDBOX_PREFIX = _SANDBOX_PATH.partition("{")[0]
+_SCOPED_DENIED = frozenset({"destroy", "fork"})  # change what a cluster gateway accounts for
+
+
+def job_policy(op: Operation[Any, Any]) -> JobPolicy:
+    """The policy for a job token's call of ``op``: :data:`JOB_POLICY`'s, else ``owner`` for a sandbox's own
+    operation (its path under ``/v1/sandboxes/{sandbox_id}``), else ``admin``."""
+    if op.name in JOB_POLICY:
+        return JOB_POLICY[op.name]
+    return "owner" if op.path == _SANDBOX_PATH or op.path.startswith(_SANDBOX_PATH + "/") else "admin"
+
+
+class _Routes:
+    """The node API's operations by method and path, matched as the server matches them (a literal path before
+    a templated one: ``/v1/sandboxes/batch`` is create_many, not a sandbox named ``batch``)."""
+
+    def __init__(self, ops: tuple[Operation[Any, Any], ...]) -> None:
+        self.exact: dict[tuple[str, str], Operation[Any, Any]] = {}
+        self.templated: list[tuple[str, re.Pattern[str], Operation[Any, Any]]] = []
+        for op in ops:
+            if "{" in op.path:
+                pattern = re.compile(re.sub(r"{(\w+)}", r"(?P<\1>[^/]+)", op.path))
+                self.templated.append((op.method, pattern, op))
+            else:
+                self.exact[(op.method, op.path)] = op
+
+    def match(self, method: str, path: str) -> tuple[Operation[Any, Any], dict[str, str]] | None:
+        """The operation ``method path`` calls and its path parameters (unquoted); None if none does."""
+        op = self.exact.get((method, path))
+        if op is not None:
+            return op, {}
+        for op_method, pattern, op in self.templated:
+            found = pattern.fullmatch(path)
+            if found is not None and op_method == method:
+                return op, {k: urllib.parse.unquote(v) for k, v in found.groupdict().items()}
+        return None
+
+
+_ROUTES = _Routes(operations_of(NodeAPI))
+_unknown = set(JOB_POLICY) - {op.name for op in operations_of(NodeAPI)}
+if _unknown:  # a renamed or removed operation must not leave a policy that no longer applies
+    raise RuntimeError(f"JOB_POLICY names operations the node API does not have: {sorted(_unknown)}")
+
+
+def _sandbox_of(path: str) -> str | None:
+    """The sandbox id a path under ``/v1/sandboxes/<id>`` addresses (quoted, as sent), else None."""
+    if not path.startswith(_SANDBOX_PREFIX):
+        return None
+    sandbox_id = path[len(_SANDBOX_PREFIX):].partition("/")[0]
+    return sandbox_id or None
 
 
 @dataclass(frozen=True)
@@ -184,10 +256,10 @@ def _scoped_ok(admin_token: str, given: bytes, method: str, path: str) -> bool:
     sandbox_id = text[len("Bearer " + _SCOPED):].rpartition(".")[0]
     if not sandbox_id or not secrets.compare_digest(text[len("Bearer "):], scoped_token(admin_token, sandbox_id)):
         return False
-    prefix = f"/v1/sandboxes/{sandbox_id}"
-    if path != prefix and not path.startswith(prefix + "/"):
+    if _sandbox_of(path) != sandbox_id:
         return False
-    return not (method == "DELETE" and path == prefix) and path != prefix + "/fork"
+    route = _ROUTES.match(method, path)
+    return route is None or route[0].name not in _SCOPED_DENIED
 
 
 @dataclass(frozen=True)
@@ -268,8 +340,9 @@ class AuthGuard:
 
     async def _count_creates(self, entry: TokenEntry, scope: Scope, receive: Receive) -> Receive:
         """An admin token from the file: only its create limit applies."""
-        kind = _create_route(scope)
-        if kind is None or entry.creates_per_s is None:
+        route = _ROUTES.match(scope["method"], scope["path"])
+        kind = job_policy(route[0]) if route is not None else None
+        if kind not in ("create", "batch", "fork") or entry.creates_per_s is None:
             return receive
         body, receive = await _read_body(receive)
         self._limit(entry, "creates", entry.creates_per_s, _create_count(kind, _json(body)))
@@ -277,34 +350,32 @@ class AuthGuard:
 
     async def _scope_to_job(self, job: str, entry: TokenEntry | None, scope: Scope, receive: Receive) -> Receive:
         path, method = scope["path"], scope["method"]
-        kind = _create_route(scope)
-        if kind is not None:
+        route = _ROUTES.match(method, path)
+        if route is None:  # no such operation: the app answers 404 or 405, to the sandbox's owner only
+            sandbox_id = _sandbox_of(path)
+            if sandbox_id is None:
+                raise Forbidden(f"{method} {path} needs an admin token (this token is scoped to job {job!r})")
+            await self._check_owner(job, urllib.parse.unquote(sandbox_id))
+            return receive
+        op, params = route
+        kind = job_policy(op)
+        if kind in ("create", "batch", "fork"):
             body, replayed = await _read_body(receive)
             doc = _json(body)
             if kind == "fork":
-                await self._check_owner(job, _SANDBOX_ROUTE.match(path).group(1))  # type: ignore[union-attr]
+                await self._check_owner(job, params["sandbox_id"])
             self._limit(entry, "creates", entry.creates_per_s if entry else None, _create_count(kind, doc))
-            if kind in ("create", "batch") and isinstance(doc, dict):
-                spec = doc if kind == "create" else doc.get("spec")
-                if isinstance(spec, dict):
-                    trajectory = spec.get("trajectory")
-                    if trajectory is not None and not str(trajectory).startswith(f"{job}/"):
-                        raise Forbidden(f"a token of job {job!r} may only bind trajectories named '{job}/...', "
-                                        f"got {trajectory!r}")
-                    labels = spec.get("labels")
-                    spec["labels"] = {**(labels if isinstance(labels, dict) else {}), JOB_LABEL: job}
-                    body = json.dumps(doc).encode()
-                    _set_length(scope, len(body))
-                    return _replay(body, receive)
+            if kind != "fork" and isinstance(doc, dict):
+                return _labelled(job, kind, doc, scope, receive) or replayed
             return replayed
-        if path == "/v1/sandboxes" and method == "GET":
+        if kind == "list":
             # Any job filter the caller sent is replaced by the token's own.
             pairs = [(k, v) for k, v in urllib.parse.parse_qsl(scope.get("query_string", b"").decode(errors="replace"),
                                                                keep_blank_values=True)
                      if not (k == "label" and v.split("=", 1)[0].strip() == JOB_LABEL)]
             scope["query_string"] = urllib.parse.urlencode([*pairs, ("label", f"{JOB_LABEL}={job}")]).encode()
             return receive
-        if path == _DESTROY_MANY and method == "POST":
+        if kind == "destroy_many":
             # Narrowed to the token's job, as a create is labelled with it: other jobs' ids count as missing.
             body, replayed = await _read_body(receive)
             doc = _json(body)
@@ -313,11 +384,10 @@ class AuthGuard:
             body = json.dumps({**doc, "job": job}).encode()
             _set_length(scope, len(body))
             return _replay(body, receive)
-        match = _SANDBOX_ROUTE.match(path)
-        if match is not None:
-            await self._check_owner(job, urllib.parse.unquote(match.group(1)))
+        if kind == "owner":
+            await self._check_owner(job, params["sandbox_id"])
             return receive
-        if method == "GET" and (path == "/v1/images" or path.startswith("/v1/images/")):
+        if kind == "read":
             return receive
         raise Forbidden(f"{method} {path} needs an admin token (this token is scoped to job {job!r})")
 
@@ -331,21 +401,23 @@ class AuthGuard:
 def open_path(path: str) -> bool:
     """Paths served without a token: health, and the dashboard's static files (they hold no data; the page
     asks for a token and sends it with every API call), and ``/``, which redirects a browser there."""
-    return path in ("/v1/health", "/", "/ui") or path.startswith("/ui/")
+    return path in (NodeAPI.health.path, "/", "/ui") or path.startswith("/ui/")
 
 
-def _create_route(scope: Scope) -> str | None:
-    if scope["method"] != "POST":
+def _labelled(job: str, kind: JobPolicy, doc: dict[str, Any], scope: Scope, receive: Receive) -> Receive | None:
+    """The body of a job's create (``doc``: a spec) or batch (``doc["spec"]``) with the job's label added, as
+    a ``receive`` to hand the app; None if there is no spec to label (the route's validation answers 400)."""
+    spec = doc if kind == "create" else doc.get("spec")
+    if not isinstance(spec, dict):
         return None
-    path = scope["path"]
-    if path == "/v1/sandboxes":
-        return "create"
-    if path in ("/v1/sandboxes/batch", _BATCH_STREAM):
-        return "batch"
-    match = _SANDBOX_ROUTE.match(path)
-    if match is not None and match.group(2) == "/fork":
-        return "fork"
-    return None
+    trajectory = spec.get("trajectory")
+    if trajectory is not None and not str(trajectory).startswith(f"{job}/"):
+        raise Forbidden(f"a token of job {job!r} may only bind trajectories named '{job}/...', got {trajectory!r}")
+    labels = spec.get("labels")
+    spec["labels"] = {**(labels if isinstance(labels, dict) else {}), JOB_LABEL: job}
+    body = json.dumps(doc).encode()
+    _set_length(scope, len(body))
+    return _replay(body, receive)
 
 
 def _create_count(kind: str, doc: Any) -> float:
