@@ -45,7 +45,7 @@ from dsec.daemon.health import Health
 from dsec.daemon.host_limits import HostLimits
 from dsec.daemon.image_pins import ImagePins, ImageResolver, NoImages, snapshot_store
 from dsec.daemon.metrics import Metrics
-from dsec.daemon.node_backends import NodeBackends, backend_class
+from dsec.daemon.node_backends import NodeBackends
 from dsec.daemon.node_state import NodeState
 from dsec.daemon.observation import Observation
 from dsec.daemon.pools import Pools
@@ -84,7 +84,7 @@ from dsec.models import (
 from dsec.trajectory.replay import Trajectories
 from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
-__all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine", "ImageResolver", "backend_class"]
+__all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine"]
 
 IMAGE_IDLE_SECONDS = 600.0
 """How long an image mount stays warm after its last sandbox is destroyed."""

@@ -109,7 +109,7 @@ def _lock(settings: Settings, dead: int) -> int | None:
 def clean_up(settings: Settings) -> list[str]:
     """For a daemon that died: end what nobody will re-adopt (the unfinished creates' QEMUs), and with no sandbox
     record left, what its own close releases; returns what was done. Call with the home's lock held."""
-    from dsec.daemon.engine import backend_class
+    from dsec.daemon.node_backends import backend_class
     from dsec.daemon.state import StateStore
 
     records = StateStore.peek(settings.state_db) if settings.state_db.exists() else {}
