@@ -297,6 +297,10 @@ async def _rollout(node: _Node, tally: _Tally, name: str, rng: random.Random) ->
         if again is None:
             return
         mine.add(again.id)
+        bound = await _guard(tally, "info", mine, again.info)
+        if bound is not None and bound.trajectory is None:  # its calls would run outside the log, unnumbered
+            tally.exactly_once_violations.append(f"{name}: re-opened as {again.id}, not bound to its log")
+            return
         for step in steps:
             replayed = await _guard(tally, "replay", mine, functools.partial(again.exec, step))
             if replayed is None:
