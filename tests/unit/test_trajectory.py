@@ -193,6 +193,29 @@ async def test_lost_sandbox_restores_checkpoint_and_reports_missing_effects(engi
     assert await engine.read_file(rebuilt.id, "/workspace/late.txt", seq=4) == b"late"
 
 
+async def test_a_lost_sandbox_forgotten_while_its_trajectory_is_reopened_leaves_the_new_one_bound(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lost sandbox's removal finishing while a re-open rebuilds its trajectory must not drop the
+    trajectory the re-open just loaded: the new sandbox would answer unbound, and the agent's calls would
+    run outside its log."""
+    info = await engine.create(spec())
+    await engine.exec(info.id, COUNT, seq=0)
+    old = engine.find_record(info.id)
+    assert old is not None
+    await engine.destroy(info.id)  # lost
+    real = engine.create_unpooled
+
+    async def racing(*args: object, **kwargs: object) -> object:
+        engine.rollouts.forget(old)  # the lost sandbox's removal, done as the rebuild runs
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "create_unpooled", racing)
+    back = await engine.create(spec())
+    assert back.trajectory is not None and back.trajectory.missing_effects == [0]
+    assert (await engine.exec(back.id, COUNT, seq=0)).replayed
+    assert (await engine.get(back.id)).trajectory is not None
+
+
 async def test_a_rebuild_that_fails_or_is_cut_off_half_way_keeps_no_sandbox(engine: Engine,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A lost trajectory sandbox is rebuilt in steps (create, re-run, bind); one that fails or is cut off

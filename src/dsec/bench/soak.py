@@ -119,6 +119,8 @@ class _Node:
         os.environ.setdefault("DSEC_MICROVM_BOOT_TIMEOUT", "600")
         self.pid = server.up(settings, timeout=120)
         self.client = Client(url=f"unix://{settings.socket_path}")
+        self.probe_error: str | None = None
+        """Why the last check that creates work failed (a backend, an exit code, the end of stderr)."""
 
     def rss_mib(self) -> float | None:
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -295,6 +297,10 @@ async def _rollout(node: _Node, tally: _Tally, name: str, rng: random.Random) ->
         if again is None:
             return
         mine.add(again.id)
+        bound = await _guard(tally, "info", mine, again.info)
+        if bound is not None and bound.trajectory is None:  # its calls would run outside the log, unnumbered
+            tally.exactly_once_violations.append(f"{name}: re-opened as {again.id}, not bound to its log")
+            return
         for step in steps:
             replayed = await _guard(tally, "replay", mine, functools.partial(again.exec, step))
             if replayed is None:
@@ -396,7 +402,10 @@ async def _creates_work(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> b
         sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"}, client=node.client,
                                        **sized)
         try:
-            if (await sb.exec("python3 -c 'print(1)'", timeout=120)).exit_code != 0:
+            # a TCG guest on an oversubscribed host can take minutes to start Python
+            ran = await sb.exec("python3 -c 'print(1)'", timeout=600 if backend == "microvm" else 120)
+            if ran.exit_code != 0:
+                node.probe_error = f"{backend}: exit {ran.exit_code}, {ran.stderr[-300:].decode(errors='replace')}"
                 return False
         finally:
             await sb.close()
@@ -529,7 +538,7 @@ async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tal
     try:
         _microvm_available(tally, results)
         if not await _creates_work(node, tally.backends):  # warm: the image mounted, the helpers started
-            raise RuntimeError("the node could not create a sandbox before the soak")
+            raise RuntimeError(f"the node could not create a sandbox before the soak ({node.probe_error})")
         results["rss_start_mib"] = node.rss_mib()
         deadline, done = time.monotonic() + cfg.minutes * 60, asyncio.Event()
         progress(f"{cfg.workers} workers on {', '.join(tally.backends)} for {cfg.minutes:g} min, "

@@ -157,11 +157,13 @@ class Rollouts:
         """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
         re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""
         t = self._bound(record)
-        if t is not None and not t.flights:
-            self.log.forget(t.name)
-            lock = self._opening.get(t.name)
-            if lock is not None and not lock.locked():
-                del self._opening[t.name]
+        if t is None or t.flights:
+            return
+        lock = self._opening.get(t.name)
+        if lock is not None and lock.locked():
+            return  # being re-opened now: the opener rebinds it to a new sandbox, and needs it loaded
+        self.log.forget(t.name)
+        self._opening.pop(t.name, None)
 
     # -- opening --------------------------------------------------------------------------------------
 
