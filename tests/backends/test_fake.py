@@ -12,7 +12,7 @@ import pytest
 
 from dsec.backends.base import Backend, ImageRef
 from dsec.testing import CHECKS, FakeBackend, check_backend
-from dsec.testing.conformance import Check
+from dsec.testing.conformance import Check, SharedSandbox, own_sandbox, run, sandbox
 
 
 @contextlib.asynccontextmanager
@@ -40,6 +40,75 @@ async def test_check_backend_reports_failures(tmp_path: Path) -> None:
 
     with pytest.raises(AssertionError, match="1 conformance check\\(s\\) failed:\nbroken: "):
         await check_backend(lambda: fake_factory(tmp_path), [broken])
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+async def test_every_check_passes_on_one_shared_sandbox(order: str, tmp_path: Path) -> None:
+    """Checks borrowing one sandbox in turn pass in either order: each returns it as it found it."""
+    checks = CHECKS if order == "forward" else CHECKS[::-1]
+    async with fake_factory(tmp_path) as (backend, image):
+        lender = SharedSandbox(backend, image)
+        try:
+            for check in checks:
+                with lender.serving(check):
+                    await check(backend, image)
+            assert lender.created == 1 and lender.record is not None
+        finally:
+            await lender.aclose()
+        assert list((tmp_path / "sandboxes").iterdir()) == []
+
+
+async def test_a_shared_sandbox_is_lent_only_where_it_fits(tmp_path: Path) -> None:
+    seen: dict[str, str] = {}
+
+    async def plain(backend: Backend, image: ImageRef) -> None:
+        async with sandbox(backend, image) as a, sandbox(backend, image) as b, \
+                sandbox(backend, image, env={"X": "1"}) as c:
+            seen.update(a=a.id, b=b.id, c=c.id)
+
+    @own_sandbox
+    async def owner(backend: Backend, image: ImageRef) -> None:
+        async with sandbox(backend, image) as sb:
+            seen["own"] = sb.id
+
+    async with fake_factory(tmp_path) as (backend, image):
+        lender = SharedSandbox(backend, image)
+        try:
+            with lender.serving(plain):
+                await plain(backend, image)
+            with lender.serving(owner):
+                await owner(backend, image)
+            assert lender.record is not None and seen["a"] == lender.record.id
+            assert len({lender.record.id, seen["b"], seen["c"], seen["own"]}) == 4, seen  # fresh ones
+            async with sandbox(backend, image) as outside:  # not serving: never lent
+                assert outside.id != lender.record.id
+            assert sorted(p.name for p in (tmp_path / "sandboxes").iterdir()) == [lender.record.id]
+        finally:
+            await lender.aclose()
+
+
+async def test_a_failed_or_unresettable_borrower_gets_a_new_sandbox(tmp_path: Path) -> None:
+    async def fails(backend: Backend, image: ImageRef) -> None:
+        async with sandbox(backend, image) as sb:
+            await backend.write_file(sb, "/workspace/half-done", b"x", None)
+            raise RuntimeError("check failed")
+
+    async def clean(backend: Backend, image: ImageRef) -> None:
+        async with sandbox(backend, image) as sb:
+            assert (await run(backend, sb, "ls -A")).stdout == b""
+
+    async with fake_factory(tmp_path) as (backend, image):
+        lender = SharedSandbox(backend, image, reset="touch stuck")  # a reset that leaves a file behind
+        try:
+            with lender.serving(fails), pytest.raises(RuntimeError, match="check failed"):
+                await fails(backend, image)
+            assert lender.record is None and list((tmp_path / "sandboxes").iterdir()) == []
+            with lender.serving(clean), pytest.raises(AssertionError, match="not reset"):
+                await clean(backend, image)
+            assert lender.record is None and lender.created == 2
+            assert list((tmp_path / "sandboxes").iterdir()) == []
+        finally:
+            await lender.aclose()
 
 
 def test_checks_are_named_and_unique() -> None:

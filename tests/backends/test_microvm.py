@@ -4,6 +4,7 @@ its own kernel, snapshot restore with fresh identity, and faults (panic, power-o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import signal
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from conftest import missing
 from container_support import images_dir, short_home
@@ -22,7 +24,7 @@ from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxErro
 from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
-from dsec.testing.conformance import Check
+from dsec.testing.conformance import Check, SharedSandbox
 from guest_support import CONFINED_VIEW
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
@@ -57,8 +59,9 @@ def home() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
+@contextlib.asynccontextmanager
+async def started(home: Path) -> AsyncIterator[MicroVMBackend]:
+    """A started backend on ``home``; on exit, no sandbox or QEMU of it may be left."""
     b = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
     await b.start()
     try:
@@ -72,9 +75,39 @@ async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[Mi
         assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
-async def test_microvm_conforms(check: Check, backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
-    await asyncio.wait_for(check(backend, debian_python_image), 180)
+@pytest.fixture
+async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
+    async with started(home) as b:
+        yield b
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="class")
+async def shared(home: Path, debian_python_image: ImageRef) -> AsyncIterator[SharedSandbox]:
+    """A backend and a running sandbox the conformance checks that only need one borrow in turn (a guest
+    restore saved per check under TCG); class scope: gone before the module's other tests, whose backends
+    sweep this home's orphans."""
+    async with started(home) as b:
+        # commands have a pid namespace of their own (the agent is outside it): kill -1 ends what a check left
+        # running and nothing else
+        lender = SharedSandbox(b, debian_python_image, reset="kill -KILL -1 2>/dev/null; true")
+        try:
+            yield lender
+        finally:
+            await lender.aclose()
+
+
+class TestConformance:
+    """The conformance checks, sharing :func:`shared`'s sandbox where a check only needs a running one."""
+
+    @pytest.mark.asyncio(loop_scope="class")
+    @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+    async def test_microvm_conforms(self, check: Check, shared: SharedSandbox) -> None:
+        backend = shared.backend
+        assert isinstance(backend, MicroVMBackend)
+        with shared.serving(check):
+            await asyncio.wait_for(check(backend, shared.image), 180)
+        kept = {shared.record.id} if shared.record else set()
+        assert set(backend.machines.machines) == kept, "a check left a guest behind"
 
 
 async def test_guest_kernel_is_not_the_host_kernel(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, cast, get_args
@@ -26,7 +27,8 @@ from dsec.backends.base import Backend, ImageRef
 from dsec.errors import DSecError, NotFound
 from dsec.models import BackendName, ExecEvent, ExecRequest, ExecResult, SandboxRecord, SandboxSpec
 
-__all__ = ["CHECKS", "BackendFactory", "Check", "check_backend", "expect_error", "new_record", "run", "sandbox"]
+__all__ = ["CHECKS", "BackendFactory", "Check", "SharedSandbox", "check_backend", "expect_error", "new_record",
+           "own_sandbox", "run", "sandbox"]
 
 BackendFactory = Callable[[], AbstractAsyncContextManager[tuple[Backend, ImageRef]]]
 """Makes a ready backend (``start()`` done) and an image to create sandboxes from; cleans up on exit."""
@@ -47,9 +49,98 @@ def new_record(backend_name: str, image: ImageRef | str | None, **spec_overrides
                          expires_at=now + spec.timeout)
 
 
+_OWN_SANDBOX: set[str] = set()
+_lender: contextvars.ContextVar[SharedSandbox | None] = contextvars.ContextVar("dsec_conformance_lender",
+                                                                               default=None)
+
+
+def own_sandbox(check: Check) -> Check:
+    """Mark ``check`` as needing sandboxes of its own even where a :class:`SharedSandbox` lends one: it destroys
+    its sandbox, or changes it outside the working directory (the root's files) where no reset can undo it."""
+    _OWN_SANDBOX.add(check.__name__)
+    return check
+
+
+class SharedSandbox:
+    """One running sandbox of the default spec, lent in turn to checks that only need "a running sandbox".
+
+    On a backend whose sandboxes are slow to make (a guest per sandbox under TCG) this saves a create per
+    check. Only :func:`sandbox` calls without spec overrides borrow, one at a time; a check marked
+    :func:`own_sandbox`, a spec override or a second sandbox within one check gets a fresh one as before.
+    When the borrower returns, its working directory is emptied and ``reset`` (a shell command, for what a
+    backend knows how to undo, e.g. ``kill -KILL -1`` where the sandbox has a pid namespace of its own) is
+    run; then the sandbox must be as it was lent (an empty working directory), or the return fails. A
+    borrower that raised, or a reset that failed, gets the sandbox destroyed: the next borrower gets a new
+    one, so one failure never leaks into the next check."""
+
+    def __init__(self, backend: Backend, image: ImageRef, reset: str | None = None) -> None:
+        self.backend, self.image, self.reset = backend, image, reset
+        self.record: SandboxRecord | None = None
+        self.lent = False
+        self.created = 0
+        """How many sandboxes it made (1 unless a borrower failed or broke it)."""
+
+    @contextlib.contextmanager
+    def serving(self, check: Check) -> Iterator[None]:
+        """Lend to ``check``'s :func:`sandbox` calls while inside (unless it is marked :func:`own_sandbox`)."""
+        shares = check.__name__ not in _OWN_SANDBOX
+        token = _lender.set(self if shares else None)
+        try:
+            yield
+        finally:
+            _lender.reset(token)
+
+    @contextlib.asynccontextmanager
+    async def lend(self) -> AsyncIterator[SandboxRecord]:
+        if self.record is None:
+            record = new_record(self.backend.name, self.image)
+            try:
+                await self.backend.create(record, self.image)
+            except BaseException:
+                await self.backend.destroy(record)
+                raise
+            record.state = "running"
+            self.record, self.created = record, self.created + 1
+        self.lent = True
+        try:
+            yield self.record
+        except BaseException:
+            await self.discard()
+            raise
+        finally:
+            self.lent = False
+        try:
+            await self._restore(self.record)
+        except BaseException:
+            await self.discard()
+            raise
+
+    async def _restore(self, record: SandboxRecord) -> None:
+        # relative paths: the working directory is the sandbox's /workspace on every backend (fake included)
+        clean = "find . -mindepth 1 -delete"
+        r = await run(self.backend, record, f"{clean}; {self.reset}" if self.reset else clean, timeout=60)
+        left = await run(self.backend, record, "ls -A")
+        assert left.exit_code == 0 and left.stdout == b"", f"the shared sandbox was not reset: {r} {left}"
+
+    async def discard(self) -> None:
+        """Destroy the sandbox (if any); the next borrower gets a new one."""
+        record, self.record = self.record, None
+        if record is not None:
+            await self.backend.destroy(record)
+
+    async def aclose(self) -> None:
+        await self.discard()
+
+
 @contextlib.asynccontextmanager
 async def sandbox(backend: Backend, image: ImageRef, **spec_overrides: Any) -> AsyncIterator[SandboxRecord]:
-    """Create a sandbox and always destroy it, even when creation fails half-way."""
+    """Create a sandbox and always destroy it, even when creation fails half-way (or borrow the running
+    :class:`SharedSandbox` when one serves this check, and return it reset)."""
+    lender = _lender.get()
+    if lender is not None and lender.backend is backend and not lender.lent and not spec_overrides:
+        async with lender.lend() as shared:
+            yield shared
+        return
     record = new_record(backend.name, image, **spec_overrides)
     try:
         await backend.create(record, image)
@@ -281,6 +372,7 @@ async def check_file_errors(backend: Backend, image: ImageRef) -> None:
         assert await backend.read_file(sb, "/workspace/dir/file", MiB) == b"x"
 
 
+@own_sandbox
 async def check_path_containment(backend: Backend, image: ImageRef) -> None:
     """``..``, absolute paths and symlinks in file-API paths resolve inside the sandbox, never on the host.
 
@@ -350,6 +442,7 @@ def _host_bytes(path: str) -> bytes | None:
 
 
 # ----------------------------------------------------------------------------------- lifecycle
+@own_sandbox
 async def check_destroy(backend: Backend, image: ImageRef) -> None:
     record = new_record(backend.name, image)
     try:

@@ -38,7 +38,7 @@ from dsec.errors import (
 )
 from dsec.models import ExecRequest, SandboxRecord
 from dsec.models_surface import FileEvent
-from dsec.testing.conformance import MiB, expect_error, run, sandbox
+from dsec.testing.conformance import MiB, expect_error, own_sandbox, run, sandbox
 
 __all__ = ["SURFACE_CHECKS"]
 
@@ -93,6 +93,7 @@ async def _user(backend: Backend, sb: SandboxRecord) -> Identity:
     return found
 
 
+@own_sandbox
 async def check_exec_as_user(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
         if not backend.users:
@@ -110,6 +111,7 @@ async def check_exec_as_user(backend: Backend, image: ImageRef) -> None:
         assert r.stdout == b"still fine\n", "the sandbox is unusable after a refused user"
 
 
+@own_sandbox
 async def check_files_as_user(backend: Backend, image: ImageRef) -> None:
     async with sandbox(backend, image) as sb:
         if not backend.users:
@@ -317,6 +319,7 @@ async def check_process_handle(backend: Backend, image: ImageRef) -> None:
             await proc.write(b"late")
 
 
+@own_sandbox
 async def check_process_dies_with_sandbox(backend: Backend, image: ImageRef) -> None:
     sink = _Sink()
     async with sandbox(backend, image) as sb:
