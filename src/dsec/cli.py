@@ -781,9 +781,10 @@ def snapshot_rm(ids: tuple[str, ...]) -> None:
                    "`dsec bench cluster-sim --burst N`: sandboxes of the one-job batch (default 32000).")
 @click.option("--phase", "phases", multiple=True,
               type=click.Choice(["create", "sustained", "exec", "neighbours", "burst", "podman",
-                                 "decide", "idle", "batch", "single", "fill", "death", "restart", "run-code"]),
+                                 "decide", "idle", "batch", "single", "fill", "death", "restart", "replicas",
+                                 "run-code"]),
               help="pools suite: create, sustained, exec, neighbours, burst, podman; cluster-sim suite: decide, "
-                   "idle, batch, single, fill, death, restart; function suite: run-code. Run only this phase "
+                   "idle, batch, single, fill, death, restart, replicas; function suite: run-code. Run only this phase "
                    "(repeatable; default: all).")
 @click.option("--idle-vms", type=click.IntRange(1, 10_000), metavar="N",
               help="microvm suite: idle VMs alive at once, each answering an exec (default 8; 100 for the target).")

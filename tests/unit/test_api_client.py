@@ -47,6 +47,30 @@ async def test_one_set_of_connections_serves_every_node(nodes: list[Daemon]) -> 
     assert connections.statistics() == {"loops": 0, "origins": 0, "stream_clients": 0}
 
 
+async def test_lean_streams_follow_a_node_and_map_its_failures(nodes: list[Daemon]) -> None:
+    connections = Connections(lean_streams=True)
+    try:
+        api = NodeClient(nodes[0].tcp_url or "", nodes[0].token, connections=connections)
+        sandbox = await api.create(dsec.SandboxSpec(image="tiny"))
+        events = api.subscribe(0)
+        await api.destroy(sandbox.id)
+        kinds = set()
+        async for event in events:
+            if event.sandbox_id == sandbox.id:
+                kinds.add(event.kind)
+            if "destroyed" in kinds:
+                break
+        await events.aclose()  # type: ignore[attr-defined]
+        assert {"created", "destroyed"} <= kinds
+        assert connections.statistics()["stream_clients"] == 0  # no httpx client was made
+        with pytest.raises(dsec.Unauthorized):
+            await anext(api.at(nodes[0].tcp_url or "", "not-the-token").subscribe(0))
+    finally:
+        await connections.aclose()
+    with pytest.raises(dsec.ConnectionFailed, match="cannot reach"):
+        await anext(NodeClient("http://127.0.0.1:9", connections=Connections(lean_streams=True)).subscribe(0))
+
+
 async def test_a_timeout_bounds_each_call_of_its_view(tmp_path: Path) -> None:
     done = asyncio.Event()
 

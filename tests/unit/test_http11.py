@@ -160,3 +160,97 @@ async def test_a_cancelled_call_closes_its_connection(tmp_path: Path) -> None:
         # the daemon sees the hang-up (that is what kills a cancelled exec's command)
         await asyncio.wait_for(server.hangups.wait(), 5)
         assert not pool._idle
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+_STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_a_streamed_answer_comes_piece_by_piece_and_leaving_hangs_up(tmp_path: Path) -> None:
+    more = asyncio.Event()
+    hangup = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD + _chunk(b"first\n"))
+        await more.wait()  # the first piece reaches the reader before the answer goes on
+        writer.write(_chunk(b"second\n"))
+        await reader.read()  # until the client hangs up
+        hangup.set()
+        writer.close()
+
+    sock = str(tmp_path / "s.sock")
+    async with await asyncio.start_unix_server(handle, sock):
+        pool = Http11Pool(uds=sock)
+        async with pool.stream(b"GET /events HTTP/1.1\r\nHost: dsec\r\n\r\n", connect_timeout=5) as (status, body):
+            assert status == 200
+            assert await anext(body) == b"first\n"
+            more.set()
+            assert await anext(body) == b"second\n"
+        await asyncio.wait_for(hangup.wait(), 5)  # leaving closed the connection: the server stops
+        assert not pool._idle  # a stream's connection is its own, never reused
+        await pool.aclose()
+
+
+async def test_a_streamed_answer_ends_or_fails_with_its_connection(tmp_path: Path) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD + _chunk(b"a") + _chunk(b"b"))
+        if b"/whole" in head:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()  # /lost: the daemon dies mid-stream
+
+    sock = str(tmp_path / "s.sock")
+    async with await asyncio.start_unix_server(handle, sock):
+        pool = Http11Pool(uds=sock)
+        async with pool.stream(b"GET /whole HTTP/1.1\r\nHost: dsec\r\n\r\n", connect_timeout=5) as (_, body):
+            assert await body.read() == b"ab"
+        got = []
+        with pytest.raises(Http11Error, match="closed before a complete answer") as info:
+            async with pool.stream(b"GET /lost HTTP/1.1\r\nHost: dsec\r\n\r\n", connect_timeout=5) as (_, body):
+                async for piece in body:
+                    got.append(piece)
+        assert info.value.kind == "lost" and got == [b"a", b"b"]  # what came before the loss is kept
+        with pytest.raises(Http11Error) as info:
+            async with Http11Pool(uds=str(tmp_path / "absent.sock")).stream(b"GET / HTTP/1.1\r\n\r\n",
+                                                                            connect_timeout=5):
+                pass
+        assert info.value.kind == "connect"
+        await pool.aclose()
+
+
+async def test_a_lagging_reader_pauses_the_connection(tmp_path: Path) -> None:
+    piece = b"x" * 65536
+    sent = 0
+    stalled = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(256):  # 16 MiB: far more than the socket buffers hold
+                writer.write(_chunk(piece))
+                try:
+                    await asyncio.wait_for(writer.drain(), 0.5)
+                except TimeoutError:
+                    stalled.set()  # the client stopped reading: the server waits on the socket
+                    await writer.drain()
+                sent += 1
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    sock = str(tmp_path / "s.sock")
+    async with await asyncio.start_unix_server(handle, sock):
+        pool = Http11Pool(uds=sock)
+        async with pool.stream(b"GET / HTTP/1.1\r\nHost: dsec\r\n\r\n", connect_timeout=5) as (_, body):
+            await anext(body)
+            await asyncio.wait_for(stalled.wait(), 10)
+            assert sent < 256
+            assert len(await body.read()) == 255 * len(piece)  # then everything comes once read
+        await pool.aclose()

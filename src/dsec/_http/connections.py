@@ -131,12 +131,15 @@ class Connections:
 
     ``max_per_origin`` bounds the unary calls in flight to one node (the rest wait for a connection);
     ``stream_limit`` bounds the streamed answers open at once across all nodes (``None``: no bound, for a
-    gateway that follows every node's events); idle connections are dropped after ``keepalive_expiry``
-    seconds, before the server's own keep-alive timeout (uvicorn: 5 s) closes them under a request."""
+    gateway that follows every node's events); ``lean_streams``: streamed answers whose request is sent whole
+    go on the lean client (:meth:`lean_stream`) rather than httpx; idle connections are dropped after
+    ``keepalive_expiry`` seconds, before the server's own keep-alive timeout (uvicorn: 5 s) closes them under a
+    request."""
 
     def __init__(self, *, max_per_origin: int = 100, keepalive_expiry: float = 4.0,
-                 stream_limit: int | None = 100, user_agent: str = "dsec-sdk") -> None:
+                 stream_limit: int | None = 100, user_agent: str = "dsec-sdk", lean_streams: bool = False) -> None:
         self.max_per_origin = max_per_origin
+        self.lean_streams = lean_streams
         self.keepalive_expiry = keepalive_expiry
         self.stream_limit = stream_limit
         self.user_agent = user_agent
@@ -197,19 +200,23 @@ class Connections:
                 transport=transport, headers={"User-Agent": self.user_agent}, timeout=STREAM_TIMEOUT)
         return client
 
-    async def request(self, origin: Origin, method: str, target: str, body: bytes | None = None, *,
-                      content_type: str = "application/json", headers: str = "",
-                      timeout: httpx.Timeout = CONTROL_TIMEOUT) -> tuple[int, bytes]:
-        """Send one request (``target``: path and query; ``headers``: ready ``Name: value\\r\\n`` lines) on the
-        origin's keep-alive connections; the 2xx answer's status and body. Any other answer raises the error it
-        carries, a transport failure :class:`ConnectionFailed`."""
+    def _head(self, origin: Origin, method: str, target: str, body: bytes | None, content_type: str,
+              headers: str) -> bytes:
         head = (f"{method} {origin.prefix}{target} HTTP/1.1\r\nHost: {origin.netloc}\r\n"
                 f"User-Agent: {self.user_agent}\r\n")
         if body is not None:
             head += f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         elif method in _BODY_METHODS:
             head += "Content-Length: 0\r\n"
-        data = (head + headers + "\r\n").encode("latin-1")
+        return (head + headers + "\r\n").encode("latin-1")
+
+    async def request(self, origin: Origin, method: str, target: str, body: bytes | None = None, *,
+                      content_type: str = "application/json", headers: str = "",
+                      timeout: httpx.Timeout = CONTROL_TIMEOUT) -> tuple[int, bytes]:
+        """Send one request (``target``: path and query; ``headers``: ready ``Name: value\\r\\n`` lines) on the
+        origin's keep-alive connections; the 2xx answer's status and body. Any other answer raises the error it
+        carries, a transport failure :class:`ConnectionFailed`."""
+        data = self._head(origin, method, target, body, content_type, headers)
         tail = b""
         if body:
             if len(body) <= _JOINED:
@@ -220,15 +227,27 @@ class Connections:
             status, content = await self._pool(origin).request(data, body=tail, connect_timeout=timeout.connect,
                                                                read_timeout=timeout.read)
         except Http11Error as exc:
-            if exc.kind == "connect":
-                raise ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}",
-                                       sent=False) from exc
-            if exc.kind == "timeout":
-                raise ConnectionFailed(f"the DSec daemon at {origin.url} did not answer in time: {exc}") from exc
-            raise ConnectionFailed(f"connection to the DSec daemon at {origin.url} was lost mid-call: {exc}") from exc
+            raise _failed(origin, exc) from exc
         if not 200 <= status < 300:
             raise _error(status, content)
         return status, content
+
+    @asynccontextmanager
+    async def lean_stream(self, origin: Origin, method: str, target: str, body: bytes | None = None, *,
+                          content_type: str = "application/json",
+                          headers: str = "") -> AsyncIterator[AsyncIterator[bytes]]:
+        """Open a streamed answer on the lean client (a connection of its own, no read timeout: the server ends
+        it) and give its body's pieces as they come; a non-2xx answer raises the error it carries, a transport
+        failure (then or mid-stream) :class:`ConnectionFailed`. Leaving the block closes the connection, which
+        tells the server to stop."""
+        data = self._head(origin, method, target, body, content_type, headers) + (body or b"")
+        try:
+            async with self._pool(origin).stream(data, connect_timeout=STREAM_TIMEOUT.connect) as (status, content):
+                if not 200 <= status < 300:
+                    raise _error(status, await content.read())
+                yield _lean_chunks(origin, content)
+        except Http11Error as exc:
+            raise _failed(origin, exc) from exc
 
     @asynccontextmanager
     async def stream(self, origin: Origin, method: str, target: str,
@@ -302,6 +321,24 @@ class Connections:
 
 def _spawn(entry: _OnLoop) -> None:
     entry.loop.create_task(entry.aclose())
+
+
+async def _lean_chunks(origin: Origin, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A lean streamed body with a connection lost mid-stream raised as :class:`ConnectionFailed`."""
+    try:
+        async for chunk in content:
+            yield chunk
+    except Http11Error as exc:
+        raise _failed(origin, exc) from exc
+
+
+def _failed(origin: Origin, exc: Http11Error) -> ConnectionFailed:
+    """The :class:`ConnectionFailed` a lean request's transport failure is."""
+    if exc.kind == "connect":
+        return ConnectionFailed(f"cannot reach the DSec daemon at {origin.url}: {exc}; {_HINT}", sent=False)
+    if exc.kind == "timeout":
+        return ConnectionFailed(f"the DSec daemon at {origin.url} did not answer in time: {exc}")
+    return ConnectionFailed(f"connection to the DSec daemon at {origin.url} was lost mid-call: {exc}")
 
 
 def _error(status: int, content: bytes) -> DSecError:

@@ -6,8 +6,10 @@ shares the node's CPU with the daemon in every local benchmark: on httpcore, one
 of CPU (anyio streams and locks, h11's pure-Python parser, the pool's bookkeeping), as much as the daemon
 spent serving it. Here a request is one ``write`` of head and body, and the answer is parsed by httptools
 (the C parser uvicorn serves with) in the protocol's ``data_received``: one wake-up of the caller per
-answer. Only what unary calls need: a whole request in, a ``Content-Length``, chunked or empty answer read
-whole, keep-alive, a connect timeout and an optional read timeout; streamed answers stay on httpx.
+answer. A whole request in, a ``Content-Length``, chunked or empty answer read whole, keep-alive, a connect
+timeout and an optional read timeout; and a streamed answer (:meth:`Http11Pool.stream`: the gateway follows
+every node's event stream this way) read chunk by chunk on a connection of its own, with no read timeout and
+reading paused while its reader lags. Streamed uploads stay on httpx.
 
 Failures are raised as :class:`Http11Error` naming their kind (connect, timeout, lost); the connections
 map them to :class:`dsec.ConnectionFailed`. Nothing here retries: a request written to a connection that
@@ -21,6 +23,8 @@ import contextlib
 import ssl
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Literal, cast
 
 import httptools
@@ -28,6 +32,9 @@ import httptools
 __all__ = ["Http11Error", "Http11Pool"]
 
 Kind = Literal["connect", "timeout", "lost"]
+
+_PAUSE_AT = 256 * 1024
+"""A streamed answer's unread bytes at which the connection stops reading (the peer then waits on TCP)."""
 
 
 class Http11Error(Exception):
@@ -50,6 +57,13 @@ class _Connection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.closed = False
         self.idle_since = 0.0
+        self.chunks: asyncio.Queue[bytes | Http11Error | None] | None = None
+        """A streamed answer's body as it comes (None: its end); None when the answer is read whole."""
+        self.head: asyncio.Future[int] | None = None
+        """A streamed answer's status, once its head is read."""
+        self.queued = 0
+        self.paused = False
+        self.ended = False
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -67,18 +81,53 @@ class _Connection(asyncio.Protocol):
         self._fail(Http11Error("lost", f"the connection closed before a complete answer ({exc or 'EOF'})"))
 
     # -- httptools callbacks --
+    def on_headers_complete(self) -> None:
+        if self.head is not None and not self.head.done():
+            self.head.set_result(self.parser.get_status_code())
+
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.chunks is None:
+            self.body.append(body)
+            return
+        self.chunks.put_nowait(body)
+        self.queued += len(body)
+        if self.queued >= _PAUSE_AT and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
-        if self.answer is not None and not self.answer.done():
+        if self.chunks is not None:
+            self.ended = True
+            self.chunks.put_nowait(None)
+        elif self.answer is not None and not self.answer.done():
             self.answer.set_result((self.parser.get_status_code(), b"".join(self.body),
                                     self.parser.should_keep_alive()))
 
     def _fail(self, error: Http11Error) -> None:
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(error)
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        if self.chunks is not None and not self.ended:
+            self.ended = True
+            self.chunks.put_nowait(error)
         self.close()
+
+    async def chunk(self) -> bytes | None:
+        """The streamed answer's next piece of body; None once it ended (a lost connection raises)."""
+        assert self.chunks is not None
+        item = await self.chunks.get()
+        if isinstance(item, Http11Error):
+            self.chunks.put_nowait(item)  # every later read fails the same way
+            raise item
+        if item is None:
+            self.chunks.put_nowait(None)
+            return None
+        self.queued -= len(item)
+        if self.paused and self.queued < _PAUSE_AT // 2 and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return item
 
     def close(self) -> None:
         self.closed = True
@@ -95,11 +144,17 @@ class _Connection(asyncio.Protocol):
             self.transport.write(body)
         if read_timeout is None:
             return await self.answer
+        # A timer on the loop rather than wait_for: no task and no shield per call.
+        timer = self.loop.call_later(read_timeout, self._time_out, self.answer, read_timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(self.answer), read_timeout)
-        except TimeoutError:
-            self.answer.cancel()  # nobody will read it: the connection closing later must not set an error on it
-            raise Http11Error("timeout", f"no answer within {read_timeout:g} s") from None
+            return await self.answer
+        finally:
+            timer.cancel()
+
+    @staticmethod
+    def _time_out(answer: asyncio.Future[tuple[int, bytes, bool]], after: float) -> None:
+        if not answer.done():
+            answer.set_exception(Http11Error("timeout", f"no answer within {after:g} s"))
 
 
 class Http11Pool:
@@ -161,6 +216,23 @@ class Http11Pool:
                 conn.close()
             return status, answer
 
+    @asynccontextmanager
+    async def stream(self, request: bytes, *, connect_timeout: float | None) -> AsyncIterator[tuple[int, _Body]]:
+        """Send one whole HTTP/1.1 request on a connection of its own (not counted among the unary calls') and
+        give its answer's status and body as it comes, with no read timeout: the server ends the answer.
+        Leaving the block closes the connection, which tells the server to stop."""
+        if self._closed:
+            raise Http11Error("connect", "the client is closed")
+        conn = await self._connect(connect_timeout)
+        assert conn.transport is not None
+        conn.chunks, conn.head = asyncio.Queue(), conn.loop.create_future()
+        try:
+            conn.transport.write(request)
+            status = await conn.head
+            yield status, _Body(conn)
+        finally:
+            conn.close()
+
     def close(self) -> None:
         """Close every idle connection; requests in flight close theirs when they end."""
         self._closed = True
@@ -171,3 +243,22 @@ class Http11Pool:
     async def aclose(self) -> None:
         """:meth:`close`, awaitable."""
         self.close()
+
+
+class _Body:
+    """A streamed answer's body, piece by piece as it comes (``async for``), or whole (:meth:`read`)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._conn.chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])

@@ -73,12 +73,16 @@ class NodeClient(NodeAPI):
         view._headers = {**(self._headers or {}), **headers}
         return view
 
+    def _lines(self, extra: dict[str, str] | None) -> str:
+        """The ``Name: value\\r\\n`` header lines of a call: the token's, then the operation's ``extra``."""
+        return self._header if extra is None else self._header + "".join(f"{k}: {v}\r\n" for k, v in extra.items())
+
     async def perform(self, op: Operation[Any, Any], /, *args: Any, **kwargs: Any) -> Any:
         """Send one unary operation and decode its answer."""
         plan = op.plan
         target, body, content_type, extra = plan.encode(args, kwargs)
         timeout = self._timeout or (STREAM_TIMEOUT if op.no_read_timeout else CONTROL_TIMEOUT)
-        headers = self._header if extra is None else self._header + "".join(f"{k}: {v}\r\n" for k, v in extra.items())
+        headers = self._lines(extra)
         if body is not None and not isinstance(body, bytes):  # an upload on a unary call: sent whole
             body = await asyncio.to_thread(body.read)
         _, content = await self.connections.request(self.origin, op.method, target, body, content_type=content_type,
@@ -90,21 +94,19 @@ class NodeClient(NodeAPI):
         stream (the server stops: an exec's command is killed)."""
         plan = op.plan
         target, body, content_type, extra = plan.encode(args, kwargs)
+        if self.connections.lean_streams and (body is None or isinstance(body, bytes)):
+            async with self.connections.lean_stream(self.origin, op.method, target, body, content_type=content_type,
+                                                    headers=self._lines(extra)) as chunks:
+                async for item in _items(plan, chunks):
+                    yield item
+            return
         headers = {**(self._headers or {}), **(extra or {})}
         if body is not None:
             headers["Content-Type"] = content_type
         content = body if body is None or isinstance(body, bytes) else _chunks(body)
         async with self.connections.stream(self.origin, op.method, target, content, headers=headers) as response:
-            pending = b""
-            async for chunk in response.aiter_bytes():
-                # Split by hand on bytes: httpx's text line iterator costs a visible share of a short exec.
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield plan.decode_item(line)
-            if pending.strip():
-                yield plan.decode_item(pending)
+            async for item in _items(plan, response.aiter_bytes()):
+                yield item
 
     async def aclose(self) -> None:
         """Close this loop's connections, if this client made them."""
@@ -165,6 +167,20 @@ class FailoverClient(NodeClient):
 def _not_acted(exc: ConnectionFailed) -> bool:
     """Whether the replica that raised ``exc`` did nothing with the call (safe to send it to another)."""
     return exc.detail.get("sent") is False or (isinstance(exc, DaemonStopping) and exc.detail.get("kept") == 0)
+
+
+async def _items(plan: Any, chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    """The items of an NDJSON answer, decoded by ``plan`` as its lines complete."""
+    pending = b""
+    async for chunk in chunks:
+        # Split by hand on bytes: httpx's text line iterator costs a visible share of a short exec.
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield plan.decode_item(line)
+    if pending.strip():
+        yield plan.decode_item(pending)
 
 
 async def _chunks(upload: IO[bytes], size: int = 1024 * 1024) -> AsyncIterator[bytes]:

@@ -13,7 +13,10 @@ core), then measures the issue's figures:
 - ``fill``: the gateway holding ``live`` sandboxes: its memory per live sandbox, the longest answer of a
   health probe (an event-loop stall shows there), ``list`` at that size;
 - ``death``: a node holding 3,200 sandboxes dies: time until the gateway reports them all lost;
-- ``restart``: the gateway SIGKILLed and started again: time until a create is served.
+- ``restart``: the gateway SIGKILLed and started again: time until a create is served;
+- ``replicas``: the ``single`` load on the one gateway, then on it and a second replica (on the other cores,
+  with the fleet, PostgreSQL and the client: on a 2-core machine it has far less than a core) once the two
+  share the cells: both rates, their ratio, and each replica's CPU per create.
 
 Everything runs on this machine's loopback. It measures; the SPECIFICATION lines say what was met.
 """
@@ -45,7 +48,7 @@ from dsec.bench.report import Row, Suite, summarize
 
 __all__ = ["PHASES", "ClusterSimBench", "run"]
 
-PHASES = ("decide", "idle", "batch", "single", "fill", "death", "restart")
+PHASES = ("decide", "idle", "batch", "single", "fill", "death", "restart", "replicas")
 """Every phase, in the order a run measures them."""
 
 SPEC: dict[str, Any] = {"image": "debian-python", "backend": "function", "cpu": 0.01, "memory": 16 * 1024**2,
@@ -137,6 +140,8 @@ class _Env:
             "bench": {"token": self.token}}}))
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
+        self.second: subprocess.Popen[bytes] | None = None
+        """A second gateway replica (the ``replicas`` phase)."""
         self.rss_start = 0
         """The gateway's RSS (KiB) once it took its nodes, before any phase."""
 
@@ -146,13 +151,7 @@ class _Env:
         name, whose cells it takes back at once rather than when their leases run out)."""
         port = int(self.url.rsplit(":", 1)[1]) if again and self.url else free_port()
         self.url = f"http://127.0.0.1:{port}"
-        args = ["taskset", "-c", str(self.cfg.gateway_cpu), sys.executable, "-m", "dsec.cluster", "gateway",
-                "--listen", f"127.0.0.1:{port}", "--db", self.dsn, "--jobs", str(self.base / "jobs.json"),
-                "--nodes-from", self.fleet.control + "/fleet/membership", "--admission-wait", "600",
-                "--log-level", "WARNING"]
-        with (self.base / "gateway.log").open("ab") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        self.proc = self._gateway(port, str(self.cfg.gateway_cpu), "gateway.log")
         if not wait:
             return 0.0
         start = time.perf_counter()
@@ -166,6 +165,39 @@ class _Env:
                     return time.perf_counter() - start
             time.sleep(0.2)
         raise RuntimeError(f"the gateway did not take its {self.nodes} nodes in {timeout:g} s:\n{self.log_tail()}")
+
+    def _gateway(self, port: int, cpus: str, log: str) -> subprocess.Popen[bytes]:
+        args = ["taskset", "-c", cpus, sys.executable, "-m", "dsec.cluster", "gateway",
+                "--listen", f"127.0.0.1:{port}", "--db", self.dsn, "--jobs", str(self.base / "jobs.json"),
+                "--nodes-from", self.fleet.control + "/fleet/membership", "--admission-wait", "600",
+                "--log-level", "WARNING"]
+        with (self.base / log).open("ab") as out:
+            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+    def start_second(self, timeout: float = 300.0) -> str:
+        """A second replica on the other cores; its URL once the two hold half the cells each."""
+        import psycopg
+
+        port = free_port()
+        self.second = self._gateway(port, self.others, "gateway2.log")
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.dsn, autocommit=True) as db:
+            while time.monotonic() < deadline:
+                if self.second.poll() is not None:
+                    raise RuntimeError(f"the second replica exited with {self.second.returncode}")
+                held = db.execute("SELECT owner, count(*) FROM dsec_cluster_cells WHERE expires > dsec_now() "
+                                  "GROUP BY owner").fetchall()
+                if len(held) == 2 and max(n for _, n in held) - min(n for _, n in held) <= 1:
+                    time.sleep(3.0)  # the cells handed over are reconciled before they are placed on
+                    return f"http://127.0.0.1:{port}"
+                time.sleep(0.5)
+        raise RuntimeError(f"the two replicas did not share the cells within {timeout:g} s")
+
+    def kill_second(self) -> None:
+        if self.second is not None and self.second.poll() is None:
+            os.killpg(self.second.pid, 9)
+            self.second.wait()
 
     def alive_nodes(self) -> int:
         return sum(1 for n in self.fleet.membership() if n["alive"])
@@ -196,7 +228,7 @@ class _Env:
     def load(self, kind: str, **kw: Any) -> dict[str, Any]:
         """Run a :mod:`dsec.bench.sim_load` client process on the other cores; its JSON answer."""
         # "--name=value": a token may begin with "-", which argparse would take for an option.
-        argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, f"--url={self.url}",
+        argv = [sys.executable, "-m", "dsec.bench.sim_load", kind, f"--url={kw.pop('url', self.url)}",
                 f"--token={kw.pop('token', self.token)}", f"--spec={kw.pop('spec', json.dumps(SPEC))}",
                 f"--cpus={self.others}"]
         argv += [f"--{key}={value}" for key, value in kw.items()]
@@ -217,6 +249,7 @@ def _environment(cfg: ClusterSimBench, nodes: int, progress: Callable[[str], Non
         try:
             yield env
         finally:
+            env.kill_second()
             env.kill_gateway()
             env.fleet.stop()
             import shutil
@@ -256,6 +289,27 @@ def _single(env: _Env) -> dict[str, Any]:
     return {**got, "rate": made / got["wall"], "gateway_cpu_per_create_ms": gw / max(made, 1) * 1000,
             "fleet_cpu_per_create_ms": fleet / max(made, 1) * 1000,
             "parts": cpu_by_part(raw) if raw.exists() else {}}
+
+
+def _replicas(env: _Env) -> dict[str, Any]:
+    """The ``single`` load on one gateway, then on two replicas sharing the cells (workers dealt to both)."""
+    assert env.proc is not None
+    seconds = env.cfg.single_seconds
+    gw0 = env.gateway_cpu()
+    one = env.load("cycles", seconds=seconds, concurrency=env.cfg.concurrency)
+    one_cpu = env.gateway_cpu() - gw0
+    second = env.start_second()
+    assert env.second is not None
+    gw0, sec0 = env.gateway_cpu(), tree_cpu(env.second.pid)[0]
+    two = env.load("cycles", url=f"{env.url},{second}", seconds=seconds, concurrency=env.cfg.concurrency)
+    cpus = [env.gateway_cpu() - gw0, tree_cpu(env.second.pid)[0] - sec0]
+    env.kill_second()
+    rate_one, rate_two = len(one["creates"]) / one["wall"], len(two["creates"]) / two["wall"]
+    return {"one": {"rate": rate_one, "failed": one["failed"], "creates": one["creates"],
+                    "gateway_cpu_per_create_ms": one_cpu / max(len(one["creates"]), 1) * 1000},
+            "two": {"rate": rate_two, "failed": two["failed"], "failures": two["failures"], "creates": two["creates"],
+                    "replica_cpu_s": cpus, "cpu_per_create_ms": sum(cpus) / max(len(two["creates"]), 1) * 1000},
+            "ratio": rate_two / max(rate_one, 1e-9)}
 
 
 def _fill(env: _Env) -> dict[str, Any]:
@@ -338,8 +392,8 @@ def _one_size(cfg: ClusterSimBench, nodes: int, progress: Callable[[str], None])
         progress(f"{nodes} nodes: fleet up, starting the gateway")
         out["start_s"] = env.start_gateway()
         progress(f"gateway took its nodes in {out['start_s']:.1f} s")
-        for phase, work in (("idle", _idle), ("batch", _batch), ("single", _single), ("fill", _fill),
-                            ("death", _death), ("restart", _restart)):
+        for phase, work in (("idle", _idle), ("batch", _batch), ("single", _single), ("replicas", _replicas),
+                            ("fill", _fill), ("death", _death), ("restart", _restart)):
             if cfg.wants(phase):
                 progress(f"{nodes} nodes: {phase}")
                 try:
@@ -392,6 +446,14 @@ def _env_rows(n: int, r: dict[str, Any], latencies: dict[str, Any]) -> list[Row]
                         note=f"p99 {lat.p99 * 1000:.1f} ms, {s['failed']} failed"))
         rows.append(Row(f"{n} nodes: gateway CPU per create+destroy", "ms", s["gateway_cpu_per_create_ms"],
                         note=", ".join(f"{k} {v * 100:.0f}%" for k, v in s["parts"].items())))
+    rp = r.get("replicas", {})
+    if "ratio" in rp:
+        two = rp["two"]
+        rows.append(Row(f"{n} nodes: creates + destroys, 2 replicas vs 1 (same run)", "x", rp["ratio"],
+                        better="higher", target="≥ 1.6x", passed=rp["ratio"] >= 1.6,
+                        note=f"{rp['one']['rate']:.0f}/s -> {two['rate']:.0f}/s, {two['failed']} failed; "
+                             f"CPU per create {rp['one']['gateway_cpu_per_create_ms']:.2f} -> "
+                             f"{two['cpu_per_create_ms']:.2f} ms over both"))
     f = r.get("fill", {})
     if f.get("live"):
         rows.append(Row(f"{n} nodes: gateway memory per live sandbox ({f['live']} live)", "KiB",
@@ -427,11 +489,13 @@ def run(cfg: ClusterSimBench, progress: Callable[[str], None] = lambda _m: None)
     suite = Suite(name="cluster-sim")
     suite.rows, suite.latencies = _rows(runs)
     for r in runs:  # raw samples are summarised above; keep the JSON readable
-        for key in ("decide", "single", "fill"):
+        parts = [r.get(key) for key in ("decide", "single", "fill")]
+        parts += [r["replicas"].get(key) for key in ("one", "two")] if isinstance(r.get("replicas"), dict) else []
+        for part in parts:
             for field in ("single", "creates", "destroys", "probe"):
-                if isinstance(r.get(key), dict) and field in r[key]:
-                    samples = r[key].pop(field)
-                    r[key][field + "_summary"] = asdict(summarize(samples)) if samples else None
+                if isinstance(part, dict) and field in part:
+                    samples = part.pop(field)
+                    part[field + "_summary"] = asdict(summarize(samples)) if samples else None
     suite.extra = {"config": asdict(cfg), "runs": runs, "load_average": list(os.getloadavg()),
                    "cores": len(os.sched_getaffinity(0))}
     return suite

@@ -64,14 +64,15 @@ def _error(status: int, body: bytes) -> str:
 
 
 async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency: int) -> dict[str, Any]:
-    """``concurrency`` workers each create a sandbox then destroy it, for ``seconds``: latencies and counts."""
-    client = Client(url, token, connections=concurrency * 2)
+    """``concurrency`` workers each create a sandbox then destroy it, for ``seconds``: latencies and counts.
+    ``url``: one gateway, or several (comma-separated replicas) that the workers are dealt to in turn."""
+    clients = [Client(one, token, connections=concurrency * 2) for one in url.split(",")]
     creates: list[float] = []
     destroys: list[float] = []
     failures: Counter[str] = Counter()
     deadline = time.monotonic() + seconds
 
-    async def worker() -> None:
+    async def worker(client: Client) -> None:
         while time.monotonic() < deadline:
             start = time.perf_counter()
             try:
@@ -96,9 +97,10 @@ async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency:
             destroys.append(time.perf_counter() - made)
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
     wall = time.perf_counter() - started
-    await client.aclose()
+    for client in clients:
+        await client.aclose()
     return {"creates": creates, "destroys": destroys, "wall": wall, "failures": dict(failures.most_common(10)),
             "failed": sum(failures.values())}
 

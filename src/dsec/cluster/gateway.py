@@ -353,8 +353,18 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
                 on_share(made)
             return made
 
+        async def one(node: str, n: int) -> builtins.list[builtins.list[SandboxInfo] | BaseException]:
+            # A single create (one node's share): awaited here, not in a task of its own as gather would.
+            try:
+                return [await on(node, n)]
+            except Exception as exc:
+                return [exc]
+
         for round_ in range(1, _PLACE_ROUNDS + 1):
-            results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
+            if len(counts) == 1:
+                results = await one(*next(iter(counts.items())))
+            else:
+                results = await asyncio.gather(*(on(node, n) for node, n in counts.items()), return_exceptions=True)
             created += [info for r in results if not isinstance(r, BaseException) for info in r]
             errors = [r for r in results if isinstance(r, BaseException)]
             missed = [(node, n, r) for (node, n), r in zip(counts.items(), results, strict=True)

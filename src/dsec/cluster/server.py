@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsec.cluster.cells import CellLeases
@@ -94,16 +95,18 @@ class _JobGuard:
         if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
             await self.app(scope, receive, send)  # health and the dashboard's static files
             return
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        token = given.removeprefix("Bearer ")
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        token = given.decode("latin-1").removeprefix("Bearer ")
         job = None
         for known, name in self.jobs.by_token.items():
             if secrets.compare_digest(token, known):
                 job = name
         if job is None:
             err = Unauthorized("missing or unknown job token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
-            from fastapi.responses import JSONResponse
-
             await JSONResponse(err.to_payload(), status_code=err.status_code)(scope, receive, send)
             return
         reset, reset_token = current_job.set(job), current_token.set(token)
@@ -117,11 +120,12 @@ class _JobGuard:
 def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
     """The node API served over the gateway engine, behind job authentication (and, with replicas, the
     router that passes calls for another replica's sandboxes on to it)."""
-    app = create_app(engine, guarded_outside=True)
+    def guard(inner: ASGIApp) -> ASGIApp:
+        # In front of FastAPI's middleware stack (see daemon.app): a create or destroy pays for these layers only.
+        return _JobGuard(ReplicaRouter(inner, routing=engine) if engine.keeper is not None else inner, jobs)
+
+    app = create_app(engine, guard=guard)
     app.title = "DSec cluster gateway API"
-    if engine.keeper is not None:
-        app.add_middleware(ReplicaRouter, routing=engine)
-    app.add_middleware(_JobGuard, jobs=jobs)
     return app
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -91,16 +92,18 @@ class AnswerCutOffCalls:
 
 
 class _NodeAPI(FastAPI):
-    """The FastAPI app, with ``sb.exec``'s requests taken before its middleware stack when no token guards
-    the app (the node's unix socket): ServerErrorMiddleware, FastAPI's telemetry and body-limit layers and
-    Starlette's wrap every ``send`` of an answer in a frame of their own, a visible share of the daemon's
-    CPU per exec. Behind a token guard the fast path stays inside it, where every route is."""
+    """The FastAPI app, with the fast path's requests taken before its middleware stack when no token guard
+    of the node's wraps it (the node's unix socket; the gateway, whose own guard then goes in front of the
+    fast path): ServerErrorMiddleware, FastAPI's telemetry and body-limit layers and Starlette's wrap every
+    ``send`` of an answer in a frame of their own, a visible share of the CPU per exec or per create.
+    Behind the node's token guard the fast path stays inside it, where every route is."""
 
-    exec_fast_path: FastPath | None = None
+    front: ASGIApp | None = None
+    """What takes every HTTP request first (it passes what it does not serve on to :meth:`full_stack`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.exec_fast_path is not None and scope["type"] == "http":
-            await self.exec_fast_path(scope, receive, send)
+        if self.front is not None and scope["type"] == "http":
+            await self.front(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 
@@ -110,13 +113,12 @@ class _NodeAPI(FastAPI):
 
 
 def create_app(api: ServedAPI, token: str | None = None, *, max_body: int = MAX_FILE_BYTES,
-               tokens: TokenFile | None = None, guarded_outside: bool = False) -> FastAPI:
+               tokens: TokenFile | None = None, guard: Callable[[ASGIApp], ASGIApp] | None = None) -> FastAPI:
     """The node's FastAPI app over ``api`` (a node's engine, or the cluster gateway); with ``token`` (admin)
     or ``tokens`` (the token file), every route but ``GET /v1/health`` needs a token (see
     :mod:`dsec.daemon.auth` for scopes, rate limits and the sandbox-scoped tokens of cluster mode);
-    ``max_body``: the largest file body a route reads. ``guarded_outside``: the caller adds its own guard
-    middleware (the gateway's job guard), so the fast path must sit inside the middleware stack too, never
-    in front of it."""
+    ``max_body``: the largest file body a route reads. ``guard``: the caller's own guard (the gateway's job
+    guard) wrapped around the fast path, in front of the whole stack: every HTTP request passes it first."""
     app = _NodeAPI(
         title="DSec node API",
         version=__version__,
@@ -140,12 +142,13 @@ def create_app(api: ServedAPI, token: str | None = None, *, max_body: int = MAX_
 
     mount_ui(app)
     describe_errors(app)
-    if token is not None or tokens is not None or guarded_outside:
+    if token is not None or tokens is not None:
         app.add_middleware(FastPath, api=api)  # added first: the token guard wraps it
-        if token is not None or tokens is not None:
-            app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=api.owner_labels)
+        app.add_middleware(AuthGuard, admin_token=token, tokens=tokens, owner_of=api.owner_labels)
+    elif guard is not None:  # the caller's guard in front of the fast path, both in front of the whole stack
+        app.front = guard(FastPath(app.full_stack, api))
     else:  # nothing guards the app (the node's unix socket): the fast path goes in front of the whole stack
-        app.exec_fast_path = FastPath(app.full_stack, api)
+        app.front = FastPath(app.full_stack, api)
     return app
 
 
