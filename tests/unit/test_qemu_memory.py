@@ -45,8 +45,8 @@ def test_a_vm_guest_keeps_the_default_ram_and_microvm_gets_memory(tmp_path: Path
     assert vm.shape(_record("vm", 128 * MiB)) == Shape(1, GUEST_RAM // MiB, GUEST_RAM)
     assert vm.shape(_record("vm", 2048 * MiB)) == Shape(1, 2048, GUEST_RAM)
     assert micro.shape(_record("microvm", 128 * MiB)) == Shape(1, 128, GUEST_RAM)
-    with pytest.raises(InvalidRequest, match=r"memory=\d+ is too small for a vm sandbox \(at least 64Mi\)"):
-        vm.shape(_record("vm", 32 * MiB))
+    with pytest.raises(InvalidRequest, match=r"memory=\d+ is too small for a vm sandbox \(at least 128Mi\)"):
+        vm.shape(_record("vm", 64 * MiB))
 
 
 async def test_a_vm_caps_its_commands_at_memory_below_the_guests_ram() -> None:

@@ -154,7 +154,7 @@ class Q35Profile:
 
     name = "vm"
     nic_device = "virtio-net-pci"
-    min_memory = 64 * MiB
+    min_memory = 128 * MiB
     """``memory`` limits the guest's commands (its ``commands`` cgroup), not the whole machine."""
 
     def __init__(self, vm_dir: Path, tag: str, qemu_user: str | None) -> None:
