@@ -3,6 +3,7 @@ template's RAM and its agent's ``commands`` cgroup is capped at ``memory`` (the 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -63,3 +64,15 @@ async def test_a_vm_without_a_commands_cgroup_refuses_a_smaller_memory() -> None
     agent = _Agent(start=768 * MiB, cgroup="/system.slice/dsec-agent.service")
     with pytest.raises(SandboxError, match="limiting the guest's commands to memory=134217728 failed: commands run"):
         await _limit_commands_memory(_record("vm", 128 * MiB), agent, GUEST_RAM)  # type: ignore[arg-type]
+
+
+def test_a_vm_snapshot_keeps_its_sandboxs_memory(tmp_path: Path) -> None:
+    """A clone gets the snapshotted sandbox's ``memory`` (its commands' limit), not its guest's RAM; a snapshot
+    written before ``memory`` was recorded gives its RAM."""
+    vm = VMBackend(Settings(home=tmp_path / "home"), vm_dir=tmp_path / "vm")
+    (tmp_path / "state").write_bytes(b"")
+    shape = {"vcpus": 1, "memory_mib": GUEST_RAM // MiB, "disk": GUEST_RAM, "nic": False}
+    (tmp_path / "vm.json").write_text(json.dumps({**shape, "memory": 128 * MiB}))
+    assert vm._snapshot_shape(tmp_path) == (Shape(1, GUEST_RAM // MiB, GUEST_RAM), 128 * MiB, False)
+    (tmp_path / "vm.json").write_text(json.dumps(shape))
+    assert vm._snapshot_shape(tmp_path)[1] == GUEST_RAM
