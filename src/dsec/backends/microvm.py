@@ -100,6 +100,10 @@ class MicroVMProfile:
     def check_shape(self, record: SandboxRecord, shape: Shape) -> None:
         pass
 
+    def guest_mib(self, memory: int) -> int:
+        """The guest's RAM is ``memory``: the agent is its init and its commands are its only other processes."""
+        return memory // MiB
+
     def resolve_image(self, name: str) -> ImageRef | None:
         return None
 

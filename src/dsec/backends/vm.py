@@ -55,6 +55,8 @@ from dsec.models import ExecRequest, ImageConfig, SandboxRecord
 
 __all__ = ["KEY_NAMES", "MOUSE_ACTIONS", "MOUSE_BUTTONS", "Q35Profile", "VMBackend", "key_chunks", "keys_for_text"]
 
+GUEST_RAM = 1024 * MiB
+"""A vm guest's least RAM (the default ``memory``'s, so its template serves every smaller one)."""
 _CMDLINE = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=4 fsck.mode=skip systemd.show_status=0 "
             "net.ifnames=0 mitigations=off")
 _SHELL_READY = ('until p=$(pgrep -x bash -P "$(pgrep -d, -x xterm)") && '
@@ -152,7 +154,8 @@ class Q35Profile:
 
     name = "vm"
     nic_device = "virtio-net-pci"
-    min_memory = 256 * MiB
+    min_memory = 128 * MiB
+    """``memory`` limits the guest's commands (its ``commands`` cgroup), not the whole machine."""
 
     def __init__(self, vm_dir: Path, tag: str, qemu_user: str | None) -> None:
         self.vm_dir = vm_dir
@@ -194,6 +197,11 @@ class Q35Profile:
         if shape.disk_bytes > free:
             raise InvalidRequest(f"disk={shape.disk_bytes} is more than the {free // MiB} MiB free on the host's "
                                  f"filesystem for vm disks ({self.sandbox_files})")
+
+    def guest_mib(self, memory: int) -> int:
+        """At least :data:`GUEST_RAM`: systemd, the services and the desktop need their own memory, and every
+        smaller ``memory`` shares that template; :meth:`prepared` caps the commands' cgroup at ``memory``."""
+        return max(memory, GUEST_RAM) // MiB
 
     def resolve_image(self, name: str) -> ImageRef | None:
         """A VM image (``dsec image build-vm``): ``rootfs`` is its directory. One built with another guest agent or
@@ -300,6 +308,7 @@ class Q35Profile:
                                                         timeout=30))
         if r.exit_code != 0:
             raise SandboxError(f"setting the guest's clock failed: {r.stderr.decode(errors='replace')[:200]}")
+        await _limit_commands_memory(record, agent, self.guest_mib(record.spec.memory) * MiB)
         await _grow_disk(record, agent)
 
     def confines(self, record: SandboxRecord) -> bool:
@@ -339,6 +348,25 @@ async def _guest_network(record: SandboxRecord, agent: GuestAgent) -> None:
     r = await agent.exec(record, ExecRequest(command=script, timeout=120))
     if r.exit_code != 0:
         raise SandboxError(f"configuring the guest's network failed: "
+                           f"{(r.stdout + r.stderr).decode(errors='replace').strip()[-300:]}")
+
+
+async def _limit_commands_memory(record: SandboxRecord, agent: GuestAgent, ram: int) -> None:
+    """Cap the guest's commands at ``spec.memory`` when the guest's RAM is larger: its agent limits them to RAM
+    less what the system keeps (``memory.max`` of their ``commands`` cgroup, set at its start, kept in a
+    template's RAM), so a smaller ``memory`` is written over it (never raised). No swap, so no ``memory.high``:
+    without swap it would only slow an allocating command down before the OOM killer ends it."""
+    want = record.spec.memory // 4096 * 4096
+    if want >= ram:
+        return
+    r = await agent.system_exec(record, ExecRequest(command=(
+        "cg=/sys/fs/cgroup$(sed -n 's/^0:://p' /proc/self/cgroup); "
+        'case $cg in */commands) ;; *) echo "commands run in $cg, not in a commands cgroup" >&2; exit 3;; esac; '
+        f'cur=$(cat "$cg/memory.max") && {{ [ "$cur" = max ] || [ {want} -lt "$cur" ]; }} && '
+        f'echo {want} > "$cg/memory.max"; cat "$cg/memory.max"'), timeout=60))
+    got = r.stdout.decode(errors="replace").strip().splitlines()
+    if r.exit_code != 0 or not got or not got[-1].isdigit() or int(got[-1]) > want:
+        raise SandboxError(f"limiting the guest's commands to memory={record.spec.memory} failed: "
                            f"{(r.stdout + r.stderr).decode(errors='replace').strip()[-300:]}")
 
 

@@ -150,10 +150,10 @@ class Target:
 REFERENCE_FILES = ("etc/passwd", "usr/bin/bash", "usr/bin/sha256sum", "usr/bin/python3.11")
 """Image files the attacks compare against (:meth:`Target.image_sha`)."""
 
-TEMPLATE_SHAPE = {"vm": ("memory", "cpu")}
+TEMPLATE_SHAPE = {"vm": ("cpu",)}
 """Spec fields that pick a VM template: a fresh sandbox asking for another value would cold-boot a new template
-(minutes for a full VM under TCG), so the arena leaves them at the shared sandbox's values there; the attacks'
-VM branches assert what the guest's own limits do."""
+(minutes for a full VM under TCG), so the arena leaves them at the shared sandbox's values there (a vm's
+``memory`` up to its default shares that template: it limits the guest's commands, not its RAM)."""
 
 
 class Arena:

@@ -148,7 +148,7 @@ class QemuBackend(Backend):
         vcpus = max(1, math.ceil(spec.cpu))
         if vcpus > (os.cpu_count() or 1) * 4:
             raise InvalidRequest(f"cpu={spec.cpu} asks for more vCPUs than this host can run")
-        shape = Shape(vcpus, spec.memory // MiB, spec.disk)
+        shape = Shape(vcpus, self.profile.guest_mib(spec.memory), spec.disk)
         self.profile.check_shape(record, shape)
         return shape
 
@@ -342,7 +342,7 @@ class QemuBackend(Backend):
         try:
             await self.templates.save(record, target / "state")
             (target / "vm.json").write_text(json.dumps({"vcpus": vcpus, "memory_mib": mem_mib, "disk": disk_bytes,
-                                                        "accel": self.accel,
+                                                        "memory": record.spec.memory, "accel": self.accel,
                                                         "nic": bool(record.backend_state.get("netns"))}))
         finally:
             if status == "running":
@@ -355,13 +355,12 @@ class QemuBackend(Backend):
         if len(layers) != 1:
             raise SandboxError(f"a {self.name} snapshot is one layer, got {len(layers)}: not a {self.name} snapshot")
         source = layers[0]
-        shape, nic = self._snapshot_shape(source)
+        shape, memory, nic = self._snapshot_shape(source)
         policy = Policy.parse(record.spec.network)
         if policy.mode != "none" and not nic:
             raise InvalidRequest(f"snapshot {source.name} was taken of a sandbox without a network device "
                                  f"(network='none'): its clones cannot have network={record.spec.network!r}")
-        record.spec.cpu, record.spec.memory, record.spec.disk = float(shape.vcpus), shape.mem_mib * MiB, \
-            shape.disk_bytes
+        record.spec.cpu, record.spec.memory, record.spec.disk = float(shape.vcpus), memory, shape.disk_bytes
         self.shape(record)
         base = await self._begin(record, image, shape)
         record.backend_state["start"] = "snapshot"
@@ -377,17 +376,19 @@ class QemuBackend(Backend):
             await self.destroy_id(record.id, record.backend_state)
             raise
 
-    def _snapshot_shape(self, source: Path) -> tuple[Shape, bool]:
-        """The shape a snapshot was taken with, and whether its VM had a NIC."""
+    def _snapshot_shape(self, source: Path) -> tuple[Shape, int, bool]:
+        """The shape a snapshot was taken with, its sandbox's ``memory`` (its guest's RAM when older than that
+        record) and whether its VM had a NIC."""
         try:
             shape = json.loads((source / "vm.json").read_text())
             saved = Shape(int(shape["vcpus"]), int(shape["memory_mib"]), int(shape["disk"]))
+            memory = int(shape.get("memory", saved.mem_mib * MiB))
             nic = bool(shape.get("nic", False))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SandboxError(f"snapshot {source.name} is not a readable {self.name} snapshot: {e}") from None
         if not (source / "state").is_file():
             raise SandboxError(f"snapshot {source.name} is incomplete: its state file is missing")
-        return saved, nic
+        return saved, memory, nic
 
     # -- commands and files, through the guest agent ---------------------------------------------------------
 

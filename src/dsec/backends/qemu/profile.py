@@ -40,6 +40,7 @@ class MachineProfile(Protocol):
     restore_timeout: float
     """Seconds a restored guest may take to load its state (at least 30) and for its agent to answer."""
     min_memory: int
+    """The least ``memory`` a sandbox may ask for."""
     nic_device: str
     """QEMU device of a networked guest's NIC."""
     sandbox_files: Path
@@ -56,6 +57,9 @@ class MachineProfile(Protocol):
 
     def check_shape(self, record: SandboxRecord, shape: Shape) -> None:
         """Refuse (InvalidRequest) a shape this machine or host cannot give, beyond the shared checks."""
+
+    def guest_mib(self, memory: int) -> int:
+        """The guest's RAM in MiB for a sandbox of ``memory`` bytes (its commands never get more than that)."""
 
     def resolve_image(self, name: str) -> ImageRef | None:
         """An image of the machine's own kind by ``name`` (None: the store's image is used)."""
