@@ -346,9 +346,9 @@ async def test_grading_paths_confine_commands(backend: VMBackend, image: ImageRe
 
 
 async def test_memory_bomb_is_oom_killed(backend: VMBackend, image: ImageRef) -> None:
-    """A command that eats memory is OOM-killed in the guest's commands cgroup (limit='memory'); the guest, its
-    agent and its desktop live on."""
-    async with sandbox(backend, image) as sb:
+    """A command that eats memory is OOM-killed in the guest's commands cgroup (limit='memory'), capped at the
+    spec's memory (256 MiB to fill, not the default guest's 768); the guest, its agent and its desktop live on."""
+    async with sandbox(backend, image, memory="256Mi") as sb:
         bomb = "b = []\nwhile True: b.append(bytearray(1 << 20))"
         r = await backend.exec(sb, ExecRequest(command=["python3", "-c", bomb], timeout=300))
         assert r.limit == "memory" and r.signal == signal.SIGKILL, r
