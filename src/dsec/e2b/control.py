@@ -76,17 +76,17 @@ def _metadata_query(request: Request) -> dict[str, str]:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
 
-def _started_after(value: str | None) -> float:
-    """``startedAfter`` (RFC 3339) as Unix seconds; 0 when absent."""
+def _started_after(value: str | None) -> int:
+    """``startedAfter`` (RFC 3339) in microseconds since the epoch; 0 when absent."""
     if not value:
-        return 0.0
+        return 0
     try:
         when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise InvalidRequest(f"startedAfter must be an RFC 3339 time, got {value!r}") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
+    return translate.micros(when)
 
 
 @dataclass
@@ -196,7 +196,7 @@ class ControlPlane:
         # startedAt went out rounded to the microsecond: compare at that resolution, so a sandbox's own
         # startedAt given back as startedAfter still lists it.
         infos = [i for i in await self._mine(request, who) if (i.state in states)
-                 and round(i.created_at * 1e6) >= round(after * 1e6)
+                 and translate.micros(i.created_at) >= after
                  and (template is None or translate.listed(i)["templateID"] == template)]
         infos.sort(key=lambda i: (i.created_at, i.id), reverse=request.query_params.get("order", "desc") != "asc")
         limit = int(request.query_params.get("limit") or 100)

@@ -148,6 +148,17 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def micros(when: float | datetime.datetime) -> int:
+    """Microseconds since the epoch of a time as it goes out in ``startedAt`` (Unix seconds are rounded the way
+    :func:`_iso` rounds them), by datetime arithmetic: a float product can land one microsecond off."""
+    if not isinstance(when, datetime.datetime):
+        when = datetime.datetime.fromtimestamp(when, datetime.UTC)
+    return (when - _EPOCH) // datetime.timedelta(microseconds=1)
+
+
 def _template(info: SandboxInfo) -> str:
     return info.labels.get(TEMPLATE_LABEL) or (info.image or "")
 

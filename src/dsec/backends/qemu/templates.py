@@ -84,8 +84,12 @@ class Templates:
             cmd = self._command(record, rundir, disk, shape, memory, ["-incoming", "defer"])
             vm = await self.machines.spawn(record, rundir, cmd, shape.vcpus, shape.mem_mib, pass_fds=(fd,))
             caps = [{"capability": "x-ignore-shared", "state": True}] if ram_from_template else []
-            await qmp(rundir, [("migrate-set-capabilities", {"capabilities": caps}),
-                               ("migrate-incoming", {"uri": f"fd:{fd}"})])
+            try:
+                await qmp(rundir, [("migrate-set-capabilities", {"capabilities": caps}),
+                                   ("migrate-incoming", {"uri": f"fd:{fd}"})])
+            except SandboxError as e:
+                # QEMU can read a bad state and quit before it answers the command that started the load.
+                raise await self._restore_failed(vm, source, e) from None
         finally:
             os.close(fd)
         await self._loaded(vm, source)
@@ -100,10 +104,7 @@ class Templates:
             try:
                 status = (await qmp(vm.rundir, [("query-status", {})]))[-1]["status"]
             except SandboxError as e:
-                # QEMU quits when it cannot load the state: its own message (qemu.log) says why.
-                if vm.watcher is not None:
-                    await asyncio.wait({vm.watcher}, timeout=5)
-                raise SandboxError(f"restoring {source.name} failed: {vm.dead or e}") from None
+                raise await self._restore_failed(vm, source, e) from None
             if status != "inmigrate":
                 break
             if vm.dead or time.monotonic() > deadline:
@@ -111,6 +112,14 @@ class Templates:
             await asyncio.sleep(0.005)
         if status not in ("paused", "postmigrate", "prelaunch"):
             raise SandboxError(f"restoring {source.name} left QEMU in state {status!r}")
+
+    @staticmethod
+    async def _restore_failed(vm: Machine, source: Path, error: SandboxError) -> SandboxError:
+        """The error of a restore whose monitor failed: QEMU quits when it cannot load the state, and its own
+        message (qemu.log, once its exit is seen) says why better than the broken monitor connection."""
+        if vm.watcher is not None:
+            await asyncio.wait({vm.watcher}, timeout=5)
+        return SandboxError(f"restoring {source.name} failed: {vm.dead or error}")
 
     async def save(self, record: SandboxRecord, target: Path, ignore_shared: bool = False) -> None:
         """Stop the VM and write its state to ``target`` (QEMU migration over a passed fd: no spawn), then the
