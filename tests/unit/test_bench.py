@@ -209,6 +209,25 @@ def test_function_rows_apply_the_targets() -> None:
     assert FunctionBench().scaled(0.1).exec_n == 30
 
 
+def test_function_cpu_rows_set_dsec_against_the_bare_peer_and_name_the_cpu_class() -> None:
+    from dsec.bench.function import _rows as function_rows
+
+    suite = Suite(name="function")
+    cpu = {"cpu_ms_client": 0.2, "cpu_ms_daemon": 1.3, "cpu_ms_helpers": 1.7, "load": 20.0}
+    suite.extra = {"skipped": {}, "sandbox_cpu_idle": True,
+                   "sdk_sustained": {"rate": 70.0, "failures": 0, "concurrency": 4, **cpu},
+                   "bare_sustained": {"rate": 1600.0, "failures": 0, "concurrency": 4, "cpu_ms": 0.8},
+                   "sdk_map": {"calls": 100, "seconds": 1.0, "rate": 100.0, "concurrency": 4, **cpu}}
+    by = {r.metric: r for r in function_rows(suite)}
+    exec_cpu = by["CPU per exec (SDK+daemon)"]
+    assert exec_cpu.dsec == pytest.approx(3.2) and exec_cpu.peer == 0.8
+    assert exec_cpu.ratio == pytest.approx(0.25)  # the bare run costs a quarter of DSec's CPU
+    assert "sandboxes idle class" in str(exec_cpu.note)
+    assert by["CPU per sb.map call"].peer is None
+    suite.extra["sandbox_cpu_idle"] = False
+    assert "sandboxes normal weight" in str({r.metric: r for r in function_rows(suite)}["CPU per sb.map call"].note)
+
+
 def test_images_rows_apply_the_issue_targets() -> None:
     from dsec.bench.images import _rows as image_rows
 
