@@ -126,8 +126,6 @@ class CellLeases:
         self.margin = min(1.0, ttl / 4)
         """A lease is believed until ``ttl - margin`` after its renewal was sent."""
         self.leases: dict[int, Lease] = {}
-        self.owners: dict[int, tuple[str, int]] = {}
-        """Every cell -> (owner instance, epoch), as last read."""
         self.peers: dict[str, str] = {}
         """Live replica instance -> URL, as last read (this one included)."""
         self.draining: set[int] = set()
@@ -195,10 +193,13 @@ class CellLeases:
         lease = self.leases.get(cell)
         return lease if lease is not None and time.monotonic() < lease.deadline else None
 
-    def owner_url(self, cell: int) -> str | None:
-        """The URL of the replica that owns ``cell``, as last read."""
-        owner = self.owners.get(cell)
-        return None if owner is None else self.peers.get(owner[0])
+    async def owner(self, cell: int) -> tuple[str, str | None] | None:
+        """The replica that owns ``cell`` now, read afresh (its instance and URL); None while no replica does
+        (handed back, or its owner's lease ran out, and not taken yet)."""
+        rows = await self._run(
+            """SELECT c.owner, r.url FROM dsec_cluster_cells c LEFT JOIN dsec_cluster_replicas r ON r.instance = c.owner
+               WHERE c.cell = %s AND c.owner IS NOT NULL AND c.expires > dsec_now()""", (cell,))
+        return (str(rows[0][0]), None if rows[0][1] is None else str(rows[0][1])) if rows else None
 
     async def tick(self) -> tuple[set[int], set[int]]:
         """Heartbeat, renew, and take or hand back cells towards an even share; (cells gained, cells lost)."""
@@ -233,9 +234,6 @@ class CellLeases:
             log.info("%d replica(s) share %d cells: handing cell %d back (this replica holds %d)", len(self.peers),
                      self.cells, max(kept), len(kept))
         self.leases = kept
-        owners = await self._run("SELECT cell, owner, epoch FROM dsec_cluster_cells WHERE expires > dsec_now()",
-                                 which="beat")
-        self.owners = {int(c): (str(o), int(e)) for c, o, e in owners if o is not None}
         return gained, lost
 
     async def release(self, cell: int) -> None:

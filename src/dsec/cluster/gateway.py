@@ -150,14 +150,23 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
             return []
         leases = self.keeper.leases
         node = await asyncio.to_thread(self.state.locate, sandbox_id)
-        if node is not None:
-            owner = leases.owners.get(self.authority.cell(node))
+        if node is None:
+            return self.other_replicas()
+        cell = self.authority.cell(node)
+        deadline = time.monotonic() + self._handover_wait()
+        while True:  # a cell handed back has no owner until another replica's next round takes it
+            owner = await leases.owner(cell)
             if owner is not None and owner[0] == leases.instance:
+                if cell in leases.leases and not self.keeper.taking(cell):
+                    return []  # this replica's (its row ended meanwhile, or it answers that it has none)
+            elif owner is not None and owner[1] is not None:
+                return [owner[1]]
+            if time.monotonic() > deadline:
+                return self.other_replicas()
+            await asyncio.sleep(0.2)
+            await self.rows_ready()
+            if sandbox_id in self.records.rows:
                 return []
-            url = leases.owner_url(self.authority.cell(node))
-            if url is not None:
-                return [url]
-        return self.other_replicas()
 
     def other_replicas(self) -> builtins.list[str]:
         """URLs of the other live replicas."""
@@ -436,6 +445,8 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
 
     async def destroy(self, sandbox_id: str) -> None:
         """Destroy on the owning node, free its capacity, forget it (a lost one is just forgotten)."""
+        if sandbox_id not in self.records.rows:
+            await self.rows_ready()  # passed on by another replica while this one takes its cell over
         row = self._mine(sandbox_id)
         if row is not None:
             await self._destroy(sandbox_id, row)
@@ -448,22 +459,52 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         self._forget([sandbox_id])
 
     async def destroy_many(self, request: BatchDestroyRequest) -> BatchDestroyResult:
-        """One batch destroy per node holding some of them; ids this job has no row of are ``missing``."""
+        """One batch destroy per node holding some of them; ids this job has no row of are ``missing``. An id
+        no replica holds but the database records is in a cell changing hands: asked again once it has."""
         job = request.job
-        if any(sid not in self.records.rows for sid in request.ids):
-            await self.rows_ready()
-        rows, missing = [], []
-        for sid in request.ids:
-            row = self._mine(sid)
-            if row is None or (job is not None and row.job != job):
-                missing.append(sid)
-            else:
-                rows.append((sid, row))
-        result = await self._destroy_held(rows)
-        if missing and not was_forwarded.get():
+        result = BatchDestroyResult()
+        ids = builtins.list(request.ids)
+        deadline = time.monotonic() + self._handover_wait()
+        while True:
+            if any(sid not in self.records.rows for sid in ids):
+                await self.rows_ready()
+            rows, missing = [], []
+            for sid in ids:
+                row = self._mine(sid)
+                if row is None or (job is not None and row.job != job):
+                    missing.append(sid)
+                else:
+                    rows.append((sid, row))
+            done = await self._destroy_held(rows)
+            result.destroyed += done.destroyed
+            result.missing += done.missing
+            result.failed.update(done.failed)
+            if not missing or was_forwarded.get():
+                result.missing += missing
+                return result
             missing = await self._destroy_elsewhere(job, missing, result)
-        result.missing += missing
-        return result
+            moving = await self._in_handover(missing, job) if time.monotonic() < deadline else set()
+            result.missing += [sid for sid in missing if sid not in moving]
+            if not moving:
+                return result
+            ids = [sid for sid in missing if sid in moving]
+            log.info("batch destroy: %d sandbox(es) in a cell changing hands; asked again once it has its owner",
+                     len(ids))
+            await asyncio.sleep(0.2)
+
+    def _handover_wait(self) -> float:
+        """How long a request waits for a cell changing hands to have its new owner (a lease's life and the
+        new owner's takeover)."""
+        return 0.0 if self.keeper is None else 3 * self.keeper.leases.ttl
+
+    async def _in_handover(self, ids: builtins.list[str], job: str | None) -> set[str]:
+        """Which of ``ids`` (no replica holds them) the database records: their cell is changing hands (handed
+        back or its owner gone, the next owner not serving them yet)."""
+        if self.keeper is None or not ids:
+            return set()
+        caller = current_job.get()
+        job = job if job is not None else (None if caller == "admin" else caller)
+        return await asyncio.to_thread(self.state.recorded, ids, job)
 
     async def _destroy_elsewhere(self, job: str | None, ids: builtins.list[str], result: BatchDestroyResult
                                  ) -> builtins.list[str]:
@@ -490,6 +531,8 @@ class GatewayEngine(NodeMembership, OperatorViews, GatewaySurface, NodeAPI):
         node; any other is per node."""
         if op.sandbox_scoped:
             sandbox_id = op.arguments(args, kwargs)["sandbox_id"]
+            if sandbox_id not in self.records.rows:
+                await self.rows_ready()
             row = self._row(sandbox_id)
             with self._on_node(sandbox_id):
                 answer = await self._ask(row.node, lambda node: node.perform(op, *args, **kwargs))

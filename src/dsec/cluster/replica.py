@@ -114,6 +114,9 @@ class CellKeeper:
                 self.host.placer.mark_dead(node)  # nothing new is placed in a cell being handed back
             if not self.host.creating_in(cell) and cell not in self._taking:
                 await self._drop(cell)
+                # Every row of its creates committed before the cell changes hands: the next owner reads them
+                # back, and a request for one in between finds it recorded (and waits for that owner).
+                await self.host.state.writer.flush()
                 await self.leases.release(cell)
                 log.info("cell %d handed back to share the cells with a new replica", cell)
         self._ticks += 1

@@ -312,6 +312,14 @@ class ClusterState:
         found = self._run("SELECT node FROM dsec_cluster_rows WHERE id = %s", (sandbox_id,))
         return str(found[0][0]) if found else None
 
+    def recorded(self, ids: Sequence[str], job: str | None = None) -> set[str]:
+        """Which of ``ids`` have a committed row (of ``job``'s, when given)."""
+        if job is None:
+            found = self._run("SELECT id FROM dsec_cluster_rows WHERE id = ANY(%s)", ([*ids],))
+        else:
+            found = self._run("SELECT id FROM dsec_cluster_rows WHERE id = ANY(%s) AND job = %s", ([*ids], job))
+        return {str(sid) for sid, in found}
+
 
 def _migrate_v1(cur: Any) -> None:
     """Rows of the first schema (one JSONB ``info`` a sandbox in ``dsec_cluster_sandboxes``) into the
