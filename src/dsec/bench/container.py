@@ -320,7 +320,22 @@ def _leaks(settings: Settings, peer: RuncPeer | None = None) -> list[str]:
     for parent in parents:
         found += [f"cgroup {d}" for d in CgroupSet.at(f"/{parent}").dirs.values() if Path(d).is_dir()]
     found += [f"runc container {c}" for c in peer.leaked] if peer is not None else []
+    holder = _holder_pid(backend.root / "mntns.pid")
+    found += [f"mount holder pid {holder}"] if holder else []
     return found
+
+
+def _holder_pid(pidfile: Path) -> int | None:
+    """The pid of the home's mount holder (``dsec-mntns``) if one still runs."""
+    from dsec.isolation.procs import start_time
+
+    try:
+        pid_s, started = pidfile.read_text().split()
+        pid = int(pid_s)
+        alive = start_time(pid) == started and Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns"
+    except (OSError, ValueError):
+        return None
+    return pid if alive else None
 
 
 async def _cleanup_backend(settings: Settings) -> None:
@@ -334,6 +349,8 @@ async def _cleanup_backend(settings: Settings) -> None:
         await backend.cleanup_orphans(set())
     with contextlib.suppress(Exception):  # image mounts the daemon kept warm, then the FUSE server
         await NodeImages(settings).aclose(unmount=True)
+    with contextlib.suppress(Exception):  # the home's mount holder: it outlives a daemon that did not stop cleanly
+        await asyncio.to_thread(backend.release_host, set())
     CgroupSet.at(f"/{backend.cgroup_parent}").remove()
     if backend.mounts.is_dir():
         for entry in backend.mounts.iterdir():

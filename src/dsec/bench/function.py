@@ -30,7 +30,15 @@ from typing import Any
 from dsec import AsyncSandbox, Client
 from dsec.backends.function import FunctionBackend
 from dsec.bench import fusion
-from dsec.bench.container import BenchUnavailable, _daemon, _private_settings, _sustain, _Timer, cpu_per_cycle
+from dsec.bench.container import (
+    BenchUnavailable,
+    _cleanup_backend,
+    _daemon,
+    _private_settings,
+    _sustain,
+    _Timer,
+    cpu_per_cycle,
+)
 from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
@@ -318,6 +326,7 @@ async def run(cfg: FunctionBench, node: Settings | None = None,
                 await FunctionBackend(settings).cleanup_orphans(set())
             with contextlib.suppress(Exception):  # the home's image mounts, then their FUSE server
                 await NodeImages(settings).aclose(unmount=True)
+            await _cleanup_backend(settings)  # what the node's container side keeps: its mount holder
             results["leaks"] = _leaks(settings)
             shutil.rmtree(settings.home, ignore_errors=True)
     return _finish(suite, results, timer)
