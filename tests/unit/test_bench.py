@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from dsec import bench
-from dsec.bench.container import BenchUnavailable, ContainerBench, _holder_pid, _rows
+from dsec.bench.container import BenchUnavailable, ContainerBench, _rows
 from dsec.bench.report import (
     Row,
     Suite,
@@ -673,23 +673,27 @@ def test_inspect_suite_runs_every_self_check_but_the_host_changing_one() -> None
     assert {"test_exec_timeout", "test_read_file_not_allowed", "test_exec_large_command"} <= set(checks)
 
 
-def test_a_mount_holder_left_running_is_a_leak(tmp_path: Path) -> None:
-    """A bench reports its home's mount holder (comm ``dsec-mntns``) as a leak while it runs, and neither a
-    dead one nor a recycled pid with another start time."""
+def test_a_running_mount_holder_is_found_by_pid_start_time_and_tag(tmp_path: Path) -> None:
+    """The one check the daemon (to adopt) and the bench (to report a leak) share: a holder (comm
+    ``dsec-mntns``) is found while it runs, and neither a dead one, a recycled pid with another start time,
+    nor another home's holder (its tag is not in the command line) is."""
+    from dsec.isolation.mounts import running_holder
     from dsec.isolation.procs import start_time
 
     code = "import ctypes, time\nctypes.CDLL(None).prctl(15, b'dsec-mntns', 0, 0, 0)\nprint(flush=True)\ntime.sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    holder = subprocess.Popen([sys.executable, "-c", code, "home-a"], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"\n"  # named itself
         pidfile = tmp_path / "mntns.pid"
         pidfile.write_text(f"{holder.pid} {start_time(holder.pid)}\n")
-        assert _holder_pid(pidfile) == holder.pid
+        assert running_holder(pidfile) == holder.pid
+        assert running_holder(pidfile, "home-a") == holder.pid
+        assert running_holder(pidfile, "home-b") == 0
         pidfile.write_text(f"{holder.pid} 1\n")
-        assert _holder_pid(pidfile) is None
+        assert running_holder(pidfile) == 0
         pidfile.write_text(f"{holder.pid} {start_time(holder.pid)}\n")
     finally:
         holder.kill()
         holder.communicate()
-    assert _holder_pid(pidfile) is None
-    assert _holder_pid(tmp_path / "missing.pid") is None
+    assert running_holder(pidfile) == 0
+    assert running_holder(tmp_path / "missing.pid") == 0

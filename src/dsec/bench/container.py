@@ -312,6 +312,7 @@ def _leaks(settings: Settings, peer: RuncPeer | None = None) -> list[str]:
     """Host resources this run made (its daemon's, and the runc peer's when given) still there after cleanup."""
     from dsec.backends.container import ContainerBackend
     from dsec.isolation.cgroups import CgroupSet
+    from dsec.isolation.mounts import running_holder
 
     backend = ContainerBackend(settings)
     found = [f"mount {line.split()[1]}" for line in Path("/proc/mounts").read_text().splitlines()
@@ -320,22 +321,9 @@ def _leaks(settings: Settings, peer: RuncPeer | None = None) -> list[str]:
     for parent in parents:
         found += [f"cgroup {d}" for d in CgroupSet.at(f"/{parent}").dirs.values() if Path(d).is_dir()]
     found += [f"runc container {c}" for c in peer.leaked] if peer is not None else []
-    holder = _holder_pid(backend.root / "mntns.pid")
+    holder = running_holder(backend.root / "mntns.pid")
     found += [f"mount holder pid {holder}"] if holder else []
     return found
-
-
-def _holder_pid(pidfile: Path) -> int | None:
-    """The pid of the home's mount holder (``dsec-mntns``) if one still runs."""
-    from dsec.isolation.procs import start_time
-
-    try:
-        pid_s, started = pidfile.read_text().split()
-        pid = int(pid_s)
-        alive = start_time(pid) == started and Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns"
-    except (OSError, ValueError):
-        return None
-    return pid if alive else None
 
 
 async def _cleanup_backend(settings: Settings) -> None:

@@ -179,6 +179,19 @@ def attach(fd: int, target: str, dir_fd: int = _AT_FDCWD) -> None:
           _MOVE_MOUNT_F_EMPTY_PATH)
 
 
+def running_holder(pidfile: Path, tag: str | None = None) -> int:
+    """The pid of the mount holder ``pidfile`` names if it still runs (and holds ``tag``, when given), else 0.
+    The pid's start time must match the file's: a pid reused since is not the holder."""
+    with contextlib.suppress(OSError, ValueError):
+        pid_s, started = pidfile.read_text().split()
+        pid = int(pid_s)
+        if (start_time(pid) == started
+                and Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns"
+                and (tag is None or tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes())):
+            return pid
+    return 0
+
+
 class MountHolder:
     """The node's private mount namespace for sandbox mounts (see the module docstring)."""
 
@@ -205,14 +218,7 @@ class MountHolder:
         self._thread = pool
 
     def _adopt(self) -> int:
-        with contextlib.suppress(OSError, ValueError):
-            pid_s, started = self.pidfile.read_text().split()
-            pid = int(pid_s)
-            if (start_time(pid) == started
-                    and Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-mntns"
-                    and self.tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()):
-                return pid
-        return 0
+        return running_holder(self.pidfile, self.tag)
 
     def _spawn(self) -> int:
         # posix_spawn, not subprocess: the holder is meant to outlive this process's handle on it. Its own
