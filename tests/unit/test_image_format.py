@@ -307,3 +307,40 @@ def test_a_cache_limit_does_not_walk_the_cache_for_every_chunk_written(tmp_path:
         cache.ensure(d)
     assert cache.usage() <= 40 * 4100 and cache.has(digests[-1])  # the limit still holds
     assert walks <= 10, f"{walks} walks of the cache for 60 chunks written"
+
+
+def test_what_the_node_reports_cached_lists_only_chunk_directories_that_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirStore(tmp_path / "s")
+    data = [bytes([i]) * (4096 * (i + 1)) for i in range(3)]
+    digests = [put_chunk(store, d) for d in data]
+    manifest = manifest_of([*zip(digests, data, strict=True), (digests[0], data[0])])  # a chunk used twice counts once
+    ours, servers = ChunkCache(tmp_path / "c", store), ChunkCache(tmp_path / "c", store)  # the lazy server's writes
+    assert ours.cached_bytes(manifest) == 0
+    servers.ensure(digests[0])
+    assert ours.cached_bytes(manifest) == len(data[0])
+    settled = time.time() - 60
+    for d in digests:
+        servers.path(d).parent.mkdir(exist_ok=True)
+        os.utime(servers.path(d).parent, (settled, settled))
+    listed: list[str] = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or listdir(path))
+    assert ours.cached_bytes(manifest) == len(data[0])
+    listed.clear()
+    assert ours.cached_bytes(manifest) == len(data[0]) and listed == [], "nothing changed: nothing listed"
+    servers.ensure(digests[1])
+    assert ours.cached_bytes(manifest) == len(data[0]) + len(data[1])
+    assert listed == [str(servers.path(digests[1]).parent)], "only the directory written to is listed again"
+    # A chunk written within the same tick of the filesystem's clock leaves the directory's mtime as it was: one
+    # changed that recently is never trusted.
+    folder = servers.path(digests[2]).parent
+    recent = time.time_ns()
+    os.utime(folder, ns=(recent, recent))
+    assert ours.cached_bytes(manifest) == len(data[0]) + len(data[1])
+    servers.ensure(digests[2])
+    os.utime(folder, ns=(recent, recent))
+    assert ours.cached_bytes(manifest) == sum(len(d) for d in data)
+    servers.path(digests[1]).with_name(".tmp-w-1").write_bytes(b"partial")  # a write in progress is no chunk
+    servers.evict(target=0)
+    assert ours.cached_bytes(manifest) == 0

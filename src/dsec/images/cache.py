@@ -45,6 +45,9 @@ _TALLY_EVERY = 10.0
 """Seconds between two walks of the cache to learn its size while chunks are written under a limit."""
 _FRUITLESS_PAUSE = 5.0
 """Seconds a reserve eviction that freed nothing is not tried again."""
+_SETTLED_NS = 2_000_000_000
+"""A chunk directory whose mtime is younger than this is listed again at the next look: a chunk written in the same
+tick of the filesystem's clock as the last listing would leave its mtime unchanged."""
 
 
 def _hex(digest: str) -> str:
@@ -95,6 +98,7 @@ class ChunkCache:
         self._touched: dict[str, float] = {}
         self._fruitless_until = 0.0
         self._tally: tuple[int, float] | None = None  # (bytes cached, when the cache was last walked)
+        self._listed: dict[str, tuple[int, frozenset[str]]] = {}  # chunk directory -> (its mtime, its chunks)
         for sub in ("chunks", "manifests", "pins", "access", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.errors_dir.mkdir(parents=True, exist_ok=True)
@@ -312,9 +316,53 @@ class ChunkCache:
         self._tally = (total - freed, time.monotonic())  # walked just now
         return freed
 
-    def cached_bytes(self, manifest: Manifest) -> int:
-        """Bytes of ``manifest``'s blob that this node has cached."""
-        return sum(c.size for c in {c.digest: c for c in manifest.chunks}.values() if self.has(c.digest))
+    def cached_bytes(self, manifest: Manifest, listing: dict[str, frozenset[str]] | None = None) -> int:
+        """Bytes of ``manifest``'s blob that this node has cached, looked up in ``listing`` (a fresh
+        :meth:`listing` when None)."""
+        return self.held(self.chunk_names(manifest), self.listing() if listing is None else listing)
+
+    @staticmethod
+    def chunk_names(manifest: Manifest) -> tuple[tuple[str, str, int], ...]:
+        """``manifest``'s distinct chunks as (directory, file name, size) in the cache: what :meth:`held` looks up
+        (worth keeping for a manifest asked about again)."""
+        unique = {c.digest: c.size for c in manifest.chunks}
+        return tuple((h[:2], h, size) for h, size in ((_hex(d), size) for d, size in unique.items()))
+
+    @staticmethod
+    def held(chunks: tuple[tuple[str, str, int], ...], listing: dict[str, frozenset[str]]) -> int:
+        """Bytes of ``chunks`` (from :meth:`chunk_names`) that ``listing`` (from :meth:`listing`) holds."""
+        return sum(size for sub, name, size in chunks if name in listing.get(sub, ()))
+
+    def listing(self) -> dict[str, frozenset[str]]:
+        """The chunks cached, by directory (``chunks/<hh>``): a stat of each directory, and a listing of only those
+        whose mtime moved since the last look (a chunk written or evicted, by this process or the lazy server's)
+        or that changed too recently for their mtime to be trusted. Temporary files are not chunks."""
+        chunks = self.root / "chunks"
+        now = time.time_ns()
+        listing: dict[str, frozenset[str]] = {}
+        seen: set[str] = set()
+        with os.scandir(chunks) as entries:
+            for entry in entries:
+                try:
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
+                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+                    seen.add(entry.name)
+                    last = self._listed.get(entry.name)
+                    if last is not None and last[0] == mtime:
+                        listing[entry.name] = last[1]
+                        continue
+                    names = frozenset(n for n in os.listdir(entry.path) if not n.startswith(".tmp-"))
+                except FileNotFoundError:  # a directory removed under us
+                    continue
+                listing[entry.name] = names
+                if now - mtime >= _SETTLED_NS:
+                    self._listed[entry.name] = (mtime, names)
+                else:
+                    self._listed.pop(entry.name, None)
+        for gone in self._listed.keys() - seen:
+            del self._listed[gone]
+        return listing
 
     # ------------------------------------------------------------ access records
     def record_error(self, hexdigest: str, error: DSecError) -> None:

@@ -144,6 +144,7 @@ class NodeImages:
         self._healed: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100)
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
         self._manifests: dict[str, Manifest] = {}
+        self._chunk_names: dict[str, tuple[tuple[str, str, int], ...]] = {}  # manifest digest -> ChunkCache.chunk_names
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
         # moves) is seen within tag_ttl seconds.
         self.tag_ttl = tag_ttl
@@ -589,14 +590,16 @@ class NodeImages:
         this node has resolved of which some chunks are still cached: what cluster placement calls image
         locality.
 
-        Read from the cache itself (a stat per chunk), so eviction shows at the next read; an answer up
-        to ``max_age`` seconds old is reused (a node's health is asked often). Blocking.
+        Read from the cache itself (a stat per chunk directory, and a listing of those that changed), so eviction
+        shows at the next read; an answer up to ``max_age`` seconds old is reused (a node's health is asked often).
+        Blocking.
         """
         last = self._cached
         if last is not None and time.monotonic() - last[0] <= max_age:
             return dict(last[1])
         found: dict[str, int] = {}
         tags = self.cache.root / "tags"
+        listing: dict[str, frozenset[str]] | None = None
         for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
             if tag.name.startswith("."):  # a record being written
                 continue
@@ -606,7 +609,12 @@ class NodeImages:
             except (OSError, DSecError, ValueError):
                 continue
             self._manifests[digest] = manifest
-            held = self.cache.cached_bytes(manifest)
+            chunks = self._chunk_names.get(digest)
+            if chunks is None:
+                chunks = self._chunk_names[digest] = self.cache.chunk_names(manifest)
+            if listing is None:
+                listing = self.cache.listing()
+            held = self.cache.held(chunks, listing)
             if held:
                 meta = self.base / "meta" / manifest.meta_digest.removeprefix("sha256:")
                 found[tag.name] = held + (manifest.meta_size if meta.is_file() else 0)
