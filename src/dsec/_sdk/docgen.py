@@ -96,7 +96,8 @@ def _class_section(title: str, cls: type, owner: str, intro: str = "") -> list[s
 
 def _type_name(annotation: Any) -> str:
     text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
-    return text.replace("typing.", "").replace("dsec.models.", "").replace("collections.abc.", "")
+    text = re.sub(r"\bdsec\.models\.(?:\w+\.)?", "", text)
+    return text.replace("typing.", "").replace("collections.abc.", "")
 
 
 def _cell(text: str) -> str:

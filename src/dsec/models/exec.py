@@ -1,0 +1,197 @@
+"""The wire models of running a command: exec and call requests, their results and streamed events.
+
+Owns ``ExecRequest``/``ExecResult``, ``CallRequest``/``CallResult``, ``ExecEvent`` and ``FileEntry``.
+Must never describe a sandbox's lifecycle or a node; no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from dsec.accounts import parse_user
+from dsec.models.common import LimitHit, Model, Size, check_mapping
+
+
+class ExecRequest(Model):
+    """One command to run in a sandbox."""
+
+    command: str | list[str]
+    """A shell string (run by ``/bin/sh -c``) or an argv list (run directly)."""
+    timeout: float | None = Field(60.0, gt=0)
+    """Seconds before the command's process group is killed (``None``: no limit)."""
+    cwd: str | None = None
+    """Working directory, absolute or relative to the sandbox's ``workdir`` (default: ``workdir``)."""
+    env: dict[str, str] | None = None
+    """Extra environment, merged over the sandbox's."""
+    stdin: bytes | None = None
+    """Bytes fed to the command's standard input (closed afterwards)."""
+    max_output: int = Field(16 * 1024 * 1024, ge=0)
+    """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
+    user: str | None = None
+    """Run as this user: ``name``, ``uid``, ``name:group`` or ``uid:gid``, resolved in the sandbox's own
+    ``/etc/passwd`` and ``/etc/group`` (default: the sandbox's user, ``SandboxSpec.user`` or the image's)."""
+    pristine: bool = False
+    """Run with the image's original, untouched root (a fresh mount namespace over the read-only image, the
+    working directory bind-mounted from the sandbox, a fresh ``/tmp``): a grader that runs ``bash`` or
+    ``python3`` gets the image's, whatever the agent replaced. Container and microvm; on the function backend
+    every call already runs on the read-only image."""
+    warm_python: bool = False
+    """Function backend: run ``command`` (``[python, script, arg...]``, ``python`` the image's interpreter by
+    name) forked from the sandbox's warm Python interpreter instead of a fresh one, with the same namespaces,
+    cgroup, limits and verdicts but no interpreter start. A command it cannot run as a fresh process would
+    (interpreter options, ``PYTHON*`` variables, another user, a non-UTF-8 locale) runs fresh, as it does on the
+    other backends."""
+
+    @field_validator("command")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+            raise ValueError("command must not be empty")
+        if any("\0" in part for part in ([v] if isinstance(v, str) else v)):
+            raise ValueError("command must not contain NUL bytes")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else check_mapping(v)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        if v is not None and (not v or "\0" in v):
+            raise ValueError(f"cwd must be a non-empty path without NUL bytes (absolute, or relative to the "
+                             f"sandbox's working directory), got {v!r}")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_user(v)
+        return v
+
+    def argv(self) -> list[str]:
+        """The argv actually executed."""
+        return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
+
+
+class ExecResult(Model):
+    """How a command ended and what it printed."""
+
+    exit_code: int
+    """Exit status; ``128 + N`` when killed by signal N (as a shell reports it)."""
+    stdout: bytes = b""
+    """Captured standard output (at most ``max_output`` bytes)."""
+    stderr: bytes = b""
+    """Captured standard error (at most ``max_output`` bytes)."""
+    duration_s: float = 0.0
+    """Wall-clock seconds from start to exit."""
+    truncated: bool = False
+    """True when output was cut at ``max_output``."""
+    signal: int | None = None
+    """Signal that killed the command, if any."""
+    limit: LimitHit | None = None
+    """Which limit ended the command: ``time``, ``memory``, ``output``, ``pids`` or ``disk`` (a command that
+    failed while the writable layer was full)."""
+    replayed: bool = False
+    """Served from the trajectory log without running (fast-forward)."""
+    log_truncated: bool = False
+    """The trajectory log kept only the first bytes of this output (its per-call cap): what a replay returns."""
+    cpu_s: float | None = None
+    """CPU seconds (user + system) of the command and the children it waited for, when the backend measures
+    it (``function``)."""
+    memory_peak_bytes: int | None = None
+    """Peak resident memory of the largest single process of the command, when the backend measures it
+    (``function``)."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0."""
+        return self.exit_code == 0
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the command was killed at its timeout."""
+        return self.limit == "time"
+
+
+class CallRequest(Model):
+    """A Python callable to run in a function sandbox (``sb.call``); built by the SDK."""
+
+    payload: bytes
+    """``cloudpickle.dumps((func, args, kwargs))``."""
+    client_python: str = Field(pattern=r"^\d+\.\d+$")
+    """The caller's ``major.minor`` Python version; the image's must match (cloudpickle's bytecode)."""
+    timeout: float | None = Field(60.0, gt=0)
+    """Seconds before the call is killed (verdict ``time``)."""
+    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1, le=1024**3)
+    """Largest pickled return value; a bigger one is refused inside the sandbox with a clear error."""
+    python: str = "python3"
+    """The image's interpreter (name on ``PATH`` or absolute path)."""
+    env: dict[str, str] | None = None
+    """Extra environment for the call."""
+    memory: Size | None = Field(None, ge=16 * 1024**2)
+    """This call's memory limit (its processes and the files it writes), at most the sandbox's; default the
+    sandbox's. Every call has its own: another call's use never counts against it."""
+    pids: int | None = Field(None, ge=2, le=1_000_000)
+    """This call's process limit, at most the sandbox's; default the sandbox's."""
+    disk: Size | None = Field(None, ge=1024**2)
+    """Size of this call's ``/tmp``, at most the sandbox's ``disk``; default the sandbox's, at most half of the
+    call's memory (the files live in memory)."""
+    max_output: int = Field(1024 * 1024, ge=1, le=1024**3)
+    """Largest output the callable may print (its stdout and stderr, both sent to stderr); past it the call is
+    killed (verdict ``output``)."""
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else check_mapping(v)
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str) -> str:
+        if not v or "\0" in v:
+            raise ValueError(f"python must be a non-empty interpreter name or path, got {v!r}")
+        return v
+
+
+class CallResult(Model):
+    """What a call left: the loader's reply (decoded by the SDK, never by the daemon) and how it ended."""
+
+    reply: bytes
+    """The loader's pickled reply; empty when the call ended without one (killed at a limit, crashed)."""
+    result: ExecResult
+    """Exit status, verdict, CPU time, peak memory and stderr (the callable's prints) of the call."""
+
+
+class ExecEvent(Model):
+    """One item of a streamed exec: output chunks, then exactly one ``exit`` (or ``error``)."""
+
+    type: Literal["stdout", "stderr", "exit", "error"]
+    """Kind of event."""
+    data: bytes | None = None
+    """Output chunk for ``stdout``/``stderr``."""
+    result: ExecResult | None = None
+    """Final result for ``exit`` (its stdout/stderr hold the capped capture)."""
+    error: dict[str, Any] | None = None
+    """Error payload (as in HTTP errors) for ``error``."""
+
+
+class FileEntry(Model):
+    """One entry of a directory listing."""
+
+    name: str
+    """Base name."""
+    path: str
+    """Absolute path inside the sandbox."""
+    type: Literal["file", "dir", "symlink", "other"]
+    """Kind of entry (symlinks are not followed)."""
+    size: int
+    """Size in bytes."""
+    mode: int
+    """Permission bits."""
+    mtime: float
+    """Modification time (Unix seconds)."""
