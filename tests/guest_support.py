@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-__all__ = ["CONFINED_VIEW", "qemu_of"]
+from dsec.backends.base import ImageRef
+from dsec.backends.qemu.backend import QemuBackend
+from dsec.testing.conformance import Check, SharedSandbox
+
+__all__ = ["CONFINED_VIEW", "conforms", "lending", "qemu_of"]
+
+
+@contextlib.asynccontextmanager
+async def lending(backend: QemuBackend, image: ImageRef, reset: str) -> AsyncIterator[SharedSandbox]:
+    """A :class:`SharedSandbox` of ``backend``'s guests, its sandbox destroyed on exit."""
+    lender = SharedSandbox(backend, image, reset=reset)
+    try:
+        yield lender
+    finally:
+        await lender.aclose()
+
+
+async def conforms(shared: SharedSandbox, check: Check, timeout: float) -> None:
+    """Run a conformance check, lent ``shared``'s guest where it only needs a running sandbox: no guest but that
+    one may be left after it."""
+    backend = shared.backend
+    assert isinstance(backend, QemuBackend)
+    with shared.serving(check):
+        await asyncio.wait_for(check(backend, shared.image), timeout)
+    kept = {shared.record.id} if shared.record else set()
+    assert set(backend.machines.machines) == kept, "a check left a guest behind"
 
 
 def qemu_of(sandbox_id: str) -> list[int]:

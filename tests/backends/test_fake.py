@@ -97,7 +97,7 @@ async def test_a_failed_or_unresettable_borrower_gets_a_new_sandbox(tmp_path: Pa
             assert (await run(backend, sb, "ls -A")).stdout == b""
 
     async with fake_factory(tmp_path) as (backend, image):
-        lender = SharedSandbox(backend, image, reset="touch stuck")  # a reset that leaves a file behind
+        lender = SharedSandbox(backend, image, reset="touch stuck; false")  # a reset that fails
         try:
             with lender.serving(fails), pytest.raises(RuntimeError, match="check failed"):
                 await fails(backend, image)

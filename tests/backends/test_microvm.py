@@ -25,7 +25,7 @@ from dsec.guest.kernel import default_guest_dir, find_kernel
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check, SharedSandbox
-from guest_support import CONFINED_VIEW
+from guest_support import CONFINED_VIEW, conforms, lending
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
 
@@ -86,14 +86,10 @@ async def shared(home: Path, debian_python_image: ImageRef) -> AsyncIterator[Sha
     """A backend and a running sandbox the conformance checks that only need one borrow in turn (a guest
     restore saved per check under TCG); class scope: gone before the module's other tests, whose backends
     sweep this home's orphans."""
-    async with started(home) as b:
-        # commands have a pid namespace of their own (the agent is outside it): kill -1 ends what a check left
-        # running and nothing else
-        lender = SharedSandbox(b, debian_python_image, reset="kill -KILL -1 2>/dev/null; true")
-        try:
-            yield lender
-        finally:
-            await lender.aclose()
+    # commands have a pid namespace of their own (the agent is outside it): kill -1 ends what a check left
+    # running and nothing else
+    async with started(home) as b, lending(b, debian_python_image, "kill -KILL -1 2>/dev/null; true") as lender:
+        yield lender
 
 
 class TestConformance:
@@ -102,12 +98,7 @@ class TestConformance:
     @pytest.mark.asyncio(loop_scope="class")
     @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
     async def test_microvm_conforms(self, check: Check, shared: SharedSandbox) -> None:
-        backend = shared.backend
-        assert isinstance(backend, MicroVMBackend)
-        with shared.serving(check):
-            await asyncio.wait_for(check(backend, shared.image), 180)
-        kept = {shared.record.id} if shared.record else set()
-        assert set(backend.machines.machines) == kept, "a check left a guest behind"
+        await conforms(shared, check, 180)
 
 
 async def test_guest_kernel_is_not_the_host_kernel(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:

@@ -9,6 +9,7 @@ under TCG), the others restore in seconds. The image is ``debian-desktop`` (buil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from conftest import missing
 from dsec.backends.base import ImageRef
@@ -29,8 +31,8 @@ from dsec.errors import DSecError, InvalidRequest, NotSupported, SandboxError
 from dsec.guest.vmimage import find_vm_image
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
-from dsec.testing.conformance import Check
-from guest_support import CONFINED_VIEW
+from dsec.testing.conformance import Check, SharedSandbox
+from guest_support import CONFINED_VIEW, conforms, lending
 
 # the first test boots the template: minutes under TCG on a loaded machine
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -75,8 +77,9 @@ def home(vm_home: Path) -> Path:
     return vm_home
 
 
-@pytest.fixture
-async def backend(home: Path) -> AsyncIterator[VMBackend]:
+@contextlib.asynccontextmanager
+async def started(home: Path) -> AsyncIterator[VMBackend]:
+    """A started backend on ``home``; on exit, no sandbox or QEMU of it may be left."""
     b = VMBackend(Settings(home=home))
     await b.start()
     try:
@@ -88,6 +91,12 @@ async def backend(home: Path) -> AsyncIterator[VMBackend]:
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert [r for r in removed if r.startswith("sb-")] == [] and left == [], f"leaked: {removed} {left}"
+
+
+@pytest.fixture
+async def backend(home: Path) -> AsyncIterator[VMBackend]:
+    async with started(home) as b:
+        yield b
 
 
 @pytest.fixture
@@ -117,9 +126,48 @@ async def test_vm_boots_its_own_kernel_with_systemd(backend: VMBackend, image: I
         assert Path(a.backend_state["erofs"]).parent == backend.sandbox_files / a.id
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
-async def test_vm_conforms(check: Check, backend: VMBackend, image: ImageRef) -> None:
-    await asyncio.wait_for(check(backend, image), 600)
+RESET = ('cg=/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup); '
+         'case $cg in */commands) ;; *) echo "not in a commands cgroup: $cg" >&2; exit 3;; esac; '
+         'aside=${cg%/commands}/reset && mkdir -p "$aside" && echo $$ > "$aside/cgroup.procs" && '
+         'echo 1 > "$cg/cgroup.kill" && until grep -qx "populated 0" "$cg/cgroup.events"; do sleep 0.05; done && '
+         'echo $$ > "$cg/cgroup.procs" && rmdir "$aside"')
+"""What a borrower of the shared vm sandbox can leave running, ended: a vm's commands share the guest's pid
+namespace with systemd, its services and the desktop (``kill -1`` would end those too), but all of them, and
+only them, are in the agent's ``commands`` cgroup. The reset's own shell steps into a sibling cgroup, kills
+that one whole (``cgroup.kill``: forks under way included), waits until it is empty and steps back."""
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="class")
+async def shared(home: Path) -> AsyncIterator[SharedSandbox]:
+    """A backend and a running sandbox the conformance checks that only need one borrow in turn (a guest
+    restore and teardown saved per check under TCG); class scope: gone before the module's other tests, whose
+    backends sweep this home's orphans."""
+    async with started(home) as b, lending(b, b.resolve_image(IMAGE), RESET) as lender:
+        yield lender
+
+
+class TestConformance:
+    """The conformance checks, sharing :func:`shared`'s sandbox where a check only needs a running one."""
+
+    @pytest.mark.asyncio(loop_scope="class")
+    @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+    async def test_vm_conforms(self, check: Check, shared: SharedSandbox) -> None:
+        await conforms(shared, check, 600)
+
+    @pytest.mark.asyncio(loop_scope="class")
+    async def test_the_reset_ends_what_commands_left_and_nothing_else(self, shared: SharedSandbox) -> None:
+        backend = shared.backend
+        async with shared.lend() as sb:  # (pgrep anchored: the shells' own command lines name the sleeps)
+            r = await backend.exec(sb, ExecRequest(command="(trap '' TERM HUP; sleep 600) >/dev/null 2>&1 & "
+                                                           "setsid sleep 601 >/dev/null 2>&1 & sleep 0.5; "
+                                                           "pgrep -cf '^sleep 60[01]$'"))
+            assert r.stdout == b"2\n", r
+        r = await backend.exec(sb, ExecRequest(command=(
+            'cg=/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup); '
+            'for p in $(cat "$cg/cgroup.procs"); do cat /proc/$p/comm 2>/dev/null; done; '  # cat: gone by then
+            "pgrep -cf '^sleep 60[01]$'; systemctl is-active dsec-agent dsec-desktop; ls -d ${cg%/commands}/*/")))
+        base = "/sys/fs/cgroup/system.slice/dsec-agent.service"
+        assert r.stdout.decode().split() == ["sh", "0", "active", "active", f"{base}/agent/", f"{base}/commands/"], r
 
 
 async def test_loads_a_kernel_module(backend: VMBackend, image: ImageRef) -> None:

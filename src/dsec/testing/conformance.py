@@ -67,9 +67,10 @@ class SharedSandbox:
     On a backend whose sandboxes are slow to make (a guest per sandbox under TCG) this saves a create per
     check. Only :func:`sandbox` calls without spec overrides borrow, one at a time; a check marked
     :func:`own_sandbox`, a spec override or a second sandbox within one check gets a fresh one as before.
-    When the borrower returns, its working directory is emptied and ``reset`` (a shell command, for what a
-    backend knows how to undo, e.g. ``kill -KILL -1`` where the sandbox has a pid namespace of its own) is
-    run; then the sandbox must be as it was lent (an empty working directory), or the return fails. A
+    When the borrower returns, ``reset`` (a shell command, for what a backend knows how to undo, e.g.
+    ``kill -KILL -1`` where the sandbox has a pid namespace of its own) is run and its working directory is
+    emptied; both must succeed and the sandbox must then be as it was lent (an empty working directory), or
+    the return fails. A
     borrower that raised, or a reset that failed, gets the sandbox destroyed: the next borrower gets a new
     one, so one failure never leaks into the next check."""
 
@@ -116,11 +117,13 @@ class SharedSandbox:
             raise
 
     async def _restore(self, record: SandboxRecord) -> None:
-        # relative paths: the working directory is the sandbox's /workspace on every backend (fake included)
+        # the reset first: a process it ends can no longer write into the emptied directory. Relative paths:
+        # the working directory is the sandbox's /workspace on every backend (fake included)
         clean = "find . -mindepth 1 -delete"
-        r = await run(self.backend, record, f"{clean}; {self.reset}" if self.reset else clean, timeout=60)
+        r = await run(self.backend, record, f"{self.reset} && {clean}" if self.reset else clean, timeout=60)
         left = await run(self.backend, record, "ls -A")
-        assert left.exit_code == 0 and left.stdout == b"", f"the shared sandbox was not reset: {r} {left}"
+        assert r.exit_code == 0 and left.exit_code == 0 and left.stdout == b"", \
+            f"the shared sandbox was not reset: {r} {left}"
 
     async def discard(self) -> None:
         """Destroy the sandbox (if any); the next borrower gets a new one."""
