@@ -144,9 +144,10 @@ def _host_footprint(tags: set[str]) -> set[str]:
 @pytest.fixture(scope="session")
 def vm_home() -> Iterator[Path]:
     """One DSEC_HOME for every module that runs the ``vm`` backend (tests/backends/test_vm.py, the red-team
-    suite): they share its template of the ``debian-desktop`` image, so a session cold-boots that VM once
-    (minutes under TCG) and every later sandbox is restored in seconds. ``DSEC_TEST_VM_HOME`` names a home to
-    reuse across sessions instead (kept afterwards; its templates spare a developer the cold boot)."""
+    suite, the network policies, the computer-use example's daemon): they share its template of the
+    ``debian-desktop`` image, so a session cold-boots that VM once (minutes under TCG) and every later sandbox is
+    restored in seconds. ``DSEC_TEST_VM_HOME`` names a home to reuse across sessions instead (kept afterwards;
+    its templates spare a developer the cold boot)."""
     kept = os.environ.get("DSEC_TEST_VM_HOME")
     if kept:
         path = Path(kept)

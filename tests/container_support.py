@@ -291,11 +291,12 @@ print(json.dumps({"n": n, "err": err}))
 
 
 @contextlib.contextmanager
-def daemon_process(prefix: str, *, tcp_token: str | None = None, args: Sequence[str] = (),
+def daemon_process(prefix: str, *, tcp_token: str | None = None, args: Sequence[str] = (), home: Path | None = None,
                    **env: str) -> Iterator[tuple[str, str | None]]:
-    """``python -m dsec.daemon serve`` on a fresh home (and on TCP loopback with ``tcp_token``; ``args`` are more
-    options); yields its unix URL and TCP URL. Afterwards every sandbox is destroyed, the daemon stopped, and
-    finding anything of its home left on the host fails the test."""
+    """``python -m dsec.daemon serve`` on a fresh home, or on ``home`` (kept afterwards: a session's home whose
+    VM templates the daemon reuses), and on TCP loopback with ``tcp_token`` (``args`` are more options); yields
+    its unix URL and TCP URL. Afterwards every sandbox is destroyed, the daemon stopped, and finding anything of
+    its home left on the host fails the test."""
     import signal
     import socket
     import subprocess
@@ -304,7 +305,8 @@ def daemon_process(prefix: str, *, tcp_token: str | None = None, args: Sequence[
     import dsec
     from dsec.daemon.server import daemon_answers
 
-    home = short_home(prefix)
+    keep = home is not None
+    home = home or short_home(prefix)
     settings = Settings(home=home, images_dir=images_dir())
     argv = [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(home), *args]
     tcp_url = None
@@ -339,5 +341,6 @@ def daemon_process(prefix: str, *, tcp_token: str | None = None, args: Sequence[
                 proc.kill()
                 proc.wait(10)
             removed = asyncio.run(sweep(home, images_dir()))
-            shutil.rmtree(home, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(home, ignore_errors=True)
     assert removed == [], f"sandboxes were left behind and had to be swept: {removed}"

@@ -97,12 +97,13 @@ def test_swe_task_command_line_refuses_half_arguments(tmp_path: Path) -> None:
 
 @pytest.mark.vm
 @pytest.mark.timeout(2400)
-def test_computer_use_example(tmp_path: Path) -> None:
+def test_computer_use_example(tmp_path: Path, vm_home: Path) -> None:
     from dsec.guest.vmimage import find_vm_image
 
     find_vm_image("debian-desktop")  # ImageNotFound names how to build it (./scripts/setup does)
     cu = load("computer_use")
-    with daemon_process("dsec-cu-") as (unix_url, _):
+    # on the session's vm home: the template tests/backends/test_vm.py booted is restored, not booted again
+    with daemon_process("dsec-cu-", home=vm_home) as (unix_url, _):
         _boot_template(unix_url)
         result = cu.run(tmp_path / "shots", url=unix_url, wait_s=30)
     for shot in (result["before"], result["after"]):
@@ -112,7 +113,7 @@ def test_computer_use_example(tmp_path: Path) -> None:
 
 
 def _boot_template(unix_url: str) -> None:
-    """The first vm sandbox of a fresh home boots the image's template (minutes under TCG), longer than the
+    """The first vm sandbox of a home without the image's template boots it (minutes under TCG), longer than the
     SDK waits for a create's answer; the daemon finishes it anyway. Wait for it, so the example measures a
     restore like a warm node's."""
     import time
