@@ -221,6 +221,18 @@ def test_an_s3_store_url_keeps_its_endpoint_and_region() -> None:
     assert again._s3.meta.endpoint_url == "http://127.0.0.1:8333" and again._s3.meta.region_name == "eu-west-3"
     plain = open_store("s3://bucket")
     assert isinstance(plain, S3Store) and plain.url == "s3://bucket/" and plain.region == "us-east-1"
+    assert plain._s3.meta.config.read_timeout == 10
+
+
+def test_an_s3_store_url_keeps_its_timeout_and_refuses_a_bad_one() -> None:
+    store = open_store("s3://bucket/images?endpoint=http://127.0.0.1:8333&timeout=2.5")
+    assert isinstance(store, S3Store) and store.url == "s3://bucket/images/?endpoint=http://127.0.0.1:8333&timeout=2.5"
+    again = open_store(store.url)
+    assert isinstance(again, S3Store) and again.url == store.url
+    assert (again._s3.meta.config.connect_timeout, again._s3.meta.config.read_timeout) == (2.5, 2.5)
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(InvalidRequest, match=f"timeout={bad} is not a number of seconds"):
+            open_store(f"s3://bucket?timeout={bad}")
 
 
 def test_the_free_space_reserve_is_read_with_its_default_and_refused_when_malformed() -> None:

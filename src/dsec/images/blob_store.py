@@ -23,7 +23,7 @@ from typing import Any
 
 from dsec.errors import InvalidRequest, StoreUnavailable
 
-__all__ = ["BlobStore", "DirStore", "S3Store", "ThrottledStore", "open_store"]
+__all__ = ["DEFAULT_S3_TIMEOUT", "BlobStore", "DirStore", "S3Store", "ThrottledStore", "open_store"]
 
 
 def _check_key(key: str) -> str:
@@ -119,19 +119,24 @@ class DirStore(BlobStore):
                 yield os.path.relpath(full, self.root), st.st_size, st.st_mtime
 
 
+DEFAULT_S3_TIMEOUT = 10.0
+"""Seconds an S3 store's connect and each read may take (``timeout=`` in its URL), per attempt."""
+
+
 class S3Store(BlobStore):
     """Objects in an S3-compatible bucket (AWS, SeaweedFS, MinIO, Ceph RGW) under an optional prefix."""
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 region: str | None = None, timeout: float = 10.0, retries: int = 2) -> None:
+                 region: str | None = None, timeout: float = DEFAULT_S3_TIMEOUT, retries: int = 2) -> None:
         import boto3
         from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # The whole configuration: the lazy server process opens the store again from this URL.
-        query = urllib.parse.urlencode({k: v for k, v in (("endpoint", endpoint_url), ("region", region)) if v},
-                                       safe=":/")
+        given = (("endpoint", endpoint_url), ("region", region),
+                 ("timeout", None if timeout == DEFAULT_S3_TIMEOUT else f"{timeout:g}"))
+        query = urllib.parse.urlencode({k: v for k, v in given if v}, safe=":/")
         self.url = f"s3://{bucket}/{self.prefix}" + (f"?{query}" if query else "")
         self.region = region or "us-east-1"
         config = Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": retries},
@@ -242,8 +247,10 @@ class ThrottledStore(BlobStore):
 def open_store(url: str) -> BlobStore:
     """A store from a URL: a path or ``file:///path``, or ``s3://bucket/prefix?endpoint=http://host:port``.
 
-    S3 credentials come from boto3's usual sources (``AWS_ACCESS_KEY_ID``... or its config files). A path
-    may carry ``?rate=BYTES_PER_S&latency=SECONDS`` to emulate a remote link (:class:`ThrottledStore`).
+    S3 credentials come from boto3's usual sources (``AWS_ACCESS_KEY_ID``... or its config files); an S3 URL
+    may also carry ``region=`` and ``timeout=SECONDS`` (connect and read, per attempt; default
+    :data:`DEFAULT_S3_TIMEOUT`). A path may carry ``?rate=BYTES_PER_S&latency=SECONDS`` to emulate a remote link
+    (:class:`ThrottledStore`).
     """
     if url.startswith("s3://"):
         parsed = urllib.parse.urlsplit(url)
@@ -252,7 +259,8 @@ def open_store(url: str) -> BlobStore:
         query = urllib.parse.parse_qs(parsed.query)
         endpoint = query.get("endpoint", [None])[0]
         region = query.get("region", [None])[0]
-        return S3Store(parsed.netloc, parsed.path, endpoint_url=endpoint, region=region)
+        return S3Store(parsed.netloc, parsed.path, endpoint_url=endpoint, region=region,
+                       timeout=_s3_timeout(url, query.get("timeout", [None])[0]))
     if url.startswith("file://"):
         url = url[len("file://"):]
     path, _, throttle = url.partition("?")
@@ -267,3 +275,16 @@ def open_store(url: str) -> BlobStore:
             raise InvalidRequest(f"image store URL {url!r}: the query takes rate=BYTES_PER_S&latency=SECONDS") from None
         store = ThrottledStore(store, rate, latency)
     return store
+
+
+def _s3_timeout(url: str, given: str | None) -> float:
+    if given is None:
+        return DEFAULT_S3_TIMEOUT
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 3600:
+        raise InvalidRequest(f"image store URL {url!r}: timeout={given} is not a number of seconds between 0 and "
+                             f"3600 (e.g. timeout=5)")
+    return seconds
