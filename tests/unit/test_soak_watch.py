@@ -56,3 +56,23 @@ def test_rss_growth_counts_each_daemon_after_its_warm_up(monkeypatch: pytest.Mon
 
 def test_footprint_of_an_unused_home_is_empty(tmp_path: Path) -> None:
     assert footprint(Settings(home=tmp_path)) == set()
+
+
+
+async def test_an_unrecovered_fault_names_what_was_waited_for_and_the_last_answer() -> None:
+    from dsec.bench import soak
+    from dsec.errors import SandboxStateError
+
+    async def refused() -> bool:
+        raise SandboxStateError("sandbox sb-1 is failed; the operation needs it running")
+
+    async def unlike() -> bool:
+        unlike.last = "exec on the victim: exit 1, b''"  # type: ignore[attr-defined]
+        return False
+
+    with pytest.raises(soak._Unrecovered) as err:
+        await soak._until(refused, "victim sb-1 to be revived or reported lost", bound=0.3)
+    assert str(err.value) == ("waited 0.3 s for victim sb-1 to be revived or reported lost; last seen: "
+                              "SandboxStateError: sandbox sb-1 is failed; the operation needs it running")
+    with pytest.raises(soak._Unrecovered, match=r"last seen: exec on the victim: exit 1, b''$"):
+        await soak._until(unlike, "victim sb-1 to be revived or reported lost", bound=0.3)
