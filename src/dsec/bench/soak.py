@@ -69,7 +69,8 @@ _VM_MEMORY = "384Mi"
 _RSS_GROWTH_TARGET = 20.0
 """MiB per hour of a daemon's life past its warm-up: more is a leak, not a cache filling."""
 _RSS_JUDGED_AFTER = 600.0
-"""Seconds of warm daemon life the RSS growth needs before it is judged (a short soak only reports it)."""
+"""Seconds of warm daemon life (past :data:`~dsec.bench.soak_watch.WARM_S` of each) the RSS growth needs
+before it is judged (a short soak only reports it)."""
 
 
 @dataclass(frozen=True)
@@ -682,8 +683,4 @@ def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
 
 def _rss_judged(census: Census) -> bool:
     """Whether the daemons lived long enough, warm, for their RSS growth to be judged."""
-    lived: dict[int, list[float]] = {}
-    for t, pid, _ in census.rss:
-        lived.setdefault(pid, []).append(t)
-    return census.growth_mib_per_hour() is not None and sum(
-        max(ts) - min(ts) for ts in lived.values()) >= _RSS_JUDGED_AFTER
+    return census.growth_mib_per_hour() is not None and census.warm_seconds() >= _RSS_JUDGED_AFTER
