@@ -308,12 +308,18 @@ async def test_console_flood_is_bounded_and_the_panic_still_named(backend: Micro
             await asyncio.wait_for(backend.exec(sb, ExecRequest(command="echo c > /proc/sysrq-trigger")), 60)
 
 
-async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: MicroVMBackend,
-                                                                       debian_python_image: ImageRef) -> None:
-    async with sandbox(backend, debian_python_image, **SMALL) as first:
+async def small_template(backend: MicroVMBackend, image: ImageRef) -> Path:
+    """The template of a SMALL sandbox, made (and restored from once) if it was not there."""
+    async with sandbox(backend, image, **SMALL) as first:
         assert first.backend_state["start"] == "restore"
     [template] = [d for d in (backend.root / "templates").iterdir() if (d / "state").is_file()
                   and '"memory_mib": 384' in (d / "meta.json").read_text()]
+    return template
+
+
+async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: MicroVMBackend,
+                                                                       debian_python_image: ImageRef) -> None:
+    template = await small_template(backend, debian_python_image)
     (template / "state").write_bytes(os.urandom(1000))
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
         assert sb.backend_state["start"] == "boot" and "restoring" in sb.backend_state["restore_error"], \
@@ -321,6 +327,22 @@ async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: 
         assert (await backend.exec(sb, ExecRequest(command="echo booted"))).stdout == b"booted\n"
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
         assert sb.backend_state["start"] == "restore", "the corrupt template was not rebuilt"
+
+
+async def test_a_slow_template_restore_falls_back_to_cold_boot_and_keeps_the_template(
+        backend: MicroVMBackend, debian_python_image: ImageRef, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore that only ran out of time (a loaded host) is no sign of a bad template: the create boots cold
+    and the template stays, for the next create to restore from."""
+    template = await small_template(backend, debian_python_image)
+    kept = (template / "state").stat().st_ino
+    monkeypatch.setattr(backend.profile, "restore_timeout", 0.001)  # no guest answers its first ping that fast
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "boot" and "did not answer within" in sb.backend_state["restore_error"], \
+            sb.backend_state
+    monkeypatch.undo()
+    assert (template / "state").stat().st_ino == kept, "a template whose restore was only slow was discarded"
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        assert sb.backend_state["start"] == "restore"
 
 
 async def test_vcpus_and_disk_limits(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:

@@ -599,3 +599,26 @@ async def test_a_deferred_answer_is_kept_through_a_failed_commit(tmp_path: Path,
         assert [(e.seq, e.status) for e in await store.entries("t")] == [(0, "done")]
     finally:
         await store.aclose()
+
+
+async def test_a_deferred_answer_whose_commit_fails_is_the_next_readers_error(tmp_path: Path) -> None:
+    """SQLite (inline commits): an answer logged without waiting whose commit fails (the database turned
+    read-only) is the error of the next caller that waits on the log -- a read -- not only a log line; it is
+    committed once the database takes writes again."""
+    store = SQLiteStore(tmp_path / "t.db")
+    await store.start()
+    answer = Entry(seq=0, op="exec", digest="a", request="{}", status="done", response='{"exit_code": 0}')
+    try:
+        await store.put_entry("t", Entry(seq=0, op="exec", digest="a", request="{}"))
+        assert store._write_conn is not None
+        store._write_conn.execute("PRAGMA query_only = ON")  # SQLite refuses every write on it from now on
+        await store.put_entry("t", answer, durable=False)  # answered before its commit
+        with pytest.raises(SandboxError, match="readonly"):
+            await store.barrier()
+        with pytest.raises(SandboxError, match="readonly"):  # still failing: the read waiting on it says so too
+            await store.entries("t")
+        store._write_conn.execute("PRAGMA query_only = OFF")
+        entries = await store.entries("t")
+        assert [(e.seq, e.status, e.response) for e in entries] == [(0, "done", '{"exit_code": 0}')]
+    finally:
+        await store.aclose()

@@ -69,7 +69,8 @@ _VM_MEMORY = "384Mi"
 _RSS_GROWTH_TARGET = 20.0
 """MiB per hour of a daemon's life past its warm-up: more is a leak, not a cache filling."""
 _RSS_JUDGED_AFTER = 600.0
-"""Seconds of warm daemon life the RSS growth needs before it is judged (a short soak only reports it)."""
+"""Seconds of warm daemon life (past :data:`~dsec.bench.soak_watch.WARM_S` of each) the RSS growth needs
+before it is judged (a short soak only reports it)."""
 
 
 @dataclass(frozen=True)
@@ -386,34 +387,66 @@ async def _worker(node: _Node, tally: _Tally, worker: int, done: asyncio.Event, 
         n += 1
 
 
-async def _until(check: Callable[[], Any], bound: float = _RECOVERY_BOUND) -> bool:
-    deadline = time.monotonic() + bound
+class _Unrecovered(Exception):
+    """A fault the node did not recover from within the bound: what the soak waited for, the last thing seen."""
+
+    def __init__(self, waited_for: str, last: str, bound: float) -> None:
+        super().__init__(f"waited {bound:g} s for {waited_for}; last seen: {last}")
+
+
+async def _until(check: Callable[[], Any], waited_for: str, bound: float = _RECOVERY_BOUND) -> None:
+    """Return once ``check()`` is true; :class:`_Unrecovered` naming ``waited_for`` and the last answer (a false
+    check's ``last`` attribute, or its error) after ``bound`` seconds."""
+    deadline, last = time.monotonic() + bound, "no answer yet"
     while time.monotonic() < deadline:
-        with contextlib.suppress(DSecError, OSError):
+        try:
             if await check():
-                return True
+                return
+            last = getattr(check, "last", None) or "not yet"
+        except (DSecError, OSError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(0.2)
-    return False
+    raise _Unrecovered(waited_for, last[-400:], bound)
 
 
 async def _creates_work(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> bool:
     for backend in backends:
         sized: dict[str, Any] = {"memory": _VM_MEMORY} if backend == "microvm" else {}
-        sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"}, client=node.client,
-                                       **sized)
+        try:
+            sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"},
+                                           client=node.client, **sized)
+        except DSecError as exc:
+            node.probe_error = f"{backend}: create: {type(exc).__name__}: {exc}"
+            raise
         try:
             # a TCG guest on an oversubscribed host can take minutes to start Python
             ran = await sb.exec("python3 -c 'print(1)'", timeout=600 if backend == "microvm" else 120)
             if ran.exit_code != 0:
                 node.probe_error = f"{backend}: exit {ran.exit_code}, {ran.stderr[-300:].decode(errors='replace')}"
                 return False
+        except DSecError as exc:
+            node.probe_error = f"{backend}: exec: {type(exc).__name__}: {exc}"
+            raise
         finally:
             await sb.close()
     return True
 
 
+def _probe(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> Callable[[], Any]:
+    """A check that a create and an exec work on each of ``backends``; its ``last`` is why one did not."""
+
+    async def check() -> bool:
+        node.probe_error = None
+        ok = await _creates_work(node, backends)
+        check.last = node.probe_error  # type: ignore[attr-defined]
+        return ok
+
+    return check
+
+
 async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
-    """SIGKILL ``name``; seconds until the node recovered from it, or None when it did not within the bound."""
+    """SIGKILL ``name``; seconds until the node recovered from it, None when no process of it was found;
+    :class:`_Unrecovered` (what was waited for, the last thing seen) when it did not recover within the bound."""
     if name in ("exec-helper", "mount-holder", "lazy-server"):
         before = await node.component(name)
         if before is None or not (before.detail or "").startswith("pid "):
@@ -423,17 +456,19 @@ async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
 
         async def healed() -> bool:
             now = await node.component(name)
+            healed.last = f"health: {now}"  # type: ignore[attr-defined]
             return bool(now is not None and now.faults > before.faults and now.state == "ok")
 
-        ok = await _until(healed) and await _until(lambda: _creates_work(node))
-        return time.monotonic() - started if ok else None
+        await _until(healed, f"health to count the fault of {name} and say ok")
+        await _until(_probe(node), "a create and an exec to work on each backend")
+        return time.monotonic() - started
     if name == "daemon":
         started = time.monotonic()
         os.kill(node.pid, signal.SIGKILL)
         await node.restart()
         tally.daemon_restarts += 1
-        ok = await _until(lambda: _creates_work(node, tally.backends))
-        return time.monotonic() - started if ok else None
+        await _until(_probe(node, tally.backends), "a create and an exec to work on each backend")
+        return time.monotonic() - started
     return await _kill_victim(node, name, tally)
 
 
@@ -454,16 +489,20 @@ async def _kill_victim(node: _Node, name: str, tally: _Tally) -> float | None:
 
         async def settled() -> bool:  # revived with its state, or reported lost with the reason
             try:
-                return (await victim.exec("cat /workspace/state")).stdout == b"kept\n"
+                ran = await victim.exec("cat /workspace/state")
             except SandboxLost as exc:
                 tally.lost_with_reason.append(f"{name} victim: {exc.message}")
                 return True
-            except DSecError:
+            except DSecError as exc:
+                settled.last = f"exec on the victim: {type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
                 return False
+            settled.last = f"exec on the victim: exit {ran.exit_code}, {ran.stdout[-200:]!r}"  # type: ignore[attr-defined]
+            return ran.stdout == b"kept\n"
 
         backends = tally.backends if name == "qemu" else _BACKENDS
-        ok = await _until(settled) and await _until(lambda: _creates_work(node, backends))
-        return time.monotonic() - started if ok else None
+        await _until(settled, f"victim {victim.id} (pid {pids[0]} killed) to be revived or reported lost")
+        await _until(_probe(node, backends), "a create and an exec to work on each backend")
+        return time.monotonic() - started
     finally:
         with contextlib.suppress(DSecError):
             await victim.close()
@@ -488,16 +527,17 @@ async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress
     progress(f"SIGKILL {name}")
     try:
         took = await _inject(node, name, tally)
+    except _Unrecovered as exc:
+        tally.unrecovered.append(f"{name}: {exc}")
+        progress(f"{name}: not recovered: {exc}")
+        return
     except (DSecError, server.ServeError) as exc:  # no victim could be made, or the daemon did not start again
-        tally.unrecovered.append(f"{name} ({type(exc).__name__}: {exc})")
+        tally.unrecovered.append(f"{name}: {type(exc).__name__}: {exc}")
         progress(f"{name}: failed: {exc}")
         return
-    if took is None:
-        tally.unrecovered.append(name)
-        now = None
-        with contextlib.suppress(DSecError):
-            now = await node.component(name)
-        progress(f"{name}: not recovered within {_RECOVERY_BOUND:g} s (health: {now})")
+    if took is None:  # nothing to kill (no such process): counted, named
+        tally.unrecovered.append(f"{name}: no process of it was found to kill")
+        progress(f"{name}: no process found")
     else:
         tally.recoveries.setdefault(name, []).append(took)
         progress(f"{name}: recovered in {took:.1f} s")
@@ -643,8 +683,4 @@ def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
 
 def _rss_judged(census: Census) -> bool:
     """Whether the daemons lived long enough, warm, for their RSS growth to be judged."""
-    lived: dict[int, list[float]] = {}
-    for t, pid, _ in census.rss:
-        lived.setdefault(pid, []).append(t)
-    return census.growth_mib_per_hour() is not None and sum(
-        max(ts) - min(ts) for ts in lived.values()) >= _RSS_JUDGED_AFTER
+    return census.growth_mib_per_hour() is not None and census.warm_seconds() >= _RSS_JUDGED_AFTER

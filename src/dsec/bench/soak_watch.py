@@ -22,10 +22,15 @@ from pathlib import Path
 from dsec.backends.qemu.backend import home_tag
 from dsec.config import Settings
 
-__all__ = ["Census", "Item", "footprint"]
+__all__ = ["WARM_S", "Census", "Item", "footprint"]
 
 _SANDBOX = re.compile(r"sb-[0-9a-f]{12}")
 _PERSIST = 3
+WARM_S = 300.0
+"""Seconds of a daemon's life before its RSS growth counts: under the soak's load its malloc heap climbs for
+minutes to the high-water mark of the load's peak concurrency and then stays flat (measured with
+``DSEC_TRACEMALLOC``: Python objects grow by well under 1 MiB/h meanwhile); growth before that is warm-up,
+growth after it a leak."""
 """Censuses in a row a sandbox's resource must outlive the sandbox before it counts as a leak (creates and
 destroys in flight hold resources the daemon does not list yet, or any more)."""
 
@@ -124,14 +129,22 @@ class Census:
         if rss_mib is not None:
             self.rss.append((time.monotonic() - self._t0, pid, rss_mib))
 
-    def growth_mib_per_hour(self, warm_s: float = 60.0) -> float | None:
-        """The daemon's RSS growth per hour of its life, over every daemon process that lived past ``warm_s``
-        (its caches filled): the sum of each one's growth after warm-up over the sum of their times."""
+    def growth_mib_per_hour(self) -> float | None:
+        """The daemon's RSS growth per hour of its warm life, over every daemon process that lived past
+        :data:`WARM_S`: the sum of each one's growth after warm-up over the sum of their warm times."""
+        grown, lived = self._warm()
+        return grown / lived * 3600 if lived > 0 else None
+
+    def warm_seconds(self) -> float:
+        """Seconds of warm daemon life the RSS samples cover (what :meth:`growth_mib_per_hour` is over)."""
+        return self._warm()[1]
+
+    def _warm(self) -> tuple[float, float]:
         grown = lived = 0.0
         for pid in dict.fromkeys(p for _, p, _ in self.rss):
             mine = [(t, mib) for t, p, mib in self.rss if p == pid]
-            warm = [(t, mib) for t, mib in mine if t - mine[0][0] >= warm_s]
+            warm = [(t, mib) for t, mib in mine if t - mine[0][0] >= WARM_S]
             if len(warm) >= 2:
                 grown += warm[-1][1] - warm[0][1]
                 lived += warm[-1][0] - warm[0][0]
-        return grown / lived * 3600 if lived > 0 else None
+        return grown, lived

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsec.config import Settings
-from dsec.daemon import logs
+from dsec.daemon import logs, memory
 from dsec.daemon.engine import Engine
 from dsec.daemon.server import ServeError, serve
 from dsec.e2b.options import E2BOptions
@@ -49,11 +49,14 @@ def main(argv: list[str] | None = None, engine: Callable[[Settings], Engine] | N
         fusion = None
         if args.sandbox_fusion is not None:
             fusion = FusionOptions(args.sandbox_fusion, RunnerSettings(image=args.sandbox_fusion_image))
+        trace = memory.start_from_env(settings.run_dir)
         serve(settings, tcp=args.tcp, token=args.token or os.environ.get("DSEC_TOKEN") or None,
               engine=engine(settings) if engine is not None else None, e2b=e2b, fusion=fusion)
-    except (ServeError, InvalidRequest) as exc:
+    except (ServeError, InvalidRequest, ValueError) as exc:
         print(f"dsec daemon: {exc}", file=sys.stderr)
         return 1
+    if trace is not None:
+        trace.stop()
     return 0
 
 

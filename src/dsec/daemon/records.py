@@ -96,6 +96,9 @@ class Records:
         record = self.lookup(sandbox_id)
         if record.state == "running" or (allow_paused and record.state == "paused"):
             return record
+        if record.state == "lost":  # its leftovers still being destroyed (or that failed): lost all the same
+            raise SandboxLost(f"sandbox {sandbox_id} was lost: {record.reason}", sandbox_id=sandbox_id,
+                              node=self.node)
         raise SandboxStateError(f"sandbox {sandbox_id} is {record.state}; the operation needs it running",
                                 sandbox_id=sandbox_id, state=record.state)
 

@@ -144,8 +144,11 @@ class Removal(EngineParts):
             await self.surface.forget(record.id)
             await backend.destroy(record)
         except Exception as exc:
-            record.state = "failed"
-            record.reason = f"destroy failed: {type(exc).__name__}: {exc}"
+            failed = f"destroy failed: {type(exc).__name__}: {exc}"
+            if state == "lost":  # still lost to its client (a destroy tries again), with both reasons
+                record.reason = f"{record.reason}; {failed}"
+            else:
+                record.state, record.reason = "failed", failed
             self.records.save(record)
             log.exception("sandbox %s: destroy failed", record.id)
             if isinstance(exc, DSecError):

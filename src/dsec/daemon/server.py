@@ -35,6 +35,7 @@ import uvicorn
 
 from dsec.api.client import NodeClient
 from dsec.config import Settings
+from dsec.daemon import memory
 from dsec.daemon.app import AnswerCutOffCalls, create_app
 from dsec.daemon.auth import TokenFile
 from dsec.daemon.engine import Engine
@@ -351,6 +352,7 @@ def serve(
         affinity.control_cpus(settings.control_cpus)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
+    memory.cap_malloc_arenas()  # before the loop's and the executors' threads exist
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b, fusion=fusion).run())
 

@@ -142,7 +142,8 @@ class NodeImages:
         self.remounts = 0
         """Mounts this instance made afresh because theirs had died or vanished."""
         self._healed: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100)
-        # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON.
+        # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON. Kept
+        # while mounted or named by a tag: an unmounted snapshot layer's goes (a node mounts one per snapshot).
         self._manifests: dict[str, Manifest] = {}
         self._chunk_names: dict[str, tuple[tuple[str, str, int], ...]] = {}  # manifest digest -> ChunkCache.chunk_names
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
@@ -583,6 +584,9 @@ class NodeImages:
         (self.base / "mounts" / mount.path.name).unlink(missing_ok=True)
         self.cache.unpin(mount.hexdigest)
         self._mounts.pop(mount.hexdigest, None)
+        digest = "sha256:" + mount.hexdigest
+        if all(tagged != digest for tagged, _ in self._tags.values()):  # a snapshot layer's: one of thousands
+            self._manifests.pop(digest, None)
         self._save_access(mount.hexdigest)
 
     def cached(self, max_age: float = 0.0) -> dict[str, int]:

@@ -364,21 +364,29 @@ class TrajectoryStore(abc.ABC):
         self._inline_commits += 1
         self._inline_writes += len(ops)
 
-    def _flush_pending(self) -> None:
-        """Commit the deferred inline writes (a loop callback: a failure is logged, not raised)."""
+    def _commit_pending(self) -> None:
+        """Commit the deferred inline writes; on failure they are kept for the next commit and this raises."""
         ops = self._take_pending()
         if ops:
             try:
                 self._commit_inline(ops)
-            except DSecError as exc:
+            except DSecError:
                 self._keep(ops)
-                log.error("trajectory log: %d deferred writes wait for the store (%s)", len(ops), exc)
+                raise
+
+    def _flush_pending(self) -> None:
+        """Commit the deferred inline writes (a loop callback: a failure is logged, not raised; the next caller
+        that waits on the log gets it)."""
+        try:
+            self._commit_pending()
+        except DSecError as exc:
+            log.error("trajectory log: %d deferred writes wait for the store (%s)", len(self._pending), exc)
 
     async def barrier(self) -> None:
-        """Return once every write issued so far is committed (deferred ones included); writer mode: a deferred
-        write that cannot be committed is this caller's error."""
+        """Return once every write issued so far is committed (deferred ones included); a deferred write that
+        cannot be committed is this caller's error (and is kept for the next commit)."""
         if self.inline:
-            self._flush_pending()
+            self._commit_pending()
             return
         if self._unsettled:
             await self._writer.submit(lambda cur: None, True)  # type: ignore[misc]  # FIFO: all before it

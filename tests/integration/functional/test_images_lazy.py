@@ -82,6 +82,27 @@ def test_a_mount_reads_only_what_is_touched(home: Path, tmp_path: Path) -> None:
         node.aclose_sync(unmount=True)
 
 
+def test_the_manifests_of_unmounted_snapshot_layers_are_not_kept(home: Path, tmp_path: Path) -> None:
+    """A node mounts a layer per snapshot it restores or forks (thousands an hour under RL load): a layer's
+    parsed manifest goes with its idle mount; an image's, which a tag names, stays for its next create."""
+    store = ImageStore(home / "images")
+    (tmp_path / "src" / "etc").mkdir(parents=True)
+    digests = []
+    for name in ("layer", "image"):
+        (tmp_path / "src" / "etc" / "name").write_text(name)
+        store.import_dir(name, tmp_path / "src", uid_shift=0)
+        digests.append(store.manifest(name).digest)
+    node = node_for(home, store)
+    try:
+        node.unpin(node.pin_manifest(digests[0]))
+        node.release(node.resolve("image"))
+        assert set(node._manifests) == set(digests)
+        assert len(node.unmount_idle()) == 2
+        assert set(node._manifests) == {digests[1]}
+    finally:
+        node.aclose_sync(unmount=True)
+
+
 def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_path: Path) -> None:
     store = ImageStore(home / "images")
     make_tree(tmp_path / "src", big=MiB)

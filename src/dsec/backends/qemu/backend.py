@@ -29,7 +29,7 @@ from dsec.backends.qemu.machine import Machine, MachineHost
 from dsec.backends.qemu.network import GuestNetwork
 from dsec.backends.qemu.profile import MachineProfile, MiB, Shape
 from dsec.backends.qemu.qmp import qmp
-from dsec.backends.qemu.templates import Templates
+from dsec.backends.qemu.templates import RestoreTooSlow, Templates
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
@@ -204,7 +204,8 @@ class QemuBackend(Backend):
             for f in rundir.iterdir():
                 f.unlink()
             self.fast_start_failures += 1
-            await self.templates.discard(template)
+            if not isinstance(e, RestoreTooSlow):  # a slow restore (a loaded host) says nothing of the template
+                await self.templates.discard(template)
             return False
         await self.agent.prepare(record)
         return True

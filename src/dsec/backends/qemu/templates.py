@@ -2,8 +2,9 @@
 
 Owns ``<home>/<backend>/templates`` (one booted, idle guest per template key: its RAM file and migration
 stream) and the QEMU migration streams of snapshots and hibernation; must never leave a half-made template
-behind (a failed build removes it; a template that cannot be restored is discarded for the next create to
-rebuild). Clones map a template's RAM copy-on-write (``x-ignore-shared``) and load only its device state.
+behind (a failed build removes it; a template whose state cannot be loaded is discarded for the next create
+to rebuild, one whose restore was only slow is kept). Clones map a template's RAM copy-on-write
+(``x-ignore-shared``) and load only its device state.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from dsec.guest.protocol import AgentGone
 from dsec.isolation.network import Policy
 from dsec.models import SandboxRecord, SandboxSpec
 
-__all__ = ["Templates"]
+__all__ = ["RestoreTooSlow", "Templates"]
+
+
+class RestoreTooSlow(SandboxError, TimeoutError):
+    """A restore that did not finish in time (a loaded host), as opposed to one whose saved state QEMU or the
+    guest could not load: the template it came from is kept."""
 
 
 class Templates:
@@ -93,12 +99,22 @@ class Templates:
         finally:
             os.close(fd)
         await self._loaded(vm, source)
-        vm.client = await self.machines.connect(vm, 10)
+        try:
+            vm.client = await self.machines.connect(vm, 10)
+        except SandboxError as e:
+            if vm.dead:
+                raise
+            raise RestoreTooSlow(f"restoring {source.name}: {e}") from None
         await qmp(rundir, [("cont", {})])
-        await vm.client.ping(timeout=self.profile.restore_timeout)
+        try:
+            await vm.client.ping(timeout=self.profile.restore_timeout)
+        except TimeoutError:
+            raise RestoreTooSlow(f"restoring {source.name}: the guest did not answer within "
+                                 f"{self.profile.restore_timeout:g} s of its restore") from None
 
     async def _loaded(self, vm: Machine, source: Path) -> None:
-        """Wait until QEMU has loaded the incoming state (SandboxError naming why it could not)."""
+        """Wait until QEMU has loaded the incoming state (SandboxError naming why it could not, RestoreTooSlow
+        when it was still loading at the deadline)."""
         deadline = time.monotonic() + max(30.0, self.profile.restore_timeout)
         while True:
             try:
@@ -107,8 +123,11 @@ class Templates:
                 raise await self._restore_failed(vm, source, e) from None
             if status != "inmigrate":
                 break
-            if vm.dead or time.monotonic() > deadline:
-                raise SandboxError(f"restoring {source.name} failed: {vm.dead or 'timed out'}")
+            if vm.dead:
+                raise SandboxError(f"restoring {source.name} failed: {vm.dead}")
+            if time.monotonic() > deadline:
+                raise RestoreTooSlow(f"restoring {source.name}: QEMU was still loading its state after "
+                                     f"{max(30.0, self.profile.restore_timeout):g} s")
             await asyncio.sleep(0.005)
         if status not in ("paused", "postmigrate", "prelaunch"):
             raise SandboxError(f"restoring {source.name} left QEMU in state {status!r}")

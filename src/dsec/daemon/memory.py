@@ -1,0 +1,133 @@
+"""The daemon's memory: glibc's malloc arenas capped, and an opt-in trace of what grows over a long life.
+
+The daemon's threads (the event loop, the default executor's, the stores' writers) would each get a malloc
+arena of their own (up to 8 per core): freed memory stays spread over them, and the RSS of a daemon under a
+steady load climbs for minutes before it levels. :func:`cap_malloc_arenas` caps them at
+:data:`ARENAS` (what ``MALLOC_ARENA_MAX`` would, unless the operator set that).
+
+``DSEC_TRACEMALLOC=SECONDS`` (in the daemon's environment) starts :mod:`tracemalloc` and, every SECONDS,
+appends to ``memtrace-<pid>.txt`` (in ``DSEC_TRACEMALLOC_DIR``, by default the home's ``run/``) the allocation
+sites that grew most since the first look (taken one period after the start, so the warm-up's imports and
+caches are the baseline, not the growth), with the process's RSS beside the traced total: the gap between
+the two is the allocator's (arenas, fragmentation) and C libraries', not Python objects'.
+
+Owns the arena cap and the trace thread and its file; the trace must never run unless asked (tracing slows
+every allocation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import linecache
+import os
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+__all__ = ["ARENAS", "ENV", "MemTrace", "cap_malloc_arenas", "start_from_env"]
+
+ENV = "DSEC_TRACEMALLOC"
+ARENAS = 2
+"""malloc arenas the daemon's threads share."""
+_M_ARENA_MAX = -8
+"""mallopt's parameter number for the arena cap (glibc's malloc.h)."""
+_FRAMES = 12
+_TOP = 25
+
+
+class MemTrace:
+    """Snapshots every ``every`` seconds, each compared with the first; stopped by :meth:`stop`."""
+
+    def __init__(self, out: Path, every: float) -> None:
+        self.out = out
+        self.every = every
+        self._stop = threading.Event()
+        self._base: tracemalloc.Snapshot | None = None
+        self._thread = threading.Thread(target=self._run, name="dsec-memtrace", daemon=True)
+
+    def start(self) -> None:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(_FRAMES)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(self.every):
+            with contextlib.suppress(OSError):
+                self.look(time.monotonic() - started)
+
+    def look(self, age: float) -> str:
+        """Compare now with the baseline (taking it on the first call); the report is appended to the file."""
+        snap = _filtered(tracemalloc.take_snapshot())
+        if self._base is None:
+            self._base = snap
+            text = f"== baseline at {age:.0f} s: traced {_mib(tracemalloc.get_traced_memory()[0])}, rss {_rss()}\n"
+        else:
+            stats = snap.compare_to(self._base, "traceback")
+            traced = tracemalloc.get_traced_memory()[0]
+            lines = [f"== {age:.0f} s: traced {_mib(traced)}, rss {_rss()}, growth since baseline "
+                     f"{_mib(sum(s.size_diff for s in stats))}"]
+            for stat in stats[:_TOP]:
+                lines.append(f"{stat.size_diff / 1024:+.1f} KiB ({stat.count_diff:+d} blocks), now "
+                             f"{stat.size / 1024:.1f} KiB")
+                lines += [f"    {frame}" for frame in stat.traceback.format()[-2 * _FRAMES:]]
+            text = "\n".join(lines) + "\n"
+        with self.out.open("a") as f:
+            f.write(text)
+        return text
+
+
+def _filtered(snap: tracemalloc.Snapshot) -> tracemalloc.Snapshot:
+    # the trace's own cost (the snapshots, the source lines its reports read) is not the daemon's growth
+    return snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__),
+                               tracemalloc.Filter(False, __file__, all_frames=True),
+                               tracemalloc.Filter(False, linecache.__file__),
+                               tracemalloc.Filter(False, "<frozen importlib._bootstrap*>")])
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _rss() -> str:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return _mib(int(line.split()[1]) * 1024)
+    return "?"
+
+
+def start_from_env(run_dir: Path) -> MemTrace | None:
+    """The trace the environment asks for, started; None when it asks for none."""
+    every = os.environ.get(ENV, "").strip()
+    if not every:
+        return None
+    try:
+        seconds = float(every)
+    except ValueError:
+        raise ValueError(f"{ENV}={every!r} is not a number of seconds (e.g. {ENV}=60)") from None
+    if seconds <= 0:
+        raise ValueError(f"{ENV}={every!r} must be a positive number of seconds")
+    out = Path(os.environ.get(f"{ENV}_DIR") or run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = MemTrace(out / f"memtrace-{os.getpid()}.txt", seconds)
+    trace.start()
+    return trace
+
+
+def cap_malloc_arenas() -> bool:
+    """Cap glibc's malloc arenas at :data:`ARENAS` unless ``MALLOC_ARENA_MAX`` is set; True if capped (False
+    too on a libc without ``mallopt``, e.g. musl, whose allocator has no per-thread arenas)."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_ARENA_MAX, ARENAS))
