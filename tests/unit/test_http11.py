@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,7 @@ class _Server:
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
         self.connections = 0
+        self.ended = 0
         self.requests: list[bytes] = []
         self.hangups = asyncio.Event()
         self.close_after = False
@@ -47,6 +49,7 @@ class _Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             self.hangups.set()
         finally:
+            self.ended += 1
             writer.close()
 
 
@@ -110,6 +113,46 @@ async def test_idle_connections_expire_before_the_server_drops_them(tmp_path: Pa
         await asyncio.sleep(0.1)
         await pool.request(_post(b""), connect_timeout=5, read_timeout=None)
         assert server.connections == 2
+
+
+async def test_idle_connections_are_closed_without_another_request(tmp_path: Path) -> None:
+    """A burst to one origin leaves several idle connections: they are closed once expired even if no request
+    comes again (a gateway with a pool per node would otherwise hold them for good)."""
+    async with _serving(tmp_path, lambda _: _ok(b"ok")) as (server, pool):
+        pool.keepalive_expiry = 0.05
+        await asyncio.gather(*(pool.request(_post(b""), connect_timeout=5, read_timeout=None) for _ in range(4)))
+        assert server.connections == 4 and len(pool._idle) == 4
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if server.ended == 4:
+                break
+        assert server.ended == 4 and not pool._idle
+
+
+async def test_a_connection_closed_before_the_request_is_written_is_replaced(tmp_path: Path) -> None:
+    """The server closed a connection before anything was written on it (its end of file is in, the protocol not
+    told yet, as on uvloop): the request goes on a new connection, since nothing was sent; a server that does so
+    to every new connection fails the call as lost, having received nothing."""
+    async with _serving(tmp_path, lambda _: _ok(b"ok")) as (server, pool):
+        connect = pool._connect
+        closing = [1]
+
+        async def closed_first(timeout: float | None) -> Any:
+            conn = await connect(timeout)
+            if closing[0]:
+                closing[0] -= 1
+                assert conn.transport is not None
+                conn.transport.close()  # closing now, connection_lost still to come
+            return conn
+
+        pool._connect = closed_first  # type: ignore[method-assign]
+        assert await pool.request(_post(b"x"), connect_timeout=5, read_timeout=None) == (200, b"ok")
+        assert server.connections == 2 and len(server.requests) == 1
+        closing[0] = 10
+        pool._idle.clear()
+        with pytest.raises(Http11Error) as caught:
+            await pool.request(_post(b"y"), connect_timeout=5, read_timeout=None)
+        assert caught.value.kind == "lost" and len(server.requests) == 1
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_reused(tmp_path: Path) -> None:

@@ -46,6 +46,14 @@ class Http11Error(Exception):
         self.kind: Kind = kind
 
 
+_FRESH_TRIES = 3
+"""Connections a request tries when each is found closed by the server before the request was written."""
+
+
+class _Unsent(Exception):
+    """The connection was closed by the server before the request was written on it: nothing was sent."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; at most one request on it at a time."""
 
@@ -75,6 +83,12 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(Http11Error("lost", f"the answer is not HTTP/1.1: {exc}"))
+
+    def eof_received(self) -> bool | None:
+        # The transport closes once this returns; connection_lost comes a loop iteration later, and a request
+        # taking this connection in between would be written to a closed transport.
+        self.closed = True
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -137,6 +151,8 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, request: bytes, body: bytes, read_timeout: float | None) -> tuple[int, bytes, bool]:
         """Write ``request`` (and ``body``, when it came apart) and wait for the whole answer."""
         assert self.transport is not None
+        if self.closed or self.transport.is_closing():
+            raise _Unsent
         self.body = []
         self.answer = self.loop.create_future()
         self.transport.write(request)
@@ -170,6 +186,8 @@ class Http11Pool:
         self.keepalive_expiry = keepalive_expiry
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: deque[_Connection] = deque()
+        """Idle connections, the longest idle first."""
+        self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def _connect(self, timeout: float | None) -> _Connection:
@@ -195,6 +213,24 @@ class Http11Pool:
             conn.close()
         return None
 
+    def _park(self, conn: _Connection) -> None:
+        """Keep ``conn`` for the next request; a timer closes it once idle too long even if no request comes
+        (a gateway holds a pool per node: a burst to one node would otherwise leave its connections open for
+        good, and across thousands of nodes run the node daemons out of file descriptors)."""
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.keepalive_expiry, self._close_expired)
+
+    def _close_expired(self) -> None:
+        self._sweep = None
+        now = time.monotonic()
+        while self._idle and (self._idle[0].closed or now - self._idle[0].idle_since >= self.keepalive_expiry):
+            self._idle.popleft().close()
+        if self._idle:
+            wait = self._idle[0].idle_since + self.keepalive_expiry - now
+            self._sweep = asyncio.get_running_loop().call_later(max(wait, 0.05), self._close_expired)
+
     async def request(self, request: bytes, *, body: bytes = b"", connect_timeout: float | None,
                       read_timeout: float | None) -> tuple[int, bytes]:
         """Send one whole HTTP/1.1 request (``body``: a large body sent after it rather than copied into it); the
@@ -203,15 +239,21 @@ class Http11Pool:
         if self._closed:
             raise Http11Error("connect", "the client is closed")
         async with self._slots:
-            conn = self._reuse() or await self._connect(connect_timeout)
-            try:
-                status, answer, keep = await conn.exchange(request, body, read_timeout)
-            except BaseException:
-                conn.close()
-                raise
+            for _ in range(_FRESH_TRIES):
+                conn = self._reuse() or await self._connect(connect_timeout)
+                try:
+                    status, answer, keep = await conn.exchange(request, body, read_timeout)
+                    break
+                except _Unsent:  # closed by the peer before anything was written: safe on another connection
+                    conn.close()
+                except BaseException:
+                    conn.close()
+                    raise
+            else:
+                raise Http11Error("lost", f"the server closed {_FRESH_TRIES} connections in a row before a request "
+                                          "was written on them")
             if keep and not conn.closed and not self._closed:
-                conn.idle_since = time.monotonic()
-                self._idle.append(conn)
+                self._park(conn)
             else:
                 conn.close()
             return status, answer
@@ -236,6 +278,9 @@ class Http11Pool:
     def close(self) -> None:
         """Close every idle connection; requests in flight close theirs when they end."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         while self._idle:
             with contextlib.suppress(Exception):
                 self._idle.pop().close()
