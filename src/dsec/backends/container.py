@@ -11,7 +11,9 @@ namespace goes with it), remove the cgroups, unmount, remove the upper and the r
 
 This module owns the sandbox's host resources (bundle directory, mount, runtime state,
 cgroups) and must leave none of them behind, including after a daemon crash
-(:meth:`ContainerBackend.recover`, :meth:`ContainerBackend.cleanup_orphans`).
+(:meth:`ContainerBackend.recover`, :meth:`ContainerBackend.cleanup_orphans`). The calls into a running
+sandbox (exec, processes, ports, files, stats) are :mod:`dsec.backends.container_io`'s mixin, the host-side
+mount steps :mod:`dsec.backends.container_host`'s functions.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import posixpath
-import secrets
 import select
 import shutil
 import signal
@@ -33,50 +33,49 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dsec.accounts import ROOT, Identity
+from dsec.accounts import ROOT
 from dsec.backends.base import (
-    Backend,
     Check,
     ImageRef,
     apply_image_defaults,
-    default_identity,
-    signal_of,
     store_identity,
     workdir_of,
 )
-from dsec.backends.hostside import HostFiles, actor_of
-from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
+from dsec.backends.container_host import (
+    attach_sandbox,
+    last_runtime_error,
+    mask_dir,
+    pidfd_of,
+    plain_dir,
+    private_dir,
+)
+from dsec.backends.container_io import ContainerIO
+from dsec.backends.hostside import HostFiles
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
-from dsec.isolation.capabilities import CAP_NUMBERS, DEFAULT_CAPS
 from dsec.isolation.cgroups import (
     TEARDOWN_BOUND,
     CgroupSet,
     LimitCounters,
     background_group,
-    cgroup_mode,
     v2_controllers_in_hybrid,
 )
-from dsec.isolation.disk import disk_full, disk_used, umount
-from dsec.isolation.exec_client import ExecHelper, check_exec_size, stream_exec
+from dsec.isolation.disk import umount
+from dsec.isolation.exec_client import ExecHelper
 from dsec.isolation.files import SandboxFS, make_workdir
 from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
-from dsec.isolation.oci_runtime import DEFAULT_PATH, exec_rlimits, runtime_config, sandbox_limits
-from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.ports import connect_in_netns
-from dsec.isolation.process_io import PipeProcess, raw_mode, sandbox_pty
+from dsec.isolation.oci_runtime import exec_rlimits, runtime_config, sandbox_limits
+from dsec.isolation.paths import cover_paths, protect_paths
 from dsec.isolation.procs import ended, reap, sealed_executable, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE
-from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models import SandboxRecord
 
 __all__ = ["ContainerBackend"]
 
@@ -84,18 +83,13 @@ log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
-# The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
-_CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
-CPU_IDLE_AFTER_S = 0.5
-"""A sandbox returns to the best-effort CPU class once it has run no command for this long: back-to-back
-commands (an agent's tool loop) pay no cgroup write at all, a background hog yields within half a second."""
 
 
 PRISTINE_DIR = "/.dsec-pristine"
 """Where a sandbox sees its image's original root (read-only); ``dsec-nsenter`` roots pristine execs there."""
 
 
-class ContainerBackend(Backend):
+class ContainerBackend(ContainerIO):
     """crun + overlayfs + user namespace + DSec-made cgroups; exec through the node's exec helper."""
 
     name = "container"
@@ -173,7 +167,7 @@ class ContainerBackend(Backend):
         # pid 1 (which may reap late, or never in a minimal container host).
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _private_dir(self.state_root)
+        private_dir(self.state_root)
         self.bundles.mkdir(exist_ok=True, mode=0o700)
         self.runtime_root.mkdir(exist_ok=True, mode=0o700)
         # /run/dsec is 0711 (traversable, not listable); /run/dsec/<tag> belongs to the sandboxes' root
@@ -183,7 +177,7 @@ class ContainerBackend(Backend):
         self.mounts.mkdir(exist_ok=True, mode=0o700)
         os.chown(self.mounts, self.settings.uid_shift, self.settings.uid_shift)
         os.chmod(self.mounts, 0o700)
-        _mask_dir(self.mask_dir)
+        mask_dir(self.mask_dir)
         built = await asyncio.to_thread(ensure_init, self.settings.home / "bin")
         self._init = self.mounts / built.name
         if not self._init.exists():
@@ -343,7 +337,7 @@ class ContainerBackend(Backend):
         proc = subprocess.run([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, check=False, pass_fds=fds)
         if proc.returncode != 0:
-            detail = _last_runtime_error(log) if log.exists() else None
+            detail = last_runtime_error(log) if log.exists() else None
             with contextlib.suppress(OSError):
                 detail = shim_errors.read_text(errors="replace").strip() or detail
             raise SandboxError(f"crun {args[0]} failed: {detail or f'exit status {proc.returncode}'}")
@@ -492,7 +486,7 @@ class ContainerBackend(Backend):
             os.mkdir(f"{on_disk}/upper")
             os.mkdir(f"{on_disk}/work")
             os.chown(f"{on_disk}/upper", shift, shift)
-            # /dev and /dev/shm are directories of the disk, not a tmpfs each (see _mount_dev).
+            # /dev and /dev/shm are directories of the disk, not a tmpfs each (see mount_dev).
             for name, mode in (("dev", 0o755), ("dev/shm", 0o755), ("shm", 0o1777)):
                 os.mkdir(f"{on_disk}/{name}")
                 os.chown(f"{on_disk}/{name}", shift, shift)
@@ -508,17 +502,17 @@ class ContainerBackend(Backend):
                 make_workdir(SandboxFS(root, shift, shift), workdir_of(record), user)
                 # The image's untouched root for pristine execs, read-only inside the sandbox's root (from the
                 # sandbox's user namespace a locked mount it cannot undo). A restored upper already has the dir.
-                _plain_dir(f"{root}{PRISTINE_DIR}")
+                plain_dir(f"{root}{PRISTINE_DIR}")
                 pristine = clone_tree(str(image.rootfs), readonly=True)
                 try:
                     attach(pristine, PRISTINE_DIR.lstrip("/"), root_fd)
                 finally:
                     os.close(pristine)
-                _plain_dir(f"{root}/sys")
-                _plain_dir(f"{root}/dev")
+                plain_dir(f"{root}/sys")
+                plain_dir(f"{root}/dev")
                 # The rest in one hop to the holder's thread (each is a hand-off and a wake-up).
                 sysfs = (str(self.sysfs), self._sysfs_dev) if node_sysfs else None
-                return holder.run(_attach_sandbox, root_fd, disk_fd, str(rootfs), str(disk), sysfs)
+                return holder.run(attach_sandbox, root_fd, disk_fd, str(rootfs), str(disk), sysfs)
             finally:
                 os.close(root_fd)
         finally:
@@ -535,16 +529,6 @@ class ContainerBackend(Backend):
             finally:
                 os.close(fd)
         self._sysfs_dev = self._holder.run(os.stat, str(self.sysfs)).st_dev
-
-    def mount_view(self, record: SandboxRecord, key: str) -> str:
-        """The path of the sandbox's ``key`` mount ("rootfs", "disk" or "upper") as the daemon reaches it:
-        through the mount holder's namespace (the host's for a sandbox made before the holder existed)."""
-        path = str(record.backend_state[key])
-        if record.backend_state.get("mntns"):
-            if self._holder is None:
-                raise BackendUnavailable("container backend is not started")
-            return self._holder.view(path)
-        return path
 
     # -- network --------------------------------------------------------------------------
 
@@ -590,210 +574,6 @@ class ContainerBackend(Backend):
         elif component == "mount-holder" and self._holder is not None:
             await asyncio.to_thread(self._holder.respawn)
 
-    def _pid(self, record: SandboxRecord) -> int:
-        pid = record.backend_state.get("init_pid")
-        if not pid or start_time(pid) != record.backend_state.get("init_start"):
-            raise SandboxError(f"sandbox {record.id} is not running (its init process is gone)")
-        return int(pid)
-
-    def _cgroups(self, record: SandboxRecord) -> CgroupSet:
-        return self._cgroup_set(record.id, record.backend_state)
-
-    def exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None = None
-                    ) -> AsyncIterator[ExecEvent]:
-        return self._exec_stream(record, request, user)
-
-    def _exec_cgroups_of(self, record: SandboxRecord) -> tuple[CgroupSet, list[str], LimitCounters]:
-        cached = self._exec_cgroups.get(record.id)
-        if cached is None:
-            cgroups = self._cgroups(record)
-            cached = self._exec_cgroups[record.id] = (cgroups, cgroups.procs_files(), cgroups.limit_counters())
-        return cached
-
-    def _helper_request(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
-                        user: Identity | None, **flags: bool) -> dict[str, Any]:
-        """The exec helper's request for a command of ``record`` as ``user`` (None: the sandbox's default)."""
-        if self._helper is None:
-            raise BackendUnavailable("container backend is not started")
-        identity = user or default_identity(record)
-        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home if user else record.backend_state.get("home", "/root"),
-                    **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
-        check_exec_size(argv, full_env)
-        return {"init_pid": self._pid(record), "cgroup_procs": self._exec_cgroups_of(record)[1], "argv": argv,
-                "env": full_env, "cwd": cwd or workdir_of(record), "uid": identity.uid, "gid": identity.gid,
-                "groups": identity.groups, "capmask": _CAPMASK, "nofile": self._nofile,
-                "landlock": record.spec.landlock, **flags}
-
-    async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None
-                           ) -> AsyncIterator[ExecEvent]:
-        helper_request = self._helper_request(record, request.argv(), request.env, request.cwd, user,
-                                              pristine=request.pristine)
-        cgroups, _, counters = self._exec_cgroups_of(record)
-        before = (counters.oom_kills(), counters.pids_limit_hits())
-        disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
-
-        def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
-            if signal_of(exit_code, sig) == signal.SIGKILL and counters.oom_kills() > before[0]:
-                return "memory"
-            if exit_code != 0 and counters.pids_limit_hits() > before[1]:
-                return "pids"
-            if exit_code != 0 and disk and disk_full(disk):
-                return "disk"
-            return None
-
-        assert self._helper is not None
-        spawned = await self._helper.spawn(helper_request)
-        events = stream_exec(spawned, request, verdict)
-        self._cpu_busy(record, cgroups, +1)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            try:
-                await events.aclose()  # kills the command now, not whenever the generator is collected
-            finally:
-                self._cpu_busy(record, cgroups, -1)
-
-    def _cpu_busy(self, record: SandboxRecord, cgroups: CgroupSet, delta: int) -> None:
-        """Normal CPU weight while a command runs, best-effort once none has run for ``CPU_IDLE_AFTER_S``
-        (one cgroup write at each edge, none for a command that follows another within that time; a
-        sandbox destroyed meanwhile has no cgroup left to write)."""
-        running = self._busy.get(record.id, 0) + delta
-        if running > 0:
-            self._busy[record.id] = running
-            timer = self._idle_timers.pop(record.id, None)
-            if timer is not None:
-                timer.cancel()
-            if record.id not in self._busy_class:
-                with contextlib.suppress(OSError):
-                    cgroups.set_cpu_class(busy=True)
-                    self._busy_class.add(record.id)
-            return
-        self._busy.pop(record.id, None)
-        if record.id in self._busy_class and record.id not in self._idle_timers:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # an exec stream finalised outside any loop: demote it now
-                self._cpu_idle(record.id, cgroups)
-                return
-            self._idle_timers[record.id] = loop.call_later(CPU_IDLE_AFTER_S, self._cpu_idle, record.id, cgroups)
-
-    def _cpu_idle(self, sandbox_id: str, cgroups: CgroupSet) -> None:
-        self._idle_timers.pop(sandbox_id, None)
-        if sandbox_id in self._busy_class and not self._busy.get(sandbox_id):
-            self._busy_class.discard(sandbox_id)
-            with contextlib.suppress(OSError):
-                cgroups.set_cpu_class(busy=False)
-
-    def _forget_cpu_class(self, sandbox_id: str) -> None:
-        self._exec_cgroups.pop(sandbox_id, None)
-        timer = self._idle_timers.pop(sandbox_id, None)
-        if timer is not None:
-            timer.cancel()
-        self._busy_class.discard(sandbox_id)
-
-    def _fs(self, record: SandboxRecord, path: str = "/", user: Identity | None = None) -> tuple[SandboxFS, str]:
-        """The files API's view as ``user``: the sandbox's own root, or for a path beneath a hidden (not yet
-        revealed) directory the host's view of the same overlay, where no cover hides it."""
-        shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-        root = f"/proc/{self._pid(record)}/root"
-        norm = posixpath.normpath("/" + path.lstrip("/"))
-        if any(norm == h or norm.startswith(h + "/") for h in record.backend_state.get("hidden", [])):
-            root = self.mount_view(record, "rootfs")
-        return SandboxFS(root, shift, shift, actor=actor_of(user or default_identity(record), shift)), path
-
-    async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
-                        ) -> bytes:
-        return await asyncio.to_thread(self._fs(record, path, user)[0].read, path, max_bytes)
-
-    async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
-                         user: Identity | None = None) -> None:
-        await asyncio.to_thread(self._fs(record, path, user)[0].write, path, data, mode)
-
-    async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(record, path, user)[0].list, path)
-
-    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
-        return await self.files.stat(record, path, user)
-
-    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
-                       user: Identity | None = None) -> FileStat:
-        return await self.files.mkdir(record, path, parents, mode, user)
-
-    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> None:
-        await self.files.remove(record, path, recursive, user)
-
-    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
-                          user: Identity | None = None) -> FileStat:
-        return await self.files.rename(record, source, destination, overwrite, user)
-
-    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chmod(record, path, mode, user)
-
-    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
-                         user: Identity | None = None) -> FileStat:
-        return await self.files.set_xattrs(record, path, values, remove, user)
-
-    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chown(record, path, owner, user)
-
-    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> AsyncIterator[FileEvent]:
-        return await self.files.watch(record, path, recursive, user)
-
-    async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
-                            user: Identity | None = None) -> ProcessIO:
-        identity = user or default_identity(record)
-        env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
-        request = self._helper_request(record, spec.argv, env, spec.cwd, user, tty=spec.pty is not None)
-        master = slave = None
-        if spec.pty is not None:
-            shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-            master, slave = sandbox_pty(f"/proc/{request['init_pid']}/root", (identity.uid + shift, 5 + shift),
-                                        spec.pty)
-            if spec.pty_stdin:
-                raw_mode(slave)
-        stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
-        assert self._helper is not None
-        try:
-            spawned = await self._helper.spawn(request, stdio)
-        except BaseException:
-            if master is not None:
-                os.close(master)
-            raise
-        finally:
-            if slave is not None:
-                os.close(slave)
-        process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
-                              timeout=spec.timeout)
-        await process.wait_started()
-        return process
-
-    async def open_port(self, record: SandboxRecord, port: int) -> PortStream:
-        return await connect_in_netns(f"/proc/{self._pid(record)}/ns/net", port)
-
-    async def reveal(self, record: SandboxRecord) -> None:
-        hidden = list(record.backend_state.get("hidden", []))
-        await asyncio.to_thread(reveal_paths, self._pid(record), hidden)
-        record.backend_state["hidden"] = []
-
-    async def stats(self, record: SandboxRecord) -> SandboxStats:
-        cg = self._cgroups(record)
-        upper = self.mount_view(record, "upper") if record.backend_state.get("upper") else None
-        disk = self.mount_view(record, "disk") if record.backend_state.get("disk") else None
-        if disk:  # the writable layer is its own tmpfs: the kernel counts it
-            st = await asyncio.to_thread(os.statvfs, disk)
-            used, limit, full = (st.f_blocks - st.f_bfree) * st.f_frsize, record.spec.disk, disk_full(disk)
-        else:  # a sandbox created before disk limits existed: its upper sits on DSEC_HOME's filesystem
-            used = await asyncio.to_thread(disk_used, Path(upper)) if upper else 0
-            limit, full = None, False
-        return SandboxStats(memory_bytes=cg.memory_usage(), memory_peak_bytes=cg.memory_peak(),
-                            cpu_seconds=cg.cpu_seconds(), pids=cg.pids_current(), oom_kills=cg.oom_kills(),
-                            disk_bytes=used, disk_limit_bytes=limit, disk_full=full)
-
     async def pause(self, record: SandboxRecord) -> None:
         self._pid(record)
         await asyncio.to_thread(self._cgroups(record).freeze)
@@ -817,7 +597,7 @@ class ContainerBackend(Backend):
         # What `crun delete --force` does, without running it: kill init (the pid namespace dies
         # with it), empty and remove the cgroups, drop the runtime's state, unmount, remove the layer.
         pid = state.get("init_pid")
-        pidfd = _pidfd_of(int(pid), state.get("init_start")) if pid else None
+        pidfd = pidfd_of(int(pid), state.get("init_start")) if pid else None
         try:
             if pidfd is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -847,18 +627,6 @@ class ContainerBackend(Backend):
                 shutil.rmtree(bundle, True)
         if any(b.exists() for b in bundles) or rootfs.exists():
             raise SandboxError(f"could not remove {bundles[0]} or {rootfs} (still mounted?)")
-
-    def _cgroup_set(self, sandbox_id: str, state: dict[str, Any]) -> CgroupSet:
-        expected = f"/{self.cgroup_parent}/{sandbox_id}"
-        dirs = state.get("cgroups") or {}
-        if dirs and all(d.endswith(expected) for d in dirs.values()):
-            # The host's mode, not "is there a unified dir": on a hybrid host the v1 controllers sit next
-            # to an empty v2 "unified" hierarchy, and reading limits there reported 0 memory, 0 pids and
-            # no OOM kills (so a memory-killed command got no limit="memory" verdict).
-            return CgroupSet(mode=cgroup_mode(), dirs=dict(dirs))
-        # Never trust a recorded path outside our own parent: killing "every pid in the cgroup"
-        # of a wrong path would kill host processes.
-        return CgroupSet.at(expected)
 
     async def recover(self, record: SandboxRecord) -> bool:
         pid = record.backend_state.get("init_pid")
@@ -898,119 +666,6 @@ class ContainerBackend(Backend):
         await self.networks.sweep()  # chains of sandboxes no recovered record claims (recover() runs first)
         return orphans
 
-
-def _attach_sandbox(root_fd: int, disk_fd: int, rootfs: str, disk: str, sysfs: tuple[str, int] | None) -> int:
-    """In the holder's namespace: the node's sysfs on the detached root's /sys (``sysfs``: its path and device
-    there; read-only, and from the sandbox's user namespace a locked mount), the root on ``rootfs``, the disk
-    on ``disk``, /dev and /dev/shm from the disk (:func:`_mount_dev`); returns a detached clone of the mounted
-    root for the runtime shim. A failure part-way leaves mounts that destroy's unmounts remove."""
-    if sysfs is not None:
-        fd = _clone_node_sysfs(*sysfs)
-        try:
-            attach(fd, "sys", root_fd)
-        finally:
-            os.close(fd)
-    attach(root_fd, rootfs)
-    attach(disk_fd, disk)
-    _mount_dev(disk, rootfs)
-    return clone_tree(rootfs)
-
-
-def _mount_dev(disk: str, rootfs: str) -> None:
-    """Bind the disk's ``dev`` on the sandbox's /dev and its ``shm`` on /dev/shm (in the holder's namespace).
-
-    Each tmpfs is a superblock, and superblocks cost kernel memory in every memory cgroup of the node (see
-    oci.runtime_config); as directories of the sandbox's disk they cost none, and /dev/shm shares the disk's
-    size instead of a fixed 64 MiB of its own. The runtime populates /dev (device nodes bound from the host,
-    pts, mqueue) and then makes it read-only (oci.runtime_config)."""
-    for source, target, noexec in ((f"{disk}/dev", f"{rootfs}/dev", False), (f"{disk}/shm", f"{rootfs}/dev/shm", True)):
-        fd = clone_tree(source, noexec=noexec)  # /dev/shm no-exec, as the runtime's own tmpfs there was
-        try:
-            attach(fd, target)
-        finally:
-            os.close(fd)
-
-
-def _clone_node_sysfs(path: str, dev: int) -> int:
-    """A read-only clone of the node's sysfs (in the holder's namespace), checked to still be the one mounted
-    at start: an empty directory there would give a sandbox an empty /sys without a word."""
-    if os.stat(path).st_dev != dev:
-        raise SandboxError(f"the node's sysfs is no longer mounted on {path} in the mount holder's namespace; "
-                           "restart the daemon")
-    return clone_tree(path, readonly=True)
-
-
-def _plain_dir(path: str) -> None:
-    """Make ``path`` (in a sandbox's root, before the sandbox runs) a real directory: an image's symlink or file
-    there is replaced, so that nothing mounted on it can land outside the root."""
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            return
-        os.unlink(path)
-    os.mkdir(path, 0o555)
-
-
-def _mask_dir(path: Path) -> None:
-    """The empty directory bound over the sandboxes' masked directories: made afresh (root's, 0555) unless the
-    one there already is exactly that (its parent is root's /run/dsec; anything else there is removed first)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o555 and not os.listdir(path):
-            return
-        if stat.S_ISDIR(st.st_mode):
-            os.chmod(path, 0o700)
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    os.mkdir(path, 0o555)
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o555)
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` (0700, ours) in a world-writable directory such as /dev/shm, or check that the one there
-    is ours: a directory (not a symlink) owned by this user that nobody else can write or read.
-
-    Anything else there was planted (the name is predictable): it is moved aside, so another local user cannot
-    keep the backend from starting, and nothing is ever written through it. Moving another user's entry in a
-    sticky directory takes root (CAP_FOWNER); without it the backend refuses to start, naming the path.
-    """
-    for _ in range(3):
-        try:
-            os.mkdir(path, 0o700)
-            return
-        except FileExistsError:
-            pass
-        st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
-            return
-        aside = path.with_name(f"{path.name}.planted-{secrets.token_hex(4)}")
-        try:
-            os.rename(path, aside)
-        except OSError as exc:
-            raise BackendUnavailable(
-                f"container backend: {path} exists but is not a private directory of uid {os.geteuid()} "
-                f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}) and cannot be moved aside ({exc}): "
-                f"someone else made it; remove it") from None
-        log.warning("container backend: %s was not a private directory of uid %d (owner uid %d, mode %s): "
-                    "moved aside to %s", path, os.geteuid(), st.st_uid, stat.filemode(st.st_mode), aside)
-    raise BackendUnavailable(f"container backend: {path} keeps being planted by someone else; remove its creator")
-
-
-def _pidfd_of(pid: int, started: str | None) -> int | None:
-    """A pidfd of ``pid`` if it is still the process that started at ``started`` (the pidfd pins it: checked
-    once, no signal sent through it can reach a recycled pid), else None."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:  # gone already
-        return None
-    if start_time(pid) != started:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> None:
@@ -1054,12 +709,3 @@ def _kill_and_remove_cgroups(cgroups: CgroupSet, init: int | None = None) -> Non
         time.sleep(0.002)
 
 
-def _last_runtime_error(log: Path) -> str | None:
-    message = None
-    with contextlib.suppress(OSError):
-        for line in log.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                entry = json.loads(line)
-                if entry.get("level") in ("error", "fatal"):
-                    message = entry.get("msg")
-    return message
