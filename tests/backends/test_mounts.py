@@ -10,7 +10,7 @@ import pytest
 
 from container_support import mounts_under, pid_alive
 from dsec.errors import SandboxError
-from dsec.isolation.init import ensure_rtshim
+from dsec.isolation.binaries import ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 
 pytestmark = [pytest.mark.root]

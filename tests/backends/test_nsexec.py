@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from dsec.isolation.binaries import ensure_nsexec
 from dsec.isolation.exec_client import MAX_MESSAGE, encode_request
-from dsec.isolation.init import ensure_nsexec
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the helper joins pid namespaces: root only")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.isolation.init import ensure_rtshim
+from dsec.isolation.binaries import ensure_rtshim
 from dsec.isolation.procs import SEALS, sealed_executable
 
 # Only shell builtins look at the stand-in's own /proc entry: an external command would see itself.

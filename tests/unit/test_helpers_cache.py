@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dsec.isolation import init
+from dsec.isolation import binaries
 
 pytestmark = [pytest.mark.root]
 
@@ -18,14 +18,14 @@ pytestmark = [pytest.mark.root]
 def test_a_new_home_copies_the_nodes_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "helpers"
     monkeypatch.setenv("DSEC_HELPERS", str(cache))
-    first = init.ensure_init(tmp_path / "home-a" / "bin")  # compiled, then offered to the node
+    first = binaries.ensure_init(tmp_path / "home-a" / "bin")  # compiled, then offered to the node
     assert (cache / first.name).read_bytes() == first.read_bytes()
 
     def no_compiler(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         raise AssertionError(f"compiled again: {args[0]}")
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
-    second = init.ensure_init(tmp_path / "home-b" / "bin")
+    second = binaries.ensure_init(tmp_path / "home-b" / "bin")
     assert second.name == first.name and second.read_bytes() == first.read_bytes()
     assert os.access(second, os.X_OK)
 
@@ -33,9 +33,9 @@ def test_a_new_home_copies_the_nodes_build(tmp_path: Path, monkeypatch: pytest.M
 def test_a_cache_others_can_write_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "helpers"
     monkeypatch.setenv("DSEC_HELPERS", str(cache))
-    built = init.ensure_init(tmp_path / "home-a" / "bin")
+    built = binaries.ensure_init(tmp_path / "home-a" / "bin")
     planted = cache / built.name
     planted.write_bytes(b"#!/bin/sh\necho planted\n")
     cache.chmod(0o777)
-    again = init.ensure_init(tmp_path / "home-b" / "bin")
+    again = binaries.ensure_init(tmp_path / "home-b" / "bin")
     assert again.read_bytes() == built.read_bytes(), "a binary from a world-writable directory was run"

@@ -58,6 +58,7 @@ from dsec.backends.hostside import HostFiles
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
 from dsec.images.users import resolve_user
+from dsec.isolation.binaries import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.cgroups import (
     TEARDOWN_BOUND,
     CgroupSet,
@@ -68,7 +69,6 @@ from dsec.isolation.cgroups import (
 from dsec.isolation.disk import umount
 from dsec.isolation.exec_client import ExecHelper
 from dsec.isolation.files import SandboxFS, make_workdir
-from dsec.isolation.init import ensure_init, ensure_nsenter, ensure_nsexec, ensure_rtshim
 from dsec.isolation.mounts import MountHolder, attach, clone_tree, overlay_mount, sysfs_mount, tmpfs_mount
 from dsec.isolation.network import Policy, SandboxNetworks
 from dsec.isolation.oci_runtime import exec_rlimits, runtime_config, sandbox_limits

@@ -49,12 +49,12 @@ from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.images.users import resolve_user
 from dsec.isolation import call_loader, pyzygote
+from dsec.isolation.binaries import ensure_callinit, ensure_zygote
 from dsec.isolation.callslots import lay_out, zygote_procs
 from dsec.isolation.cgroups import TEARDOWN_BOUND, CgroupSet, Limits, background_group, cgroup_mode
 from dsec.isolation.disk import disk_full, disk_used, mount_disk, umount
 from dsec.isolation.exec_client import check_exec_size
 from dsec.isolation.files import SandboxFS
-from dsec.isolation.init import ensure_callinit, ensure_zygote
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci_runtime import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths

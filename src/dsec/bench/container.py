@@ -28,7 +28,7 @@ from dsec.bench.cpu import CpuWindow, daemon_pid
 from dsec.bench.peers import RuncPeer, mount_overlay, podman_argv, time_command, umount
 from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
-from dsec.isolation.init import HELPERS, binary_path, ensure_init
+from dsec.isolation.binaries import HELPERS, binary_path, ensure_init
 from dsec.isolation.procs import mem_available
 
 __all__ = ["BenchUnavailable", "ContainerBench", "run"]

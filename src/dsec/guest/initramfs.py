@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dsec.errors import BackendUnavailable
 from dsec.guest.kernel import GuestKernel
-from dsec.isolation.init import ensure_binary
+from dsec.isolation.binaries import ensure_binary
 
 __all__ = ["AGENT_SOURCE", "GUEST_MODULES", "build_initramfs", "ensure_agent", "module_order"]
 

@@ -1,4 +1,7 @@
-"""Builds DSec's static helper binaries from their C sources on first use.
+"""Builds DSec's static helper binaries from their C sources on first use (not the sandbox init itself:
+``init.c`` is one of the sources it builds).
+
+Owns compiling the helpers and caching them (per home and node-wide); must never run a helper or hold a sandbox's state.
 
 - ``dsec-init`` (``init.c``): pid 1 of a container sandbox; reaps orphans, nothing else.
 - ``dsec-nsexec`` (``nsexec.c``): the exec helper, one per daemon; starts each command through ``dsec-nsenter``.
