@@ -15,7 +15,6 @@ import http.server
 import json
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -27,14 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from dsec._ports import free_port
+
 USER, PASSWORD = "agent", "s3cret-pw"
 SERVICE, ISSUER = "dsec-test-registry", "dsec-test-issuer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def b64url(data: bytes) -> str:

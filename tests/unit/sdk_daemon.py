@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from dsec._ports import free_port as free_port
 from dsec.backends.base import Backend, ImageRef
 from dsec.config import Settings
 from dsec.daemon.app import create_app
@@ -57,13 +57,6 @@ class Daemon:
     engine: Engine
     loop: asyncio.AbstractEventLoop
     """The loop the engine runs on (call its methods there: ``loop.call_soon_threadsafe``)."""
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

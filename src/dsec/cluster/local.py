@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec._ports import free_port
 from dsec.api.client import NodeClient, call_blocking, serves
 from dsec.models import BatchDestroyRequest
 
@@ -65,12 +65,6 @@ def own_netns() -> Iterator[str]:
     finally:
         os.close(home)
         subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pids_with(text: str) -> list[int]:
@@ -187,7 +181,7 @@ def local_cluster(dsn: str, workers: int, jobs: dict[str, dict[str, Any]], slots
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             **small, "temp_dir": str(base / "ray" / "ray"), "include_dashboard": False, "_system_config": system})
-        port = _free_port()
+        port = free_port()
         gateway = Gateway(
             [sys.executable, "-m", "dsec.cluster", "gateway", "--listen", f"127.0.0.1:{port}", "--db", dsn,
              "--jobs", str(base / "jobs.json"), "--ray-address", cluster.address,

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec._ports import free_port
 from dsec.api.client import serves
 from dsec.cluster.gateway import NodeFacts
 from dsec.isolation.procs import meminfo
@@ -76,12 +76,6 @@ class NodeConfig:
 def _set_pdeathsig() -> None:
     # The daemon stops (gracefully: sandboxes stay for the next daemon to adopt) when its actor dies.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _mem_total() -> int:
@@ -140,7 +134,7 @@ class NodeDaemon(_Supervisor):
         self.name = name
         self.config = NodeConfig(**config)
         self.host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         self.token = secrets.token_urlsafe(32)
         self.home = Path(self.config.home_root) / name
         self.home.mkdir(parents=True, exist_ok=True)
