@@ -140,7 +140,7 @@ async def test_computer_use_is_logged_on_trajectories(client: httpx.AsyncClient,
         assert r.status_code in (200, 204), r.text
     log = (await client.get("/v1/trajectories/log", params={"name": "cu/1", "start": 0})).json()
     assert [(c["op"], c["status"]) for c in log] == [("screenshot", "done"), ("mouse", "done"), ("keyboard", "done")]
-    assert '"x": 3' in (await eng.rollouts.log.store.entries("cu/1", 1, 1))[0].request.replace('":', '": ')
+    assert '"x": 3' in (await eng.trajectories.log.store.entries("cu/1", 1, 1))[0].request.replace('":', '": ')
     sent = list(vm.inputs)
     # the same calls again (an agent replaying its rollout): answered from the log, nothing reaches the display
     shot = await client.get(f"/v1/sandboxes/{sid}/screenshot", params={"seq": 0})
@@ -170,7 +170,7 @@ async def test_input_cut_by_a_daemon_death_is_not_sent_again(tmp_path: Path) -> 
     request = KeyboardRequest(text="halt\n")
     digest, readable = call_identity("keyboard", request.model_dump(mode="json", exclude_none=True))
     # what a daemon killed while sending the keys leaves: the call logged as running, no answer
-    await first.rollouts.log.store.put_entry("cu/2", Entry(seq=0, op="keyboard", digest=digest, request=readable))
+    await first.trajectories.log.store.put_entry("cu/2", Entry(seq=0, op="keyboard", digest=digest, request=readable))
     await first.aclose()
     second, _ = make()
     await second.start()

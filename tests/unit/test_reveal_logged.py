@@ -63,10 +63,10 @@ async def test_reveal_is_logged_and_replayed(client: httpx.AsyncClient, engine: 
     r = await client.post(f"/v1/sandboxes/{sid}/exec/result", params={"seq": 1}, json={"command": "true"})
     assert r.status_code == 409 and "reveal" in r.text, r.text
     # a branch rebuilt from the image (no checkpoint) lacks the reveal: reported missing, or re-run when asked
-    branch = await eng.rollouts.branch("grade/1", 2, rerun_missing=False)
+    branch = await eng.trajectories.branch("grade/1", 2, rerun_missing=False)
     assert branch.trajectory is not None and branch.trajectory.missing_effects == [0, 1], branch.trajectory
     assert backend.reveals == [sid]
-    rebuilt = await eng.rollouts.branch("grade/1", 2, rerun_missing=True)
+    rebuilt = await eng.trajectories.branch("grade/1", 2, rerun_missing=True)
     assert rebuilt.trajectory is not None and rebuilt.trajectory.missing_effects == [], rebuilt.trajectory
     assert backend.reveals == [sid, rebuilt.id]
 

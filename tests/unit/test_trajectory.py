@@ -25,7 +25,7 @@ from dsec.errors import (
 )
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
-from dsec.trajectory.replay import Trajectories
+from dsec.trajectory.replay import TrajectoryLog
 from dsec.trajectory.store import Entry, SQLiteStore
 
 COUNT = ExecRequest(command="echo run >> ran; wc -l < ran")
@@ -126,7 +126,7 @@ async def test_exec_in_flight_when_the_daemon_died_is_not_run_again(tmp_path: Pa
 
     digest, readable = call_identity("exec", exec_args(COUNT))
     # What a daemon killed mid-command leaves: the request logged as running, no result.
-    await first.rollouts.log.store.put_entry("job-17/rollout-3", Entry(seq=1, op="exec", digest=digest,
+    await first.trajectories.log.store.put_entry("job-17/rollout-3", Entry(seq=1, op="exec", digest=digest,
                                                                         request=readable))
     await first.aclose()  # a graceful stop keeps the sandbox for the next daemon
     second = make_engine(tmp_path, fake)
@@ -135,7 +135,7 @@ async def test_exec_in_flight_when_the_daemon_died_is_not_run_again(tmp_path: Pa
         result = await second.exec(info.id, COUNT, seq=1)
         assert result.exit_code == 255 and b"outcome is" in result.stderr and result.replayed
         assert ran(second, info.id) == 1
-        entry = (await second.rollouts.log.store.entries("job-17/rollout-3", 1, 1))[0]
+        entry = (await second.trajectories.log.store.entries("job-17/rollout-3", 1, 1))[0]
         assert entry.status == "interrupted" and json.loads(entry.response or "{}")["exit_code"] == 255
     finally:
         await second.destroy_all()
@@ -143,13 +143,13 @@ async def test_exec_in_flight_when_the_daemon_died_is_not_run_again(tmp_path: Pa
 
 
 async def test_output_cap_is_recorded(engine: Engine) -> None:
-    engine.rollouts.log.cap = 10
+    engine.trajectories.log.cap = 10
     info = await engine.create(spec())
     live = await engine.exec(info.id, ExecRequest(command="printf 0123456789abcdef"), seq=0)
     assert live.stdout == b"0123456789abcdef" and live.log_truncated
     replay = await engine.exec(info.id, ExecRequest(command="printf 0123456789abcdef"), seq=0)
     assert replay.stdout == b"0123456789" and replay.log_truncated and replay.replayed
-    entry = (await engine.rollouts.log.store.entries("job-17/rollout-3"))[0]
+    entry = (await engine.trajectories.log.store.entries("job-17/rollout-3"))[0]
     assert entry.truncated and entry.original_bytes == 16
 
 
@@ -206,7 +206,7 @@ async def test_a_lost_sandbox_forgotten_while_its_trajectory_is_reopened_leaves_
     real = engine.create_unpooled
 
     async def racing(*args: object, **kwargs: object) -> object:
-        engine.rollouts.forget(old)  # the lost sandbox's removal, done as the rebuild runs
+        engine.trajectories.forget(old)  # the lost sandbox's removal, done as the rebuild runs
         return await real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine, "create_unpooled", racing)
@@ -224,7 +224,7 @@ async def test_a_rebuild_that_fails_or_is_cut_off_half_way_keeps_no_sandbox(engi
     info = await engine.create(spec())
     await engine.exec(info.id, COUNT, seq=0)
     await engine.destroy(info.id)  # lost
-    store = engine.rollouts.log.store
+    store = engine.trajectories.log.store
     real_bind, real_entries = store.put_binding, store.entries
 
     async def unbindable(*args: object, **kwargs: object) -> None:
@@ -333,7 +333,7 @@ async def test_sqlite_store_group_commits_and_survives_reopen(tmp_path: Path) ->
     stats = store.statistics()
     assert stats["writes"] >= 200 and stats["commits"] < stats["writes"]
     await store.aclose()
-    again = Trajectories(SQLiteStore(tmp_path / "log.db"))
+    again = TrajectoryLog(SQLiteStore(tmp_path / "log.db"))
     await again.store.start()
     try:
         assert [e.seq for e in await again.store.entries("t")] == list(range(200))
@@ -370,17 +370,17 @@ async def test_branch_rebuilds_to_the_branch_point(engine: Engine) -> None:
     await engine.snapshot(info.id, seq=1)
     await engine.exec(info.id, COUNT, seq=2)
     await engine.exec(info.id, COUNT, seq=3)
-    branch = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=False)
+    branch = await engine.trajectories.branch("job-17/rollout-3", 3, rerun_missing=False)
     assert branch.trajectory is not None and branch.trajectory.missing_effects == [2]
     assert branch.trajectory.calls == 3 and ran(engine, branch.id) == 1
-    rebuilt = await engine.rollouts.branch("job-17/rollout-3", 3, rerun_missing=True)
+    rebuilt = await engine.trajectories.branch("job-17/rollout-3", 3, rerun_missing=True)
     assert rebuilt.trajectory is not None and rebuilt.trajectory.rerun == [2]
     assert ran(engine, rebuilt.id) == 2 and ran(engine, info.id) == 3
     # The branch replays the shared prefix and diverges from the original after it.
     assert (await engine.exec(rebuilt.id, COUNT, seq=2)).replayed
     assert not (await engine.exec(rebuilt.id, ExecRequest(command="true"), seq=3)).replayed
     with pytest.raises(InvalidRequest, match="log has 4 calls"):
-        await engine.rollouts.branch("job-17/rollout-3", 9, rerun_missing=False)
+        await engine.trajectories.branch("job-17/rollout-3", 9, rerun_missing=False)
 
 
 async def test_responses_are_logged_in_the_next_batch_and_every_read_sees_them(tmp_path: Path) -> None:
@@ -416,7 +416,7 @@ async def test_responses_are_logged_in_the_next_batch_and_every_read_sees_them(t
 async def _lose_answer(engine: Engine, name: str, seq: int) -> None:
     """What a daemon killed inside the deferred-response window (or a failed write of the log) leaves: the
     call logged as running, with no answer."""
-    store = engine.rollouts.log.store
+    store = engine.trajectories.log.store
     entry = await store.entry(name, seq)
     entry.status, entry.response = "running", None
     await store.put_entry(name, entry, durable=True)
@@ -471,7 +471,7 @@ async def test_a_call_reissued_while_it_is_being_logged_joins_the_first(engine: 
     same call meanwhile. The re-issue joins the first run, which runs once, and gets its result; if the write
     fails instead, both get the error, nothing runs, and the call can be issued again."""
     info = await engine.create(spec())
-    store = engine.rollouts.log.store
+    store = engine.trajectories.log.store
     real = store.put_entry
     fail: list[BaseException] = []
 
@@ -513,7 +513,7 @@ async def test_a_logged_call_failing_with_a_bug_is_a_named_error(engine: Engine,
     monkeypatch.setattr(fake, "write_file", broken)
     with pytest.raises(SandboxError, match="write failed: RuntimeError: disk driver bug"):
         await engine.write_file(info.id, "/workspace/f", b"x", seq=0)
-    assert (await engine.rollouts.log.store.entry("job-17/rollout-3", 0)).status == "interrupted"
+    assert (await engine.trajectories.log.store.entry("job-17/rollout-3", 0)).status == "interrupted"
 
 
 async def test_a_node_that_only_answered_a_log_fetch_rebuilds_from_the_current_log(tmp_path: Path) -> None:
@@ -532,10 +532,10 @@ async def test_a_node_that_only_answered_a_log_fetch_rebuilds_from_the_current_l
         info = await a.create(spec())
         for seq in range(2):
             await a.exec(info.id, COUNT, seq=seq)
-        assert len(await c.rollouts.log.logged("job-17/rollout-3", 0, 100)) == 2
+        assert len(await c.trajectories.log.logged("job-17/rollout-3", 0, 100)) == 2
         for seq in range(2, 5):
             await a.exec(info.id, COUNT, seq=seq)
-        await asyncio.sleep(a.rollouts.log.store.defer_s * 3)  # the last answer's batch lands
+        await asyncio.sleep(a.trajectories.log.store.defer_s * 3)  # the last answer's batch lands
         # A is lost; the job re-opens its trajectory and the gateway places it on C.
         rebuilt = await c.create(spec())
         assert rebuilt.id != info.id and rebuilt.trajectory is not None and rebuilt.trajectory.calls == 5
@@ -553,9 +553,9 @@ async def test_a_branch_counts_a_call_copied_while_running_as_missing(engine: En
     await engine.exec(info.id, COUNT, seq=0)
     await engine.exec(info.id, COUNT, seq=1)
     await _lose_answer(engine, "job-17/rollout-3", 1)
-    branch = await engine.rollouts.branch("job-17/rollout-3", 2, rerun_missing=False)
+    branch = await engine.trajectories.branch("job-17/rollout-3", 2, rerun_missing=False)
     assert branch.trajectory is not None and branch.trajectory.missing_effects == [0, 1], branch.trajectory
-    store = engine.rollouts.log.store
+    store = engine.trajectories.log.store
     assert (await store.entry(branch.trajectory.name, 1)).status == "interrupted"
     assert (await store.entry("job-17/rollout-3", 1)).status == "running"
 

@@ -48,7 +48,7 @@ class Commands(EngineParts):
         record = self.records.live(sandbox_id, allow_paused=False)
         backend = self.backends.get(record.spec.backend)
         if record.spec.trajectory is not None:
-            return self.rollouts.exec_stream(record, backend, request, seq)
+            return self.trajectories.exec_stream(record, backend, request, seq)
         return self.exec_events(backend, record, request)
 
     async def exec_unlogged(self, record: SandboxRecord, request: ExecRequest) -> ExecResult:
@@ -98,7 +98,7 @@ class Commands(EngineParts):
         record = self.records.live(sandbox_id, allow_paused=False)
         if record.spec.trajectory is None:
             return await collect_exec(self.exec_stream(sandbox_id, request, seq))
-        return await self.rollouts.exec(record, self.backends.get(record.spec.backend), request, seq)
+        return await self.trajectories.exec(record, self.backends.get(record.spec.backend), request, seq)
 
     async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
         """Run a pickled Python callable; the reply goes back undecoded (the daemon never unpickles it)."""
@@ -159,7 +159,7 @@ class Commands(EngineParts):
         if record.spec.trajectory is None:
             return await run()
         args: dict[str, Any] = {"path": path} if user is None else {"path": path, "user": user}
-        data: bytes = await self.rollouts.call(record, seq, "read", args, None, lambda _: run())
+        data: bytes = await self.trajectories.call(record, seq, "read", args, None, lambda _: run())
         return data
 
     async def write_file(
@@ -182,7 +182,7 @@ class Commands(EngineParts):
         args: dict[str, Any] = {"path": path, "mode": mode, "data": data}
         if user is not None:
             args["user"] = user
-        await self.rollouts.call(record, seq, "write", args, data, lambda _: run())
+        await self.trajectories.call(record, seq, "write", args, data, lambda _: run())
 
     async def list_files(self, sandbox_id: str, path: str, seq: int | None = None, user: str | None = None
                          ) -> builtins.list[FileEntry]:
@@ -197,6 +197,6 @@ class Commands(EngineParts):
         if record.spec.trajectory is None:
             return await run()
         args: dict[str, Any] = {"path": path} if user is None else {"path": path, "user": user}
-        entries: builtins.list[FileEntry] = await self.rollouts.call(record, seq, "list", args, None,
+        entries: builtins.list[FileEntry] = await self.trajectories.call(record, seq, "list", args, None,
                                                                      lambda _: run())
         return entries

@@ -43,7 +43,7 @@ class Creation(EngineParts):
         if POOL_LABEL in spec.labels:
             raise InvalidRequest(f"label {POOL_LABEL!r} is reserved for warm-pool sandboxes")
         if spec.trajectory is not None:
-            return await self.rollouts.open(spec)  # re-attaching makes nothing; a rebuild is refused in _make
+            return await self.trajectories.open(spec)  # re-attaching makes nothing; a rebuild is refused in _make
         self.refuse_if_stopping()
         if spec.snapshot is None and self._poolable(spec):
             claimed = await self._claim(spec)

@@ -53,10 +53,10 @@ from dsec.daemon.ports import PortForwarder
 from dsec.daemon.records import Records
 from dsec.daemon.recovery import Recovery
 from dsec.daemon.removal import Removal
-from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.state import StateStore
 from dsec.daemon.surface import Surface
 from dsec.daemon.surface_ops import SurfaceOperations
+from dsec.daemon.trajectories import TrajectoryBinding
 from dsec.daemon.watchdog import Watchdog
 from dsec.errors import BackendUnavailable, DaemonStopping, InvalidRequest, NotSupported, SandboxNotFound
 from dsec.images.cache import free_reserve
@@ -81,7 +81,7 @@ from dsec.models import (
     TrajectoryInfo,
     parse_network,
 )
-from dsec.trajectory.replay import Trajectories
+from dsec.trajectory.replay import TrajectoryLog
 from dsec.trajectory.store import SQLiteStore, TrajectoryStore
 
 __all__ = ["IMAGE_IDLE_SECONDS", "MAX_FILE_BYTES", "Engine"]
@@ -128,14 +128,15 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
         for name in self.backends.loaded:  # exported at 0 from the start: a first failure is an increase to alert on
             self.metrics.teardown_failures.labels(name)
         self.records = Records(StateStore(settings.state_db, settings.legacy_state_dir), settings.node,
-                               lambda record: self.rollouts.status(record), tombstone_limit=tombstone_limit)
+                               lambda record: self.trajectories.status(record), tombstone_limit=tombstone_limit)
         self.teardowns: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._stopping: str | None = None  # why creates are refused (drain)
         self.snapshots = snapshot_store(settings, images)
         self.pins = ImagePins(images, self.snapshots)
         """The image version and snapshot layers each sandbox sits on."""
-        self.rollouts = Rollouts(self, Trajectories(trajectory_store or default_trajectory_store(settings)))
+        self.trajectories = TrajectoryBinding(
+            self, TrajectoryLog(trajectory_store or default_trajectory_store(settings)))
         self.admission = Admission(settings.create_slots)
         self.pools = Pools(self, self.metrics)
         # Parsed now: a bad --pool stops the daemon before it adopts anything, with the entry named; so does a
@@ -206,13 +207,13 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
             self.on_phase("raising the host's limits")
             await asyncio.to_thread(self.host_limits.raise_all)
         self.on_phase("opening the trajectory log")
-        await self.rollouts.start()
+        await self.trajectories.start()
         self.on_phase("opening the audit trail")
         await self.audit.start()
         await self.backends.start(self.on_phase)
         await self.recover_all()
         self.on_phase("re-attaching trajectories")
-        await self.rollouts.adopt(self.records.values())
+        await self.trajectories.adopt(self.records.values())
         self.on_phase("sweeping snapshot layers")
         await asyncio.to_thread(self.snapshots.sweep)  # layers only dead sandboxes of the last daemon used
         self._reaper = asyncio.create_task(self._reap_forever(), name="dsec-reaper")
@@ -267,7 +268,7 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
         self._announcer = None
         await self.surface.aclose()
         await self.backends.aclose()
-        await self.rollouts.aclose()
+        await self.trajectories.aclose()
         await self.audit.aclose()
         self.records.store.close()
         if self.host_limits is not None:
@@ -394,36 +395,36 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
         if record.spec.trajectory is None:
             await act(0)
         else:
-            await self.rollouts.call(record, seq, "reveal", {}, None, act)
+            await self.trajectories.call(record, seq, "reveal", {}, None, act)
         return self.records.info(record)
 
     # -- trajectories ---------------------------------------------------------------------------------
 
     async def branch_trajectory(self, request: TrajectoryForkRequest) -> SandboxInfo:
         """Branch a trajectory at a call onto a rebuilt sandbox (the SDK's ``on_divergence="fork"``)."""
-        return await self.rollouts.branch(request.name, request.at, request.rerun_missing)
+        return await self.trajectories.branch(request.name, request.at, request.rerun_missing)
 
     async def renew_lease(self, sandbox_id: str) -> SandboxInfo:
         """Renew the lease of a trajectory-bound sandbox; :class:`InvalidRequest` for an unbound one."""
         record = self.records.live(sandbox_id, allow_paused=True)
-        self.rollouts.renew(record)
+        self.trajectories.renew(record)
         return self.records.info(record)
 
     async def list_trajectories(self, prefix: str = "", limit: int = 1000) -> builtins.list[TrajectoryInfo]:
         """Trajectories in the log whose name starts with ``prefix``."""
-        return await self.rollouts.listing(prefix, limit)
+        return await self.trajectories.listing(prefix, limit)
 
     async def end_trajectory(self, name: str) -> TrajectoryInfo:
         """End trajectory ``name`` (its sandbox goes; re-opening the name starts a new one)."""
-        return await self.rollouts.end(name)
+        return await self.trajectories.end(name)
 
     async def delete_trajectory(self, name: str) -> None:
         """Delete trajectory ``name``: its sandbox, its log and its unshared checkpoints."""
-        await self.rollouts.delete(name)
+        await self.trajectories.delete(name)
 
     async def trajectory_log(self, name: str, start: int = 0, limit: int = 1000) -> builtins.list[LoggedCall]:
         """Logged calls of trajectory ``name`` from ``start``; fetching renews its sandbox's lease."""
-        return await self.rollouts.log.logged(name, start, limit)
+        return await self.trajectories.log.logged(name, start, limit)
 
     # -- node ----------------------------------------------------------------------------------------
 
@@ -509,4 +510,4 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
 
     async def probe_trajectories(self) -> str | None:
         """None if the trajectory store takes a durable write now."""
-        return await self.rollouts.log.store.probe(self.settings.node)
+        return await self.trajectories.log.store.probe(self.settings.node)

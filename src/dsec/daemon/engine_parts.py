@@ -7,7 +7,7 @@ creating (:mod:`~dsec.daemon.creation`), removing (:mod:`~dsec.daemon.removal`),
 what is declared here: its collaborators (records, pins, backends, metrics...) by their public methods, and
 the few operations one group asks of another.
 
-Owns the declaration of those parts and the accessors of the sandbox surface's and rollouts' host protocol.
+Owns the declaration of those parts and the accessors of the sandbox surface's and trajectory side's host protocols.
 Must never hold state or logic of its own beyond a one-line accessor: the state is the collaborators'.
 """
 
@@ -27,8 +27,8 @@ from dsec.daemon.metrics import Metrics
 from dsec.daemon.node_backends import NodeBackends
 from dsec.daemon.pools import Pools
 from dsec.daemon.records import Records
-from dsec.daemon.rollouts import Rollouts
 from dsec.daemon.surface import Surface
+from dsec.daemon.trajectories import TrajectoryBinding
 from dsec.models import SandboxInfo, SandboxRecord, SandboxSpec
 from dsec.trajectory.snapshots import SnapshotStore
 
@@ -45,7 +45,7 @@ class EngineParts:
     backends: NodeBackends
     pins: ImagePins
     snapshots: SnapshotStore
-    rollouts: Rollouts
+    trajectories: TrajectoryBinding
     admission: Admission
     pools: Pools
     audit: AuditLog
@@ -72,7 +72,7 @@ class EngineParts:
 
         async def drop_ephemeral(self, snap_id: str | None) -> None: ...  # forks
 
-    # -- the host of the surface (daemon/surface.py) and of rollouts (daemon/rollout_host.py) ------------------
+    # -- the host of the surface (daemon/surface.py) and of trajectories (daemon/trajectory_host.py) -------------
 
     def find_record(self, sandbox_id: str) -> SandboxRecord | None:
         """The record of ``sandbox_id`` if this node has one (in any state)."""
@@ -99,5 +99,5 @@ class EngineParts:
         """``run()`` as a logged call of ``record``'s trajectory, or directly for a sandbox bound to none."""
         if record.spec.trajectory is None:
             return await run()
-        return await self.rollouts.call(record, seq, op, args, body, lambda _: run())
+        return await self.trajectories.call(record, seq, op, args, body, lambda _: run())
 

@@ -98,7 +98,7 @@ class Forks(EngineParts):
         """Save a sandbox's writable state in the snapshot store (a logged checkpoint on a trajectory)."""
         record = self.records.live(sandbox_id, allow_paused=True)
         if record.spec.trajectory is not None:
-            return SnapshotRef(snapshot=await self.rollouts.snapshot(record, seq))
+            return SnapshotRef(snapshot=await self.trajectories.snapshot(record, seq))
         return SnapshotRef(snapshot=await self.take_snapshot(record))
 
     async def take_snapshot(self, record: SandboxRecord, ephemeral: bool = False) -> str:

@@ -23,7 +23,7 @@ class GuiOperations(EngineParts):
         backend = self.backends.get(record.spec.backend)
         if record.spec.trajectory is None:
             return await backend.screenshot(record)
-        data: bytes = await self.rollouts.call(record, seq, "screenshot", {}, None,
+        data: bytes = await self.trajectories.call(record, seq, "screenshot", {}, None,
                                                lambda _: backend.screenshot(record))
         return data
 
@@ -38,7 +38,7 @@ class GuiOperations(EngineParts):
         if record.spec.trajectory is None:
             await act(0)
             return
-        await self.rollouts.call(record, seq, "mouse", request.model_dump(mode="json"), None, act)
+        await self.trajectories.call(record, seq, "mouse", request.model_dump(mode="json"), None, act)
 
     async def keyboard(self, sandbox_id: str, request: KeyboardRequest, seq: int | None = None) -> None:
         """Type text or press key combos on the sandbox's display (a logged call on a trajectory)."""
@@ -51,5 +51,5 @@ class GuiOperations(EngineParts):
         if record.spec.trajectory is None:
             await act(0)
             return
-        await self.rollouts.call(record, seq, "keyboard", request.model_dump(mode="json", exclude_none=True), None,
+        await self.trajectories.call(record, seq, "keyboard", request.model_dump(mode="json", exclude_none=True), None,
                                  act)

@@ -163,7 +163,7 @@ class Removal(EngineParts):
         self.records.tombstone(record, state, message)
         kind: LifecycleKind = "expired" if state == "expired" else "lost" if state == "lost" else "destroyed"
         self.events.publish(kind, self.records.info(record), reason=record.reason if kind != "destroyed" else None)
-        self.rollouts.forget(record)
+        self.trajectories.forget(record)
         log.info("sandbox %s %s", record.id, state, extra={"sandbox": record.id})
         if record.spec.snapshot is not None:
             await self.drop_ephemeral(record.spec.snapshot)
@@ -173,7 +173,7 @@ class Removal(EngineParts):
         now = time.time()
         due = [
             r for r in self.records.values()
-            if (r.expires_at <= now or self.rollouts.lease_expired(r, now))
+            if (r.expires_at <= now or self.trajectories.lease_expired(r, now))
             and r.state in ("running", "paused") and r.id not in self.records.destroying
         ]
 

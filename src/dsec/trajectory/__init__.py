@@ -2,5 +2,5 @@
 
 ``store`` (SQLite / ``postgres``) keeps logs durably with group commit; ``digest`` defines a call's
 identity; ``replay`` matches calls against a log; ``snapshots`` stores checkpoints. The engine glue is
-``dsec.daemon.rollouts``; the SDK side is ``dsec._sdk.replay``.
+``dsec.daemon.trajectories``; the SDK side is ``dsec._sdk.replay``.
 """

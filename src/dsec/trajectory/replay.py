@@ -35,7 +35,7 @@ from dsec.models import ExecResult, FileEntry, LoggedCall, TrajectoryStatus
 from dsec.models_surface import FileStat, ProcessInfo, ShellInfo, ShellResult
 from dsec.trajectory.store import Binding, Entry, TrajectoryStore
 
-__all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "Trajectories", "decode_response"]
+__all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "TrajectoryLog", "decode_response"]
 
 DEFAULT_CAP = 1024 * 1024
 """Bytes of output (per stream) or file body stored per call; the rest is dropped and the cut recorded."""
@@ -82,7 +82,7 @@ class Join:
 
 @dataclass
 class Live:
-    """Run the call now (in a task handed to :meth:`Trajectories.fly`); report with :meth:`Trajectories.finish`.
+    """Run the call now (in a task handed to :meth:`TrajectoryLog.fly`); report with :meth:`TrajectoryLog.finish`.
     ``flight`` stands for the run from the moment the call is decided: the same call issued again meanwhile
     (its client died while the call was being logged) joins it instead of running it a second time."""
 
@@ -156,7 +156,7 @@ _MODELS: dict[str, type[BaseModel]] = {
 """The response model of each logged surface call (its JSON is what the log keeps)."""
 
 
-class Trajectories:
+class TrajectoryLog:
     """Every trajectory opened on this node, over one :class:`TrajectoryStore`."""
 
     def __init__(self, store: TrajectoryStore, cap: int = DEFAULT_CAP) -> None:

@@ -1,7 +1,7 @@
 """The engine's trajectory side: binding sandboxes to trajectories, logged calls, leases and recovery.
 
 Owns: opening a trajectory (create and bind, re-attach, or rebuild a lost sandbox from its latest
-checkpoint), running a trajectory-bound sandbox's calls through :class:`~dsec.trajectory.replay.Trajectories`
+checkpoint), running a trajectory-bound sandbox's calls through :class:`~dsec.trajectory.replay.TrajectoryLog`
 (matching, logging, flights that outlive their client), checkpoints (a logged ``snapshot`` call) and
 lease expiry. It reaches sandboxes only through the engine's records and backends, and never speaks HTTP.
 
@@ -39,13 +39,13 @@ from dsec.models import (
     TrajectoryStatus,
 )
 from dsec.trajectory.digest import call_identity, exec_args
-from dsec.trajectory.replay import STATE_CHANGING, Join, OpenTrajectory, Replay, Trajectories, decode_response
+from dsec.trajectory.replay import STATE_CHANGING, Join, OpenTrajectory, Replay, TrajectoryLog, decode_response
 from dsec.trajectory.store import Binding, Summary
 
 if TYPE_CHECKING:
-    from dsec.daemon.rollout_host import RolloutHost
+    from dsec.daemon.trajectory_host import TrajectoryHost
 
-__all__ = ["Rollouts"]
+__all__ = ["TrajectoryBinding"]
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,10 @@ def _events(result: ExecResult) -> list[ExecEvent]:
     return events
 
 
-class Rollouts:
+class TrajectoryBinding:
     """Trajectory-bound sandboxes of one engine."""
 
-    def __init__(self, engine: RolloutHost, trajectories: Trajectories) -> None:
+    def __init__(self, engine: TrajectoryHost, trajectories: TrajectoryLog) -> None:
         self.engine = engine
         self.log = trajectories
         self._opening: dict[str, asyncio.Lock] = {}

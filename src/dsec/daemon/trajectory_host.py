@@ -1,7 +1,7 @@
-"""``RolloutHost``: what the trajectory side (:mod:`dsec.daemon.rollouts`) needs of the engine.
+"""``TrajectoryHost``: what the trajectory side (:mod:`dsec.daemon.trajectories`) needs of the engine.
 
 Owns the contract only (the engine implements it, as it implements :class:`~dsec.daemon.pools.PoolHost` for
-warm pools); must never import the engine: the protocol is what breaks the rollouts-engine import cycle.
+warm pools); must never import the engine: the protocol is what breaks the trajectories-engine import cycle.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dsec.models import AuditOutcome, ExecEvent, ExecRequest, ExecResult, Sandbo
 if TYPE_CHECKING:
     from dsec.daemon.surface import Surface
 
-__all__ = ["RolloutHost"]
+__all__ = ["TrajectoryHost"]
 
 
-class RolloutHost(Protocol):
-    """The engine, as rollouts see it: sandboxes made, found, run and saved."""
+class TrajectoryHost(Protocol):
+    """The engine, as the trajectory side sees it: sandboxes made, found, run and saved."""
 
     @property
     def surface(self) -> Surface:
