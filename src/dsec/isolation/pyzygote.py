@@ -153,6 +153,10 @@ class Confinement:
             raise Failed("seccomp program size", 22)
         self.filter = ctypes.create_string_buffer(seccomp, len(seccomp))
         self.fprog = _Fprog(len(seccomp) // 8, ctypes.cast(self.filter, ctypes.c_void_p))
+        # Built once here rather than in every call: what a call allocates lands on pages it must copy.
+        self.no_caps = (_CapHeader(0x20080522, 0), (_CapData * 2)())
+        self.rules = (_PathBeneath(self.write, self.workdir_fd), _PathBeneath(self.dev, self.dev_fd),
+                      _PathBeneath(self.write, -1))
 
     def apply(self) -> None:
         """Drop the last bounding and the ambient capability, become the image's user, drop every capability,
@@ -166,13 +170,13 @@ class Confinement:
                 os.setresuid(self.uid, self.uid, self.uid)
             except OSError as e:
                 raise Failed("become the image's user", e.errno or 1) from None
-        header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
+        header, data = self.no_caps
         _check(_syscall(SYS_CAPSET, _addr(header), _addr(data)), "drop capabilities")
         _check(_prctl(PR_SET_NO_NEW_PRIVS, 1), "set no_new_privs")
         fd = _check(_syscall(SYS_LANDLOCK_CREATE_RULESET, _addr(self.ruleset), self.ruleset_size, 0), "landlock")
-        tmp = os.open("/tmp", os.O_PATH | os.O_CLOEXEC)
-        for parent, access in ((self.workdir_fd, self.write), (tmp, self.write), (self.dev_fd, self.dev)):
-            rule = _PathBeneath(access, parent)
+        tmp = os.open("/tmp", os.O_PATH | os.O_CLOEXEC)  # the call's own /tmp, mounted by its init
+        self.rules[2].parent_fd = tmp
+        for rule in self.rules:
             _check(_syscall(SYS_LANDLOCK_ADD_RULE, fd, 1, _addr(rule), 0), "landlock")
         _check(_syscall(SYS_LANDLOCK_RESTRICT_SELF, fd, 0), "landlock")
         for each in (fd, tmp, self.workdir_fd, self.dev_fd):
@@ -337,8 +341,12 @@ def _confine(sock: socket.socket, pidfd: int, confinement: Confinement, cpus: se
         os.closerange(low, fd)
         low = fd + 1
     os.closerange(low, 1 << 20)
-    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
-        f.write("500")  # the OOM killer's first choice, as in zygote.c (best effort)
+    with contextlib.suppress(OSError):  # the OOM killer's first choice, as in zygote.c (best effort)
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"500")  # not open(): the io stack's objects are pages every call would copy
+        finally:
+            os.close(fd)
     os.umask(0o022)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if os.sched_getscheduler(0) == os.SCHED_BATCH:  # the zygote's class ends here, as in zygote.c
