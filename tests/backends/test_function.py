@@ -308,6 +308,9 @@ async def test_bad_workdir_and_network_are_refused(backend: FunctionBackend, deb
     with pytest.raises(InvalidRequest, match="landlock=False"):
         async with sandbox(backend, debian_python_image, landlock=False):
             pass
+    with pytest.raises(InvalidRequest, match="allow_privilege_escalation=True"):
+        async with sandbox(backend, debian_python_image, allow_privilege_escalation=True):
+            pass
     async with sandbox(backend, debian_python_image) as sb:
         # every call already runs on the untouched read-only image: pristine is accepted and changes nothing
         r = await run(backend, sb, "touch /usr/bin/x 2>&1; echo ok", pristine=True)

@@ -222,6 +222,9 @@ async def test_guest_out_of_memory_kills_the_command_not_the_vm(backend: MicroVM
 async def test_bad_specs_are_refused(backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
     with pytest.raises(InvalidRequest, match="memory"):
         await backend.create(new_record("microvm", debian_python_image, memory="64Mi"), debian_python_image)
+    with pytest.raises(InvalidRequest, match="allow_privilege_escalation=True is not available"):
+        await backend.create(new_record("microvm", debian_python_image, allow_privilege_escalation=True),
+                             debian_python_image)
     # network policies on microvm (and their bad input): tests/integration/security/test_network_policy.py
 
 

@@ -28,6 +28,7 @@ from dsec.errors import (
     Unauthorized,
     UserNotFound,
 )
+from dsec.models import ImageConfig, ImageInfo
 
 OPTS = E2BOptions(listen="127.0.0.1:3000", default_image="debian-python", network="allow")
 ADMIN = Principal("admin", None)
@@ -51,6 +52,20 @@ def test_new_sandbox_maps_onto_a_spec() -> None:
     allow = {**body, "network": {"allowOut": ["pypi.org"], "denyOut": ["0.0.0.0/0"]}}
     assert translate.spec_from_new(allow, OPTS, ADMIN).network == ["pypi.org"]
 
+
+
+def test_an_image_declaring_sudo_gets_setuid_on_the_container_backend_only() -> None:
+    def image(labels: dict[str, str]) -> ImageInfo:
+        return ImageInfo(name="e2b-base", created_at=0, size_bytes=0, files=0, source="t", uid_shift=0,
+                         config=ImageConfig(labels=labels))
+
+    spec = translate.spec_from_new({"templateID": "base"}, OPTS, ADMIN)
+    assert not spec.allow_privilege_escalation  # off unless the image asks
+    assert translate.with_image(spec, image({translate.SUDO_LABEL: "true"})).allow_privilege_escalation
+    assert not translate.with_image(spec, image({translate.SUDO_LABEL: "false"})).allow_privilege_escalation
+    assert not translate.with_image(spec, image({})).allow_privilege_escalation
+    microvm = translate.spec_from_new({"templateID": "microvm/debian-python"}, OPTS, ADMIN)
+    assert not translate.with_image(microvm, image({translate.SUDO_LABEL: "true"})).allow_privilege_escalation
 
 @pytest.mark.parametrize(("body", "error", "match"), [
     ({}, InvalidRequest, "templateID"),

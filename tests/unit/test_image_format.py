@@ -95,6 +95,15 @@ def test_manifest_digest_is_verified_and_index_maps_offsets() -> None:
     assert m.blob_size == 12288 and index.start(1) == 8192
 
 
+def test_an_unlabelled_image_keeps_the_manifest_digest_it_had_before_images_had_labels() -> None:
+    m = manifest_of([(sha256(b"a" * 4096), b"a" * 4096)])
+    assert b"labels" not in m.canonical() and Manifest.parse(m.canonical(), m.digest) == m
+    labelled = m.model_copy(deep=True)
+    labelled.info.config.labels["dsec.e2b.sudo"] = "true"
+    assert b'"labels":{"dsec.e2b.sudo":"true"}' in labelled.canonical() and labelled.digest != m.digest
+    assert Manifest.parse(labelled.canonical(), labelled.digest).info.config.labels == {"dsec.e2b.sudo": "true"}
+
+
 def test_dir_store_is_atomic_and_validates_keys(tmp_path: Path) -> None:
     store = DirStore(tmp_path / "s")
     store.put("chunks/sha256/ab/x", b"1")

@@ -16,7 +16,7 @@ import pytest
 from dsec.errors import DSecError, InvalidRequest
 from dsec.images.image_store import ImageStore
 from dsec.images.layers import split_entry_name
-from dsec.images.oci_import import ImageSource, import_image, open_source
+from dsec.images.oci_import import ImageSource, image_config, import_image, open_source
 from image_builders import Entry, Image, check_flattened, d, f, hard, sample_image, sym, tar_dir, write_tar
 from image_support import ImageRootFn
 
@@ -339,3 +339,10 @@ def test_full_store_filesystem_is_a_host_error_and_leaves_nothing(tmp_path: Path
         assert not store.exists("big") and not list(store.root.glob(".import-*"))
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_image_labels_are_kept_and_junk_ones_dropped() -> None:
+    config = image_config({"config": {"User": "user", "Labels": {"dsec.e2b.sudo": "true", "n": 1}}})
+    assert config.labels == {"dsec.e2b.sudo": "true", "n": "1"} and config.user == "user"
+    assert image_config({"config": {"Labels": None}}).labels == {}
+    assert image_config({"config": {"Labels": ["not", "a", "map"]}}).labels == {}

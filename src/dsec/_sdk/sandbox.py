@@ -136,6 +136,7 @@ class AsyncSandbox(LoggedHandle):
         landlock: bool = True,
         user: str | None = None,
         keep_logged_spec: bool = False,
+        allow_privilege_escalation: bool = False,
     ) -> AsyncSandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -158,6 +159,7 @@ class AsyncSandbox(LoggedHandle):
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
             lease=lease, rerun_missing=rerun_missing, protected=list(protected), hidden=list(hidden),
             landlock=landlock, user=user, keep_logged_spec=keep_logged_spec,
+            allow_privilege_escalation=allow_privilege_escalation,
         )
         client = client or default_client()
         sandbox = cls(await client.api.create(spec), client)
@@ -234,6 +236,7 @@ class AsyncSandbox(LoggedHandle):
         hidden: Sequence[str] = (),
         landlock: bool = True,
         user: str | None = None,
+        allow_privilege_escalation: bool = False,
     ) -> builtins.list[AsyncSandbox]:
         """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
         spec = _spec(
@@ -241,6 +244,7 @@ class AsyncSandbox(LoggedHandle):
             network=network if isinstance(network, str) else list(network), env=dict(env or {}),
             labels=dict(labels or {}), workdir=workdir, trajectory=trajectory, snapshot=snapshot, pids=pids,
             protected=list(protected), hidden=list(hidden), landlock=landlock, user=user,
+            allow_privilege_escalation=allow_privilege_escalation,
         )
         try:
             batch = BatchCreateRequest(count=n, spec=spec)

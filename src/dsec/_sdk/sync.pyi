@@ -231,6 +231,7 @@ class Sandbox:
         landlock: bool = ...,
         user: str | None = ...,
         keep_logged_spec: bool = ...,
+        allow_privilege_escalation: bool = ...,
     ) -> Sandbox:
         """Create and start a sandbox; the arguments are those of :class:`dsec.SandboxSpec`.
 
@@ -308,6 +309,7 @@ class Sandbox:
         hidden: Sequence[str] = ...,
         landlock: bool = ...,
         user: str | None = ...,
+        allow_privilege_escalation: bool = ...,
     ) -> builtins.list[Sandbox]:
         """Create ``n`` sandboxes from one spec in one request (all or nothing)."""
     @classmethod

@@ -492,7 +492,8 @@ class ContainerBackend(ContainerIO):
                 os.chown(f"{on_disk}/{name}", shift, shift)
                 os.chmod(f"{on_disk}/{name}", mode)
             root_fd = overlay_mount([str(p) for p in lowers], f"{on_disk}/upper", f"{on_disk}/work",
-                                    where=f"the root of {record.id}")
+                                    where=f"the root of {record.id}",
+                                    setuid=record.spec.allow_privilege_escalation)
             try:
                 root = f"/proc/self/fd/{root_fd}"
                 # The image's User, looked up in its own /etc/passwd (through the mounted root, so any image

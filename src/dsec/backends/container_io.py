@@ -109,7 +109,7 @@ class ContainerIO(Backend):
         return {"init_pid": self._pid(record), "cgroup_procs": self._exec_cgroups_of(record)[1], "argv": argv,
                 "env": full_env, "cwd": cwd or workdir_of(record), "uid": identity.uid, "gid": identity.gid,
                 "groups": identity.groups, "capmask": _CAPMASK, "nofile": self._nofile,
-                "landlock": record.spec.landlock, **flags}
+                "landlock": record.spec.landlock, "setuid": record.spec.allow_privilege_escalation, **flags}
 
     async def _exec_stream(self, record: SandboxRecord, request: ExecRequest, user: Identity | None
                            ) -> AsyncIterator[ExecEvent]:

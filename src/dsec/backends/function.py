@@ -152,6 +152,9 @@ class FunctionBackend(Backend):
                                  f"its calls share a network namespace with nothing but a loopback device, down")
         if not record.spec.landlock:
             raise InvalidRequest("landlock=False is not available on the function backend: every call is confined")
+        if record.spec.allow_privilege_escalation:
+            raise InvalidRequest("allow_privilege_escalation=True is not available on the function backend: every "
+                                 "call runs with no_new_privs (use the container backend, or user='root')")
         apply_image_defaults(record, image)
         base = self._base(record.id)
         shift = image.uid_shift

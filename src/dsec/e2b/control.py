@@ -8,6 +8,7 @@ and resume) and translates back. It must never keep sandbox state of its own.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -25,7 +26,15 @@ from dsec.daemon.audit import caller
 from dsec.e2b import translate
 from dsec.e2b.keys import JOB_LABEL, EnvdTokens, Keys, Principal
 from dsec.e2b.options import E2BOptions
-from dsec.errors import DSecError, InvalidRequest, NotSupported, SandboxNotFound, SandboxStateError, Unauthorized
+from dsec.errors import (
+    DSecError,
+    ImageNotFound,
+    InvalidRequest,
+    NotSupported,
+    SandboxNotFound,
+    SandboxStateError,
+    Unauthorized,
+)
 from dsec.models import SandboxInfo
 
 __all__ = ["ControlPlane"]
@@ -175,6 +184,9 @@ class ControlPlane:
 
     async def _create(self, request: Request, who: Principal) -> Response:
         spec = translate.spec_from_new(await _json(request, required=True), self.options, who)
+        if spec.backend == "container" and spec.image is not None:
+            with contextlib.suppress(ImageNotFound):  # create names the missing image itself
+                spec = translate.with_image(spec, await self.api.get_image(spec.image))
         return self._sandbox(await self.api.create(spec), 201)
 
     async def _mine(self, request: Request, who: Principal) -> list[SandboxInfo]:

@@ -37,10 +37,11 @@ from dsec.errors import (
     Unauthorized,
     UserNotFound,
 )
-from dsec.models import BackendName, SandboxInfo, SandboxSpec, SandboxStats
+from dsec.models import BackendName, ImageInfo, SandboxInfo, SandboxSpec, SandboxStats
 
 __all__ = [
     "GONE",
+    "SUDO_LABEL",
     "TEMPLATE_LABEL",
     "connect_error",
     "detail",
@@ -53,10 +54,15 @@ __all__ = [
     "sandbox",
     "spec_from_new",
     "template_image",
+    "with_image",
 ]
 
 TEMPLATE_LABEL = "dsec.e2b.template"
 """The label that keeps the E2B template a sandbox was created from (DSec's own labels are not metadata)."""
+
+SUDO_LABEL = "dsec.e2b.sudo"
+"""An image label: ``true`` says the image's user relies on setuid ``sudo``, as in E2B's ``base`` template; its
+container sandboxes made through the facade get ``allow_privilege_escalation`` (docs/security.md)."""
 
 
 GONE = (SandboxNotFound, SandboxTimeout, SandboxLost)
@@ -142,6 +148,15 @@ def spec_from_new(body: Any, options: E2BOptions, principal: Principal) -> Sandb
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise InvalidRequest(f"cannot map the sandbox onto DSec: {problems}") from None
+
+
+def with_image(spec: SandboxSpec, image: ImageInfo) -> SandboxSpec:
+    """``spec`` with what its image declares for E2B: setuid ``sudo`` (:data:`SUDO_LABEL`) on the container
+    backend, the one where the opt-in exists (elsewhere the spec is left as it is)."""
+    declared = image.config.labels.get(SUDO_LABEL, "").lower() == "true"
+    if declared and spec.backend == "container":
+        return spec.model_copy(update={"allow_privilege_escalation": True})
+    return spec
 
 
 def _iso(t: float) -> str:

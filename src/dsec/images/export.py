@@ -101,7 +101,7 @@ def _add_entry(tar: tarfile.TarFile, root: Path, path: str, shift: int) -> None:
 
 
 def _config(config: ImageConfig, diff_id: str, labels: dict[str, str]) -> dict[str, Any]:
-    body: dict[str, Any] = {"Env": [f"{k}={v}" for k, v in config.env.items()], "Labels": labels}
+    body: dict[str, Any] = {"Env": [f"{k}={v}" for k, v in config.env.items()], "Labels": {**config.labels, **labels}}
     if config.workdir:
         body["WorkingDir"] = config.workdir
     if config.user:

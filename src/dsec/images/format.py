@@ -79,8 +79,10 @@ class Manifest(BaseModel):
     """The blob, in order."""
 
     def canonical(self) -> bytes:
-        """The bytes whose sha256 is :attr:`digest` (stored as is)."""
-        return self.model_dump_json().encode()
+        """The bytes whose sha256 is :attr:`digest` (stored as is). An image without labels leaves the key out:
+        its digest is the one it had before images had labels, so the stores and caches made then stay valid."""
+        unlabelled = {"info": {"config": {"labels"}}} if not self.info.config.labels else None
+        return self.model_dump_json(exclude=unlabelled).encode()
 
     @property
     def digest(self) -> str:

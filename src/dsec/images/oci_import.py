@@ -178,7 +178,8 @@ def apply_layer(flat: Flattener, raw_stream: IO[bytes], layer: Layer, label: str
 
 
 def image_config(config: dict[str, Any]) -> ImageConfig:
-    """Sandbox defaults from an OCI/docker image config: ``Env``, ``WorkingDir``, ``User``, ``Entrypoint``, ``Cmd``."""
+    """Sandbox defaults from an OCI/docker image config: ``Env``, ``WorkingDir``, ``User``, ``Entrypoint``, ``Cmd``,
+    ``Labels``."""
     c = config.get("config") or {}
     if not isinstance(c, dict):
         raise InvalidRequest("image config: 'config' is not an object")
@@ -196,8 +197,10 @@ def image_config(config: dict[str, Any]) -> ImageConfig:
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
         workdir = None  # relative or junk: the OCI spec only defines absolute paths
     user = c.get("User") or None
+    found = c.get("Labels")
+    labels = {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
     return ImageConfig(env=env, workdir=workdir, user=str(user) if user else None,
-                       entrypoint=argv(c.get("Entrypoint")), cmd=argv(c.get("Cmd")))
+                       entrypoint=argv(c.get("Entrypoint")), cmd=argv(c.get("Cmd")), labels=labels)
 
 
 def _load_json(data: bytes, what: str) -> dict[str, Any]:

@@ -116,11 +116,12 @@ def encode_request(request: dict[str, Any]) -> bytes:
 
         INIT_PID UID GID[,GROUP...] CAPMASK(hex) NOFILE FLAGS CWD NCGROUPS CGROUP_PROCS... ARGC ARGV... ENVC ENV...
 
-    FLAGS: bit 0 Landlock, bit 1 pristine, bit 2 fd 0 is the controlling terminal (``nsenter.c``). A NUL inside a
+    FLAGS: bit 0 Landlock, bit 1 pristine, bit 2 fd 0 is the controlling terminal, bit 3 setuid (no no_new_privs)
+    (``nsenter.c``). A NUL inside a
     field would shift every field after it: such a request is refused here, naming the field (the API's
     models refuse them earlier)."""
     flags = (int(request.get("landlock", True)) | int(request.get("pristine", False)) << 1
-             | int(request.get("tty", False)) << 2)
+             | int(request.get("tty", False)) << 2 | int(request.get("setuid", False)) << 3)
     cgroups, argv, env = list(request["cgroup_procs"]), list(request["argv"]), request["env"]
     groups = ",".join(str(int(g)) for g in [request["gid"], *request.get("groups", ())])
     fields = [str(int(request["init_pid"])), str(int(request["uid"])), groups,

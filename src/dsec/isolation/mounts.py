@@ -100,8 +100,8 @@ def tmpfs_mount(size: int, mode: int = 0o700, uid: int = 0, where: str = "disk")
     return _fs_mount("tmpfs", [(k, v) for k, _, v in options], _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, where)
 
 
-def overlay_mount(lowers: list[str], upper: str, work: str, where: str = "root") -> int:
-    """A detached overlayfs (nosuid, nodev; ``xino=on``) over ``lowers`` (top first): its mount fd.
+def overlay_mount(lowers: list[str], upper: str, work: str, where: str = "root", setuid: bool = False) -> int:
+    """A detached overlayfs (nodev, nosuid unless ``setuid``; ``xino=on``) over ``lowers`` (top first): its mount fd.
 
     Each lower is passed on its own (``lowerdir+``), so no option string limits the number of layers.
     Paths are resolved by the calling thread: lowers must be mounted in its mount namespace (or detached).
@@ -109,7 +109,7 @@ def overlay_mount(lowers: list[str], upper: str, work: str, where: str = "root")
     if any(len(p.encode()) > 255 for p in (*lowers, upper, work)):
         raise SandboxError(f"overlay for {where}: a layer path is longer than the kernel's 255-byte option limit")
     options = [("lowerdir+", p) for p in lowers] + [("upperdir", upper), ("workdir", work), ("xino", "on")]
-    return _fs_mount("overlay", options, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, where)
+    return _fs_mount("overlay", options, (0 if setuid else _MOUNT_ATTR_NOSUID) | _MOUNT_ATTR_NODEV, where)
 
 
 def sysfs_mount() -> int:

@@ -10,14 +10,18 @@
  *   argv        dsec-nsenter UID GID[,GROUP...] CAPMASK NOFILE FLAGS CPUS CWD CGROUP_PROCS... -- COMMAND ARGS...
  *               GROUP: the user's supplementary groups
  *               FLAGS: bit 0 Landlock (confine_writes), bit 1 pristine (enter_pristine), bit 2 fd 0 is a
- *               terminal to make the command's controlling terminal (the helper made us a session leader)
+ *               terminal to make the command's controlling terminal (the helper made us a session leader), bit 3
+ *               setuid: no no_new_privs, so setuid and file-capability binaries (sudo) raise privileges, up
+ *               to the sandbox's root (SandboxSpec.allow_privilege_escalation)
  *               CPUS: "-", or the hexadecimal mask of the CPUs the command gets (isolation/affinity.py: the
  *               daemon and its helper are pinned to housekeeping CPUs, the command has the node's back)
  *   envp        the command's environment
  * It moves itself into the sandbox's cgroups, joins the sandbox's user, mount, network,
- * ipc, uts and cgroup namespaces, becomes UID/GID, cuts its bounding set and sets its
- * capabilities to CAPMASK, sets no_new_privs, RLIMIT_NOFILE and its CPUs, confines writes with Landlock
- * (confine_writes), loads the seccomp program and execs the command; a pristine command first gets a
+ * ipc, uts and cgroup namespaces, cuts its bounding set to CAPMASK,
+ * confines writes with Landlock (confine_writes) and loads the seccomp program while it still holds
+ * CAP_SYS_ADMIN in the sandbox's user namespace (the kernel's condition for both without no_new_privs),
+ * becomes UID/GID, sets its capabilities to CAPMASK, no_new_privs (unless FLAGS says setuid), RLIMIT_NOFILE
+ * and its CPUs, and execs the command; a pristine command first gets a
  * mount namespace of its own rooted at the image's read-only root (enter_pristine). On any failure it writes "error <what>: <why>" to fd 3 and exits
  * 127 (126 when the command exists but cannot be executed). It holds no secret and talks to
  * nobody: it is a few system calls between two execs.
@@ -51,6 +55,7 @@
 #define FLAG_LANDLOCK 1
 #define FLAG_PRISTINE 2
 #define FLAG_TTY 4
+#define FLAG_SETUID 8
 #define MAX_GROUPS 256
 #define PRISTINE_ROOT "/.dsec-pristine" /* the image's root, bind-mounted read-only by the backend */
 #define ACCESS_FS_TRUNCATE (1ULL << 14) /* Landlock ABI 3; newer than some build hosts' headers */
@@ -285,6 +290,13 @@ int main(int argc, char **argv, char **envp) {
     for (int cap = 0; cap <= CAP_LAST; cap++)
         if (!(caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL)
             fail("drop bounding capability", errno, 127);
+    /* Landlock and seccomp before giving up the namespace's CAP_SYS_ADMIN: with it the kernel installs both
+       without no_new_privs, so they hold for a setuid command too (the filter allows every system call this
+       helper makes from here on). Both survive execve, setuid or not; the bounding set caps what a setuid
+       binary gains at CAPMASK, what user="root" gets anyway. */
+    if (flags & FLAG_LANDLOCK)
+        confine_writes();
+    load_seccomp();
     if (setgroups(ngroups, groups) != 0 || setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
         fail("become the sandbox user", errno, 127);
     /* A non-root user lost every capability in setresuid; it gets none back (as under docker). */
@@ -309,10 +321,8 @@ int main(int argc, char **argv, char **envp) {
     };
     if (syscall(SYS_capset, &header, data) != 0)
         fail("set capabilities", errno, 127);
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+    if (!(flags & FLAG_SETUID) && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
         fail("set no_new_privs", errno, 127);
-    if (flags & FLAG_LANDLOCK)
-        confine_writes();
     /* Default dispositions for the command (ignored signals would survive execve). */
     for (int sig = 1; sig < NSIG; sig++)
         signal(sig, SIG_DFL);
@@ -321,7 +331,6 @@ int main(int argc, char **argv, char **envp) {
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC) != 0)
         fail("status pipe", errno, 127);
-    load_seccomp();
     /* Nothing but stdio and the (close-on-exec) status pipe may reach the command. */
     syscall(SYS_close_range, STATUS_FD + 1, ~0U, 0);
     execvpe(argv[sep + 1], &argv[sep + 1], envp);

@@ -27,6 +27,9 @@ class ImageConfig(Model):
     """OCI entrypoint (kept for reference)."""
     cmd: list[str] | None = None
     """OCI cmd (kept for reference)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """OCI labels (``LABEL`` in a Dockerfile); DSec reads only its own ``dsec.*`` keys (``dsec.e2b.sudo``:
+    docs/integrations/e2b.md)."""
 
 
 class ImagePullRequest(Model):

@@ -70,6 +70,12 @@ class SandboxSpec(Model):
     sandbox's init, and ``/proc`` and ``/dev`` mounted read-only but for ``/dev``'s shared-memory, mqueue and
     pts mounts and null-like nodes; function: writes in the workspace and ``/tmp`` only, always on).
     ``False`` turns it off for a container whose tools must write there."""
+    allow_privilege_escalation: bool = False
+    """Let setuid and file-capability binaries (``sudo``, ``su``, ``ping``) raise a command's privileges: its
+    commands run without ``no_new_privs`` (as Kubernetes' ``allowPrivilegeEscalation``). They can reach no more
+    than the sandbox's own root, which ``user="root"`` already gives: the capability bounding set, the seccomp
+    filter, Landlock and the mounts hold after a setuid exec (docs/security.md). Container backend; a vm without
+    ``protected``/``hidden`` paths allows it anyway (the guest is the boundary); function and microvm refuse it."""
     protected: list[str] = Field(default_factory=list, max_length=256)
     """Absolute paths the sandbox may read but never change: each is bind-mounted read-only over itself at
     creation (writes, renames, unlinks, clones and extent swaps fail). Each must exist in the image and must

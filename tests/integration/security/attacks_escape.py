@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 from collections.abc import Mapping
 
-from redteam import VM_BACKENDS, Target, attack, expect_errno, guest_kernel_is_own, probe
+from redteam import PRELUDE, VM_BACKENDS, Target, attack, expect_errno, guest_kernel_is_own, probe
 
+from dsec.accounts import Identity
 from dsec.errors import DSecError
+from dsec.models import ExecRequest
 
 EPERM, EROFS, ENOENT, EACCES, ESRCH = errno.EPERM, errno.EROFS, errno.ENOENT, errno.EACCES, errno.ESRCH
 SECCOMP = {"container": EPERM, "function": EPERM}
@@ -278,3 +281,69 @@ out["enable_modules"] = try_os(lower, "/proc/sys/kernel/modules_disabled", "0")
 os.kill(1, signal.SIGSTOP)
 print(json.dumps(out))
 """
+
+
+_NOBODY = Identity(uid=65534, gid=65534, home="/", name="nobody")
+_SUID_COPY = "cp /usr/bin/python3.11 /usr/local/bin/suid-python && chmod 4755 /usr/local/bin/suid-python"
+_SUID_PROBE = r"""
+status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+os.makedirs("/tmp/m", exist_ok=True)
+out = {"euid": os.geteuid(), "nnp": status["NoNewPrivs"].strip(), "seccomp": status["Seccomp"].strip(),
+       "bounding": int(status["CapBnd"], 16), "effective": int(status["CapEff"], 16)}
+if out["euid"] == 0:
+    out.update({
+        "mount": lc(libc.mount(b"tmpfs", b"/tmp/m", b"tmpfs", 0, None)),
+        "umount-protected": lc(libc.umount2(b"/etc/passwd", 2)),
+        "umount-hidden": lc(libc.umount2(b"/srv", 2)),
+        "remount-protected": lc(libc.mount(None, b"/etc/passwd", None, 0x20 | 0x1000 | 0x20000, None)),
+        "write-protected": try_os(lambda: os.close(os.open("/etc/passwd", os.O_WRONLY | os.O_APPEND))),
+        "hidden-listing": os.listdir("/srv"),
+        "unshare-user": lc(libc.unshare(0x10000000)),
+        "mknod": try_os(os.mknod, "/tmp/.sda", 0o600 | 0o060000, os.makedev(8, 0)),
+        "proc-sys": try_os(lambda: open("/proc/sys/kernel/hostname", "w").write("x")),
+        "seccomp-off": lc(libc.prctl(22, 0, 0, 0, 0)),
+        "cap-sys-admin": libc.prctl(23, 21, 0, 0, 0),
+        "ptrace-init": sc(101, 16, 1, 0, 0),
+    })
+print(json.dumps(out))
+"""
+
+
+@attack("setuid-sudo", description="with allow_privilege_escalation on, a non-root user runs a setuid-root binary "
+                                   "(sudo's way to root) and as that root tries to undo seccomp, Landlock, the "
+                                   "mounts and the protected and hidden paths",
+        models="sudo in agent images (E2B's base template): setuid must reach no further than user='root'",
+        defence="container: seccomp and Landlock are installed before the exec helper gives up CAP_SYS_ADMIN, so "
+                "they hold without no_new_privs; the bounding set caps the setuid root at the sandbox root's "
+                "capabilities (mount, umount, unshare, ptrace, seccomp changes: EPERM; device nodes: EACCES; "
+                "/proc/sys, protected paths: EROFS); without the opt-in the setuid bit is ignored "
+                "(no_new_privs)",
+        not_applicable={"function": "allow_privilege_escalation is refused: every call runs with no_new_privs",
+                        "microvm": "allow_privilege_escalation is refused: the guest agent confines every "
+                                   "command with no_new_privs",
+                        "vm": "a vm without protected or hidden paths runs setuid binaries anyway (its guest "
+                              "kernel is the boundary); with them the opt-in is refused"},
+        fresh=True, spec={"allow_privilege_escalation": True, "protected": ["/etc/passwd"], "hidden": ["/srv"]})
+async def setuid_sudo(t: Target) -> None:
+    async def escalate(target: Target) -> dict[str, object]:
+        r = await target.sh(_SUID_COPY)
+        assert r.exit_code == 0, r
+        run = ExecRequest(command=["/usr/local/bin/suid-python", "-c", PRELUDE + _SUID_PROBE], timeout=60)
+        r = await target.backend.exec(target.sb, run, _NOBODY)
+        assert r.exit_code == 0, r
+        result: dict[str, object] = json.loads(r.stdout)
+        return result
+
+    root_caps = await escalate(t)
+    # the setuid exec did make the sandbox's root: what follows is that root failing, not a non-root user
+    assert root_caps["euid"] == 0 and root_caps["nnp"] == "0" and root_caps["seccomp"] == "2", root_caps
+    assert root_caps["bounding"] == root_caps["effective"], root_caps  # no more than user="root" gets
+    assert root_caps["cap-sys-admin"] == 0, root_caps
+    for what in ("mount", "umount-protected", "umount-hidden", "remount-protected", "unshare-user", "ptrace-init"):
+        assert root_caps[what] == EPERM, (what, root_caps)
+    assert root_caps["seccomp-off"] == errno.EINVAL, root_caps  # a filter is never removed, only stacked
+    assert root_caps["write-protected"] == EROFS and root_caps["proc-sys"] == EROFS, root_caps
+    assert root_caps["mknod"] == EACCES and root_caps["hidden-listing"] == [], root_caps
+    async with t.neighbour() as plain:  # no opt-in: the setuid bit gives nothing
+        without = await escalate(Target(t.name, t.backend, t.image, plain, t.home, t.host_marker, t.reference))
+    assert without["euid"] == _NOBODY.uid and without["nnp"] == "1" and "mount" not in without, without

@@ -145,6 +145,10 @@ class QemuBackend(Backend):
                                  f"(at least {self.profile.min_memory // MiB}Mi)")
         if record.spec.network != "none" and not self.network_device:
             raise InvalidRequest(f"network={spec.network!r} is not available on the {self.name} backend: only 'none'")
+        if spec.allow_privilege_escalation and self.profile.confines(record):
+            raise InvalidRequest(f"allow_privilege_escalation=True is not available on this {self.name} sandbox: its "
+                                 "guest agent confines every command with no_new_privs (a vm does not when it has no "
+                                 "protected or hidden paths); use user='root'")
         vcpus = max(1, math.ceil(spec.cpu))
         if vcpus > (os.cpu_count() or 1) * 4:
             raise InvalidRequest(f"cpu={spec.cpu} asks for more vCPUs than this host can run")
