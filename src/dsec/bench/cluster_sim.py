@@ -264,8 +264,10 @@ def _idle(env: _Env) -> dict[str, Any]:
 
 
 def _batch(env: _Env) -> dict[str, Any]:
+    cpu0 = env.gateway_cpu()
     got = env.load("batch", count=env.cfg.batch)
-    out: dict[str, Any] = {"seconds": got["seconds"], "error": got["error"], "created": len(got["ids"])}
+    out: dict[str, Any] = {"seconds": got["seconds"], "error": got["error"], "created": len(got["ids"]),
+                           "gateway_cpu_s": env.gateway_cpu() - cpu0}
     if got["ids"]:
         ids = env.base / "ids"
         ids.write_text("\n".join(got["ids"]))
@@ -436,7 +438,7 @@ def _env_rows(n: int, r: dict[str, Any], latencies: dict[str, Any]) -> list[Row]
         ok = not b["error"]
         rows.append(Row(f"{n} nodes: batch end to end", "s", b["seconds"] if ok else None,
                         target="≤ 5 s at 2,000" if at2k else None, passed=(ok and b["seconds"] <= 5) if at2k else None,
-                        note=None if ok else f"refused: {b['error']}"))
+                        note=f"gateway CPU {b.get('gateway_cpu_s', 0):.2f} s" if ok else f"refused: {b['error']}"))
     s = r.get("single", {})
     if s.get("creates"):
         lat = summarize(s["creates"])

@@ -271,7 +271,7 @@ class GatewayBase:
                         durable: bool = True, spec: bytes | None = None) -> builtins.list[SandboxInfo]:
         """Record sandboxes a node made (``spec``: the JSON it was sent); ``durable=False`` answers before the
         commit (the node's own record carries the job label, from which :meth:`reconcile` rebuilds a row a
-        gateway crash lost)."""
+        gateway crash lost); the same infos come back, each with its endpoint."""
         rows = [(info.id, self._new_row(info, node, job, spec)) for info in infos]
         for sid, row in rows:
             self.records.put(sid, row)
@@ -281,7 +281,10 @@ class GatewayBase:
             await self.state.writer.put_rows(rows)
         else:
             self.state.writer.submit_rows(rows)
-        return [self._with_endpoint(info, node) for info in infos]
+        url, token = self.node_rows[node].url, self.node_rows[node].token
+        for info in infos:  # decoded for this call and not shared yet: given their endpoint in place, not copied
+            info.endpoint = NodeEndpoint(url=url, token=scoped_token(token, info.id))
+        return infos
 
     def _ended(self, sid: str, expired: str | None) -> None:
         """The node says the sandbox is gone: free its room; keep an expired one (with the reason) so its job

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import secrets
@@ -185,6 +186,18 @@ def _fusion_config(args: argparse.Namespace, engine: GatewayEngine, jobs: Jobs) 
                           log_level="warning", timeout_keep_alive=30)
 
 
+_FULL_COLLECTION_AFTER = 1000
+"""Middle-generation collections between two full ones (CPython's default: 10). The gateway holds a row per
+live sandbox, created after its start froze what it loaded: each full collection walks all of them, and at
+the default a 32,000 batch at 2,000 nodes ran six, 3.4 s of its 4.9 s of CPU. Young cycles (a request's
+frames and exceptions) are still collected by the young generations."""
+
+
+def _tune_collector() -> None:
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, _FULL_COLLECTION_AFTER)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse options, join the Ray cluster and serve the gateway until SIGTERM."""
     parser = argparse.ArgumentParser(prog="python -m dsec.cluster", description="DSec cluster gateway")
@@ -229,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request otherwise
+    _tune_collector()
     try:
         jobs = Jobs.load(args.jobs)
     except InvalidRequest as exc:

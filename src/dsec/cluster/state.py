@@ -70,10 +70,10 @@ _PUT_NODE = """INSERT INTO dsec_cluster_nodes (name, url, token, alive, capacity
 _PUT_SPECS = """INSERT INTO dsec_cluster_specs (digest, spec) SELECT * FROM unnest(%s::text[], %s::text[])
     ON CONFLICT (digest) DO NOTHING"""
 _PUT_ROWS = f"""INSERT INTO dsec_cluster_rows ({_ROW_COLUMNS})
-    SELECT * FROM unnest({", ".join("%s::" + t for t in _ROW_TYPES.split(", "))})
+    SELECT * FROM unnest({", ".join("%b::" + t for t in _ROW_TYPES.split(", "))})
     ON CONFLICT (id) DO UPDATE SET node=EXCLUDED.node, job=EXCLUDED.job, state=EXCLUDED.state,
     reason=EXCLUDED.reason, detail=EXCLUDED.detail, batch=EXCLUDED.batch"""
-_DELETE_ROWS = "DELETE FROM dsec_cluster_rows WHERE id = ANY(%s::text[])"
+_DELETE_ROWS = "DELETE FROM dsec_cluster_rows WHERE id = ANY(%b::text[])"
 
 
 def spec_digest(spec: bytes) -> str:

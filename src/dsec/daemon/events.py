@@ -54,9 +54,11 @@ class EventBus:
 
     def forward(self, event: LifecycleEvent) -> LifecycleEvent:
         """Record and fan out an event another bus numbered (the gateway merging its nodes' streams): it is
-        given this bus's next sequence number and keeps everything else (its node, time, reason)."""
+        given this bus's next sequence number in place (the caller decoded it and hands it over: no copy per
+        event) and keeps everything else (its node, time, reason)."""
         self._seq += 1
-        return self._fan_out(event.model_copy(update={"seq": self._seq}))
+        event.seq = self._seq
+        return self._fan_out(event)
 
     def _fan_out(self, event: LifecycleEvent) -> LifecycleEvent:
         self._history.append(event)
