@@ -377,8 +377,9 @@ def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
-    out = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup"], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
+    # 20 round trips a case, not the probe's 200: the figures' shape is checked, not their size
+    out = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", "--rounds", "20"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
     result = json.loads(out)
     for case in ("idle_ms", "busy_ms"):
         p50, p90 = result[case]
@@ -391,8 +392,8 @@ def test_wakeup_probe_measures_both_cases_and_leaves_nothing() -> None:
     assert "needs two CPUs" in json.loads(one_cpu)["skipped"]
     # Told its CPUs (the pools suite passes the node's while its own process sits on housekeeping CPUs).
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    told = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", f"{cpus[0]},{cpus[1]}"], capture_output=True,
-                          text=True, timeout=120, check=True).stdout
+    told = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", "--rounds", "20", f"{cpus[0]},{cpus[1]}"],
+                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert json.loads(told)["cpus"] == cpus
     told_one = subprocess.run([sys.executable, "-m", "dsec.bench.wakeup", str(cpus[0])], capture_output=True,
                               text=True, timeout=60, check=True).stdout
