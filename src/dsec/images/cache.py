@@ -16,7 +16,8 @@ Every fetch checks the chunk's digest; a mismatch is fetched once more, and a se
 image uses are evicted least-recently-used first (by mtime, refreshed when a chunk is used) when the cache
 passes ``limit``, when its filesystem's free space falls below ``min_free`` (the cache shares a disk with
 the node's records, logs and writable layers, which must not be the ones to run out), or when the disk is
-full. This module owns the cache directory; it never mounts anything.
+full. :class:`Locality` reads how much of each tagged image the cache holds (placement's image locality).
+This module owns the cache directory; it never mounts anything.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dsec.errors import CacheFull, DSecError, ImageCorrupt, InvalidRequest
 from dsec.images.blob_store import BlobStore
 from dsec.images.format import Manifest, sha256
 
-__all__ = ["ChunkCache", "chunk_key", "free_reserve"]
+__all__ = ["ChunkCache", "Locality", "chunk_key", "free_reserve"]
 
 log = logging.getLogger(__name__)
 _TOUCH_EVERY = 60.0
@@ -420,3 +421,48 @@ class ChunkCache:
             with contextlib.suppress(ValueError):
                 seen.setdefault(int(word), None)
         return list(seen)
+
+
+class Locality:
+    """How much of each tagged image a node's chunk cache holds: what cluster placement calls image locality."""
+
+    def __init__(self, cache: ChunkCache, meta_dir: Path, manifests: dict[str, Manifest]) -> None:
+        self.cache, self.meta_dir = cache, meta_dir
+        self.manifests = manifests  # digest -> parsed manifest, shared with the node's image manager
+        self._chunk_names: dict[str, tuple[tuple[str, str, int], ...]] = {}  # digest -> ChunkCache.chunk_names
+        self._last: tuple[float, dict[str, int]] | None = None
+
+    def read(self, max_age: float = 0.0) -> dict[str, int]:
+        """Image name -> bytes of it on this node (cached chunks plus its metadata image), for every image
+        this node has resolved of which some chunks are still cached.
+
+        Read from the cache itself (a stat per chunk directory, and a listing of those that changed), so eviction
+        shows at the next read; an answer up to ``max_age`` seconds old is reused (a node's health is asked often).
+        Blocking.
+        """
+        last = self._last
+        if last is not None and time.monotonic() - last[0] <= max_age:
+            return dict(last[1])
+        found: dict[str, int] = {}
+        tags = self.cache.root / "tags"
+        listing: dict[str, frozenset[str]] | None = None
+        for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
+            if tag.name.startswith("."):  # a record being written
+                continue
+            try:
+                digest = tag.read_text().strip()
+                manifest = self.manifests.get(digest) or self.cache.manifest(digest.removeprefix("sha256:"))
+            except (OSError, DSecError, ValueError):
+                continue
+            self.manifests[digest] = manifest
+            chunks = self._chunk_names.get(digest)
+            if chunks is None:
+                chunks = self._chunk_names[digest] = self.cache.chunk_names(manifest)
+            if listing is None:
+                listing = self.cache.listing()
+            held = self.cache.held(chunks, listing)
+            if held:
+                meta = self.meta_dir / manifest.meta_digest.removeprefix("sha256:")
+                found[tag.name] = held + (manifest.meta_size if meta.is_file() else 0)
+        self._last = (time.monotonic(), found)
+        return dict(found)

@@ -31,19 +31,17 @@ import contextlib
 import ctypes
 import ctypes.util
 import fcntl
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dsec.config import Settings
 from dsec.errors import CacheFull, DSecError, ImageCorrupt, SandboxError, StoreUnavailable
-from dsec.images.cache import ChunkCache, free_reserve
+from dsec.images.access import AccessRecords, Background
+from dsec.images.cache import ChunkCache, Locality, free_reserve
 from dsec.images.format import Manifest, sha256
 from dsec.images.image_store import ImageStore
 from dsec.images.lazyserver import LazyServer, fs_types, umount
@@ -131,11 +129,8 @@ class NodeImages:
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mount] = {}
         self._by_name: dict[str, str] = {}
-        self._threads: list[threading.Thread] = []
-        self._access_saved: set[str] = set()  # images whose access record the store has
-        self._later_lock = threading.Lock()
-        self._later_jobs: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
-        self._later_thread: threading.Thread | None = None
+        self.access = AccessRecords(self.store.blobs, self.cache)
+        self._later = Background("dsec-images")
         self._made: set[str] = set()  # images this instance mounted itself
         self.server = LazyServer(self.base, settings.home / "log" / "lazyfs.log", self._server_args)
         self._dead: collections.OrderedDict[Path, str] = collections.OrderedDict()  # dead mount -> why
@@ -145,14 +140,12 @@ class NodeImages:
         # Manifests are immutable (named by digest): parse each once. A 1.5 GiB image's is ~1 MB of JSON. Kept
         # while mounted or named by a tag: an unmounted snapshot layer's goes (a node mounts one per snapshot).
         self._manifests: dict[str, Manifest] = {}
-        self._chunk_names: dict[str, tuple[tuple[str, str, int], ...]] = {}  # manifest digest -> ChunkCache.chunk_names
         # name -> (digest, when checked): a burst of creates asks the store once; a re-import (the tag
         # moves) is seen within tag_ttl seconds.
         self.tag_ttl = tag_ttl
         self._tags: dict[str, tuple[str, float]] = {}
         self._tag_files: dict[str, str] = {}
-        self._cached: tuple[float, dict[str, int]] | None = None
-        self._stop = threading.Event()
+        self.locality = Locality(self.cache, self.base / "meta", self._manifests)
 
     # ------------------------------------------------------------------ resolver protocol
     def list(self) -> builtins.list[ImageInfo]:
@@ -291,41 +284,20 @@ class NodeImages:
         start, a metadata fetch: seconds), the unpin is done by a thread; the access record goes to the store
         from a thread too."""
         if not self._lock.acquire(blocking=False):
-            self._later(self._unpin, root)
+            self._later.submit(self._unpin, root)
             return
         try:
             idle = self._unpin_locked(root)
         finally:
             self._lock.release()
-        if idle is not None and idle not in self._access_saved:
-            self._later(self._save_access, idle)
+        if idle is not None and not self.access.saved(idle):
+            self._later.submit(self.access.save, idle)
 
     def _unpin(self, root: Path) -> None:
         with self._lock:
             idle = self._unpin_locked(root)
         if idle is not None:
-            self._save_access(idle)
-
-    def _later(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the images' one background thread (started when there is work, gone when
-        idle): a burst of destroys during a mount, or a store that hangs, queues work instead of threads."""
-        with self._later_lock:
-            self._later_jobs.append((fn, args))
-            if self._later_thread is None:
-                self._later_thread = threading.Thread(target=self._run_later, daemon=True, name="dsec-images")
-                self._later_thread.start()
-
-    def _run_later(self) -> None:
-        while True:
-            with self._later_lock:
-                if not self._later_jobs:
-                    self._later_thread = None
-                    return
-                fn, args = self._later_jobs.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("images: background %s failed", getattr(fn, "__name__", fn))
+            self.access.save(idle)
 
     def _unpin_locked(self, root: Path) -> str | None:
         """One reference of the mount at ``root`` less; its digest if none is left."""
@@ -404,7 +376,7 @@ class NodeImages:
         self._record(mount)
         self._made.add(hexdigest)
         if self.prefetch:
-            self._start_prefetch(manifest, hexdigest)
+            self.access.prefetch(manifest, hexdigest)
         return mount
 
     def _free_target(self, hexdigest: str) -> Path:
@@ -587,43 +559,12 @@ class NodeImages:
         digest = "sha256:" + mount.hexdigest
         if all(tagged != digest for tagged, _ in self._tags.values()):  # a snapshot layer's: one of thousands
             self._manifests.pop(digest, None)
-        self._save_access(mount.hexdigest)
+        self.access.save(mount.hexdigest)
 
     def cached(self, max_age: float = 0.0) -> dict[str, int]:
-        """Image name -> bytes of it on this node (cached chunks plus its metadata image), for every image
-        this node has resolved of which some chunks are still cached: what cluster placement calls image
-        locality.
-
-        Read from the cache itself (a stat per chunk directory, and a listing of those that changed), so eviction
-        shows at the next read; an answer up to ``max_age`` seconds old is reused (a node's health is asked often).
-        Blocking.
-        """
-        last = self._cached
-        if last is not None and time.monotonic() - last[0] <= max_age:
-            return dict(last[1])
-        found: dict[str, int] = {}
-        tags = self.cache.root / "tags"
-        listing: dict[str, frozenset[str]] | None = None
-        for tag in sorted(tags.iterdir()) if tags.is_dir() else []:
-            if tag.name.startswith("."):  # a record being written
-                continue
-            try:
-                digest = tag.read_text().strip()
-                manifest = self._manifests.get(digest) or self.cache.manifest(digest.removeprefix("sha256:"))
-            except (OSError, DSecError, ValueError):
-                continue
-            self._manifests[digest] = manifest
-            chunks = self._chunk_names.get(digest)
-            if chunks is None:
-                chunks = self._chunk_names[digest] = self.cache.chunk_names(manifest)
-            if listing is None:
-                listing = self.cache.listing()
-            held = self.cache.held(chunks, listing)
-            if held:
-                meta = self.base / "meta" / manifest.meta_digest.removeprefix("sha256:")
-                found[tag.name] = held + (manifest.meta_size if meta.is_file() else 0)
-        self._cached = (time.monotonic(), found)
-        return dict(found)
+        """Image name -> bytes of it on this node (:meth:`Locality.read`): what cluster placement calls image
+        locality. Blocking."""
+        return self.locality.read(max_age)
 
     def mounted(self) -> dict[str, int]:
         """Digest -> pins, of every image this manager has mounted."""
@@ -693,10 +634,7 @@ class NodeImages:
 
     def aclose_sync(self, unmount: bool = False) -> None:
         """Stop prefetching; with ``unmount`` also unmount every image and stop the FUSE server."""
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
-        self._threads.clear()
+        self.access.stop()
         if not unmount:
             self.server.close()
             return
@@ -779,41 +717,3 @@ class NodeImages:
         if self.cache.min_free:
             args += ["--min-free", str(self.cache.min_free)]
         return args
-
-    # ------------------------------------------------------------------ access records and prefetch
-    def _save_access(self, hexdigest: str) -> None:
-        """Upload the chunk order this node read, if the store has no record for the image yet (asked once
-        per image and daemon once it is there)."""
-        if hexdigest in self._access_saved:
-            return
-        key = f"access/{hexdigest}"
-        order = self.cache.access(hexdigest)
-        if not order:
-            return
-        try:
-            if not self.store.blobs.has(key):
-                self.store.blobs.put(key, json.dumps(order).encode())
-            self._access_saved.add(hexdigest)
-        except DSecError as exc:
-            log.warning("could not save the access record of image %s: %s", hexdigest[:12], exc)
-
-    def _start_prefetch(self, manifest: Manifest, hexdigest: str) -> None:
-        try:
-            raw = self.store.blobs.get(f"access/{hexdigest}")
-            order = [int(i) for i in json.loads(raw)]
-        except (KeyError, ValueError, TypeError, DSecError):
-            return
-        digests = [manifest.chunks[i].digest for i in order if 0 <= i < len(manifest.chunks)]
-        t = threading.Thread(target=self._prefetch, args=(digests,), daemon=True, name=f"prefetch-{hexdigest[:8]}")
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
-
-    def _prefetch(self, digests: builtins.list[str]) -> None:
-        for digest in digests:
-            if self._stop.is_set():
-                return
-            try:
-                self.cache.ensure(digest)
-            except DSecError as exc:
-                log.warning("prefetch stopped: %s", exc)
-                return
