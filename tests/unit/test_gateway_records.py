@@ -149,6 +149,46 @@ async def test_reconcile_adopts_what_the_node_holds_and_forgets_what_it_does_not
                 await sb.close()
 
 
+async def test_a_sandbox_destroyed_while_its_node_is_listed_is_not_adopted_again(
+        nodes: list[Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node answers a reconcile's listing, then the gateway destroys one of the listed sandboxes before
+    the listing is read: that sandbox must not come back as a record the node no longer has."""
+    from dsec.api.client import NodeClient
+    from dsec.api.protocol import NodeAPI
+
+    g, _writer = gateway(nodes)
+    listed, proceed = asyncio.Event(), asyncio.Event()
+
+    async def slow_list(self: NodeClient, *args: Any, **kwargs: Any) -> Any:
+        answer = await self.perform(NodeAPI.list, *args, **kwargs)
+        listed.set()
+        await proceed.wait()
+        return answer
+
+    token = current_job.set("j4")
+    async with node_client(nodes[0]) as node:
+        # made on the node by a gateway that crashed before its record: the node differs from the records
+        unknown = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j4"}, client=node)
+        try:
+            made = await g.create(SandboxSpec(image="tiny"))
+            if g.records.rows[made.id].node != "node-0":
+                pytest.skip("placed on the other node")
+            monkeypatch.setattr(NodeClient, "list", slow_list)
+            reconciling = asyncio.create_task(g.reconcile("node-0"))
+            await asyncio.wait({reconciling, asyncio.ensure_future(listed.wait())}, timeout=30,
+                               return_when=asyncio.FIRST_COMPLETED)
+            assert listed.is_set(), reconciling.exception() if reconciling.done() else "no listing in 30 s"
+            await g.destroy(made.id)
+            proceed.set()
+            await reconciling
+            assert made.id not in g.records.rows, "a destroyed sandbox came back from the listing"
+            assert unknown.id in g.records.rows
+        finally:
+            current_job.reset(token)
+            await g.aclose()
+            await unknown.close()
+
+
 async def test_an_expired_sandbox_is_a_timeout_with_its_reason_through_the_gateway(nodes: list[Daemon]) -> None:
     g, writer = gateway(nodes)
     jobs = Jobs(by_token={"job-token-0123456789": "j3", "other-token-0123456789": "j4"}, quotas={})

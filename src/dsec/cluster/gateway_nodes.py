@@ -224,11 +224,14 @@ class NodeMembership(GatewayBase):
         if health.placed is not None and (health.placed, health.digest) == self.records.digest(node):
             self.reconciled_by_digest += 1
             return  # the node holds exactly what the records say: no listing
-        held = {info.id: info for info in await self._ask(node, lambda api: api.with_timeout(_HEALTH_TIMEOUT).list())}
+        # A sandbox destroyed (its row removed) while the listing was on its way is in it: not adopted again.
+        with self.records.removals(node) as destroyed:
+            held = {info.id: info for info in
+                    await self._ask(node, lambda api: api.with_timeout(_HEALTH_TIMEOUT).list())}
         adopted = []
         for info in held.values():
             job = info.labels.get(JOB_LABEL)
-            if info.id in self.records.rows or job is None:  # known, or not created through the gateway
+            if info.id in self.records.rows or job is None or info.id in destroyed:  # known, foreign or gone
                 continue
             self.placer.adopt(job, node, info.spec)
             adopted.append((info.id, self._new_row(info, node, job)))

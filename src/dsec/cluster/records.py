@@ -18,6 +18,7 @@ database: the gateway writes what changes, and :class:`~dsec.cluster.state.State
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
@@ -92,6 +93,8 @@ class Records:
         self._digest: collections.Counter[str] = collections.Counter()
         self._per_cell: collections.Counter[tuple[int, str]] = collections.Counter()
         self._recent: dict[bytes, bytes] = {}
+        self._watching: dict[str, list[set[str]]] = {}
+        """Node -> sets collecting the ids of its rows removed meanwhile (see :meth:`removals`)."""
 
     # -- changes --------------------------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Records:
         if row is None:
             return None
         self._unindex(sid, row)
+        for removed in self._watching.get(row.node, ()):
+            removed.add(sid)
         self._all.discard(sid)
         ids = self._by_job.get(row.job)
         if ids is not None:
@@ -151,6 +156,20 @@ class Records:
             if not ids:
                 del self._by_job[row.job]
         return row
+
+    @contextlib.contextmanager
+    def removals(self, node: str) -> Iterator[set[str]]:
+        """The ids of ``node``'s rows removed while inside: what a listing of the node answered before a
+        destroy it had not seen yet must not be taken for a sandbox the records lack."""
+        removed: set[str] = set()
+        self._watching.setdefault(node, []).append(removed)
+        try:
+            yield removed
+        finally:
+            watching = self._watching[node]
+            watching.remove(removed)
+            if not watching:
+                del self._watching[node]
 
     def _unindex(self, sid: str, row: Row) -> None:
         ids = self._by_node.get(row.node)
