@@ -141,6 +141,20 @@ def _host_footprint(tags: set[str]) -> set[str]:
     return found
 
 
+def _session_home(variable: str, prefix: str) -> Iterator[Path]:
+    """A session's home, removed afterwards, or the one ``variable`` names (kept: its templates outlive the run)."""
+    kept = os.environ.get(variable)
+    if kept:
+        path = Path(kept)
+        path.mkdir(parents=True, exist_ok=True)
+        SESSION_TAGS.add(home_tag(path))
+        yield path
+        return
+    path = short_home(prefix)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def vm_home() -> Iterator[Path]:
     """One DSEC_HOME for every module that runs the ``vm`` backend (tests/backends/test_vm.py, the red-team
@@ -148,16 +162,24 @@ def vm_home() -> Iterator[Path]:
     ``debian-desktop`` image, so a session cold-boots that VM once (minutes under TCG) and every later sandbox is
     restored in seconds. ``DSEC_TEST_VM_HOME`` names a home to reuse across sessions instead (kept afterwards;
     its templates spare a developer the cold boot)."""
-    kept = os.environ.get("DSEC_TEST_VM_HOME")
-    if kept:
-        path = Path(kept)
-        path.mkdir(parents=True, exist_ok=True)
-        SESSION_TAGS.add(home_tag(path))
-        yield path
-        return
-    path = short_home("dsec-fvm-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from _session_home("DSEC_TEST_VM_HOME", "dsec-fvm-")
+
+
+@pytest.fixture(scope="session")
+def microvm_home() -> Iterator[Path]:
+    """One DSEC_HOME for every module that only needs a working ``microvm`` backend (tests/backends/test_microvm.py,
+    the network policies, the red-team suite, the SDK, inspect and QEMU-killed tests): they share its templates, so
+    a session cold-boots each template shape once under TCG. Tests that break a template, re-adopt guests across a
+    restart or sweep orphans use homes of their own. ``DSEC_TEST_MICROVM_HOME`` names a home to reuse across
+    sessions instead (kept afterwards)."""
+    from dsec.errors import DSecError
+    from dsec.guest.kernel import default_guest_dir, find_kernel
+
+    try:
+        find_kernel(default_guest_dir())
+    except DSecError as e:
+        missing(str(e))
+    yield from _session_home("DSEC_TEST_MICROVM_HOME", "dsec-fmv-")
 
 
 @pytest.fixture(scope="session", autouse=True)

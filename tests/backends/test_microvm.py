@@ -47,7 +47,15 @@ def qemu_pids(tag: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def home() -> Iterator[Path]:
+def home(microvm_home: Path) -> Path:
+    """The session's microvm home (conftest.py): its templates are shared with the other microvm modules."""
+    return microvm_home
+
+
+@pytest.fixture(scope="module")
+def own_home() -> Iterator[Path]:
+    """A home of this module's own, for the tests that break its template, re-adopt its guests with a second
+    backend or sweep its orphans (they boot one template here, the price of not touching the shared one)."""
     try:
         find_kernel(default_guest_dir())
     except DSecError as e:
@@ -78,6 +86,12 @@ async def started(home: Path) -> AsyncIterator[MicroVMBackend]:
 @pytest.fixture
 async def backend(home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
     async with started(home) as b:
+        yield b
+
+
+@pytest.fixture
+async def own_backend(own_home: Path, debian_python_image: ImageRef) -> AsyncIterator[MicroVMBackend]:
+    async with started(own_home) as b:
         yield b
 
 
@@ -262,12 +276,13 @@ async def test_hibernate_releases_ram_and_resume_restores_everything(backend: Mi
             await backend.resume(sb)
 
 
-async def test_a_restarted_backend_re_adopts_running_vms(home: Path, backend: MicroVMBackend,
+async def test_a_restarted_backend_re_adopts_running_vms(own_home: Path, own_backend: MicroVMBackend,
                                                          debian_python_image: ImageRef) -> None:
     """What a daemon restart does: a new backend recovers the record and talks to the same guest."""
+    backend = own_backend
     record = new_record("microvm", debian_python_image, **SMALL)
     await backend.create(record, debian_python_image)
-    second = MicroVMBackend(Settings(home=home, images_dir=images_dir()))
+    second = MicroVMBackend(Settings(home=own_home, images_dir=images_dir()))
     try:
         await backend.exec(record, ExecRequest(command="echo before > /workspace/mark"))
         await backend.aclose()  # the old daemon goes away; its VMs keep running
@@ -281,13 +296,14 @@ async def test_a_restarted_backend_re_adopts_running_vms(home: Path, backend: Mi
     assert not await second.recover(record)
 
 
-async def test_orphan_sweep_leaves_the_container_backends_sandboxes_alone(home: Path, backend: MicroVMBackend,
-                                                                          debian_python_image: ImageRef) -> None:
+async def test_orphan_sweep_leaves_the_container_backends_sandboxes_alone(
+        own_home: Path, own_backend: MicroVMBackend, debian_python_image: ImageRef) -> None:
     """Both backends share a DSEC_HOME in a daemon: the microvm sweep must not take container sandboxes for
     its own orphans (it once killed them through their cgroups), nor the container sweep microvm ones."""
     from container_support import started_backend
 
-    async with started_backend(home, images_dir()) as containers, \
+    backend = own_backend
+    async with started_backend(own_home, images_dir()) as containers, \
             sandbox(containers, debian_python_image) as box, sandbox(backend, debian_python_image, **SMALL) as vm:
         assert await backend.cleanup_orphans({vm.id}) == []
         assert await containers.cleanup_orphans({box.id}) == []
@@ -320,8 +336,9 @@ async def small_template(backend: MicroVMBackend, image: ImageRef) -> Path:
     return template
 
 
-async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: MicroVMBackend,
+async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(own_backend: MicroVMBackend,
                                                                        debian_python_image: ImageRef) -> None:
+    backend = own_backend
     template = await small_template(backend, debian_python_image)
     (template / "state").write_bytes(os.urandom(1000))
     async with sandbox(backend, debian_python_image, **SMALL) as sb:
@@ -333,9 +350,10 @@ async def test_corrupt_template_falls_back_to_cold_boot_and_is_rebuilt(backend: 
 
 
 async def test_a_slow_template_restore_falls_back_to_cold_boot_and_keeps_the_template(
-        backend: MicroVMBackend, debian_python_image: ImageRef, monkeypatch: pytest.MonkeyPatch) -> None:
+        own_backend: MicroVMBackend, debian_python_image: ImageRef, monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore that only ran out of time (a loaded host) is no sign of a bad template: the create boots cold
     and the template stays, for the next create to restore from."""
+    backend = own_backend
     template = await small_template(backend, debian_python_image)
     kept = (template / "state").stat().st_ino
     monkeypatch.setattr(backend.profile, "restore_timeout", 0.001)  # no guest answers its first ping that fast

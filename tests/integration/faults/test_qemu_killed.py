@@ -8,36 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
+from pathlib import Path
 
 import pytest
 from test_chaos import node_on
 
 import dsec
-from conftest import missing
-from container_support import await_until, short_home
-from dsec.errors import DSecError
-from dsec.guest.kernel import default_guest_dir, find_kernel
+from container_support import await_until
 from guest_support import qemu_of
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def test_a_microvm_whose_qemu_is_killed_is_reported_lost(debian_python_image: object) -> None:
-    try:
-        find_kernel(default_guest_dir())
-    except DSecError as e:
-        missing(str(e))
-    home = short_home("dsec-chaosvm-")
-    try:
-        # TCG boots on a loaded 2-core machine can pass the default 60 s (scripts/test gives them 240 s): this test
-        # is about the kill, not the boot
-        boot = os.environ.get("DSEC_MICROVM_BOOT_TIMEOUT") or "240"
-        with node_on(home, DSEC_MICROVM_BOOT_TIMEOUT=boot) as node:
-            asyncio.run(_qemu_killed(node.url))
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+def test_a_microvm_whose_qemu_is_killed_is_reported_lost(debian_python_image: object, microvm_home: Path) -> None:
+    # the session's microvm home (conftest.py): the node restores its guests from the shared template
+    # TCG boots on a loaded 2-core machine can pass the default 60 s (scripts/test gives them 240 s): this test
+    # is about the kill, not the boot
+    boot = os.environ.get("DSEC_MICROVM_BOOT_TIMEOUT") or "240"
+    with node_on(microvm_home, DSEC_MICROVM_BOOT_TIMEOUT=boot) as node:
+        asyncio.run(_qemu_killed(node.url))
 
 
 async def _qemu_killed(url: str) -> None:

@@ -4,36 +4,30 @@ snapshot restored into a second sandbox with ``create(snapshot=...)``."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import uvicorn
 
 import dsec
-from conftest import missing
-from container_support import images_dir, short_home
+from container_support import images_dir
 from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
-from dsec.errors import DSecError
-from dsec.guest.kernel import default_guest_dir, find_kernel
 from guest_support import qemu_of
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
 
 
 @pytest.fixture
-def daemon_url() -> Iterator[str]:
-    """A daemon with the node's default backends (container + microvm) on a unix socket."""
-    try:
-        find_kernel(default_guest_dir())
-    except DSecError as e:
-        missing(str(e))
-    home = short_home("dsec-vmsdk-")
+def daemon_url(microvm_home: Path, tmp_path: Path) -> Iterator[str]:
+    """A daemon with the node's default backends (container + microvm) on a unix socket, on the session's microvm
+    home (conftest.py), whose templates it restores from."""
+    home = microvm_home
     # Snapshots (a VM's whole RAM each) go to a store of this test's own, not the shared image store.
-    settings = Settings(home=home, images_dir=images_dir(), snapshot_store_url=str(home / "snapshots"))
+    settings = Settings(home=home, images_dir=images_dir(), snapshot_store_url=str(tmp_path / "snapshots"))
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine.from_settings(settings)
     sock = str(settings.socket_path)
@@ -66,7 +60,7 @@ def daemon_url() -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(60)
-        shutil.rmtree(home, ignore_errors=True)
+        settings.socket_path.unlink(missing_ok=True)
 
 
 async def test_microvm_through_the_sdk(daemon_url: str) -> None:

@@ -95,8 +95,10 @@ def _qemu_pids(backend: Backend) -> list[int]:
 async def arena(request: pytest.FixtureRequest) -> AsyncIterator[Arena]:
     """A started backend of one kind with a lazily created shared sandbox; nothing of it survives."""
     name: str = request.param
-    # vm: the session's vm home, whose template tests/backends/test_vm.py shares (one cold boot per session)
-    home = request.getfixturevalue("vm_home") if name == "vm" else short_home(f"dsec-rt-{name[:3]}-")
+    # vm, microvm: the session's homes (conftest.py), whose templates the backend suites share (one cold boot of
+    # each per session)
+    session_home = {"vm": "vm_home", "microvm": "microvm_home"}.get(name)
+    home = request.getfixturevalue(session_home) if session_home else short_home(f"dsec-rt-{name[:3]}-")
     try:
         backend = _make_backend(name, home)
         await backend.start()
@@ -124,7 +126,7 @@ async def arena(request: pytest.FixtureRequest) -> AsyncIterator[Arena]:
             assert [r for r in removed if r.startswith(("sb-", "qemu"))] == [], f"arena leaked: {removed}"
             assert not any(left.values()), f"arena leaked: {left}"
     finally:
-        if name != "vm":
+        if session_home is None:
             shutil.rmtree(home, ignore_errors=True)
 
 
