@@ -166,27 +166,28 @@ async def test_a_sandbox_destroyed_while_its_node_is_listed_is_not_adopted_again
         return answer
 
     token = current_job.set("j4")
-    async with node_client(nodes[0]) as node:
-        # made on the node by a gateway that crashed before its record: the node differs from the records
-        unknown = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j4"}, client=node)
-        try:
-            made = await g.create(SandboxSpec(image="tiny"))
-            if g.records.rows[made.id].node != "node-0":
-                pytest.skip("placed on the other node")
-            monkeypatch.setattr(NodeClient, "list", slow_list)
-            reconciling = asyncio.create_task(g.reconcile("node-0"))
-            await asyncio.wait({reconciling, asyncio.ensure_future(listed.wait())}, timeout=30,
-                               return_when=asyncio.FIRST_COMPLETED)
-            assert listed.is_set(), reconciling.exception() if reconciling.done() else "no listing in 30 s"
-            await g.destroy(made.id)
-            proceed.set()
-            await reconciling
-            assert made.id not in g.records.rows, "a destroyed sandbox came back from the listing"
-            assert unknown.id in g.records.rows
-        finally:
-            current_job.reset(token)
-            await g.aclose()
-            await unknown.close()
+    try:
+        made = await g.create(SandboxSpec(image="tiny"))
+        where = g.records.rows[made.id].node
+        async with node_client(nodes[int(where.removeprefix("node-"))]) as node:
+            # made on that node by a gateway that crashed before its record: the node differs from the records
+            unknown = await dsec.AsyncSandbox.create(image="tiny", labels={JOB_LABEL: "j4"}, client=node)
+            try:
+                monkeypatch.setattr(NodeClient, "list", slow_list)
+                reconciling = asyncio.create_task(g.reconcile(where))
+                await asyncio.wait({reconciling, asyncio.ensure_future(listed.wait())}, timeout=30,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                assert listed.is_set(), reconciling.exception() if reconciling.done() else "no listing in 30 s"
+                await g.destroy(made.id)
+                proceed.set()
+                await reconciling
+                assert made.id not in g.records.rows, "a destroyed sandbox came back from the listing"
+                assert unknown.id in g.records.rows
+            finally:
+                await unknown.close()
+    finally:
+        current_job.reset(token)
+        await g.aclose()
 
 
 async def test_an_expired_sandbox_is_a_timeout_with_its_reason_through_the_gateway(nodes: list[Daemon]) -> None:

@@ -245,3 +245,22 @@ def test_rows_loaded_at_once_count_as_rows_put_one_by_one() -> None:
     assert first[0] == first[1] == ["sb-0102", "sb-0104", "sb-0106", "sb-0108", "sb-0110"]
     assert bulk.trajectory("t21") == one.trajectory("t21") == "sb-0021"  # paused: bound
     assert bulk.trajectory("t7") is None and one.trajectory("t7") is None  # i=7 is expired: not bound
+
+
+def test_removals_of_two_listings_of_one_node_are_kept_apart() -> None:
+    """Two reconciles of one node may list it at once: each collects the rows removed while it is inside, and
+    the first to finish (its set equal to the other's while both are empty) leaves the other collecting."""
+    from dsec.cluster.records import Records, Row, Shape
+
+    shape = Shape("function", 0.5, 2**20, "debian-python")
+    records = Records()
+    for i in range(3):
+        records.put(f"sb-{i}", Row("n0", "a", "running", shape, b"{}", float(i)))
+    with records.removals("n0") as first:
+        with records.removals("n0") as second:
+            pass  # ended first, while both sets were empty (equal)
+        records.remove("sb-0")
+        with records.removals("n1") as elsewhere:
+            records.remove("sb-1")
+    records.remove("sb-2")
+    assert first == {"sb-0", "sb-1"} and second == set() and elsewhere == set()

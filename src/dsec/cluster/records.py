@@ -166,9 +166,11 @@ class Records:
         try:
             yield removed
         finally:
-            watching = self._watching[node]
-            watching.remove(removed)
-            if not watching:
+            # By identity: two reconciles of one node may hold equal (empty) sets.
+            watching = [s for s in self._watching[node] if s is not removed]
+            if watching:
+                self._watching[node] = watching
+            else:
                 del self._watching[node]
 
     def _unindex(self, sid: str, row: Row) -> None:
