@@ -39,3 +39,33 @@ def test_a_cache_others_can_write_is_not_trusted(tmp_path: Path, monkeypatch: py
     cache.chmod(0o777)
     again = binaries.ensure_init(tmp_path / "home-b" / "bin")
     assert again.read_bytes() == built.read_bytes(), "a binary from a world-writable directory was run"
+
+
+def test_a_helper_in_parts_is_built_from_all_and_rebuilt_when_any_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_HELPERS", str(tmp_path / "helpers"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "part.h").write_text('#define WORD "one"\nconst char *word(void);\n')
+    (src / "part.c").write_text('#include "part.h"\nconst char *word(void) { return WORD; }\n')
+    (src / "main.c").write_text('#include <stdio.h>\n#include "part.h"\nint main(void) { puts(word()); return 0; }\n')
+    parts = (src / "part.h", src / "part.c")
+    first = binaries.ensure_binary(src / "main.c", "dsec-test", tmp_path / "bin", parts=parts)
+    assert subprocess.run([first], capture_output=True, text=True, check=True).stdout == "one\n"
+    (src / "part.h").write_text('#define WORD "two"\nconst char *word(void);\n')  # only the header changes
+    second = binaries.ensure_binary(src / "main.c", "dsec-test", tmp_path / "bin", parts=parts)
+    assert second.name != first.name
+    assert subprocess.run([second], capture_output=True, text=True, check=True).stdout == "two\n"
+
+
+@pytest.mark.parametrize(("directory", "prefix", "source", "parts"), [
+    ("guest", "agent", "AGENT_SOURCE", "AGENT_PARTS"),
+    ("isolation", "zygote", "ZYGOTE_SOURCE", "ZYGOTE_PARTS"),
+])
+def test_every_file_of_a_helper_is_in_its_build(directory: str, prefix: str, source: str, parts: str) -> None:
+    """A new part that the build does not name would neither be compiled nor invalidate the cached binary."""
+    from dsec.guest import initramfs
+    module = initramfs if directory == "guest" else binaries
+    here = Path(binaries.__file__).parent.parent / directory
+    files = {p for p in here.iterdir() if p.name.startswith(prefix) and p.suffix in (".c", ".h")}
+    assert files == {getattr(module, source), *getattr(module, parts)}

@@ -19,11 +19,12 @@ from dsec.errors import BackendUnavailable
 from dsec.guest.kernel import GuestKernel
 from dsec.isolation.binaries import ensure_binary
 
-__all__ = ["AGENT_SOURCE", "GUEST_MODULES", "build_initramfs", "ensure_agent", "module_order"]
+__all__ = ["AGENT_PARTS", "AGENT_SOURCE", "GUEST_MODULES", "build_initramfs", "ensure_agent", "module_order"]
 
 AGENT_SOURCE = Path(__file__).with_name("agent.c")
-AGENT_INCLUDES = (Path(__file__).with_name("agent_surface.c"),)
-"""What ``agent.c`` includes: part of the binary's identity (its name's digest)."""
+AGENT_PARTS = tuple(Path(__file__).with_name(name) for name in (
+    "agent.h", "agent_proto.c", "agent_exec.c", "agent_confine.c", "agent_files.c", "agent_surface.c"))
+"""The rest of the agent (built with ``agent.c``): part of the binary's identity (its name's digest)."""
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 
@@ -35,7 +36,7 @@ automatically."""
 
 def ensure_agent(directory: Path) -> Path:
     """The static guest agent, built if needed."""
-    return ensure_binary(AGENT_SOURCE, "dsec-agent", directory, includes=AGENT_INCLUDES)
+    return ensure_binary(AGENT_SOURCE, "dsec-agent", directory, parts=AGENT_PARTS)
 
 
 def _modinfo(ko: Path) -> dict[str, str]:

@@ -28,7 +28,7 @@ __all__ = ["FS", "MAX_GUEST_PAYLOAD", "AgentClient", "AgentGone", "Frame", "Fram
 MAX_GUEST_PAYLOAD = 65536
 """Largest payload the guest may send (its output chunks are 64 KiB)."""
 MAX_HOST_PAYLOAD = (2 << 20) + (64 << 10) - 5
-"""Largest payload the agent accepts from us (``MAX_IN`` in ``agent.c``, less the frame's type and channel)."""
+"""Largest payload the agent accepts from us (``MAX_IN`` in ``agent.h``, less the frame's type and channel)."""
 _WRITE_CHUNK = 256 * 1024
 _HDR = struct.Struct(">IBI")
 
@@ -340,11 +340,11 @@ class AgentClient:
         with contextlib.suppress(AgentGone):
             await self.send(T.SIGNAL, channel, bytes([signo]) if how == 0 else bytes([signo, how]))
 
-    # -- the surface (agent_surface.c) --------------------------------------------------------------
+    # -- the surface (agent_exec.c, agent_files.c, agent_surface.c) --------------------------------
 
     async def start_ext(self, argv: builtins.list[str], env: dict[str, str], cwd: str, creds: bytes, flags: int,
                         size: tuple[int, int] = (0, 0)) -> int:
-        """EXEC_EXT (see ``agent_surface.c``): ``creds`` from :func:`creds`; returns its channel."""
+        """EXEC_EXT (see ``agent_exec.c``): ``creds`` from :func:`creds`; returns its channel."""
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]

@@ -1,5 +1,6 @@
-"""Host side of the guest agent's surface (``agent_surface.c``): processes that outlive a call, file operations
-as a sandbox user, directory watches and connections to the guest's own ports, each over one channel.
+"""Host side of the guest agent's surface (``agent_exec.c``, ``agent_files.c``, ``agent_surface.c``): processes
+that outlive a call, file operations as a sandbox user, directory watches and connections to the guest's own ports,
+each over one channel.
 
 Owns :class:`AgentProcess` (a :class:`~dsec.backends.surface.ProcessIO` fed by a channel's frames),
 :class:`AgentPort` (a :class:`~dsec.backends.surface.PortStream`), :func:`agent_watch` (WATCH records as

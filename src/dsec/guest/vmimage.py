@@ -99,7 +99,7 @@ WantedBy=sysinit.target
 """
 """The agent as a service: never the OOM killer's victim (-1000, which its commands do not inherit: each puts its
 score back to 0), with its cgroup delegated so it can put its commands in a memory cgroup of their own below the
-guest's RAM (``commands``, beside its own leaf ``agent``; see ``setup_command_cgroup`` in ``agent.c``). Its second
+guest's RAM (``commands``, beside its own leaf ``agent``; see ``setup_command_cgroup`` in ``agent_exec.c``). Its second
 argument is the image's untouched base disk (``/dev/vdb``, attached read-only by the vm backend) for pristine
 execs: its device number is taken when the agent starts, before any command ran."""
 

@@ -7,11 +7,11 @@ Owns compiling the helpers and caching them (per home and node-wide); must never
 - ``dsec-nsexec`` (``nsexec.c``): the exec helper, one per daemon; starts each command through ``dsec-nsenter``.
 - ``dsec-nsenter`` (``nsenter.c``): the last step of an exec into a running sandbox.
 - ``dsec-rtshim`` (``rtshim.c``): starts the OCI runtime inside a new sandbox's cgroups.
-- ``dsec-zygote`` (``zygote.c``, which includes ``zygote_py.c``): the pre-warmed parent of a function sandbox's
-  calls, and the launcher of its Python zygotes.
+- ``dsec-zygote`` (``zygote.c`` and its parts, ``zygote_py.c`` among them): the pre-warmed parent of a function
+  sandbox's calls, and the launcher of its Python zygotes.
 - ``dsec-callinit`` (``callinit.c``): pid 1 of each ``sb.call``'s pid namespace, spawned by the Python zygote.
 
-Binaries are cached in the node's state directory, keyed by the source's digest, so an upgrade rebuilds them;
+Binaries are cached in the node's state directory, keyed by the digest of their sources, so an upgrade rebuilds them;
 a node-wide copy (``DSEC_HELPERS``, default ``/var/lib/dsec/helpers``, root's) spares every new home the
 compiler (tenths of a second each, which a daemon's first start and every test home paid). They need gcc and
 a static libc (Debian: ``gcc libc6-dev``). ``dsec-nsenter``, which runs once per exec, ``dsec-init`` and
@@ -34,7 +34,7 @@ from pathlib import Path
 from dsec.errors import BackendUnavailable
 
 __all__ = ["CALLINIT_SOURCE", "HELPERS", "INIT_SOURCE", "NSENTER_SOURCE", "NSEXEC_SOURCE", "RTSHIM_SOURCE",
-           "ZYGOTE_INCLUDES", "ZYGOTE_SOURCE", "binary_path", "ensure_binary", "ensure_callinit", "ensure_init",
+           "ZYGOTE_PARTS", "ZYGOTE_SOURCE", "binary_path", "ensure_binary", "ensure_callinit", "ensure_init",
            "ensure_nsenter", "ensure_nsexec", "ensure_rtshim", "ensure_zygote", "node_cache"]
 
 INIT_SOURCE = Path(__file__).with_name("init.c")
@@ -43,16 +43,18 @@ NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 CALLINIT_SOURCE = Path(__file__).with_name("callinit.c")
-ZYGOTE_INCLUDES = (Path(__file__).with_name("zygote_py.c"),)
+ZYGOTE_PARTS = tuple(Path(__file__).with_name(name) for name in (
+    "zygote.h", "zygote_io.c", "zygote_setup.c", "zygote_call.c", "zygote_py.c"))
+"""The rest of ``dsec-zygote`` (built with ``zygote.c``): part of the binary's identity (its name's digest)."""
 
 
 def binary_path(source: Path, name: str, directory: Path, *, musl: bool = False,
-                includes: tuple[Path, ...] = ()) -> Path:
-    """Where :func:`ensure_binary` keeps ``name`` built from the current ``source`` (and the files it
-    ``#include``s, ``includes``), built or not."""
+                parts: tuple[Path, ...] = ()) -> Path:
+    """Where :func:`ensure_binary` keeps ``name`` built from the current ``source`` and its other ``parts`` (the
+    ``.c`` files compiled with it and the headers they include), built or not."""
     musl_cc = shutil.which("musl-gcc") if musl else None
-    # The libc is part of the key: installing musl-tools later rebuilds the binary instead of keeping glibc's.
-    text = b"".join(path.read_bytes() + b"\0" for path in (source, *includes))
+    # Every part and the libc are in the key: a change to any file, or installing musl-tools later, rebuilds.
+    text = b"".join(path.read_bytes() + b"\0" for path in (source, *parts))
     digest = hashlib.sha256(text + (b"\0musl" if musl_cc else b"")).hexdigest()[:16]
     return directory / f"{name}-{digest}"
 
@@ -85,11 +87,11 @@ def _share(target: Path) -> None:
 
 
 def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False,
-                  includes: tuple[Path, ...] = ()) -> Path:
-    """Path of ``name`` built statically from the current ``source`` (which ``#include``s ``includes``); builds it
-    if needed (``musl``: with ``musl-gcc`` when installed, else with gcc and glibc as every other binary), or
-    copies the node's build of the same sources."""
-    target = binary_path(source, name, directory, musl=musl, includes=includes)
+                  parts: tuple[Path, ...] = ()) -> Path:
+    """Path of ``name`` built statically from the current ``source`` and its other ``parts`` (``.c`` files compiled
+    with it, headers); builds it if needed (``musl``: with ``musl-gcc`` when installed, else with gcc and glibc as
+    every other binary), or copies the node's build of the same sources."""
+    target = binary_path(source, name, directory, musl=musl, parts=parts)
     if target.exists():
         return target
     shared = node_cache() / target.name
@@ -108,7 +110,8 @@ def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = Fals
     headers = ["-idirafter", "/usr/include", "-idirafter", f"/usr/include/{_multiarch()}"] if musl_cc else []
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{name}-{digest}.{os.getpid()}-{threading.get_ident()}"  # one per building thread
-    proc = subprocess.run([cc, "-static", "-O2", "-s", "-Wall", "-Werror", *headers, "-o", str(tmp), str(source)],
+    units = [str(path) for path in (source, *parts) if path.suffix == ".c"]
+    proc = subprocess.run([cc, "-static", "-O2", "-s", "-Wall", "-Werror", *headers, "-o", str(tmp), *units],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -159,4 +162,4 @@ def ensure_callinit(directory: Path) -> Path:
 
 def ensure_zygote(directory: Path) -> Path:
     """The function backend's zygote, built if needed."""
-    return ensure_binary(ZYGOTE_SOURCE, "dsec-zygote", directory, includes=ZYGOTE_INCLUDES)
+    return ensure_binary(ZYGOTE_SOURCE, "dsec-zygote", directory, parts=ZYGOTE_PARTS)

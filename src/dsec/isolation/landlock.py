@@ -2,7 +2,7 @@
 
 The function backend's Landlock ruleset (writes only beneath the workspace, ``/tmp`` and
 ``/dev``; no TCP bind or connect from ABI 4; signals and abstract unix sockets scoped to
-the call from ABI 6) is built once per sandbox by ``zygote.c`` and applied to each call
+the call from ABI 6) is built once per sandbox by ``zygote_setup.c`` and applied to each call
 there, in C, between the fork and the exec. This module only asks the kernel what it
 supports, for ``available()`` and ``dsec doctor``; it never restricts the calling process.
 """

@@ -66,7 +66,7 @@ SECCOMP_MODE_FILTER = 2
 SECUREBITS = 0b101111
 CAP_SYS_ADMIN, CAP_LAST = 21, 63
 # Landlock (linux/landlock.h): writes only beneath the workspace, /tmp and /dev; no TCP; scoped signals and
-# abstract unix sockets, each as the kernel's ABI allows (zygote.c: prepare_landlock)
+# abstract unix sockets, each as the kernel's ABI allows (zygote_setup.c: prepare_landlock)
 LL_WRITE_FILE, LL_REMOVE_DIR, LL_REMOVE_FILE, LL_MAKE_CHAR, LL_MAKE_DIR = 1 << 1, 1 << 4, 1 << 5, 1 << 6, 1 << 7
 LL_MAKE_REG, LL_MAKE_SOCK, LL_MAKE_FIFO, LL_MAKE_BLOCK, LL_MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
 LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14

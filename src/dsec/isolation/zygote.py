@@ -39,7 +39,7 @@ _PYTHON_START_TIMEOUT_S = 180.0
 # How long a zygote told to stop (its socket closed) has to kill and reap its calls before it is killed.
 _EXIT_GRACE_S = 2.0
 MAX_REQUEST = MAX_MESSAGE
-"""Largest request of one call (``MAX_MSG`` in ``zygote.c``): a command at the kernel's exec limit."""
+"""Largest request of one call (``MAX_MSG`` in ``zygote.h``): a command at the kernel's exec limit."""
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,9 @@
  * When the zygote closes its socket the launcher kills and reaps its Python zygotes (each the init of its
  * pid namespace: its calls die with it) and exits. It dies with the zygote (PDEATHSIG) and they with it.
  *
- * zygote.c includes this file (one static binary): it uses the zygote's die(), seccomp programs and fds.
+ * It uses the seccomp programs zygote_setup.c read, and zygote_io.c's loop and reports, as the zygote does.
  */
-#define _GNU_SOURCE
-#include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/mount.h>
-#include <sys/prctl.h>
-#include <sys/signalfd.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
-#include <sys/wait.h>
-#include <unistd.h>
-#include <linux/seccomp.h>
+#include "zygote.h"
 
 #define MAX_PY 8 /* Python zygotes at once: the live one, and ones draining after a mount change */
 #define MAX_ARGS 64
@@ -49,10 +32,7 @@ static struct {
 
 /* In the child that becomes the Python zygote: report why it cannot start, and go. */
 static void py_fail(int ctl, const char *what, int err) {
-    char buf[600];
-    int n = snprintf(buf, sizeof buf, "error %s: %s", what, strerror(err));
-    if (n > 0)
-        (void)!send(ctl, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1, MSG_NOSIGNAL);
+    send_failure(ctl, what, err);
     _exit(127);
 }
 
@@ -95,9 +75,7 @@ static void become_python(int ctl, int q, char **argv) {
 }
 
 static void refuse(int ctl, const char *what, int err) {
-    char buf[300];
-    int n = snprintf(buf, sizeof buf, "error %s: %s", what, strerror(err));
-    (void)!send(ctl, buf, (size_t)n, MSG_NOSIGNAL);
+    send_failure(ctl, what, err);
     close(ctl);
 }
 
@@ -189,11 +167,7 @@ static void launcher_main(int sock) {
         _exit(1);
     close(CTL_FD);
     signal(SIGPIPE, SIG_IGN);
-    sigset_t chld;
-    sigemptyset(&chld);
-    sigaddset(&chld, SIGCHLD);
-    sigprocmask(SIG_BLOCK, &chld, NULL);
-    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    int sfd = child_signals();
     if (sfd < 0)
         _exit(1);
     static char msg[MAX_LAUNCH + 1];
@@ -205,17 +179,11 @@ static void launcher_main(int sock) {
         pfd[1] = (struct pollfd){sfd, POLLIN, 0};
         for (int i = 0; i < MAX_PY; i++)
             pfd[2 + i] = (struct pollfd){py[i].q, POLLIN, 0}; /* a negative fd is skipped */
-        if (poll(pfd, 2 + MAX_PY, -1) < 0) {
-            if (errno == EINTR)
-                continue;
+        int polled = poll_children(pfd, 2 + MAX_PY, reap_python);
+        if (polled < 0)
             break;
-        }
-        if (pfd[1].revents) {
-            struct signalfd_siginfo si;
-            while (read(sfd, &si, sizeof si) > 0) {
-            }
-            reap_python();
-        }
+        if (polled == 0)
+            continue;
         for (int i = 0; i < MAX_PY; i++)
             if (py[i].q >= 0 && pfd[2 + i].revents)
                 translate(i);
@@ -229,10 +197,7 @@ static void launcher_main(int sock) {
             continue;
         if (len <= 0)
             break; /* the zygote is going away */
-        int ctl = -1;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
-                memcpy(&ctl, CMSG_DATA(c), sizeof ctl);
+        int ctl = received_fd(&mh);
         msg[len] = 0;
         if (ctl >= 0 && len > 7 && memcmp(msg, "python", 7) == 0)
             launch(ctl, msg, len);
@@ -243,15 +208,11 @@ static void launcher_main(int sock) {
     for (int i = 0; i < MAX_PY; i++)
         if (py[i].pid > 0)
             kill(py[i].pid, SIGKILL);
-    for (;;) {
-        pid_t pid = waitpid(-1, NULL, 0);
-        if (pid < 0 && errno != EINTR)
-            break;
-    }
+    reap_all();
     _exit(0);
 }
 
-static pid_t start_launcher(void) {
+pid_t start_launcher(void) {
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) != 0)
         die("launcher socket", errno);

@@ -409,7 +409,7 @@ class QemuBackend(Backend):
         return await self.agent.surface.open_port(record, port)
 
     # Files as root keep the agent's own READ/WRITE/LIST (a write is atomic: temp file + rename); as another
-    # user, and every other file operation, go through FS requests (guest/surface.py, agent_surface.c).
+    # user, and every other file operation, go through FS requests (guest/surface.py, agent_files.c).
 
     async def read_file(self, record: SandboxRecord, path: str, max_bytes: int, user: Identity | None = None
                         ) -> bytes:
