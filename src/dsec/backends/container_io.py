@@ -18,12 +18,11 @@ from typing import Any
 
 from dsec.accounts import Identity
 from dsec.backends.base import (
-    Backend,
     default_identity,
     signal_of,
     workdir_of,
 )
-from dsec.backends.hostside import HostFiles, actor_of
+from dsec.backends.hostside import HostFileOps, HostFiles, actor_of
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, SandboxError
@@ -43,7 +42,6 @@ from dsec.isolation.ports import connect_in_netns
 from dsec.isolation.process_io import PipeProcess, raw_mode, sandbox_pty
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
-from dsec.models_surface import FileEvent, FileStat
 
 # The sandbox init's capabilities (OCI config) as the mask dsec-nsenter applies to every command.
 _CAPMASK = sum(1 << CAP_NUMBERS[name] for name in DEFAULT_CAPS)
@@ -52,7 +50,7 @@ CPU_IDLE_AFTER_S = 0.5
 commands (an agent's tool loop) pay no cgroup write at all, a background hog yields within half a second."""
 
 
-class ContainerIO(Backend):
+class ContainerIO(HostFileOps):
     """Exec, processes, ports and files of a running container sandbox (mixed into ``ContainerBackend``)."""
 
     settings: Settings
@@ -199,37 +197,6 @@ class ContainerIO(Backend):
 
     async def list_files(self, record: SandboxRecord, path: str, user: Identity | None = None) -> list[FileEntry]:
         return await asyncio.to_thread(self._fs(record, path, user)[0].list, path)
-
-    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
-        return await self.files.stat(record, path, user)
-
-    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
-                       user: Identity | None = None) -> FileStat:
-        return await self.files.mkdir(record, path, parents, mode, user)
-
-    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> None:
-        await self.files.remove(record, path, recursive, user)
-
-    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
-                          user: Identity | None = None) -> FileStat:
-        return await self.files.rename(record, source, destination, overwrite, user)
-
-    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chmod(record, path, mode, user)
-
-    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
-                         user: Identity | None = None) -> FileStat:
-        return await self.files.set_xattrs(record, path, values, remove, user)
-
-    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chown(record, path, owner, user)
-
-    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> AsyncIterator[FileEvent]:
-        return await self.files.watch(record, path, recursive, user)
 
     async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
                             user: Identity | None = None) -> ProcessIO:

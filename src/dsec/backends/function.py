@@ -34,7 +34,6 @@ from typing import Any, ClassVar
 
 from dsec.accounts import ROOT, Identity
 from dsec.backends.base import (
-    Backend,
     ImageRef,
     apply_image_defaults,
     collect_exec,
@@ -43,7 +42,7 @@ from dsec.backends.base import (
     workdir_of,
 )
 from dsec.backends.function_calls import Calls, cpu_rlimit, default_tmp, release_when_exited, warm_program
-from dsec.backends.hostside import HostFiles, actor_of
+from dsec.backends.hostside import HostFileOps, HostFiles, actor_of
 from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.config import Settings
 from dsec.errors import BackendUnavailable, DSecError, InvalidRequest, PermissionDenied, SandboxError
@@ -71,7 +70,6 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
-from dsec.models_surface import FileEvent, FileStat
 
 __all__ = ["FunctionBackend"]
 
@@ -81,7 +79,7 @@ _SCAFFOLD_DIRS = ("tmp", "proc", "dev", ".dsec")
 _REPLY_OVERHEAD = 64 * 1024
 
 
-class FunctionBackend(Backend):
+class FunctionBackend(HostFileOps):
     """A zygote per sandbox (image, limits, workspace); a clone per call."""
 
     name = "function"
@@ -437,37 +435,6 @@ class FunctionBackend(Backend):
                         ) -> bytes:
         fs, rel = self._fs(record, path, user)
         return await asyncio.to_thread(fs.read, rel, max_bytes)
-
-    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
-        return await self.files.stat(record, path, user)
-
-    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
-                       user: Identity | None = None) -> FileStat:
-        return await self.files.mkdir(record, path, parents, mode, user)
-
-    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> None:
-        await self.files.remove(record, path, recursive, user)
-
-    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
-                          user: Identity | None = None) -> FileStat:
-        return await self.files.rename(record, source, destination, overwrite, user)
-
-    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chmod(record, path, mode, user)
-
-    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
-                         user: Identity | None = None) -> FileStat:
-        return await self.files.set_xattrs(record, path, values, remove, user)
-
-    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chown(record, path, owner, user)
-
-    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> AsyncIterator[FileEvent]:
-        return await self.files.watch(record, path, recursive, user)
 
     async def write_file(self, record: SandboxRecord, path: str, data: bytes, mode: int | None,
                          user: Identity | None = None) -> None:

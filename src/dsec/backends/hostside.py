@@ -1,10 +1,12 @@
 """The file operations and watches of backends whose sandbox roots the host reaches directly (container,
-function), written once for both.
+function, the test fake), written once for all.
 
 Owns :class:`HostFiles`: each operation asks the backend for its view of a path (a
 :class:`~dsec.isolation.files.SandboxFS` acting as the right user, and the path in it) and runs the blocking
-part in a worker thread. Which root a path is served from (the sandbox's own, or the host's view beneath a
-hidden path) stays the backend's decision; this module never touches a backend's private state.
+part in a worker thread; and :class:`HostFileOps`, the :class:`~dsec.backends.base.Backend` methods that hand
+each request to the backend's :class:`HostFiles`. Which root a path is served from (the sandbox's own, or the
+host's view beneath a hidden path) stays the backend's decision; this module never touches a backend's private
+state.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from dsec.accounts import Identity
+from dsec.backends.base import Backend
 from dsec.errors import InvalidRequest
 from dsec.isolation.files import Actor, SandboxFS
 from dsec.isolation.inotify import DirectoryWatch
 from dsec.models import SandboxRecord
 from dsec.models_surface import FileEvent, FileStat
 
-__all__ = ["HostFiles", "View", "actor_of"]
+__all__ = ["HostFileOps", "HostFiles", "View", "actor_of"]
 
 View = Callable[[SandboxRecord, str, Identity | None], tuple[SandboxFS, str]]
 """The backend's view of a sandbox path for a user: the filesystem to act on and the path in it."""
@@ -97,3 +100,41 @@ class HostFiles:
                 yield event
         finally:
             watch.close()
+
+
+class HostFileOps(Backend):
+    """A backend whose files API is its :attr:`files` (stat, mkdir, remove, rename, chmod, chown, extended
+    attributes, watch); reading, writing and listing stay the backend's own."""
+
+    files: HostFiles
+
+    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
+        return await self.files.stat(record, path, user)
+
+    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
+                       user: Identity | None = None) -> FileStat:
+        return await self.files.mkdir(record, path, parents, mode, user)
+
+    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> None:
+        await self.files.remove(record, path, recursive, user)
+
+    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
+                          user: Identity | None = None) -> FileStat:
+        return await self.files.rename(record, source, destination, overwrite, user)
+
+    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chmod(record, path, mode, user)
+
+    async def set_xattrs(self, record: SandboxRecord, path: str, values: dict[str, str], remove: list[str],
+                         user: Identity | None = None) -> FileStat:
+        return await self.files.set_xattrs(record, path, values, remove, user)
+
+    async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
+                         ) -> FileStat:
+        return await self.files.chown(record, path, owner, user)
+
+    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
+                          ) -> AsyncIterator[FileEvent]:
+        return await self.files.watch(record, path, recursive, user)

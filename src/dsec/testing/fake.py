@@ -25,7 +25,7 @@ from typing import Literal
 
 from dsec.accounts import Identity
 from dsec.backends.base import Backend, ImageRef, apply_image_defaults, workdir_of
-from dsec.backends.hostside import HostFiles
+from dsec.backends.hostside import HostFileOps, HostFiles
 from dsec.backends.surface import PortStream, ProcessIO, ProcessSink, ProcessSpec
 from dsec.errors import ImageNotFound, InvalidRequest, NotSupported, SandboxError, file_error
 from dsec.isolation.exec_client import check_exec_size
@@ -41,7 +41,7 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models_surface import FileStat
 from dsec.testing.fake_surface import FakeProcess
 
 __all__ = ["FakeBackend", "FakeImages"]
@@ -51,7 +51,7 @@ _CHUNK = 64 * 1024
 _Stream = Literal["stdout", "stderr"]
 
 
-class FakeBackend(Backend):
+class FakeBackend(HostFileOps):
     """Sandboxes as plain directories and host processes. ``create_error`` makes the next create fail."""
 
     name = "container"
@@ -185,33 +185,12 @@ class FakeBackend(Backend):
         _only_root(user)
         return SandboxFS(str(self._root(record)), os.getuid(), os.getgid()), path
 
-    async def stat_file(self, record: SandboxRecord, path: str, user: Identity | None = None) -> FileStat:
-        return await self.files.stat(record, path, user)
-
-    async def make_dir(self, record: SandboxRecord, path: str, parents: bool, mode: int,
-                       user: Identity | None = None) -> FileStat:
-        return await self.files.mkdir(record, path, parents, mode, user)
-
-    async def remove_file(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> None:
-        await self.files.remove(record, path, recursive, user)
-
-    async def rename_file(self, record: SandboxRecord, source: str, destination: str, overwrite: bool,
-                          user: Identity | None = None) -> FileStat:
-        return await self.files.rename(record, source, destination, overwrite, user)
-
-    async def chmod_file(self, record: SandboxRecord, path: str, mode: int, user: Identity | None = None
-                         ) -> FileStat:
-        return await self.files.chmod(record, path, mode, user)
+    set_xattrs = Backend.set_xattrs  # (NotSupported: the fake keeps no extended attributes)
 
     async def chown_file(self, record: SandboxRecord, path: str, owner: Identity, user: Identity | None = None
                          ) -> FileStat:
         _only_root(owner)
-        return await self.files.chown(record, path, owner, user)
-
-    async def watch_files(self, record: SandboxRecord, path: str, recursive: bool, user: Identity | None = None
-                          ) -> AsyncIterator[FileEvent]:
-        return await self.files.watch(record, path, recursive, user)
+        return await super().chown_file(record, path, owner, user)
 
     async def start_process(self, record: SandboxRecord, spec: ProcessSpec, sink: ProcessSink,
                             user: Identity | None = None) -> ProcessIO:
