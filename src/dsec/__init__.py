@@ -63,7 +63,7 @@ from dsec.models import (
     SandboxStats,
     TrajectoryInfo,
 )
-from dsec.models_surface import (
+from dsec.models.surface import (
     FileEvent,
     FileStat,
     PortInfo,

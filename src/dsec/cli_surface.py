@@ -26,7 +26,7 @@ from rich.markup import escape
 
 if TYPE_CHECKING:
     from dsec._sdk.sandbox import AsyncSandbox
-    from dsec.models_surface import PortInfo
+    from dsec.models.surface import PortInfo
 
 __all__ = ["register", "terminal_session"]
 

@@ -155,7 +155,7 @@ def test_options_refuse_bad_values() -> None:
 def test_watch_events_map_onto_envd_events() -> None:
     from dsec.e2b.filesystem import _watch_event
     from dsec.e2b.wire import filesystem_pb
-    from dsec.models_surface import FileEvent
+    from dsec.models.surface import FileEvent
 
     kinds = filesystem_pb.EventType
 

@@ -28,7 +28,7 @@ from dsec.config import Settings
 from dsec.daemon.app import create_app
 from dsec.daemon.engine import Engine
 from dsec.models import SandboxSpec
-from dsec.models_surface import ExposeRequest
+from dsec.models.surface import ExposeRequest
 from dsec.testing.fake import FakeBackend
 from dsec.testing.node_api import NODE_CHECKS, NodeCheck, covered
 from dsec.testing.node_api_surface import ECHO_SERVER, echo_server

@@ -27,7 +27,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.models import SandboxSpec
-from dsec.models_surface import ProcessRequest, PtySize, ShellRequest, ShellRunRequest
+from dsec.models.surface import ProcessRequest, PtySize, ShellRequest, ShellRunRequest
 from dsec.testing.fake import FakeBackend, FakeImages
 
 SPEC = SandboxSpec(image="base")
@@ -347,7 +347,7 @@ def test_the_gateways_port_relay_loses_no_byte_sent_before_it_reached_the_node()
     import uvloop
 
     from dsec.cluster.surface import PortFronts
-    from dsec.models_surface import PortInfo
+    from dsec.models.surface import PortInfo
 
     async def scenario() -> None:
         async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

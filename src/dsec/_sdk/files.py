@@ -24,7 +24,7 @@ import pydantic
 from dsec.api.operations import close_stream
 from dsec.errors import InvalidRequest, NotFound
 from dsec.models import FileEntry
-from dsec.models_surface import (
+from dsec.models.surface import (
     FileEvent,
     FileStat,
     MkdirRequest,

@@ -20,7 +20,7 @@ import pydantic
 from dsec.api.operations import close_stream
 from dsec.errors import InvalidRequest
 from dsec.models import ExecResult
-from dsec.models_surface import (
+from dsec.models.surface import (
     ProcessEvent,
     ProcessInfo,
     ProcessRequest,

@@ -50,7 +50,7 @@ from dsec.models import (
     SnapshotRef,
     TimeoutRequest,
 )
-from dsec.models_surface import ExposeRequest, PortInfo, ShellInfo
+from dsec.models.surface import ExposeRequest, PortInfo, ShellInfo
 from dsec.trajectory.digest import exec_args
 
 from .calls import client_python, decode_reply, encode_arguments, encode_call, encode_function

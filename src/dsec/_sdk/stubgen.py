@@ -47,7 +47,7 @@ _IMPORTS = {
     **{n: f"from dsec.models import {n}" for n in
        ("BatchDestroyResult", "ExecEvent", "ExecResult", "FileEntry", "ImageInfo", "LoggedCall", "SandboxInfo",
         "SandboxSpec", "SandboxStats", "TrajectoryInfo")},
-    **{n: f"from dsec.models_surface import {n}" for n in
+    **{n: f"from dsec.models.surface import {n}" for n in
        ("FileEvent", "FileStat", "PortInfo", "ProcessEvent", "ProcessInfo", "ShellResult")},
     "socket": "import socket",
 }

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dsec.models_surface import FileEvent
+from dsec.models.surface import FileEvent
 
 from .client import Client
 from .files import AsyncFiles, AsyncWatch

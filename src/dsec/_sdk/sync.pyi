@@ -25,7 +25,7 @@ from dsec.models import (
     SandboxStats,
     TrajectoryInfo,
 )
-from dsec.models_surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
+from dsec.models.surface import FileEvent, FileStat, PortInfo, ProcessEvent, ProcessInfo, ShellResult
 
 class Watch:
     """A started watch of a sandbox directory (blocking API of :class:`dsec.AsyncWatch`): iterate it for its

@@ -53,7 +53,7 @@ from dsec.models import (
     TrajectoryForkRequest,
     TrajectoryInfo,
 )
-from dsec.models_surface import (
+from dsec.models.surface import (
     ExposeRequest,
     FileEvent,
     FileStat,

@@ -28,7 +28,7 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models.surface import FileEvent, FileStat
 
 __all__ = ["DEFAULT_WORKDIR", "Backend", "Check", "ImageRef", "apply_image_defaults", "collect_exec",
            "default_identity", "resolve_user_in", "signal_of", "store_identity", "workdir_of"]

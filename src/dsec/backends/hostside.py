@@ -20,7 +20,7 @@ from dsec.errors import InvalidRequest
 from dsec.isolation.files import Actor, SandboxFS
 from dsec.isolation.inotify import DirectoryWatch
 from dsec.models import SandboxRecord
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models.surface import FileEvent, FileStat
 
 __all__ = ["HostFileOps", "HostFiles", "View", "actor_of"]
 

@@ -41,7 +41,7 @@ from dsec.bench.container import (
 )
 from dsec.bench.report import Row, Suite, Summary, summarize
 from dsec.config import Settings
-from dsec.models_surface import PortInfo
+from dsec.models.surface import PortInfo
 
 __all__ = ["SHELL_TARGET", "SurfaceBench", "run"]
 

@@ -2,7 +2,7 @@
 
 A node forwards an exposed port on a listener of its own (:mod:`dsec.daemon.ports`), which the SDK reaches
 directly (it follows the sandbox's endpoint to the node). A client that only talks to the gateway gets from
-it a :class:`~dsec.models_surface.PortInfo` naming a gateway listener instead: :class:`PortFronts` listens
+it a :class:`~dsec.models.surface.PortInfo` naming a gateway listener instead: :class:`PortFronts` listens
 there and relays each connection byte for byte to the node's listener, which checks the sandbox's port token
 as it does for a direct client (so the token, WebSocket upgrades and raw TCP pass unchanged, and nothing
 reaches the sandbox unauthenticated). :class:`GatewaySurface` is the gateway engine's part that answers the
@@ -25,7 +25,7 @@ from dsec.api.operations import Operation
 from dsec.api.protocol import NodeAPI
 from dsec.daemon.ports import Relay
 from dsec.errors import InvalidRequest, NotFound, SandboxNotFound
-from dsec.models_surface import ExposeRequest, PortInfo
+from dsec.models.surface import ExposeRequest, PortInfo
 
 __all__ = ["GatewaySurface", "PortFronts", "ports_address"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from dsec.backends.surface import PortStream
 from dsec.errors import InvalidRequest, NotFound, QuotaExceeded
 from dsec.isolation.ports import SocketStream
-from dsec.models_surface import PortInfo
+from dsec.models.surface import PortInfo
 
 __all__ = ["MAX_EXPOSED", "PortForwarder", "Relay"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dsec.backends.surface import ProcessIO, Stream
 from dsec.errors import InvalidRequest, ProcessNotFound, QuotaExceeded
-from dsec.models_surface import ProcessEvent, ProcessInfo, PtySize
+from dsec.models.surface import ProcessEvent, ProcessInfo, PtySize
 
 __all__ = ["BUFFER_BYTES", "MAX_ENDED", "MAX_PROCESSES", "OutputBuffer", "ProcessEntry", "ProcessTable"]
 

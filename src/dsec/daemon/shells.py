@@ -25,7 +25,7 @@ from dsec.backends.base import Backend
 from dsec.backends.surface import ProcessIO, ProcessSpec, Stream
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.models import SandboxRecord
-from dsec.models_surface import ShellResult
+from dsec.models.surface import ShellResult
 
 __all__ = ["ShellSession"]
 

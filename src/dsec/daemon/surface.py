@@ -25,7 +25,7 @@ from dsec.daemon.shells import ShellSession
 from dsec.daemon.watches import WatchTable
 from dsec.errors import InvalidRequest, ProcessNotFound, QuotaExceeded
 from dsec.models import SandboxRecord
-from dsec.models_surface import (
+from dsec.models.surface import (
     FileEvent,
     FileStat,
     PortInfo,

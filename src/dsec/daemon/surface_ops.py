@@ -12,7 +12,7 @@ import builtins
 from collections.abc import AsyncIterator
 
 from dsec.daemon.surface import Surface
-from dsec.models_surface import (
+from dsec.models.surface import (
     ExposeRequest,
     FileEvent,
     FileStat,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from dsec.errors import ProcessNotFound, QuotaExceeded
-from dsec.models_surface import FileEvent, WatchInfo
+from dsec.models.surface import FileEvent, WatchInfo
 
 __all__ = ["IDLE_S", "MAX_EVENTS", "MAX_WATCHES", "WatchTable"]
 

@@ -26,7 +26,7 @@ from dsec.e2b.keys import EnvdTokens
 from dsec.e2b.process import resolve_path
 from dsec.errors import DSecError, FileNotFound, InvalidRequest, PermissionDenied, Unauthorized
 from dsec.models import SandboxInfo
-from dsec.models_surface import FileStat, XattrRequest
+from dsec.models.surface import FileStat, XattrRequest
 
 __all__ = ["download", "upload"]
 

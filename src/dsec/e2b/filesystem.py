@@ -28,7 +28,7 @@ from dsec.e2b.process import current_target, keepalive_interval, resolve_path, u
 from dsec.e2b.wire import Code, ConnectError, Oneof, RequestContext, filesystem_pb
 from dsec.errors import DSecError, FileExists, FileNotFound, NotADirectory
 from dsec.models import FileEntry
-from dsec.models_surface import FileEvent, FileStat, MkdirRequest, RenameRequest, WatchRequest
+from dsec.models.surface import FileEvent, FileStat, MkdirRequest, RenameRequest, WatchRequest
 
 __all__ = ["FilesystemService", "entry_info"]
 

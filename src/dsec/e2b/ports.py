@@ -19,7 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from dsec.api.protocol import NodeAPI
 from dsec.errors import DSecError, NotFound, SandboxNotFound
-from dsec.models_surface import ExposeRequest, PortInfo
+from dsec.models.surface import ExposeRequest, PortInfo
 
 __all__ = ["PortForwarder"]
 

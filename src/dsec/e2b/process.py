@@ -27,7 +27,7 @@ from dsec.e2b import translate
 from dsec.e2b.wire import Code, ConnectError, Oneof, RequestContext, process_pb
 from dsec.errors import DSecError, NotFound, ProcessNotFound, SandboxTimeout
 from dsec.models import SandboxInfo
-from dsec.models_surface import ProcessEvent, ProcessInfo, ProcessRequest, PtySize
+from dsec.models.surface import ProcessEvent, ProcessInfo, ProcessRequest, PtySize
 
 __all__ = ["ProcessService", "Target", "current_target", "resolve_path", "user_of"]
 

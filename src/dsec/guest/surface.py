@@ -4,8 +4,8 @@ each over one channel.
 
 Owns :class:`AgentProcess` (a :class:`~dsec.backends.surface.ProcessIO` fed by a channel's frames),
 :class:`AgentPort` (a :class:`~dsec.backends.surface.PortStream`), :func:`agent_watch` (WATCH records as
-:class:`~dsec.models_surface.FileEvent`\\ s, the two halves of a rename paired by cookie) and
-:class:`AgentFiles` (FS requests as :class:`~dsec.models_surface.FileStat`\\ s). It never manages the VM:
+:class:`~dsec.models.surface.FileEvent`\\ s, the two halves of a rename paired by cookie) and
+:class:`AgentFiles` (FS requests as :class:`~dsec.models.surface.FileStat`\\ s). It never manages the VM:
 :mod:`dsec.backends.qemu` does, and hands these a connected :class:`~dsec.guest.protocol.AgentClient`.
 """
 
@@ -36,7 +36,7 @@ from dsec.guest.protocol import (
     parse_watch,
 )
 from dsec.models import FileEntry, SandboxRecord
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models.surface import FileEvent, FileStat
 
 __all__ = ["EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID", "AgentFiles", "AgentPort", "AgentProcess",
            "GuestSurface", "agent_watch", "creds_of"]

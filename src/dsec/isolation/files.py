@@ -29,7 +29,7 @@ from dsec.accounts import Identity
 from dsec.errors import DSecError, InvalidRequest, SandboxError, file_error
 from dsec.isolation.fscreds import acting_as
 from dsec.models import FileEntry
-from dsec.models_surface import FileKind, FileStat, check_xattr_names
+from dsec.models.surface import FileKind, FileStat, check_xattr_names
 
 __all__ = ["Actor", "SandboxFS", "file_kind", "make_workdir", "normalise"]
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
-from dsec.models_surface import FileEvent
+from dsec.models.surface import FileEvent
 
 __all__ = ["DirectoryWatch"]
 

@@ -6,7 +6,8 @@ This package does no I/O.
 
 Owns the import path ``dsec.models``: every model and parser is importable from here, whichever
 module of the package defines it (``common``, ``sandbox``, ``exec``, ``trajectory``, ``images``,
-``node``). Must never define a model itself.
+``node``); the sandbox surface's models are imported from their own module, :mod:`dsec.models.surface`. Must
+never define a model itself.
 """
 
 from dsec.models.common import (

@@ -1,8 +1,9 @@
 """Building blocks of the wire models: the base ``Model``, sizes, network allowlists, env-style mappings.
 
 Owns the value parsers every model shares (``parse_size``, ``parse_network``, ``parse_pairs``,
-``check_mapping``), the backend and state literals, and the sandbox-id digest. Must never define a
-request or response of a route, and never import another ``dsec.models`` module. No I/O.
+``check_mapping``, ``check_command``), the fields of a command (``Env``, ``Cwd``, ``User``), the backend and
+state literals, and the sandbox-id digest. Must never define a request or response of a route, and never import
+another ``dsec.models`` module. No I/O.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
+from dsec.accounts import parse_user
 from dsec.errors import InvalidRequest
 
 BackendName = Literal["function", "container", "microvm", "vm"]
@@ -127,6 +129,45 @@ def check_mapping(v: dict[str, str]) -> dict[str, str]:
         if not key or "\0" in key or "=" in key or "\0" in val:
             raise ValueError(f"invalid entry {key!r}: keys must be non-empty without '=' or NUL, values without NUL")
     return v
+
+
+def check_command(v: str | list[str] | None) -> str | list[str] | None:
+    """A command (a shell string or an argv list; None: none given): not empty, no NUL byte."""
+    if v is None:
+        return v
+    if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+        raise ValueError("command must not be empty")
+    if any("\0" in part for part in ([v] if isinstance(v, str) else v)):
+        raise ValueError("command must not contain NUL bytes")
+    return v
+
+
+def check_user(v: str | None) -> str | None:
+    """A ``user=`` value is a name or uid, optionally ``:group``; checked for shape here, resolved in the
+    sandbox (:mod:`dsec.accounts`)."""
+    if v is not None:
+        parse_user(v)
+    return v
+
+
+def check_cwd(v: str | None) -> str | None:
+    """A working directory: a non-empty path without NUL (absolute, or relative to the sandbox's workdir)."""
+    if v is not None and (not v or "\0" in v):
+        raise ValueError(f"cwd must be a non-empty path without NUL bytes (absolute, or relative to the "
+                         f"sandbox's working directory), got {v!r}")
+    return v
+
+
+def _env(v: dict[str, str] | None) -> dict[str, str] | None:
+    return None if v is None else check_mapping(v)
+
+
+Env = Annotated[dict[str, str] | None, AfterValidator(_env)]
+"""Extra environment of a command (:func:`check_mapping`)."""
+Cwd = Annotated[str | None, AfterValidator(check_cwd)]
+"""A command's working directory (:func:`check_cwd`)."""
+User = Annotated[str | None, AfterValidator(check_user)]
+"""The user a command runs as (:func:`check_user`)."""
 
 
 class Model(BaseModel):

@@ -10,8 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from dsec.accounts import parse_user
-from dsec.models.common import LimitHit, Model, Size, check_mapping
+from dsec.models.common import Cwd, Env, LimitHit, Model, Size, User, check_command
 
 
 class ExecRequest(Model):
@@ -21,15 +20,15 @@ class ExecRequest(Model):
     """A shell string (run by ``/bin/sh -c``) or an argv list (run directly)."""
     timeout: float | None = Field(60.0, gt=0)
     """Seconds before the command's process group is killed (``None``: no limit)."""
-    cwd: str | None = None
+    cwd: Cwd = None
     """Working directory, absolute or relative to the sandbox's ``workdir`` (default: ``workdir``)."""
-    env: dict[str, str] | None = None
+    env: Env = None
     """Extra environment, merged over the sandbox's."""
     stdin: bytes | None = None
     """Bytes fed to the command's standard input (closed afterwards)."""
     max_output: int = Field(16 * 1024 * 1024, ge=0)
     """Captured bytes per stream; past it the command is killed and the result is ``truncated``."""
-    user: str | None = None
+    user: User = None
     """Run as this user: ``name``, ``uid``, ``name:group`` or ``uid:gid``, resolved in the sandbox's own
     ``/etc/passwd`` and ``/etc/group`` (default: the sandbox's user, ``SandboxSpec.user`` or the image's)."""
     pristine: bool = False
@@ -46,32 +45,8 @@ class ExecRequest(Model):
 
     @field_validator("command")
     @classmethod
-    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
-        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
-            raise ValueError("command must not be empty")
-        if any("\0" in part for part in ([v] if isinstance(v, str) else v)):
-            raise ValueError("command must not contain NUL bytes")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return None if v is None else check_mapping(v)
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str | None) -> str | None:
-        if v is not None and (not v or "\0" in v):
-            raise ValueError(f"cwd must be a non-empty path without NUL bytes (absolute, or relative to the "
-                             f"sandbox's working directory), got {v!r}")
-        return v
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_user(v)
-        return v
+    def _command(cls, v: str | list[str]) -> str | list[str] | None:
+        return check_command(v)
 
     def argv(self) -> list[str]:
         """The argv actually executed."""
@@ -131,7 +106,7 @@ class CallRequest(Model):
     """Largest pickled return value; a bigger one is refused inside the sandbox with a clear error."""
     python: str = "python3"
     """The image's interpreter (name on ``PATH`` or absolute path)."""
-    env: dict[str, str] | None = None
+    env: Env = None
     """Extra environment for the call."""
     memory: Size | None = Field(None, ge=16 * 1024**2)
     """This call's memory limit (its processes and the files it writes), at most the sandbox's; default the
@@ -144,11 +119,6 @@ class CallRequest(Model):
     max_output: int = Field(1024 * 1024, ge=1, le=1024**3)
     """Largest output the callable may print (its stdout and stderr, both sent to stderr); past it the call is
     killed (verdict ``output``)."""
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return None if v is None else check_mapping(v)
 
     @field_validator("python")
     @classmethod

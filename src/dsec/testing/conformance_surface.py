@@ -37,7 +37,7 @@ from dsec.errors import (
     UserNotFound,
 )
 from dsec.models import ExecRequest, SandboxRecord
-from dsec.models_surface import FileEvent
+from dsec.models.surface import FileEvent
 from dsec.testing.conformance import MiB, expect_error, own_sandbox, run, sandbox
 
 __all__ = ["SURFACE_CHECKS"]

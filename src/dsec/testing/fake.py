@@ -41,7 +41,7 @@ from dsec.models import (
     SandboxRecord,
     SandboxStats,
 )
-from dsec.models_surface import FileStat
+from dsec.models.surface import FileStat
 from dsec.testing.fake_surface import FakeProcess
 
 __all__ = ["FakeBackend", "FakeImages"]

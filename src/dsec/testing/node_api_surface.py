@@ -37,7 +37,7 @@ from dsec.errors import (
     UserNotFound,
 )
 from dsec.models import ExecRequest, SandboxInfo, SandboxSpec
-from dsec.models_surface import (
+from dsec.models.surface import (
     ExposeRequest,
     MkdirRequest,
     ProcessRequest,

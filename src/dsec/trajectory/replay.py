@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from dsec.errors import DSecError, InvalidRequest, ReplayDivergence, SandboxError, error_from_payload
 from dsec.models import ExecResult, FileEntry, LoggedCall, TrajectoryStatus
-from dsec.models_surface import FileStat, ProcessInfo, ShellInfo, ShellResult
+from dsec.models.surface import FileStat, ProcessInfo, ShellInfo, ShellResult
 from dsec.trajectory.store import Binding, Entry, TrajectoryStore
 
 __all__ = ["DEFAULT_CAP", "Join", "Live", "OpenTrajectory", "Replay", "TrajectoryLog", "decode_response"]

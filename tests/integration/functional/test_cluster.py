@@ -32,7 +32,7 @@ from cluster_support import LocalCluster, checked_cluster, cluster_services
 from container_support import images_dir
 from dsec.api import NodeClient
 from dsec.images.image_store import ImageStore
-from dsec.models_surface import ShellRequest, ShellRunRequest
+from dsec.models.surface import ShellRequest, ShellRunRequest
 from dsec.testing.node_api_surface import ECHO_SERVER
 from image_support import seaweedfs
 

@@ -37,7 +37,7 @@ from dsec.isolation.files import normalise
 from dsec.isolation.network import Policy
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, FileEntry, SandboxRecord, SandboxStats
-from dsec.models_surface import FileEvent, FileStat
+from dsec.models.surface import FileEvent, FileStat
 
 __all__ = ["QemuBackend", "home_tag"]
 
