@@ -12,7 +12,7 @@ import asyncio
 import os
 import tarfile
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -50,29 +50,15 @@ def _request(context: Path, dockerfile: str | os.PathLike[str] | None, fields: d
     return ImageBuildRequest.model_validate({**fields, "dockerfile_text": path.read_text()})
 
 
-async def build_image(
-    client: Client,
-    name: str,
-    context: str | os.PathLike[str] = ".",
-    *,
-    dockerfile: str | os.PathLike[str] | None = None,
-    build_args: Mapping[str, str] | None = None,
-    target: str | None = None,
-    network: str = "private",
-    no_cache: bool = False,
-    insecure: bool = False,
-    username: str | None = None,
-    password: str | None = None,
-    replace: bool = False,
-    output: Callable[[str], None] | None = None,
-) -> ImageInfo:
-    """Build image ``name`` on the client's node (see :meth:`dsec.AsyncSandbox.build_image`)."""
+async def build_image(client: Client, context: str | os.PathLike[str], dockerfile: str | os.PathLike[str] | None,
+                      fields: dict[str, object], output: Callable[[str], None] | None) -> ImageInfo:
+    """Build the image of ``fields`` (an :class:`ImageBuildRequest`'s, but the Dockerfile) on the client's node
+    (see :meth:`dsec.AsyncSandbox.build_image`)."""
+    name = fields["name"]
     root = Path(context).resolve()
     if not root.is_dir():
         raise InvalidRequest(f"build context {root} is not a directory", path=str(root))
-    request = _request(root, dockerfile, {
-        "name": name, "build_args": dict(build_args or {}), "target": target, "network": network,
-        "no_cache": no_cache, "insecure": insecure, "username": username, "password": password, "replace": replace})
+    request = _request(root, dockerfile, fields)
     tar = await asyncio.to_thread(_pack, root)
     try:
         events = client.api.build_image(request, tar)

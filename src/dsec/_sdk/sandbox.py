@@ -198,10 +198,10 @@ class AsyncSandbox(LoggedHandle):
         """
         from .images import build_image
 
-        return await build_image(
-            client or default_client(), name, context, dockerfile=dockerfile, build_args=build_args, target=target,
-            network=network, no_cache=no_cache, insecure=insecure, username=username, password=password,
-            replace=replace, output=output)
+        return await build_image(client or default_client(), context, dockerfile, {
+            "name": name, "build_args": dict(build_args or {}), "target": target, "network": network,
+            "no_cache": no_cache, "insecure": insecure, "username": username, "password": password, "replace": replace,
+        }, output)
 
     @classmethod
     async def pull_image(cls, reference: str, *, name: str | None = None, insecure: bool = False,
