@@ -19,13 +19,13 @@ from typing import Any
 
 from dsec.backends.microvm import MicroVMBackend
 from dsec.bench.container import BenchUnavailable
+from dsec.bench.machines import Machines
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
 from dsec.guest.accel import QEMU
 from dsec.isolation.procs import mem_available
 from dsec.models import ExecRequest
-from dsec.testing import new_record
 
 __all__ = ["run"]
 
@@ -76,31 +76,13 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
         cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
         await cold.start()
         spec = {"memory": "512Mi"}
-        live = []
+        machines = Machines(fast, cold, image)
         try:
             progress(f"accelerator: {fast.accel} ({fast.accel_reason})")
             progress("warming the template (one cold boot + snapshot)")
-            rec = new_record("microvm", image, **spec)
-            live.append((fast, rec))
-            await fast.create(rec, image)
-            await fast.destroy(rec)
+            await fast.destroy(await machines.create(**spec))
             progress("warming the template with a NIC (network='allow')")
-            rec = new_record("microvm", image, network="allow", **spec)
-            live.append((fast, rec))
-            await fast.create(rec, image)
-            await fast.destroy(rec)
-
-            async def first_exec(backend: MicroVMBackend, **extra: Any) -> float:
-                rec = new_record("microvm", image, **spec, **extra)
-                live.append((backend, rec))
-                start = time.monotonic()
-                await backend.create(rec, image)
-                r = await backend.exec(rec, ExecRequest(command=["true"]))
-                took = time.monotonic() - start
-                assert r.exit_code == 0, r
-                await backend.destroy(rec)
-                return took
-
+            await fast.destroy(await machines.create(network="allow", **spec))
             kernel = fast.profile.kernel
             assert kernel is not None
             plain, boots, restores, networked = [], [], [], []
@@ -108,13 +90,11 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
                 progress(f"sample {i + 1}/{samples}: plain QEMU boot, DSec cold boot, DSec restore (no network, "
                          f"network='allow')")
                 plain.append(await asyncio.to_thread(_plain_boot, kernel.vmlinuz, fast.accel or "tcg"))
-                boots.append(await first_exec(cold))
-                restores.append(await first_exec(fast))
-                networked.append(await first_exec(fast, network="allow"))
+                boots.append(await machines.first_exec(cold, **spec))
+                restores.append(await machines.first_exec(fast, **spec))
+                networked.append(await machines.first_exec(fast, network="allow", **spec))
             progress("exec round trip")
-            rec = new_record("microvm", image, **spec)
-            live.append((fast, rec))
-            await fast.create(rec, image)
+            rec = await machines.create(**spec)
             rtt = []
             for _ in range(samples * 10):
                 start = time.monotonic()
@@ -122,30 +102,16 @@ async def run(samples: int = 5, idle_vms: int = 8, image_name: str = "debian-pyt
                 rtt.append(time.monotonic() - start)
             await fast.destroy(rec)
             progress(f"host memory of {idle_vms} idle VMs")
-            await asyncio.sleep(1)
-            before = mem_available()
-            recs = []
-            for _ in range(idle_vms):
-                rec = new_record("microvm", image, **spec)
-                live.append((fast, rec))
-                await fast.create(rec, image)
-                recs.append(rec)
+            recs, before = await machines.idle(idle_vms, **spec)
             progress(f"{idle_vms} idle VMs alive: an exec in each")
             answered = 0
             for rec in recs:  # all alive at once: each must still answer
                 answered += (await fast.exec(rec, ExecRequest(command=["true"]))).exit_code == 0
-            await asyncio.sleep(3)
-            per_vm = max(before - mem_available(), 0) / idle_vms
-            cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
+            per_vm, cgroup = await machines.idle_memory(recs, before, settle=3)
             for rec in recs:
                 await fast.destroy(rec)
         finally:
-            for backend, rec in live:
-                with contextlib.suppress(Exception):
-                    await backend.destroy(rec)
-            await fast.cleanup_orphans(set())
-            await fast.aclose()
-            await cold.aclose()
+            await machines.aclose()
     s_plain, s_boot, s_restore, s_rtt = summarize(plain), summarize(boots), summarize(restores), summarize(rtt)
     s_net = summarize(networked)
     suite.latencies.update({"plain_qemu_boot": s_plain, "cold_boot_first_exec": s_boot,

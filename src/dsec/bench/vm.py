@@ -24,13 +24,12 @@ from dsec.backends.base import ImageRef
 from dsec.backends.qemu.profile import Shape
 from dsec.backends.vm import VMBackend
 from dsec.bench.container import BenchUnavailable
+from dsec.bench.machines import Machines
 from dsec.bench.report import Row, Suite, summarize
 from dsec.config import Settings
 from dsec.errors import DSecError
 from dsec.guest.vmimage import find_vm_image
-from dsec.isolation.procs import mem_available
-from dsec.models import ExecRequest, SandboxRecord, parse_size
-from dsec.testing import new_record
+from dsec.models import ExecRequest, parse_size
 
 __all__ = ["run"]
 
@@ -107,18 +106,10 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
         await fast.wait_accelerator()
         cold.accel, cold.accel_reason = fast.accel, fast.accel_reason
         await cold.start()
-        live: list[tuple[VMBackend, SandboxRecord]] = []
+        machines = Machines(fast, cold, image)
 
         async def first_exec(backend: VMBackend, network: str = "none") -> float:
-            rec = new_record("vm", image, memory=memory, network=network)
-            live.append((backend, rec))
-            start = time.monotonic()
-            await backend.create(rec, image)
-            r = await backend.exec(rec, ExecRequest(command=["true"]))
-            took = time.monotonic() - start
-            assert r.exit_code == 0, r
-            await backend.destroy(rec)
-            return took
+            return await machines.first_exec(backend, memory=memory, network=network)
 
         try:
             progress(f"accelerator: {fast.accel} ({fast.accel_reason})")
@@ -140,9 +131,7 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
                 restore_s.append(await first_exec(fast))
                 networked.append(await first_exec(fast, network="allow"))
             progress("exec and screenshot round trips")
-            rec = new_record("vm", image, memory=memory)
-            live.append((fast, rec))
-            await fast.create(rec, image)
+            rec = await machines.create(memory=memory)
             for _ in range(samples * 5):
                 start = time.monotonic()
                 await fast.exec(rec, ExecRequest(command=["true"]))
@@ -152,27 +141,13 @@ async def run(boots: int = 1, samples: int = 3, idle_vms: int = 3, image_name: s
                 shot_s.append(time.monotonic() - start)
             await fast.destroy(rec)
             progress(f"host memory of {idle_vms} idle VMs")
-            await asyncio.sleep(1)
-            before = mem_available()
-            recs = []
-            for _ in range(idle_vms):
-                rec = new_record("vm", image, memory=memory)
-                live.append((fast, rec))
-                await fast.create(rec, image)
-                recs.append(rec)
-            await asyncio.sleep(5)
-            per_vm = max(before - mem_available(), 0) / idle_vms
-            cgroup = sum([(await fast.stats(r)).memory_bytes for r in recs]) / idle_vms
+            recs, before = await machines.idle(idle_vms, memory=memory)
+            per_vm, cgroup = await machines.idle_memory(recs, before, settle=5)
             pss = sum(_pss(fast.machines.get(r).pid) for r in recs) / idle_vms
             for rec in recs:
                 await fast.destroy(rec)
         finally:
-            for backend, rec in live:
-                with contextlib.suppress(Exception):
-                    await backend.destroy(rec)
-            await fast.cleanup_orphans(set())
-            await fast.aclose()
-            await cold.aclose()
+            await machines.aclose()
     s_cold, s_restore, s_rtt, s_shot = summarize(cold_s), summarize(restore_s), summarize(rtt), summarize(shot_s)
     s_plain, s_net = summarize(plain_s), summarize(networked)
     suite.latencies.update({"cold_boot_first_exec": s_cold, "restore_first_exec": s_restore,
