@@ -1,0 +1,178 @@
+"""The guest agent's protocol end to end without a VM: the static ``dsec-agent`` runs on the host as pid 1 of its own
+pid, mount, cgroup and uts namespaces, with a raw pty as its port, and the host's :class:`AgentClient` drives it.
+
+What only a guest has (CONFINE, IDENTITY, SHUTDOWN, the commands' memory cgroup) is tested by the microvm and vm
+backend tests; this covers the frames, channels, commands, terminals and file operations in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pty
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import tty
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.errors import FileNotFound, InvalidRequest, IsADirectory, PermissionDenied
+from dsec.guest.initramfs import ensure_agent
+from dsec.guest.protocol import AgentClient, T, creds, parse_exit
+
+pytestmark = [pytest.mark.root]
+
+ROOT = creds(0, 0, ())
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> AsyncIterator[AgentClient]:
+    binary = ensure_agent(tmp_path / "bin")  # (a copy of the node's build when there is one)
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    # Its own pid namespace above all: the agent powers off "the guest" in some failures, which there only
+    # ends the namespace. --kill-child: it goes with unshare if the test dies (the agent's setfsuid clears that
+    # death signal, so it is also killed by its pid below).
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--cgroup", "--uts",
+                             "--mount", str(binary), os.ttyname(slave)], stdin=subprocess.DEVNULL)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    read_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                     os.fdopen(master, "rb", buffering=0))
+    write_transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(os.dup(master), "wb", buffering=0))
+    client = AgentClient(reader, asyncio.StreamWriter(write_transport, protocol, None, loop))
+    try:
+        await client.wait_ready(30)
+        yield client
+    finally:
+        await client.aclose()
+        read_transport.close()
+        with contextlib.suppress(OSError):
+            for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)  # unshare reaps the agent, then exits
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        os.close(slave)
+
+
+async def run(agent: AgentClient, argv: list[str], stdin: bytes | None = None, cwd: str = "/"
+              ) -> tuple[bytes, bytes, tuple[int, int | None, bool]]:
+    channel = await agent.start_exec(argv, {"PATH": "/usr/bin:/bin"}, cwd)
+    if stdin is not None:
+        await agent.stdin(channel, stdin)
+        await agent.send(T.STDIN, channel, b"")  # the end of its input
+    out, err = b"", b""
+    while True:
+        frame = await agent.next_frame(channel, 30)
+        if frame.type == T.STDOUT:
+            out += frame.payload
+        elif frame.type == T.STDERR:
+            err += frame.payload
+        elif frame.type == T.EXIT:
+            agent.close_channel(channel)
+            return out, err, parse_exit(frame.payload)
+        else:
+            raise AssertionError(f"unexpected frame {frame}")
+
+
+async def test_commands_run_with_their_output_stdin_and_status(agent: AgentClient, tmp_path: Path) -> None:
+    await agent.ping()
+    out, err, (code, signo, _) = await run(agent, ["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (out, err, code, signo) == (b"out\n", b"err\n", 3, None)
+    out, _, (code, _, _) = await run(agent, ["cat"], stdin=b"x" * 300_000)  # more than a pty's buffer
+    assert (len(out), code) == (300_000, 0)
+    out, _, _ = await run(agent, ["pwd"], cwd=str(tmp_path))
+    assert out == f"{tmp_path}\n".encode()
+    _, err, (code, _, _) = await run(agent, ["/nonexistent"])
+    assert code == 127 and b"cannot run /nonexistent" in err
+
+
+async def test_a_signal_ends_a_command(agent: AgentClient) -> None:
+    channel = await agent.start_exec(["sleep", "30"], {"PATH": "/usr/bin:/bin"}, "/")
+    await asyncio.sleep(0.2)
+    await agent.signal(channel, 9)
+    frame = await agent.next_frame(channel, 30)
+    assert frame.type == T.EXIT and parse_exit(frame.payload)[:2] == (137, 9)
+
+
+async def test_a_terminal_command_reports_its_pid_and_size(agent: AgentClient) -> None:
+    channel = await agent.start_ext(["sh", "-c", "tty; stty size"], {"PATH": "/usr/bin:/bin"}, "/", ROOT, 4 | 16,
+                                    (100, 30))
+    started = await agent.next_frame(channel, 30)
+    assert started.type == T.STARTED and struct.unpack(">I", started.payload)[0] > 1
+    out = b""
+    while (frame := await agent.next_frame(channel, 30)).type == T.STDOUT:
+        out += frame.payload
+    assert frame.type == T.EXIT and parse_exit(frame.payload)[0] == 0
+    assert out.startswith(b"/dev/pts/") and out.endswith(b"\r\n30 100\r\n"), out
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory every user may reach and write in (pytest's own are root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="dsec-agent-test-", dir="/tmp"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path)
+
+
+async def test_files_round_trip_as_root_and_as_a_user(agent: AgentClient, shared: Path) -> None:
+    tmp_path = shared
+    target = f"{tmp_path}/a/b/f"
+    await agent.write(target, b"data", 0o640)  # parents made
+    assert await agent.read(target, 100) == b"data"
+    assert os.stat(target).st_mode & 0o7777 == 0o640
+    assert [(e.name, e.type, e.size) for e in await agent.list(f"{tmp_path}/a/b")] == [("f", "file", 4)]
+    await agent.mkdir(f"{tmp_path}/m/n")
+    assert Path(tmp_path, "m", "n").is_dir()
+    with pytest.raises(IsADirectory):
+        await agent.read(f"{tmp_path}/a", 100)
+    with pytest.raises(FileNotFound):
+        await agent.read(f"{tmp_path}/missing", 100)
+    with pytest.raises(InvalidRequest):
+        await agent.read("relative", 100)
+    user = creds(4242, 4242, ())
+    await agent.write_as(user, f"{tmp_path}/u/mine", b"first", None)  # its parent made, as the user
+    await agent.write_as(user, f"{tmp_path}/u/mine", b"u2", None)  # in place
+    st = os.stat(f"{tmp_path}/u/mine")
+    assert (st.st_uid, st.st_gid, Path(tmp_path, "u", "mine").read_bytes()) == (4242, 4242, b"u2")
+    assert os.stat(f"{tmp_path}/u").st_uid == 4242
+    with pytest.raises(PermissionDenied):
+        await agent.write_as(user, f"{tmp_path}/a/b/f", b"not yours", None)
+
+
+async def test_a_connection_reaches_a_loopback_port(agent: AgentClient) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        channel = agent.open_channel()
+        await agent.send(T.CONNECT, channel, port.to_bytes(2, "big"))
+        conn, _ = await asyncio.to_thread(server.accept)
+        with conn:
+            assert (await agent.next_frame(channel, 30)).type == T.STARTED
+            await agent.stdin(channel, b"ping")
+            assert await asyncio.to_thread(conn.recv, 4) == b"ping"
+            conn.sendall(b"pong")
+            frame = await agent.next_frame(channel, 30)
+            assert (frame.type, frame.payload) == (T.DATA, b"pong")
+        assert (await agent.next_frame(channel, 30)).type == T.END  # the server closed
+
+
+async def test_junk_and_unknown_requests_leave_the_agent_serving(agent: AgentClient) -> None:
+    channel = agent.open_channel()
+    await agent.send(0x7F, channel)
+    frame = await agent.next_frame(channel, 30)
+    assert frame.type == T.ERROR and b"unknown request" in frame.payload
+    await agent.send(T.EXEC, channel, b"short")
+    frame = await agent.next_frame(channel, 30)
+    assert frame.type == T.ERROR and b"malformed exec" in frame.payload
+    await agent.ping()
