@@ -39,7 +39,7 @@ from dsec.isolation.mounts import MountHolder
 from dsec.isolation.oci_runtime import DEFAULT_PATH
 from dsec.isolation.paths import reveal_paths
 from dsec.isolation.ports import connect_in_netns
-from dsec.isolation.process_io import PipeProcess, raw_mode, sandbox_pty
+from dsec.isolation.process_io import sandbox_pty, spawn_process
 from dsec.isolation.procs import start_time
 from dsec.models import ExecEvent, ExecRequest, FileEntry, LimitHit, SandboxRecord, SandboxStats
 
@@ -203,26 +203,13 @@ class ContainerIO(HostFileOps):
         identity = user or default_identity(record)
         env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
         request = self._helper_request(record, spec.argv, env, spec.cwd, user, tty=spec.pty is not None)
-        master = slave = None
+        terminal = None
         if spec.pty is not None:
             shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-            master, slave = sandbox_pty(f"/proc/{request['init_pid']}/root", (identity.uid + shift, 5 + shift),
-                                        spec.pty)
-            if spec.pty_stdin:
-                raw_mode(slave)
-        stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
-        assert self._helper is not None
-        try:
-            spawned = await self._helper.spawn(request, stdio)
-        except BaseException:
-            if master is not None:
-                os.close(master)
-            raise
-        finally:
-            if slave is not None:
-                os.close(slave)
-        process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
-                              timeout=spec.timeout)
+            terminal = sandbox_pty(f"/proc/{request['init_pid']}/root", (identity.uid + shift, 5 + shift), spec.pty)
+        helper = self._helper
+        assert helper is not None
+        process = await spawn_process(lambda stdio: helper.spawn(request, stdio), spec, sink, terminal)
         await process.wait_started()
         return process
 

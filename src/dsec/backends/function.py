@@ -57,7 +57,7 @@ from dsec.isolation.files import SandboxFS
 from dsec.isolation.landlock import landlock_abi
 from dsec.isolation.oci_runtime import DEFAULT_PATH
 from dsec.isolation.paths import cover_paths, protect_paths, reveal_paths
-from dsec.isolation.process_io import PipeProcess, host_pty, raw_mode
+from dsec.isolation.process_io import host_pty, spawn_process
 from dsec.isolation.procs import ended, start_time
 from dsec.isolation.seccomp import DEFAULT_PROFILE, ZYGOTE_PROFILE
 from dsec.isolation.zygote import PyZygote, Zygote, ZygoteConfig
@@ -380,30 +380,21 @@ class FunctionBackend(HostFileOps):
         env = {"TERM": "xterm-256color", **spec.env} if spec.pty else spec.env
         limits, tmp = self._calls.limits(record)
         fields = self._fields(record, spec.argv, env, spec.cwd, spec.timeout, user, tmp, tty=spec.pty is not None)
-        master = slave = None
+        terminal = None
         if spec.pty is not None:
             # A call has no devpts of its own (its /dev is a few read-only nodes): the terminal is the host's.
             shift = int(record.backend_state.get("uid_shift", self.settings.uid_shift))
-            master, slave = host_pty((identity.uid + shift, identity.gid + shift), spec.pty)
-            if spec.pty_stdin:
-                raw_mode(slave)
-        stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
+            terminal = host_pty((identity.uid + shift, identity.gid + shift), spec.pty)
         # A cgroup of its own, as every call has, held for as long as the process runs.
         slots = self._calls.slots(record, self._cgroups(record))
         slot = await slots.acquire(limits)
         try:
-            spawned = await zygote.spawn(fields, slot.procs_fds, stdio)
+            # The zygote reports its call's pid 1 (every call has a pid namespace of its own): its host pid names it.
+            process = await spawn_process(lambda stdio: zygote.spawn(fields, slot.procs_fds, stdio), spec, sink,
+                                          terminal, pid_of=lambda host_pid: host_pid)
         except BaseException:
             slots.release(slot)
-            if master is not None:
-                os.close(master)
             raise
-        finally:
-            if slave is not None:
-                os.close(slave)
-        # The zygote reports its call's pid 1 (every call has a pid namespace of its own): its host pid names it.
-        process = PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
-                              timeout=spec.timeout, pid_of=lambda host_pid: host_pid)
         try:
             await process.wait_started()
         except BaseException:

@@ -19,13 +19,13 @@ import signal
 import stat
 import struct
 import termios
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from dsec.backends.surface import ProcessIO, ProcessSink, Stream
+from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec, Stream
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.isolation.exec_client import Spawned
 
-__all__ = ["PipeProcess", "host_pty", "ns_pid", "raw_mode", "sandbox_pty", "set_size"]
+__all__ = ["PipeProcess", "host_pty", "ns_pid", "raw_mode", "sandbox_pty", "set_size", "spawn_process"]
 
 _CHUNK = 64 * 1024
 _DRAIN_AFTER_EXIT_S = 0.2
@@ -100,6 +100,32 @@ def host_pty(owner: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
     """``(master, slave)`` of a new terminal of the host's devpts (for sandboxes without one of their own)."""
     master = os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     return _pair(master, owner, size)
+
+
+Stdio = tuple[int | None, int | None, int | None]
+"""What a spawned process gets as stdin, stdout and stderr (None: a pipe of the spawner's)."""
+
+
+async def spawn_process(spawn: Callable[[Stdio], Awaitable[Spawned]], spec: ProcessSpec, sink: ProcessSink,
+                        terminal: tuple[int, int] | None, **options: Callable[[int], int]) -> PipeProcess:
+    """The :class:`PipeProcess` of what ``spawn`` starts for ``spec``: on ``terminal`` (``(master, slave)``, raw
+    when only stdin is the terminal) or on pipes. The slave is closed once spawned, the master with the process
+    (at once when spawning fails). Not yet started: the caller waits for it (:meth:`PipeProcess.wait_started`)."""
+    master, slave = terminal if terminal is not None else (None, None)
+    if slave is not None and spec.pty_stdin:
+        raw_mode(slave)
+    stdio: Stdio = (slave, None, None) if spec.pty_stdin else (slave, slave, slave)
+    try:
+        spawned = await spawn(stdio)
+    except BaseException:
+        if master is not None:
+            os.close(master)
+        raise
+    finally:
+        if slave is not None:
+            os.close(slave)
+    return PipeProcess(spawned, sink, master, pty_io=spec.pty is not None and not spec.pty_stdin,
+                       timeout=spec.timeout, **options)
 
 
 def ns_pid(host_pid: int) -> int:
