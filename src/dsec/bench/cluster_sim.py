@@ -9,7 +9,8 @@ core), then measures the issue's figures:
 - ``idle``: the gateway's CPU with nothing to do but membership and health;
 - ``batch``: one ``create_many`` of 32,000 end to end, then its destroy;
 - ``single``: creates each followed by a destroy from a client process on the other core, sustained; the
-  gateway's CPU per create split by part (py-spy samples), the fleet's CPU per create;
+  gateway's CPU per create split by part (py-spy samples), and the CPU per create of what shares the other
+  core (the fleet, the client, PostgreSQL);
 - ``fill``: the gateway holding ``live`` sandboxes: its memory per live sandbox, the longest answer of a
   health probe (an event-loop stall shows there), ``list`` at that size;
 - ``death``: a node holding 3,200 sandboxes dies: time until the gateway reports them all lost;
