@@ -136,7 +136,7 @@ class _Writes:
     async def put_node(self, row: object) -> None:
         pass
 
-    def submit_rows(self, rows: builtins.list[object]) -> None:
+    def submit_rows(self, rows: builtins.list[object], *, new: bool = False) -> None:
         pass
 
     def submit_delete(self, ids: builtins.list[str]) -> None:

@@ -37,7 +37,7 @@ class _Writer:
     async def put_rows(self, rows: list[Any]) -> None:
         pass
 
-    def submit_rows(self, rows: list[Any]) -> None:
+    def submit_rows(self, rows: list[Any], *, new: bool = False) -> None:
         pass
 
     def submit_delete(self, ids: list[str]) -> None:
