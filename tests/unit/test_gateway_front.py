@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -256,3 +257,12 @@ def test_admission_leaves_what_another_replica_may_own_to_the_router() -> None:
     routing._places = True
     assert admission.admit(_scope("POST", "/v1/sandboxes")) is not None
     assert admission.admit({**_scope("POST", "/v1/sandboxes"), "headers": []}) is None  # no token: the guard's 401
+
+
+async def test_the_access_log_names_a_lean_request_as_uvicorn_does(served: Served,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        for port in (served.lean, served.stock):
+            await exchange(port, request("DELETE", "/v1/sandboxes/sb-x?"))
+    lines = [r.getMessage().split(" - ", 1)[1] for r in caplog.records if r.name == "uvicorn.access"]
+    assert lines == ['"DELETE /v1/sandboxes/sb-x HTTP/1.1" 204'] * 2 and served.seen == []

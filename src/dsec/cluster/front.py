@@ -19,6 +19,7 @@ application would answer differently.
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -115,7 +116,7 @@ async def _write(cycle: RequestResponseCycle, status: int, payload: bytes) -> No
         return
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
-    if cycle.access_log:
+    if cycle.access_log and cycle.access_logger.isEnabledFor(logging.INFO):  # its arguments cost a visible share
         scope: Any = cycle.scope
         cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
                                  get_path_with_query_string(scope), scope["http_version"], status)
