@@ -136,7 +136,7 @@ class _Writes:
     async def put_node(self, row: object) -> None:
         pass
 
-    def submit_rows(self, rows: builtins.list[object]) -> None:
+    def submit_rows(self, rows: builtins.list[object], *, new: bool = False) -> None:
         pass
 
     def submit_delete(self, ids: builtins.list[str]) -> None:
@@ -170,7 +170,7 @@ def running_gateway(nodes: builtins.list[Daemon], admin_token: str = "gateway-ad
     """Serve a cluster gateway over ``nodes`` (each served on TCP with a token) on a free loopback port, with
     ``admin_token`` as its only job token; its state store keeps nothing."""
     from dsec.cluster.gateway import GatewayEngine, NodeFacts
-    from dsec.cluster.server import Jobs, gateway_app
+    from dsec.cluster.server import Jobs, gateway_config
 
     room = {"cpu": 64, "memory": 2**36, "slots": {"container": 100}}
     facts = []
@@ -186,8 +186,9 @@ def running_gateway(nodes: builtins.list[Daemon], admin_token: str = "gateway-ad
 
     async def start() -> builtins.list[uvicorn.Config]:
         await gateway.start()
-        app = gateway_app(gateway, Jobs(by_token={admin_token: "admin"}, quotas={}))
-        return [uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")]
+        config = gateway_config(gateway, Jobs(by_token={admin_token: "admin"}, quotas={}), "127.0.0.1", port)
+        config.lifespan = "off"
+        return [config]
 
     with _serving("test-gateway", start, gateway.aclose):
         yield Gateway(f"http://127.0.0.1:{port}", admin_token)

@@ -87,6 +87,18 @@ async def test_a_timeout_bounds_each_call_of_its_view(tmp_path: Path) -> None:
         await asyncio.sleep(0.05)
 
 
+async def test_views_add_headers_share_connections_and_never_close_them(nodes: list[Daemon]) -> None:
+    async with NodeClient(nodes[0].tcp_url or "", nodes[0].token) as api:
+        fenced = api.with_headers({"X-Test": "1"})
+        assert api.with_headers({"X-Test": "1"}) is fenced  # a node's every create carries the same fence
+        other = api.with_headers({"X-Test": "2"})
+        assert other is not fenced and other._header.endswith("X-Test: 2\r\n") and api.with_headers(None) is api
+        assert fenced.connections is api.connections and fenced.url == api.url and fenced.token == api.token
+        assert (await fenced.with_timeout(httpx.Timeout(5.0)).health()).node == nodes[0].engine.settings.node
+        await fenced.aclose()  # a view closes nothing: its parent's connections still serve
+        assert (await api.health()).node == nodes[0].engine.settings.node
+
+
 def test_urls_name_their_origin() -> None:
     assert parse_url("http://h:80/x/").netloc == "h" and parse_url("http://h:80/x/").prefix == "/x"
     assert parse_url("http://h:81").key == parse_url("http://h:81/other").key != parse_url("https://h:81").key

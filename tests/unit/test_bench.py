@@ -705,3 +705,25 @@ def test_a_running_mount_holder_is_found_by_pid_start_time_and_tag(tmp_path: Pat
         holder.communicate()
     assert running_holder(pidfile) == 0
     assert running_holder(tmp_path / "missing.pid") == 0
+
+
+def test_gateway_cpu_parts_name_each_sample_by_its_innermost_part(tmp_path: Path) -> None:
+    """py-spy's collapsed stacks: a node call under the engine under the HTTP layer is the forward, the engine's
+    own frame under the HTTP layer is the gateway's, a frame of the state writer anywhere is PostgreSQL's, and
+    the loop's own time (what runs it is no part) is the loop's."""
+    from dsec.bench.sim_load import cpu_by_part
+
+    root = "main (dsec/cluster/server.py:316);Runner.run (asyncio/runners.py:118)"
+    serve = f"{root};LeanHttp._serve (dsec/cluster/front.py:90);FastPath.answer (dsec/api/binding.py:472)"
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        f"{serve};GatewayEngine.create (dsec/cluster/gateway.py:215);_Connection.exchange (dsec/_http/http11.py:158) 3",
+        f"{serve};GatewayEngine.create (dsec/cluster/gateway.py:215) 2",
+        f"{serve};BaseModel.model_validate_json (pydantic/main.py:847) 2",
+        f"{serve};Placer.try_place (dsec/cluster/placement.py:393) 1",
+        f"{root};StateWriter._flush (dsec/cluster/state.py:173);_Connection.exchange (dsec/_http/http11.py:158) 1",
+        f"{root} 1",
+        "not a sample line",
+    ]))
+    assert cpu_by_part(raw) == {"forward": 0.3, "gateway": 0.2, "http": 0.2, "placement": 0.1, "postgresql": 0.1,
+                                "loop": 0.1}

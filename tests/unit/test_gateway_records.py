@@ -46,7 +46,7 @@ class _Writer:
     async def put_node(self, row: NodeRow) -> None:
         self.waited.append(("node", row.name))
 
-    def submit_rows(self, rows: list[tuple[str, Row]]) -> None:
+    def submit_rows(self, rows: list[tuple[str, Row]], *, new: bool = False) -> None:
         self.submitted += [("put", (sid, r.job, r.state)) for sid, r in rows]
 
     def submit_delete(self, ids: list[str]) -> None:

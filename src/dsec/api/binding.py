@@ -411,20 +411,25 @@ class FastPath:
                 routes.setdefault(op.method, []).append(_Fast.of(op, api))
         self._routes = {method: tuple(fast) for method, fast in routes.items()}
 
+    def match(self, method: str, path: str) -> tuple[_Fast, dict[str, Any]] | None:
+        """The fast operation serving ``method path`` and its path arguments, or None."""
+        for fast in self._routes.get(method, ()):
+            if fast.exact is not None:
+                if path == fast.exact:
+                    return fast, {}
+                continue
+            assert fast.pattern is not None
+            found = fast.pattern.fullmatch(path)
+            if found is not None:
+                return fast, found.groupdict()
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
-            for fast in self._routes.get(scope["method"], ()):
-                if fast.exact is not None:
-                    if path == fast.exact:
-                        await self._serve(fast, {}, scope, receive, send)
-                        return
-                    continue
-                assert fast.pattern is not None
-                found = fast.pattern.fullmatch(path)
-                if found is not None:
-                    await self._serve(fast, found.groupdict(), scope, receive, send)
-                    return
+            matched = self.match(scope["method"], scope["path"])
+            if matched is not None:
+                await self._serve(*matched, scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     async def _serve(self, fast: _Fast, args: dict[str, Any], scope: Scope, receive: Receive, send: Send) -> None:
@@ -439,21 +444,16 @@ class FastPath:
                 if not message.get("more_body", False):
                     break
             body = b"".join(chunks)
-        parsed = fast.parse(scope, body)
-        if parsed is None:
+        if fast.op.runs_command:
+            parsed = fast.parse(scope, body)
+            answer = None if parsed is None else await self._answer(
+                fast, _until_hangup(receive, _command(fast.call(**args, **parsed))))
+        else:
+            answer = await self.answer(fast, args, scope, body)
+        if answer is None:
             await self.app(scope, _replay(body, receive) if fast.body is not None else receive, send)
             return
-        args.update(parsed)
-        status = fast.status
-        try:
-            if fast.op.runs_command:
-                result = await _until_hangup(receive, _command(fast.call(**args)))
-            else:
-                result = await fast.call(**args)
-            payload = fast.dump(result) if fast.dump is not None else b""
-        except DSecError as err:
-            status, payload = err.status_code, json.dumps(err.to_payload(), ensure_ascii=False,
-                                                          separators=(",", ":")).encode()
+        status, payload = answer
         if payload or status != 204:
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"),
@@ -461,6 +461,23 @@ class FastPath:
         else:
             await send({"type": "http.response.start", "status": status, "headers": []})
         await send({"type": "http.response.body", "body": payload})
+
+    async def answer(self, fast: _Fast, args: dict[str, Any], scope: Scope, body: bytes
+                     ) -> tuple[int, bytes] | None:
+        """The status and JSON body answering a fast operation that runs no command (``args``: its path
+        arguments; ``body``: the request's whole body), or None when the app should answer (and word the 400)."""
+        parsed = fast.parse(scope, body)
+        if parsed is None:
+            return None
+        return await self._answer(fast, fast.call(**args, **parsed))
+
+    @staticmethod
+    async def _answer(fast: _Fast, call: Awaitable[Any]) -> tuple[int, bytes]:
+        try:
+            result = await call
+            return fast.status, fast.dump(result) if fast.dump is not None else b""
+        except DSecError as err:
+            return err.status_code, json.dumps(err.to_payload(), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -45,6 +45,7 @@ class NodeClient(NodeAPI):
         self._timeout = timeout
         self._header = f"Authorization: Bearer {token}\r\n" if token else ""
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._last_view: tuple[dict[str, str], NodeClient] | None = None
 
     @property
     def url(self) -> str:
@@ -58,19 +59,33 @@ class NodeClient(NodeAPI):
         gave)."""
         return NodeClient(url, token, connections=self.connections, timeout=self._timeout)
 
+    def _view(self) -> NodeClient:
+        """A client of this origin on the same connections (it never closes them), made without parsing the
+        URL again."""
+        view = object.__new__(NodeClient)
+        view.origin, view.token, view.connections, view._owns = self.origin, self.token, self.connections, False
+        view._timeout, view._header, view._headers, view._last_view = self._timeout, self._header, self._headers, None
+        return view
+
     def with_timeout(self, timeout: httpx.Timeout) -> NodeClient:
         """This node with ``timeout`` on every call (a health probe that must answer quickly)."""
-        view = NodeClient(self.origin.url, self.token, connections=self.connections, timeout=timeout)
-        view._header, view._headers = self._header, self._headers
+        view = self._view()
+        view._timeout = timeout
         return view
 
     def with_headers(self, headers: dict[str, str] | None) -> NodeClient:
-        """This node with ``headers`` on every call too (a gateway replica's fence); itself when None."""
+        """This node with ``headers`` on every call too (a gateway replica's fence); itself when None. The
+        same headers as the last call's give the same view (a gateway's every create on a node carries its
+        cell's fence)."""
         if not headers:
             return self
-        view = NodeClient(self.origin.url, self.token, connections=self.connections, timeout=self._timeout)
+        last = self._last_view
+        if last is not None and last[0] == headers:
+            return last[1]
+        view = self._view()
         view._header = self._header + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         view._headers = {**(self._headers or {}), **headers}
+        self._last_view = (dict(headers), view)
         return view
 
     def _lines(self, extra: dict[str, str] | None) -> str:

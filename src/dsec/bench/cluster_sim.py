@@ -9,7 +9,8 @@ core), then measures the issue's figures:
 - ``idle``: the gateway's CPU with nothing to do but membership and health;
 - ``batch``: one ``create_many`` of 32,000 end to end, then its destroy;
 - ``single``: creates each followed by a destroy from a client process on the other core, sustained; the
-  gateway's CPU per create split by part (py-spy samples), the fleet's CPU per create;
+  gateway's CPU per create split by part (py-spy samples), and the CPU per create of what shares the other
+  core (the fleet, the client, PostgreSQL);
 - ``fill``: the gateway holding ``live`` sandboxes: its memory per live sandbox, the longest answer of a
   health probe (an event-loop stall shows there), ``list`` at that size;
 - ``death``: a node holding 3,200 sandboxes dies: time until the gateway reports them all lost;
@@ -127,10 +128,12 @@ def _rss_kib(pid: int) -> int:
 class _Env:
     """PostgreSQL, the fleet and the gateway of one fleet size, with the calls the phases need."""
 
-    def __init__(self, cfg: ClusterSimBench, nodes: int, dsn: str, base: Path, progress: Callable[[str], None]):
+    def __init__(self, cfg: ClusterSimBench, nodes: int, dsn: str, base: Path, progress: Callable[[str], None],
+                 pg_pid: int | None = None):
         from dsec.testing.fleet import FleetProcess
 
         self.cfg, self.nodes, self.dsn, self.base, self.progress = cfg, nodes, dsn, base, progress
+        self.pg_pid = pg_pid
         others = sorted(set(os.sched_getaffinity(0)) - {cfg.gateway_cpu}) or [0]
         self.others = ",".join(map(str, others))
         self.fleet = FleetProcess(nodes, _NODE_CAPACITY, cpus=set(others))
@@ -225,6 +228,10 @@ class _Env:
         assert self.proc is not None
         return tree_cpu(self.proc.pid)[0]
 
+    def pg_cpu(self) -> float:
+        """CPU seconds of the PostgreSQL server and its backends so far (0 when its process is unknown)."""
+        return sum(tree_cpu(self.pg_pid)) if self.pg_pid is not None else 0.0
+
     def load(self, kind: str, **kw: Any) -> dict[str, Any]:
         """Run a :mod:`dsec.bench.sim_load` client process on the other cores; its JSON answer."""
         # "--name=value": a token may begin with "-", which argparse would take for an option.
@@ -244,7 +251,7 @@ def _environment(cfg: ClusterSimBench, nodes: int, progress: Callable[[str], Non
 
     base = Path(tempfile.mkdtemp(prefix="dsec-sim-"))
     with postgres_server() as pg:
-        env = _Env(cfg, nodes, pg.dsn, base, progress)
+        env = _Env(cfg, nodes, pg.dsn, base, progress, pg.pid)
         env.fleet.start()
         try:
             yield env
@@ -282,15 +289,17 @@ def _single(env: _Env) -> dict[str, Any]:
     seconds = env.cfg.single_seconds
     raw = env.base / "spy.txt"
     spy = record(env.proc.pid, seconds, raw)
-    gw0, fleet0 = env.gateway_cpu(), env.fleet.cpu_seconds()
+    gw0, fleet0, pg0 = env.gateway_cpu(), env.fleet.cpu_seconds(), env.pg_cpu()
     got = env.load("cycles", seconds=seconds, concurrency=env.cfg.concurrency)
-    gw, fleet = env.gateway_cpu() - gw0, env.fleet.cpu_seconds() - fleet0
+    gw, fleet, pg = env.gateway_cpu() - gw0, env.fleet.cpu_seconds() - fleet0, env.pg_cpu() - pg0
     if spy is not None:
         spy.wait(60)
-    made = len(got["creates"])
-    return {**got, "rate": made / got["wall"], "gateway_cpu_per_create_ms": gw / max(made, 1) * 1000,
-            "fleet_cpu_per_create_ms": fleet / max(made, 1) * 1000,
-            "parts": cpu_by_part(raw) if raw.exists() else {}}
+    made = max(len(got["creates"]), 1)
+    # What the other core does per create+destroy besides a second replica: the fleet, the client, PostgreSQL.
+    return {**got, "rate": len(got["creates"]) / got["wall"], "gateway_cpu_per_create_ms": gw / made * 1000,
+            "fleet_cpu_per_create_ms": fleet / made * 1000,
+            "client_cpu_per_create_ms": got["client_cpu_s"] / made * 1000,
+            "postgresql_cpu_per_create_ms": pg / made * 1000, "parts": cpu_by_part(raw) if raw.exists() else {}}
 
 
 def _replicas(env: _Env) -> dict[str, Any]:
@@ -448,6 +457,9 @@ def _env_rows(n: int, r: dict[str, Any], latencies: dict[str, Any]) -> list[Row]
                         note=f"p99 {lat.p99 * 1000:.1f} ms, {s['failed']} failed"))
         rows.append(Row(f"{n} nodes: gateway CPU per create+destroy", "ms", s["gateway_cpu_per_create_ms"],
                         note=", ".join(f"{k} {v * 100:.0f}%" for k, v in s["parts"].items())))
+        others = {key: s.get(f"{key}_cpu_per_create_ms", 0.0) for key in ("fleet", "client", "postgresql")}
+        rows.append(Row(f"{n} nodes: the other cores' CPU per create+destroy (fleet, client, PostgreSQL)", "ms",
+                        sum(others.values()), note=", ".join(f"{k} {v:.2f} ms" for k, v in others.items())))
     rp = r.get("replicas", {})
     if "ratio" in rp:
         two = rp["two"]

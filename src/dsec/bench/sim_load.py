@@ -96,13 +96,13 @@ async def cycles(url: str, token: str, spec: bytes, seconds: float, concurrency:
                 failures[f"destroy: {_error(status, body)}"] += 1
             destroys.append(time.perf_counter() - made)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     for client in clients:
         await client.aclose()
     return {"creates": creates, "destroys": destroys, "wall": wall, "failures": dict(failures.most_common(10)),
-            "failed": sum(failures.values())}
+            "failed": sum(failures.values()), "client_cpu_s": cpu}
 
 
 async def batch(url: str, token: str, spec: dict[str, Any], count: int, stream: bool = False) -> dict[str, Any]:
@@ -161,30 +161,44 @@ async def probe(url: str, token: str, seconds: float, interval: float = 0.01) ->
     return {"samples": samples}
 
 
+_CONTEXTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("events", ("_follow_node",)), ("postgresql", ("psycopg", "cluster/state.py")))
+"""Parts named by any frame of a sample: the node event streams, the state writer (their reads and writes are
+theirs, whatever the innermost frame)."""
+_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (("placement", ("cluster/placement.py", "cluster/spread.py")),
+          ("forward", ("_http/", "api/client.py", "api/operations.py", "httpx", "httpcore")),
+          ("gateway", ("cluster/gateway", "cluster/records.py", "cluster/authority.py", "cluster/cells.py",
+                       "cluster/replica.py", "cluster/surface.py", "daemon/auth.py")),
+          ("http", ("uvicorn", "starlette", "fastapi", "daemon/app.py", "api/binding.py", "cluster/server.py",
+                    "cluster/router.py", "cluster/front.py", "h11")))
+"""Parts named by the innermost frame of a sample that is one of theirs (a request's parse is HTTP, the
+engine call it makes the gateway's, a node call the forward)."""
+
+
 def cpu_by_part(raw: Path) -> dict[str, float]:
-    """Shares of py-spy samples (``--format raw``: collapsed stacks) by part of the gateway: HTTP serving,
-    placement, the forward to nodes, PostgreSQL, node events, the rest of the gateway's own code, and the
-    event loop and libraries under none of these."""
+    """Shares of py-spy samples (``--format raw``: collapsed stacks, outermost frame first) by part of the
+    gateway: HTTP serving (the request's parse and answer), placement, the forward to nodes, PostgreSQL, node
+    events, the rest of the gateway's own code, and the event loop and libraries under none of these."""
     parts: Counter[str] = Counter()
-    rules = (("postgresql", ("psycopg", "cluster/state.py")), ("placement", ("cluster/placement.py",)),
-             ("forward", ("_http/", "api/client.py", "api/operations.py", "httpx", "httpcore")),
-             ("events", ("_follow_node", "daemon/events.py")),
-             ("http", ("uvicorn", "starlette", "fastapi", "daemon/app.py", "api/binding.py", "cluster/server.py",
-                       "h11")),
-             ("gateway", ("cluster/",)))
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        frames = stack.split(";")
-        part = "loop"
-        for name, needles in rules:  # the first rule any frame matches names the sample
-            if any(needle in frame for frame in frames for needle in needles):
-                part = name
-                break
-        parts[part] += int(count)
+        if count.isdigit():
+            parts[_part(stack.split(";"))] += int(count)
     total = sum(parts.values()) or 1
     return {name: n / total for name, n in parts.most_common()}
+
+
+def _part(frames: list[str]) -> str:
+    for name, needles in _CONTEXTS:
+        if any(needle in frame for frame in frames for needle in needles):
+            return name
+    for frame in reversed(frames):
+        if "asyncio/runners.py" in frame:  # the loop itself (its callbacks' C code): what runs it is not a part
+            break
+        for name, needles in _PARTS:
+            if any(needle in frame for needle in needles):
+                return name
+    return "loop"
 
 
 def record(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:

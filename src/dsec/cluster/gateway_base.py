@@ -280,7 +280,7 @@ class GatewayBase:
         if durable:
             await self.state.writer.put_rows(rows)
         else:
-            self.state.writer.submit_rows(rows)
+            self.state.writer.submit_rows(rows, new=True)
         url, token = self.node_rows[node].url, self.node_rows[node].token
         for info in infos:  # decoded for this call and not shared yet: given their endpoint in place, not copied
             info.endpoint = NodeEndpoint(url=url, token=scoped_token(token, info.id))

@@ -28,6 +28,7 @@ FORWARDED_HEADER = "X-DSec-Forwarded"
 was_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("dsec_forwarded", default=False)
 """Whether the request being served was passed on by another replica (it is passed on no further)."""
 _SANDBOX = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
+_FORWARDED = FORWARDED_HEADER.lower().encode()
 _CREATES = {"/v1/sandboxes", "/v1/sandboxes/batch", "/v1/sandboxes/batch/stream"}
 _NOT_IDS = {"batch", "destroy"}
 """Path segments after ``/v1/sandboxes/`` that name a route on many sandboxes, not a sandbox."""
@@ -65,7 +66,7 @@ class ReplicaRouter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if FORWARDED_HEADER.lower().encode() in dict(scope["headers"]):
+        if self.passed_on(scope):
             reset = was_forwarded.set(True)
             try:
                 await self.app(scope, receive, send)
@@ -83,13 +84,27 @@ class ReplicaRouter:
                 return
         await self.app(scope, _replay(body, receive), send)
 
-    async def _targets(self, scope: Scope) -> Sequence[str]:
+    @staticmethod
+    def passed_on(scope: Scope) -> bool:
+        """Whether another replica passed this request on (it is served here, and passed on no further)."""
+        return _FORWARDED in dict(scope["headers"])
+
+    def serves_here(self, scope: Scope) -> bool:
+        """Whether a request that was not passed on is this replica's own, known without waiting (False: it
+        may be another replica's; :meth:`__call__` finds out)."""
         path, method = scope["path"], scope["method"]
         if path in _CREATES and method == "POST":
-            return [] if self.routing.places() else self.routing.other_replicas()[:1]
+            return self.routing.places()
         found = _SANDBOX.match(path)
-        if found is None or found.group(1) in _NOT_IDS or self.routing.holds(found.group(1)):
+        return found is None or found.group(1) in _NOT_IDS or self.routing.holds(found.group(1))
+
+    async def _targets(self, scope: Scope) -> Sequence[str]:
+        if self.serves_here(scope):
             return []
+        if scope["path"] in _CREATES and scope["method"] == "POST":
+            return self.routing.other_replicas()[:1]
+        found = _SANDBOX.match(scope["path"])
+        assert found is not None
         return await self.routing.owners_of(found.group(1))
 
     async def _forward(self, target: str, scope: Scope, body: bytes, send: Send, *, only_if_found: bool) -> bool:

@@ -30,10 +30,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsec.api.binding import FastPath
 from dsec.cluster.cells import CellLeases
+from dsec.cluster.front import lean_protocol
 from dsec.cluster.gateway import GatewayEngine, NodeSource, current_job, current_token
 from dsec.cluster.placement import JobQuota
-from dsec.cluster.router import ReplicaRouter
+from dsec.cluster.router import ReplicaRouter, was_forwarded
 from dsec.cluster.state import ClusterState
 from dsec.cluster.surface import PortFronts, ports_address
 from dsec.daemon.app import create_app
@@ -41,7 +43,7 @@ from dsec.daemon.auth import open_path
 from dsec.daemon.server import loop_factory
 from dsec.errors import InvalidRequest, Unauthorized
 
-__all__ = ["Jobs", "gateway_app", "main"]
+__all__ = ["Jobs", "gateway_app", "gateway_config", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +94,8 @@ class _JobGuard:
         self.app = app
         self.jobs = jobs
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
-            await self.app(scope, receive, send)  # health and the dashboard's static files
-            return
+    def caller(self, scope: Scope) -> tuple[str, str] | None:
+        """The job and token of a request's bearer token, or None when it names no job."""
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -106,11 +106,18 @@ class _JobGuard:
         for known, name in self.jobs.by_token.items():
             if secrets.compare_digest(token, known):
                 job = name
-        if job is None:
+        return None if job is None else (job, token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and open_path(scope["path"])):
+            await self.app(scope, receive, send)  # health and the dashboard's static files
+            return
+        caller = self.caller(scope)
+        if caller is None:
             err = Unauthorized("missing or unknown job token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
             await JSONResponse(err.to_payload(), status_code=err.status_code)(scope, receive, send)
             return
-        reset, reset_token = current_job.set(job), current_token.set(token)
+        reset, reset_token = current_job.set(caller[0]), current_token.set(caller[1])
         try:
             await self.app(scope, receive, send)
         finally:
@@ -118,16 +125,66 @@ class _JobGuard:
             current_token.reset(reset_token)
 
 
+@dataclass
+class _Admission:
+    """Which requests the gateway's lean protocol answers (:mod:`dsec.cluster.front`): a fast operation of a
+    caller the job guard admits, that the replica router would not pass on; as the layers it skips would, it
+    sets the caller's job and token (and, for a request another replica passed on, that it was)."""
+
+    fast: FastPath
+    guard: _JobGuard
+    router: ReplicaRouter | None
+
+    def admit(self, scope: dict[str, Any]) -> Callable[[], Callable[[], None]] | None:
+        caller = self.guard.caller(scope)
+        if caller is None:
+            return None
+        forwarded = self.router is not None and self.router.passed_on(scope)
+        if self.router is not None and not forwarded and not self.router.serves_here(scope):
+            return None
+        job, token = caller
+
+        def enter() -> Callable[[], None]:
+            resets = current_job.set(job), current_token.set(token), was_forwarded.set(forwarded)
+
+            def leave() -> None:
+                current_job.reset(resets[0])
+                current_token.reset(resets[1])
+                was_forwarded.reset(resets[2])
+
+            return leave
+
+        return enter
+
+
 def gateway_app(engine: GatewayEngine, jobs: Jobs) -> FastAPI:
     """The node API served over the gateway engine, behind job authentication (and, with replicas, the
     router that passes calls for another replica's sandboxes on to it)."""
+    return _gateway(engine, jobs)[0]
+
+
+def _gateway(engine: GatewayEngine, jobs: Jobs) -> tuple[FastAPI, _Admission]:
+    """The gateway's app, and what its lean protocol may answer without it."""
+    parts: list[_Admission] = []
+
     def guard(inner: ASGIApp) -> ASGIApp:
         # In front of FastAPI's middleware stack (see daemon.app): a create or destroy pays for these layers only.
-        return _JobGuard(ReplicaRouter(inner, routing=engine) if engine.keeper is not None else inner, jobs)
+        assert isinstance(inner, FastPath)
+        router = ReplicaRouter(inner, routing=engine) if engine.keeper is not None else None
+        outer = _JobGuard(router or inner, jobs)
+        parts.append(_Admission(inner, outer, router))
+        return outer
 
     app = create_app(engine, guard=guard)
     app.title = "DSec cluster gateway API"
-    return app
+    return app, parts[0]
+
+
+def gateway_config(engine: GatewayEngine, jobs: Jobs, host: str, port: int) -> uvicorn.Config:
+    """The gateway's uvicorn configuration: its app, on the lean protocol for the fast operations."""
+    app, admission = _gateway(engine, jobs)
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30, backlog=4096,
+                          http=lean_protocol(admission))
 
 
 async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> None:
@@ -140,8 +197,7 @@ async def _serve(args: argparse.Namespace, source: NodeSource, jobs: Jobs) -> No
     engine.port_fronts = PortFronts(*ports_address(host, args.advertise))
     # Serving while the cells' rows are read: a restarted gateway takes creates within seconds.
     await engine.start(settle=False)
-    config = uvicorn.Config(gateway_app(engine, jobs), host=host, port=int(port), log_level="warning",
-                            timeout_keep_alive=30, backlog=4096)
+    config = gateway_config(engine, jobs, host, int(port))
     servers = [uvicorn.Server(config)]
     if args.e2b is not None:
         servers.append(uvicorn.Server(_e2b_config(args, engine, jobs)))

@@ -8,8 +8,10 @@ node, job, state, shape, creation time, the digest of its spec, its trajectory a
 ``dsec_cluster_specs`` (each spec's JSON once, by digest: a batch of 32,000 writes its spec one time).
 
 Reads (:meth:`ClusterState.nodes`, :meth:`ClusterState.rows`, at gateway start) block. Writes go through
-:attr:`ClusterState.writer`, an asyncio group commit on the gateway's event loop: every change submitted
-while a commit is in flight joins the next one, which is one transaction of at most four statements
+:attr:`ClusterState.writer`, an asyncio group commit on the gateway's event loop: every change made while a
+commit is in flight joins the next one (a write no caller waits for gathers with others for up to
+:data:`GROUP_DELAY` first; a sandbox destroyed before its row was written is never written), which is one
+transaction of at most four statements
 whatever its size (each takes arrays: ``unnest`` for the upserts, ``= ANY`` for the deletes), sent in
 pipeline mode: one round trip. A sandbox changed twice before a commit is written once, as it ended up.
 Each caller that waits resumes when its transaction has committed. Commits are not waited for on disk
@@ -21,6 +23,7 @@ rebuilds from the nodes. ``sync_commit=True`` waits for the disk flush on every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +35,7 @@ from typing import Any
 from dsec.cluster.records import Row, Shape
 from dsec.errors import BackendUnavailable
 
-__all__ = ["ClusterState", "NodeRow", "StateWriter", "spec_digest"]
+__all__ = ["GROUP_DELAY", "ClusterState", "NodeRow", "StateWriter", "spec_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +88,9 @@ def _node_params(row: NodeRow) -> tuple[Any, ...]:
     return (row.name, row.url, row.token, row.alive, json.dumps(row.capacity), row.reason)
 
 
-def _log_failure(done: asyncio.Future[None]) -> None:
-    if not done.cancelled() and done.exception() is not None:
-        log.error("a state write was not recorded (a restarted gateway reconciles it from the nodes): %s",
-                  done.exception())
+GROUP_DELAY = 0.02
+"""Seconds submitted writes (no caller waits for them) gather before their commit: an RL loop's creates and
+destroys go in a few commits a second, and a sandbox destroyed within it is never written at all."""
 
 
 class StateWriter:
@@ -113,6 +115,10 @@ class StateWriter:
         self._flusher: asyncio.Task[None] | None = None
         self._digests: dict[bytes, str] = {}
         """Specs written (or being written) by this gateway -> digest; bounded."""
+        self._fresh: set[str] = set()
+        """Sandboxes submitted as new whose rows no commit has taken yet."""
+        self._urgent = asyncio.Event()
+        """Set when a caller waits for the next commit (submissions alone wait :data:`GROUP_DELAY`)."""
 
     async def _connection(self) -> Any:
         if self._conn is None or self._conn.closed:
@@ -127,26 +133,38 @@ class StateWriter:
         return self._conn
 
     def _kick(self) -> asyncio.Future[None]:
+        """A waiter on the next commit, which starts now."""
         done = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
+        self._urgent.set()
+        self._start()
         return done
 
-    def submit_rows(self, rows: Sequence[tuple[str, Row]]) -> None:
-        """Insert or update sandbox rows in the next group commit, without waiting (the nodes' own records
-        are the truth a restarted gateway reconciles these from); a failure is logged."""
+    def _start(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+
+    def submit_rows(self, rows: Sequence[tuple[str, Row]], *, new: bool = False) -> None:
+        """Insert or update sandbox rows in a group commit within :data:`GROUP_DELAY`, without waiting (the
+        nodes' own records are the truth a restarted gateway reconciles these from); a failure is logged.
+        ``new``: sandboxes no commit has written yet (a destroy before their commit writes neither)."""
         if rows:
             for sid, row in rows:
                 self._rows[sid] = row
-            self._kick().add_done_callback(_log_failure)
+            if new:
+                self._fresh.update(sid for sid, _row in rows)
+            self._start()
 
     def submit_delete(self, ids: Sequence[str]) -> None:
-        """Forget destroyed sandboxes in the next group commit, without waiting."""
+        """Forget destroyed sandboxes in a group commit within :data:`GROUP_DELAY`, without waiting."""
         if ids:
             for sid in ids:
-                self._rows[sid] = None
-            self._kick().add_done_callback(_log_failure)
+                if sid in self._fresh:  # never written: nothing to write now either
+                    self._fresh.discard(sid)
+                    self._rows.pop(sid, None)
+                else:
+                    self._rows[sid] = None
+            self._start()
 
     async def put_rows(self, rows: Sequence[tuple[str, Row]]) -> None:
         """Insert or update sandbox rows; returns once committed."""
@@ -165,15 +183,23 @@ class StateWriter:
             await asyncio.gather(asyncio.shield(self._kick()), return_exceptions=True)
 
     async def _flush(self) -> None:
-        while self._waiters:
+        while self._waiters or self._rows or self._nodes:
+            if not self._waiters:  # only submissions: more join them until the delay ends or someone waits
+                self._urgent.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), GROUP_DELAY)
             rows, self._rows = self._rows, {}
             nodes, self._nodes = self._nodes, []
             waiters, self._waiters = self._waiters, []
+            self._fresh = set()  # being written now: a later destroy must delete them
             try:
                 await self._commit(rows, nodes)
             except Exception as exc:
                 error = exc if isinstance(exc, BackendUnavailable) else BackendUnavailable(
                     f"the gateway could not record its state in PostgreSQL: {exc}")
+                if not waiters:
+                    log.error("a state write was not recorded (a restarted gateway reconciles it from the "
+                              "nodes): %s", error)
                 for done in waiters:
                     if not done.done():
                         done.set_exception(error)

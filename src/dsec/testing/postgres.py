@@ -42,6 +42,14 @@ class PgServer:
     def dsn(self) -> str:
         return f"postgresql://dsec@127.0.0.1:{self.port}/postgres"
 
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's process id (its children are the server's backends), None when it is not running."""
+        try:
+            return int((self.base / "data" / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
     def _ctl(self, *args: str) -> None:
         cmd = [str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"), "-l", str(self.base / "pg.log"), *args]
         proc = subprocess.run(cmd, user=self.user, capture_output=True, text=True, check=False, timeout=120)

@@ -1,7 +1,8 @@
 """The gateway's durable state on a real PostgreSQL server: group commit, ordering, narrow rows, faults.
 
-Writes submitted while a commit is in flight share the next transaction; a sandbox put then deleted before
-a commit ends up deleted; a batch sharing one spec stores that spec once; rows read back are the rows
+Writes submitted while a commit is in flight share the next transaction; writes no caller waits for gather
+for a moment, and a new sandbox destroyed before its commit is never written; a sandbox put then deleted
+before a commit ends up deleted; a batch sharing one spec stores that spec once; rows read back are the rows
 written (shape, state, reason, trajectory detail); rows of the first schema are moved over once; a server
 restart between writes is survived (reconnect, replay); a server that is down fails the write with
 ``BackendUnavailable`` naming PostgreSQL, and the writer works again once the server is back.
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 
 from dsec.cluster.records import Row, Shape
-from dsec.cluster.state import ClusterState, NodeRow
+from dsec.cluster.state import GROUP_DELAY, ClusterState, NodeRow
 from dsec.errors import BackendUnavailable
 from dsec.models import SandboxInfo, SandboxSpec
 from postgres_support import PgServer, postgres_or_missing
@@ -68,6 +69,34 @@ async def test_concurrent_writes_share_commits_in_order(pg: PgServer) -> None:
         assert [n.name for n in await asyncio.to_thread(state.nodes)] == ["n1"]
         # The default: commits are not waited for on disk.
         assert await synchronous_commit(state) == "off"
+    finally:
+        await state.aclose()
+
+
+async def test_submitted_writes_gather_and_a_row_destroyed_before_its_commit_is_never_written(
+        pg: PgServer) -> None:
+    state = ClusterState(pg.dsn)
+    try:
+        writer = state.writer
+        await writer.put_rows([("rl-old", row())])  # committed: its destroy must reach the table
+        before, written = writer.commits, writer.written
+        for i in range(50):  # an RL loop: creates, most destroyed moments later
+            writer.submit_rows([(f"rl-{i}", row())], new=True)
+            if i % 5:
+                writer.submit_delete([f"rl-{i}"])
+            await asyncio.sleep(0.001)
+        writer.submit_delete(["rl-old"])
+        await asyncio.sleep(GROUP_DELAY * 3 + 0.2)
+        assert writer.commits - before <= 4, "submissions were not gathered"
+        assert writer.written - written == 11, "rows destroyed before their commit were written"
+        found = dict(await asyncio.to_thread(lambda: list(state.rows())))
+        assert {sid for sid in found if sid.startswith("rl-")} == {f"rl-{i}" for i in range(0, 50, 5)}
+        # A caller that waits does not wait for the submissions' delay.
+        writer.submit_rows([("rl-late", row())], new=True)
+        start = time.perf_counter()
+        await writer.put_rows([("rl-waited", row())])
+        assert time.perf_counter() - start < 5.0
+        assert {"rl-late", "rl-waited"} <= set(dict(await asyncio.to_thread(lambda: list(state.rows()))))
     finally:
         await state.aclose()
 
