@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -12,6 +13,13 @@ from dsec.daemon import memory
 _kept: list[bytes] = []
 
 
+class Kept:
+    pass
+
+
+_records: list[Kept] = []
+
+
 def test_the_trace_names_the_site_that_grew(tmp_path: Path) -> None:
     trace = memory.MemTrace(tmp_path / "memory.txt", every=3600)
     was_tracing = tracemalloc.is_tracing()
@@ -19,12 +27,17 @@ def test_the_trace_names_the_site_that_grew(tmp_path: Path) -> None:
     try:
         assert trace.look(1).startswith("== baseline at 1 s: traced ")
         _kept.extend(bytes(4096) + bytes([i % 256]) for i in range(256))  # ~1 MiB that stays
+        _records.extend(Kept() for _ in range(300))  # small objects kept, one per "sandbox"
         report = trace.look(2)
     finally:
         _kept.clear()
+        _records.clear()
         if not was_tracing:
             tracemalloc.stop()
-    first = report.splitlines()[1]
+    head, kinds, first = report.splitlines()[:3]
+    assert re.fullmatch(r"== 2 s: traced [\d.]+ MiB, rss [\d.]+ MiB \(anon [\d.]+ MiB, file [\d.]+ MiB\), "
+                        r"growth since baseline [\d.]+ MiB", head), head
+    assert re.match(r"objects grown by type: .*\bKept \+300\b", kinds), kinds  # by the garbage collector's count
     assert first.startswith("+10") and "KiB (+256 blocks)" in first, report  # ~1040 KiB, the largest growth
     assert "test_memory.py" in report.split("\n+")[1]  # the site of that growth, by file and line
     assert [line[:8] for line in (tmp_path / "memory.txt").read_text().splitlines() if line.startswith("==")] \

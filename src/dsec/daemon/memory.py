@@ -8,8 +8,10 @@ steady load climbs for minutes before it levels. :func:`cap_malloc_arenas` caps 
 ``DSEC_TRACEMALLOC=SECONDS`` (in the daemon's environment) starts :mod:`tracemalloc` and, every SECONDS,
 appends to ``memtrace-<pid>.txt`` (in ``DSEC_TRACEMALLOC_DIR``, by default the home's ``run/``) the allocation
 sites that grew most since the first look (taken one period after the start, so the warm-up's imports and
-caches are the baseline, not the growth), with the process's RSS beside the traced total: the gap between
-the two is the allocator's (arenas, fragmentation) and C libraries', not Python objects'.
+caches are the baseline, not the growth), with the process's RSS (its anonymous and file-backed parts, from
+``smaps_rollup``) beside the traced total -- the gap between the two is the allocator's (arenas,
+fragmentation) and C libraries', not Python objects' -- and the object types the garbage collector tracks
+whose count grew most (a record kept per sandbox shows as its class, however small).
 
 Owns the arena cap and the trace thread and its file; the trace must never run unless asked (tracing slows
 every allocation).
@@ -17,8 +19,10 @@ every allocation).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import gc
 import linecache
 import os
 import threading
@@ -45,6 +49,7 @@ class MemTrace:
         self.every = every
         self._stop = threading.Event()
         self._base: tracemalloc.Snapshot | None = None
+        self._base_types: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._run, name="dsec-memtrace", daemon=True)
 
     def start(self) -> None:
@@ -65,14 +70,18 @@ class MemTrace:
     def look(self, age: float) -> str:
         """Compare now with the baseline (taking it on the first call); the report is appended to the file."""
         snap = _filtered(tracemalloc.take_snapshot())
+        types = _types()
         if self._base is None:
-            self._base = snap
+            self._base, self._base_types = snap, types
             text = f"== baseline at {age:.0f} s: traced {_mib(tracemalloc.get_traced_memory()[0])}, rss {_rss()}\n"
         else:
             stats = snap.compare_to(self._base, "traceback")
             traced = tracemalloc.get_traced_memory()[0]
             lines = [f"== {age:.0f} s: traced {_mib(traced)}, rss {_rss()}, growth since baseline "
                      f"{_mib(sum(s.size_diff for s in stats))}"]
+            grown = sorted(((n - self._base_types[t], t) for t, n in types.items() if n > self._base_types[t]),
+                           reverse=True)[:_TOP]
+            lines.append("objects grown by type: " + (", ".join(f"{t} {d:+d}" for d, t in grown) or "none"))
             for stat in stats[:_TOP]:
                 lines.append(f"{stat.size_diff / 1024:+.1f} KiB ({stat.count_diff:+d} blocks), now "
                              f"{stat.size / 1024:.1f} KiB")
@@ -95,12 +104,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _types() -> collections.Counter[str]:
+    """Objects the garbage collector tracks, by type name."""
+    return collections.Counter(type(o).__name__ for o in gc.get_objects())
+
+
 def _rss() -> str:
+    """The process's RSS, with its anonymous part (the heap) and the rest (mapped files, shared memory)."""
+    kib: dict[str, int] = {}
     with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return _mib(int(line.split()[1]) * 1024)
-    return "?"
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            kib[key] = int(value.split()[0])
+    if "Rss" not in kib:
+        return "?"
+    anon = kib.get("Anonymous", 0)
+    return f"{_mib(kib['Rss'] * 1024)} (anon {_mib(anon * 1024)}, file {_mib((kib['Rss'] - anon) * 1024)})"
 
 
 def start_from_env(run_dir: Path) -> MemTrace | None:
