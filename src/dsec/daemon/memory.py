@@ -3,7 +3,10 @@
 The daemon's threads (the event loop, the default executor's, the stores' writers) would each get a malloc
 arena of their own (up to 8 per core): freed memory stays spread over them, and the RSS of a daemon under a
 steady load climbs for minutes before it levels. :func:`cap_malloc_arenas` caps them at
-:data:`ARENAS` (what ``MALLOC_ARENA_MAX`` would, unless the operator set that).
+:data:`ARENAS` (what ``MALLOC_ARENA_MAX`` would, unless the operator set that). Within an arena, pages freed
+below its top stay resident until glibc is asked for them back: :class:`HeapTrim` calls ``malloc_trim`` every
+``DSEC_MALLOC_TRIM`` seconds (default :data:`TRIM_EVERY`; 0: never), so the daemon's RSS follows what it holds
+rather than its churn's high-water mark.
 
 ``DSEC_TRACEMALLOC=SECONDS`` (in the daemon's environment) starts :mod:`tracemalloc` and, every SECONDS,
 appends to ``memtrace-<pid>.txt`` (in ``DSEC_TRACEMALLOC_DIR``, by default the home's ``run/``) the allocation
@@ -13,8 +16,8 @@ caches are the baseline, not the growth), with the process's RSS (its anonymous 
 fragmentation) and C libraries', not Python objects' -- and the object types the garbage collector tracks
 whose count grew most (a record kept per sandbox shows as its class, however small).
 
-Owns the arena cap and the trace thread and its file; the trace must never run unless asked (tracing slows
-every allocation).
+Owns the arena cap, the heap trim thread, and the trace thread and its file; the trace must never run unless
+asked (tracing slows every allocation).
 """
 
 from __future__ import annotations
@@ -28,11 +31,17 @@ import os
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["ARENAS", "ENV", "MemTrace", "cap_malloc_arenas", "start_from_env"]
+__all__ = ["ARENAS", "ENV", "TRIM_ENV", "TRIM_EVERY", "HeapTrim", "MemTrace", "cap_malloc_arenas", "malloc_trim",
+           "start_from_env", "trim_from_env"]
 
 ENV = "DSEC_TRACEMALLOC"
+TRIM_ENV = "DSEC_MALLOC_TRIM"
+TRIM_EVERY = 60.0
+"""Seconds between two returns of the heap's free pages to the kernel (a trim that frees 75 MiB takes ~10 ms,
+one that finds little to free ~2 ms; the GIL is not held meanwhile)."""
 ARENAS = 2
 """malloc arenas the daemon's threads share."""
 _M_ARENA_MAX = -8
@@ -150,3 +159,54 @@ def cap_malloc_arenas() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_ARENA_MAX, ARENAS))
+
+
+class HeapTrim:
+    """Calls ``trim`` every ``every`` seconds in a thread of its own until :meth:`stop`."""
+
+    def __init__(self, every: float, trim: Callable[[], bool]) -> None:
+        self.every = every
+        self.trim = trim
+        self.trims = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsec-heap-trim", daemon=True)
+
+    def start(self) -> HeapTrim:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.trim()
+            self.trims += 1
+
+
+def malloc_trim() -> bool:
+    """Return the malloc heap's free pages to the kernel (glibc); True if any were. False on a libc without it."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))  # ctypes releases the GIL meanwhile: the daemon's threads go on
+
+
+def trim_from_env() -> HeapTrim | None:
+    """The heap trim the environment asks for (every :data:`TRIM_EVERY` s unless ``DSEC_MALLOC_TRIM`` says
+    otherwise), started; None when it is turned off (0) or the libc has no ``malloc_trim``."""
+    raw = os.environ.get(TRIM_ENV, "").strip()
+    try:
+        every = float(raw) if raw else TRIM_EVERY
+    except ValueError:
+        raise ValueError(f"{TRIM_ENV}={raw!r} is not a number of seconds (e.g. {TRIM_ENV}=60; 0 turns it off)") \
+            from None
+    if every < 0:
+        raise ValueError(f"{TRIM_ENV}={raw!r} must be a number of seconds, 0 or more (0 turns it off)")
+    try:
+        ctypes.CDLL(None).malloc_trim  # noqa: B018 -- present or not: musl has none
+    except (OSError, AttributeError):
+        return None
+    return HeapTrim(every, malloc_trim).start() if every > 0 else None
