@@ -7,7 +7,8 @@ function backends; one more client does the same on the microvm backend, one gue
 a small host: the load is the cycle, not the count); another imports a small image into the node's store and
 removes it again, every second. Every ``fault_every_s`` seconds one component of the chaos list is SIGKILLed,
 in turn: the exec helper, the mount holder, the lazy image server, a function sandbox's zygote, a container
-sandbox's init, a microvm's QEMU, the daemon itself. After each fault the soak measures the time until the
+sandbox's init, a microvm's QEMU, the daemon itself (at its turn only once it has lived ``daemon_every_s``:
+otherwise the next component takes the turn). After each fault the soak measures the time until the
 node recovered (the component counted the fault and is ``ok`` again; the victim sandbox works again or was
 reported lost; the restarted daemon answers) and a create on each backend succeeds.
 
@@ -18,7 +19,7 @@ snapshots) that do not hold their source's files, images imported and then not s
 (every ``census_every_s``, :class:`~dsec.bench.soak_watch.Census`: a sandbox's mounts, cgroups, network
 namespaces or processes outliving it) and after the daemon stopped (anything of its home, before the bench
 cleans up), images wedged (not ``ok`` in health past the recovery bound), and the daemon's RSS: at the start,
-the end, and its growth per hour of life.
+the end, and per daemon life the least-squares slope of its warm part (the worst judged life is the figure).
 
 Owns the load, the fault injection and the report; it never reaches into the daemon's internals (health,
 events and processes it started are all it looks at).
