@@ -71,6 +71,21 @@ def test_rss_growth_is_each_lifes_least_squares_slope_past_its_warm_up(monkeypat
     assert exact.lives(600)[0].slope_mib_per_h == pytest.approx(10)
 
 
+def test_the_figure_is_the_steepest_judged_life() -> None:
+    from dataclasses import asdict
+
+    def life(pid: int, slope: float | None, judged: bool) -> soak_watch.Life:
+        return soak_watch.Life(pid, 1500.0, 90, 1200.0 if judged else 200.0, 80.0, 85.0, 86.0, slope, judged)
+
+    lives = [life(1, 4.0, True), life(2, 30.0, False), life(3, 9.5, True), life(4, None, False)]
+    assert soak_watch.worst_life(lives) == lives[2]  # a steeper life too short to judge is not the figure
+    assert soak_watch.worst_life(lives[1:2]) == lives[1]  # ... unless no life was judged (reported, not judged)
+    assert soak_watch.worst_life([lives[3]]) is None
+    assert soak_watch.lives_note([asdict(x) for x in lives]) == \
+        "2 of 4 daemon lives judged (each warm 20+ min): 4.0, 9.5 MiB/h"
+    assert soak_watch.lives_note([asdict(lives[1])]) == "1 daemon life, none warm for 600 s"
+
+
 def test_the_census_samples_rss_with_the_daemons_age(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     watch = census(monkeypatch, tmp_path, set())
     watch.look(set(), [], 7, 81.5, 42.0)

@@ -54,7 +54,7 @@ from dsec import (
 )
 from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
-from dsec.bench.soak_watch import Census, Life, footprint
+from dsec.bench.soak_watch import JUDGED_AFTER, Census, footprint, lives_note, worst_life
 from dsec.config import Settings
 from dsec.daemon import server
 from dsec.images.image_store import ImageStore
@@ -69,9 +69,6 @@ _RECOVERY_BOUND = 90.0
 _VM_MEMORY = "384Mi"
 _RSS_GROWTH_TARGET = 20.0
 """MiB per hour of a daemon's life past its warm-up: more is a leak, not a cache filling."""
-_RSS_JUDGED_AFTER = 600.0
-"""Seconds a daemon life's warm part (past :data:`~dsec.bench.soak_watch.WARM_S` of its age) must span for its
-RSS slope to be judged (a shorter life's is only reported)."""
 
 
 @dataclass(frozen=True)
@@ -659,8 +656,8 @@ async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[
         await _cleanup_backend(settings)
         results["leaks"] = sorted({*results.get("left_after_stop", []), *_leaks(settings)})
         shutil.rmtree(settings.home, ignore_errors=True)
-    lives = census.lives(_RSS_JUDGED_AFTER)
-    worst = _worst(lives)
+    lives = census.lives(JUDGED_AFTER)
+    worst = worst_life(lives)
     results.update(leaks_while_running=census.leaks, wedged_images=census.wedged, censuses=census.looks,
                    rss_lives=[asdict(life) for life in lives], rss_samples=census.rss,
                    rss_growth_mib_per_h=worst.slope_mib_per_h if worst else None,
@@ -713,23 +710,6 @@ def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
         Row("daemon RSS growth per hour of warm life, worst life (least-squares slope)", "MiB/h",
             results["rss_growth_mib_per_h"], target=f"<= {_RSS_GROWTH_TARGET:g}",
             passed=None if not results["rss_judged"] else results["rss_growth_mib_per_h"] <= _RSS_GROWTH_TARGET,
-            note=_lives_note(results["rss_lives"])),
+            note=lives_note(results["rss_lives"])),
     ]
     return rows
-
-
-def _worst(lives: list[Life]) -> Life | None:
-    """The life whose warm RSS slope is steepest: among the judged ones, else among those with a slope."""
-    for pool in ([x for x in lives if x.judged], [x for x in lives if x.slope_mib_per_h is not None]):
-        if pool:
-            return max(pool, key=lambda x: x.slope_mib_per_h or 0.0)
-    return None
-
-
-def _lives_note(lives: list[dict[str, Any]]) -> str:
-    judged = [x for x in lives if x["judged"]]
-    if not judged:
-        return f"{len(lives)} daemon li{'fe' if len(lives) == 1 else 'ves'}, none warm for {_RSS_JUDGED_AFTER:g} s"
-    slopes = ", ".join(f"{x['slope_mib_per_h']:.1f}" for x in judged)
-    warm = min(x["warm_s"] for x in judged) / 60
-    return f"{len(judged)} of {len(lives)} daemon lives judged (each warm {warm:.0f}+ min): {slopes} MiB/h"

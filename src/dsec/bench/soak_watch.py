@@ -19,16 +19,20 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.qemu.backend import home_tag
 from dsec.config import Settings
 
-__all__ = ["WARM_S", "Census", "Item", "Life", "footprint"]
+__all__ = ["JUDGED_AFTER", "WARM_S", "Census", "Item", "Life", "footprint", "lives_note", "worst_life"]
 
 _SANDBOX = re.compile(r"sb-[0-9a-f]{12}")
 _PERSIST = 3
 """Censuses in a row a sandbox's resource must outlive the sandbox before it counts as a leak (creates and
 destroys in flight hold resources the daemon does not list yet, or any more)."""
+JUDGED_AFTER = 600.0
+"""Seconds a daemon life's warm part (past :data:`WARM_S` of its age) must span for its RSS slope to be judged
+(a shorter life's is only reported)."""
 WARM_S = 300.0
 """Seconds of a daemon process's age before its RSS counts towards growth: its first minutes fill what is
 meant to fill (the imports' lazy parts, the event history, the allocator's heap up to the load's peak
@@ -170,3 +174,21 @@ def _slope(points: list[tuple[float, float]]) -> float | None:
     if len(points) < 3 or points[-1][0] - points[0][0] <= 0:
         return None
     return statistics.linear_regression([t for t, _ in points], [m for _, m in points]).slope * 3600
+
+
+def worst_life(lives: list[Life]) -> Life | None:
+    """The life whose warm RSS slope is steepest: among the judged ones, else among those with a slope."""
+    for pool in ([x for x in lives if x.judged], [x for x in lives if x.slope_mib_per_h is not None]):
+        if pool:
+            return max(pool, key=lambda x: x.slope_mib_per_h or 0.0)
+    return None
+
+
+def lives_note(lives: list[dict[str, Any]]) -> str:
+    """The report's note on the RSS row: how many lives were judged, over how long, and each one's slope."""
+    judged = [x for x in lives if x["judged"]]
+    if not judged:
+        return f"{len(lives)} daemon li{'fe' if len(lives) == 1 else 'ves'}, none warm for {JUDGED_AFTER:g} s"
+    slopes = ", ".join(f"{x['slope_mib_per_h']:.1f}" for x in judged)
+    warm = min(x["warm_s"] for x in judged) / 60
+    return f"{len(judged)} of {len(lives)} daemon lives judged (each warm {warm:.0f}+ min): {slopes} MiB/h"
