@@ -381,20 +381,23 @@ def token_rm(name: str) -> None:
               help="soak suite: how long the mixed load runs (default 60).")
 @click.option("--fault-every", type=click.FloatRange(5, 3600), metavar="SECONDS",
               help="soak suite: seconds between two SIGKILLs of the chaos list (default 30).")
+@click.option("--daemon-every", type=click.FloatRange(5, 24 * 3600), metavar="SECONDS",
+              help="soak suite: the daemon is SIGKILLed at its turn only once it lived this long (default 1200).")
 def bench(suites: tuple[str, ...], json_path: Path | None, skip: tuple[str, ...], quick: bool,
           burst: int | None, phases: tuple[str, ...], idle_vms: int | None, fleet_sizes: str | None,
-          live: int | None, minutes: float | None, fault_every: float | None) -> None:
+          live: int | None, minutes: float | None, fault_every: float | None, daemon_every: float | None) -> None:
     """Run benchmarks against the peers measured in the same run (no SUITE: every suite but soak)."""
     # Imported by name: the benchmarks pull in peers' tooling that most commands never need.
     benchmarks = importlib.import_module("dsec.bench")
     config = None
-    if (minutes or fault_every) and suites != ("soak",):
-        raise click.UsageError("--minutes and --fault-every are options of `dsec bench soak`")
+    if (minutes or fault_every or daemon_every) and suites != ("soak",):
+        raise click.UsageError("--minutes, --fault-every and --daemon-every are options of `dsec bench soak`")
     if suites == ("soak",):
         soak = importlib.import_module("dsec.bench.soak")
         config = soak.SoakBench()
         config = dataclasses.replace(config, minutes=minutes or (config.minutes * (0.1 if quick else 1.0)),
-                                     fault_every_s=fault_every or config.fault_every_s)
+                                     fault_every_s=fault_every or config.fault_every_s,
+                                     daemon_every_s=daemon_every or config.daemon_every_s)
     elif suites == ("cluster-sim",):
         sim = importlib.import_module("dsec.bench.cluster_sim")
         config = sim.ClusterSimBench().scaled(0.1 if quick else 1.0)

@@ -21,6 +21,7 @@ from dsec.errors import (
     InvalidRequest,
     NotFound,
     SandboxError,
+    SandboxLost,
     SandboxNotFound,
     SandboxStateError,
     SandboxTimeout,
@@ -204,6 +205,43 @@ async def test_tombstones_are_bounded(tmp_path: Path) -> None:
             await eng.get(ids[2])
     finally:
         await eng.aclose()
+
+
+def test_a_plain_tombstone_costs_its_id_and_a_slot_only(tmp_path: Path) -> None:
+    """A node remembers its last 10,000 gone sandboxes: the plain ones (destroyed, no job) keep no message or tuple
+    of their own, so the memory the tombstones fill over a daemon's first hours stays small; the others keep what
+    makes them different."""
+    import tracemalloc
+
+    from dsec.daemon.auth import JOB_LABEL
+    from dsec.daemon.records import Records
+    from dsec.testing import new_record
+
+    records = Records(StateStore(tmp_path / "state.db"), "node-a", lambda record: None, tombstone_limit=3000)
+    gone = [new_record("container", "base") for _ in range(2000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for record in gone:
+            records.tombstone(record, "destroyed", f"sandbox {record.id} was destroyed")
+        per_tombstone = (tracemalloc.get_traced_memory()[0] - before) / len(gone)
+    finally:
+        tracemalloc.stop()
+    assert per_tombstone < 160, per_tombstone  # an OrderedDict slot (the id is the record's own string)
+    with pytest.raises(SandboxNotFound, match=f"^sandbox {gone[7].id} was destroyed$"):
+        records.lookup(gone[7].id)
+    assert records.owner_labels(gone[7].id) is None
+    owned = new_record("container", "base", labels={JOB_LABEL: "job-1"})
+    records.tombstone(owned, "destroyed", f"sandbox {owned.id} was destroyed")
+    assert records.owner_labels(owned.id) == {JOB_LABEL: "job-1"}
+    expired = new_record("container", "base")
+    records.tombstone(expired, "expired", f"sandbox {expired.id} passed its timeout of 5 s and was destroyed")
+    with pytest.raises(SandboxTimeout, match="passed its timeout of 5 s"):
+        records.lookup(expired.id)
+    lost = new_record("container", "base")
+    records.tombstone(lost, "lost", f"sandbox {lost.id} was lost")
+    with pytest.raises(SandboxLost, match=f"^sandbox {lost.id} was lost$"):
+        records.lookup(lost.id)
 
 
 async def test_recovery_keeps_live_drops_dead_and_orphans(tmp_path: Path) -> None:

@@ -365,3 +365,52 @@ def test_what_the_node_reports_cached_lists_only_chunk_directories_that_changed(
     servers.path(digests[1]).with_name(".tmp-w-1").write_bytes(b"partial")  # a write in progress is no chunk
     servers.evict(target=0)
     assert ours.cached_bytes(manifest) == 0
+
+
+def test_the_cache_forgets_touches_older_than_the_touch_period(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node reads a new snapshot layer's chunks for every restore (thousands an hour, each chunk once): what it
+    remembers of when it last touched a chunk stays about what it touched within the period."""
+    import types
+
+    from dsec.images import cache as cache_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(cache_mod, "_TOUCHED_KEPT", 8)
+    monkeypatch.setattr(cache_mod, "time", types.SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
+    store = DirStore(tmp_path / "s")
+    cache = ChunkCache(tmp_path / "c", store)
+    first = [put_chunk(store, f"first {i}".encode()) for i in range(30)]
+    then = [put_chunk(store, f"then {i}".encode()) for i in range(30)]
+    for digest in first:
+        cache.ensure(digest)  # fetched
+        cache.ensure(digest)  # read again: touched
+    assert set(cache._touched) == set(first)  # all within the period: none forgotten
+    clock[0] += cache_mod._TOUCH_EVERY + 1
+    for digest in then:
+        cache.ensure(digest)
+        cache.ensure(digest)
+    assert set(cache._touched) == set(then)  # the first ones' touches were a period old: forgotten
+    assert cache.ensure(first[0]).read_bytes() == b"first 0" and first[0] in cache._touched  # and touched anew
+
+
+def test_a_node_remembers_a_bounded_number_of_saved_access_records(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec.images import access as access_mod
+
+    monkeypatch.setattr(access_mod, "_SAVED_KEPT", 4)
+    store = CountingStore(tmp_path / "s")
+    asked: list[str] = []
+    monkeypatch.setattr(store, "has", lambda key: asked.append(key) or store.inner.has(key))
+    cache = ChunkCache(tmp_path / "c", store)
+    records = access_mod.AccessRecords(store, cache)
+    layers = [sha256(f"layer {i}".encode())[7:] for i in range(10)]
+    for hexdigest in layers:
+        (cache.root / "access" / hexdigest).write_text("3 1 3 2\n")
+        records.save(hexdigest)
+    assert all(store.inner.get(f"access/{h}") == b"[3, 1, 2]" for h in layers) and len(asked) == 10
+    assert [records.saved(h) for h in layers] == [False] * 6 + [True] * 4  # the latest four remembered
+    records.save(layers[-1])
+    assert len(asked) == 10  # remembered: the store is not asked again
+    records.save(layers[0])
+    assert len(asked) == 11 and records.saved(layers[0])  # forgotten: asked again (it holds it: not re-sent)

@@ -47,6 +47,34 @@ async def test_audit_ring_keeps_the_newest_rows(tmp_path: Path) -> None:
     assert rows == (5,)
 
 
+def _sqlite_memory() -> int:
+    """Bytes SQLite holds in this process (its page caches most of them)."""
+    import _sqlite3
+    import ctypes
+
+    used = ctypes.CDLL(_sqlite3.__file__).sqlite3_memory_used
+    used.restype = ctypes.c_int64
+    return int(used())
+
+
+async def test_the_audit_trails_page_cache_stays_small_as_its_file_grows(tmp_path: Path) -> None:
+    """SQLite's default page cache (2 MiB a connection) fills as the file grows past it: a daemon's RSS would
+    climb for its first minutes of load by that much per database."""
+    audit = AuditLog(tmp_path / "audit.db", flush_interval=3600)
+    await audit.start()
+    try:
+        before = _sqlite_memory()
+        for i in range(6):
+            for j in range(4000):
+                audit.record(entry(command=["echo", f"{i}-{j}", "x" * 200]))
+            await audit.flush()
+        grown = _sqlite_memory() - before
+    finally:
+        await audit.aclose()
+    assert (tmp_path / "audit.db").stat().st_size > 5 << 20  # (checkpointed at close)
+    assert grown < 512 << 10, grown  # PAGE_CACHE_KIB (256), not the 2 MiB default
+
+
 async def test_audit_flusher_writes_in_the_background_and_close_flushes(tmp_path: Path) -> None:
     audit = AuditLog(tmp_path / "audit.db", flush_interval=0.05)
     await audit.start()

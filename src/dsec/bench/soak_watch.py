@@ -15,24 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsec.backends.qemu.backend import home_tag
 from dsec.config import Settings
 
-__all__ = ["WARM_S", "Census", "Item", "footprint"]
+__all__ = ["JUDGED_AFTER", "WARM_S", "Census", "Item", "Life", "footprint", "lives_note", "worst_life"]
 
 _SANDBOX = re.compile(r"sb-[0-9a-f]{12}")
 _PERSIST = 3
-WARM_S = 300.0
-"""Seconds of a daemon's life before its RSS growth counts: under the soak's load its malloc heap climbs for
-minutes to the high-water mark of the load's peak concurrency and then stays flat (measured with
-``DSEC_TRACEMALLOC``: Python objects grow by well under 1 MiB/h meanwhile); growth before that is warm-up,
-growth after it a leak."""
 """Censuses in a row a sandbox's resource must outlive the sandbox before it counts as a leak (creates and
 destroys in flight hold resources the daemon does not list yet, or any more)."""
+JUDGED_AFTER = 600.0
+"""Seconds a daemon life's warm part (past :data:`WARM_S` of its age) must span for its RSS slope to be judged
+(a shorter life's is only reported)."""
+WARM_S = 300.0
+"""Seconds of a daemon process's age before its RSS counts towards growth: its first minutes fill what is
+meant to fill (the imports' lazy parts, the event history, the allocator's heap up to the load's peak
+concurrency); what it gains after that is judged."""
 
 
 @dataclass(frozen=True, order=True)
@@ -106,16 +110,17 @@ class Census:
     """Leaked resource -> the sandbox it belonged to, seen outliving it for :data:`_PERSIST` censuses."""
     wedged: dict[str, str] = field(default_factory=dict)
     """Image component -> its error, for images stuck not ``ok``."""
-    rss: list[tuple[float, int, float]] = field(default_factory=list)
-    """(seconds since the first sample, daemon pid, MiB)."""
+    rss: list[tuple[float, int, float, float]] = field(default_factory=list)
+    """(seconds since the census began, daemon pid, MiB, the daemon's age in seconds)."""
     looks: int = 0
     _strikes: dict[Item, int] = field(default_factory=dict)
     _t0: float = field(default_factory=time.monotonic)
 
     def look(self, listed: set[str], components: list[tuple[str, str, float, str | None]], pid: int,
-             rss_mib: float | None) -> None:
+             rss_mib: float | None, age_s: float | None = None) -> None:
         """One census: ``listed`` the sandbox ids the daemon lists now, ``components`` its health (name, state,
-        since, error); ``rss_mib`` the daemon's resident memory."""
+        since, error); ``rss_mib`` the daemon's resident memory and ``age_s`` how long its process has lived
+        (None: unknown, no sample)."""
         self.looks += 1
         orphans = {item for item in footprint(self.settings) if item.sandbox and item.sandbox not in listed}
         self._strikes = {item: self._strikes.get(item, 0) + 1 for item in orphans}
@@ -126,25 +131,64 @@ class Census:
         for name, state, since, error in components:
             if name.startswith("image:") and state != "ok" and now - since > self.wedged_after:
                 self.wedged.setdefault(name, f"{state} for {now - since:.0f} s: {error}")
-        if rss_mib is not None:
-            self.rss.append((time.monotonic() - self._t0, pid, rss_mib))
+        if rss_mib is not None and age_s is not None:
+            self.rss.append((round(time.monotonic() - self._t0, 1), pid, rss_mib, round(age_s, 1)))
 
-    def growth_mib_per_hour(self) -> float | None:
-        """The daemon's RSS growth per hour of its warm life, over every daemon process that lived past
-        :data:`WARM_S`: the sum of each one's growth after warm-up over the sum of their warm times."""
-        grown, lived = self._warm()
-        return grown / lived * 3600 if lived > 0 else None
+    def lives(self, judged_after: float) -> list[Life]:
+        """The RSS curve of each daemon process sampled, in the order they lived; a life is judged when its
+        warm part (samples past :data:`WARM_S` of its age) spans at least ``judged_after`` seconds."""
+        found = []
+        for pid in dict.fromkeys(p for _, p, _, _ in self.rss):
+            mine = [(age, mib) for _, p, mib, age in self.rss if p == pid]
+            warm = [(age, mib) for age, mib in mine if age >= WARM_S]
+            span = warm[-1][0] - warm[0][0] if len(warm) >= 2 else 0.0
+            found.append(Life(pid=pid, lived_s=round(mine[-1][0], 1), samples=len(mine), warm_s=round(span, 1),
+                              rss_first_mib=mine[0][1], rss_warm_mib=warm[0][1] if warm else None,
+                              rss_last_mib=mine[-1][1], slope_mib_per_h=_slope(warm),
+                              judged=span >= judged_after and _slope(warm) is not None))
+        return found
 
-    def warm_seconds(self) -> float:
-        """Seconds of warm daemon life the RSS samples cover (what :meth:`growth_mib_per_hour` is over)."""
-        return self._warm()[1]
 
-    def _warm(self) -> tuple[float, float]:
-        grown = lived = 0.0
-        for pid in dict.fromkeys(p for _, p, _ in self.rss):
-            mine = [(t, mib) for t, p, mib in self.rss if p == pid]
-            warm = [(t, mib) for t, mib in mine if t - mine[0][0] >= WARM_S]
-            if len(warm) >= 2:
-                grown += warm[-1][1] - warm[0][1]
-                lived += warm[-1][0] - warm[0][0]
-        return grown, lived
+@dataclass(frozen=True)
+class Life:
+    """One daemon process's RSS over its life, as the census sampled it (MiB; seconds of its age)."""
+
+    pid: int
+    lived_s: float
+    """Its age at the last sample."""
+    samples: int
+    warm_s: float
+    """Seconds its warm samples (age past :data:`WARM_S`) span."""
+    rss_first_mib: float
+    rss_warm_mib: float | None
+    """At its first warm sample."""
+    rss_last_mib: float
+    slope_mib_per_h: float | None
+    """The least-squares slope of RSS over age through its warm samples (None with fewer than three)."""
+    judged: bool
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """MiB per hour: the least-squares line through ``(seconds, MiB)`` points (a start -> end difference would
+    turn on two samples' noise: a heap trimmed, a burst in flight)."""
+    if len(points) < 3 or points[-1][0] - points[0][0] <= 0:
+        return None
+    return statistics.linear_regression([t for t, _ in points], [m for _, m in points]).slope * 3600
+
+
+def worst_life(lives: list[Life]) -> Life | None:
+    """The life whose warm RSS slope is steepest: among the judged ones, else among those with a slope."""
+    for pool in ([x for x in lives if x.judged], [x for x in lives if x.slope_mib_per_h is not None]):
+        if pool:
+            return max(pool, key=lambda x: x.slope_mib_per_h or 0.0)
+    return None
+
+
+def lives_note(lives: list[dict[str, Any]]) -> str:
+    """The report's note on the RSS row: how many lives were judged, over how long, and each one's slope."""
+    judged = [x for x in lives if x["judged"]]
+    if not judged:
+        return f"{len(lives)} daemon li{'fe' if len(lives) == 1 else 'ves'}, none warm for {JUDGED_AFTER:g} s"
+    slopes = ", ".join(f"{x['slope_mib_per_h']:.1f}" for x in judged)
+    warm = min(x["warm_s"] for x in judged) / 60
+    return f"{len(judged)} of {len(lives)} daemon lives judged (each warm {warm:.0f}+ min): {slopes} MiB/h"

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsec._sqlite import private_database
+from dsec._sqlite import private_database, small_page_cache
 from dsec.errors import InvalidRequest
 from dsec.models import AuditEntry
 
@@ -171,6 +171,7 @@ class AuditLog:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # survives a daemon crash; an audit row is not worth an fsync
+        small_page_cache(db)
         for statement in _SCHEMA:
             db.execute(statement)
         self._db = db

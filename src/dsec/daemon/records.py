@@ -32,8 +32,10 @@ class Records:
         self._live: dict[str, SandboxRecord] = {}
         self.destroying: dict[str, asyncio.Task[None]] = {}
         """Ids whose destroy (or expiry, or loss) is under way -> its task (a second destroy waits for it)."""
-        # Ids destroyed recently -> (state, message, job). Bounded: a long-lived daemon creates millions.
-        self._tombstones: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
+        # Ids destroyed recently -> their state alone, or (state, message, job) when the message is not the
+        # plain one or a job owned it. Bounded: a long-lived daemon creates millions, and the plain tombstone
+        # (most of them) costs the id and a dict slot only, not a tuple and a message apiece.
+        self._tombstones: OrderedDict[str, str | tuple[str, str, str | None]] = OrderedDict()
         self._tombstone_limit = tombstone_limit
 
     # -- the map ---------------------------------------------------------------------------------------------
@@ -82,7 +84,7 @@ class Records:
         record = self._live.get(sandbox_id)
         if record is not None:
             return record
-        tomb = self._tombstones.get(sandbox_id)
+        tomb = self._tomb(sandbox_id)
         if tomb is not None and tomb[0] == "expired":
             raise SandboxTimeout(tomb[1], sandbox_id=sandbox_id)
         if tomb is not None and tomb[0] == "lost":
@@ -146,7 +148,9 @@ class Records:
     def tombstone(self, record: SandboxRecord, state: str, message: str) -> None:
         """Remember that ``record`` is gone (``state``: expired, lost or destroyed) and why."""
         # The owning job is kept so that its token is told why the sandbox is gone (not a bare 404).
-        self._tombstones[record.id] = (state, message, record.spec.labels.get(JOB_LABEL))
+        job = record.spec.labels.get(JOB_LABEL)
+        plain = job is None and message == _plain(record.id, state) and state in _STATES
+        self._tombstones[record.id] = _STATES[state] if plain else (state, message, job)
         self._tombstones.move_to_end(record.id)
         while len(self._tombstones) > self._tombstone_limit:
             self._tombstones.popitem(last=False)
@@ -161,5 +165,18 @@ class Records:
         record = self._live.get(sandbox_id)
         if record is not None:
             return dict(record.spec.labels)
-        tomb = self._tombstones.get(sandbox_id)
+        tomb = self._tomb(sandbox_id)
         return None if tomb is None or tomb[2] is None else {JOB_LABEL: tomb[2]}
+
+    def _tomb(self, sandbox_id: str) -> tuple[str, str, str | None] | None:
+        tomb = self._tombstones.get(sandbox_id)
+        return (tomb, _plain(sandbox_id, tomb), None) if isinstance(tomb, str) else tomb
+
+
+_STATES = {state: state for state in ("destroyed", "expired", "lost")}
+"""The states a tombstone names (one string each, shared by every plain tombstone)."""
+
+
+def _plain(sandbox_id: str, state: str) -> str:
+    """The message of a sandbox gone in ``state`` with nothing more to say."""
+    return f"sandbox {sandbox_id} was {state}"

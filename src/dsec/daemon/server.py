@@ -353,8 +353,16 @@ def serve(
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     memory.cap_malloc_arenas()  # before the loop's and the executors' threads exist
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b, fusion=fusion).run())
+    try:
+        trim = memory.trim_from_env()
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(Daemon(settings, tcp=tcp, token=token, engine=engine, e2b=e2b, fusion=fusion).run())
+    finally:
+        if trim is not None:
+            trim.stop()
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

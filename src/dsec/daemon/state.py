@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dsec._sqlite import private_database
+from dsec._sqlite import private_database, small_page_cache
 from dsec.models import SandboxRecord
 
 __all__ = ["StateStore"]
@@ -128,6 +128,7 @@ class StateStore:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                  timeout=self.BUSY_TIMEOUT_S)
         try:
+            small_page_cache(db)
             if not self.read_only:
                 db.execute("pragma journal_mode=wal")
                 db.execute("pragma synchronous=normal")

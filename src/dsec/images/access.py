@@ -23,6 +23,8 @@ from dsec.images.format import Manifest
 __all__ = ["AccessRecords", "Background"]
 
 log = logging.getLogger("dsec.images")
+_SAVED_KEPT = 1024
+"""Images whose saved access record a node remembers (one it forgot costs a question to the store)."""
 
 
 class Background:
@@ -61,7 +63,7 @@ class AccessRecords:
 
     def __init__(self, blobs: BlobStore, cache: ChunkCache) -> None:
         self.blobs, self.cache = blobs, cache
-        self._saved: set[str] = set()  # images whose access record the store has
+        self._saved: dict[str, None] = {}  # images whose access record the store has (the latest, in order)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -81,7 +83,9 @@ class AccessRecords:
         try:
             if not self.blobs.has(key):
                 self.blobs.put(key, json.dumps(order).encode())
-            self._saved.add(hexdigest)
+            self._saved[hexdigest] = None
+            if len(self._saved) > _SAVED_KEPT:  # a snapshot layer's, most of them: mounted once, never again
+                self._saved.pop(next(iter(self._saved)), None)
         except DSecError as exc:
             log.warning("could not save the access record of image %s: %s", hexdigest[:12], exc)
 

@@ -40,6 +40,10 @@ __all__ = ["ChunkCache", "Locality", "chunk_key", "free_reserve"]
 
 log = logging.getLogger(__name__)
 _TOUCH_EVERY = 60.0
+"""Seconds between two mtime updates of a chunk read again (the LRU clock of eviction)."""
+_TOUCHED_KEPT = 4096
+"""Chunks whose last touch the cache remembers before it forgets those touched over :data:`_TOUCH_EVERY` ago
+(a node reads a new layer's chunks per snapshot it restores: thousands an hour, each seen once)."""
 _TMP_STALE = 600.0
 """Seconds after which a chunk's temporary file is a killed writer's leftover (swept by the cache walks)."""
 _TALLY_EVERY = 10.0
@@ -97,6 +101,7 @@ class ChunkCache:
         """Bytes the cache keeps free on its filesystem by evicting (0: only a full disk evicts)."""
         self.errors_dir = Path(errors) if errors is not None else self.root / "errors"
         self._touched: dict[str, float] = {}
+        self._touched_cap = _TOUCHED_KEPT
         self._fruitless_until = 0.0
         self._tally: tuple[int, float] | None = None  # (bytes cached, when the cache was last walked)
         self._listed: dict[str, tuple[int, frozenset[str]]] = {}  # chunk directory -> (its mtime, its chunks)
@@ -234,8 +239,17 @@ class ChunkCache:
         now = time.time()
         if now - self._touched.get(digest, 0.0) > _TOUCH_EVERY:
             self._touched[digest] = now
+            if len(self._touched) > self._touched_cap:
+                self._forget_touches(now)
             with contextlib.suppress(OSError):
                 os.utime(path)
+
+    def _forget_touches(self, now: float) -> None:
+        """Drop the touches old enough that the next read touches again anyway; the bound doubles past what is
+        left, so a burst of fresh ones is not walked at every read (a copy: other threads touch meanwhile)."""
+        fresh = {d: t for d, t in list(self._touched.items()) if now - t <= _TOUCH_EVERY}
+        self._touched = fresh
+        self._touched_cap = max(_TOUCHED_KEPT, 2 * len(fresh))
 
     @contextlib.contextmanager
     def _lock(self, digest: str) -> Iterator[None]:

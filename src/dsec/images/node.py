@@ -556,6 +556,7 @@ class NodeImages:
         (self.base / "mounts" / mount.path.name).unlink(missing_ok=True)
         self.cache.unpin(mount.hexdigest)
         self._mounts.pop(mount.hexdigest, None)
+        self._made.discard(mount.hexdigest)
         digest = "sha256:" + mount.hexdigest
         if all(tagged != digest for tagged, _ in self._tags.values()):  # a snapshot layer's: one of thousands
             self._manifests.pop(digest, None)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec._sqlite import private_database
+from dsec._sqlite import private_database, small_page_cache
 from dsec.errors import DSecError, SandboxError
 
 __all__ = ["Binding", "Entry", "SQLiteStore", "Summary", "TrajectoryStore"]
@@ -537,6 +537,7 @@ class SQLiteStore(TrajectoryStore):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.sync.upper()}")
+        small_page_cache(conn)
         return conn
 
     def _prepare(self) -> None:

@@ -84,7 +84,8 @@ def test_a_mount_reads_only_what_is_touched(home: Path, tmp_path: Path) -> None:
 
 def test_the_manifests_of_unmounted_snapshot_layers_are_not_kept(home: Path, tmp_path: Path) -> None:
     """A node mounts a layer per snapshot it restores or forks (thousands an hour under RL load): a layer's
-    parsed manifest goes with its idle mount; an image's, which a tag names, stays for its next create."""
+    parsed manifest goes with its idle mount, and so does its digest in what the node mounted itself; an image's
+    manifest, which a tag names, stays for its next create."""
     store = ImageStore(home / "images")
     (tmp_path / "src" / "etc").mkdir(parents=True)
     digests = []
@@ -97,8 +98,10 @@ def test_the_manifests_of_unmounted_snapshot_layers_are_not_kept(home: Path, tmp
         node.unpin(node.pin_manifest(digests[0]))
         node.release(node.resolve("image"))
         assert set(node._manifests) == set(digests)
+        assert len(node._made) == 2
         assert len(node.unmount_idle()) == 2
         assert set(node._manifests) == {digests[1]}
+        assert node._made == set()  # nor is what this node mounted itself, once it is unmounted
     finally:
         node.aclose_sync(unmount=True)
 
