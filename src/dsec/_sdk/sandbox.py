@@ -62,6 +62,7 @@ from .handle import exec_request as _exec_request
 from .handle import heartbeat_interval as heartbeat_interval
 from .handle import invalid as _invalid
 from .handle import spec as _spec
+from .mapping import map_calls
 from .processes import AsyncProcess, AsyncProcesses, AsyncShell, process_request, shell_request
 from .replay import Cursor
 
@@ -504,20 +505,17 @@ class AsyncSandbox(LoggedHandle):
         max_output: int = _CALL_MAX_OUTPUT,
     ) -> builtins.list[Any]:
         """``[func(x) for x in inputs]``, each in its own call (with its own limits, as :meth:`call_with`),
-        ``concurrency`` at a time; results in input order. With ``return_exceptions`` a failed call's error takes
-        its place instead of being raised."""
+        ``concurrency`` at a time; results in input order. The items travel in batches (the function pickled once,
+        up to 64 items a request), each item still a fresh process with its own verdict. With ``return_exceptions``
+        a failed call's error takes its place instead of being raised; without it the first error is raised and
+        the calls still running are killed."""
         if concurrency < 1:
             raise InvalidRequest(f"concurrency must be at least 1, got {concurrency}")
-        gate = asyncio.Semaphore(concurrency)
-        pickled = encode_function(func)  # once for every call
-
-        async def one(item: Any) -> Any:
-            async with gate:
-                return await self._call(pickled + encode_arguments(func, (item,), {}), timeout=timeout,
-                                        max_result_bytes=_DEFAULT_MAX_OUTPUT, trusted=trusted, python="python3",
-                                        env=None, memory=memory, pids=pids, disk=disk, max_output=max_output)
-
-        return await asyncio.gather(*(one(x) for x in inputs), return_exceptions=return_exceptions)
+        items = [encode_arguments(func, (x,), {}) for x in inputs]
+        options = {"client_python": client_python(), "timeout": timeout, "max_result_bytes": _DEFAULT_MAX_OUTPUT,
+                   "python": "python3", "memory": memory, "pids": pids, "disk": disk, "max_output": max_output}
+        return await map_calls(self._api, self.id, encode_function(func), items, concurrency=concurrency,
+                               trusted=trusted, return_exceptions=return_exceptions, options=options)
 
     # ----- commands --------------------------------------------------------------------------------
 

@@ -434,8 +434,10 @@ class Sandbox:
         max_output: int = ...,
     ) -> builtins.list[Any]:
         """``[func(x) for x in inputs]``, each in its own call (with its own limits, as :meth:`call_with`),
-        ``concurrency`` at a time; results in input order. With ``return_exceptions`` a failed call's error takes
-        its place instead of being raised.
+        ``concurrency`` at a time; results in input order. The items travel in batches (the function pickled once,
+        up to 64 items a request), each item still a fresh process with its own verdict. With ``return_exceptions``
+        a failed call's error takes its place instead of being raised; without it the first error is raised and
+        the calls still running are killed.
         """
     @overload
     def exec(

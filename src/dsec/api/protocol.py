@@ -24,6 +24,8 @@ from dsec.models import (
     BatchCreateRequest,
     BatchDestroyRequest,
     BatchDestroyResult,
+    CallBatch,
+    CallBatchResult,
     CallRequest,
     CallResult,
     ExecEvent,
@@ -201,6 +203,15 @@ class NodeAPI(Protocol):
         """Run a pickled Python callable (function backend); the reply is decoded by the client. A grader makes
         thousands (the fast path); hanging up kills it; it takes as long as its timeout, stretched while the
         node gives it no CPU."""
+        raise Declared
+
+    @operation("POST", "/v1/sandboxes/{sandbox_id}/call/batch", tags=["commands"], fast=True, runs_command=True,
+               no_read_timeout=True)
+    async def call_many(self, sandbox_id: str, batch: CallBatch) -> CallBatchResult:
+        """Run one pickled Python callable on many inputs (``sb.map``), each item a call of its own, one after
+        another; an item the sandbox failed to run has its error in its outcome, and a failure that is no item's
+        own (no such sandbox, a backend without calls, limits over the sandbox's) is raised. Hanging up kills
+        the running call and runs no more."""
         raise Declared
 
     # -- files ----------------------------------------------------------------------------------------------

@@ -18,9 +18,12 @@ from dsec.backends.base import Backend, collect_exec
 from dsec.daemon.audit import OUTPUT_HEAD_BYTES, caller
 from dsec.daemon.auth import JOB_LABEL
 from dsec.daemon.engine_parts import EngineParts
-from dsec.errors import InvalidRequest
+from dsec.errors import InvalidRequest, SandboxError
 from dsec.models import (
     AuditOutcome,
+    CallBatch,
+    CallBatchResult,
+    CallOutcome,
     CallRequest,
     CallResult,
     ExecEvent,
@@ -30,10 +33,12 @@ from dsec.models import (
     SandboxRecord,
 )
 
-__all__ = ["MAX_FILE_BYTES", "Commands"]
+__all__ = ["BATCH_REPLY_BYTES", "MAX_FILE_BYTES", "Commands"]
 
 MAX_FILE_BYTES = 1024**3
 """Largest file body read or written through the API (1 GiB)."""
+BATCH_REPLY_BYTES = 32 * 1024 * 1024
+"""A call batch runs no more items once its replies and prints hold this much: one answer stays bounded."""
 
 
 class Commands(EngineParts):
@@ -128,6 +133,27 @@ class Commands(EngineParts):
             self.metrics.exec_seconds.labels(name).observe(elapsed)
             self.audit_command(record, "call", [request.python, "<pickled callable>"], None, at, elapsed, outcome,
                                result, error)
+
+    async def call_many(self, sandbox_id: str, batch: CallBatch) -> CallBatchResult:
+        """Each item as :meth:`call` (audited and counted one by one), one after another, until the replies hold
+        :data:`BATCH_REPLY_BYTES`. A sandbox error is the item's outcome; any other error would be every item's
+        (no such sandbox, no calls on this backend, limits over the sandbox's) and is raised."""
+        options = batch.model_dump(exclude={"function", "items"})
+        outcomes: builtins.list[CallOutcome] = []
+        answered = 0
+        for item in batch.items:
+            if answered > BATCH_REPLY_BYTES:  # the rest are not run: the client sends them again
+                break
+            # Validated as the batch: only the payload is new.
+            request = CallRequest.model_construct(payload=batch.function + item, **options)
+            try:
+                out = await self.call(sandbox_id, request)
+            except SandboxError as exc:
+                outcomes.append(CallOutcome(error=exc.to_payload()["error"]))
+                continue
+            outcomes.append(CallOutcome(result=out))
+            answered += len(out.reply) + len(out.result.stderr)
+        return CallBatchResult(outcomes=outcomes)
 
     def audit_command(self, record: SandboxRecord, op: str, command: str | builtins.list[str], cwd: str | None,
                       at: float, elapsed: float, outcome: AuditOutcome, result: ExecResult | None,

@@ -25,6 +25,10 @@ from dsec.models.common import (
 from dsec.models.common import Model as Model
 from dsec.models.common import Size as Size
 from dsec.models.exec import (
+    CallBatch,
+    CallBatchResult,
+    CallOptions,
+    CallOutcome,
     CallRequest,
     CallResult,
     ExecEvent,
@@ -87,6 +91,10 @@ __all__ = [
     "BatchCreateRequest",
     "BatchDestroyRequest",
     "BatchDestroyResult",
+    "CallBatch",
+    "CallBatchResult",
+    "CallOptions",
+    "CallOutcome",
     "CallRequest",
     "CallResult",
     "ComponentHealth",

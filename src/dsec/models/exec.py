@@ -1,6 +1,7 @@
 """The wire models of running a command: exec and call requests, their results and streamed events.
 
-Owns ``ExecRequest``/``ExecResult``, ``CallRequest``/``CallResult``, ``ExecEvent`` and ``FileEntry``.
+Owns ``ExecRequest``/``ExecResult``, ``CallRequest``/``CallResult``, ``CallBatch``/``CallBatchResult``,
+``ExecEvent`` and ``FileEntry``.
 Must never describe a sandbox's lifecycle or a node; no I/O.
 """
 
@@ -93,11 +94,9 @@ class ExecResult(Model):
         return self.limit == "time"
 
 
-class CallRequest(Model):
-    """A Python callable to run in a function sandbox (``sb.call``); built by the SDK."""
+class CallOptions(Model):
+    """How a Python callable runs in a function sandbox: what :class:`CallRequest` and :class:`CallBatch` share."""
 
-    payload: bytes
-    """``cloudpickle.dumps((func, args, kwargs))``."""
     client_python: str = Field(pattern=r"^\d+\.\d+$")
     """The caller's ``major.minor`` Python version; the image's must match (cloudpickle's bytecode)."""
     timeout: float | None = Field(60.0, gt=0)
@@ -128,6 +127,27 @@ class CallRequest(Model):
         return v
 
 
+class CallRequest(CallOptions):
+    """A Python callable to run in a function sandbox (``sb.call``); built by the SDK."""
+
+    payload: bytes
+    """``cloudpickle.dumps((func, args, kwargs))``."""
+
+
+MAX_BATCH = 1024
+"""Items of one :class:`CallBatch` at most."""
+
+
+class CallBatch(CallOptions):
+    """One Python callable on many inputs (``sb.map``), in one request: each item is a call of its own (a fresh
+    process forked for it, its own limits and verdict), run one after another; built by the SDK."""
+
+    function: bytes
+    """``cloudpickle.dumps(func)``, pickled once for every item."""
+    items: list[bytes] = Field(min_length=1, max_length=MAX_BATCH)
+    """``cloudpickle.dumps((args, kwargs))`` of each call: the loader reads the function, then these."""
+
+
 class CallResult(Model):
     """What a call left: the loader's reply (decoded by the SDK, never by the daemon) and how it ended."""
 
@@ -135,6 +155,24 @@ class CallResult(Model):
     """The loader's pickled reply; empty when the call ended without one (killed at a limit, crashed)."""
     result: ExecResult
     """Exit status, verdict, CPU time, peak memory and stderr (the callable's prints) of the call."""
+
+
+class CallOutcome(Model):
+    """One item of a :class:`CallBatch`: its call's result (a value, a raised exception or a verdict, all decoded
+    by the SDK), or the failure of the sandbox that kept it from running (never both)."""
+
+    result: CallResult | None = None
+    """What the call left, as :class:`CallResult`."""
+    error: dict[str, Any] | None = None
+    """The sandbox's failure, as in HTTP errors (``type``, ``message``, ``detail``): never the call's verdict."""
+
+
+class CallBatchResult(Model):
+    """The outcomes of a :class:`CallBatch`, in the order of its items."""
+
+    outcomes: list[CallOutcome]
+    """One per item run: fewer than the items when the replies grew past the node's bound for one answer (32
+    MiB); the items past them did not run, and the client sends them again."""
 
 
 class ExecEvent(Model):

@@ -40,6 +40,7 @@ from dsec.errors import (
 from dsec.models import (
     BatchCreateRequest,
     BatchDestroyRequest,
+    CallBatch,
     CallRequest,
     ExecRequest,
     ImageBuildRequest,
@@ -285,6 +286,8 @@ async def check_policies(api: NodeAPI, image: str) -> None:
             await api.keyboard(sb.id, KeyboardRequest(text="x"))
         with _raises(NotSupported):
             await api.call(sb.id, CallRequest(payload=b"\x80\x05N.", client_python="3.11"))
+        with _raises(NotSupported):  # a failure that is no item's own ends the batch
+            await api.call_many(sb.id, CallBatch(function=b"\x80\x05N.", items=[b"\x80\x05N."], client_python="3.11"))
 
 
 async def check_trajectory(api: NodeAPI, image: str) -> None:
