@@ -1,4 +1,5 @@
-"""``sb.map``'s batches on the client: how items are cut, kept in flight, and put back in order."""
+"""``sb.map``'s batches: how the client cuts them, keeps them in flight and puts them back in order; where the node
+ends an answer."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 
 from dsec._sdk.mapping import BATCH_BYTES, BATCH_ITEMS, map_calls, plan_batches
 from dsec.api.client import NodeClient
-from dsec.errors import InvalidRequest, NotSupported, RemoteError, SandboxError
-from dsec.models import CallBatch, CallBatchResult, CallOutcome, CallResult, ExecResult
+from dsec.daemon.commands import BATCH_REPLY_BYTES, Commands
+from dsec.errors import InvalidRequest, NotSupported, RemoteError, SandboxError, SandboxLost
+from dsec.models import CallBatch, CallBatchResult, CallOutcome, CallRequest, CallResult, ExecResult
 
 
 def test_batches_cover_every_item_in_order_within_bounds() -> None:
@@ -110,3 +112,50 @@ def test_bad_options_are_the_callers_error_before_anything_is_sent() -> None:
         asyncio.run(map_calls(cast(NodeClient, api), "sb-x", b"f", [b"i"], concurrency=1, trusted=False,
                               return_exceptions=False, options={"client_python": "3.11", "timeout": -1}))
     assert api.batches == [] and _map(api, []) == []
+
+
+class _Node:
+    """The daemon's side of a batch (``Commands.call_many``) over calls that fail where told."""
+
+    def __init__(self, fail_at: int | None = None, error: Exception | None = None, reply: int = 1) -> None:
+        self.fail_at, self.error, self.reply, self.calls = fail_at, error, reply, 0
+
+    async def call(self, sandbox_id: str, request: CallRequest) -> CallResult:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            assert self.error is not None
+            raise self.error
+        return CallResult(reply=b"r" * self.reply, result=ExecResult(exit_code=0))
+
+
+def _batch(n: int, **options: Any) -> CallBatch:
+    return CallBatch(function=b"f", items=[b"x"] * n, client_python="3.11", **options)
+
+
+def test_a_node_error_after_some_items_keeps_their_outcomes_and_ends_the_answer() -> None:
+    node = _Node(fail_at=2, error=SandboxLost("the sandbox was lost"))
+    answer = asyncio.run(Commands.call_many(cast(Commands, node), "sb", _batch(5)))
+    assert [o.result is not None for o in answer.outcomes] == [True, True]  # the client sends items 2-4 again
+    with pytest.raises(SandboxLost):  # ... and meets the error: it stops the first item of a batch
+        asyncio.run(Commands.call_many(cast(Commands, _Node(fail_at=0, error=SandboxLost("lost"))), "sb", _batch(3)))
+
+
+def test_a_sandbox_error_is_only_its_items_outcome() -> None:
+    node = _Node(fail_at=1, error=SandboxError("the zygote went away"))
+    answer = asyncio.run(Commands.call_many(cast(Commands, node), "sb", _batch(3)))
+    assert [o.error is not None for o in answer.outcomes] == [False, True, False]
+
+
+def test_an_answer_ends_before_an_item_whose_largest_reply_would_pass_the_bound() -> None:
+    # Each item may reply up to 8 MiB + 1 MiB of stderr: the answer ends where one more such reply would not fit.
+    node = _Node(reply=4 * 1024 * 1024)
+    answer = asyncio.run(Commands.call_many(cast(Commands, node), "sb",
+                                            _batch(10, max_result_bytes=8 * 1024 * 1024, max_output=1024 * 1024)))
+    ran = len(answer.outcomes)
+    assert ran * 4 * 1024 * 1024 + 9 * 1024 * 1024 > BATCH_REPLY_BYTES >= (ran - 1) * 4 * 1024 * 1024 + 9 * 1024 * 1024
+    assert ran == node.calls < 10
+    assert sum(len(o.result.reply) for o in answer.outcomes if o.result) <= BATCH_REPLY_BYTES
+    # a single item larger than the bound still runs alone
+    big = _Node(reply=1)
+    one = asyncio.run(Commands.call_many(cast(Commands, big), "sb", _batch(3, max_result_bytes=64 * 1024 * 1024)))
+    assert len(one.outcomes) == 1

@@ -87,6 +87,7 @@ async def map_calls(api: NodeClient, sandbox_id: str, function: bytes, items: Se
     finally:
         for task in workers:
             task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)  # they have hung up before map returns or raises
     return results
 
 

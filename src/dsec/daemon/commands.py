@@ -18,7 +18,7 @@ from dsec.backends.base import Backend, collect_exec
 from dsec.daemon.audit import OUTPUT_HEAD_BYTES, caller
 from dsec.daemon.auth import JOB_LABEL
 from dsec.daemon.engine_parts import EngineParts
-from dsec.errors import InvalidRequest, SandboxError
+from dsec.errors import DSecError, InvalidRequest, SandboxError
 from dsec.models import (
     AuditOutcome,
     CallBatch,
@@ -135,14 +135,17 @@ class Commands(EngineParts):
                                result, error)
 
     async def call_many(self, sandbox_id: str, batch: CallBatch) -> CallBatchResult:
-        """Each item as :meth:`call` (audited and counted one by one), one after another, until the replies hold
-        :data:`BATCH_REPLY_BYTES`. A sandbox error is the item's outcome; any other error would be every item's
-        (no such sandbox, no calls on this backend, limits over the sandbox's) and is raised."""
+        """Each item as :meth:`call` (audited and counted one by one), one after another, while one more item's
+        largest reply still fits in :data:`BATCH_REPLY_BYTES` (the first always runs). A sandbox error is the
+        item's outcome; any other error would be every item's (no such sandbox, no calls on this backend, limits
+        over the sandbox's): raised if no item ran, else the answer ends before that item. The client sends the
+        items past an answer's end again."""
         options = batch.model_dump(exclude={"function", "items"})
+        largest = batch.max_result_bytes + batch.max_output
         outcomes: builtins.list[CallOutcome] = []
         answered = 0
         for item in batch.items:
-            if answered > BATCH_REPLY_BYTES:  # the rest are not run: the client sends them again
+            if outcomes and answered + largest > BATCH_REPLY_BYTES:
                 break
             # Validated as the batch: only the payload is new.
             request = CallRequest.model_construct(payload=batch.function + item, **options)
@@ -151,6 +154,10 @@ class Commands(EngineParts):
             except SandboxError as exc:
                 outcomes.append(CallOutcome(error=exc.to_payload()["error"]))
                 continue
+            except DSecError:
+                if not outcomes:
+                    raise
+                break  # the items that ran keep their outcomes; the client meets the error when it sends the rest
             outcomes.append(CallOutcome(result=out))
             answered += len(out.reply) + len(out.result.stderr)
         return CallBatchResult(outcomes=outcomes)
