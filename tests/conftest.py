@@ -10,6 +10,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+_TERMINAL_ENV = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller: the workers start with COLUMNS=80 and LINES=24 set, which the CLI's tables
+    would obey; hand them this process's values instead."""
+    node.workerinput["dsec_terminal_env"] = {name: os.environ.get(name) for name in _TERMINAL_ENV}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, value in getattr(config, "workerinput", {}).get("dsec_terminal_env", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
