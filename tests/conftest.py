@@ -1,4 +1,4 @@
-"""Shared fixtures: the base image and the ``root`` marker.
+"""Shared fixtures: the base image and the ``root`` marker; how the suite is split between pytest-xdist workers.
 
 Missing prerequisites skip locally and fail under CI (``CI`` set), always naming the fix.
 """
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +61,45 @@ def debian_python_image() -> Iterator[ImageRef]:
         node.release(ref)
         node.aclose_sync(unmount=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The pytest-xdist group of a test (``scripts/test`` runs ``--dist loadgroup``; each group runs whole on one
+    worker): every test on the session's guest homes runs on one worker, which cold-boots each template once
+    (minutes under TCG); any other test runs with the rest of its module, so module- and class-scoped fixtures (a
+    daemon, a shared sandbox, a PostgreSQL) start once. An explicit ``xdist_group`` mark wins: a test that picks
+    a session home at run time (``request.getfixturevalue``) must carry ``xdist_group("guests")``."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    if {"vm_home", "microvm_home"} & set(getattr(item, "fixturenames", ())):
+        return "guests"
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Runs before pytest-xdist's own hook (trylast), which reads the marks to build the groups.
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+_TERMINAL_ENV = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller: the workers start with COLUMNS=80 and LINES=24 set, which the CLI's tables
+    would obey; hand them this process's values instead."""
+    node.workerinput["dsec_terminal_env"] = {name: os.environ.get(name) for name in _TERMINAL_ENV}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, value in getattr(config, "workerinput", {}).get("dsec_terminal_env", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -217,7 +258,10 @@ def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[I
 
 
 # ------------------------------------------------------------------ red-team table (tests/integration/security)
-_REDTEAM_CELLS = pytest.StashKey[dict[tuple[str, str], tuple[str, str]]]()
+_REDTEAM_PROPERTY = "dsec-redteam-cell"
+# (attack, arena) -> (cell, note), filled by pytest_runtest_logreport in the process that reports: the controller
+# under xdist, else the only one.
+_REDTEAM_SEEN: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 @pytest.hookimpl(wrapper=True)
@@ -232,14 +276,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         cell = redteam.outcome_of(report.when, report.outcome, reason, xfail=hasattr(report, "wasxfail"))
         if cell is not None:
             note = reason or (report.longreprtext.strip().splitlines() or [""])[-1][:300]
-            item.config.stash.setdefault(_REDTEAM_CELLS, {})[(params["attack_id"], params["arena"])] = (cell, note)
+            # user_properties travel with the report from an xdist worker to the controller, which writes the table
+            report.user_properties.append((_REDTEAM_PROPERTY, (params["attack_id"], params["arena"], cell, note)))
     return report
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == _REDTEAM_PROPERTY:
+            attack, arena, cell, note = value
+            _REDTEAM_SEEN[(attack, arena)] = (cell, note)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    cells = config.stash.get(_REDTEAM_CELLS, {})
-    if not cells:
+    cells = _REDTEAM_SEEN
+    if not cells or hasattr(config, "workerinput"):
         return
+    # An xdist controller collects no test module, so the suite's directory is not on its path yet.
+    security = str(Path(__file__).parent / "integration" / "security")
+    if security not in sys.path:
+        sys.path.insert(0, security)
     import redteam
 
     report = redteam.build_report(cells)

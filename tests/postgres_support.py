@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from conftest import missing
@@ -25,7 +26,18 @@ def read_only(pg: PgServer, on: bool) -> None:
     """Turn the whole server read-only (or back) for every session, the daemon's open ones too (a reload)."""
     import psycopg
 
+    value = "on" if on else "off"
     # This session's own override lets it turn the setting off again once it is on.
     with psycopg.connect(pg.dsn, autocommit=True, options="-c default_transaction_read_only=off") as conn:
-        conn.execute(f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}")
+        conn.execute(f"ALTER SYSTEM SET default_transaction_read_only = {value}")
         conn.execute("SELECT pg_reload_conf()")
+    # pg_reload_conf only signals the postmaster. Once a new session starts with the value, the postmaster has
+    # reloaded and signalled every backend, and each applies it before its next command.
+    deadline = time.monotonic() + 30
+    while True:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            row = conn.execute("SHOW default_transaction_read_only").fetchone()
+        if row is not None and row[0] == value:
+            return
+        assert time.monotonic() < deadline, f"the server still has default_transaction_read_only={row}"
+        time.sleep(0.05)

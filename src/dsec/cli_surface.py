@@ -180,7 +180,7 @@ def terminal_session(sandbox_id: str, command: str | list[str] | None, user: str
         sender = loop.create_task(send())
         try:
             if fd is not None:
-                tty.setraw(fd)
+                tty.setraw(fd, termios.TCSADRAIN)  # as ssh: what was typed before the terminal was up is kept
                 loop.add_reader(fd, readable)
                 loop.add_signal_handler(signal.SIGWINCH, resized)
             out = sys.stdout.buffer

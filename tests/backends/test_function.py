@@ -95,7 +95,7 @@ async def test_call_is_normally_scheduled_with_locked_securebits(backend: Functi
                         or name == "unified"), None)
         assert cpu_dir is not None, sb.backend_state["cgroups"]
         if (cpu_dir.parent / "cpu.idle").exists():
-            assert int((cpu_dir.parent / "cpu.idle").read_text()) == 1
+            assert int((cpu_dir.parent / "cpu.idle").read_text()) == int(backend.settings.sandbox_cpu_idle)
 
 
 async def test_daemon_under_another_policy_passes_it_on(backend: FunctionBackend,

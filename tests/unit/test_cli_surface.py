@@ -103,6 +103,7 @@ def test_exec_tty_is_interactive(daemon: Daemon, env: dsec.Client) -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
             os.close(leader)
 
 

@@ -127,7 +127,8 @@ async def test_idle_sandboxes_are_best_effort_until_they_run_a_command(engine: E
     # Against the node's own processes the sandboxes' group yields as a whole: SCHED_IDLE where the kernel has
     # it (5.15+; the daemon's default), while each sandbox in it ranks against its siblings by weight.
     if (d.parent / "cpu.idle").exists():
-        assert int((d.parent / "cpu.idle").read_text()) == 1 and int((d / "cpu.idle").read_text()) == 0
+        parent_idle = int((d.parent / "cpu.idle").read_text())
+        assert parent_idle == int(engine.settings.sandbox_cpu_idle) and int((d / "cpu.idle").read_text()) == 0
     running = asyncio.create_task(engine.exec(info.id, ExecRequest(command="sleep 1")))
     assert await await_until(lambda: int((d / knob).read_text()) == busy, timeout=10)
     # A background hog started by a command stays behind in the best-effort class once the command returns.
