@@ -63,25 +63,50 @@ def debian_python_image() -> Iterator[ImageRef]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The pytest-xdist group of a test (``scripts/test`` runs ``--dist loadgroup``; each group runs whole on one
-    worker): every test on the session's guest homes runs on one worker, which cold-boots each template once
-    (minutes under TCG); any other test runs with the rest of its module, so module- and class-scoped fixtures (a
-    daemon, a shared sandbox, a PostgreSQL) start once. An explicit ``xdist_group`` mark wins: a test that picks
-    a session home at run time (``request.getfixturevalue``) must carry ``xdist_group("guests")``."""
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-    if {"vm_home", "microvm_home"} & set(getattr(item, "fixturenames", ())):
+# Tests on the session's guest homes (vm_home, microvm_home), named by test id: the scheduler runs in pytest-xdist's
+# controller, which sees only ids. Some pick a home at run time (``request.getfixturevalue``).
+_GUEST_MODULES = frozenset({"tests/backends/test_microvm.py", "tests/backends/test_vm.py",
+                            "tests/integration/functional/test_microvm_sdk.py",
+                            "tests/integration/faults/test_qemu_killed.py",
+                            "tests/integration/security/test_network_policy.py"})
+_GUEST_TESTS = frozenset({"tests/integration/functional/test_examples.py::test_computer_use_example"})
+_GUEST_PARAMS = {"tests/integration/security/test_redteam.py": ("vm-", "microvm-")}  # its arena comes first
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group of a test under ``scripts/test``'s two workers (each group runs whole on one worker): every test on
+    the session's guest homes runs on one worker, which cold-boots each template once (minutes under TCG); any
+    other test runs with the rest of its module, so module- and class-scoped fixtures (a daemon, a shared sandbox, a
+    PostgreSQL) start once."""
+    module, _, rest = nodeid.partition("::")
+    arenas = _GUEST_PARAMS.get(module)
+    if module in _GUEST_MODULES or nodeid in _GUEST_TESTS or (arenas and rest.partition("[")[2].startswith(arenas)):
         return "guests"
-    return item.nodeid.split("::")[0]
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` by :func:`xdist_group` (pytest-xdist's own reads a test id suffix that pytest 9.2 no
+    longer shows, and so spreads a module's tests over both workers)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return Groups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Runs before pytest-xdist's own hook (trylast), which reads the marks to build the groups.
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    """A test that asks for a session guest home by name must be in the guests group (else a second worker
+    cold-boots its templates again)."""
+    stray = [item.nodeid for item in items if {"vm_home", "microvm_home"} & set(getattr(item, "fixturenames", ()))
+             and xdist_group(item.nodeid) != "guests"]
+    if stray:
+        raise pytest.UsageError(f"tests on vm_home/microvm_home outside tests/conftest.py's guest tables: {stray[:5]}")
 
 
 _TERMINAL_ENV = ("COLUMNS", "LINES")

@@ -31,8 +31,7 @@ from dsec.errors import InvalidRequest, NotSupported
 from dsec.isolation.network import TapNamespace, dsec_tables
 from dsec.testing import sandbox
 
-# Its microvm and vm backends pick the session's guest homes at run time (conftest.xdist_group).
-pytestmark = [pytest.mark.root, pytest.mark.xdist_group("guests")]
+pytestmark = [pytest.mark.root]
 
 # A /30 of 10.201.0.0/16 picked by pid: test runs of other checkouts on this host use other ones.
 _BLOCK = os.getpid() % 16384

@@ -34,10 +34,8 @@ ATTACK_TIMEOUT = 300.0
 
 def _backend_params() -> list[object]:
     # vm: the first attack also waits for the session's template cold boot (minutes under TCG, as in test_vm.py)
-    # both on the session's guest homes, so on the worker that boots their templates (conftest.xdist_group)
-    guests = pytest.mark.xdist_group("guests")
-    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow, guests],
-             "vm": [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800), guests]}
+    marks = {"microvm": [pytest.mark.vm, pytest.mark.slow],
+             "vm": [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]}
     return [pytest.param(name, marks=marks.get(name, []), id=name) for name in BACKENDS]
 
 
