@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from conftest import missing
+from container_support import wait_until
 from dsec.testing.postgres import PgServer, pg_bin, postgres_server
 
 __all__ = ["PgServer", "pg_bin", "postgres_or_missing", "postgres_server"]
@@ -33,11 +33,9 @@ def read_only(pg: PgServer, on: bool) -> None:
         conn.execute("SELECT pg_reload_conf()")
     # pg_reload_conf only signals the postmaster. Once a new session starts with the value, the postmaster has
     # reloaded and signalled every backend, and each applies it before its next command.
-    deadline = time.monotonic() + 30
-    while True:
+    def applied() -> bool:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             row = conn.execute("SHOW default_transaction_read_only").fetchone()
-        if row is not None and row[0] == value:
-            return
-        assert time.monotonic() < deadline, f"the server still has default_transaction_read_only={row}"
-        time.sleep(0.05)
+        return row is not None and row[0] == value
+
+    assert wait_until(applied, timeout=30), f"the server still lacks default_transaction_read_only={value}"
