@@ -299,8 +299,7 @@ class FunctionBackend(HostFileOps):
         return self._exec_stream(record, request, user)
 
     def _env(self, record: SandboxRecord, env: dict[str, str] | None, user: Identity | None) -> dict[str, str]:
-        identity = user or default_identity(record)
-        return {"PATH": DEFAULT_PATH, "HOME": identity.home if user else "/tmp",
+        return {"PATH": DEFAULT_PATH, "HOME": user.home if user else "/tmp",
                 **record.backend_state.get("image_env", {}), **record.spec.env, **(env or {})}
 
     def _head(self, record: SandboxRecord, timeout: float | None, tmp: int) -> list[str]:
@@ -311,10 +310,12 @@ class FunctionBackend(HostFileOps):
         return [str(cpu_rlimit(timeout, record.spec.cpu)), str(fsize), str(_NOFILE), str(tmp)]
 
     def _fields(self, record: SandboxRecord, argv: list[str], env: dict[str, str] | None, cwd: str | None,
-                timeout: float | None, user: Identity | None, tmp: int, tty: bool = False) -> list[str]:
-        """The zygote's request for a command of ``record`` (see ``zygote.c``)."""
+                timeout: float | None, user: Identity | None, tmp: int, tty: bool = False,
+                full_env: dict[str, str] | None = None) -> list[str]:
+        """The zygote's request for a command of ``record`` (see ``zygote.c``; ``full_env``: :meth:`_env` of
+        ``env``, when the caller has it already)."""
         identity = user or default_identity(record)
-        full_env = self._env(record, env, user)
+        full_env = full_env if full_env is not None else self._env(record, env, user)
         check_exec_size(argv, full_env)
         fields = [*self._head(record, timeout, tmp), cwd or workdir_of(record),
                   str(len(argv)), *argv, str(len(full_env)), *(f"{k}={v}" for k, v in full_env.items())]
@@ -337,7 +338,8 @@ class FunctionBackend(HostFileOps):
                       *(f"{k}={v}" for k, v in env.items()), str(len(argv)), *argv]
             spawn, peer = python.spawn, "the sandbox's Python zygote"
         else:
-            fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user, tmp)
+            fields = self._fields(record, request.argv(), request.env, request.cwd, request.timeout, user, tmp,
+                                  full_env=env)
             spawn, peer = zygote.spawn, "the sandbox's zygote (the sandbox was destroyed, or the zygote killed)"
         events = self._calls.run(record, self._cgroups(record), request, fields, spawn, limits, peer,
                                  cpu=int(fields[0]))

@@ -113,14 +113,20 @@ class Calls:
         """Run one call in a slot of its own and stream it, with its verdict."""
         slots = self.slots(record, cgroups)
         slot = await slots.acquire(limits)
-        watch = -1
+        spawned: Spawned | None = None
+        handed = False
+
+        def status_to(status: int, at_eof: bool) -> None:
+            # The status pipe reaches end of file once the zygote has reaped the call's pid 1, which is when the
+            # last process of its pid namespace is gone: the moment its slot can take the next call.
+            nonlocal handed
+            handed = True
+            release_when_reaped(slots, slot, status, at_eof)
+
         try:
             disk: str | None = record.backend_state.get("disk")
             workspace_was_full = disk is not None and disk_full(disk)
             spawned = await spawn(fields, slot.procs_fds)
-            # The status pipe reaches end of file once the zygote has reaped the call's pid 1, which is when the
-            # last process of its pid namespace is gone: the moment its slot can take the next call.
-            watch = os.dup(spawned.status)
 
             def verdict(exit_code: int, sig: int | None) -> LimitHit | None:
                 if exit_code == 0:
@@ -136,7 +142,7 @@ class Calls:
                 return None
 
             events = stream_exec(spawned, request, verdict, peer=peer, caps=caps, starved=slot.run_delay,
-                                 pressing=slot.at_memory_limit)
+                                 pressing=slot.at_memory_limit, status_to=status_to)
             try:
                 async for event in events:
                     if event.type == "exit" and event.result is not None:
@@ -145,10 +151,13 @@ class Calls:
             finally:
                 await events.aclose()
         finally:
-            if watch < 0:
+            if spawned is None:
                 slots.release(slot)
-            else:
-                release_when_reaped(slots, slot, watch)
+            elif not handed:  # the stream never ran: the call is killed, its slot freed once it is reaped
+                spawned.kill()
+                status, spawned.status = spawned.status, -1
+                spawned.close()
+                release_when_reaped(slots, slot, status, False)
 
     # -- Python zygotes -------------------------------------------------------------------
 
@@ -201,11 +210,15 @@ class Calls:
             self.forget(sandbox_id)
 
 
-def release_when_reaped(slots: CallSlots, slot: Slot, status: int) -> None:
-    """Give ``slot`` back when ``status`` (our copy of the call's status pipe) reaches end of file; a call whose
-    zygote never lets go of it within :data:`_REAPED_WITHIN_S` has its slot retired instead."""
+def release_when_reaped(slots: CallSlots, slot: Slot, status: int, at_eof: bool = False) -> None:
+    """Give ``slot`` back when ``status`` (the call's status pipe, non-blocking, which this now owns) reaches end
+    of file (``at_eof``: it has); a call whose zygote never lets go of it within :data:`_REAPED_WITHIN_S` has its
+    slot retired instead."""
+    if at_eof:  # (the stream has already stopped reading it)
+        os.close(status)
+        slots.release(slot)
+        return
     loop = asyncio.get_running_loop()
-    os.set_blocking(status, False)
     timer: asyncio.TimerHandle | None = None
 
     def finish(reaped: bool) -> None:

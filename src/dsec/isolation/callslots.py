@@ -69,16 +69,15 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def _read_int(path: Path) -> int:
-    data = read_small(str(path), 64)
+def _int_of(data: bytes | None) -> int:
     try:
         return int((data or b"0").split()[0])
     except (ValueError, IndexError):
         return 0
 
 
-def _read_key(path: Path, key: bytes) -> int:
-    for line in (read_small(str(path), 4096) or b"").splitlines():
+def _key_of(data: bytes | None, key: bytes) -> int:
+    for line in (data or b"").splitlines():
         name, _, value = line.partition(b" ")
         if name == key:
             return int(value)
@@ -158,6 +157,9 @@ class Slot:
         """Memory still charged to the slot when it was taken back (pages of files earlier calls wrote)."""
         self.oom_before = 0
         self.pids_before = 0
+        self._counters: dict[str, int] = {}
+        """The counter files read after every call, kept open: a read at offset 0 of a cgroup file makes it
+        anew, so each read is one ``pread`` instead of an open, a read and a close."""
 
     @classmethod
     def make(cls, sandbox: CgroupSet, name: str) -> Slot:
@@ -185,13 +187,30 @@ class Slot:
     def _apply(self, controller: str, d: Path, memory: int | None, pids: int | None) -> None:
         _set_limits(self.mode, d, controller, memory, pids, previous=self.memory_limit, memsw=self.memsw)
 
+    def _read(self, path: Path, limit: int) -> bytes | None:
+        key = str(path)
+        fd = self._counters.get(key)
+        if fd is None:
+            try:
+                fd = self._counters[key] = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        try:
+            return os.pread(fd, limit, 0)
+        except OSError:
+            return None
+
     def oom_kills(self) -> int:
-        if self.mode == "v2":
-            return _read_key(self.memory_dir / "memory.events", b"oom_kill")
-        return _read_key(self.memory_dir / "memory.oom_control", b"oom_kill")
+        name = "memory.events" if self.mode == "v2" else "memory.oom_control"
+        return _key_of(self._read(self.memory_dir / name, 4096), b"oom_kill")
 
     def pids_hits(self) -> int:
-        return _read_key(self.pids_dir / "pids.events", b"max")
+        return _key_of(self._read(self.pids_dir / "pids.events", 4096), b"max")
+
+    def charged(self) -> int:
+        """Bytes of memory charged to the slot now."""
+        name = "memory.current" if self.mode == "v2" else "memory.usage_in_bytes"
+        return _int_of(self._read(self.memory_dir / name, 64))
 
     def read_counters(self) -> None:
         self.oom_before, self.pids_before = self.oom_kills(), self.pids_hits()
@@ -206,7 +225,7 @@ class Slot:
 
     def busy(self) -> bool:
         """Processes of the call are still alive (its pid namespace is ending)."""
-        return _read_int(self.pids_dir / "pids.current") > 0
+        return _int_of(self._read(self.pids_dir / "pids.current", 64)) > 0
 
     def run_delay(self) -> float:
         """Seconds the call's processes have waited for a CPU (the longest of them; ``/proc/PID/schedstat``):
@@ -220,7 +239,7 @@ class Slot:
 
     def at_memory_limit(self) -> bool:
         """The call's memory is within 1% of its limit: it is pressing on it (reclaim, or an OOM kill coming)."""
-        usage = _read_int(self.memory_dir / ("memory.current" if self.mode == "v2" else "memory.usage_in_bytes"))
+        usage = self.charged()
         return self.memory_limit is not None and usage >= self.memory_limit - max(self.memory_limit // 100, 1 << 20)
 
     def kill(self) -> None:
@@ -232,13 +251,17 @@ class Slot:
 
     def taken_back(self) -> None:
         """The call is over and its processes gone: what it left charged, and the counters for the next."""
-        self.base = _read_int(self.memory_dir / ("memory.current" if self.mode == "v2" else "memory.usage_in_bytes"))
+        self.base = self.charged()
         self.read_counters()
 
-    def remove(self) -> None:
-        for fd in self.procs_fds:
+    def close_files(self) -> None:
+        for fd in (*self.procs_fds, *self._counters.values()):
             os.close(fd)
         self.procs_fds = []
+        self._counters = {}
+
+    def remove(self) -> None:
+        self.close_files()
         for d in self.dirs.values():
             with contextlib.suppress(FileNotFoundError):
                 try:
@@ -317,8 +340,6 @@ class CallSlots:
         for task in self._draining:
             task.cancel()
         for slot in self._free:
-            for fd in slot.procs_fds:
-                os.close(fd)
-            slot.procs_fds = []
+            slot.close_files()
         self._free = []
 

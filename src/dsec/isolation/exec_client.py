@@ -570,13 +570,17 @@ async def stream_exec(
     caps: Mapping[str, int] | None = None,
     starved: Callable[[], float] | None = None,
     pressing: Callable[[], bool] | None = None,
+    status_to: Callable[[int, bool], None] | None = None,
 ) -> AsyncGenerator[ExecEvent, None]:
     """Stream a spawned command to its end. ``verdict(exit_code, signal)`` names a cgroup limit hit; ``peer``
     is what started it (named when it goes away mid-command); ``caps`` overrides ``request.max_output`` per
     stream (a function call's reply on stdout and its prints on stderr have caps of their own); ``starved()``
     says how many seconds the command has waited for a CPU so far, which its timeout then does not count
     (up to ``_STARVED_FACTOR`` times the timeout), nor, within that bound, the time while ``pressing()`` says
-    it is at its memory limit (the OOM killer on its way)."""
+    it is at its memory limit (the OOM killer on its way). ``status_to(fd, at_eof)``, when given, takes the
+    status pipe when the stream ends instead of it being closed (whether it reached end of file yet): the
+    pipe stays registered for reading on the loop, so taking it over is one ``add_reader`` that replaces the
+    callback, not a second registration."""
     watch = _Watch(spawned, request, caps, starved, pressing)
     captured = {"stdout": bytearray(), "stderr": bytearray()}
     start = time.monotonic()
@@ -656,12 +660,19 @@ async def stream_exec(
                     and not watch.loop.is_closed())
         if watch.wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
+        if status_to is not None and not handover:
+            watch.open.pop(spawned.status, None)  # its reader stays registered for status_to
         watch.close()
         if handover:
             # Closed before the helper's "pid" line was read (it may sit in the pipe, or come a moment later):
             # closing the pipe now would leave that command running with no one to kill it.
+            if status_to is not None:
+                status_to(os.dup(spawned.status), False)
             _kill_once_started(watch.loop, spawned.status, watch.status_buf)
             spawned.status = -1
+        elif status_to is not None:
+            status, spawned.status = spawned.status, -1
+            status_to(status, watch.status_closed)
         if drain_timer is not None:
             drain_timer.cancel()
         if stdin_task is not None and not stdin_task.done():

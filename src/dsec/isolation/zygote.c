@@ -280,6 +280,10 @@ static void forward_python(char *request, ssize_t len, struct msghdr *in) {
 int main(int argc, char **argv) {
     if (argc != 8)
         return 2;
+    /* Every disposition the daemon left ignored (SIGPIPE, SIGXFSZ survive exec) back to the default, once: a
+       call then has only the zygote's own SIGPIPE to undo (a syscall per signal was each call's cost). */
+    for (int sig = 1; sig < NSIG; sig++)
+        signal(sig, SIG_DFL);
     if (dup2(0, CTL_FD) != CTL_FD || fcntl(CTL_FD, F_SETFD, FD_CLOEXEC) != 0)
         return 2;
     int null = open("/dev/null", O_RDONLY | O_CLOEXEC);

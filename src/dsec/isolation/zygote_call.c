@@ -143,12 +143,12 @@ static int tmp_full(void) {
 
 /* The clone, pid 1 of a call's namespaces: prepares, waits for its request, runs it. */
 void run_call(int sock) {
-    /* The zygote blocked SIGCHLD for its signalfd and ignores SIGPIPE: the call gets a clean state. */
+    /* The zygote blocked SIGCHLD for its signalfd and ignores SIGPIPE, its only disposition that is not the
+       default (main reset the others once): the call gets a clean state. */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    for (int sig = 1; sig < NSIG; sig++)
-        signal(sig, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
     /* getppid() is 0 here (the zygote is outside our pid namespace), so the usual "parent already gone"
        check cannot be made; a call orphaned in that instant is still killed at its timeout and by the
        cgroup sweep of destroy. */

@@ -2,6 +2,7 @@
  * mount namespace, the Landlock ruleset's shape, the seccomp programs, the CPUs of its commands, and the empty
  * bounding set the calls inherit. Failures end the zygote (die). */
 #include "zygote.h"
+#include <sys/sysmacros.h>
 
 #define CAP_LAST 63
 
@@ -42,20 +43,39 @@ static void bind_ro(const char *src, const char *dst, unsigned long extra) {
     must_mount(NULL, dst, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | extra, NULL);
 }
 
+/* A device node of /dev: made in the tmpfs (we are host root, in the host's user namespace, so the nodes work
+   for the calls), or where that is refused (a host withholding CAP_MKNOD) the host's node bound over a file.
+   Nodes keep the call's mount namespace at one mount for /dev instead of seven, which every call copies at
+   its clone and tears down at its exit. */
+static void make_dev_node(const char *path, const char *name, unsigned major, unsigned minor) {
+    if (mknod(path, S_IFCHR | 0666, makedev(major, minor)) == 0) {
+        if (chmod(path, 0666) != 0) /* past the umask */
+            die("create /dev node", errno);
+        return;
+    }
+    if (errno != EPERM)
+        die("create /dev node", errno);
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+    if (fd < 0)
+        die("create /dev node", errno);
+    close(fd);
+    char src[64];
+    snprintf(src, sizeof src, "/dev/%s", name);
+    must_mount(src, path, NULL, MS_BIND, NULL);
+}
+
 static void build_dev(const char *newroot) {
-    static const char *nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+    /* The numbers are the kernel's fixed ones (Documentation/admin-guide/devices.txt). */
+    static const struct {
+        const char *name;
+        unsigned major, minor;
+    } nodes[] = {{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}};
     char dev[4096], path[4096];
     snprintf(dev, sizeof dev, "%s/dev", newroot);
     must_mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
     for (size_t i = 0; i < sizeof nodes / sizeof *nodes; i++) {
-        snprintf(path, sizeof path, "%s/%s", dev, nodes[i]);
-        int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
-        if (fd < 0)
-            die("create /dev node", errno);
-        close(fd);
-        char src[64];
-        snprintf(src, sizeof src, "/dev/%s", nodes[i]);
-        must_mount(src, path, NULL, MS_BIND, NULL);
+        snprintf(path, sizeof path, "%s/%s", dev, nodes[i].name);
+        make_dev_node(path, nodes[i].name, nodes[i].major, nodes[i].minor);
     }
     static const char *links[][2] = {
         {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"}, {"/proc/self/fd/1", "stdout"},
