@@ -91,8 +91,7 @@ class Commands(EngineParts):
         finally:
             # Metrics and the audit record first: the awaits below may be cancelled when the client hung up.
             elapsed = time.monotonic() - started
-            self.metrics.execs.labels(name, outcome).inc()
-            self.metrics.exec_seconds.labels(name).observe(elapsed)
+            self.metrics.exec_done(name, outcome, elapsed)
             self.audit_command(record, "exec", request.command, request.cwd, at, elapsed, outcome, result, error)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
@@ -129,8 +128,7 @@ class Commands(EngineParts):
             raise
         finally:
             elapsed = time.monotonic() - started
-            self.metrics.execs.labels(name, outcome).inc()
-            self.metrics.exec_seconds.labels(name).observe(elapsed)
+            self.metrics.exec_done(name, outcome, elapsed)
             self.audit_command(record, "call", [request.python, "<pickled callable>"], None, at, elapsed, outcome,
                                result, error)
 

@@ -76,6 +76,18 @@ class Metrics:
             ["backend"], buckets=(0.0, *CREATE_BUCKETS), registry=r,
         )
 
+        self._exec_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def exec_done(self, backend: str, outcome: str, seconds: float) -> None:
+        """Count one exec (or call) and observe its wall time: the hot path's two samples, their labelled
+        children looked up once per (backend, outcome) rather than at every exec."""
+        children = self._exec_children.get((backend, outcome))
+        if children is None:
+            children = self._exec_children[(backend, outcome)] = (
+                self.execs.labels(backend, outcome), self.exec_seconds.labels(backend))
+        children[0].inc()
+        children[1].observe(seconds)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
