@@ -137,6 +137,23 @@ async def test_root_read_only_writes_only_workspace_and_tmp(backend: FunctionBac
         assert r.exit_code != 0 or b"Error" in r.stdout, r
 
 
+async def test_call_devices_and_oom_score(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
+    """/dev is one read-only mount of the kernel's device nodes (made once by the zygote, not a bind mount
+    each, which every call would copy), and each command is the OOM killer's first choice (500), never the
+    zygote's shield, whatever the host let the zygote set for itself."""
+    async with sandbox(backend, debian_python_image) as sb:
+        r = await run(backend, sb, "cat /proc/self/oom_score_adj; stat -c '%n %F %t:%T' /dev/null /dev/zero "
+                                   "/dev/full /dev/random /dev/urandom /dev/tty; grep -c ' /dev' /proc/self/mounts; "
+                                   "head -c 8 /dev/urandom | wc -c; echo x > /dev/null && echo written")
+        assert r.exit_code == 0, r
+        lines = r.stdout.decode().splitlines()
+        assert lines[0] == "500", lines
+        assert lines[1:7] == ["/dev/null character special file 1:3", "/dev/zero character special file 1:5",
+                              "/dev/full character special file 1:7", "/dev/random character special file 1:8",
+                              "/dev/urandom character special file 1:9", "/dev/tty character special file 5:0"]
+        assert lines[7:] == ["1", "8", "written"], lines
+
+
 async def test_network_socket_fails(backend: FunctionBackend, debian_python_image: ImageRef) -> None:
     import socket
 

@@ -49,13 +49,18 @@ static int prepare_call(void) {
         return prep_fail("mount /proc");
     if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) != 0)
         return prep_fail("mount /tmp");
-    /* The OOM killer's first choice, like container commands (the zygote is shielded where the host
-       allows it). Best effort: some hosts refuse it inside the user namespace; the largest process (a
-       memory bomb) is the OOM killer's choice anyway. Landlock keeps the command from writing it. */
-    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (oom >= 0) {
-        (void)!write(oom, "500", 3);
-        close(oom);
+    /* The OOM killer's first choice, like container commands: never the zygote's -1000 (where the host let
+       it shield itself), which every call inherits. /proc/self of a non-dumpable process is host root's, so
+       the clone is dumpable for the write: nothing else runs in its pid namespace yet to attach to it. Best
+       effort (a host may refuse the write); Landlock keeps the command from writing it later. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) == 0) {
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) {
+            (void)!write(oom, "500", 3);
+            close(oom);
+        }
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
+            return prep_fail("set non-dumpable");
     }
     (void)!sethostname("sandbox", 7);
     umask(022);
