@@ -345,6 +345,11 @@ class NodeImages:
         target = self.mnt_dir / hexdigest[:16]
         if fs_types().get(str(target)) == "erofs":  # kept warm by an earlier daemon
             adopted = self._adopted(hexdigest, target)
+            if adopted.server is not None:
+                # Its server is known by generation: adopt the running one first. A restarted daemon knows none
+                # yet, and would take a live mount for dead and mount the image again on this very path while
+                # the sandboxes it re-adopts are started on it.
+                self.server.ensure()
             if self._live(adopted):
                 mount = self._mounts[hexdigest] = adopted
                 self.cache.pin(hexdigest)

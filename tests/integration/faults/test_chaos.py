@@ -29,6 +29,7 @@ import dsec
 from container_support import await_until, home_tag, images_dir, leftovers, pid_alive, short_home, sweep, wait_until
 from dsec.config import Settings
 from dsec.daemon.server import daemon_answers
+from dsec.images.lazyserver import fs_types
 from dsec.models import ComponentHealth, NodeInfo
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -262,15 +263,26 @@ async def test_lazy_server_killed(node: Node, client: dsec.Client) -> None:
     await fn.aclose()
 
 
+def image_mounts(home: Path) -> dict[str, int]:
+    """The home's image mounts: mount point -> device number (a mount made again on the same path has another)."""
+    prefix = f"{home}/lazy/mnt/"
+    return {p: os.stat(p).st_dev for p, fs in fs_types().items() if fs == "erofs" and p.startswith(prefix)}
+
+
 async def test_daemon_killed(node: Node) -> None:
     async with dsec.Client(node.url) as c:
         box, fn = await mix(c)
+    mounts = image_mounts(node.home)
+    assert mounts, "no image mount under the home: nothing to compare"
     node.stop(signal.SIGKILL)
     assert pid_alive(int((node.home / "lazy" / "lazyfs.pid").read_text())), "the lazy server died with the daemon"
     node.start()
     async with dsec.Client(node.url) as c:
         box = await dsec.AsyncSandbox.connect(box.id, client=c)
         fn = await dsec.AsyncSandbox.connect(fn.id, client=c)
+        # The image mount the sandboxes sit on is adopted as it is: not replaced on its path while the function
+        # sandbox's new zygote is started on it (its root was then empty, or missing)
+        assert image_mounts(node.home) == mounts
         await works(box)
         await works(fn)
         await next_creates_work(c)

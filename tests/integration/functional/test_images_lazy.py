@@ -107,6 +107,9 @@ def test_the_manifests_of_unmounted_snapshot_layers_are_not_kept(home: Path, tmp
 
 
 def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_path: Path) -> None:
+    """The mount is adopted as it is, never mounted again on its path: a restarted daemon starts the function
+    sandboxes it re-adopts on that path (new zygotes) while it re-pins the image, and a new daemon, which knows no
+    server until it adopts one, took the mount for dead and did so (the zygote then found an empty root)."""
     store = ImageStore(home / "images")
     make_tree(tmp_path / "src", big=MiB)
     store.import_dir("img", tmp_path / "src", uid_shift=0)
@@ -114,10 +117,12 @@ def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_pat
     try:
         ref = first.resolve("img")
         pid = first.fuse_pid()
+        mount = os.stat(ref.rootfs).st_dev  # a mount made again on the same path has another device number
         first.aclose_sync(unmount=False)  # what a daemon does when it stops: mounts and server stay
         second = node_for(home, store)
         again = second.resolve("img")
         assert again.rootfs == ref.rootfs and second.fuse_pid() == pid
+        assert os.stat(again.rootfs).st_dev == mount and second.stale(ref.rootfs) is None, "the mount was replaced"
         assert (again.rootfs / "etc" / "hello").read_text().startswith("hello")
     finally:
         node_for(home, store).aclose_sync(unmount=True)
