@@ -434,8 +434,11 @@ def audit(sandbox_id: str | None, who: str | None, job: str | None, outcome: str
                                                        "(0: all kept).")
 @click.option("--count", "-n", type=click.IntRange(1), help="Exit after this many events.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line (NDJSON).")
-def events(since: int | None, count: int | None, as_json: bool) -> None:
-    """Stream sandbox lifecycle events (created, destroyed, expired, paused, resumed, create_failed)."""
+@click.option("--kind", "kinds", multiple=True, metavar="KIND",
+              help="Only events of this kind (repeatable): created, destroyed, paused, node...")
+def events(since: int | None, count: int | None, as_json: bool, kinds: tuple[str, ...]) -> None:
+    """Stream lifecycle events: sandboxes' (created, destroyed, expired, paused, resumed, create_failed...) and
+    the node's own (``node``: its images and whether it is stopping, when they change)."""
     console = Console(highlight=False, soft_wrap=True)
 
     def show(e: LifecycleEvent) -> None:
@@ -451,6 +454,8 @@ def events(since: int | None, count: int | None, as_json: bool) -> None:
         stream = client.events(since)
         try:
             async for event in stream:
+                if kinds and event.kind not in kinds:
+                    continue
                 show(event)
                 sys.stdout.flush()
                 seen += 1

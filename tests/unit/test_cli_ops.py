@@ -134,7 +134,8 @@ def test_events_streams_lifecycle_over_http(daemon: Daemon, env: dsec.Client) ->
     # A separate process reads the stream live while this one creates and destroys.
     since = daemon.engine.events.statistics()["published"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsec", "events", "--json", "--count", "3", "--since", str(since)],
+        [sys.executable, "-m", "dsec", "events", "--json", "--count", "3", "--since", str(since),
+         *(a for kind in ("created", "paused", "destroyed") for a in ("--kind", kind))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"DSEC_URL": daemon.unix_url, "PATH": "/usr/bin:/bin"},
     )
     try:
