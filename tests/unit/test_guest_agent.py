@@ -87,6 +87,11 @@ async def run(agent: AgentClient, argv: list[str], stdin: bytes | None = None, c
     if stdin is not None:
         await agent.stdin(channel, stdin)
         await agent.send(T.STDIN, channel, b"")  # the end of its input
+    return await outcome(agent, channel)
+
+
+async def outcome(agent: AgentClient, channel: int) -> tuple[bytes, bytes, tuple[int, int | None, bool]]:
+    """A started command's stdout, stderr and exit."""
     out, err = b"", b""
     while True:
         frame = await agent.next_frame(channel, 30)
@@ -132,6 +137,14 @@ async def test_stdin_streams_through_a_window_of_credit(started: tuple[AgentClie
     assert (out, code) == (b"01234", 0)  # it stopped reading: the rest is dropped and credited
     out, _, (code, _, _) = await run(agent, ["true"], stdin=b"z" * (16 << 20))
     assert (out, code) == (b"", 0)  # it never read: its exit ends the window
+    # the end of its stdin comes after what a write still waiting for credit sends
+    channel = await agent.start_exec(["sh", "-c", "sleep 1; wc -c"], {"PATH": "/usr/bin:/bin"}, "/")
+    writing = asyncio.create_task(agent.stdin(channel, b"w" * (8 << 20)))
+    await asyncio.sleep(0.1)
+    await agent.end_stdin(channel)
+    assert await writing
+    out, _, (code, _, _) = await outcome(agent, channel)
+    assert (out.strip(), code) == (b"8388608", 0)
 
 
 async def test_a_signal_ends_a_command(agent: AgentClient) -> None:

@@ -440,6 +440,12 @@ class AgentClient:
                 pos += room
         return True
 
+    async def end_stdin(self, channel: int) -> None:
+        """The end of the channel's stdin (a terminal's: Ctrl-D), after what a write still waiting for credit sends."""
+        window = self._windows.get(channel)
+        async with window.lock if window is not None else contextlib.nullcontext():
+            await self.send(T.STDIN, channel, b"")
+
     async def signal(self, channel: int, signo: int, how: int = 0) -> None:
         """``signo`` to the command's process group (``how`` 1: its terminal's foreground group; 2: the same
         unless that is the command's own)."""

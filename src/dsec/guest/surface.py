@@ -122,7 +122,7 @@ class AgentProcess(ProcessIO):
     async def close_stdin(self) -> None:
         if not self._ended and self._stdin_open:
             self._stdin_open = self._terminal  # a terminal only gets Ctrl-D (the agent sends it)
-            await self._client.send(T.STDIN, self._channel, b"")
+            await self._client.end_stdin(self._channel)
 
     def signal(self, signo: int, group: bool = True) -> None:
         if not self._ended:
@@ -186,7 +186,7 @@ class AgentPort:
 
     async def write_eof(self) -> None:
         with contextlib.suppress(AgentGone):
-            await self._client.send(T.STDIN, self._channel, b"")
+            await self._client.end_stdin(self._channel)
 
     async def aclose(self) -> None:
         await self._client.cancel(self._channel)

@@ -141,7 +141,7 @@ class GuestAgent:
         """A command's stdin, within its channel's window, then its end."""
         if stdin and not await client.stdin(channel, stdin):
             return  # it exited first: the rest is moot
-        await client.send(T.STDIN, channel, b"")
+        await client.end_stdin(channel)
 
     async def _frames(self, record: SandboxRecord, client: AgentClient, channel: int, request: ExecRequest,
                       start: float) -> AsyncIterator[ExecEvent]:
