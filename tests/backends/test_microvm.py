@@ -19,6 +19,7 @@ from container_support import images_dir, short_home
 from dsec.backends.base import ImageRef
 from dsec.backends.microvm import MicroVMBackend
 from dsec.backends.qemu.qmp import qmp
+from dsec.backends.surface import ProcessSpec
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
@@ -221,6 +222,40 @@ async def test_qemu_killed_mid_exec(backend: MicroVMBackend, debian_python_image
         os.kill(sb.backend_state["qemu_pid"], signal.SIGKILL)
         with pytest.raises(SandboxError, match="SIGKILL"):
             await asyncio.wait_for(run, 20)
+
+
+class _Output:
+    """A process's sink: its stdout and its exit."""
+
+    def __init__(self) -> None:
+        self.stdout = bytearray()
+        self.exit: asyncio.Future[tuple[int, int | None]] = asyncio.get_running_loop().create_future()
+
+    def output(self, stream: str, data: bytes) -> None:
+        self.stdout += data if stream == "stdout" else b""
+
+    def exited(self, exit_code: int, signal: int | None) -> None:
+        self.exit.set_result((exit_code, signal))
+
+
+async def test_stdin_streams_through_the_agent_within_a_window(backend: MicroVMBackend,
+                                                               debian_python_image: ImageRef) -> None:
+    """Far more stdin than the agent may hold (8 MiB) reaches a command, one that reads at once as one that reads
+    late: the host sends within a window the agent credits as the command takes it. A process's writes wait too
+    (what backpressures an SDK client's send_stdin)."""
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        r = await backend.exec(sb, ExecRequest(command="wc -c", stdin=b"x" * (64 << 20), timeout=300))
+        assert (r.exit_code, r.stdout.strip()) == (0, b"67108864"), r
+        r = await backend.exec(sb, ExecRequest(command="sleep 2; wc -c", stdin=b"y" * (24 << 20), timeout=300))
+        assert (r.exit_code, r.stdout.strip()) == (0, b"25165824"), r
+        sink = _Output()
+        proc = await backend.start_process(sb, ProcessSpec(argv=["sh", "-c", "sleep 2; wc -c"]), sink)
+        try:
+            await proc.write(b"z" * (24 << 20))
+            await proc.close_stdin()
+            assert await asyncio.wait_for(sink.exit, 120) == (0, None) and sink.stdout.strip() == b"25165824"
+        finally:
+            await proc.aclose()
 
 
 async def test_guest_out_of_memory_kills_the_command_not_the_vm(backend: MicroVMBackend,

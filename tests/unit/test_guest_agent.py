@@ -16,6 +16,8 @@ import socket
 import struct
 import subprocess
 import tempfile
+import threading
+import time
 import tty
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +26,8 @@ import pytest
 
 from dsec.errors import FileNotFound, InvalidRequest, IsADirectory, PermissionDenied
 from dsec.guest.initramfs import ensure_agent
-from dsec.guest.protocol import AgentClient, T, creds, parse_exit
+from dsec.guest.protocol import STDIN_WINDOW, AgentClient, T, creds, parse_exit
+from dsec.guest.surface import AgentPort
 
 pytestmark = [pytest.mark.root]
 
@@ -32,7 +35,8 @@ ROOT = creds(0, 0, ())
 
 
 @pytest.fixture
-async def agent(tmp_path: Path) -> AsyncIterator[AgentClient]:
+async def started(tmp_path: Path) -> AsyncIterator[tuple[AgentClient, int]]:
+    """A connected client and the pid of the ``unshare`` above the agent."""
     binary = ensure_agent(tmp_path / "bin")  # (a copy of the node's build when there is one)
     master, slave = pty.openpty()
     tty.setraw(slave)
@@ -50,7 +54,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[AgentClient]:
     client = AgentClient(reader, asyncio.StreamWriter(write_transport, protocol, None, loop))
     try:
         await client.wait_ready(30)
-        yield client
+        yield client, proc.pid
     finally:
         await client.aclose()
         read_transport.close()
@@ -65,12 +69,29 @@ async def agent(tmp_path: Path) -> AsyncIterator[AgentClient]:
         os.close(slave)
 
 
+@pytest.fixture
+def agent(started: tuple[AgentClient, int]) -> AgentClient:
+    return started[0]
+
+
+def agent_peak_rss(unshare_pid: int) -> int:
+    """The agent's peak resident memory (VmHWM), in bytes."""
+    [pid] = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
 async def run(agent: AgentClient, argv: list[str], stdin: bytes | None = None, cwd: str = "/"
               ) -> tuple[bytes, bytes, tuple[int, int | None, bool]]:
     channel = await agent.start_exec(argv, {"PATH": "/usr/bin:/bin"}, cwd)
     if stdin is not None:
         await agent.stdin(channel, stdin)
         await agent.send(T.STDIN, channel, b"")  # the end of its input
+    return await outcome(agent, channel)
+
+
+async def outcome(agent: AgentClient, channel: int) -> tuple[bytes, bytes, tuple[int, int | None, bool]]:
+    """A started command's stdout, stderr and exit."""
     out, err = b"", b""
     while True:
         frame = await agent.next_frame(channel, 30)
@@ -95,6 +116,35 @@ async def test_commands_run_with_their_output_stdin_and_status(agent: AgentClien
     assert out == f"{tmp_path}\n".encode()
     _, err, (code, _, _) = await run(agent, ["/nonexistent"])
     assert code == 127 and b"cannot run /nonexistent" in err
+
+
+async def test_stdin_streams_through_a_window_of_credit(started: tuple[AgentClient, int]) -> None:
+    """Any amount of stdin streams through with bounded memory: the agent credits what the command took and the
+    host keeps to its window, so a reader that starts late (which an agent buffering 8 MiB refused with ENOBUFS)
+    or never reads holds the writer instead of failing or hanging it."""
+    agent, unshare_pid = started
+    assert agent.credits  # announced in READY (and in PING's reply)
+    agent.features = 0
+    await agent.ping()
+    pass
+    out, err, (code, _, _) = await run(agent, ["wc", "-c"], stdin=b"x" * (64 << 20))
+    assert (out.strip(), err, code) == (b"67108864", b"", 0)
+    out, err, (code, _, _) = await run(agent, ["sh", "-c", "sleep 2; wc -c"], stdin=b"y" * (24 << 20))
+    assert (out.strip(), err, code) == (b"25165824", b"", 0)
+    # the agent held at most the window besides its frame buffer (2 MiB) and itself: its 8 MiB limit was never near
+    assert agent_peak_rss(unshare_pid) < STDIN_WINDOW + (4 << 20)
+    out, _, (code, _, _) = await run(agent, ["head", "-c", "5"], stdin=b"0123456789" * (1 << 20))
+    assert (out, code) == (b"01234", 0)  # it stopped reading: the rest is dropped and credited
+    out, _, (code, _, _) = await run(agent, ["true"], stdin=b"z" * (16 << 20))
+    assert (out, code) == (b"", 0)  # it never read: its exit ends the window
+    # the end of its stdin comes after what a write still waiting for credit sends
+    channel = await agent.start_exec(["sh", "-c", "sleep 1; wc -c"], {"PATH": "/usr/bin:/bin"}, "/")
+    writing = asyncio.create_task(agent.stdin(channel, b"w" * (8 << 20)))
+    await asyncio.sleep(0.1)
+    await agent.end_stdin(channel)
+    assert await writing
+    out, _, (code, _, _) = await outcome(agent, channel)
+    assert (out.strip(), code) == (b"8388608", 0)
 
 
 async def test_a_signal_ends_a_command(agent: AgentClient) -> None:
@@ -165,6 +215,33 @@ async def test_a_connection_reaches_a_loopback_port(agent: AgentClient) -> None:
             frame = await agent.next_frame(channel, 30)
             assert (frame.type, frame.payload) == (T.DATA, b"pong")
         assert (await agent.next_frame(channel, 30)).type == T.END  # the server closed
+
+
+async def test_a_connection_to_a_slow_server_loses_nothing(agent: AgentClient) -> None:
+    """Bytes for a guest port flow within the same window: a server that reads late gets every one."""
+    size = 24 << 20
+    got: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                time.sleep(1.5)
+                total = 0
+                while chunk := conn.recv(1 << 20):
+                    total += len(chunk)
+                got.append(total)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            port = await AgentPort.open(agent, server.getsockname()[1])
+            await port.write(b"p" * size)
+            await port.write_eof()
+            assert await port.read(1) == b""  # the server closed once it had read everything
+            await port.aclose()
+        finally:
+            thread.join(30)
+    assert got == [size]
 
 
 async def test_junk_and_unknown_requests_leave_the_agent_serving(agent: AgentClient) -> None:

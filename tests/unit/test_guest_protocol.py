@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import random
 import struct
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
-from dsec.errors import InvalidRequest, NotFound
+from dsec.backends.qemu.agent import GuestAgent
+from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.guest.protocol import (
+    EXT_CREDIT,
+    FEATURE_CREDIT,
     MAX_GUEST_PAYLOAD,
+    STDIN_WINDOW,
     AgentClient,
     AgentGone,
     FrameParser,
@@ -27,6 +34,7 @@ from dsec.guest.protocol import (
     parse_exit,
     parse_list,
 )
+from dsec.models import ExecRequest, SandboxRecord, SandboxSpec
 
 
 def frame(ftype: int, channel: int, payload: bytes = b"") -> bytes:
@@ -264,3 +272,101 @@ def test_a_vm_image_built_with_another_agent_is_refused(tmp_path: Path) -> None:
         backend.resolve_image("old")
     (d / "image.json").write_text(json.dumps({"name": "old", "desktop": True, "recipe": recipe_digest(True)}))
     assert backend.resolve_image("old").rootfs == d
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    length, kind, channel = struct.unpack(">IBI", await reader.readexactly(9))
+    return kind, channel, await reader.readexactly(length - 5)
+
+
+async def test_stdin_keeps_to_the_window_the_agent_credits() -> None:
+    """An agent announcing credit gets its commands as EXEC_EXT asking for it, and never more stdin in flight than
+    the window however slowly it credits; a command's exit ends the window (the rest of its stdin is moot)."""
+    size = 3 * STDIN_WINDOW + 12345
+    seen: dict[str, int] = {"in_flight": 0, "received": 0}
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT)))
+        kind, channel, payload = await read_frame(reader)
+        assert kind == T.EXEC_EXT and struct.unpack_from(">I", payload, 4)[0] & EXT_CREDIT
+        credited = 0
+        while True:
+            kind, _, payload = await read_frame(reader)
+            if not payload:
+                break
+            assert kind == T.STDIN
+            seen["received"] += len(payload)
+            seen["in_flight"] = max(seen["in_flight"], seen["received"] - credited)
+            await asyncio.sleep(0.001)  # a slow command
+            writer.write(frame(T.CREDIT, channel, struct.pack(">I", len(payload))))
+            credited += len(payload)
+        writer.write(frame(T.EXIT, channel, struct.pack(">iBB", 0, 0, 0)))
+        # a second command exits without reading, and credits nothing (the agent still reads the port)
+        _, channel, _ = await read_frame(reader)
+        await read_frame(reader)
+        writer.write(frame(T.EXIT, channel, struct.pack(">iBB", 0, 0, 0)))
+        await writer.drain()
+        while True:
+            await read_frame(reader)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        assert client.credits
+        channel = await client.start_exec(["wc", "-c"], {}, "/")
+        assert await client.stdin(channel, b"s" * size)
+        await client.send(T.STDIN, channel, b"")
+        assert (await client.next_frame(channel, 5)).type == T.EXIT
+        channel = await client.start_exec(["true"], {}, "/")
+        assert not await client.stdin(channel, b"t" * size)  # ended by its exit, not hung
+
+    await with_fake_agent(agent, body)
+    assert seen["received"] == size and 0 < seen["in_flight"] <= STDIN_WINDOW
+
+
+async def test_credit_for_stdin_never_sent_ends_the_connection() -> None:
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT)))
+        _, channel, _ = await read_frame(reader)
+        await read_frame(reader)
+        writer.write(frame(T.CREDIT, channel, struct.pack(">I", 1 << 30)))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        channel = await client.start_exec(["cat"], {}, "/")
+        await client.stdin(channel, b"abc")
+        with pytest.raises(AgentGone, match="credited 1073741824 bytes of stdin with 3 in flight"):
+            await client.next_frame(channel, 5)
+
+    await with_fake_agent(agent, body)
+
+
+async def test_an_agent_without_credit_gets_the_older_protocol_and_a_clear_error() -> None:
+    """An agent older than credit (a snapshot's, a hibernated guest's, a VM adopted after an upgrade) announces
+    nothing: commands go as EXEC, stdin as fast as the port takes it, and its ENOBUFS refusal is named as such."""
+    kinds: list[int] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0))
+        kind, channel, _ = await read_frame(reader)
+        kinds.append(kind)
+        received = 0
+        while received < (9 << 20):
+            kind, _, payload = await read_frame(reader)
+            received += len(payload)
+        writer.write(frame(T.ERROR, channel, struct.pack(">I", errno.ENOBUFS) + b"stdin: No buffer space available"))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        assert not client.credits
+        machines = cast(Any, SimpleNamespace(client=lambda record: client, why_gone=None))
+        guest = GuestAgent(machines, cast(Any, None))  # (the profile only matters to pristine execs)
+        record = SandboxRecord(id="sb-old", spec=SandboxSpec(image="x"), state="running", created_at=0, expires_at=0)
+        with pytest.raises(SandboxError, match="guest agent is older than this DSec: it takes at most 8 MiB"):
+            await guest.exec(record, ExecRequest(command="sleep 9; wc -c", stdin=b"o" * (12 << 20)))
+
+    await with_fake_agent(agent, body)
+    assert kinds == [T.EXEC]

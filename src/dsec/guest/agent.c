@@ -63,7 +63,12 @@ static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     case T_IDENTITY: do_identity(id, p, len); break;
     case T_CONFINE: do_confine(id, p, len); break;
     case T_REVEAL: do_reveal(id); break;
-    case T_PING: send_frame(T_END, id, NULL, 0); break;
+    case T_PING: {  /* END: u32 features (AGENT_FEATURES; an older agent's is empty) */
+        unsigned char r[4];
+        put32(r, AGENT_FEATURES);
+        send_frame(T_END, id, r, 4);
+        break;
+    }
     case T_MKDIR: do_mkdir(id, p, len); break;
     case T_SHUTDOWN:
         send_frame(T_END, id, NULL, 0);
@@ -129,7 +134,7 @@ static void reap(void) {
             if (chans[i].used && chans[i].kind == T_EXEC && chans[i].pid == pid) {
                 chans[i].exited = 1; chans[i].status = status; chans[i].exit_ms = now_ms();
                 /* the group outlives its leader only until the host says otherwise; stdin is moot now */
-                close_fd(&chans[i].in_fd);
+                drop_stdin(&chans[i]);
             }
     }
 }
@@ -171,7 +176,9 @@ int main(int argc, char **argv) {
         }
     }
     fcntl(port, F_SETFL, O_NONBLOCK);
-    send_frame(T_READY, 0, NULL, 0);
+    unsigned char features[4];
+    put32(features, AGENT_FEATURES);
+    send_frame(T_READY, 0, features, 4);
     struct pollfd pfd[2 + 3 * MAX_CHANS];
     struct { struct chan *c; int which; } map[2 + 3 * MAX_CHANS];
     for (;;) {

@@ -42,14 +42,19 @@ enum {
     T_CONFINE = 16, T_REVEAL = 17, T_EXEC_EXT = 18, T_RESIZE = 19, T_FS = 20, T_WATCH = 21, T_CANCEL = 22,
     T_CONNECT = 23,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
-    T_READY = 0x87, T_STARTED = 0x88,
+    T_READY = 0x87, T_STARTED = 0x88, T_CREDIT = 0x89,
 };
+
+/* What this agent can do, in READY's and PING's reply (the host falls back to the older protocol without a bit):
+ * 1: stdin flow control (CREDIT frames for the channels that ask: EXEC_EXT flag 32, CONNECT flag 1). */
+#define AGENT_FEATURES 1u
 
 #define MAX_IN ((2u << 20) + (64u << 10)) /* largest frame the host may send: a command at the kernel's limit */
 #define MAX_GROUPS 64
 #define OUT_CHUNK 65536        /* largest payload we send (the host rejects more) */
 #define MAX_CHANS 512
-#define STDIN_BUF_MAX (8u << 20)
+#define STDIN_BUF_MAX (8u << 20) /* a channel's stdin not yet written: the host's window is well below it */
+#define CREDIT_MIN 65536        /* consumed stdin is credited in batches of at least this (or once all is out) */
 #define DRAIN_MS 200
 
 struct chan {
@@ -58,9 +63,11 @@ struct chan {
     int kind;             /* T_EXEC or T_WRITE */
     pid_t pid;            /* exec: process (group leader) */
     int in_fd, out_fd, err_fd;
-    char *inbuf;          /* exec: stdin waiting for the pipe; write: unused */
+    char *inbuf;          /* exec: stdin waiting for the pipe (connect: for the socket); write: unused */
     size_t inlen;
     int in_eof;
+    int credit;           /* the host sends stdin within a window: credit what is consumed (CREDIT) */
+    size_t owed;          /* stdin consumed (written, or dropped) and not yet credited */
     int exited, status;
     long long exit_ms;
     long oom_before;      /* exec: the guest's oom_kill count when it started */
@@ -83,6 +90,7 @@ struct exec_opts {
     int pty;            /* 1: stdin, stdout and stderr on a new terminal; 2: only stdin (raw mode), pipes for the rest */
     unsigned short cols, rows;
     int report_pid;     /* send STARTED with its pid in the commands' pid namespace */
+    int credit;         /* credit stdin as it is consumed (the host keeps a window) */
 };
 
 /* The user a request acts as (CREDS: u32 uid | u32 gid | u16 ngroups | u32 group...). */
@@ -110,6 +118,7 @@ uint32_t get32(const unsigned char *p);
 void send_frame(int type, uint32_t ch, const void *data, size_t len);
 void send_error(uint32_t ch, int err, const char *what);
 void send_text_error(uint32_t ch, int err, const char *text);
+void credit_stdin(struct chan *c, size_t n, int now);
 struct chan *find_chan(uint32_t id);
 struct chan *new_chan(uint32_t id);
 void close_fd(int *fd);
@@ -132,6 +141,7 @@ void do_stdin(uint32_t id, unsigned char *p, size_t len);
 void do_resize(uint32_t id, unsigned char *p, size_t len);
 void signal_command(struct chan *c, int signo, int how);
 void flush_stdin(struct chan *c);
+void drop_stdin(struct chan *c);
 
 /* agent_confine.c: CONFINE and REVEAL */
 extern int confined;

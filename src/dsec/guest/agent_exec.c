@@ -264,6 +264,7 @@ static void start_command(uint32_t id, const struct exec_opts *o, int argc, int 
     free(strs);
     close_fd(&in[0]); close_fd(&out[1]); close_fd(&err[1]); close_fd(&slave);
     c->kind = T_EXEC;
+    c->credit = o->credit;
     c->in_fd = master >= 0 ? master : in[1];
     c->out_fd = o->pty == 1 ? dup(master) : out[0];
     c->err_fd = err[0];
@@ -293,14 +294,16 @@ void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int system
 
 /* EXEC_EXT payload: u16 argc | u16 envc | u32 flags | u16 cols | u16 rows | CREDS | cwd\0 argv...\0 env...\0
  * flags: 1 pristine, 2 system, 4 terminal (stdin, stdout, stderr), 8 terminal stdin only (raw; a shell
- * session), 16 report the pid (STARTED: u32 pid in the commands' pid namespace, before any output). */
+ * session), 16 report the pid (STARTED: u32 pid in the commands' pid namespace, before any output), 32 credit
+ * its stdin as it is consumed (CREDIT). */
 void do_exec_ext(uint32_t id, unsigned char *p, size_t len) {
     if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
     uint32_t flags = get32(p + 4);
     struct exec_opts o = {.cols = (unsigned short)((p[8] << 8) | p[9]), .rows = (unsigned short)((p[10] << 8) | p[11]),
                           .pristine = flags & 1, .system = !!(flags & 2),
-                          .pty = flags & 4 ? 1 : flags & 8 ? 2 : 0, .report_pid = !!(flags & 16)};
+                          .pty = flags & 4 ? 1 : flags & 8 ? 2 : 0, .report_pid = !!(flags & 16),
+                          .credit = !!(flags & 32)};
     p += 12; len -= 12;
     struct creds c;
     if (parse_creds(&p, &len, &c) != 0) { send_error(id, EINVAL, "malformed exec user"); return; }
@@ -329,29 +332,44 @@ void do_resize(uint32_t id, unsigned char *p, size_t len) {
     ioctl(c->tty, TIOCSWINSZ, &ws);
 }
 
+/* The stdin still waiting for a command that no longer takes it (EPIPE, or it exited): dropped, and credited. */
+void drop_stdin(struct chan *c) {
+    size_t dropped = c->inlen;
+    c->inlen = 0;
+    close_fd(&c->in_fd);
+    credit_stdin(c, dropped, 1);
+}
+
 void flush_stdin(struct chan *c) {
+    size_t written = 0;
     while (c->in_fd >= 0 && c->inlen > 0) {
         ssize_t n = write(c->in_fd, c->inbuf, c->inlen);
         if (n < 0) {
-            if (errno == EAGAIN || errno == EINTR) return;
-            c->inlen = 0; close_fd(&c->in_fd); return;  /* EPIPE: the command stopped reading */
+            if (errno == EAGAIN || errno == EINTR) break;
+            credit_stdin(c, written, 0);
+            drop_stdin(c);  /* EPIPE: the command stopped reading */
+            return;
         }
         memmove(c->inbuf, c->inbuf + n, c->inlen - (size_t)n);
         c->inlen -= (size_t)n;
+        written += (size_t)n;
     }
+    credit_stdin(c, written, c->inlen == 0);
     if (c->in_eof && c->inlen == 0) close_fd(&c->in_fd);
 }
 
+/* STDIN for a command: written to its pipe or terminal as far as it takes it, the rest kept until it does (the
+ * host's window bounds that; an older host's 8 MiB is refused). Empty: the end of its input. */
 void do_stdin(uint32_t id, unsigned char *p, size_t len) {
     struct chan *c = find_chan(id);
-    if (!c) return; /* the command already ended: its input is moot */
+    if (!c) return; /* the command already ended: its input is moot (the host's window closed with its EXIT) */
     if (connect_input(c, p, len)) return;
     if (write_input(c, p, len)) return;
     if (len == 0 && c->in_fd >= 0 && c->tty >= 0) {  /* a terminal's end of input is Ctrl-D */
         (void)!write(c->in_fd, "\x04", 1); return;
     }
     if (len == 0) { c->in_eof = 1; flush_stdin(c); return; }
-    if (c->in_fd < 0) return;
+    if (c->in_fd < 0) { credit_stdin(c, len, 1); return; }  /* it stopped reading: dropped */
     if (c->inlen + len > STDIN_BUF_MAX) { send_error(id, ENOBUFS, "stdin"); return; }
     char *nb = realloc(c->inbuf, c->inlen + len);
     if (!nb) { send_error(id, ENOMEM, "stdin"); return; }

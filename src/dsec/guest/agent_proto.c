@@ -50,6 +50,18 @@ void send_error(uint32_t ch, int err, const char *what) {
     send_frame(T_ERROR, ch, buf, 4 + (size_t)n);
 }
 
+/* CREDIT payload: u32 bytes of the channel's stdin consumed (written to the command or socket, or dropped because
+ * it stopped reading) since the last one. Sent in batches of CREDIT_MIN, and `now` (all of its stdin is out). */
+void credit_stdin(struct chan *c, size_t n, int now) {
+    if (!c->credit) return;
+    c->owed += n;
+    if (c->owed == 0 || (!now && c->owed < CREDIT_MIN)) return;
+    unsigned char r[4];
+    put32(r, (uint32_t)c->owed);
+    send_frame(T_CREDIT, c->id, r, 4);
+    c->owed = 0;
+}
+
 struct chan *find_chan(uint32_t id) {
     for (int i = 0; i < MAX_CHANS; i++)
         if (chans[i].used && chans[i].id == id) return &chans[i];

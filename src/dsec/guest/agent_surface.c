@@ -135,14 +135,16 @@ static void watch_ready(struct chan *c) {
 
 /* ---- CONNECT -------------------------------------------------------------------------------------- */
 
-/* CONNECT payload: u16 port. The guest's own 127.0.0.1:port (the host's way in, whatever the guest's network):
- * STARTED once connected (or ERROR), then DATA frames of what the server sends, END when it is done; the host's
- * bytes come as STDIN frames (empty: end of the host's side). CANCEL closes it. */
+/* CONNECT payload: u16 port [| u8 flags]. The guest's own 127.0.0.1:port (the host's way in, whatever the guest's
+ * network): STARTED once connected (or ERROR), then DATA frames of what the server sends, END when it is done; the
+ * host's bytes come as STDIN frames (empty: end of the host's side). CANCEL closes it. flags: 1 credit the host's
+ * bytes as the socket takes them (CREDIT). */
 void do_connect(uint32_t id, unsigned char *p, size_t len) {
-    if (len != 2) { send_error(id, EINVAL, "malformed connect"); return; }
+    if (len != 2 && len != 3) { send_error(id, EINVAL, "malformed connect"); return; }
     struct chan *c = new_chan(id);
     if (!c) { send_error(id, EBUSY, "connect channel"); return; }
     c->kind = T_CONNECT;
+    c->credit = len == 3 && (p[2] & 1);
     c->sfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)((p[0] << 8) | p[1])),
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -167,12 +169,18 @@ static void connect_ready(struct chan *c, short revents) {
         return;
     }
     if (revents & POLLOUT) {
+        size_t sent = 0;
         while (c->inlen > 0) {
             ssize_t n = send(c->sfd, c->inbuf, c->inlen, MSG_NOSIGNAL);
-            if (n < 0) { if (errno == EAGAIN || errno == EINTR) break; c->inlen = 0; break; }
+            if (n < 0) {
+                if (errno == EAGAIN || errno == EINTR) break;
+                sent += c->inlen; c->inlen = 0; break;  /* the server's side is closed: dropped */
+            }
             memmove(c->inbuf, c->inbuf + n, c->inlen - (size_t)n);
             c->inlen -= (size_t)n;
+            sent += (size_t)n;
         }
+        credit_stdin(c, sent, c->inlen == 0);
         if (c->inlen == 0 && c->in_eof) { shutdown(c->sfd, SHUT_WR); c->in_eof = 0; }
     }
     if (revents & (POLLIN | POLLHUP | POLLERR)) {
@@ -189,7 +197,7 @@ static void connect_ready(struct chan *c, short revents) {
 int connect_input(struct chan *c, unsigned char *p, size_t len) {
     if (c->kind != T_CONNECT) return 0;
     if (len == 0) { c->in_eof = 1; if (c->inlen == 0) { shutdown(c->sfd, SHUT_WR); c->in_eof = 0; } return 1; }
-    if (c->inlen + len > STDIN_BUF_MAX) return 1;  /* the host waits for its own window: never this much */
+    if (c->inlen + len > STDIN_BUF_MAX) return 1;  /* within the host's window (or an older host's): never this much */
     char *nb = realloc(c->inbuf, c->inlen + len);
     if (!nb) return 1;
     c->inbuf = nb;

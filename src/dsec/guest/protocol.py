@@ -5,6 +5,11 @@ Frame (both directions): ``u32 length`` (big-endian, counts the bytes after it) 
 rejects unknown types and malformed payloads, and any violation ends the connection (the sandbox is
 then reported dead with the reason); it never allocates more than one frame's worth of bytes.
 
+Stdin flows within a window: on a channel that asked for it (an agent announcing :data:`FEATURE_CREDIT`), the host
+has at most :data:`STDIN_WINDOW` bytes of stdin the agent has not yet credited (CREDIT frames, sent as the command or
+socket takes them), so any amount streams through with bounded memory on both sides. An older agent announces
+nothing: its channels get the older protocol (the agent buffers up to 8 MiB, then refuses with ENOBUFS).
+
 This module does no QEMU management; :mod:`dsec.backends.qemu` owns the VM.
 """
 
@@ -22,8 +27,9 @@ from typing import Literal
 from dsec.errors import InvalidRequest, SandboxError, file_error
 from dsec.models import FileEntry
 
-__all__ = ["FS", "MAX_GUEST_PAYLOAD", "AgentClient", "AgentGone", "Frame", "FrameParser", "ProtocolError", "T",
-           "creds", "parse_exit", "parse_list", "parse_stat", "parse_watch"]
+__all__ = ["EXT_CREDIT", "EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID", "EXT_SYSTEM", "FEATURE_CREDIT",
+           "FS", "MAX_GUEST_PAYLOAD", "STDIN_WINDOW", "AgentClient", "AgentGone", "Frame", "FrameParser",
+           "ProtocolError", "T", "creds", "parse_exit", "parse_list", "parse_stat", "parse_watch"]
 
 MAX_GUEST_PAYLOAD = 65536
 """Largest payload the guest may send (its output chunks are 64 KiB)."""
@@ -31,6 +37,14 @@ MAX_HOST_PAYLOAD = (2 << 20) + (64 << 10) - 5
 """Largest payload the agent accepts from us (``MAX_IN`` in ``agent.h``, less the frame's type and channel)."""
 _WRITE_CHUNK = 256 * 1024
 _HDR = struct.Struct(">IBI")
+STDIN_WINDOW = 2 << 20
+"""Stdin a channel may have in flight, not yet credited by the agent: well below its ``STDIN_BUF_MAX`` (8 MiB), and
+wide enough that a command reading fast never waits for credit."""
+FEATURE_CREDIT = 1
+"""The agent's READY (and PING's END) announces it: it credits stdin on the channels that ask."""
+EXT_PRISTINE, EXT_SYSTEM, EXT_PTY, EXT_PTY_STDIN, EXT_REPORT_PID, EXT_CREDIT = 1, 2, 4, 8, 16, 32
+"""EXEC_EXT flags (``agent_exec.c``)."""
+_CONNECT_CREDIT = 1
 
 
 class T:
@@ -38,10 +52,12 @@ class T:
 
     EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE, EXEC_SYSTEM = range(1, 13)
     CONFINE, REVEAL, EXEC_EXT, RESIZE, FS, WATCH, CANCEL, CONNECT = range(16, 24)
-    STDOUT, STDERR, EXIT, DATA, END, ERROR, READY, STARTED = range(0x81, 0x89)
+    STDOUT, STDERR, EXIT, DATA, END, ERROR, READY, STARTED, CREDIT = range(0x81, 0x8A)
 
 
-_GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY, T.STARTED})
+_GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY, T.STARTED, T.CREDIT})
+_CHANNEL_ENDS = frozenset({T.EXIT, T.END, T.ERROR})
+"""Frames after which a channel takes no more stdin (its command exited or could not start, its connection ended)."""
 
 
 class ProtocolError(SandboxError):
@@ -141,14 +157,48 @@ def guest_error(payload: bytes, path: str, what: str = "") -> Exception:
     return SandboxError(f"guest agent: {message}", path=path)
 
 
+class _Window:
+    """A channel's stdin sent and not yet credited by the agent (at most :data:`STDIN_WINDOW`)."""
+
+    def __init__(self) -> None:
+        self.unacked = 0
+        self.closed = False
+        self.changed = asyncio.Event()
+        self.lock = asyncio.Lock()
+        """One writer at a time: concurrent writes must not interleave their chunks."""
+
+    def credit(self, n: int) -> None:
+        if not 0 < n <= self.unacked:
+            raise ProtocolError(f"guest agent credited {n} bytes of stdin with {self.unacked} in flight")
+        self.unacked -= n
+        self.changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.changed.set()
+
+    async def wait_room(self, want: int) -> int:
+        """Room for up to ``want`` bytes (at least one chunk's worth, or ``want``); 0 once the channel ended."""
+        while not self.closed:
+            room = STDIN_WINDOW - self.unacked
+            if room >= min(want, _WRITE_CHUNK):
+                return min(room, want, _WRITE_CHUNK)
+            self.changed.clear()
+            await self.changed.wait()
+        return 0
+
+
 class AgentClient:
     """One connection to a guest agent; any number of concurrent operations, each on its own channel."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
         self._channels: dict[int, asyncio.Queue[Frame | None]] = {}
+        self._windows: dict[int, _Window] = {}
         self._ids = itertools.count(1)
         self._ready = asyncio.Event()
+        self.features = 0
+        """What the agent announced (:data:`FEATURE_CREDIT`); 0 for an agent older than announcing."""
         self.dead_reason: str | None = None
         self._task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
         self._write_lock = asyncio.Lock()
@@ -176,8 +226,18 @@ class AgentClient:
                     raise AgentGone("connection to the guest agent closed")
                 for frame in parser.feed(data):
                     if frame.type == T.READY:
+                        self.features = _features(frame.payload)
                         self._ready.set()
                         continue
+                    window = self._windows.get(frame.channel)
+                    if frame.type == T.CREDIT:
+                        if len(frame.payload) != 4:
+                            raise ProtocolError(f"malformed credit frame ({len(frame.payload)} bytes)")
+                        if window is not None:  # (none: a channel we gave up on)
+                            window.credit(int.from_bytes(frame.payload, "big"))
+                        continue
+                    if window is not None and frame.type in _CHANNEL_ENDS:
+                        window.close()  # its command ended: the rest of its stdin is moot
                     queue = self._channels.get(frame.channel)
                     if queue is None:
                         continue  # a channel we gave up on (killed exec): late output is dropped
@@ -190,6 +250,8 @@ class AgentClient:
             self._ready.set()
             for queue in self._channels.values():
                 queue.put_nowait(None)
+            for window in self._windows.values():
+                window.close()
             self._writer.close()
 
     def mark_dead(self, reason: str) -> None:
@@ -215,6 +277,27 @@ class AgentClient:
 
     def close_channel(self, channel: int) -> None:
         self._channels.pop(channel, None)
+        window = self._windows.pop(channel, None)
+        if window is not None:
+            window.close()
+
+    @property
+    def credits(self) -> bool:
+        """Whether the agent credits stdin (new channels then ask for it and keep to :data:`STDIN_WINDOW`)."""
+        return bool(self.features & FEATURE_CREDIT)
+
+    async def _start(self, ftype: int, payload: bytes, stdin: bool) -> int:
+        """A new channel and its first request (``stdin``: it takes stdin, within a window when the agent credits);
+        the channel is closed again if the request cannot be sent."""
+        channel = self.open_channel()
+        if stdin and self.credits:
+            self._windows[channel] = _Window()
+        try:
+            await self.send(ftype, channel, payload)
+        except BaseException:
+            self.close_channel(channel)
+            raise
+        return channel
 
     async def send(self, ftype: int, channel: int, payload: bytes = b"") -> None:
         if self.dead_reason is not None:
@@ -264,7 +347,16 @@ class AgentClient:
     # -- operations ---------------------------------------------------------------------------------
 
     async def ping(self, timeout: float = 10.0) -> None:
-        await self._simple(T.PING, b"", "", timeout)
+        """A round trip; learns what the agent announces (a restored guest sent its READY long ago)."""
+        channel = self.open_channel()
+        try:
+            await self.send(T.PING, channel)
+            frame = await self.next_frame(channel, timeout)
+            if frame.type != T.END:
+                raise ProtocolError(f"unexpected frame {frame.type:#x} in reply to a ping")
+            self.features = _features(frame.payload)
+        finally:
+            self.close_channel(channel)
 
     async def read(self, path: str, max_bytes: int) -> bytes:
         channel = self.open_channel()
@@ -318,21 +410,41 @@ class AgentClient:
         """Start a command as ``uid:gid`` (``pristine``: on the image's untouched root, with ``cwd`` bound in;
         ``system``: the backend's own upkeep, never confined); returns its channel (read it with
         :meth:`next_frame`)."""
+        if self.credits:  # its stdin within a window: the extended request asks for credit
+            return await self.start_ext(argv, env, cwd, creds(uid, gid, ()),
+                                        (EXT_PRISTINE if pristine else 0) | (EXT_SYSTEM if system else 0))
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
         payload = struct.pack(">HHII", len(argv), len(env), uid, gid) + b"".join(s.encode() + b"\0" for s in strings)
-        channel = self.open_channel()
-        try:
-            await self.send(T.EXEC_SYSTEM if system else T.EXEC_PRISTINE if pristine else T.EXEC, channel, payload)
-        except BaseException:
-            self.close_channel(channel)
-            raise
-        return channel
+        return await self._start(T.EXEC_SYSTEM if system else T.EXEC_PRISTINE if pristine else T.EXEC, payload, False)
 
-    async def stdin(self, channel: int, data: bytes) -> None:
-        for i in range(0, len(data), _WRITE_CHUNK):
-            await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
+    async def stdin(self, channel: int, data: bytes) -> bool:
+        """Send ``data`` as the channel's stdin, within its window (waiting for the agent's credit); False when the
+        channel ended first (its command exited: the rest was not sent)."""
+        window = self._windows.get(channel)
+        if window is None:  # an older agent (or a channel that takes no credit): as fast as the port goes
+            for i in range(0, len(data), _WRITE_CHUNK):
+                await self.send(T.STDIN, channel, data[i:i + _WRITE_CHUNK])
+            return True
+        async with window.lock:
+            pos = 0
+            while pos < len(data):
+                room = await window.wait_room(len(data) - pos)
+                if not room:
+                    if self.dead_reason is not None:
+                        raise AgentGone(self.dead_reason)
+                    return False
+                window.unacked += room
+                await self.send(T.STDIN, channel, data[pos:pos + room])
+                pos += room
+        return True
+
+    async def end_stdin(self, channel: int) -> None:
+        """The end of the channel's stdin (a terminal's: Ctrl-D), after what a write still waiting for credit sends."""
+        window = self._windows.get(channel)
+        async with window.lock if window is not None else contextlib.nullcontext():
+            await self.send(T.STDIN, channel, b"")
 
     async def signal(self, channel: int, signo: int, how: int = 0) -> None:
         """``signo`` to the command's process group (``how`` 1: its terminal's foreground group; 2: the same
@@ -348,15 +460,11 @@ class AgentClient:
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
             raise InvalidRequest("too many arguments or environment entries")
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
+        if self.credits:
+            flags |= EXT_CREDIT
         payload = (struct.pack(">HHIHH", len(argv), len(env), flags, *size) + creds
                    + b"".join(text.encode() + b"\0" for text in strings))
-        channel = self.open_channel()
-        try:
-            await self.send(T.EXEC_EXT, channel, payload)
-        except BaseException:
-            self.close_channel(channel)
-            raise
-        return channel
+        return await self._start(T.EXEC_EXT, payload, True)
 
     async def fs(self, op: int, creds: bytes, args: bytes, path: str, what: str, timeout: float = 120.0
                  ) -> builtins.list[bytes]:
@@ -386,6 +494,17 @@ class AgentClient:
         with contextlib.suppress(AgentGone):
             await self.send(T.CANCEL, channel, b"")
         self.close_channel(channel)
+
+    async def connect_port(self, port: int) -> int:
+        """CONNECT to the guest's own ``127.0.0.1:port``; returns its channel (STARTED or ERROR come first)."""
+        payload = struct.pack(">H", port) + (bytes([_CONNECT_CREDIT]) if self.credits else b"")
+        return await self._start(T.CONNECT, payload, True)
+
+
+def _features(payload: bytes) -> int:
+    """What an agent announces in READY or PING's END: ``u32`` bits (an older agent's payload is empty; a longer
+    one is a newer agent's, whose first word still counts)."""
+    return int.from_bytes(payload[:4], "big") if len(payload) >= 4 else 0
 
 
 class FS:

@@ -24,6 +24,9 @@ from dsec.backends.base import default_identity
 from dsec.backends.surface import ProcessIO, ProcessSink, Stream
 from dsec.errors import SandboxError, file_error
 from dsec.guest.protocol import (
+    EXT_PTY,
+    EXT_PTY_STDIN,
+    EXT_REPORT_PID,
     FS,
     AgentClient,
     AgentGone,
@@ -38,11 +41,8 @@ from dsec.guest.protocol import (
 from dsec.models import FileEntry, SandboxRecord
 from dsec.models.surface import FileEvent, FileStat
 
-__all__ = ["EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID", "AgentFiles", "AgentPort", "AgentProcess",
-           "GuestSurface", "agent_watch", "creds_of"]
+__all__ = ["AgentFiles", "AgentPort", "AgentProcess", "GuestSurface", "agent_watch", "creds_of"]
 
-EXT_PRISTINE, EXT_SYSTEM, EXT_PTY, EXT_PTY_STDIN, EXT_REPORT_PID = 1, 2, 4, 8, 16
-_CHUNK = 256 * 1024
 _PAIR_WITHIN_S = 0.05
 """How long the first half of a rename waits for its second before it counts as a move out of the tree."""
 
@@ -116,14 +116,13 @@ class AgentProcess(ProcessIO):
                 self._sink.exited(code, sig)
 
     async def write(self, data: bytes) -> None:
-        if self._ended or not self._stdin_open:
+        if self._ended or not self._stdin_open or not await self._client.stdin(self._channel, data):
             raise OSError(errno.EPIPE, "standard input is closed")
-        await self._client.stdin(self._channel, data)
 
     async def close_stdin(self) -> None:
         if not self._ended and self._stdin_open:
             self._stdin_open = self._terminal  # a terminal only gets Ctrl-D (the agent sends it)
-            await self._client.send(T.STDIN, self._channel, b"")
+            await self._client.end_stdin(self._channel)
 
     def signal(self, signo: int, group: bool = True) -> None:
         if not self._ended:
@@ -158,9 +157,8 @@ class AgentPort:
 
     @classmethod
     async def open(cls, client: AgentClient, port: int) -> AgentPort:
-        channel = client.open_channel()
+        channel = await client.connect_port(port)
         try:
-            await client.send(T.CONNECT, channel, struct.pack(">H", port))
             frame = await client.next_frame(channel, 30)
         except BaseException:
             client.close_channel(channel)
@@ -184,12 +182,11 @@ class AgentPort:
         return b""
 
     async def write(self, data: bytes) -> None:
-        for i in range(0, len(data), _CHUNK):
-            await self._client.send(T.STDIN, self._channel, data[i:i + _CHUNK])
+        await self._client.stdin(self._channel, data)  # within its window: a slow server holds the writer
 
     async def write_eof(self) -> None:
         with contextlib.suppress(AgentGone):
-            await self._client.send(T.STDIN, self._channel, b"")
+            await self._client.end_stdin(self._channel)
 
     async def aclose(self) -> None:
         await self._client.cancel(self._channel)

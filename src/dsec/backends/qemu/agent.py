@@ -8,6 +8,9 @@ the machine profile says which sandboxes are confined and how.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import os
 import signal
 import time
@@ -20,8 +23,8 @@ from dsec.backends.qemu.machine import MachineHost
 from dsec.backends.qemu.profile import MachineProfile
 from dsec.backends.surface import ProcessIO, ProcessSink, ProcessSpec
 from dsec.errors import InvalidRequest, NotSupported, SandboxError
-from dsec.guest.protocol import AgentClient, AgentGone, T, parse_exit
-from dsec.guest.surface import EXT_PRISTINE, GuestSurface, creds_of
+from dsec.guest.protocol import EXT_PRISTINE, AgentClient, AgentGone, T, parse_exit
+from dsec.guest.surface import GuestSurface, creds_of
 from dsec.isolation.exec_client import check_exec_size
 from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxRecord
 
@@ -115,10 +118,9 @@ class GuestAgent:
             channel = await client.start_exec(request.argv(), env, cwd, identity.uid, identity.gid,
                                               pristine=request.pristine, system=system)
         finished = False
+        # Stdin streams while the output is read (and capped): a command may answer as it reads.
+        feeding = asyncio.create_task(self._feed(client, channel, request.stdin))
         try:
-            if request.stdin:
-                await client.stdin(channel, request.stdin)
-            await client.send(T.STDIN, channel, b"")
             try:
                 async for event in self._frames(record, client, channel, request, start):
                     finished = event.type == "exit"
@@ -127,9 +129,19 @@ class GuestAgent:
                 finished = True
                 raise SandboxError(str(e)) from None
         finally:
+            feeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, AgentGone):
+                await feeding
             if not finished:
                 await client.signal(channel, signal.SIGKILL)
             client.close_channel(channel)
+
+    @staticmethod
+    async def _feed(client: AgentClient, channel: int, stdin: bytes | None) -> None:
+        """A command's stdin, within its channel's window, then its end."""
+        if stdin and not await client.stdin(channel, stdin):
+            return  # it exited first: the rest is moot
+        await client.end_stdin(channel)
 
     async def _frames(self, record: SandboxRecord, client: AgentClient, channel: int, request: ExecRequest,
                       start: float) -> AsyncIterator[ExecEvent]:
@@ -172,4 +184,11 @@ class GuestAgent:
                 return
             elif frame.type == T.ERROR:
                 detail = frame.payload[4:300].decode(errors="replace")
+                if frame.payload[:4] == errno.ENOBUFS.to_bytes(4, "big"):
+                    # only an agent without stdin credit buffers until it refuses (the host then sends freely)
+                    raise SandboxError(
+                        f"sandbox {record.id}'s guest agent is older than this DSec: it takes at most 8 MiB of "
+                        f"stdin its command has not read yet, and this command's exceeded that ({detail}); "
+                        f"recreate the sandbox from its image (its snapshot or template predates stdin flow "
+                        f"control) or pass the data as a file")
                 raise _NotRun(f"guest agent could not run the command: {detail}")
