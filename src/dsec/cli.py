@@ -312,7 +312,7 @@ def _tokens() -> Any:
 @click.argument("name")
 @click.option("--job", help="Scope the token to this job: it sees and controls only the sandboxes it created.")
 @click.option("--admin", is_flag=True, help="An admin token: sees and controls every sandbox.")
-@click.option("--requests-per-s", type=float, help="Rate limit on all requests (429 + Retry-After past it).")
+@click.option("--requests-per-s", type=float, help="Rate limit on all requests (a call batch: each item).")
 @click.option("--creates-per-s", type=float, help="Rate limit on sandboxes created (batches count each one).")
 @click.option("--e2b", "e2b_format", is_flag=True,
               help="Shape it as an E2B API key (e2b_ + 40 hex digits), which the e2b SDK accepts as E2B_API_KEY.")

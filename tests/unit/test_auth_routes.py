@@ -3,7 +3,10 @@ and a request is matched to the operation the server would run."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,3 +63,57 @@ def test_a_scoped_token_opens_its_sandbox_but_neither_destroy_nor_fork() -> None
     assert not auth._scoped_ok("admin-secret", header, "GET", "/v1/sandboxes/sb-2")
     assert not auth._scoped_ok("admin-secret", header, "GET", "/v1/sandboxes/sb-10")
     assert not auth._scoped_ok("other-secret", header, "GET", "/v1/sandboxes/sb-1")
+
+
+def _guarded(tmp_path: Path, **limits: float) -> tuple[auth.AuthGuard, str, list[bytes]]:
+    """A guard over an app that records the bodies it was handed, and an admin token of the file with ``limits``."""
+    tmp_path.mkdir()
+    tokens = auth.TokenFile(tmp_path / "tokens.json")
+    token = tokens.create("grader", admin=True, requests_per_s=limits.get("requests_per_s"))
+    seen: list[bytes] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def owner_of(sandbox_id: str) -> dict[str, str] | None:
+        return None
+
+    return auth.AuthGuard(app, admin_token=None, tokens=tokens, owner_of=owner_of), token, seen
+
+
+def _request(guard: auth.AuthGuard, token: str, method: str, path: str, body: bytes = b"") -> int:
+    """The status the guard (or the app behind it) answers."""
+    sent: list[dict[str, Any]] = []
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(b"authorization", f"Bearer {token}".encode()), (b"content-length", str(len(body)).encode())]}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    return int(sent[0]["status"])
+
+
+def test_a_call_batch_takes_one_request_per_item_from_the_limit(tmp_path: Path) -> None:
+    """``sb.map`` sends up to 64 calls in one request: each is a call, and counts as a request."""
+    path = _filled(NodeAPI.call_many.path)
+    batch = json.dumps({"function": "gA==", "items": ["gA=="] * 4}).encode()
+    guard, token, seen = _guarded(tmp_path / "many", requests_per_s=2)
+    assert _request(guard, token, "POST", path, batch) == 200
+    assert seen == [batch]  # the app gets the body the guard read
+    assert _request(guard, token, "GET", "/v1/sandboxes") == 429  # 4 items of a 2/s burst: in debt
+    guard, token, _ = _guarded(tmp_path / "one", requests_per_s=2)
+    one = json.dumps({"function": "gA==", "items": ["gA=="]}).encode()
+    assert _request(guard, token, "POST", path, one) == 200
+    assert _request(guard, token, "GET", "/v1/sandboxes") == 200  # one item: one request

@@ -197,7 +197,8 @@ def test_function_rows_apply_the_targets() -> None:
                        "bare_true": summarize([1 * ms]), "bwrap": summarize([6 * ms]),
                        "sdk_call": summarize([4 * ms])}
     suite.extra = {"skipped": {},
-                   "sdk_map": {"calls": 100, "seconds": 0.5, "rate": 200.0, "concurrency": 4},
+                   "sdk_map": {"calls": 100, "seconds": 0.5, "rate": 200.0, "concurrency": 4, "sandbox_cpu": 2.0},
+                   "sdk_map_cpu1": {"calls": 100, "seconds": 1.0, "rate": 100.0, "concurrency": 4, "sandbox_cpu": 1.0},
                    "neighbour": {"alone": {"p50": 2 * ms}, "loaded": {"p50": 2.2 * ms}, "rise": 0.1},
                    "sdk_sustained": {"rate": 400.0, "failures": 0, "concurrency": 4},
                    "backend_sustained": {"rate": 900.0, "failures": 0, "concurrency": 4},
@@ -214,6 +215,9 @@ def test_function_rows_apply_the_targets() -> None:
     passed = {r.metric.split(" (")[0]: r.passed for r in rows}
     assert passed["sb.call(lambda x: x * x, i) p50"] is True  # 4 ms ≤ 5 ms
     assert passed["sb.map throughput"] is False  # 200/s < 300/s
+    assert any(r.metric == "sb.map throughput (C=4, 100 calls, cpu=2)" for r in rows)
+    cpu1 = next(r for r in rows if r.metric == "sb.map throughput on a cpu=1 sandbox")
+    assert cpu1.dsec == 100.0 and cpu1.passed is None  # shown, no target: F6 is the node's rate
     assert passed["neighbour's exec p50 rise while a grader's sb.map runs"] is True  # 10% ≤ 20%
     assert FunctionBench().scaled(0.1).exec_n == 30
 
@@ -586,6 +590,7 @@ def test_tiny_real_function_run(tmp_path: Path, debian_python_image: object) -> 
     assert got["latencies_s"]["sdk_exec_true"]["n"] == 5 and got["latencies_s"]["sdk_call"]["n"] == 2
     assert got["sdk_sustained"]["rate"] > 0 and got["backend_sustained"]["rate"] > 0
     assert got["sdk_map"]["calls"] == 40 and got["sdk_map"]["rate"] > 0 and got["sdk_map"]["cpu_ms_daemon"] > 0
+    assert got["sdk_map"]["sandbox_cpu"] == len(os.sched_getaffinity(0)) and got["sdk_map_cpu1"]["sandbox_cpu"] == 1
     assert got["neighbour"]["alone"]["n"] == 3 and got["neighbour"]["loaded"]["n"] == 3
     assert got["latencies_s"]["run_code"]["n"] == 2 and got["latencies_s"]["bare_python"]["n"] == 2
     assert got["fusion"]["p50_failures"] == 0 and got["fusion"]["sustained"]["ok"] > 0, got["fusion"]

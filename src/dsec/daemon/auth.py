@@ -8,7 +8,8 @@ so a job cannot even learn that another job's sandbox exists. Routes outside ``/
 image reads (trajectory forks and logs, image pulls, metrics) need an admin token (403).
 
 Per-token rate limits (``requests_per_s``, ``creates_per_s``) are token buckets holding one second of
-burst; a refused request is 429 ``RateLimited`` with a ``Retry-After`` header.
+burst; a refused request is 429 ``RateLimited`` with a ``Retry-After`` header. A batch of calls
+(``sb.map``) takes one request per item, as a batch create takes one create per sandbox.
 
 What a job token may do is decided per operation of the node API (:data:`JOB_POLICY`), and a request is
 matched to its operation by the same declarations the server binds (:class:`~dsec.api.protocol.NodeAPI`):
@@ -111,6 +112,8 @@ class _Routes:
 
 
 _ROUTES = _Routes(operations_of(NodeAPI))
+_CALL_BATCH_TAIL = NodeAPI.call_many.path.rpartition("}")[2]
+"""``/call/batch``: only a path ending so is matched against the API to count a call batch's items."""
 _unknown = set(JOB_POLICY) - {op.name for op in operations_of(NodeAPI)}
 if _unknown:  # a renamed or removed operation must not leave a policy that no longer applies
     raise RuntimeError(f"JOB_POLICY names operations the node API does not have: {sorted(_unknown)}")
@@ -324,7 +327,7 @@ class AuthGuard:
                 raise Unauthorized("missing or wrong token: send 'Authorization: Bearer <token>' (DSEC_TOKEN)")
             who, entry = found
             caller.set(entry.name if entry is not None else "admin")
-            self._limit(entry, "requests", entry.requests_per_s if entry else None, 1)
+            receive = await self._count_requests(entry, scope, receive)
             fence = dict(scope["headers"]).get(_FENCE)
             if fence is not None:
                 self.fences.admit(fence, admin=who.job is None)
@@ -337,6 +340,21 @@ class AuthGuard:
             await JSONResponse(err.to_payload(), status_code=err.status_code, headers=headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    async def _count_requests(self, entry: TokenEntry | None, scope: Scope, receive: Receive) -> Receive:
+        """Take the request from the token's request limit: one, or for a batch of calls (``sb.map``) one per
+        item it carries, each being a call of its own (items the node sends back unrun, to be sent again, count
+        again)."""
+        if entry is None or entry.requests_per_s is None:
+            return receive
+        cost = 1.0
+        if scope["method"] == "POST" and scope["path"].endswith(_CALL_BATCH_TAIL):
+            route = _ROUTES.match(scope["method"], scope["path"])
+            if route is not None and route[0].name == NodeAPI.call_many.name:
+                body, receive = await _read_body(receive)
+                cost = _item_count(_json(body))
+        self._limit(entry, "requests", entry.requests_per_s, cost)
+        return receive
 
     async def _count_creates(self, entry: TokenEntry, scope: Scope, receive: Receive) -> Receive:
         """An admin token from the file: only its create limit applies."""
@@ -423,6 +441,11 @@ def _labelled(job: str, kind: JobPolicy, doc: dict[str, Any], scope: Scope, rece
 def _create_count(kind: str, doc: Any) -> float:
     count = doc.get("count", 1) if isinstance(doc, dict) and kind != "create" else 1
     return float(count) if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1.0
+
+
+def _item_count(doc: Any) -> float:
+    items = doc.get("items") if isinstance(doc, dict) else None
+    return float(len(items)) if isinstance(items, list) and items else 1.0  # malformed: validation answers 400
 
 
 def _json(body: bytes) -> Any:

@@ -16,15 +16,17 @@ and waits as the namespace's pid 1, reaping orphans; then it forks the call proc
 (pid 2), which waits for the init to be ready, joins its namespaces, becomes the image's user, drops every
 capability, sets no_new_privs, restricts itself with Landlock and the seccomp program and waits for its
 request. A request (NUL-separated ``CPU_S FSIZE NOFILE TMP_BYTES CWD MAX_RESULT CLIENT_PYTHON ENVC ENV...``
-with the call's four pipes and the ``cgroup.procs`` files of its own cgroup) moves both into the call's
-cgroup and goes to the call process, which takes its pipes, rlimits and working directory, reports
+with the call's four pipes and the ``cgroup.procs`` files of its own cgroup) goes to the call process,
+which moves its init and itself into the call's cgroup (in the call, so that no call's migration, which can
+wait for an RCU grace period, holds up the zygote), takes its pipes, rlimits and working directory, reports
 ``start`` with what it has waited for a CPU so far, and runs the loader (:mod:`loader`): the pickled call on
 stdin, the reply on stdout, its prints on stderr. A request whose ``CLIENT_PYTHON`` is ``program`` carries
 ``ARGC ARGV...`` after the environment and runs that Python program instead (``loader.run_program``), with the
 call's pipes as its standard streams. When it exits the zygote reports ``usage``, ``tmpfull``
 and ``exit`` on the status pipe as ``zygote.c`` does, kills the init (ending the pid namespace and whatever
 the call left) and closes the pipe once both are reaped. It reports ``pid HOSTPID`` of the init when it
-dispatched (the launcher translates the number: killing the init kills the call). ``drain`` makes it stop
+dispatched (the launcher translates the number, asked when the call is made ahead and read at its dispatch:
+killing the init kills the call). ``drain`` makes it stop
 taking calls and exit when the last one ended (the daemon starts a new zygote after a mount change); end
 of file kills every call at once.
 
@@ -35,6 +37,7 @@ it forks do, once confined. Only x86-64 is supported (syscall numbers).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import gc
@@ -234,8 +237,9 @@ class Ready:
 
     init: int
     pidfd: int
-    host: int
-    """The init's pid on the host (the launcher's answer), which the daemon kills the call by."""
+    host: int = 0
+    """The init's pid on the host (the launcher's answer, read when the call is dispatched), which the daemon
+    kills the call by."""
     call: int = 0
     sock: socket.socket | None = None
 
@@ -312,13 +316,18 @@ def _call(sock: socket.socket, pidfd: int, told: int, confinement: Confinement, 
         failure = str(e)
     except OSError as e:
         failure = f"prepare the call: {os.strerror(e.errno or 5)}"
-    msg, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    msg, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 4 + MAX_CGROUP_FDS)
     if not msg and not fds:
         return 0  # the zygote is going away, or drained
-    if len(fds) != 4 or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if len(fds) < 4 or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         return 127
     sock.close()
     status = fds[3]
+    try:
+        _move(fds[4:])
+    except OSError as e:
+        _report_error(status, f"move the call into its cgroup: {os.strerror(e.errno or 5)}")
+        return 127
     if failure is not None:
         _report_error(status, failure)
         return 127
@@ -328,6 +337,19 @@ def _call(sock: socket.socket, pidfd: int, told: int, confinement: Confinement, 
         _report_error(status, "request: malformed")
         return 127
     return _serve(request, fds)
+
+
+def _move(cgroups: list[int]) -> None:
+    """The init (pid 1 here) and this process into the call's own cgroup, through ``cgroup.procs`` files the
+    daemon opened (a write through them is the opener's, whatever this process has become since)."""
+    own = str(os.getpid()).encode()
+    try:
+        for fd in cgroups:
+            os.write(fd, b"1")
+            os.write(fd, own)
+    finally:
+        for fd in cgroups:
+            os.close(fd)
 
 
 def _report_error(status: int, text: str) -> None:
@@ -432,6 +454,8 @@ class Zygote:
         self.ctl, self.launcher, self.tmp_bytes = ctl, launcher, tmp_bytes
         self.confinement, self.cpus = confinement, cpus
         self.ready: Ready | None = None
+        self.asked: collections.deque[Ready] = collections.deque()
+        """Calls whose init's host pid the launcher has yet to answer, in the order asked."""
         self.by_call: dict[int, Running] = {}
         self.by_init: dict[int, Running] = {}
         self.draining = False
@@ -454,7 +478,8 @@ class Zygote:
             os.close(tell)
         ready: Ready | None = None
         try:
-            ready = Ready(init=init, pidfd=os.pidfd_open(init), host=self._host_pid(init))
+            ready = Ready(init=init, pidfd=os.pidfd_open(init))
+            self._ask_host_pid(ready)  # answered while the call is forked
             self._fork_ahead(ready, told)  # the call waits for its init's "ok"; the zygote never does
             return ready
         except BaseException:
@@ -484,14 +509,25 @@ class Zygote:
                 _setns(self.own_pidns, CLONE_NEWPID, "return to the zygote's pid namespace")
         ready.call, ready.sock = child, ours
 
-    def _host_pid(self, pid: int) -> int:
-        """The host's number for our child ``pid`` (which the daemon kills a call by), from the launcher."""
-        creds = struct.pack("iII", pid, os.getuid(), os.getgid())
+    def _ask_host_pid(self, ready: Ready) -> None:
+        """Ask the launcher for the host's number of ``ready``'s init (which the daemon kills a call by)."""
+        creds = struct.pack("iII", ready.init, os.getuid(), os.getgid())
         self.launcher.sendmsg([b"?"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
-        host = int(self.launcher.recv(32) or b"0")
-        if host <= 0:
+        self.asked.append(ready)
+
+    def _host_pid(self, ready: Ready) -> int:
+        """``ready``'s init's host pid: the launcher answers in the order it was asked (an answer for a call
+        given up since is read and dropped)."""
+        while not ready.host:
+            if not self.asked:
+                raise Failed("learn the call's host pid", 3)
+            asked = self.asked.popleft()
+            asked.host = max(int(self.launcher.recv(32) or b"0"), -1)
+            if asked.host <= 0:
+                asked.host = -1
+        if ready.host < 0:
             raise Failed("learn the call's host pid", 3)
-        return host
+        return ready.host
 
     def prepare_ahead(self) -> None:
         if self.ready is None and not self.draining:
@@ -514,16 +550,16 @@ class Zygote:
                 ready, self.ready = self.ready, None
             if ready is None:  # another size of /tmp, or preparing ahead failed: a call of its own, now
                 ready = self.prepare(tmp)
-            for fd in cgroups:  # the init and the call into the call's own cgroup
-                os.write(fd, str(ready.init).encode())
-                os.write(fd, str(ready.call).encode())
+            host = self._host_pid(ready)
             assert ready.sock is not None
-            socket.send_fds(ready.sock, [msg], pipes[:4])
+            # The call moves its init and itself into its cgroup before anything of the request runs: the
+            # zygote, one process for every call, never waits on a cgroup migration.
+            socket.send_fds(ready.sock, [msg], [*pipes[:4], *cgroups])
             running = Running(init=ready.init, status=status)
             self.by_call[ready.call] = running
             self.by_init[ready.init] = running
             try:
-                os.write(status, f"pid {ready.host}\n".encode())
+                os.write(status, f"pid {host}\n".encode())
             except OSError:
                 os.kill(ready.init, signal.SIGKILL)  # the daemon hung up before it learnt the pid
         except (Failed, OSError, ValueError, IndexError) as e:
