@@ -34,6 +34,7 @@ from dsec.isolation.callslots import CallLimits, CallSlots, Slot
 from dsec.isolation.cgroups import CgroupSet
 from dsec.isolation.disk import disk_full
 from dsec.isolation.exec_client import Spawned, stream_exec
+from dsec.isolation.pipewatch import pipe_watch
 from dsec.isolation.zygote import PyZygote, Zygote
 from dsec.models import ExecEvent, ExecRequest, LimitHit, SandboxRecord
 
@@ -219,10 +220,11 @@ def release_when_reaped(slots: CallSlots, slot: Slot, status: int, at_eof: bool 
         slots.release(slot)
         return
     loop = asyncio.get_running_loop()
+    pipes = pipe_watch(loop)
     timer: asyncio.TimerHandle | None = None
 
     def finish(reaped: bool) -> None:
-        loop.remove_reader(status)
+        pipes.remove(status)
         os.close(status)
         if timer is not None:
             timer.cancel()
@@ -238,7 +240,7 @@ def release_when_reaped(slots: CallSlots, slot: Slot, status: int, at_eof: bool 
             pass
         finish(True)
 
-    loop.add_reader(status, readable)
+    pipes.replace(status, readable)  # the stream's watch of it changes hands, or a watch of our own
     timer = loop.call_later(_REAPED_WITHIN_S, finish, False)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from dsec.errors import BackendUnavailable, InvalidRequest, SandboxError
 from dsec.isolation.affinity import hex_mask, sandbox_cpus
+from dsec.isolation.pipewatch import pipe_watch
 from dsec.isolation.procs import reap
 from dsec.models import ExecEvent, ExecRequest, ExecResult, LimitHit
 
@@ -395,6 +396,7 @@ class _Watch:
     def __init__(self, spawned: Spawned, request: ExecRequest, caps: Mapping[str, int] | None = None,
                  starved: Callable[[], float] | None = None, pressing: Callable[[], bool] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.pipes = pipe_watch(self.loop)
         self.spawned = spawned
         self.request = request
         self.caps = {"stdout": request.max_output, "stderr": request.max_output, **(caps or {})}
@@ -457,11 +459,14 @@ class _Watch:
 
     def add(self, fd: int, name: str) -> None:
         self.open[fd] = name
-        self.loop.add_reader(fd, self._ready, fd)
+        self._watch(fd)
+
+    def _watch(self, fd: int) -> None:
+        self.pipes.add(fd, lambda: self._ready(fd))
 
     def remove(self, fd: int) -> None:
         if self.open.pop(fd, None) is not None:
-            self.loop.remove_reader(fd)
+            self.pipes.remove(fd)
 
     def _ready(self, fd: int) -> None:
         name = self.open.get(fd)
@@ -529,7 +534,7 @@ class _Watch:
             self.paused = True
             for fd, stream in self.open.items():
                 if stream != "status":
-                    self.loop.remove_reader(fd)
+                    self.pipes.remove(fd)
 
     def drained(self) -> None:
         """The drain timer's marker: stop waiting for output of a command that has exited."""
@@ -548,7 +553,7 @@ class _Watch:
             self.paused = False
             for fd, stream in self.open.items():
                 if stream != "status":
-                    self.loop.add_reader(fd, self._ready, fd)
+                    self._watch(fd)
         return name, data
 
     def outputs_open(self) -> bool:
@@ -579,8 +584,8 @@ async def stream_exec(
     (up to ``_STARVED_FACTOR`` times the timeout), nor, within that bound, the time while ``pressing()`` says
     it is at its memory limit (the OOM killer on its way). ``status_to(fd, at_eof)``, when given, takes the
     status pipe when the stream ends instead of it being closed (whether it reached end of file yet): the
-    pipe stays registered for reading on the loop, so taking it over is one ``add_reader`` that replaces the
-    callback, not a second registration."""
+    pipe stays registered with the loop's :func:`~dsec.isolation.pipewatch.pipe_watch`, so taking it over is
+    a :meth:`~dsec.isolation.pipewatch.PipeWatch.replace` of its callback, not a second registration."""
     watch = _Watch(spawned, request, caps, starved, pressing)
     captured = {"stdout": bytearray(), "stderr": bytearray()}
     start = time.monotonic()
@@ -661,7 +666,7 @@ async def stream_exec(
         if watch.wstatus is None:
             spawned.kill()  # closed early (client gone, caller cancelled): the command must not run on
         if status_to is not None and not handover:
-            watch.open.pop(spawned.status, None)  # its reader stays registered for status_to
+            watch.open.pop(spawned.status, None)  # its watch stays registered for status_to
         watch.close()
         if handover:
             # Closed before the helper's "pid" line was read (it may sit in the pipe, or come a moment later):

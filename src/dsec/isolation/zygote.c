@@ -331,7 +331,9 @@ int main(int argc, char **argv) {
        The clones return to SCHED_OTHER once prepared. Only from SCHED_OTHER (a daemon run under another
        policy passes its own on unchanged) and best effort: the policy only orders the work. */
     struct sched_param batch = {0};
-    batched = sched_getscheduler(0) == SCHED_OTHER && sched_setscheduler(0, SCHED_BATCH, &batch) == 0;
+    /* The raw syscalls: musl's wrappers of the sched_*scheduler calls answer ENOSYS. */
+    batched = syscall(SYS_sched_getscheduler, 0) == SCHED_OTHER &&
+              syscall(SYS_sched_setscheduler, 0, SCHED_BATCH, &batch) == 0;
     /* A daemon that stopped listening to a call must not take the zygote down with SIGPIPE. */
     signal(SIGPIPE, SIG_IGN);
     int sfd = child_signals();

@@ -69,7 +69,7 @@ static int prepare_call(void) {
         return prep_fail("set rlimits");
     /* The zygote's SCHED_BATCH (see main) ends here: the command is scheduled like any other process. */
     struct sched_param normal = {0};
-    if (batched && sched_setscheduler(0, SCHED_OTHER, &normal) != 0)
+    if (batched && syscall(SYS_sched_setscheduler, 0, SCHED_OTHER, &normal) != 0)
         return prep_fail("set scheduling policy");
     return drop_privileges();
 }
