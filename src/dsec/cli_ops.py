@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import click
 from rich.console import Console, Group
@@ -24,7 +24,7 @@ from rich.table import Table
 from dsec._term import Column, console
 from dsec._term import table as fit_table
 from dsec.errors import InvalidRequest
-from dsec.models import parse_pairs
+from dsec.models import LifecycleKind, parse_pairs
 
 if TYPE_CHECKING:
     from dsec._sdk.client import Client
@@ -434,8 +434,8 @@ def audit(sandbox_id: str | None, who: str | None, job: str | None, outcome: str
                                                        "(0: all kept).")
 @click.option("--count", "-n", type=click.IntRange(1), help="Exit after this many events.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line (NDJSON).")
-@click.option("--kind", "kinds", multiple=True, metavar="KIND",
-              help="Only events of this kind (repeatable): created, destroyed, paused, node...")
+@click.option("--kind", "kinds", multiple=True, type=click.Choice(get_args(LifecycleKind)),
+              help="Only events of this kind (repeatable); a 'lagged' notice of dropped events always shows.")
 def events(since: int | None, count: int | None, as_json: bool, kinds: tuple[str, ...]) -> None:
     """Stream lifecycle events: sandboxes' (created, destroyed, expired, paused, resumed, create_failed...) and
     the node's own (``node``: its images and whether it is stopping, when they change)."""
@@ -454,7 +454,7 @@ def events(since: int | None, count: int | None, as_json: bool, kinds: tuple[str
         stream = client.events(since)
         try:
             async for event in stream:
-                if kinds and event.kind not in kinds:
+                if kinds and event.kind not in kinds and event.kind != "lagged":
                     continue
                 show(event)
                 sys.stdout.flush()

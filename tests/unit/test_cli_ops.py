@@ -144,6 +144,7 @@ def test_events_streams_lifecycle_over_http(daemon: Daemon, env: dsec.Client) ->
             time.sleep(0.05)
         sb = dsec.Sandbox.create(image="tiny", client=env)
         sb.pause()
+        sb.resume()  # not a kind asked for: filtered out
         sb.close()
         out, err = proc.communicate(timeout=30)
     finally:
@@ -159,9 +160,14 @@ def test_events_replays_the_kept_history(daemon: Daemon, env: dsec.Client) -> No
     since = daemon.engine.events.statistics()["published"]
     with dsec.Sandbox.create(image="tiny", client=env) as sb:
         pass
-    code, out, _ = invoke("events", "--since", str(since), "--count", "2")
+    code, out, _ = invoke("events", "--since", str(since), "--count", "2", "--kind", "created", "--kind", "destroyed")
     lines = out.splitlines()
     assert code == 0 and "created" in lines[0] and "destroyed" in lines[1] and sb.id in lines[1]
+
+
+def test_events_refuses_an_unknown_kind() -> None:
+    result = CliRunner().invoke(main, ["events", "--kind", "creatd"])
+    assert result.exit_code == 2 and "'creatd' is not one of" in result.stderr and "'created'" in result.stderr
 
 
 def test_operator_commands_are_listed_in_help() -> None:
