@@ -342,20 +342,31 @@ class NodeImages:
                 self._drop(mount)
                 self.remounts += 1
         self.cache.put_manifest(manifest)
-        target = self.mnt_dir / hexdigest[:16]
-        if fs_types().get(str(target)) == "erofs":  # kept warm by an earlier daemon
-            adopted = self._adopted(hexdigest, target)
+        adopted = self._adopt_live(hexdigest)
+        if adopted is not None:
+            mount = self._mounts[hexdigest] = adopted
+            self.cache.pin(hexdigest)
+            return mount
+        return self._mount_at(manifest, hexdigest, self._free_target(hexdigest))
+
+    def _adopt_live(self, hexdigest: str) -> _Mount | None:
+        """The live mount of the image that an earlier instance left (a daemon before a restart), kept as it is:
+        the sandboxes a restarted daemon re-adopts sit on it, and a function sandbox's new zygote is started on its
+        path meanwhile. It is on ``<digest16>``, or ``<digest16>.<n>`` if it was mounted afresh after a server died;
+        dead ones are let go."""
+        for name in self._image_mounts():
+            if name.split(".")[0] != hexdigest[:16]:
+                continue
+            point = self.mnt_dir / name
+            adopted = self._adopted(hexdigest, point)
             if adopted.server is not None:
-                # Its server is known by generation: adopt the running one first. A restarted daemon knows none
-                # yet, and would take a live mount for dead and mount the image again on this very path while
-                # the sandboxes it re-adopts are started on it.
+                # Its server is known by generation: adopt the running one first (a restarted daemon knows none
+                # yet, and took every mount for dead).
                 self.server.ensure()
             if self._live(adopted):
-                mount = self._mounts[hexdigest] = adopted
-                self.cache.pin(hexdigest)
-                return mount
-            self._forget_path(target)
-        return self._mount_at(manifest, hexdigest, self._free_target(hexdigest))
+                return adopted
+            self._forget_path(point)
+        return None
 
     def _mount_at(self, manifest: Manifest, hexdigest: str, target: Path) -> _Mount:
         """Mount the image (through a running lazy server) at ``target`` and keep it as the image's mount."""

@@ -109,7 +109,8 @@ def test_the_manifests_of_unmounted_snapshot_layers_are_not_kept(home: Path, tmp
 def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_path: Path) -> None:
     """The mount is adopted as it is, never mounted again on its path: a restarted daemon starts the function
     sandboxes it re-adopts on that path (new zygotes) while it re-pins the image, and a new daemon, which knows no
-    server until it adopts one, took the mount for dead and did so (the zygote then found an empty root)."""
+    server until it adopts one, took the mount for dead and did so (the zygote then found an empty root). Nor is
+    the image mounted anew beside it when its mount is one made afresh after a server died (``<digest16>.1``)."""
     store = ImageStore(home / "images")
     make_tree(tmp_path / "src", big=MiB)
     store.import_dir("img", tmp_path / "src", uid_shift=0)
@@ -124,10 +125,19 @@ def test_a_restarted_daemon_adopts_the_server_and_the_mounts(home: Path, tmp_pat
         assert again.rootfs == ref.rootfs and second.fuse_pid() == pid
         assert os.stat(again.rootfs).st_dev == mount and second.stale(ref.rootfs) is None, "the mount was replaced"
         assert (again.rootfs / "etc" / "hello").read_text().startswith("hello")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=10)
+        fresh = second.resolve("img").rootfs
+        assert fresh.name.endswith(".1") and second.stale(ref.rootfs) is not None, "not mounted afresh: nothing tested"
+        fresh_mount = os.stat(fresh).st_dev
+        second.aclose_sync(unmount=False)
+        third = node_for(home, store)
+        assert third.resolve("img").rootfs == fresh and os.stat(fresh).st_dev == fresh_mount, "mounted anew"
     finally:
         node_for(home, store).aclose_sync(unmount=True)
     assert not ref.rootfs.is_mount() and not (home / "lazy" / "blobs").is_mount()
-    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=10)
+    assert not any((home / "lazy" / "mnt").iterdir()), "a mount point is left"
 
 
 def test_a_dead_server_is_replaced_and_a_process_given_its_pid_is_left_alone(home: Path, tmp_path: Path) -> None:
