@@ -117,3 +117,7 @@ def test_a_call_batch_takes_one_request_per_item_from_the_limit(tmp_path: Path) 
     one = json.dumps({"function": "gA==", "items": ["gA=="]}).encode()
     assert _request(guard, token, "POST", path, one) == 200
     assert _request(guard, token, "GET", "/v1/sandboxes") == 200  # one item: one request
+    # The guard counts a batch of any size: a lone item over 16 MiB (the SDK sends one so) is the route's business
+    guard, token, seen = _guarded(tmp_path / "big", requests_per_s=2)
+    big = json.dumps({"function": "gA==", "items": ["A" * (17 << 20)]}).encode()
+    assert _request(guard, token, "POST", path, big) == 200 and seen == [big]
