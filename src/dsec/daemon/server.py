@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -353,6 +354,7 @@ def serve(
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     memory.cap_malloc_arenas()  # before the loop's and the executors' threads exist
+    raise_nofile()
     try:
         trim = memory.trim_from_env()
     except ValueError as exc:
@@ -363,6 +365,17 @@ def serve(
     finally:
         if trim is not None:
             trim.stop()
+
+
+def raise_nofile() -> int:
+    """Raise the daemon's soft limit of open files to its hard limit, and return it: each live sandbox holds
+    a few descriptors here (sockets, pidfds, a function call slot's cgroup files), so a dense node needs more
+    than the usual soft 1,024. Its commands are unaffected: every backend sets their own ``RLIMIT_NOFILE``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
