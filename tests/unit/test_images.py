@@ -527,3 +527,35 @@ def test_copy_image_between_stores(store: ImageStore, tmp_path: Path) -> None:
     with pytest.raises(ImageCorrupt, match="does not match its digest"):
         third.copy_image(store, "img")
     assert third.tag("img") is None
+
+
+@pytest.mark.root
+def test_idle_snapshot_layers_stay_bounded(store: ImageStore, tmp_path: Path) -> None:
+    """Untagged images (snapshot layers, pinned by digest) kept mounted while idle are capped at idle_layers, the
+    longest idle going first, however young; a tagged image stays for its warm period."""
+    src = tmp_path / "src"
+    make_tree(src)
+    digests = []
+    for n in range(6):
+        (src / "generation").write_text(f"{n}\n")
+        store.import_dir(f"layer{n}", src, uid_shift=SHIFT)
+        digests.append(store.tag(f"layer{n}"))
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60, idle_layers=2)
+    try:
+        tagged = images.resolve("layer0")
+        images.release(tagged)
+        for digest in digests[1:]:
+            assert digest is not None
+            images.unpin(images.pin_manifest(digest))
+            images.unmount_idle(600)
+            assert len(images.mounted()) <= 1 + 2, images.mounted()
+        held = images.pin_manifest(digests[1])  # a layer in use is never unmounted
+        images.unmount_idle(600)
+        kept = {f"sha256:{h}" for h in images.mounted()}
+        assert kept == {digests[0], digests[1], digests[4], digests[5]}, "the tagged image, the one in use and the "\
+            "two layers used last"
+        assert held.is_mount()
+        images.unpin(held)
+        assert images.idle(600) == [digests[4][7:]], "three idle layers now: the longest idle of them is excess"
+    finally:
+        images.aclose_sync(unmount=True)

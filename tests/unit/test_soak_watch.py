@@ -135,7 +135,7 @@ async def test_the_chaos_schedule_spares_a_young_daemon_and_keeps_the_others_rat
     import asyncio
     import types
 
-    from dsec.bench import soak
+    from dsec.bench import soak, soak_load
 
     clock = [0.0]
     born = [0.0]
@@ -145,7 +145,7 @@ async def test_the_chaos_schedule_spares_a_young_daemon_and_keeps_the_others_rat
         def age_s(self) -> float:
             return clock[0] - born[0]
 
-    async def fault(node: object, tally: soak._Tally, cfg: soak.SoakBench, name: str, progress: object) -> None:
+    async def fault(node: object, tally: soak_load.Tally, cfg: soak.SoakBench, name: str, progress: object) -> None:
         clock[0] += cfg.fault_every_s
         done.append((clock[0], name))
         tally.recoveries.setdefault(name, []).append(1.0)
@@ -156,7 +156,7 @@ async def test_the_chaos_schedule_spares_a_young_daemon_and_keeps_the_others_rat
     monkeypatch.setattr(soak, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     real_sleep = asyncio.sleep
     monkeypatch.setattr(asyncio, "sleep", lambda seconds: real_sleep(0))  # the wait for the deadline: none
-    tally = soak._Tally(backends=(*soak._BACKENDS, "microvm"))
+    tally = soak_load.Tally(backends=(*soak_load.BACKENDS, "microvm"))
     cfg = soak.SoakBench(minutes=60, fault_every_s=60, daemon_every_s=1200)
     await soak._faults(Node(), tally, cfg, 3600.0, asyncio.Event(), print)  # type: ignore[arg-type]
     kills = [at for at, name in done if name == "daemon"]
@@ -169,7 +169,7 @@ async def test_the_chaos_schedule_spares_a_young_daemon_and_keeps_the_others_rat
 
     clock[0] = born[0] = 0.0
     done.clear()
-    short = soak._Tally()  # no microvm: six components; a soak shorter than a daemon life still kills it once
+    short = soak_load.Tally()  # no microvm: six components; a soak shorter than a daemon life still kills it once
     await soak._faults(Node(), short, soak.SoakBench(minutes=3, fault_every_s=20), 180.0, asyncio.Event(),
                        print)  # type: ignore[arg-type]
     assert [name for _, name in done].count("daemon") == 1 and len(done) == 8

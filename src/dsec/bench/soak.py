@@ -1,11 +1,10 @@
 """``dsec bench soak``: mixed load on one node for N minutes while its parts are SIGKILLed in turn.
 
-Against a private daemon (a process of its own, so it can be killed and started again), ``workers`` clients
-loop over episodes -- create, exec, write and read, snapshot and restore, fork, and every third episode a
-trajectory rollout whose client is cut off at a random step and moment, then re-run -- on the container and
-function backends; one more client does the same on the microvm backend, one guest at a time (TCG guests on
-a small host: the load is the cycle, not the count); another imports a small image into the node's store and
-removes it again, every second. Every ``fault_every_s`` seconds one component of the chaos list is SIGKILLed,
+Against a private daemon (a process of its own, so it can be killed and started again), the load of
+:mod:`dsec.bench.soak_load` runs -- ``workers`` clients' episodes on the container and function backends
+(create, exec, files, snapshots, forks, trajectory rollouts cut off and re-run), one microvm guest at a time
+(TCG guests on a small host: the load is the cycle, not the count), an image imported and removed every
+second. Every ``fault_every_s`` seconds one component of the chaos list is SIGKILLed,
 in turn: the exec helper, the mount holder, the lazy image server, a function sandbox's zygote, a container
 sandbox's init, a microvm's QEMU, the daemon itself (at its turn only once it has lived ``daemon_every_s``:
 otherwise the next component takes the turn). After each fault the soak measures the time until the
@@ -21,52 +20,45 @@ namespaces or processes outliving it) and after the daemon stopped (anything of 
 cleans up), images wedged (not ``ok`` in health past the recovery bound), and the daemon's RSS: at the start,
 the end, and per daemon life the least-squares slope of its warm part (the worst judged life is the figure).
 
-Owns the load, the fault injection and the report; it never reaches into the daemon's internals (health,
-events and processes it started are all it looks at).
+Owns the fault injection, the census' schedule and the report; it never reaches into the daemon's internals
+(health, events and processes it started are all it looks at).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import random
 import shutil
 import signal
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dsec import (
-    AsyncSandbox,
-    AsyncTrajectory,
-    Client,
-    ConnectionFailed,
-    DaemonStopping,
-    DSecError,
-    NotFound,
-    SandboxLost,
-    SandboxNotFound,
-)
+from dsec import AsyncSandbox, DSecError, SandboxLost
 from dsec.bench.container import IMAGE, _cleanup_backend, _leaks, _private_settings, preflight
 from dsec.bench.report import Row, Suite, summarize
+from dsec.bench.soak_load import (
+    BACKENDS,
+    RECOVERY_BOUND,
+    VM_MEMORY,
+    Node,
+    Tally,
+    image_churn,
+    microvm_client,
+    worker,
+)
 from dsec.bench.soak_watch import JUDGED_AFTER, Census, footprint, lives_note, worst_life
 from dsec.config import Settings
 from dsec.daemon import server
-from dsec.images.image_store import ImageStore
 
 __all__ = ["COMPONENTS", "SoakBench", "run"]
 
 COMPONENTS = ("exec-helper", "mount-holder", "lazy-server", "zygote", "sandbox-init", "qemu", "daemon")
 """The chaos list, in the order faults are injected (then again from the start)."""
-_BACKENDS = ("container", "function")
-"""The backends of the workers' episodes (microvm has a client of its own: one guest at a time)."""
-_RECOVERY_BOUND = 90.0
-_VM_MEMORY = "384Mi"
 _RSS_GROWTH_TARGET = 20.0
 """MiB per hour of a daemon's life past its warm-up: more is a leak, not a cache filling."""
 
@@ -92,66 +84,6 @@ class SoakBench:
         return replace(self, minutes=minutes)
 
 
-@dataclass
-class _Tally:
-    ops: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    """Named failures (DSec errors, by class) the load met, mostly while a fault was being repaired."""
-    lost_with_reason: list[str] = field(default_factory=list)
-    lost_without_reason: list[str] = field(default_factory=list)
-    exactly_once_violations: list[str] = field(default_factory=list)
-    copies_unlike_source: list[str] = field(default_factory=list)
-    """Restored snapshots and forks that did not hold their source's files."""
-    images_unserved: list[str] = field(default_factory=list)
-    """Images imported into the store that the daemon then did not serve (by name and error)."""
-    recoveries: dict[str, list[float]] = field(default_factory=dict)
-    unrecovered: list[str] = field(default_factory=list)
-    daemon_restarts: int = 0
-    daemon_turns_passed: int = 0
-    """The daemon's turns in the chaos list given to the next component (it had not lived ``daemon_every_s``)."""
-    backends: tuple[str, ...] = _BACKENDS
-    """Backends the creates after a fault must work on (and microvm when its guests can boot here)."""
-
-    def faulted(self, name: str) -> bool:
-        """Whether component ``name`` was SIGKILLed (recovered or not) in this soak."""
-        return name in self.recoveries or any(u.startswith(f"{name}:") for u in self.unrecovered)
-
-
-class _Node:
-    """The private daemon: its client, its pid, and a restart after it was killed."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        # a TCG boot on a loaded small host can pass the backend's default; the soak is about faults, not boots
-        os.environ.setdefault("DSEC_MICROVM_BOOT_TIMEOUT", "600")
-        self.pid = server.up(settings, timeout=120)
-        self.client = Client(url=f"unix://{settings.socket_path}")
-        self.probe_error: str | None = None
-        """Why the last check that creates work failed (a backend, an exit code, the end of stderr)."""
-
-    def age_s(self) -> float | None:
-        """Seconds the daemon's process has lived (from its start time in /proc: not when ``up`` returned)."""
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ticks = int(Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-            uptime = float(Path("/proc/uptime").read_text().split()[0])
-            return uptime - ticks / os.sysconf("SC_CLK_TCK")
-        return None
-
-    def rss_mib(self) -> float | None:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return None
-
-    async def component(self, name: str) -> Any:
-        info = await self.client.health()
-        return next((c for c in info.components if c.name == name), None)
-
-    async def restart(self) -> None:
-        self.pid = await asyncio.to_thread(server.up, self.settings, None, None, 120)
-
-
 def _procs(comm: str, needle: str) -> list[int]:
     """Pids of processes named ``comm`` whose cgroup mentions ``needle`` (a sandbox id)."""
     found = []
@@ -174,231 +106,6 @@ def _qemu(sandbox_id: str) -> list[int]:
     return found
 
 
-async def _close(tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
-    """Destroy ``sb`` as a client that means it does: again while the daemon is down or restarting (a sandbox
-    whose destroy was lost to the outage lives on, re-adopted by the next daemon)."""
-    await _until_reached(tally, "destroy", sb.close)
-
-
-async def _until_reached(tally: _Tally, what: str, work: Callable[[], Any]) -> None:
-    deadline = time.monotonic() + _RECOVERY_BOUND
-    while True:
-        try:
-            await work()
-        except (ConnectionFailed, DaemonStopping) as exc:
-            tally.errors[type(exc).__name__] += 1
-            if time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                continue
-            return
-        except DSecError as exc:
-            tally.errors[type(exc).__name__] += 1
-            return
-        tally.ops[what] += 1
-        return
-
-
-async def _guard(tally: _Tally, what: str, mine: set[str], work: Callable[[], Any]) -> Any:
-    """Run one operation of the load; classify its failure (the load goes on, after a pause while the daemon
-    cannot be reached)."""
-    try:
-        result = await work()
-    except SandboxLost as exc:
-        tally.lost_with_reason.append(f"{what}: {exc.message}")
-        return None
-    except SandboxNotFound as exc:
-        if exc.detail.get("sandbox_id") in mine or any(sid in exc.message for sid in mine):
-            tally.lost_without_reason.append(f"{what}: {exc.message}")
-        tally.errors[type(exc).__name__] += 1
-        return None
-    except DSecError as exc:
-        tally.errors[type(exc).__name__] += 1
-        if isinstance(exc, (ConnectionFailed, DaemonStopping)):
-            await asyncio.sleep(0.5)  # the daemon is down or restarting: not a busy loop of refused calls
-        return None
-    except Exception as exc:  # not a DSec error: the node answered something no client can act on
-        tally.lost_without_reason.append(f"{what}: {type(exc).__name__}: {exc}")
-        return None
-    tally.ops[what] += 1
-    return result
-
-
-async def _episode(node: _Node, tally: _Tally, worker: int, n: int, rng: random.Random) -> None:
-    backend = _BACKENDS[(worker + n) % len(_BACKENDS)]
-    if backend == "container" and n % 3 == 0:
-        await _rollout(node, tally, f"soak/{worker}/{n}-{time.time_ns()}", rng)
-        return
-    client, mine = node.client, set[str]()
-    labels = {"soak": f"episode-{worker}-{n}"}  # a sandbox left at the end names the episode that made it
-    sb = await _guard(tally, f"create-{backend}", mine, lambda: AsyncSandbox.create(
-        image=IMAGE, backend=backend, labels=labels, client=client))
-    if sb is None:
-        return
-    mine.add(sb.id)
-    try:
-        await _use(tally, sb, mine, 3, 60)
-        if backend == "container" and rng.random() < 0.2:
-            await _restore(node, tally, sb, mine)
-        if backend == "container" and rng.random() < 0.3:
-            want = await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
-            kids = await _guard(tally, "fork", mine, lambda: sb.fork(1)) or []
-            for kid in kids:
-                await _holds(tally, mine, "fork", kid, want)
-                await _close(tally, kid, mine)
-    finally:
-        await _close(tally, sb, mine)
-
-
-async def _use(tally: _Tally, sb: AsyncSandbox, mine: set[str], execs: int, timeout: float,
-               then: str = "; python3 -c 'import json'") -> None:
-    """What an episode does with a sandbox: ``execs`` commands (each one appends a line, ``then`` runs), a file
-    written and one read."""
-    for i in range(execs):
-        await _guard(tally, "exec", mine, functools.partial(sb.exec, f"echo {i} >> /workspace/n{then}",
-                                                            timeout=timeout))
-    await _guard(tally, "write", mine, lambda: sb.files.write("/workspace/f", os.urandom(4096)))
-    await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
-
-
-async def _restore(node: _Node, tally: _Tally, sb: AsyncSandbox, mine: set[str]) -> None:
-    """Snapshot ``sb``, restore it into a new sandbox that must hold its files, then purge the snapshot (the
-    store may be shared: its chunks are this run's alone)."""
-    want = await _guard(tally, "read", mine, lambda: sb.files.read("/workspace/n"))
-    snap = await _guard(tally, "snapshot", mine, sb.snapshot)
-    if snap is None:
-        return
-    try:
-        copy = await _guard(tally, "restore", mine, lambda: AsyncSandbox.create(snapshot=snap, client=node.client))
-        if copy is not None:
-            mine.add(copy.id)
-            await _holds(tally, mine, "restored snapshot", copy, want)
-            await _close(tally, copy, mine)
-    finally:
-        store = ImageStore(node.settings.images, node.settings.snapshot_store)
-        with contextlib.suppress(DSecError, OSError):
-            await asyncio.to_thread(store.remove_snapshot, snap, True)
-
-
-async def _holds(tally: _Tally, mine: set[str], what: str, copy: AsyncSandbox, want: bytes | None) -> None:
-    """A copy (a fork, a restored snapshot) must hold the file its source held when it was copied."""
-    mine.add(copy.id)
-    got = await _guard(tally, "exec", mine, functools.partial(copy.exec, "cat /workspace/n"))
-    if want is not None and got is not None and got.exit_code == 0 and got.stdout != want:
-        tally.copies_unlike_source.append(f"{what} {copy.id}: {got.stdout!r}, its source held {want!r}")
-
-
-async def _rollout(node: _Node, tally: _Tally, name: str, rng: random.Random) -> None:
-    """A trajectory rollout whose client is cut off at a random step and moment (before the call reached the
-    daemon, while it runs, or as it answers), then re-run: every command runs exactly once."""
-    client, mine = node.client, set[str]()
-    sb = await _guard(tally, "create-rollout", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
-                                                                                  client=client))
-    if sb is None:
-        return
-    mine.add(sb.id)
-    steps = ["sleep 0.1; echo a >> ran", "sleep 0.2; echo b >> ran", "sleep 0.3; echo c >> ran"]
-    at = rng.randrange(len(steps))
-    try:
-        for step in steps[:at]:
-            if await _guard(tally, "exec", mine, functools.partial(sb.exec, step)) is None:
-                return
-        cut = asyncio.create_task(sb.exec(steps[at]))
-        await asyncio.sleep(rng.uniform(0.0, 0.5))
-        cut.cancel()  # the client dies: the daemon finishes and logs what it received
-        with contextlib.suppress(BaseException):
-            await cut
-        again = await _guard(tally, "reopen", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
-                                                                                client=client))
-        if again is None:
-            return
-        mine.add(again.id)
-        bound = await _guard(tally, "info", mine, again.info)
-        if bound is not None and bound.trajectory is None:  # its calls would run outside the log, unnumbered
-            tally.exactly_once_violations.append(f"{name}: re-opened as {again.id}, not bound to its log")
-            return
-        for step in steps:
-            replayed = await _guard(tally, "replay", mine, functools.partial(again.exec, step))
-            if replayed is None:
-                return
-            if b"outcome is unknown" in replayed.stderr:  # the daemon died while it ran: at most once, not counted
-                tally.ops["rollout-interrupted"] += 1
-                return
-        counted = await _guard(tally, "exec", mine, lambda: again.exec("wc -l < ran"))
-        if counted is not None and counted.exit_code == 0 and counted.stdout.strip() != b"3":
-            tally.exactly_once_violations.append(f"{name}: {counted.stdout.strip().decode()} runs of 3 commands")
-    finally:
-        await _delete(tally, name, client, mine)
-
-
-async def _delete(tally: _Tally, name: str, client: Client, mine: set[str]) -> None:
-    """Delete a rollout's trajectory (its sandbox with it), again while the daemon cannot be reached."""
-    await _until_reached(tally, "delete-trajectory", lambda: _gone(name, client))
-
-
-async def _gone(name: str, client: Client) -> None:
-    with contextlib.suppress(NotFound):
-        await AsyncTrajectory(name, client).delete()
-
-
-async def _images(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
-    """Import a small image into the node's store and remove it again, over and over (what ``dsec image import``
-    and ``rm`` do from another shell): the node must keep serving the images in use meanwhile."""
-    settings = node.settings
-    store = ImageStore(settings.images, settings.image_store)
-    tree = settings.home / "soak-image"
-    (tree / "etc").mkdir(parents=True, exist_ok=True)
-    n = 0
-    while not done.is_set():
-        name = f"soak-{os.getpid()}-{n}"
-        (tree / "etc" / "generation").write_text(f"{n}\n")
-        made = await _guard(tally, "image-import", set(), functools.partial(
-            asyncio.to_thread, store.import_dir, name, tree, settings.uid_shift))
-        if made is not None:
-            await _served(node, tally, name)
-            await _guard(tally, "image-remove", set(), functools.partial(asyncio.to_thread, store.remove, name))
-        n += 1
-        await asyncio.sleep(1.0)
-
-
-async def _served(node: _Node, tally: _Tally, name: str) -> None:
-    """The daemon serves an image just imported into its store (while it is up)."""
-    try:
-        await node.client.api.get_image(name)
-    except (ConnectionFailed, DaemonStopping) as exc:
-        tally.errors[type(exc).__name__] += 1
-        return
-    except DSecError as exc:
-        tally.images_unserved.append(f"{name}: {exc.message}")
-        return
-    tally.ops["image-get"] += 1
-
-
-async def _microvm(node: _Node, tally: _Tally, done: asyncio.Event) -> None:
-    """One guest at a time: create, exec, write and read, destroy, over and over."""
-    n = 0
-    while not done.is_set():
-        await _vm_episode(node, tally, n)
-        n += 1
-
-
-async def _vm_episode(node: _Node, tally: _Tally, n: int) -> None:
-    mine, labels = set[str](), {"soak": f"episode-microvm-{n}"}
-    vm = await _guard(tally, "create-microvm", mine, lambda: AsyncSandbox.create(
-        image=IMAGE, backend="microvm", memory=_VM_MEMORY, labels=labels, client=node.client))
-    if vm is None:
-        return
-    mine.add(vm.id)
-    try:
-        await _use(tally, vm, mine, 2, 120, then="")  # shell only: a TCG guest runs Python slowly
-    finally:
-        await _close(tally, vm, mine)
-
-
-async def _worker(node: _Node, tally: _Tally, worker: int, done: asyncio.Event, rng: random.Random) -> None:
-    n = 0
-    while not done.is_set():
-        await _episode(node, tally, worker, n, rng)
-        n += 1
 
 
 class _Unrecovered(Exception):
@@ -408,7 +115,7 @@ class _Unrecovered(Exception):
         super().__init__(f"waited {bound:g} s for {waited_for}; last seen: {last}")
 
 
-async def _until(check: Callable[[], Any], waited_for: str, bound: float = _RECOVERY_BOUND) -> None:
+async def _until(check: Callable[[], Any], waited_for: str, bound: float = RECOVERY_BOUND) -> None:
     """Return once ``check()`` is true; :class:`_Unrecovered` naming ``waited_for`` and the last answer (a false
     check's ``last`` attribute, or its error) after ``bound`` seconds."""
     deadline, last = time.monotonic() + bound, "no answer yet"
@@ -423,9 +130,9 @@ async def _until(check: Callable[[], Any], waited_for: str, bound: float = _RECO
     raise _Unrecovered(waited_for, last[-400:], bound)
 
 
-async def _creates_work(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> bool:
+async def _creates_work(node: Node, backends: tuple[str, ...] = BACKENDS) -> bool:
     for backend in backends:
-        sized: dict[str, Any] = {"memory": _VM_MEMORY} if backend == "microvm" else {}
+        sized: dict[str, Any] = {"memory": VM_MEMORY} if backend == "microvm" else {}
         try:
             sb = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": "probe"},
                                            client=node.client, **sized)
@@ -446,7 +153,7 @@ async def _creates_work(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> b
     return True
 
 
-def _probe(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> Callable[[], Any]:
+def _probe(node: Node, backends: tuple[str, ...] = BACKENDS) -> Callable[[], Any]:
     """A check that a create and an exec work on each of ``backends``; its ``last`` is why one did not."""
 
     async def check() -> bool:
@@ -458,7 +165,7 @@ def _probe(node: _Node, backends: tuple[str, ...] = _BACKENDS) -> Callable[[], A
     return check
 
 
-async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
+async def _inject(node: Node, name: str, tally: Tally) -> float | None:
     """SIGKILL ``name``; seconds until the node recovered from it, None when no process of it was found;
     :class:`_Unrecovered` (what was waited for, the last thing seen) when it did not recover within the bound."""
     if name in ("exec-helper", "mount-holder", "lazy-server"):
@@ -486,11 +193,11 @@ async def _inject(node: _Node, name: str, tally: _Tally) -> float | None:
     return await _kill_victim(node, name, tally)
 
 
-async def _kill_victim(node: _Node, name: str, tally: _Tally) -> float | None:
+async def _kill_victim(node: Node, name: str, tally: Tally) -> float | None:
     """SIGKILL one process of a sandbox made for it: a zygote, a container's init or a microvm's QEMU."""
     backend, comm = {"zygote": ("function", "dsec-zygote"), "qemu": ("microvm", "qemu-system")}.get(
         name, ("container", "dsec-init"))
-    sized: dict[str, Any] = {"memory": _VM_MEMORY} if backend == "microvm" else {}
+    sized: dict[str, Any] = {"memory": VM_MEMORY} if backend == "microvm" else {}
     victim = await AsyncSandbox.create(image=IMAGE, backend=backend, labels={"soak": f"victim-{name}"},
                                        client=node.client, **sized)
     try:
@@ -513,7 +220,7 @@ async def _kill_victim(node: _Node, name: str, tally: _Tally) -> float | None:
             settled.last = f"exec on the victim: exit {ran.exit_code}, {ran.stdout[-200:]!r}"  # type: ignore[attr-defined]
             return ran.stdout == b"kept\n"
 
-        backends = tally.backends if name == "qemu" else _BACKENDS
+        backends = tally.backends if name == "qemu" else BACKENDS
         await _until(settled, f"victim {victim.id} (pid {pids[0]} killed) to be revived or reported lost")
         await _until(_probe(node, backends), "a create and an exec to work on each backend")
         return time.monotonic() - started
@@ -522,7 +229,7 @@ async def _kill_victim(node: _Node, name: str, tally: _Tally) -> float | None:
             await victim.close()
 
 
-async def _faults(node: _Node, tally: _Tally, cfg: SoakBench, deadline: float, done: asyncio.Event,
+async def _faults(node: Node, tally: Tally, cfg: SoakBench, deadline: float, done: asyncio.Event,
                   progress: Callable[[str], None]) -> None:
     """A fault every ``fault_every_s`` until the deadline, and at least one of each component; then ``done``. The
     daemon's turn goes to the next component while the daemon is younger than ``daemon_every_s``."""
@@ -552,7 +259,7 @@ def _daemon_due(age: float | None, killed: bool, left: float, cfg: SoakBench, tu
     return not killed and left < turns * cfg.fault_every_s
 
 
-async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress: Callable[[str], None]) -> None:
+async def _fault(node: Node, tally: Tally, cfg: SoakBench, name: str, progress: Callable[[str], None]) -> None:
     await asyncio.sleep(cfg.fault_every_s)
     progress(f"SIGKILL {name}")
     try:
@@ -573,7 +280,7 @@ async def _fault(node: _Node, tally: _Tally, cfg: SoakBench, name: str, progress
         progress(f"{name}: recovered in {took:.1f} s")
 
 
-async def _census(node: _Node, census: Census, every: float, done: asyncio.Event) -> None:
+async def _census(node: Node, census: Census, every: float, done: asyncio.Event) -> None:
     """Look for leaks, wedged images and the daemon's RSS every ``every`` seconds (not while the daemon is
     down: what it lists is the census' reference)."""
     while not done.is_set():
@@ -588,7 +295,7 @@ async def _census(node: _Node, census: Census, every: float, done: asyncio.Event
                                 node.pid, node.rss_mib(), node.age_s())
 
 
-def _microvm_available(tally: _Tally, results: dict[str, Any]) -> None:
+def _microvm_available(tally: Tally, results: dict[str, Any]) -> None:
     """microvm joins the load where its guests can boot (a kernel and QEMU); otherwise the report says why."""
     from dsec.guest.kernel import default_guest_dir, find_kernel
 
@@ -597,13 +304,13 @@ def _microvm_available(tally: _Tally, results: dict[str, Any]) -> None:
     except DSecError as exc:
         results["microvm"] = f"not in the load: {exc.message}"
         return
-    tally.backends = (*_BACKENDS, "microvm")
+    tally.backends = (*BACKENDS, "microvm")
     results["microvm"] = "in the load"
 
 
-async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tally: _Tally, census: Census,
+async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tally: Tally, census: Census,
                 progress: Callable[[str], None]) -> None:
-    node = _Node(settings)
+    node = Node(settings)
     rng = random.Random(cfg.seed)
     try:
         _microvm_available(tally, results)
@@ -613,10 +320,10 @@ async def _soak(cfg: SoakBench, settings: Settings, results: dict[str, Any], tal
         deadline, done = time.monotonic() + cfg.minutes * 60, asyncio.Event()
         progress(f"{cfg.workers} workers on {', '.join(tally.backends)} for {cfg.minutes:g} min, "
                  f"a SIGKILL every {cfg.fault_every_s:g} s (the daemon's once it lived {cfg.daemon_every_s:g} s)")
-        vm = [_microvm(node, tally, done)] if "microvm" in tally.backends else []
-        await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress), _images(node, tally, done),
+        vm = [microvm_client(node, tally, done)] if "microvm" in tally.backends else []
+        await asyncio.gather(_faults(node, tally, cfg, deadline, done, progress), image_churn(node, tally, done),
                              _census(node, census, cfg.census_every_s, done), _load_sampler(results, done), *vm,
-                             *(_worker(node, tally, w, done, random.Random(rng.random()))
+                             *(worker(node, tally, w, done, random.Random(rng.random()))
                                for w in range(cfg.workers)))
         results["rss_end_mib"] = node.rss_mib()
         # every episode closes what it made: one still here is a leak (its labels name the episode)
@@ -646,8 +353,8 @@ async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[
     preflight(node)
     settings = _private_settings(node)
     suite = Suite(name="soak")
-    tally = _Tally()
-    census = Census(settings, wedged_after=_RECOVERY_BOUND)
+    tally = Tally()
+    census = Census(settings, wedged_after=RECOVERY_BOUND)
     results: dict[str, Any] = {"config": asdict(cfg), "home": str(settings.home), "load": os.getloadavg()}
     started = time.monotonic()
     try:
@@ -676,7 +383,7 @@ async def run(cfg: SoakBench, node: Settings | None = None, progress: Callable[[
     return suite
 
 
-def _rows(results: dict[str, Any], tally: _Tally) -> list[Row]:
+def _rows(results: dict[str, Any], tally: Tally) -> list[Row]:
     injected = sum(len(v) for v in tally.recoveries.values()) + len(tally.unrecovered)
     rows = [
         Row("operations done", "", float(sum(tally.ops.values())), better="higher",

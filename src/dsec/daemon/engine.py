@@ -321,7 +321,8 @@ class Engine(Creation, Removal, Forks, Commands, GuiOperations, Recovery, Surfac
                 log.exception("reaper pass failed")
 
     async def _unmount_idle_images(self) -> None:
-        """Image mounts stay warm for ``IMAGE_IDLE_SECONDS`` after their last sandbox, then go."""
+        """Image mounts stay warm for ``IMAGE_IDLE_SECONDS`` after their last sandbox, then go (idle snapshot
+        layers beyond the images' ``idle_layers`` go at once)."""
         idle = getattr(self.images, "idle", None)
         if idle is not None and idle(IMAGE_IDLE_SECONDS):
             done = await asyncio.to_thread(self.images.unmount_idle, IMAGE_IDLE_SECONDS)  # type: ignore[attr-defined]

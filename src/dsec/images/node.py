@@ -60,6 +60,10 @@ _HUNG_PROBES = 3
 """Deep checks in a row that a live lazy server must fail to answer before it is replaced as hung."""
 _DEAD_KEPT = 10_000
 """Paths of dead mounts remembered for :meth:`NodeImages.stale` (a few per server death)."""
+IDLE_LAYERS = 16
+"""Snapshot layers (images no tag names: one per snapshot, most restored or forked once) kept mounted while no
+sandbox uses them; beyond these the longest idle go at once, not after the warm period: under a load of forks
+and restores their mounts, health entries and pinned chunks would otherwise pile up for the whole period."""
 
 
 def _owned(lock: Path) -> bool:
@@ -103,8 +107,9 @@ class NodeImages:
 
     def __init__(self, settings: Settings, store: ImageStore | None = None,
                  cache_limit: int | None = None, prefetch: bool = True, tag_ttl: float = 1.0,
-                 daemon: bool = False) -> None:
+                 daemon: bool = False, idle_layers: int = IDLE_LAYERS) -> None:
         self.settings = settings
+        self.idle_layers = idle_layers
         self.daemon = daemon
         """This is the home's daemon's image manager: it holds ``lazy/owner.lock`` (shared) while it lives, and
         other managers of the home leave what it mounted alone."""
@@ -552,12 +557,18 @@ class NodeImages:
         return path
 
     def idle(self, idle_for: float = 0.0) -> builtins.list[str]:
-        """Digests of mounted images no sandbox has used for ``idle_for`` seconds (cheap: no I/O)."""
+        """Digests of mounted images no sandbox has used for ``idle_for`` seconds, and of the idle snapshot layers
+        beyond the :attr:`idle_layers` used last, however recently (cheap: no I/O)."""
         now = time.monotonic()
-        return [h for h, m in builtins.list(self._mounts.items()) if m.refs == 0 and now - m.idle_since >= idle_for]
+        tagged = {digest[7:] for digest, _ in builtins.list(self._tags.values())}
+        unused = [(m.idle_since, h) for h, m in builtins.list(self._mounts.items()) if m.refs == 0]
+        layers = sorted((since, h) for since, h in unused if h not in tagged)
+        excess = {h for _, h in layers[:max(0, len(layers) - self.idle_layers)]}
+        return [h for since, h in unused if now - since >= idle_for or h in excess]
 
     def unmount_idle(self, idle_for: float = 0.0) -> builtins.list[str]:
-        """Unmount every image no sandbox has used for ``idle_for`` seconds; returns their digests."""
+        """Unmount every image no sandbox has used for ``idle_for`` seconds, and the snapshot layers beyond
+        :attr:`idle_layers` (see :meth:`idle`); returns their digests."""
         done: builtins.list[str] = []
         with self._lock:
             for hexdigest in self.idle(idle_for):
