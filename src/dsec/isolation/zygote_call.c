@@ -199,15 +199,18 @@ void run_call(int sock) {
     int tail = 7 + argc + envc; /* the optional user and flags */
     if (nfields != tail && nfields != tail + 3)
         call_fail("request user", EINVAL, 127);
+    if (tail >= MAX_FIELDS)
+        call_fail("request", E2BIG, 127);
     int with_user = nfields == tail + 3;
     if (with_user && (atoi(fields[tail + 2]) & 1) && ioctl(0, TIOCSCTTY, 0) != 0)
         call_fail("make the terminal the controlling terminal", errno, 127);
-    char **argv = calloc((size_t)argc + 1, sizeof *argv), **envp = calloc((size_t)envc + 1, sizeof *envp);
-    if (!argv || !envp)
-        call_fail("request", ENOMEM, 127);
-    memcpy(argv, cargv, (size_t)argc * sizeof *argv);
-    memcpy(envp, cenv, (size_t)envc * sizeof *envp);
-    become_user(with_user ? fields[tail] : NULL, with_user ? fields[tail + 1] : NULL);
+    char *uid_text = with_user ? fields[tail] : NULL, *gid_text = with_user ? fields[tail + 1] : NULL;
+    /* argv and envp in place, each ended by a NULL over the field after it (ENVC's, read above, and the
+       user's, kept above): no copy on a heap page of the clone's own. */
+    char **argv = cargv, **envp = cenv;
+    fields[6 + argc] = NULL;
+    fields[tail] = NULL;
+    become_user(uid_text, gid_text);
     if (chdir(cwd) != 0) {
         char what[300];
         snprintf(what, sizeof what, "working directory '%s'", cwd);
