@@ -323,6 +323,29 @@ async def test_stdin_keeps_to_the_window_the_agent_credits() -> None:
     assert seen["received"] == size and 0 < seen["in_flight"] <= STDIN_WINDOW
 
 
+async def test_a_stdin_write_cancelled_before_it_was_sent_takes_no_room() -> None:
+    """A write cancelled while another holds the port sent nothing: it must not shrink the window for good."""
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT)))
+        while True:
+            await read_frame(reader)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        channel = await client.start_exec(["cat"], {}, "/")
+        window = client._windows[channel]
+        async with client._write_lock:  # another channel's write holds the port
+            write = asyncio.create_task(client.stdin(channel, b"x" * 1000))
+            await asyncio.sleep(0.05)
+            write.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await write
+        assert window.unacked == 0
+        assert await client.stdin(channel, b"y" * 10) and window.unacked == 10  # what was sent is counted
+
+    await with_fake_agent(agent, body)
+
+
 async def test_credit_for_stdin_never_sent_ends_the_connection() -> None:
     async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT)))

@@ -19,8 +19,10 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import functools
 import itertools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -167,6 +169,9 @@ class _Window:
         self.lock = asyncio.Lock()
         """One writer at a time: concurrent writes must not interleave their chunks."""
 
+    def sent(self, n: int) -> None:
+        self.unacked += n
+
     def credit(self, n: int) -> None:
         if not 0 < n <= self.unacked:
             raise ProtocolError(f"guest agent credited {n} bytes of stdin with {self.unacked} in flight")
@@ -299,11 +304,15 @@ class AgentClient:
             raise
         return channel
 
-    async def send(self, ftype: int, channel: int, payload: bytes = b"") -> None:
+    async def send(self, ftype: int, channel: int, payload: bytes = b"",
+                   written: Callable[[], None] | None = None) -> None:
+        """Send one frame (``written``: called once it is in the transport, which sends it whatever happens next)."""
         if self.dead_reason is not None:
             raise AgentGone(self.dead_reason)
         async with self._write_lock:
             self._writer.write(encode(ftype, channel, payload))
+            if written is not None:
+                written()
             try:
                 await self._writer.drain()
             except OSError as e:
@@ -435,8 +444,9 @@ class AgentClient:
                     if self.dead_reason is not None:
                         raise AgentGone(self.dead_reason)
                     return False
-                window.unacked += room
-                await self.send(T.STDIN, channel, data[pos:pos + room])
+                # Counted once the frame is in the transport: a write cancelled while it waits for the port was
+                # never sent, and the agent never credits it.
+                await self.send(T.STDIN, channel, data[pos:pos + room], written=functools.partial(window.sent, room))
                 pos += room
         return True
 
