@@ -69,3 +69,20 @@ def test_every_file_of_a_helper_is_in_its_build(directory: str, prefix: str, sou
     here = Path(binaries.__file__).parent.parent / directory
     files = {p for p in here.iterdir() if p.name.startswith(prefix) and p.suffix in (".c", ".h")}
     assert files == {getattr(module, source), *getattr(module, parts)}
+
+
+def test_a_binary_musl_cannot_build_is_built_with_glibc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_HELPERS", str(tmp_path / "helpers"))
+    broken = tmp_path / "cc" / "musl-gcc"  # installed, but every build fails (headers it cannot take)
+    broken.parent.mkdir()
+    broken.write_text(f"#!/bin/sh\necho run >> {tmp_path}/tries\necho 'fatal error: asm/types.h: No such file' >&2\n"
+                      "exit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{broken.parent}:{os.environ['PATH']}")
+    (tmp_path / "main.c").write_text('#include <stdio.h>\nint main(void) { puts("built"); return 0; }\n')
+    built = binaries.ensure_binary(tmp_path / "main.c", "dsec-test", tmp_path / "bin", musl=True)
+    assert built == binaries.binary_path(tmp_path / "main.c", "dsec-test", tmp_path / "bin")  # the glibc build's
+    assert subprocess.run([built], capture_output=True, text=True, check=True).stdout == "built\n"
+    again = binaries.ensure_binary(tmp_path / "main.c", "dsec-test", tmp_path / "bin", musl=True)
+    assert again == built and not list((tmp_path / "bin").glob(".*"))  # no leftovers
+    assert (tmp_path / "tries").read_text() == "run\n"  # musl was tried once in this process

@@ -25,6 +25,7 @@ which was the largest user-space cost of an exec (~0.3 ms of CPU); musl's start-
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -43,6 +44,8 @@ NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 RTSHIM_SOURCE = Path(__file__).with_name("rtshim.c")
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.c")
 CALLINIT_SOURCE = Path(__file__).with_name("callinit.c")
+log = logging.getLogger(__name__)
+
 ZYGOTE_PARTS = tuple(Path(__file__).with_name(name) for name in (
     "zygote.h", "zygote_io.c", "zygote_setup.c", "zygote_call.c", "zygote_py.c"))
 """The rest of ``dsec-zygote`` (built with ``zygote.c``): part of the binary's identity (its name's digest)."""
@@ -86,12 +89,28 @@ def _share(target: Path) -> None:
         pass
 
 
+_MUSL_FAILED: set[str] = set()
+"""Binaries (by name and digest) that ``musl-gcc`` could not build in this process: built with glibc instead."""
+
+
 def ensure_binary(source: Path, name: str, directory: Path, *, musl: bool = False,
                   parts: tuple[Path, ...] = ()) -> Path:
     """Path of ``name`` built statically from the current ``source`` and its other ``parts`` (``.c`` files compiled
-    with it, headers); builds it if needed (``musl``: with ``musl-gcc`` when installed, else with gcc and glibc as
-    every other binary), or copies the node's build of the same sources."""
-    target = binary_path(source, name, directory, musl=musl, parts=parts)
+    with it, headers); builds it if needed (``musl``: with ``musl-gcc`` when installed, else, or when that build
+    fails, with gcc and glibc as every other binary), or copies the node's build of the same sources."""
+    if musl and shutil.which("musl-gcc"):
+        target = binary_path(source, name, directory, musl=True, parts=parts)
+        if target.name not in _MUSL_FAILED:
+            try:
+                return _ensure(target, source, name, directory, musl, parts)
+            except BackendUnavailable as exc:
+                # musl's headers are the likeliest part to break (the kernel's come after them): glibc works too.
+                _MUSL_FAILED.add(target.name)
+                log.warning("building %s with musl-gcc failed, so it is built with glibc: %s", name, exc)
+    return _ensure(binary_path(source, name, directory, parts=parts), source, name, directory, False, parts)
+
+
+def _ensure(target: Path, source: Path, name: str, directory: Path, musl: bool, parts: tuple[Path, ...]) -> Path:
     if target.exists():
         return target
     shared = node_cache() / target.name
