@@ -246,6 +246,11 @@ async def test_sandbox_init_killed(node: Node, client: dsec.Client) -> None:
 async def test_lazy_server_killed(node: Node, client: dsec.Client) -> None:
     box, fn = await mix(client)
     server = await component(client, "lazy-server")
+    for _ in range(100):  # health is as of the watchdog's last pass (every second): it may predate the mount
+        if server.detail and server.detail.startswith("pid "):
+            break
+        await asyncio.sleep(0.1)
+        server = await component(client, "lazy-server")
     os.kill(pid_of(server), signal.SIGKILL)
     after = await wait_ok(client, "lazy-server", server.faults + 1)
     assert pid_of(after) != pid_of(server) and "SIGKILL" in str(after.last_error)
