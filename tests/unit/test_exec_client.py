@@ -75,6 +75,29 @@ async def test_a_call_closed_before_the_pid_line_is_read_still_kills_its_command
     assert command.poll() == -9, "the command outlived its call"
 
 
+async def test_a_function_call_closed_before_its_pid_hands_its_pipe_over_once_killed(
+        helper: _Helper, command: subprocess.Popen[bytes]) -> None:
+    """With ``status_to`` (a function call's slot waits for its pipe's end of file), the pipe has one reader at a
+    time: the pid line is read, the command killed, then the pipe handed over (two readers could lose the line)."""
+    handed: list[tuple[int, bool]] = []
+    stream = stream_exec(helper.spawned, ExecRequest(command=["sleep", "300"]),
+                         status_to=lambda fd, at_eof: handed.append((fd, at_eof)))
+    call = asyncio.create_task(collect_exec(stream))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert handed == []  # not yet: the pid is still to be read
+    helper.report(f"pid {command.pid}")
+    for _ in range(200):
+        if command.poll() is not None and handed:
+            break
+        await asyncio.sleep(0.01)
+    assert command.poll() == -9, "the command outlived its call"
+    assert len(handed) == 1 and handed[0][1] is False
+    os.close(handed[0][0])
+
+
 async def test_a_call_closed_before_anything_started_lets_go_of_the_pipe(helper: _Helper) -> None:
     """No command was started (the helper reports an error, or just hangs up): nothing is killed, and the
     daemon's end of the status pipe is closed at the helper's EOF."""

@@ -154,7 +154,9 @@ class Calls:
         finally:
             if spawned is None:
                 slots.release(slot)
-            elif not handed:  # the stream never ran: the call is killed, its slot freed once it is reaped
+            elif not handed and spawned.status >= 0:
+                # The stream never ran (one that did hands the pipe over, at once or once it killed the call): the
+                # call is killed, its slot freed once it is reaped.
                 spawned.kill()
                 status, spawned.status = spawned.status, -1
                 spawned.close()

@@ -332,18 +332,23 @@ def _read_ready(fd: int) -> bytes | None:
         return b""
 
 
-def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes, within: float = 10.0) -> None:
+def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes, within: float = 10.0,
+                       then: Callable[[int, bool], None] | None = None) -> None:
     """Own status pipe ``fd`` of a call closed before its command's pid was known: read on until the helper
     reports the pid, kill the command's process group then, and close the pipe (also at EOF: nothing was
-    started, and after ``within`` seconds)."""
+    started, and after ``within`` seconds), or hand it to ``then(fd, at_eof)`` instead, its only reader from
+    then on (a reader beside this one could take the pid line from it)."""
     pending = bytearray(buffered)
     timer: asyncio.TimerHandle | None = None
 
-    def done() -> None:
+    def done(at_eof: bool = False) -> None:
         nonlocal fd
         if fd >= 0:
             loop.remove_reader(fd)
-            os.close(fd)
+            if then is None:
+                os.close(fd)
+            else:
+                then(fd, at_eof)
             fd = -1
         if timer is not None:
             timer.cancel()
@@ -361,7 +366,7 @@ def _kill_once_started(loop: asyncio.AbstractEventLoop, fd: int, buffered: bytes
             done()
             return
         if not data:
-            done()
+            done(at_eof=True)
 
     loop.add_reader(fd, ready)
     timer = loop.call_later(within, done)
@@ -671,9 +676,7 @@ async def stream_exec(
         if handover:
             # Closed before the helper's "pid" line was read (it may sit in the pipe, or come a moment later):
             # closing the pipe now would leave that command running with no one to kill it.
-            if status_to is not None:
-                status_to(os.dup(spawned.status), False)
-            _kill_once_started(watch.loop, spawned.status, watch.status_buf)
+            _kill_once_started(watch.loop, spawned.status, watch.status_buf, then=status_to)
             spawned.status = -1
         elif status_to is not None:
             status, spawned.status = spawned.status, -1
