@@ -7,6 +7,7 @@ import asyncio
 import re
 import shutil
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -99,6 +100,7 @@ async def test_a_terminal_runs_tmux_and_shows_its_screen(sb: dsec.AsyncSandbox) 
         await _screen_until(term, [b"120x39"])  # the window: the terminal less tmux's status line
     finally:
         await sb.exec([*tmux, "kill-server"])
+        Path(socket_path).unlink(missing_ok=True)  # a killed server leaves its socket
     assert (await term.wait(timeout=20)).running is False
 
 

@@ -247,16 +247,20 @@ def test_sdk_builds_through_the_daemon(node: tuple[ImageStore, NodeImages, Setti
     ctx = context(tmp_path / "ctx", "FROM bb\nCOPY data.txt /data.txt\n", {"data.txt": "via the api\n"})
     outside = tmp_path / "elsewhere.Dockerfile"
     outside.write_text("FROM bb\nARG N\nRUN echo $N > /n && exit $N\n")
-    with running_daemon(short_home("dsec-bld-d-"), images=images) as daemon:
-        client = dsec.Client(daemon.unix_url)
-        lines: list[str] = []
-        info = dsec.Sandbox.build_image("via-sdk", ctx, output=lines.append, client=client, network="none")
-        assert info.name == "via-sdk" and any("COPY data.txt" in line for line in lines)
-        with pytest.raises(dsec.BuildFailed) as err:
-            dsec.Sandbox.build_image("bad-sdk", ctx, dockerfile=outside, build_args={"N": "3"}, client=client,
-                                     network="none")
-        assert err.value.detail["exit_status"] == 3 and err.value.detail["step"].startswith("RUN echo $N")
-        client.close()
+    home = short_home("dsec-bld-d-")
+    try:
+        with running_daemon(home, images=images) as daemon:
+            client = dsec.Client(daemon.unix_url)
+            lines: list[str] = []
+            info = dsec.Sandbox.build_image("via-sdk", ctx, output=lines.append, client=client, network="none")
+            assert info.name == "via-sdk" and any("COPY data.txt" in line for line in lines)
+            with pytest.raises(dsec.BuildFailed) as err:
+                dsec.Sandbox.build_image("bad-sdk", ctx, dockerfile=outside, build_args={"N": "3"}, client=client,
+                                         network="none")
+            assert err.value.detail["exit_status"] == 3 and err.value.detail["step"].startswith("RUN echo $N")
+            client.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)  # the daemon has stopped
     ref = images.resolve("via-sdk")
     try:
         assert (ref.rootfs / "data.txt").read_text() == "via the api\n"
