@@ -115,13 +115,10 @@ class Calls:
         slots = self.slots(record, cgroups)
         slot = await slots.acquire(limits)
         spawned: Spawned | None = None
-        handed = False
 
         def status_to(status: int, at_eof: bool) -> None:
             # The status pipe reaches end of file once the zygote has reaped the call's pid 1, which is when the
             # last process of its pid namespace is gone: the moment its slot can take the next call.
-            nonlocal handed
-            handed = True
             release_when_reaped(slots, slot, status, at_eof)
 
         try:
@@ -154,9 +151,9 @@ class Calls:
         finally:
             if spawned is None:
                 slots.release(slot)
-            elif not handed and spawned.status >= 0:
-                # The stream never ran (one that did hands the pipe over, at once or once it killed the call): the
-                # call is killed, its slot freed once it is reaped.
+            elif spawned.status >= 0:
+                # The stream never ran (one that did took the pipe, and hands it over at once or once it killed the
+                # call): the call is killed, its slot freed once it is reaped.
                 spawned.kill()
                 status, spawned.status = spawned.status, -1
                 spawned.close()
