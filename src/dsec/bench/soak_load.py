@@ -242,8 +242,10 @@ async def _rollout(node: Node, tally: Tally, name: str, rng: random.Random) -> N
         cut.cancel()  # the client dies: the daemon finishes and logs what it received
         with contextlib.suppress(BaseException):
             await cut
+        # A sandbox lost meanwhile (a fault) is rebuilt from its image with the logged commands re-run there:
+        # the rebuilt sandbox must then also hold each command's line once.
         again = await _guard(tally, "reopen", mine, lambda: AsyncSandbox.create(image=IMAGE, trajectory=name,
-                                                                                client=client))
+                                                                                rerun_missing=True, client=client))
         if again is None:
             return
         mine.add(again.id)
@@ -251,6 +253,11 @@ async def _rollout(node: Node, tally: Tally, name: str, rng: random.Random) -> N
         if bound is not None and bound.trajectory is None:  # its calls would run outside the log, unnumbered
             tally.exactly_once_violations.append(f"{name}: re-opened as {again.id}, not bound to its log")
             return
+        if bound is not None and bound.trajectory is not None and bound.trajectory.missing_effects:
+            tally.ops["rollout-rebuilt-missing"] += 1  # reported in its info: what the file holds is not counted
+            return
+        if bound is not None and bound.trajectory is not None and bound.trajectory.rerun:
+            tally.ops["rollout-rebuilt"] += 1
         for step in steps:
             replayed = await _guard(tally, "replay", mine, functools.partial(again.exec, step))
             if replayed is None:
