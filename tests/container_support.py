@@ -189,7 +189,7 @@ async def await_until(predicate: Callable[[], object], timeout: float = 20.0, in
 
 
 async def sweep(home: Path, images: Path) -> list[str]:
-    """Last-resort cleanup of a home: destroy every sandbox the container backend can find under it.
+    """Last-resort cleanup of a home: destroy every sandbox the container and function backends can find under it.
 
     Returns the ids it had to remove (a test that cleaned up after itself gets ``[]``). Leaves the
     home's ``/run/dsec/<tag>`` directory gone as well (it only holds a copy of the static init).
@@ -201,6 +201,10 @@ async def sweep(home: Path, images: Path) -> list[str]:
         removed = await backend.cleanup_orphans(set())
     finally:
         await backend.aclose()
+    if (home / "function").is_dir():  # a function sandbox's zygote, cgroups and workspace (a killed daemon's)
+        from dsec.backends.function import FunctionBackend
+
+        removed += await FunctionBackend(Settings(home=home, images_dir=images)).cleanup_orphans(set())
     if (home / "lazy").exists():  # image mounts a daemon of this home kept warm, then its FUSE server
         from dsec.images.node import NodeImages
 
@@ -210,7 +214,7 @@ async def sweep(home: Path, images: Path) -> list[str]:
         shutil.rmtree(tag_dir, ignore_errors=True)
     if state_root(home).is_dir() and not sandbox_mounts(home, str(state_root(home))):
         shutil.rmtree(state_root(home), ignore_errors=True)
-    for parent in (CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}")):
+    for parent in (*CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}"), *CGROUP_ROOT.glob(f"*/dsec-{home_tag(home)}-fn")):
         with contextlib.suppress(OSError):
             parent.rmdir()
     # The microvm and vm backends' run directories, which a daemon of this home killed before its close (a

@@ -241,6 +241,12 @@ class Backend(abc.ABC):
         blocking like :meth:`alive`; None while it runs."""
         return None if self.alive(record) else "its processes are gone"
 
+    def image_mounts(self, record: SandboxRecord) -> list[Path]:
+        """The image mounts the sandbox's root sits on, as the backend recorded them (its snapshot layers, top
+        first, then its image); [] if it records none. A restarted daemon mounts afresh, at new paths, the images
+        whose lazy server died while no daemon ran: these paths tell it which sandboxes sit on the dead ones."""
+        return []
+
     async def revive(self, record: SandboxRecord, image: ImageRef) -> bool:
         """Bring back a sandbox that :meth:`lost` reports, or whose image mount died under it (``image`` is
         the image mounted afresh), if the backend can without losing its state; False: it is lost."""

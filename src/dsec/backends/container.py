@@ -402,6 +402,8 @@ class ContainerBackend(ContainerIO):
             "image_env": dict(image.config.env),
             # Its overlay and disk are mounted in the node's mount holder, not on the host (mount_view).
             "mntns": True,
+            # What its overlay's lowers are (image_mounts): a restart finds a root left on a dead image mount.
+            "image_mounts": [str(p) for p in [*(layers or []), image.rootfs]],
         }
         # Cgroups, mounts, user lookup, bundle and the runtime in one worker-thread hop (each hop is a thread
         # hand-off and a wake-up of the loop); the record notes each step as it is done, for the cleanup of a failure.
@@ -547,6 +549,9 @@ class ContainerBackend(ContainerIO):
     def alive(self, record: SandboxRecord) -> bool:
         pid = record.backend_state.get("init_pid")
         return pid is not None and start_time(int(pid)) == record.backend_state.get("init_start")
+
+    def image_mounts(self, record: SandboxRecord) -> list[Path]:
+        return [Path(p) for p in record.backend_state.get("image_mounts", [])]
 
     def lost(self, record: SandboxRecord) -> str | None:
         pid = record.backend_state.get("init_pid")

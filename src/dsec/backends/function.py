@@ -266,6 +266,10 @@ class FunctionBackend(HostFileOps):
         how = ended(int(pid), record.backend_state.get("zygote_start")) if pid else "never started"
         return None if how is None else f"its zygote (pid {pid}) {how}"
 
+    def image_mounts(self, record: SandboxRecord) -> list[Path]:
+        root = record.backend_state.get("image_rootfs")
+        return [Path(root)] if root else []
+
     async def revive(self, record: SandboxRecord, image: ImageRef) -> bool:
         """A zygote holds nothing a call needs but what it was started with: a new one over the same workspace
         (and ``image``, which may be mounted afresh) serves the sandbox as before."""

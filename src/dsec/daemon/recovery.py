@@ -3,7 +3,8 @@
 At start every durable record is offered to its backend: a sandbox still alive is adopted again (with its
 image version and snapshot layers pinned again), a dead one or one caught mid-create is destroyed and its
 record dropped, and whatever a backend finds that no record names is removed. Later the watchdog may ask to
-revive a sandbox whose image mount died (:meth:`Recovery.revive`).
+revive a sandbox whose image mount died (:meth:`Recovery.revive`); one re-adopted on an image mount that died
+while no daemon ran (its lazy server killed meanwhile) is revived so at start, else left to the watchdog to report.
 
 Owns that sequence and its progress phases. Must never keep a record it could not settle out of the store
 (the next start retries it) and never reach the engine beyond :class:`~dsec.daemon.engine_parts.EngineParts`.
@@ -12,9 +13,11 @@ Owns that sequence and its progress phases. Must never keep a record it could no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
+from dsec.backends.base import Backend, ImageRef
 from dsec.daemon.engine_parts import EngineParts
 from dsec.daemon.pools import POOL_LABEL
 from dsec.errors import DSecError
@@ -94,6 +97,7 @@ class Recovery(EngineParts):
             self.metrics.live.labels(name).inc()
             self.records.save(record)  # the backend may have refreshed backend_state
             log.info("sandbox %s re-adopted (%s)", record.id, record.state)
+            await self._off_dead_mounts(backend, record)
             return
         # Dead, or caught mid-create by the previous daemon's death: release whatever is left.
         try:
@@ -106,6 +110,28 @@ class Recovery(EngineParts):
             return
         self.records.delete(record.id)
         log.info("sandbox %s (%s) was gone after restart; record dropped", record.id, record.state)
+
+    async def _off_dead_mounts(self, backend: Backend, record: SandboxRecord) -> None:
+        """A re-adopted sandbox whose root sits on image mounts that died while no daemon ran (their lazy server
+        killed meanwhile; the re-pin above mounted the image afresh, elsewhere): it holds the dead mounts again,
+        as it would had they died under this daemon, and is revived on the fresh ones now (a function sandbox gets
+        a new zygote) -- else the watchdog's first pass reports it lost with the reason, before a call fails."""
+        sits = backend.image_mounts(record)
+        if not sits or not any(self.pins.stale(root) is not None for root in sits):
+            return
+        fresh, layers = self.pins.image_of(record.id), self.pins.layers_of(record.id)
+        if self.pins.stale(sits[-1]) is not None:
+            if fresh is not None:
+                self.pins.release(fresh)
+            # (Held even when the re-pin failed: the watchdog then finds the dead mount and reports the sandbox.)
+            self.pins.hold(record.id, dataclasses.replace(fresh, rootfs=sits[-1]) if fresh is not None else
+                           ImageRef(name=record.spec.image or "", rootfs=sits[-1], digest=record.image_digest))
+        if layers and any(self.pins.stale(root) is not None for root in sits[:-1]):
+            self.snapshots.close(layers)
+            self.pins.hold(record.id, layers=sits[:-1])
+        if record.state == "running" and await self.revive(record):
+            log.info("sandbox %s revived: its image mount had died while no daemon ran", record.id,
+                     extra={"component": "lazy-server", "sandbox": record.id})
 
     async def revive(self, record: SandboxRecord) -> bool:
         """Ask the backend to bring the sandbox back, on its image mounted afresh if its own mount died."""

@@ -10,7 +10,8 @@ with ``unmount=True``. On later starts of an image on any node, the chunks its f
 in the store under ``access/``) are prefetched in the background.
 
 The FUSE process (:mod:`dsec.images.lazyserver`) outlives the daemon: a restarted daemon adopts it and the
-mounts (sandboxes recovered by the engine re-pin theirs). Order matters when tearing down: EROFS mounts first,
+mounts (sandboxes recovered by the engine re-pin theirs); a mount whose server died meanwhile is dead to it as
+to the daemon that made it (:meth:`stale`, below). Order matters when tearing down: EROFS mounts first,
 the FUSE mount last.
 
 *A mount is checked before it is handed out*: it must still be mounted (its device number, one ``stat``) and
@@ -370,6 +371,17 @@ class NodeImages:
                 self.server.ensure()
             if self._live(adopted):
                 return adopted
+            if adopted.server is not None and point not in self._dead:
+                # Its server died while no daemon ran: a re-adopted sandbox may sit on it. Remembered like a dead
+                # mount of this instance's (never reused; :meth:`stale` names it) so that the engine can revive or
+                # report that sandbox, which a mount afresh at the same path would hide.
+                why = (f"the lazy image server (pid {adopted.server.split('-')[0]}) it read through died while no "
+                       f"daemon ran; image {hexdigest[:12]} was mounted afresh")
+                log.warning("image mount %s: %s", point, why, extra={"component": "lazy-server", "error": why})
+                self._dead[point] = why
+                while len(self._dead) > _DEAD_KEPT:
+                    self._dead.popitem(last=False)
+                self._healed.append((why, time.time(), time.time()))
             self._forget_path(point)
         return None
 

@@ -311,3 +311,69 @@ def _exists(daemon: DaemonProcess, sandbox_id: str, path: str) -> bool:
     """Whether ``path`` exists in the sandbox, seen from the host through its init's root."""
     pid = daemon.records()[sandbox_id].backend_state["init_pid"]
     return Path(f"/proc/{pid}/root{path}").exists()
+
+
+# Reads ~500 files of the image that the home's fresh cache has never seen: every one goes through the lazy server.
+_UNCACHED_READ = ("find /usr/lib/python3.11 -name '*.py' | head -500 | xargs cat | wc -c && "
+                  "python3 -c 'import json, email.parser, http.client, asyncio; print(\"imported\")'")
+
+
+def _kept_state(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+async def test_lazy_server_killed_while_no_daemon_runs(daemon: DaemonProcess) -> None:
+    """Issue 30: the daemon SIGKILLed, then its lazy image server; the next daemon starts a new server and mounts
+    the image afresh. A function sandbox's new zygote must sit on the live mount (it used to be started on the
+    dead one: every read of an uncached part failed with EIO while health said ok); a container sandbox, whose
+    root cannot move, is reported lost with the reason at once, not left to fail its calls."""
+    from dsec.images.lazyserver import alive, fs_types
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        box = await dsec.AsyncSandbox.create(image="debian-python", backend="container", client=client)
+        fn = await dsec.AsyncSandbox.create(image="debian-python", backend="function", client=client)
+        assert (await box.exec("cat /etc/debian_version")).exit_code == 0
+        await fn.files.write("/workspace/state", "kept")
+        assert await fn.call(_kept_state, "/workspace/state") == "kept"
+    old_root = daemon.records()[fn.id].backend_state["image_rootfs"]
+    daemon.kill()
+    server = int((daemon.home / "lazy" / "lazyfs.pid").read_text())
+    os.kill(server, signal.SIGKILL)
+    assert wait_until(lambda: not alive(server), timeout=10)
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        events: list[dsec.LifecycleEvent] = []
+
+        async def follow() -> None:
+            async for event in client.events(since=0):
+                events.append(event)
+
+        watcher = asyncio.create_task(follow())
+        try:
+            # The container's root reads through the dead server: lost, with the reason, before any call fails.
+            assert await await_until(lambda: any(e.kind == "lost" and e.sandbox_id == box.id for e in events),
+                                     timeout=15)
+            lost = next(e for e in events if e.kind == "lost" and e.sandbox_id == box.id)
+            assert "image mount" in str(lost.reason) and "lazy image server" in str(lost.reason), lost.reason
+            with pytest.raises(dsec.SandboxLost, match="image mount"):
+                await box.exec("true")
+            # The function sandbox works on: its new zygote reads the image mounted afresh; its workspace is kept.
+            again = await dsec.AsyncSandbox.connect(fn.id, client=client)
+            result = await asyncio.wait_for(again.exec(_UNCACHED_READ, timeout=60), 90)
+            assert result.exit_code == 0 and b"imported" in result.stdout, result
+            assert await asyncio.wait_for(again.call(_kept_state, "/workspace/state"), 90) == "kept"
+            assert not any(e.kind == "lost" and e.sandbox_id == fn.id for e in events)
+            # It sits on a new path: the dead mount's is never reused while something may still sit on it.
+            new_root = daemon.records()[fn.id].backend_state["image_rootfs"]
+            assert new_root != old_root and fs_types().get(new_root) == "erofs"
+            assert old_root not in fs_types(), "the dead image mount was left mounted"
+            info = await client.health()
+            assert info.status == "ok", info
+        finally:
+            watcher.cancel()
+        await destroy_all(client)
+    daemon.stop()
+    assert_nothing_left(daemon)
