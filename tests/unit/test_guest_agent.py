@@ -174,6 +174,18 @@ async def test_output_waits_for_the_hosts_credit(started: tuple[AgentClient, int
     await asyncio.sleep(1.5)
     out, _, (code, _, _) = await outcome(agent, channel)
     assert (len(out), code) == (1_100_000, 7)
+    # given up before its end (and not killed): released, so the agent sends the rest (dropped here) and the
+    # command ends instead of waiting on its pipe for credit that never comes
+    channel = await agent.start_exec(["head", "-c", str(8 << 20), "/dev/zero"], {"PATH": "/usr/bin:/bin"}, "/")
+    await asyncio.sleep(1)
+    assert agent.queued(channel) == OUTPUT_WINDOW
+    agent.close_channel(channel)
+    for _ in range(100):
+        out, _, _ = await run(agent, ["sh", "-c", "pgrep -x head || true"])
+        if not out:
+            break
+        await asyncio.sleep(0.1)
+    assert out == b""
 
 
 async def test_a_connection_to_a_fast_server_waits_for_the_hosts_credit(agent: AgentClient) -> None:
