@@ -8,7 +8,7 @@ import contextlib
 import errno
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from dsec.backends.surface import ProcessSpec
 from dsec.config import Settings
 from dsec.errors import DSecError, InvalidRequest, PermissionDenied, SandboxError
 from dsec.guest.kernel import default_guest_dir, find_kernel
+from dsec.guest.protocol import MAX_GUEST_PAYLOAD, OUTPUT_WINDOW
 from dsec.models import ExecRequest
 from dsec.testing import CHECKS, new_record, sandbox
 from dsec.testing.conformance import Check, SharedSandbox
@@ -254,6 +255,77 @@ async def test_stdin_streams_through_the_agent_within_a_window(backend: MicroVMB
             await proc.write(b"z" * (24 << 20))
             await proc.close_stdin()
             assert await asyncio.wait_for(sink.exit, 120) == (0, None) and sink.stdout.strip() == b"25165824"
+        finally:
+            await proc.aclose()
+
+
+_FLOOD_SERVER = """
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.sendall(bytes(range(256)) * 65536); c.close()
+"""
+
+
+async def _held_at_window(held: Callable[[], int]) -> None:
+    """Wait until the host holds a full window for a stalled consumer (less a first frame it took), then check it
+    stays there."""
+    for _ in range(600):
+        if held() >= OUTPUT_WINDOW - MAX_GUEST_PAYLOAD:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(2)
+    assert OUTPUT_WINDOW - MAX_GUEST_PAYLOAD <= held() <= OUTPUT_WINDOW
+
+
+async def test_output_to_a_consumer_that_does_not_read_is_held_in_the_guest(backend: MicroVMBackend,
+                                                                            debian_python_image: ImageRef) -> None:
+    """A command (or a guest port's server) writing far more than the window to a consumer that does not read:
+    what the daemon queues for its channel stays at the window (the agent stops reading the pipe or socket, so
+    the guest holds the rest), other channels on the guest keep working meanwhile, and reading it all gives every
+    byte, in order, then the exit."""
+    count = 8_000_000  # 63 MB of `seq`
+    async with sandbox(backend, debian_python_image, **SMALL) as sb:
+        client = backend.agent.client(sb)
+        assert client.output_credits  # this checkout's agent (the initramfs is built from its source)
+
+        def held() -> int:
+            return max((client.queued(ch) for ch in list(client._channels)), default=0)
+
+        stream = backend.exec_stream(sb, ExecRequest(command=f"seq 1 {count}", max_output=128 << 20, timeout=600))
+        first = await anext(stream)  # the generator (an exec streamed to a slow client) now holds
+        await _held_at_window(held)
+        r = await backend.exec(sb, ExecRequest(command="echo meanwhile"))
+        assert (r.exit_code, r.stdout) == (0, b"meanwhile\n")
+        got, most = bytearray(first.data or b""), 0
+        async for event in stream:
+            most = max(most, held())
+            if event.type == "stdout":
+                got += event.data or b""
+            elif event.type == "exit":
+                assert event.result is not None and event.result.exit_code == 0
+        assert most <= OUTPUT_WINDOW
+        assert got == "".join(f"{i}\n" for i in range(1, count + 1)).encode()
+
+        sink = _Output()
+        proc = await backend.start_process(sb, ProcessSpec(argv=["python3", "-c", _FLOOD_SERVER]), sink)
+        try:
+            for _ in range(900):
+                if sink.stdout.endswith(b"\n"):
+                    break
+                await asyncio.sleep(0.1)
+            port = await backend.open_port(sb, int(sink.stdout))
+            try:
+                await _held_at_window(held)
+                r = await backend.exec(sb, ExecRequest(command="echo meanwhile"))
+                assert r.stdout == b"meanwhile\n"
+                data = bytearray()
+                while chunk := await asyncio.wait_for(port.read(1 << 16), 60):
+                    data += chunk
+                    most = max(most, held())
+            finally:
+                await port.aclose()
+            assert most <= OUTPUT_WINDOW and data == bytes(range(256)) * 65536
         finally:
             await proc.aclose()
 

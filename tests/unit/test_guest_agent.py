@@ -26,7 +26,7 @@ import pytest
 
 from dsec.errors import FileNotFound, InvalidRequest, IsADirectory, PermissionDenied
 from dsec.guest.initramfs import ensure_agent
-from dsec.guest.protocol import STDIN_WINDOW, AgentClient, T, creds, parse_exit
+from dsec.guest.protocol import OUTPUT_WINDOW, STDIN_WINDOW, AgentClient, T, creds, parse_exit
 from dsec.guest.surface import AgentPort
 
 pytestmark = [pytest.mark.root]
@@ -145,6 +145,75 @@ async def test_stdin_streams_through_a_window_of_credit(started: tuple[AgentClie
     assert await writing
     out, _, (code, _, _) = await outcome(agent, channel)
     assert (out.strip(), code) == (b"8388608", 0)
+
+
+async def test_output_waits_for_the_hosts_credit(started: tuple[AgentClient, int]) -> None:
+    """A command writing far more than the window to a consumer that does not read: the host queues at most the
+    window (the agent stops reading the pipe), other channels keep working meanwhile, and reading it all gives
+    every byte in order, then the exit; one that exits with its window full still has all of its output sent."""
+    agent, unshare_pid = started
+    assert agent.output_credits
+    count = 8_000_000  # 63 MB of `seq`
+    channel = await agent.start_exec(["seq", "1", str(count)], {"PATH": "/usr/bin:/bin"}, "/")
+    await asyncio.sleep(1.5)
+    assert agent.queued(channel) == OUTPUT_WINDOW  # stalled at the window
+    out, _, (code, _, _) = await run(agent, ["echo", "meanwhile"])  # the port is not blocked for the others
+    assert (out, code) == (b"meanwhile\n", 0)
+    await agent.ping()
+    got, held = bytearray(), 0
+    while (frame := await agent.next_frame(channel, 30)).type == T.STDOUT:
+        got += frame.payload
+        held = max(held, agent.queued(channel))
+    assert frame.type == T.EXIT and parse_exit(frame.payload)[0] == 0
+    agent.close_channel(channel)
+    assert held <= OUTPUT_WINDOW
+    assert got == "".join(f"{i}\n" for i in range(1, count + 1)).encode()
+    assert agent_peak_rss(unshare_pid) < 8 << 20  # the agent buffered nothing either
+    # exits with its window full and the rest in the pipe (1 MiB + 64 KiB fit): the drain waits for credit
+    channel = await agent.start_exec(["sh", "-c", "head -c 1100000 /dev/zero; exit 7"], {"PATH": "/usr/bin:/bin"}, "/")
+    await asyncio.sleep(1.5)
+    out, _, (code, _, _) = await outcome(agent, channel)
+    assert (len(out), code) == (1_100_000, 7)
+    # given up before its end (and not killed): released, so the agent sends the rest (dropped here) and the
+    # command ends instead of waiting on its pipe for credit that never comes
+    channel = await agent.start_exec(["head", "-c", str(8 << 20), "/dev/zero"], {"PATH": "/usr/bin:/bin"}, "/")
+    await asyncio.sleep(1)
+    assert agent.queued(channel) == OUTPUT_WINDOW
+    agent.close_channel(channel)
+    for _ in range(100):
+        out, _, _ = await run(agent, ["sh", "-c", "pgrep -x head || true"])
+        if not out:
+            break
+        await asyncio.sleep(0.1)
+    assert out == b""
+
+
+async def test_a_connection_to_a_fast_server_waits_for_the_hosts_credit(agent: AgentClient) -> None:
+    """A server sending far more than the window to a host that does not read: held at the window, all of it
+    delivered in order once read."""
+    size = 16 << 20
+    data = os.urandom(1 << 20) * 16
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(data)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            port = await AgentPort.open(agent, server.getsockname()[1])
+            await asyncio.sleep(1.5)
+            assert agent.queued(port._channel) == OUTPUT_WINDOW
+            await agent.ping()
+            got = bytearray()
+            while chunk := await port.read(1 << 16):
+                got += chunk
+                assert agent.queued(port._channel) <= OUTPUT_WINDOW
+            await port.aclose()
+        finally:
+            thread.join(30)
+    assert len(got) == size and got == data
 
 
 async def test_a_signal_ends_a_command(agent: AgentClient) -> None:

@@ -23,8 +23,11 @@ from dsec.backends.qemu.agent import GuestAgent
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.guest.protocol import (
     EXT_CREDIT,
+    EXT_OUTPUT_CREDIT,
     FEATURE_CREDIT,
+    FEATURE_OUTPUT_CREDIT,
     MAX_GUEST_PAYLOAD,
+    OUTPUT_WINDOW,
     STDIN_WINDOW,
     AgentClient,
     AgentGone,
@@ -393,3 +396,119 @@ async def test_an_agent_without_credit_gets_the_older_protocol_and_a_clear_error
 
     await with_fake_agent(agent, body)
     assert kinds == [T.EXEC]
+
+
+async def test_output_keeps_to_the_window_the_host_credits() -> None:
+    """An agent announcing output credit gets commands asking for it; the host queues at most the window of a
+    channel whose consumer does not read (the agent, keeping to it, waits), credits in batches of half the window as
+    the consumer takes frames, and sees the exit after all of the output, in order. A channel given up before its
+    end is released (the agent must not wait for credit that never comes)."""
+    total, chunk = 8 * OUTPUT_WINDOW + 1000, MAX_GUEST_PAYLOAD
+    credits: list[int] = []
+    blocked = asyncio.Event()
+    released: list[int] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT | FEATURE_OUTPUT_CREDIT)))
+        kind, channel, payload = await read_frame(reader)
+        assert kind == T.EXEC_EXT and struct.unpack_from(">I", payload, 4)[0] & EXT_OUTPUT_CREDIT
+        sent = unacked = 0
+        pending = asyncio.ensure_future(read_frame(reader))
+        while sent < total:
+            room = min(OUTPUT_WINDOW - unacked, chunk, total - sent)
+            if room:
+                writer.write(frame(T.STDOUT, channel, bytes([sent // chunk % 251]) * room))
+                sent += room
+                unacked += room
+                await writer.drain()
+                continue
+            blocked.set()
+            kind, ch, payload = await pending  # the window is full: wait for the host's credit
+            pending = asyncio.ensure_future(read_frame(reader))
+            if kind == T.STDIN:
+                continue  # (the end of its stdin)
+            assert (kind, ch) == (T.OUT_CREDIT, channel)
+            credits.append(struct.unpack(">I", payload)[0])
+            unacked -= credits[-1]
+            assert unacked >= 0
+        writer.write(frame(T.EXIT, channel, struct.pack(">iBB", 0, 0, 0)))
+        kind, channel, _ = await pending  # a second command, given up before it ends
+        assert kind == T.EXEC_EXT
+        writer.write(frame(T.STDOUT, channel, b"x" * 10))
+        while True:
+            kind, ch, payload = await read_frame(reader)
+            if kind == T.OUT_CREDIT and ch == channel:
+                released.append(struct.unpack(">I", payload)[0])
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        assert client.output_credits
+        channel = await client.start_exec(["yes"], {}, "/")
+        await asyncio.wait_for(blocked.wait(), 5)
+        await asyncio.sleep(0.1)
+        assert client.queued(channel) == OUTPUT_WINDOW and credits == []  # held to the window, nothing credited
+        got = bytearray()
+        while (f := await client.next_frame(channel, 5)).type == T.STDOUT:
+            got += f.payload
+            assert client.queued(channel) <= OUTPUT_WINDOW
+        assert f.type == T.EXIT and len(got) == total
+        assert got == b"".join(bytes([i % 251]) * min(chunk, total - i * chunk) for i in range(-(-total // chunk)))
+        client.close_channel(channel)
+        channel = await client.start_exec(["yes"], {}, "/")
+        assert (await client.next_frame(channel, 5)).payload == b"x" * 10
+        client.close_channel(channel)
+        for _ in range(50):
+            if released:
+                break
+            await asyncio.sleep(0.02)
+
+    await with_fake_agent(agent, body)
+    assert credits and all(c >= OUTPUT_WINDOW // 2 for c in credits)  # batched, not per frame
+    assert sum(credits) <= total and released == [0xFFFFFFFF]
+
+
+async def test_output_past_the_window_ends_the_connection() -> None:
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT | FEATURE_OUTPUT_CREDIT)))
+        _, channel, _ = await read_frame(reader)
+        for _ in range(OUTPUT_WINDOW // MAX_GUEST_PAYLOAD + 1):
+            writer.write(frame(T.STDOUT, channel, b"y" * MAX_GUEST_PAYLOAD))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        channel = await client.start_exec(["yes"], {}, "/")
+        with pytest.raises(AgentGone, match="bytes of output past a window"):
+            while True:
+                await client.next_frame(channel, 5)
+
+    await with_fake_agent(agent, body)
+
+
+async def test_an_agent_without_output_credit_is_neither_asked_nor_credited() -> None:
+    """A stdin-credit-only agent (or an older one) gets no output flag and no OUT_CREDIT: output flows as before."""
+    seen: list[int] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(T.READY, 0, struct.pack(">I", FEATURE_CREDIT)))
+        kind, channel, payload = await read_frame(reader)
+        assert kind == T.EXEC_EXT and not struct.unpack_from(">I", payload, 4)[0] & EXT_OUTPUT_CREDIT
+        for _ in range(3 * OUTPUT_WINDOW // MAX_GUEST_PAYLOAD):
+            writer.write(frame(T.STDOUT, channel, b"z" * MAX_GUEST_PAYLOAD))
+        writer.write(frame(T.EXIT, channel, struct.pack(">iBB", 0, 0, 0)))
+        while True:
+            seen.append((await read_frame(reader))[0])
+
+    async def body(client: AgentClient) -> None:
+        await client.wait_ready(5)
+        channel = await client.start_exec(["yes"], {}, "/")
+        total = 0
+        while (f := await client.next_frame(channel, 5)).type == T.STDOUT:
+            total += len(f.payload)
+        assert total == 3 * OUTPUT_WINDOW
+        client.close_channel(channel)
+        await asyncio.sleep(0.1)
+
+    await with_fake_agent(agent, body)
+    assert T.OUT_CREDIT not in seen

@@ -52,6 +52,7 @@ static void handle(int type, uint32_t id, unsigned char *p, size_t len) {
     case T_FS: do_fs(id, p, len); break;
     case T_WATCH: do_watch(id, p, len); break;
     case T_CONNECT: do_connect(id, p, len); break;
+    case T_OUT_CREDIT: do_out_credit(id, p, len); break;
     case T_CANCEL: {
         struct chan *c = find_chan(id);
         if (c && c->kind != T_EXEC && c->kind != T_WRITE) free_chan(c);
@@ -101,8 +102,10 @@ static void read_port(void) {
 
 static int pump(struct chan *c, int *fd, int type) {
     static char buf[OUT_CHUNK];
-    ssize_t n = read(*fd, buf, sizeof buf);
-    if (n > 0) { send_frame(type, c->id, buf, (size_t)n); return 1; }
+    size_t room = out_room(c);  /* its other pipe may have filled the window in this round */
+    if (!room) return 0;
+    ssize_t n = read(*fd, buf, room);
+    if (n > 0) { send_output(c, type, buf, (size_t)n); return 1; }
     if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
     return 0;
 }
@@ -194,16 +197,24 @@ int main(int argc, char **argv) {
                 if (events) { pfd[n] = (struct pollfd){c->sfd, events, 0}; map[n].c = c; map[n].which = 3; n++; }
                 continue;
             }
+            /* Its window full: its pipes wait for the host's credit, and so does the drain after its exit (what
+               it wrote before exiting is all sent, then EXIT; the clock counts only while output may flow). */
+            int blocked = out_room(c) == 0;
+            if (c->exited && blocked && (c->out_fd >= 0 || c->err_fd >= 0)) c->exit_ms = t;
             if (c->exited && ((c->out_fd < 0 && c->err_fd < 0) || t - c->exit_ms >= DRAIN_MS)) {
                 finish_exec(c);
                 continue;
             }
-            if (c->exited) {
+            if (c->exited && !blocked) {
                 int left = (int)(DRAIN_MS - (t - c->exit_ms));
                 if (timeout < 0 || left < timeout) timeout = left;
             }
-            if (c->out_fd >= 0) { pfd[n] = (struct pollfd){c->out_fd, POLLIN, 0}; map[n].c = c; map[n].which = 1; n++; }
-            if (c->err_fd >= 0) { pfd[n] = (struct pollfd){c->err_fd, POLLIN, 0}; map[n].c = c; map[n].which = 2; n++; }
+            if (c->out_fd >= 0 && !blocked) {
+                pfd[n] = (struct pollfd){c->out_fd, POLLIN, 0}; map[n].c = c; map[n].which = 1; n++;
+            }
+            if (c->err_fd >= 0 && !blocked) {
+                pfd[n] = (struct pollfd){c->err_fd, POLLIN, 0}; map[n].c = c; map[n].which = 2; n++;
+            }
             if (c->in_fd >= 0 && c->inlen > 0) {
                 pfd[n] = (struct pollfd){c->in_fd, POLLOUT, 0}; map[n].c = c; map[n].which = 0; n++;
             }
@@ -222,7 +233,11 @@ int main(int argc, char **argv) {
             else pump(c, map[i].which == 1 ? &c->out_fd : &c->err_fd, map[i].which == 1 ? T_STDOUT : T_STDERR);
         }
         if (pfd[0].revents & POLLIN) read_port();
-        else if (pfd[0].revents & (POLLHUP | POLLERR)) usleep(20000); /* host not connected (yet) */
+        else if (pfd[0].revents & (POLLHUP | POLLERR)) {  /* host not connected (yet) */
+            /* its credit will never come (a re-adopting host starts afresh): windows wait for nothing, as before */
+            for (int i = 0; i < MAX_CHANS; i++) chans[i].out_credit = 0;
+            usleep(20000);
+        }
         reap();
     }
 }

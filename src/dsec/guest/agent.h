@@ -40,14 +40,16 @@ enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_IDENTITY = 7,
     T_SHUTDOWN = 8, T_PING = 9, T_MKDIR = 10, T_EXEC_PRISTINE = 11, T_EXEC_SYSTEM = 12,
     T_CONFINE = 16, T_REVEAL = 17, T_EXEC_EXT = 18, T_RESIZE = 19, T_FS = 20, T_WATCH = 21, T_CANCEL = 22,
-    T_CONNECT = 23,
+    T_CONNECT = 23, T_OUT_CREDIT = 24,
     T_STDOUT = 0x81, T_STDERR = 0x82, T_EXIT = 0x83, T_DATA = 0x84, T_END = 0x85, T_ERROR = 0x86,
     T_READY = 0x87, T_STARTED = 0x88, T_CREDIT = 0x89,
 };
 
 /* What this agent can do, in READY's and PING's reply (the host falls back to the older protocol without a bit):
- * 1: stdin flow control (CREDIT frames for the channels that ask: EXEC_EXT flag 32, CONNECT flag 1). */
-#define AGENT_FEATURES 1u
+ * 1: stdin flow control (CREDIT frames for the channels that ask: EXEC_EXT flag 32, CONNECT flag 1);
+ * 2: output flow control (OUT_CREDIT frames from the host on the channels that ask: EXEC_EXT flag 64, CONNECT
+ * flag 2). */
+#define AGENT_FEATURES 3u
 
 #define MAX_IN ((2u << 20) + (64u << 10)) /* largest frame the host may send: a command at the kernel's limit */
 #define MAX_GROUPS 64
@@ -56,6 +58,11 @@ enum {
 #define STDIN_BUF_MAX (8u << 20) /* a channel's stdin not yet written: the host's window is well below it */
 #define CREDIT_MIN 65536        /* consumed stdin is credited in batches of at least this (or once all is out) */
 #define DRAIN_MS 200
+/* Output (STDOUT, STDERR, a connection's DATA) a channel that asked may have sent and the host not yet credited
+ * back (OUT_CREDIT): the host's OUTPUT_WINDOW (guest/protocol.py). Beyond it the channel's pipes or socket are not
+ * read until credit comes, so a host consumer reading slowly holds the command, not the host's memory. */
+#define OUTPUT_WINDOW (1u << 20)
+#define OUT_CREDIT_RELEASE 0xFFFFFFFFu /* OUT_CREDIT's "stop counting": the host gave the channel up */
 
 struct chan {
     uint32_t id;
@@ -68,6 +75,8 @@ struct chan {
     int in_eof;
     int credit;           /* the host sends stdin within a window: credit what is consumed (CREDIT) */
     size_t owed;          /* stdin consumed (written, or dropped) and not yet credited */
+    int out_credit;       /* the host credits our output: send at most OUTPUT_WINDOW un-credited (out_room) */
+    size_t out_unacked;   /* output sent and not yet credited by the host */
     int exited, status;
     long long exit_ms;
     long oom_before;      /* exec: the guest's oom_kill count when it started */
@@ -91,6 +100,7 @@ struct exec_opts {
     unsigned short cols, rows;
     int report_pid;     /* send STARTED with its pid in the commands' pid namespace */
     int credit;         /* credit stdin as it is consumed (the host keeps a window) */
+    int out_credit;     /* keep its output within the window the host credits */
 };
 
 /* The user a request acts as (CREDS: u32 uid | u32 gid | u16 ngroups | u32 group...). */
@@ -119,6 +129,9 @@ void send_frame(int type, uint32_t ch, const void *data, size_t len);
 void send_error(uint32_t ch, int err, const char *what);
 void send_text_error(uint32_t ch, int err, const char *text);
 void credit_stdin(struct chan *c, size_t n, int now);
+size_t out_room(const struct chan *c);
+void send_output(struct chan *c, int type, const void *data, size_t len);
+void do_out_credit(uint32_t id, unsigned char *p, size_t len);
 struct chan *find_chan(uint32_t id);
 struct chan *new_chan(uint32_t id);
 void close_fd(int *fd);

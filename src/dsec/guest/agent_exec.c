@@ -265,6 +265,7 @@ static void start_command(uint32_t id, const struct exec_opts *o, int argc, int 
     close_fd(&in[0]); close_fd(&out[1]); close_fd(&err[1]); close_fd(&slave);
     c->kind = T_EXEC;
     c->credit = o->credit;
+    c->out_credit = o->out_credit;
     c->in_fd = master >= 0 ? master : in[1];
     c->out_fd = o->pty == 1 ? dup(master) : out[0];
     c->err_fd = err[0];
@@ -295,7 +296,7 @@ void do_exec(uint32_t id, unsigned char *p, size_t len, int pristine, int system
 /* EXEC_EXT payload: u16 argc | u16 envc | u32 flags | u16 cols | u16 rows | CREDS | cwd\0 argv...\0 env...\0
  * flags: 1 pristine, 2 system, 4 terminal (stdin, stdout, stderr), 8 terminal stdin only (raw; a shell
  * session), 16 report the pid (STARTED: u32 pid in the commands' pid namespace, before any output), 32 credit
- * its stdin as it is consumed (CREDIT). */
+ * its stdin as it is consumed (CREDIT), 64 keep its output within the window the host credits (OUT_CREDIT). */
 void do_exec_ext(uint32_t id, unsigned char *p, size_t len) {
     if (len < 12) { send_error(id, EINVAL, "malformed exec"); return; }
     int argc = (p[0] << 8) | p[1], envc = (p[2] << 8) | p[3];
@@ -303,7 +304,7 @@ void do_exec_ext(uint32_t id, unsigned char *p, size_t len) {
     struct exec_opts o = {.cols = (unsigned short)((p[8] << 8) | p[9]), .rows = (unsigned short)((p[10] << 8) | p[11]),
                           .pristine = flags & 1, .system = !!(flags & 2),
                           .pty = flags & 4 ? 1 : flags & 8 ? 2 : 0, .report_pid = !!(flags & 16),
-                          .credit = !!(flags & 32)};
+                          .credit = !!(flags & 32), .out_credit = !!(flags & 64)};
     p += 12; len -= 12;
     struct creds c;
     if (parse_creds(&p, &len, &c) != 0) { send_error(id, EINVAL, "malformed exec user"); return; }

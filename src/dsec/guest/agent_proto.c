@@ -62,6 +62,32 @@ void credit_stdin(struct chan *c, size_t n, int now) {
     c->owed = 0;
 }
 
+/* How much output the channel may send now: a chunk, or what its window has left (0: wait for OUT_CREDIT). */
+size_t out_room(const struct chan *c) {
+    if (!c->out_credit) return OUT_CHUNK;
+    size_t left = c->out_unacked >= OUTPUT_WINDOW ? 0 : OUTPUT_WINDOW - c->out_unacked;
+    return left < OUT_CHUNK ? left : OUT_CHUNK;
+}
+
+/* One frame of the channel's output (at most out_room), counted against its window. */
+void send_output(struct chan *c, int type, const void *data, size_t len) {
+    send_frame(type, c->id, data, len);
+    if (c->out_credit) c->out_unacked += len;
+}
+
+/* OUT_CREDIT payload: u32 bytes of the channel's output the host consumed since its last one; OUT_CREDIT_RELEASE:
+ * the host gave the channel up (what comes is dropped there), so stop counting. Late ones (the channel ended)
+ * are ignored. */
+void do_out_credit(uint32_t id, unsigned char *p, size_t len) {
+    struct chan *c = find_chan(id);
+    if (!c || len != 4) return;
+    uint32_t n = get32(p);
+    if (n == OUT_CREDIT_RELEASE) { c->out_credit = 0; c->out_unacked = 0; }
+    else c->out_unacked -= n < c->out_unacked ? n : c->out_unacked;
+    /* an exited command's drain counts from when its output may flow again (not from before it waited) */
+    if (c->kind == T_EXEC && c->exited) c->exit_ms = now_ms();
+}
+
 struct chan *find_chan(uint32_t id) {
     for (int i = 0; i < MAX_CHANS; i++)
         if (chans[i].used && chans[i].id == id) return &chans[i];

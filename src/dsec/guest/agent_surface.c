@@ -138,13 +138,15 @@ static void watch_ready(struct chan *c) {
 /* CONNECT payload: u16 port [| u8 flags]. The guest's own 127.0.0.1:port (the host's way in, whatever the guest's
  * network): STARTED once connected (or ERROR), then DATA frames of what the server sends, END when it is done; the
  * host's bytes come as STDIN frames (empty: end of the host's side). CANCEL closes it. flags: 1 credit the host's
- * bytes as the socket takes them (CREDIT). */
+ * bytes as the socket takes them (CREDIT), 2 keep the server's bytes within the window the host credits
+ * (OUT_CREDIT: the socket is not read while it is full). */
 void do_connect(uint32_t id, unsigned char *p, size_t len) {
     if (len != 2 && len != 3) { send_error(id, EINVAL, "malformed connect"); return; }
     struct chan *c = new_chan(id);
     if (!c) { send_error(id, EBUSY, "connect channel"); return; }
     c->kind = T_CONNECT;
     c->credit = len == 3 && (p[2] & 1);
+    c->out_credit = len == 3 && (p[2] & 2);
     c->sfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)((p[0] << 8) | p[1])),
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -183,10 +185,11 @@ static void connect_ready(struct chan *c, short revents) {
         credit_stdin(c, sent, c->inlen == 0);
         if (c->inlen == 0 && c->in_eof) { shutdown(c->sfd, SHUT_WR); c->in_eof = 0; }
     }
-    if (revents & (POLLIN | POLLHUP | POLLERR)) {
+    size_t room = out_room(c);
+    if ((revents & (POLLIN | POLLHUP | POLLERR)) && room) {  /* (its window full: the server's bytes wait) */
         static char buf[OUT_CHUNK];
-        ssize_t n = recv(c->sfd, buf, sizeof buf, 0);
-        if (n > 0) { send_frame(T_DATA, c->id, buf, (size_t)n); return; }
+        ssize_t n = recv(c->sfd, buf, room, 0);
+        if (n > 0) { send_output(c, T_DATA, buf, (size_t)n); return; }
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
         send_frame(T_END, c->id, NULL, 0);
         free_chan(c);
@@ -211,7 +214,8 @@ int connect_input(struct chan *c, unsigned char *p, size_t len) {
 short surface_events(struct chan *c) {
     if (c->sfd < 0) return 0;
     if (c->kind == T_WATCH) return POLLIN;
-    if (c->kind == T_CONNECT) return (short)(!c->exited ? POLLOUT : POLLIN | (c->inlen > 0 || c->in_eof ? POLLOUT : 0));
+    if (c->kind == T_CONNECT)
+        return (short)(!c->exited ? POLLOUT : (out_room(c) ? POLLIN : 0) | (c->inlen > 0 || c->in_eof ? POLLOUT : 0));
     return 0;
 }
 

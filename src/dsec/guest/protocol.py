@@ -10,6 +10,13 @@ has at most :data:`STDIN_WINDOW` bytes of stdin the agent has not yet credited (
 socket takes them), so any amount streams through with bounded memory on both sides. An older agent announces
 nothing: its channels get the older protocol (the agent buffers up to 8 MiB, then refuses with ENOBUFS).
 
+Output flows within a window the same way, the other way round: on a channel that asked (an agent announcing
+:data:`FEATURE_OUTPUT_CREDIT`), the agent has at most :data:`OUTPUT_WINDOW` bytes of output (STDOUT, STDERR, a
+connection's DATA) the host has not credited (OUT_CREDIT frames, sent as the channel's consumer takes frames off its
+queue), and stops reading the command's pipes or the socket while the window is full. So a consumer that reads
+slowly (an exec streamed to a slow client, a port forward's) holds the command in the guest, and what the daemon
+queues per channel stays within the window whatever the guest writes; a guest sending past it ends the connection.
+
 This module does no QEMU management; :mod:`dsec.backends.qemu` owns the VM.
 """
 
@@ -29,9 +36,10 @@ from typing import Literal
 from dsec.errors import InvalidRequest, SandboxError, file_error
 from dsec.models import FileEntry
 
-__all__ = ["EXT_CREDIT", "EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID", "EXT_SYSTEM", "FEATURE_CREDIT",
-           "FS", "MAX_GUEST_PAYLOAD", "STDIN_WINDOW", "AgentClient", "AgentGone", "Frame", "FrameParser",
-           "ProtocolError", "T", "creds", "parse_exit", "parse_list", "parse_stat", "parse_watch"]
+__all__ = ["EXT_CREDIT", "EXT_OUTPUT_CREDIT", "EXT_PRISTINE", "EXT_PTY", "EXT_PTY_STDIN", "EXT_REPORT_PID",
+           "EXT_SYSTEM", "FEATURE_CREDIT", "FEATURE_OUTPUT_CREDIT", "FS", "MAX_GUEST_PAYLOAD", "OUTPUT_WINDOW",
+           "STDIN_WINDOW", "AgentClient", "AgentGone", "Frame", "FrameParser", "ProtocolError", "T", "creds",
+           "parse_exit", "parse_list", "parse_stat", "parse_watch"]
 
 MAX_GUEST_PAYLOAD = 65536
 """Largest payload the guest may send (its output chunks are 64 KiB)."""
@@ -42,24 +50,34 @@ _HDR = struct.Struct(">IBI")
 STDIN_WINDOW = 2 << 20
 """Stdin a channel may have in flight, not yet credited by the agent: well below its ``STDIN_BUF_MAX`` (8 MiB), and
 wide enough that a command reading fast never waits for credit."""
-FEATURE_CREDIT = 1
-"""The agent's READY (and PING's END) announces it: it credits stdin on the channels that ask."""
-EXT_PRISTINE, EXT_SYSTEM, EXT_PTY, EXT_PTY_STDIN, EXT_REPORT_PID, EXT_CREDIT = 1, 2, 4, 8, 16, 32
+OUTPUT_WINDOW = 1 << 20
+"""Output a channel's agent may have sent that the host has not credited back (``OUTPUT_WINDOW`` in ``agent.h``):
+the most the daemon queues per channel, so a guest's worst case is the channels its callers opened times this.
+16 of the agent's 64 KiB frames: credited at half of it, a reader keeping up is never short of credit (a credit's
+round trip over the port is far shorter than 512 KiB of output takes to arrive), while a stalled one costs 1 MiB."""
+FEATURE_CREDIT, FEATURE_OUTPUT_CREDIT = 1, 2
+"""The agent's READY (and PING's END) announces them: it credits stdin on the channels that ask; it keeps the
+output of the channels that ask within the window the host credits."""
+EXT_PRISTINE, EXT_SYSTEM, EXT_PTY, EXT_PTY_STDIN, EXT_REPORT_PID, EXT_CREDIT, EXT_OUTPUT_CREDIT = 1, 2, 4, 8, 16, 32, 64
 """EXEC_EXT flags (``agent_exec.c``)."""
-_CONNECT_CREDIT = 1
+_CONNECT_CREDIT, _CONNECT_OUTPUT_CREDIT = 1, 2
+_RELEASE = 0xFFFFFFFF
+"""OUT_CREDIT's "stop counting": the host gave the channel up (it drops what comes), so the agent must not wait."""
 
 
 class T:
     """Frame types (host -> guest below 0x80, guest -> host above)."""
 
     EXEC, STDIN, SIGNAL, READ, WRITE, LIST, IDENTITY, SHUTDOWN, PING, MKDIR, EXEC_PRISTINE, EXEC_SYSTEM = range(1, 13)
-    CONFINE, REVEAL, EXEC_EXT, RESIZE, FS, WATCH, CANCEL, CONNECT = range(16, 24)
+    CONFINE, REVEAL, EXEC_EXT, RESIZE, FS, WATCH, CANCEL, CONNECT, OUT_CREDIT = range(16, 25)
     STDOUT, STDERR, EXIT, DATA, END, ERROR, READY, STARTED, CREDIT = range(0x81, 0x8A)
 
 
 _GUEST_TYPES = frozenset({T.STDOUT, T.STDERR, T.EXIT, T.DATA, T.END, T.ERROR, T.READY, T.STARTED, T.CREDIT})
 _CHANNEL_ENDS = frozenset({T.EXIT, T.END, T.ERROR})
 """Frames after which a channel takes no more stdin (its command exited or could not start, its connection ended)."""
+_OUTPUT = frozenset({T.STDOUT, T.STDERR, T.DATA})
+"""Frames counted in an output window."""
 
 
 class ProtocolError(SandboxError):
@@ -193,6 +211,31 @@ class _Window:
         return 0
 
 
+class _OutputWindow:
+    """A channel's output the agent sent within :data:`OUTPUT_WINDOW`: received and not credited back yet, of it
+    taken by the channel's consumer (the rest is in its queue)."""
+
+    def __init__(self) -> None:
+        self.unacked = 0
+        self.taken = 0
+        self.ended = False
+        """The channel's EXIT, END or ERROR came: the agent waits for no more credit."""
+
+    def received(self, n: int) -> None:
+        self.unacked += n
+        if self.unacked > OUTPUT_WINDOW:
+            raise ProtocolError(f"guest agent sent {self.unacked} bytes of output past a window of {OUTPUT_WINDOW}")
+
+    def take(self, n: int) -> int:
+        """``n`` bytes consumed; what to credit now (0: not yet, batched to half the window)."""
+        self.taken += n
+        if self.ended or self.taken < OUTPUT_WINDOW // 2:
+            return 0
+        credit, self.taken = self.taken, 0
+        self.unacked -= credit
+        return credit
+
+
 class AgentClient:
     """One connection to a guest agent; any number of concurrent operations, each on its own channel."""
 
@@ -200,10 +243,13 @@ class AgentClient:
         self._reader, self._writer = reader, writer
         self._channels: dict[int, asyncio.Queue[Frame | None]] = {}
         self._windows: dict[int, _Window] = {}
+        self._outputs: dict[int, _OutputWindow] = {}
+        self._queued: dict[int, int] = {}
         self._ids = itertools.count(1)
         self._ready = asyncio.Event()
         self.features = 0
-        """What the agent announced (:data:`FEATURE_CREDIT`); 0 for an agent older than announcing."""
+        """What the agent announced (:data:`FEATURE_CREDIT`, :data:`FEATURE_OUTPUT_CREDIT`); 0 for an agent older
+        than announcing."""
         self.dead_reason: str | None = None
         self._task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
         self._write_lock = asyncio.Lock()
@@ -243,9 +289,17 @@ class AgentClient:
                         continue
                     if window is not None and frame.type in _CHANNEL_ENDS:
                         window.close()  # its command ended: the rest of its stdin is moot
+                    output = self._outputs.get(frame.channel)
+                    if output is not None:
+                        if frame.type in _OUTPUT:
+                            output.received(len(frame.payload))
+                        elif frame.type in _CHANNEL_ENDS:
+                            output.ended = True
                     queue = self._channels.get(frame.channel)
                     if queue is None:
                         continue  # a channel we gave up on (killed exec): late output is dropped
+                    if frame.type in _OUTPUT:
+                        self._queued[frame.channel] += len(frame.payload)
                     queue.put_nowait(frame)
         except (AgentGone, ProtocolError, OSError) as exc:
             self.dead_reason = str(exc) if isinstance(exc, SandboxError) else f"agent connection failed: {exc}"
@@ -278,25 +332,50 @@ class AgentClient:
             raise AgentGone(self.dead_reason)
         channel = next(self._ids)
         self._channels[channel] = asyncio.Queue()
+        self._queued[channel] = 0
         return channel
 
     def close_channel(self, channel: int) -> None:
         self._channels.pop(channel, None)
+        self._queued.pop(channel, None)
         window = self._windows.pop(channel, None)
         if window is not None:
             window.close()
+        output = self._outputs.pop(channel, None)
+        if output is not None and not output.ended:
+            # Given up before its end (a killed exec, a closed port): what it still sends is dropped here, and an
+            # agent waiting for credit that never comes would keep its command's pipes (and the channel) forever.
+            self._send_nowait(T.OUT_CREDIT, channel, _RELEASE.to_bytes(4, "big"))
+
+    def queued(self, channel: int) -> int:
+        """Bytes of output the channel's queue holds (what its consumer has not taken yet)."""
+        return self._queued.get(channel, 0)
+
+    def _send_nowait(self, ftype: int, channel: int, payload: bytes) -> None:
+        """A small frame into the transport now, without waiting for the port (a credit: it must not be lost to
+        a consumer's cancellation, and frames are whole in the transport, so it never splits another's)."""
+        if self.dead_reason is None and not self._writer.is_closing():
+            self._writer.write(encode(ftype, channel, payload))
 
     @property
     def credits(self) -> bool:
         """Whether the agent credits stdin (new channels then ask for it and keep to :data:`STDIN_WINDOW`)."""
         return bool(self.features & FEATURE_CREDIT)
 
-    async def _start(self, ftype: int, payload: bytes, stdin: bool) -> int:
-        """A new channel and its first request (``stdin``: it takes stdin, within a window when the agent credits);
-        the channel is closed again if the request cannot be sent."""
+    @property
+    def output_credits(self) -> bool:
+        """Whether the agent keeps output within a window (new channels then ask for :data:`OUTPUT_WINDOW`)."""
+        return bool(self.features & FEATURE_OUTPUT_CREDIT)
+
+    async def _start(self, ftype: int, payload: bytes, stdin: bool, output: bool = False) -> int:
+        """A new channel and its first request (``stdin``: it takes stdin, within a window when the agent credits;
+        ``output``: the request asked for an output window); the channel is closed again if the request cannot be
+        sent."""
         channel = self.open_channel()
         if stdin and self.credits:
             self._windows[channel] = _Window()
+        if output:
+            self._outputs[channel] = _OutputWindow()  # before the request: its output may follow at once
         try:
             await self.send(ftype, channel, payload)
         except BaseException:
@@ -325,6 +404,13 @@ class AgentClient:
         if frame is None:
             queue.put_nowait(None)  # later waiters on this channel see it too
             raise AgentGone(self.dead_reason or "guest agent connection closed")
+        if frame.type in _OUTPUT:
+            if channel in self._queued:
+                self._queued[channel] -= len(frame.payload)
+            output = self._outputs.get(channel)
+            credit = output.take(len(frame.payload)) if output is not None else 0
+            if credit:
+                self._send_nowait(T.OUT_CREDIT, channel, credit.to_bytes(4, "big"))
         return frame
 
     async def _simple(self, ftype: int, payload: bytes, path: str, timeout: float = 60.0) -> list[bytes]:
@@ -419,7 +505,7 @@ class AgentClient:
         """Start a command as ``uid:gid`` (``pristine``: on the image's untouched root, with ``cwd`` bound in;
         ``system``: the backend's own upkeep, never confined); returns its channel (read it with
         :meth:`next_frame`)."""
-        if self.credits:  # its stdin within a window: the extended request asks for credit
+        if self.credits or self.output_credits:  # windows: only the extended request asks for them
             return await self.start_ext(argv, env, cwd, creds(uid, gid, ()),
                                         (EXT_PRISTINE if pristine else 0) | (EXT_SYSTEM if system else 0))
         if len(argv) > 0xFFFF or len(env) > 0xFFFF:
@@ -472,9 +558,11 @@ class AgentClient:
         strings = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
         if self.credits:
             flags |= EXT_CREDIT
+        if self.output_credits:
+            flags |= EXT_OUTPUT_CREDIT
         payload = (struct.pack(">HHIHH", len(argv), len(env), flags, *size) + creds
                    + b"".join(text.encode() + b"\0" for text in strings))
-        return await self._start(T.EXEC_EXT, payload, True)
+        return await self._start(T.EXEC_EXT, payload, True, bool(flags & EXT_OUTPUT_CREDIT))
 
     async def fs(self, op: int, creds: bytes, args: bytes, path: str, what: str, timeout: float = 120.0
                  ) -> builtins.list[bytes]:
@@ -507,8 +595,9 @@ class AgentClient:
 
     async def connect_port(self, port: int) -> int:
         """CONNECT to the guest's own ``127.0.0.1:port``; returns its channel (STARTED or ERROR come first)."""
-        payload = struct.pack(">H", port) + (bytes([_CONNECT_CREDIT]) if self.credits else b"")
-        return await self._start(T.CONNECT, payload, True)
+        flags = (_CONNECT_CREDIT if self.credits else 0) | (_CONNECT_OUTPUT_CREDIT if self.output_credits else 0)
+        payload = struct.pack(">H", port) + (bytes([flags]) if flags else b"")
+        return await self._start(T.CONNECT, payload, True, bool(flags & _CONNECT_OUTPUT_CREDIT))
 
 
 def _features(payload: bytes) -> int:
