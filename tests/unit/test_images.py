@@ -559,3 +559,59 @@ def test_idle_snapshot_layers_stay_bounded(store: ImageStore, tmp_path: Path) ->
         assert images.idle(600) == [digests[4][7:]], "three idle layers now: the longest idle of them is excess"
     finally:
         images.aclose_sync(unmount=True)
+
+
+@pytest.mark.root
+def test_a_mount_that_cannot_be_unmounted_does_not_stop_the_others(store: ImageStore, tmp_path: Path) -> None:
+    """An idle mount something this manager does not count still uses (umount: EBUSY) is kept and logged, and
+    goes to the back of the queue; it used to end the pass first, every pass, so nothing idle went any more."""
+    src = tmp_path / "src"
+    make_tree(src)
+    for n in range(2):
+        (src / "generation").write_text(f"{n}\n")
+        store.import_dir(f"img{n}", src, uid_shift=SHIFT)
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60)
+    try:
+        busy, free = (images.resolve(f"img{n}") for n in range(2))
+        images.release(busy)
+        images.release(free)
+        with open(busy.rootfs / "home" / "user" / "notes", "rb"):
+            assert images.unmount_idle() == [free.digest]
+            assert busy.rootfs.is_mount() and not free.rootfs.is_mount()
+            assert images.idle(600) == [], "the busy mount comes first again at the next pass"
+        assert images.unmount_idle() == [busy.digest]
+    finally:
+        images.aclose_sync(unmount=True)
+
+
+@pytest.mark.root
+def test_tag_answers_not_looked_up_for_long_are_forgotten(store: ImageStore, tmp_path: Path) -> None:
+    """A long-lived node resolves many names once, and images are removed: an answer not looked up for 60 tag_ttl
+    (or one the store no longer has) is forgotten at the next unmount pass, and with it the manifest of the image
+    it named once that is unmounted; a mounted image resolved by a tag is still no snapshot layer meanwhile."""
+    src = tmp_path / "src"
+    make_tree(src)
+    store.import_dir("img", src, uid_shift=SHIFT)
+    (src / "generation").write_text("other\n")
+    store.import_dir("gone", src, uid_shift=SHIFT)
+    images = NodeImages(Settings(home=tmp_path / "home", images_dir=store.root), store, tag_ttl=60, idle_layers=0)
+    try:
+        ref = images.resolve("img")
+        images.release(ref)
+        digest = "sha256:" + str(ref.digest)
+        assert images.current_digest("gone") is not None
+        store.remove("gone")
+        images.tag_ttl = 0  # (asked of the store again)
+        assert images.current_digest("gone") is None and "gone" not in images._tags  # a store miss
+        images.tag_ttl = 60
+        images._tags["img"] = (digest, time.monotonic() - 60 * 60 - 1)  # looked up an hour ago
+        assert images.unmount_idle(600) == [], "the image was taken for a snapshot layer (over idle_layers)"
+        assert images._tags == {} and images._tag_files == {}
+        assert images.check(deep=False).get("image:img") is None and "image:img" in images.check(deep=False)
+        assert images.unmount_idle() == [ref.digest]
+        assert digest not in images._manifests, "an image no fresh tag names kept its manifest"
+        again = images.resolve("img")  # asks the store again
+        assert again.digest == ref.digest and images._tags["img"][0] == digest
+        images.release(again)
+    finally:
+        images.aclose_sync(unmount=True)

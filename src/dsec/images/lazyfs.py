@@ -9,7 +9,9 @@ node cache's ``manifests/``). A read maps its range onto the manifest's chunks a
 the :class:`~dsec.images.cache.ChunkCache`, which fetches, verifies and stores it on first use. A chunk
 that cannot be had (store unreachable, corrupt twice, cache full) fails the read with ``EIO`` and its
 reason is recorded (``--errors``, the daemon's ``lazy/errors/``) for the daemon to report; wrong bytes
-are never returned. On its way out it unmounts its own mount only: a server replaced while it still
+are never returned. A blob is known (its manifest parsed, an inode given) from the kernel's first lookup of it
+until the kernel forgets it and no file of it is open: the server outlives daemon restarts, and a node looks up
+one blob per snapshot layer it mounts. On its way out it unmounts its own mount only: a server replaced while it still
 served (its mount detached, a new server mounted on the same path) must not take its successor's down,
 which libfuse's unmount by path did. This module never mounts EROFS and never writes to the store.
 """
@@ -50,6 +52,9 @@ class _Blob:
     manifest: Manifest
     index: ChunkIndex
     read: set[int] = field(default_factory=set)
+    lookups: int = 0
+    """The kernel's lookup count: entries replied (lookup, readdir) less those it forgot."""
+    opens: int = 0
 
 
 class LazyFS(pyfuse3.Operations):
@@ -92,6 +97,25 @@ class LazyFS(pyfuse3.Operations):
             attr.st_blocks = (attr.st_size + 511) // 512
         return attr
 
+    def _unref(self, blob: _Blob) -> None:
+        """Let ``blob`` go once the kernel holds no reference to it (an open file of it, as an EROFS mount's
+        device is, always holds one: its forget may still arrive before its release)."""
+        if blob.lookups <= 0 and blob.opens <= 0 and self._by_inode.get(blob.inode) is blob:
+            del self._by_inode[blob.inode]
+            if self._by_name.get(blob.hexdigest) is blob:
+                del self._by_name[blob.hexdigest]
+
+    def known(self) -> int:
+        """Blobs the server holds (each with its parsed manifest and chunk index)."""
+        return len(self._by_inode)
+
+    async def forget(self, inode_list: Any) -> None:
+        for inode, nlookup in inode_list:  # (must not raise)
+            blob = self._by_inode.get(inode)
+            if blob is not None:
+                blob.lookups -= nlookup
+                self._unref(blob)
+
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
         if inode != pyfuse3.ROOT_INODE and inode not in self._by_inode:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -104,6 +128,7 @@ class LazyFS(pyfuse3.Operations):
             blob = self._blob(os.fsdecode(name))
         except (OSError, DSecError):
             raise pyfuse3.FUSEError(errno.ENOENT) from None
+        blob.lookups += 1
         return self._attr(blob.inode)
 
     async def opendir(self, inode: int, ctx: Any) -> int:
@@ -117,12 +142,15 @@ class LazyFS(pyfuse3.Operations):
                 continue
             if not pyfuse3.readdir_reply(token, blob.hexdigest.encode(), self._attr(blob.inode), blob.inode):
                 return
+            blob.lookups += 1  # a readdirplus entry is a lookup to the kernel
 
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
-        if inode not in self._by_inode:
+        blob = self._by_inode.get(inode)
+        if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         if flags & (os.O_WRONLY | os.O_RDWR):
             raise pyfuse3.FUSEError(errno.EROFS)
+        blob.opens += 1
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -154,7 +182,10 @@ class LazyFS(pyfuse3.Operations):
         return bytes(out)
 
     async def release(self, fh: int) -> None:
-        return None
+        blob = self._by_inode.get(fh)
+        if blob is not None:
+            blob.opens -= 1
+            self._unref(blob)
 
     async def releasedir(self, fh: int) -> None:
         return None

@@ -144,6 +144,7 @@ class LazyServer:
         return not poller.poll(0) and alive(self._pid)
 
     def _track(self, pid: int) -> None:
+        before = self._generation
         self._forget()
         started = start_time(pid)
         try:
@@ -155,6 +156,15 @@ class LazyServer:
             return
         self._pid = pid
         self._generation = f"{pid}-{started}"
+        if self._generation != before:
+            self._new_probes()
+
+    def _new_probes(self) -> None:
+        """Start the hung count afresh: it belongs to one server, and a probe still stuck on a replaced one (its
+        I/O never ends) would count as a miss of its successor's, which was then replaced at its first slow
+        answer (all container sandboxes on its images lost), or every check while that probe stayed stuck."""
+        self.unanswered = 0
+        self._probe = None
 
     def _forget(self) -> None:
         if self._pidfd >= 0:
@@ -240,6 +250,7 @@ class LazyServer:
         if pid is not None:
             _end(pid)
         self._forget()
+        self._new_probes()
         self.pid_file.unlink(missing_ok=True)
 
     def death(self) -> str:

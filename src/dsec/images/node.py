@@ -61,6 +61,10 @@ _HUNG_PROBES = 3
 """Deep checks in a row that a live lazy server must fail to answer before it is replaced as hung."""
 _DEAD_KEPT = 10_000
 """Paths of dead mounts remembered for :meth:`NodeImages.stale` (a few per server death)."""
+_TAG_KEPT_TTLS = 60
+"""A tag's answer not looked up again for this many ``tag_ttl`` (at least a minute) is forgotten when idle images
+are unmounted: a long-lived node resolves many names once (and images are removed), and while an answer is kept,
+so is the parsed manifest of the image it names (up to ~1 MB each)."""
 IDLE_LAYERS = 16
 """Snapshot layers (images no tag names: one per snapshot, most restored or forked once) kept mounted while no
 sandbox uses them; beyond these the longest idle go at once, not after the warm period: under a load of forks
@@ -95,6 +99,9 @@ class _Mount:
     """Device number of the EROFS mount (what a ``stat`` of ``path`` shows while it is still there)."""
     server: str | None = None
     """Generation of the lazy server its blob reads through (None: not known, an older daemon's mount)."""
+    name: str | None = None
+    """The tag it was last resolved by; None: a snapshot layer (pinned by digest), or adopted and not resolved
+    since. Kept with the mount: the tag's answer may be forgotten (see ``_TAG_KEPT_TTLS``) while it is mounted."""
 
 
 def _ref(manifest: Manifest, mount: _Mount) -> ImageRef:
@@ -134,7 +141,6 @@ class NodeImages:
         self.prefetch = prefetch
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mount] = {}
-        self._by_name: dict[str, str] = {}
         self.access = AccessRecords(self.store.blobs, self.cache)
         self._later = Background("dsec-images")
         self._made: set[str] = set()  # images this instance mounted itself
@@ -179,7 +185,7 @@ class NodeImages:
         with self._lock:
             mount = self._mount(manifest)
             mount.refs += 1
-            self._by_name[name] = mount.hexdigest
+            mount.name = name
         return _ref(manifest, mount)
 
     def resolve_warm(self, name: str) -> ImageRef | None:
@@ -196,7 +202,7 @@ class NodeImages:
             if manifest is None or mount is None or not self._live(mount):
                 return None  # a dead or vanished mount is mounted afresh by resolve(), in a thread
             mount.refs += 1
-            self._by_name[name] = mount.hexdigest
+            mount.name = name
         finally:
             self._lock.release()
         return _ref(manifest, mount)
@@ -224,6 +230,7 @@ class NodeImages:
                 self._tags[name] = ("sha256:" + known, time.monotonic())
             raise
         if digest is None:
+            self._tags.pop(name, None)
             return None
         self._tags[name] = (digest, time.monotonic())
         return digest[7:]
@@ -538,7 +545,9 @@ class NodeImages:
         names = {d[7:]: n for n, (d, _) in builtins.list(self._tags.items())}
         for hexdigest, mount in builtins.list(self._mounts.items()):
             found = self.cache.read_error(hexdigest, time.time() - 60)
-            report[f"image:{names.get(hexdigest, hexdigest[:12])}"] = (
+            # The name a tag gives it now; else the one it was resolved by, unless that tag now names another.
+            name = names.get(hexdigest) or (mount.name if mount.name not in self._tags else None)
+            report[f"image:{name or hexdigest[:12]}"] = (
                 f"{found[0]}: {found[1]}" if found else None) if self._live(mount) else "not mounted"
         return report
 
@@ -573,20 +582,40 @@ class NodeImages:
         beyond the :attr:`idle_layers` used last, however recently (cheap: no I/O)."""
         now = time.monotonic()
         tagged = {digest[7:] for digest, _ in builtins.list(self._tags.values())}
-        unused = [(m.idle_since, h) for h, m in builtins.list(self._mounts.items()) if m.refs == 0]
-        layers = sorted((since, h) for since, h in unused if h not in tagged)
+        unused = [(m.idle_since, h, m.name) for h, m in builtins.list(self._mounts.items()) if m.refs == 0]
+        layers = sorted((since, h) for since, h, name in unused if name is None and h not in tagged)
         excess = {h for _, h in layers[:max(0, len(layers) - self.idle_layers)]}
-        return [h for since, h in unused if now - since >= idle_for or h in excess]
+        return [h for since, h, _ in unused if now - since >= idle_for or h in excess]
 
     def unmount_idle(self, idle_for: float = 0.0) -> builtins.list[str]:
         """Unmount every image no sandbox has used for ``idle_for`` seconds, and the snapshot layers beyond
-        :attr:`idle_layers` (see :meth:`idle`); returns their digests."""
+        :attr:`idle_layers` (see :meth:`idle`); returns their digests. One that cannot be unmounted (busy:
+        something this manager does not count uses it) is logged and kept, as if used just now: it must not stop
+        the others going, nor come first again at every pass."""
         done: builtins.list[str] = []
         with self._lock:
+            self._forget_old_tags()
             for hexdigest in self.idle(idle_for):
-                self._unmount(self._mounts[hexdigest])
+                mount = self._mounts[hexdigest]
+                try:
+                    self._unmount(mount)
+                except OSError as exc:
+                    log.warning("idle image mount %s stays: %s", mount.path, exc,
+                                extra={"component": "images", "error": str(exc)})
+                    mount.idle_since = time.monotonic()
+                    continue
                 done.append(hexdigest)
         return done
+
+    def _forget_old_tags(self) -> None:
+        """Drop the tag answers not looked up for ``_TAG_KEPT_TTLS`` (see there) and their written-file marks."""
+        oldest = time.monotonic() - max(self.tag_ttl * _TAG_KEPT_TTLS, 60.0)
+        for name, answer in builtins.list(self._tags.items()):
+            if answer[1] < oldest and self._tags.get(name) is answer:
+                self._tags.pop(name, None)
+        for name in builtins.list(self._tag_files):
+            if name not in self._tags:
+                self._tag_files.pop(name, None)
 
     def _unmount(self, mount: _Mount) -> None:
         umount(mount.path)
