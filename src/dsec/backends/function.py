@@ -274,7 +274,7 @@ class FunctionBackend(HostFileOps):
         """A zygote holds nothing a call needs but what it was started with: a new one over the same workspace
         (and ``image``, which may be mounted afresh) serves the sandbox as before."""
         zygote = self._zygotes.pop(record.id, None)
-        self._calls.forget(record.id)
+        self._calls.forget(record.id, again=True)
         if zygote is not None:
             await asyncio.to_thread(zygote.close)
         record.backend_state["image_rootfs"] = str(image.rootfs)

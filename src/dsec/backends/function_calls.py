@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from typing import Any
 
 from dsec.backends.base import signal_of
-from dsec.errors import InvalidRequest
+from dsec.errors import InvalidRequest, SandboxError
 from dsec.isolation.callslots import CallLimits, CallSlots, Slot
 from dsec.isolation.cgroups import CgroupSet
 from dsec.isolation.disk import disk_full
@@ -84,6 +84,8 @@ class Calls:
         self._pythons: dict[str, dict[str, PyZygote]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._refused: dict[tuple[str, str], InvalidRequest] = {}
+        self._revivals: dict[str, int] = {}
+        """Sandbox id -> how many times its zygote was replaced (:meth:`forget` with ``again``): its slots' names."""
 
     # -- limits ---------------------------------------------------------------------------
 
@@ -103,7 +105,8 @@ class Calls:
     def slots(self, record: SandboxRecord, cgroups: CgroupSet) -> CallSlots:
         found = self._slots.get(record.id)
         if found is None:
-            found = self._slots[record.id] = CallSlots(cgroups)
+            again = self._revivals.get(record.id, 0)
+            found = self._slots[record.id] = CallSlots(cgroups, prefix=f"r{again}c" if again else "c")
         return found
 
     # -- running one call -----------------------------------------------------------------
@@ -171,7 +174,8 @@ class Calls:
         refused = self._refused.get((record.id, python))
         if refused is not None:
             raise refused
-        async with self._locks.setdefault(record.id, asyncio.Lock()):
+        lock = self._locks.setdefault(record.id, asyncio.Lock())
+        async with lock:
             found = pythons.get(python)
             if found is not None and found.alive():
                 return found
@@ -185,6 +189,12 @@ class Calls:
                                          f"python='/path/to/python3'", python=python)
                 self._refused[(record.id, python)] = refused
                 raise refused from None
+            if self._locks.get(record.id) is not lock:
+                # Forgotten meanwhile (destroyed, or its zygote replaced): nothing would ever close this one, and
+                # the call must not make slots again for a sandbox that is gone.
+                started.close()
+                raise SandboxError(f"sandbox {record.id} is not running (it was destroyed, or its zygote replaced, "
+                                   f"while its Python zygote started)")
             pythons[python] = started
             return started
 
@@ -194,13 +204,17 @@ class Calls:
         for found in self._pythons.pop(sandbox_id, {}).values():
             found.drain()
 
-    def forget(self, sandbox_id: str) -> None:
-        """The sandbox is going away: stop its Python zygotes and drop its slots."""
+    def forget(self, sandbox_id: str, again: bool = False) -> None:
+        """The sandbox is going away, or with ``again`` its zygote is replaced (a revive): stop its Python zygotes
+        and drop its slots (the next ones are named apart from these, which may still be draining)."""
         for found in self._pythons.pop(sandbox_id, {}).values():
             found.close()
         slots = self._slots.pop(sandbox_id, None)
         if slots is not None:
-            slots.close()
+            slots.close(remove=again)
+        revivals = self._revivals.pop(sandbox_id, 0)
+        if again:
+            self._revivals[sandbox_id] = revivals + 1
         self._locks.pop(sandbox_id, None)
         for key in [k for k in self._refused if k[0] == sandbox_id]:
             del self._refused[key]

@@ -32,6 +32,8 @@ class Records:
         self._live: dict[str, SandboxRecord] = {}
         self.destroying: dict[str, asyncio.Task[None]] = {}
         """Ids whose destroy (or expiry, or loss) is under way -> its task (a second destroy waits for it)."""
+        self.reviving: dict[str, asyncio.Task[bool]] = {}
+        """Ids the watchdog (or recovery) is reviving -> its task (a destroy, expiry or loss waits for it)."""
         # Ids destroyed recently -> their state alone, or (state, message, job) when the message is not the
         # plain one or a job owned it. Bounded: a long-lived daemon creates millions, and the plain tombstone
         # (most of them) costs the id and a dict slot only, not a tuple and a message apiece.

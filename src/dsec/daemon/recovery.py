@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 
 from dsec.backends.base import Backend, ImageRef
@@ -27,8 +28,9 @@ __all__ = ["RECOVERY_PARALLELISM", "Recovery"]
 
 log = logging.getLogger(__name__)
 
-RECOVERY_PARALLELISM = 32
-"""Records offered to their backends at once at start."""
+RECOVERY_PARALLELISM = int(os.environ.get("DSEC_RECOVERY_PARALLELISM") or 32)
+"""Records offered to their backends at once at start (``DSEC_RECOVERY_PARALLELISM``: tests force a start with
+more sandboxes than that cheaply)."""
 
 
 class Recovery(EngineParts):
@@ -49,13 +51,25 @@ class Recovery(EngineParts):
         async def recover(record: SandboxRecord) -> None:
             nonlocal done
             async with sem:
-                await self._recover(record)
+                try:
+                    await self._recover(record)
+                except Exception:  # one sandbox must never keep the daemon from starting; its record stays
+                    log.exception("sandbox %s: recovery failed (its record stays for the next start)", record.id)
             done += 1
             if done % 16 == 0:  # progress within a long phase is progress too
                 self.on_phase(f"recovering sandboxes ({done}/{len(records)})")
 
         self.on_phase(f"recovering sandboxes (0/{len(records)})")
-        await asyncio.gather(*(recover(r) for r in records))
+        # A mount that died while no daemon ran is let go only once every sandbox was offered: the first re-pin
+        # finds it dead, and a function sandbox not yet recovered starts its zygote on its path (then revives).
+        keep, let_go = getattr(self.images, "keep_dead_mounts", None), getattr(self.images, "let_dead_mounts_go", None)
+        if keep is not None:
+            await asyncio.to_thread(keep)  # (it takes the image manager's lock)
+        try:
+            await asyncio.gather(*(recover(r) for r in records))
+        finally:
+            if let_go is not None:
+                await asyncio.to_thread(let_go)
         for name, backend in self.backends.started().items():
             self.on_phase(f"removing orphans of the {name} backend")
             known = {r.id for r in self.records.values() if r.spec.backend == name}
@@ -87,7 +101,7 @@ class Recovery(EngineParts):
             if record.spec.image:
                 try:  # re-pin the image mount this sandbox's root sits on
                     self.pins.hold(record.id, await asyncio.to_thread(self.pins.repin, backend, record))
-                except DSecError as exc:
+                except Exception as exc:  # (an OSError too: the watchdog then reports the sandbox if it must)
                     log.warning("sandbox %s: its image %s cannot be re-pinned: %s", record.id, record.spec.image, exc)
             if record.layers:
                 try:  # and the snapshot layers under it
@@ -97,7 +111,10 @@ class Recovery(EngineParts):
             self.metrics.live.labels(name).inc()
             self.records.save(record)  # the backend may have refreshed backend_state
             log.info("sandbox %s re-adopted (%s)", record.id, record.state)
-            await self._off_dead_mounts(backend, record)
+            try:
+                await self._off_dead_mounts(backend, record)
+            except Exception:  # not revived: the watchdog's first pass finds the dead mount and reports it
+                log.exception("sandbox %s: moving it off a dead image mount failed", record.id)
             return
         # Dead, or caught mid-create by the previous daemon's death: release whatever is left.
         try:
@@ -134,24 +151,52 @@ class Recovery(EngineParts):
                      extra={"component": "lazy-server", "sandbox": record.id})
 
     async def revive(self, record: SandboxRecord) -> bool:
-        """Ask the backend to bring the sandbox back, on its image mounted afresh if its own mount died."""
+        """Ask the backend to bring the sandbox back, on its image mounted afresh if its own mount died. One revive
+        of a sandbox at a time; a destroy, expiry or loss of it waits for the one under way (``records.reviving``),
+        and none starts once those have. Never raises: anything unexpected is logged and means not revived."""
+        pending = self.records.reviving.get(record.id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if self.records.find(record.id) is not record or record.id in self.records.destroying:
+            return False
+        task = asyncio.create_task(self._revive(record), name=f"dsec-revive-{record.id}")
+        self.records.reviving[record.id] = task
+
+        def done(_t: asyncio.Task[bool]) -> None:
+            if self.records.reviving.get(record.id) is task:
+                del self.records.reviving[record.id]
+
+        task.add_done_callback(done)
+        return await asyncio.shield(task)  # a watchdog pass cut short leaves it to finish (a destroy waits for it)
+
+    async def _revive(self, record: SandboxRecord) -> bool:
         backend = self.backends.loaded[record.spec.backend]
         old = self.pins.image_of(record.id)
         if old is None or any(self.pins.stale(root) for root in self.pins.layers_of(record.id)):
             return False  # snapshot layers cannot be swapped under a sandbox
-        fresh = old
-        if self.pins.stale(old.rootfs) is not None:
-            try:
-                fresh = await asyncio.to_thread(self.pins.repin, backend, record)
-            except DSecError as exc:
-                log.warning("sandbox %s: its image cannot be mounted afresh: %s", record.id, exc,
-                            extra={"sandbox": record.id, "error": exc.message})
-                return False
-        revived = record.id in self.records and await backend.revive(record, fresh)
-        if fresh is not old:
-            self.pins.release(old if revived else fresh)
-            if revived:
-                self.pins.hold(record.id, fresh)
+        fresh, revived = old, False
+        try:
+            if self.pins.stale(old.rootfs) is not None:
+                try:
+                    fresh = await asyncio.to_thread(self.pins.repin, backend, record)
+                except DSecError as exc:
+                    log.warning("sandbox %s: its image cannot be mounted afresh: %s", record.id, exc,
+                                extra={"sandbox": record.id, "error": exc.message})
+                    return False
+            if self.records.find(record.id) is not record or record.id in self.records.destroying:
+                return False  # destroyed meanwhile
+            revived = await backend.revive(record, fresh)
+        except Exception:
+            log.exception("sandbox %s: revive failed", record.id, extra={"sandbox": record.id})
+            return False
+        finally:
+            # The pin the sandbox now sits on is the one it holds (a destroy waiting for this releases it).
+            if fresh is not old:
+                self.pins.release(old if revived else fresh)
+                if revived:
+                    self.pins.hold(record.id, fresh)
+        if self.records.find(record.id) is not record:
+            return False  # retired meanwhile: its teardown, which waited for this, closes the new zygote
         if revived:
             self.records.save(record)
         return revived

@@ -121,8 +121,16 @@ class Removal(EngineParts):
         self.teardowns.add(task)
         task.add_done_callback(self.teardowns.discard)
 
+    async def _revived(self, sandbox_id: str) -> None:
+        """Wait for a revive of the sandbox under way (the watchdog's): its new zygote and image pin are then
+        the sandbox's, which the teardown after this releases (never a revive finishing on a destroyed one)."""
+        reviving = self.records.reviving.get(sandbox_id)
+        if reviving is not None:
+            await asyncio.wait([reviving])
+
     async def _teardown(self, record: SandboxRecord) -> None:
         try:
+            await self._revived(record.id)
             await self.surface.forget(record.id)
             await self.backends.get(record.spec.backend).destroy(record)
         except Exception as exc:
@@ -141,6 +149,7 @@ class Removal(EngineParts):
     async def _remove(self, record: SandboxRecord, state: str, message: str) -> None:
         backend = self.backends.get(record.spec.backend)
         try:
+            await self._revived(record.id)
             await self.surface.forget(record.id)
             await backend.destroy(record)
         except Exception as exc:

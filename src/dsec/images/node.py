@@ -146,6 +146,9 @@ class NodeImages:
         self._made: set[str] = set()  # images this instance mounted itself
         self.server = LazyServer(self.base, settings.home / "log" / "lazyfs.log", self._server_args)
         self._dead: collections.OrderedDict[Path, str] = collections.OrderedDict()  # dead mount -> why
+        self._kept_dead: builtins.list[Path] | None = None
+        """While a starting daemon recovers (:meth:`keep_dead_mounts`): dead mounts an earlier daemon left, let go
+        only once recovery is over."""
         self.remounts = 0
         """Mounts this instance made afresh because theirs had died or vanished."""
         self._healed: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100)
@@ -378,6 +381,8 @@ class NodeImages:
                 self.server.ensure()
             if self._live(adopted):
                 return adopted
+            if point in (self._kept_dead or ()):
+                continue
             if adopted.server is not None and point not in self._dead:
                 # Its server died while no daemon ran: a re-adopted sandbox may sit on it. Remembered like a dead
                 # mount of this instance's (never reused; :meth:`stale` names it) so that the engine can revive or
@@ -389,8 +394,30 @@ class NodeImages:
                 while len(self._dead) > _DEAD_KEPT:
                     self._dead.popitem(last=False)
                 self._healed.append((why, time.time(), time.time()))
+            if self._kept_dead is not None and point in self._dead:
+                # Recovery may not have reached every sandbox on it yet: a function sandbox's zygote is started
+                # on its path (then revived on the fresh mount), which a detached mount would no longer have.
+                self._kept_dead.append(point)
+                continue
             self._forget_path(point)
         return None
+
+    def keep_dead_mounts(self) -> None:
+        """Until :meth:`let_dead_mounts_go`: a dead mount an earlier daemon left (its lazy server died while no
+        daemon ran) is remembered (:meth:`stale`) and mounted afresh elsewhere as always, but stays mounted at its
+        path: a starting daemon's recovery re-pins its sandboxes one by one, and those not yet recovered still
+        need the path (a function sandbox's zygote starts on it before it is revived)."""
+        with self._lock:
+            self._kept_dead = []
+
+    def let_dead_mounts_go(self) -> builtins.list[Path]:
+        """Detach the dead mounts kept since :meth:`keep_dead_mounts` (sandboxes on them keep their own clones);
+        their paths. Blocking."""
+        with self._lock:
+            kept, self._kept_dead = self._kept_dead or [], None
+            for point in kept:
+                self._forget_path(point)
+        return kept
 
     def _mount_at(self, manifest: Manifest, hexdigest: str, target: Path) -> _Mount:
         """Mount the image (through a running lazy server) at ``target`` and keep it as the image's mount."""

@@ -3,7 +3,8 @@
 Layout under the sandbox's cgroup (v1: in the memory and pids hierarchies; v2: one unified directory)::
 
     <sandbox>/zygote   the zygotes and the calls they cloned ahead (infrastructure: memory and pids of its own)
-    <sandbox>/c<N>     one running call each, with that call's memory and pids limits
+    <sandbox>/c<N>     one running call each, with that call's memory and pids limits (``r<R>c<N>`` once the
+                       sandbox's zygote was replaced R times: the old zygote's slots may still be draining)
 
 The sandbox's own cgroup keeps its CPU quota (on v1 the zygotes stay there in the cpu, cpuacct, freezer and
 devices hierarchies) and bounds the sum: at most :data:`MAX_CALLS` calls run at once, so one call's fork bomb
@@ -274,8 +275,12 @@ class Slot:
 class CallSlots:
     """The slots of one sandbox: :meth:`acquire` waits for one when :data:`MAX_CALLS` calls run."""
 
-    def __init__(self, sandbox: CgroupSet) -> None:
+    def __init__(self, sandbox: CgroupSet, prefix: str = "c") -> None:
         self.sandbox = sandbox
+        self.prefix = prefix
+        """Of the slots' names (``<prefix><N>``): the slots of a zygote started anew over the same cgroup (a revive)
+        must not share names with the old zygote's, which may still be draining (killing what is in them, then
+        removing them)."""
         self._free: list[Slot] = []
         self._made = 0
         self._gate = asyncio.Semaphore(MAX_CALLS)
@@ -289,7 +294,7 @@ class CallSlots:
                 slot = self._free.pop()
             else:
                 self._made += 1
-                slot = await asyncio.to_thread(Slot.make, self.sandbox, f"c{self._made}")
+                slot = await asyncio.to_thread(Slot.make, self.sandbox, f"{self.prefix}{self._made}")
             slot.limit(limits)
         except BaseException:
             self._gate.release()
@@ -334,12 +339,17 @@ class CallSlots:
             self._free.append(slot)
         self._gate.release()
 
-    def close(self) -> None:
-        """Forget every slot (the sandbox is going away; its cgroups are removed with it)."""
+    def close(self, remove: bool = False) -> None:
+        """Forget every slot: the sandbox is going away (its cgroups are removed with it), or with ``remove`` its
+        zygote is replaced (the free slots' cgroups are removed now; those in use go when their call ends)."""
         self._closed = True
         for task in self._draining:
             task.cancel()
         for slot in self._free:
-            slot.close_files()
+            if remove:
+                with contextlib.suppress(OSError):
+                    slot.remove()
+            else:
+                slot.close_files()
         self._free = []
 

@@ -51,6 +51,8 @@ class DaemonProcess:
         self.settings = Settings(home=home, images_dir=images_dir())
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "daemon.log"
+        self.env: dict[str, str] = {}
+        """More environment for the daemon (a test's knobs)."""
 
     @property
     def url(self) -> str:
@@ -58,7 +60,7 @@ class DaemonProcess:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
-        env = dict(os.environ, DSEC_IMAGES=str(images_dir()), DSEC_HOME=str(self.home))
+        env = dict(os.environ, DSEC_IMAGES=str(images_dir()), DSEC_HOME=str(self.home), **self.env)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dsec.daemon", "serve", "--home", str(self.home)],
@@ -374,6 +376,46 @@ async def test_lazy_server_killed_while_no_daemon_runs(daemon: DaemonProcess) ->
             assert info.status == "ok", info
         finally:
             watcher.cancel()
+        await destroy_all(client)
+    daemon.stop()
+    assert_nothing_left(daemon)
+
+
+async def test_lazy_server_killed_while_no_daemon_runs_more_sandboxes_than_recovered_at_once(
+        daemon: DaemonProcess) -> None:
+    """As above, with more function sandboxes than recovery offers to the backend at once (1 here; 32 by default):
+    the first re-pin found the dead mount and detached it, and every sandbox not yet recovered then failed its
+    check that its image root is there, and was destroyed with its workspace. All must live on, each on the image
+    mounted afresh, each with its workspace."""
+    from dsec.images.lazyserver import alive, fs_types
+
+    daemon.env["DSEC_RECOVERY_PARALLELISM"] = "1"
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        fns = [await dsec.AsyncSandbox.create(image="debian-python", backend="function", client=client)
+               for _ in range(3)]
+        for i, fn in enumerate(fns):
+            await fn.files.write("/workspace/state", f"kept {i}")
+    old_roots = {daemon.records()[fn.id].backend_state["image_rootfs"] for fn in fns}
+    daemon.kill()
+    server = int((daemon.home / "lazy" / "lazyfs.pid").read_text())
+    os.kill(server, signal.SIGKILL)
+    assert wait_until(lambda: not alive(server), timeout=10)
+
+    daemon.start()
+    async with dsec.Client(url=daemon.url) as client:
+        for i, fn in enumerate(fns):
+            again = await dsec.AsyncSandbox.connect(fn.id, client=client)
+            assert await asyncio.wait_for(again.call(_kept_state, "/workspace/state"), 90) == f"kept {i}"
+        result = await asyncio.wait_for(again.exec(_UNCACHED_READ, timeout=60), 90)
+        assert result.exit_code == 0 and b"imported" in result.stdout, result
+        records = daemon.records()
+        for fn in fns:
+            new_root = records[fn.id].backend_state["image_rootfs"]
+            assert new_root not in old_roots and fs_types().get(new_root) == "erofs"
+        assert not old_roots & set(fs_types()), "the dead image mount was left mounted"
+        info = await client.health()
+        assert info.status == "ok", info
         await destroy_all(client)
     daemon.stop()
     assert_nothing_left(daemon)
