@@ -4,12 +4,15 @@ close, one failing callback not starving the others, on the default loop and on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 from collections.abc import Callable
 
 import pytest
 import uvloop
 
+from dsec.isolation import pipewatch
 from dsec.isolation.pipewatch import pipe_watch
 
 
@@ -72,3 +75,27 @@ def test_pipe_watch(make_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
         loop.run_until_complete(_exercise())
     finally:
         loop.close()
+
+
+def _epoll_fds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # (the listing's own fd, closed by now)
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]"
+    return count
+
+
+@pytest.mark.parametrize("make_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_a_closed_loop_leaves_no_watch_behind(make_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """Every loop that ran a command once kept its watch, its epoll fd and itself (the watch held its loop, the
+    loop's entry held the watch): a test run leaked an fd per test, and a daemon one per loop it ever ran."""
+    gc.collect()
+    before, watches = _epoll_fds(), len(pipewatch._watches)
+    loop = make_loop()
+    loop.run_until_complete(_exercise())
+    assert len(pipewatch._watches) == watches + 1
+    loop.close()
+    del loop
+    gc.collect()
+    assert len(pipewatch._watches) == watches
+    assert _epoll_fds() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import stat
 from collections.abc import AsyncIterator
@@ -622,3 +623,121 @@ async def test_a_deferred_answer_whose_commit_fails_is_the_next_readers_error(tm
         assert [(e.seq, e.status, e.response) for e in entries] == [(0, "done", '{"exit_code": 0}')]
     finally:
         await store.aclose()
+
+
+def _hold_writes(monkeypatch: pytest.MonkeyPatch, engine: Engine, path: str) -> asyncio.Event:
+    """Writes of ``path`` hang until the returned event is set (a call in flight as long as a test needs)."""
+    fake = engine.backends.loaded["container"]
+    real = fake.write_file
+    release = asyncio.Event()
+
+    async def held(record: object, target: str, *args: object, **kwargs: object) -> None:
+        if target == path:
+            await release.wait()
+            return
+        await real(record, target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fake, "write_file", held)
+    return release
+
+
+def _loaded(engine: Engine, name: str = "job-17/rollout-3") -> bool:
+    """Whether anything of ``name`` stays in the daemon's memory (the trajectory, its open or load lock)."""
+    binding = engine.trajectories
+    return (binding.log.by_name(name) is not None or name in binding._opening
+            or name in binding.log._loading)
+
+
+async def test_a_trajectory_whose_sandbox_goes_with_a_call_in_flight_is_forgotten_when_it_lands(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox's removal keeps a trajectory with a call in flight loaded (the call still logs into it);
+    nothing forgot it after, so a daemon kept every such trajectory (digests, statuses, ops) for good."""
+    info = await engine.create(spec())
+    release = _hold_writes(monkeypatch, engine, "/workspace/slow")
+    call = asyncio.create_task(engine.write_file(info.id, "/workspace/slow", b"x", seq=0))
+    t = engine.trajectories.log.by_name("job-17/rollout-3")
+    assert t is not None and await await_until(lambda: bool(t.flights))
+    await engine.destroy(info.id)
+    assert engine.trajectories.log.by_name("job-17/rollout-3") is t  # its call still lands here
+    release.set()
+    with contextlib.suppress(Exception):
+        await call
+    await asyncio.sleep(0)  # (the landing's callbacks)
+    assert not _loaded(engine)
+    # Kept while its sandbox lives: a call that lands then forgets nothing.
+    info = await engine.create(spec())
+    await engine.write_file(info.id, "/workspace/a", b"a", seq=1)
+    assert engine.trajectories.log.by_name("job-17/rollout-3") is not None
+    await engine.destroy(info.id)
+    assert not _loaded(engine)
+
+
+async def test_a_call_still_running_when_its_lost_sandbox_is_rebuilt_is_an_effect_counted(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-open rebuilding a lost sandbox while a call on the old one is still being logged counted that call
+    neither as re-run nor as missing: its effect was dropped without a word. The rebuild waits for it (bounded):
+    landed, it is re-run if asked; still running, it is reported missing (and not run a second time)."""
+    info = await engine.create(spec())
+    await engine.write_file(info.id, "/workspace/a", b"a", seq=0)
+    release = _hold_writes(monkeypatch, engine, "/workspace/slow")
+    call = asyncio.create_task(engine.write_file(info.id, "/workspace/slow", b"x", seq=1))
+    t = engine.trajectories.log.by_name("job-17/rollout-3")
+    assert t is not None and await await_until(lambda: bool(t.flights))
+    await engine.destroy(info.id)  # lost with call 1 in flight
+    monkeypatch.setattr("dsec.daemon.trajectories._FLIGHT_WAIT", 0.2)
+    back = await engine.create(spec(rerun_missing=True))
+    assert back.trajectory is not None
+    assert back.trajectory.rerun == [0] and back.trajectory.missing_effects == [1]
+    release.set()
+    with contextlib.suppress(Exception):
+        await call
+    await engine.destroy(back.id)
+
+    # Landing during the wait: the call counts as done, and is re-run with the others.
+    release.clear()
+    info = await engine.create(spec())
+    call = asyncio.create_task(engine.write_file(info.id, "/workspace/slow", b"y", seq=2))
+    t = engine.trajectories.log.by_name("job-17/rollout-3")
+    assert t is not None and await await_until(lambda: bool(t.flights))
+    await engine.destroy(info.id)
+    monkeypatch.setattr("dsec.daemon.trajectories._FLIGHT_WAIT", 10.0)
+    asyncio.get_running_loop().call_later(0.2, release.set)
+    back = await engine.create(spec(rerun_missing=True))
+    await call
+    assert back.trajectory is not None
+    assert back.trajectory.rerun == [0, 1, 2] and back.trajectory.missing_effects == []  # (call 1 landed by now)
+    await engine.destroy(back.id)
+
+
+async def test_a_failed_open_or_delete_keeps_no_lock_for_its_name(engine: Engine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open whose create fails, a rebuild that fails, a delete or end of an unknown name: each left the
+    name's locks (and a failed rebuild its trajectory) in memory for good."""
+    real = engine.create_unpooled
+
+    async def failing(*args: object, **kwargs: object) -> object:
+        raise SandboxError("no capacity")
+
+    monkeypatch.setattr(engine, "create_unpooled", failing)
+    with pytest.raises(SandboxError, match="no capacity"):
+        await engine.create(spec())
+    assert not _loaded(engine)
+    for drop in (engine.trajectories.delete, engine.trajectories.end):
+        with pytest.raises(NotFound):
+            await drop("job-17/rollout-3")
+        assert not _loaded(engine)
+
+    monkeypatch.setattr(engine, "create_unpooled", real)
+    info = await engine.create(spec())
+    await engine.write_file(info.id, "/workspace/a", b"a", seq=0)
+    await engine.destroy(info.id)
+    assert not _loaded(engine)
+    monkeypatch.setattr(engine, "create_unpooled", failing)
+    with pytest.raises(SandboxError, match="no capacity"):
+        await engine.create(spec())  # its rebuild fails
+    assert not _loaded(engine)
+    monkeypatch.setattr(engine, "create_unpooled", real)
+    back = await engine.create(spec())
+    assert back.trajectory is not None and back.trajectory.missing_effects == [0]
+    await engine.trajectories.delete("job-17/rollout-3")
+    assert not _loaded(engine)

@@ -39,7 +39,15 @@ from dsec.models import (
     TrajectoryStatus,
 )
 from dsec.trajectory.digest import call_identity, exec_args
-from dsec.trajectory.replay import STATE_CHANGING, Join, OpenTrajectory, Replay, TrajectoryLog, decode_response
+from dsec.trajectory.replay import (
+    STATE_CHANGING,
+    Join,
+    Live,
+    OpenTrajectory,
+    Replay,
+    TrajectoryLog,
+    decode_response,
+)
 from dsec.trajectory.store import Binding, Summary
 
 if TYPE_CHECKING:
@@ -56,6 +64,10 @@ _EFFECTS = frozenset({"exec", "write", "mouse", "keyboard", "reveal", "process",
 """Logged calls that changed the sandbox: after the latest checkpoint, a rebuilt sandbox lacks their effects
 unless they are re-run (exec, write, reveal and the file operations can be; input actions, processes and shell
 sessions cannot, and are reported missing)."""
+
+
+_FLIGHT_WAIT = 10.0
+"""Seconds a delete, an end or a rebuild waits for calls on the gone sandbox still being logged."""
 
 
 _PER_OPEN = frozenset({"trajectory", "snapshot", "lease", "rerun_missing", "timeout", "keep_logged_spec"})
@@ -155,15 +167,30 @@ class TrajectoryBinding:
 
     def forget(self, record: SandboxRecord) -> None:
         """``record`` was destroyed: drop its trajectory from memory (the log stays in the store, and
-        re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow."""
+        re-opening the trajectory rebuilds the sandbox), so a long-lived daemon does not grow. With a call still
+        in flight, the call's landing does it (:meth:`_drop_if_unbound`)."""
         t = self._bound(record)
-        if t is None or t.flights:
+        if t is not None:
+            self._drop_if_unbound(t)
+
+    def _drop_if_unbound(self, t: OpenTrajectory) -> None:
+        """Forget ``t`` if nothing needs it loaded: no call of it in flight, no open of it under way, and its
+        sandbox gone from this node (destroyed, lost, or never built by a rebuild that failed)."""
+        if t.flights or self.log.by_name(t.name) is not t:
             return
         lock = self._opening.get(t.name)
         if lock is not None and lock.locked():
             return  # being re-opened now: the opener rebinds it to a new sandbox, and needs it loaded
+        if self.engine.find_record(t.binding.sandbox_id or "") is not None:
+            return  # still this node's (a removal under way forgets it when done)
         self.log.forget(t.name)
-        self._opening.pop(t.name, None)
+        self._unlock(t.name)
+
+    def _fly(self, t: OpenTrajectory, live: Live, task: asyncio.Task[Any]) -> None:
+        """``task`` runs call ``live.seq``; when it lands after its sandbox went, ``t`` is forgotten then (the
+        sandbox's removal could not: a call was in flight)."""
+        self.log.fly(t, live, task)
+        task.add_done_callback(lambda _: self._drop_if_unbound(t))  # (after fly's own: the flight is gone)
 
     # -- opening --------------------------------------------------------------------------------------
 
@@ -175,6 +202,15 @@ class TrajectoryBinding:
                                  f"without NUL, got {name!r}")
         if spec.snapshot is not None:
             raise InvalidRequest("give either trajectory or snapshot: a trajectory restores its own checkpoints")
+        try:
+            return await self._open(name, spec)
+        finally:  # failed or not: no lock stays for the name, nor a trajectory bound to no sandbox
+            t = self.log.by_name(name)
+            if t is not None:
+                self._drop_if_unbound(t)
+            self._unlock(name)
+
+    async def _open(self, name: str, spec: SandboxSpec) -> SandboxInfo:
         async with self._opening.setdefault(name, asyncio.Lock()):
             if await self.log.store.ended_at(name) is not None:
                 await self._erase(name)  # ended on purpose: the name starts a new trajectory
@@ -238,22 +274,26 @@ class TrajectoryBinding:
     async def end(self, name: str) -> TrajectoryInfo:
         """End a trajectory on purpose: its sandbox is destroyed and it is marked ended. Its log stays readable
         until the name is opened again, which starts a new trajectory in its place."""
-        async with self._opening.setdefault(name, asyncio.Lock()):
-            binding = await self._binding(name)
-            await self._drop_sandbox(binding.sandbox_id, name)
-            await self.log.store.end(name)
-            self.log.forget(name)
-        self._unlock(name)
+        try:
+            async with self._opening.setdefault(name, asyncio.Lock()):
+                binding = await self._binding(name)
+                await self._drop_sandbox(binding.sandbox_id, name)
+                await self.log.store.end(name)
+                self.log.forget(name)
+        finally:
+            self._unlock(name)
         log.info("trajectory %s ended (its sandbox %s destroyed)", name, binding.sandbox_id)
         return await self.info(name)
 
     async def delete(self, name: str) -> None:
         """Delete a trajectory: its sandbox, the checkpoints no other trajectory shares (a branch shares those
         before its branch point), and its log."""
-        async with self._opening.setdefault(name, asyncio.Lock()):
-            await self._binding(name)
-            await self._erase(name)
-        self._unlock(name)
+        try:
+            async with self._opening.setdefault(name, asyncio.Lock()):
+                await self._binding(name)
+                await self._erase(name)
+        finally:
+            self._unlock(name)
 
     async def _erase(self, name: str) -> None:
         binding = await self._binding(name)
@@ -281,11 +321,13 @@ class TrajectoryBinding:
         if record is not None and record.spec.trajectory == name:
             await self.engine.destroy(record.id)
         if t is not None and t.flights:
-            await asyncio.wait(builtins.list(t.flights.values()), timeout=10)
+            await asyncio.wait(builtins.list(t.flights.values()), timeout=_FLIGHT_WAIT)
 
     def _unlock(self, name: str) -> None:
+        """Drop ``name``'s lock unless it is held or waited for (a waiter and a newcomer taking a new lock
+        would run at once: a lock just released reads unlocked until its next holder runs)."""
         lock = self._opening.get(name)
-        if lock is not None and not lock.locked():
+        if lock is not None and not lock.locked() and not lock._waiters:
             del self._opening[name]
 
     # -- outside the log ------------------------------------------------------------------------------
@@ -321,6 +363,10 @@ class TrajectoryBinding:
 
     async def _recover(self, t: OpenTrajectory, spec: SandboxSpec) -> SandboxInfo:
         """The bound sandbox is gone: rebuild it from the latest checkpoint (or the image)."""
+        if t.flights:
+            # Calls cut off with the sandbox are still being logged: wait (bounded) so that each counts as
+            # what it is, an effect the rebuild lacks (re-run if asked), rather than as running.
+            await asyncio.wait(builtins.list(t.flights.values()), timeout=_FLIGHT_WAIT)
         original = SandboxSpec.model_validate_json(t.binding.spec)
         base = original.model_copy(update={"lease": spec.lease, "rerun_missing": spec.rerun_missing,
                                            "timeout": spec.timeout})
@@ -342,13 +388,16 @@ class TrajectoryBinding:
         checkpoint = t.binding.checkpoint
         info = await self.engine.create_unpooled(spec, checkpoint or None)
         after = range(t.binding.checkpoint_seq, upto)
-        missing = [seq for seq in after if t.ops[seq] in _EFFECTS and t.statuses[seq] != "running"]
+        missing = [seq for seq in after if t.ops[seq] in _EFFECTS]
+        # A call still running past the wait is reported missing, not re-run: the answer logged when it lands is
+        # its cut-off run's, and a re-run would be a second run of the same call.
+        runnable = [seq for seq in missing if t.statuses[seq] != "running"]
         rerun: list[int] = []
         try:
-            if spec.rerun_missing and missing:
+            if spec.rerun_missing and runnable:
                 start = t.binding.checkpoint_seq
                 for entry in await self.log.store.entries(t.name, start, upto - start):
-                    if entry.seq in missing and await self._rerun(info.id, entry.op, json.loads(entry.request)):
+                    if entry.seq in runnable and await self._rerun(info.id, entry.op, json.loads(entry.request)):
                         rerun.append(entry.seq)
         except BaseException:  # failed or cut off half-way: no unbound sandbox stays (a retry builds another)
             await self.engine.destroy(info.id)
@@ -472,7 +521,7 @@ class TrajectoryBinding:
             return await self.log.finish(t, at, op, stored, digest, response, started)
 
         task = asyncio.create_task(live(decision.seq))
-        self.log.fly(t, decision, task)
+        self._fly(t, decision, task)
         return await asyncio.shield(task)
 
     async def exec(self, record: SandboxRecord, backend: Backend, request: ExecRequest, seq: int | None) -> ExecResult:
@@ -495,7 +544,7 @@ class TrajectoryBinding:
                 raise joined
             return joined.model_copy(update={"replayed": True})  # type: ignore[no-any-return]
         task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, []))
-        self.log.fly(t, decision, task)
+        self._fly(t, decision, task)
         outcome = await asyncio.shield(task)  # the command runs on (and is logged) if this caller goes
         if isinstance(outcome, DSecError):
             raise outcome
@@ -529,7 +578,7 @@ class TrajectoryBinding:
             return
         sink: list[asyncio.Queue[ExecEvent | DSecError]] = [asyncio.Queue()]
         task = asyncio.create_task(self._run_exec(t, decision.seq, record, backend, request, digest, stored, sink))
-        self.log.fly(t, decision, task)
+        self._fly(t, decision, task)
         try:
             while True:
                 item = await sink[0].get()

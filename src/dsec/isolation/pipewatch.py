@@ -22,13 +22,15 @@ from collections.abc import Callable
 __all__ = ["PipeWatch", "pipe_watch"]
 
 _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PipeWatch] = weakref.WeakKeyDictionary()
+"""Each loop's watch. A watch holds its loop weakly: the entry (a strong value) must not keep its key alive, or
+every loop that ever ran a command would stay, with its watch's epoll fd."""
 
 
 class PipeWatch:
     """Level-triggered readiness of many fds through one reader of ``loop``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)
         self._epoll = select.epoll()
         self._callbacks: dict[int, Callable[[], None]] = {}
         loop.add_reader(self._epoll.fileno(), self._dispatch)
@@ -67,21 +69,27 @@ class PipeWatch:
             try:
                 callback()
             except Exception as exc:  # one pipe's failure must not starve the others of their events
-                self.loop.call_exception_handler({"message": "pipe callback failed", "exception": exc})
+                loop = self._loop()
+                if loop is not None:
+                    loop.call_exception_handler({"message": "pipe callback failed", "exception": exc})
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, RuntimeError):
-            self.loop.remove_reader(self._epoll.fileno())
+        loop = self._loop()
+        with contextlib.suppress(OSError, RuntimeError, ValueError):  # (ValueError: the epoll is closed already)
+            if loop is not None:
+                loop.remove_reader(self._epoll.fileno())
         self._callbacks.clear()
         with contextlib.suppress(OSError):
             self._epoll.close()
 
 
 def pipe_watch(loop: asyncio.AbstractEventLoop | None = None) -> PipeWatch:
-    """The running (or given) loop's :class:`PipeWatch`, made on first use and dropped with the loop."""
+    """The running (or given) loop's :class:`PipeWatch`, made on first use and dropped with the loop (its epoll
+    closed as the loop is collected, even if something still holds the watch)."""
     loop = loop or asyncio.get_running_loop()
     found = _watches.get(loop)
     if found is None or found._epoll.closed:
         found = _watches[loop] = PipeWatch(loop)
+        weakref.finalize(loop, found.close)
     return found
 

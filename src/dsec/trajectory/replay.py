@@ -183,13 +183,17 @@ class TrajectoryLog:
             return loaded
         lock = self._loading.setdefault(name, asyncio.Lock())
         async with lock:
-            loaded = self._open.get(name)
-            if loaded is not None:
-                return loaded
-            opened = await self._read(name, interrupt=True)
-            if opened is not None:
-                self._open[name] = opened
-            return opened
+            try:
+                loaded = self._open.get(name)
+                if loaded is not None:
+                    return loaded
+                opened = await self._read(name, interrupt=True)
+                if opened is not None:
+                    self._open[name] = opened
+                return opened
+            finally:  # loaded, not found or failed: the lock is needed no longer, unless another load waits
+                if self._loading.get(name) is lock and not lock._waiters:
+                    del self._loading[name]
 
     async def peek(self, name: str) -> OpenTrajectory | None:
         """The trajectory as the store has it now, for a look (its log, a branch's source): the loaded one, else
@@ -244,7 +248,7 @@ class TrajectoryLog:
         """Drop a trajectory from memory (its log stays in the store)."""
         self._open.pop(name, None)
         lock = self._loading.get(name)
-        if lock is not None and not lock.locked():
+        if lock is not None and not lock.locked() and not lock._waiters:
             del self._loading[name]
 
     # -- matching -----------------------------------------------------------------------------------
