@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -414,3 +416,23 @@ def test_a_node_remembers_a_bounded_number_of_saved_access_records(tmp_path: Pat
     assert len(asked) == 10  # remembered: the store is not asked again
     records.save(layers[0])
     assert len(asked) == 11 and records.saved(layers[0])  # forgotten: asked again (it holds it: not re-sent)
+
+
+def test_a_prefetch_whose_cache_is_gone_stops_without_an_unhandled_error(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A prefetch thread still running when its cache directory goes (a node's home removed under it) stops with
+    a warning: an exception escaping it would be an unhandled thread error."""
+    from dsec.images import access as access_mod
+
+    store = CountingStore(tmp_path / "s")
+    cache = ChunkCache(tmp_path / "c", store)
+    records = access_mod.AccessRecords(store, cache)
+    digests = []
+    for i in range(2):
+        data = f"chunk {i}".encode()
+        digests.append(sha256(data))
+        store.inner.put(chunk_key(digests[-1]), data)
+    shutil.rmtree(cache.root)
+    with caplog.at_level(logging.WARNING, logger="dsec.images.access"):
+        records._fetch(digests)
+    assert any("prefetch stopped" in r.getMessage() for r in caplog.records), caplog.records

@@ -107,7 +107,7 @@ class AccessRecords:
                 return
             try:
                 self.cache.ensure(digest)
-            except DSecError as exc:
+            except (DSecError, OSError) as exc:  # (the cache gone or unwritable: reads will say so, not this thread)
                 log.warning("prefetch stopped: %s", exc)
                 return
 

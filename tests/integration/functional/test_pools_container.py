@@ -46,6 +46,7 @@ async def engine(debian_python_image: ImageRef) -> AsyncIterator[Engine]:
             finally:
                 await eng.pools.aclose()
                 await eng.destroy_all()
+                await asyncio.to_thread(eng.images.aclose_sync)  # its prefetch threads, before the home goes
     finally:
         removed = await sweep(home, images_dir())
         shutil.rmtree(home, ignore_errors=True)
