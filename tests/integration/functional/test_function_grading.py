@@ -73,10 +73,12 @@ def served(debian_python_image: ImageRef) -> Iterator[ServedFunctionDaemon]:
 def test_two_hundred_candidates_at_concurrency_four(served: ServedFunctionDaemon, round_: int) -> None:
     graded = candidates(200, seed=round_)
     expected = {kind: want for kind, _, want in KINDS}
-    # 128 MiB: the memory hog meets its limit well inside its 3 s even when it shares the CPUs with other tests
+    # 128 MiB: the memory hog meets its limit well inside its 5 s even when it shares the CPUs with other tests
     with dsec.Client(url=served.url) as client, dsec.Sandbox.create(
             image="debian-python", backend="function", memory="128Mi", pids=64, client=client) as sb:
-        outcomes = sb.map(run_tests, [src for _, src in graded], concurrency=4, timeout=3.0, return_exceptions=True)
+        # 5 s: a first round on a fresh node reads image parts not cached yet, blocked (not waiting for a CPU,
+        # which is not counted): 3 s killed 2 of 120 correct candidates in a CI run. The slow ones pay ~3 s.
+        outcomes = sb.map(run_tests, [src for _, src in graded], concurrency=4, timeout=5.0, return_exceptions=True)
         # the sandbox serves on: nothing of the bad candidates is left in it
         assert sb.call(run_tests, SOURCES["correct"]) is True
     table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
