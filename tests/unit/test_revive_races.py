@@ -10,7 +10,7 @@ from dsec.backends.base import ImageRef
 from dsec.config import Settings
 from dsec.daemon.engine import Engine
 from dsec.daemon.state import StateStore
-from dsec.models import SandboxRecord, SandboxSpec
+from dsec.models import SandboxInfo, SandboxRecord, SandboxSpec
 from dsec.testing.fake import FakeBackend, FakeImages
 
 
@@ -79,15 +79,30 @@ def fake_of(engine: Engine) -> SlowRevive:
     return found
 
 
+async def on_a_dead_mount(engine: Engine, images: MountedImages) -> tuple[SandboxInfo, SandboxRecord]:
+    """A sandbox of ``engine`` whose image mount has just died (its revive is the test's to start)."""
+    info = await engine.create(SandboxSpec(image="base"))
+    record = engine.records.find(info.id)
+    assert record is not None
+    images.kill()
+    return info, record
+
+
+async def left_for_readoption(tmp_path: Path, images: MountedImages) -> SandboxInfo:
+    """A sandbox a closed engine left for the next one of ``tmp_path`` to re-adopt."""
+    first = make_engine(tmp_path, images)
+    await first.start()
+    kept = await first.create(SandboxSpec(image="base"))
+    await first.aclose()  # sandboxes stay for re-adoption
+    return kept
+
+
 async def test_a_destroy_during_a_revive_waits_for_it_and_leaks_nothing(tmp_path: Path) -> None:
     images = MountedImages()
     engine = make_engine(tmp_path, images)
     await engine.start()
     try:
-        info = await engine.create(SandboxSpec(image="base"))
-        record = engine.records.find(info.id)
-        assert record is not None
-        images.kill()
+        info, record = await on_a_dead_mount(engine, images)
         fake = fake_of(engine)
         reviving = asyncio.create_task(engine.revive(record))
         await asyncio.wait_for(fake.entered.wait(), 10)
@@ -114,10 +129,7 @@ async def test_a_revive_that_raises_is_not_revived_and_gives_its_fresh_pin_back(
     engine = make_engine(tmp_path, images)
     await engine.start()
     try:
-        info = await engine.create(SandboxSpec(image="base"))
-        record = engine.records.find(info.id)
-        assert record is not None
-        images.kill()
+        info, record = await on_a_dead_mount(engine, images)
         fake = fake_of(engine)
         fake.error = OSError(2, "No such file or directory")  # not a DSecError: lay_out or a zygote's start
         fake.go.set()
@@ -133,10 +145,7 @@ async def test_a_revive_that_raises_is_not_revived_and_gives_its_fresh_pin_back(
 
 async def test_a_recovery_that_raises_unexpectedly_does_not_stop_the_daemon_starting(tmp_path: Path) -> None:
     images = MountedImages()
-    first = make_engine(tmp_path, images)
-    await first.start()
-    kept = await first.create(SandboxSpec(image="base"))
-    await first.aclose()  # sandboxes stay for re-adoption
+    kept = await left_for_readoption(tmp_path, images)
     images.error = OSError(5, "Input/output error")  # the re-pin fails unexpectedly
     second = make_engine(tmp_path, images)
     await asyncio.wait_for(second.start(), 30)
@@ -150,10 +159,7 @@ async def test_a_recovery_that_raises_unexpectedly_does_not_stop_the_daemon_star
 
 async def test_moving_a_sandbox_off_a_dead_mount_that_raises_does_not_stop_the_start(tmp_path: Path) -> None:
     images = MountedImages()
-    first = make_engine(tmp_path, images)
-    await first.start()
-    kept = await first.create(SandboxSpec(image="base"))
-    await first.aclose()
+    kept = await left_for_readoption(tmp_path, images)
     second = make_engine(tmp_path, images)
     fake = fake_of(second)
 
