@@ -320,6 +320,16 @@ _UNCACHED_READ = ("find /usr/lib/python3.11 -name '*.py' | head -500 | xargs cat
                   "python3 -c 'import json, email.parser, http.client, asyncio; print(\"imported\")'")
 
 
+def _kill_daemon_then_lazy_server(daemon: DaemonProcess) -> None:
+    """SIGKILL the daemon, then its lazy image server: the server dies while no daemon runs."""
+    from dsec.images.lazyserver import alive
+
+    daemon.kill()
+    server = int((daemon.home / "lazy" / "lazyfs.pid").read_text())
+    os.kill(server, signal.SIGKILL)
+    assert wait_until(lambda: not alive(server), timeout=10)
+
+
 def _kept_state(path: str) -> str:
     with open(path) as f:
         return f.read()
@@ -330,7 +340,7 @@ async def test_lazy_server_killed_while_no_daemon_runs(daemon: DaemonProcess) ->
     the image afresh. A function sandbox's new zygote must sit on the live mount (it used to be started on the
     dead one: every read of an uncached part failed with EIO while health said ok); a container sandbox, whose
     root cannot move, is reported lost with the reason at once, not left to fail its calls."""
-    from dsec.images.lazyserver import alive, fs_types
+    from dsec.images.lazyserver import fs_types
 
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
@@ -340,10 +350,7 @@ async def test_lazy_server_killed_while_no_daemon_runs(daemon: DaemonProcess) ->
         await fn.files.write("/workspace/state", "kept")
         assert await fn.call(_kept_state, "/workspace/state") == "kept"
     old_root = daemon.records()[fn.id].backend_state["image_rootfs"]
-    daemon.kill()
-    server = int((daemon.home / "lazy" / "lazyfs.pid").read_text())
-    os.kill(server, signal.SIGKILL)
-    assert wait_until(lambda: not alive(server), timeout=10)
+    _kill_daemon_then_lazy_server(daemon)
 
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
@@ -387,7 +394,7 @@ async def test_lazy_server_killed_while_no_daemon_runs_more_sandboxes_than_recov
     the first re-pin found the dead mount and detached it, and every sandbox not yet recovered then failed its
     check that its image root is there, and was destroyed with its workspace. All must live on, each on the image
     mounted afresh, each with its workspace."""
-    from dsec.images.lazyserver import alive, fs_types
+    from dsec.images.lazyserver import fs_types
 
     daemon.env["DSEC_RECOVERY_PARALLELISM"] = "1"
     daemon.start()
@@ -397,10 +404,7 @@ async def test_lazy_server_killed_while_no_daemon_runs_more_sandboxes_than_recov
         for i, fn in enumerate(fns):
             await fn.files.write("/workspace/state", f"kept {i}")
     old_roots = {daemon.records()[fn.id].backend_state["image_rootfs"] for fn in fns}
-    daemon.kill()
-    server = int((daemon.home / "lazy" / "lazyfs.pid").read_text())
-    os.kill(server, signal.SIGKILL)
-    assert wait_until(lambda: not alive(server), timeout=10)
+    _kill_daemon_then_lazy_server(daemon)
 
     daemon.start()
     async with dsec.Client(url=daemon.url) as client:
